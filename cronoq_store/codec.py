@@ -1,0 +1,458 @@
+"""JSON encodings of the JSONB columns, and the NUL cleaning every stored string needs.
+
+The shapes written here are the storage format (docs/storage-format.md): rows outlive the
+build that wrote them and may be written by hand, so decoding is strict about the members
+it knows (a bad value raises :class:`DecodeError` naming the exact member), tolerant of
+members it does not (a newer build may have added them), and fills in the domain default
+for a member that is absent. Encoders write every member, so stored rows are explicit.
+
+Pure functions without SQLAlchemy, so they can be tested and reused without a database.
+Units in JSON: times are Unix nanoseconds (``*_unix_ns``), durations integer nanoseconds
+(``*_ns``); the domain's engine times are converted through a :class:`TimeBase`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from enum import Enum
+from typing import TypeVar
+
+from .domain import (
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Priority,
+    RecurringSpec,
+    RetryPolicy,
+    Schedule,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+)
+
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=Enum)
+
+_I64_MAX = (1 << 63) - 1
+_MICROSECOND = timedelta(microseconds=1)
+_SHOWN_CHARS = 60
+"""Longest rendering of a bad value in an error message, which may end up stored."""
+
+_DEFAULT_RETRY = RetryPolicy()
+_DEFAULT_SPEC = TaskSpec(b"")
+_DEFAULT_FIXED = FixedStart(0)
+
+
+class DecodeError(ValueError):
+    """A stored value that this build cannot decode; the message names the member."""
+
+
+def clean_text(s: str) -> str:
+    """``s`` with NUL replaced by U+FFFD: PostgreSQL rejects NUL in text and in jsonb."""
+    return s.replace("\0", "\ufffd") if "\0" in s else s
+
+
+def duration_to_ns(td: timedelta) -> int:
+    """Integer nanoseconds of a timedelta, for the ``*_ns`` BIGINT columns and members.
+
+    Exact for every duration below 2**63 ns (about 292 years); longer ones are stored as
+    2**63 - 1, which no real timeout or backoff reaches.
+    """
+    return min(td // _MICROSECOND * 1000, _I64_MAX)
+
+
+def ns_to_duration(ns: int) -> timedelta:
+    """The timedelta of a stored integer nanosecond count (truncated to microseconds)."""
+    return timedelta(microseconds=ns // 1000)
+
+
+def encode_miss_policy(policy: MissPolicy) -> str:
+    """The name stored in ``fixed_on_miss``."""
+    return policy.value
+
+
+def decode_miss_policy(name: str | None) -> MissPolicy:
+    """Decode ``fixed_on_miss``; NULL means the default, :attr:`MissPolicy.SKIP`."""
+    if name is None:
+        return MissPolicy.SKIP
+    return _as_enum(MissPolicy, name, "fixed_on_miss")
+
+
+def encode_retry(retry: RetryPolicy | None) -> str | None:
+    """JSON for the ``retry`` column; ``None`` (SQL NULL) when there is no policy."""
+    return None if retry is None else _dumps(_retry_to_json(retry))
+
+
+def decode_retry(text: str | None) -> RetryPolicy | None:
+    """Decode the ``retry`` column; SQL NULL and JSON ``null`` both mean no policy."""
+    if text is None:
+        return None
+    value = _loads(text, "retry")
+    return None if value is None else _retry_from_json(value, "retry")
+
+
+def encode_deps(deps: Iterable[Dependency]) -> str:
+    """JSON for the ``deps`` column: an array of ``{"id"|"key": ..., "on": ...}``."""
+    items = [_dep_to_json(d) for d in deps]
+    return _dumps(items) if items else "[]"
+
+
+def decode_deps(text: str) -> tuple[Dependency, ...]:
+    """Decode the ``deps`` column."""
+    if text == "[]":  # by far the most common value
+        return ()
+    return _deps_from_json(_loads(text, "deps"), "deps")
+
+
+def encode_resources(resources: Mapping[str, int]) -> str:
+    """JSON for the ``resources`` column: an object of name -> amount."""
+    return _dumps(_resources_to_json(resources)) if resources else "{}"
+
+
+def decode_resources(text: str) -> dict[str, int]:
+    """Decode the ``resources`` column."""
+    if text == "{}":
+        return {}
+    return _resources_from_json(_loads(text, "resources"), "resources")
+
+
+def encode_strings(values: Iterable[str]) -> str:
+    """JSON for the ``tags`` and ``labels`` columns: an array of strings."""
+    items = [clean_text(s) for s in values]
+    return _dumps(items) if items else "[]"
+
+
+def decode_strings(text: str, field: str) -> tuple[str, ...]:
+    """Decode the ``tags`` or ``labels`` column; ``field`` names it in errors."""
+    if text == "[]":
+        return ()
+    return _strings_from_json(_loads(text, field), field)
+
+
+def encode_recurring(base: TimeBase, spec: RecurringSpec) -> str:
+    """JSON for ``cronoq_recurring.spec``: the schedule and the template without its payload.
+
+    The name and the template's payload have columns of their own. Engine times in the
+    template are stored as Unix ns through ``base``.
+    """
+    return _dumps(
+        {
+            "schedule": _schedule_to_json(spec.schedule),
+            "template": _template_to_json(base, spec.template),
+        }
+    )
+
+
+def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> RecurringSpec:
+    """Rebuild a recurring spec from its ``name``, ``spec`` and ``template_payload`` columns.
+
+    Unix times in the template become engine times (ns) through ``base``.
+    """
+    obj = _as_object(_loads(text, "spec"), "spec")
+    schedule = _schedule_from_json(_required(obj, "schedule", "spec"), "spec.schedule")
+    template = _template_from_json(
+        base, _required(obj, "template", "spec"), payload, "spec.template"
+    )
+    try:
+        return RecurringSpec(name, schedule, template)
+    except ValueError as exc:  # the name, which is a column of its own
+        raise DecodeError(str(exc)) from exc
+
+
+# Encoding helpers. Every string is cleaned: a NUL would reach jsonb as "\u0000".
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _optional_ns(td: timedelta | None) -> int | None:
+    return None if td is None else duration_to_ns(td)
+
+
+def _retry_to_json(retry: RetryPolicy) -> dict[str, object]:
+    return {
+        "max_attempts": retry.max_attempts,
+        "backoff_ns": duration_to_ns(retry.backoff),
+        "max_backoff_ns": _optional_ns(retry.max_backoff),
+        "multiplier": retry.multiplier,
+    }
+
+
+def _dep_to_json(dep: Dependency) -> dict[str, object]:
+    target = dep.target
+    if isinstance(target, str):
+        return {"key": clean_text(target), "on": dep.condition.value}
+    return {"id": target, "on": dep.condition.value}
+
+
+def _resources_to_json(resources: Mapping[str, int]) -> dict[str, int]:
+    return {clean_text(name): amount for name, amount in resources.items()}
+
+
+def _schedule_to_json(schedule: Schedule) -> dict[str, object]:
+    if isinstance(schedule, CronSchedule):
+        return {
+            "type": "cron",
+            "expr": clean_text(schedule.expr),
+            "timezone": clean_text(schedule.timezone),
+        }
+    return {"type": "interval", "every_ns": duration_to_ns(schedule.every)}
+
+
+def _template_to_json(base: TimeBase, spec: TaskSpec) -> dict[str, object]:
+    fixed = spec.fixed_start
+    return {
+        "kind": clean_text(spec.kind),
+        "pool": clean_text(spec.pool),
+        "priority": int(spec.priority),
+        "key": None if spec.key is None else clean_text(spec.key),
+        "deadline_unix_ns": None if spec.deadline is None else base.to_unix(spec.deadline),
+        "fixed_start": None
+        if fixed is None
+        else {
+            "at_unix_ns": base.to_unix(fixed.at),
+            "tolerance_ns": duration_to_ns(fixed.tolerance),
+            "on_miss": encode_miss_policy(fixed.on_miss),
+        },
+        "duration_hint_ns": _optional_ns(spec.duration_hint),
+        "timeout_ns": _optional_ns(spec.timeout),
+        "retry": None if spec.retry is None else _retry_to_json(spec.retry),
+        "deps": [_dep_to_json(d) for d in spec.deps],
+        "resources": _resources_to_json(spec.resources),
+        "tags": [clean_text(s) for s in spec.tags],
+        "labels": [clean_text(s) for s in spec.labels],
+        "tenant": None if spec.tenant is None else clean_text(spec.tenant),
+    }
+
+
+# Decoding helpers. Each takes the value and its path (such as "deps[2].id") for messages.
+
+
+def _show(value: object) -> str:
+    shown = json.dumps(value, ensure_ascii=False)
+    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 1] + "…"
+
+
+def _mismatch(path: str, expected: str, value: object) -> DecodeError:
+    return DecodeError(f"{path}: expected {expected}, got {_show(value)}")
+
+
+def _rejected(path: str, exc: ValueError) -> DecodeError:
+    # Domain messages start with the field name, so the path is the enclosing object's.
+    return DecodeError(f"{path}.{exc}")
+
+
+def _loads(text: str, path: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # also numbers too long for int()
+        raise DecodeError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _as_object(value: object, path: str) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise _mismatch(path, "an object", value)
+    return value
+
+
+def _as_array(value: object, path: str) -> list[object]:
+    if not isinstance(value, list):
+        raise _mismatch(path, "an array", value)
+    return value
+
+
+def _as_int(value: object, path: str) -> int:
+    if type(value) is not int:  # JSON decoding makes exact ints; this also rejects bool
+        raise _mismatch(path, "an integer", value)
+    return value
+
+
+def _as_ns(value: object, path: str) -> timedelta:
+    if type(value) is not int or not 0 <= value <= _I64_MAX:
+        raise _mismatch(path, "a non-negative integer of nanoseconds below 2**63", value)
+    return ns_to_duration(value)
+
+
+def _as_task_id(value: object, path: str) -> TaskId:
+    if type(value) is not int or not 0 <= value <= _I64_MAX:
+        raise _mismatch(path, "a task id (an integer in 0..2**63-1)", value)
+    return TaskId(value)
+
+
+def _as_number(value: object, path: str) -> float:
+    if type(value) is not int and type(value) is not float:
+        raise _mismatch(path, "a number", value)
+    return value
+
+
+def _as_str(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise _mismatch(path, "a string", value)
+    return value
+
+
+def _as_nonempty_str(value: object, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _mismatch(path, "a non-empty string", value)
+    return value
+
+
+def _as_enum(enum: type[_E], value: object, path: str) -> _E:
+    if isinstance(value, str):
+        for member in enum:
+            if member.value == value:
+                return member
+    names = ", ".join(json.dumps(m.value) for m in enum)
+    raise _mismatch(path, f"one of {names}", value)
+
+
+def _required(obj: dict[str, object], name: str, path: str) -> object:
+    if name not in obj:
+        raise DecodeError(f"{path}.{name}: required member is missing")
+    return obj[name]
+
+
+def _member(
+    obj: dict[str, object],
+    name: str,
+    path: str,
+    decode: Callable[[object, str], _T],
+    default: _T,
+) -> _T:
+    """A member that may be absent (then ``default``) but not null."""
+    return decode(obj[name], f"{path}.{name}") if name in obj else default
+
+
+def _nullable(
+    obj: dict[str, object], name: str, path: str, decode: Callable[[object, str], _T]
+) -> _T | None:
+    """An optional value: absent and null both mean ``None``."""
+    value = obj.get(name)
+    return None if value is None else decode(value, f"{path}.{name}")
+
+
+def _retry_from_json(value: object, path: str) -> RetryPolicy:
+    obj = _as_object(value, path)
+    d = _DEFAULT_RETRY
+    try:
+        return RetryPolicy(
+            max_attempts=_member(obj, "max_attempts", path, _as_int, d.max_attempts),
+            backoff=_member(obj, "backoff_ns", path, _as_ns, d.backoff),
+            max_backoff=_nullable(obj, "max_backoff_ns", path, _as_ns),
+            multiplier=_member(obj, "multiplier", path, _as_number, d.multiplier),
+        )
+    except DecodeError:
+        raise
+    except ValueError as exc:
+        raise _rejected(path, exc) from exc
+
+
+def _dep_from_json(value: object, path: str) -> Dependency:
+    obj = _as_object(value, path)
+    has_id, has_key = "id" in obj, "key" in obj
+    if has_id == has_key:
+        which = "both" if has_id else "neither"
+        raise DecodeError(f'{path}: expected exactly one of "id" and "key", got {which}')
+    condition = _member(obj, "on", path, _condition_from_json, DependencyCondition.SUCCEEDED)
+    if has_id:
+        return Dependency(_as_task_id(obj["id"], f"{path}.id"), condition)
+    return Dependency(_as_nonempty_str(obj["key"], f"{path}.key"), condition)
+
+
+def _condition_from_json(value: object, path: str) -> DependencyCondition:
+    return _as_enum(DependencyCondition, value, path)
+
+
+def _deps_from_json(value: object, path: str) -> tuple[Dependency, ...]:
+    items = _as_array(value, path)
+    return tuple(_dep_from_json(item, f"{path}[{i}]") for i, item in enumerate(items))
+
+
+def _resources_from_json(value: object, path: str) -> dict[str, int]:
+    obj = _as_object(value, path)
+    result: dict[str, int] = {}
+    for name, amount in obj.items():
+        if not name:
+            raise DecodeError(f'{path}: expected non-empty resource names, got ""')
+        if type(amount) is not int or amount < 0:
+            raise _mismatch(f"{path}[{_show(name)}]", "a non-negative integer", amount)
+        result[name] = amount
+    return result
+
+
+def _strings_from_json(value: object, path: str) -> tuple[str, ...]:
+    items = _as_array(value, path)
+    return tuple(_as_str(item, f"{path}[{i}]") for i, item in enumerate(items))
+
+
+def _schedule_from_json(value: object, path: str) -> Schedule:
+    obj = _as_object(value, path)
+    kind = _required(obj, "type", path)
+    try:
+        if kind == "cron":
+            expr = _as_str(_required(obj, "expr", path), f"{path}.expr")
+            if "timezone" not in obj:
+                return CronSchedule(expr)
+            return CronSchedule(expr, _as_str(obj["timezone"], f"{path}.timezone"))
+        if kind == "interval":
+            return IntervalSchedule(_as_ns(_required(obj, "every_ns", path), f"{path}.every_ns"))
+    except DecodeError:
+        raise
+    except ValueError as exc:
+        raise _rejected(path, exc) from exc
+    raise _mismatch(f"{path}.type", 'one of "cron", "interval"', kind)
+
+
+def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedStart:
+    obj = _as_object(value, path)
+    at = _as_int(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
+    d = _DEFAULT_FIXED
+    return FixedStart(
+        at=base.from_unix(at),
+        tolerance=_member(obj, "tolerance_ns", path, _as_ns, d.tolerance),
+        on_miss=_member(obj, "on_miss", path, _miss_policy_from_json, d.on_miss),
+    )
+
+
+def _miss_policy_from_json(value: object, path: str) -> MissPolicy:
+    return _as_enum(MissPolicy, value, path)
+
+
+def _priority_from_json(value: object, path: str) -> Priority:
+    return Priority.from_stored(_as_int(value, path))
+
+
+def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str) -> TaskSpec:
+    obj = _as_object(value, path)
+    d = _DEFAULT_SPEC
+    deadline = _nullable(obj, "deadline_unix_ns", path, _as_int)
+    try:
+        return TaskSpec(
+            payload,
+            kind=_member(obj, "kind", path, _as_str, d.kind),
+            pool=_member(obj, "pool", path, _as_str, d.pool),
+            priority=_member(obj, "priority", path, _priority_from_json, d.priority),
+            key=_nullable(obj, "key", path, _as_str),
+            deadline=None if deadline is None else base.from_unix(deadline),
+            fixed_start=_nullable(
+                obj, "fixed_start", path, lambda v, p: _fixed_start_from_json(base, v, p)
+            ),
+            duration_hint=_nullable(obj, "duration_hint_ns", path, _as_ns),
+            timeout=_nullable(obj, "timeout_ns", path, _as_ns),
+            retry=_nullable(obj, "retry", path, _retry_from_json),
+            deps=_member(obj, "deps", path, _deps_from_json, ()),
+            resources=_member(obj, "resources", path, _resources_from_json, {}),
+            tags=_member(obj, "tags", path, _strings_from_json, ()),
+            labels=_member(obj, "labels", path, _strings_from_json, ()),
+            tenant=_nullable(obj, "tenant", path, _as_str),
+        )
+    except DecodeError:
+        raise
+    except ValueError as exc:
+        raise _rejected(path, exc) from exc

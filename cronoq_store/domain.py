@@ -1,0 +1,508 @@
+"""The scheduler's domain model: the values the store persists and hands back.
+
+Kept free of SQLAlchemy so that the scheduler, the codecs and the tests can share these
+types without a database. Values are validated once, when built: a bad value caught here
+fails the one caller that made it, where the same value reaching the database would fail a
+whole commit batch or leave a row that cannot be recovered.
+
+Units: engine times are ``int`` nanoseconds of the scheduler's monotonic clock; durations
+are ``datetime.timedelta``; only :class:`TimeBase` and the store see Unix nanoseconds.
+Every validation error is a ``ValueError`` whose message starts with the field's name.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import Enum, IntEnum
+from typing import NewType, TypeAlias
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+TaskId = NewType("TaskId", int)
+
+EPOCH_MIN = 1
+EPOCH_MAX = 32767
+ID_COUNTER_BITS = 48
+
+_COUNTER_MAX = (1 << ID_COUNTER_BITS) - 1
+_ID_MAX = (1 << 63) - 1
+_ZERO = timedelta(0)
+
+
+def _invalid(name: str, requirement: str, value: object) -> ValueError:
+    return ValueError(f"{name}: must be {requirement}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_id(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
+        raise _invalid(name, "a task id in 0..2**63-1", value)
+
+
+def _check_duration(name: str, value: object) -> None:
+    if not isinstance(value, timedelta) or value < _ZERO:
+        raise _invalid(name, "a non-negative timedelta", value)
+
+
+def task_id(epoch: int, n: int) -> TaskId:
+    """Id number ``n`` issued under fencing ``epoch``.
+
+    The epoch prefix keeps ids issued by successive leaders apart without coordination, and
+    the epoch range keeps every id within a signed BIGINT.
+    """
+    if not EPOCH_MIN <= epoch <= EPOCH_MAX:
+        raise _invalid("epoch", f"in {EPOCH_MIN}..{EPOCH_MAX}", epoch)
+    if not 0 <= n <= _COUNTER_MAX:
+        raise _invalid("n", f"in 0..2**{ID_COUNTER_BITS}-1", n)
+    return TaskId((epoch << ID_COUNTER_BITS) | n)
+
+
+def epoch_of(task_id: TaskId) -> int:
+    """The fencing epoch that issued ``task_id``."""
+    return task_id >> ID_COUNTER_BITS
+
+
+TaskRef: TypeAlias = TaskId | str
+"""A task named by its id or by its key."""
+
+
+class Priority(IntEnum):
+    """Scheduling priority; stored as a SMALLINT holding the value."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+    CRITICAL = 3
+
+    @classmethod
+    def from_stored(cls, value: int) -> Priority:
+        """Decode a stored value; unknown ones (a newer build's) fall back to NORMAL."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.NORMAL
+
+
+class TaskStatus(Enum):
+    """Outcome of a task's latest transition; the value is the name stored in ``status``."""
+
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the task is finished: no transition follows."""
+        return self is not TaskStatus.RUNNING and self is not TaskStatus.RETRYING
+
+    @classmethod
+    def from_stored(cls, name: str) -> TaskStatus | None:
+        """Decode a stored name; ``None`` for names that are not a status (such as ``queued``)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+
+QUEUED = "queued"
+"""Stored status of a live task that has not started an attempt; not a :class:`TaskStatus`."""
+
+LIVE_STATUS_NAMES = frozenset({QUEUED, TaskStatus.RUNNING.value, TaskStatus.RETRYING.value})
+"""Stored status names of tasks that are not finished."""
+
+
+class MissPolicy(Enum):
+    """What to do with a fixed-start task whose start window has passed."""
+
+    SKIP = "skip"
+    RUN = "run"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class FixedStart:
+    """Start a task at an exact moment rather than as soon as it is runnable.
+
+    ``at`` is engine time (ns); ``tolerance`` (timedelta) is how late a start still counts
+    as on time; ``on_miss`` applies when that window has passed.
+    """
+
+    at: int
+    tolerance: timedelta = timedelta(seconds=1)
+    on_miss: MissPolicy = MissPolicy.SKIP
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.at):
+            raise _invalid("at", "an engine time in integer nanoseconds", self.at)
+        _check_duration("tolerance", self.tolerance)
+        if not isinstance(self.on_miss, MissPolicy):
+            raise _invalid("on_miss", "a MissPolicy", self.on_miss)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often a failed task is tried again and how long to wait in between.
+
+    ``max_attempts`` counts the first try. The wait starts at ``backoff`` (timedelta) and is
+    multiplied by ``multiplier`` after each failure, up to ``max_backoff`` (timedelta) when set.
+    """
+
+    max_attempts: int = 3
+    backoff: timedelta = timedelta(seconds=1)
+    max_backoff: timedelta | None = None
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise _invalid("max_attempts", "an integer >= 1", self.max_attempts)
+        _check_duration("backoff", self.backoff)
+        if self.max_backoff is not None:
+            _check_duration("max_backoff", self.max_backoff)
+            if self.max_backoff < self.backoff:
+                raise _invalid(
+                    "max_backoff", f"at least backoff ({self.backoff!r})", self.max_backoff
+                )
+        m = self.multiplier
+        if not (_is_int(m) or isinstance(m, float)) or not math.isfinite(m) or m < 1:
+            raise _invalid("multiplier", "a finite number >= 1", m)
+        # A float always, so that equal policies compare and encode the same way.
+        object.__setattr__(self, "multiplier", float(m))
+
+
+class DependencyCondition(Enum):
+    """What a dependency waits for."""
+
+    SUCCEEDED = "succeeded"
+    """The target must succeed; any other outcome fails the dependent task."""
+    FINISHED = "finished"
+    """Any terminal status of the target will do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dependency:
+    """A task that must reach ``condition`` before the dependent task may start."""
+
+    target: TaskRef
+    condition: DependencyCondition = DependencyCondition.SUCCEEDED
+
+    def __post_init__(self) -> None:
+        t = self.target
+        if isinstance(t, str):
+            if not t:
+                raise _invalid("target", "a task id or a non-empty key", t)
+        else:
+            _check_id("target", t)
+        if not isinstance(self.condition, DependencyCondition):
+            raise _invalid("condition", "a DependencyCondition", self.condition)
+
+
+def _string_tuple(name: str, values: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(values, str):  # a str is an iterable of strings, never what was meant
+        raise _invalid(name, "a sequence of strings", values)
+    result = values if type(values) is tuple else tuple(values)
+    for i, s in enumerate(result):
+        if not isinstance(s, str):
+            raise _invalid(f"{name}[{i}]", "a string", s)
+    return result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskSpec:
+    """Everything needed to run a task, as submitted.
+
+    ``payload`` is positional, every other field keyword-only. Times: ``deadline`` is engine
+    time (ns). Durations: ``duration_hint`` (expected run time) and ``timeout`` (limit per
+    attempt) are timedeltas. ``deps``, ``tags`` and ``labels`` take any iterable and are kept
+    as tuples, ``resources`` as a private dict, so a spec cannot change after it was built;
+    ``resources`` is left out of the hash (a dict has none) but not out of equality.
+    """
+
+    payload: bytes = field(kw_only=False)
+    kind: str = ""
+    pool: str = "default"
+    priority: Priority = Priority.NORMAL
+    key: str | None = None
+    """Deduplication key: at most one live task holds a given key."""
+    deadline: int | None = None
+    fixed_start: FixedStart | None = None
+    duration_hint: timedelta | None = None
+    timeout: timedelta | None = None
+    retry: RetryPolicy | None = None
+    deps: Sequence[Dependency] = ()
+    resources: Mapping[str, int] = field(default_factory=dict, hash=False)
+    """Amount of each named resource one attempt holds while it runs."""
+    tags: Sequence[str] = ()
+    labels: Sequence[str] = ()
+    """Worker labels a worker must carry to run this task."""
+    tenant: str | None = None
+    """Owner, for fair sharing between tenants."""
+
+    def __post_init__(self) -> None:
+        setattr_ = object.__setattr__
+        payload = self.payload
+        if type(payload) is not bytes:
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                raise ValueError(f"payload: must be bytes, got {type(payload).__name__}")
+            setattr_(self, "payload", bytes(payload))
+        if not isinstance(self.kind, str):
+            raise _invalid("kind", "a string", self.kind)
+        if not isinstance(self.pool, str) or not self.pool:
+            raise _invalid("pool", "a non-empty string", self.pool)
+        if type(self.priority) is not Priority:
+            try:
+                setattr_(self, "priority", Priority(self.priority))
+            except ValueError:
+                raise _invalid("priority", "a Priority", self.priority) from None
+        if self.key is not None and (not isinstance(self.key, str) or not self.key):
+            raise _invalid("key", "None or a non-empty string", self.key)
+        if self.deadline is not None and not _is_int(self.deadline):
+            raise _invalid(
+                "deadline", "None or an engine time in integer nanoseconds", self.deadline
+            )
+        if self.fixed_start is not None and not isinstance(self.fixed_start, FixedStart):
+            raise _invalid("fixed_start", "None or a FixedStart", self.fixed_start)
+        if self.duration_hint is not None:
+            _check_duration("duration_hint", self.duration_hint)
+        if self.timeout is not None:
+            _check_duration("timeout", self.timeout)
+        if self.retry is not None and not isinstance(self.retry, RetryPolicy):
+            raise _invalid("retry", "None or a RetryPolicy", self.retry)
+        deps = self.deps
+        if type(deps) is not tuple:
+            deps = tuple(deps)
+            setattr_(self, "deps", deps)
+        for i, d in enumerate(deps):
+            if not isinstance(d, Dependency):
+                raise _invalid(f"deps[{i}]", "a Dependency", d)
+        resources = dict(self.resources)  # a private copy: the caller's may change
+        for name, amount in resources.items():
+            if not isinstance(name, str) or not name:
+                raise _invalid("resources", "keyed by non-empty strings", name)
+            if not _is_int(amount) or amount < 0:
+                raise _invalid(f"resources[{name!r}]", "a non-negative integer", amount)
+        setattr_(self, "resources", resources)
+        if self.tags != ():  # the common case needs no work
+            setattr_(self, "tags", _string_tuple("tags", self.tags))
+        if self.labels != ():
+            setattr_(self, "labels", _string_tuple("labels", self.labels))
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise _invalid("tenant", "None or a string", self.tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class CronSchedule:
+    """Fire at the times a cron expression names, read in ``timezone`` (an IANA name).
+
+    Five fields (minute to weekday) or six (with seconds first). Only the field count is
+    checked here; the scheduler parses the fields.
+    """
+
+    expr: str
+    timezone: str = "UTC"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.expr, str) or len(self.expr.split()) not in (5, 6):
+            raise _invalid("expr", "a cron expression of 5 or 6 fields", self.expr)
+        if not isinstance(self.timezone, str):
+            raise _invalid("timezone", "an IANA time zone name", self.timezone)
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise _invalid("timezone", "an IANA time zone name", self.timezone) from None
+
+
+@dataclass(frozen=True, slots=True)
+class IntervalSchedule:
+    """Fire every ``every`` (timedelta), counted from the previous occurrence."""
+
+    every: timedelta
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, timedelta) or self.every <= _ZERO:
+            raise _invalid("every", "a positive timedelta", self.every)
+
+
+Schedule: TypeAlias = CronSchedule | IntervalSchedule
+
+
+@dataclass(frozen=True, slots=True)
+class RecurringSpec:
+    """A named schedule that submits a copy of ``template`` at each occurrence."""
+
+    name: str
+    schedule: Schedule
+    template: TaskSpec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise _invalid("name", "a non-empty string", self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeBase:
+    """Pairs one engine time (ns) with the Unix time (ns) at that same moment.
+
+    Engine time is monotonic and means nothing outside one process, so the store persists
+    only Unix nanoseconds and converts at its boundary with the base of the running engine.
+    """
+
+    engine_ns: int
+    unix_ns: int
+
+    @classmethod
+    def now(cls) -> TimeBase:
+        """The base for this process: its monotonic clock against the wall clock."""
+        return cls(time.monotonic_ns(), time.time_ns())
+
+    def to_unix(self, engine_ns: int) -> int:
+        """Unix time (ns) of an engine time (ns)."""
+        return engine_ns - self.engine_ns + self.unix_ns
+
+    def from_unix(self, unix_ns: int) -> int:
+        """Engine time (ns) of a Unix time (ns); the exact inverse of :meth:`to_unix`."""
+        return unix_ns - self.unix_ns + self.engine_ns
+
+
+# Mutations: the state transitions the scheduler commits, in order, one batch at a time.
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A task was accepted. ``seq`` orders submissions; ``arrival`` is engine time (ns)."""
+
+    id: TaskId
+    seq: int
+    arrival: int
+    spec: TaskSpec
+
+    def __post_init__(self) -> None:
+        _check_id("id", self.id)
+        if not _is_int(self.seq) or self.seq < 0:
+            raise _invalid("seq", "a non-negative integer", self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusChanged:
+    """A task moved to ``status`` at engine time ``at`` (ns), in attempt ``attempt``.
+
+    ``message`` explains the transition (an error, a reason to skip); without one the
+    task keeps the message of its previous transition.
+    """
+
+    id: TaskId
+    status: TaskStatus
+    attempt: int
+    at: int
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_id("id", self.id)
+        if not isinstance(self.status, TaskStatus):
+            raise _invalid("status", "a TaskStatus", self.status)
+        if not _is_int(self.attempt) or self.attempt < 0:
+            raise _invalid("attempt", "a non-negative integer", self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class RecurringUpsert:
+    """A recurring schedule was created or replaced."""
+
+    spec: RecurringSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RecurringRemove:
+    """A recurring schedule was deleted."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecurringNext:
+    """A schedule advanced: its next occurrence (engine time, ns) and the task it last
+    submitted, which the next occurrence chains to."""
+
+    name: str
+    next: int | None
+    last: TaskId | None
+
+    def __post_init__(self) -> None:
+        if self.last is not None:
+            _check_id("last", self.last)
+
+
+Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
+
+
+# Recovery: what a new leader loads. The store builds these from rows it has already
+# decoded and checked, so they carry no validation of their own.
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredTask:
+    """A live task. ``arrival`` is engine time (ns); ``attempt`` is 0 until it first runs."""
+
+    id: TaskId
+    seq: int
+    arrival: int
+    spec: TaskSpec
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredTerminal:
+    """A finished task, kept for key deduplication and dependencies; ``at`` is engine time
+    (ns) of its last transition."""
+
+    id: TaskId
+    key: str | None
+    status: TaskStatus
+    at: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredRecurring:
+    """A schedule with its next occurrence (engine time, ns) and the task it last submitted."""
+
+    spec: RecurringSpec
+    next: int | None
+    last: TaskId | None
+
+
+@dataclass(slots=True)
+class Recovered:
+    """Everything a new leader needs to resume. ``next_id`` is one more than the largest task
+    id ever issued (0 when none was): no id below it may be issued again."""
+
+    next_id: int
+    tasks: list[RecoveredTask] = field(default_factory=list)
+    terminal: list[RecoveredTerminal] = field(default_factory=list)
+    recurring: list[RecoveredRecurring] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """A task as stored, for look-ups. ``status`` is ``None`` while the task is queued;
+    ``output`` is set only for tasks that succeeded; ``updated`` is a tz-aware UTC datetime."""
+
+    id: TaskId
+    key: str | None
+    pool: str
+    kind: str
+    priority: Priority
+    tenant: str | None
+    status: TaskStatus | None
+    attempt: int
+    message: str | None
+    output: bytes | None
+    updated: datetime
