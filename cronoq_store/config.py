@@ -1,0 +1,56 @@
+"""Settings of one store instance, validated when built so a typo fails at start-up."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .schema import validate_schema_name
+
+__all__ = ["PgStoreConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class PgStoreConfig:
+    """Store settings; durations are float seconds, as asyncio and asyncpg take them."""
+
+    #: PostgreSQL schema holding this cluster's tables (created if missing). Instances with
+    #: the same schema form one active-passive cluster; different schemas share nothing.
+    schema: str = "public"
+    #: How long finished tasks are loaded on recovery, for key deduplication. Finished tasks
+    #: that live tasks depend on are always loaded.
+    retention: float = 3600.0
+    #: Interval between attempts to take the leader lock.
+    lock_poll: float = 0.5
+    #: Interval of liveness checks on the leader lock session.
+    keepalive: float = 1.0
+    #: How long the lock session may stay unresponsive before this instance steps down;
+    #: also the idle time of that session's server-side TCP keepalive.
+    session_timeout: float = 10.0
+    #: Upper bound on one commit; a slower commit fails as ``UnavailableError``.
+    commit_timeout: float = 30.0
+    #: Size of the connection pool used for commits and queries (``connect`` only: an engine
+    #: given to ``from_engine`` keeps its own pool).
+    max_connections: int = 8
+    #: ``application_name`` of the store's sessions, as ``pg_stat_activity`` shows them.
+    application_name: str = "cronoq-store"
+
+    def __post_init__(self) -> None:
+        validate_schema_name(self.schema)
+        for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.keepalive >= self.session_timeout:
+            raise ValueError(
+                f"keepalive ({self.keepalive}s) must be shorter than session_timeout "
+                f"({self.session_timeout}s), or a slow check could never be told from a dead one"
+            )
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int):
+            raise ValueError(f"max_connections must be an int, got {self.max_connections!r}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        if not self.application_name or "\x00" in self.application_name:
+            raise ValueError("application_name must be a non-empty string without NUL")

@@ -1,0 +1,125 @@
+"""The store's errors and the one place where driver failures are translated into them.
+
+The scheduler retries :class:`UnavailableError` and treats everything else as a bug or a
+misconfiguration, so the classification below decides whether work is retried or abandoned.
+It follows SQLSTATE, not exception classes: the asyncpg dialect delivers serialization
+failures, deadlocks and shutdowns alike as a plain ``DBAPIError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from sqlalchemy import exc as sa_exc
+
+__all__ = [
+    "FencedError",
+    "MigrationError",
+    "StoreError",
+    "UnavailableError",
+    "translate_error",
+]
+
+# 08: connection exception; 53: insufficient resources; 57P: operator intervention
+# (admin shutdown, crash shutdown, cannot connect now...).
+_TRANSIENT_CLASSES = ("08", "53", "57P")
+# 40001 serialization failure, 40P01 deadlock, 55P03 lock not available,
+# 57014 query cancelled (statement timeout).
+_TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
+# 25006: read-only transaction. A primary that was demoted to a standby answers this (and
+# "cannot execute ... during recovery"): the connection is in the wrong place.
+_READ_ONLY = "25006"
+
+
+class StoreError(Exception):
+    """Base of every error the store raises; the driver's exception is chained as cause."""
+
+    #: Whether retrying the same call later can succeed.
+    is_transient: bool = False
+
+
+class UnavailableError(StoreError):
+    """The database could not be reached or did not answer in time; retry later.
+
+    Commits are idempotent, so retrying one that did land changes nothing.
+    """
+
+    is_transient = True
+
+    def __init__(self, message: str, *, reconnect: bool = False) -> None:
+        super().__init__(message)
+        #: The pool's connections point at a server that can no longer take writes (a demoted
+        #: primary); they should be dropped so new ones find the current primary.
+        self.reconnect = reconnect
+
+
+class FencedError(StoreError):
+    """Another instance took leadership: this instance must never write again."""
+
+
+class MigrationError(StoreError):
+    """The schema cannot be migrated safely (newer than this build, foreign-owned, ...)."""
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what it wraps (``orig``), and their causes, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for nxt in (getattr(current, "orig", None), current.__cause__, current.__context__):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+
+
+def _sqlstates(exc: BaseException) -> list[str]:
+    states = []
+    for e in _chain(exc):
+        code = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+        if isinstance(code, str):
+            states.append(code)
+    return states
+
+
+def _describe(exc: BaseException) -> str:
+    """A one-line description without SQL text or bound parameters (which can be huge)."""
+    if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
+        inner: BaseException = exc.orig
+        # The dialect's adapter exception wraps the asyncpg one as its cause.
+        if inner.__cause__ is not None and str(inner.__cause__):
+            inner = inner.__cause__
+        text = str(inner) or type(inner).__name__
+        return f"{type(inner).__name__}: {text}".splitlines()[0]
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def translate_error(exc: BaseException, action: str) -> StoreError:
+    """Map any failure of ``action`` to a :class:`StoreError`; the caller raises it ``from exc``.
+
+    Transient (``UnavailableError``): lost or refused connections, pool exhaustion, timeouts,
+    SQLSTATE classes 08, 53, 57P and codes 40001, 40P01, 55P03, 57014, and a read-only
+    server (25006). Everything else is a ``StoreError``. Store errors pass through unchanged.
+    """
+    if isinstance(exc, StoreError):
+        return exc
+    message = f"{action} failed: {_describe(exc)}"
+    states = _sqlstates(exc)
+    if _READ_ONLY in states or "during recovery" in message:
+        return UnavailableError(message, reconnect=True)
+    if any(s.startswith(_TRANSIENT_CLASSES) or s in _TRANSIENT_CODES for s in states):
+        return UnavailableError(message)
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return UnavailableError(message)
+    if isinstance(exc, (sa_exc.TimeoutError, TimeoutError, asyncio.TimeoutError, OSError)):
+        return UnavailableError(message)
+    if isinstance(exc, sa_exc.InterfaceError) or any(
+        "connection is closed" in str(e) or "connection was closed" in str(e) for e in _chain(exc)
+    ):
+        return UnavailableError(message)
+    return StoreError(message)

@@ -1,0 +1,159 @@
+"""The cluster's tables as one SQLAlchemy ``MetaData``, without a schema name.
+
+Every scheduler cluster lives in its own PostgreSQL schema. The tables here carry no schema,
+so one compiled statement serves every cluster: the schema is applied at execution time with
+``schema_translate_map`` (see :func:`schema_options`), never pasted into SQL text.
+
+Index design is a throughput lever: every status transition rewrites every index of
+``cronoq_tasks`` (``updated_unix_ns`` is indexed, so no update is HOT). Each index below
+serves a query the store runs; none is speculative.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+__all__ = [
+    "LEADER_ROW_ID",
+    "VERSION_TABLE",
+    "leader",
+    "metadata",
+    "recurring",
+    "schema_options",
+    "tasks",
+    "validate_schema_name",
+]
+
+#: Alembic's version table, per schema, named so it never collides with an application's own.
+VERSION_TABLE = "cronoq_alembic_version"
+#: ``cronoq_leader`` holds exactly one row, with this id.
+LEADER_ROW_ID = 1
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+leader = Table(
+    "cronoq_leader",
+    metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    # Fencing epoch: bumped by every new leader, checked by every commit.
+    Column("epoch", Integer, nullable=False, server_default=text("0")),
+    # High-water mark of issued task ids, so pruning can never cause id reuse.
+    Column("max_id", BigInteger, nullable=False, server_default=text("0")),
+    CheckConstraint("id = 1", name="single_row"),
+)
+
+tasks = Table(
+    "cronoq_tasks",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("arrival_unix_ns", BigInteger, nullable=False),
+    Column("pool", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("priority", SmallInteger, nullable=False),
+    Column("key", Text),
+    Column("payload", LargeBinary, nullable=False),
+    Column("deadline_unix_ns", BigInteger),
+    Column("fixed_at_unix_ns", BigInteger),
+    Column("fixed_tolerance_ns", BigInteger),
+    Column("fixed_on_miss", Text),
+    Column("duration_hint_ns", BigInteger),
+    Column("timeout_ns", BigInteger),
+    Column("retry", JSONB),
+    Column("deps", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("resources", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("tags", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    # 'queued' for a live task with no attempt yet, else a TaskStatus value.
+    Column("status", Text, nullable=False),
+    Column("terminal", Boolean, nullable=False),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("updated_unix_ns", BigInteger, nullable=False),
+    Column("message", Text),
+    Column("output", LargeBinary),
+    Column("labels", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("tenant", Text),
+    # Recovery reads live tasks in id order.
+    Index("ix_cronoq_tasks_live", "id", postgresql_where=text("NOT terminal")),
+    # A key names at most one live task; finished tasks release it.
+    Index(
+        "uq_cronoq_tasks_live_key",
+        "key",
+        unique=True,
+        postgresql_where=text("NOT terminal AND key IS NOT NULL"),
+    ),
+    # Recovery's retention window and prune's oldest-first victims.
+    Index(
+        "ix_cronoq_tasks_finished_updated",
+        "updated_unix_ns",
+        "id",
+        postgresql_where=text("terminal"),
+    ),
+    # The newest task with a key (get_task), and finished tasks depended on by key.
+    Index("ix_cronoq_tasks_key_id", "key", "id", postgresql_where=text("key IS NOT NULL")),
+    # Prune's scan of live tasks that have dependencies.
+    Index(
+        "ix_cronoq_tasks_live_deps",
+        "id",
+        postgresql_where=text("NOT terminal AND deps <> '[]'::jsonb"),
+    ),
+)
+
+recurring = Table(
+    "cronoq_recurring",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("spec", JSONB, nullable=False),
+    Column("template_payload", LargeBinary, nullable=False),
+    Column("next_unix_ns", BigInteger),
+    # The occurrence a queued recurring schedule chains to.
+    Column("last_task_id", BigInteger),
+)
+
+
+def validate_schema_name(schema: str) -> str:
+    """Return ``schema`` if it is a plain PostgreSQL identifier, else raise ``ValueError``.
+
+    Only ASCII letters, digits and ``_``, not starting with a digit, at most 63 characters
+    (PostgreSQL truncates longer names silently, which would merge two clusters). Checked
+    before the name reaches any statement, so quoting is never the only defence.
+    """
+    if not isinstance(schema, str):
+        raise ValueError(f"schema name must be a string, got {type(schema).__name__}")
+    if _SCHEMA_NAME.fullmatch(schema) is None:
+        raise ValueError(
+            f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
+            "not starting with a digit"
+        )
+    return schema
+
+
+def schema_options(schema: str) -> dict[str, Any]:
+    """Execution options that point the schema-less tables at the cluster's ``schema``."""
+    return {"schema_translate_map": {None: validate_schema_name(schema)}}
