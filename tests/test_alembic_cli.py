@@ -1,0 +1,172 @@
+"""What ops run: ``alembic`` from the checkout, and the migrations shipped inside the wheel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store.migrations import head_revision
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def alembic(
+    *args: str, url: URL | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """Run Alembic's command line from the checkout (it exits non-zero on ``FAILED:``)."""
+    env = {k: v for k, v in os.environ.items() if k != "CRONOQ_DATABASE_URL"}
+    if url is not None:
+        env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_upgrade_check_downgrade(pg_url: URL, schema: str) -> None:
+    up = alembic("-x", f"schema={schema}", "upgrade", "head", url=pg_url)
+    assert up.returncode == 0, up.stderr
+    current = alembic("-x", f"schema={schema}", "current", url=pg_url)
+    assert f"{head_revision()} (head)" in current.stdout
+    check = alembic("-x", f"schema={schema}", "check", url=pg_url)
+    assert check.returncode == 0, check.stderr
+    assert "No new upgrade operations detected" in check.stdout
+    down = alembic("-x", f"schema={schema}", "downgrade", "base", url=pg_url)
+    assert down.returncode == 0, down.stderr
+    assert "Running downgrade 0001_base" in down.stderr
+
+
+def test_cli_takes_url_from_x_argument(pg_url: URL, schema: str) -> None:
+    url = pg_url.render_as_string(hide_password=False)
+    up = alembic("-x", f"schema={schema}", "-x", f"url={url}", "upgrade", "head")
+    assert up.returncode == 0, up.stderr
+    assert f"Running upgrade 0005_task_tenant -> {head_revision()}" in up.stderr
+
+
+def test_offline_sql_is_a_reviewable_script() -> None:
+    result = alembic("-x", "schema=ops_review", "upgrade", "head", "--sql")
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert script.index("BEGIN;") < script.index("pg_advisory_xact_lock(1668444013")
+    assert "CREATE SCHEMA IF NOT EXISTS ops_review;" in script
+    assert 'SET LOCAL search_path TO "ops_review";' in script
+    assert "CREATE TABLE cronoq_tasks" in script
+    assert "CREATE TABLE ops_review.cronoq_alembic_version" in script
+    assert script.rstrip().endswith("COMMIT;")
+
+
+def test_cli_errors_are_one_clear_line_without_password(pg_url: URL) -> None:
+    wrong = pg_url.set(password="not-the-password-" + (pg_url.password or "x"))
+    result = alembic("-x", "schema=abc", "upgrade", "head", url=wrong)
+    assert result.returncode != 0
+    assert "password authentication failed" in result.stderr
+    assert (wrong.password or "") not in result.stderr + result.stdout
+    assert (pg_url.password or "") not in result.stderr + result.stdout
+
+    bad = alembic("-x", 'schema=x"; drop', "upgrade", "head", url=pg_url)
+    assert bad.returncode != 0
+    assert "FAILED: invalid schema name" in bad.stdout
+    assert "Traceback" not in bad.stderr
+
+    missing = alembic("-x", "schema=abc", "upgrade", "head")
+    assert missing.returncode != 0
+    assert "FAILED: no database URL" in missing.stdout
+
+
+def test_cli_refuses_newer_database(pg_url: URL, schema: str) -> None:
+    assert alembic("-x", f"schema={schema}", "upgrade", "head", url=pg_url).returncode == 0
+    stamp = alembic("-x", f"schema={schema}", "stamp", "--purge", "head", url=pg_url)
+    assert stamp.returncode == 0, stamp.stderr
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio, sys, asyncpg\n"
+            "async def m():\n"
+            "    c = await asyncpg.connect(sys.argv[1])\n"
+            f'    await c.execute(\'UPDATE "{schema}".cronoq_alembic_version '
+            "SET version_num = $$0099_future$$')\n"
+            "    await c.close()\n"
+            "asyncio.run(m())\n",
+            pg_url.render_as_string(hide_password=False),
+        ],
+        check=True,
+        timeout=60,
+    )
+    result = alembic("-x", f"schema={schema}", "upgrade", "head", url=pg_url)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "FAILED: schema" in result.stdout
+    assert "0099_future" in result.stdout
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) -> None:
+    """Build the wheel, install it in a fresh venv, and migrate from there (no checkout)."""
+    dist = tmp_path / "dist"
+    build = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist)]
+    built = subprocess.run(
+        [*build, str(ROOT)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    wheel = next(dist.glob("cronoq_store-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    # The dependencies come from the test environment's site-packages (not its editable
+    # install of this project, which a .pth file provides and PYTHONPATH does not read).
+    deps = sysconfig.get_paths()["purelib"]
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+    code = (
+        "import asyncio, sys, cronoq_store\n"
+        "from sqlalchemy.ext.asyncio import create_async_engine\n"
+        "from cronoq_store.migrations import upgrade, script_location\n"
+        "print(cronoq_store.__file__)\n"
+        "print(script_location())\n"
+        "async def main():\n"
+        "    engine = create_async_engine(sys.argv[1])\n"
+        "    await upgrade(engine, sys.argv[2])\n"
+        "    await engine.dispose()\n"
+        "asyncio.run(main())\n"
+    )
+    result = subprocess.run(
+        [
+            str(python),
+            "-c",
+            code,
+            pg_url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False),
+            schema,
+        ],
+        cwd=run_dir,
+        env={**os.environ, "PYTHONPATH": deps},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    module_file, location = result.stdout.split()
+    assert module_file.startswith(str(env_dir)), module_file
+    assert location == str(Path(module_file).parent / "_alembic")
+    assert (Path(location) / "versions" / f"{head_revision()}.py").is_file()
+    check = alembic("-x", f"schema={schema}", "current", url=pg_url)
+    assert f"{head_revision()} (head)" in check.stdout
