@@ -9,6 +9,7 @@ failures, deadlocks and shutdowns alike as a plain ``DBAPIError``.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 from sqlalchemy import exc as sa_exc
@@ -63,7 +64,11 @@ class MigrationError(StoreError):
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """The exception, what it wraps (``orig``), and their causes, each once."""
+    """The exception, what it wraps (``orig``) and their causes, each once.
+
+    ``__context__`` is not followed: an error raised while handling a transient one (a bug
+    in a cleanup path, say) must not inherit its transience.
+    """
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -72,7 +77,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        for nxt in (getattr(current, "orig", None), current.__cause__, current.__context__):
+        for nxt in (getattr(current, "orig", None), current.__cause__):
             if isinstance(nxt, BaseException):
                 todo.append(nxt)
 
@@ -86,17 +91,37 @@ def _sqlstates(exc: BaseException) -> list[str]:
     return states
 
 
+# asyncpg's own encoding errors quote the offending value: "invalid input for query argument
+# $1: 'the value' (reason)". The value is a parameter and must not reach a message.
+_BAD_ARGUMENT = re.compile(
+    r"(invalid input for query argument \$\d+(?: in element #\d+ of \w+\(\) sequence)?): "
+)
+# SQLAlchemy's pointer to its error documentation: noise in a log line.
+_BACKGROUND = re.compile(r"\s*\(Background on this error at: [^)]*\)")
+# The driver saying that the connection is gone (no SQLSTATE: the server never said a word).
+_CLOSED = ("connection is closed", "connection was closed")
+
+
 def _describe(exc: BaseException) -> str:
     """A one-line description without SQL text or bound parameters (which can be huge)."""
-    if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
-        inner: BaseException = exc.orig
+    inner = exc
+    if isinstance(exc, sa_exc.StatementError) and exc.orig is not None:
+        inner = exc.orig
         # The dialect's adapter exception wraps the asyncpg one as its cause.
         if inner.__cause__ is not None and str(inner.__cause__):
             inner = inner.__cause__
-        text = str(inner) or type(inner).__name__
-        return f"{type(inner).__name__}: {text}".splitlines()[0]
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    text = str(inner).strip()
+    bad_argument = _BAD_ARGUMENT.match(text)
+    if bad_argument is not None:
+        value = text[bad_argument.end() : text.rfind(" (")].strip("'\"")
+        reason = inner.__cause__
+        text = bad_argument.group(1)
+        if reason is not None:
+            # The encoder's reason, unless it quotes the value too.
+            said = "" if value in str(reason) else f": {reason}"
+            text += f" ({type(reason).__name__}{said})"
+    text = _BACKGROUND.sub("", text.splitlines()[0] if text else "")
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def translate_error(exc: BaseException, action: str) -> StoreError:
@@ -104,22 +129,25 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
 
     Transient (``UnavailableError``): lost or refused connections, pool exhaustion, timeouts,
     SQLSTATE classes 08, 53, 57P and codes 40001, 40P01, 55P03, 57014, and a read-only
-    server (25006). Everything else is a ``StoreError``. Store errors pass through unchanged.
+    server (25006, with ``reconnect``). Everything else is a ``StoreError``, including driver
+    misuse that merely looks like a connection problem (asyncpg's ``InterfaceError`` for a
+    wrong argument count or a busy connection). Store errors pass through unchanged.
+
+    Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
     """
     if isinstance(exc, StoreError):
         return exc
-    message = f"{action} failed: {_describe(exc)}"
+    description = _describe(exc)
+    message = f"{action} failed: {description}"
     states = _sqlstates(exc)
-    if _READ_ONLY in states or "during recovery" in message:
+    if _READ_ONLY in states or "during recovery" in description:
         return UnavailableError(message, reconnect=True)
     if any(s.startswith(_TRANSIENT_CLASSES) or s in _TRANSIENT_CODES for s in states):
         return UnavailableError(message)
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return UnavailableError(message)
-    if isinstance(exc, (sa_exc.TimeoutError, TimeoutError, asyncio.TimeoutError, OSError)):
+    if isinstance(exc, (sa_exc.TimeoutError, asyncio.TimeoutError, OSError)):
         return UnavailableError(message)
-    if isinstance(exc, sa_exc.InterfaceError) or any(
-        "connection is closed" in str(e) or "connection was closed" in str(e) for e in _chain(exc)
-    ):
+    if any(closed in str(e) for e in _chain(exc) for closed in _CLOSED):
         return UnavailableError(message)
     return StoreError(message)

@@ -1,0 +1,403 @@
+"""Every failure class, produced for real through the asyncpg dialect, and how it is mapped.
+
+Each scenario asserts the shape it really produced (SQLSTATE or exception type) before the
+mapping, so a scenario that silently stopped producing its error fails instead of passing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import BigInteger, bindparam, select, text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from cronoq_store.errors import (
+    FencedError,
+    StoreError,
+    UnavailableError,
+    translate_error,
+)
+from cronoq_store.urls import async_url
+
+from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, terminate_backend
+
+#: Put into every statement and parameter below: none of it may reach a message.
+SECRET_SQL = "/* sql-text-marker */"
+SECRET_PARAM = "param-value-marker"
+
+
+@pytest.fixture
+def password(pg_url: URL) -> str:
+    assert pg_url.password, "the suite's server uses password authentication over TCP"
+    return str(pg_url.password)
+
+
+@pytest.fixture
+async def table(engine: AsyncEngine, schema: str) -> str:
+    """A two-row table ``"<schema>".t(id, v)``, for transactions to fight over."""
+    async with engine.begin() as conn:
+        await conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        await conn.execute(text(f'CREATE TABLE "{schema}".t (id int PRIMARY KEY, v text)'))
+        await conn.execute(text(f"INSERT INTO \"{schema}\".t VALUES (1, 'a'), (2, 'b')"))
+    return f'"{schema}".t'
+
+
+@pytest.fixture
+def stoppable(pg_server: ServerUnderTest) -> Iterator[ServerUnderTest]:
+    """The server, for tests that stop it; it is running again afterwards, whatever happens."""
+    if not isinstance(pg_server, EmbeddedServer):
+        pytest.skip("needs a server the suite can stop and start on the same port")
+    try:
+        yield pg_server
+    finally:
+        if not pg_server.server.running:
+            pg_server.start()
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    return getattr(getattr(exc, "orig", None), "sqlstate", None)
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    current: BaseException | None = exc
+    while current is not None:
+        yield current
+        current = getattr(current, "orig", None) or current.__cause__
+
+
+async def reraise(exc: BaseException) -> None:
+    raise exc
+
+
+async def failure(action: Awaitable[Any]) -> tuple[StoreError, BaseException]:
+    """Run ``action``; return its failure translated, as the store raises it, and the original."""
+    try:
+        await action
+    except Exception as exc:
+        try:
+            raise translate_error(exc, "testing") from exc
+        except StoreError as error:
+            return error, exc
+    pytest.fail("the scenario produced no error")
+
+
+def assert_clean(error: StoreError, original: BaseException, password: str) -> None:
+    assert error.__cause__ is original
+    for secret in (password, SECRET_SQL, SECRET_PARAM):
+        assert secret not in str(error)
+        assert secret not in repr(error)
+    assert str(error).startswith("testing failed: ")
+    assert "\n" not in str(error)
+
+
+def assert_unavailable(
+    error: StoreError, original: BaseException, password: str, *, reconnect: bool = False
+) -> None:
+    assert isinstance(error, UnavailableError), f"not transient: {error}"
+    assert error.is_transient
+    assert error.reconnect is reconnect
+    assert_clean(error, original, password)
+
+
+def assert_permanent(error: StoreError, original: BaseException, password: str) -> None:
+    assert type(error) is StoreError, f"transient: {error}"
+    assert not error.is_transient
+    assert_clean(error, original, password)
+
+
+async def query(conn: AsyncConnection, sql: str, **params: Any) -> Any:
+    result = await conn.execute(text(f"{SECRET_SQL} {sql}"), params)
+    return result.all() if result.returns_rows else None
+
+
+async def backend_pid(conn: AsyncConnection) -> int:
+    return int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+
+async def after(seconds: float, action: Callable[[], Awaitable[Any]]) -> Any:
+    await asyncio.sleep(seconds)
+    return await action()
+
+
+# --- connection loss ------------------------------------------------------------------------
+
+
+async def test_server_stop_during_a_query(
+    engine: AsyncEngine, stoppable: ServerUnderTest, password: str
+) -> None:
+    async with engine.connect() as conn:
+        await query(conn, "SELECT 1")  # connected before the stop
+        stop = asyncio.ensure_future(after(0.3, lambda: asyncio.to_thread(stoppable.stop)))
+        error, original = await failure(query(conn, "SELECT pg_sleep(10)"))
+        await stop
+        assert sqlstate(original) == "08003"  # 57P01 admin shutdown as its cause
+        assert "57P01" in {getattr(e, "sqlstate", None) for e in causes(original)}
+        assert_unavailable(error, original, password)
+        await conn.rollback()
+
+
+async def test_server_down_and_back_with_idle_pooled_connection(
+    pg_url: URL, stoppable: ServerUnderTest, password: str
+) -> None:
+    engine = create_async_engine(async_url(pg_url))  # no pre-ping: the dead one is handed out
+    try:
+        async with engine.connect() as conn:
+            await query(conn, "SELECT 1")
+        assert engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+        await asyncio.to_thread(stoppable.stop, "immediate")
+
+        async def use() -> None:
+            async with engine.connect() as conn:
+                await query(conn, "SELECT :p", p=SECRET_PARAM)
+
+        # The pooled connection is dead: "connection is closed" with no SQLSTATE.
+        error, original = await failure(use())
+        assert isinstance(original, DBAPIError)
+        assert original.connection_invalidated
+        assert_unavailable(error, original, password)
+
+        # While the server is down, new connections are refused: a raw OSError.
+        error, original = await failure(use())
+        assert isinstance(original, OSError)
+        assert_unavailable(error, original, password)
+
+        await asyncio.to_thread(stoppable.start)
+        await use()  # and the pool recovers by itself
+    finally:
+        await engine.dispose()
+
+
+async def test_backend_terminated_during_a_query_and_while_idle(
+    engine: AsyncEngine, pg_url: URL, password: str
+) -> None:
+    async with engine.connect() as conn:
+        pid = await backend_pid(conn)
+        kill = asyncio.ensure_future(after(0.2, lambda: terminate_backend(pg_url, pid)))
+        error, original = await failure(query(conn, "SELECT pg_sleep(10)"))
+        assert await kill
+        assert sqlstate(original) == "08003"
+        assert_unavailable(error, original, password)
+        await conn.rollback()
+
+    async with engine.connect() as conn:
+        pid = await backend_pid(conn)
+        await conn.commit()
+        assert await terminate_backend(pg_url, pid)
+        await asyncio.sleep(0.2)
+        error, original = await failure(query(conn, "SELECT 1"))
+        assert sqlstate(original) is None
+        assert "closed" in str(original.__cause__)
+        assert_unavailable(error, original, password)
+        await conn.rollback()
+
+
+async def test_refused_connection(pg_url: URL, password: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    engine = create_async_engine(async_url(pg_url.set(port=closed_port)))
+    try:
+        error, original = await failure(engine.connect().start())
+        assert isinstance(original, ConnectionRefusedError)
+        assert_unavailable(error, original, password)
+    finally:
+        await engine.dispose()
+
+
+async def test_wrong_password_is_permanent_and_not_shown(pg_url: URL, password: str) -> None:
+    wrong = f"{password}-wrong"
+    engine = create_async_engine(async_url(pg_url.set(password=wrong)))
+    try:
+        error, original = await failure(engine.connect().start())
+        assert sqlstate(original) == "28P01"
+        assert_permanent(error, original, password)
+        assert wrong not in str(error)
+    finally:
+        await engine.dispose()
+
+
+# --- contention -----------------------------------------------------------------------------
+
+
+async def test_serialization_failure(engine: AsyncEngine, table: str, password: str) -> None:
+    async with engine.connect() as first, engine.connect() as second:
+        await first.execution_options(isolation_level="REPEATABLE READ")
+        await query(first, f"SELECT v FROM {table} WHERE id = 1")  # snapshot taken
+        await query(second, f"UPDATE {table} SET v = 'second' WHERE id = 1")
+        await second.commit()
+        error, original = await failure(
+            query(first, f"UPDATE {table} SET v = :p WHERE id = 1", p=SECRET_PARAM)
+        )
+        assert sqlstate(original) == "40001"
+        assert_unavailable(error, original, password)
+        await first.rollback()
+
+
+async def test_deadlock(engine: AsyncEngine, table: str, password: str) -> None:
+    async with engine.connect() as first, engine.connect() as second:
+        for conn in (first, second):
+            await query(conn, "SET deadlock_timeout = '50ms'")
+        await query(first, f"UPDATE {table} SET v = 'x' WHERE id = 1")
+        await query(second, f"UPDATE {table} SET v = 'x' WHERE id = 2")
+        results = await asyncio.gather(
+            query(first, f"UPDATE {table} SET v = 'y' WHERE id = 2"),
+            after(0.1, lambda: query(second, f"UPDATE {table} SET v = 'y' WHERE id = 1")),
+            return_exceptions=True,
+        )
+        victims = [r for r in results if isinstance(r, BaseException)]
+        assert len(victims) == 1
+        error, original = await failure(reraise(victims[0]))
+        assert sqlstate(original) == "40P01"
+        assert_unavailable(error, original, password)
+        await first.rollback()
+        await second.rollback()
+
+
+async def test_lock_timeout(engine: AsyncEngine, table: str, password: str) -> None:
+    async with engine.connect() as holder, engine.connect() as waiter:
+        await query(holder, f"SELECT * FROM {table} WHERE id = 1 FOR UPDATE")
+        await query(waiter, "SET lock_timeout = '100ms'")
+        error, original = await failure(
+            query(waiter, f"SELECT * FROM {table} WHERE id = 1 FOR UPDATE")
+        )
+        assert sqlstate(original) == "55P03"
+        assert_unavailable(error, original, password)
+        await waiter.rollback()
+        await holder.rollback()
+
+
+async def test_statement_timeout(engine: AsyncEngine, password: str) -> None:
+    async with engine.connect() as conn:
+        await query(conn, "SET statement_timeout = '100ms'")
+        error, original = await failure(query(conn, "SELECT pg_sleep(5)"))
+        assert sqlstate(original) == "57014"
+        assert_unavailable(error, original, password)
+        await conn.rollback()
+
+
+async def test_pool_exhaustion(pg_url: URL, password: str) -> None:
+    engine = create_async_engine(async_url(pg_url), pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        async with engine.connect() as held:
+            await query(held, "SELECT 1")
+            error, original = await failure(engine.connect().start())
+        assert type(original).__module__ == "sqlalchemy.exc"
+        assert type(original).__name__ == "TimeoutError"
+        assert_unavailable(error, original, password)
+    finally:
+        await engine.dispose()
+
+
+async def test_read_only_transaction_asks_for_reconnect(
+    engine: AsyncEngine, table: str, password: str
+) -> None:
+    async with engine.connect() as conn:
+        await query(conn, "SET TRANSACTION READ ONLY")
+        error, original = await failure(
+            query(conn, f"INSERT INTO {table} VALUES (3, :p)", p=SECRET_PARAM)
+        )
+        assert sqlstate(original) == "25006"
+        assert_unavailable(error, original, password, reconnect=True)
+        await conn.rollback()
+
+
+# --- timeouts and cancellation --------------------------------------------------------------
+
+
+async def test_asyncio_timeout_during_a_query(engine: AsyncEngine, password: str) -> None:
+    async with engine.connect() as conn:
+        error, original = await failure(asyncio.wait_for(query(conn, "SELECT pg_sleep(5)"), 0.2))
+        assert isinstance(original, asyncio.TimeoutError)
+        assert_unavailable(error, original, password)
+        assert conn.invalidated  # the connection was closed under the query
+        await conn.rollback()
+        assert await query(conn, "SELECT 1") == [(1,)]  # and reconnects
+
+
+async def test_server_side_cancel(engine: AsyncEngine, pg_url: URL, password: str) -> None:
+    async with engine.connect() as conn:
+        pid = await backend_pid(conn)
+        cancel = asyncio.ensure_future(
+            after(0.2, lambda: admin_execute(pg_url, "SELECT pg_cancel_backend($1)", pid))
+        )
+        error, original = await failure(query(conn, "SELECT pg_sleep(5)"))
+        await cancel
+        assert sqlstate(original) == "57014"
+        assert_unavailable(error, original, password)
+        await conn.rollback()
+
+
+async def test_task_cancellation_propagates_untranslated(engine: AsyncEngine) -> None:
+    async def work() -> None:
+        async with engine.begin() as conn:
+            await query(conn, "SELECT pg_sleep(5)")
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with engine.connect() as conn:  # the pool is fine afterwards
+        assert await query(conn, "SELECT 1") == [(1,)]
+
+
+# --- permanent errors -----------------------------------------------------------------------
+
+
+async def test_unique_violation(engine: AsyncEngine, table: str, password: str) -> None:
+    async with engine.connect() as conn:
+        error, original = await failure(
+            query(conn, f"INSERT INTO {table} VALUES (1, :p)", p=SECRET_PARAM)
+        )
+        assert sqlstate(original) == "23505"
+        assert_permanent(error, original, password)
+        await conn.rollback()
+
+
+async def test_syntax_error(engine: AsyncEngine, password: str) -> None:
+    async with engine.connect() as conn:
+        error, original = await failure(query(conn, "SELEC 1"))
+        assert sqlstate(original) == "42601"
+        assert_permanent(error, original, password)
+        await conn.rollback()
+
+
+async def test_nul_in_a_text_parameter(engine: AsyncEngine, table: str, password: str) -> None:
+    async with engine.connect() as conn:
+        error, original = await failure(
+            query(conn, f"INSERT INTO {table} VALUES (3, :p)", p=f"{SECRET_PARAM}\x00")
+        )
+        assert sqlstate(original) == "22021"
+        assert_permanent(error, original, password)
+        await conn.rollback()
+
+
+async def test_bad_argument_does_not_show_the_value(engine: AsyncEngine, password: str) -> None:
+    statement = select(bindparam("n", type_=BigInteger))
+    async with engine.connect() as conn:
+        error, original = await failure(conn.execute(statement, {"n": SECRET_PARAM}))
+        assert SECRET_PARAM in str(original)  # the driver quotes it...
+        assert_permanent(error, original, password)  # ...the store does not
+        assert "query argument $1" in str(error)
+        await conn.rollback()
+
+
+async def test_driver_misuse_is_a_bug_not_an_outage(engine: AsyncEngine, password: str) -> None:
+    """asyncpg's InterfaceError also means misuse; only a closed connection is transient."""
+    async with engine.connect() as conn:
+        error, original = await failure(query(conn, "SELECT $1::text"))
+        assert type(original).__name__ == "InterfaceError"
+        assert "expects 1 argument" in str(original)
+        assert_permanent(error, original, password)
+        await conn.rollback()
+
+
+def test_store_errors_pass_through() -> None:
+    fenced = FencedError("fenced")
+    assert translate_error(fenced, "committing") is fenced
