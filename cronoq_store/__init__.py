@@ -42,6 +42,8 @@ from .domain import (
     task_id,
 )
 from .errors import FencedError, MigrationError, StoreError, UnavailableError
+from .protocols import Store, StoreQueries
+from .store import PgStore
 
 __all__ = [
     "EPOCH_MAX",
@@ -55,6 +57,7 @@ __all__ = [
     "MigrationError",
     "MissPolicy",
     "Mutation",
+    "PgStore",
     "PgStoreConfig",
     "Priority",
     "Recovered",
@@ -68,7 +71,9 @@ __all__ = [
     "RetryPolicy",
     "Schedule",
     "StatusChanged",
+    "Store",
     "StoreError",
+    "StoreQueries",
     "Submitted",
     "TaskId",
     "TaskRecord",

@@ -162,9 +162,11 @@ class EmbeddedPostgres:
 
     def socket_url(self, database: str = "postgres") -> URL:
         """A unix-socket URL (trust authentication, no password)."""
+        # The port names the socket file (.s.PGSQL.<port>), so it is part of the address.
         return URL.create(
             "postgresql",
             username=_SUPERUSER,
+            port=self.port,
             database=database,
             query={"host": str(self.socket_dir)},
         )

@@ -1,0 +1,224 @@
+"""Batch folding: a commit batch turned into the column-wise parameters of a few statements.
+
+Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
+
+- a task submitted in the batch is inserted once (the first ``Submitted`` wins), carrying its
+  latest status, so a task that is born and finishes in one batch is written once;
+- a task stored by an earlier batch gets one update, where later transitions win and a
+  message carries forward until a later transition brings its own;
+- recurring changes keep their batch order.
+
+These rules make the stored result independent of how mutations were split into batches.
+Every string, inside JSON values too, has NUL replaced by U+FFFD: PostgreSQL rejects NUL in
+text and in jsonb, and one bad string would otherwise fail the whole batch.
+
+The parameter names of the returned dictionaries are the bind names of the statements in
+:mod:`cronoq_store.statements` (``INSERT_COLUMNS`` for the insert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .codec import (
+    clean_text,
+    duration_to_ns,
+    encode_deps,
+    encode_miss_policy,
+    encode_recurring,
+    encode_resources,
+    encode_retry,
+    encode_strings,
+)
+from .domain import (
+    QUEUED,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TimeBase,
+)
+
+__all__ = ["INSERT_COLUMNS", "JSON_COLUMNS", "FoldedBatch", "RecurringAction", "fold"]
+
+#: The columns a new task is inserted with, in statement order; each names its parameter.
+INSERT_COLUMNS: tuple[str, ...] = (
+    "id", "seq", "arrival_unix_ns", "pool", "kind", "priority", "key", "payload",
+    "deadline_unix_ns", "fixed_at_unix_ns", "fixed_tolerance_ns", "fixed_on_miss",
+    "duration_hint_ns", "timeout_ns", "retry", "deps", "resources", "tags", "status",
+    "terminal", "attempt", "updated_unix_ns", "message", "labels", "tenant",
+)  # fmt: skip
+#: Insert columns whose parameters are pre-serialized JSON text (cast to jsonb in SQL).
+JSON_COLUMNS = frozenset({"retry", "deps", "resources", "tags", "labels"})
+
+
+class RecurringAction(Enum):
+    """Which recurring statement a change runs."""
+
+    UPSERT = "upsert"
+    REMOVE = "remove"
+    NEXT = "next"
+
+
+@dataclass(slots=True)
+class _Transition:
+    """The latest transition of a stored task within one batch."""
+
+    status: str
+    terminal: bool
+    attempt: int
+    at: int
+    message: str | None
+
+
+@dataclass(slots=True)
+class FoldedBatch:
+    """What one commit writes, in the order the transaction writes it."""
+
+    #: Largest id inserted by the batch (the high-water mark to record), if any.
+    max_id: int | None
+    #: ``update_status`` parameters: one row per stored task.
+    updates: dict[str, list[Any]]
+    #: ``insert_tasks`` parameters: one row per new task.
+    inserts: dict[str, list[Any]]
+    #: ``store_outputs`` parameters: one row per task (the last output given wins).
+    outputs: dict[str, list[Any]]
+    #: Recurring changes in batch order.
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def update_count(self) -> int:
+        return len(self.updates["ids"])
+
+    @property
+    def insert_count(self) -> int:
+        return len(self.inserts["id"])
+
+    @property
+    def output_count(self) -> int:
+        return len(self.outputs["ids"])
+
+
+def fold(
+    batch: Sequence[Mutation],
+    base: TimeBase,
+    now_unix_ns: int,
+    outputs: Sequence[tuple[TaskId, bytes]] = (),
+) -> FoldedBatch:
+    """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
+    their update time. Engine times are converted to Unix ns through ``base``."""
+    # Column buffers of the insert, filled row by row; a later transition of a task inserted
+    # here overwrites its row (index in `inserted`).
+    ins: dict[str, list[Any]] = {name: [] for name in INSERT_COLUMNS}
+    inserted: dict[int, int] = {}
+    transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = []
+    to_unix = base.to_unix
+
+    for m in batch:
+        if isinstance(m, StatusChanged):
+            status = m.status
+            message = None if m.message is None else clean_text(m.message)
+            at = to_unix(m.at)
+            i = inserted.get(m.id)
+            if i is not None:
+                ins["status"][i] = status.value
+                ins["terminal"][i] = status.is_terminal
+                ins["attempt"][i] = m.attempt
+                ins["updated_unix_ns"][i] = at
+                if message is not None:
+                    ins["message"][i] = message
+                continue
+            earlier = transitions.get(m.id)
+            if earlier is not None and message is None:
+                message = earlier.message
+            transitions[m.id] = _Transition(
+                status.value, status.is_terminal, m.attempt, at, message
+            )
+        elif isinstance(m, Submitted):
+            if m.id in inserted:
+                continue
+            inserted[m.id] = len(ins["id"])
+            s = m.spec
+            fixed = s.fixed_start
+            ins["id"].append(m.id)
+            ins["seq"].append(m.seq)
+            ins["arrival_unix_ns"].append(to_unix(m.arrival))
+            ins["pool"].append(clean_text(s.pool))
+            ins["kind"].append(clean_text(s.kind))
+            ins["priority"].append(int(s.priority))
+            ins["key"].append(None if s.key is None else clean_text(s.key))
+            ins["payload"].append(s.payload)
+            ins["deadline_unix_ns"].append(None if s.deadline is None else to_unix(s.deadline))
+            ins["fixed_at_unix_ns"].append(None if fixed is None else to_unix(fixed.at))
+            ins["fixed_tolerance_ns"].append(
+                None if fixed is None else duration_to_ns(fixed.tolerance)
+            )
+            ins["fixed_on_miss"].append(
+                None if fixed is None else encode_miss_policy(fixed.on_miss)
+            )
+            ins["duration_hint_ns"].append(
+                None if s.duration_hint is None else duration_to_ns(s.duration_hint)
+            )
+            ins["timeout_ns"].append(None if s.timeout is None else duration_to_ns(s.timeout))
+            ins["retry"].append(encode_retry(s.retry))
+            ins["deps"].append(encode_deps(s.deps))
+            ins["resources"].append(encode_resources(s.resources))
+            ins["tags"].append(encode_strings(s.tags))
+            ins["status"].append(QUEUED)
+            ins["terminal"].append(False)
+            ins["attempt"].append(0)
+            ins["updated_unix_ns"].append(now_unix_ns)
+            ins["message"].append(None)
+            ins["labels"].append(encode_strings(s.labels))
+            ins["tenant"].append(None if s.tenant is None else clean_text(s.tenant))
+        elif isinstance(m, RecurringUpsert):
+            spec = m.spec
+            recurring.append(
+                (
+                    RecurringAction.UPSERT,
+                    {
+                        "schedule": clean_text(spec.name),
+                        "spec_json": encode_recurring(base, spec),
+                        "payload": spec.template.payload,
+                    },
+                )
+            )
+        elif isinstance(m, RecurringRemove):
+            recurring.append((RecurringAction.REMOVE, {"schedule": clean_text(m.name)}))
+        elif isinstance(m, RecurringNext):
+            recurring.append(
+                (
+                    RecurringAction.NEXT,
+                    {
+                        "schedule": clean_text(m.name),
+                        "next": None if m.next is None else to_unix(m.next),
+                        "last": m.last,
+                    },
+                )
+            )
+        else:
+            raise TypeError(f"not a mutation: {type(m).__name__}")
+
+    rows = transitions.values()
+    last_output = dict(outputs)
+    return FoldedBatch(
+        max_id=max(ins["id"]) if ins["id"] else None,
+        updates={
+            "ids": list(transitions),
+            "statuses": [t.status for t in rows],
+            "terminals": [t.terminal for t in rows],
+            "attempts": [t.attempt for t in rows],
+            "updated": [t.at for t in rows],
+            "messages": [t.message for t in rows],
+        },
+        inserts=ins,
+        outputs={"ids": list(last_output), "outputs": list(last_output.values())},
+        recurring=recurring,
+    )

@@ -1,0 +1,310 @@
+"""Leader election: a session advisory lock held on a dedicated connection, and its keeper.
+
+The lock lives exactly as long as the session that took it. That session therefore never
+comes from a pool and never returns to one (a pooled connection keeps a session lock after
+``close()``), and releasing leadership means closing it. Taking the lock bumps the fencing
+epoch, which every commit checks in its own transaction.
+
+The keeper pings the session every ``keepalive``. If nothing has been heard from it for
+``session_timeout``, this instance steps down: the session is torn down without waiting on
+its socket, so a partition cannot keep a deposed leader believing it leads. Across a
+partition the server gives up on the session only later (its TCP keepalives start after
+``session_timeout`` idle, then probe three times, a second apart), so the old leader has
+stepped down before the lock can move. When the server ends the session first (a terminated
+backend), a standby may lead before the keeper notices; the epoch fences every commit of
+the old leader from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from sqlalchemy import Executable, Result
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from . import statements as st
+from .config import PgStoreConfig
+from .errors import StoreError, translate_error
+from .schema import schema_options
+from .urls import redact
+
+__all__ = ["MAX_RETRY_DELAY", "Leadership"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: Upper bound of the pause between attempts to reach the database while acquiring.
+MAX_RETRY_DELAY = 5.0
+#: How long a graceful close of the lock session may take before the socket is dropped.
+_CLOSE_TIMEOUT = 1.0
+
+
+class _Session:
+    """The lock session: its SQLAlchemy connection, and the driver's, to abort a dead socket.
+
+    Statements run as SQLAlchemy Core on ``conn``; ``driver`` (the asyncpg connection) is used
+    only to close: ``terminate()`` drops the socket at once, where any polite close would wait
+    for a peer that may never answer.
+    """
+
+    def __init__(self, conn: AsyncConnection, driver: Any) -> None:
+        self.conn = conn
+        self.driver = driver
+        self.closed = False
+
+    async def run(
+        self, statement: Executable, params: dict[str, Any] | None, timeout: float
+    ) -> Result[Any]:
+        """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
+
+        The statement is not cancelled (that would send a cancel request over a new
+        connection, into the same silence); aborting the socket makes it fail at once.
+        """
+        task = asyncio.ensure_future(self.conn.execute(statement, params))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        finally:
+            if not task.done():
+                self.driver.terminate()
+                await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT)
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # the consequence of the abort, not news
+        if not done:
+            raise asyncio.TimeoutError(f"the lock session did not answer within {timeout:g} s")
+        return task.result()
+
+    async def close(self) -> None:
+        """Close the session, ending the server's backend and so releasing its lock; bounded.
+
+        A graceful close is tried when the socket is still open; the socket is dropped if
+        that fails or takes longer than ``_CLOSE_TIMEOUT``. Closing twice is harmless.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.driver.is_closed():
+                try:
+                    await self.driver.close(timeout=_CLOSE_TIMEOUT)
+                except Exception:
+                    self.driver.terminate()
+        finally:
+            try:
+                # The driver connection is closed: this settles SQLAlchemy's bookkeeping.
+                await self.conn.invalidate()
+                await self.conn.close()
+            except Exception as exc:
+                logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
+
+
+class Leadership:
+    """Leader election for one cluster (one schema) on its own, unpooled lock session.
+
+    ``url`` is a ``postgresql+asyncpg`` URL of a server reached directly (a session advisory
+    lock cannot live behind a transaction-pooling PgBouncer); ``lock_key`` is the pair of
+    advisory-lock keys. The object can lead many times: after a loss, :meth:`acquire` opens
+    a new session and takes a new epoch.
+    """
+
+    def __init__(
+        self, url: URL, schema: str, lock_key: tuple[int, int], config: PgStoreConfig
+    ) -> None:
+        self._url = url
+        self._schema = schema
+        self._key = {"k1": lock_key[0], "k2": lock_key[1]}
+        self._config = config
+        self._engine: AsyncEngine = create_async_engine(
+            url,
+            poolclass=NullPool,
+            isolation_level="AUTOCOMMIT",
+            connect_args={
+                # asyncpg's bound on opening a connection (a silent server never refuses).
+                "timeout": config.session_timeout,
+                "server_settings": {
+                    "application_name": f"{config.application_name} leader",
+                    # The server drops the session (and the lock) once the client is gone.
+                    "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
+                    "tcp_keepalives_interval": "1",
+                    "tcp_keepalives_count": "3",
+                },
+            },
+        )
+        # bump_epoch must hit the cluster's schema.
+        self._db = self._engine.execution_options(**schema_options(schema))
+        self._epoch: int | None = None
+        # Set while this instance does not lead after having led (or released); cleared by
+        # each acquisition. Never set before the first one, so wait_lost() then waits.
+        self._lost = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._acquiring = asyncio.Lock()
+        self._session: _Session | None = None
+        self._keeper: asyncio.Task[None] | None = None
+
+    @property
+    def epoch(self) -> int | None:
+        """The fencing epoch while this instance leads, else ``None``."""
+        return self._epoch
+
+    @property
+    def is_leader(self) -> bool:
+        return self._epoch is not None
+
+    def mark_lost(self) -> None:
+        """Stop leading now (a commit found another epoch); the keeper closes the session."""
+        self._epoch = None
+        self._lost.set()
+
+    async def wait_lost(self) -> None:
+        """Return once leadership held by this instance is lost or released."""
+        await self._lost.wait()
+
+    async def acquire(self) -> int:
+        """Wait until this instance leads; returns the new epoch.
+
+        A session already held is closed first: each acquisition is a new term with a new
+        epoch. While the database is unreachable, retries with capped exponential backoff
+        and logs each failure; errors that retrying cannot fix are raised as ``StoreError``.
+        """
+        async with self._acquiring:
+            self._check_open()
+            if self._session is not None:
+                await self.release()
+            delay = max(self._config.lock_poll, 0.05)
+            while True:
+                try:
+                    session, epoch = await self._try_lead()
+                    break
+                except Exception as exc:
+                    error = translate_error(exc, "acquiring leadership")
+                    if not error.is_transient:
+                        raise error from exc
+                    pause = delay * random.uniform(0.9, 1.1)
+                    logger.warning(
+                        "cannot reach the database to acquire leadership; retrying",
+                        extra={
+                            "schema": self._schema,
+                            "url": redact(self._url),
+                            "error": str(error),
+                            "retry_in": round(pause, 3),
+                        },
+                    )
+                    if await self._closed_within(pause):
+                        raise self._closed_error() from exc
+                    delay = min(delay * 2, MAX_RETRY_DELAY)
+            self._epoch = epoch
+            self._lost.clear()
+            self._session = session
+            self._keeper = asyncio.ensure_future(self._keep(session, epoch))
+            logger.info("acquired leadership", extra={"epoch": epoch, "schema": self._schema})
+            return epoch
+
+    async def release(self) -> None:
+        """Give up leadership: the lock session is closed, so the server releases the lock."""
+        self.mark_lost()
+        await self._end_term()
+
+    async def close(self) -> None:
+        """Release leadership, stop any acquisition in progress and free the engine."""
+        self._closing.set()
+        self.mark_lost()
+        async with self._acquiring:  # an acquisition in progress notices and gives up
+            await self._end_term()
+            await self._engine.dispose()
+
+    # --- internals ------------------------------------------------------------------------
+
+    async def _try_lead(self) -> tuple[_Session, int]:
+        """Open a lock session and poll for the lock; returns the session and the new epoch."""
+        timeout = self._config.session_timeout
+        conn = await self._db.connect()
+        try:
+            raw = await conn.get_raw_connection()
+        except BaseException:
+            await conn.close()
+            raise
+        session = _Session(conn, raw.driver_connection)
+        try:
+            while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
+                if await self._closed_within(self._config.lock_poll):
+                    raise self._closed_error()
+            epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
+            if epoch is None:
+                raise StoreError(
+                    f"the leader row of schema {self._schema!r} is missing: run the migrations"
+                )
+            # Prepared now, so that each of the keeper's checks is a single round trip.
+            await session.run(st.ping, None, timeout)
+            return session, int(epoch)
+        except BaseException:
+            await session.close()  # releases the lock if this session took it
+            raise
+
+    async def _keep(self, session: _Session, epoch: int) -> None:
+        """Check the session every ``keepalive``; step down once it was silent too long.
+
+        Silence is measured from the last answer, so the step-down comes at most
+        ``session_timeout`` after the session went silent, whatever the ping interval.
+        """
+        loop = asyncio.get_running_loop()
+        keepalive, limit = self._config.keepalive, self._config.session_timeout
+        last_answer = loop.time()
+        try:
+            while not await self._lost_within(keepalive):
+                try:
+                    await session.run(st.ping, None, last_answer + limit - loop.time())
+                except Exception as exc:
+                    if self._epoch != epoch:  # already released or marked lost
+                        return
+                    self.mark_lost()
+                    logger.error(
+                        "leader lock session lost; stepping down",
+                        extra={
+                            "epoch": epoch,
+                            "schema": self._schema,
+                            "error": str(translate_error(exc, "checking the leader lock session")),
+                        },
+                    )
+                    return
+                last_answer = loop.time()
+        finally:
+            await session.close()
+
+    async def _end_term(self) -> None:
+        """Stop the keeper of the current or last term and close its session."""
+        keeper, self._keeper = self._keeper, None
+        session, self._session = self._session, None
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.wait({keeper})
+        if session is not None:
+            # Also when the keeper was cancelled before it ever ran.
+            await session.close()
+
+    async def _lost_within(self, seconds: float) -> bool:
+        """Whether leadership is marked lost within ``seconds`` (a sleep that wakes early)."""
+        try:
+            await asyncio.wait_for(self._lost.wait(), seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def _closed_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._closing.wait(), seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise self._closed_error()
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"leadership of schema {self._schema!r} is closed")

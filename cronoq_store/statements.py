@@ -1,0 +1,385 @@
+"""Every statement the store runs, as SQLAlchemy Core constructs built once at import.
+
+The tables carry no schema name, so each construct compiles once and the compiled cache
+serves every cluster: the schema is applied at execution with ``schema_translate_map``.
+Array parameters are typed (``ARRAY(BigInteger)`` renders ``$1::BIGINT[]``) because the
+server cannot resolve ``unnest`` over an untyped array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    ColumnElement,
+    Integer,
+    LargeBinary,
+    Text,
+    any_,
+    bindparam,
+    case,
+    cast,
+    column,
+    delete,
+    func,
+    literal_column,
+    or_,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
+
+from .domain import TaskStatus
+from .folding import INSERT_COLUMNS, JSON_COLUMNS
+from .schema import LEADER_ROW_ID, leader, recurring, tasks
+
+__all__ = [
+    "LOCK_NS_LEADER",
+    "MAX_EPOCH",
+    "advance_recurring",
+    "bump_epoch",
+    "epoch_for_share",
+    "finished_page",
+    "high_water",
+    "insert_tasks",
+    "live_tasks",
+    "ping",
+    "prune_batch",
+    "quarantine",
+    "recent_terminal",
+    "record_max_id",
+    "recurring_schedules",
+    "remove_recurring",
+    "schema_oid",
+    "store_outputs",
+    "task_by_id",
+    "task_by_key",
+    "task_output",
+    "try_leader_lock",
+    "update_status",
+    "upsert_recurring",
+]
+
+#: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
+LOCK_NS_LEADER = 0x63726F71
+#: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
+MAX_EPOCH = 32767
+
+# --- leadership -----------------------------------------------------------------------------
+
+#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock.
+try_leader_lock = select(
+    func.pg_try_advisory_lock(
+        bindparam("k1", type_=Integer), bindparam("k2", type_=Integer)
+    )
+)
+
+#: Taking the lock bumps the epoch, wrapping 32767 -> 1; returns the new epoch.
+bump_epoch = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(
+        epoch=case((leader.c.epoch >= MAX_EPOCH, 1), else_=leader.c.epoch + 1),
+    )
+    .returning(leader.c.epoch)
+)
+
+#: The lock session's liveness check.
+ping = select(1)
+
+#: The schema's OID, the second key of the leader lock (``pg_namespace`` is not translated).
+#: ``to_regnamespace`` parses an identifier, so the name is quoted first: ``Prod`` stays
+#: ``Prod`` instead of being folded to ``prod``.
+schema_oid = select(
+    func.to_regnamespace(func.quote_ident(bindparam("schema", type_=Text))).cast(Integer)
+)
+
+# --- commit: epoch check --------------------------------------------------------------------
+
+#: The epoch under a share lock: it waits for a takeover's uncommitted bump and then sees it,
+#: and a takeover waits for this commit, so a commit lands entirely before or after one.
+epoch_for_share = (
+    select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(read=True)
+)
+
+#: The epoch check of a batch that issues ids: the row lock is taken by the update, which
+#: records the id high-water mark so that pruning can never lead to an id being issued again.
+record_max_id = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(max_id=func.greatest(leader.c.max_id, bindparam("issued", type_=BigInteger)))
+    .returning(leader.c.epoch)
+)
+
+
+def _unnest(name: str, *columns: tuple[str, TypeEngine[Any]]) -> TableValuedAlias:
+    """``unnest($1::T1[], ...) AS name(c1, ...)``: one typed array parameter per column."""
+    binds = [bindparam(col, type_=ARRAY(type_)) for col, type_ in columns]
+    cols = [column(col, type_) for col, type_ in columns]
+    return func.unnest(*binds).table_valued(*cols).render_derived(name=name)
+
+
+# --- commit: one update per existing task ---------------------------------------------------
+
+_transition = _unnest(
+    "u",
+    ("ids", BigInteger()),
+    ("statuses", Text()),
+    ("terminals", Boolean()),
+    ("attempts", Integer()),
+    ("updated", BigInteger()),
+    ("messages", Text()),
+)
+
+#: Status transitions of tasks stored by earlier batches. A NULL message keeps the stored
+#: one: a message carries forward until a later transition replaces it.
+update_status = (
+    update(tasks)
+    .where(tasks.c.id == _transition.c.ids)
+    .values(
+        status=_transition.c.statuses,
+        terminal=_transition.c.terminals,
+        attempt=_transition.c.attempts,
+        updated_unix_ns=_transition.c.updated,
+        message=func.coalesce(_transition.c.messages, tasks.c.message),
+    )
+)
+
+# --- commit: new tasks ----------------------------------------------------------------------
+
+_new = _unnest(
+    "u",
+    # JSON travels as text and is cast in SQL: binding ARRAY(JSONB) double-encodes strings.
+    *((name, Text() if name in JSON_COLUMNS else tasks.c[name].type) for name in INSERT_COLUMNS),
+)
+
+#: New tasks in one statement. ``ON CONFLICT (id) DO NOTHING`` makes a retried batch that
+#: already landed change nothing (the partial unique index on live keys is not covered: a
+#: duplicate live key still aborts the batch).
+insert_tasks = (
+    postgresql.insert(tasks)
+    .from_select(
+        list(INSERT_COLUMNS),
+        select(
+            *(
+                cast(_new.c[name], JSONB) if name in JSON_COLUMNS else _new.c[name]
+                for name in INSERT_COLUMNS
+            )
+        ),
+    )
+    .on_conflict_do_nothing(index_elements=[tasks.c.id])
+)
+
+# --- commit: outputs ------------------------------------------------------------------------
+
+_output = _unnest("u", ("ids", BigInteger()), ("outputs", LargeBinary()))
+
+#: Outputs of tasks that succeeded, stored beside their final transition.
+store_outputs = update(tasks).where(tasks.c.id == _output.c.ids).values(output=_output.c.outputs)
+
+# --- commit: recurring schedules, one change at a time, in batch order ----------------------
+
+# Bind names differ from column names: SQLAlchemy reserves those in VALUES and SET.
+_upsert = postgresql.insert(recurring).values(
+    name=bindparam("schedule", type_=Text),
+    spec=cast(bindparam("spec_json", type_=Text), JSONB),
+    template_payload=bindparam("payload", type_=LargeBinary),
+)
+
+#: Create or replace a schedule; its next occurrence and last task are left as they were.
+upsert_recurring = _upsert.on_conflict_do_update(
+    index_elements=[recurring.c.name],
+    set_={
+        "spec": _upsert.excluded.spec,
+        "template_payload": _upsert.excluded.template_payload,
+    },
+)
+
+#: Delete a schedule (nothing happens if it is already gone).
+remove_recurring = delete(recurring).where(recurring.c.name == bindparam("schedule", type_=Text))
+
+#: Record a schedule's next occurrence and the task it last submitted.
+advance_recurring = (
+    update(recurring)
+    .where(recurring.c.name == bindparam("schedule", type_=Text))
+    .values(
+        next_unix_ns=bindparam("next", type_=BigInteger),
+        last_task_id=bindparam("last", type_=BigInteger),
+    )
+)
+
+# --- recovery -------------------------------------------------------------------------------
+
+#: The largest id ever issued: the recorded high-water mark or the largest stored id.
+high_water = select(
+    func.greatest(
+        select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery(),
+        select(func.coalesce(func.max(tasks.c.id), 0)).scalar_subquery(),
+    )
+)
+
+
+def _as_text(col: ColumnElement[Any]) -> ColumnElement[str]:
+    """A jsonb column as its text: the dialect would otherwise ``json.loads`` every value,
+    several times slower than decoding once where the values are used."""
+    return cast(col, Text).label(col.key)
+
+
+#: Live tasks in id order, jsonb columns as text.
+live_tasks = (
+    select(
+        tasks.c.id,
+        tasks.c.seq,
+        tasks.c.arrival_unix_ns,
+        tasks.c.pool,
+        tasks.c.kind,
+        tasks.c.priority,
+        tasks.c.key,
+        tasks.c.payload,
+        tasks.c.deadline_unix_ns,
+        tasks.c.fixed_at_unix_ns,
+        tasks.c.fixed_tolerance_ns,
+        tasks.c.fixed_on_miss,
+        tasks.c.duration_hint_ns,
+        tasks.c.timeout_ns,
+        _as_text(tasks.c.retry),
+        _as_text(tasks.c.deps),
+        _as_text(tasks.c.resources),
+        _as_text(tasks.c.tags),
+        _as_text(tasks.c.labels),
+        tasks.c.tenant,
+        tasks.c.status,
+        tasks.c.attempt,
+    )
+    .where(~tasks.c.terminal)
+    .order_by(tasks.c.id)
+)
+
+_corrupt = _unnest("u", ("ids", BigInteger()), ("messages", Text()))
+
+#: Mark undecodable live rows failed, each with the reason, so they never block recovery.
+quarantine = (
+    update(tasks)
+    .where(tasks.c.id == _corrupt.c.ids)
+    .values(
+        status=bindparam("failed", type_=Text),
+        terminal=true(),
+        updated_unix_ns=bindparam("now", type_=BigInteger),
+        message=_corrupt.c.messages,
+    )
+)
+
+#: Finished tasks updated since ``cutoff``, or depended on by a live task (by id or key)
+#: whatever their age; oldest first.
+recent_terminal = (
+    select(tasks.c.id, tasks.c.key, tasks.c.status, tasks.c.updated_unix_ns)
+    .where(
+        tasks.c.terminal,
+        or_(
+            tasks.c.updated_unix_ns >= bindparam("cutoff", type_=BigInteger),
+            tasks.c.id == any_(bindparam("dep_ids", type_=ARRAY(BigInteger))),
+            tasks.c.key == any_(bindparam("dep_keys", type_=ARRAY(Text))),
+        ),
+    )
+    .order_by(tasks.c.updated_unix_ns, tasks.c.id)
+)
+
+#: Recurring schedules by name, the spec as text.
+recurring_schedules = select(
+    recurring.c.name,
+    _as_text(recurring.c.spec),
+    recurring.c.template_payload,
+    recurring.c.next_unix_ns,
+    recurring.c.last_task_id,
+).order_by(recurring.c.name)
+
+# --- queries --------------------------------------------------------------------------------
+
+_record = select(
+    tasks.c.id,
+    tasks.c.key,
+    tasks.c.pool,
+    tasks.c.kind,
+    tasks.c.priority,
+    tasks.c.tenant,
+    tasks.c.status,
+    tasks.c.attempt,
+    tasks.c.message,
+    tasks.c.output,
+    tasks.c.updated_unix_ns,
+)
+
+#: One task by id.
+task_by_id = _record.where(tasks.c.id == bindparam("id", type_=BigInteger))
+
+#: The newest task with a key (a key names at most one live task, but many finished ones).
+task_by_key = (
+    _record.where(tasks.c.key == bindparam("key", type_=Text)).order_by(tasks.c.id.desc()).limit(1)
+)
+
+_pools = bindparam("pools", type_=ARRAY(Text))
+_statuses = bindparam("statuses", type_=ARRAY(Text))
+
+#: A keyset page of finished tasks in id order; an empty ``pools`` or ``statuses`` array
+#: means any. The arrays keep one statement (and one cache entry) for every filter.
+finished_page = (
+    _record.where(
+        tasks.c.terminal,
+        tasks.c.id > bindparam("after", type_=BigInteger),
+        or_(func.cardinality(_pools) == 0, tasks.c.pool == any_(_pools)),
+        or_(func.cardinality(_statuses) == 0, tasks.c.status == any_(_statuses)),
+    )
+    .order_by(tasks.c.id)
+    .limit(bindparam("limit", type_=BigInteger))
+)
+
+#: The output of a task, if it succeeded.
+task_output = select(tasks.c.output).where(
+    tasks.c.id == bindparam("id", type_=BigInteger),
+    tasks.c.status == TaskStatus.SUCCEEDED.value,
+)
+
+# --- pruning --------------------------------------------------------------------------------
+
+_live = tasks.alias("l")
+_dep = (
+    func.jsonb_array_elements(_live.c.deps)
+    .table_valued(column("value", JSONB))
+    .render_derived(name="d")
+)
+# The literal '[]' (not a parameter) lets the planner use the partial index on live deps.
+_refs = (
+    select(
+        cast(_dep.c.value["id"].astext, BigInteger).label("id"),
+        _dep.c.value["key"].astext.label("key"),
+    )
+    .select_from(_live.join(_dep, true()))
+    .where(~_live.c.terminal, _live.c.deps != literal_column("'[]'::jsonb"))
+    .cte("refs")
+)
+_old = tasks.alias("t")
+_victims = (
+    select(_old.c.id)
+    .where(
+        _old.c.terminal,
+        _old.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger),
+        _old.c.id.not_in(select(_refs.c.id).where(_refs.c.id.is_not(None))),
+        or_(
+            _old.c.key.is_(None),
+            _old.c.key.not_in(select(_refs.c.key).where(_refs.c.key.is_not(None))),
+        ),
+    )
+    .order_by(_old.c.updated_unix_ns, _old.c.id)
+    .limit(bindparam("batch", type_=BigInteger))
+    .cte("victims")
+)
+
+#: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
+#: live task depends on, by id or by key.
+prune_batch = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))

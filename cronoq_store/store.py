@@ -1,0 +1,580 @@
+"""``PgStore``: the scheduler's write-ahead state in PostgreSQL, one cluster per schema.
+
+The store runs the statements of :mod:`cronoq_store.statements` and nothing else: SQL is
+composed there, batches are folded in :mod:`cronoq_store.folding`, rows are decoded with
+:mod:`cronoq_store.codec`, and leader election lives in :mod:`cronoq_store.leadership`.
+Every failure leaves through :func:`cronoq_store.errors.translate_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta, timezone
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Executable, Row
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from . import migrations
+from . import statements as st
+from .codec import (
+    clean_text,
+    decode_deps,
+    decode_miss_policy,
+    decode_recurring,
+    decode_resources,
+    decode_retry,
+    decode_strings,
+    ns_to_duration,
+)
+from .config import PgStoreConfig
+from .domain import (
+    LIVE_STATUS_NAMES,
+    FixedStart,
+    Mutation,
+    Priority,
+    Recovered,
+    RecoveredRecurring,
+    RecoveredTask,
+    RecoveredTerminal,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from .errors import FencedError, StoreError, UnavailableError, translate_error
+from .folding import FoldedBatch, RecurringAction, fold
+from .leadership import Leadership
+from .schema import schema_options
+from .urls import async_url, redact
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from typing_extensions import Unpack
+
+    _Row: TypeAlias = Row[Unpack[tuple[Any, ...]]]
+
+__all__ = ["PRUNE_BATCH", "PgStore"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: Rows deleted per statement by :meth:`PgStore.prune`: short transactions, bounded locks.
+PRUNE_BATCH = 1000
+
+_RECURRING: dict[RecurringAction, Executable] = {
+    RecurringAction.UPSERT: st.upsert_recurring,
+    RecurringAction.REMOVE: st.remove_recurring,
+    RecurringAction.NEXT: st.advance_recurring,
+}
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_DEFAULT_TOLERANCE_NS = 1_000_000_000
+
+
+class PgStore:
+    """PostgreSQL-backed ``Store`` and ``StoreQueries`` for one scheduler cluster.
+
+    Build it with :meth:`connect` (the store owns its engine) or :meth:`from_engine` (it
+    shares an application's engine and pool). Use it as an async context manager, or call
+    :meth:`close`. The leader lock never rides on the pool: :class:`Leadership` holds it on
+    a dedicated session, opened from ``lock_url`` when given, else from the engine's URL.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: PgStoreConfig,
+        *,
+        schema_oid: int,
+        owns_engine: bool,
+        lock_url: URL,
+    ) -> None:
+        """Use :meth:`connect` or :meth:`from_engine`, which migrate and find the OID."""
+        self._engine = engine
+        self._config = config
+        self._owns_engine = owns_engine
+        # The cluster's schema is applied at execution: one compiled statement per construct
+        # serves every schema.
+        self._db = engine.execution_options(**schema_options(config.schema))
+        self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
+        self._leadership = Leadership(lock_url, config.schema, self._leader_lock, config)
+        # Leadership counts as lost once it was held and is gone, or once a commit was
+        # fenced. A store that never led may commit: the epoch check in the transaction
+        # still fences it.
+        self._has_led = False
+        self._fenced = False
+        self._closed = False
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | URL,
+        config: PgStoreConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+    ) -> PgStore:
+        """Open a store with its own pool, migrating the schema first.
+
+        ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
+        sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
+        goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
+        there.
+        """
+        config = config or PgStoreConfig()
+        schema_options(config.schema)  # refuse a bad name before anything connects
+        engine = create_async_engine(
+            async_url(url),
+            pool_size=config.max_connections,
+            max_overflow=0,
+            # No store call waits for a connection longer than a commit may take.
+            pool_timeout=config.commit_timeout,
+            pool_pre_ping=True,
+            # Batches carry payloads; errors and logs must not.
+            hide_parameters=True,
+            connect_args={"server_settings": {"application_name": config.application_name}},
+        )
+        try:
+            return await cls._open(engine, config, owns_engine=True, lock_url=lock_url)
+        except BaseException:
+            await engine.dispose()
+            raise
+
+    @classmethod
+    async def from_engine(
+        cls,
+        engine: AsyncEngine,
+        config: PgStoreConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+    ) -> PgStore:
+        """Open a store on an application's ``AsyncEngine``, sharing its pool (an async
+        classmethod: ``await PgStore.from_engine(engine)``).
+
+        :meth:`close` leaves the engine open. ``config.max_connections`` does not apply:
+        the engine keeps its own pool settings.
+        """
+        config = config or PgStoreConfig()
+        schema_options(config.schema)
+        return await cls._open(engine, config, owns_engine=False, lock_url=lock_url)
+
+    @classmethod
+    async def _open(
+        cls,
+        engine: AsyncEngine,
+        config: PgStoreConfig,
+        *,
+        owns_engine: bool,
+        lock_url: str | URL | None,
+    ) -> PgStore:
+        where = redact(engine.url)
+        await migrations.upgrade(engine, config.schema)
+        try:
+            async with engine.connect() as conn:
+                oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
+        except Exception as exc:
+            raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
+        if oid is None:
+            raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
+        return cls(
+            engine,
+            config,
+            schema_oid=oid,
+            owns_engine=owns_engine,
+            lock_url=engine.url if lock_url is None else async_url(lock_url),
+        )
+
+    async def migrate(self) -> None:
+        """Apply pending migrations (idempotent, serialized); :meth:`connect` already did."""
+        await migrations.upgrade(self._engine, self._config.schema)
+
+    async def close(self) -> None:
+        """Give up leadership and close the pool, unless the pool is an application's."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._leadership.close()
+        finally:
+            if self._owns_engine:
+                await self._engine.dispose()
+
+    async def __aenter__(self) -> PgStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PgStore(url={redact(self._engine.url)!r}, schema={self._config.schema!r}, "
+            f"owns_engine={self._owns_engine})"
+        )
+
+    @property
+    def config(self) -> PgStoreConfig:
+        return self._config
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine whose pool serves commits and queries (never the leader lock)."""
+        return self._engine
+
+    # --- leadership -------------------------------------------------------------------------
+
+    async def acquire_leadership(self) -> int:
+        """Wait until this instance leads; returns the new fencing epoch."""
+        epoch = await self._leadership.acquire()
+        self._has_led, self._fenced = True, False
+        return epoch
+
+    async def release_leadership(self) -> None:
+        """Release the leader lock; commits fail with ``FencedError`` from now on."""
+        await self._leadership.release()
+
+    async def leadership_lost(self) -> None:
+        """Return once leadership held by this instance is lost (or released)."""
+        await self._leadership.wait_lost()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership.is_leader
+
+    @property
+    def epoch(self) -> int | None:
+        """The fencing epoch while this instance leads, else ``None``."""
+        return self._leadership.epoch
+
+    @property
+    def leader_lock(self) -> tuple[int, int]:
+        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``)."""
+        return self._leader_lock
+
+    # --- commits ----------------------------------------------------------------------------
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        """Write ``batch`` and ``outputs`` in one transaction; return once it committed.
+
+        Idempotent: a batch that already landed changes nothing when committed again.
+        Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
+        lost and nothing is written) or leadership was lost before, and
+        ``UnavailableError`` if the database fails or the commit takes longer than
+        ``commit_timeout``.
+        """
+        if self._fenced or (self._has_led and not self._leadership.is_leader):
+            raise FencedError("leadership was lost: this instance must not write any more")
+        folded = fold(batch, base, time.time_ns(), outputs)
+        timeout = self._config.commit_timeout
+        async with self._translated("committing a batch"):
+            try:
+                await asyncio.wait_for(self._write(epoch, folded), timeout)
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"committing a batch failed: not done within commit_timeout ({timeout} s)"
+                ) from exc
+
+    async def _write(self, epoch: int, batch: FoldedBatch) -> None:
+        async with self._db.begin() as conn:
+            if batch.max_id is None:
+                current = (await conn.execute(st.epoch_for_share)).scalar_one()
+            else:
+                # Record the id high-water mark while checking the epoch.
+                result = await conn.execute(st.record_max_id, {"issued": batch.max_id})
+                current = result.scalar_one()
+            if current != epoch:
+                self._fenced = True
+                self._leadership.mark_lost()
+                logger.error(
+                    "commit fenced: another instance took leadership",
+                    extra={"epoch": epoch, "current_epoch": current},
+                )
+                raise FencedError(
+                    f"fenced: the stored epoch is {current}, this instance's is {epoch}"
+                )
+            # Updates first, so keys they release can be reused by tasks inserted below.
+            if batch.update_count:
+                result = await conn.execute(st.update_status, batch.updates)
+                _warn_missing("status updates", batch.update_count, result.rowcount)
+            if batch.insert_count:
+                await conn.execute(st.insert_tasks, batch.inserts)
+            if batch.output_count:
+                result = await conn.execute(st.store_outputs, batch.outputs)
+                _warn_missing("outputs", batch.output_count, result.rowcount)
+            for action, params in batch.recurring:
+                await conn.execute(_RECURRING[action], params)
+
+    @asynccontextmanager
+    async def _translated(self, action: str) -> AsyncIterator[None]:
+        """Turn any failure into a ``StoreError``; the one place errors leave the store.
+
+        A demoted primary (``reconnect``) also disposes the pool, shared or owned: every
+        pooled connection points at a server that can no longer write, and pre-ping cannot
+        tell. ``dispose()`` closes idle connections and those in use when returned; the
+        engine stays usable and reconnects to whatever the URL resolves to now.
+        """
+        if self._closed:
+            # An owned engine would quietly open a new pool that nothing disposes.
+            raise StoreError(f"{action} failed: the store is closed")
+        try:
+            yield
+        except Exception as exc:
+            error = translate_error(exc, action)
+            if isinstance(error, UnavailableError) and error.reconnect:
+                logger.warning(
+                    "the database no longer accepts writes (demoted primary?); "
+                    "dropping the pool's connections",
+                    extra={"url": redact(self._engine.url), "error": str(error)},
+                )
+                await self._engine.dispose()
+            if error is exc:
+                raise
+            raise error from exc
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    async def recover(self, base: TimeBase) -> Recovered:
+        """Load what a new leader needs: live tasks, finished ones within ``retention`` or
+        depended on by a live task, recurring schedules, and the next id to issue.
+
+        Undecodable live rows are quarantined (marked failed with the reason) and reported
+        as finished; undecodable schedules are logged, skipped and left in the table.
+        """
+        async with self._translated("recovering"), self._db.begin() as conn:
+            high = (await conn.execute(st.high_water)).scalar_one()
+            recovered = Recovered(next_id=high + 1 if high > 0 else 0)
+            now = time.time_ns()
+            await self._recover_tasks(conn, base, now, recovered)
+            await self._recover_recurring(conn, base, recovered)
+        return recovered
+
+    async def _recover_tasks(
+        self, conn: AsyncConnection, base: TimeBase, now: int, recovered: Recovered
+    ) -> None:
+        corrupt_ids: list[int] = []
+        corrupt_messages: list[str] = []
+        for row in await conn.execute(st.live_tasks):
+            try:
+                recovered.tasks.append(_decode_task(base, row))
+            except ValueError as exc:
+                logger.error(
+                    "quarantining undecodable task row",
+                    extra={"task_id": row.id, "error": str(exc)},
+                )
+                corrupt_ids.append(row.id)
+                corrupt_messages.append(clean_text(f"corrupt task row: {exc}"))
+        if corrupt_ids:
+            await conn.execute(
+                st.quarantine,
+                {
+                    "ids": corrupt_ids,
+                    "messages": corrupt_messages,
+                    "failed": TaskStatus.FAILED.value,
+                    "now": now,
+                },
+            )
+        dep_ids: set[int] = set()
+        dep_keys: set[str] = set()
+        for task in recovered.tasks:
+            for dep in task.spec.deps:
+                if isinstance(dep.target, str):
+                    dep_keys.add(dep.target)
+                else:
+                    dep_ids.add(dep.target)
+        # Quarantined rows were just updated (to `now`): this query returns them too.
+        cutoff = now - round(self._config.retention * 1e9)
+        finished = await conn.execute(
+            st.recent_terminal,
+            {"cutoff": cutoff, "dep_ids": list(dep_ids), "dep_keys": list(dep_keys)},
+        )
+        for done in finished:
+            status = TaskStatus.from_stored(done.status)
+            if status is None or not status.is_terminal:
+                logger.warning(
+                    "skipping finished task with an unknown status",
+                    extra={"task_id": done.id, "status": done.status},
+                )
+                continue
+            recovered.terminal.append(
+                RecoveredTerminal(
+                    id=TaskId(done.id),
+                    key=done.key,
+                    status=status,
+                    at=base.from_unix(done.updated_unix_ns),
+                )
+            )
+
+    async def _recover_recurring(
+        self, conn: AsyncConnection, base: TimeBase, recovered: Recovered
+    ) -> None:
+        for row in await conn.execute(st.recurring_schedules):
+            try:
+                spec = decode_recurring(base, row.name, row.spec, row.template_payload)
+            except ValueError as exc:
+                # Left in place, so it can be repaired, but not scheduled.
+                logger.error(
+                    "skipping undecodable recurring schedule",
+                    extra={"schedule": row.name, "error": str(exc)},
+                )
+                continue
+            recovered.recurring.append(
+                RecoveredRecurring(
+                    spec=spec,
+                    next=None if row.next_unix_ns is None else base.from_unix(row.next_unix_ns),
+                    last=None if row.last_task_id is None else TaskId(row.last_task_id),
+                )
+            )
+
+    async def load_output(self, id: TaskId) -> bytes | None:
+        """The output of task ``id`` if it succeeded, else ``None``."""
+        async with self._translated("loading an output"), self._db.connect() as conn:
+            output: bytes | None = (await conn.execute(st.task_output, {"id": id})).scalar()
+        return output
+
+    # --- queries ----------------------------------------------------------------------------
+
+    async def get_task(self, ref: TaskRef) -> TaskRecord | None:
+        """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
+        stmt: Executable
+        params: dict[str, object]
+        if isinstance(ref, str):
+            stmt, params = st.task_by_key, {"key": clean_text(ref)}
+        else:
+            stmt, params = st.task_by_id, {"id": int(ref)}
+        async with self._translated("looking up a task"), self._db.connect() as conn:
+            row = (await conn.execute(stmt, params)).first()
+        return None if row is None else _record(row)
+
+    async def list_finished(
+        self,
+        pools: Sequence[str] = (),
+        statuses: Sequence[TaskStatus] = (),
+        after: TaskId | None = None,
+        limit: int = 100,
+    ) -> list[TaskRecord]:
+        """Finished tasks in id order with ids above ``after``, at most ``limit``: those in
+        one of ``pools`` (any if empty) with one of ``statuses`` (any if empty). Pass the
+        last id of a page as ``after`` to get the next one."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit: must be a non-negative integer, got {limit!r}")
+        params = {
+            "pools": [clean_text(p) for p in pools],
+            "statuses": [s.value for s in statuses],
+            "after": -1 if after is None else after,
+            "limit": limit,
+        }
+        async with self._translated("listing finished tasks"), self._db.connect() as conn:
+            rows = (await conn.execute(st.finished_page, params)).all()
+        return [_record(row) for row in rows]
+
+    async def prune(self, older_than: float) -> int:
+        """Delete finished tasks last updated more than ``older_than`` seconds ago, except
+        those a live task depends on (by id or key); returns how many were deleted.
+
+        Deletes :data:`PRUNE_BATCH` rows per transaction, oldest first, so locks stay short.
+        """
+        if (
+            isinstance(older_than, bool)
+            or not isinstance(older_than, (int, float))
+            or not math.isfinite(older_than)
+            or older_than < 0
+        ):
+            raise ValueError(
+                f"older_than: must be a non-negative number of seconds, got {older_than!r}"
+            )
+        params = {"cutoff": time.time_ns() - round(older_than * 1e9), "batch": PRUNE_BATCH}
+        total = 0
+        async with self._translated("pruning finished tasks"):
+            while True:
+                async with self._db.begin() as conn:
+                    deleted = (await conn.execute(st.prune_batch, params)).rowcount
+                total += deleted
+                if deleted < PRUNE_BATCH:
+                    return total
+
+
+def _warn_missing(what: str, expected: int, matched: int) -> None:
+    if matched != expected:
+        logger.warning(
+            "%s for tasks missing from the store (pruned?)",
+            what,
+            extra={"expected": expected, "matched": matched},
+        )
+
+
+def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
+    """A live task row as the scheduler's value; ``ValueError`` names what is wrong."""
+    if row.status not in LIVE_STATUS_NAMES:
+        raise ValueError(f"status: {row.status!r} is not the status of a live task")
+    fixed = None
+    if row.fixed_at_unix_ns is not None:
+        tolerance = row.fixed_tolerance_ns
+        fixed = FixedStart(
+            at=base.from_unix(row.fixed_at_unix_ns),
+            tolerance=ns_to_duration(_DEFAULT_TOLERANCE_NS if tolerance is None else tolerance),
+            on_miss=decode_miss_policy(row.fixed_on_miss),
+        )
+    spec = TaskSpec(
+        row.payload,
+        kind=row.kind,
+        pool=row.pool,
+        priority=Priority.from_stored(row.priority),
+        key=row.key,
+        deadline=None if row.deadline_unix_ns is None else base.from_unix(row.deadline_unix_ns),
+        fixed_start=fixed,
+        duration_hint=_duration(row.duration_hint_ns),
+        timeout=_duration(row.timeout_ns),
+        retry=decode_retry(row.retry),
+        deps=decode_deps(row.deps),
+        resources=decode_resources(row.resources),
+        tags=decode_strings(row.tags, "tags"),
+        labels=decode_strings(row.labels, "labels"),
+        tenant=row.tenant,
+    )
+    return RecoveredTask(
+        id=TaskId(row.id),
+        seq=row.seq,
+        arrival=base.from_unix(row.arrival_unix_ns),
+        spec=spec,
+        attempt=max(row.attempt, 0),
+    )
+
+
+def _duration(ns: int | None) -> timedelta | None:
+    return None if ns is None else ns_to_duration(ns)
+
+
+def _record(row: _Row) -> TaskRecord:
+    return TaskRecord(
+        id=TaskId(row.id),
+        key=row.key,
+        pool=row.pool,
+        kind=row.kind,
+        priority=Priority.from_stored(row.priority),
+        tenant=row.tenant,
+        status=TaskStatus.from_stored(row.status),
+        attempt=max(row.attempt, 0),
+        message=row.message,
+        output=row.output,
+        updated=_UNIX_EPOCH + timedelta(microseconds=max(row.updated_unix_ns, 0) // 1000),
+    )

@@ -1,0 +1,314 @@
+"""Commits: idempotence, write order, outputs, recurring changes, NUL, fencing, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    CronSchedule,
+    Dependency,
+    FixedStart,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.errors import FencedError, UnavailableError
+from cronoq_store.store import PgStore
+
+from .pgharness import admin_execute, asyncpg_dsn
+
+BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
+RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
+
+
+def submitted(id: int, key: str | None = None, payload: bytes = b"p") -> Submitted:
+    return Submitted(TaskId(id), seq=id, arrival=id, spec=TaskSpec(payload, key=key))
+
+
+def changed(id: int, status: TaskStatus, message: str | None = None) -> StatusChanged:
+    return StatusChanged(TaskId(id), status, attempt=1, at=100, message=message)
+
+
+@pytest.fixture
+async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
+    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+        yield s
+
+
+async def fetch(store: PgStore, sql: str, **params: Any) -> list[Any]:
+    """Rows of a raw query; ``{s}`` in ``sql`` is the store's schema."""
+    async with store.engine.connect() as conn:
+        result = await conn.execute(text(sql.format(s=f'"{store.config.schema}"')), params)
+        return list(result.all())
+
+
+async def snapshot(store: PgStore) -> tuple[list[Any], ...]:
+    return (
+        await fetch(store, "SELECT * FROM {s}.cronoq_tasks ORDER BY id"),
+        await fetch(store, "SELECT * FROM {s}.cronoq_recurring ORDER BY name"),
+        await fetch(store, "SELECT * FROM {s}.cronoq_leader"),
+    )
+
+
+def recurring(name: str, every: int = 60, **template: Any) -> RecurringSpec:
+    return RecurringSpec(
+        name, IntervalSchedule(timedelta(seconds=every)), TaskSpec(b"tpl", **template)
+    )
+
+
+async def test_a_landed_batch_committed_again_changes_nothing(store: PgStore) -> None:
+    await store.commit(0, BASE, [submitted(1), submitted(2)], [])
+    batch: list[Mutation] = [
+        changed(1, RUNNING, "started"),
+        changed(1, SUCCEEDED),
+        submitted(3),
+        changed(3, RUNNING, "also started"),
+        submitted(4),
+        RecurringUpsert(recurring("r")),
+        RecurringNext("r", 500, TaskId(3)),
+    ]
+    outputs = [(TaskId(1), b"out")]
+    await store.commit(0, BASE, batch, outputs)
+    landed = await snapshot(store)
+    assert len(landed[0]) == 4
+    assert len(landed[1]) == 1
+    await store.commit(0, BASE, batch, outputs)
+    assert await snapshot(store) == landed
+
+
+async def test_updates_run_before_inserts_so_a_released_key_is_reused(store: PgStore) -> None:
+    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    # One batch: the old holder of "k" finishes and a new task takes the key. Inserting
+    # first would break the unique index on live keys and fail the whole batch.
+    await store.commit(0, BASE, [changed(1, SUCCEEDED), submitted(2, key="k")], [])
+    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
+
+
+async def test_outputs_are_stored_and_missing_tasks_are_logged(
+    store: PgStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED)], [(TaskId(1), b"\0out")])
+    assert await store.load_output(TaskId(1)) == b"\0out"
+    with caplog.at_level(logging.WARNING, logger="cronoq_store"):
+        await store.commit(0, BASE, [changed(9, SUCCEEDED)], [(TaskId(9), b"lost")])
+    warnings = [r for r in caplog.records if r.name == "cronoq_store"]
+    assert [(r.expected, r.matched) for r in warnings] == [(1, 0), (1, 0)]  # type: ignore[attr-defined]
+    assert "status updates" in warnings[0].getMessage()
+    assert "outputs" in warnings[1].getMessage()
+
+
+async def test_recurring_changes_apply_in_batch_order(store: PgStore) -> None:
+    await store.commit(
+        0,
+        BASE,
+        [
+            RecurringUpsert(recurring("a", every=10)),
+            RecurringNext("a", 1_000, TaskId(7)),
+            RecurringRemove("a"),
+            RecurringUpsert(recurring("a", every=20)),  # a new schedule: nothing carried over
+            RecurringUpsert(recurring("b", every=30)),
+            RecurringNext("b", 2_000, None),
+            RecurringUpsert(recurring("b", every=40)),  # a replaced one keeps its progress
+            RecurringRemove("c"),  # removing what is not there is fine
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    got = {r.spec.name: (r.spec.schedule, r.next, r.last) for r in recovered.recurring}
+    assert got == {
+        "a": (IntervalSchedule(timedelta(seconds=20)), None, None),
+        "b": (IntervalSchedule(timedelta(seconds=40)), 2_000, None),
+    }
+
+
+async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgStore) -> None:
+    nul = "x\0y"
+    spec = TaskSpec(
+        b"\0",
+        kind=nul,
+        pool=nul,
+        key=nul,
+        tenant=nul,
+        tags=[nul],
+        labels=[nul],
+        deps=[Dependency(nul)],
+        resources={nul: 2},
+        retry=RetryPolicy(),
+        fixed_start=FixedStart(5),
+    )
+    await store.commit(
+        0,
+        BASE,
+        [
+            Submitted(TaskId(1), 1, 0, spec),
+            Submitted(TaskId(2), 2, 0, TaskSpec(b"")),
+            changed(2, RUNNING, nul),
+            RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
+            RecurringNext(nul, 9, TaskId(1)),
+        ],
+        [],
+    )
+    await store.commit(0, BASE, [changed(1, RUNNING, nul)], [])
+    clean = "x\ufffdy"
+
+    recovered = await store.recover(BASE)
+    task = {t.id: t for t in recovered.tasks}[TaskId(1)]
+    s = task.spec
+    assert (s.kind, s.pool, s.key, s.tenant) == (clean, clean, clean, clean)
+    assert (s.tags, s.labels, s.deps, s.resources) == (
+        (clean,),
+        (clean,),
+        (Dependency(clean),),
+        {clean: 2},
+    )
+    assert s.payload == b"\0"
+    [schedule] = recovered.recurring
+    assert schedule.spec.name == clean
+    assert schedule.spec.template.key == clean
+    assert schedule.next == 9
+
+    rows = await fetch(
+        store,
+        "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
+        "resources::text FROM {s}.cronoq_tasks ORDER BY id",
+    )
+    assert rows[0].message == clean
+    assert rows[1].message == clean
+    assert all("\0" not in v and "\\u0000" not in v for v in rows[0])
+    assert all(clean in v for v in rows[0])
+    [(name, spec_text)] = await fetch(store, "SELECT name, spec::text FROM {s}.cronoq_recurring")
+    # The template's kind, pool, key, tenant, tag, label, dependency key and resource name.
+    assert name == clean
+    assert spec_text.count(clean) == 8
+    assert "\\u0000" not in spec_text
+
+
+@pytest.mark.parametrize("inserts", [True, False], ids=["record-max-id", "for-share"])
+async def test_a_changed_epoch_fences_the_commit_and_nothing_is_written(
+    store: PgStore, inserts: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    async with store.engine.begin() as conn:
+        await conn.execute(text(f'UPDATE "{store.config.schema}".cronoq_leader SET epoch = 7'))
+    before = await snapshot(store)
+    batch: list[Mutation] = [changed(1, RUNNING), RecurringUpsert(recurring("r"))]
+    if inserts:  # the epoch check that also records the high-water mark
+        batch.append(submitted(2))
+    with caplog.at_level(logging.ERROR, logger="cronoq_store"), pytest.raises(FencedError):
+        await store.commit(0, BASE, batch, [(TaskId(1), b"o")])
+    assert await snapshot(store) == before  # not even the high-water mark moved
+    assert [getattr(r, "current_epoch", None) for r in caplog.records] == [7]
+    # Once fenced, the store refuses at once, even an epoch the database would accept.
+    with pytest.raises(FencedError, match="leadership was lost"):
+        await store.commit(7, BASE, batch, [])
+    assert await snapshot(store) == before
+
+
+async def test_commits_after_leadership_is_lost_are_fenced_before_any_sql(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    epoch = await store.acquire_leadership()
+    assert store.is_leader
+    assert store.epoch == epoch
+    await store.commit(epoch, BASE, [submitted(1)], [])
+
+    # A takeover: another instance bumps the epoch; the next commit finds out.
+    await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
+    with pytest.raises(FencedError):
+        await store.commit(epoch, BASE, [changed(1, RUNNING)], [])
+    await asyncio.wait_for(store.leadership_lost(), 5)
+    assert not store.is_leader
+    assert store.epoch is None
+
+    # From now on the store refuses without asking the database: the new leader's epoch
+    # would pass the check, but this instance must never write again.
+    await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = {epoch}')
+    with pytest.raises(FencedError, match="leadership was lost"):
+        await store.commit(epoch, BASE, [changed(1, RUNNING)], [])
+    rows = await fetch(store, "SELECT status FROM {s}.cronoq_tasks")
+    assert [r.status for r in rows] == ["queued"]
+
+
+async def test_release_fences_later_commits(store: PgStore) -> None:
+    epoch = await store.acquire_leadership()
+    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.release_leadership()
+    await asyncio.wait_for(store.leadership_lost(), 5)
+    with pytest.raises(FencedError):
+        await store.commit(epoch, BASE, [submitted(2)], [])
+    assert [r.id for r in await fetch(store, "SELECT id FROM {s}.cronoq_tasks")] == [1]
+
+
+async def test_a_commit_slower_than_commit_timeout_is_unavailable(
+    engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    config = PgStoreConfig(schema=migrated, commit_timeout=0.3)
+    async with await PgStore.from_engine(engine, config) as store:
+        await store.commit(0, BASE, [submitted(1)], [])
+        blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
+        try:
+            tx = blocker.transaction()
+            await tx.start()
+            await blocker.execute(f'SELECT * FROM "{migrated}".cronoq_leader FOR UPDATE')
+            started = time.monotonic()
+            with pytest.raises(UnavailableError, match="commit_timeout"):
+                await store.commit(0, BASE, [submitted(2)], [])
+            assert time.monotonic() - started < 2
+            await tx.rollback()
+        finally:
+            await blocker.close()
+        # Retrying is the caller's job, and works once the database answers again.
+        await store.commit(0, BASE, [submitted(2)], [])
+        rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
+        assert [r.id for r in rows] == [1, 2]
+
+
+async def test_ids_stay_above_the_high_water_mark_after_pruning(store: PgStore) -> None:
+    old = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
+    high = TaskId((3 << 48) | 41)
+    await store.commit(0, old, [submitted(high), changed(high, SUCCEEDED)], [])
+    await store.commit(0, old, [submitted(5), changed(5, SUCCEEDED)], [])  # a lower id
+    assert await store.prune(1) == 2
+    assert await fetch(store, "SELECT id FROM {s}.cronoq_tasks") == []
+    recovered = await store.recover(BASE)
+    assert recovered.next_id == high + 1
+
+
+async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
+    pg_url: URL, migrated: str
+) -> None:
+    config = PgStoreConfig(schema=migrated, max_connections=1)
+    async with await PgStore.connect(pg_url, config) as store:
+        # The one pooled session now behaves like one on a demoted primary.
+        async with store.engine.begin() as conn:
+            await conn.execute(text("SET SESSION default_transaction_read_only = on"))
+        with pytest.raises(UnavailableError) as caught:
+            await store.commit(0, BASE, [submitted(1)], [])
+        assert caught.value.reconnect
+        assert "read-only" in str(caught.value)
+        await store.commit(0, BASE, [submitted(1)], [])
+        rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks")
+        assert [r.id for r in rows] == [1]

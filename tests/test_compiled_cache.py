@@ -1,0 +1,114 @@
+"""The statements compile once: every later batch, of any size and in any schema, hits
+SQLAlchemy's compiled cache.
+
+Detected the documented way: with INFO logging on ``sqlalchemy.engine.Engine``, each
+execution logs ``[generated in ...]`` when it compiled the statement and
+``[cached since ...]`` when the compiled cache served it ("Estimating Cache Performance
+Using Logging" in SQLAlchemy's docs).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.store import PgStore
+
+from .pgharness import admin_execute
+
+BASE = TimeBase.now()
+SQL_LOGGER = "sqlalchemy.engine.Engine"
+SCHEDULE = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
+
+
+def submitted(id: int) -> Submitted:
+    return Submitted(TaskId(id), id, 0, TaskSpec(b"p", key=f"k{id}"))
+
+
+async def exercise(store: PgStore, first: int, size: int) -> int:
+    """Run every statement of the store with ``size`` rows in each array; ids from
+    ``first`` on are new, the one before exists. Returns the next free id."""
+    mutations: list[Mutation] = [submitted(i) for i in range(first, first + size)]
+    old = [TaskId(max(1, first - size + i)) for i in range(size)]  # repeats are folded
+    mutations += [StatusChanged(id, TaskStatus.SUCCEEDED, 1, 1, "ok") for id in old]
+    mutations += [
+        RecurringUpsert(SCHEDULE),
+        RecurringNext("r", first, TaskId(first)),
+        RecurringRemove("r"),
+    ]
+    await store.commit(0, BASE, mutations, [(id, b"out") for id in old])
+    # No new ids: the epoch check takes the FOR SHARE path.
+    await store.commit(0, BASE, [StatusChanged(TaskId(first), TaskStatus.RUNNING, 1, 2)], [])
+    await store.recover(BASE)
+    await store.get_task(TaskId(first))
+    await store.get_task(f"k{first}")
+    await store.list_finished(pools=["default"], statuses=[TaskStatus.SUCCEEDED], limit=size)
+    await store.load_output(TaskId(first))
+    await store.prune(3600)
+    return first + size
+
+
+@pytest.fixture
+async def second_schema(pg_url: URL) -> AsyncIterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    yield name
+    await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def cache_stats(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The cache verdict of every statement executed since the last ``caplog.clear()``."""
+    return [
+        r.getMessage().split("]")[0] + "]"
+        for r in caplog.records
+        if r.name == SQL_LOGGER and r.getMessage().startswith("[")
+    ]
+
+
+async def test_every_batch_after_the_first_hits_the_compiled_cache(
+    engine: AsyncEngine, migrated: str, second_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=SQL_LOGGER)
+    store_a = await PgStore.from_engine(engine, PgStoreConfig(schema=migrated))
+    store_b = await PgStore.from_engine(engine, PgStoreConfig(schema=second_schema))
+    try:
+        caplog.clear()
+        await store_a.commit(0, BASE, [submitted(1)], [])
+        next_a = await exercise(store_a, 2, 1)
+        warm_up = cache_stats(caplog)
+        # The detection works: the first batches compiled the statements they ran.
+        assert any(s.startswith("[generated in") for s in warm_up), warm_up
+
+        caplog.clear()
+        await store_b.commit(0, BASE, [submitted(1)], [])
+        next_b = 2
+        for size in (1, 7, 120):
+            next_a = await exercise(store_a, next_a, size)
+            next_b = await exercise(store_b, next_b, size)
+        stats = cache_stats(caplog)
+    finally:
+        await store_a.close()
+        await store_b.close()
+    assert len(stats) >= 2 * 3 * 12
+    missed = [s for s in stats if not s.startswith("[cached since")]
+    assert missed == []

@@ -1,0 +1,373 @@
+"""Leader election against a real server: lock, epochs, step-down, takeover, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from cronoq_store import PgStore
+from cronoq_store import statements as st
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.errors import StoreError
+from cronoq_store.leadership import Leadership
+from cronoq_store.urls import async_url
+
+from .pgharness import ServerUnderTest, admin_execute, terminate_backends
+from .tcpproxy import TcpProxy
+
+LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.05, 0.2, 1.0
+#: Step-down must come within session_timeout of the session failing; this is the slack.
+STEP_DOWN_BOUND = SESSION_TIMEOUT + 2 * KEEPALIVE
+
+Factory = Callable[..., Leadership]
+
+
+def config(schema: str, name: str, keepalive: float = KEEPALIVE) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema,
+        lock_poll=LOCK_POLL,
+        keepalive=keepalive,
+        session_timeout=SESSION_TIMEOUT,
+        application_name=f"{name}-{schema}",
+    )
+
+
+def leader_app(schema: str, name: str) -> str:
+    """The ``application_name`` of instance ``name``'s lock session."""
+    return f"{config(schema, name).application_name} leader"
+
+
+@pytest.fixture
+async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
+    async with engine.connect() as conn:
+        oid = (await conn.execute(st.schema_oid, {"schema": migrated})).scalar_one()
+    return (st.LOCK_NS_LEADER, oid)
+
+
+@pytest.fixture
+async def make(pg_url: URL, migrated: str, lock_key: tuple[int, int]) -> AsyncIterator[Factory]:
+    """Build Leadership instances on the test's schema; all are closed afterwards."""
+    made: list[Leadership] = []
+
+    def build(name: str = "a", url: URL | None = None, **settings: float) -> Leadership:
+        leadership = Leadership(
+            async_url(url or pg_url), migrated, lock_key, config(migrated, name, **settings)
+        )
+        made.append(leadership)
+        return leadership
+
+    yield build
+    for leadership in made:
+        await asyncio.wait_for(leadership.close(), 10)
+
+
+async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
+    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``."""
+    rows = await admin_execute(
+        url,
+        "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND l.classid::bigint = $1 AND l.objid::bigint = $2 AND l.objsubid = 2",
+        key[0],
+        key[1] & 0xFFFFFFFF,  # objid is an unsigned oid
+    )
+    return [(r[0], r[1]) for r in rows]
+
+
+async def lead(leadership: Leadership) -> int:
+    """``acquire()``, bounded: a test that cannot lead fails instead of hanging."""
+    return await asyncio.wait_for(leadership.acquire(), 10)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
+    """Wait until ``check()`` is true; the server ends a closed session asynchronously."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_standby_waits_and_takes_over_on_release(make: Factory) -> None:
+    a, b = make("a"), make("b")
+    assert await lead(a) == 1
+    assert (a.is_leader, a.epoch) == (True, 1)
+    standby = asyncio.ensure_future(b.acquire())
+    await asyncio.sleep(10 * LOCK_POLL)
+    assert not standby.done()
+    assert (b.is_leader, b.epoch) == (False, None)
+
+    await a.release()
+    assert (a.is_leader, a.epoch) == (False, None)
+    await asyncio.wait_for(a.wait_lost(), 0.1)
+    assert await asyncio.wait_for(standby, 5) == 2
+    assert (b.is_leader, b.epoch) == (True, 2)
+
+
+async def test_wait_lost_waits_until_leadership_held_is_lost(make: Factory) -> None:
+    a = make()
+    waiter = asyncio.ensure_future(a.wait_lost())
+    await asyncio.sleep(0.1)
+    assert not waiter.done(), "nothing was held, so nothing was lost"
+    await lead(a)
+    await asyncio.sleep(3 * KEEPALIVE)
+    assert not waiter.done()
+    await a.release()
+    await asyncio.wait_for(waiter, 1)
+
+
+async def test_lock_shows_in_pg_locks_on_the_leader_session(
+    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+) -> None:
+    a = make("a")
+    await lead(a)
+    holders = await lock_holders(pg_url, lock_key)
+    assert [app for _, app in holders] == [leader_app(migrated, "a")]
+
+    await a.release()
+
+    async def released() -> bool:
+        return await lock_holders(pg_url, lock_key) == []
+
+    await eventually(released, timeout=2)
+
+
+async def test_step_down_when_lock_session_is_terminated(
+    make: Factory, pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = make("a"), make("b")
+    assert await lead(a) == 1
+    standby = asyncio.ensure_future(b.acquire())
+    caplog.set_level(logging.INFO, logger="cronoq_store")
+
+    started = time.monotonic()
+    assert await terminate_backends(pg_url, leader_app(migrated, "a")) == 1
+    await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
+    assert time.monotonic() - started < STEP_DOWN_BOUND
+    assert (a.is_leader, a.epoch) == (False, None)
+    assert await asyncio.wait_for(standby, 5) == 2
+
+    lost = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in lost] == ["leader lock session lost; stepping down"]
+    assert getattr(lost[0], "epoch", None) == 1
+
+
+async def test_step_down_when_lock_session_goes_silent(
+    make: Factory, pg_url: URL, lock_key: tuple[int, int], migrated: str
+) -> None:
+    # A longer ping interval tells "silent for session_timeout" from "a ping unanswered for
+    # session_timeout", which would step down up to one interval later.
+    keepalive = 0.4
+    loop = asyncio.get_running_loop()
+    async with TcpProxy.to(pg_url) as proxy:
+        a = make("a", proxy.url(pg_url), keepalive=keepalive)
+        b = make("b")
+        assert await lead(a) == 1
+        standby = asyncio.ensure_future(b.acquire())
+        await asyncio.sleep(2.5 * keepalive)
+
+        proxy.stall()
+        stalled = loop.time()
+        await asyncio.wait_for(a.wait_lost(), SESSION_TIMEOUT + 2 * keepalive)
+        assert loop.time() - stalled < SESSION_TIMEOUT + 2 * keepalive
+        assert not a.is_leader
+        # Measured from the last answer that came through, the step-down is on time: neither
+        # early (nothing failed, nothing closed) nor a ping interval late.
+        silent_for = loop.time() - proxy.last_delivery
+        assert SESSION_TIMEOUT - 0.05 <= silent_for < SESSION_TIMEOUT + keepalive / 2
+
+        # The server still sees a live socket (the proxy's): the lock stays held until the
+        # server's TCP keepalive gives up on the client, which the cut stands in for. The
+        # old leader stepped down before the lock could move.
+        assert not standby.done()
+        assert [app for _, app in await lock_holders(pg_url, lock_key)] == [
+            leader_app(migrated, "a")
+        ]
+        proxy.cut()
+        assert await asyncio.wait_for(standby, 5) == 2
+
+
+async def test_standby_whose_session_goes_silent_reconnects(
+    make: Factory, pg_url: URL, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with TcpProxy.to(pg_url) as proxy:
+        a, b = make("a"), make("b", proxy.url(pg_url))
+        await lead(a)
+        standby = asyncio.ensure_future(b.acquire())
+        await asyncio.sleep(4 * LOCK_POLL)
+        caplog.set_level(logging.WARNING, logger="cronoq_store")
+        proxy.stall()
+        await asyncio.sleep(SESSION_TIMEOUT + 0.5)
+        # Polls unanswered for session_timeout count as an outage: reconnect and retry.
+        assert any("retrying" in r.getMessage() for r in caplog.records)
+        proxy.forward()
+        await a.release()
+        assert await asyncio.wait_for(standby, 10) == 2
+
+
+async def test_slow_but_answering_session_keeps_leadership(make: Factory, pg_url: URL) -> None:
+    async with TcpProxy.to(pg_url) as proxy:
+        a = make("a", proxy.url(pg_url))
+        await lead(a)
+        # Round trips of 0.5 s: slower than keepalive but well within session_timeout.
+        proxy.delay(0.25)
+        await asyncio.sleep(3 * SESSION_TIMEOUT)
+        assert a.is_leader
+        proxy.forward()
+
+
+async def test_epoch_wraps_at_32767(make: Factory, pg_url: URL, migrated: str) -> None:
+    await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 32766')
+    a = make()
+    assert await lead(a) == st.MAX_EPOCH
+    await a.release()
+    assert await lead(a) == 1
+    rows = await admin_execute(pg_url, f'SELECT epoch FROM "{migrated}".cronoq_leader')
+    assert [r[0] for r in rows] == [1]
+
+
+async def test_reacquire_after_loss_takes_a_new_epoch(
+    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+) -> None:
+    a = make("a")
+    assert await lead(a) == 1
+    first = await lock_holders(pg_url, lock_key)
+    await terminate_backends(pg_url, leader_app(migrated, "a"))
+    await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
+
+    assert await lead(a) == 2
+    assert a.epoch == 2
+    second = await lock_holders(pg_url, lock_key)
+    assert len(second) == 1
+    assert second[0][0] != first[0][0], "a new term runs on a new session"
+    # Acquiring while leading starts a new term too.
+    assert await lead(a) == 3
+
+
+async def test_mark_lost_steps_down_and_frees_the_lock(
+    make: Factory, pg_url: URL, lock_key: tuple[int, int]
+) -> None:
+    a, b = make("a"), make("b")
+    await lead(a)
+    standby = asyncio.ensure_future(b.acquire())
+    a.mark_lost()
+    assert (a.is_leader, a.epoch) == (False, None)
+    await asyncio.wait_for(a.wait_lost(), 0.1)
+    # The keeper closes the session at its next wake-up, which releases the lock.
+    assert await asyncio.wait_for(standby, 5) == 2
+    assert len(await lock_holders(pg_url, lock_key)) == 1
+
+
+async def test_acquisition_retries_while_the_server_is_down(
+    make: Factory, pg_server: ServerUnderTest, pg_url: URL, caplog: pytest.LogCaptureFixture
+) -> None:
+    if pg_server.kind != "embedded":
+        pytest.skip("needs a server the suite can stop and start on the same port")
+    a = make()
+    caplog.set_level(logging.INFO, logger="cronoq_store")
+    pg_server.stop()
+    try:
+        attempt = asyncio.ensure_future(a.acquire())
+        await asyncio.sleep(1.0)
+        assert not attempt.done()
+    finally:
+        await asyncio.to_thread(pg_server.start)
+    assert await asyncio.wait_for(attempt, 15) == 1
+    assert a.is_leader
+
+    retries = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert retries, "each failed attempt is logged"
+    assert all("retrying" in r.getMessage() for r in retries)
+    assert getattr(retries[0], "url", "").startswith("postgresql+asyncpg://")
+    password = pg_url.password
+    assert password
+    for record in caplog.records:
+        assert str(password) not in str(record.__dict__)
+
+
+async def test_lock_never_rides_on_an_app_pool_connection(
+    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+) -> None:
+    app_name = f"app-{migrated}"
+    app = create_async_engine(
+        async_url(pg_url), connect_args={"server_settings": {"application_name": app_name}}
+    )
+    try:
+        # Use several pool connections, return them, and lead from the same server URL.
+        async def backend_pid() -> int:
+            async with app.connect() as conn:
+                await asyncio.sleep(0.05)
+                return int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+        app_pids = set(await asyncio.gather(*(backend_pid() for _ in range(3))))
+        assert app.pool.checkedout() == 0  # type: ignore[attr-defined]
+        a = make("a")
+        await lead(a)
+        async with app.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+        rows = await admin_execute(
+            pg_url, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", app_name
+        )
+        app_pids |= {r[0] for r in rows}
+        holders = await lock_holders(pg_url, lock_key)
+        assert [app for _, app in holders] == [leader_app(migrated, "a")]
+        assert holders[0][0] not in app_pids
+    finally:
+        await app.dispose()
+    assert a.is_leader
+    assert len(await lock_holders(pg_url, lock_key)) == 1
+
+
+async def test_unmigrated_schema_is_an_error_not_a_retry(
+    pg_url: URL, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="cronoq_store")
+    await admin_execute(pg_url, f'CREATE SCHEMA "{schema}"')
+    rows = await admin_execute(pg_url, "SELECT $1::regnamespace::oid::bigint", schema)
+    a = Leadership(async_url(pg_url), schema, (st.LOCK_NS_LEADER, rows[0][0]), config(schema, "a"))
+    try:
+        with pytest.raises(StoreError) as info:
+            await asyncio.wait_for(a.acquire(), 5)
+        assert not info.value.is_transient
+        assert info.value.__cause__ is not None
+        assert not a.is_leader
+        assert caplog.records == []
+    finally:
+        await a.close()
+
+
+async def test_close_stops_a_pending_acquisition(make: Factory) -> None:
+    a, b = make("a"), make("b")
+    await lead(a)
+    standby = asyncio.ensure_future(b.acquire())
+    await asyncio.sleep(4 * LOCK_POLL)
+    await asyncio.wait_for(b.close(), 2)
+    with pytest.raises(StoreError, match="closed"):
+        await standby
+    assert a.is_leader
+    with pytest.raises(StoreError, match="closed"):
+        await lead(b)
+
+
+async def test_release_right_after_acquire_frees_the_lock(pg_url: URL, migrated: str) -> None:
+    """Releasing before the keeper ever ran still closes the session (and frees the lock)."""
+    config = PgStoreConfig(schema=migrated, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
+    async with (
+        await PgStore.connect(pg_url, config) as first,
+        await PgStore.connect(pg_url, config) as second,
+    ):
+        for expected in (1, 3, 5):
+            assert await first.acquire_leadership() == expected
+            await first.release_leadership()
+            gc.collect()  # a leaked session would be reclaimed here, with a warning (an error)
+            assert await asyncio.wait_for(second.acquire_leadership(), 2.0) == expected + 1
+            await second.release_leadership()

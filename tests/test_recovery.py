@@ -1,0 +1,207 @@
+"""Recovery: what a new leader loads, and how it survives rows it cannot read."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    MissPolicy,
+    Priority,
+    RecoveredTerminal,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.store import PgStore
+
+NOW = time.time_ns()
+BASE = TimeBase(engine_ns=0, unix_ns=NOW)
+HOUR = 3600 * 10**9
+SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
+
+
+def submitted(id: int, **spec: Any) -> Submitted:
+    return Submitted(TaskId(id), seq=id, arrival=-id, spec=TaskSpec(b"p%d" % id, **spec))
+
+
+def finished(id: int, ago: int, status: TaskStatus = SUCCEEDED) -> StatusChanged:
+    """A transition ``ago`` ns before now (engine time 0 is now in ``BASE``)."""
+    return StatusChanged(TaskId(id), status, attempt=1, at=-ago)
+
+
+@pytest.fixture
+async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
+    config = PgStoreConfig(schema=migrated, retention=3600.0)
+    async with await PgStore.from_engine(engine, config) as s:
+        yield s
+
+
+async def execute(store: PgStore, sql: str) -> list[Any]:
+    """Raw SQL, ``{s}`` being the store's schema: how corrupt rows get in."""
+    async with store.engine.begin() as conn:
+        result = await conn.execute(text(sql.replace("{s}", f'"{store.config.schema}"')))
+        return list(result.all()) if result.returns_rows else []
+
+
+async def test_live_tasks_round_trip_with_every_field(store: PgStore) -> None:
+    spec = TaskSpec(
+        b"\x00\xff",
+        kind="email",
+        pool="io",
+        priority=Priority.HIGH,
+        key="k",
+        deadline=5_000,
+        fixed_start=FixedStart(7_000, timedelta(seconds=3), MissPolicy.RUN),
+        duration_hint=timedelta(milliseconds=1500),
+        timeout=timedelta(seconds=9),
+        retry=RetryPolicy(max_attempts=5, backoff=timedelta(seconds=2)),
+        deps=[Dependency(TaskId(3), DependencyCondition.FINISHED), Dependency("other")],
+        resources={"gpu": 2},
+        tags=["a", "b"],
+        labels=["linux"],
+        tenant="acme",
+    )
+    await store.commit(
+        0,
+        BASE,
+        [
+            Submitted(TaskId(9), 4, 123, spec),
+            StatusChanged(TaskId(9), TaskStatus.RETRYING, attempt=2, at=1),
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    [task] = recovered.tasks
+    assert (task.id, task.seq, task.arrival, task.attempt) == (9, 4, 123, 2)
+    assert task.spec == spec
+    assert recovered.next_id == 10
+
+
+async def test_finished_tasks_within_retention_and_those_depended_on(store: PgStore) -> None:
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(1),
+            finished(1, ago=2 * HOUR),  # old: dropped
+            submitted(2),
+            finished(2, ago=HOUR // 6, status=FAILED),  # 10 minutes ago: kept
+            submitted(3),
+            finished(3, ago=48 * HOUR),  # old, but task 6 depends on it by id
+            submitted(4, key="dep"),
+            finished(4, ago=30 * HOUR),  # old, but task 6 depends on its key
+            submitted(5, key="dep"),
+            finished(5, ago=20 * HOUR),  # a later task with the same key: kept too
+            submitted(6, deps=[Dependency(TaskId(3)), Dependency("dep")]),
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    assert [t.id for t in recovered.tasks] == [6]
+    # Ordered by update time, oldest first.
+    assert recovered.terminal == [
+        RecoveredTerminal(TaskId(3), None, SUCCEEDED, -48 * HOUR),
+        RecoveredTerminal(TaskId(4), "dep", SUCCEEDED, -30 * HOUR),
+        RecoveredTerminal(TaskId(5), "dep", SUCCEEDED, -20 * HOUR),
+        RecoveredTerminal(TaskId(2), None, FAILED, -(HOUR // 6)),
+    ]
+
+
+async def test_next_id_is_zero_for_an_empty_store(store: PgStore) -> None:
+    recovered = await store.recover(BASE)
+    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (0, [], [])
+
+
+CORRUPTIONS = {
+    # task id: (column assignment, what the quarantine message must say)
+    2: ('deps = \'[{"id": "seven"}]\'', "deps[0].id: expected a task id"),
+    3: ('deps = \'{"not": "an array"}\'', "deps: expected an array"),
+    4: ("status = 'paused'", "status: 'paused' is not the status of a live task"),
+    5: ("fixed_at_unix_ns = 1, fixed_on_miss = 'sometimes'", "fixed_on_miss: expected one of"),
+    6: ("retry = '{\"max_attempts\": 0}'", "retry.max_attempts"),
+    7: ("tags = '[1]'", "tags[0]: expected a string"),
+    8: ("pool = ''", "pool: must be a non-empty string"),
+}
+
+
+async def test_corrupt_rows_are_quarantined_and_the_rest_recovers(
+    store: PgStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = [1, *CORRUPTIONS, 9]
+    await store.commit(
+        0, BASE, [submitted(i, key=f"k{i}", deps=[Dependency("k99")]) for i in ids], []
+    )
+    for id, (assignment, _) in CORRUPTIONS.items():
+        await execute(store, f"UPDATE {{s}}.cronoq_tasks SET {assignment} WHERE id = {id}")
+
+    with caplog.at_level(logging.ERROR, logger="cronoq_store"):
+        recovered = await store.recover(BASE)
+
+    assert [t.id for t in recovered.tasks] == [1, 9]
+    quarantined = [t for t in recovered.terminal if t.status is FAILED]
+    assert [(t.id, t.key) for t in quarantined] == [(i, f"k{i}") for i in CORRUPTIONS]
+    logged = sorted(getattr(r, "task_id", -1) for r in caplog.records)
+    assert logged == list(CORRUPTIONS)
+
+    rows = await execute(
+        store, "SELECT id, status, terminal, message FROM {s}.cronoq_tasks ORDER BY id"
+    )
+    for row in rows:
+        if row.id in CORRUPTIONS:
+            assert (row.status, row.terminal) == ("failed", True)
+            assert row.message.startswith("corrupt task row: ")
+            assert CORRUPTIONS[row.id][1] in row.message, row.message
+        else:
+            assert (row.status, row.terminal, row.message) == ("queued", False, None)
+
+    # The quarantined rows are ordinary failed tasks now: the next recovery is clean.
+    caplog.clear()
+    again = await store.recover(BASE)
+    assert [t.id for t in again.tasks] == [1, 9]
+    assert [r for r in caplog.records if r.name == "cronoq_store"] == []
+
+
+async def test_undecodable_schedule_is_skipped_and_left_in_place(
+    store: PgStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = RecurringSpec("good", CronSchedule("0 * * * *", "Europe/Paris"), TaskSpec(b"t"))
+    bad = RecurringSpec("bad", CronSchedule("0 * * * *"), TaskSpec(b"t"))
+    await store.commit(
+        0,
+        BASE,
+        [RecurringUpsert(good), RecurringUpsert(bad), RecurringNext("good", 77, TaskId(5))],
+        [],
+    )
+    await execute(
+        store,
+        "UPDATE {s}.cronoq_recurring SET spec = jsonb_set(spec, '{schedule,type}', '\"lunar\"')"
+        " WHERE name = 'bad'",
+    )
+    with caplog.at_level(logging.ERROR, logger="cronoq_store"):
+        recovered = await store.recover(BASE)
+    assert [(r.spec, r.next, r.last) for r in recovered.recurring] == [(good, 77, 5)]
+    [record] = caplog.records
+    assert getattr(record, "schedule", None) == "bad"
+    assert "lunar" in getattr(record, "error", "")
+    rows = await execute(store, "SELECT name FROM {s}.cronoq_recurring ORDER BY name")
+    assert [r.name for r in rows] == ["bad", "good"]
