@@ -42,17 +42,21 @@ from .domain import (
     task_id,
 )
 from .errors import FencedError, MigrationError, StoreError, UnavailableError
+from .group_commit import CommitterClosedError, CommitterStats, GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
 
 __all__ = [
     "EPOCH_MAX",
     "EPOCH_MIN",
+    "CommitterClosedError",
+    "CommitterStats",
     "CronSchedule",
     "Dependency",
     "DependencyCondition",
     "FencedError",
     "FixedStart",
+    "GroupCommitter",
     "IntervalSchedule",
     "MigrationError",
     "MissPolicy",

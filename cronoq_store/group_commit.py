@@ -1,0 +1,654 @@
+"""Group commit: many concurrent submitters, few transactions, acknowledgement after durability.
+
+A transaction costs about the same for one mutation as for a thousand (round trips, not rows,
+dominate: see FACTS.md), so the scheduler's submitters should share them.
+:class:`GroupCommitter` queues their submissions, and one writer task commits them in
+batches: while one commit is in flight the next batch accumulates, so batches grow with load
+and no timer adds latency when the system is idle. A submitter's ``await`` returns only once
+the transaction holding its mutations has committed.
+
+Failures are sorted by who they belong to:
+
+* ``UnavailableError`` (transient) belongs to the database: the same batch is retried with
+  capped exponential backoff and full jitter; commits are idempotent, so a retry of a batch
+  that did land changes nothing.
+* ``FencedError`` belongs to this instance: another leader took over, so nothing may be
+  written again. Every pending submitter fails with it and the committer closes.
+* Any other error belongs to some submission (a duplicate key aborts the whole transaction):
+  the batch is bisected, halves committed in order, until only the guilty submissions fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, TypeAlias, TypeVar
+
+from .domain import Mutation, TaskId, TimeBase
+from .errors import FencedError, StoreError
+
+__all__ = [
+    "CommitterClosedError",
+    "CommitterStats",
+    "GroupCommitter",
+    "SupportsCommit",
+]
+
+logger = logging.getLogger("cronoq_store")
+
+Output: TypeAlias = tuple[TaskId, bytes]
+
+_E = TypeVar("_E", bound=BaseException)
+
+#: Backoff exponents stop growing here; the cap is reached long before.
+_MAX_BACKOFF_EXPONENT = 32
+
+
+class SupportsCommit(Protocol):
+    """All the committer needs of a store: ``PgStore`` and any ``Store`` qualify."""
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        """Write ``batch`` and ``outputs`` in one idempotent transaction; return once it
+        committed. ``FencedError``: stop writing; transient ``StoreError``: retry."""
+        ...
+
+
+class CommitterClosedError(StoreError):
+    """The committer was closed before this submission could be committed or confirmed.
+
+    Raised by :meth:`GroupCommitter.submit` after :meth:`GroupCommitter.close`, and given to
+    pending submitters that a close without draining (or a drain that timed out) abandons.
+    The message says whether the submission may nonetheless have been committed.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class CommitterStats:
+    """A snapshot of a committer's counters; latencies are seconds, ``None`` before any ack.
+
+    Latency runs from the call to ``submit`` (backpressure wait included) to the ack, over
+    the last ``latency_window`` acknowledged submissions.
+    """
+
+    #: Submissions accepted into the queue.
+    submissions: int
+    #: Submissions acknowledged: their mutations are durable.
+    acknowledged: int
+    #: Submissions that received an error.
+    failed_submissions: int
+    #: Submissions cancelled by their submitter before a batch took them: never committed.
+    dropped: int
+    #: Mutations acknowledged (outputs not counted).
+    mutations: int
+    #: Transactions that committed.
+    commits: int
+    #: Commit attempts that failed transiently and were retried.
+    retries: int
+    #: Batches split in two because a non-transient error failed them.
+    splits: int
+    #: Submissions accepted and not yet settled (queued or in flight), and their size.
+    pending_submissions: int
+    pending_mutations: int
+    #: Mutations and submissions per committed transaction.
+    mean_batch_mutations: float
+    mean_batch_submissions: float
+    latency_p50: float | None
+    latency_p99: float | None
+    latency_max: float | None
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # accepted, waiting for a batch
+    TAKEN = "taken"  # in a batch: committed or failed as a whole, even if cancelled
+    DROPPED = "dropped"  # cancelled while queued: skipped by the writer
+    SETTLED = "settled"  # acknowledged or failed
+
+
+class _Submission:
+    __slots__ = ("future", "mutations", "outputs", "started", "state", "weight")
+
+    def __init__(
+        self,
+        mutations: tuple[Mutation, ...],
+        outputs: tuple[Output, ...],
+        future: asyncio.Future[None],
+        started: float,
+    ) -> None:
+        self.mutations = mutations
+        self.outputs = outputs
+        self.future = future
+        self.started = started
+        # Each mutation and output is a row to write; an empty submission (a barrier) still
+        # takes a place in the queue.
+        self.weight = max(1, len(mutations) + len(outputs))
+        self.state = _State.QUEUED
+
+
+class _Abandoned(Exception):
+    """Internal: the committer was closed while a batch was still being retried."""
+
+    def __init__(self, last_error: StoreError) -> None:
+        super().__init__(str(last_error))
+        self.last_error = last_error
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_seconds(name: str, value: float) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted sequence."""
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _chained(error: _E, cause: BaseException | None) -> _E:
+    """``error`` with ``cause`` attached as if raised ``from cause``; each submitter gets an
+    instance of its own, so concurrent raises do not share one traceback."""
+    error.__cause__ = cause
+    return error
+
+
+class GroupCommitter:
+    """Turns many concurrent submitters into few transactions, each acked once durable.
+
+    One committer serves one leadership term: ``epoch`` and ``base`` are passed to every
+    commit. Submissions are committed in the order they were accepted; a batch takes whole
+    submissions up to ``max_batch_mutations`` rows (a larger single submission goes alone).
+    ``max_pending_mutations`` bounds the rows accepted but not yet settled (queued or in
+    flight); ``submit`` waits for room, first come first served, and a submission larger
+    than the bound is admitted once nothing else is pending. Outputs count as rows for both
+    bounds. Transient failures are retried after a full-jitter delay drawn from
+    ``[0, min(retry_max, retry_initial * 2**n)]`` seconds.
+
+    Use it as an async context manager, or call :meth:`close`; the writer task starts with
+    the first submission.
+    """
+
+    def __init__(
+        self,
+        store: SupportsCommit,
+        epoch: int,
+        base: TimeBase,
+        *,
+        max_batch_mutations: int = 5000,
+        max_pending_mutations: int = 20_000,
+        retry_initial: float = 0.05,
+        retry_max: float = 2.0,
+        latency_window: int = 10_000,
+    ) -> None:
+        self._store = store
+        self._epoch = epoch
+        self._base = base
+        self._max_batch = _positive_int("max_batch_mutations", max_batch_mutations)
+        self._max_pending = _positive_int("max_pending_mutations", max_pending_mutations)
+        self._retry_initial = _positive_seconds("retry_initial", retry_initial)
+        self._retry_max = _positive_seconds("retry_max", retry_max)
+        if self._retry_max < self._retry_initial:
+            raise ValueError(
+                f"retry_max ({retry_max}s) must be at least retry_initial ({retry_initial}s)"
+            )
+        self._latencies: deque[float] = deque(
+            maxlen=_positive_int("latency_window", latency_window)
+        )
+        self._rng = random.Random()
+
+        self._queue: deque[_Submission] = deque()
+        self._in_flight: list[_Submission] = []
+        self._pending_count = 0
+        self._pending_weight = 0
+        # FIFO admission: a submitter waiting for room keeps its place in line.
+        self._admission = asyncio.Lock()
+        self._room = asyncio.Event()
+        self._wakeup = asyncio.Event()
+        self._abort_event = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+
+        self._closing = False  # no new submissions
+        self._aborting = False  # stop committing: fail what is left
+        self._fenced: FencedError | None = None
+        self._failure: BaseException | None = None  # the writer died of this
+
+        self._submissions = 0
+        self._acknowledged = 0
+        self._failed = 0
+        self._dropped = 0
+        self._mutations = 0
+        self._commits = 0
+        self._retries = 0
+        self._splits = 0
+        self._committed_submissions = 0
+
+    # --- public API -------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The fencing epoch every commit carries."""
+        return self._epoch
+
+    @property
+    def closed(self) -> bool:
+        """Whether new submissions are refused (closed, closing, or fenced)."""
+        return self._closing
+
+    @property
+    def fenced(self) -> bool:
+        """Whether a commit was fenced: another instance leads, nothing more is written."""
+        return self._fenced is not None
+
+    async def submit(
+        self, mutations: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]] = ()
+    ) -> None:
+        """Return once ``mutations`` and ``outputs`` are durable (their batch committed).
+
+        Waits for room when the queue is full. Raises ``FencedError`` if this instance was
+        fenced, :class:`CommitterClosedError` if the committer is (or gets) closed first,
+        or the error that failed this submission's own commit. An empty submission is a
+        barrier: it returns once everything submitted before it is settled.
+
+        Cancelling the call drops the submission if no batch has taken it yet; once it is
+        in flight the commit goes ahead (it cannot be undone) and may still land.
+        """
+        started = time.monotonic()
+        self._refuse_if_closed()
+        sub = _Submission(
+            tuple(mutations),
+            tuple(outputs),
+            asyncio.get_running_loop().create_future(),
+            started,
+        )
+        async with self._admission:
+            while True:
+                self._refuse_if_closed()
+                if self._has_room(sub.weight):
+                    break
+                self._room.clear()
+                await self._room.wait()
+            self._queue.append(sub)
+            self._pending_count += 1
+            self._pending_weight += sub.weight
+            self._submissions += 1
+            self._wakeup.set()
+            self._ensure_writer()
+        try:
+            await sub.future
+        except asyncio.CancelledError:
+            if sub.state is _State.QUEUED:
+                sub.state = _State.DROPPED
+                self._release(sub)
+                self._dropped += 1
+            raise
+
+    async def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting submissions and settle every pending one; never drops any silently.
+
+        ``drain=True`` commits everything pending first (retrying through outages); after
+        ``timeout`` seconds, if given, it gives up as ``drain=False`` does. ``drain=False``
+        fails queued submissions with :class:`CommitterClosedError` at once, lets an attempt
+        already in progress finish, and fails its batch too if that attempt did not commit.
+        Idempotent; a later call may escalate a drain to an abort.
+        """
+        if timeout is not None:
+            timeout = _positive_seconds("timeout", timeout)
+        if not self._closing:
+            logger.info(
+                "closing the group committer",
+                extra={
+                    "drain": drain,
+                    "pending_submissions": self._pending_count,
+                    "pending_mutations": self._pending_weight,
+                },
+            )
+        self._closing = True
+        self._room.set()  # submitters waiting for room: refused
+        self._wakeup.set()
+        if not drain:
+            self._abort("closed without draining")
+        writer = self._writer
+        if writer is None:
+            return
+        # asyncio.wait neither raises the writer's exception nor cancels it if we are.
+        _, still_running = await asyncio.wait({writer}, timeout=timeout)
+        if still_running:
+            logger.warning(
+                "draining the group committer timed out; failing what is left",
+                extra={"timeout": timeout, "pending_submissions": self._pending_count},
+            )
+            self._abort(f"drain did not finish within {timeout} s")
+            await asyncio.wait({writer})
+
+    async def __aenter__(self) -> GroupCommitter:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Drain on a normal exit; when the block raised, fail pending work instead of
+        waiting on a database that may never come back."""
+        await self.close(drain=exc_type is None)
+
+    def stats(self) -> CommitterStats:
+        """Counters and latency percentiles, as of now."""
+        ordered = sorted(self._latencies)
+        commits = self._commits
+        return CommitterStats(
+            submissions=self._submissions,
+            acknowledged=self._acknowledged,
+            failed_submissions=self._failed,
+            dropped=self._dropped,
+            mutations=self._mutations,
+            commits=commits,
+            retries=self._retries,
+            splits=self._splits,
+            pending_submissions=self._pending_count,
+            pending_mutations=self._pending_weight,
+            mean_batch_mutations=self._mutations / commits if commits else 0.0,
+            mean_batch_submissions=self._committed_submissions / commits if commits else 0.0,
+            latency_p50=_percentile(ordered, 0.50),
+            latency_p99=_percentile(ordered, 0.99),
+            latency_max=ordered[-1] if ordered else None,
+        )
+
+    def __repr__(self) -> str:
+        state = "fenced" if self._fenced else "closed" if self._closing else "open"
+        return (
+            f"GroupCommitter(epoch={self._epoch}, {state}, "
+            f"pending={self._pending_count}/{self._pending_weight} rows)"
+        )
+
+    # --- admission --------------------------------------------------------------------------
+
+    def _refuse_if_closed(self) -> None:
+        if self._fenced is not None:
+            raise FencedError(
+                f"the group committer was fenced ({self._fenced}): another instance leads, "
+                "so this instance must not write any more"
+            ) from self._fenced
+        if self._failure is not None:
+            raise CommitterClosedError(
+                f"the group committer stopped after an internal failure: {self._failure!r}"
+            ) from self._failure
+        if self._closing:
+            raise CommitterClosedError("the group committer is closed; submission refused")
+
+    def _has_room(self, weight: int) -> bool:
+        return self._pending_count == 0 or self._pending_weight + weight <= self._max_pending
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(
+                self._run(), name=f"cronoq-group-commit-epoch-{self._epoch}"
+            )
+
+    def _release(self, sub: _Submission) -> None:
+        self._pending_count -= 1
+        self._pending_weight -= sub.weight
+        self._room.set()
+
+    # --- settling ---------------------------------------------------------------------------
+
+    def _acknowledge(self, sub: _Submission, now: float) -> None:
+        if sub.state is _State.SETTLED:
+            return
+        sub.state = _State.SETTLED
+        self._release(sub)
+        self._acknowledged += 1
+        self._mutations += len(sub.mutations)
+        self._latencies.append(now - sub.started)
+        if not sub.future.done():  # a submitter cancelled in flight is not waiting
+            sub.future.set_result(None)
+
+    def _fail(self, sub: _Submission, error: BaseException) -> None:
+        if sub.state is _State.SETTLED or sub.state is _State.DROPPED:
+            return
+        sub.state = _State.SETTLED
+        self._release(sub)
+        self._failed += 1
+        if not sub.future.done():
+            sub.future.set_exception(error)
+
+    def _fail_queued(self, make_error: Callable[[], BaseException]) -> None:
+        while self._queue:
+            sub = self._queue.popleft()
+            if sub.state is _State.QUEUED:
+                self._fail(sub, make_error())
+
+    def _fail_in_flight(self, make_error: Callable[[], BaseException]) -> None:
+        for sub in self._in_flight:
+            if sub.state is _State.TAKEN:
+                self._fail(sub, make_error())
+
+    def _abort(self, reason: str) -> None:
+        """Stop committing: queued submissions fail now (they were never sent); the writer
+        fails the batch in flight unless its current attempt commits."""
+        self._aborting = True
+        self._abort_event.set()
+        self._wakeup.set()
+        self._fail_queued(
+            lambda: CommitterClosedError(
+                f"the group committer was closed ({reason}); this submission was not committed"
+            )
+        )
+
+    # --- the writer -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """The single writer: batches in submission order until closed, fenced or aborted."""
+        try:
+            while (batch := await self._next_batch()) is not None:
+                self._in_flight = batch
+                await self._commit_group(batch)
+                self._in_flight = []
+        except FencedError as exc:
+            self._on_fenced(exc)
+        except _Abandoned as exc:
+            cause = exc.last_error
+            self._fail_in_flight(
+                lambda: _chained(
+                    CommitterClosedError(
+                        "the group committer was closed while this submission's batch was "
+                        f"being retried (last error: {cause}); it may or may not have been "
+                        "committed"
+                    ),
+                    cause,
+                )
+            )
+        except asyncio.CancelledError as exc:
+            self._on_writer_death(exc, "the group committer's writer task was cancelled")
+            raise
+        except Exception as exc:  # a bug: never leave a submitter waiting forever
+            logger.exception("the group committer's writer failed", extra={"error": repr(exc)})
+            self._on_writer_death(exc, f"the group committer's writer failed: {exc!r}")
+        finally:
+            self._in_flight = []
+            self._closing = True
+            self._aborting = True
+            self._room.set()
+            self._fail_queued(
+                lambda: CommitterClosedError(
+                    "the group committer stopped; this submission was not committed"
+                )
+            )
+
+    async def _next_batch(self) -> list[_Submission] | None:
+        """Whole submissions in order, up to the cap; ``None`` once there is nothing left
+        to commit (closed and drained, or aborted)."""
+        queue = self._queue
+        while True:
+            if self._aborting:
+                return None
+            while queue and queue[0].state is not _State.QUEUED:
+                queue.popleft()  # dropped by a cancelled submitter
+            if queue:
+                break
+            if self._closing:
+                return None
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        batch: list[_Submission] = []
+        rows = 0
+        while queue:
+            sub = queue[0]
+            if sub.state is not _State.QUEUED:
+                queue.popleft()
+                continue
+            if batch and rows + sub.weight > self._max_batch:
+                break
+            queue.popleft()
+            sub.state = _State.TAKEN
+            batch.append(sub)
+            rows += sub.weight
+        return batch
+
+    async def _commit_group(self, subs: list[_Submission]) -> None:
+        """Commit ``subs`` in one transaction; on a non-transient error, bisect so that only
+        the submissions that cause it fail (halves are committed in order)."""
+        mutations = [m for sub in subs for m in sub.mutations]
+        outputs = [o for sub in subs for o in sub.outputs]
+        started = time.monotonic()
+        try:
+            await self._commit_with_retry(mutations, outputs)
+        except (FencedError, _Abandoned):
+            raise
+        except Exception as exc:  # a StoreError that is not transient, or a bad mutation
+            if len(subs) == 1:
+                logger.warning(
+                    "a submission failed to commit",
+                    extra={"error": str(exc), "batch_mutations": len(mutations)},
+                )
+                self._fail(subs[0], exc)
+                return
+            self._splits += 1
+            logger.warning(
+                "a batch failed to commit; committing its halves separately",
+                extra={
+                    "error": str(exc),
+                    "batch_submissions": len(subs),
+                    "batch_mutations": len(mutations),
+                },
+            )
+            middle = len(subs) // 2
+            await self._commit_group(subs[:middle])
+            await self._commit_group(subs[middle:])
+            return
+        now = time.monotonic()
+        self._commits += 1
+        self._committed_submissions += len(subs)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "batch committed",
+                extra={
+                    "batch_submissions": len(subs),
+                    "batch_mutations": len(mutations),
+                    "elapsed": now - started,
+                },
+            )
+        for sub in subs:
+            self._acknowledge(sub, now)
+
+    async def _commit_with_retry(self, mutations: list[Mutation], outputs: list[Output]) -> None:
+        """One batch until it commits; transient failures are retried until an abort."""
+        attempt = 0
+        while True:
+            try:
+                await self._store.commit(self._epoch, self._base, mutations, outputs)
+                return
+            except StoreError as exc:
+                if not exc.is_transient:
+                    raise
+                last = exc
+            if self._aborting:
+                raise _Abandoned(last)
+            attempt += 1
+            self._retries += 1
+            ceiling = self._retry_initial * 2 ** min(attempt - 1, _MAX_BACKOFF_EXPONENT)
+            delay = self._rng.uniform(0.0, min(self._retry_max, ceiling))
+            logger.warning(
+                "commit failed transiently; retrying the same batch",
+                extra={
+                    "error": str(last),
+                    "attempt": attempt,
+                    "delay": delay,
+                    "batch_mutations": len(mutations),
+                },
+            )
+            if await self._sleep_unless_aborted(delay):
+                raise _Abandoned(last)
+
+    async def _sleep_unless_aborted(self, delay: float) -> bool:
+        """Sleep ``delay`` seconds; ``True`` if an abort cut the sleep short."""
+        if self._aborting:
+            return True
+        try:
+            await asyncio.wait_for(self._abort_event.wait(), delay)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _on_fenced(self, exc: FencedError) -> None:
+        self._fenced = exc
+        self._closing = True
+        self._aborting = True
+        logger.error(
+            "the group committer was fenced; failing every pending submission",
+            extra={
+                "epoch": self._epoch,
+                "error": str(exc),
+                "pending_submissions": self._pending_count,
+            },
+        )
+
+        def fenced() -> FencedError:
+            return _chained(
+                FencedError(
+                    f"fenced before this submission was confirmed durable: {exc}; another "
+                    "instance leads, so this instance must not write any more"
+                ),
+                exc,
+            )
+
+        self._fail_in_flight(fenced)
+        self._fail_queued(fenced)
+
+    def _on_writer_death(self, exc: BaseException, message: str) -> None:
+        self._failure = exc
+
+        def closed() -> CommitterClosedError:
+            return _chained(
+                CommitterClosedError(f"{message}; this submission may not have been committed"),
+                exc,
+            )
+
+        self._fail_in_flight(closed)
+        self._fail_queued(closed)

@@ -1,0 +1,585 @@
+"""Group commit against a real server: batching, durability before acks, faults, shutdown.
+
+Most tests make a commit slow on purpose by holding the leader row ``FOR UPDATE`` from an
+admin session: the store's epoch check waits on it, so a batch stays in flight for exactly
+as long as the test wants, and later submissions pile up behind it. The last tests use a
+scripted fake store, for behaviour no server can be made to show on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Sized
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.errors import FencedError, StoreError, UnavailableError
+from cronoq_store.group_commit import CommitterClosedError, GroupCommitter
+from cronoq_store.store import PgStore
+
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
+
+BASE = TimeBase.now()
+_seq = itertools.count(1)
+
+
+def submitted(epoch: int, n: int, key: str | None = None) -> Submitted:
+    return Submitted(
+        task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"payload %d" % n, key=key)
+    )
+
+
+def running(epoch: int, n: int) -> StatusChanged:
+    return StatusChanged(task_id(epoch, n), TaskStatus.RUNNING, 1, BASE.engine_ns)
+
+
+async def stored_ids(url: URL, schema: str) -> set[int]:
+    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
+    return {r["id"] for r in rows}
+
+
+async def bump_epoch(url: URL, schema: str) -> int:
+    """What a new leader does to the leader row: the old epoch is fenced from now on."""
+    rows = await admin_execute(
+        url, f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch'
+    )
+    return int(rows[0]["epoch"])
+
+
+@asynccontextmanager
+async def open_store(url: URL, schema: str, **config: Any) -> AsyncIterator[PgStore]:
+    store = await PgStore.connect(url, PgStoreConfig(schema=schema, **config))
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+class LeaderRowHold:
+    """An admin transaction holding the leader row ``FOR UPDATE``: commits wait behind it."""
+
+    def __init__(self, url: URL, schema: str) -> None:
+        self.url = url
+        self.schema = schema
+        self.conn: asyncpg.Connection | None = None
+        self.tx: Any = None
+
+    async def __aenter__(self) -> LeaderRowHold:
+        self.conn = await asyncpg.connect(asyncpg_dsn(self.url))
+        self.tx = self.conn.transaction()
+        await self.tx.start()
+        await self.conn.execute(
+            f'SELECT 1 FROM "{self.schema}".cronoq_leader WHERE id = 1 FOR UPDATE'
+        )
+        return self
+
+    async def execute(self, sql: str) -> None:
+        assert self.conn is not None
+        await self.conn.execute(sql)
+
+    async def release(self, commit: bool = False) -> None:
+        """End the transaction (once); waiting commits proceed."""
+        if self.conn is None:
+            return
+        try:
+            if commit:
+                await self.tx.commit()
+            else:
+                await self.tx.rollback()
+        finally:
+            await self.conn.close()
+            self.conn = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+async def wait_until(
+    condition: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    timeout: float = 10.0,
+    what: str = "condition",
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def grows_to(items: Sized, size: int, what: str, timeout: float = 10.0) -> None:
+    """Wait until ``items`` holds at least ``size`` elements (acks flowing again)."""
+    await wait_until(lambda: len(items) >= size, timeout=timeout, what=what)
+
+
+async def commit_waiting_on_lock(url: URL, application_name: str) -> bool:
+    rows = await admin_execute(
+        url,
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        application_name,
+    )
+    return int(rows[0][0]) > 0
+
+
+def app_name(schema: str) -> str:
+    """A name of the test's own, so terminating backends hits no other test's sessions."""
+    return f"gc-{schema}"
+
+
+# --- concurrency ----------------------------------------------------------------------------
+
+
+async def test_concurrent_submitters_share_few_transactions(pg_url: URL, schema: str) -> None:
+    submitters, per_submitter = 128, 8
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        counter = itertools.count()
+        acked: list[int] = []
+
+        async def submitter(committer: GroupCommitter) -> None:
+            for _ in range(per_submitter):
+                n = next(counter)
+                tid = task_id(epoch, n)
+                batch: list[Mutation] = [submitted(epoch, n), running(epoch, n)]
+                outputs: list[tuple[TaskId, bytes]] = []
+                if n % 2:
+                    batch.append(StatusChanged(tid, TaskStatus.SUCCEEDED, 1, BASE.engine_ns))
+                    outputs.append((tid, b"out %d" % n))
+                await committer.submit(batch, outputs)
+                acked.append(n)
+
+        async with GroupCommitter(store, epoch, BASE) as committer:
+            await asyncio.gather(*(submitter(committer) for _ in range(submitters)))
+            stats = committer.stats()
+
+        total = submitters * per_submitter
+        assert sorted(acked) == list(range(total))
+        assert stats.submissions == stats.acknowledged == total
+        assert stats.failed_submissions == 0
+        assert stats.retries == 0
+        assert stats.mutations == total * 2 + total // 2
+        assert stats.commits <= total / 4, stats
+        assert stats.mean_batch_submissions >= 4
+        assert stats.pending_submissions == 0
+        assert stats.pending_mutations == 0
+        assert stats.latency_p50 is not None
+        assert stats.latency_max is not None
+        assert stats.latency_p99 is not None
+        assert 0 < stats.latency_p50 <= stats.latency_p99 <= stats.latency_max
+
+        rows = await admin_execute(
+            pg_url, f'SELECT id, status, output FROM "{schema}".cronoq_tasks ORDER BY id'
+        )
+        assert [r["id"] for r in rows] == [task_id(epoch, n) for n in range(total)]
+        for n, row in enumerate(rows):
+            if n % 2:
+                assert (row["status"], row["output"]) == ("succeeded", b"out %d" % n)
+            else:
+                assert (row["status"], row["output"]) == ("running", None)
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+async def test_acknowledged_means_durable_across_database_crashes(
+    pg_server: ServerUnderTest, pg_url: URL, schema: str
+) -> None:
+    """Two crashes mid-stream. Through the first the committer retries and carries on; at
+    the second it gives up while the server is down, as a dying process would: whatever it
+    acknowledged up to then must already be in the database, and whatever it abandons must
+    be told so. An ack sent before the commit returned fails the final check."""
+    if pg_server.kind == "external":
+        pytest.skip("needs a server the suite can stop")
+    async with open_store(pg_url, schema, commit_timeout=2.0) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        counter = itertools.count()
+        acked: set[int] = set()
+        abandoned: list[CommitterClosedError] = []
+        errors: list[BaseException] = []
+
+        async def submitter(committer: GroupCommitter) -> None:
+            while True:
+                n = next(counter)
+                try:
+                    await committer.submit([submitted(epoch, n), running(epoch, n)])
+                except CommitterClosedError as exc:
+                    abandoned.append(exc)
+                    return
+                except StoreError as exc:  # a test failure: recorded, checked below
+                    errors.append(exc)
+                    return
+                acked.add(task_id(epoch, n))
+
+        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=200, retry_max=0.2)
+        tasks = [asyncio.create_task(submitter(committer)) for _ in range(64)]
+        try:
+            await grows_to(acked, 300, what="acks before the first crash")
+            try:
+                await asyncio.to_thread(pg_server.stop, "immediate")
+                acked_at_crash = len(acked)
+                await asyncio.sleep(0.3)
+            finally:
+                await asyncio.to_thread(pg_server.start)
+            await grows_to(acked, acked_at_crash + 300, what="acks after the restart")
+            assert committer.stats().retries >= 1
+            try:
+                await asyncio.to_thread(pg_server.stop, "immediate")
+                await asyncio.wait_for(committer.close(drain=False), 10)
+            finally:
+                await asyncio.to_thread(pg_server.start)
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await committer.close(drain=False)
+
+        stats = committer.stats()
+        assert errors == []
+        assert len(abandoned) == 64  # every submitter was told; none hangs
+        assert stats.acknowledged == len(acked)
+        assert stats.acknowledged + stats.failed_submissions == stats.submissions
+        assert stats.failed_submissions >= 64
+        missing = acked - await stored_ids(pg_url, schema)
+        assert not missing, f"{len(missing)} acknowledged submissions are not in the database"
+
+
+async def test_unavailable_is_retried_until_the_batch_commits(pg_url: URL, schema: str) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        counter = itertools.count()
+        acked: set[int] = set()
+        running_flag = True
+
+        async def submitter(committer: GroupCommitter) -> None:
+            while running_flag:
+                n = next(counter)
+                await committer.submit([submitted(epoch, n)])
+                acked.add(task_id(epoch, n))
+
+        committer = GroupCommitter(store, epoch, BASE, retry_initial=0.01, retry_max=0.05)
+        tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
+        try:
+            await grows_to(acked, 100, what="first acks")
+            for _ in range(3):
+                # Terminate the backend while its commit waits: the attempt fails for sure.
+                async with LeaderRowHold(pg_url, schema):
+                    await wait_until(
+                        lambda: commit_waiting_on_lock(pg_url, name), what="a blocked commit"
+                    )
+                    assert await terminate_backends(pg_url, name) >= 1
+                await grows_to(acked, len(acked) + 50, what="acks after terminating")
+        finally:
+            running_flag = False
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await committer.close()
+
+        assert [r for r in results if r is not None] == []  # no submitter saw an error
+        stats = committer.stats()
+        assert stats.retries >= 3
+        assert stats.failed_submissions == 0
+        assert acked <= await stored_ids(pg_url, schema)
+
+
+async def test_backpressure_holds_submitters_while_the_queue_is_full(
+    pg_url: URL, schema: str
+) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(
+            store, epoch, BASE, max_batch_mutations=4, max_pending_mutations=10
+        )
+        async with LeaderRowHold(pg_url, schema) as hold:
+            tasks = [
+                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(30)
+            ]
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="a slow commit")
+            await asyncio.sleep(0.2)  # let every submitter try
+            stats = committer.stats()
+            assert stats.submissions == stats.pending_submissions == 10
+            assert stats.pending_mutations == 10
+            assert sum(t.done() for t in tasks) == 0
+            await hold.release()
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        await committer.close()
+
+        stats = committer.stats()
+        assert stats.acknowledged == 30
+        assert stats.commits >= 30 / 4  # the cap held
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(30)}
+
+
+async def test_fenced_fails_everything_pending_and_closes(pg_url: URL, schema: str) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
+        await asyncio.gather(*(committer.submit([submitted(epoch, n)]) for n in range(10)))
+        before = await stored_ids(pg_url, schema)
+        assert before == {task_id(epoch, n) for n in range(10)}
+
+        async with LeaderRowHold(pg_url, schema) as hold:
+            tasks = [
+                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(10, 30)
+            ]
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            assert committer.stats().pending_submissions == 20  # one batch in flight, 3 queued
+            # A takeover: the new leader bumps the epoch while the old one's commit waits.
+            await hold.execute(f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
+            await hold.release(commit=True)
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+        assert all(isinstance(r, FencedError) for r in results), results
+        assert committer.fenced
+        assert committer.closed
+        started = time.monotonic()
+        with pytest.raises(FencedError):
+            await committer.submit([submitted(epoch, 99)])
+        assert time.monotonic() - started < 0.1
+        await committer.close()
+        stats = committer.stats()
+        assert stats.failed_submissions == 20
+        assert stats.acknowledged == 10
+        assert await stored_ids(pg_url, schema) == before
+
+
+async def test_a_failing_submission_is_isolated_from_its_batch(pg_url: URL, schema: str) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(store, epoch, BASE)
+        async with LeaderRowHold(pg_url, schema) as hold:
+            first = asyncio.create_task(committer.submit([submitted(epoch, 0)]))
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            # These ten queue up behind it and form the next batch; 4 and 7 share a live key.
+            batch = [
+                asyncio.create_task(
+                    committer.submit([submitted(epoch, n, key="dup" if n in (4, 7) else f"k{n}")])
+                )
+                for n in range(1, 11)
+            ]
+            await asyncio.sleep(0.05)
+            assert committer.stats().pending_submissions == 11
+            await hold.release()
+            await asyncio.wait_for(first, 10)
+            results = await asyncio.wait_for(asyncio.gather(*batch, return_exceptions=True), 10)
+        await committer.close()
+
+        failures = {n: r for n, r in zip(range(1, 11), results, strict=True) if r is not None}
+        assert list(failures) == [7], results  # the later holder of the key, alone
+        error = failures[7]
+        assert isinstance(error, StoreError)
+        assert not isinstance(error, (UnavailableError, FencedError, CommitterClosedError))
+        stats = committer.stats()
+        assert stats.splits >= 1
+        assert stats.failed_submissions == 1
+        assert stats.acknowledged == 10
+        expected = {task_id(epoch, n) for n in range(11) if n != 7}
+        assert await stored_ids(pg_url, schema) == expected
+
+
+async def test_cancelled_submitters_queued_are_dropped_in_flight_still_commit(
+    pg_url: URL, schema: str
+) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(store, epoch, BASE)
+        async with LeaderRowHold(pg_url, schema) as hold:
+            in_flight = asyncio.create_task(committer.submit([submitted(epoch, 1)]))
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            queued = asyncio.create_task(committer.submit([submitted(epoch, 2)]))
+            kept = asyncio.create_task(committer.submit([submitted(epoch, 3)]))
+            await asyncio.sleep(0.05)
+            in_flight.cancel()
+            queued.cancel()
+            await asyncio.sleep(0.05)
+            assert committer.stats().pending_submissions == 2  # the queued one left at once
+            await hold.release()
+            await asyncio.wait_for(kept, 10)
+        await committer.close()
+
+        assert in_flight.cancelled()
+        assert queued.cancelled()
+        stats = committer.stats()
+        assert stats.dropped == 1
+        assert stats.acknowledged == 2
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, 1), task_id(epoch, 3)}
+
+
+# --- shutdown -------------------------------------------------------------------------------
+
+
+async def test_close_with_drain_commits_everything_pending(pg_url: URL, schema: str) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
+        async with LeaderRowHold(pg_url, schema) as hold:
+            tasks = [
+                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
+            ]
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            closing = asyncio.create_task(committer.close(drain=True))
+            await asyncio.sleep(0.05)
+            assert not closing.done()
+            with pytest.raises(CommitterClosedError):
+                await committer.submit([submitted(epoch, 99)])
+            await hold.release()
+            await asyncio.wait_for(closing, 10)
+
+        assert all(t.done() for t in tasks)
+        assert [t.result() for t in tasks] == [None] * 20
+        assert committer.stats().acknowledged == 20
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(20)}
+
+
+async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
+    pg_url: URL, schema: str
+) -> None:
+    name = app_name(schema)
+    async with open_store(pg_url, schema, application_name=name) as store:
+        epoch = await bump_epoch(pg_url, schema)
+        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
+        async with LeaderRowHold(pg_url, schema) as hold:
+            tasks = [
+                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
+            ]
+            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            closing = asyncio.create_task(committer.close(drain=False))
+            await asyncio.sleep(0.05)
+            # Queued submissions fail at once; the attempt in flight may still finish.
+            assert sum(t.done() for t in tasks) == 15
+            await hold.release()
+            await asyncio.wait_for(closing, 10)
+
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        acked = {n for n, r in enumerate(outcomes) if r is None}
+        closed = {n for n, r in enumerate(outcomes) if isinstance(r, CommitterClosedError)}
+        assert acked == set(range(5))  # the batch in flight committed
+        assert closed == set(range(5, 20))
+        assert "not committed" in str(outcomes[19])
+        stats = committer.stats()
+        assert stats.acknowledged + stats.failed_submissions == stats.submissions == 20
+        assert stats.pending_submissions == 0
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in acked}
+
+
+# --- semantics a server cannot be made to show on cue: a scripted store ---------------------
+
+
+class ScriptedStore:
+    """Records every commit; fails each attempt with the next scripted error, if any."""
+
+    def __init__(self, failures: Sequence[BaseException] = (), forever: bool = False) -> None:
+        self.failures = list(failures)
+        self.forever = forever
+        self.attempts: list[list[Mutation]] = []
+        self.commits: list[list[Mutation]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        self.attempts.append(list(batch))
+        await self.gate.wait()
+        if self.forever:
+            raise self.failures[0]
+        if self.failures:
+            raise self.failures.pop(0)
+        self.commits.append(list(batch))
+
+
+async def test_batches_keep_submission_order_and_respect_the_cap() -> None:
+    store = ScriptedStore()
+    store.gate.clear()
+    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=10)
+    sizes = [3, 4, 5, 25, 1, 9, 2, 2, 2, 2, 2]
+    counter = itertools.count()
+    subs = [[submitted(1, next(counter)) for _ in range(size)] for size in sizes]
+    tasks = [asyncio.create_task(committer.submit(s)) for s in subs]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    store.gate.set()
+    await asyncio.gather(*tasks)
+    await committer.close()
+
+    assert [m for c in store.commits for m in c] == [m for s in subs for m in s]
+    assert [len(c) for c in store.commits] == [7, 5, 25, 10, 10]
+    assert committer.stats().commits == 5
+    assert committer.stats().mean_batch_submissions == pytest.approx(11 / 5)
+
+
+async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() -> None:
+    store = ScriptedStore([UnavailableError("connection refused")], forever=True)
+    committer = GroupCommitter(store, 1, BASE, retry_initial=0.01, retry_max=0.04)
+    task = asyncio.create_task(committer.submit([submitted(1, 1)]))
+    await asyncio.sleep(0.5)
+    attempts = len(store.attempts)
+    # Delays are drawn from [0, min(0.04, 0.01 * 2**n)]: about 0.02 s on average once capped.
+    assert 8 <= attempts <= 200
+    assert committer.stats().retries == attempts
+    assert not task.done()
+    await committer.close(drain=True, timeout=0.2)
+    with pytest.raises(CommitterClosedError, match="may or may not have been committed") as err:
+        await task
+    assert isinstance(err.value.__cause__, UnavailableError)
+    with pytest.raises(CommitterClosedError):
+        await committer.submit([submitted(1, 2)])
+
+
+async def test_a_single_submission_larger_than_the_bounds_goes_alone() -> None:
+    store = ScriptedStore()
+    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=3, max_pending_mutations=4)
+    big = [submitted(1, n) for n in range(10)]
+    async with committer:
+        await committer.submit(big)
+        await committer.submit([])  # a barrier: an empty submission is still committed
+    assert store.commits == [big, []]
+
+
+async def test_close_refuses_submitters_still_waiting_for_room() -> None:
+    store = ScriptedStore()
+    store.gate.clear()  # the first batch stays in flight
+    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=2, max_pending_mutations=2)
+    accepted = [asyncio.create_task(committer.submit([submitted(1, n)])) for n in range(2)]
+    waiting = asyncio.create_task(committer.submit([submitted(1, 2)]))
+    await asyncio.sleep(0.05)
+    assert committer.stats().submissions == 2
+    assert not waiting.done()
+    closing = asyncio.create_task(committer.close(drain=True))
+    with pytest.raises(CommitterClosedError, match="closed"):
+        await asyncio.wait_for(waiting, 1)  # refused at once: it was never accepted
+    assert not closing.done()
+    store.gate.set()
+    await asyncio.wait_for(closing, 1)
+    assert [t.result() for t in accepted] == [None, None]
+    assert [len(c) for c in store.commits] == [2]
