@@ -1,0 +1,446 @@
+"""The ``cronoq-store`` command line against a real server, errors and exit codes included.
+
+Commands run through click's ``CliRunner`` in a worker thread (each command runs its own
+event loop, and the tests' loop keeps serving stores that lead meanwhile); the console script
+itself runs as a subprocess where only a real process can show the exit status and stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store.cli import URL_ENV, ExitCode, cli, parse_duration
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    Dependency,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.migrations import head_revision
+from cronoq_store.store import PgStore
+
+from .pgharness import admin_execute
+
+NOW = time.time_ns()
+BASE = TimeBase(engine_ns=0, unix_ns=NOW)
+DAY = 86400 * 10**9
+SUCCEEDED, FAILED, CANCELLED = TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED
+
+
+async def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    """Invoke the CLI as a user would, on a wide terminal so tables do not wrap."""
+    environment: dict[str, str | None] = {URL_ENV: None, "COLUMNS": "250"}
+    environment.update(env or {})
+    runner = CliRunner()
+    return await asyncio.to_thread(
+        runner.invoke, cli, list(args), env=environment, catch_exceptions=False
+    )
+
+
+def full(url: URL) -> str:
+    return url.render_as_string(hide_password=False)
+
+
+def submitted(id: int, **spec: Any) -> Submitted:
+    return Submitted(TaskId(id), seq=id, arrival=0, spec=TaskSpec(b"p", **spec))
+
+
+def changed(id: int, status: TaskStatus, ago: int = 0, message: str | None = None) -> StatusChanged:
+    return StatusChanged(TaskId(id), status, attempt=1, at=-ago, message=message)
+
+
+def first_cells(output: str) -> list[int]:
+    """The ids in the first column of a rich table."""
+    return [int(m) for m in re.findall(r"^│\s*(\d+)\s*│", output, flags=re.MULTILINE)]
+
+
+@pytest.fixture
+async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
+    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+        yield s
+
+
+# --- usage, connection and URL errors ---------------------------------------------------------
+
+
+async def test_help_documents_the_exit_codes() -> None:
+    result = await run("--help")
+    assert result.exit_code == 0
+    for code, words in (
+        (ExitCode.UNREACHABLE, "cannot connect"),
+        (ExitCode.NOT_MIGRATED, "not migrated"),
+        (ExitCode.NEWER_DATABASE, "newer cronoq-store"),
+    ):
+        assert re.search(rf"^\s+{int(code)}\s+.*{words}", result.output, re.MULTILINE), code
+    assert URL_ENV in result.output
+
+
+async def test_a_missing_url_or_bad_schema_name_is_a_usage_error() -> None:
+    result = await run("status")
+    assert result.exit_code == ExitCode.USAGE
+    assert "no database URL: pass --url or set $CRONOQ_DATABASE_URL" in result.stderr
+
+    bad = await run("--url", "postgresql://x@127.0.0.1/db", "--schema", 'x"; drop', "status")
+    assert bad.exit_code == ExitCode.USAGE
+    assert "invalid schema name" in bad.stderr
+
+
+async def test_a_wrong_password_exits_3_with_every_password_masked(
+    pg_url: URL, migrated: str
+) -> None:
+    secret = pg_url.password or ""
+    wrong = pg_url.set(password=f"wrong-{secret}-pw")
+    by_option = await run("--url", full(wrong), "--schema", migrated, "status")
+    by_env = await run("--schema", migrated, "tasks", "show", "1", env={URL_ENV: full(wrong)})
+    for result in (by_option, by_env):
+        assert result.exit_code == ExitCode.UNREACHABLE, result.output
+        assert "password authentication failed" in result.stderr
+        assert f"cannot connect to postgresql://postgres:***@{pg_url.host}" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert f"wrong-{secret}-pw" not in result.output
+        assert secret not in result.output
+
+
+async def test_unreachable_servers_and_malformed_urls_exit_3_masked() -> None:
+    refused = await run("--url", "postgresql://ops:hunter22@127.0.0.1:1/app", "status")
+    assert refused.exit_code == ExitCode.UNREACHABLE
+    assert "cannot connect to postgresql://ops:***@127.0.0.1:1/app" in refused.stderr
+    unsupported = await run("--url", "mysql://ops:hunter22@db.example/app", "status")
+    assert unsupported.exit_code == ExitCode.UNREACHABLE
+    assert "unsupported database URL mysql://ops:***@db.example/app" in unsupported.stderr
+    garbled = await run("--url", "postgresql://ops:hunter22@db:notaport/app", "status")
+    assert garbled.exit_code == ExitCode.UNREACHABLE
+    for result in (refused, unsupported, garbled):
+        assert "hunter22" not in result.output
+        assert result.stderr.startswith("Error: ")
+
+
+async def test_console_script_prints_one_line_and_no_traceback(pg_url: URL, schema: str) -> None:
+    script = shutil.which("cronoq-store", path=str(Path(sys.executable).parent))
+    assert script is not None, "the cronoq-store console script is not installed"
+    wrong = pg_url.set(password="wrong-password-123")
+
+    def call(url: URL, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [script, "--url", full(url), "--schema", schema, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    unreachable, missing = await asyncio.gather(
+        asyncio.to_thread(call, wrong, "status"), asyncio.to_thread(call, pg_url, "status")
+    )
+    assert unreachable.returncode == ExitCode.UNREACHABLE
+    assert missing.returncode == ExitCode.NOT_MIGRATED
+    for result in (unreachable, missing):
+        assert "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert "wrong-password-123" not in result.stdout + result.stderr
+        assert (pg_url.password or "") not in result.stdout + result.stderr
+
+
+# --- schema state --------------------------------------------------------------------------
+
+
+async def test_missing_then_unmigrated_schema_exits_4(pg_url: URL, schema: str) -> None:
+    commands = [["status"], ["tasks", "show", "1"], ["tasks", "finished"]]
+    commands.append(["prune", "--older-than", "1d"])
+    for command in commands:
+        result = await run("--url", full(pg_url), "--schema", schema, *command)
+        assert result.exit_code == ExitCode.NOT_MIGRATED, (command, result.output)
+        assert f"schema {schema!r} does not exist: run `cronoq-store" in result.stderr
+
+    await admin_execute(pg_url, f'CREATE SCHEMA "{schema}"')
+    result = await run("--url", full(pg_url), "--schema", schema, "status")
+    assert result.exit_code == ExitCode.NOT_MIGRATED
+    assert re.search(r"^revision\s+- \(not migrated\)", result.stdout, re.M), result.stdout
+    assert f"schema {schema!r} is not migrated" in result.stderr
+
+
+async def test_a_newer_database_exits_5_everywhere(pg_url: URL, migrated: str) -> None:
+    await admin_execute(
+        pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '9999_future'"
+    )
+    for command in (
+        ["status"],
+        ["migrate"],
+        ["tasks", "finished"],
+        ["prune", "--older-than", "1d"],
+    ):
+        result = await run("--url", full(pg_url), "--schema", migrated, *command)
+        assert result.exit_code == ExitCode.NEWER_DATABASE, (command, result.output)
+        assert "is at revision 9999_future, which this build does not know" in result.stderr
+        assert "upgrade cronoq-store" in result.stderr
+
+
+async def test_migrate_to_a_revision_then_to_head(pg_url: URL, schema: str) -> None:
+    url = full(pg_url)
+    first = await run("--url", url, "--schema", schema, "migrate", "0003_recurring_last_task_id")
+    assert first.exit_code == 0, first.output
+    assert f"schema {schema!r} upgraded: nothing -> 0003_recurring_last_task_id" in first.stdout
+
+    behind = await run("--url", url, "--schema", schema, "status")
+    assert behind.exit_code == ExitCode.NOT_MIGRATED
+    assert "(3 revision(s) behind: 0004_task_labels, 0005_task_tenant, 0006_" in behind.stdout
+    assert f"behind this build's head {head_revision()}" in behind.stderr
+
+    second = await run("--url", url, "--schema", schema, "migrate")
+    assert second.exit_code == 0
+    assert f"0003_recurring_last_task_id -> {head_revision()} (head)" in second.stdout
+    again = await run("--url", url, "--schema", schema, "migrate")
+    assert f"already at {head_revision()} (head)" in again.stdout
+    status = await run("--url", url, "--schema", schema, "status")
+    assert status.exit_code == 0, status.output
+    assert re.search(rf"^revision\s+{head_revision()} \(up to date\)", status.stdout, re.M)
+
+    unknown = await run("--url", url, "--schema", schema, "migrate", "nope")
+    assert unknown.exit_code == ExitCode.FAILED
+    assert "nope" in unknown.stderr
+
+
+async def test_migrate_sql_prints_the_script_without_connecting() -> None:
+    nowhere = "postgresql://ops:hunter22@127.0.0.1:1/app"
+    result = await run("--url", nowhere, "--schema", "ops_review", "migrate", "--sql")
+    assert result.exit_code == 0, result.output
+    script = result.stdout
+    assert script.index("BEGIN;") < script.index("pg_advisory_xact_lock(1668444013")
+    assert "CREATE SCHEMA IF NOT EXISTS ops_review;" in script
+    assert "CREATE TABLE cronoq_tasks" in script
+    assert script.rstrip().endswith("COMMIT;")
+
+    last = await run("--schema", "ops_review", "migrate", "--sql", "0005_task_tenant:head")
+    assert last.exit_code == 0, last.output
+    assert "CREATE TABLE cronoq_tasks" not in last.stdout
+    assert f"SET version_num='{head_revision()}'" in last.stdout
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+async def test_status_names_the_session_holding_the_leader_lock(pg_url: URL, migrated: str) -> None:
+    config = PgStoreConfig(schema=migrated, application_name="cli-probe")
+    async with await PgStore.connect(pg_url, config) as leader:
+        await leader.acquire_leadership()
+        (row,) = await admin_execute(
+            pg_url,
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'cli-probe leader'",
+        )
+        result = await run("--url", full(pg_url), "--schema", migrated, "status")
+        assert result.exit_code == 0, result.output
+        holder = re.search(
+            r"^leader\s+pid (\d+), 'cli-probe leader', from (\S+)\s*$", result.stdout, re.M
+        )
+        assert holder is not None, result.stdout
+        assert int(holder[1]) == row["pid"]
+        assert holder[2] == "127.0.0.1"
+        assert f"holds the advisory lock ({leader.leader_lock[0]}, {leader.leader_lock[1]})" in (
+            result.stdout
+        )
+        assert re.search(r"^epoch\s+1\s*$", result.stdout, re.M)
+
+        await leader.release_leadership()
+        after = await run("--url", full(pg_url), "--schema", migrated, "status")
+        assert re.search(r"^leader\s+none: no session holds", after.stdout, re.M), after.stdout
+
+
+async def test_status_counts_tasks_quarantined_rows_and_schedules(
+    pg_url: URL, store: PgStore
+) -> None:
+    schema = store.config.schema
+    every = IntervalSchedule(every=timedelta(minutes=5))
+    next_run = NOW + 3 * DAY
+    batch: list[Mutation] = [
+        submitted(1, pool="mail"),
+        submitted(2, pool="mail"),
+        changed(2, TaskStatus.RUNNING),
+        submitted(3, pool="mail"),
+        changed(3, SUCCEEDED),
+        submitted(4, pool="batch"),
+        changed(4, FAILED),
+        submitted(5, pool="batch"),
+        RecurringUpsert(RecurringSpec("digest", every, TaskSpec(b"t"))),
+        RecurringNext("digest", next=next_run - NOW, last=TaskId(3)),
+    ]
+    await store.commit(0, BASE, batch, [])
+    # An undecodable live row: recovery quarantines it as failed.
+    await admin_execute(
+        pg_url, f"UPDATE \"{schema}\".cronoq_tasks SET deps = '[{{}}]' WHERE id = 5"
+    )
+    await store.recover(BASE)
+
+    result = await run("--url", full(pg_url), "--schema", schema, "status")
+    assert result.exit_code == 0, result.output
+    rows = {
+        tuple(cell.strip() for cell in line.strip("│ ").split("│"))
+        for line in result.stdout.splitlines()
+        if line.startswith("│")
+    }
+    assert {
+        ("batch", "finished", "failed", "2"),
+        ("mail", "finished", "succeeded", "1"),
+        ("mail", "live", "queued", "1"),
+        ("mail", "live", "running", "1"),
+    } <= rows
+    expected_next = datetime.fromtimestamp(next_run // 10**9, tz=timezone.utc)
+    assert ("digest", "every 5m", f"{expected_next:%Y-%m-%d %H:%M:%S} UTC", "3") in rows
+    assert re.search(r"^quarantined\s+1 rows\s*$", result.stdout, re.M)
+    assert re.search(r"^epoch\s+0 \(no leader yet\)\s*$", result.stdout, re.M)
+    assert re.search(r"^max id\s+5 \(epoch 0, #5\)\s*$", result.stdout, re.M)
+
+
+# --- tasks ---------------------------------------------------------------------------------
+
+
+async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore) -> None:
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(7, key="nightly", pool="etl", kind="report", tenant="acme"),
+            changed(7, SUCCEEDED, message="all [/bold] good :fire:"),
+            submitted(8, key="42"),
+        ],
+        [(TaskId(7), b"report.pdf")],
+    )
+    url, schema = full(pg_url), store.config.schema
+
+    by_id = await run("--url", url, "--schema", schema, "tasks", "show", "7")
+    assert by_id.exit_code == 0, by_id.output
+    shown = dict(
+        [*line.rstrip().split(None, 1), ""][:2]
+        for line in by_id.stdout.splitlines()
+        if line.strip()
+    )
+    assert shown["id"] == "7 (epoch 0, #7)"
+    assert (shown["key"], shown["pool"], shown["kind"], shown["tenant"]) == (
+        "nightly",
+        "etl",
+        "report",
+        "acme",
+    )
+    assert (shown["status"], shown["message"], shown["priority"]) == (
+        "succeeded",
+        "all [/bold] good :fire:",
+        "normal",
+    )
+    assert shown["output"] == "10 bytes: b'report.pdf'"
+
+    by_key = await run("--url", url, "--schema", schema, "tasks", "show", "nightly")
+    assert by_key.stdout == by_id.stdout
+    numeric_key = await run("--url", url, "--schema", schema, "tasks", "show", "--key", "42")
+    assert re.search(r"^status\s+queued\s*$", numeric_key.stdout, re.M), numeric_key.output
+
+    missing = await run("--url", url, "--schema", schema, "tasks", "show", "42")
+    assert missing.exit_code == ExitCode.FAILED
+    assert "no task with id '42'" in missing.stderr
+    too_big = await run("--url", url, "--schema", schema, "tasks", "show", str(2**63))
+    assert too_big.exit_code == ExitCode.USAGE
+
+
+async def test_tasks_finished_pages_with_a_cursor_and_filters(pg_url: URL, store: PgStore) -> None:
+    batch: list[Mutation] = []
+    for id in range(1, 8):
+        batch += [
+            submitted(id, pool="a" if id % 2 else "b"),
+            changed(id, [SUCCEEDED, FAILED][id % 2]),
+        ]
+    batch += [submitted(9, pool="a")]  # live: never listed
+    await store.commit(0, BASE, batch, [])
+    url, schema = full(pg_url), store.config.schema
+
+    pages: list[list[int]] = []
+    args = ["tasks", "finished", "--limit", "3"]
+    while True:
+        result = await run("--url", url, "--schema", schema, *args)
+        assert result.exit_code == 0, result.output
+        pages.append(first_cells(result.stdout))
+        cursor = re.search(r"^next page: --after (\d+)$", result.stdout, re.M)
+        if cursor is None:
+            assert "end of list" in result.stdout
+            break
+        args = ["tasks", "finished", "--limit", "3", "--after", cursor[1]]
+    assert pages == [[1, 2, 3], [4, 5, 6], [7]]
+
+    filtered = await run(
+        "--url", url, "--schema", schema, "tasks", "finished", "--pool", "a", "--status", "FAILED"
+    )
+    assert first_cells(filtered.stdout) == [1, 3, 5, 7]
+    live = await run("--url", url, "--schema", schema, "tasks", "finished", "--status", "running")
+    assert live.exit_code == ExitCode.USAGE
+
+
+# --- prune ---------------------------------------------------------------------------------
+
+
+async def test_prune_dry_run_counts_what_prune_then_deletes(pg_url: URL, store: PgStore) -> None:
+    batch: list[Mutation] = []
+    for id in range(1, 6):  # old and unprotected: prunable
+        batch += [submitted(id), changed(id, SUCCEEDED, ago=2 * DAY)]
+    batch += [submitted(6, key="base"), changed(6, CANCELLED, ago=3 * DAY)]  # old, protected
+    batch += [submitted(7), changed(7, FAILED, ago=DAY // 2)]  # recent
+    batch += [submitted(8, deps=[Dependency("base")])]  # live, depends on 6 by key
+    await store.commit(0, BASE, batch, [])
+    url, schema = full(pg_url), store.config.schema
+
+    async def ids() -> list[int]:
+        rows = await admin_execute(pg_url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
+        return [r["id"] for r in rows]
+
+    dry = await run("--url", url, "--schema", schema, "prune", "--older-than", "1d", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "would prune 5 finished tasks last updated before" in dry.stdout
+    assert "(1d ago)" in dry.stdout
+    assert "would keep 1 of them that live tasks depend on" in dry.stdout
+    assert await ids() == list(range(1, 9))
+
+    real = await run("--url", url, "--schema", schema, "prune", "--older-than", "24h")
+    assert real.exit_code == 0, real.output
+    assert "pruned 5 finished tasks" in real.stdout
+    assert "kept 1 of them that live tasks depend on" in real.stdout
+    assert await ids() == [6, 7, 8]
+
+    wider = await run("--url", url, "--schema", schema, "prune", "--older-than", "1h", "--dry-run")
+    assert "would prune 1 finished tasks" in wider.stdout  # 7; 6 stays protected
+
+
+def test_durations_parse_whole_units() -> None:
+    assert [parse_duration(d) for d in ("30s", "15m", "12h", "7d", " 0s ")] == [
+        30,
+        900,
+        43200,
+        604800,
+        0,
+    ]
+
+
+@pytest.mark.parametrize("text", ["7", "7x", "1.5h", "-1d", "", "d", "7 days", "36501d"])
+async def test_bad_durations_are_usage_errors(text: str) -> None:
+    result = await run("--url", "postgresql://x@127.0.0.1:1/db", "prune", "--older-than", text)
+    assert result.exit_code == ExitCode.USAGE
+    assert "Invalid value for '--older-than'" in result.stderr
+    assert ("too long" if text == "36501d" else "is not a duration") in result.stderr

@@ -1,0 +1,136 @@
+"""``cronoq-store demo`` end to end, in real processes, and the verdict it relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store.cli import URL_ENV, ExitCode
+from cronoq_store.demo import find_lost, parse_acks
+
+from .pgharness import admin_execute
+
+
+def cronoq_store(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    script = shutil.which("cronoq-store", path=str(Path(sys.executable).parent))
+    assert script is not None, "the cronoq-store console script is not installed"
+    return subprocess.run(
+        [script, *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+        env={**os.environ, "COLUMNS": "120", **(env or {})},
+    )
+
+
+def account(stdout: str) -> dict[str, str]:
+    """The account's lines, by label."""
+    labels = ("epochs", "takeover", "acknowledged", "throughput", "recovered", "lost")
+    found = {}
+    for line in stdout.splitlines():
+        for label in (*labels, "stale writes"):
+            if line.strip().startswith(label + " "):
+                found[label] = line.strip()[len(label) :].strip()
+    return found
+
+
+async def demo_schemas(url: URL) -> list[str]:
+    rows = await admin_execute(
+        url, "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'cronoq\\_demo\\_%'"
+    )
+    return [r["nspname"] for r in rows]
+
+
+async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url: URL) -> None:
+    url = pg_url.render_as_string(hide_password=False)
+    started = time.monotonic()
+    result = await asyncio.to_thread(
+        cronoq_store, "demo", "--url", url, "--seconds", "2", "--submitters", "16"
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert elapsed < 45
+
+    lines = account(result.stdout)
+    assert lines["epochs"] == "A led epoch 1, B took over with epoch 2"
+    assert lines["lost"] == "0"
+    assert lines["stale writes"] == "16 of 16 refused (FencedError), 0 landed"
+    acked = re.fullmatch(
+        r"([\d,]+) tasks; ([\d,]+) writes with status changes, in ([\d.]+) s", lines["acknowledged"]
+    )
+    assert acked is not None, lines["acknowledged"]
+    tasks = int(acked[1].replace(",", ""))
+    assert tasks > 100
+    assert 1.5 < float(acked[3]) < 10
+    recovered = re.match(
+        r"([\d,]+) tasks \(([\d,]+) committed, not yet acked\)", lines["recovered"]
+    )
+    assert recovered is not None, lines["recovered"]
+    assert int(recovered[1].replace(",", "")) == tasks + int(recovered[2].replace(",", ""))
+    takeover = re.match(r"([\d.]+) s from SIGKILL", lines["takeover"])
+    assert takeover is not None
+    assert float(takeover[1]) < 10
+    assert re.match(r"[\d,]+ acks/s", lines["throughput"])
+    assert "OK: every acknowledged write survived the crash" in result.stdout
+    assert "SIGKILL A mid-stream" in result.stdout
+
+    assert pg_url.password
+    assert pg_url.password not in result.stdout + result.stderr
+    assert await demo_schemas(pg_url) == []  # the throwaway schema is gone
+
+
+async def test_demo_runs_on_an_embedded_server_by_default() -> None:
+    # The demo never takes the operator's database from the environment.
+    nowhere = {URL_ENV: "postgresql://ops:hunter22@127.0.0.1:1/app"}
+    result = await asyncio.to_thread(
+        cronoq_store, "demo", "--seconds", "1", "--submitters", "8", env=nowhere
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"embedded PostgreSQL \d+", result.stdout)
+    assert account(result.stdout)["lost"] == "0"
+
+
+async def test_demo_with_a_wrong_password_exits_3_masked(pg_url: URL) -> None:
+    wrong = pg_url.set(password="wrong-password-456").render_as_string(hide_password=False)
+    # `cronoq-store --url X demo` means X too.
+    for args in (["demo", "--url", wrong], ["--url", wrong, "demo"]):
+        result = await asyncio.to_thread(cronoq_store, *args)
+        assert result.returncode == ExitCode.UNREACHABLE, result.stdout + result.stderr
+        assert "password authentication failed" in result.stderr
+        assert "wrong-password-456" not in result.stdout + result.stderr
+
+
+def test_parse_acks_drops_a_torn_last_line() -> None:
+    assert parse_acks("T 1\nR 1\nS 1\nT 2\nT 3") == [("T", 1), ("R", 1), ("S", 1), ("T", 2)]
+    assert parse_acks("") == []
+
+
+@pytest.mark.parametrize(
+    ("recovered", "stored", "lost"),
+    [
+        # Everything kept; a committed but unacknowledged task (9) is no loss.
+        ({1: "succeeded", 2: "queued", 9: "queued"}, {1: "succeeded", 2: "queued"}, []),
+        # Missing from the recovery, or from the table.
+        ({1: "succeeded"}, {1: "succeeded", 2: "queued"}, [("T", 2)]),
+        ({1: "succeeded", 2: "queued"}, {2: "queued"}, [("T", 1), ("R", 1), ("S", 1)]),
+        # An acknowledged success that came back as merely started.
+        ({1: "started", 2: "queued"}, {1: "running", 2: "queued"}, [("S", 1)]),
+        # A start that came back queued, and a zombie's cancellation that landed.
+        ({1: "queued", 2: "queued"}, {1: "cancelled", 2: "queued"}, [("R", 1), ("S", 1)]),
+    ],
+)
+def test_find_lost_reports_every_broken_promise(
+    recovered: dict[int, str], stored: dict[int, str], lost: list[tuple[str, int]]
+) -> None:
+    acks = [("T", 1), ("R", 1), ("S", 1), ("T", 2)]
+    assert find_lost(acks, recovered, stored) == lost
