@@ -168,6 +168,50 @@ async def test_from_engine_shares_the_pool_and_close_leaves_it_open(
     await store.migrate()  # idempotent, and still possible on the shared engine
 
 
+async def test_from_engine_never_holds_the_lock_on_the_applications_pool(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """The leader lock lives on a dedicated session, not on any of the app pool's backends."""
+    store = await PgStore.from_engine(
+        engine, PgStoreConfig(schema=schema, application_name=f"app-{schema}")
+    )
+    try:
+        await round_trip(store)  # the store's own statements ran on the shared pool
+        await store.acquire_leadership()
+        # Check out several pool connections at once, note their backends, return them all.
+        conns = [await engine.connect() for _ in range(3)]
+        pool_pids = {(await c.execute(text("SELECT pg_backend_pid()"))).scalar() for c in conns}
+        for conn in conns:
+            await conn.close()
+        k1, k2 = store.leader_lock
+        holders = await admin_execute(
+            pg_url,
+            "SELECT l.pid, a.application_name FROM pg_locks l "
+            "JOIN pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
+            "AND l.classid = $1 AND l.objid = ($2::bigint & 4294967295)::oid "
+            "AND l.objsubid = 2",
+            k1,
+            k2,
+        )
+        assert len(holders) == 1
+        pid, application = holders[0]
+        assert pid not in pool_pids
+        assert application == f"app-{schema} leader"
+        await store.release_leadership()
+        assert (
+            await admin_execute(
+                pg_url,
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = $1 "
+                "AND objid = ($2::bigint & 4294967295)::oid",
+                k1,
+                k2,
+            )
+            == []
+        )
+    finally:
+        await store.close()
+
+
 async def test_mixed_case_schema_names_are_kept_apart(pg_url: URL) -> None:
     """``Prod`` and ``prod`` are two schemas, two clusters, two leader locks."""
     names = ["Cronoq_Mixed", "cronoq_mixed"]
