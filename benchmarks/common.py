@@ -1,0 +1,333 @@
+"""What every benchmark shares: the profile, interleaved trials, statistics, the workload,
+and the store's own statements compiled for raw asyncpg.
+
+The baselines run *the store's statements*: :func:`compile_for_asyncpg` renders the Core
+constructs of :mod:`cronoq_store.statements` for the asyncpg dialect, with the schema filled
+in, so raw asyncpg sends byte-for-byte the SQL the store sends. They encode values with the
+same :mod:`cronoq_store.codec` functions, so the difference is the store's own overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
+
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+from sqlalchemy.engine import URL
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from cronoq_store import (
+    Dependency,
+    PgStoreConfig,
+    Priority,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.codec import (
+    clean_text,
+    duration_to_ns,
+    encode_deps,
+    encode_miss_policy,
+    encode_resources,
+    encode_retry,
+    encode_strings,
+)
+from cronoq_store.store import PgStore
+
+#: Realistic durability for every measurement (the embedded server defaults to fsync=off):
+#: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a
+#: single trial; both sides of each comparison share the server anyway.
+SERVER_SETTINGS = {
+    "fsync": "on",
+    "full_page_writes": "on",
+    "synchronous_commit": "on",
+    "shared_buffers": "512MB",
+    "max_wal_size": "16GB",
+    "checkpoint_timeout": "30min",
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "top",
+}
+
+#: Bytes of every task's payload (pgqueuer gets the same bytes).
+PAYLOAD = bytes(range(128))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes and repetitions of one run."""
+
+    name: str
+    #: Measured rounds of every interleaved comparison (after one warm-up round).
+    rounds: int
+    commit_sizes: tuple[int, ...]
+    #: Rows committed per trial (one batch at least): small batches repeat, at most
+    #: ``commit_max_batches`` times.
+    commit_rows: int
+    commit_max_batches: int
+    transition_sizes: tuple[int, ...]
+    submitters: tuple[int, ...]
+    #: Seconds each group-commit trial runs its submitters.
+    group_seconds: float
+    recovery_sizes: tuple[int, ...]
+    recovery_rounds: int
+    prune_finished: int
+    prune_live: int
+    prune_rounds: int
+    #: Also time one batch on a 200,000-task table (see ``benchmarks.prune``).
+    prune_large: bool
+    kill_takeovers: int
+    stall_takeovers: int
+    #: Leadership timings of the takeover scenarios (keepalive, session_timeout, lock_poll).
+    takeover_timing: tuple[float, float, float]
+
+
+QUICK = Profile(
+    name="quick",
+    rounds=3,
+    commit_sizes=(1, 10, 100, 1000, 10_000),
+    commit_rows=1000,
+    commit_max_batches=150,
+    transition_sizes=(1, 100, 1000),
+    submitters=(1, 64),
+    group_seconds=0.5,
+    recovery_sizes=(100_000,),
+    recovery_rounds=2,
+    prune_finished=20_000,
+    prune_live=2_000,
+    prune_rounds=1,
+    prune_large=False,
+    kill_takeovers=1,
+    stall_takeovers=1,
+    takeover_timing=(0.5, 2.0, 0.25),
+)
+
+FULL = Profile(
+    name="full",
+    rounds=7,
+    commit_sizes=(1, 10, 100, 1000, 10_000),
+    commit_rows=4000,
+    commit_max_batches=1000,
+    transition_sizes=(1, 10, 100, 1000, 10_000),
+    submitters=(1, 4, 16, 64, 256),
+    group_seconds=2.0,
+    recovery_sizes=(100_000, 1_000_000),
+    recovery_rounds=3,
+    prune_finished=100_000,
+    prune_live=2_000,
+    prune_rounds=3,
+    prune_large=True,
+    kill_takeovers=5,
+    stall_takeovers=3,
+    # The defaults of PgStoreConfig.
+    takeover_timing=(1.0, 10.0, 0.5),
+)
+
+
+def batches_per_trial(profile: Profile, size: int) -> int:
+    return max(1, min(profile.commit_max_batches, profile.commit_rows // size))
+
+
+# --- measurement ----------------------------------------------------------------------------
+
+Trial = Callable[[], Awaitable[float]]
+
+
+async def interleave(
+    trials: Mapping[str, Trial], rounds: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Run every trial once per round, rotating the order each round (A B C, B C A, ...)
+    so that no variant always follows the same one; warm-up rounds are not recorded."""
+    names = list(trials)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            value = await trials[name]()
+            if r >= warmup:
+                results[name].append(value)
+    return results
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and quartiles of repeated measurements."""
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": q1,
+        "q3": q3,
+        "n": len(ordered),
+    }
+
+
+def paired(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
+    """Summary of per-round ratios ``ours / theirs``: each pair ran back to back."""
+    return summarize([a / b for a, b in zip(ours, theirs, strict=True)])
+
+
+def dsn(url: URL) -> str:
+    """A libpq-style URL with the password, for asyncpg and psycopg."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+# --- the store's statements for raw asyncpg -------------------------------------------------
+
+_DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class RawStatement:
+    """A Core statement as asyncpg SQL text with its positional parameter names."""
+
+    sql: str
+    names: tuple[str, ...]
+    defaults: Mapping[str, Any]
+
+    def args(self, values: Mapping[str, Any]) -> list[Any]:
+        """Positional arguments: ``values`` by name, literals of the construct otherwise."""
+        return [values[n] if n in values else self.defaults[n] for n in self.names]
+
+
+def compile_for_asyncpg(statement: ClauseElement, schema: str) -> RawStatement:
+    """``statement`` rendered as the store's engine renders it for ``schema``."""
+    compiled = cast(
+        SQLCompiler,
+        statement.compile(
+            dialect=_DIALECT, schema_translate_map={None: schema}, render_schema_translate=True
+        ),
+    )
+    return RawStatement(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
+
+
+async def open_store(url: URL, schema: str, **config: Any) -> tuple[PgStore, int]:
+    """A migrated store for ``schema`` that leads; returns it and its epoch."""
+    store = await PgStore.connect(url, PgStoreConfig(schema=schema, **config))
+    return store, await store.acquire_leadership()
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+_RETRY = RetryPolicy(max_attempts=5, backoff=timedelta(seconds=2), max_backoff=timedelta(minutes=1))
+_POOLS = ("default", "email", "reports")
+
+
+def make_spec(n: int, *, keyed: bool = True) -> TaskSpec:
+    """A task as a scheduler sees them: varied options, half with a key, some with a
+    dependency, a retry policy, tags, resources or a tenant. Keys are unique per ``n``."""
+    return TaskSpec(
+        PAYLOAD,
+        kind="bench.job",
+        pool=_POOLS[n % 3],
+        priority=Priority.HIGH if n % 7 == 0 else Priority.NORMAL,
+        key=f"job-{n}" if keyed and n % 2 == 0 else None,
+        timeout=timedelta(seconds=30) if n % 2 else None,
+        retry=_RETRY if n % 4 == 0 else None,
+        deps=(Dependency(task_id(1, n - 1)),) if n % 10 == 0 and n > 1 else (),
+        resources={"cpu": 1} if n % 5 == 0 else {},
+        tags=("bench", "nightly") if n % 3 == 0 else (),
+        tenant=f"tenant-{n % 10}" if n % 2 else None,
+    )
+
+
+class Workload:
+    """Fresh tasks for every trial; each variant commits the very same mutation objects
+    (into its own schema), so every side writes identical rows."""
+
+    def __init__(self) -> None:
+        self.base = TimeBase.now()
+        self._next = 1
+        self._unkeyed = [make_spec(n, keyed=False) for n in range(1, 257)]
+
+    def batches(self, size: int, count: int) -> list[list[Submitted]]:
+        """``count`` batches of ``size`` new tasks."""
+        return [self.submissions(size) for _ in range(count)]
+
+    def one(self) -> Submitted:
+        """A new task without a key, cheap enough to make inside a timed loop (its spec is
+        one of a few shared ones; keys would have to stay unique among live tasks)."""
+        n = self._next
+        self._next += 1
+        return Submitted(task_id(1, n), n, time.monotonic_ns(), self._unkeyed[n % 256])
+
+    def submissions(self, count: int, *, keyed: bool = True) -> list[Submitted]:
+        first, self._next = self._next, self._next + count
+        now = time.monotonic_ns()
+        return [
+            Submitted(task_id(1, n), n, now, make_spec(n, keyed=keyed))
+            for n in range(first, first + count)
+        ]
+
+
+def transitions(ids: Sequence[TaskId], round_: int, base: TimeBase) -> list[StatusChanged]:
+    """One live-to-live transition per id: running and retrying alternate, so the table keeps
+    its shape however many rounds run; every fourth carries a message."""
+    status = TaskStatus.RUNNING if round_ % 2 == 0 else TaskStatus.RETRYING
+    at = base.from_unix(time.time_ns())
+    return [
+        StatusChanged(i, status, round_, at, "worker lost" if i % 4 == 0 else None) for i in ids
+    ]
+
+
+# --- the hand-written encoding of the baselines ---------------------------------------------
+
+
+def submission_row(m: Submitted, base: TimeBase, now_unix_ns: int) -> tuple[Any, ...]:
+    """The insert's columns (``INSERT_COLUMNS`` order) for one new task, encoded with the
+    store's codec functions: what an application writing raw asyncpg would do."""
+    s = m.spec
+    fixed = s.fixed_start
+    return (
+        m.id,
+        m.seq,
+        base.to_unix(m.arrival),
+        clean_text(s.pool),
+        clean_text(s.kind),
+        int(s.priority),
+        None if s.key is None else clean_text(s.key),
+        s.payload,
+        None if s.deadline is None else base.to_unix(s.deadline),
+        None if fixed is None else base.to_unix(fixed.at),
+        None if fixed is None else duration_to_ns(fixed.tolerance),
+        None if fixed is None else encode_miss_policy(fixed.on_miss),
+        None if s.duration_hint is None else duration_to_ns(s.duration_hint),
+        None if s.timeout is None else duration_to_ns(s.timeout),
+        encode_retry(s.retry),
+        encode_deps(s.deps),
+        encode_resources(s.resources),
+        encode_strings(s.tags),
+        "queued",
+        False,
+        0,
+        now_unix_ns,
+        None,
+        encode_strings(s.labels),
+        None if s.tenant is None else clean_text(s.tenant),
+    )
+
+
+def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[str, list[Any]]:
+    """The status update's array parameters for transitions of distinct stored tasks."""
+    return {
+        "ids": [m.id for m in batch],
+        "statuses": [m.status.value for m in batch],
+        "terminals": [m.status.is_terminal for m in batch],
+        "attempts": [m.attempt for m in batch],
+        "updated": [base.to_unix(m.at) for m in batch],
+        "messages": [None if m.message is None else clean_text(m.message) for m in batch],
+    }

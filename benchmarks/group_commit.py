@@ -1,0 +1,98 @@
+"""Group commit: N concurrent submitters of one mutation each, through ``GroupCommitter``
+against each calling ``PgStore.commit`` itself (one transaction per submission).
+
+Both sides use the same store (its pool of ``max_connections`` = 8, the default) and run
+for the same time; the figure is acknowledged mutations per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+from sqlalchemy.engine import URL
+
+from cronoq_store import Mutation
+from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.store import PgStore
+
+from .common import Profile, Trial, Workload, interleave, open_store, paired, summarize
+
+Commit = Callable[[Sequence[Mutation]], Awaitable[None]]
+
+
+async def drive(commit: Commit, workload: Workload, submitters: int, seconds: float) -> float:
+    """``submitters`` loops, each committing one new task at a time until the deadline;
+    returns mutations per second over the time until the last one returned."""
+    deadline = time.perf_counter() + seconds
+    done = 0
+
+    async def submitter() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await commit([workload.one()])
+            done += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(submitter() for _ in range(submitters)))
+    return done / (time.perf_counter() - started)
+
+
+def _grouped(
+    store: PgStore,
+    epoch: int,
+    workload: Workload,
+    submitters: int,
+    profile: Profile,
+    batches: list[float],
+    latencies: list[float],
+) -> Trial:
+    """A trial through a fresh ``GroupCommitter``; notes its mean batch and p99 latency."""
+
+    async def trial() -> float:
+        async with GroupCommitter(store, epoch, workload.base) as committer:
+            rate = await drive(committer.submit, workload, submitters, profile.group_seconds)
+        stats = committer.stats()
+        batches.append(stats.mean_batch_mutations)
+        if stats.latency_p99 is not None:
+            latencies.append(stats.latency_p99)
+        return rate
+
+    return trial
+
+
+async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
+    """For each submitter count: the summary of mutations/s of both sides and their ratio,
+    with the committer's mean batch and latency percentiles."""
+    async with AsyncExitStack() as stack:
+        store, epoch = await open_store(url, "bench_group_commit")
+        stack.push_async_callback(store.close)
+        workload = Workload()
+        base = workload.base
+        results: dict[str, Any] = {}
+        for submitters in profile.submitters:
+            batches: list[float] = []
+            latencies: list[float] = []
+
+            grouped = _grouped(store, epoch, workload, submitters, profile, batches, latencies)
+
+            async def single(submitters: int = submitters) -> float:
+                return await drive(
+                    lambda batch: store.commit(epoch, base, batch, ()),
+                    workload,
+                    submitters,
+                    profile.group_seconds,
+                )
+
+            measured = await interleave({"group": grouped, "single": single}, profile.rounds)
+            results[str(submitters)] = {
+                "variants": {name: summarize(v) for name, v in measured.items()},
+                "group_vs_single": paired(measured["group"], measured["single"]),
+                # The first trial of each side is the warm-up round.
+                "mean_batch_mutations": summarize(batches[1:]),
+                "latency_p99_seconds": summarize(latencies[1:]),
+            }
+    return results

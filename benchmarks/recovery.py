@@ -1,0 +1,287 @@
+"""Recovery: ``PgStore.recover`` against raw asyncpg running the same queries and decoding the
+rows into the same objects with the same codec functions; time and peak RSS.
+
+Each measurement runs in a fresh child process (``python -m benchmarks.recovery MODE SCHEMA``,
+the server's URL in ``$BENCH_DSN``), so peak RSS (``ru_maxrss``) is that recovery's alone;
+the child reports it, with its RSS before recovering, as one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from sqlalchemy.engine import URL, make_url
+
+from cronoq_store import (
+    FixedStart,
+    PgStoreConfig,
+    Priority,
+    Recovered,
+    RecoveredTask,
+    RecoveredTerminal,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store import statements as st
+from cronoq_store.codec import (
+    decode_deps,
+    decode_miss_policy,
+    decode_resources,
+    decode_retry,
+    decode_strings,
+    encode_deps,
+    ns_to_duration,
+)
+from cronoq_store.domain import LIVE_STATUS_NAMES, Dependency, Submitted
+from cronoq_store.folding import INSERT_COLUMNS
+from cronoq_store.store import PgStore
+
+from .common import Profile, compile_for_asyncpg, dsn, make_spec, submission_row, summarize
+
+_ROOT = Path(__file__).resolve().parent.parent
+_DSN_ENV = "BENCH_DSN"
+_RETENTION = 3600.0
+_CHUNK = 50_000
+_PROTOTYPES = 20
+_COLUMN = {name: i for i, name in enumerate(INSERT_COLUMNS)}
+
+
+# --- the data ---------------------------------------------------------------------------------
+
+
+def _rows(first: int, count: int, base: TimeBase, now: int) -> list[tuple[Any, ...]]:
+    """Task rows made from a few encoded prototypes (building a million ``TaskSpec`` would
+    take longer than the recovery): unique ids and keys, one dependency on every tenth task,
+    a tenth running, and one finished task (within the retention) for every ten live ones."""
+    protos = [
+        list(submission_row(Submitted(task_id(1, n), n, 0, make_spec(n)), base, now))
+        for n in range(1, _PROTOTYPES + 1)
+    ]
+    rows = []
+    for n in range(first, first + count):
+        row = protos[n % _PROTOTYPES].copy()
+        row[_COLUMN["id"]] = task_id(1, n)
+        row[_COLUMN["seq"]] = n
+        if row[_COLUMN["key"]] is not None:
+            row[_COLUMN["key"]] = f"job-{n}"
+        if n % 10 == 0:
+            row[_COLUMN["deps"]] = encode_deps([Dependency(task_id(1, n - 1))])
+        if n % 10 == 1:
+            row[_COLUMN["status"]] = TaskStatus.SUCCEEDED.value
+            row[_COLUMN["terminal"]] = True
+            row[_COLUMN["key"]] = None  # finished keys are many: keep the live index unique
+        elif n % 10 == 2:
+            row[_COLUMN["status"]] = TaskStatus.RUNNING.value
+            row[_COLUMN["attempt"]] = 1
+        rows.append(tuple(row))
+    return rows
+
+
+async def populate(url: URL, schema: str, live: int) -> None:
+    """A migrated schema with ``live`` live tasks (and a tenth as many finished ones)."""
+    store = await PgStore.connect(url, PgStoreConfig(schema=schema))
+    await store.close()
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        base, now = TimeBase.now(), time.time_ns()
+        total = live * 10 // 9
+        for first in range(1, total + 1, _CHUNK):
+            await conn.copy_records_to_table(
+                "cronoq_tasks",
+                records=_rows(first, min(_CHUNK, total + 1 - first), base, now),
+                columns=INSERT_COLUMNS,
+                schema_name=schema,
+            )
+        await conn.execute(f'VACUUM ANALYZE "{schema}".cronoq_tasks')
+    finally:
+        await conn.close()
+
+
+# --- the child: one recovery ------------------------------------------------------------------
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _decode_task(base: TimeBase, row: asyncpg.Record) -> RecoveredTask:
+    """The store's decoding of a live row, for an asyncpg record."""
+    if row["status"] not in LIVE_STATUS_NAMES:
+        raise ValueError(f"status: {row['status']!r} is not the status of a live task")
+    fixed = None
+    if row["fixed_at_unix_ns"] is not None:
+        tolerance = row["fixed_tolerance_ns"]
+        fixed = FixedStart(
+            at=base.from_unix(row["fixed_at_unix_ns"]),
+            tolerance=ns_to_duration(1_000_000_000 if tolerance is None else tolerance),
+            on_miss=decode_miss_policy(row["fixed_on_miss"]),
+        )
+    hint, timeout, deadline = row["duration_hint_ns"], row["timeout_ns"], row["deadline_unix_ns"]
+    spec = TaskSpec(
+        row["payload"],
+        kind=row["kind"],
+        pool=row["pool"],
+        priority=Priority.from_stored(row["priority"]),
+        key=row["key"],
+        deadline=None if deadline is None else base.from_unix(deadline),
+        fixed_start=fixed,
+        duration_hint=None if hint is None else ns_to_duration(hint),
+        timeout=None if timeout is None else ns_to_duration(timeout),
+        retry=decode_retry(row["retry"]),
+        deps=decode_deps(row["deps"]),
+        resources=decode_resources(row["resources"]),
+        tags=decode_strings(row["tags"], "tags"),
+        labels=decode_strings(row["labels"], "labels"),
+        tenant=row["tenant"],
+    )
+    return RecoveredTask(
+        id=TaskId(row["id"]),
+        seq=row["seq"],
+        arrival=base.from_unix(row["arrival_unix_ns"]),
+        spec=spec,
+        attempt=max(row["attempt"], 0),
+    )
+
+
+async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) -> Recovered:
+    """The store's queries on raw asyncpg, in one transaction, decoded the same way."""
+    high_water = compile_for_asyncpg(st.high_water, schema)
+    live = compile_for_asyncpg(st.live_tasks, schema)
+    terminal = compile_for_asyncpg(st.recent_terminal, schema)
+    recurring = compile_for_asyncpg(st.recurring_schedules, schema)
+    async with conn.transaction():
+        high = await conn.fetchval(high_water.sql, *high_water.args({}))
+        recovered = Recovered(next_id=high + 1 if high > 0 else 0)
+        now = time.time_ns()
+        recovered.tasks = [_decode_task(base, row) for row in await conn.fetch(live.sql)]
+        dep_ids: set[int] = set()
+        dep_keys: set[str] = set()
+        for task in recovered.tasks:
+            for dep in task.spec.deps:
+                if isinstance(dep.target, str):
+                    dep_keys.add(dep.target)
+                else:
+                    dep_ids.add(dep.target)
+        params = {
+            "cutoff": now - round(_RETENTION * 1e9),
+            "dep_ids": list(dep_ids),
+            "dep_keys": list(dep_keys),
+        }
+        for row in await conn.fetch(terminal.sql, *terminal.args(params)):
+            status = TaskStatus.from_stored(row["status"])
+            if status is not None and status.is_terminal:
+                recovered.terminal.append(
+                    RecoveredTerminal(
+                        id=TaskId(row["id"]),
+                        key=row["key"],
+                        status=status,
+                        at=base.from_unix(row["updated_unix_ns"]),
+                    )
+                )
+        if await conn.fetch(recurring.sql):
+            raise RuntimeError("the benchmark's schemas have no recurring schedules")
+    return recovered
+
+
+async def _child(mode: str, schema: str) -> dict[str, Any]:
+    url = make_url(os.environ[_DSN_ENV])
+    base = TimeBase.now()
+    if mode == "store":
+        store = await PgStore.connect(url, PgStoreConfig(schema=schema, retention=_RETENTION))
+        try:
+            before = _peak_rss_mib()
+            started = time.perf_counter()
+            recovered = await store.recover(base)
+            seconds = time.perf_counter() - started
+        finally:
+            await store.close()
+    else:
+        conn = await asyncpg.connect(dsn(url))
+        try:
+            before = _peak_rss_mib()
+            started = time.perf_counter()
+            recovered = await _raw_recover(conn, schema, base)
+            seconds = time.perf_counter() - started
+        finally:
+            await conn.close()
+    return {
+        "seconds": seconds,
+        "tasks": len(recovered.tasks),
+        "terminal": len(recovered.terminal),
+        "rss_before_mib": before,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+async def _measure(url: URL, mode: str, schema: str) -> dict[str, Any]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.recovery",
+        mode,
+        schema,
+        cwd=_ROOT,
+        env={**os.environ, _DSN_ENV: dsn(url)},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"the {mode} recovery of {schema} failed ({process.returncode})")
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+# --- the parent -------------------------------------------------------------------------------
+
+
+async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
+    """Per size: seconds and peak RSS of both sides (interleaved, repeated) and the paired
+    ratio of their rates (raw seconds / store seconds)."""
+    results: dict[str, Any] = {}
+    for live in profile.recovery_sizes:
+        schema = f"bench_recovery_{live}"
+        started = time.monotonic()
+        await populate(url, schema, live)
+        populated = time.monotonic() - started
+        runs: dict[str, list[dict[str, Any]]] = {"store": [], "raw": []}
+        for r in range(profile.recovery_rounds):
+            for mode in ("store", "raw") if r % 2 == 0 else ("raw", "store"):
+                runs[mode].append(await _measure(url, mode, schema))
+        counts = {(m["tasks"], m["terminal"]) for ms in runs.values() for m in ms}
+        if len(counts) != 1:
+            raise RuntimeError(f"the recoveries disagree on what they loaded: {counts}")
+        results[str(live)] = {
+            "populate_seconds": round(populated, 1),
+            "loaded": dict(zip(("tasks", "terminal"), counts.pop(), strict=True)),
+            "variants": {
+                mode: {
+                    "seconds": summarize([m["seconds"] for m in ms]),
+                    "tasks_per_second": summarize([m["tasks"] / m["seconds"] for m in ms]),
+                    "peak_rss_mib": summarize([m["peak_rss_mib"] for m in ms]),
+                    "rss_before_mib": summarize([m["rss_before_mib"] for m in ms]),
+                }
+                for mode, ms in runs.items()
+            },
+            "store_vs_raw": summarize(
+                [
+                    raw["seconds"] / store["seconds"]
+                    for store, raw in zip(runs["store"], runs["raw"], strict=True)
+                ]
+            ),
+        }
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(_child(sys.argv[1], sys.argv[2]))))
