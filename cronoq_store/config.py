@@ -48,6 +48,12 @@ class PgStoreConfig:
                 f"keepalive ({self.keepalive}s) must be shorter than session_timeout "
                 f"({self.session_timeout}s), or a slow check could never be told from a dead one"
             )
+        if self.lock_poll >= self.session_timeout:
+            raise ValueError(
+                f"lock_poll ({self.lock_poll}s) must be shorter than session_timeout "
+                f"({self.session_timeout}s): a standby's lock session idle for longer than "
+                "1.5 x session_timeout is ended by the server"
+            )
         if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int):
             raise ValueError(f"max_connections must be an int, got {self.max_connections!r}")
         if self.max_connections < 1:

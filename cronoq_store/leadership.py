@@ -104,6 +104,10 @@ class _Session:
                 logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
 
 
+def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
+    return max(1000, round(1500 * config.session_timeout))
+
+
 class Leadership:
     """Leader election for one cluster (one schema) on its own, unpooled lock session.
 
@@ -133,6 +137,12 @@ class Leadership:
                     "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
                     "tcp_keepalives_interval": "1",
                     "tcp_keepalives_count": "3",
+                    # Keepalives cannot see a client behind a stalled path whose kernel still
+                    # answers probes (a proxy, a NAT): a lock session with no query for 1.5 x
+                    # session_timeout is ended by the server, freeing the lock for a standby.
+                    # The keeper queries every `keepalive` and standbys every `lock_poll`,
+                    # both shorter, so a healthy session is never idle that long.
+                    "idle_session_timeout": str(_idle_session_timeout_ms(config)),
                 },
             },
         )

@@ -195,6 +195,27 @@ async def test_step_down_when_lock_session_goes_silent(
         assert await asyncio.wait_for(standby, 5) == 2
 
 
+async def test_server_frees_the_lock_of_a_stalled_leader_without_help(
+    make: Factory, pg_url: URL
+) -> None:
+    """Behind a stalled path the server's TCP keepalives are answered (here by the proxy's
+    kernel), so only the session's idle_session_timeout ends it and frees the lock."""
+    loop = asyncio.get_running_loop()
+    async with TcpProxy.to(pg_url) as proxy:
+        a = make("a", proxy.url(pg_url))
+        b = make("b")
+        assert await lead(a) == 1
+        standby = asyncio.ensure_future(b.acquire())
+        await asyncio.sleep(3 * KEEPALIVE)
+        proxy.stall()
+        stalled = loop.time()
+        await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
+        # No cut: the server must end the silent session by itself.
+        assert await asyncio.wait_for(standby, 1.5 * SESSION_TIMEOUT + 2.0) == 2
+        took_over = loop.time() - stalled
+        assert took_over >= SESSION_TIMEOUT, "the lock moved before the old leader stepped down"
+
+
 async def test_standby_whose_session_goes_silent_reconnects(
     make: Factory, pg_url: URL, caplog: pytest.LogCaptureFixture
 ) -> None:
