@@ -305,9 +305,10 @@ def _as_nonempty_str(value: object, path: str) -> str:
 
 def _as_enum(enum: type[_E], value: object, path: str) -> _E:
     if isinstance(value, str):
-        for member in enum:
-            if member.value == value:
-                return member
+        try:
+            return enum(value)  # a dict lookup in the enum, not a walk over its members
+        except ValueError:
+            pass
     names = ", ".join(json.dumps(m.value) for m in enum)
     raise _mismatch(path, f"one of {names}", value)
 
