@@ -213,8 +213,8 @@ def _large_prune(large: dict[str, Any] | None) -> list[str]:
         f"{large['live_with_dependencies']:,} live tasks depending on them (median of 3):",
         "",
         *_table(
-            ["store's statement (NOT IN)", "same with NOT EXISTS"],
-            [[shown(seconds["store"]), shown(seconds["not_exists"])]],
+            ["store's statement"],
+            [[shown(seconds["store"])]],
         ),
     ]
 
