@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from enum import Enum
+from functools import lru_cache
 from typing import TypeVar
 
 from .domain import (
@@ -85,7 +86,14 @@ def decode_miss_policy(name: str | None) -> MissPolicy:
 
 def encode_retry(retry: RetryPolicy | None) -> str | None:
     """JSON for the ``retry`` column; ``None`` (SQL NULL) when there is no policy."""
-    return None if retry is None else _dumps(_retry_to_json(retry))
+    return None if retry is None else _retry_json(retry)
+
+
+# Policies and tag lists repeat from task to task, and are immutable and hashable: their
+# JSON is made once (equal policies encode alike: the multiplier is always a float).
+@lru_cache(maxsize=1024)
+def _retry_json(retry: RetryPolicy) -> str:
+    return _dumps(_retry_to_json(retry))
 
 
 def decode_retry(text: str | None) -> RetryPolicy | None:
@@ -123,8 +131,17 @@ def decode_resources(text: str) -> dict[str, int]:
 
 def encode_strings(values: Iterable[str]) -> str:
     """JSON for the ``tags`` and ``labels`` columns: an array of strings."""
+    if values == ():
+        return "[]"
+    if isinstance(values, tuple):  # what a TaskSpec holds
+        return _strings_json(values)
     items = [clean_text(s) for s in values]
     return _dumps(items) if items else "[]"
+
+
+@lru_cache(maxsize=4096)
+def _strings_json(values: tuple[str, ...]) -> str:
+    return _dumps([clean_text(s) for s in values])
 
 
 def decode_strings(text: str, field: str) -> tuple[str, ...]:
