@@ -79,17 +79,19 @@ class SharedBatches(Generic[M]):
 
 
 class RawWriter:
-    """The baselines: one asyncpg connection running the store's own SQL for ``schema``,
-    in one transaction per batch with the same epoch check."""
+    """The baselines: one asyncpg connection running the store's own SQL for ``schema``
+    with the same epoch check: a batch of new tasks, or of transitions, is one statement
+    whose CTE checks the epoch (``insert_tasks_fenced``, ``update_status_fenced``), as the
+    store sends it. COPY has no such statement: it runs in a transaction after the epoch
+    check the store's mixed batches use (``record_max_id``)."""
 
     def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int) -> None:
         self.conn = conn
         self.schema = schema
         self.epoch = epoch
         self._record_max_id = compile_for_asyncpg(st.record_max_id, schema)
-        self._epoch_for_share = compile_for_asyncpg(st.epoch_for_share, schema)
-        self._insert = compile_for_asyncpg(st.insert_tasks, schema)
-        self._update = compile_for_asyncpg(st.update_status, schema)
+        self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
+        self._update = compile_for_asyncpg(st.update_status_fenced, schema)
 
     def _check(self, current: int) -> None:
         if current != self.epoch:
@@ -102,12 +104,9 @@ class RawWriter:
     async def insert(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now = time.time_ns()
         columns = list(zip(*(submission_row(m, base, now) for m in batch), strict=True))
-        async with self.conn.transaction():
-            await self._lock_epoch(max(columns[0]))
-            await self.conn.execute(
-                self._insert.sql,
-                *self._insert.args(dict(zip(INSERT_COLUMNS, columns, strict=True))),
-            )
+        params: dict[str, Any] = dict(zip(INSERT_COLUMNS, columns, strict=True))
+        params.update(issued=max(columns[0]), epoch=self.epoch)
+        self._check(await self.conn.fetchval(self._insert.sql, *self._insert.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now = time.time_ns()
@@ -119,11 +118,9 @@ class RawWriter:
             )
 
     async def update(self, batch: Sequence[StatusChanged], base: TimeBase) -> None:
-        columns = transition_columns(batch, base)
-        async with self.conn.transaction():
-            stmt = self._epoch_for_share
-            self._check(await self.conn.fetchval(stmt.sql, *stmt.args({})))
-            await self.conn.execute(self._update.sql, *self._update.args(columns))
+        params = {**transition_columns(batch, base), "epoch": self.epoch}
+        current, _ = await self.conn.fetchrow(self._update.sql, *self._update.args(params))
+        self._check(current)
 
 
 def _job_args(m: Submitted) -> JSONDict:

@@ -14,12 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.sql import ClauseElement
-from sqlalchemy.sql.compiler import SQLCompiler
 
 from cronoq_store import (
     Dependency,
@@ -44,6 +43,7 @@ from cronoq_store.codec import (
     encode_strings,
 )
 from cronoq_store.store import PgStore
+from cronoq_store.writer import CompiledStatement
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
 #: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a
@@ -191,28 +191,11 @@ def dsn(url: URL) -> str:
 _DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 
 
-@dataclass(frozen=True)
-class RawStatement:
-    """A Core statement as asyncpg SQL text with its positional parameter names."""
-
-    sql: str
-    names: tuple[str, ...]
-    defaults: Mapping[str, Any]
-
-    def args(self, values: Mapping[str, Any]) -> list[Any]:
-        """Positional arguments: ``values`` by name, literals of the construct otherwise."""
-        return [values[n] if n in values else self.defaults[n] for n in self.names]
-
-
-def compile_for_asyncpg(statement: ClauseElement, schema: str) -> RawStatement:
-    """``statement`` rendered as the store's engine renders it for ``schema``."""
-    compiled = cast(
-        SQLCompiler,
-        statement.compile(
-            dialect=_DIALECT, schema_translate_map={None: schema}, render_schema_translate=True
-        ),
-    )
-    return RawStatement(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
+def compile_for_asyncpg(statement: ClauseElement, schema: str) -> CompiledStatement:
+    """``statement`` rendered as the store renders it for ``schema``: the store's own
+    compiler (``cronoq_store.writer.CompiledStatement``), so the SQL is byte for byte the
+    same."""
+    return CompiledStatement.of(statement, _DIALECT, schema)
 
 
 async def open_store(url: URL, schema: str, **config: Any) -> tuple[PgStore, int]:

@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 from .domain import TaskStatus
@@ -49,6 +49,7 @@ __all__ = [
     "finished_page",
     "high_water",
     "insert_tasks",
+    "insert_tasks_fenced",
     "live_tasks",
     "ping",
     "prune_batch",
@@ -64,6 +65,7 @@ __all__ = [
     "task_output",
     "try_leader_lock",
     "update_status",
+    "update_status_fenced",
     "upsert_recurring",
 ]
 
@@ -76,9 +78,7 @@ MAX_EPOCH = 32767
 
 #: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock.
 try_leader_lock = select(
-    func.pg_try_advisory_lock(
-        bindparam("k1", type_=Integer), bindparam("k2", type_=Integer)
-    )
+    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
 )
 
 #: Taking the lock bumps the epoch, wrapping 32767 -> 1; returns the new epoch.
@@ -109,12 +109,16 @@ epoch_for_share = (
     select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(read=True)
 )
 
+_issued = bindparam("issued", type_=BigInteger)
+#: The epoch a one-statement commit expects (see :data:`insert_tasks_fenced`).
+_epoch = bindparam("epoch", type_=Integer)
+
 #: The epoch check of a batch that issues ids: the row lock is taken by the update, which
 #: records the id high-water mark so that pruning can never lead to an id being issued again.
 record_max_id = (
     update(leader)
     .where(leader.c.id == LEADER_ROW_ID)
-    .values(max_id=func.greatest(leader.c.max_id, bindparam("issued", type_=BigInteger)))
+    .values(max_id=func.greatest(leader.c.max_id, _issued))
     .returning(leader.c.epoch)
 )
 
@@ -138,18 +142,36 @@ _transition = _unnest(
     ("messages", Text()),
 )
 
+_transition_values = {
+    "status": _transition.c.statuses,
+    "terminal": _transition.c.terminals,
+    "attempt": _transition.c.attempts,
+    "updated_unix_ns": _transition.c.updated,
+    "message": func.coalesce(_transition.c.messages, tasks.c.message),
+}
+
 #: Status transitions of tasks stored by earlier batches. A NULL message keeps the stored
 #: one: a message carries forward until a later transition replaces it.
-update_status = (
+update_status = update(tasks).where(tasks.c.id == _transition.c.ids).values(_transition_values)
+
+_sharing = epoch_for_share.cte("e")
+_transitioned = (
     update(tasks)
-    .where(tasks.c.id == _transition.c.ids)
-    .values(
-        status=_transition.c.statuses,
-        terminal=_transition.c.terminals,
-        attempt=_transition.c.attempts,
-        updated_unix_ns=_transition.c.updated,
-        message=func.coalesce(_transition.c.messages, tasks.c.message),
+    .where(
+        tasks.c.id == _transition.c.ids,
+        _sharing.c.epoch == _epoch,
     )
+    .values(_transition_values)
+    .returning(tasks.c.id)
+    .cte("upd")
+)
+
+#: A batch of status transitions only, as one statement: the epoch under a share lock (as
+#: :data:`epoch_for_share`) and the updates, which change nothing unless the stored epoch is
+#: ``:epoch``. Returns the stored epoch and the number of rows updated.
+update_status_fenced = select(
+    _sharing.c.epoch,
+    select(func.count()).select_from(_transitioned).scalar_subquery(),
 )
 
 # --- commit: new tasks ----------------------------------------------------------------------
@@ -160,21 +182,47 @@ _new = _unnest(
     *((name, Text() if name in JSON_COLUMNS else tasks.c[name].type) for name in INSERT_COLUMNS),
 )
 
-#: New tasks in one statement. ``ON CONFLICT (id) DO NOTHING`` makes a retried batch that
-#: already landed change nothing (the partial unique index on live keys is not covered: a
-#: duplicate live key still aborts the batch).
-insert_tasks = (
-    postgresql.insert(tasks)
-    .from_select(
-        list(INSERT_COLUMNS),
-        select(
-            *(
-                cast(_new.c[name], JSONB) if name in JSON_COLUMNS else _new.c[name]
-                for name in INSERT_COLUMNS
-            )
-        ),
+_new_rows = select(
+    *(
+        cast(_new.c[name], JSONB) if name in JSON_COLUMNS else _new.c[name]
+        for name in INSERT_COLUMNS
     )
-    .on_conflict_do_nothing(index_elements=[tasks.c.id])
+)
+
+
+def _insert_from(rows: Select[Any]) -> postgresql.Insert:
+    """``rows`` into the tasks table; ``ON CONFLICT (id) DO NOTHING`` makes a retried batch
+    that already landed change nothing (the partial unique index on live keys is not covered:
+    a duplicate live key still aborts the batch)."""
+    return (
+        postgresql.insert(tasks)
+        .from_select(list(INSERT_COLUMNS), rows)
+        .on_conflict_do_nothing(index_elements=[tasks.c.id])
+    )
+
+
+#: New tasks in one statement, inside a transaction that checked the epoch.
+insert_tasks = _insert_from(_new_rows)
+
+_issuing = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(
+        max_id=case(
+            (leader.c.epoch == _epoch, func.greatest(leader.c.max_id, _issued)),
+            else_=leader.c.max_id,
+        )
+    )
+    .returning(leader.c.epoch)
+    .cte("e")
+)
+
+#: A batch of new tasks only, as one statement, so one round trip without BEGIN and COMMIT:
+#: the epoch check under the leader row lock (as :data:`record_max_id`) and the insert.
+#: Unless the stored epoch is ``:epoch`` nothing is written, the high-water mark included.
+#: Returns the stored epoch, for the caller to raise ``FencedError``.
+insert_tasks_fenced = select(_issuing.c.epoch).add_cte(
+    _insert_from(_new_rows.where(_issuing.c.epoch == _epoch)).cte("ins")
 )
 
 # --- commit: outputs ------------------------------------------------------------------------

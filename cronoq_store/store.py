@@ -19,9 +19,12 @@ from datetime import datetime, timedelta, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Executable, Row
+import asyncpg
+from sqlalchemy import Executable, Row, event
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import PoolProxiedConnection
 
 from . import migrations
 from . import statements as st
@@ -53,10 +56,11 @@ from .domain import (
     TimeBase,
 )
 from .errors import FencedError, StoreError, UnavailableError, translate_error
-from .folding import FoldedBatch, RecurringAction, fold
+from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
 from .urls import async_url, redact
+from .writer import BatchWriter
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -72,11 +76,6 @@ logger = logging.getLogger("cronoq_store")
 #: Rows deleted per statement by :meth:`PgStore.prune`: short transactions, bounded locks.
 PRUNE_BATCH = 1000
 
-_RECURRING: dict[RecurringAction, Executable] = {
-    RecurringAction.UPSERT: st.upsert_recurring,
-    RecurringAction.REMOVE: st.remove_recurring,
-    RecurringAction.NEXT: st.advance_recurring,
-}
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _DEFAULT_TOLERANCE_NS = 1_000_000_000
 
@@ -106,6 +105,7 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
+        self._writer = BatchWriter(engine.dialect, config.schema)
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(lock_url, config.schema, self._leader_lock, config)
         # Leadership counts as lost once it was held and is gone, or once a commit was
@@ -140,11 +140,11 @@ class PgStore:
             max_overflow=0,
             # No store call waits for a connection longer than a commit may take.
             pool_timeout=config.commit_timeout,
-            pool_pre_ping=True,
             # Batches carry payloads; errors and logs must not.
             hide_parameters=True,
             connect_args={"server_settings": {"application_name": config.application_name}},
         )
+        event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
             return await cls._open(engine, config, owns_engine=True, lock_url=lock_url)
         except BaseException:
@@ -167,6 +167,11 @@ class PgStore:
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)
+        if engine.dialect.driver != "asyncpg":
+            raise ValueError(
+                f"engine: the store needs the asyncpg driver "
+                f"(postgresql+asyncpg://), got {engine.dialect.name}+{engine.dialect.driver}"
+            )
         return await cls._open(engine, config, owns_engine=False, lock_url=lock_url)
 
     @classmethod
@@ -296,34 +301,39 @@ class PgStore:
                 ) from exc
 
     async def _write(self, epoch: int, batch: FoldedBatch) -> None:
-        async with self._db.begin() as conn:
-            if batch.max_id is None:
-                current = (await conn.execute(st.epoch_for_share)).scalar_one()
-            else:
-                # Record the id high-water mark while checking the epoch.
-                result = await conn.execute(st.record_max_id, {"issued": batch.max_id})
-                current = result.scalar_one()
-            if current != epoch:
-                self._fenced = True
-                self._leadership.mark_lost()
-                logger.error(
-                    "commit fenced: another instance took leadership",
-                    extra={"epoch": epoch, "current_epoch": current},
+        async with self._driver_connection() as conn:
+            current = await self._writer.write(conn, epoch, batch)
+        if current != epoch:
+            self._fenced = True
+            self._leadership.mark_lost()
+            logger.error(
+                "commit fenced: another instance took leadership",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+
+    @asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[Any]:
+        """A pooled connection's asyncpg connection, for :class:`BatchWriter`.
+
+        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
+        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
+        invalidated here instead of going back to the pool. A server's error leaves it
+        usable: asyncpg rolled the transaction back.
+        """
+        async with self._engine.connect() as conn:
+            driver: Any = (await conn.get_raw_connection()).driver_connection
+            try:
+                yield driver
+            except BaseException as exc:
+                clean = (
+                    isinstance(exc, asyncpg.PostgresError)
+                    and not driver.is_closed()
+                    and not driver.is_in_transaction()
                 )
-                raise FencedError(
-                    f"fenced: the stored epoch is {current}, this instance's is {epoch}"
-                )
-            # Updates first, so keys they release can be reused by tasks inserted below.
-            if batch.update_count:
-                result = await conn.execute(st.update_status, batch.updates)
-                _warn_missing("status updates", batch.update_count, result.rowcount)
-            if batch.insert_count:
-                await conn.execute(st.insert_tasks, batch.inserts)
-            if batch.output_count:
-                result = await conn.execute(st.store_outputs, batch.outputs)
-                _warn_missing("outputs", batch.output_count, result.rowcount)
-            for action, params in batch.recurring:
-                await conn.execute(_RECURRING[action], params)
+                if not clean:
+                    await conn.invalidate()
+                raise
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -516,6 +526,21 @@ class PgStore:
                     return total
 
 
+def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
+    """The pool's pre-ping, without a round trip: a pooled connection that the server
+    closed (restart, terminated backend, idle timeout) is replaced at checkout.
+
+    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
+    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
+    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
+    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
+    caller retries.
+    """
+    driver: Any = proxy.driver_connection
+    if driver.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
+
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Decoding builds millions of objects that all stay alive: without a pause the cyclic
@@ -528,15 +553,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _warn_missing(what: str, expected: int, matched: int) -> None:
-    if matched != expected:
-        logger.warning(
-            "%s for tasks missing from the store (pruned?)",
-            what,
-            extra={"expected": expected, "matched": matched},
-        )
 
 
 def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:

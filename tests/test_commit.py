@@ -34,10 +34,10 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.errors import FencedError, UnavailableError
+from cronoq_store.errors import FencedError, StoreError, UnavailableError
 from cronoq_store.store import PgStore
 
-from .pgharness import admin_execute, asyncpg_dsn
+from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 
 BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
@@ -206,19 +206,34 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
     assert "\\u0000" not in spec_text
 
 
-@pytest.mark.parametrize("inserts", [True, False], ids=["record-max-id", "for-share"])
+# Each kind of batch checks the epoch its own way: in a transaction that also records the
+# high-water mark, or that takes a share lock; or in the one statement of a batch that only
+# inserts, or only updates.
+FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
+    "transaction-record-max-id": (
+        [changed(1, RUNNING), RecurringUpsert(recurring("r")), submitted(2)],
+        [(TaskId(1), b"o")],
+    ),
+    "transaction-for-share": (
+        [changed(1, RUNNING), RecurringUpsert(recurring("r"))],
+        [(TaskId(1), b"o")],
+    ),
+    "one-statement-insert": ([submitted(2), submitted(3)], []),
+    "one-statement-update": ([changed(1, RUNNING)], []),
+}
+
+
+@pytest.mark.parametrize("shape", FENCED_BATCHES)
 async def test_a_changed_epoch_fences_the_commit_and_nothing_is_written(
-    store: PgStore, inserts: bool, caplog: pytest.LogCaptureFixture
+    store: PgStore, shape: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     await store.commit(0, BASE, [submitted(1)], [])
     async with store.engine.begin() as conn:
         await conn.execute(text(f'UPDATE "{store.config.schema}".cronoq_leader SET epoch = 7'))
     before = await snapshot(store)
-    batch: list[Mutation] = [changed(1, RUNNING), RecurringUpsert(recurring("r"))]
-    if inserts:  # the epoch check that also records the high-water mark
-        batch.append(submitted(2))
+    batch, outputs = FENCED_BATCHES[shape]
     with caplog.at_level(logging.ERROR, logger="cronoq_store"), pytest.raises(FencedError):
-        await store.commit(0, BASE, batch, [(TaskId(1), b"o")])
+        await store.commit(0, BASE, batch, outputs)
     assert await snapshot(store) == before  # not even the high-water mark moved
     assert [getattr(r, "current_epoch", None) for r in caplog.records] == [7]
     # Once fenced, the store refuses at once, even an epoch the database would accept.
@@ -312,3 +327,84 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
         await store.commit(0, BASE, [submitted(1)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks")
         assert [r.id for r in rows] == [1]
+
+
+@pytest.mark.parametrize("shape", ["one-statement-insert", "one-statement-update"])
+async def test_a_one_statement_commit_waits_for_a_takeover_in_flight_and_is_fenced(
+    store: PgStore, migrated: str, pg_url: URL, shape: str
+) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    before = await snapshot(store)
+    takeover = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        bump = takeover.transaction()
+        await bump.start()
+        await takeover.execute(f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
+        batch, outputs = FENCED_BATCHES[shape]
+        commit = asyncio.ensure_future(store.commit(0, BASE, batch, outputs))
+        await asyncio.sleep(0.3)
+        assert not commit.done()  # it waits on the leader row...
+        await bump.commit()
+        with pytest.raises(FencedError):  # ...and then sees the new epoch
+            await commit
+    finally:
+        await takeover.close()
+    tasks, schedules, [leader] = await snapshot(store)
+    assert (tasks, schedules) == before[:2]
+    assert (leader.epoch, leader.max_id) == (before[2][0].epoch + 1, before[2][0].max_id)
+
+
+async def session_states(pg_url: URL, application_name: str) -> list[tuple[int, str]]:
+    rows = await admin_execute(
+        pg_url,
+        "SELECT pid, state FROM pg_stat_activity WHERE application_name = $1",
+        application_name,
+    )
+    return [(r["pid"], r["state"]) for r in rows]
+
+
+async def test_a_failed_commit_leaves_its_pooled_connection_clean_and_in_use(
+    pg_url: URL, migrated: str
+) -> None:
+    name = f"cronoq-test-{migrated}"
+    config = PgStoreConfig(schema=migrated, max_connections=1, application_name=name)
+    async with await PgStore.connect(pg_url, config) as store:
+        await store.commit(0, BASE, [submitted(1, key="k")], [])
+        [(pid, _)] = await session_states(pg_url, name)
+        # A second live task with key "k": one batch in a transaction, one as one statement.
+        batches: list[list[Mutation]] = [
+            [changed(1, RUNNING), submitted(2, key="k")],
+            [submitted(3, key="k")],
+        ]
+        for batch in batches:
+            with pytest.raises(StoreError, match="UniqueViolationError") as caught:
+                await store.commit(0, BASE, batch, [])
+            assert not caught.value.is_transient
+            # The server's error left the session usable: it stays in the pool, idle.
+            assert await session_states(pg_url, name) == [(pid, "idle")]
+        await store.commit(0, BASE, [changed(1, SUCCEEDED), submitted(2, key="k")], [])
+    rows = await fetch_all(pg_url, migrated)
+    assert [(r["id"], r["status"]) for r in rows] == [(1, "succeeded"), (2, "queued")]
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced_at_checkout(
+    pg_url: URL, migrated: str
+) -> None:
+    name = f"cronoq-test-{migrated}"
+    config = PgStoreConfig(schema=migrated, max_connections=1, application_name=name)
+    async with await PgStore.connect(pg_url, config) as store:
+        await store.commit(0, BASE, [submitted(1)], [])
+        [(pid, _)] = await session_states(pg_url, name)
+        assert await terminate_backend(pg_url, pid)
+        await asyncio.sleep(0.2)  # the event loop reads the closed socket
+        # No error: the dead connection is swapped for a new one before the commit runs.
+        await store.commit(0, BASE, [submitted(2)], [])
+        [(new_pid, _)] = await session_states(pg_url, name)
+        assert new_pid != pid
+    assert [r["id"] for r in await fetch_all(pg_url, migrated)] == [1, 2]
+
+
+async def fetch_all(pg_url: URL, schema: str) -> list[asyncpg.Record]:
+    return await admin_execute(
+        pg_url, f'SELECT id, status FROM "{schema}".cronoq_tasks ORDER BY id'
+    )

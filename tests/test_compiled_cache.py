@@ -1,10 +1,13 @@
-"""The statements compile once: every later batch, of any size and in any schema, hits
-SQLAlchemy's compiled cache.
+"""The statements compile once: every later call, with any batch size and in any schema,
+runs SQL that was compiled before.
 
-Detected the documented way: with INFO logging on ``sqlalchemy.engine.Engine``, each
-execution logs ``[generated in ...]`` when it compiled the statement and
-``[cached since ...]`` when the compiled cache served it ("Estimating Cache Performance
-Using Logging" in SQLAlchemy's docs).
+Reads go through SQLAlchemy, detected the documented way: with INFO logging on
+``sqlalchemy.engine.Engine``, each execution logs ``[generated in ...]`` when it compiled
+the statement and ``[cached since ...]`` when the compiled cache served it ("Estimating
+Cache Performance Using Logging" in SQLAlchemy's docs). Commits run SQL compiled when the
+store was built, on the driver connection: SQLAlchemy executes nothing for them, and the
+texts asyncpg sees (its query logger) are a fixed set per schema, whatever the batch size,
+so asyncpg's prepared-statement cache serves every later batch.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
@@ -34,6 +39,7 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
 
 from .pgharness import admin_execute
 
@@ -85,9 +91,18 @@ def cache_stats(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-async def test_every_batch_after_the_first_hits_the_compiled_cache(
-    engine: AsyncEngine, migrated: str, second_schema: str, caplog: pytest.LogCaptureFixture
+async def test_every_call_after_the_first_runs_compiled_sql(
+    pg_url: URL, migrated: str, second_schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    driver_sql: list[str] = []
+    engine = create_async_engine(async_url(pg_url))
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def log_queries(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.driver_connection.add_query_logger(
+            lambda logged: driver_sql.append(logged.query)
+        )
+
     caplog.set_level(logging.INFO, logger=SQL_LOGGER)
     store_a = await PgStore.from_engine(engine, PgStoreConfig(schema=migrated))
     store_b = await PgStore.from_engine(engine, PgStoreConfig(schema=second_schema))
@@ -106,9 +121,22 @@ async def test_every_batch_after_the_first_hits_the_compiled_cache(
             next_a = await exercise(store_a, next_a, size)
             next_b = await exercise(store_b, next_b, size)
         stats = cache_stats(caplog)
+        sqlalchemy_sql = [r.getMessage() for r in caplog.records if r.name == SQL_LOGGER]
+        seen = set(driver_sql)
+        driver_sql.clear()
+        for size in (3, 50):
+            next_a = await exercise(store_a, next_a, size)
+            next_b = await exercise(store_b, next_b, size)
+        later = set(driver_sql)
     finally:
         await store_a.close()
         await store_b.close()
-    assert len(stats) >= 2 * 3 * 12
+        await engine.dispose()
+    # Reads: every one served by SQLAlchemy's compiled cache.
+    assert len(stats) >= 2 * 3 * 7
     missed = [s for s in stats if not s.startswith("[cached since")]
     assert missed == []
+    # Commits: nothing through SQLAlchemy, and no SQL text asyncpg had not prepared before.
+    assert not any("INSERT INTO" in m or "cronoq_leader SET" in m for m in sqlalchemy_sql)
+    assert any("INSERT INTO" in q for q in later)
+    assert later <= seen, later - seen

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import Submitted, TaskId, TaskSpec, TimeBase
@@ -115,6 +115,24 @@ async def test_invalid_schema_name_is_refused_before_any_sql(engine: AsyncEngine
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
     assert statements == []
+
+
+async def test_an_engine_on_another_driver_is_refused_before_any_sql(
+    pg_url: URL, schema: str
+) -> None:
+    # The commit path runs on asyncpg connections: a psycopg engine could connect and
+    # migrate, then fail every commit.
+    engine = create_async_engine(pg_url.set(drivername="postgresql+psycopg"))
+    try:
+        with pytest.raises(ValueError, match=r"asyncpg driver.*postgresql\+psycopg"):
+            await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        await engine.dispose()
+    [[exists]] = await admin_execute(
+        pg_url, "SELECT count(*) FROM pg_namespace WHERE nspname = $1", schema
+    )
+    assert exists == 0
 
 
 async def test_unsupported_url_is_refused_without_its_password() -> None:

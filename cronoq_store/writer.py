@@ -1,0 +1,150 @@
+"""Commits on the driver connection: the statements of :mod:`cronoq_store.statements`,
+compiled once per schema, run on the asyncpg connection under a pooled SQLAlchemy one.
+
+A commit is the store's hot path and mostly round trips and client CPU: SQLAlchemy's
+per-execution work (parameter processing, result wrapping, a greenlet switch per call)
+cost more than the server's at small batches. So the commit's statements, still Core
+constructs composed in :mod:`cronoq_store.statements`, are compiled here for the engine's
+dialect with the cluster's schema (``schema_translate_map``, rendered once), and executed
+with asyncpg's prepared-statement cache. Reads keep the SQLAlchemy path.
+
+A batch that only inserts new tasks, or only changes statuses, is one statement: the epoch
+check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every other batch runs in
+one transaction in the contract's order: epoch check, updates, inserts, outputs, recurring.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import ClauseElement
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from . import statements as st
+from .folding import FoldedBatch, RecurringAction
+
+__all__ = ["BatchWriter", "CompiledStatement"]
+
+logger = logging.getLogger("cronoq_store")
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledStatement:
+    """A Core statement as the driver's SQL text, with its parameters in positional order."""
+
+    sql: str
+    names: tuple[str, ...]
+    #: Values the construct carries itself (literals such as the leader row's id).
+    defaults: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, statement: ClauseElement, dialect: Dialect, schema: str) -> CompiledStatement:
+        """``statement`` as ``dialect`` renders it for the cluster in ``schema``."""
+        compiled = cast(
+            SQLCompiler,
+            statement.compile(
+                dialect=dialect,
+                schema_translate_map={None: schema},
+                render_schema_translate=True,
+            ),
+        )
+        return cls(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
+
+    def args(self, values: Mapping[str, Any]) -> list[Any]:
+        """The positional arguments: ``values`` by name, the construct's own otherwise."""
+        return [values[n] if n in values else self.defaults[n] for n in self.names]
+
+
+class _Stale(Exception):
+    """Raised inside a commit's transaction to roll it back when the epoch moved on."""
+
+    def __init__(self, current: int) -> None:
+        super().__init__(current)
+        self.current = current
+
+
+class BatchWriter:
+    """Writes folded batches for one cluster; ``write`` returns the epoch it found stored."""
+
+    def __init__(self, dialect: Dialect, schema: str) -> None:
+        def compiled(statement: ClauseElement) -> CompiledStatement:
+            return CompiledStatement.of(statement, dialect, schema)
+
+        self._insert_fenced = compiled(st.insert_tasks_fenced)
+        self._update_fenced = compiled(st.update_status_fenced)
+        self._record_max_id = compiled(st.record_max_id)
+        self._epoch_for_share = compiled(st.epoch_for_share)
+        self._update = compiled(st.update_status)
+        self._insert = compiled(st.insert_tasks)
+        self._outputs = compiled(st.store_outputs)
+        self._recurring = {
+            RecurringAction.UPSERT: compiled(st.upsert_recurring),
+            RecurringAction.REMOVE: compiled(st.remove_recurring),
+            RecurringAction.NEXT: compiled(st.advance_recurring),
+        }
+
+    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+        """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
+        epoch, else write nothing; returns the stored epoch either way."""
+        only_inserts = not (batch.update_count or batch.output_count or batch.recurring)
+        if only_inserts and batch.insert_count:
+            stmt = self._insert_fenced
+            params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
+            current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
+            return current
+        only_updates = not (batch.insert_count or batch.output_count or batch.recurring)
+        if only_updates and batch.update_count:
+            stmt = self._update_fenced
+            current, updated = await conn.fetchrow(
+                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
+            )
+            if current == epoch:
+                _warn_missing("status updates", batch.update_count, updated)
+            return current
+        try:
+            async with conn.transaction():
+                await self._write_in_transaction(conn, epoch, batch)
+        except _Stale as stale:
+            return stale.current
+        return epoch
+
+    async def _write_in_transaction(self, conn: Any, epoch: int, batch: FoldedBatch) -> None:
+        if batch.max_id is None:
+            stmt = self._epoch_for_share
+            current = await conn.fetchval(stmt.sql, *stmt.args({}))
+        else:
+            # Record the id high-water mark while checking the epoch.
+            stmt = self._record_max_id
+            current = await conn.fetchval(stmt.sql, *stmt.args({"issued": batch.max_id}))
+        if current != epoch:
+            raise _Stale(current)
+        # Updates first, so keys they release can be reused by tasks inserted below.
+        if batch.update_count:
+            status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
+            _warn_missing("status updates", batch.update_count, _row_count(status))
+        if batch.insert_count:
+            await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
+        if batch.output_count:
+            status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
+            _warn_missing("outputs", batch.output_count, _row_count(status))
+        for action, params in batch.recurring:
+            stmt = self._recurring[action]
+            await conn.execute(stmt.sql, *stmt.args(params))
+
+
+def _row_count(status: str) -> int:
+    """The row count of a command tag such as ``UPDATE 12``."""
+    return int(status.rpartition(" ")[2])
+
+
+def _warn_missing(what: str, expected: int, matched: int) -> None:
+    if matched != expected:
+        logger.warning(
+            "%s for tasks missing from the store (pruned?)",
+            what,
+            extra={"expected": expected, "matched": matched},
+        )
