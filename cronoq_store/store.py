@@ -556,40 +556,47 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
-    """A live task row as the scheduler's value; ``ValueError`` names what is wrong."""
-    if row.status not in LIVE_STATUS_NAMES:
-        raise ValueError(f"status: {row.status!r} is not the status of a live task")
+    """A live task row as the scheduler's value; ``ValueError`` names what is wrong.
+
+    The row is unpacked once, in ``statements.live_tasks`` column order: a look-up by
+    attribute per column costs about 30% of recovery at a million rows.
+    """
+    (
+        id_, seq, arrival, pool, kind, priority, key, payload, deadline, fixed_at, tolerance,
+        on_miss, hint, timeout, retry, deps, resources, tags, labels, tenant, status, attempt,
+    ) = row  # fmt: skip
+    if status not in LIVE_STATUS_NAMES:
+        raise ValueError(f"status: {status!r} is not the status of a live task")
     fixed = None
-    if row.fixed_at_unix_ns is not None:
-        tolerance = row.fixed_tolerance_ns
+    if fixed_at is not None:
         fixed = FixedStart(
-            at=base.from_unix(row.fixed_at_unix_ns),
+            at=base.from_unix(fixed_at),
             tolerance=ns_to_duration(_DEFAULT_TOLERANCE_NS if tolerance is None else tolerance),
-            on_miss=decode_miss_policy(row.fixed_on_miss),
+            on_miss=decode_miss_policy(on_miss),
         )
     spec = TaskSpec(
-        row.payload,
-        kind=row.kind,
-        pool=row.pool,
-        priority=Priority.from_stored(row.priority),
-        key=row.key,
-        deadline=None if row.deadline_unix_ns is None else base.from_unix(row.deadline_unix_ns),
+        payload,
+        kind=kind,
+        pool=pool,
+        priority=Priority.from_stored(priority),
+        key=key,
+        deadline=None if deadline is None else base.from_unix(deadline),
         fixed_start=fixed,
-        duration_hint=_duration(row.duration_hint_ns),
-        timeout=_duration(row.timeout_ns),
-        retry=decode_retry(row.retry),
-        deps=decode_deps(row.deps),
-        resources=decode_resources(row.resources),
-        tags=decode_strings(row.tags, "tags"),
-        labels=decode_strings(row.labels, "labels"),
-        tenant=row.tenant,
+        duration_hint=_duration(hint),
+        timeout=_duration(timeout),
+        retry=decode_retry(retry),
+        deps=decode_deps(deps),
+        resources=decode_resources(resources),
+        tags=decode_strings(tags, "tags"),
+        labels=decode_strings(labels, "labels"),
+        tenant=tenant,
     )
     return RecoveredTask(
-        id=TaskId(row.id),
-        seq=row.seq,
-        arrival=base.from_unix(row.arrival_unix_ns),
+        id=TaskId(id_),
+        seq=seq,
+        arrival=base.from_unix(arrival),
         spec=spec,
-        attempt=max(row.attempt, 0),
+        attempt=max(attempt, 0),
     )
 
 
