@@ -27,6 +27,7 @@ from cronoq_store import StatusChanged, Submitted, TaskId, TaskSpec, TimeBase, t
 from cronoq_store import statements as st
 from cronoq_store.folding import INSERT_COLUMNS
 from cronoq_store.schema import tasks
+from cronoq_store.writer import STAGE_MIN_ROWS
 
 from .common import (
     Profile,
@@ -80,10 +81,11 @@ class SharedBatches(Generic[M]):
 
 class RawWriter:
     """The baselines: one asyncpg connection running the store's own SQL for ``schema``
-    with the same epoch check: a batch of new tasks, or of transitions, is one statement
-    whose CTE checks the epoch (``insert_tasks_fenced``, ``update_status_fenced``), as the
-    store sends it. COPY has no such statement: it runs in a transaction after the epoch
-    check the store's mixed batches use (``record_max_id``)."""
+    with the same epoch check, as the store sends it: a batch of new tasks, or of
+    transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced``,
+    ``update_status_fenced``); from ``STAGE_MIN_ROWS`` new tasks on, a transaction checks
+    the epoch (``record_max_id``), COPYs into the session's staging table and inserts from
+    it. The COPY baseline copies straight into the table after the same epoch check."""
 
     def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int) -> None:
         self.conn = conn
@@ -92,6 +94,8 @@ class RawWriter:
         self._record_max_id = compile_for_asyncpg(st.record_max_id, schema)
         self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
+        self._create_stage = compile_for_asyncpg(st.create_stage, schema)
+        self._insert_from_stage = compile_for_asyncpg(st.insert_from_stage, schema)
 
     def _check(self, current: int) -> None:
         if current != self.epoch:
@@ -103,6 +107,16 @@ class RawWriter:
 
     async def insert(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now = time.time_ns()
+        if len(batch) >= STAGE_MIN_ROWS:
+            rows = [submission_row(m, base, now) for m in batch]
+            async with self.conn.transaction():
+                await self._lock_epoch(max(m.id for m in batch))
+                await self.conn.execute(self._create_stage.sql)
+                await self.conn.copy_records_to_table(
+                    st.stage.name, records=rows, columns=INSERT_COLUMNS, schema_name="pg_temp"
+                )
+                await self.conn.execute(self._insert_from_stage.sql)
+            return
         columns = list(zip(*(submission_row(m, base, now) for m in batch), strict=True))
         params: dict[str, Any] = dict(zip(INSERT_COLUMNS, columns, strict=True))
         params.update(issued=max(columns[0]), epoch=self.epoch)

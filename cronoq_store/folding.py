@@ -91,12 +91,20 @@ class FoldedBatch:
     max_id: int | None
     #: ``update_status`` parameters: one row per stored task.
     updates: dict[str, list[Any]]
-    #: ``insert_tasks`` parameters: one row per new task.
-    inserts: dict[str, list[Any]]
+    #: New tasks, one row each in ``INSERT_COLUMNS`` order (what COPY takes).
+    insert_rows: list[list[Any]]
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
     outputs: dict[str, list[Any]]
     #: Recurring changes in batch order.
     recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def inserts(self) -> dict[str, list[Any]]:
+        """``insert_tasks`` parameters: the rows transposed, one array per column."""
+        if not self.insert_rows:
+            return {name: [] for name in INSERT_COLUMNS}
+        columns = zip(*self.insert_rows, strict=True)
+        return {name: list(values) for name, values in zip(INSERT_COLUMNS, columns, strict=True)}
 
     @property
     def update_count(self) -> int:
@@ -104,7 +112,7 @@ class FoldedBatch:
 
     @property
     def insert_count(self) -> int:
-        return len(self.inserts["id"])
+        return len(self.insert_rows)
 
     @property
     def output_count(self) -> int:
@@ -119,8 +127,8 @@ def fold(
 ) -> FoldedBatch:
     """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
     their update time. Engine times are converted to Unix ns through ``base``."""
-    # The insert's rows, transposed into columns at the end: one list per row is much cheaper
-    # than 25 column appends. A later transition of a task inserted here patches its row.
+    # The insert's rows: one list per row is much cheaper than 25 column appends. A later
+    # transition of a task inserted here patches its row.
     rows: list[list[Any]] = []
     inserted: dict[int, int] = {}
     transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
@@ -211,11 +219,10 @@ def fold(
         else:
             raise TypeError(f"not a mutation: {type(m).__name__}")
 
-    columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in INSERT_COLUMNS]
     latest = transitions.values()
     last_output = dict(outputs)
     return FoldedBatch(
-        max_id=max(columns[0]) if rows else None,
+        max_id=max(inserted) if inserted else None,
         updates={
             "ids": list(transitions),
             "statuses": [t.status for t in latest],
@@ -224,7 +231,7 @@ def fold(
             "updated": [t.at for t in latest],
             "messages": [t.message for t in latest],
         },
-        inserts=dict(zip(INSERT_COLUMNS, columns, strict=True)),
+        insert_rows=rows,
         outputs={"ids": list(last_output), "outputs": list(last_output.values())},
         recurring=recurring,
     )

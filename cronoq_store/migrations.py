@@ -26,6 +26,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
+from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, select, text
@@ -106,6 +107,36 @@ async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: st
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+async def require_head(engine: AsyncEngine, schema: str) -> None:
+    """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
+
+    What a store opened with ``migrate=False`` checks instead of migrating: a runtime role
+    without DDL rights can read the version, and a schema that ops have not upgraded yet
+    (or that a newer build upgraded) is refused with the revisions named.
+    """
+    validate_schema_name(schema)
+
+    def current(sync_conn: Connection) -> tuple[str, ...]:
+        context = MigrationContext.configure(
+            sync_conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
+        )
+        return context.get_current_heads()
+
+    try:
+        async with engine.connect() as conn:
+            heads = await conn.run_sync(current)
+    except Exception as exc:
+        raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
+    head = head_revision()
+    if heads != (head,):
+        found = ", ".join(heads) if heads else "not migrated"
+        raise MigrationError(
+            f"schema {schema!r} is at revision {found}; this build of cronoq-store needs "
+            f"{head!r}: run `cronoq-store migrate` (or `alembic upgrade head`) with a role "
+            "that owns the schema, or open the store with migrate=True"
+        )
 
 
 # --- the environment, run by alembic/env.py -------------------------------------------------

@@ -60,7 +60,7 @@ from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
 from .urls import async_url, redact
-from .writer import BatchWriter
+from .writer import STAGE_MIN_ROWS, BatchWriter
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -77,6 +77,9 @@ logger = logging.getLogger("cronoq_store")
 PRUNE_BATCH = 1000
 
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+# SQLSTATE classes after which a session is gone or going: connection exception, operator
+# intervention (shutdown, terminated backend).
+_CONNECTION_CLASSES = ("08", "57P")
 _DEFAULT_TOLERANCE_NS = 1_000_000_000
 
 
@@ -95,6 +98,7 @@ class PgStore:
         config: PgStoreConfig,
         *,
         schema_oid: int,
+        may_stage: bool,
         owns_engine: bool,
         lock_url: URL,
     ) -> None:
@@ -105,7 +109,9 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
-        self._writer = BatchWriter(engine.dialect, config.schema)
+        self._writer = BatchWriter(
+            engine.dialect, config.schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
+        )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(lock_url, config.schema, self._leader_lock, config)
         # Leadership counts as lost once it was held and is gone, or once a commit was
@@ -124,13 +130,16 @@ class PgStore:
         config: PgStoreConfig | None = None,
         *,
         lock_url: str | URL | None = None,
+        migrate: bool = True,
     ) -> PgStore:
         """Open a store with its own pool, migrating the schema first.
 
         ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
         sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
         goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
-        there.
+        there. With ``migrate=False`` the store only checks that the schema is at this
+        build's revision (``MigrationError`` otherwise): for a runtime role without DDL
+        rights, where ops migrate with ``cronoq-store migrate`` or Alembic.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
@@ -146,7 +155,9 @@ class PgStore:
         )
         event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
-            return await cls._open(engine, config, owns_engine=True, lock_url=lock_url)
+            return await cls._open(
+                engine, config, owns_engine=True, lock_url=lock_url, migrate=migrate
+            )
         except BaseException:
             await engine.dispose()
             raise
@@ -158,12 +169,14 @@ class PgStore:
         config: PgStoreConfig | None = None,
         *,
         lock_url: str | URL | None = None,
+        migrate: bool = True,
     ) -> PgStore:
         """Open a store on an application's ``AsyncEngine``, sharing its pool (an async
         classmethod: ``await PgStore.from_engine(engine)``).
 
         :meth:`close` leaves the engine open. ``config.max_connections`` does not apply:
-        the engine keeps its own pool settings.
+        the engine keeps its own pool settings. ``lock_url`` and ``migrate`` are as for
+        :meth:`connect`.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)
@@ -172,7 +185,9 @@ class PgStore:
                 f"engine: the store needs the asyncpg driver "
                 f"(postgresql+asyncpg://), got {engine.dialect.name}+{engine.dialect.driver}"
             )
-        return await cls._open(engine, config, owns_engine=False, lock_url=lock_url)
+        return await cls._open(
+            engine, config, owns_engine=False, lock_url=lock_url, migrate=migrate
+        )
 
     @classmethod
     async def _open(
@@ -182,12 +197,17 @@ class PgStore:
         *,
         owns_engine: bool,
         lock_url: str | URL | None,
+        migrate: bool,
     ) -> PgStore:
         where = redact(engine.url)
-        await migrations.upgrade(engine, config.schema)
+        if migrate:
+            await migrations.upgrade(engine, config.schema)
+        else:
+            await migrations.require_head(engine, config.schema)
         try:
             async with engine.connect() as conn:
                 oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
+                may_stage = bool((await conn.execute(st.may_stage)).scalar())
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -196,6 +216,7 @@ class PgStore:
             engine,
             config,
             schema_oid=oid,
+            may_stage=may_stage,
             owns_engine=owns_engine,
             lock_url=engine.url if lock_url is None else async_url(lock_url),
         )
@@ -328,10 +349,15 @@ class PgStore:
             except BaseException as exc:
                 clean = (
                     isinstance(exc, asyncpg.PostgresError)
+                    and not exc.sqlstate.startswith(_CONNECTION_CLASSES)
                     and not driver.is_closed()
                     and not driver.is_in_transaction()
                 )
                 if not clean:
+                    # Close the socket first: a graceful close waits for the operation in
+                    # progress and fails ("another operation is in progress") after a
+                    # timeout or cancellation, which would mask the error being raised.
+                    driver.terminate()
                     await conn.invalidate()
                 raise
 

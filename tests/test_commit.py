@@ -21,7 +21,9 @@ from cronoq_store.domain import (
     Dependency,
     FixedStart,
     IntervalSchedule,
+    MissPolicy,
     Mutation,
+    Priority,
     RecurringNext,
     RecurringRemove,
     RecurringSpec,
@@ -36,6 +38,7 @@ from cronoq_store.domain import (
 )
 from cronoq_store.errors import FencedError, StoreError, UnavailableError
 from cronoq_store.store import PgStore
+from cronoq_store.writer import STAGE_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 
@@ -220,6 +223,7 @@ FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     ),
     "one-statement-insert": ([submitted(2), submitted(3)], []),
     "one-statement-update": ([changed(1, RUNNING)], []),
+    "staged-insert": ([submitted(i) for i in range(2, 2 + STAGE_MIN_ROWS)], []),
 }
 
 
@@ -408,3 +412,82 @@ async def fetch_all(pg_url: URL, schema: str) -> list[asyncpg.Record]:
     return await admin_execute(
         pg_url, f'SELECT id, status FROM "{schema}".cronoq_tasks ORDER BY id'
     )
+
+
+def varied_spec(n: int, nul: str = "\0") -> TaskSpec:
+    """Every column in use, with NUL (stored as ``varied_spec(n, "\ufffd")``) and
+    non-ASCII text, across a batch."""
+    return TaskSpec(
+        bytes([n % 256]) * (n % 7),
+        kind=f"kind{nul}{n % 3}",
+        pool=("io", "cpu")[n % 2],
+        priority=Priority.HIGH if n % 5 == 0 else Priority.NORMAL,
+        key=f"key-{n}-é" if n % 2 else None,
+        deadline=n * 10 if n % 3 == 0 else None,
+        fixed_start=FixedStart(n, timedelta(seconds=2), MissPolicy.RUN) if n % 11 == 0 else None,
+        duration_hint=timedelta(milliseconds=n) if n % 4 == 0 else None,
+        timeout=timedelta(seconds=n % 60 + 1) if n % 2 == 0 else None,
+        retry=RetryPolicy(max_attempts=n % 4 + 1) if n % 3 == 1 else None,
+        deps=(Dependency(TaskId(n - 1)), Dependency(f"key-{n - 2}")) if n % 10 == 0 else (),
+        resources={f"gpu{nul}": n % 3 + 1} if n % 6 == 0 else {},
+        tags=(f"t{nul}", f"n{n % 4}") if n % 2 == 0 else (),
+        labels=("linux",) if n % 3 == 0 else (),
+        tenant=f"tenant-{n % 5}" if n % 2 else None,
+    )
+
+
+async def test_a_large_batch_is_staged_and_stores_what_small_batches_store(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    count = STAGE_MIN_ROWS + 20
+    specs = {TaskId(n): varied_spec(n) for n in range(1, count + 1)}
+    small: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i <= 10]
+    large: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i > 10]
+    large.append(changed(count, RUNNING, "patched in the staged row"))
+    await store.commit(0, BASE, small, [])  # one statement, arrays
+    await store.commit(0, BASE, large, [])  # a transaction, COPY into the staging table
+    landed = await snapshot(store)
+    await store.commit(0, BASE, large, [])  # a retry that already landed changes nothing
+    assert await snapshot(store) == landed
+
+    recovered = await store.recover(BASE)
+    assert {t.id: t.spec for t in recovered.tasks} == {i: varied_spec(i, "\ufffd") for i in specs}
+    assert recovered.next_id == count + 1  # the high-water mark was recorded
+    [row] = await fetch(
+        store, "SELECT status, message FROM {s}.cronoq_tasks WHERE id = :id", id=count
+    )
+    assert tuple(row) == ("running", "patched in the staged row")
+    # The rows went through a session's staging table (temporary: pg_temp_N).
+    [[staged]] = await fetch(
+        store,
+        "SELECT count(*) FROM pg_class WHERE relname = 'cronoq_stage' AND relpersistence = 't'",
+    )
+    assert staged >= 1
+
+
+async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_works(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        hold = blocker.transaction()
+        await hold.start()
+        await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_tasks WHERE id = 1 FOR UPDATE')
+        batch: list[Mutation] = [changed(1, RUNNING), submitted(2)]  # a transaction
+        commit = asyncio.ensure_future(store.commit(0, BASE, batch, []))
+        await asyncio.sleep(0.3)  # its update waits for the row lock
+        [[pid]] = await admin_execute(
+            pg_url,
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE 'UPDATE%cronoq_tasks%'",
+        )
+        assert await terminate_backend(pg_url, pid)
+        with pytest.raises(UnavailableError):  # transient: the rollback's failure is not it
+            await commit
+        await hold.rollback()
+    finally:
+        await blocker.close()
+    await store.commit(0, BASE, batch, [])
+    rows = await fetch(store, "SELECT id, status FROM {s}.cronoq_tasks ORDER BY id")
+    assert [tuple(r) for r in rows] == [(1, "running"), (2, "queued")]

@@ -27,7 +27,6 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store import statements as st
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     IntervalSchedule,
@@ -46,6 +45,7 @@ from cronoq_store.errors import StoreError
 from cronoq_store.migrations import upgrade
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
+from cronoq_store.writer import STAGE_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -65,6 +65,8 @@ def runtime_grants(schema: str, role: str) -> list[str]:
         f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{schema}".cronoq_tasks, '
         f'"{schema}".cronoq_recurring TO {role}',
         f'GRANT SELECT, UPDATE ON "{schema}".cronoq_leader TO {role}',
+        # Read by connect(migrate=False), which checks the revision instead of migrating.
+        f'GRANT SELECT ON "{schema}".cronoq_alembic_version TO {role}',
     ]
 
 
@@ -126,11 +128,7 @@ async def test_migrations_belong_to_the_owner_and_connect_as_runtime_is_refused(
 
 
 async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, schema: str) -> None:
-    engine = create_async_engine(async_url(roles.runtime), pool_pre_ping=True)
-    async with engine.connect() as conn:
-        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-    # What PgStore.connect(url, config, migrate=False) would do.
-    store = PgStore(engine, config(schema), schema_oid=oid, owns_engine=True, lock_url=engine.url)
+    store = await PgStore.connect(roles.runtime, config(schema), migrate=False)
     try:
         epoch = await store.acquire_leadership()
         first, second = task_id(epoch, 0), task_id(epoch, 1)
@@ -165,7 +163,14 @@ async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, sch
         assert record.status is TaskStatus.SUCCEEDED
         assert [r.id for r in await store.list_finished()] == [first]
         await store.commit(epoch, BASE, [RecurringRemove("nightly")], [])
+        large = [
+            Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+            for n in range(2, 2 + STAGE_MIN_ROWS)
+        ]
+        await store.commit(epoch, BASE, large, [])  # staged by COPY into a temporary table
+        assert len((await store.recover(BASE)).tasks) == 1 + STAGE_MIN_ROWS
         assert await store.prune(0) == 1
+        assert await staging_tables(roles.runtime) == 1
         await store.release_leadership()
         assert await store.acquire_leadership() == epoch + 1
     finally:
@@ -188,3 +193,30 @@ async def test_the_runtime_role_cannot_change_the_schema(roles: Roles, schema: s
                     await conn.execute(text(ddl))
     finally:
         await engine.dispose()
+
+
+async def staging_tables(url: URL) -> int:
+    rows = await admin_execute(
+        url,
+        "SELECT count(*) FROM pg_class WHERE relname = 'cronoq_stage' AND relpersistence = 't'",
+    )
+    return int(rows[0][0])
+
+
+async def test_without_the_temporary_privilege_large_batches_go_as_arrays(
+    roles: Roles, schema: str, pg_url: URL
+) -> None:
+    database = pg_url.database
+    await admin_execute(pg_url, f'REVOKE TEMPORARY ON DATABASE "{database}" FROM PUBLIC')
+    try:
+        async with await PgStore.connect(roles.runtime, config(schema), migrate=False) as store:
+            epoch = await store.acquire_leadership()
+            large = [
+                Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+                for n in range(STAGE_MIN_ROWS + 1)
+            ]
+            await store.commit(epoch, BASE, large, [])
+            assert len((await store.recover(BASE)).tasks) == len(large)
+            assert await staging_tables(roles.runtime) == 0
+    finally:
+        await admin_execute(pg_url, f'GRANT TEMPORARY ON DATABASE "{database}" TO PUBLIC')

@@ -18,6 +18,8 @@ from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import TaskId
 from cronoq_store.errors import MigrationError
 from cronoq_store.migrations import (
     LEGACY_REVISIONS,
@@ -28,6 +30,7 @@ from cronoq_store.migrations import (
     upgrade,
 )
 from cronoq_store.schema import validate_schema_name
+from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
 
 from .legacy import create_legacy_schema
@@ -365,3 +368,23 @@ def test_alembic_config_from_code_needs_no_ini() -> None:
     assert cfg.config_file_name is None
     assert Path(cfg.get_main_option("script_location") or "").joinpath("env.py").is_file()
     assert isinstance(cfg, Config)
+
+
+async def test_a_store_opened_without_migrating_needs_the_schema_at_head(
+    engine: AsyncEngine, schema: str
+) -> None:
+    config = PgStoreConfig(schema=schema)
+    with pytest.raises(MigrationError, match=r"not migrated.*cronoq-store migrate"):
+        await PgStore.from_engine(engine, config, migrate=False)
+    assert await tables(engine, schema) == set()  # nothing was created
+
+    await upgrade(engine, schema, "0005_task_tenant")
+    with pytest.raises(
+        MigrationError, match=rf"at revision 0005_task_tenant.*needs '{head_revision()}'"
+    ):
+        await PgStore.from_engine(engine, config, migrate=False)
+    assert await current_revision(engine, schema) == "0005_task_tenant"  # not upgraded
+
+    await upgrade(engine, schema)
+    async with await PgStore.from_engine(engine, config, migrate=False) as store:
+        assert await store.get_task(TaskId(1)) is None
