@@ -12,8 +12,9 @@ import asyncio
 import gc
 import logging
 import math
+import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta, timezone
 from types import TracebackType
@@ -25,6 +26,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.util import greenlet_spawn
 
 from . import migrations
 from . import statements as st
@@ -315,7 +317,7 @@ class PgStore:
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
-                await asyncio.wait_for(self._write(epoch, folded), timeout)
+                await _within(self._write(epoch, folded), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
@@ -342,24 +344,28 @@ class PgStore:
         invalidated here instead of going back to the pool. A server's error leaves it
         usable: asyncpg rolled the transaction back.
         """
-        async with self._engine.connect() as conn:
-            driver: Any = (await conn.get_raw_connection()).driver_connection
-            try:
-                yield driver
-            except BaseException as exc:
-                clean = (
-                    isinstance(exc, asyncpg.PostgresError)
-                    and not exc.sqlstate.startswith(_CONNECTION_CLASSES)
-                    and not driver.is_closed()
-                    and not driver.is_in_transaction()
-                )
-                if not clean:
-                    # Close the socket first: a graceful close waits for the operation in
-                    # progress and fails ("another operation is in progress") after a
-                    # timeout or cancellation, which would mask the error being raised.
-                    driver.terminate()
-                    await conn.invalidate()
-                raise
+        pooled = await self._engine.raw_connection()
+        driver: Any = pooled.driver_connection
+        try:
+            yield driver
+        except BaseException as exc:
+            clean = (
+                isinstance(exc, asyncpg.PostgresError)
+                and not exc.sqlstate.startswith(_CONNECTION_CLASSES)
+                and not driver.is_closed()
+                and not driver.is_in_transaction()
+            )
+            if not clean:
+                # Close the socket first: a graceful close waits for the operation in
+                # progress and fails ("another operation is in progress") after a timeout
+                # or cancellation, which would mask the error being raised.
+                driver.terminate()
+                pooled.invalidate()
+            raise
+        finally:
+            # Back to the pool (or, invalidated, discarded). Inside a greenlet, because the
+            # pool's reset-on-return may call the driver; it has nothing to roll back here.
+            await greenlet_spawn(pooled.close)
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -550,6 +556,18 @@ class PgStore:
                 total += deleted
                 if deleted < PRUNE_BATCH:
                     return total
+
+
+if sys.version_info >= (3, 11):
+
+    async def _within(work: Awaitable[None], seconds: float) -> None:
+        """``work``, cancelled with ``TimeoutError`` after ``seconds``: ``asyncio.wait_for``
+        without the task it creates on 3.11 (a few event-loop turns per commit)."""
+        async with asyncio.timeout(seconds):
+            await work
+
+else:
+    _within = asyncio.wait_for  # pragma: no cover
 
 
 def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
