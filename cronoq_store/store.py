@@ -71,12 +71,14 @@ if TYPE_CHECKING:
 
     _Row: TypeAlias = Row[Unpack[tuple[Any, ...]]]
 
-__all__ = ["PRUNE_BATCH", "PgStore"]
+__all__ = ["PRUNE_BATCH", "RECOVERY_PARTITION", "PgStore"]
 
 logger = logging.getLogger("cronoq_store")
 
 #: Rows deleted per statement by :meth:`PgStore.prune`: short transactions, bounded locks.
 PRUNE_BATCH = 1000
+#: Live task rows read and decoded at a time by :meth:`PgStore.recover`.
+RECOVERY_PARTITION = 10_000
 
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 # SQLSTATE classes after which a session is gone or going: connection exception, operator
@@ -153,7 +155,17 @@ class PgStore:
             pool_timeout=config.commit_timeout,
             # Batches carry payloads; errors and logs must not.
             hide_parameters=True,
-            connect_args={"server_settings": {"application_name": config.application_name}},
+            connect_args={
+                "server_settings": {
+                    "application_name": config.application_name,
+                    # A leader frozen or cut off between two statements of a commit holds
+                    # the leader row lock; the server ends such a session, so a takeover
+                    # waits at most this long for it (the keeper has stepped down by then).
+                    "idle_in_transaction_session_timeout": str(
+                        round(config.session_timeout * 1000)
+                    ),
+                }
+            },
         )
         event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
@@ -416,18 +428,22 @@ class PgStore:
     ) -> None:
         corrupt_ids: list[int] = []
         corrupt_messages: list[str] = []
-        rows = await conn.execute(st.live_tasks)
-        with _gc_paused():
-            for row in rows:
-                try:
-                    recovered.tasks.append(_decode_task(base, row))
-                except ValueError as exc:
-                    logger.error(
-                        "quarantining undecodable task row",
-                        extra={"task_id": row.id, "error": str(exc)},
-                    )
-                    corrupt_ids.append(row.id)
-                    corrupt_messages.append(clean_text(f"corrupt task row: {exc}"))
+        # A server-side cursor, read and decoded a partition at a time: rows are dropped as
+        # they are decoded, and the transaction is never idle for longer than it takes to
+        # decode one partition (the pool's idle_in_transaction_session_timeout applies).
+        result = await conn.stream(st.live_tasks)
+        async for rows in result.partitions(RECOVERY_PARTITION):
+            with _gc_paused():
+                for row in rows:
+                    try:
+                        recovered.tasks.append(_decode_task(base, row))
+                    except ValueError as exc:
+                        logger.error(
+                            "quarantining undecodable task row",
+                            extra={"task_id": row.id, "error": str(exc)},
+                        )
+                        corrupt_ids.append(row.id)
+                        corrupt_messages.append(clean_text(f"corrupt task row: {exc}"))
         if corrupt_ids:
             await conn.execute(
                 st.quarantine,

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import PgStore
 from cronoq_store import statements as st
 from cronoq_store.config import PgStoreConfig
-from cronoq_store.errors import StoreError
+from cronoq_store.errors import StoreError, translate_error
 from cronoq_store.leadership import Leadership
 from cronoq_store.urls import async_url
 
@@ -392,3 +393,27 @@ async def test_release_right_after_acquire_frees_the_lock(pg_url: URL, migrated:
             gc.collect()  # a leaked session would be reclaimed here, with a warning (an error)
             assert await asyncio.wait_for(second.acquire_leadership(), 2.0) == expected + 1
             await second.release_leadership()
+
+
+async def test_a_session_stalled_mid_transaction_cannot_hold_up_a_takeover(
+    pg_url: URL, migrated: str
+) -> None:
+    # As a leader frozen between two statements of a commit: its pooled session holds the
+    # leader row lock, which the next epoch bump needs.
+    stalled_config = PgStoreConfig(
+        schema=migrated, lock_poll=0.05, keepalive=0.2, session_timeout=1.0
+    )
+    async with await PgStore.connect(pg_url, stalled_config) as stalled:
+        conn = await stalled.engine.connect()
+        await conn.begin()
+        await conn.execute(text(f'SELECT epoch FROM "{migrated}".cronoq_leader FOR UPDATE'))
+        async with await PgStore.connect(pg_url, PgStoreConfig(schema=migrated)) as standby:
+            started = time.monotonic()
+            await asyncio.wait_for(standby.acquire_leadership(), 10)
+            waited = time.monotonic() - started
+        # The server ended the idle transaction after session_timeout, not before.
+        assert 0.9 < waited < 3.0, waited
+        with pytest.raises(DBAPIError) as caught:
+            await conn.execute(text("SELECT 1"))
+        assert translate_error(caught.value, "using the stalled session").is_transient
+        await conn.close()
