@@ -139,12 +139,14 @@ async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
     # Protected: 7 by id, 9 by key (and so is every other finished task with that key).
     batch += [submitted(old + 1, key="k9"), changed(old + 1, FAILED, ago=3 * HOUR)]
     batch += [submitted(50_000, deps=[Dependency(TaskId(7)), Dependency("k9")])]
+    # Pruned although NOT IN would keep it if NULL keys were not handled: it has no key.
+    batch += [submitted(old + 2), changed(old + 2, SUCCEEDED, ago=2 * HOUR)]
     # Kept: finished recently, or live.
     batch += [submitted(50_001), changed(50_001, SUCCEEDED, ago=60 * 10**9)]
     batch += [submitted(50_002), changed(50_002, RUNNING, ago=2 * HOUR)]
     await store.commit(0, BASE, batch, [])
 
-    assert await store.prune(3600) == old - 2
+    assert await store.prune(3600) == old - 1
     assert await stored_ids(store) == [7, 9, old + 1, 50_000, 50_001, 50_002]
 
     # Once the dependent task finishes, what it protected can go too.
