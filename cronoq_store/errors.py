@@ -12,6 +12,7 @@ import asyncio
 import re
 from collections.abc import Iterator
 
+import asyncpg
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
@@ -100,6 +101,12 @@ _BAD_ARGUMENT = re.compile(
 _BACKGROUND = re.compile(r"\s*\(Background on this error at: [^)]*\)")
 # The driver saying that the connection is gone (no SQLSTATE: the server never said a word).
 _CLOSED = ("connection is closed", "connection was closed")
+# asyncpg's protocol out of step with the server ("cannot switch to state 12; another
+# operation (2) is in progress"): seen when a shutdown or a terminated backend reaches an
+# idle pooled connection, which is then handed out before its socket is seen closed. Misuse
+# (a connection shared by two coroutines) is an InterfaceError instead; this one means the
+# session is unusable, and a new one may well work.
+_PROTOCOL_BROKEN = asyncpg.InternalClientError
 
 
 def _describe(exc: BaseException) -> str:
@@ -129,9 +136,11 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
 
     Transient (``UnavailableError``): lost or refused connections, pool exhaustion, timeouts,
     SQLSTATE classes 08, 53, 57P and codes 40001, 40P01, 55P03, 57014, and a read-only
-    server (25006, with ``reconnect``). Everything else is a ``StoreError``, including driver
-    misuse that merely looks like a connection problem (asyncpg's ``InterfaceError`` for a
-    wrong argument count or a busy connection). Store errors pass through unchanged.
+    server (25006, with ``reconnect``), and a driver protocol out of step with a session the
+    server ended (asyncpg's ``InternalClientError``). Everything else is a ``StoreError``,
+    including driver misuse that merely looks like a connection problem (asyncpg's
+    ``InterfaceError`` for a wrong argument count or a busy connection). Store errors pass
+    through unchanged.
 
     Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
     """
@@ -149,5 +158,7 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     if isinstance(exc, (sa_exc.TimeoutError, asyncio.TimeoutError, OSError)):
         return UnavailableError(message)
     if any(closed in str(e) for e in _chain(exc) for closed in _CLOSED):
+        return UnavailableError(message)
+    if any(isinstance(e, _PROTOCOL_BROKEN) for e in _chain(exc)):
         return UnavailableError(message)
     return StoreError(message)

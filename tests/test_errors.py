@@ -11,6 +11,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import BigInteger, bindparam, select, text
 from sqlalchemy.engine import URL
@@ -401,3 +402,17 @@ async def test_driver_misuse_is_a_bug_not_an_outage(engine: AsyncEngine, passwor
 def test_store_errors_pass_through() -> None:
     fenced = FencedError("fenced")
     assert translate_error(fenced, "committing") is fenced
+
+
+def test_a_driver_protocol_out_of_step_is_transient() -> None:
+    # What asyncpg raises when a pooled connection that a shutdown or a terminated backend
+    # reached is used before its socket is seen closed (the torture test meets it; the race
+    # cannot be staged on demand, so the driver's own exception is given here).
+    broken = asyncpg.InternalClientError(
+        "cannot switch to state 12; another operation (2) is in progress"
+    )
+    error = translate_error(broken, "committing a batch")
+    assert isinstance(error, UnavailableError)
+    # Misuse stays a bug: the same words from InterfaceError mean a shared connection.
+    busy = asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
+    assert not translate_error(busy, "committing a batch").is_transient
