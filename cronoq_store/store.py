@@ -106,7 +106,8 @@ class PgStore:
         owns_engine: bool,
         lock_url: URL,
     ) -> None:
-        """Use :meth:`connect` or :meth:`from_engine`, which migrate and find the OID."""
+        """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
+        and read the schema's OID and whether large batches may be staged."""
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
