@@ -1,10 +1,12 @@
-"""JSON encodings of the JSONB columns, and the NUL cleaning every stored string needs.
+"""JSON encodings of the JSONB columns, and the conversions every stored value needs.
 
 The shapes written here are the storage format (docs/storage-format.md): rows outlive the
 build that wrote them and may be written by hand, so decoding is strict about the members
 it knows (a bad value raises :class:`DecodeError` naming the exact member), tolerant of
 members it does not (a newer build may have added them), and fills in the domain default
-for a member that is absent. Encoders write every member, so stored rows are explicit.
+for a member that is absent and for a name a newer build may have added (a miss policy or
+a dependency condition). Encoders write every member, so stored rows are explicit. Any
+JSON decodes or raises ``DecodeError``: nesting too deep for the parser included.
 
 Pure functions without SQLAlchemy, so they can be tested and reused without a database.
 Units in JSON: times are Unix nanoseconds (``*_unix_ns``), durations integer nanoseconds
@@ -34,28 +36,71 @@ from .domain import (
     TaskId,
     TaskSpec,
     TimeBase,
+    clean_text,
+    show,
 )
+
+__all__ = [
+    "DecodeError",
+    "clean_text",
+    "decode_deps",
+    "decode_miss_policy",
+    "decode_recurring",
+    "decode_resources",
+    "decode_retry",
+    "decode_strings",
+    "duration_to_ns",
+    "encode_deps",
+    "encode_miss_policy",
+    "encode_recurring",
+    "encode_resources",
+    "encode_retry",
+    "encode_strings",
+    "ns_to_duration",
+    "unix_converter",
+]
 
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=Enum)
 
+_I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _MICROSECOND = timedelta(microseconds=1)
 _SHOWN_CHARS = 60
 """Longest rendering of a bad value in an error message, which may end up stored."""
+_SHOWN_DEPTH = 3
+"""Levels of a bad JSON value rendered in a message; deeper ones show as ``[…]``."""
 
 _DEFAULT_RETRY = RetryPolicy()
 _DEFAULT_SPEC = TaskSpec(b"")
 _DEFAULT_FIXED = FixedStart(0)
+_DEFAULT_CONDITION = Dependency(TaskId(0)).condition
+_MISS_POLICIES = {p.value: p for p in MissPolicy}
 
 
 class DecodeError(ValueError):
     """A stored value that this build cannot decode; the message names the member."""
 
 
-def clean_text(s: str) -> str:
-    """``s`` with NUL replaced by U+FFFD: PostgreSQL rejects NUL in text and in jsonb."""
-    return s.replace("\0", "\ufffd") if "\0" in s else s
+def unix_converter(base: TimeBase) -> Callable[[int, str], int]:
+    """``base.to_unix`` for values bound for a ``*_unix_ns`` BIGINT: a result outside
+    -2**63..2**63-1 raises ``ValueError`` naming ``field`` (the caller's name for it).
+
+    An engine time that fits 64 bits may still leave them once converted, and a value the
+    database refuses would fail every mutation of its batch, not just its own.
+    """
+    offset = base.unix_ns - base.engine_ns
+
+    def to_unix(engine_ns: int, field: str) -> int:
+        unix_ns = engine_ns + offset
+        if _I64_MIN <= unix_ns <= _I64_MAX:
+            return unix_ns
+        raise ValueError(
+            f"{field}: engine time {engine_ns} is {show(unix_ns)} Unix ns through {base!r}, "
+            "outside the BIGINT range -2**63..2**63-1"
+        )
+
+    return to_unix
 
 
 def duration_to_ns(td: timedelta) -> int:
@@ -78,10 +123,9 @@ def encode_miss_policy(policy: MissPolicy) -> str:
 
 
 def decode_miss_policy(name: str | None) -> MissPolicy:
-    """Decode ``fixed_on_miss``; NULL means the default, :attr:`MissPolicy.SKIP`."""
-    if name is None:
-        return MissPolicy.SKIP
-    return _as_enum(MissPolicy, name, "fixed_on_miss")
+    """Decode ``fixed_on_miss``; NULL and names this build does not know (a newer build's)
+    mean the default, :attr:`MissPolicy.SKIP`, as in the original store."""
+    return MissPolicy.SKIP if name is None else _MISS_POLICIES.get(name, MissPolicy.SKIP)
 
 
 def encode_retry(retry: RetryPolicy | None) -> str | None:
@@ -155,12 +199,12 @@ def encode_recurring(base: TimeBase, spec: RecurringSpec) -> str:
     """JSON for ``cronoq_recurring.spec``: the schedule and the template without its payload.
 
     The name and the template's payload have columns of their own. Engine times in the
-    template are stored as Unix ns through ``base``.
+    template are stored as Unix ns through ``base`` (``ValueError`` if one leaves BIGINT).
     """
     return _dumps(
         {
             "schedule": _schedule_to_json(spec.schedule),
-            "template": _template_to_json(base, spec.template),
+            "template": _template_to_json(unix_converter(base), spec.template),
         }
     )
 
@@ -168,7 +212,8 @@ def encode_recurring(base: TimeBase, spec: RecurringSpec) -> str:
 def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> RecurringSpec:
     """Rebuild a recurring spec from its ``name``, ``spec`` and ``template_payload`` columns.
 
-    Unix times in the template become engine times (ns) through ``base``.
+    Unix times in the template become engine times (ns) through ``base``. Also raises
+    ``DecodeError`` for a name that is not a valid schedule name.
     """
     obj = _as_object(_loads(text, "spec"), "spec")
     schedule = _schedule_from_json(_required(obj, "schedule", "spec"), "spec.schedule")
@@ -181,7 +226,8 @@ def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> Re
         raise DecodeError(str(exc)) from exc
 
 
-# Encoding helpers. Every string is cleaned: a NUL would reach jsonb as "\u0000".
+# Encoding helpers. Every string is cleaned: a NUL would reach jsonb as "\u0000", and a
+# lone surrogate cannot be sent as UTF-8 at all.
 
 
 def _dumps(value: object) -> str:
@@ -222,18 +268,20 @@ def _schedule_to_json(schedule: Schedule) -> dict[str, object]:
     return {"type": "interval", "every_ns": duration_to_ns(schedule.every)}
 
 
-def _template_to_json(base: TimeBase, spec: TaskSpec) -> dict[str, object]:
+def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dict[str, object]:
     fixed = spec.fixed_start
     return {
         "kind": clean_text(spec.kind),
         "pool": clean_text(spec.pool),
         "priority": int(spec.priority),
         "key": None if spec.key is None else clean_text(spec.key),
-        "deadline_unix_ns": None if spec.deadline is None else base.to_unix(spec.deadline),
+        "deadline_unix_ns": None
+        if spec.deadline is None
+        else to_unix(spec.deadline, "template.deadline"),
         "fixed_start": None
         if fixed is None
         else {
-            "at_unix_ns": base.to_unix(fixed.at),
+            "at_unix_ns": to_unix(fixed.at, "template.fixed_start.at"),
             "tolerance_ns": duration_to_ns(fixed.tolerance),
             "on_miss": encode_miss_policy(fixed.on_miss),
         },
@@ -252,8 +300,37 @@ def _template_to_json(base: TimeBase, spec: TaskSpec) -> dict[str, object]:
 
 
 def _show(value: object) -> str:
-    shown = json.dumps(value, ensure_ascii=False)
+    """A decoded JSON value for a message, bounded: rendered at most a few levels deep (it
+    may be nested too deep for any recursive encoder) and no huge integer in decimal."""
+    shown = _render(value, _SHOWN_DEPTH)
     return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 1] + "…"
+
+
+def _render(value: object, depth: int) -> str:
+    if isinstance(value, (list, dict)):
+        if not value:
+            return "[]" if isinstance(value, list) else "{}"
+        if depth == 0:
+            return "[…]" if isinstance(value, list) else "{…}"
+        parts: list[str] = []
+        used = 0
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for name, item in items:
+            if used > _SHOWN_CHARS:
+                parts.append("…")
+                break
+            part = _render(item, depth - 1)
+            if isinstance(value, dict):
+                part = f"{_render(name, 0)}: {part}"
+            parts.append(part)
+            used += len(part) + 2
+        inner = ", ".join(parts)
+        return f"[{inner}]" if isinstance(value, list) else f"{{{inner}}}"
+    if isinstance(value, str):
+        return json.dumps(value[: _SHOWN_CHARS + 1], ensure_ascii=False)
+    if type(value) is int:
+        return show(value)
+    return json.dumps(value)  # null, true, false or a float
 
 
 def _mismatch(path: str, expected: str, value: object) -> DecodeError:
@@ -268,8 +345,10 @@ def _rejected(path: str, exc: ValueError) -> DecodeError:
 def _loads(text: str, path: str) -> object:
     try:
         return json.loads(text)
-    except ValueError as exc:  # also numbers too long for int()
+    except ValueError as exc:  # also integers of more than 4300 digits
         raise DecodeError(f"{path}: invalid JSON ({exc})") from None
+    except RecursionError:  # any jsonb may be nested deeper than the parser goes
+        raise DecodeError(f"{path}: JSON nested too deeply to decode") from None
 
 
 def _as_object(value: object, path: str) -> dict[str, object]:
@@ -287,6 +366,12 @@ def _as_array(value: object, path: str) -> list[object]:
 def _as_int(value: object, path: str) -> int:
     if type(value) is not int:  # JSON decoding makes exact ints; this also rejects bool
         raise _mismatch(path, "an integer", value)
+    return value
+
+
+def _as_bigint(value: object, path: str) -> int:
+    if type(value) is not int or not _I64_MIN <= value <= _I64_MAX:
+        raise _mismatch(path, "an integer in -2**63..2**63-1", value)
     return value
 
 
@@ -320,14 +405,14 @@ def _as_nonempty_str(value: object, path: str) -> str:
     return value
 
 
-def _as_enum(enum: type[_E], value: object, path: str) -> _E:
-    if isinstance(value, str):
-        try:
-            return enum(value)  # a dict lookup in the enum, not a walk over its members
-        except ValueError:
-            pass
-    names = ", ".join(json.dumps(m.value) for m in enum)
-    raise _mismatch(path, f"one of {names}", value)
+def _as_name(enum: type[_E], value: object, path: str, default: _E) -> _E:
+    """A member of ``enum`` by its name; a name this build does not know is ``default``."""
+    if not isinstance(value, str):
+        raise _mismatch(path, "a string", value)
+    try:
+        return enum(value)  # a dict lookup in the enum, not a walk over its members
+    except ValueError:
+        return default
 
 
 def _required(obj: dict[str, object], name: str, path: str) -> object:
@@ -377,14 +462,14 @@ def _dep_from_json(value: object, path: str) -> Dependency:
     if has_id == has_key:
         which = "both" if has_id else "neither"
         raise DecodeError(f'{path}: expected exactly one of "id" and "key", got {which}')
-    condition = _member(obj, "on", path, _condition_from_json, DependencyCondition.SUCCEEDED)
+    condition = _member(obj, "on", path, _condition_from_json, _DEFAULT_CONDITION)
     if has_id:
         return Dependency(_as_task_id(obj["id"], f"{path}.id"), condition)
     return Dependency(_as_nonempty_str(obj["key"], f"{path}.key"), condition)
 
 
 def _condition_from_json(value: object, path: str) -> DependencyCondition:
-    return _as_enum(DependencyCondition, value, path)
+    return _as_name(DependencyCondition, value, path, _DEFAULT_CONDITION)
 
 
 def _deps_from_json(value: object, path: str) -> tuple[Dependency, ...]:
@@ -398,8 +483,8 @@ def _resources_from_json(value: object, path: str) -> dict[str, int]:
     for name, amount in obj.items():
         if not name:
             raise DecodeError(f'{path}: expected non-empty resource names, got ""')
-        if type(amount) is not int or amount < 0:
-            raise _mismatch(f"{path}[{_show(name)}]", "a non-negative integer", amount)
+        if type(amount) is not int or not 0 <= amount <= _I64_MAX:
+            raise _mismatch(f"{path}[{_show(name)}]", "an integer in 0..2**63-1", amount)
         result[name] = amount
     return result
 
@@ -429,7 +514,7 @@ def _schedule_from_json(value: object, path: str) -> Schedule:
 
 def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedStart:
     obj = _as_object(value, path)
-    at = _as_int(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
+    at = _as_bigint(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
     d = _DEFAULT_FIXED
     return FixedStart(
         at=base.from_unix(at),
@@ -439,7 +524,7 @@ def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedSta
 
 
 def _miss_policy_from_json(value: object, path: str) -> MissPolicy:
-    return _as_enum(MissPolicy, value, path)
+    return _as_name(MissPolicy, value, path, _DEFAULT_FIXED.on_miss)
 
 
 def _priority_from_json(value: object, path: str) -> Priority:
@@ -449,7 +534,7 @@ def _priority_from_json(value: object, path: str) -> Priority:
 def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str) -> TaskSpec:
     obj = _as_object(value, path)
     d = _DEFAULT_SPEC
-    deadline = _nullable(obj, "deadline_unix_ns", path, _as_int)
+    deadline = _nullable(obj, "deadline_unix_ns", path, _as_bigint)
     try:
         return TaskSpec(
             payload,

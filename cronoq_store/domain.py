@@ -8,11 +8,15 @@ whole commit batch or leave a row that cannot be recovered.
 Units: engine times are ``int`` nanoseconds of the scheduler's monotonic clock; durations
 are ``datetime.timedelta``; only :class:`TimeBase` and the store see Unix nanoseconds.
 Every validation error is a ``ValueError`` whose message starts with the field's name.
+Integers are checked against the column that stores them (``BIGINT``, ``INTEGER``), and
+text PostgreSQL cannot store follows one rule, :func:`clean_text`, defined here so that the
+domain and the codecs share it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,21 +32,68 @@ EPOCH_MAX = 32767
 ID_COUNTER_BITS = 48
 
 _COUNTER_MAX = (1 << ID_COUNTER_BITS) - 1
-_ID_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+_I32_MAX = (1 << 31) - 1
+_ID_MAX = _I64_MAX
 _ZERO = timedelta(0)
+_SHOWN_CHARS = 60
+_SHOWN_INT_BITS = 256
+_ENGINE_TIME = "an engine time in integer nanoseconds in -2**63..2**63-1"
+# What PostgreSQL cannot store in text or jsonb: NUL, and lone surrogates (not UTF-8).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def clean_text(s: str) -> str:
+    """``s`` as PostgreSQL can store it: NUL and lone surrogates become U+FFFD.
+
+    The one rule for every stored string (text columns, JSON keys and values). Clean ASCII,
+    by far the common case, is returned as it is without any regex work.
+    """
+    if s.isascii():
+        return s.replace("\0", "\ufffd") if "\0" in s else s
+    return _UNSTORABLE.sub("\ufffd", s)
+
+
+def show(value: object) -> str:
+    """A bounded rendering of ``value`` for error messages, which may end up stored.
+
+    Never recurses into containers (a value nested a thousand deep must not fail the message
+    about it) and never converts a huge integer to decimal (CPython refuses beyond 4300
+    digits, and the text would be useless anyway).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > _SHOWN_INT_BITS:
+            return f"an integer of {value.bit_length()} bits"
+        return repr(value)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, (str, bytes)) and len(value) > _SHOWN_CHARS:
+        return repr(value[:_SHOWN_CHARS])[:-1] + "…"
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 1] + "…"
 
 
 def _invalid(name: str, requirement: str, value: object) -> ValueError:
-    return ValueError(f"{name}: must be {requirement}, got {value!r}")
+    return ValueError(f"{name}: must be {requirement}, got {show(value)}")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_int(name: str, value: object, low: int, high: int, requirement: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _invalid(name, requirement, value)
+
+
 def _check_id(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
-        raise _invalid(name, "a task id in 0..2**63-1", value)
+    _check_int(name, value, 0, _ID_MAX, "a task id in 0..2**63-1")
+
+
+def _check_engine_time(name: str, value: object) -> None:
+    # The store converts it to Unix ns at commit, where the result is checked again.
+    _check_int(name, value, _I64_MIN, _I64_MAX, _ENGINE_TIME)
 
 
 def _check_duration(name: str, value: object) -> None:
@@ -142,8 +193,7 @@ class FixedStart:
     on_miss: MissPolicy = MissPolicy.SKIP
 
     def __post_init__(self) -> None:
-        if not _is_int(self.at):
-            raise _invalid("at", "an engine time in integer nanoseconds", self.at)
+        _check_engine_time("at", self.at)
         _check_duration("tolerance", self.tolerance)
         if not isinstance(self.on_miss, MissPolicy):
             raise _invalid("on_miss", "a MissPolicy", self.on_miss)
@@ -153,7 +203,8 @@ class FixedStart:
 class RetryPolicy:
     """How often a failed task is tried again and how long to wait in between.
 
-    ``max_attempts`` counts the first try. The wait starts at ``backoff`` (timedelta) and is
+    ``max_attempts`` counts the first try, at most 2**31-1 (attempts are stored as an
+    INTEGER). The wait starts at ``backoff`` (timedelta) and is
     multiplied by ``multiplier`` after each failure, up to ``max_backoff`` (timedelta) when set.
     """
 
@@ -163,8 +214,7 @@ class RetryPolicy:
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_attempts) or self.max_attempts < 1:
-            raise _invalid("max_attempts", "an integer >= 1", self.max_attempts)
+        _check_int("max_attempts", self.max_attempts, 1, _I32_MAX, "an integer in 1..2**31-1")
         _check_duration("backoff", self.backoff)
         if self.max_backoff is not None:
             _check_duration("max_backoff", self.max_backoff)
@@ -173,10 +223,14 @@ class RetryPolicy:
                     "max_backoff", f"at least backoff ({self.backoff!r})", self.max_backoff
                 )
         m = self.multiplier
-        if not (_is_int(m) or isinstance(m, float)) or not math.isfinite(m) or m < 1:
+        try:
+            f = float(m) if _is_int(m) or isinstance(m, float) else math.nan
+        except OverflowError:  # an int beyond every float
+            f = math.inf
+        if not math.isfinite(f) or f < 1:
             raise _invalid("multiplier", "a finite number >= 1", m)
         # A float always, so that equal policies compare and encode the same way.
-        object.__setattr__(self, "multiplier", float(m))
+        object.__setattr__(self, "multiplier", f)
 
 
 class DependencyCondition(Enum):
@@ -225,6 +279,8 @@ class TaskSpec:
     attempt) are timedeltas. ``deps``, ``tags`` and ``labels`` take any iterable and are kept
     as tuples, ``resources`` as a private dict, so a spec cannot change after it was built;
     ``resources`` is left out of the hash (a dict has none) but not out of equality.
+    Amounts are in 0..2**63-1, and no two resource names may be stored as the same name
+    (see :func:`clean_text`).
     """
 
     payload: bytes = field(kw_only=False)
@@ -265,10 +321,8 @@ class TaskSpec:
                 raise _invalid("priority", "a Priority", self.priority) from None
         if self.key is not None and (not isinstance(self.key, str) or not self.key):
             raise _invalid("key", "None or a non-empty string", self.key)
-        if self.deadline is not None and not _is_int(self.deadline):
-            raise _invalid(
-                "deadline", "None or an engine time in integer nanoseconds", self.deadline
-            )
+        if self.deadline is not None:
+            _check_engine_time("deadline", self.deadline)
         if self.fixed_start is not None and not isinstance(self.fixed_start, FixedStart):
             raise _invalid("fixed_start", "None or a FixedStart", self.fixed_start)
         if self.duration_hint is not None:
@@ -285,11 +339,16 @@ class TaskSpec:
             if not isinstance(d, Dependency):
                 raise _invalid(f"deps[{i}]", "a Dependency", d)
         resources = dict(self.resources)  # a private copy: the caller's may change
+        merged = False
         for name, amount in resources.items():
             if not isinstance(name, str) or not name:
                 raise _invalid("resources", "keyed by non-empty strings", name)
-            if not _is_int(amount) or amount < 0:
-                raise _invalid(f"resources[{name!r}]", "a non-negative integer", amount)
+            _check_int(f"resources[{show(name)}]", amount, 0, _I64_MAX, "an integer in 0..2**63-1")
+            merged = merged or clean_text(name) is not name
+        if merged and len({clean_text(name) for name in resources}) < len(resources):
+            raise _invalid(
+                "resources", "keyed by names that stay distinct once stored", list(resources)
+            )
         setattr_(self, "resources", resources)
         if self.tags != ():  # the common case needs no work
             setattr_(self, "tags", _string_tuple("tags", self.tags))
@@ -344,8 +403,16 @@ class RecurringSpec:
     template: TaskSpec
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise _invalid("name", "a non-empty string", self.name)
+        _check_name(self.name)
+        if not isinstance(self.schedule, (CronSchedule, IntervalSchedule)):
+            raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
+        if not isinstance(self.template, TaskSpec):
+            raise _invalid("template", "a TaskSpec", self.template)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise _invalid("name", "a non-empty string", name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,8 +454,10 @@ class Submitted:
 
     def __post_init__(self) -> None:
         _check_id("id", self.id)
-        if not _is_int(self.seq) or self.seq < 0:
-            raise _invalid("seq", "a non-negative integer", self.seq)
+        _check_int("seq", self.seq, 0, _I64_MAX, "an integer in 0..2**63-1")
+        _check_engine_time("arrival", self.arrival)
+        if not isinstance(self.spec, TaskSpec):
+            raise _invalid("spec", "a TaskSpec", self.spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,8 +478,10 @@ class StatusChanged:
         _check_id("id", self.id)
         if not isinstance(self.status, TaskStatus):
             raise _invalid("status", "a TaskStatus", self.status)
-        if not _is_int(self.attempt) or self.attempt < 0:
-            raise _invalid("attempt", "a non-negative integer", self.attempt)
+        _check_int("attempt", self.attempt, 0, _I32_MAX, "an integer in 0..2**31-1")
+        _check_engine_time("at", self.at)
+        if self.message is not None and not isinstance(self.message, str):
+            raise _invalid("message", "None or a string", self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +497,9 @@ class RecurringRemove:
 
     name: str
 
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+
 
 @dataclass(frozen=True, slots=True)
 class RecurringNext:
@@ -437,6 +511,9 @@ class RecurringNext:
     last: TaskId | None
 
     def __post_init__(self) -> None:
+        _check_name(self.name)
+        if self.next is not None:
+            _check_engine_time("next", self.next)
         if self.last is not None:
             _check_id("last", self.last)
 

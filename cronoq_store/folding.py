@@ -9,8 +9,8 @@ Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
 - recurring changes keep their batch order.
 
 These rules make the stored result independent of how mutations were split into batches.
-Every string, inside JSON values too, has NUL replaced by U+FFFD: PostgreSQL rejects NUL in
-text and in jsonb, and one bad string would otherwise fail the whole batch.
+Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone surrogates
+become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 
 The parameter names of the returned dictionaries are the bind names of the statements in
 :mod:`cronoq_store.statements` (``INSERT_COLUMNS`` for the insert).
@@ -32,6 +32,7 @@ from .codec import (
     encode_resources,
     encode_retry,
     encode_strings,
+    unix_converter,
 )
 from .domain import (
     QUEUED,
@@ -126,20 +127,21 @@ def fold(
     outputs: Sequence[tuple[TaskId, bytes]] = (),
 ) -> FoldedBatch:
     """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
-    their update time. Engine times are converted to Unix ns through ``base``."""
+    their update time. Engine times are converted to Unix ns through ``base``; one that
+    leaves BIGINT raises ``ValueError`` naming the field (only its submission then fails)."""
     # The insert's rows: one list per row is much cheaper than 25 column appends. A later
     # transition of a task inserted here patches its row.
     rows: list[list[Any]] = []
     inserted: dict[int, int] = {}
     transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
     recurring: list[tuple[RecurringAction, dict[str, Any]]] = []
-    to_unix = base.to_unix
+    to_unix = unix_converter(base)
 
     for m in batch:
         if isinstance(m, StatusChanged):
             status = m.status
             message = None if m.message is None else clean_text(m.message)
-            at = to_unix(m.at)
+            at = to_unix(m.at, "at")
             i = inserted.get(m.id)
             if i is not None:
                 row = rows[i]
@@ -166,14 +168,14 @@ def fold(
                 [  # INSERT_COLUMNS order
                     m.id,
                     m.seq,
-                    to_unix(m.arrival),
+                    to_unix(m.arrival, "arrival"),
                     clean_text(s.pool),
                     clean_text(s.kind),
                     int(s.priority),
                     None if key is None else clean_text(key),
                     s.payload,
-                    None if s.deadline is None else to_unix(s.deadline),
-                    None if fixed is None else to_unix(fixed.at),
+                    None if s.deadline is None else to_unix(s.deadline, "deadline"),
+                    None if fixed is None else to_unix(fixed.at, "fixed_start.at"),
                     None if fixed is None else duration_to_ns(fixed.tolerance),
                     None if fixed is None else encode_miss_policy(fixed.on_miss),
                     None if s.duration_hint is None else duration_to_ns(s.duration_hint),
@@ -211,7 +213,7 @@ def fold(
                     RecurringAction.NEXT,
                     {
                         "schedule": clean_text(m.name),
-                        "next": None if m.next is None else to_unix(m.next),
+                        "next": None if m.next is None else to_unix(m.next, "next"),
                         "last": m.last,
                     },
                 )

@@ -29,6 +29,7 @@ from cronoq_store.codec import (
     encode_retry,
     encode_strings,
     ns_to_duration,
+    unix_converter,
 )
 from cronoq_store.domain import (
     CronSchedule,
@@ -74,7 +75,7 @@ def retry_policies(draw: st.DrawFn) -> RetryPolicy:
 dependencies = st.builds(
     Dependency, target=ids | names, condition=st.sampled_from(DependencyCondition)
 )
-resource_maps = st.dictionaries(names, st.integers(0, 2**70), max_size=4)
+resource_maps = st.dictionaries(names, st.integers(0, I64_MAX), max_size=4)
 string_tuples = st.lists(any_text, max_size=4).map(tuple)
 fixed_starts = st.builds(
     FixedStart, at=engine_times, tolerance=durations, on_miss=st.sampled_from(MissPolicy)
@@ -160,6 +161,26 @@ def test_clean_text(raw: str, stored: str) -> None:
     assert clean_text(raw) == stored
 
 
+@pytest.mark.parametrize(
+    ("raw", "stored"),
+    [
+        ("\ud800", "\ufffd"),
+        ("a\udfffb\0é", "a\ufffdb\ufffdé"),
+        ("\ud83d\ude00", "\ufffd\ufffd"),  # a pair built by hand is two lone surrogates
+        ("😀\ud800", "😀\ufffd"),
+    ],
+)
+def test_clean_text_replaces_lone_surrogates(raw: str, stored: str) -> None:
+    out = clean_text(raw)
+    assert out == stored
+    out.encode("utf-8")  # what the driver sends; a lone surrogate cannot be encoded
+
+
+def test_clean_text_returns_clean_strings_as_they_are() -> None:
+    for s in ["plain", "é😀", ""]:
+        assert clean_text(s) is s
+
+
 @given(any_text)
 def test_clean_text_removes_only_nul(s: str) -> None:
     out = clean_text(s)
@@ -193,6 +214,23 @@ def test_miss_policy_round_trip(policy: MissPolicy) -> None:
 def test_miss_policy_names_and_default() -> None:
     assert [encode_miss_policy(p) for p in MissPolicy] == ["skip", "run", "fail"]
     assert decode_miss_policy(None) is MissPolicy.SKIP
+
+
+@pytest.mark.parametrize("name", ["later", "", "SKIP", "run "])
+def test_unknown_miss_policy_reads_as_the_default(name: str) -> None:
+    """A newer build's policy name is not corruption: it reads as the default, skip."""
+    assert decode_miss_policy(name) is MissPolicy.SKIP
+    spec = decode_template(f'{{"fixed_start":{{"at_unix_ns":0,"on_miss":"{name}"}}}}')
+    assert spec.template.fixed_start == FixedStart(BASE.from_unix(0), on_miss=MissPolicy.SKIP)
+
+
+def test_unknown_dependency_condition_reads_as_the_default() -> None:
+    assert decode_deps('[{"id":1,"on":"done"},{"key":"k","on":"finished"}]') == (
+        Dependency(TaskId(1), DependencyCondition.SUCCEEDED),
+        Dependency("k", DependencyCondition.FINISHED),
+    )
+    spec = decode_template('{"deps":[{"key":"k","on":"someday"}]}')
+    assert spec.template.deps == (Dependency("k", DependencyCondition.SUCCEEDED),)
 
 
 # The exact stored shapes (docs/storage-format.md shows these same examples).
@@ -392,7 +430,7 @@ def recurring(schedule: str = '{"type":"interval","every_ns":1000}', template: s
     return f'{{"schedule":{schedule},"template":{template}}}'
 
 
-def decode_template(template: str) -> object:
+def decode_template(template: str) -> RecurringSpec:
     return decode_recurring(BASE, "r", recurring(template=template), b"")
 
 
@@ -446,9 +484,9 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
         "deps[0].key: expected a non-empty string, got null",
     ),
     (
-        "deps unknown condition",
-        lambda: decode_deps('[{"id":1,"on":"done"}]'),
-        'deps[0].on: expected one of "succeeded", "finished", got "done"',
+        "deps condition not a string",
+        lambda: decode_deps('[{"id":1,"on":2}]'),
+        "deps[0].on: expected a string, got 2",
     ),
     ("resources invalid json", lambda: decode_resources("{cpu:1}"), "resources: invalid JSON ("),
     (
@@ -459,17 +497,17 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
     (
         "resources negative amount",
         lambda: decode_resources('{"cpu":-1}'),
-        'resources["cpu"]: expected a non-negative integer, got -1',
+        'resources["cpu"]: expected an integer in 0..2**63-1, got -1',
     ),
     (
         "resources bool amount",
         lambda: decode_resources('{"cpu":true}'),
-        'resources["cpu"]: expected a non-negative integer, got true',
+        'resources["cpu"]: expected an integer in 0..2**63-1, got true',
     ),
     (
         "resources float amount",
         lambda: decode_resources('{"cpu":1.5}'),
-        'resources["cpu"]: expected a non-negative integer, got 1.5',
+        'resources["cpu"]: expected an integer in 0..2**63-1, got 1.5',
     ),
     (
         "resources empty name",
@@ -497,7 +535,7 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
     (
         "retry attempts zero",
         lambda: decode_retry('{"max_attempts":0}'),
-        "retry.max_attempts: must be an integer >= 1, got 0",
+        "retry.max_attempts: must be an integer in 1..2**31-1, got 0",
     ),
     (
         "retry negative backoff",
@@ -530,14 +568,14 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
         "retry.multiplier: must be a finite number >= 1, got 0.5",
     ),
     (
-        "miss policy unknown",
-        lambda: decode_miss_policy("later"),
-        'fixed_on_miss: expected one of "skip", "run", "fail", got "later"',
+        "retry attempts beyond INTEGER",
+        lambda: decode_retry(f'{{"max_attempts":{2**31}}}'),
+        f"retry.max_attempts: must be an integer in 1..2**31-1, got {2**31}",
     ),
     (
-        "miss policy empty",
-        lambda: decode_miss_policy(""),
-        'fixed_on_miss: expected one of "skip", "run", "fail", got ""',
+        "retry multiplier beyond every float",
+        lambda: decode_retry('{"multiplier":' + "9" * 400 + "}"),
+        "retry.multiplier: must be a finite number >= 1, got an integer of 1329 bits",
     ),
     (
         "recurring invalid json",
@@ -640,7 +678,7 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
     (
         "template deadline float",
         lambda: decode_template('{"deadline_unix_ns":1.5}'),
-        "spec.template.deadline_unix_ns: expected an integer, got 1.5",
+        "spec.template.deadline_unix_ns: expected an integer in -2**63..2**63-1, got 1.5",
     ),
     (
         "template fixed start without at",
@@ -653,14 +691,24 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
         "spec.template.fixed_start.tolerance_ns: expected a non-negative integer",
     ),
     (
-        "template unknown miss policy",
-        lambda: decode_template('{"fixed_start":{"at_unix_ns":0,"on_miss":"retry"}}'),
-        'spec.template.fixed_start.on_miss: expected one of "skip", "run", "fail", got "retry"',
+        "template deadline beyond BIGINT",
+        lambda: decode_template(f'{{"deadline_unix_ns":{2**63}}}'),
+        "spec.template.deadline_unix_ns: expected an integer in -2**63..2**63-1, got 92233",
+    ),
+    (
+        "template fixed start beyond BIGINT",
+        lambda: decode_template(f'{{"fixed_start":{{"at_unix_ns":{-(2**63) - 1}}}}}'),
+        "spec.template.fixed_start.at_unix_ns: expected an integer in -2**63..2**63-1",
+    ),
+    (
+        "template miss policy not a string",
+        lambda: decode_template('{"fixed_start":{"at_unix_ns":0,"on_miss":null}}'),
+        "spec.template.fixed_start.on_miss: expected a string, got null",
     ),
     (
         "template retry",
         lambda: decode_template('{"retry":{"max_attempts":-2}}'),
-        "spec.template.retry.max_attempts: must be an integer >= 1, got -2",
+        "spec.template.retry.max_attempts: must be an integer in 1..2**31-1, got -2",
     ),
     (
         "template dependency",
@@ -670,7 +718,7 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
     (
         "template resources",
         lambda: decode_template('{"resources":{"cpu":-1}}'),
-        'spec.template.resources["cpu"]: expected a non-negative integer, got -1',
+        'spec.template.resources["cpu"]: expected an integer in 0..2**63-1, got -1',
     ),
     (
         "template tags",
@@ -706,6 +754,74 @@ def test_decode_error_is_a_value_error_and_shortens_long_values() -> None:
     assert message.startswith('tags[0]: expected a string, got ["xxx')
     assert message.endswith("…")
     assert len(message) < 120
+
+
+def nested(depth: int, inner: str = "1") -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("decode", "path"),
+    [
+        (lambda: decode_deps(nested(DEEP)), "deps"),
+        (lambda: decode_deps(f'[{{"id":{nested(DEEP)}}}]'), "deps"),
+        (lambda: decode_resources(f'{{"a":{nested(DEEP)}}}'), "resources"),
+        (lambda: decode_strings(nested(DEEP), "tags"), "tags"),
+        (lambda: decode_retry(f'{{"max_attempts":{nested(DEEP)}}}'), "retry"),
+        (lambda: decode_recurring(BASE, "r", nested(DEEP), b""), "spec"),
+    ],
+)
+def test_json_nested_too_deep_to_parse_is_a_decode_error(
+    decode: Callable[[], object], path: str
+) -> None:
+    with pytest.raises(DecodeError, match=f"^{path}: JSON nested too deeply to decode$"):
+        decode()
+
+
+@pytest.mark.parametrize("depth", [50, 500, 900])
+def test_deep_values_the_parser_takes_make_bounded_messages(depth: int) -> None:
+    """Nesting the parser still takes must not break the message that shows it."""
+    decoders: list[Callable[[], object]] = [
+        lambda: decode_deps(f'[{{"id":{nested(depth)}}}]'),
+        lambda: decode_strings(f"[{nested(depth)}]", "tags"),
+        lambda: decode_resources(f'{{"a":{nested(depth)}}}'),
+        lambda: decode_template(f'{{"kind":{nested(depth)}}}'),
+    ]
+    for decode in decoders:
+        with pytest.raises(DecodeError, match=r"got \[\[\[\[…\]\]\]\]$") as info:
+            decode()
+        assert len(str(info.value)) < 200
+
+
+def test_huge_integers_make_bounded_messages() -> None:
+    huge = "9" * 4000  # within what json.loads takes
+    with pytest.raises(DecodeError, match=r"got an integer of 13288 bits$"):
+        decode_deps(f'[{{"id":{huge}}}]')
+    with pytest.raises(DecodeError, match=r"got an integer of 13288 bits$"):
+        decode_resources(f'{{"a":{huge}}}')
+
+
+def test_unix_converter_names_the_field_beyond_bigint() -> None:
+    to_unix = unix_converter(TimeBase(engine_ns=10, unix_ns=20))
+    assert to_unix(I64_MAX - 10, "at") == I64_MAX
+    assert to_unix(-(2**63) - 10, "at") == -(2**63)
+    with pytest.raises(ValueError, match=r"^deadline: engine time 9223372036854775798 is "):
+        to_unix(I64_MAX - 9, "deadline")
+    with pytest.raises(ValueError, match="outside the BIGINT range"):
+        to_unix(-(2**63) - 11, "at")
+
+
+def test_recurring_times_beyond_bigint_fail_encoding_naming_the_field() -> None:
+    base = TimeBase(engine_ns=0, unix_ns=1)
+    spec = RecurringSpec("r", IntervalSchedule(timedelta(1)), TaskSpec(b"", deadline=I64_MAX))
+    with pytest.raises(ValueError, match=r"^template\.deadline: engine time"):
+        encode_recurring(base, spec)
+    fixed = TaskSpec(b"", fixed_start=FixedStart(I64_MAX))
+    with pytest.raises(ValueError, match=r"^template\.fixed_start\.at: engine time"):
+        encode_recurring(base, RecurringSpec("r", IntervalSchedule(timedelta(1)), fixed))
 
 
 def test_too_long_number_is_a_decode_error() -> None:

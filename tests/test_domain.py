@@ -26,6 +26,7 @@ from cronoq_store.domain import (
     MissPolicy,
     Priority,
     RecurringNext,
+    RecurringRemove,
     RecurringSpec,
     RetryPolicy,
     StatusChanged,
@@ -39,6 +40,7 @@ from cronoq_store.domain import (
 )
 
 COUNTER_MAX = 2**48 - 1
+I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 
 
 @pytest.mark.parametrize(
@@ -309,7 +311,45 @@ INVALID: list[tuple[str, Callable[[], object], str, str]] = [
     ("status attempt", lambda: StatusChanged(TaskId(1), TaskStatus.FAILED, -1, 0), "attempt", "-1"),
     ("status name", lambda: StatusChanged(TaskId(1), "failed", 0, 0), "status", "'failed'"),  # type: ignore[arg-type]
     ("next last", lambda: RecurringNext("r", None, TaskId(-1)), "last", "-1"),
-]
+    # Every integer against the column (or JSON member) that stores it.
+    ("submitted seq beyond BIGINT", lambda: Submitted(TaskId(1), 2**63, 0, _TEMPLATE), "seq",
+     f"0..2**63-1, got {2**63}"),
+    ("submitted arrival beyond BIGINT", lambda: Submitted(TaskId(1), 0, 2**63, _TEMPLATE),
+     "arrival", f"-2**63..2**63-1, got {2**63}"),
+    ("submitted arrival below BIGINT", lambda: Submitted(TaskId(1), 0, I64_MIN - 1, _TEMPLATE),
+     "arrival", str(I64_MIN - 1)),
+    ("submitted arrival float", lambda: Submitted(TaskId(1), 0, 1.0, _TEMPLATE), "arrival", "1.0"),  # type: ignore[arg-type]
+    ("submitted spec", lambda: Submitted(TaskId(1), 0, 0, b""), "spec", "b''"),  # type: ignore[arg-type]
+    ("status attempt beyond INTEGER", lambda: StatusChanged(TaskId(1), TaskStatus.FAILED, 2**31, 0),
+     "attempt", f"0..2**31-1, got {2**31}"),
+    ("status at beyond BIGINT", lambda: StatusChanged(TaskId(1), TaskStatus.FAILED, 0, 2**63),
+     "at", f"-2**63..2**63-1, got {2**63}"),
+    ("status at None", lambda: StatusChanged(TaskId(1), TaskStatus.FAILED, 0, None), "at", "None"),  # type: ignore[arg-type]
+    ("status message", lambda: StatusChanged(TaskId(1), TaskStatus.FAILED, 0, 0, b"x"),  # type: ignore[arg-type]
+     "message", "b'x'"),
+    ("spec deadline beyond BIGINT", lambda: TaskSpec(b"", deadline=2**63), "deadline",
+     f"-2**63..2**63-1, got {2**63}"),
+    ("fixed at below BIGINT", lambda: FixedStart(I64_MIN - 1), "at", str(I64_MIN - 1)),
+    ("retry attempts beyond INTEGER", lambda: RetryPolicy(max_attempts=2**31), "max_attempts",
+     f"1..2**31-1, got {2**31}"),
+    ("retry multiplier beyond floats", lambda: RetryPolicy(multiplier=10**400), "multiplier",
+     "an integer of 1329 bits"),
+    ("spec resource beyond BIGINT", lambda: TaskSpec(b"", resources={"cpu": 2**63}),
+     r"resources\['cpu'\]", f"0..2**63-1, got {2**63}"),
+    ("spec resources merged by cleaning",
+     lambda: TaskSpec(b"", resources={"a\x00": 1, "a\ufffd": 2}), "resources",
+     "keyed by names that stay distinct once stored"),
+    ("spec resources merged by surrogates",
+     lambda: TaskSpec(b"", resources={chr(0xD800): 1, chr(0xDC00): 2}), "resources",
+     "stay distinct"),
+    ("next beyond BIGINT", lambda: RecurringNext("r", 2**63, None), "next", str(2**63)),
+    ("next name", lambda: RecurringNext("", None, None), "name", "''"),
+    ("remove name", lambda: RecurringRemove(5), "name", "5"),  # type: ignore[arg-type]
+    ("recurring schedule", lambda: RecurringSpec("r", "* * * * *", _TEMPLATE), "schedule",  # type: ignore[arg-type]
+     "'* * * * *'"),
+    ("recurring template", lambda: RecurringSpec("r", IntervalSchedule(timedelta(1)), None),  # type: ignore[arg-type]
+     "template", "None"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -321,6 +361,39 @@ def test_invalid_values_are_rejected_naming_the_field(
     with pytest.raises(ValueError, match=rf"^{field}: must be ") as info:
         build()
     assert bad in str(info.value)
+
+
+def test_values_at_the_edge_of_their_columns_are_accepted() -> None:
+    spec = TaskSpec(
+        b"",
+        deadline=I64_MAX,
+        fixed_start=FixedStart(I64_MIN),
+        retry=RetryPolicy(max_attempts=I32_MAX),
+        resources={"cpu": I64_MAX, "a\x00": 1, "a": 2},  # distinct once stored
+    )
+    assert Submitted(TaskId(I64_MAX), I64_MAX, I64_MIN, spec).spec is spec
+    assert StatusChanged(TaskId(0), TaskStatus.FAILED, I32_MAX, I64_MAX).attempt == I32_MAX
+    assert RecurringNext("r", I64_MIN, TaskId(I64_MAX)).next == I64_MIN
+
+
+def test_messages_about_huge_or_deep_values_are_bounded() -> None:
+    deep: list[object] = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: TaskSpec(b"", resources={"cpu": -(10**5000)}), "an integer of 16610 bits"),
+        (lambda: TaskSpec(b"", deps=[deep]), "a list of 1 items"),  # type: ignore[list-item]
+        (lambda: TaskSpec(b"", pool=deep), "a list of 1 items"),  # type: ignore[arg-type]
+        (lambda: TaskSpec(b"", key=b"k" * 10**6), "b'kkk"),  # type: ignore[arg-type]
+        (lambda: Dependency(10**400), "an integer of 1329 bits"),  # type: ignore[arg-type]
+    ]
+    for build, shown in cases:
+        with pytest.raises(ValueError, match=r"^\w+(\[[^]]+\])?: must be ") as info:
+            build()
+        assert shown in str(info.value)
+        assert len(str(info.value)) < 200
 
 
 def test_rejected_target_message_is_specific() -> None:

@@ -137,7 +137,7 @@ CORRUPTIONS = {
     2: ('deps = \'[{"id": "seven"}]\'', "deps[0].id: expected a task id"),
     3: ('deps = \'{"not": "an array"}\'', "deps: expected an array"),
     4: ("status = 'paused'", "status: 'paused' is not the status of a live task"),
-    5: ("fixed_at_unix_ns = 1, fixed_on_miss = 'sometimes'", "fixed_on_miss: expected one of"),
+    5: ("fixed_at_unix_ns = 1, fixed_tolerance_ns = -5", "tolerance: must be a non-negative"),
     6: ("retry = '{\"max_attempts\": 0}'", "retry.max_attempts"),
     7: ("tags = '[1]'", "tags[0]: expected a string"),
     8: ("pool = ''", "pool: must be a non-empty string"),
@@ -179,6 +179,37 @@ async def test_corrupt_rows_are_quarantined_and_the_rest_recovers(
     again = await store.recover(BASE)
     assert [t.id for t in again.tasks] == [1, 9]
     assert [r for r in caplog.records if r.name == "cronoq_store"] == []
+
+
+async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
+    store: PgStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The original's forward compatibility: an enum-like value this build does not know
+    decodes to its documented default, and the task keeps running."""
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(1, fixed_start=FixedStart(5, on_miss=MissPolicy.FAIL)),
+            submitted(2, deps=[Dependency(TaskId(1), DependencyCondition.FINISHED)]),
+            submitted(3, priority=Priority.HIGH),
+        ],
+        [],
+    )
+    await execute(store, "UPDATE {s}.cronoq_tasks SET fixed_on_miss = 'defer' WHERE id = 1")
+    await execute(
+        store,
+        'UPDATE {s}.cronoq_tasks SET deps = \'[{"id": 1, "on": "started"}]\' WHERE id = 2',
+    )
+    await execute(store, "UPDATE {s}.cronoq_tasks SET priority = 9 WHERE id = 3")
+    with caplog.at_level(logging.WARNING, logger="cronoq_store"):
+        recovered = await store.recover(BASE)
+    assert [r for r in caplog.records if r.name == "cronoq_store"] == []
+    specs = {t.id: t.spec for t in recovered.tasks}
+    assert specs[TaskId(1)].fixed_start == FixedStart(5, on_miss=MissPolicy.SKIP)
+    assert specs[TaskId(2)].deps == (Dependency(TaskId(1), DependencyCondition.SUCCEEDED),)
+    assert specs[TaskId(3)].priority is Priority.NORMAL
+    assert recovered.terminal == []
 
 
 async def test_undecodable_schedule_is_skipped_and_left_in_place(
