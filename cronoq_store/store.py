@@ -31,7 +31,6 @@ from sqlalchemy.util import greenlet_spawn
 from . import migrations
 from . import statements as st
 from .codec import (
-    clean_text,
     decode_deps,
     decode_miss_policy,
     decode_recurring,
@@ -56,6 +55,7 @@ from .domain import (
     TaskSpec,
     TaskStatus,
     TimeBase,
+    clean_text,
 )
 from .errors import FencedError, StoreError, UnavailableError, translate_error
 from .folding import FoldedBatch, fold
@@ -85,6 +85,9 @@ _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 # intervention (shutdown, terminated backend).
 _CONNECTION_CLASSES = ("08", "57P")
 _DEFAULT_TOLERANCE_NS = 1_000_000_000
+#: Longest reason kept in a quarantined row's message (the message column is stored text).
+_QUARANTINE_REASON_CHARS = 500
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class PgStore:
@@ -413,8 +416,9 @@ class PgStore:
         """Load what a new leader needs: live tasks, finished ones within ``retention`` or
         depended on by a live task, recurring schedules, and the next id to issue.
 
-        Undecodable live rows are quarantined (marked failed with the reason) and reported
-        as finished; undecodable schedules are logged, skipped and left in the table.
+        Total whatever the rows hold: an undecodable live row is quarantined (marked
+        failed with the reason, once: it is an ordinary failed task afterwards) and reported
+        as finished; an undecodable schedule is logged, skipped and left in the table.
         """
         async with self._translated("recovering"), self._db.begin() as conn:
             high = (await conn.execute(st.high_water)).scalar_one()
@@ -438,13 +442,14 @@ class PgStore:
                 for row in rows:
                     try:
                         recovered.tasks.append(_decode_task(base, row))
-                    except ValueError as exc:
+                    except Exception as exc:  # whatever the row holds; free when nothing raises
+                        reason = _reason(exc)
                         logger.error(
                             "quarantining undecodable task row",
-                            extra={"task_id": row.id, "error": str(exc)},
+                            extra={"task_id": row.id, "error": reason},
                         )
                         corrupt_ids.append(row.id)
-                        corrupt_messages.append(clean_text(f"corrupt task row: {exc}"))
+                        corrupt_messages.append(f"corrupt task row: {reason}")
         if corrupt_ids:
             await conn.execute(
                 st.quarantine,
@@ -491,21 +496,13 @@ class PgStore:
     ) -> None:
         for row in await conn.execute(st.recurring_schedules):
             try:
-                spec = decode_recurring(base, row.name, row.spec, row.template_payload)
-            except ValueError as exc:
+                recovered.recurring.append(_decode_recurring(base, row))
+            except Exception as exc:  # whatever the row holds
                 # Left in place, so it can be repaired, but not scheduled.
                 logger.error(
                     "skipping undecodable recurring schedule",
-                    extra={"schedule": row.name, "error": str(exc)},
+                    extra={"schedule": row.name, "error": _reason(exc)},
                 )
-                continue
-            recovered.recurring.append(
-                RecoveredRecurring(
-                    spec=spec,
-                    next=None if row.next_unix_ns is None else base.from_unix(row.next_unix_ns),
-                    last=None if row.last_task_id is None else TaskId(row.last_task_id),
-                )
-            )
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
@@ -616,11 +613,24 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _reason(exc: Exception) -> str:
+    """Why a row could not be decoded, as storable text: bounded and cleaned.
+
+    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
+    of this build on an odd value and says what it was.
+    """
+    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    if len(reason) > _QUARANTINE_REASON_CHARS:
+        reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
+    return clean_text(reason)
+
+
 def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
     """A live task row as the scheduler's value; ``ValueError`` names what is wrong.
 
     The row is unpacked once, in ``statements.live_tasks`` column order: a look-up by
-    attribute per column costs about 30% of recovery at a million rows.
+    attribute per column costs about 30% of recovery at a million rows. A row the domain
+    would refuse as a submission (an empty pool, a negative seq or id) is refused here too.
     """
     (
         id_, seq, arrival, pool, kind, priority, key, payload, deadline, fixed_at, tolerance,
@@ -652,12 +662,38 @@ def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
         labels=decode_strings(labels, "labels"),
         tenant=tenant,
     )
+    if seq < 0:
+        raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
+    if id_ < 0:
+        raise ValueError(f"id: must be a task id in 0..2**63-1, got {id_}")
     return RecoveredTask(
         id=TaskId(id_),
         seq=seq,
-        arrival=base.from_unix(arrival),
+        arrival=_engine_time(base, arrival, "arrival_unix_ns"),
         spec=spec,
         attempt=max(attempt, 0),
+    )
+
+
+def _decode_recurring(base: TimeBase, row: _Row) -> RecoveredRecurring:
+    """A schedule row as the scheduler's value; ``ValueError`` names what is wrong."""
+    name, spec, payload, next_, last = row
+    if last is not None and last < 0:
+        raise ValueError(f"last_task_id: must be a task id in 0..2**63-1, got {last}")
+    return RecoveredRecurring(
+        spec=decode_recurring(base, name, spec, payload),
+        next=None if next_ is None else _engine_time(base, next_, "next_unix_ns"),
+        last=None if last is None else TaskId(last),
+    )
+
+
+def _engine_time(base: TimeBase, unix_ns: int, column: str) -> int:
+    """The engine time of a stored time, which must fit the 64 bits the domain takes."""
+    engine_ns = base.from_unix(unix_ns)
+    if _I64_MIN <= engine_ns <= _I64_MAX:
+        return engine_ns
+    raise ValueError(
+        f"{column}: {unix_ns} is engine time {engine_ns} through {base!r}, outside -2**63..2**63-1"
     )
 
 
