@@ -40,6 +40,7 @@ _ZERO = timedelta(0)
 _SHOWN_CHARS = 60
 _SHOWN_INT_BITS = 256
 _ENGINE_TIME = "an engine time in integer nanoseconds in -2**63..2**63-1"
+_AMOUNT = "an integer in 0..2**63-1"
 # What PostgreSQL cannot store in text or jsonb: NUL, and lone surrogates (not UTF-8).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
@@ -82,13 +83,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Values are built in bulk: callers test ``type(v) is int`` and the range inline, and call
+# these (which also take int subclasses other than bool) only when that fast test fails.
+
+
 def _check_int(name: str, value: object, low: int, high: int, requirement: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise _invalid(name, requirement, value)
 
 
 def _check_id(name: str, value: object) -> None:
-    _check_int(name, value, 0, _ID_MAX, "a task id in 0..2**63-1")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
+        raise _invalid(name, "a task id in 0..2**63-1", value)
 
 
 def _check_engine_time(name: str, value: object) -> None:
@@ -343,7 +349,8 @@ class TaskSpec:
         for name, amount in resources.items():
             if not isinstance(name, str) or not name:
                 raise _invalid("resources", "keyed by non-empty strings", name)
-            _check_int(f"resources[{show(name)}]", amount, 0, _I64_MAX, "an integer in 0..2**63-1")
+            if type(amount) is not int or not 0 <= amount <= _I64_MAX:
+                _check_int(f"resources[{show(name)}]", amount, 0, _I64_MAX, _AMOUNT)
             merged = merged or clean_text(name) is not name
         if merged and len({clean_text(name) for name in resources}) < len(resources):
             raise _invalid(
@@ -453,10 +460,14 @@ class Submitted:
     spec: TaskSpec
 
     def __post_init__(self) -> None:
-        _check_id("id", self.id)
-        _check_int("seq", self.seq, 0, _I64_MAX, "an integer in 0..2**63-1")
-        _check_engine_time("arrival", self.arrival)
-        if not isinstance(self.spec, TaskSpec):
+        id_, seq, arrival = self.id, self.seq, self.arrival
+        if type(id_) is not int or not 0 <= id_ <= _ID_MAX:
+            _check_id("id", id_)
+        if type(seq) is not int or not 0 <= seq <= _I64_MAX:
+            _check_int("seq", seq, 0, _I64_MAX, "an integer in 0..2**63-1")
+        if type(arrival) is not int or not _I64_MIN <= arrival <= _I64_MAX:
+            _check_engine_time("arrival", arrival)
+        if type(self.spec) is not TaskSpec and not isinstance(self.spec, TaskSpec):
             raise _invalid("spec", "a TaskSpec", self.spec)
 
 
@@ -475,13 +486,17 @@ class StatusChanged:
     message: str | None = None
 
     def __post_init__(self) -> None:
-        _check_id("id", self.id)
+        id_, attempt, at, message = self.id, self.attempt, self.at, self.message
+        if type(id_) is not int or not 0 <= id_ <= _ID_MAX:
+            _check_id("id", id_)
         if not isinstance(self.status, TaskStatus):
             raise _invalid("status", "a TaskStatus", self.status)
-        _check_int("attempt", self.attempt, 0, _I32_MAX, "an integer in 0..2**31-1")
-        _check_engine_time("at", self.at)
-        if self.message is not None and not isinstance(self.message, str):
-            raise _invalid("message", "None or a string", self.message)
+        if type(attempt) is not int or not 0 <= attempt <= _I32_MAX:
+            _check_int("attempt", attempt, 0, _I32_MAX, "an integer in 0..2**31-1")
+        if type(at) is not int or not _I64_MIN <= at <= _I64_MAX:
+            _check_engine_time("at", at)
+        if message is not None and not isinstance(message, str):
+            raise _invalid("message", "None or a string", message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -666,10 +666,13 @@ def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
         raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
     if id_ < 0:
         raise ValueError(f"id: must be a task id in 0..2**63-1, got {id_}")
+    arrival_ns = base.from_unix(arrival)
+    if not _I64_MIN <= arrival_ns <= _I64_MAX:
+        _engine_time(base, arrival, "arrival_unix_ns")  # raises, naming the column
     return RecoveredTask(
         id=TaskId(id_),
         seq=seq,
-        arrival=_engine_time(base, arrival, "arrival_unix_ns"),
+        arrival=arrival_ns,
         spec=spec,
         attempt=max(attempt, 0),
     )
