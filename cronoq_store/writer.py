@@ -8,12 +8,17 @@ constructs composed in :mod:`cronoq_store.statements`, are compiled here for the
 dialect with the cluster's schema (``schema_translate_map``, rendered once), and executed
 with asyncpg's prepared-statement cache. Reads keep the SQLAlchemy path.
 
-A batch that only inserts new tasks, or only changes statuses, is one statement: the epoch
-check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every other batch runs in
-one transaction in the contract's order: epoch check, updates, inserts, outputs, recurring.
+A batch that only inserts new tasks (without transitions), or only changes statuses, is one
+statement: the epoch check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every
+other batch runs in one transaction in the contract's order: epoch check, updates, inserts,
+outputs, recurring.
 From :data:`STAGE_MIN_ROWS` new tasks on, the inserts travel by binary COPY into a
 temporary staging table and are inserted from there (``statements.stage``): a few more
 round trips, much less client CPU per row.
+
+An insert that finds one of its ids held by a different task fails (see
+``statements._insert_from``), which rolls back everything the batch wrote; the writer then
+names the ids (``statements.colliding_ids``) and reports them instead of the epoch.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from . import statements as st
 from .folding import INSERT_COLUMNS, FoldedBatch, RecurringAction
+from .schema import tasks
 
-__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement"]
+__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -72,8 +79,17 @@ class _Stale(Exception):
         self.current = current
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What ``BatchWriter.write`` found: the stored epoch (nothing was written unless it is
+    the batch's), or ids held by other tasks (nothing was written)."""
+
+    epoch: int | None
+    colliding: list[int] | None = None
+
+
 class BatchWriter:
-    """Writes folded batches for one cluster; ``write`` returns the epoch it found stored.
+    """Writes folded batches for one cluster; ``write`` says what it found.
 
     ``stage_min_rows`` is where staging by COPY starts (``None``: never, for a role that
     may not create temporary tables).
@@ -96,15 +112,27 @@ class BatchWriter:
         self._outputs = compiled(st.store_outputs)
         self._create_stage = compiled(st.create_stage)
         self._insert_from_stage = compiled(st.insert_from_stage)
+        self._colliding_ids = compiled(st.colliding_ids)
         self._recurring = {
             RecurringAction.UPSERT: compiled(st.upsert_recurring),
             RecurringAction.REMOVE: compiled(st.remove_recurring),
             RecurringAction.NEXT: compiled(st.advance_recurring),
         }
 
-    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
-        epoch, else write nothing; returns the stored epoch either way."""
+        epoch and none of its ids is held by another task, else write nothing."""
+        try:
+            current = await self._write(conn, epoch, batch)
+        except asyncpg.NotNullViolationError as exc:
+            if exc.table_name != tasks.name or exc.column_name != "seq":
+                raise
+            stmt = self._colliding_ids
+            ids = [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+            return Written(None, ids)
+        return Written(current)
+
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
         only_inserts = not (batch.update_count or batch.output_count or batch.recurring)
         if only_inserts and batch.insert_count and not self._staged(batch):
             stmt = self._insert_fenced
@@ -118,7 +146,7 @@ class BatchWriter:
                 stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
             )
             if current == epoch:
-                _warn_missing("status updates", batch.update_count, updated)
+                _warn_unchanged(batch.stored_updates, updated)
             return current
         transaction = conn.transaction()
         await transaction.start()
@@ -150,7 +178,7 @@ class BatchWriter:
         # Updates first, so keys they release can be reused by tasks inserted below.
         if batch.update_count:
             status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
-            _warn_missing("status updates", batch.update_count, _row_count(status))
+            _warn_unchanged(batch.stored_updates, _row_count(status))
         if self._staged(batch):
             await conn.execute(self._create_stage.sql)
             await conn.copy_records_to_table(
@@ -185,4 +213,17 @@ def _warn_missing(what: str, expected: int, matched: int) -> None:
             "%s for tasks missing from the store (pruned?)",
             what,
             extra={"expected": expected, "matched": matched},
+        )
+
+
+def _warn_unchanged(expected: int, moved: int) -> None:
+    """Transitions of tasks not submitted in the batch that moved nothing: the task is
+    missing, or a retried or late batch found it already further along. (Moved rows of
+    tasks the batch submits again count too, so this can miss a case; it never invents
+    one.)"""
+    if moved < expected:
+        logger.warning(
+            "status updates that changed nothing: tasks missing from the store (pruned?) "
+            "or already further along (a batch delivered again)",
+            extra={"expected": expected, "matched": moved},
         )
