@@ -28,6 +28,7 @@ The parameter names of the returned dictionaries are the bind names of the state
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -87,6 +88,7 @@ IDENTITY_COLUMNS: tuple[str, ...] = tuple(
     if name not in ("id", "status", "terminal", "attempt", "updated_unix_ns", "message")
 )
 _IDENTITY = tuple(INSERT_COLUMNS.index(name) for name in IDENTITY_COLUMNS)
+_JSON_IDENTITY = frozenset(INSERT_COLUMNS.index(name) for name in JSON_COLUMNS)
 
 # Where a task's latest state goes in its insert row.
 _STATUS, _TERMINAL, _ATTEMPT, _UPDATED, _MESSAGE = (
@@ -218,7 +220,7 @@ def fold(
             if i is None:
                 inserted[m.id] = len(rows)
                 rows.append(row)
-            elif any(rows[i][c] != row[c] for c in _IDENTITY):
+            elif not _same_task(rows[i], row):
                 raise IdCollisionError([m.id], in_batch=True)
         elif isinstance(m, RecurringUpsert):
             spec = m.spec
@@ -272,6 +274,21 @@ def fold(
         insert_rows=rows,
         outputs={"ids": list(last_output), "outputs": list(last_output.values())},
         recurring=recurring,
+    )
+
+
+def _same_task(a: list[Any], b: list[Any]) -> bool:
+    """Whether two insert rows are the same task, as the insert's conflict check decides:
+    JSON by value, as jsonb compares (an object's key order does not count)."""
+    return all(
+        a[c] == b[c]
+        or (
+            c in _JSON_IDENTITY
+            and a[c] is not None
+            and b[c] is not None
+            and json.loads(a[c]) == json.loads(b[c])
+        )
+        for c in _IDENTITY
     )
 
 

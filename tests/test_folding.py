@@ -173,6 +173,12 @@ def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
     assert not caught.value.is_transient
 
 
+def test_the_same_submission_again_in_a_batch_is_a_no_op_as_jsonb_compares() -> None:
+    # The same resources in another key order: one task for jsonb, so one task here too.
+    batch = [submitted(1, resources={"a": 1, "b": 2}), submitted(1, resources={"b": 2, "a": 1})]
+    assert fold(batch, BASE, NOW).insert_count == 1
+
+
 def test_last_output_per_task_wins() -> None:
     f = fold([], BASE, NOW, [(TaskId(1), b"x"), (TaskId(2), b"y"), (TaskId(1), b"z")])
     assert f.outputs == {"ids": [1, 2], "outputs": [b"z", b"y"]}
