@@ -4,6 +4,7 @@ stay unique across the epoch wrap (32767 -> 1)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import IdCollisionError
+from cronoq_store import GroupCommitter, IdCollisionError
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     EPOCH_MAX,
@@ -136,3 +137,20 @@ async def test_ids_from_next_id_stay_unique_across_the_epoch_wrap(
         assert len((await store.recover(BASE)).tasks) == 7  # nothing of that batch
     finally:
         await store.close()
+
+
+async def test_group_commit_fails_only_the_submission_that_reuses_an_id(store: PgStore) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    async with GroupCommitter(store, 0, BASE) as committer:
+        results = await asyncio.gather(
+            *(committer.submit([submitted(i)]) for i in range(10, 20)),
+            committer.submit([submitted(1, b"another task")]),
+            *(committer.submit([submitted(i)]) for i in range(20, 30)),
+            return_exceptions=True,
+        )
+    errors = [r for r in results if r is not None]
+    [error] = errors
+    assert isinstance(error, IdCollisionError)
+    assert error.ids == [1]
+    tasks, _ = await snapshot(store)
+    assert [(r[0], r[7]) for r in tasks] == [(1, b"p"), *((i, b"p") for i in range(10, 30))]
