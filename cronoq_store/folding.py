@@ -9,9 +9,10 @@ Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
 - a task submitted in the batch is inserted once, carrying its latest state, so a task that
   is born and finishes in one batch is written once. The same ``Submitted`` again is a
   no-op; a different task under the same id raises :class:`~cronoq_store.errors.IdCollisionError`;
-- every task with transitions gets one forward-only update (``update_status``), also when
-  it is submitted in the batch: if it was stored by an earlier batch (a submission sent
-  again), the update moves the stored row and the insert finds its id taken;
+- a task stored by an earlier batch gets one forward-only update (``update_status``). So
+  does a task submitted in the batch with transitions, but only when it turns out to be
+  stored already (a submission sent again): the insert then signals it and the writer
+  writes the batch again with those updates first (see :mod:`cronoq_store.writer`);
 - a message carries forward until a later transition brings its own; the update carries the
   position of the transition that brought it, so the statement keeps the stored message
   when that transition is not ahead of the stored state;
@@ -143,10 +144,11 @@ class FoldedBatch:
 
     #: Largest id inserted by the batch (the high-water mark to record), if any.
     max_id: int | None
-    #: ``update_status`` parameters: one row per task with transitions.
+    #: ``update_status`` parameters: one row per task not submitted in the batch.
     updates: dict[str, list[Any]]
-    #: How many of those tasks are not submitted in the batch, so must already be stored.
-    stored_updates: int
+    #: The same for tasks submitted in the batch that have transitions, whose insert rows
+    #: carry them: needed only where such a task turns out to be stored already.
+    inserted_updates: dict[str, list[Any]]
     #: New tasks, one row each in ``INSERT_COLUMNS`` order (what COPY takes).
     insert_rows: list[list[Any]]
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
@@ -165,6 +167,11 @@ class FoldedBatch:
     @property
     def update_count(self) -> int:
         return len(self.updates["ids"])
+
+    @property
+    def all_updates(self) -> dict[str, list[Any]]:
+        """``updates`` and ``inserted_updates`` together."""
+        return {name: v + self.inserted_updates[name] for name, v in self.updates.items()}
 
     @property
     def insert_count(self) -> int:
@@ -250,31 +257,41 @@ def fold(
         else:
             raise TypeError(f"not a mutation: {type(m).__name__}")
 
+    stored: dict[int, _Transition] = {}
+    resubmitted: dict[int, _Transition] = {}
     for id, t in transitions.items():
         i = inserted.get(id)
-        if i is not None:
-            row = rows[i]
-            row[_STATUS], row[_TERMINAL], row[_ATTEMPT] = t.status, t.terminal, t.attempt
-            row[_UPDATED], row[_MESSAGE] = t.at, t.message
-    latest = transitions.values()
+        if i is None:
+            stored[id] = t
+            continue
+        resubmitted[id] = t
+        row = rows[i]
+        row[_STATUS], row[_TERMINAL], row[_ATTEMPT] = t.status, t.terminal, t.attempt
+        row[_UPDATED], row[_MESSAGE] = t.at, t.message
     last_output = dict(outputs)
     return FoldedBatch(
         max_id=max(inserted) if inserted else None,
-        updates={
-            "ids": list(transitions),
-            "statuses": [t.status for t in latest],
-            "terminals": [t.terminal for t in latest],
-            "attempts": [t.attempt for t in latest],
-            "updated": [t.at for t in latest],
-            "messages": [t.message for t in latest],
-            "message_levels": [t.message_level for t in latest],
-            "message_ats": [t.message_at for t in latest],
-        },
-        stored_updates=sum(1 for id in transitions if id not in inserted),
+        updates=_update_params(stored),
+        inserted_updates=_update_params(resubmitted),
         insert_rows=rows,
         outputs={"ids": list(last_output), "outputs": list(last_output.values())},
         recurring=recurring,
     )
+
+
+def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
+    """``update_status`` parameters, one row per task."""
+    latest = transitions.values()
+    return {
+        "ids": list(transitions),
+        "statuses": [t.status for t in latest],
+        "terminals": [t.terminal for t in latest],
+        "attempts": [t.attempt for t in latest],
+        "updated": [t.at for t in latest],
+        "messages": [t.message for t in latest],
+        "message_levels": [t.message_level for t in latest],
+        "message_ats": [t.message_at for t in latest],
+    }
 
 
 def _same_task(a: list[Any], b: list[Any]) -> bool:

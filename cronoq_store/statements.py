@@ -20,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    and_,
     any_,
     bindparam,
     case,
@@ -41,7 +42,7 @@ from sqlalchemy.schema import CreateTable
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from .domain import TaskStatus
+from .domain import QUEUED, TaskStatus
 from .folding import IDENTITY_COLUMNS, INSERT_COLUMNS, JSON_COLUMNS, LIVE_RANKS, TERMINAL_LEVEL
 from .schema import LEADER_ROW_ID, leader, recurring, tasks
 
@@ -251,18 +252,28 @@ def _other_task(stored: Any, incoming: Any) -> ColumnElement[bool]:
 
 
 def _insert_from(rows: Select[Any]) -> postgresql.Insert:
-    """``rows`` into the tasks table. A row whose id is stored is the same submission sent
-    again (its transitions went to ``update_status``) and changes nothing, or another task:
-    then the statement fails with a NOT NULL violation on ``seq`` (SQLSTATE 23502), which
-    the writer reports as an id collision, so nothing of the batch is written. Decided on
-    the locked stored row, so it holds against concurrent commits, and it costs nothing
-    when no id is taken. (The partial unique index on live keys is not covered: a
-    duplicate live key still aborts the batch.)"""
+    """``rows`` into the tasks table. A row whose id is stored changes nothing when it is
+    the same submission sent again and its state is not ahead of the stored one. Else the
+    statement fails with a NOT NULL violation on ``seq`` (SQLSTATE 23502), rolling back
+    the batch: for a different task, the writer reports an id collision; for the same task
+    with transitions ahead of the stored row, the writer writes the batch again with those
+    transitions in the update. Decided on the locked stored row, so it holds against
+    concurrent commits; it costs nothing when no id is stored. (The partial unique index
+    on live keys is not covered: a duplicate live key still aborts the batch.)"""
     insert = postgresql.insert(tasks).from_select(list(INSERT_COLUMNS), rows)
+    new = insert.excluded
     return insert.on_conflict_do_update(
         index_elements=[tasks.c.id],
         set_={"seq": null()},
-        where=_other_task(tasks.c, insert.excluded),
+        where=or_(
+            _other_task(tasks.c, new),
+            and_(
+                new.status != literal_column(f"'{QUEUED}'", Text),
+                ~tasks.c.terminal,
+                tuple_(_level(new.terminal, new.attempt, new.status), new.updated_unix_ns)
+                > _stored_position,
+            ),
+        ),
     )
 
 

@@ -8,17 +8,20 @@ constructs composed in :mod:`cronoq_store.statements`, are compiled here for the
 dialect with the cluster's schema (``schema_translate_map``, rendered once), and executed
 with asyncpg's prepared-statement cache. Reads keep the SQLAlchemy path.
 
-A batch that only inserts new tasks (without transitions), or only changes statuses, is one
-statement: the epoch check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every
-other batch runs in one transaction in the contract's order: epoch check, updates, inserts,
-outputs, recurring.
+A batch that only inserts new tasks, or only changes statuses, is one statement: the epoch
+check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every other batch runs in
+one transaction in the contract's order: epoch check, updates, inserts, outputs, recurring.
 From :data:`STAGE_MIN_ROWS` new tasks on, the inserts travel by binary COPY into a
 temporary staging table and are inserted from there (``statements.stage``): a few more
 round trips, much less client CPU per row.
 
-An insert that finds one of its ids held by a different task fails (see
-``statements._insert_from``), which rolls back everything the batch wrote; the writer then
-names the ids (``statements.colliding_ids``) and reports them instead of the epoch.
+An insert that finds one of its ids stored fails when the stored row is a different task, or
+is the same task and the batch's transitions of it are ahead (see ``statements._insert_from``),
+which rolls back everything the batch wrote. The writer then names the ids held by other
+tasks (``statements.colliding_ids``) and reports them instead of the epoch; if there are
+none, it writes the batch again in one transaction with those transitions in the update,
+before the insert. That costs nothing to the common batch: a submission is sent again
+together with a transition only when an unacknowledged batch is retried.
 """
 
 from __future__ import annotations
@@ -123,35 +126,49 @@ class BatchWriter:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
         epoch and none of its ids is held by another task, else write nothing."""
         try:
-            current = await self._write(conn, epoch, batch)
+            return Written(await self._write(conn, epoch, batch, batch.updates))
         except asyncpg.NotNullViolationError as exc:
-            if exc.table_name != tasks.name or exc.column_name != "seq":
+            if not _taken(exc):
                 raise
-            stmt = self._colliding_ids
-            ids = [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
-            return Written(None, ids)
-        return Written(current)
+        colliding = await self._colliding(conn, batch)
+        if colliding or not batch.inserted_updates["ids"]:
+            return Written(None, colliding)
+        # Tasks the batch submits are stored already and its transitions move them: write
+        # the batch again, those transitions in the update, before the insert.
+        try:
+            return Written(await self._write(conn, epoch, batch, batch.all_updates))
+        except asyncpg.NotNullViolationError as exc:
+            if not _taken(exc):
+                raise
+        return Written(None, await self._colliding(conn, batch))
 
-    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
-        only_inserts = not (batch.update_count or batch.output_count or batch.recurring)
+    async def _colliding(self, conn: Any, batch: FoldedBatch) -> list[int]:
+        stmt = self._colliding_ids
+        return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+
+    async def _write(
+        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+    ) -> int:
+        moves = bool(updates["ids"])
+        only_inserts = not (moves or batch.output_count or batch.recurring)
         if only_inserts and batch.insert_count and not self._staged(batch):
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
         only_updates = not (batch.insert_count or batch.output_count or batch.recurring)
-        if only_updates and batch.update_count:
+        if only_updates and moves:
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
-                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
+                stmt.sql, *stmt.args({**updates, "epoch": epoch})
             )
             if current == epoch:
-                _warn_unchanged(batch.stored_updates, updated)
+                _warn_unchanged(batch.update_count, updated)
             return current
         transaction = conn.transaction()
         await transaction.start()
         try:
-            await self._write_in_transaction(conn, epoch, batch)
+            await self._write_in_transaction(conn, epoch, batch, updates)
         except _Stale as stale:
             await transaction.rollback()
             return stale.current
@@ -165,7 +182,9 @@ class BatchWriter:
         await transaction.commit()
         return epoch
 
-    async def _write_in_transaction(self, conn: Any, epoch: int, batch: FoldedBatch) -> None:
+    async def _write_in_transaction(
+        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+    ) -> None:
         if batch.max_id is None:
             stmt = self._epoch_for_share
             current = await conn.fetchval(stmt.sql, *stmt.args({}))
@@ -176,9 +195,9 @@ class BatchWriter:
         if current != epoch:
             raise _Stale(current)
         # Updates first, so keys they release can be reused by tasks inserted below.
-        if batch.update_count:
-            status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
-            _warn_unchanged(batch.stored_updates, _row_count(status))
+        if updates["ids"]:
+            status = await conn.execute(self._update.sql, *self._update.args(updates))
+            _warn_unchanged(batch.update_count, _row_count(status))
         if self._staged(batch):
             await conn.execute(self._create_stage.sql)
             await conn.copy_records_to_table(
@@ -202,6 +221,14 @@ class BatchWriter:
         return threshold is not None and batch.insert_count >= threshold
 
 
+def _taken(exc: asyncpg.NotNullViolationError) -> bool:
+    """Whether ``exc`` is the insert's signal that a stored row holds one of its ids
+    (``statements._insert_from``)."""
+    table: str | None = exc.table_name
+    column: str | None = exc.column_name
+    return table == tasks.name and column == "seq"
+
+
 def _row_count(status: str) -> int:
     """The row count of a command tag such as ``UPDATE 12``."""
     return int(status.rpartition(" ")[2])
@@ -219,8 +246,7 @@ def _warn_missing(what: str, expected: int, matched: int) -> None:
 def _warn_unchanged(expected: int, moved: int) -> None:
     """Transitions of tasks not submitted in the batch that moved nothing: the task is
     missing, or a retried or late batch found it already further along. (Moved rows of
-    tasks the batch submits again count too, so this can miss a case; it never invents
-    one.)"""
+    tasks the batch submits again count too, so this can miss a case.)"""
     if moved < expected:
         logger.warning(
             "status updates that changed nothing: tasks missing from the store (pruned?) "

@@ -563,3 +563,14 @@ async def test_a_staged_batch_sent_again_applies_forward_only_at_volume(store: P
     late += [step(i, RUNNING, 1, 40, "late") for i in ids]
     await store.commit(0, BASE, late, [])
     assert await states(store) == landed
+
+
+async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
+    store: PgStore,
+) -> None:
+    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    await store.commit(
+        0, BASE, [submitted(1, key="k"), changed(1, SUCCEEDED), submitted(2, key="k")], []
+    )
+    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
