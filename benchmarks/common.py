@@ -314,6 +314,7 @@ def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[s
         "attempts": [m.attempt for m in batch],
         "updated": [base.to_unix(m.at) for m in batch],
         "messages": [None if m.message is None else clean_text(m.message) for m in batch],
+        "levels": [level(m.status.value, m.status.is_terminal, m.attempt) for m in batch],
         # Where each message came from: its own transition (one per task here).
         "message_levels": [
             None if m.message is None else level(m.status.value, m.status.is_terminal, m.attempt)

@@ -288,6 +288,7 @@ def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
         "terminals": [t.terminal for t in latest],
         "attempts": [t.attempt for t in latest],
         "updated": [t.at for t in latest],
+        "levels": [t.level for t in latest],
         "messages": [t.message for t in latest],
         "message_levels": [t.message_level for t in latest],
         "message_ats": [t.message_at for t in latest],

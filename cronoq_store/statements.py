@@ -150,6 +150,7 @@ _transition = _unnest(
     ("terminals", Boolean()),
     ("attempts", Integer()),
     ("updated", BigInteger()),
+    ("levels", BigInteger()),
     ("messages", Text()),
     ("message_levels", BigInteger()),
     ("message_ats", BigInteger()),
@@ -181,31 +182,30 @@ _stored_position = tuple_(
     _level(tasks.c.terminal, tasks.c.attempt, tasks.c.status), tasks.c.updated_unix_ns
 )
 
+_u = _transition.c
 _transition_values = {
-    "status": _transition.c.statuses,
-    "terminal": _transition.c.terminals,
-    "attempt": _transition.c.attempts,
-    "updated_unix_ns": _transition.c.updated,
+    "status": _u.statuses,
+    "terminal": _u.terminals,
+    "attempt": _u.attempts,
+    "updated_unix_ns": _u.updated,
+    # Cheapest first: no message keeps the stored one; the moving transition's own message
+    # comes with it; an earlier one's only if that transition is ahead of the stored state.
     "message": case(
-        (
-            tuple_(_transition.c.message_levels, _transition.c.message_ats) > _stored_position,
-            _transition.c.messages,
-        ),
+        (_u.message_levels.is_(None), tasks.c.message),
+        (and_(_u.message_levels == _u.levels, _u.message_ats == _u.updated), _u.messages),
+        (tuple_(_u.message_levels, _u.message_ats) > _stored_position, _u.messages),
         else_=tasks.c.message,
     ),
 }
 
 #: Only forward, decided on the stored row in the statement itself, so a duplicate or late
 #: delivery (even one running concurrently) changes nothing: a terminal row is final, a live
-#: one moves when the transition's (level, at) is greater than its own.
+#: one moves when the transition's (level, at) is greater than its own. ``levels`` is
+#: :func:`cronoq_store.folding.level` of each transition, computed by the fold.
 _forward = (
-    tasks.c.id == _transition.c.ids,
+    tasks.c.id == _u.ids,
     ~tasks.c.terminal,
-    tuple_(
-        _level(_transition.c.terminals, _transition.c.attempts, _transition.c.statuses),
-        _transition.c.updated,
-    )
-    > _stored_position,
+    tuple_(_u.levels, _u.updated) > _stored_position,
 )
 
 #: Status transitions, one per task, each applied only if it moves the task forward. The

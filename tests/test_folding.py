@@ -114,6 +114,7 @@ def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward
         "terminals": [True, True],
         "attempts": [1, 1],
         "updated": [BASE.to_unix(8), BASE.to_unix(9)],
+        "levels": [TERMINAL_LEVEL, TERMINAL_LEVEL],
         "messages": ["a", ""],
         # Where each message came from: the statement keeps the stored message unless that
         # transition is ahead of the stored state.
