@@ -42,6 +42,7 @@ from cronoq_store.codec import (
     encode_retry,
     encode_strings,
 )
+from cronoq_store.folding import level
 from cronoq_store.store import PgStore
 from cronoq_store.writer import CompiledStatement
 
@@ -313,4 +314,11 @@ def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[s
         "attempts": [m.attempt for m in batch],
         "updated": [base.to_unix(m.at) for m in batch],
         "messages": [None if m.message is None else clean_text(m.message) for m in batch],
+        "levels": [level(m.status.value, m.status.is_terminal, m.attempt) for m in batch],
+        # Where each message came from: its own transition (one per task here).
+        "message_levels": [
+            None if m.message is None else level(m.status.value, m.status.is_terminal, m.attempt)
+            for m in batch
+        ],
+        "message_ats": [None if m.message is None else base.to_unix(m.at) for m in batch],
     }

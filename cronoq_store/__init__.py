@@ -41,7 +41,7 @@ from .domain import (
     epoch_of,
     task_id,
 )
-from .errors import FencedError, MigrationError, StoreError, UnavailableError
+from .errors import FencedError, IdCollisionError, MigrationError, StoreError, UnavailableError
 from .group_commit import CommitterClosedError, CommitterStats, GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
@@ -57,6 +57,7 @@ __all__ = [
     "FencedError",
     "FixedStart",
     "GroupCommitter",
+    "IdCollisionError",
     "IntervalSchedule",
     "MigrationError",
     "MissPolicy",

@@ -111,7 +111,9 @@ def task_id(epoch: int, n: int) -> TaskId:
     """Id number ``n`` issued under fencing ``epoch``.
 
     The epoch prefix keeps ids issued by successive leaders apart without coordination, and
-    the epoch range keeps every id within a signed BIGINT.
+    the epoch range keeps every id within a signed BIGINT. The epoch wraps from 32767 to 1,
+    after which ``task_id(1, 0)`` may name an old task: a leader issues ids from
+    ``max(recovered.next_id, task_id(epoch, 0))`` upward (see :class:`Recovered`).
     """
     if not EPOCH_MIN <= epoch <= EPOCH_MAX:
         raise _invalid("epoch", f"in {EPOCH_MIN}..{EPOCH_MAX}", epoch)
@@ -574,7 +576,10 @@ class RecoveredRecurring:
 @dataclass(slots=True)
 class Recovered:
     """Everything a new leader needs to resume. ``next_id`` is one more than the largest task
-    id ever issued (0 when none was): no id below it may be issued again."""
+    id ever issued (0 when none was): no id below it may be issued again. A leader issues
+    ids from ``max(next_id, task_id(epoch, 0))`` upward: the epoch prefix until the epoch
+    wraps to 1, then ids continue above every id ever issued. Reusing an id for a different
+    task fails the commit with ``IdCollisionError``."""
 
     next_id: int
     tasks: list[RecoveredTask] = field(default_factory=list)

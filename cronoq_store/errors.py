@@ -17,6 +17,7 @@ from sqlalchemy import exc as sa_exc
 
 __all__ = [
     "FencedError",
+    "IdCollisionError",
     "MigrationError",
     "StoreError",
     "UnavailableError",
@@ -162,3 +163,18 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     if any(isinstance(e, _PROTOCOL_BROKEN) for e in _chain(exc)):
         return UnavailableError(message)
     return StoreError(message)
+
+
+class IdCollisionError(StoreError):
+    """A ``Submitted`` reuses the id of a different task (another seq, arrival, key, payload,
+    ...); nothing of its batch was written. Not transient: the same batch fails again. The
+    same submission sent again is not a collision (a no-op). ``ids`` are the ids named."""
+
+    def __init__(self, ids: list[int], *, in_batch: bool = False) -> None:
+        named = ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        where = "another Submitted in the same batch" if in_batch else "a different stored task"
+        super().__init__(
+            f"task id {named or '(gone when looked up)'} already taken by {where}: nothing of "
+            "the batch was written (issue ids from Recovered.next_id, see task_id)"
+        )
+        self.ids = ids

@@ -2,13 +2,24 @@
 
 Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
 
-- a task submitted in the batch is inserted once (the first ``Submitted`` wins), carrying its
-  latest status, so a task that is born and finishes in one batch is written once;
-- a task stored by an earlier batch gets one update, where later transitions win and a
-  message carries forward until a later transition brings its own;
+- a task's states are totally ordered (:func:`level`, then the transition's time): attempt
+  first, then queued < running < retrying < terminal, and a terminal state is final. A
+  transition applies only if it moves the task forward; one that does not (a duplicate, a
+  late retry, a tie) changes nothing, its message included;
+- a task submitted in the batch is inserted once, carrying its latest state, so a task that
+  is born and finishes in one batch is written once. The same ``Submitted`` again is a
+  no-op; a different task under the same id raises :class:`~cronoq_store.errors.IdCollisionError`;
+- a task stored by an earlier batch gets one forward-only update (``update_status``). So
+  does a task submitted in the batch with transitions, but only when it turns out to be
+  stored already (a submission sent again): the insert then signals it and the writer
+  writes the batch again with those updates first (see :mod:`cronoq_store.writer`);
+- a message carries forward until a later transition brings its own; the update carries the
+  position of the transition that brought it, so the statement keeps the stored message
+  when that transition is not ahead of the stored state;
 - recurring changes keep their batch order.
 
-These rules make the stored result independent of how mutations were split into batches.
+These rules make the stored result independent of how mutations were split into batches and
+of batches delivered again later, the database applying the same order in each statement.
 Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone surrogates
 become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 
@@ -18,7 +29,8 @@ The parameter names of the returned dictionaries are the bind names of the state
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -43,10 +55,22 @@ from .domain import (
     StatusChanged,
     Submitted,
     TaskId,
+    TaskStatus,
     TimeBase,
 )
+from .errors import IdCollisionError
 
-__all__ = ["INSERT_COLUMNS", "JSON_COLUMNS", "FoldedBatch", "RecurringAction", "fold"]
+__all__ = [
+    "IDENTITY_COLUMNS",
+    "INSERT_COLUMNS",
+    "JSON_COLUMNS",
+    "LIVE_RANKS",
+    "TERMINAL_LEVEL",
+    "FoldedBatch",
+    "RecurringAction",
+    "fold",
+    "level",
+]
 
 #: The columns a new task is inserted with, in statement order; each names its parameter.
 INSERT_COLUMNS: tuple[str, ...] = (
@@ -58,11 +82,35 @@ INSERT_COLUMNS: tuple[str, ...] = (
 #: Insert columns whose parameters are pre-serialized JSON text (cast to jsonb in SQL).
 JSON_COLUMNS = frozenset({"retry", "deps", "resources", "tags", "labels"})
 
-# Where a later transition of a task inserted in the same batch writes, in an insert row.
+#: The columns that make a task what it is: equal in a retried ``Submitted``, so a stored row
+#: that differs in any of them under the same id is another task (the rest is its state).
+IDENTITY_COLUMNS: tuple[str, ...] = tuple(
+    name
+    for name in INSERT_COLUMNS
+    if name not in ("id", "status", "terminal", "attempt", "updated_unix_ns", "message")
+)
+_IDENTITY = tuple(INSERT_COLUMNS.index(name) for name in IDENTITY_COLUMNS)
+_JSON_IDENTITY = frozenset(INSERT_COLUMNS.index(name) for name in JSON_COLUMNS)
+
+# Where a task's latest state goes in its insert row.
 _STATUS, _TERMINAL, _ATTEMPT, _UPDATED, _MESSAGE = (
     INSERT_COLUMNS.index(name)
     for name in ("status", "terminal", "attempt", "updated_unix_ns", "message")
 )
+
+#: Rank of each live status within an attempt (other stored names rank as queued).
+LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
+#: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
+#: times 4 ranks stay below it).
+TERMINAL_LEVEL = 1 << 62
+
+
+def level(status: str, terminal: bool, attempt: int) -> int:
+    """Where a state stands in a task's life: ``attempt * 4 + rank`` while live, then
+    :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level, at)`` is
+    greater than the stored one and the stored state is not terminal (a terminal state is
+    final: no tie-break by time). ``update_status`` computes the same in SQL."""
+    return TERMINAL_LEVEL if terminal else attempt * 4 + LIVE_RANKS.get(status, 0)
 
 
 class RecurringAction(Enum):
@@ -75,13 +123,20 @@ class RecurringAction(Enum):
 
 @dataclass(slots=True)
 class _Transition:
-    """The latest transition of a stored task within one batch."""
+    """A task's state after the transitions of one batch that moved it forward, and the
+    position (``level``, ``at``) of the one that brought its message."""
 
     status: str
     terminal: bool
     attempt: int
     at: int
+    level: int
     message: str | None
+    message_level: int | None
+    message_at: int | None
+
+    def ahead_of(self, other: _Transition) -> bool:
+        return not other.terminal and (self.level, self.at) > (other.level, other.at)
 
 
 @dataclass(slots=True)
@@ -90,8 +145,11 @@ class FoldedBatch:
 
     #: Largest id inserted by the batch (the high-water mark to record), if any.
     max_id: int | None
-    #: ``update_status`` parameters: one row per stored task.
+    #: ``update_status`` parameters: one row per task not submitted in the batch.
     updates: dict[str, list[Any]]
+    #: The same for tasks submitted in the batch that have transitions, whose insert rows
+    #: carry them: needed only where such a task turns out to be stored already.
+    inserted_updates: dict[str, list[Any]]
     #: New tasks, one row each in ``INSERT_COLUMNS`` order (what COPY takes).
     insert_rows: list[list[Any]]
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
@@ -112,6 +170,11 @@ class FoldedBatch:
         return len(self.updates["ids"])
 
     @property
+    def all_updates(self) -> dict[str, list[Any]]:
+        """``updates`` and ``inserted_updates`` together."""
+        return {name: v + self.inserted_updates[name] for name, v in self.updates.items()}
+
+    @property
     def insert_count(self) -> int:
         return len(self.insert_rows)
 
@@ -129,9 +192,7 @@ def fold(
     """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
     their update time. Engine times are converted to Unix ns through ``base``; one that
     leaves BIGINT raises ``ValueError`` naming the field (only its submission then fails)."""
-    # The insert's rows: one list per row is much cheaper than 25 column appends. A later
-    # transition of a task inserted here patches its row.
-    rows: list[list[Any]] = []
+    rows: list[list[Any]] = []  # one list per row is much cheaper than 25 column appends
     inserted: dict[int, int] = {}
     transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
     recurring: list[tuple[RecurringAction, dict[str, Any]]] = []
@@ -140,59 +201,36 @@ def fold(
     for m in batch:
         if isinstance(m, StatusChanged):
             status = m.status
-            message = None if m.message is None else clean_text(m.message)
             at = to_unix(m.at, "at")
-            i = inserted.get(m.id)
-            if i is not None:
-                row = rows[i]
-                row[_STATUS] = status.value
-                row[_TERMINAL] = status.is_terminal
-                row[_ATTEMPT] = m.attempt
-                row[_UPDATED] = at
-                if message is not None:
-                    row[_MESSAGE] = message
-                continue
+            lvl = level(status.value, status.is_terminal, m.attempt)
+            message = None if m.message is None else clean_text(m.message)
+            later = _Transition(
+                status.value,
+                status.is_terminal,
+                m.attempt,
+                at,
+                lvl,
+                message,
+                None if message is None else lvl,
+                None if message is None else at,
+            )
             earlier = transitions.get(m.id)
-            if earlier is not None and message is None:
-                message = earlier.message
-            transitions[m.id] = _Transition(
-                status.value, status.is_terminal, m.attempt, at, message
-            )
+            if earlier is None:
+                transitions[m.id] = later
+            elif later.ahead_of(earlier):
+                if message is None:
+                    later.message = earlier.message
+                    later.message_level = earlier.message_level
+                    later.message_at = earlier.message_at
+                transitions[m.id] = later
         elif isinstance(m, Submitted):
-            if m.id in inserted:
-                continue
-            inserted[m.id] = len(rows)
-            s = m.spec
-            fixed, key, tenant = s.fixed_start, s.key, s.tenant
-            rows.append(
-                [  # INSERT_COLUMNS order
-                    m.id,
-                    m.seq,
-                    to_unix(m.arrival, "arrival"),
-                    clean_text(s.pool),
-                    clean_text(s.kind),
-                    int(s.priority),
-                    None if key is None else clean_text(key),
-                    s.payload,
-                    None if s.deadline is None else to_unix(s.deadline, "deadline"),
-                    None if fixed is None else to_unix(fixed.at, "fixed_start.at"),
-                    None if fixed is None else duration_to_ns(fixed.tolerance),
-                    None if fixed is None else encode_miss_policy(fixed.on_miss),
-                    None if s.duration_hint is None else duration_to_ns(s.duration_hint),
-                    None if s.timeout is None else duration_to_ns(s.timeout),
-                    encode_retry(s.retry),
-                    encode_deps(s.deps),
-                    encode_resources(s.resources),
-                    encode_strings(s.tags),
-                    QUEUED,
-                    False,
-                    0,
-                    now_unix_ns,
-                    None,
-                    encode_strings(s.labels),
-                    None if tenant is None else clean_text(tenant),
-                ]
-            )
+            row = _insert_row(m, to_unix, now_unix_ns)
+            i = inserted.get(m.id)
+            if i is None:
+                inserted[m.id] = len(rows)
+                rows.append(row)
+            elif not _same_task(rows[i], row):
+                raise IdCollisionError([m.id], in_batch=True)
         elif isinstance(m, RecurringUpsert):
             spec = m.spec
             recurring.append(
@@ -221,19 +259,87 @@ def fold(
         else:
             raise TypeError(f"not a mutation: {type(m).__name__}")
 
-    latest = transitions.values()
+    stored: dict[int, _Transition] = {}
+    resubmitted: dict[int, _Transition] = {}
+    for id, t in transitions.items():
+        i = inserted.get(id)
+        if i is None:
+            stored[id] = t
+            continue
+        resubmitted[id] = t
+        row = rows[i]
+        row[_STATUS], row[_TERMINAL], row[_ATTEMPT] = t.status, t.terminal, t.attempt
+        row[_UPDATED], row[_MESSAGE] = t.at, t.message
     last_output = dict(outputs)
     return FoldedBatch(
         max_id=max(inserted) if inserted else None,
-        updates={
-            "ids": list(transitions),
-            "statuses": [t.status for t in latest],
-            "terminals": [t.terminal for t in latest],
-            "attempts": [t.attempt for t in latest],
-            "updated": [t.at for t in latest],
-            "messages": [t.message for t in latest],
-        },
+        updates=_update_params(stored),
+        inserted_updates=_update_params(resubmitted),
         insert_rows=rows,
         outputs={"ids": list(last_output), "outputs": list(last_output.values())},
         recurring=recurring,
     )
+
+
+def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
+    """``update_status`` parameters, one row per task."""
+    latest = transitions.values()
+    return {
+        "ids": list(transitions),
+        "statuses": [t.status for t in latest],
+        "terminals": [t.terminal for t in latest],
+        "attempts": [t.attempt for t in latest],
+        "updated": [t.at for t in latest],
+        "levels": [t.level for t in latest],
+        "messages": [t.message for t in latest],
+        "message_levels": [t.message_level for t in latest],
+        "message_ats": [t.message_at for t in latest],
+    }
+
+
+def _same_task(a: list[Any], b: list[Any]) -> bool:
+    """Whether two insert rows are the same task, as the insert's conflict check decides:
+    JSON by value, as jsonb compares (an object's key order does not count)."""
+    return all(
+        a[c] == b[c]
+        or (
+            c in _JSON_IDENTITY
+            and a[c] is not None
+            and b[c] is not None
+            and json.loads(a[c]) == json.loads(b[c])
+        )
+        for c in _IDENTITY
+    )
+
+
+def _insert_row(m: Submitted, to_unix: Callable[[int, str], int], now_unix_ns: int) -> list[Any]:
+    """``m`` as an insert row (``INSERT_COLUMNS`` order), queued at ``now_unix_ns``."""
+    s = m.spec
+    fixed, key, tenant = s.fixed_start, s.key, s.tenant
+    return [
+        m.id,
+        m.seq,
+        to_unix(m.arrival, "arrival"),
+        clean_text(s.pool),
+        clean_text(s.kind),
+        int(s.priority),
+        None if key is None else clean_text(key),
+        s.payload,
+        None if s.deadline is None else to_unix(s.deadline, "deadline"),
+        None if fixed is None else to_unix(fixed.at, "fixed_start.at"),
+        None if fixed is None else duration_to_ns(fixed.tolerance),
+        None if fixed is None else encode_miss_policy(fixed.on_miss),
+        None if s.duration_hint is None else duration_to_ns(s.duration_hint),
+        None if s.timeout is None else duration_to_ns(s.timeout),
+        encode_retry(s.retry),
+        encode_deps(s.deps),
+        encode_resources(s.resources),
+        encode_strings(s.tags),
+        QUEUED,
+        False,
+        0,
+        now_unix_ns,
+        None,
+        encode_strings(s.labels),
+        None if tenant is None else clean_text(tenant),
+    ]

@@ -20,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    and_,
     any_,
     bindparam,
     case,
@@ -28,9 +29,11 @@ from sqlalchemy import (
     delete,
     func,
     literal_column,
+    null,
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -39,8 +42,8 @@ from sqlalchemy.schema import CreateTable
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from .domain import TaskStatus
-from .folding import INSERT_COLUMNS, JSON_COLUMNS
+from .domain import QUEUED, TaskStatus
+from .folding import IDENTITY_COLUMNS, INSERT_COLUMNS, JSON_COLUMNS, LIVE_RANKS, TERMINAL_LEVEL
 from .schema import LEADER_ROW_ID, leader, recurring, tasks
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "MAX_EPOCH",
     "advance_recurring",
     "bump_epoch",
+    "colliding_ids",
     "create_stage",
     "epoch_for_share",
     "finished_page",
@@ -146,28 +150,73 @@ _transition = _unnest(
     ("terminals", Boolean()),
     ("attempts", Integer()),
     ("updated", BigInteger()),
+    ("levels", BigInteger()),
     ("messages", Text()),
+    ("message_levels", BigInteger()),
+    ("message_ats", BigInteger()),
 )
 
+
+def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnElement[int]:
+    """:func:`cronoq_store.folding.level` in SQL, for the stored row and the transition; the
+    constants are literals (ours, not input), so the statement has no parameters of its own."""
+
+    def constant(value: int) -> ColumnElement[int]:
+        return literal_column(str(value), BigInteger)
+
+    rank = case(
+        *(
+            (status == literal_column(f"'{name}'", Text), constant(r))
+            for name, r in LIVE_RANKS.items()
+            if r
+        ),
+        else_=constant(0),
+    )
+    return case(
+        (terminal, constant(TERMINAL_LEVEL)),
+        else_=cast(attempt, BigInteger) * constant(4) + rank,
+    )
+
+
+_stored_position = tuple_(
+    _level(tasks.c.terminal, tasks.c.attempt, tasks.c.status), tasks.c.updated_unix_ns
+)
+
+_u = _transition.c
 _transition_values = {
-    "status": _transition.c.statuses,
-    "terminal": _transition.c.terminals,
-    "attempt": _transition.c.attempts,
-    "updated_unix_ns": _transition.c.updated,
-    "message": func.coalesce(_transition.c.messages, tasks.c.message),
+    "status": _u.statuses,
+    "terminal": _u.terminals,
+    "attempt": _u.attempts,
+    "updated_unix_ns": _u.updated,
+    # Cheapest first: no message keeps the stored one; the moving transition's own message
+    # comes with it; an earlier one's only if that transition is ahead of the stored state.
+    "message": case(
+        (_u.message_levels.is_(None), tasks.c.message),
+        (and_(_u.message_levels == _u.levels, _u.message_ats == _u.updated), _u.messages),
+        (tuple_(_u.message_levels, _u.message_ats) > _stored_position, _u.messages),
+        else_=tasks.c.message,
+    ),
 }
 
-#: Status transitions of tasks stored by earlier batches. A NULL message keeps the stored
-#: one: a message carries forward until a later transition replaces it.
-update_status = update(tasks).where(tasks.c.id == _transition.c.ids).values(_transition_values)
+#: Only forward, decided on the stored row in the statement itself, so a duplicate or late
+#: delivery (even one running concurrently) changes nothing: a terminal row is final, a live
+#: one moves when the transition's (level, at) is greater than its own. ``levels`` is
+#: :func:`cronoq_store.folding.level` of each transition, computed by the fold.
+_forward = (
+    tasks.c.id == _u.ids,
+    ~tasks.c.terminal,
+    tuple_(_u.levels, _u.updated) > _stored_position,
+)
+
+#: Status transitions, one per task, each applied only if it moves the task forward. The
+#: message is the transition's if the one that brought it is ahead of the stored state, else
+#: the stored one stays: a message carries forward until a later transition replaces it.
+update_status = update(tasks).where(*_forward).values(_transition_values)
 
 _sharing = epoch_for_share.cte("e")
 _transitioned = (
     update(tasks)
-    .where(
-        tasks.c.id == _transition.c.ids,
-        _sharing.c.epoch == _epoch,
-    )
+    .where(*_forward, _sharing.c.epoch == _epoch)
     .values(_transition_values)
     .returning(tasks.c.id)
     .cte("upd")
@@ -175,7 +224,7 @@ _transitioned = (
 
 #: A batch of status transitions only, as one statement: the epoch under a share lock (as
 #: :data:`epoch_for_share`) and the updates, which change nothing unless the stored epoch is
-#: ``:epoch``. Returns the stored epoch and the number of rows updated.
+#: ``:epoch``. Returns the stored epoch and the number of rows moved forward.
 update_status_fenced = select(
     _sharing.c.epoch,
     select(func.count()).select_from(_transitioned).scalar_subquery(),
@@ -191,20 +240,40 @@ _new = _unnest(
 
 _new_rows = select(
     *(
-        cast(_new.c[name], JSONB) if name in JSON_COLUMNS else _new.c[name]
+        (cast(_new.c[name], JSONB) if name in JSON_COLUMNS else _new.c[name]).label(name)
         for name in INSERT_COLUMNS
     )
 )
 
 
+def _other_task(stored: Any, incoming: Any) -> ColumnElement[bool]:
+    """Whether the incoming row is a different task than the stored one with its id."""
+    return or_(*(stored[name].is_distinct_from(incoming[name]) for name in IDENTITY_COLUMNS))
+
+
 def _insert_from(rows: Select[Any]) -> postgresql.Insert:
-    """``rows`` into the tasks table; ``ON CONFLICT (id) DO NOTHING`` makes a retried batch
-    that already landed change nothing (the partial unique index on live keys is not covered:
-    a duplicate live key still aborts the batch)."""
-    return (
-        postgresql.insert(tasks)
-        .from_select(list(INSERT_COLUMNS), rows)
-        .on_conflict_do_nothing(index_elements=[tasks.c.id])
+    """``rows`` into the tasks table. A row whose id is stored changes nothing when it is
+    the same submission sent again and its state is not ahead of the stored one. Else the
+    statement fails with a NOT NULL violation on ``seq`` (SQLSTATE 23502), rolling back
+    the batch: for a different task, the writer reports an id collision; for the same task
+    with transitions ahead of the stored row, the writer writes the batch again with those
+    transitions in the update. Decided on the locked stored row, so it holds against
+    concurrent commits; it costs nothing when no id is stored. (The partial unique index
+    on live keys is not covered: a duplicate live key still aborts the batch.)"""
+    insert = postgresql.insert(tasks).from_select(list(INSERT_COLUMNS), rows)
+    new = insert.excluded
+    return insert.on_conflict_do_update(
+        index_elements=[tasks.c.id],
+        set_={"seq": null()},
+        where=or_(
+            _other_task(tasks.c, new),
+            and_(
+                new.status != literal_column(f"'{QUEUED}'", Text),
+                ~tasks.c.terminal,
+                tuple_(_level(new.terminal, new.attempt, new.status), new.updated_unix_ns)
+                > _stored_position,
+            ),
+        ),
     )
 
 
@@ -230,6 +299,17 @@ _issuing = (
 #: Returns the stored epoch, for the caller to raise ``FencedError``.
 insert_tasks_fenced = select(_issuing.c.epoch).add_cte(
     _insert_from(_new_rows.where(_issuing.c.epoch == _epoch)).cte("ins")
+)
+
+_incoming = _new_rows.subquery("n")
+
+#: The ids of ``insert_tasks``' rows (same parameters) that another task holds: run after
+#: an insert failed on an id collision, to name them.
+colliding_ids = (
+    select(_incoming.c.id)
+    .join(tasks, tasks.c.id == _incoming.c.id)
+    .where(_other_task(tasks.c, _incoming.c))
+    .order_by(_incoming.c.id)
 )
 
 # --- commit: large batches of new tasks, through a staging table -----------------------------

@@ -57,7 +57,7 @@ from .domain import (
     TimeBase,
     clean_text,
 )
-from .errors import FencedError, StoreError, UnavailableError, translate_error
+from .errors import FencedError, IdCollisionError, StoreError, UnavailableError, translate_error
 from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
@@ -341,7 +341,10 @@ class PgStore:
 
     async def _write(self, epoch: int, batch: FoldedBatch) -> None:
         async with self._driver_connection() as conn:
-            current = await self._writer.write(conn, epoch, batch)
+            written = await self._writer.write(conn, epoch, batch)
+        if written.colliding is not None:
+            raise IdCollisionError(written.colliding)
+        current = written.epoch
         if current != epoch:
             self._fenced = True
             self._leadership.mark_lost()

@@ -14,6 +14,14 @@ one transaction in the contract's order: epoch check, updates, inserts, outputs,
 From :data:`STAGE_MIN_ROWS` new tasks on, the inserts travel by binary COPY into a
 temporary staging table and are inserted from there (``statements.stage``): a few more
 round trips, much less client CPU per row.
+
+An insert that finds one of its ids stored fails when the stored row is a different task, or
+is the same task and the batch's transitions of it are ahead (see ``statements._insert_from``),
+which rolls back everything the batch wrote. The writer then names the ids held by other
+tasks (``statements.colliding_ids``) and reports them instead of the epoch; if there are
+none, it writes the batch again in one transaction with those transitions in the update,
+before the insert. That costs nothing to the common batch: a submission is sent again
+together with a transition only when an unacknowledged batch is retried.
 """
 
 from __future__ import annotations
@@ -24,14 +32,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from . import statements as st
 from .folding import INSERT_COLUMNS, FoldedBatch, RecurringAction
+from .schema import tasks
 
-__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement"]
+__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -72,8 +82,17 @@ class _Stale(Exception):
         self.current = current
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What ``BatchWriter.write`` found: the stored epoch (nothing was written unless it is
+    the batch's), or ids held by other tasks (nothing was written)."""
+
+    epoch: int | None
+    colliding: list[int] | None = None
+
+
 class BatchWriter:
-    """Writes folded batches for one cluster; ``write`` returns the epoch it found stored.
+    """Writes folded batches for one cluster; ``write`` says what it found.
 
     ``stage_min_rows`` is where staging by COPY starts (``None``: never, for a role that
     may not create temporary tables).
@@ -96,34 +115,60 @@ class BatchWriter:
         self._outputs = compiled(st.store_outputs)
         self._create_stage = compiled(st.create_stage)
         self._insert_from_stage = compiled(st.insert_from_stage)
+        self._colliding_ids = compiled(st.colliding_ids)
         self._recurring = {
             RecurringAction.UPSERT: compiled(st.upsert_recurring),
             RecurringAction.REMOVE: compiled(st.remove_recurring),
             RecurringAction.NEXT: compiled(st.advance_recurring),
         }
 
-    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
-        epoch, else write nothing; returns the stored epoch either way."""
-        only_inserts = not (batch.update_count or batch.output_count or batch.recurring)
+        epoch and none of its ids is held by another task, else write nothing."""
+        try:
+            return Written(await self._write(conn, epoch, batch, batch.updates))
+        except asyncpg.NotNullViolationError as exc:
+            if not _taken(exc):
+                raise
+        colliding = await self._colliding(conn, batch)
+        if colliding or not batch.inserted_updates["ids"]:
+            return Written(None, colliding)
+        # Tasks the batch submits are stored already and its transitions move them: write
+        # the batch again, those transitions in the update, before the insert.
+        try:
+            return Written(await self._write(conn, epoch, batch, batch.all_updates))
+        except asyncpg.NotNullViolationError as exc:
+            if not _taken(exc):
+                raise
+        return Written(None, await self._colliding(conn, batch))
+
+    async def _colliding(self, conn: Any, batch: FoldedBatch) -> list[int]:
+        stmt = self._colliding_ids
+        return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+
+    async def _write(
+        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+    ) -> int:
+        moves = bool(updates["ids"])
+        only_inserts = not (moves or batch.output_count or batch.recurring)
         if only_inserts and batch.insert_count and not self._staged(batch):
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
         only_updates = not (batch.insert_count or batch.output_count or batch.recurring)
-        if only_updates and batch.update_count:
+        if only_updates and moves:
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
-                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
+                stmt.sql, *stmt.args({**updates, "epoch": epoch})
             )
             if current == epoch:
-                _warn_missing("status updates", batch.update_count, updated)
+                _warn_unchanged(batch.update_count, updated)
             return current
         transaction = conn.transaction()
         await transaction.start()
         try:
-            await self._write_in_transaction(conn, epoch, batch)
+            await self._write_in_transaction(conn, epoch, batch, updates)
         except _Stale as stale:
             await transaction.rollback()
             return stale.current
@@ -137,7 +182,9 @@ class BatchWriter:
         await transaction.commit()
         return epoch
 
-    async def _write_in_transaction(self, conn: Any, epoch: int, batch: FoldedBatch) -> None:
+    async def _write_in_transaction(
+        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+    ) -> None:
         if batch.max_id is None:
             stmt = self._epoch_for_share
             current = await conn.fetchval(stmt.sql, *stmt.args({}))
@@ -148,9 +195,9 @@ class BatchWriter:
         if current != epoch:
             raise _Stale(current)
         # Updates first, so keys they release can be reused by tasks inserted below.
-        if batch.update_count:
-            status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
-            _warn_missing("status updates", batch.update_count, _row_count(status))
+        if updates["ids"]:
+            status = await conn.execute(self._update.sql, *self._update.args(updates))
+            _warn_unchanged(batch.update_count, _row_count(status))
         if self._staged(batch):
             await conn.execute(self._create_stage.sql)
             await conn.copy_records_to_table(
@@ -174,6 +221,14 @@ class BatchWriter:
         return threshold is not None and batch.insert_count >= threshold
 
 
+def _taken(exc: asyncpg.NotNullViolationError) -> bool:
+    """Whether ``exc`` is the insert's signal that a stored row holds one of its ids
+    (``statements._insert_from``)."""
+    table: str | None = exc.table_name
+    column: str | None = exc.column_name
+    return table == tasks.name and column == "seq"
+
+
 def _row_count(status: str) -> int:
     """The row count of a command tag such as ``UPDATE 12``."""
     return int(status.rpartition(" ")[2])
@@ -185,4 +240,16 @@ def _warn_missing(what: str, expected: int, matched: int) -> None:
             "%s for tasks missing from the store (pruned?)",
             what,
             extra={"expected": expected, "matched": matched},
+        )
+
+
+def _warn_unchanged(expected: int, moved: int) -> None:
+    """Transitions of tasks not submitted in the batch that moved nothing: the task is
+    missing, or a retried or late batch found it already further along. (Moved rows of
+    tasks the batch submits again count too, so this can miss a case.)"""
+    if moved < expected:
+        logger.warning(
+            "status updates that changed nothing: tasks missing from the store (pruned?) "
+            "or already further along (a batch delivered again)",
+            extra={"expected": expected, "matched": moved},
         )

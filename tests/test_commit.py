@@ -38,7 +38,7 @@ from cronoq_store.domain import (
 )
 from cronoq_store.errors import FencedError, StoreError, UnavailableError
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 
@@ -491,3 +491,86 @@ async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_wor
     await store.commit(0, BASE, batch, [])
     rows = await fetch(store, "SELECT id, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "running"), (2, "queued")]
+
+
+# --- commits commute: only forward, whatever the batching and however late a retry -----------
+
+
+def step(
+    id: int, status: TaskStatus, attempt: int, at: int, message: str | None = None
+) -> Mutation:
+    return StatusChanged(TaskId(id), status, attempt, at, message)
+
+
+def staging_everything(store: PgStore) -> None:
+    """Make ``store`` stage every insert by COPY, as it does from ``STAGE_MIN_ROWS`` rows."""
+    store._writer = BatchWriter(store.engine.dialect, store.config.schema, stage_min_rows=1)
+
+
+async def states(store: PgStore) -> list[tuple[Any, ...]]:
+    rows = await fetch(
+        store,
+        "SELECT id, status, attempt, updated_unix_ns, message FROM {s}.cronoq_tasks ORDER BY id",
+    )
+    return [tuple(r) for r in rows]
+
+
+@pytest.mark.parametrize("path", ["arrays", "staged"])
+async def test_a_submission_sent_again_with_a_later_transition_stores_the_transition(
+    store: PgStore, path: str
+) -> None:
+    if path == "staged":
+        staging_everything(store)
+    await store.commit(0, BASE, [submitted(1)], [])
+    # [[S1], [S1, Succeeded1]] must end where [[S1], [S1], [Succeeded1]] ends.
+    await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED, "done")], [])
+    assert await states(store) == [(1, "succeeded", 1, BASE.to_unix(100), "done")]
+
+
+async def test_batches_delivered_again_late_never_move_a_task_backwards(store: PgStore) -> None:
+    first: list[Mutation] = [submitted(1), submitted(2)]  # one statement: inserts only
+    second = [step(1, RUNNING, 1, 10, "started"), step(2, RUNNING, 1, 10)]  # updates only
+    mixed = [*first, *second]  # a transaction: updates, then inserts
+    third = [
+        step(1, SUCCEEDED, 1, 20),
+        step(2, TaskStatus.RETRYING, 1, 20, "lost"),
+        step(2, RUNNING, 2, 30),
+    ]
+    for batch in (first, second, third):
+        await store.commit(0, BASE, batch, [])
+    landed = await states(store)
+    assert landed == [
+        (1, "succeeded", 1, BASE.to_unix(20), "started"),
+        (2, "running", 2, BASE.to_unix(30), "lost"),
+    ]
+    for late in (second, first, mixed, third, [step(2, TaskStatus.RETRYING, 1, 20, "x")]):
+        await store.commit(0, BASE, late, [])
+        assert await states(store) == landed
+
+
+async def test_a_staged_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
+    count = STAGE_MIN_ROWS + 22
+    ids = range(1, count + 1)
+    await store.commit(0, BASE, [submitted(i) for i in ids], [])
+    again: list[Mutation] = [submitted(i) for i in ids]
+    again += [step(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 1, 50, f"m{i}") for i in ids]
+    await store.commit(0, BASE, again, [])  # COPY path, every id already stored
+    landed = await states(store)
+    assert landed == [
+        (i, "succeeded" if i % 2 else "failed", 1, BASE.to_unix(50), f"m{i}") for i in ids
+    ]
+    late: list[Mutation] = [submitted(i) for i in ids]
+    late += [step(i, RUNNING, 1, 40, "late") for i in ids]
+    await store.commit(0, BASE, late, [])
+    assert await states(store) == landed
+
+
+async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
+    store: PgStore,
+) -> None:
+    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    await store.commit(
+        0, BASE, [submitted(1, key="k"), changed(1, SUCCEEDED), submitted(2, key="k")], []
+    )
+    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]

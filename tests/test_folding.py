@@ -1,7 +1,8 @@
 """Batch folding: the pure rules, and batching invariance against a real schema.
 
 The property test is the contract of ``commit``: however a mutation sequence is split into
-batches, the stored rows are the same, and equal to a plain fold written out below.
+batches, and whichever batches are delivered again later, the stored rows are the same, and
+equal to a plain fold written out below.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.folding import INSERT_COLUMNS, RecurringAction, fold
+from cronoq_store.errors import IdCollisionError
+from cronoq_store.folding import INSERT_COLUMNS, TERMINAL_LEVEL, RecurringAction, fold, level
 from cronoq_store.store import PgStore
+from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
 
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000
@@ -62,14 +65,17 @@ def test_new_task_is_inserted_once_with_its_latest_status_and_last_message() -> 
         [
             submitted(1, pool="first"),
             changed(1, RUNNING, 5, "started"),
-            submitted(1, pool="second"),  # a duplicate: the first one wins
+            submitted(1, pool="first"),  # the same submission again: a no-op
             changed(1, SUCCEEDED, 7),  # no message: the earlier one stays
         ],
         BASE,
         NOW,
     )
     assert f.insert_count == 1
+    # Kept aside for the case that the task turns out to be stored already.
     assert f.update_count == 0
+    assert f.inserted_updates["ids"] == [1]
+    assert f.inserted_updates["messages"] == ["started"]
     assert f.max_id == 1
     row = {name: values[0] for name, values in f.inserts.items()}
     assert row["pool"] == "first"
@@ -108,13 +114,72 @@ def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward
         "terminals": [True, True],
         "attempts": [1, 1],
         "updated": [BASE.to_unix(8), BASE.to_unix(9)],
+        "levels": [TERMINAL_LEVEL, TERMINAL_LEVEL],
         "messages": ["a", ""],
+        # Where each message came from: the statement keeps the stored message unless that
+        # transition is ahead of the stored state.
+        "message_levels": [level("running", False, 1), TERMINAL_LEVEL],
+        "message_ats": [BASE.to_unix(5), BASE.to_unix(9)],
     }
+    assert f.inserted_updates["ids"] == []
 
 
 def test_later_message_replaces_an_earlier_one() -> None:
     f = fold([changed(1, RUNNING, 5, "a"), changed(1, RUNNING, 6, "b")], BASE, NOW)
     assert f.updates["messages"] == ["b"]
+
+
+def test_only_transitions_that_move_forward_count_and_ties_keep_the_first() -> None:
+    def folded(*mutations: StatusChanged) -> tuple[Any, ...]:
+        u = fold(mutations, BASE, NOW).updates
+        return u["statuses"][0], u["attempts"][0], u["updated"][0], u["messages"][0]
+
+    def at(attempt: int, status: TaskStatus, t: int, msg: str | None = None) -> StatusChanged:
+        return StatusChanged(TaskId(1), status, attempt, t, msg)
+
+    retrying = TaskStatus.RETRYING
+    # Attempt first, then the rank: running(2) is ahead of retrying(1), which is ahead of
+    # running(1); a later one that is behind changes nothing, its message included.
+    assert folded(at(2, RUNNING, 5), at(1, retrying, 9, "late")) == (
+        "running",
+        2,
+        BASE.to_unix(5),
+        None,
+    )
+    assert folded(at(1, retrying, 5), at(1, RUNNING, 9, "x")) == (
+        "retrying",
+        1,
+        BASE.to_unix(5),
+        None,
+    )
+    # Terminal is final: no later transition, whatever its attempt or time.
+    assert folded(at(1, SUCCEEDED, 5), at(3, FAILED, 9, "x"), at(4, RUNNING, 10)) == (
+        "succeeded",
+        1,
+        BASE.to_unix(5),
+        None,
+    )
+    # Same state: the later time wins; the same time too keeps the first.
+    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 6)) == ("running", 1, BASE.to_unix(6), "a")
+    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 5, "b")) == (
+        "running",
+        1,
+        BASE.to_unix(5),
+        "a",
+    )
+
+
+def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
+    with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
+        fold([submitted(1), submitted(1, pool="other")], BASE, NOW)
+    assert caught.value.ids == [1]
+    assert not caught.value.is_transient
+
+
+def test_the_same_submission_again_in_a_batch_is_a_no_op_as_jsonb_compares() -> None:
+    # The same resources in another key order: one task for jsonb, so one task here too.
+    batch = [submitted(1, resources={"a": 1, "b": 2}), submitted(1, resources={"b": 2, "a": 1})]
+    assert fold(batch, BASE, NOW).insert_count == 1
 
 
 def test_last_output_per_task_wins() -> None:
@@ -215,14 +280,32 @@ class Expected:
     message: str | None = None
 
 
+RANKS = {QUEUED: 0, "running": 1, "retrying": 2}
+
+
+def ahead(row: Expected, m: StatusChanged) -> bool:
+    """Whether ``m`` moves ``row`` forward: never from a terminal state, always to one, else
+    by attempt, then rank, then time (a task still queued has no time to compare)."""
+    if row.terminal:
+        return False
+    if m.status.is_terminal:
+        return True
+    new = (m.attempt, RANKS[m.status.value], BASE.to_unix(m.at))
+    return new > (row.attempt, RANKS[row.status], -1 if row.updated is None else row.updated)
+
+
 def reference_fold(mutations: Sequence[Mutation]) -> dict[int, Expected]:
-    """The obvious meaning of a mutation sequence, one mutation at a time."""
+    """The meaning of a mutation sequence, one mutation at a time: a submission sent again
+    changes nothing, a transition applies only if it moves the task forward, a message
+    carries forward until an applied transition brings its own."""
     rows: dict[int, Expected] = {}
     for m in mutations:
         if isinstance(m, Submitted):
             rows.setdefault(m.id, Expected(key=m.spec.key))
         elif isinstance(m, StatusChanged):
             row = rows[m.id]
+            if not ahead(row, m):
+                continue
             row.status, row.terminal = m.status.value, m.status.is_terminal
             row.attempt, row.updated = m.attempt, BASE.to_unix(m.at)
             if m.message is not None:
@@ -237,26 +320,35 @@ STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(
 
 @st.composite
 def histories(draw: st.DrawFn) -> list[Mutation]:
-    """What a scheduler emits: tasks are submitted once, live keys are unique, finished
-    tasks never change again, times only move forward."""
+    """Anything a scheduler, its retries and a confused clock can emit once every task was
+    submitted: submissions sent again, transitions in any order of attempt and status
+    (backwards ones too, and after the task finished), times that tie or go back. Live keys
+    are unique (the store refuses a second live holder, whatever the batching)."""
     mutations: list[Mutation] = []
-    live: dict[int, str | None] = {}
+    sent: dict[int, Submitted] = {}
+    state: dict[int, Expected] = {}  # the reference's view, to keep live keys unique
     next_id, at = 1, 0
-    for _ in range(draw(st.integers(1, 14))):
-        at += draw(st.integers(1, 1000))
-        held = set(live.values())
-        transition = draw(st.booleans())
-        if live and transition:
-            id = draw(st.sampled_from(sorted(live)))
-            status = draw(STATUSES)
-            attempt = draw(st.integers(0, 3))
-            mutations.append(StatusChanged(TaskId(id), status, attempt, at, draw(MESSAGES)))
-            if status.is_terminal:
-                del live[id]
-        elif next_id <= 6:
+    for _ in range(draw(st.integers(1, 16))):
+        at = max(0, at + draw(st.integers(-300, 1000)))
+        choice = draw(st.integers(0, 5))
+        if sent and choice <= 3:
+            id = draw(st.sampled_from(sorted(sent)))
+            m = StatusChanged(
+                TaskId(id), draw(STATUSES), draw(st.integers(0, 3)), at, draw(MESSAGES)
+            )
+            mutations.append(m)
+            if ahead(state[id], m):
+                state[id].terminal = state[id].terminal or m.status.is_terminal
+                state[id].attempt, state[id].status = m.attempt, m.status.value
+                state[id].updated = BASE.to_unix(at)
+        elif sent and choice == 4:
+            mutations.append(sent[draw(st.sampled_from(sorted(sent)))])  # sent again
+        elif next_id <= 4:
+            held = {r.key for r in state.values() if not r.terminal}
             key = draw(st.sampled_from([k for k in (None, "a", "b") if k is None or k not in held]))
-            mutations.append(submitted(next_id, key=key))
-            live[next_id] = key
+            sent[next_id] = submitted(next_id, key=key)
+            state[next_id] = Expected(key=key)
+            mutations.append(sent[next_id])
             next_id += 1
     return mutations
 
@@ -266,6 +358,22 @@ def splits(draw: st.DrawFn, mutations: list[Mutation]) -> list[list[Mutation]]:
     cuts = sorted(draw(st.sets(st.integers(1, max(1, len(mutations) - 1)), max_size=5)))
     bounds = [0, *cuts, len(mutations)]
     return [mutations[a:b] for a, b in itertools.pairwise(bounds) if a < b]
+
+
+@st.composite
+def deliveries(draw: st.DrawFn, batches: list[list[Mutation]]) -> list[list[Mutation]]:
+    """``batches`` in order, with batches delivered again (a retry, arriving late) any
+    number of times at any point after their first delivery."""
+    again: dict[int, list[int]] = {}
+    last = len(batches) - 1
+    for _ in range(draw(st.integers(0, 4))):
+        first = draw(st.integers(0, last))
+        again.setdefault(draw(st.integers(first, last)), []).append(first)
+    plan: list[list[Mutation]] = []
+    for i, batch in enumerate(batches):
+        plan.append(batch)
+        plan.extend(batches[j] for j in again.get(i, []))
+    return plan
 
 
 @pytest.fixture
@@ -300,19 +408,25 @@ async def replay(store: PgStore, batches: list[list[Mutation]]) -> dict[int, Exp
 
 
 @settings(
-    max_examples=40,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-async def test_any_split_into_batches_stores_the_reference_fold(
-    store: PgStore, data: st.DataObject
+@pytest.mark.parametrize("stage_min_rows", [STAGE_MIN_ROWS, 1], ids=["arrays", "staged"])
+async def test_any_split_with_late_duplicates_stores_the_history_committed_once(
+    store: PgStore, data: st.DataObject, stage_min_rows: int
 ) -> None:
+    # With a threshold of 1, every insert travels by COPY through the staging table.
+    store._writer = BatchWriter(
+        store.engine.dialect, store.config.schema, stage_min_rows=stage_min_rows
+    )
     mutations = data.draw(histories())
     expected = reference_fold(mutations)
     assert await replay(store, [mutations]) == expected
     assert await replay(store, [[m] for m in mutations]) == expected
-    assert await replay(store, data.draw(splits(mutations))) == expected
+    plan = data.draw(deliveries(data.draw(splits(mutations))))
+    assert await replay(store, plan) == expected
 
 
 async def test_every_spec_field_is_written_by_the_insert(store: PgStore) -> None:
