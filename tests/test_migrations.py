@@ -344,6 +344,12 @@ BAD_SCHEMA_NAMES = [
     "tâches",
     "a\x00b",
     "a.b",
+    "information_schema",
+    "INFORMATION_SCHEMA",
+    "pg_catalog",
+    "pg_temp",
+    "pg_x",
+    "PG_toast",
 ]
 
 
