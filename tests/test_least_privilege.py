@@ -94,6 +94,8 @@ async def roles(pg_url: URL, schema: str) -> AsyncIterator[Roles]:
             await engine.dispose()
         for grant in runtime_grants(schema, runtime):
             await admin_execute(urls.owner, grant)
+        # The runtime role trusts the owner's schema only if the owner can act as it anyway.
+        await admin_execute(pg_url, f"GRANT {runtime} TO {owner}")
         yield urls
     finally:
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
