@@ -131,9 +131,10 @@ async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: st
 async def require_head(engine: AsyncEngine, schema: str) -> None:
     """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
 
-    What a store opened with ``migrate=False`` checks instead of migrating: a runtime role
-    without DDL rights can read the version, and a schema that ops have not upgraded yet
-    (or that a newer build upgraded) is refused with the revisions named.
+    What a store opened with ``migrate=False`` checks instead of migrating, after
+    :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
+    schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
+    the revisions named.
     """
     validate_schema_name(schema)
 

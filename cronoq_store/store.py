@@ -148,9 +148,10 @@ class PgStore:
         ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
         sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
         goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
-        there. With ``migrate=False`` the store only checks that the schema is at this
-        build's revision (``MigrationError`` otherwise): for a runtime role without DDL
-        rights, where ops migrate with ``cronoq-store migrate`` or Alembic.
+        there. With ``migrate=False`` the store only checks that no untrusted role controls
+        the schema and that it is at this build's revision (``MigrationError`` otherwise):
+        for a runtime role without DDL rights, where ops migrate with ``cronoq-store
+        migrate`` or Alembic.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
