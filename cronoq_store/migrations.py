@@ -306,10 +306,15 @@ def _url_of(context: EnvironmentContext) -> str:
 
 
 def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
+    connection = kwargs.get("connection")
+    # Autogenerate calls the engine's default schema None.
+    default = None if connection is None else connection.dialect.default_schema_name
+    compared = None if schema == default else schema
+
     def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
         """Compare only the cluster's schema and its own tables."""
         if type_ == "schema":
-            return name == schema
+            return name == compared
         if type_ == "table":
             return name is not None and name != VERSION_TABLE and name in metadata.tables
         return True
@@ -353,7 +358,11 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
 def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
-        engine = create_async_engine(async_url(_url_of(context)), poolclass=NullPool)
+        engine = create_async_engine(
+            async_url(_url_of(context)),
+            poolclass=NullPool,
+            connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+        )
         _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
     elif isinstance(bind, AsyncEngine):
         _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
@@ -405,9 +414,20 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
         # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
         conn.execute(CreateSchema(schema, if_not_exists=True))
         refuse_untrusted(conn, schema)
+        if _autogenerating(context) and schema == conn.dialect.default_schema_name:
+            # Autogenerate (`alembic check`) reflects the engine's default schema as "the
+            # tables visible on search_path"; it just passed the trust check above.
+            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()
+
+
+def _autogenerating(context: EnvironmentContext) -> bool:
+    """Whether this run compares the database with the model (``alembic check``)."""
+    environment = context.get_context().environment_context
+    return environment is not None and "revision_context" in environment.context_opts
 
 
 def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) -> None:

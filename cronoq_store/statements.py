@@ -68,6 +68,7 @@ __all__ = [
     "remove_recurring",
     "restore_search_path",
     "schema_oid",
+    "set_local_search_path",
     "stage",
     "store_outputs",
     "take_search_path",
@@ -492,6 +493,11 @@ _SEARCH_PATH_NAME: ColumnElement[str] = literal_column("'search_path'")
 #: session's own: how reads and migrations on a borrowed connection get it.
 local_search_path = select(
     func.pg_catalog.set_config(_SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), true())
+)
+
+#: A given ``search_path`` until the end of the current transaction.
+set_local_search_path = select(
+    func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
 )
 
 _previous = (
