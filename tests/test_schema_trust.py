@@ -30,6 +30,7 @@ from cronoq_store.errors import MigrationError
 from cronoq_store.migrations import upgrade
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
+from cronoq_store.writer import STAGE_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -359,7 +360,12 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             record = await store.get_task(TaskId(1))
             assert record is not None
             assert record.status is TaskStatus.RUNNING
-            await store.recover(BASE)
+            staged = [  # a transaction, and COPY into pg_temp.cronoq_stage
+                Submitted(TaskId(n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+                for n in range(2, 2 + STAGE_MIN_ROWS)
+            ]
+            await store.commit(0, BASE, staged, [(TaskId(1), b"out")])
+            assert len((await store.recover(BASE)).tasks) == 1 + STAGE_MIN_ROWS
             assert await store.prune(0) == 0
         assert not await is_superuser(pg_url, attacker.name)
         async with app.connect() as conn:  # the pool's one session, given back
