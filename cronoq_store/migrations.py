@@ -216,6 +216,20 @@ WITH ns AS (
         FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
     UNION ALL SELECT 'TRIGGER on ' || ours.oid::regclass::text, 'granted to', a.grantee
         FROM ours, aclexplode(ours.relacl) a WHERE a.privilege_type = 'TRIGGER'
+    -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
+    -- operators by the function that implements them too.
+    UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
+            || ours.oid::regclass::text || ' runs ' || CASE WHEN p.oid IS NOT NULL
+                THEN 'function ' || p.oid::regprocedure::text
+                ELSE 'operator ' || o.oid::regoperator::text END,
+            'owned by', COALESCE(p.proowner, o.oprowner)
+        FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
+        JOIN pg_depend d ON d.classid = 'pg_trigger'::regclass AND d.objid = tg.oid
+        LEFT JOIN pg_operator o ON d.refclassid = 'pg_operator'::regclass
+            AND o.oid = d.refobjid
+        LEFT JOIN pg_proc p ON (d.refclassid = 'pg_proc'::regclass AND p.oid = d.refobjid)
+            OR p.oid = o.oprcode
+        WHERE NOT tg.tgisinternal AND (p.oid IS NOT NULL OR o.oid IS NOT NULL)
 ), db AS (
     SELECT d.datdba, 'pg_database_owner'::regrole::oid AS stand_in
     FROM pg_database d WHERE d.datname = current_database()
@@ -225,12 +239,6 @@ SELECT what || ' ' || how || ' ' ||
 FROM found, db
 WHERE role = 0 OR NOT pg_has_role(
     CASE WHEN role = db.stand_in THEN db.datdba ELSE role END, current_user, 'USAGE')
-UNION ALL
-SELECT 'trigger ' || quote_ident(tg.tgname) || ' on ' || ours.oid::regclass::text
-    || ' (function ' || tg.tgfoid::regprocedure::text || ' owned by '
-    || p.proowner::regrole::text || ')'
-FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid JOIN pg_proc p ON p.oid = tg.tgfoid
-WHERE NOT tg.tgisinternal
 UNION ALL
 SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
 FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
@@ -245,9 +253,11 @@ def refuse_untrusted(conn: Connection, schema: str) -> None:
 
     Refused: the schema, or any object in it, owned by such a role; such a role (or
     ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` on our tables (it could plant
-    code after this check); any trigger or rule on our tables (our migrations create none).
-    Trusted are the connecting role, superusers and roles that can already act with the
-    connecting role's privileges. Needs ``search_path`` = ``pg_catalog, pg_temp`` already.
+    code after this check); a trigger on our tables that runs a function or operator of
+    such a role (as its function or in its ``WHEN`` clause); any rule on our tables. Our
+    migrations create neither; a trigger of a trusted role's own (an audit, say) is its
+    business. Trusted are the connecting role, superusers and roles that can already act
+    with the connecting role's privileges. Needs ``search_path`` = ``pg_catalog, pg_temp``.
     """
     found = conn.execute(_UNTRUSTED, {"schema": schema, "tables": _OUR_TABLES}).scalars().all()
     if found:
@@ -256,7 +266,8 @@ def refuse_untrusted(conn: Connection, schema: str) -> None:
             f"schema {schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
             f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
             "inherit its privileges) may own the schema or anything in it, create in it or "
-            "hold TRIGGER on its tables, and nothing may add triggers or rules to them"
+            "hold TRIGGER on its tables or write the code their triggers run, and nothing "
+            "may add rules to them"
         )
 
 

@@ -189,12 +189,23 @@ async def plant_trigger(attacker: Attacker, schema: str) -> str:
         f"CREATE TRIGGER planted BEFORE INSERT OR UPDATE ON {schema}.cronoq_tasks "
         f"FOR EACH ROW EXECUTE FUNCTION {own}.t()",
     )
-    return f"trigger planted on {schema}.cronoq_tasks (function {own}.t() owned by {attacker.name})"
+    return (
+        f"trigger planted on {schema}.cronoq_tasks runs function {own}.t() owned by {attacker.name}"
+    )
 
 
 async def commit_one_task(store: PgStore) -> None:
     # A store that never led may commit at the stored epoch (0 after migrating).
     await store.commit(0, BASE, [Submitted(TaskId(1), 1, BASE.engine_ns, TaskSpec(b"x"))], [])
+
+
+async def open_and_update(opening: Awaitable[PgStore]) -> None:
+    """Open a store, insert a task and update it: on a build that does not refuse, the
+    trigger's WHEN clause runs."""
+    async with await opening as store:
+        await commit_one_task(store)
+        change = StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, BASE.engine_ns)
+        await store.commit(0, BASE, [change], [])
 
 
 async def open_and_commit(opening: Awaitable[PgStore]) -> None:
@@ -234,6 +245,32 @@ async def test_a_trigger_by_a_role_granted_trigger_is_refused(
     await admin_execute(pg_url, f"DROP TRIGGER planted ON {schema}.cronoq_tasks")
     with pytest.raises(MigrationError, match=f"TRIGGER on {schema}.cronoq_tasks granted to"):
         await PgStore.from_engine(engine, config(schema))
+
+
+async def test_a_trigger_whose_when_clause_runs_untrusted_code_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A trusted trigger function, but the WHEN clause calls the attacker's function; the
+    TRIGGER privilege it was created with is revoked since."""
+    schema, own = migrated, f"{attacker.name}_own"
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT TRIGGER ON {schema}.cronoq_tasks TO {attacker.name}")
+    await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+    await admin_execute(attacker.url, escalating_function(f"{own}.w", attacker.name, "", "bool"))
+    await admin_execute(
+        attacker.url,
+        f"CREATE TRIGGER planted BEFORE UPDATE ON {schema}.cronoq_tasks FOR EACH ROW "
+        f"WHEN ({own}.w()) EXECUTE FUNCTION suppress_redundant_updates_trigger()",
+    )
+    await admin_execute(pg_url, f"REVOKE TRIGGER ON {schema}.cronoq_tasks FROM {attacker.name}")
+    with pytest.raises(MigrationError) as info:
+        await open_and_update(PgStore.from_engine(engine, config(schema)))
+    assert (
+        f"trigger planted on {schema}.cronoq_tasks runs function {own}.w() owned by "
+        f"{attacker.name}" in str(info.value)
+    )
+    assert "suppress_redundant_updates_trigger" not in str(info.value)  # trusted: the system's
+    assert not await is_superuser(pg_url, attacker.name)
 
 
 async def test_a_rule_on_our_table_is_refused(
