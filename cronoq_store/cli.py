@@ -58,7 +58,7 @@ from . import statements as st
 from .codec import clean_text
 from .domain import ID_COUNTER_BITS, Priority, TaskId, TaskStatus, epoch_of
 from .errors import MigrationError, translate_error
-from .migrations import alembic_config, head_revision, upgrade
+from .migrations import alembic_config, head_revision, refuse_untrusted, upgrade
 from .schema import (
     LEADER_ROW_ID,
     VERSION_TABLE,
@@ -265,7 +265,11 @@ def _engine(url: str) -> AsyncEngine:
             hide_parameters=True,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"application_name": "cronoq-store cli"},
+                "server_settings": {
+                    "application_name": "cronoq-store cli",
+                    # No schema another role can write is ever on the path (CVE-2018-1058).
+                    "search_path": st.SEARCH_PATH,
+                },
             },
         )
     except ValueError as exc:  # async_url's messages are already masked
@@ -274,7 +278,11 @@ def _engine(url: str) -> AsyncEngine:
 
 @asynccontextmanager
 async def _database(options: _Options) -> AsyncIterator[AsyncConnection]:
-    """One connection with the cluster's schema applied; failing to open it is exit code 3."""
+    """One connection with the cluster's schema applied; failing to open it is exit code 3.
+
+    The schema is checked for objects an untrusted role controls before any command reads
+    it (``migrations.refuse_untrusted``).
+    """
     url = options.database_url()
     engine = _engine(url)
     try:
@@ -286,6 +294,8 @@ async def _database(options: _Options) -> AsyncIterator[AsyncConnection]:
                 f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
             ) from None
         try:
+            await conn.run_sync(refuse_untrusted, options.schema)
+            await conn.rollback()
             yield conn
         finally:
             await conn.close()

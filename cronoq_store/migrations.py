@@ -3,15 +3,16 @@
 Every run for a schema happens in one transaction that first takes
 ``pg_advisory_xact_lock(0x63726f6d, hashtext(schema))``: concurrent upgrades serialize (the
 second finds the schema at head) and a failed upgrade leaves nothing behind, the schema's
-creation included. Alembic's ALTER-type operations ignore ``schema_translate_map``, so the
-transaction runs under ``SET LOCAL search_path`` instead; the version table is
-``<schema>.cronoq_alembic_version``.
+creation included. The transaction runs under ``search_path = pg_catalog, pg_temp``: the
+cluster's schema is never on it (a role that can write there could plant an operator that a
+catalog lookup would run as us, CVE-2018-1058), so every operation in the revisions names
+its schema (:func:`cluster_schema`); the version table is ``<schema>.cronoq_alembic_version``.
 
-Before migrating, the run refuses what it cannot handle safely: a database newer than this
-build, and ``cronoq_*`` tables owned by a role that is neither the connecting role nor a
-superuser (their owner controls triggers that would run as us). A schema created by the
-hand-rolled ``cronoq_schema_version`` table of earlier builds is adopted: stamped at the
-matching revision, then upgraded; revision 0006 drops the old table.
+Before migrating, the run refuses what it cannot handle safely: a schema, or anything in it,
+that a role we cannot trust owns or may create in (:func:`refuse_untrusted`, which every
+entry point runs before it touches the schema), and a database newer than this build. A
+schema created by the hand-rolled ``cronoq_schema_version`` table of earlier builds is
+adopted: stamped at the matching revision, then upgraded; revision 0006 drops the old table.
 """
 
 from __future__ import annotations
@@ -23,17 +24,30 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from alembic import command
+from alembic import command, op
 from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    MetaData,
+    Text,
+    bindparam,
+    column,
+    func,
+    select,
+    table,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
+from . import statements as st
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
 from .urls import async_url
@@ -42,7 +56,10 @@ __all__ = [
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
     "alembic_config",
+    "cluster_schema",
     "head_revision",
+    "refuse_untrusted",
+    "require_head",
     "run_environment",
     "upgrade",
 ]
@@ -58,6 +75,8 @@ LEGACY_REVISIONS = {
     5: "0005_task_tenant",
 }
 _LEGACY_TABLE = "cronoq_schema_version"
+#: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
+_OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 _URL_ENV = "CRONOQ_DATABASE_URL"
 
 
@@ -112,13 +131,16 @@ async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: st
 async def require_head(engine: AsyncEngine, schema: str) -> None:
     """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
 
-    What a store opened with ``migrate=False`` checks instead of migrating: a runtime role
-    without DDL rights can read the version, and a schema that ops have not upgraded yet
-    (or that a newer build upgraded) is refused with the revisions named.
+    What a store opened with ``migrate=False`` checks instead of migrating, after
+    :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
+    schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
+    the revisions named.
     """
     validate_schema_name(schema)
 
     def current(sync_conn: Connection) -> tuple[str, ...]:
+        sync_conn.execute(st.local_search_path)
+        refuse_untrusted(sync_conn, schema)
         context = MigrationContext.configure(
             sync_conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
         )
@@ -136,6 +158,116 @@ async def require_head(engine: AsyncEngine, schema: str) -> None:
             f"schema {schema!r} is at revision {found}; this build of cronoq-store needs "
             f"{head!r}: run `cronoq-store migrate` (or `alembic upgrade head`) with a role "
             "that owns the schema, or open the store with migrate=True"
+        )
+
+
+def cluster_schema() -> str:
+    """The schema the running migration targets: every operation of a revision names it,
+    since the cluster's schema is never on ``search_path``."""
+    schema = op.get_context().version_table_schema
+    assert schema is not None, "env.py always sets version_table_schema"
+    return validate_schema_name(schema)
+
+
+# Who may own the schema or anything in it, or create in it: a role that can already act with
+# our privileges (pg_has_role(..., 'USAGE') is true for ourselves, for superusers and for
+# roles that inherit ours), so code it plants gains it nothing. Not a role we are merely a
+# member of: its other members could plant code that would then run with our privileges.
+# pg_database_owner (owner of `public` since PG 15) stands for the database's owner.
+_UNTRUSTED = text(
+    """
+WITH ns AS (
+    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE nspname = :schema
+), ours AS (
+    SELECT c.oid, c.relowner, c.relacl FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
+    WHERE c.relname::text = ANY (:tables)
+), found (what, how, role) AS (
+    SELECT 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
+    UNION ALL SELECT CASE c.relkind WHEN 'v' THEN 'view ' WHEN 'm' THEN 'materialized view '
+            WHEN 'S' THEN 'sequence ' WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
+            ELSE 'table ' END || c.oid::regclass::text, 'owned by', c.relowner
+        FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
+        WHERE c.relkind NOT IN ('i', 'I')  -- an index belongs to its table's owner
+    UNION ALL SELECT CASE p.prokind WHEN 'p' THEN 'procedure ' WHEN 'a' THEN 'aggregate '
+            ELSE 'function ' END || p.oid::regprocedure::text, 'owned by', p.proowner
+        FROM pg_proc p JOIN ns ON p.pronamespace = ns.oid
+    UNION ALL SELECT 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
+        FROM pg_operator o JOIN ns ON o.oprnamespace = ns.oid
+    UNION ALL SELECT 'type ' || t.oid::regtype::text, 'owned by', t.typowner
+        FROM pg_type t JOIN ns ON t.typnamespace = ns.oid
+        WHERE t.typrelid = 0 AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
+    UNION ALL SELECT 'collation ' || c.oid::regcollation::text, 'owned by', c.collowner
+        FROM pg_collation c JOIN ns ON c.collnamespace = ns.oid
+    UNION ALL SELECT 'conversion ' || quote_ident(c.conname), 'owned by', c.conowner
+        FROM pg_conversion c JOIN ns ON c.connamespace = ns.oid
+    UNION ALL SELECT 'operator class ' || quote_ident(c.opcname), 'owned by', c.opcowner
+        FROM pg_opclass c JOIN ns ON c.opcnamespace = ns.oid
+    UNION ALL SELECT 'operator family ' || quote_ident(f.opfname), 'owned by', f.opfowner
+        FROM pg_opfamily f JOIN ns ON f.opfnamespace = ns.oid
+    UNION ALL SELECT 'text search configuration ' || c.oid::regconfig::text, 'owned by',
+            c.cfgowner
+        FROM pg_ts_config c JOIN ns ON c.cfgnamespace = ns.oid
+    UNION ALL SELECT 'text search dictionary ' || d.oid::regdictionary::text, 'owned by',
+            d.dictowner
+        FROM pg_ts_dict d JOIN ns ON d.dictnamespace = ns.oid
+    UNION ALL SELECT 'statistics ' || quote_ident(x.stxname), 'owned by', x.stxowner
+        FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
+    UNION ALL SELECT 'CREATE on schema ' || quote_ident(nspname), 'granted to', a.grantee
+        FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
+    UNION ALL SELECT 'TRIGGER on ' || ours.oid::regclass::text, 'granted to', a.grantee
+        FROM ours, aclexplode(ours.relacl) a WHERE a.privilege_type = 'TRIGGER'
+    -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
+    -- operators by the function that implements them too.
+    UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
+            || ours.oid::regclass::text || ' runs ' || CASE WHEN p.oid IS NOT NULL
+                THEN 'function ' || p.oid::regprocedure::text
+                ELSE 'operator ' || o.oid::regoperator::text END,
+            'owned by', COALESCE(p.proowner, o.oprowner)
+        FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
+        JOIN pg_depend d ON d.classid = 'pg_trigger'::regclass AND d.objid = tg.oid
+        LEFT JOIN pg_operator o ON d.refclassid = 'pg_operator'::regclass
+            AND o.oid = d.refobjid
+        LEFT JOIN pg_proc p ON (d.refclassid = 'pg_proc'::regclass AND p.oid = d.refobjid)
+            OR p.oid = o.oprcode
+        WHERE NOT tg.tgisinternal AND (p.oid IS NOT NULL OR o.oid IS NOT NULL)
+), db AS (
+    SELECT d.datdba, 'pg_database_owner'::regrole::oid AS stand_in
+    FROM pg_database d WHERE d.datname = current_database()
+)
+SELECT what || ' ' || how || ' ' ||
+    CASE WHEN role = 0 THEN 'PUBLIC' ELSE role::regrole::text END
+FROM found, db
+WHERE role = 0 OR NOT pg_has_role(
+    CASE WHEN role = db.stand_in THEN db.datdba ELSE role END, current_user, 'USAGE')
+UNION ALL
+SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
+FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
+ORDER BY 1
+"""
+).bindparams(bindparam("tables", type_=ARRAY(Text)))
+
+
+def refuse_untrusted(conn: Connection, schema: str) -> None:
+    """Raise :class:`~cronoq_store.MigrationError` naming every object of ``schema`` that a
+    role we cannot trust controls; run before the first statement that touches the schema.
+
+    Refused: the schema, or any object in it, owned by such a role; such a role (or
+    ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` on our tables (it could plant
+    code after this check); a trigger on our tables that runs a function or operator of
+    such a role (as its function or in its ``WHEN`` clause); any rule on our tables. Our
+    migrations create neither; a trigger of a trusted role's own (an audit, say) is its
+    business. Trusted are the connecting role, superusers and roles that can already act
+    with the connecting role's privileges. Needs ``search_path`` = ``pg_catalog, pg_temp``.
+    """
+    found = conn.execute(_UNTRUSTED, {"schema": schema, "tables": _OUR_TABLES}).scalars().all()
+    if found:
+        me = conn.execute(select(func.current_user())).scalar_one()
+        raise MigrationError(
+            f"schema {schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
+            f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
+            "inherit its privileges) may own the schema or anything in it, create in it or "
+            "hold TRIGGER on its tables or write the code their triggers run, and nothing "
+            "may add rules to them"
         )
 
 
@@ -185,51 +317,63 @@ def _url_of(context: EnvironmentContext) -> str:
 
 
 def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
+    connection = kwargs.get("connection")
+    # Autogenerate calls the engine's default schema None.
+    default = None if connection is None else connection.dialect.default_schema_name
+    compared = None if schema == default else schema
+
+    def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+        """Compare only the cluster's schema and its own tables."""
+        if type_ == "schema":
+            return name == compared
+        if type_ == "table":
+            return name is not None and name != VERSION_TABLE and name in metadata.tables
+        return True
+
     context.configure(
-        target_metadata=metadata,
+        target_metadata=_in_schema(schema),
         version_table=VERSION_TABLE,
         version_table_schema=schema,
-        include_name=_include_name,
+        include_schemas=True,
+        include_name=include_name,
         compare_type=True,
         transaction_per_migration=False,
         **kwargs,
     )
 
 
-def _include_name(name: str | None, type_: str, parent_names: Any) -> bool:
-    """Compare only the cluster's own tables (``None`` is the schema in the search path)."""
-    if type_ == "schema":
-        return True
-    if type_ == "table":
-        return name is not None and name != VERSION_TABLE and name in metadata.tables
-    return True
+def _in_schema(schema: str) -> MetaData:
+    """The tables in ``schema``, for ``alembic check``: with the schema off ``search_path``,
+    autogenerate compares schema-qualified tables."""
+    copy = MetaData(naming_convention=metadata.naming_convention)
+    for table_ in metadata.tables.values():
+        table_.to_metadata(copy, schema=schema)
+    return copy
 
 
 def _lock(schema: str) -> Any:
     return select(func.pg_advisory_xact_lock(LOCK_NS_MIGRATE, func.hashtext(schema)))
 
 
-def _search_path(conn_dialect: Any, schema: str) -> Any:
-    # `schema` passed validate_schema_name; quoting keeps its case.
-    quoted = conn_dialect.identifier_preparer.quote_identifier(schema)
-    return text(f"SET LOCAL search_path TO {quoted}")
-
-
 def _run_offline(context: EnvironmentContext, schema: str) -> None:
-    """Print a script a DBA can review; it takes the same lock and search path."""
+    """Print a script a DBA can review; it takes the same lock and search path (it cannot
+    check who owns what: the DBA runs it where they know)."""
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
-    dialect = context.get_context().dialect
     with context.begin_transaction():
+        context.execute(st.local_search_path)
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
-        context.execute(_search_path(dialect, schema))
         context.run_migrations()
 
 
 def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
-        engine = create_async_engine(async_url(_url_of(context)), poolclass=NullPool)
+        engine = create_async_engine(
+            async_url(_url_of(context)),
+            poolclass=NullPool,
+            connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+        )
         _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
     elif isinstance(bind, AsyncEngine):
         _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
@@ -275,59 +419,51 @@ def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
     _configure(context, schema, connection=conn)
     with context.begin_transaction():
+        conn.execute(st.local_search_path)
         conn.execute(_lock(schema))
+        # Created first (a no-op if it exists) and then checked: a schema that another role
+        # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
         conn.execute(CreateSchema(schema, if_not_exists=True))
-        conn.execute(_search_path(conn.dialect, schema))
-        _refuse_foreign_tables(conn, schema)
-        _adopt_legacy(context, conn)
+        refuse_untrusted(conn, schema)
+        if _autogenerating(context) and schema == conn.dialect.default_schema_name:
+            # Autogenerate (`alembic check`) reflects the engine's default schema as "the
+            # tables visible on search_path"; it just passed the trust check above.
+            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
+        _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()
 
 
-def _refuse_foreign_tables(conn: Connection, schema: str) -> None:
-    # `pg_has_role` would accept anything for a superuser connection, the case where a
-    # planted trigger gains the most: only this role or a superuser may own the tables.
-    foreign = (
-        conn.execute(
-            text(
-                "SELECT c.relname::text FROM pg_class c "
-                "JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "JOIN pg_roles o ON o.oid = c.relowner "
-                "WHERE n.nspname = :schema AND c.relname LIKE 'cronoq\\_%' "
-                "AND o.rolname <> current_user AND NOT o.rolsuper ORDER BY 1"
-            ),
-            {"schema": schema},
-        )
-        .scalars()
-        .all()
-    )
-    if foreign:
-        raise MigrationError(
-            f"schema {schema!r} holds cronoq tables owned by another role "
-            f"({', '.join(foreign)}); refusing to use them: they must belong to the "
-            "connecting role or a superuser"
-        )
+def _autogenerating(context: EnvironmentContext) -> bool:
+    """Whether this run compares the database with the model (``alembic check``)."""
+    environment = context.get_context().environment_context
+    return environment is not None and "revision_context" in environment.context_opts
 
 
-def _adopt_legacy(context: EnvironmentContext, conn: Connection) -> None:
+def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) -> None:
     """Stamp a schema made by the hand-rolled versioning at the revision it matches."""
     migration = context.get_context()
     if migration.get_current_heads():
         return
-    has_legacy = conn.execute(
-        text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _LEGACY_TABLE}
-    ).scalar_one()
-    if not has_legacy:
-        if conn.execute(text("SELECT to_regclass('cronoq_tasks') IS NOT NULL")).scalar_one():
+    quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+
+    def exists(name: str) -> bool:
+        found = conn.execute(
+            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": f"{quoted}.{name}"}
+        )
+        return bool(found.scalar_one())
+
+    if not exists(_LEGACY_TABLE):
+        if exists("cronoq_tasks"):
             raise MigrationError(
                 "the schema holds cronoq tables but no version table: it was not created by "
                 "cronoq-store's migrations; move the tables aside or stamp the revision they "
                 "match with `alembic stamp`"
             )
         return
-    version = conn.execute(
-        text(f"SELECT version FROM {_LEGACY_TABLE} WHERE id = 1")  # noqa: S608 (constant)
-    ).scalar_one_or_none()
+    legacy = table(_LEGACY_TABLE, column("id"), column("version"), schema=schema)
+    version = conn.execute(select(legacy.c.version).where(legacy.c.id == 1)).scalar_one_or_none()
     if version is None or version == 0:
         return  # the legacy run never committed a migration: nothing to adopt
     revision = LEGACY_REVISIONS.get(version)

@@ -142,7 +142,9 @@ def validate_schema_name(schema: str) -> str:
 
     Only ASCII letters, digits and ``_``, not starting with a digit, at most 63 characters
     (PostgreSQL truncates longer names silently, which would merge two clusters). Checked
-    before the name reaches any statement, so quoting is never the only defence.
+    before the name reaches any statement, so quoting is never the only defence. The system's
+    schemas (``pg_*``, ``information_schema``, in any case) are refused: they are not ours to
+    fill, and ``pg_temp`` is a different schema in every session.
     """
     if not isinstance(schema, str):
         raise ValueError(f"schema name must be a string, got {type(schema).__name__}")
@@ -150,6 +152,11 @@ def validate_schema_name(schema: str) -> str:
         raise ValueError(
             f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
             "not starting with a digit"
+        )
+    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
+        raise ValueError(
+            f"invalid schema name {schema!r}: pg_* and information_schema are the system's "
+            "schemas; give the cluster a schema of its own"
         )
     return schema
 

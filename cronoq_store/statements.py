@@ -49,6 +49,7 @@ from .schema import LEADER_ROW_ID, leader, recurring, tasks
 __all__ = [
     "LOCK_NS_LEADER",
     "MAX_EPOCH",
+    "SEARCH_PATH",
     "advance_recurring",
     "bump_epoch",
     "colliding_ids",
@@ -60,6 +61,7 @@ __all__ = [
     "insert_tasks",
     "insert_tasks_fenced",
     "live_tasks",
+    "local_search_path",
     "may_stage",
     "ping",
     "prune_batch",
@@ -68,9 +70,12 @@ __all__ = [
     "record_max_id",
     "recurring_schedules",
     "remove_recurring",
+    "restore_search_path",
     "schema_oid",
+    "set_local_search_path",
     "stage",
     "store_outputs",
+    "take_search_path",
     "task_by_id",
     "task_by_key",
     "task_output",
@@ -553,3 +558,46 @@ _victims = (
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key.
 prune_batch = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+
+
+# --- search path ----------------------------------------------------------------------------
+
+#: The only ``search_path`` the store's statements run under. PostgreSQL resolves a function
+#: or operator whose argument types match exactly from any schema on the path, even one after
+#: ``pg_catalog`` (CVE-2018-1058), so no schema another role can write is ever on it; our own
+#: objects are always schema-qualified, and ``pg_temp`` (private to the session) comes last.
+SEARCH_PATH = "pg_catalog, pg_temp"
+_SEARCH_PATH_NAME: ColumnElement[str] = literal_column("'search_path'")
+
+#: :data:`SEARCH_PATH` until the end of the current transaction, which then restores the
+#: session's own: how reads and migrations on a borrowed connection get it.
+local_search_path = select(
+    func.pg_catalog.set_config(_SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), true())
+)
+
+#: A given ``search_path`` until the end of the current transaction.
+set_local_search_path = select(
+    func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
+)
+
+_previous = (
+    select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME).label("path"))
+    .cte("previous")
+    .prefix_with("MATERIALIZED")
+)
+#: The session's ``search_path``, then :data:`SEARCH_PATH` for the session, in one round
+#: trip: for a borrowed connection used outside a transaction (commits on the driver
+#: connection). ``MATERIALIZED`` reads the old value before the outer select sets the new.
+take_search_path = select(
+    _previous.c.path,
+    func.pg_catalog.set_config(
+        _SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), literal_column("false")
+    ),
+)
+
+#: Give a borrowed session back its own ``search_path`` (read by :data:`take_search_path`).
+restore_search_path = select(
+    func.pg_catalog.set_config(
+        _SEARCH_PATH_NAME, bindparam("path", type_=Text), literal_column("false")
+    )
+)

@@ -62,7 +62,7 @@ from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
 from .urls import async_url, redact
-from .writer import STAGE_MIN_ROWS, BatchWriter
+from .writer import STAGE_MIN_ROWS, BatchWriter, CompiledStatement
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -117,6 +117,12 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
+        # A borrowed engine's sessions keep the application's search_path: the store sets
+        # its own (statements.SEARCH_PATH) while it uses one and gives the old one back.
+        self._take_path = CompiledStatement.of(st.take_search_path, engine.dialect, config.schema)
+        self._restore_path = CompiledStatement.of(
+            st.restore_search_path, engine.dialect, config.schema
+        )
         self._writer = BatchWriter(
             engine.dialect, config.schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
         )
@@ -145,9 +151,10 @@ class PgStore:
         ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
         sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
         goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
-        there. With ``migrate=False`` the store only checks that the schema is at this
-        build's revision (``MigrationError`` otherwise): for a runtime role without DDL
-        rights, where ops migrate with ``cronoq-store migrate`` or Alembic.
+        there. With ``migrate=False`` the store only checks that no untrusted role controls
+        the schema and that it is at this build's revision (``MigrationError`` otherwise):
+        for a runtime role without DDL rights, where ops migrate with ``cronoq-store
+        migrate`` or Alembic.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
@@ -162,6 +169,8 @@ class PgStore:
             connect_args={
                 "server_settings": {
                     "application_name": config.application_name,
+                    # No schema another role can write is ever on the path (CVE-2018-1058).
+                    "search_path": st.SEARCH_PATH,
                     # A leader frozen or cut off between two statements of a commit holds
                     # the leader row lock; the server ends such a session, so a takeover
                     # waits at most this long for it (the keeper has stepped down by then).
@@ -223,7 +232,8 @@ class PgStore:
         else:
             await migrations.require_head(engine, config.schema)
         try:
-            async with engine.connect() as conn:
+            async with engine.begin() as conn:
+                await conn.execute(st.local_search_path)
                 oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
                 may_stage = bool((await conn.execute(st.may_stage)).scalar())
         except Exception as exc:
@@ -361,11 +371,16 @@ class PgStore:
         SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
         (closed, still in a transaction, or interrupted by a timeout or a driver error) is
         invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back.
+        usable: asyncpg rolled the transaction back. A borrowed engine's session runs under
+        the store's search_path and gets its own back before it returns to the pool (two
+        round trips per commit; the store's own sessions have it from the start).
         """
         pooled = await self._engine.raw_connection()
         driver: Any = pooled.driver_connection
+        borrowed_path: str | None = None
         try:
+            if not self._owns_engine:
+                borrowed_path = await driver.fetchval(self._take_path.sql)
             yield driver
         except BaseException as exc:
             clean = (
@@ -382,9 +397,30 @@ class PgStore:
                 pooled.invalidate()
             raise
         finally:
-            # Back to the pool (or, invalidated, discarded). Inside a greenlet, because the
-            # pool's reset-on-return may call the driver; it has nothing to roll back here.
-            await greenlet_spawn(pooled.close)
+            try:
+                if borrowed_path is not None and pooled.is_valid:
+                    args = self._restore_path.args({"path": borrowed_path})
+                    try:
+                        await driver.execute(self._restore_path.sql, *args)
+                    except BaseException:
+                        # Never back to the application with our search_path.
+                        driver.terminate()
+                        pooled.invalidate()
+                        raise
+            finally:
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
+
+    @asynccontextmanager
+    async def _session(self) -> AsyncIterator[AsyncConnection]:
+        """A pooled connection in a transaction, with the cluster's schema applied, under
+        the store's search_path (a borrowed session's own returns when the transaction
+        ends: one more round trip per read)."""
+        async with self._db.begin() as conn:
+            if not self._owns_engine:
+                await conn.execute(st.local_search_path)
+            yield conn
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -423,7 +459,7 @@ class PgStore:
         failed with the reason, once: it is an ordinary failed task afterwards) and reported
         as finished; an undecodable schedule is logged, skipped and left in the table.
         """
-        async with self._translated("recovering"), self._db.begin() as conn:
+        async with self._translated("recovering"), self._session() as conn:
             high = (await conn.execute(st.high_water)).scalar_one()
             recovered = Recovered(next_id=high + 1 if high > 0 else 0)
             now = time.time_ns()
@@ -509,7 +545,7 @@ class PgStore:
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
-        async with self._translated("loading an output"), self._db.connect() as conn:
+        async with self._translated("loading an output"), self._session() as conn:
             output: bytes | None = (await conn.execute(st.task_output, {"id": id})).scalar()
         return output
 
@@ -523,7 +559,7 @@ class PgStore:
             stmt, params = st.task_by_key, {"key": clean_text(ref)}
         else:
             stmt, params = st.task_by_id, {"id": int(ref)}
-        async with self._translated("looking up a task"), self._db.connect() as conn:
+        async with self._translated("looking up a task"), self._session() as conn:
             row = (await conn.execute(stmt, params)).first()
         return None if row is None else _record(row)
 
@@ -545,7 +581,7 @@ class PgStore:
             "after": -1 if after is None else after,
             "limit": limit,
         }
-        async with self._translated("listing finished tasks"), self._db.connect() as conn:
+        async with self._translated("listing finished tasks"), self._session() as conn:
             rows = (await conn.execute(st.finished_page, params)).all()
         return [_record(row) for row in rows]
 
@@ -568,7 +604,7 @@ class PgStore:
         total = 0
         async with self._translated("pruning finished tasks"):
             while True:
-                async with self._db.begin() as conn:
+                async with self._session() as conn:
                     deleted = (await conn.execute(st.prune_batch, params)).rowcount
                 total += deleted
                 if deleted < PRUNE_BATCH:

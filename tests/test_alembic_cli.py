@@ -61,8 +61,11 @@ def test_offline_sql_is_a_reviewable_script() -> None:
     script = result.stdout
     assert script.index("BEGIN;") < script.index("pg_advisory_xact_lock(1668444013")
     assert "CREATE SCHEMA IF NOT EXISTS ops_review;" in script
-    assert 'SET LOCAL search_path TO "ops_review";' in script
-    assert "CREATE TABLE cronoq_tasks" in script
+    # The cluster's schema is never on the search path: every object is qualified.
+    assert "set_config('search_path', 'pg_catalog, pg_temp', true)" in script
+    assert "search_path TO" not in script
+    assert "CREATE TABLE ops_review.cronoq_tasks" in script
+    assert "INSERT INTO ops_review.cronoq_leader (id, epoch) VALUES (1, 0);" in script
     assert "CREATE TABLE ops_review.cronoq_alembic_version" in script
     assert script.rstrip().endswith("COMMIT;")
 

@@ -230,7 +230,7 @@ async def test_migrate_sql_prints_the_script_without_connecting() -> None:
     script = result.stdout
     assert script.index("BEGIN;") < script.index("pg_advisory_xact_lock(1668444013")
     assert "CREATE SCHEMA IF NOT EXISTS ops_review;" in script
-    assert "CREATE TABLE cronoq_tasks" in script
+    assert "CREATE TABLE ops_review.cronoq_tasks" in script
     assert script.rstrip().endswith("COMMIT;")
 
     last = await run("--schema", "ops_review", "migrate", "--sql", "0005_task_tenant:head")

@@ -4,13 +4,13 @@ Two roles, as docs/reliability.md prescribes:
 
 - the **owner** runs the migrations: it owns the cluster's schema and tables (it needs
   ``CREATE`` on the database once, to create the schema);
-- the **runtime** role runs the store: ``USAGE`` on the schema, ``SELECT, INSERT, UPDATE,
-  DELETE`` on ``cronoq_tasks`` and ``cronoq_recurring``, ``SELECT, UPDATE`` on
-  ``cronoq_leader``, and nothing else: no DDL, no ownership, no superuser.
-
-``PgStore.connect()`` and ``from_engine()`` always migrate, and migrating as the runtime
-role is refused (rightly: the tables belong to someone else), so today such a store must be
-built without them; the test builds it the way a ``migrate=False`` option would.
+- the **runtime** role runs the store with ``migrate=False``: ``USAGE`` on the schema,
+  ``SELECT, INSERT, UPDATE, DELETE`` on ``cronoq_tasks`` and ``cronoq_recurring``,
+  ``SELECT, UPDATE`` on ``cronoq_leader``, ``SELECT`` on ``cronoq_alembic_version``, and
+  nothing else: no DDL, no ownership, no superuser, never ``TRIGGER`` or ``CREATE`` on the
+  schema (the owner's migrations refuse a schema where another role holds either);
+- ``GRANT runtime TO owner``: the runtime role trusts a schema owned by a role that can act
+  as it anyway (code the owner plants gains it nothing), and refuses any other owner.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from cronoq_store.domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store.errors import StoreError
+from cronoq_store.errors import MigrationError, StoreError
 from cronoq_store.migrations import upgrade
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
@@ -94,6 +94,8 @@ async def roles(pg_url: URL, schema: str) -> AsyncIterator[Roles]:
             await engine.dispose()
         for grant in runtime_grants(schema, runtime):
             await admin_execute(urls.owner, grant)
+        # The runtime role trusts the owner's schema only if the owner can act as it anyway.
+        await admin_execute(pg_url, f"GRANT {runtime} TO {owner}")
         yield urls
     finally:
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -220,3 +222,35 @@ async def test_without_the_temporary_privilege_large_batches_go_as_arrays(
             assert await staging_tables(roles.runtime) == 0
     finally:
         await admin_execute(pg_url, f'GRANT TEMPORARY ON DATABASE "{database}" TO PUBLIC')
+
+
+async def test_the_runtime_role_refuses_an_owner_that_cannot_act_as_it(
+    roles: Roles, schema: str, pg_url: URL
+) -> None:
+    owner, runtime = roles.owner.username, roles.runtime.username
+    await admin_execute(pg_url, f"REVOKE {runtime} FROM {owner}")
+    with pytest.raises(MigrationError) as info:
+        await PgStore.connect(roles.runtime, config(schema), migrate=False)
+    assert f"schema {schema} owned by {owner}" in str(info.value)
+    assert f"table {schema}.cronoq_tasks owned by {owner}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "grant",
+    [
+        "TRIGGER ON {schema}.cronoq_tasks",
+        "ALL ON {schema}.cronoq_leader",
+        "CREATE ON SCHEMA {schema}",
+    ],
+)
+async def test_the_owner_refuses_a_schema_where_the_runtime_role_could_plant_code(
+    roles: Roles, schema: str, grant: str
+) -> None:
+    runtime = roles.runtime.username
+    await admin_execute(roles.owner, f"GRANT {grant.format(schema=schema)} TO {runtime}")
+    privilege = "CREATE" if "SCHEMA" in grant else "TRIGGER"
+    with pytest.raises(MigrationError, match=f"{privilege} on .* granted to {runtime}"):
+        await PgStore.connect(roles.owner, config(schema))
+    # The runtime role itself is trusted by the runtime role: its own store still opens.
+    async with await PgStore.connect(roles.runtime, config(schema), migrate=False) as store:
+        assert await store.get_task(task_id(1, 0)) is None

@@ -13,6 +13,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
+from cronoq_store.migrations import cluster_schema
+
 revision: str = "0001_base"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -20,14 +22,22 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    schema = cluster_schema()
     op.create_table(
         "cronoq_leader",
         sa.Column("id", sa.SmallInteger(), autoincrement=False, nullable=False),
         sa.Column("epoch", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.CheckConstraint("id = 1", name=op.f("ck_cronoq_leader_single_row")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_cronoq_leader")),
+        schema=schema,
     )
-    op.execute("INSERT INTO cronoq_leader (id, epoch) VALUES (1, 0)")
+    leader = sa.table(
+        "cronoq_leader",
+        sa.column("id", sa.SmallInteger()),
+        sa.column("epoch", sa.Integer()),
+        schema=schema,
+    )
+    op.execute(leader.insert().values(id=1, epoch=0))
     op.create_table(
         "cronoq_tasks",
         sa.Column("id", sa.BigInteger(), autoincrement=False, nullable=False),
@@ -55,9 +65,14 @@ def upgrade() -> None:
         sa.Column("message", sa.Text(), nullable=True),
         sa.Column("output", sa.LargeBinary(), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_cronoq_tasks")),
+        schema=schema,
     )
     op.create_index(
-        "ix_cronoq_tasks_live", "cronoq_tasks", ["id"], postgresql_where=sa.text("NOT terminal")
+        "ix_cronoq_tasks_live",
+        "cronoq_tasks",
+        ["id"],
+        postgresql_where=sa.text("NOT terminal"),
+        schema=schema,
     )
     op.create_index(
         "uq_cronoq_tasks_live_key",
@@ -65,24 +80,28 @@ def upgrade() -> None:
         ["key"],
         unique=True,
         postgresql_where=sa.text("NOT terminal AND key IS NOT NULL"),
+        schema=schema,
     )
     op.create_index(
         "ix_cronoq_tasks_finished_updated",
         "cronoq_tasks",
         ["updated_unix_ns", "id"],
         postgresql_where=sa.text("terminal"),
+        schema=schema,
     )
     op.create_index(
         "ix_cronoq_tasks_key_id",
         "cronoq_tasks",
         ["key", "id"],
         postgresql_where=sa.text("key IS NOT NULL"),
+        schema=schema,
     )
     op.create_index(
         "ix_cronoq_tasks_live_deps",
         "cronoq_tasks",
         ["id"],
         postgresql_where=sa.text("NOT terminal AND deps <> '[]'::jsonb"),
+        schema=schema,
     )
     op.create_table(
         "cronoq_recurring",
@@ -91,10 +110,12 @@ def upgrade() -> None:
         sa.Column("template_payload", sa.LargeBinary(), nullable=False),
         sa.Column("next_unix_ns", sa.BigInteger(), nullable=True),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_cronoq_recurring")),
+        schema=schema,
     )
 
 
 def downgrade() -> None:
-    op.drop_table("cronoq_recurring")
-    op.drop_table("cronoq_tasks")
-    op.drop_table("cronoq_leader")
+    schema = cluster_schema()
+    op.drop_table("cronoq_recurring", schema=schema)
+    op.drop_table("cronoq_tasks", schema=schema)
+    op.drop_table("cronoq_leader", schema=schema)

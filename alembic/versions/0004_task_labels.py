@@ -13,6 +13,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
+from cronoq_store.migrations import cluster_schema
+
 revision: str = "0004_task_labels"
 down_revision: str | Sequence[str] | None = "0003_recurring_last_task_id"
 branch_labels: str | Sequence[str] | None = None
@@ -23,8 +25,9 @@ def upgrade() -> None:
     op.add_column(
         "cronoq_tasks",
         sa.Column("labels", JSONB(), server_default=sa.text("'[]'::jsonb"), nullable=False),
+        schema=cluster_schema(),
     )
 
 
 def downgrade() -> None:
-    op.drop_column("cronoq_tasks", "labels")
+    op.drop_column("cronoq_tasks", "labels", schema=cluster_schema())

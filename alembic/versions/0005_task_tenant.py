@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from cronoq_store.migrations import cluster_schema
+
 revision: str = "0005_task_tenant"
 down_revision: str | Sequence[str] | None = "0004_task_labels"
 branch_labels: str | Sequence[str] | None = None
@@ -19,8 +21,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("cronoq_tasks", sa.Column("tenant", sa.Text(), nullable=True))
+    op.add_column(
+        "cronoq_tasks", sa.Column("tenant", sa.Text(), nullable=True), schema=cluster_schema()
+    )
 
 
 def downgrade() -> None:
-    op.drop_column("cronoq_tasks", "tenant")
+    op.drop_column("cronoq_tasks", "tenant", schema=cluster_schema())

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from cronoq_store.migrations import cluster_schema
+
 revision: str = "0006_drop_legacy_version_table"
 down_revision: str | Sequence[str] | None = "0005_task_tenant"
 branch_labels: str | Sequence[str] | None = None
@@ -22,7 +24,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.execute("DROP TABLE IF EXISTS cronoq_schema_version")
+    op.drop_table("cronoq_schema_version", schema=cluster_schema(), if_exists=True)
 
 
 def downgrade() -> None:

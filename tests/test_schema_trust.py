@@ -1,0 +1,411 @@
+"""No role becomes superuser through the cluster's schema (the CVE-2018-1058 class).
+
+Each attack is planted by a real unprivileged role; the store then connects as a superuser
+through one of its entry points. The tests prove that the planted code never ran (the
+attacker is still not superuser) and that the store said what it refused and whose it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from cronoq_store.cli import ExitCode, cli
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store.errors import MigrationError
+from cronoq_store.migrations import upgrade
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+from cronoq_store.writer import STAGE_MIN_ROWS
+
+from .pgharness import admin_execute
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = TimeBase.now()
+
+
+@dataclass(frozen=True)
+class Attacker:
+    name: str
+    url: URL
+
+
+@pytest.fixture
+async def attacker(pg_url: URL, schema: str) -> AsyncIterator[Attacker]:
+    """A login role with CREATE on the database, as many roles have."""
+    name, password = f"{schema}_atk", secrets.token_urlsafe(18)
+    try:
+        await admin_execute(pg_url, f"CREATE ROLE {name} LOGIN PASSWORD '{password}'")
+    except asyncpg.InsufficientPrivilegeError:
+        pytest.skip("needs a server where the suite may create roles")
+    try:
+        await admin_execute(pg_url, f'GRANT CREATE ON DATABASE "{pg_url.database}" TO {name}')
+        yield Attacker(name, pg_url.set(username=name, password=password))
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin_execute(pg_url, f"DROP OWNED BY {name}")
+        await admin_execute(pg_url, f"DROP ROLE {name}")
+
+
+async def is_superuser(pg_url: URL, role: str) -> bool:
+    rows = await admin_execute(pg_url, "SELECT rolsuper FROM pg_roles WHERE rolname = $1", role)
+    return bool(rows[0][0])
+
+
+def escalating_function(where: str, attacker: str, args: str, result: str) -> str:
+    """A function that makes ``attacker`` superuser when a superuser calls it."""
+    return (
+        f"CREATE FUNCTION {where}({args}) RETURNS {result} LANGUAGE plpgsql AS $$ "
+        f"BEGIN ALTER ROLE {attacker} SUPERUSER; "
+        + ("RETURN NEW; END $$" if result == "trigger" else "RETURN false; END $$")
+    )
+
+
+async def plant_operator(attacker: Attacker, schema: str) -> None:
+    """The schema, pre-created by the attacker, with ``=(name, varchar)``: a catalog lookup
+    that compares ``relname`` with a varchar parameter matches it exactly."""
+    await admin_execute(attacker.url, f"CREATE SCHEMA {schema}")
+    await admin_execute(
+        attacker.url, escalating_function(f"{schema}.f", attacker.name, "name, varchar", "bool")
+    )
+    await admin_execute(
+        attacker.url,
+        f"CREATE OPERATOR {schema}.= (LEFTARG = name, RIGHTARG = varchar, FUNCTION = {schema}.f)",
+    )
+
+
+def config(schema: str) -> PgStoreConfig:
+    return PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
+
+
+def refused(schema: str, attacker: str) -> list[str]:
+    """What the refusal of the planted operator must name."""
+    return [
+        f"schema {schema!r} is not safe to use",
+        f"schema {schema} owned by {attacker}",
+        f"operator {schema}.=(name,character varying) owned by {attacker}",
+    ]
+
+
+async def cronoq_tables(pg_url: URL, schema: str) -> list[str]:
+    rows = await admin_execute(
+        pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = $1 ORDER BY 1", schema
+    )
+    return [r[0] for r in rows]
+
+
+# --- a planted operator, through every entry point ------------------------------------------
+
+
+async def test_connect_refuses_a_schema_with_a_planted_operator(
+    pg_url: URL, schema: str, attacker: Attacker
+) -> None:
+    await plant_operator(attacker, schema)
+    for migrate in (True, False):
+        with pytest.raises(MigrationError) as info:
+            await PgStore.connect(pg_url, config(schema), migrate=migrate)
+        for said in refused(schema, attacker.name):
+            assert said in str(info.value)
+    assert not await is_superuser(pg_url, attacker.name)
+    assert await cronoq_tables(pg_url, schema) == []
+
+
+async def test_from_engine_refuses_a_schema_with_a_planted_operator(
+    pg_url: URL, schema: str, attacker: Attacker, engine: AsyncEngine
+) -> None:
+    await plant_operator(attacker, schema)
+    for migrate in (True, False):
+        with pytest.raises(MigrationError) as info:
+            await PgStore.from_engine(engine, config(schema), migrate=migrate)
+        for said in refused(schema, attacker.name):
+            assert said in str(info.value)
+    assert not await is_superuser(pg_url, attacker.name)
+    assert await cronoq_tables(pg_url, schema) == []
+
+
+async def test_alembic_upgrade_refuses_a_schema_with_a_planted_operator(
+    pg_url: URL, schema: str, attacker: Attacker
+) -> None:
+    await plant_operator(attacker, schema)
+    env = {**os.environ, "CRONOQ_DATABASE_URL": pg_url.render_as_string(hide_password=False)}
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "alembic", "-x", f"schema={schema}", "upgrade", "head"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    for said in refused(schema, attacker.name):
+        assert said in result.stdout
+    assert not await is_superuser(pg_url, attacker.name)
+    assert await cronoq_tables(pg_url, schema) == []
+
+
+@pytest.mark.parametrize("command", ["migrate", "status"])
+async def test_the_cli_refuses_a_schema_with_a_planted_operator(
+    pg_url: URL, schema: str, attacker: Attacker, command: str
+) -> None:
+    await plant_operator(attacker, schema)
+    url = pg_url.render_as_string(hide_password=False)
+    result = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["--url", url, "--schema", schema, command]
+    )
+    assert result.exit_code == ExitCode.FAILED, result.output
+    for said in refused(schema, attacker.name):
+        assert said in result.stderr
+    assert not await is_superuser(pg_url, attacker.name)
+    assert await cronoq_tables(pg_url, schema) == []
+
+
+# --- triggers on our tables -----------------------------------------------------------------
+
+
+async def plant_trigger(attacker: Attacker, schema: str) -> str:
+    """A trigger on ``cronoq_tasks`` whose function (in the attacker's own schema) escalates."""
+    own = f"{attacker.name}_own"
+    await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+    await admin_execute(attacker.url, escalating_function(f"{own}.t", attacker.name, "", "trigger"))
+    await admin_execute(
+        attacker.url,
+        f"CREATE TRIGGER planted BEFORE INSERT OR UPDATE ON {schema}.cronoq_tasks "
+        f"FOR EACH ROW EXECUTE FUNCTION {own}.t()",
+    )
+    return (
+        f"trigger planted on {schema}.cronoq_tasks runs function {own}.t() owned by {attacker.name}"
+    )
+
+
+async def commit_one_task(store: PgStore) -> None:
+    # A store that never led may commit at the stored epoch (0 after migrating).
+    await store.commit(0, BASE, [Submitted(TaskId(1), 1, BASE.engine_ns, TaskSpec(b"x"))], [])
+
+
+async def open_and_update(opening: Awaitable[PgStore]) -> None:
+    """Open a store, insert a task and update it: on a build that does not refuse, the
+    trigger's WHEN clause runs."""
+    async with await opening as store:
+        await commit_one_task(store)
+        change = StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, BASE.engine_ns)
+        await store.commit(0, BASE, [change], [])
+
+
+async def open_and_commit(opening: Awaitable[PgStore]) -> None:
+    """Open a store and insert a task: on a build that does not refuse, the trigger runs."""
+    async with await opening as store:
+        await commit_one_task(store)
+
+
+async def test_migrate_false_refuses_a_trigger_on_a_foreign_owned_table(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"ALTER TABLE {schema}.cronoq_tasks OWNER TO {attacker.name}")
+    trigger = await plant_trigger(attacker, schema)
+    with pytest.raises(MigrationError) as info:
+        await open_and_commit(PgStore.connect(pg_url, config(schema), migrate=False))
+    assert f"table {schema}.cronoq_tasks owned by {attacker.name}" in str(info.value)
+    assert trigger in str(info.value)
+    assert not await is_superuser(pg_url, attacker.name)
+
+
+async def test_a_trigger_by_a_role_granted_trigger_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT ALL ON {schema}.cronoq_tasks TO {attacker.name}")
+    trigger = await plant_trigger(attacker, schema)
+    for migrate in (True, False):
+        with pytest.raises(MigrationError) as info:
+            await open_and_commit(PgStore.from_engine(engine, config(schema), migrate=migrate))
+        assert trigger in str(info.value)
+        assert f"TRIGGER on {schema}.cronoq_tasks granted to {attacker.name}" in str(info.value)
+    assert not await is_superuser(pg_url, attacker.name)
+    # Without the trigger, holding the privilege is enough to be refused: it could plant one.
+    await admin_execute(pg_url, f"DROP TRIGGER planted ON {schema}.cronoq_tasks")
+    with pytest.raises(MigrationError, match=f"TRIGGER on {schema}.cronoq_tasks granted to"):
+        await PgStore.from_engine(engine, config(schema))
+
+
+async def test_a_trigger_whose_when_clause_runs_untrusted_code_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A trusted trigger function, but the WHEN clause calls the attacker's function; the
+    TRIGGER privilege it was created with is revoked since."""
+    schema, own = migrated, f"{attacker.name}_own"
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT TRIGGER ON {schema}.cronoq_tasks TO {attacker.name}")
+    await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+    await admin_execute(attacker.url, escalating_function(f"{own}.w", attacker.name, "", "bool"))
+    await admin_execute(
+        attacker.url,
+        f"CREATE TRIGGER planted BEFORE UPDATE ON {schema}.cronoq_tasks FOR EACH ROW "
+        f"WHEN ({own}.w()) EXECUTE FUNCTION suppress_redundant_updates_trigger()",
+    )
+    await admin_execute(pg_url, f"REVOKE TRIGGER ON {schema}.cronoq_tasks FROM {attacker.name}")
+    with pytest.raises(MigrationError) as info:
+        await open_and_update(PgStore.from_engine(engine, config(schema)))
+    assert (
+        f"trigger planted on {schema}.cronoq_tasks runs function {own}.w() owned by "
+        f"{attacker.name}" in str(info.value)
+    )
+    assert "suppress_redundant_updates_trigger" not in str(info.value)  # trusted: the system's
+    assert not await is_superuser(pg_url, attacker.name)
+
+
+async def test_a_rule_on_our_table_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str
+) -> None:
+    await admin_execute(
+        pg_url,
+        f"CREATE RULE planted AS ON INSERT TO {migrated}.cronoq_recurring DO ALSO NOTIFY x",
+    )
+    with pytest.raises(MigrationError, match=f"rule planted on {migrated}.cronoq_recurring"):
+        await PgStore.from_engine(engine, config(migrated), migrate=False)
+
+
+# --- objects planted in a schema we own ------------------------------------------------------
+
+
+PLANTED = {
+    "function": ("CREATE FUNCTION {s}.hashtext(varchar) RETURNS int LANGUAGE sql AS 'SELECT 1'",
+                 "function {s}.hashtext(character varying) owned by {a}"),
+    "type": ("CREATE TYPE {s}.mood AS ENUM ('sad')", "type {s}.mood owned by {a}"),
+    "domain": ("CREATE DOMAIN {s}.positive AS int CHECK (VALUE > 0)",
+               "type {s}.positive owned by {a}"),
+    "view": ("CREATE VIEW {s}.v AS SELECT 1 AS one", "view {s}.v owned by {a}"),
+    "table": ("CREATE TABLE {s}.notes (x int)", "table {s}.notes owned by {a}"),
+    "sequence": ("CREATE SEQUENCE {s}.seq", "sequence {s}.seq owned by {a}"),
+    "aggregate": ("CREATE AGGREGATE {s}.total(int) (SFUNC = int4pl, STYPE = int)",
+                  "aggregate {s}.total(integer) owned by {a}"),
+    "procedure": ("CREATE PROCEDURE {s}.p() LANGUAGE sql AS 'SELECT 1'",
+                  "procedure {s}.p() owned by {a}"),
+    "collation": ("CREATE COLLATION {s}.c (locale = 'C')", "collation {s}.c owned by {a}"),
+    "text search configuration": ("CREATE TEXT SEARCH CONFIGURATION {s}.ts (COPY = simple)",
+                                  "text search configuration {s}.ts owned by {a}"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+async def test_an_object_planted_in_our_schema_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker, kind: str
+) -> None:
+    ddl, said = PLANTED[kind]
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT CREATE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(attacker.url, ddl.format(s=schema))
+    await admin_execute(pg_url, f"REVOKE CREATE ON SCHEMA {schema} FROM {attacker.name}")
+    with pytest.raises(MigrationError) as info:
+        await upgrade(engine, schema)
+    assert said.format(s=schema, a=attacker.name) in str(info.value)
+    with pytest.raises(MigrationError, match="owned by"):
+        await PgStore.from_engine(engine, config(schema), migrate=False)
+
+
+@pytest.mark.parametrize("grantee", ["attacker", "PUBLIC"])
+async def test_create_on_our_schema_granted_to_another_role_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker, grantee: str
+) -> None:
+    role = attacker.name if grantee == "attacker" else "PUBLIC"
+    await admin_execute(pg_url, f"GRANT CREATE ON SCHEMA {migrated} TO {role}")
+    message = f"CREATE on schema {migrated} granted to {role}"
+    with pytest.raises(MigrationError, match=message):
+        await PgStore.connect(pg_url, config(migrated))
+    with pytest.raises(MigrationError, match=message):
+        await PgStore.connect(pg_url, config(migrated), migrate=False)
+    await admin_execute(pg_url, f"REVOKE CREATE ON SCHEMA {migrated} FROM {role}")
+    async with await PgStore.connect(pg_url, config(migrated)) as store:
+        assert await store.get_task(TaskId(1)) is None
+
+
+@pytest.mark.parametrize("name", ["information_schema", "pg_x", "pg_catalog"])
+async def test_system_schemas_are_refused_by_name(
+    pg_url: URL, engine: AsyncEngine, name: str
+) -> None:
+    with pytest.raises(ValueError, match="system's schemas"):
+        PgStoreConfig(schema=name)
+    with pytest.raises(ValueError, match="system's schemas"):
+        await upgrade(engine, name)
+    assert not [t for t in await cronoq_tables(pg_url, name) if t.startswith("cronoq_")]
+
+
+# --- search_path on every session -----------------------------------------------------------
+
+
+async def test_the_stores_own_sessions_run_under_a_safe_search_path(
+    pg_url: URL, schema: str
+) -> None:
+    async with (
+        await PgStore.connect(pg_url, config(schema)) as store,
+        store.engine.connect() as conn,
+    ):
+        path = (await conn.execute(text("SHOW search_path"))).scalar_one()
+    assert path == "pg_catalog, pg_temp"
+
+
+async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """An application whose search_path puts a schema others can write first: its own
+    statements are its business, the store's must not resolve anything there."""
+    evil = f"{attacker.name}_own"
+    await admin_execute(attacker.url, f"CREATE SCHEMA {evil}")
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {evil} TO PUBLIC")
+    for args in ("int, int", "text, varchar"):
+        await admin_execute(
+            attacker.url, escalating_function(f"{evil}.f", attacker.name, args, "bool")
+        )
+        left, right = args.split(", ")
+        await admin_execute(
+            attacker.url,
+            f"CREATE OPERATOR {evil}.= (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = {evil}.f)",
+        )
+    app_path = f"{evil}, pg_catalog, public"
+    app = create_async_engine(
+        async_url(pg_url),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"server_settings": {"search_path": app_path}},
+    )
+    try:
+        async with await PgStore.from_engine(app, config(migrated)) as store:
+            await commit_one_task(store)  # epoch check: integer = integer
+            await store.commit(
+                0, BASE, [StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, BASE.engine_ns)], []
+            )
+            assert await store.get_task("no such key") is None  # key = varchar
+            record = await store.get_task(TaskId(1))
+            assert record is not None
+            assert record.status is TaskStatus.RUNNING
+            staged = [  # a transaction, and COPY into pg_temp.cronoq_stage
+                Submitted(TaskId(n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+                for n in range(2, 2 + STAGE_MIN_ROWS)
+            ]
+            await store.commit(0, BASE, staged, [(TaskId(1), b"out")])
+            assert len((await store.recover(BASE)).tasks) == 1 + STAGE_MIN_ROWS
+            assert await store.prune(0) == 0
+        assert not await is_superuser(pg_url, attacker.name)
+        async with app.connect() as conn:  # the pool's one session, given back
+            assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
+    finally:
+        await app.dispose()
