@@ -37,7 +37,7 @@ from sqlalchemy.schema import CreateSchema
 from . import migration_lock
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
-from .urls import async_url
+from .urls import async_url, scrub
 
 __all__ = [
     "LEGACY_REVISIONS",
@@ -177,11 +177,15 @@ def _run_environment(context: EnvironmentContext) -> None:
             _run_offline(context, schema)
         else:
             _run_online(context, schema)
-    except (MigrationError, ValueError) as exc:
-        if from_cli:
-            # Alembic's command line prints a CommandError as one clear line.
-            raise CommandError(str(exc)) from exc
+    except CommandError:
         raise
+    except Exception as exc:
+        if not from_cli:
+            raise
+        # Alembic's command line prints a CommandError as one clear line, where anything
+        # else is a driver's traceback; a URL written into the message is masked.
+        known = isinstance(exc, (MigrationError, ValueError))
+        raise CommandError(scrub(str(exc if known else translate_error(exc, "migrating")))) from exc
 
 
 def _schema_of(context: EnvironmentContext) -> str:

@@ -276,3 +276,15 @@ def test_scrub_masks_every_spelling_of_a_known_password() -> None:
     message = "auth failed for a/b@c (a%2Fb%40c) and q&r, sent as q%26r; password=zz"
     masked = scrub(message, [url])
     assert masked == "auth failed for *** (***) and ***, sent as ***; password=***"
+
+
+def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> None:
+    secret = f"Hx{uuid.uuid4().hex[:10]}"
+    wrong = pg_url.set(password=secret).render_as_string(hide_password=False)
+    refused = f"postgresql://ops@127.0.0.1:{unused_port()}/app?password={secret}"
+    for url, why in ((wrong, "password authentication failed"), (refused, "Connect call failed")):
+        stdout, stderr = alembic_outputs(url, "public")
+        assert "Traceback" not in stderr
+        assert stdout.startswith("FAILED: migrating failed: ")
+        assert why in stdout
+        assert secret not in stdout + stderr
