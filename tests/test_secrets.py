@@ -22,7 +22,7 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 from click.testing import CliRunner
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.cli import URL_ENV, cli
@@ -30,7 +30,7 @@ from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store.errors import StoreError, UnavailableError
 from cronoq_store.store import PgStore
-from cronoq_store.urls import async_url, redact, scrub
+from cronoq_store.urls import redact, scrub
 
 from .pgharness import admin_execute
 from .test_store_connect import unused_port
@@ -211,8 +211,17 @@ async def test_no_surface_shows_a_password(
         async with await PgStore.connect(url, config, lock_url=dead_lock) as store:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(store.acquire_leadership(), 1.0)
+        # The application's own engine keeps its URL as given (a ?password= stays in the
+        # query): the store's reprs and warnings must mask it all the same.
+        raw = create_async_engine(make_url(url).set(drivername="postgresql+asyncpg"))
+        try:
+            async with await PgStore.from_engine(raw, config, migrate=False) as store:
+                seen += [repr(store), str(store)]
+                await asyncio.wait_for(store.acquire_leadership(), 10)
+        finally:
+            await raw.dispose()
         read_only = create_async_engine(
-            async_url(url),
+            make_url(url).set(drivername="postgresql+asyncpg"),
             connect_args={"server_settings": {"default_transaction_read_only": "on"}},
         )
         try:
