@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -501,7 +502,10 @@ async def test_from_engine_lock_session_connects_like_the_engine(
 async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
     pg_url: URL, migrated: str, lock_key: tuple[int, int], caplog: pytest.LogCaptureFixture
 ) -> None:
-    dsn = asyncpg_dsn(pg_url.set(port=unused_port()))
+    # A port bound here and never listened on refuses every connection, and stays ours.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dsn = asyncpg_dsn(pg_url.set(host="127.0.0.1", port=closed.getsockname()[1]))
     engine = create_async_engine(async_url(pg_url), async_creator=lambda: asyncpg.connect(dsn))
     caplog.set_level(logging.WARNING, logger="cronoq_store")
     leadership = Leadership(
@@ -517,6 +521,7 @@ async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
     finally:
         await leadership.close()
         await engine.dispose()
+        closed.close()
     warnings = [r for r in caplog.records if "acquire leadership" in r.getMessage()]
     assert warnings, "acquire_leadership retried without saying why"
     assert warnings[0].via == "the engine's connection creator"  # type: ignore[attr-defined]
