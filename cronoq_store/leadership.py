@@ -1,9 +1,12 @@
 """Leader election: a session advisory lock held on a dedicated connection, and its keeper.
 
 The lock lives exactly as long as the session that took it. That session therefore never
-comes from a pool and never returns to one (a pooled connection keeps a session lock after
-``close()``), and releasing leadership means closing it. Taking the lock bumps the fencing
-epoch, which every commit checks in its own transaction.
+comes from the application's pool and never returns to any pool (a pooled connection keeps
+a session lock after ``close()``): it is discarded when it ends, and releasing leadership
+means closing it. On an application's engine it is made as that engine makes its own
+(creator, TLS, connect arguments), then sets its own keepalives, idle limit and search
+path (``_session_settings``). Taking the lock bumps the fencing epoch, which every commit
+checks in its own transaction.
 
 The keeper pings the session every ``keepalive``. If nothing has been heard from it for
 ``session_timeout``, this instance steps down: the session is torn down without waiting on
@@ -131,7 +134,7 @@ def _session_settings(config: PgStoreConfig) -> dict[str, str]:
 
 
 class Leadership:
-    """Leader election for one cluster (one schema) on its own, unpooled lock session.
+    """Leader election for one cluster (one schema) on its own lock session.
 
     ``url`` is a ``postgresql+asyncpg`` URL of a server reached directly (a session advisory
     lock cannot live behind a transaction-pooling PgBouncer). Given ``pool`` (an application
