@@ -80,17 +80,27 @@ def scrub(text: str, urls: Iterable[str | URL | None] = ()) -> str:
     # Longest first, so that a secret containing another is masked whole.
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, MASK)
+    return _mask_written(text)
+
+
+def _mask_written(text: str) -> str:
+    """Mask URL passwords and secret-named parameters written in ``text``."""
     text = _USERINFO.sub(lambda m: m["head"] + (MASK if m["secret"] else ""), text)
     return _PARAMETER.sub(lambda m: m["head"] + MASK, text)
 
 
 def redact(url: str | URL) -> str:
     """``url`` as text with every secret masked, for logs, errors and CLI output."""
-    if isinstance(url, str):
-        return scrub(url, [url])  # as typed, even when it does not parse
-    query = {name: MASK if _is_secret(name) else value for name, value in url.query.items()}
-    masked = url.set(password=MASK if url.password else None, query=query)
-    return scrub(masked.render_as_string(hide_password=False), [url])
+    parsed = _parse(url)
+    if parsed is None or (parsed.host is not None and "@" in parsed.host):
+        # Unparseable, or a password with an unencoded "@" that SQLAlchemy would split:
+        # masked as typed.
+        return scrub(str(url), [url])
+    query = {name: MASK if _is_secret(name) else value for name, value in parsed.query.items()}
+    masked = parsed.set(password=MASK if parsed.password else None, query=query)
+    # The secrets are gone from the parts: no search for their text, which would also mask
+    # words that merely equal them (a password "postgres" in "postgresql://").
+    return _mask_written(masked.render_as_string(hide_password=False))
 
 
 def async_url(url: str | URL) -> URL:

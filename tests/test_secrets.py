@@ -297,3 +297,24 @@ def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> N
         assert stdout.startswith("FAILED: migrating failed: ")
         assert why in stdout
         assert secret not in stdout + stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # A password that is also a word of the URL masks only the password.
+        ("postgresql://postgres:postgres@db/app", "postgresql://postgres:***@db/app"),
+        (
+            "postgresql://ops@db/app?password=pw&sslpassword=k",
+            "postgresql://ops@db/app?password=***&sslpassword=***",
+        ),
+        (
+            "postgresql://ops@/app?host=a:1&host=b:2&password=pw",
+            "postgresql://ops@/app?host=a%3A1&host=b%3A2&password=***",
+        ),
+        ("postgresql://ops:s3cr@t@db/app", "postgresql://ops:***@db/app"),
+        ("host=db user=ops password='a b' dbname=app", "host=db user=ops password=*** dbname=app"),
+    ],
+)
+def test_redact_masks_the_password_and_nothing_else(url: str, shown: str) -> None:
+    assert redact(url) == shown
