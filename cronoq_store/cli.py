@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from enum import IntEnum
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import quote_plus
 
 import click
 from alembic import command
@@ -48,8 +47,6 @@ from sqlalchemy import (
     table,
 )
 from sqlalchemy import Table as SqlTable
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -69,7 +66,7 @@ from .schema import (
     validate_schema_name,
 )
 from .store import PRUNE_BATCH
-from .urls import async_url, redact
+from .urls import async_url, redact, scrub
 
 __all__ = ["URL_ENV", "ExitCode", "cli", "main", "parse_duration"]
 
@@ -119,7 +116,7 @@ class CliError(Exception):
 
     def exit(self, url: str | None) -> NoReturn:
         """Print the message, the URL's password masked, and leave with the exit code."""
-        click.echo(f"Error: {_scrub(str(self), url)}", err=True)
+        click.echo(f"Error: {scrub(str(self), [url])}", err=True)
         raise click.exceptions.Exit(int(self.code))
 
 
@@ -224,20 +221,6 @@ class _Options:
         if self.url is None:
             raise click.UsageError(f"no database URL: pass --url or set ${URL_ENV}")
         return self.url
-
-
-def _scrub(message: str, url: str | None) -> str:
-    """``message`` without the URL's password, wherever a driver or library put it."""
-    if url is None:
-        return message
-    try:
-        password = make_url(url).password
-    except (ArgumentError, ValueError):
-        return message
-    if password:
-        for form in {password, quote_plus(password)}:
-            message = message.replace(form, "***")
-    return message
 
 
 def _run(options: _Options, work: Coroutine[Any, Any, _T]) -> _T:

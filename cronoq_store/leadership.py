@@ -1,9 +1,12 @@
 """Leader election: a session advisory lock held on a dedicated connection, and its keeper.
 
 The lock lives exactly as long as the session that took it. That session therefore never
-comes from a pool and never returns to one (a pooled connection keeps a session lock after
-``close()``), and releasing leadership means closing it. Taking the lock bumps the fencing
-epoch, which every commit checks in its own transaction.
+comes from the application's pool and never returns to any pool (a pooled connection keeps
+a session lock after ``close()``): it is discarded when it ends, and releasing leadership
+means closing it. On an application's engine it is made as that engine makes its own
+(creator, TLS, connect arguments), then sets its own keepalives, idle limit and search
+path (``_session_settings``). Taking the lock bumps the fencing epoch, which every commit
+checks in its own transaction.
 
 The keeper pings the session every ``keepalive``. If nothing has been heard from it for
 ``session_timeout``, this instance steps down: the session is torn down without waiting on
@@ -25,7 +28,7 @@ from typing import Any
 from sqlalchemy import Executable, Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, Pool
 
 from . import statements as st
 from .config import PgStoreConfig
@@ -108,44 +111,74 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
+def _session_settings(config: PgStoreConfig) -> dict[str, str]:
+    """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`)."""
+    settings = {
+        # Names resolve in pg_catalog only: no schema another role can write can capture
+        # a function or operator the lock session calls.
+        "search_path": st.SEARCH_PATH,
+        "application_name": f"{config.application_name} leader",
+        # The server drops the session (and the lock) once the client is gone.
+        "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+        # Keepalives cannot see a client behind a stalled path whose kernel still answers
+        # probes (a proxy, a NAT): a lock session with no query for 1.5 x session_timeout
+        # is ended by the server, freeing the lock for a standby. The keeper queries every
+        # `keepalive` and standbys every `lock_poll`, both shorter, so a healthy session is
+        # never idle that long.
+        "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+    }
+    assert tuple(settings) == st.LOCK_SESSION_SETTINGS
+    return settings
+
+
 class Leadership:
-    """Leader election for one cluster (one schema) on its own, unpooled lock session.
+    """Leader election for one cluster (one schema) on its own lock session.
 
     ``url`` is a ``postgresql+asyncpg`` URL of a server reached directly (a session advisory
-    lock cannot live behind a transaction-pooling PgBouncer); ``lock_key`` is the pair of
-    advisory-lock keys. The object can lead many times: after a loss, :meth:`acquire` opens
-    a new session and takes a new epoch.
+    lock cannot live behind a transaction-pooling PgBouncer). Given ``pool`` (an application
+    engine's pool ``recreate()``-d: its creator and connect arguments, none of its
+    connections), sessions are made by that pool instead, and ``url`` only names the
+    dialect and the server in logs; each session is discarded when it ends, never reused.
+    ``lock_key`` is the pair of advisory-lock keys. The object can lead many times: after a
+    loss, :meth:`acquire` opens a new session and takes a new epoch.
     """
 
     def __init__(
-        self, url: URL, schema: str, lock_key: tuple[int, int], config: PgStoreConfig
+        self,
+        url: URL,
+        schema: str,
+        lock_key: tuple[int, int],
+        config: PgStoreConfig,
+        *,
+        pool: Pool | None = None,
     ) -> None:
         self._url = url
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._config = config
-        self._engine: AsyncEngine = create_async_engine(
-            url,
-            poolclass=NullPool,
-            isolation_level="AUTOCOMMIT",
-            connect_args={
-                # asyncpg's bound on opening a connection (a silent server never refuses).
-                "timeout": config.session_timeout,
-                "server_settings": {
-                    "application_name": f"{config.application_name} leader",
-                    # The server drops the session (and the lock) once the client is gone.
-                    "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
-                    "tcp_keepalives_interval": "1",
-                    "tcp_keepalives_count": "3",
-                    # Keepalives cannot see a client behind a stalled path whose kernel still
-                    # answers probes (a proxy, a NAT): a lock session with no query for 1.5 x
-                    # session_timeout is ended by the server, freeing the lock for a standby.
-                    # The keeper queries every `keepalive` and standbys every `lock_poll`,
-                    # both shorter, so a healthy session is never idle that long.
-                    "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+        self._settings = _session_settings(config)
+        # With `pool`, sessions are made the way an application's engine makes its own (its
+        # creator, TLS, connect_args), on a pool of their own, and the settings are applied
+        # once connected; otherwise they are dialled from `url` with the settings attached.
+        self._via = "the engine's connection creator" if pool is not None else "the URL"
+        if pool is not None:
+            self._engine: AsyncEngine = create_async_engine(
+                url, pool=pool, isolation_level="AUTOCOMMIT"
+            )
+        else:
+            self._engine = create_async_engine(
+                url,
+                poolclass=NullPool,
+                isolation_level="AUTOCOMMIT",
+                connect_args={
+                    # asyncpg's bound on opening a connection (a silent server never refuses).
+                    "timeout": config.session_timeout,
+                    "server_settings": self._settings,
                 },
-            },
-        )
+            )
+        self._apply_settings = pool is not None
         # bump_epoch must hit the cluster's schema.
         self._db = self._engine.execution_options(**schema_options(schema))
         self._epoch: int | None = None
@@ -201,6 +234,7 @@ class Leadership:
                         extra={
                             "schema": self._schema,
                             "url": redact(self._url),
+                            "via": self._via,
                             "error": str(error),
                             "retry_in": round(pause, 3),
                         },
@@ -233,7 +267,8 @@ class Leadership:
     async def _try_lead(self) -> tuple[_Session, int]:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
         timeout = self._config.session_timeout
-        conn = await self._db.connect()
+        # Bounded here too: an application's creator may have no connect timeout.
+        conn = await asyncio.wait_for(self._db.connect(), timeout)
         try:
             raw = await conn.get_raw_connection()
         except BaseException:
@@ -241,6 +276,8 @@ class Leadership:
             raise
         session = _Session(conn, raw.driver_connection)
         try:
+            if self._apply_settings:
+                await session.run(st.lock_session_settings, self._settings, timeout)
             while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
                 if await self._closed_within(self._config.lock_poll):
                     raise self._closed_error()

@@ -47,10 +47,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
+from . import migration_lock
 from . import statements as st
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
-from .urls import async_url
+from .urls import async_url, scrub
 
 __all__ = [
     "LEGACY_REVISIONS",
@@ -108,24 +109,35 @@ async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: st
     """Upgrade ``schema`` to ``revision`` in one transaction (idempotent, serialized).
 
     Given an ``AsyncConnection`` that is already in a transaction, the caller commits;
-    otherwise this commits. Errors are :class:`~cronoq_store.StoreError`.
+    otherwise this commits. Errors are :class:`~cronoq_store.StoreError`. Runs in this
+    process take turns (:mod:`cronoq_store.migration_lock`): any number of stores may open
+    at once, on one loop or on several.
     """
     validate_schema_name(schema)
 
     def run(sync_conn: Connection) -> None:
-        command.upgrade(alembic_config(schema, sync_conn), revision)
+        cfg = alembic_config(schema, sync_conn)
+        cfg.attributes[migration_lock.HELD] = True
+        command.upgrade(cfg, revision)
 
     try:
-        if isinstance(bind, AsyncEngine):
-            async with bind.connect() as conn:
-                await conn.run_sync(run)
-                await conn.commit()
-        else:
-            await bind.run_sync(run)
+        async with migration_lock.held_async():
+            await _upgrade_on(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+async def _upgrade_on(
+    bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
+) -> None:
+    if isinstance(bind, AsyncEngine):
+        async with bind.connect() as conn:
+            await conn.run_sync(run)
+            await conn.commit()
+    else:
+        await bind.run_sync(run)
 
 
 async def require_head(engine: AsyncEngine, schema: str) -> None:
@@ -280,8 +292,15 @@ def run_environment(context: EnvironmentContext) -> None:
     The connection comes from ``config.attributes["connection"]`` (a sync ``Connection`` from
     ``AsyncConnection.run_sync``, an ``AsyncEngine`` or an ``Engine``), else from
     ``-x url=...``, ``$CRONOQ_DATABASE_URL`` or ``sqlalchemy.url``. The schema comes from
-    ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``).
+    ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
+    in this process (:mod:`cronoq_store.migration_lock`).
     """
+    context = migration_lock.resolve(context)
+    with migration_lock.held(context):
+        _run_environment(context)
+
+
+def _run_environment(context: EnvironmentContext) -> None:
     config = context.config
     from_cli = config.cmd_opts is not None
     try:
@@ -290,11 +309,15 @@ def run_environment(context: EnvironmentContext) -> None:
             _run_offline(context, schema)
         else:
             _run_online(context, schema)
-    except (MigrationError, ValueError) as exc:
-        if from_cli:
-            # Alembic's command line prints a CommandError as one clear line.
-            raise CommandError(str(exc)) from exc
+    except CommandError:
         raise
+    except Exception as exc:
+        if not from_cli:
+            raise
+        # Alembic's command line prints a CommandError as one clear line, where anything
+        # else is a driver's traceback; a URL written into the message is masked.
+        known = isinstance(exc, (MigrationError, ValueError))
+        raise CommandError(scrub(str(exc if known else translate_error(exc, "migrating")))) from exc
 
 
 def _schema_of(context: EnvironmentContext) -> str:

@@ -27,7 +27,9 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    false,
     func,
+    literal,
     literal_column,
     null,
     or_,
@@ -48,6 +50,7 @@ from .schema import LEADER_ROW_ID, leader, recurring, tasks
 
 __all__ = [
     "LOCK_NS_LEADER",
+    "LOCK_SESSION_SETTINGS",
     "MAX_EPOCH",
     "SEARCH_PATH",
     "advance_recurring",
@@ -62,6 +65,7 @@ __all__ = [
     "insert_tasks_fenced",
     "live_tasks",
     "local_search_path",
+    "lock_session_settings",
     "may_stage",
     "ping",
     "prune_batch",
@@ -109,6 +113,24 @@ bump_epoch = (
 
 #: The lock session's liveness check.
 ping = select(1)
+
+#: What the lock session sets for itself once connected, when the connection comes from an
+#: application's pool creator (which ignores our connect arguments); each is a bind of the
+#: same name. ``set_config`` is schema-qualified: the creator may have set any search_path.
+LOCK_SESSION_SETTINGS = (
+    "search_path",
+    "application_name",
+    "tcp_keepalives_idle",
+    "tcp_keepalives_interval",
+    "tcp_keepalives_count",
+    "idle_session_timeout",
+)
+lock_session_settings = select(
+    *(
+        func.pg_catalog.set_config(literal(name, Text), bindparam(name, type_=Text), false())
+        for name in LOCK_SESSION_SETTINGS
+    )
+)
 
 #: The schema's OID, the second key of the leader lock (``pg_namespace`` is not translated).
 #: ``to_regnamespace`` parses an identifier, so the name is quoted first: ``Prod`` stays

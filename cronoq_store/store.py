@@ -25,7 +25,7 @@ from sqlalchemy import Executable, Row, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from . import migrations
@@ -96,7 +96,9 @@ class PgStore:
     Build it with :meth:`connect` (the store owns its engine) or :meth:`from_engine` (it
     shares an application's engine and pool). Use it as an async context manager, or call
     :meth:`close`. The leader lock never rides on the pool: :class:`Leadership` holds it on
-    a dedicated session, opened from ``lock_url`` when given, else from the engine's URL.
+    a dedicated session, opened from ``lock_url`` when given; else a store on an
+    application's engine opens it the way that engine connects (its creator, TLS and
+    connect arguments, on a pool of its own), and a store with its own engine from the URL.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class PgStore:
         may_stage: bool,
         owns_engine: bool,
         lock_url: URL,
+        lock_pool: Pool | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID and whether large batches may be staged."""
@@ -127,7 +130,9 @@ class PgStore:
             engine.dialect, config.schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
-        self._leadership = Leadership(lock_url, config.schema, self._leader_lock, config)
+        self._leadership = Leadership(
+            lock_url, config.schema, self._leader_lock, config, pool=lock_pool
+        )
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -247,6 +252,12 @@ class PgStore:
             may_stage=may_stage,
             owns_engine=owns_engine,
             lock_url=engine.url if lock_url is None else async_url(lock_url),
+            # An application's engine may connect through a creator, TLS or connect_args
+            # its URL does not show: a pool made like its own (Pool.recreate) makes the
+            # lock session the same way, and hands out none of the application's sessions.
+            lock_pool=(
+                engine.sync_engine.pool.recreate() if lock_url is None and not owns_engine else None
+            ),
         )
 
     async def migrate(self) -> None:

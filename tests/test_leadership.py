@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import URL
@@ -21,8 +23,9 @@ from cronoq_store.errors import StoreError, translate_error
 from cronoq_store.leadership import Leadership
 from cronoq_store.urls import async_url
 
-from .pgharness import ServerUnderTest, admin_execute, terminate_backends
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
 from .tcpproxy import TcpProxy
+from .test_store_connect import unused_port
 
 LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.05, 0.2, 1.0
 #: Step-down must come within session_timeout of the session failing; this is the slack.
@@ -417,3 +420,110 @@ async def test_a_session_stalled_mid_transaction_cannot_hold_up_a_takeover(
             await conn.execute(text("SELECT 1"))
         assert translate_error(caught.value, "using the stalled session").is_transient
         await conn.close()
+
+
+# --- the lock session connects the way the application's engine does -----------------------
+
+
+def app_engine(kind: str, pg_url: URL, app_name: str) -> AsyncEngine:
+    """An application's engine whose URL alone does not reach the server as it should."""
+    right = async_url(pg_url)
+    if kind == "async_creator":
+        # The URL's port is wrong; only the creator knows the server.
+        dsn = asyncpg_dsn(pg_url)
+        return create_async_engine(
+            right.set(port=unused_port()),
+            async_creator=lambda: asyncpg.connect(
+                dsn, server_settings={"application_name": app_name}
+            ),
+        )
+    settings = {"application_name": app_name, "statement_timeout": "4321"}
+    if kind == "connect_args_password":
+        # The password travels in connect_args, not in the URL.
+        return create_async_engine(
+            right.set(password="not-the-password"),
+            connect_args={"password": pg_url.password, "server_settings": settings},
+        )
+    assert kind == "connect_args_settings"
+    return create_async_engine(right, connect_args={"server_settings": settings})
+
+
+async def lock_session_setting(store: PgStore, name: str) -> str:
+    """A setting as the lock session itself sees it (the keeper pings only every 2 s)."""
+    session = store._leadership._session
+    assert session is not None
+    value = await session.conn.execute(text("SELECT current_setting(:n)"), {"n": name})
+    return str(value.scalar_one())
+
+
+@pytest.mark.parametrize(
+    "kind", ["async_creator", "connect_args_password", "connect_args_settings"]
+)
+async def test_from_engine_lock_session_connects_like_the_engine(
+    pg_url: URL, migrated: str, kind: str
+) -> None:
+    app_name = f"app-{migrated}"
+    engine = app_engine(kind, pg_url, app_name)
+    cfg = PgStoreConfig(
+        schema=migrated,
+        lock_poll=LOCK_POLL,
+        keepalive=2.0,
+        session_timeout=4.0,
+        application_name=app_name,
+    )
+    try:
+        async with await PgStore.from_engine(engine, cfg) as store:
+            epoch = await asyncio.wait_for(store.acquire_leadership(), 8)
+            assert epoch >= 1
+            assert store.is_leader
+            conns = [await engine.connect() for _ in range(3)]
+            pool_pids = {
+                (await c.execute(text("SELECT pg_backend_pid()"))).scalar_one() for c in conns
+            }
+            for conn in conns:
+                await conn.close()
+            holders = await lock_holders(pg_url, store.leader_lock)
+            assert len(holders) == 1
+            pid, application = holders[0]
+            assert pid not in pool_pids  # a separate backend, not one of the app's
+            assert application == f"{app_name} leader"
+            assert await lock_session_setting(store, "search_path") == "pg_catalog, pg_temp"
+            assert await lock_session_setting(store, "tcp_keepalives_idle") == "4"
+            assert await lock_session_setting(store, "idle_session_timeout") == "6s"
+            if kind != "async_creator":
+                # The engine's own server settings came along.
+                assert await lock_session_setting(store, "statement_timeout") == "4321ms"
+            assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert await lock_holders(pg_url, store.leader_lock) == []
+    finally:
+        await engine.dispose()
+
+
+async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
+    pg_url: URL, migrated: str, lock_key: tuple[int, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A port bound here and never listened on refuses every connection, and stays ours.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dsn = asyncpg_dsn(pg_url.set(host="127.0.0.1", port=closed.getsockname()[1]))
+    engine = create_async_engine(async_url(pg_url), async_creator=lambda: asyncpg.connect(dsn))
+    caplog.set_level(logging.WARNING, logger="cronoq_store")
+    leadership = Leadership(
+        engine.url,
+        migrated,
+        lock_key,
+        config(migrated, "a"),
+        pool=engine.sync_engine.pool.recreate(),
+    )
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(leadership.acquire(), 1.5)
+    finally:
+        await leadership.close()
+        await engine.dispose()
+        closed.close()
+    warnings = [r for r in caplog.records if "acquire leadership" in r.getMessage()]
+    assert warnings, "acquire_leadership retried without saying why"
+    assert warnings[0].via == "the engine's connection creator"  # type: ignore[attr-defined]
+    assert "ConnectionRefusedError" in warnings[0].error  # type: ignore[attr-defined]
+    assert str(pg_url.password) not in warnings[0].url  # type: ignore[attr-defined]

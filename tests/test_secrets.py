@@ -1,0 +1,320 @@
+"""No password in any output: every surface, driven with every URL form, against the server.
+
+A role with a password made of characters that need percent-encoding logs in through each
+URL form the store accepts (user info plain or encoded, ``?password=``, several hosts), with
+the right password, a wrong one and an unreachable host, so that reprs, errors and their
+chains, log records and their extras, the CLI's stdout and stderr and Alembic's output are
+all produced; none may contain the password in any spelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, quote_plus
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store.cli import URL_ENV, cli
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import Submitted, TaskId, TaskSpec, TimeBase
+from cronoq_store.errors import StoreError, UnavailableError
+from cronoq_store.store import PgStore
+from cronoq_store.urls import redact, scrub
+
+from .pgharness import admin_execute
+from .test_store_connect import unused_port
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Characters that percent-encoding changes, so every spelling of the secret differs.
+SPECIAL = "p@ss:w/rd?&=+ %#"
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    password: str
+
+
+@pytest.fixture(scope="module")
+def roles(pg_server: object) -> Iterator[dict[str, Role]]:
+    """Two superuser roles: one with a URL-safe password, one with a password that is not."""
+    url: URL = pg_server.url  # type: ignore[attr-defined]
+    made = {
+        "safe": Role(f"cq_safe_{uuid.uuid4().hex[:8]}", f"Plain{uuid.uuid4().hex[:12]}"),
+        "special": Role(f"cq_spec_{uuid.uuid4().hex[:8]}", f"{uuid.uuid4().hex[:8]}{SPECIAL}"),
+    }
+    for role in made.values():
+        quoted = role.password.replace("'", "''")
+        asyncio.run(
+            admin_execute(url, f"CREATE ROLE {role.name} LOGIN SUPERUSER PASSWORD '{quoted}'")
+        )
+    try:
+        yield made
+    finally:
+        for role in made.values():
+            asyncio.run(admin_execute(url, f"DROP ROLE IF EXISTS {role.name}"))
+
+
+def spellings(secret: str) -> set[str]:
+    return {secret, quote(secret, safe=""), quote_plus(secret), quote(secret)}
+
+
+FORMS = ["userinfo", "userinfo-encoded", "asyncpg-driver", "postgres-scheme", "query", "multihost"]
+VARIANTS = ["right", "wrong-password", "unreachable"]
+
+
+def build(form: str, role: Role, password: str, host: str, port: int, db: str) -> str:
+    enc = quote(password, safe="")
+    if form == "userinfo":
+        return f"postgresql://{role.name}:{password}@{host}:{port}/{db}"
+    if form == "userinfo-encoded":
+        return f"postgresql://{role.name}:{enc}@{host}:{port}/{db}"
+    if form == "asyncpg-driver":
+        return f"postgresql+asyncpg://{role.name}:{enc}@{host}:{port}/{db}"
+    if form == "postgres-scheme":
+        return f"postgres://{role.name}:{enc}@{host}:{port}/{db}"
+    if form == "query":
+        return f"postgresql://{role.name}@{host}:{port}/{db}?password={enc}"
+    assert form == "multihost"
+    dead = unused_port()
+    return f"postgresql://{role.name}@/{db}?host={host}:{dead}&host={host}:{port}&password={enc}"
+
+
+def texts_of(exc: BaseException) -> str:
+    """``str`` and ``repr`` of an exception, its arguments and its whole chain."""
+    out, seen, todo = [], set(), [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        out += [str(e), repr(e), *map(repr, e.args)]
+        todo += [x for x in (e.__cause__, e.__context__, getattr(e, "orig", None)) if x]
+    return "\n".join(out)
+
+
+class Records(logging.Handler):
+    """Every record of every logger, with all its attributes (extras included)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+        self.texts += [repr(v) for v in vars(record).values()]
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    handler = Records()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def cli_outputs(url: str, schema: str) -> list[str]:
+    """Every command, the URL given as --url and as the environment variable."""
+    runner = CliRunner()
+    outputs = []
+    commands = [
+        ["status"],
+        ["migrate"],
+        ["tasks", "show", "1"],
+        ["tasks", "finished"],
+        ["prune", "--older-than", "1d", "--dry-run"],
+        ["demo", "--url", url, "--seconds", "0.5"],
+    ]
+    for args in commands:
+        result = runner.invoke(
+            cli, ["--url", url, "--schema", schema, *args], env={"COLUMNS": "250"}
+        )
+        outputs += [result.stdout, result.stderr, texts_of(result.exception or Exception())]
+    by_env = runner.invoke(cli, ["--schema", schema, "status"], env={URL_ENV: url})
+    return [*outputs, by_env.stdout, by_env.stderr]
+
+
+def alembic_outputs(url: str, schema: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "alembic",
+            "-x",
+            f"url={url}",
+            "-x",
+            f"schema={schema}",
+            "upgrade",
+            "head",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return [result.stdout, result.stderr]
+
+
+@pytest.fixture
+async def cleanup(pg_url: URL) -> AsyncIterator[list[str]]:
+    schemas: list[str] = []
+    yield schemas
+    for name in schemas:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", FORMS)
+async def test_no_surface_shows_a_password(
+    pg_url: URL,
+    roles: dict[str, Role],
+    records: Records,
+    cleanup: list[str],
+    form: str,
+    variant: str,
+) -> None:
+    role = roles["safe" if form == "userinfo" else "special"]
+    password = f"wrong-{role.password}" if variant == "wrong-password" else role.password
+    port = unused_port() if variant == "unreachable" else pg_url.port or 5432
+    url = build(form, role, password, str(pg_url.host), port, str(pg_url.database))
+    schema = f"s_{uuid.uuid4().hex[:10]}"
+    cleanup.append(schema)
+    seen: list[str] = []
+    config = PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.5, session_timeout=2.0)
+
+    if variant == "right":
+        async with await PgStore.connect(url, config) as store:
+            seen += [repr(store), str(store), str(store.engine.url), repr(store.engine)]
+            await store.acquire_leadership()
+        # The store's warnings: a lock session that cannot connect, a read-only server.
+        dead_lock = build(form, role, password, str(pg_url.host), unused_port(), "x")
+        async with await PgStore.connect(url, config, lock_url=dead_lock) as store:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(store.acquire_leadership(), 1.0)
+        # The application's own engine keeps its URL as given (a ?password= stays in the
+        # query): the store's reprs and warnings must mask it all the same.
+        raw = create_async_engine(make_url(url).set(drivername="postgresql+asyncpg"))
+        try:
+            async with await PgStore.from_engine(raw, config, migrate=False) as store:
+                seen += [repr(store), str(store)]
+                await asyncio.wait_for(store.acquire_leadership(), 10)
+        finally:
+            await raw.dispose()
+        read_only = create_async_engine(
+            make_url(url).set(drivername="postgresql+asyncpg"),
+            connect_args={"server_settings": {"default_transaction_read_only": "on"}},
+        )
+        try:
+            async with await PgStore.from_engine(read_only, config, migrate=False) as store:
+                seen += [repr(store)]
+                with pytest.raises(UnavailableError) as caught:
+                    await store.commit(
+                        0, TimeBase.now(), [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], []
+                    )
+                seen.append(texts_of(caught.value))
+        finally:
+            await read_only.dispose()
+        assert any("no longer accepts writes" in t for t in records.texts)
+        assert any("cannot reach the database to acquire leadership" in t for t in records.texts)
+    else:
+        with pytest.raises(StoreError) as refused:
+            await PgStore.connect(url, config)
+        seen.append(texts_of(refused.value))
+        expected = "password authentication failed" if variant == "wrong-password" else ""
+        assert expected in str(refused.value)
+
+    seen += await asyncio.to_thread(cli_outputs, url, schema)
+    seen += await asyncio.to_thread(alembic_outputs, url, schema)
+    seen += records.texts
+    everything = "\n".join(seen)
+    assert role.name in everything  # the surfaces were produced and name the user
+    for secret in spellings(password):
+        assert secret not in everything, f"{secret!r} shown"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "host=db.example user=ops password='dsn {secret}' dbname=app",
+        "host=db.example password={secret} dbname=app",
+        "postgresql://ops:{secret}@db.example:notaport/app",
+        "postgresql://ops@db.example/app?sslpassword={secret}",
+        "postgresql://ops:{secret}@host1:5432,host2:5433/app",
+        "mysql://ops:{secret}@db.example/app",
+    ],
+)
+async def test_refused_url_forms_show_no_password(url: str, records: Records) -> None:
+    """A URL the store cannot use is refused with a clear error that masks the password."""
+    secret = f"Hx{uuid.uuid4().hex[:10]}"
+    typed = url.format(secret=secret)
+    with pytest.raises(ValueError, match="URL") as caught:
+        await PgStore.connect(typed)
+    seen = [
+        texts_of(caught.value),
+        redact(typed),
+        *await asyncio.to_thread(cli_outputs, typed, "public"),
+    ]
+    seen += await asyncio.to_thread(alembic_outputs, typed, "public")
+    everything = "\n".join(seen + records.texts)
+    assert "***" in everything
+    assert secret not in everything
+
+
+def test_scrub_masks_every_spelling_of_a_known_password() -> None:
+    url = "postgresql://ops:a%2Fb%40c@db/app?password=q%26r"
+    message = "auth failed for a/b@c (a%2Fb%40c) and q&r, sent as q%26r; password=zz"
+    masked = scrub(message, [url])
+    assert masked == "auth failed for *** (***) and ***, sent as ***; password=***"
+
+
+def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> None:
+    secret = f"Hx{uuid.uuid4().hex[:10]}"
+    wrong = pg_url.set(password=secret).render_as_string(hide_password=False)
+    refused = f"postgresql://ops@127.0.0.1:{unused_port()}/app?password={secret}"
+    for url, why in ((wrong, "password authentication failed"), (refused, "Connect call failed")):
+        stdout, stderr = alembic_outputs(url, "public")
+        assert "Traceback" not in stderr
+        assert stdout.startswith("FAILED: migrating failed: ")
+        assert why in stdout
+        assert secret not in stdout + stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # A password that is also a word of the URL masks only the password.
+        ("postgresql://postgres:postgres@db/app", "postgresql://postgres:***@db/app"),
+        (
+            "postgresql://ops@db/app?password=pw&sslpassword=k",
+            "postgresql://ops@db/app?password=***&sslpassword=***",
+        ),
+        (
+            "postgresql://ops@/app?host=a:1&host=b:2&password=pw",
+            "postgresql://ops@/app?host=a%3A1&host=b%3A2&password=***",
+        ),
+        ("postgresql://ops:s3cr@t@db/app", "postgresql://ops:***@db/app"),
+        ("host=db user=ops password='a b' dbname=app", "host=db user=ops password=*** dbname=app"),
+    ],
+)
+def test_redact_masks_the_password_and_nothing_else(url: str, shown: str) -> None:
+    assert redact(url) == shown
