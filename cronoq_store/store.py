@@ -554,6 +554,11 @@ class PgStore:
         those a live task depends on (by id or key); returns how many were deleted.
 
         Deletes :data:`PRUNE_BATCH` rows per transaction, oldest first, so locks stay short.
+        Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks
+        holds that row locked (it records the id high-water mark) from before its insert to
+        its end, so the batch waits for such commits in flight and its ``DELETE``, under a
+        new snapshot, sees the dependencies they added; commits arriving meanwhile wait for
+        one batch.
         """
         if (
             isinstance(older_than, bool)
@@ -569,6 +574,7 @@ class PgStore:
         async with self._translated("pruning finished tasks"):
             while True:
                 async with self._db.begin() as conn:
+                    await conn.execute(st.epoch_for_share)
                     deleted = (await conn.execute(st.prune_batch, params)).rowcount
                 total += deleted
                 if deleted < PRUNE_BATCH:
