@@ -41,7 +41,7 @@ from .domain import (
     epoch_of,
     task_id,
 )
-from .errors import FencedError, MigrationError, StoreError, UnavailableError
+from .errors import BatchTooLargeError, FencedError, MigrationError, StoreError, UnavailableError
 from .group_commit import CommitterClosedError, CommitterStats, GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
@@ -49,6 +49,7 @@ from .store import PgStore
 __all__ = [
     "EPOCH_MAX",
     "EPOCH_MIN",
+    "BatchTooLargeError",
     "CommitterClosedError",
     "CommitterStats",
     "CronSchedule",

@@ -16,6 +16,7 @@ import asyncpg
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
+    "BatchTooLargeError",
     "FencedError",
     "MigrationError",
     "StoreError",
@@ -162,3 +163,11 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     if any(isinstance(e, _PROTOCOL_BROKEN) for e in _chain(exc)):
         return UnavailableError(message)
     return StoreError(message)
+
+
+class BatchTooLargeError(StoreError):
+    """A batch (or one submission) is too large to commit in one transaction; never retried.
+
+    PostgreSQL refuses a protocol message over 1 GiB by closing the connection, which would
+    look like an outage; the store refuses such a batch before sending anything instead.
+    """

@@ -16,6 +16,9 @@ Failures are sorted by who they belong to:
   written again. Every pending submitter fails with it and the committer closes.
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
+
+Batches are bounded by rows and by bytes (:mod:`cronoq_store.sizing`), far below what
+PostgreSQL accepts in one message.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Protocol, TypeAlias, TypeVar
 
 from .domain import Mutation, TaskId, TimeBase
 from .errors import FencedError, StoreError
+from .sizing import mutation_size, output_size
 
 __all__ = [
     "CommitterClosedError",
@@ -119,7 +123,7 @@ class _State(enum.Enum):
 
 
 class _Submission:
-    __slots__ = ("future", "mutations", "outputs", "started", "state", "weight")
+    __slots__ = ("future", "mutations", "outputs", "size", "started", "state", "weight")
 
     def __init__(
         self,
@@ -135,6 +139,8 @@ class _Submission:
         # Each mutation and output is a row to write; an empty submission (a barrier) still
         # takes a place in the queue.
         self.weight = max(1, len(mutations) + len(outputs))
+        # Bytes on the wire, from above: the estimate PgStore.commit checks too.
+        self.size = sum(map(mutation_size, mutations)) + sum(map(output_size, outputs))
         self.state = _State.QUEUED
 
 
@@ -182,7 +188,9 @@ class GroupCommitter:
 
     One committer serves one leadership term: ``epoch`` and ``base`` are passed to every
     commit. Submissions are committed in the order they were accepted; a batch takes whole
-    submissions up to ``max_batch_mutations`` rows (a larger single submission goes alone).
+    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
+    :func:`~cronoq_store.sizing.mutation_size` estimates them; a larger single submission
+    goes alone, and fails at its first attempt if the store refuses its size).
     ``max_pending_mutations`` bounds the rows accepted but not yet settled (queued or in
     flight); ``submit`` waits for room, first come first served, and a submission larger
     than the bound is admitted once nothing else is pending. Outputs count as rows for both
@@ -201,6 +209,7 @@ class GroupCommitter:
         *,
         max_batch_mutations: int = 5000,
         max_pending_mutations: int = 20_000,
+        max_batch_bytes: int = 64 * 2**20,
         retry_initial: float = 0.05,
         retry_max: float = 2.0,
         latency_window: int = 10_000,
@@ -210,6 +219,7 @@ class GroupCommitter:
         self._base = base
         self._max_batch = _positive_int("max_batch_mutations", max_batch_mutations)
         self._max_pending = _positive_int("max_pending_mutations", max_pending_mutations)
+        self._max_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
         self._retry_initial = _positive_seconds("retry_initial", retry_initial)
         self._retry_max = _positive_seconds("retry_max", retry_max)
         if self._retry_max < self._retry_initial:
@@ -517,18 +527,19 @@ class GroupCommitter:
             self._wakeup.clear()
             await self._wakeup.wait()
         batch: list[_Submission] = []
-        rows = 0
+        rows = size = 0
         while queue:
             sub = queue[0]
             if sub.state is not _State.QUEUED:
                 queue.popleft()
                 continue
-            if batch and rows + sub.weight > self._max_batch:
+            if batch and (rows + sub.weight > self._max_batch or size + sub.size > self._max_bytes):
                 break
             queue.popleft()
             sub.state = _State.TAKEN
             batch.append(sub)
             rows += sub.weight
+            size += sub.size
         return batch
 
     async def _commit_group(self, subs: list[_Submission]) -> None:

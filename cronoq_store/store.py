@@ -57,10 +57,17 @@ from .domain import (
     TaskStatus,
     TimeBase,
 )
-from .errors import FencedError, StoreError, UnavailableError, translate_error
+from .errors import (
+    BatchTooLargeError,
+    FencedError,
+    StoreError,
+    UnavailableError,
+    translate_error,
+)
 from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
+from .sizing import MAX_COMMIT_BYTES, batch_size
 from .urls import async_url, redact
 from .writer import STAGE_MIN_ROWS, BatchWriter
 
@@ -95,6 +102,11 @@ class PgStore:
     :meth:`close`. The leader lock never rides on the pool: :class:`Leadership` holds it on
     a dedicated session, opened from ``lock_url`` when given, else from the engine's URL.
     """
+
+    #: The largest batch :meth:`commit` sends, as :func:`~cronoq_store.sizing.batch_size`
+    #: estimates it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
+    #: keep commits smaller; raising it risks batches the server refuses.
+    max_commit_bytes: int = MAX_COMMIT_BYTES
 
     def __init__(
         self,
@@ -320,12 +332,21 @@ class PgStore:
 
         Idempotent: a batch that already landed changes nothing when committed again.
         Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
-        lost and nothing is written) or leadership was lost before, and
-        ``UnavailableError`` if the database fails or the commit takes longer than
-        ``commit_timeout``.
+        lost and nothing is written) or leadership was lost before,
+        ``BatchTooLargeError`` (before sending anything) if the batch could exceed
+        :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
+        commit takes longer than ``commit_timeout``.
         """
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             raise FencedError("leadership was lost: this instance must not write any more")
+        size = batch_size(batch, outputs)
+        if size > self.max_commit_bytes:
+            raise BatchTooLargeError(
+                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
+                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
+                "one commit may send (PostgreSQL refuses a message over 1 GiB); commit "
+                "them in smaller batches"
+            )
         folded = fold(batch, base, time.time_ns(), outputs)
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
