@@ -28,6 +28,7 @@ from sqlalchemy import (
     delete,
     func,
     literal_column,
+    not_,
     or_,
     select,
     true,
@@ -46,6 +47,7 @@ from .schema import LEADER_ROW_ID, leader, recurring, tasks
 __all__ = [
     "LOCK_NS_LEADER",
     "MAX_EPOCH",
+    "accepts_writes",
     "advance_recurring",
     "bump_epoch",
     "create_stage",
@@ -473,3 +475,9 @@ _victims = (
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key.
 prune_batch = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+
+# --- health ---------------------------------------------------------------------------------
+
+#: Whether the server takes writes (a standby, or a demoted primary, answers false): what the
+#: group committer asks before giving up on a batch that keeps failing.
+accepts_writes = select(not_(func.pg_is_in_recovery(type_=Boolean)))

@@ -357,6 +357,28 @@ class PgStore:
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
                 ) from exc
 
+    async def ping(self) -> None:
+        """Return once the database answers and takes writes; ``UnavailableError`` if it
+        does not within ``commit_timeout``. The group committer asks, when a batch keeps
+        failing transiently, whether the database or the batch is at fault."""
+        timeout = self._config.commit_timeout
+        async with self._translated("pinging the database"):
+            try:
+                await _within(self._ping(), timeout)
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"pinging the database failed: no answer within commit_timeout ({timeout} s)"
+                ) from exc
+
+    async def _ping(self) -> None:
+        async with self._db.connect() as conn:
+            writable = (await conn.execute(st.accepts_writes)).scalar()
+        if not writable:
+            raise UnavailableError(
+                "pinging the database failed: the server does not take writes (a standby?)",
+                reconnect=True,
+            )
+
     async def _write(self, epoch: int, batch: FoldedBatch) -> None:
         async with self._driver_connection() as conn:
             current = await self._writer.write(conn, epoch, batch)
