@@ -41,7 +41,14 @@ from .domain import (
     epoch_of,
     task_id,
 )
-from .errors import FencedError, IdCollisionError, MigrationError, StoreError, UnavailableError
+from .errors import (
+    BatchTooLargeError,
+    FencedError,
+    IdCollisionError,
+    MigrationError,
+    StoreError,
+    UnavailableError,
+)
 from .group_commit import CommitterClosedError, CommitterStats, GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
@@ -49,6 +56,7 @@ from .store import PgStore
 __all__ = [
     "EPOCH_MAX",
     "EPOCH_MIN",
+    "BatchTooLargeError",
     "CommitterClosedError",
     "CommitterStats",
     "CronSchedule",

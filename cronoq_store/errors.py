@@ -16,6 +16,7 @@ import asyncpg
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
+    "BatchTooLargeError",
     "FencedError",
     "IdCollisionError",
     "MigrationError",
@@ -178,3 +179,11 @@ class IdCollisionError(StoreError):
             "the batch was written (issue ids from Recovered.next_id, see task_id)"
         )
         self.ids = ids
+
+
+class BatchTooLargeError(StoreError):
+    """A batch (or one submission) is too large to commit in one transaction; never retried.
+
+    PostgreSQL refuses a protocol message over 1 GiB by closing the connection, which would
+    look like an outage; the store refuses such a batch before sending anything instead.
+    """

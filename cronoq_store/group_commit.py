@@ -11,11 +11,16 @@ Failures are sorted by who they belong to:
 
 * ``UnavailableError`` (transient) belongs to the database: the same batch is retried with
   capped exponential backoff and full jitter; commits are idempotent, so a retry of a batch
-  that did land changes nothing.
+  that did land changes nothing. Unless the database answers while the batch keeps
+  failing: then the batch is at fault (a server that closes the connection on it, a
+  statement timeout it always hits) and is treated as if the error were not transient.
 * ``FencedError`` belongs to this instance: another leader took over, so nothing may be
   written again. Every pending submitter fails with it and the committer closes.
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
+
+Batches are bounded by rows and by bytes (:mod:`cronoq_store.sizing`), far below what
+PostgreSQL accepts in one message.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeAlias, TypeVar
 
 from .domain import Mutation, TaskId, TimeBase
 from .errors import FencedError, StoreError
+from .sizing import mutation_size, output_size
 
 __all__ = [
     "CommitterClosedError",
@@ -98,8 +104,13 @@ class CommitterStats:
     commits: int
     #: Commit attempts that failed transiently and were retried.
     retries: int
-    #: Batches split in two because a non-transient error failed them.
+    #: Batches split in two because a non-transient error failed them, or a stuck one.
     splits: int
+    #: Batches that kept failing transiently while the database answered (stuck): split,
+    #: or, a single submission, failed with the last error.
+    stuck_batches: int
+    #: Pings that found the database not answering: the failing batch was retried.
+    unanswered_pings: int
     #: Submissions accepted and not yet settled (queued or in flight), and their size.
     pending_submissions: int
     pending_mutations: int
@@ -119,7 +130,7 @@ class _State(enum.Enum):
 
 
 class _Submission:
-    __slots__ = ("future", "mutations", "outputs", "started", "state", "weight")
+    __slots__ = ("future", "mutations", "outputs", "size", "started", "state", "weight")
 
     def __init__(
         self,
@@ -135,7 +146,17 @@ class _Submission:
         # Each mutation and output is a row to write; an empty submission (a barrier) still
         # takes a place in the queue.
         self.weight = max(1, len(mutations) + len(outputs))
+        # Bytes on the wire, from above: the estimate PgStore.commit checks too.
+        self.size = sum(map(mutation_size, mutations)) + sum(map(output_size, outputs))
         self.state = _State.QUEUED
+
+
+class _Stuck(Exception):
+    """Internal: a batch kept failing transiently although the database answered."""
+
+    def __init__(self, last_error: StoreError) -> None:
+        super().__init__(str(last_error))
+        self.last_error = last_error
 
 
 class _Abandoned(Exception):
@@ -182,12 +203,18 @@ class GroupCommitter:
 
     One committer serves one leadership term: ``epoch`` and ``base`` are passed to every
     commit. Submissions are committed in the order they were accepted; a batch takes whole
-    submissions up to ``max_batch_mutations`` rows (a larger single submission goes alone).
+    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
+    :func:`~cronoq_store.sizing.mutation_size` estimates them; a larger single submission
+    goes alone, and fails at its first attempt if the store refuses its size).
     ``max_pending_mutations`` bounds the rows accepted but not yet settled (queued or in
     flight); ``submit`` waits for room, first come first served, and a submission larger
     than the bound is admitted once nothing else is pending. Outputs count as rows for both
     bounds. Transient failures are retried after a full-jitter delay drawn from
-    ``[0, min(retry_max, retry_initial * 2**n)]`` seconds.
+    ``[0, min(retry_max, retry_initial * 2**n)]`` seconds. From ``stuck_after`` consecutive
+    transient failures of one batch on, the committer asks the store's ``ping()``, if it has
+    one, whether the database answers; a batch that fails again between two answered pings
+    is stuck: it is split in order (a single submission fails with its last error). A
+    database that does not answer is an outage: the batch is retried as long as it lasts.
 
     Use it as an async context manager, or call :meth:`close`; the writer task starts with
     the first submission.
@@ -201,6 +228,8 @@ class GroupCommitter:
         *,
         max_batch_mutations: int = 5000,
         max_pending_mutations: int = 20_000,
+        max_batch_bytes: int = 64 * 2**20,
+        stuck_after: int = 3,
         retry_initial: float = 0.05,
         retry_max: float = 2.0,
         latency_window: int = 10_000,
@@ -210,6 +239,10 @@ class GroupCommitter:
         self._base = base
         self._max_batch = _positive_int("max_batch_mutations", max_batch_mutations)
         self._max_pending = _positive_int("max_pending_mutations", max_pending_mutations)
+        self._max_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
+        self._stuck_after = _positive_int("stuck_after", stuck_after)
+        ping = getattr(store, "ping", None)
+        self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
         self._retry_initial = _positive_seconds("retry_initial", retry_initial)
         self._retry_max = _positive_seconds("retry_max", retry_max)
         if self._retry_max < self._retry_initial:
@@ -245,6 +278,8 @@ class GroupCommitter:
         self._commits = 0
         self._retries = 0
         self._splits = 0
+        self._stuck = 0
+        self._unanswered_pings = 0
         self._committed_submissions = 0
 
     # --- public API -------------------------------------------------------------------------
@@ -371,6 +406,8 @@ class GroupCommitter:
             commits=commits,
             retries=self._retries,
             splits=self._splits,
+            stuck_batches=self._stuck,
+            unanswered_pings=self._unanswered_pings,
             pending_submissions=self._pending_count,
             pending_mutations=self._pending_weight,
             mean_batch_mutations=self._mutations / commits if commits else 0.0,
@@ -517,18 +554,19 @@ class GroupCommitter:
             self._wakeup.clear()
             await self._wakeup.wait()
         batch: list[_Submission] = []
-        rows = 0
+        rows = size = 0
         while queue:
             sub = queue[0]
             if sub.state is not _State.QUEUED:
                 queue.popleft()
                 continue
-            if batch and rows + sub.weight > self._max_batch:
+            if batch and (rows + sub.weight > self._max_batch or size + sub.size > self._max_bytes):
                 break
             queue.popleft()
             sub.state = _State.TAKEN
             batch.append(sub)
             rows += sub.weight
+            size += sub.size
         return batch
 
     async def _commit_group(self, subs: list[_Submission]) -> None:
@@ -541,7 +579,11 @@ class GroupCommitter:
             await self._commit_with_retry(mutations, outputs)
         except (FencedError, _Abandoned):
             raise
-        except Exception as exc:  # a StoreError that is not transient, or a bad mutation
+        except Exception as caught:  # not transient, a bad mutation, or a stuck batch
+            exc: BaseException = caught
+            if isinstance(caught, _Stuck):
+                self._stuck += 1
+                exc = caught.last_error
             if len(subs) == 1:
                 logger.warning(
                     "a submission failed to commit",
@@ -578,8 +620,10 @@ class GroupCommitter:
             self._acknowledge(sub, now)
 
     async def _commit_with_retry(self, mutations: list[Mutation], outputs: list[Output]) -> None:
-        """One batch until it commits; transient failures are retried until an abort."""
+        """One batch until it commits; transient failures are retried until an abort, or
+        until the batch is stuck (``_Stuck``)."""
         attempt = 0
+        answered = False  # the database answered a ping since the last failed attempt
         while True:
             try:
                 await self._store.commit(self._epoch, self._base, mutations, outputs)
@@ -591,6 +635,12 @@ class GroupCommitter:
             if self._aborting:
                 raise _Abandoned(last)
             attempt += 1
+            ping = self._ping
+            if attempt >= self._stuck_after and ping is not None:
+                # Answered before and after the attempt that just failed: the batch's fault.
+                answered, before = await self._answers(ping), answered
+                if answered and before:
+                    raise _Stuck(last)
             self._retries += 1
             ceiling = self._retry_initial * 2 ** min(attempt - 1, _MAX_BACKOFF_EXPONENT)
             delay = self._rng.uniform(0.0, min(self._retry_max, ceiling))
@@ -605,6 +655,19 @@ class GroupCommitter:
             )
             if await self._sleep_unless_aborted(delay):
                 raise _Abandoned(last)
+
+    async def _answers(self, ping: Callable[[], Awaitable[object]]) -> bool:
+        """Whether the store's ``ping()`` says the database answers."""
+        try:
+            await ping()
+        except StoreError as exc:
+            self._unanswered_pings += 1
+            logger.warning(
+                "the database does not answer; retrying the batch until it does",
+                extra={"error": str(exc)},
+            )
+            return False
+        return True
 
     async def _sleep_unless_aborted(self, delay: float) -> bool:
         """Sleep ``delay`` seconds; ``True`` if an abort cut the sleep short."""

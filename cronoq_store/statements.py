@@ -31,6 +31,7 @@ from sqlalchemy import (
     func,
     literal,
     literal_column,
+    not_,
     null,
     or_,
     select,
@@ -53,6 +54,7 @@ __all__ = [
     "LOCK_SESSION_SETTINGS",
     "MAX_EPOCH",
     "SEARCH_PATH",
+    "accepts_writes",
     "advance_recurring",
     "bump_epoch",
     "colliding_ids",
@@ -623,3 +625,9 @@ restore_search_path = select(
         _SEARCH_PATH_NAME, bindparam("path", type_=Text), literal_column("false")
     )
 )
+
+# --- health ---------------------------------------------------------------------------------
+
+#: Whether the server takes writes (a standby, or a demoted primary, answers false): what the
+#: group committer asks before giving up on a batch that keeps failing.
+accepts_writes = select(not_(func.pg_is_in_recovery(type_=Boolean)))

@@ -57,10 +57,18 @@ from .domain import (
     TimeBase,
     clean_text,
 )
-from .errors import FencedError, IdCollisionError, StoreError, UnavailableError, translate_error
+from .errors import (
+    BatchTooLargeError,
+    FencedError,
+    IdCollisionError,
+    StoreError,
+    UnavailableError,
+    translate_error,
+)
 from .folding import FoldedBatch, fold
 from .leadership import Leadership
 from .schema import schema_options
+from .sizing import MAX_COMMIT_BYTES, batch_size
 from .urls import async_url, redact
 from .writer import STAGE_MIN_ROWS, BatchWriter, CompiledStatement
 
@@ -100,6 +108,11 @@ class PgStore:
     application's engine opens it the way that engine connects (its creator, TLS and
     connect arguments, on a pool of its own), and a store with its own engine from the URL.
     """
+
+    #: The largest batch :meth:`commit` sends, as :func:`~cronoq_store.sizing.batch_size`
+    #: estimates it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
+    #: keep commits smaller; raising it risks batches the server refuses.
+    max_commit_bytes: int = MAX_COMMIT_BYTES
 
     def __init__(
         self,
@@ -344,12 +357,21 @@ class PgStore:
 
         Idempotent: a batch that already landed changes nothing when committed again.
         Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
-        lost and nothing is written) or leadership was lost before, and
-        ``UnavailableError`` if the database fails or the commit takes longer than
-        ``commit_timeout``.
+        lost and nothing is written) or leadership was lost before,
+        ``BatchTooLargeError`` (before sending anything) if the batch could exceed
+        :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
+        commit takes longer than ``commit_timeout``.
         """
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             raise FencedError("leadership was lost: this instance must not write any more")
+        size = batch_size(batch, outputs)
+        if size > self.max_commit_bytes:
+            raise BatchTooLargeError(
+                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
+                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
+                "one commit may send (PostgreSQL refuses a message over 1 GiB); commit "
+                "them in smaller batches"
+            )
         folded = fold(batch, base, time.time_ns(), outputs)
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
@@ -359,6 +381,28 @@ class PgStore:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
                 ) from exc
+
+    async def ping(self) -> None:
+        """Return once the database answers and takes writes; ``UnavailableError`` if it
+        does not within ``commit_timeout``. The group committer asks, when a batch keeps
+        failing transiently, whether the database or the batch is at fault."""
+        timeout = self._config.commit_timeout
+        async with self._translated("pinging the database"):
+            try:
+                await _within(self._ping(), timeout)
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"pinging the database failed: no answer within commit_timeout ({timeout} s)"
+                ) from exc
+
+    async def _ping(self) -> None:
+        async with self._db.connect() as conn:
+            writable = (await conn.execute(st.accepts_writes)).scalar()
+        if not writable:
+            raise UnavailableError(
+                "pinging the database failed: the server does not take writes (a standby?)",
+                reconnect=True,
+            )
 
     async def _write(self, epoch: int, batch: FoldedBatch) -> None:
         async with self._driver_connection() as conn:
@@ -601,6 +645,11 @@ class PgStore:
         those a live task depends on (by id or key); returns how many were deleted.
 
         Deletes :data:`PRUNE_BATCH` rows per transaction, oldest first, so locks stay short.
+        Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks
+        holds that row locked (it records the id high-water mark) from before its insert to
+        its end, so the batch waits for such commits in flight and its ``DELETE``, under a
+        new snapshot, sees the dependencies they added; commits arriving meanwhile wait for
+        one batch.
         """
         if (
             isinstance(older_than, bool)
@@ -616,6 +665,7 @@ class PgStore:
         async with self._translated("pruning finished tasks"):
             while True:
                 async with self._session() as conn:
+                    await conn.execute(st.epoch_for_share)
                     deleted = (await conn.execute(st.prune_batch, params)).rowcount
                 total += deleted
                 if deleted < PRUNE_BATCH:

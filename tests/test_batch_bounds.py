@@ -1,0 +1,253 @@
+"""Batches that can never commit: bounded by bytes, refused when too large, and split when
+they keep failing while the database answers, on a real server.
+
+The 1 GiB message limit of PostgreSQL is not allocated here: the committer's and the
+store's byte bounds are parameters, lowered to a few hundred KiB. A batch that fails
+"transiently" every time is made on the server: a trigger that ends its own session, or
+sleeps past a statement timeout, whenever a poisoned payload is inserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import Mutation, Submitted, TaskId, TaskSpec, TimeBase, task_id
+from cronoq_store.errors import BatchTooLargeError, StoreError, UnavailableError
+from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.sizing import batch_size
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+
+from .pgharness import ServerUnderTest, admin_execute
+from .test_group_commit import wait_until
+
+BASE = TimeBase.now()
+_seq = itertools.count(1)
+POISON = b"poison"
+
+
+def submitted(epoch: int, n: int, payload: bytes | None = None) -> Submitted:
+    spec = TaskSpec(b"payload %d" % n if payload is None else payload)
+    return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, spec)
+
+
+async def stored_ids(url: URL, schema: str) -> set[int]:
+    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
+    return {r["id"] for r in rows}
+
+
+@asynccontextmanager
+async def open_store(url: URL, schema: str, **config: Any) -> AsyncIterator[PgStore]:
+    store = await PgStore.connect(url, PgStoreConfig(schema=schema, **config))
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+class Recording:
+    """The real store, with the size of every batch it was asked to commit recorded."""
+
+    def __init__(self, store: PgStore) -> None:
+        self.store = store
+        self.sizes: list[int] = []
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        self.sizes.append(batch_size(batch, outputs))
+        await self.store.commit(epoch, base, batch, outputs)
+
+
+async def test_concurrent_large_submissions_are_batched_under_the_byte_bound(
+    pg_url: URL, schema: str
+) -> None:
+    """17 submissions of 256 KiB each, all at once, under a 1 MiB bound: each batch stays
+    under it (today they merge into one batch 17 times the size of each)."""
+    bound = 2**20
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        recording = Recording(store)
+        subs = [[submitted(epoch, n, bytes(256 * 1024))] for n in range(17)]
+        async with GroupCommitter(recording, epoch, BASE, max_batch_bytes=bound) as committer:
+            await asyncio.wait_for(asyncio.gather(*(committer.submit(s) for s in subs)), 60)
+        assert await stored_ids(pg_url, schema) == {s[0].id for s in subs}
+        assert max(recording.sizes) <= bound
+        assert committer.stats().commits == len(recording.sizes) >= 5
+
+
+async def test_a_batch_too_large_for_the_server_is_refused_before_it_is_sent(
+    pg_url: URL, schema: str
+) -> None:
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        store.max_commit_bytes = 2**20
+        big = submitted(epoch, 1, bytes(2**20))
+        with pytest.raises(BatchTooLargeError, match="over the 1048576 bytes") as refused:
+            await store.commit(epoch, BASE, [big], [])
+        assert not refused.value.is_transient
+        # Outputs count too: a task's output of 1 MiB cannot ride on a 1 MiB commit.
+        small = submitted(epoch, 2)
+        with pytest.raises(BatchTooLargeError):
+            await store.commit(epoch, BASE, [small], [(small.id, bytes(2**20))])
+        assert await stored_ids(pg_url, schema) == set()
+
+
+async def test_a_submission_too_large_to_commit_fails_at_once_and_alone(
+    pg_url: URL, schema: str
+) -> None:
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        store.max_commit_bytes = 2**20
+        subs = [[submitted(epoch, n)] for n in range(10)]
+        subs[4] = [submitted(epoch, 4, bytes(2**20))]
+        committer = GroupCommitter(store, epoch, BASE, max_batch_bytes=2**19)
+        async with committer:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(committer.submit(s) for s in subs), return_exceptions=True), 30
+            )
+        assert isinstance(outcomes[4], BatchTooLargeError)
+        assert [o for i, o in enumerate(outcomes) if i != 4] == [None] * 9
+        stats = committer.stats()
+        assert (stats.retries, stats.failed_submissions) == (0, 1)  # failed at its only try
+        expected = {s[0].id for i, s in enumerate(subs) if i != 4}
+        assert await stored_ids(pg_url, schema) == expected
+
+
+async def plant_poison(url: URL, schema: str, action: str) -> None:
+    """A trigger that runs ``action`` whenever a task with the poisoned payload is inserted."""
+    await admin_execute(
+        url,
+        f'CREATE FUNCTION "{schema}".poison() RETURNS trigger LANGUAGE plpgsql AS '
+        f"$$ BEGIN {action}; RETURN NEW; END $$",
+    )
+    await admin_execute(
+        url,
+        f'CREATE TRIGGER poison BEFORE INSERT ON "{schema}".cronoq_tasks FOR EACH ROW '
+        f"WHEN (NEW.payload = '\\x{POISON.hex()}'::bytea) "
+        f'EXECUTE FUNCTION "{schema}".poison()',
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "action", "message"),
+    [
+        (
+            "the server closes the connection",
+            "PERFORM pg_terminate_backend(pg_backend_pid())",
+            "connection",
+        ),
+        ("a statement timeout", "PERFORM pg_sleep(30)", "statement timeout"),
+    ],
+)
+async def test_a_batch_that_keeps_failing_while_the_database_answers_is_split(
+    pg_url: URL, schema: str, failure: str, action: str, message: str
+) -> None:
+    """Every attempt of a batch holding the poisoned submission fails transiently, and
+    small commits succeed meanwhile: the batch is split until the poisoned submission
+    fails alone with that error, and the others commit (today: retried forever)."""
+    engine = create_async_engine(
+        async_url(pg_url),
+        connect_args={"server_settings": {"statement_timeout": "300"}},
+    )
+    try:
+        store = await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
+        try:
+            await plant_poison(pg_url, schema, action)
+            epoch = await store.acquire_leadership()
+            subs = [[submitted(epoch, n)] for n in range(8)]
+            subs[5] = [submitted(epoch, 5, POISON)]
+            committer = GroupCommitter(store, epoch, BASE, retry_initial=0.01, retry_max=0.05)
+            async with committer:
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(*(committer.submit(s) for s in subs), return_exceptions=True),
+                    60,
+                )
+        finally:
+            await store.close()
+    finally:
+        await engine.dispose()
+
+    poisoned = outcomes[5]
+    assert isinstance(poisoned, UnavailableError), poisoned
+    assert message in str(poisoned)
+    assert [o for i, o in enumerate(outcomes) if i != 5] == [None] * 7
+    stats = committer.stats()
+    assert stats.stuck_batches >= 2  # the first batch, and the poisoned submission alone
+    assert stats.splits >= 3  # 8 submissions down to one
+    assert stats.failed_submissions == 1
+    expected = {s[0].id for i, s in enumerate(subs) if i != 5}
+    assert await stored_ids(pg_url, schema) == expected
+
+
+async def test_an_outage_is_retried_for_as_long_as_it_lasts(
+    pg_server: ServerUnderTest, pg_url: URL, schema: str
+) -> None:
+    """The server is down for a while: pings go unanswered, so no batch is taken for
+    stuck, nothing fails, and everything commits once the server is back."""
+    if pg_server.kind == "external":
+        pytest.skip("needs a server the suite can stop")
+    async with open_store(pg_url, schema, commit_timeout=2.0) as store:
+        epoch = await store.acquire_leadership()
+        committer = GroupCommitter(
+            store, epoch, BASE, stuck_after=1, retry_initial=0.01, retry_max=0.1
+        )
+        async with committer:
+            await committer.submit([submitted(epoch, 0)])
+            await asyncio.to_thread(pg_server.stop, "immediate")
+            try:
+                pending = [
+                    asyncio.create_task(committer.submit([submitted(epoch, n)]))
+                    for n in range(1, 21)
+                ]
+                await wait_until(
+                    lambda: committer.stats().unanswered_pings >= 3, what="unanswered pings"
+                )
+            finally:
+                await asyncio.to_thread(pg_server.start)
+            outcomes = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 60)
+        assert outcomes == [None] * 20
+        stats = committer.stats()
+        assert stats.failed_submissions == stats.stuck_batches == 0
+        assert stats.retries >= 3
+    assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(21)}
+
+
+async def test_a_store_without_ping_keeps_retrying() -> None:
+    """Only a store that can say whether the database answers gets batches split."""
+
+    class Failing:
+        attempts = 0
+
+        async def commit(
+            self,
+            epoch: int,
+            base: TimeBase,
+            batch: Sequence[Mutation],
+            outputs: Sequence[tuple[TaskId, bytes]],
+        ) -> None:
+            self.attempts += 1
+            raise UnavailableError("connection refused")
+
+    store = Failing()
+    committer = GroupCommitter(store, 1, BASE, stuck_after=1, retry_initial=0.01, retry_max=0.01)
+    task = asyncio.create_task(committer.submit([submitted(1, 1)]))
+    await wait_until(lambda: store.attempts >= 20, what="20 attempts")
+    assert not task.done()
+    assert committer.stats().stuck_batches == 0
+    await committer.close(drain=False)
+    with pytest.raises(StoreError):
+        await task
