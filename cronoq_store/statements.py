@@ -18,6 +18,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    Numeric,
     Table,
     Text,
     and_,
@@ -541,19 +542,40 @@ task_output = select(tasks.c.output).where(
 # --- pruning --------------------------------------------------------------------------------
 
 _live = tasks.alias("l")
+_EMPTY_DEPS: ColumnElement[Any] = literal_column("'[]'::jsonb")
+# A row written by hand may hold anything: deps that are not an array, ids that are not
+# integers or leave BIGINT. Such a row must not fail every prune (recovery quarantines it):
+# what cannot be an id protects nothing, and the casts run only on values that fit.
 _dep = (
-    func.jsonb_array_elements(_live.c.deps)
+    func.jsonb_array_elements(
+        case(
+            (func.jsonb_typeof(_live.c.deps) == literal_column("'array'"), _live.c.deps),
+            else_=_EMPTY_DEPS,
+        )
+    )
     .table_valued(column("value", JSONB))
     .render_derived(name="d")
+)
+_dep_id = _dep.c.value["id"]
+_dep_id_number = cast(_dep_id, Numeric)
+_dep_id_bigint = case(
+    (
+        and_(
+            func.jsonb_typeof(_dep_id) == literal_column("'number'"),
+            _dep_id_number.between(literal_column(str(-(2**63))), literal_column(str(2**63 - 1))),
+        ),
+        cast(_dep_id_number, BigInteger),
+    ),
+    else_=null(),
 )
 # The literal '[]' (not a parameter) lets the planner use the partial index on live deps.
 _refs = (
     select(
-        cast(_dep.c.value["id"].astext, BigInteger).label("id"),
+        _dep_id_bigint.label("id"),
         _dep.c.value["key"].astext.label("key"),
     )
     .select_from(_live.join(_dep, true()))
-    .where(~_live.c.terminal, _live.c.deps != literal_column("'[]'::jsonb"))
+    .where(~_live.c.terminal, _live.c.deps != _EMPTY_DEPS)
     .cte("refs")
 )
 _old = tasks.alias("t")

@@ -158,6 +158,47 @@ async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
         await store.prune(-1)
 
 
+@pytest.mark.parametrize(
+    "deps",
+    [
+        '{"id": 7}',  # not an array
+        '"k7"',
+        "[5, null, []]",  # elements that are not objects
+        '[{"id": "7"}]',  # an id that is not a number
+        '[{"id": 7.5}]',
+        '[{"id": 1e30}]',  # a number beyond BIGINT
+        '[{"id": -1e30}]',
+        '[{"key": 7}]',  # a key that is not a string
+        '[{"id": {"deep": [1]}}]',
+    ],
+)
+async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
+    store: PgStore, deps: str
+) -> None:
+    """A row written by hand may hold any jsonb: prune keeps working, and what such a row
+    cannot name protects nothing, while well-formed dependencies still protect."""
+    batch: list[Mutation] = [
+        submitted(7, key="k7"),
+        changed(7, SUCCEEDED, ago=2 * HOUR),
+        submitted(8, key="k8"),
+        changed(8, SUCCEEDED, ago=2 * HOUR),
+        submitted(20, deps=[Dependency(TaskId(8))]),
+        submitted(21),
+    ]
+    await store.commit(0, BASE, batch, [])
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            text(
+                f'UPDATE "{store.config.schema}".cronoq_tasks SET deps = CAST(:d AS jsonb) '
+                "WHERE id = 21"
+            ),
+            {"d": deps},
+        )
+
+    assert await store.prune(3600) == 1
+    assert await stored_ids(store) == [8, 20, 21]
+
+
 async def test_load_output_only_for_succeeded_tasks(store: PgStore) -> None:
     await store.commit(
         0,
