@@ -156,13 +156,12 @@ def _decode_task(base: TimeBase, row: asyncpg.Record) -> RecoveredTask:
 
 async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) -> Recovered:
     """The store's queries on raw asyncpg, in one transaction, decoded the same way."""
-    high_water = compile_for_asyncpg(st.high_water, schema)
+    next_id = compile_for_asyncpg(st.next_id, schema)
     live = compile_for_asyncpg(st.live_tasks, schema)
     terminal = compile_for_asyncpg(st.recent_terminal, schema)
     recurring = compile_for_asyncpg(st.recurring_schedules, schema)
     async with conn.transaction():
-        high = await conn.fetchval(high_water.sql, *high_water.args({}))
-        recovered = Recovered(next_id=high + 1 if high > 0 else 0)
+        recovered = Recovered(next_id=await conn.fetchval(next_id.sql, *next_id.args({})))
         now = time.time_ns()
         recovered.tasks = [_decode_task(base, row) for row in await conn.fetch(live.sql)]
         dep_ids: set[int] = set()

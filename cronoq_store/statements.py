@@ -62,7 +62,6 @@ __all__ = [
     "create_stage",
     "epoch_for_share",
     "finished_page",
-    "high_water",
     "insert_from_stage",
     "insert_tasks",
     "insert_tasks_fenced",
@@ -70,6 +69,7 @@ __all__ = [
     "local_search_path",
     "lock_session_settings",
     "may_stage",
+    "next_id",
     "ping",
     "prune_batch",
     "quarantine",
@@ -410,11 +410,15 @@ advance_recurring = (
 
 # --- recovery -------------------------------------------------------------------------------
 
-#: The largest id ever issued: the recorded high-water mark or the largest stored id.
-high_water = select(
+_recorded_max = select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery()
+
+#: One more than the largest id ever issued (the recorded high-water mark, or the largest
+#: stored id: a stored id 0 counts), 0 when none was. A recorded mark of 0 is the column's
+#: default, not an issued id.
+next_id = select(
     func.greatest(
-        select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery(),
-        select(func.coalesce(func.max(tasks.c.id), 0)).scalar_subquery(),
+        case((_recorded_max > 0, _recorded_max + 1), else_=0),
+        select(func.coalesce(func.max(tasks.c.id) + 1, 0)).scalar_subquery(),
     )
 )
 

@@ -132,11 +132,16 @@ async def test_next_id_is_zero_for_an_empty_store(store: PgStore) -> None:
     assert (recovered.next_id, recovered.tasks, recovered.terminal) == (0, [], [])
 
 
+async def test_next_id_is_above_a_stored_id_zero(store: PgStore) -> None:
+    await store.commit(0, BASE, [submitted(0)], [])
+    assert (await store.recover(BASE)).next_id == 1
+
+
 CORRUPTIONS = {
     # task id: (column assignment, what the quarantine message must say)
     2: ('deps = \'[{"id": "seven"}]\'', "deps[0].id: expected a task id"),
     3: ('deps = \'{"not": "an array"}\'', "deps: expected an array"),
-    4: ("status = 'paused'", "status: 'paused' is not the status of a live task"),
+    4: ("status = 'succeeded'", "status: 'succeeded' is the status of a finished task"),
     5: ("fixed_at_unix_ns = 1, fixed_tolerance_ns = -5", "tolerance: must be a non-negative"),
     6: ("retry = '{\"max_attempts\": 0}'", "retry.max_attempts"),
     7: ("tags = '[1]'", "tags[0]: expected a string"),
@@ -193,9 +198,13 @@ async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
             submitted(1, fixed_start=FixedStart(5, on_miss=MissPolicy.FAIL)),
             submitted(2, deps=[Dependency(TaskId(1), DependencyCondition.FINISHED)]),
             submitted(3, priority=Priority.HIGH),
+            submitted(4),
+            StatusChanged(TaskId(4), TaskStatus.RUNNING, attempt=3, at=0),
         ],
         [],
     )
+    # A live status this build does not know: the task stays live, with its attempt.
+    await execute(store, "UPDATE {s}.cronoq_tasks SET status = 'paused' WHERE id = 4")
     await execute(store, "UPDATE {s}.cronoq_tasks SET fixed_on_miss = 'defer' WHERE id = 1")
     await execute(
         store,
@@ -209,6 +218,7 @@ async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
     assert specs[TaskId(1)].fixed_start == FixedStart(5, on_miss=MissPolicy.SKIP)
     assert specs[TaskId(2)].deps == (Dependency(TaskId(1), DependencyCondition.SUCCEEDED),)
     assert specs[TaskId(3)].priority is Priority.NORMAL
+    assert [(t.id, t.attempt) for t in recovered.tasks if t.id == 4] == [(4, 3)]
     assert recovered.terminal == []
 
 
