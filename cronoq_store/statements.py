@@ -79,6 +79,7 @@ __all__ = [
     "remove_recurring",
     "restore_search_path",
     "schema_oid",
+    "server_encoding",
     "set_local_search_path",
     "stage",
     "store_outputs",
@@ -357,6 +358,10 @@ stage = Table(
     prefixes=["TEMPORARY"],
     postgresql_on_commit="DELETE ROWS",
 )
+
+#: The database's encoding: text the store accepts is stored only where it is UTF8 (any other
+#: encoding refuses characters it lacks, and such a value would fail its whole batch).
+server_encoding = select(func.pg_catalog.current_setting(literal_column("'server_encoding'")))
 
 #: Whether this role may create temporary tables (``TEMPORARY`` is granted to ``PUBLIC``
 #: by default; where it was revoked, large batches go as arrays instead).

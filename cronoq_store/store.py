@@ -245,6 +245,7 @@ class PgStore:
         migrate: bool,
     ) -> PgStore:
         where = redact(engine.url)
+        await _require_utf8(engine, where)
         if migrate:
             await migrations.upgrade(engine, config.schema)
         else:
@@ -681,6 +682,21 @@ if sys.version_info >= (3, 11):
 
 else:
     _within = asyncio.wait_for  # pragma: no cover
+
+
+async def _require_utf8(engine: AsyncEngine, where: str) -> None:
+    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
+    string the domain accepts must be storable, and another encoding lacks most characters."""
+    try:
+        async with engine.connect() as conn:
+            encoding = (await conn.execute(st.server_encoding)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the database's encoding") from exc
+    if encoding != "UTF8":
+        raise StoreError(
+            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
 
 
 def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:

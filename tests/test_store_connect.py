@@ -251,3 +251,25 @@ async def test_mixed_case_schema_names_are_kept_apart(pg_url: URL) -> None:
     finally:
         for name in names:
             await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+async def test_a_database_not_encoded_in_utf8_is_refused_before_anything_is_created(
+    pg_url: URL,
+) -> None:
+    """In LATIN1, a key such as '日本' would fail its whole batch: refused at open instead."""
+    name = "cronoq_latin1"
+    await admin_execute(pg_url, f"DROP DATABASE IF EXISTS {name}")
+    await admin_execute(
+        pg_url,
+        f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    latin1 = pg_url.set(database=name)
+    try:
+        with pytest.raises(StoreError, match="encoded in LATIN1: cronoq-store needs a UTF8"):
+            await PgStore.connect(latin1, PgStoreConfig(schema="cluster"))
+        rows = await admin_execute(
+            latin1, "SELECT count(*) AS n FROM pg_namespace WHERE nspname = 'cluster'"
+        )
+        assert rows[0]["n"] == 0
+    finally:
+        await admin_execute(pg_url, f"DROP DATABASE IF EXISTS {name}")
