@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import re
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -193,7 +194,8 @@ _quarantined = select(func.count()).where(
 )
 _schedules = select(
     recurring.c.name,
-    recurring.c.spec["schedule"].label("schedule"),
+    # As text: the dialect's json.loads recurses on a hand-written value nested too deep.
+    cast(recurring.c.spec["schedule"], Text).label("schedule"),
     recurring.c.next_unix_ns,
     recurring.c.last_task_id,
 ).order_by(recurring.c.name)
@@ -412,14 +414,22 @@ def _task_id(value: int) -> str:
     return f"{value} (epoch {epoch_of(TaskId(value))}, #{counter})"
 
 
-def _describe_schedule(schedule: object) -> str:
-    """The stored schedule as text; undecodable ones are shown, not skipped (status is for
-    finding exactly those)."""
+def _describe_schedule(stored: str | None) -> str:
+    """The stored schedule (its JSON text) as words; undecodable ones are shown, not skipped
+    (status is for finding exactly those), and nothing a row holds can make this fail."""
+    try:
+        return _schedule_words(None if stored is None else json.loads(stored))
+    except (ValueError, RecursionError, OverflowError):
+        return f"undecodable: {stored}"[:80]
+
+
+def _schedule_words(schedule: object) -> str:
     if isinstance(schedule, dict):
         if schedule.get("type") == "cron":
-            return f"cron {schedule.get('expr')} ({schedule.get('timezone', 'UTC')})"
+            return f"cron {schedule.get('expr')} ({schedule.get('timezone', 'UTC')})"[:80]
         every = schedule.get("every_ns")
-        if schedule.get("type") == "interval" and isinstance(every, int) and every > 0:
+        # What recovery decodes: a positive BIGINT of nanoseconds.
+        if schedule.get("type") == "interval" and isinstance(every, int) and 0 < every < 2**63:
             if every % 10**9 == 0:
                 return f"every {_format_duration(every // 10**9)}"
             return f"every {every / 1e9:g}s"

@@ -313,6 +313,27 @@ async def test_status_counts_tasks_quarantined_rows_and_schedules(
     assert re.search(r"^max id\s+5 \(epoch 0, #5\)\s*$", result.stdout, re.M)
 
 
+async def test_status_shows_schedules_nothing_can_decode(pg_url: URL, store: PgStore) -> None:
+    """Rows written by hand: JSON nested past Python's recursion limit, an interval beyond
+    any float. status still answers, and names them undecodable."""
+    schema = store.config.schema
+    deep = "[" * 1500 + "]" * 1500
+    huge = "1" + "0" * 400
+    for name, schedule in (("deep", deep), ("huge", f'{{"type": "interval", "every_ns": {huge}}}')):
+        await admin_execute(
+            pg_url,
+            f'INSERT INTO "{schema}".cronoq_recurring (name, spec, template_payload) '
+            f"VALUES ($1, CAST($2 AS jsonb), 'x')",
+            name,
+            f'{{"schedule": {schedule}, "template": {{}}}}',
+        )
+
+    result = await run("--url", full(pg_url), "--schema", schema, "status")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"│ deep\s+│ undecodable: \[\[\[", result.stdout), result.stdout
+    assert re.search(r"│ huge\s+│ undecodable: \{", result.stdout), result.stdout
+
+
 # --- tasks ---------------------------------------------------------------------------------
 
 
