@@ -289,7 +289,8 @@ def _insert_from(rows: Select[Any]) -> postgresql.Insert:
     with transitions ahead of the stored row, the writer writes the batch again with those
     transitions in the update. Decided on the locked stored row, so it holds against
     concurrent commits; it costs nothing when no id is stored. (The partial unique index
-    on live keys is not covered: a duplicate live key still aborts the batch.)"""
+    on live keys is not covered: a duplicate live key aborts the batch, and the writer
+    tries again with the transitions in the update when the batch sends tasks again.)"""
     insert = postgresql.insert(tasks).from_select(list(INSERT_COLUMNS), rows)
     new = insert.excluded
     return insert.on_conflict_do_update(

@@ -574,3 +574,30 @@ async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
     )
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
+
+
+@pytest.mark.parametrize("path", ["one-statement", "arrays", "staged"])
+async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reused(
+    store: PgStore, path: str
+) -> None:
+    if path == "staged":
+        staging_everything(store)
+    await store.commit(0, BASE, [submitted(1, key="a"), submitted(3)], [])
+    # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
+    # S2's row reaches the live key index while S1 still holds the key in the store.
+    batch: list[Mutation] = [
+        step(1, SUCCEEDED, 1, 50),
+        submitted(2, key="a"),
+        submitted(1, key="a"),
+    ]
+    if path != "one-statement":
+        batch.append(step(3, RUNNING, 1, 50))  # a stored task's update: a transaction
+    await store.commit(0, BASE, batch, [])
+    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    third = "queued" if path == "one-statement" else "running"
+    assert [tuple(r) for r in rows] == [(1, "a", "succeeded"), (2, "a", "queued"), (3, None, third)]
+    # Writing such a batch again does not hide a key really held: 2 holds "a", live.
+    landed = await snapshot(store)
+    with pytest.raises(StoreError, match="UniqueViolationError"):
+        await store.commit(0, BASE, [*batch, submitted(4, key="a")], [])
+    assert await snapshot(store) == landed
