@@ -375,8 +375,17 @@ insert_from_stage = _insert_from(select(*stage.c))
 
 _output = _unnest("u", ("ids", BigInteger()), ("outputs", LargeBinary()))
 
-#: Outputs of tasks that succeeded, stored beside their final transition.
-store_outputs = update(tasks).where(tasks.c.id == _output.c.ids).values(output=_output.c.outputs)
+#: Outputs of tasks that succeeded, stored beside their final transition. Run after the
+#: batch's updates and inserts, so the row's status is final: an output given for a task that
+#: did not succeed (it was cancelled first, say) is not stored, as ``TaskRecord`` promises.
+store_outputs = (
+    update(tasks)
+    .where(
+        tasks.c.id == _output.c.ids,
+        tasks.c.status == literal_column(f"'{TaskStatus.SUCCEEDED.value}'", Text),
+    )
+    .values(output=_output.c.outputs)
+)
 
 # --- commit: recurring schedules, one change at a time, in batch order ----------------------
 

@@ -218,7 +218,7 @@ class BatchWriter:
             await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
         if batch.output_count:
             status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
-            _warn_missing("outputs", batch.output_count, _row_count(status))
+            _warn_unstored_outputs(batch.output_count, _row_count(status))
         for action, params in batch.recurring:
             stmt = self._recurring[action]
             await conn.execute(stmt.sql, *stmt.args(params))
@@ -253,12 +253,12 @@ def _row_count(status: str) -> int:
     return int(status.rpartition(" ")[2])
 
 
-def _warn_missing(what: str, expected: int, matched: int) -> None:
-    if matched != expected:
+def _warn_unstored_outputs(expected: int, stored: int) -> None:
+    """Outputs of tasks that are missing (pruned?) or did not succeed: not stored."""
+    if stored != expected:
         logger.warning(
-            "%s for tasks missing from the store (pruned?)",
-            what,
-            extra={"expected": expected, "matched": matched},
+            "outputs for tasks missing from the store (pruned?) or not succeeded: not stored",
+            extra={"expected": expected, "matched": stored},
         )
 
 

@@ -601,3 +601,35 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     with pytest.raises(StoreError, match="UniqueViolationError"):
         await store.commit(0, BASE, [*batch, submitted(4, key="a")], [])
     assert await snapshot(store) == landed
+
+
+@pytest.mark.parametrize("path", ["arrays", "staged"])
+async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
+    store: PgStore, path: str
+) -> None:
+    if path == "staged":
+        staging_everything(store)
+    cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
+    await store.commit(0, BASE, [submitted(1), submitted(5)], [])
+    batch: list[Mutation] = [
+        step(1, cancelled, 1, 10),  # stored: an update, cancelled first, so final
+        step(1, SUCCEEDED, 1, 20),
+        submitted(2),  # new: an insert
+        step(2, failed, 1, 20),
+        submitted(3),
+        step(3, RUNNING, 1, 20),
+        submitted(4),
+        step(4, SUCCEEDED, 1, 20),
+        submitted(5),  # stored and sent again: the batch is written a second time
+        step(5, cancelled, 1, 10),
+        step(5, SUCCEEDED, 1, 20),
+    ]
+    await store.commit(0, BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 6)])
+    records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
+    assert [None if r is None else (r.status, r.output) for r in records] == [
+        (cancelled, None),
+        (failed, None),
+        (RUNNING, None),
+        (SUCCEEDED, b"OUT"),
+        (cancelled, None),
+    ]
