@@ -19,7 +19,11 @@ Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
 - recurring changes keep their batch order.
 
 These rules make the stored result independent of how mutations were split into batches and
-of batches delivered again later, the database applying the same order in each statement.
+of batches delivered again after their first delivery, the database applying the same order
+in each statement, provided first deliveries come in the order the mutations were emitted. A
+batch first delivered after a later one is applied as if emitted last: its transitions that
+are not ahead change nothing, messages included, and the first finished state delivered
+stays (the store cannot tell that from a history that went backwards itself).
 Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone surrogates
 become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 

@@ -290,7 +290,8 @@ def _insert_from(rows: Select[Any]) -> postgresql.Insert:
     with transitions ahead of the stored row, the writer writes the batch again with those
     transitions in the update. Decided on the locked stored row, so it holds against
     concurrent commits; it costs nothing when no id is stored. (The partial unique index
-    on live keys is not covered: a duplicate live key still aborts the batch.)"""
+    on live keys is not covered: a duplicate live key aborts the batch, and the writer
+    tries again with the transitions in the update when the batch sends tasks again.)"""
     insert = postgresql.insert(tasks).from_select(list(INSERT_COLUMNS), rows)
     new = insert.excluded
     return insert.on_conflict_do_update(
@@ -379,8 +380,17 @@ insert_from_stage = _insert_from(select(*stage.c))
 
 _output = _unnest("u", ("ids", BigInteger()), ("outputs", LargeBinary()))
 
-#: Outputs of tasks that succeeded, stored beside their final transition.
-store_outputs = update(tasks).where(tasks.c.id == _output.c.ids).values(output=_output.c.outputs)
+#: Outputs of tasks that succeeded, stored beside their final transition. Run after the
+#: batch's updates and inserts, so the row's status is final: an output given for a task that
+#: did not succeed (it was cancelled first, say) is not stored, as ``TaskRecord`` promises.
+store_outputs = (
+    update(tasks)
+    .where(
+        tasks.c.id == _output.c.ids,
+        tasks.c.status == literal_column(f"'{TaskStatus.SUCCEEDED.value}'", Text),
+    )
+    .values(output=_output.c.outputs)
+)
 
 # --- commit: recurring schedules, one change at a time, in batch order ----------------------
 

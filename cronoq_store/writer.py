@@ -20,8 +20,11 @@ is the same task and the batch's transitions of it are ahead (see ``statements._
 which rolls back everything the batch wrote. The writer then names the ids held by other
 tasks (``statements.colliding_ids``) and reports them instead of the epoch; if there are
 none, it writes the batch again in one transaction with those transitions in the update,
-before the insert. That costs nothing to the common batch: a submission is sent again
-together with a transition only when an unacknowledged batch is retried.
+before the insert. It does the same when such a batch fails on the unique index of live
+keys: a task it sends again may still hold, in the store, a key that a new task of the batch
+takes once the update has finished the old holder; a key still refused then is really held.
+That costs nothing to the common batch: a submission is sent again together with a
+transition only when an unacknowledged batch is retried.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ logger = logging.getLogger("cronoq_store")
 #: New tasks per batch from which they are staged by COPY rather than sent as arrays: the
 #: crossover measured on 2 cores (arrays win at 64 rows by 12%, staging at 128 by 10%).
 STAGE_MIN_ROWS = 128
+
+# The unique index on live keys (see :func:`_maybe_stored`).
+_LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +133,15 @@ class BatchWriter:
         epoch and none of its ids is held by another task, else write nothing."""
         try:
             return Written(await self._write(conn, epoch, batch, batch.updates))
-        except asyncpg.NotNullViolationError as exc:
-            if not _taken(exc):
+        except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
+            if not _maybe_stored(exc, batch):
                 raise
         colliding = await self._colliding(conn, batch)
         if colliding or not batch.inserted_updates["ids"]:
             return Written(None, colliding)
-        # Tasks the batch submits are stored already and its transitions move them: write
-        # the batch again, those transitions in the update, before the insert.
+        # Tasks the batch submits may be stored already with its transitions moving them:
+        # write the batch again, those transitions in the update, before the insert. A live
+        # key that still fails then is held by another task.
         try:
             return Written(await self._write(conn, epoch, batch, batch.all_updates))
         except asyncpg.NotNullViolationError as exc:
@@ -211,7 +218,7 @@ class BatchWriter:
             await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
         if batch.output_count:
             status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
-            _warn_missing("outputs", batch.output_count, _row_count(status))
+            _warn_unstored_outputs(batch.output_count, _row_count(status))
         for action, params in batch.recurring:
             stmt = self._recurring[action]
             await conn.execute(stmt.sql, *stmt.args(params))
@@ -219,6 +226,18 @@ class BatchWriter:
     def _staged(self, batch: FoldedBatch) -> bool:
         threshold = self._stage_min_rows
         return threshold is not None and batch.insert_count >= threshold
+
+
+def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:
+    """Whether the insert's failure may come from tasks of the batch being stored already:
+    the insert's signal (:func:`_taken`), or a live key when the batch submits tasks with
+    transitions. Their transitions ride in their insert rows, so the key a stored one holds
+    is released only by the update of the second write: the row of a new task taking that
+    key can meet the index before the stored task's row raises the signal."""
+    if isinstance(exc, asyncpg.NotNullViolationError):
+        return _taken(exc)
+    constraint: str | None = exc.constraint_name
+    return constraint == _LIVE_KEY_INDEX and bool(batch.inserted_updates["ids"])
 
 
 def _taken(exc: asyncpg.NotNullViolationError) -> bool:
@@ -234,12 +253,12 @@ def _row_count(status: str) -> int:
     return int(status.rpartition(" ")[2])
 
 
-def _warn_missing(what: str, expected: int, matched: int) -> None:
-    if matched != expected:
+def _warn_unstored_outputs(expected: int, stored: int) -> None:
+    """Outputs of tasks that are missing (pruned?) or did not succeed: not stored."""
+    if stored != expected:
         logger.warning(
-            "%s for tasks missing from the store (pruned?)",
-            what,
-            extra={"expected": expected, "matched": matched},
+            "outputs for tasks missing from the store (pruned?) or not succeeded: not stored",
+            extra={"expected": expected, "matched": stored},
         )
 
 

@@ -574,3 +574,62 @@ async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
     )
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
+
+
+@pytest.mark.parametrize("path", ["one-statement", "arrays", "staged"])
+async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reused(
+    store: PgStore, path: str
+) -> None:
+    if path == "staged":
+        staging_everything(store)
+    await store.commit(0, BASE, [submitted(1, key="a"), submitted(3)], [])
+    # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
+    # S2's row reaches the live key index while S1 still holds the key in the store.
+    batch: list[Mutation] = [
+        step(1, SUCCEEDED, 1, 50),
+        submitted(2, key="a"),
+        submitted(1, key="a"),
+    ]
+    if path != "one-statement":
+        batch.append(step(3, RUNNING, 1, 50))  # a stored task's update: a transaction
+    await store.commit(0, BASE, batch, [])
+    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    third = "queued" if path == "one-statement" else "running"
+    assert [tuple(r) for r in rows] == [(1, "a", "succeeded"), (2, "a", "queued"), (3, None, third)]
+    # Writing such a batch again does not hide a key really held: 2 holds "a", live.
+    landed = await snapshot(store)
+    with pytest.raises(StoreError, match="UniqueViolationError"):
+        await store.commit(0, BASE, [*batch, submitted(4, key="a")], [])
+    assert await snapshot(store) == landed
+
+
+@pytest.mark.parametrize("path", ["arrays", "staged"])
+async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
+    store: PgStore, path: str
+) -> None:
+    if path == "staged":
+        staging_everything(store)
+    cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
+    await store.commit(0, BASE, [submitted(1), submitted(5)], [])
+    batch: list[Mutation] = [
+        step(1, cancelled, 1, 10),  # stored: an update, cancelled first, so final
+        step(1, SUCCEEDED, 1, 20),
+        submitted(2),  # new: an insert
+        step(2, failed, 1, 20),
+        submitted(3),
+        step(3, RUNNING, 1, 20),
+        submitted(4),
+        step(4, SUCCEEDED, 1, 20),
+        submitted(5),  # stored and sent again: the batch is written a second time
+        step(5, cancelled, 1, 10),
+        step(5, SUCCEEDED, 1, 20),
+    ]
+    await store.commit(0, BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 6)])
+    records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
+    assert [None if r is None else (r.status, r.output) for r in records] == [
+        (cancelled, None),
+        (failed, None),
+        (RUNNING, None),
+        (SUCCEEDED, b"OUT"),
+        (cancelled, None),
+    ]

@@ -322,16 +322,28 @@ STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(
 def histories(draw: st.DrawFn) -> list[Mutation]:
     """Anything a scheduler, its retries and a confused clock can emit once every task was
     submitted: submissions sent again, transitions in any order of attempt and status
-    (backwards ones too, and after the task finished), times that tie or go back. Live keys
-    are unique (the store refuses a second live holder, whatever the batching)."""
+    (backwards ones too, and after the task finished), times that tie or go back, a key
+    handed over (its holder finishes, a new task takes it, and a retried batch sends the old
+    holder again). Live keys are unique (the store refuses a second live holder, whatever
+    the batching)."""
     mutations: list[Mutation] = []
     sent: dict[int, Submitted] = {}
     state: dict[int, Expected] = {}  # the reference's view, to keep live keys unique
     next_id, at = 1, 0
     for _ in range(draw(st.integers(1, 16))):
         at = max(0, at + draw(st.integers(-300, 1000)))
-        choice = draw(st.integers(0, 5))
-        if sent and choice <= 3:
+        choice = draw(st.integers(0, 6))
+        holders = sorted(i for i, r in state.items() if r.key is not None and not r.terminal)
+        if holders and next_id <= 4 and choice == 6:
+            id = draw(st.sampled_from(holders))
+            done = draw(st.sampled_from([t for t in TaskStatus if t.is_terminal]))
+            mutations.append(StatusChanged(TaskId(id), done, draw(st.integers(0, 3)), at))
+            state[id].terminal = True
+            sent[next_id] = submitted(next_id, key=state[id].key)
+            state[next_id] = Expected(key=state[id].key)
+            mutations += [sent[next_id], sent[id]]
+            next_id += 1
+        elif sent and choice <= 3:
             id = draw(st.sampled_from(sorted(sent)))
             m = StatusChanged(
                 TaskId(id), draw(STATUSES), draw(st.integers(0, 3)), at, draw(MESSAGES)
