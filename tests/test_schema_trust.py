@@ -636,3 +636,30 @@ def test_trusted_trigger_names_must_be_plain_identifiers(names: object) -> None:
     result = CliRunner().invoke(cli, ["--trusted-trigger", "bad name", "status"])
     assert result.exit_code == 2
     assert "is not a plain identifier" in result.output
+
+
+async def test_the_lock_session_checks_as_its_own_role(
+    pg_url: URL, schema: str, attacker: Attacker
+) -> None:
+    """The epoch bump runs as the lock role, so the lock session checks the schema as that
+    role: a schema owned by a role that cannot act as the lock role is refused at
+    acquisition (no epoch taken) until ops grant the lock role to the owner."""
+    owner, lock = attacker, f"{schema}_lock"
+    password = secrets.token_urlsafe(18)
+    await admin_execute(pg_url, f"CREATE ROLE {lock} LOGIN PASSWORD '{password}'")
+    try:
+        async with await PgStore.connect(owner.url, config(schema)):  # the owner migrates
+            for grant in [f"USAGE ON SCHEMA {schema}", f"SELECT, UPDATE ON {schema}.cronoq_leader"]:
+                await admin_execute(owner.url, f"GRANT {grant} TO {lock}")
+        lock_url = pg_url.set(username=lock, password=password)
+        async with await PgStore.connect(owner.url, config(schema), lock_url=lock_url) as store:
+            with pytest.raises(MigrationError) as info:
+                await store.acquire_leadership()
+            assert f"schema {schema} owned by {owner.name}" in str(info.value)
+            assert f"Only '{lock}'" in str(info.value)
+            await admin_execute(pg_url, f"GRANT {lock} TO {owner.name}")
+            assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin_execute(pg_url, f"DROP OWNED BY {lock}")
+        await admin_execute(pg_url, f"DROP ROLE {lock}")
