@@ -287,7 +287,7 @@ class Leadership:
                 if await self._closed_within(self._config.lock_poll):
                     raise self._closed_error()
             if self._trust is not None:
-                await self._vet(session, timeout)
+                await self._vet(session, self._trust, timeout)
             epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
             if epoch is None:
                 raise StoreError(
@@ -300,11 +300,9 @@ class Leadership:
             await session.close()  # releases the lock if this session took it
             raise
 
-    async def _vet(self, session: _Session, timeout: float) -> None:
+    async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its
         UPDATE of the leader row runs any trigger planted there since the store opened."""
-        assert self._trust is not None
-        trust = self._trust
         found = (await session.run(trust.statement, trust.params, timeout)).scalars().all()
         if found:
             me = (await session.run(trust.current_user, None, timeout)).scalar_one()
