@@ -54,6 +54,7 @@ from sqlalchemy.pool import NullPool
 from . import demo as demo_module
 from . import statements as st
 from .codec import clean_text
+from .config import trusted_trigger_names
 from .domain import ID_COUNTER_BITS, Priority, TaskId, TaskStatus, epoch_of
 from .errors import MigrationError, translate_error
 from .migrations import alembic_config, head_revision, refuse_untrusted, upgrade
@@ -218,6 +219,8 @@ _prunable = select(func.count()).select_from(tasks).where(_PRUNE_WHERE)
 class _Options:
     url: str | None
     schema: str
+    #: Triggers the operator allows on the cluster's tables (``PgStoreConfig.trusted_triggers``).
+    trusted_triggers: frozenset[str] = frozenset()
 
     def database_url(self) -> str:
         if self.url is None:
@@ -279,7 +282,7 @@ async def _database(options: _Options) -> AsyncIterator[AsyncConnection]:
                 f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
             ) from None
         try:
-            await conn.run_sync(refuse_untrusted, options.schema)
+            await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
             await conn.rollback()
             yield conn
         finally:
@@ -453,6 +456,15 @@ def _check_schema(ctx: click.Context, param: click.Parameter, value: str) -> str
         raise click.BadParameter(str(exc)) from None
 
 
+def _check_triggers(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> frozenset[str]:
+    try:
+        return trusted_trigger_names(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @click.group(epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--url",
@@ -468,11 +480,20 @@ def _check_schema(ctx: click.Context, param: click.Parameter, value: str) -> str
     callback=_check_schema,
     help="The cluster's schema.",
 )
+@click.option(
+    "--trusted-trigger",
+    "trusted_triggers",
+    multiple=True,
+    metavar="NAME",
+    callback=_check_triggers,
+    help="A trigger allowed on the cluster's tables, such as an audit (repeatable); it must "
+    "have no WHEN clause and run a trusted role's function.",
+)
 @click.version_option(package_name="cronoq-store")
 @click.pass_context
-def cli(ctx: click.Context, url: str | None, schema: str) -> None:
+def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: frozenset[str]) -> None:
     """Migrate, inspect and prune the PostgreSQL schema of a cronoq scheduler cluster."""
-    ctx.obj = _Options(url=url, schema=schema)
+    ctx.obj = _Options(url=url, schema=schema, trusted_triggers=trusted_triggers)
 
 
 @cli.command()
@@ -509,7 +530,7 @@ async def _migrate(options: _Options, revision: str, console: Console) -> None:
         raise CliError(_newer_message(before), ExitCode.NEWER_DATABASE)
     engine = _engine(options.database_url())
     try:
-        await upgrade(engine, options.schema, revision)
+        await upgrade(engine, options.schema, revision, trusted_triggers=options.trusted_triggers)
     except MigrationError as exc:
         raise CliError(str(exc), ExitCode.FAILED) from None
     finally:

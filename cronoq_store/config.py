@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .schema import validate_schema_name
 
-__all__ = ["PgStoreConfig"]
+__all__ = ["PgStoreConfig", "trusted_trigger_names"]
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def trusted_trigger_names(names: Iterable[str]) -> frozenset[str]:
+    """Validate the names of triggers an operator allows on the cluster's tables.
+
+    Plain identifiers only, compared with ``pg_trigger.tgname`` exactly: a name that needs
+    quoting to read right is more likely a mistake than an audit trigger.
+    """
+    if isinstance(names, (str, bytes)):
+        raise ValueError(f"trusted_triggers must be a set of trigger names, not {names!r}")
+    found = frozenset(names)
+    for name in sorted(found, key=repr):
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+            raise ValueError(
+                f"trusted_triggers: {name!r} is not a plain identifier (letters, digits and "
+                "_, not starting with a digit, at most 63 characters)"
+            )
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +56,15 @@ class PgStoreConfig:
     max_connections: int = 8
     #: ``application_name`` of the store's sessions, as ``pg_stat_activity`` shows them.
     application_name: str = "cronoq-store"
+    #: Triggers an operator put on the cluster's tables on purpose (an audit, CDC), by name.
+    #: Our migrations create none, so the trust check refuses every other one; a trigger named
+    #: here is still refused if it has a ``WHEN`` clause or runs a function of a role the
+    #: store cannot trust (docs/reliability.md, "Whose schema the store trusts").
+    trusted_triggers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
+        object.__setattr__(self, "trusted_triggers", trusted_trigger_names(self.trusted_triggers))
         for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

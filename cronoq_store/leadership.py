@@ -33,6 +33,7 @@ from sqlalchemy.pool import NullPool, Pool
 from . import statements as st
 from .config import PgStoreConfig
 from .errors import StoreError, translate_error
+from .migrations import TrustCheck
 from .schema import schema_options
 from .urls import redact
 
@@ -141,8 +142,10 @@ class Leadership:
     engine's pool ``recreate()``-d: its creator and connect arguments, none of its
     connections), sessions are made by that pool instead, and ``url`` only names the
     dialect and the server in logs; each session is discarded when it ends, never reused.
-    ``lock_key`` is the pair of advisory-lock keys. The object can lead many times: after a
-    loss, :meth:`acquire` opens a new session and takes a new epoch.
+    ``lock_key`` is the pair of advisory-lock keys. Given ``trust``, each acquisition runs
+    that check on the lock session once the lock is taken, and refuses (releasing the lock,
+    no epoch taken) a schema that fails it. The object can lead many times: after a loss,
+    :meth:`acquire` opens a new session and takes a new epoch.
     """
 
     def __init__(
@@ -153,8 +156,10 @@ class Leadership:
         config: PgStoreConfig,
         *,
         pool: Pool | None = None,
+        trust: TrustCheck | None = None,
     ) -> None:
         self._url = url
+        self._trust = trust
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._config = config
@@ -281,6 +286,8 @@ class Leadership:
             while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
                 if await self._closed_within(self._config.lock_poll):
                     raise self._closed_error()
+            if self._trust is not None:
+                await self._vet(session, self._trust, timeout)
             epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
             if epoch is None:
                 raise StoreError(
@@ -292,6 +299,14 @@ class Leadership:
         except BaseException:
             await session.close()  # releases the lock if this session took it
             raise
+
+    async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
+        """Refuse to lead a schema that fails the trust check, before the epoch bump: its
+        UPDATE of the leader row runs any trigger planted there since the store opened."""
+        found = (await session.run(trust.statement, trust.params, timeout)).scalars().all()
+        if found:
+            me = (await session.run(trust.current_user, None, timeout)).scalar_one()
+            raise trust.refusal(found, me)
 
     async def _keep(self, session: _Session, epoch: int) -> None:
         """Check the session every ``keepalive``; step down once it was silent too long.

@@ -9,8 +9,10 @@ catalog lookup would run as us, CVE-2018-1058), so every operation in the revisi
 its schema (:func:`cluster_schema`); the version table is ``<schema>.cronoq_alembic_version``.
 
 Before migrating, the run refuses what it cannot handle safely: a schema, or anything in it,
-that a role we cannot trust owns or may create in (:func:`refuse_untrusted`, which every
-entry point runs before it touches the schema), and a database newer than this build. A
+that a role we cannot trust owns or may create in, or any trigger on our tables that the
+operator did not name (:func:`refuse_untrusted`, which every entry point runs before it
+touches the schema; a migration runs it again after its last revision, in its
+transaction, and the lock session at each acquisition), and a database newer than this build. A
 schema created by the hand-rolled ``cronoq_schema_version`` table of earlier builds is
 adopted: stamped at the matching revision, then upgraded; revision 0006 drops the old table.
 """
@@ -20,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from alembic import command, op
 from alembic.config import Config
@@ -33,6 +36,7 @@ from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
     Engine,
+    Executable,
     MetaData,
     Text,
     bindparam,
@@ -49,6 +53,7 @@ from sqlalchemy.schema import CreateSchema
 
 from . import migration_lock
 from . import statements as st
+from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
 from .urls import async_url, scrub
@@ -56,6 +61,7 @@ from .urls import async_url, scrub
 __all__ = [
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
+    "TrustCheck",
     "alembic_config",
     "cluster_schema",
     "head_revision",
@@ -79,6 +85,8 @@ _LEGACY_TABLE = "cronoq_schema_version"
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 _URL_ENV = "CRONOQ_DATABASE_URL"
+#: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
+_TRUSTED_TRIGGERS = "trusted_triggers"
 
 
 def script_location() -> Path:
@@ -105,19 +113,27 @@ def head_revision() -> str:
     return head
 
 
-async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: str = "head") -> None:
+async def upgrade(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    revision: str = "head",
+    *,
+    trusted_triggers: frozenset[str] = frozenset(),
+) -> None:
     """Upgrade ``schema`` to ``revision`` in one transaction (idempotent, serialized).
 
     Given an ``AsyncConnection`` that is already in a transaction, the caller commits;
     otherwise this commits. Errors are :class:`~cronoq_store.StoreError`. Runs in this
     process take turns (:mod:`cronoq_store.migration_lock`): any number of stores may open
-    at once, on one loop or on several.
+    at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
     """
     validate_schema_name(schema)
+    trusted = trusted_trigger_names(trusted_triggers)
 
     def run(sync_conn: Connection) -> None:
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
+        cfg.attributes[_TRUSTED_TRIGGERS] = trusted
         command.upgrade(cfg, revision)
 
     try:
@@ -140,7 +156,9 @@ async def _upgrade_on(
         await bind.run_sync(run)
 
 
-async def require_head(engine: AsyncEngine, schema: str) -> None:
+async def require_head(
+    engine: AsyncEngine, schema: str, *, trusted_triggers: frozenset[str] = frozenset()
+) -> None:
     """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
 
     What a store opened with ``migrate=False`` checks instead of migrating, after
@@ -152,7 +170,7 @@ async def require_head(engine: AsyncEngine, schema: str) -> None:
 
     def current(sync_conn: Connection) -> tuple[str, ...]:
         sync_conn.execute(st.local_search_path)
-        refuse_untrusted(sync_conn, schema)
+        refuse_untrusted(sync_conn, schema, trusted_triggers)
         context = MigrationContext.configure(
             sync_conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
         )
@@ -254,33 +272,78 @@ WHERE role = 0 OR NOT pg_has_role(
 UNION ALL
 SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
 FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
+-- Our migrations create no trigger: each must be one the operator named, and even then
+-- without a WHEN clause (it can call anything, through a cast to a domain, say).
+UNION ALL
+SELECT 'trigger ' || quote_ident(tg.tgname) || ' on ' || ours.oid::regclass::text
+    || CASE WHEN tg.tgname::text = ANY (:triggers) THEN ' has a WHEN clause'
+        ELSE ' was not created by cronoq-store and is not one of the trusted_triggers' END
+FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
+WHERE NOT tg.tgisinternal
+    AND (tg.tgqual IS NOT NULL OR NOT tg.tgname::text = ANY (:triggers))
 ORDER BY 1
 """
-).bindparams(bindparam("tables", type_=ARRAY(Text)))
+).bindparams(bindparam("tables", type_=ARRAY(Text)), bindparam("triggers", type_=ARRAY(Text)))
 
 
-def refuse_untrusted(conn: Connection, schema: str) -> None:
+@dataclass(frozen=True, slots=True)
+class TrustCheck:
+    """The trust check of one schema, as a statement any session can run and a verdict.
+
+    :func:`refuse_untrusted` runs it on a migration's or a command's connection; the leader
+    lock session runs it after taking the lock, before the epoch bump that would fire a
+    trigger on the leader row (:class:`~cronoq_store.leadership.Leadership`). Needs
+    ``search_path`` = ``pg_catalog, pg_temp``.
+    """
+
+    schema: str
+    #: Triggers the operator allows on our tables (``PgStoreConfig.trusted_triggers``).
+    trusted_triggers: frozenset[str] = frozenset()
+
+    statement: ClassVar[Executable] = _UNTRUSTED
+    #: Who the check ran as, for the refusal.
+    current_user: ClassVar[Executable] = select(func.current_user())
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "tables": _OUR_TABLES,
+            "triggers": sorted(self.trusted_triggers),
+        }
+
+    def refusal(self, found: Sequence[str], me: str) -> MigrationError:
+        """The error naming everything ``found`` (as ``me``, the role the check ran as)."""
+        return MigrationError(
+            f"schema {self.schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
+            f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
+            "inherit its privileges) may own the schema or anything in it, create in it or "
+            "hold TRIGGER on its tables or write the code their triggers run; nothing may "
+            "add rules to them, and a trigger on them must be named in trusted_triggers "
+            "and have no WHEN clause"
+        )
+
+
+def refuse_untrusted(
+    conn: Connection, schema: str, trusted_triggers: frozenset[str] = frozenset()
+) -> None:
     """Raise :class:`~cronoq_store.MigrationError` naming every object of ``schema`` that a
-    role we cannot trust controls; run before the first statement that touches the schema.
+    role we cannot trust controls; run before the first statement that touches the schema,
+    and again after migrating (in the same transaction: tables the migration just created
+    may carry default privileges).
 
     Refused: the schema, or any object in it, owned by such a role; such a role (or
     ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` on our tables (it could plant
-    code after this check); a trigger on our tables that runs a function or operator of
-    such a role (as its function or in its ``WHEN`` clause); any rule on our tables. Our
-    migrations create neither; a trigger of a trusted role's own (an audit, say) is its
-    business. Trusted are the connecting role, superusers and roles that can already act
-    with the connecting role's privileges. Needs ``search_path`` = ``pg_catalog, pg_temp``.
+    code after this check); any rule on our tables; any trigger on our tables (our
+    migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
+    clause and runs a function of a trusted role. Trusted are the connecting role,
+    superusers and roles that can already act with the connecting role's privileges.
+    Needs ``search_path`` = ``pg_catalog, pg_temp``.
     """
-    found = conn.execute(_UNTRUSTED, {"schema": schema, "tables": _OUR_TABLES}).scalars().all()
+    check = TrustCheck(schema, trusted_triggers)
+    found = conn.execute(check.statement, check.params).scalars().all()
     if found:
-        me = conn.execute(select(func.current_user())).scalar_one()
-        raise MigrationError(
-            f"schema {schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
-            f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
-            "inherit its privileges) may own the schema or anything in it, create in it or "
-            "hold TRIGGER on its tables or write the code their triggers run, and nothing "
-            "may add rules to them"
-        )
+        raise check.refusal(found, conn.execute(check.current_user).scalar_one())
 
 
 # --- the environment, run by alembic/env.py -------------------------------------------------
@@ -447,7 +510,8 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
         # Created first (a no-op if it exists) and then checked: a schema that another role
         # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
         conn.execute(CreateSchema(schema, if_not_exists=True))
-        refuse_untrusted(conn, schema)
+        trusted = _trusted_of(context)
+        refuse_untrusted(conn, schema, trusted)
         if _autogenerating(context) and schema == conn.dialect.default_schema_name:
             # Autogenerate (`alembic check`) reflects the engine's default schema as "the
             # tables visible on search_path"; it just passed the trust check above.
@@ -456,6 +520,19 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()
+        # Again, in the same transaction: the tables just created may carry default privileges
+        # (ALTER DEFAULT PRIVILEGES ... GRANT ALL ON TABLES) that let another role plant a
+        # trigger; a refusal here rolls the whole migration back.
+        refuse_untrusted(conn, schema, trusted)
+
+
+def _trusted_of(context: EnvironmentContext) -> frozenset[str]:
+    """The trusted triggers: ``attributes["trusted_triggers"]`` or ``-x trusted_triggers=a,b``."""
+    trusted = context.config.attributes.get(_TRUSTED_TRIGGERS)
+    if trusted is None:
+        given = context.get_x_argument(as_dictionary=True).get(_TRUSTED_TRIGGERS, "")
+        trusted = [name.strip() for name in given.split(",") if name.strip()]
+    return trusted_trigger_names(trusted)
 
 
 def _autogenerating(context: EnvironmentContext) -> bool:

@@ -144,7 +144,12 @@ class PgStore:
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
-            lock_url, config.schema, self._leader_lock, config, pool=lock_pool
+            lock_url,
+            config.schema,
+            self._leader_lock,
+            config,
+            pool=lock_pool,
+            trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
         )
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
@@ -246,10 +251,11 @@ class PgStore:
     ) -> PgStore:
         where = redact(engine.url)
         await _require_utf8(engine, where)
+        trusted = config.trusted_triggers
         if migrate:
-            await migrations.upgrade(engine, config.schema)
+            await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
         else:
-            await migrations.require_head(engine, config.schema)
+            await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
         try:
             async with engine.begin() as conn:
                 await conn.execute(st.local_search_path)
@@ -276,7 +282,9 @@ class PgStore:
 
     async def migrate(self) -> None:
         """Apply pending migrations (idempotent, serialized); :meth:`connect` already did."""
-        await migrations.upgrade(self._engine, self._config.schema)
+        await migrations.upgrade(
+            self._engine, self._config.schema, trusted_triggers=self._config.trusted_triggers
+        )
 
     async def close(self) -> None:
         """Give up leadership and close the pool, unless the pool is an application's."""
@@ -318,7 +326,13 @@ class PgStore:
     # --- leadership -------------------------------------------------------------------------
 
     async def acquire_leadership(self) -> int:
-        """Wait until this instance leads; returns the new fencing epoch."""
+        """Wait until this instance leads; returns the new fencing epoch.
+
+        Once the lock is taken, and before the epoch is bumped, the lock session runs the
+        schema's trust check again (:class:`~cronoq_store.migrations.TrustCheck`): a trigger
+        or grant added since the store opened makes this raise ``MigrationError``, with the
+        lock released and no epoch taken.
+        """
         epoch = await self._leadership.acquire()
         self._has_led, self._fenced = True, False
         return epoch

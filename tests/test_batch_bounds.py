@@ -166,8 +166,9 @@ async def test_a_batch_that_keeps_failing_while_the_database_answers_is_split(
     try:
         store = await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
         try:
-            await plant_poison(pg_url, schema, action)
             epoch = await store.acquire_leadership()
+            # Planted mid-term: the trust check at the next acquisition would refuse it.
+            await plant_poison(pg_url, schema, action)
             subs = [[submitted(epoch, n)] for n in range(8)]
             subs[5] = [submitted(epoch, 5, POISON)]
             committer = GroupCommitter(store, epoch, BASE, retry_initial=0.01, retry_max=0.05)

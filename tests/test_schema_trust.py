@@ -13,7 +13,7 @@ import secrets
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import asyncpg
@@ -409,3 +409,257 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
     finally:
         await app.dispose()
+
+
+# --- every trigger on our tables is refused unless the operator named it --------------------
+
+
+async def admin_trigger_function(pg_url: URL, schema: str) -> str:
+    """An audit function owned by the superuser (trusted), recording inserted task ids."""
+    audit = f"{schema}_audit"
+    await admin_execute(pg_url, f"CREATE SCHEMA {audit}")
+    await admin_execute(pg_url, f"CREATE TABLE {audit}.seen (id bigint)")
+    await admin_execute(
+        pg_url,
+        f"CREATE FUNCTION {audit}.record() RETURNS trigger LANGUAGE plpgsql "
+        f"SET search_path = pg_catalog AS $$ BEGIN "
+        f"INSERT INTO {audit}.seen VALUES (NEW.id); RETURN NULL; END $$",
+    )
+    return f"{audit}.record"
+
+
+async def drop_schema(pg_url: URL, name: str) -> None:
+    await admin_execute(pg_url, f"DROP SCHEMA IF EXISTS {name} CASCADE")
+
+
+async def test_a_when_clause_that_casts_to_a_planted_domain_is_refused(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """A trusted trigger function (the system's), but the WHEN clause casts to the
+    attacker's domain, whose CHECK runs the attacker's code: refused by name, and refused
+    even when the operator trusts the trigger's name."""
+    schema, own = migrated, f"{attacker.name}_own"
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT ALL ON ALL TABLES IN SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+    await admin_execute(
+        attacker.url, escalating_function(f"{own}.esc", attacker.name, "text", "bool")
+    )
+    await admin_execute(attacker.url, f"CREATE DOMAIN {own}.d AS text CHECK (NOT {own}.esc(VALUE))")
+    await admin_execute(
+        attacker.url,
+        f"CREATE TRIGGER planted BEFORE UPDATE ON {schema}.cronoq_leader FOR EACH ROW "
+        f"WHEN (NEW.epoch::text::{own}.d IS NOT NULL) "
+        "EXECUTE FUNCTION pg_catalog.suppress_redundant_updates_trigger()",
+    )
+    await admin_execute(pg_url, f"REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {attacker.name}")
+    for trusted, said in [
+        (frozenset(), "was not created by cronoq-store and is not one of the trusted_triggers"),
+        (frozenset({"planted"}), "has a WHEN clause"),
+    ]:
+        cfg = replace(config(schema), trusted_triggers=trusted) if trusted else config(schema)
+        with pytest.raises(MigrationError) as info:
+            async with await PgStore.connect(pg_url, cfg) as store:
+                await store.acquire_leadership()  # bumps the epoch: an UPDATE of the row
+        assert f"trigger planted on {schema}.cronoq_leader {said}" in str(info.value)
+        assert not await is_superuser(pg_url, attacker.name)
+
+
+async def open_plant_and_commit(pg_url: URL, schema: str, attacker: Attacker) -> None:
+    """Connect as the superuser; the attacker plants a trigger with the privileges the new
+    tables gave it; a commit then runs it (on a build that does not refuse)."""
+    async with await PgStore.connect(pg_url, config(schema)) as store:
+        await plant_trigger(attacker, schema)
+        await commit_one_task(store)
+
+
+async def test_default_privileges_on_new_tables_are_refused_and_the_migration_undone(
+    pg_url: URL, schema: str, attacker: Attacker
+) -> None:
+    """Ops gave the app role ALL on every table the superuser creates: the tables connect()
+    creates come with TRIGGER for it, so the check after the migration refuses them, and
+    the whole migration (schema included) is rolled back before the role can plant."""
+    me = pg_url.username
+    grants = [
+        f"ALTER DEFAULT PRIVILEGES FOR ROLE {me} GRANT ALL ON TABLES TO {attacker.name}",
+        f"ALTER DEFAULT PRIVILEGES FOR ROLE {me} GRANT USAGE ON SCHEMAS TO {attacker.name}",
+    ]
+    for grant in grants:
+        await admin_execute(pg_url, grant)
+    try:
+        with pytest.raises(MigrationError) as info:
+            await open_plant_and_commit(pg_url, schema, attacker)
+        assert f"TRIGGER on {schema}.cronoq_tasks granted to {attacker.name}" in str(info.value)
+        assert not await is_superuser(pg_url, attacker.name)
+        assert (
+            await admin_execute(pg_url, "SELECT 1 FROM pg_namespace WHERE nspname = $1", schema)
+            == []
+        )
+    finally:
+        for grant in grants:
+            revoke = grant.replace(" GRANT ", " REVOKE ").replace(" TO ", " FROM ")
+            await admin_execute(pg_url, revoke)
+
+
+async def test_a_trigger_planted_while_the_store_runs_is_refused_at_the_next_term(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """TRIGGER granted (and revoked again) after the store opened: the next acquisition
+    checks before its epoch bump, refuses without taking an epoch, and releases the lock."""
+    schema, own = migrated, f"{attacker.name}_own"
+    async with await PgStore.connect(pg_url, config(schema)) as store:
+        first = await store.acquire_leadership()
+        await store.release_leadership()
+        await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+        await admin_execute(pg_url, f"GRANT TRIGGER ON {schema}.cronoq_leader TO {attacker.name}")
+        await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+        await admin_execute(
+            attacker.url, escalating_function(f"{own}.t", attacker.name, "", "trigger")
+        )
+        await admin_execute(
+            attacker.url,
+            f"CREATE TRIGGER planted BEFORE UPDATE ON {schema}.cronoq_leader "
+            f"FOR EACH ROW EXECUTE FUNCTION {own}.t()",
+        )
+        await admin_execute(
+            pg_url, f"REVOKE TRIGGER ON {schema}.cronoq_leader FROM {attacker.name}"
+        )
+        with pytest.raises(MigrationError) as info:
+            await store.acquire_leadership()
+        assert (
+            f"trigger planted on {schema}.cronoq_leader runs function {own}.t() owned by "
+            f"{attacker.name}" in str(info.value)
+        )
+        assert not await is_superuser(pg_url, attacker.name)
+        assert not store.is_leader
+        await admin_execute(pg_url, f"DROP TRIGGER planted ON {schema}.cronoq_leader")
+        # The lock was released and no epoch taken: this store leads again at once.
+        assert await asyncio.wait_for(store.acquire_leadership(), 10) == first + 1
+
+
+async def test_a_named_trigger_with_a_trusted_function_is_accepted(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """The operator's audit trigger works when named, through every entry point; the same
+    name with a WHEN clause, or running the attacker's function, is refused."""
+    schema = migrated
+    record = await admin_trigger_function(pg_url, schema)
+    try:
+        await admin_execute(
+            pg_url,
+            f"CREATE TRIGGER audit_ok AFTER INSERT ON {schema}.cronoq_tasks "
+            f"FOR EACH ROW EXECUTE FUNCTION {record}()",
+        )
+        cfg = replace(config(schema), trusted_triggers=frozenset({"audit_ok"}))
+        async with await PgStore.connect(pg_url, cfg) as store:
+            epoch = await store.acquire_leadership()
+            await store.commit(
+                epoch, BASE, [Submitted(TaskId(1), 1, BASE.engine_ns, TaskSpec(b"x"))], []
+            )
+        assert await admin_execute(pg_url, f"SELECT id FROM {schema}_audit.seen") == [(1,)]
+        url = pg_url.render_as_string(hide_password=False)
+        result = await asyncio.to_thread(
+            CliRunner().invoke,
+            cli,
+            ["--url", url, "--schema", schema, "--trusted-trigger", "audit_ok", "status"],
+        )
+        assert result.exit_code == 0, result.output
+        env = {**os.environ, "CRONOQ_DATABASE_URL": url}
+        alembic = [sys.executable, "-m", "alembic", "-x", f"schema={schema}"]
+        for extra, ok in [(["-x", "trusted_triggers=x,audit_ok"], True), ([], False)]:
+            run = await asyncio.to_thread(
+                subprocess.run,
+                [*alembic, *extra, "upgrade", "head"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert (run.returncode == 0) is ok, run.stdout + run.stderr
+        assert f"trigger audit_ok on {schema}.cronoq_tasks was not created" in run.stdout
+
+        own = f"{attacker.name}_own"
+        await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+        await admin_execute(
+            attacker.url, escalating_function(f"{own}.t", attacker.name, "", "trigger")
+        )
+        for body, said in [
+            (f"WHEN (NEW.id > 0) EXECUTE FUNCTION {record}()", "has a WHEN clause"),
+            (f"EXECUTE FUNCTION {own}.t()", f"runs function {own}.t() owned by {attacker.name}"),
+        ]:
+            await admin_execute(pg_url, f"DROP TRIGGER audit_ok ON {schema}.cronoq_tasks")
+            await admin_execute(
+                pg_url,
+                f"CREATE TRIGGER audit_ok AFTER INSERT ON {schema}.cronoq_tasks "
+                f"FOR EACH ROW {body}",
+            )
+            with pytest.raises(MigrationError) as info:
+                async with await PgStore.connect(pg_url, cfg) as store:
+                    await commit_one_task(store)
+            assert f"trigger audit_ok on {schema}.cronoq_tasks {said}" in str(info.value)
+            assert not await is_superuser(pg_url, attacker.name)
+    finally:
+        await drop_schema(pg_url, f"{schema}_audit")
+
+
+async def test_an_unnamed_trigger_with_a_trusted_function_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A trigger running only the system's code, planted by a role once granted TRIGGER:
+    not ours and not named by the operator, so refused by every entry point."""
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT TRIGGER ON {schema}.cronoq_tasks TO {attacker.name}")
+    await admin_execute(
+        attacker.url,
+        f"CREATE TRIGGER planted BEFORE UPDATE ON {schema}.cronoq_tasks FOR EACH ROW "
+        "EXECUTE FUNCTION pg_catalog.suppress_redundant_updates_trigger()",
+    )
+    await admin_execute(pg_url, f"REVOKE TRIGGER ON {schema}.cronoq_tasks FROM {attacker.name}")
+    said = f"trigger planted on {schema}.cronoq_tasks was not created by cronoq-store"
+    for migrate in (True, False):
+        with pytest.raises(MigrationError) as info:
+            await open_and_update(PgStore.from_engine(engine, config(schema), migrate=migrate))
+        assert said in str(info.value)
+    url = pg_url.render_as_string(hide_password=False)
+    result = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["--url", url, "--schema", schema, "status"]
+    )
+    assert result.exit_code == ExitCode.FAILED, result.output
+    assert said in result.stderr
+    assert not await is_superuser(pg_url, attacker.name)
+
+
+@pytest.mark.parametrize(
+    "names", ["audit", ["ok", "bad name"], ["1st"], [""], ["x" * 64], [7]], ids=repr
+)
+def test_trusted_trigger_names_must_be_plain_identifiers(names: object) -> None:
+    with pytest.raises(ValueError, match="trusted_triggers"):
+        PgStoreConfig(trusted_triggers=names)  # type: ignore[arg-type]
+    result = CliRunner().invoke(cli, ["--trusted-trigger", "bad name", "status"])
+    assert result.exit_code == 2
+    assert "is not a plain identifier" in result.output
+
+
+async def test_the_lock_session_checks_as_its_own_role(
+    pg_url: URL, schema: str, attacker: Attacker
+) -> None:
+    """The epoch bump runs as the lock role, so the lock session checks the schema as that
+    role: a schema owned by a role that cannot act as the lock role is refused at
+    acquisition (no epoch taken) until ops grant the lock role to the owner."""
+    owner, lock = attacker, f"{schema}_lock"
+    password = secrets.token_urlsafe(18)
+    await admin_execute(pg_url, f"CREATE ROLE {lock} LOGIN PASSWORD '{password}'")
+    try:
+        async with await PgStore.connect(owner.url, config(schema)):  # the owner migrates
+            for grant in [f"USAGE ON SCHEMA {schema}", f"SELECT, UPDATE ON {schema}.cronoq_leader"]:
+                await admin_execute(owner.url, f"GRANT {grant} TO {lock}")
+        lock_url = pg_url.set(username=lock, password=password)
+        async with await PgStore.connect(owner.url, config(schema), lock_url=lock_url) as store:
+            with pytest.raises(MigrationError) as info:
+                await store.acquire_leadership()
+            assert f"schema {schema} owned by {owner.name}" in str(info.value)
+            assert f"Only '{lock}'" in str(info.value)
+            await admin_execute(pg_url, f"GRANT {lock} TO {owner.name}")
+            assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin_execute(pg_url, f"DROP OWNED BY {lock}")
+        await admin_execute(pg_url, f"DROP ROLE {lock}")

@@ -12,8 +12,11 @@ statement. The audit rows commit or roll back with the transaction that wrote th
 record exactly what landed. With ``track_commit_timestamp = on`` the server keeps each
 transaction's commit time, which orders every write against every takeover.
 
-The functions are ``SECURITY DEFINER`` so that a store role without rights on the audit
-schema (the lock role) still records; they are owned by the superuser that installs them.
+No trigger has a ``WHEN`` clause (the store refuses those: a condition can call any code):
+the epoch trigger tests its condition in its function. The stores trust the triggers by
+name (:data:`TRIGGERS`). The functions are ``SECURITY DEFINER`` so that a store role
+without rights on the audit schema (the lock role) still records; they are owned by the
+superuser that installs them.
 """
 
 from __future__ import annotations
@@ -27,9 +30,20 @@ from cronoq_store.schema import validate_schema_name
 
 from ..pgharness import admin_execute
 
-__all__ = ["AUDIT_SCHEMA", "AuditWrite", "EpochTake", "fetch_epochs", "fetch_writes", "install"]
+__all__ = [
+    "AUDIT_SCHEMA",
+    "TRIGGERS",
+    "AuditWrite",
+    "EpochTake",
+    "fetch_epochs",
+    "fetch_writes",
+    "install",
+]
 
 AUDIT_SCHEMA = "torture_audit"
+#: The audit's triggers on the cluster's tables: every store of the run must trust them by
+#: name (``PgStoreConfig.trusted_triggers``), or it refuses the schema.
+TRIGGERS = frozenset({"torture_audit_insert", "torture_audit_update", "torture_audit_epoch"})
 
 
 def _ddl(schema: str) -> list[str]:
@@ -68,12 +82,13 @@ def _ddl(schema: str) -> list[str]:
         f"""CREATE FUNCTION {a}.record_epoch() RETURNS trigger
             LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
             BEGIN
-                INSERT INTO {a}.epochs (epoch) VALUES (NEW.epoch);
+                IF OLD.epoch IS DISTINCT FROM NEW.epoch THEN
+                    INSERT INTO {a}.epochs (epoch) VALUES (NEW.epoch);
+                END IF;
                 RETURN NULL;
             END $$""",
         f"""CREATE TRIGGER torture_audit_epoch AFTER UPDATE OF epoch ON "{s}".cronoq_leader
-            FOR EACH ROW WHEN (OLD.epoch IS DISTINCT FROM NEW.epoch)
-            EXECUTE FUNCTION {a}.record_epoch()""",
+            FOR EACH ROW EXECUTE FUNCTION {a}.record_epoch()""",
     ]
 
 

@@ -48,6 +48,7 @@ from cronoq_store.errors import FencedError, StoreError
 from cronoq_store.group_commit import CommitterClosedError, GroupCommitter
 from cronoq_store.store import PgStore
 
+from . import audit
 from .journal import Journal
 
 __all__ = ["WorkerConfig", "epoch_message", "main"]
@@ -105,6 +106,7 @@ class WorkerConfig:
             commit_timeout=self.commit_timeout,
             max_connections=4,
             application_name=self.name,
+            trusted_triggers=audit.TRIGGERS,
         )
 
 
