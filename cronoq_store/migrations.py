@@ -22,7 +22,7 @@ import concurrent.futures
 import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from alembic import command, op
 from alembic.config import Config
@@ -61,6 +61,7 @@ __all__ = [
     "head_revision",
     "refuse_untrusted",
     "require_head",
+    "run_command",
     "run_environment",
     "upgrade",
 ]
@@ -79,6 +80,9 @@ _LEGACY_TABLE = "cronoq_schema_version"
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 _URL_ENV = "CRONOQ_DATABASE_URL"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def script_location() -> Path:
@@ -127,6 +131,26 @@ async def upgrade(bind: AsyncEngine | AsyncConnection, schema: str, revision: st
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+def run_command(
+    command_: Callable[Concatenate[Config, _P], _R],
+    config: Config,
+    *args: _P.args,
+    **kwargs: _P.kwargs,
+) -> _R:
+    """Run an Alembic command on our migrations, e.g. ``run_command(command.upgrade, cfg,
+    "head")``: the way to call ``alembic.command`` from code where other migrations may run
+    at once in this process (threads, other stores opening).
+
+    Alembic installs its module-global ``context`` proxy before ``env.py`` runs, so two raw
+    ``command.*`` calls at once can see each other's; ``env.py`` then refuses the run
+    (:class:`~cronoq_store.MigrationError`). Here the process's migration lock is taken
+    before Alembic starts, so runs take turns instead. In a coroutine, await
+    :func:`upgrade` rather than blocking the loop.
+    """
+    with migration_lock.held_for(config):
+        return command_(config, *args, **kwargs)
 
 
 async def _upgrade_on(
@@ -295,7 +319,7 @@ def run_environment(context: EnvironmentContext) -> None:
     ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
     in this process (:mod:`cronoq_store.migration_lock`).
     """
-    context = migration_lock.resolve(context)
+    context = migration_lock.resolve(context)  # refuses another command's context
     with migration_lock.held(context):
         _run_environment(context)
 
