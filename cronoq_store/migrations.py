@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import configparser
 import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -353,14 +354,20 @@ def _schema_of(context: EnvironmentContext) -> str:
 
 def _url_of(context: EnvironmentContext) -> str:
     x_args = context.get_x_argument(as_dictionary=True)
-    url = (
-        x_args.get("url")
-        or os.environ.get(_URL_ENV)
-        or context.config.get_main_option("sqlalchemy.url")
-    )
+    url = x_args.get("url") or os.environ.get(_URL_ENV) or _ini_url(context.config)
     if not url:
         raise MigrationError(f"no database URL: pass -x url=postgresql://... or set ${_URL_ENV}")
     return url
+
+
+def _ini_url(config: Config) -> str | None:
+    """``sqlalchemy.url`` from the ini file. A percent-encoded password (``%40``) is not
+    configparser interpolation: a value that does not interpolate is taken as written,
+    since configparser's error would quote it, password and all."""
+    try:
+        return config.get_main_option("sqlalchemy.url")
+    except configparser.Error:
+        return config.file_config.get(config.config_ini_section, "sqlalchemy.url", raw=True)
 
 
 def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
