@@ -410,13 +410,17 @@ def _lock(schema: str) -> Any:
 
 
 def _run_offline(context: EnvironmentContext, schema: str) -> None:
-    """Print a script a DBA can review; it takes the same lock and search path (it cannot
-    check who owns what: the DBA runs it where they know)."""
+    """Print a script a DBA can review; it takes the same lock and search path, and stops
+    before any DDL if the schema belongs to a role other than the one running it that is not
+    a superuser (:data:`~cronoq_store.statements.refuse_foreign_owner`; the online check of
+    every object in the schema is not in the script)."""
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
         context.execute(st.local_search_path)
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
+        context.execute(st.checked_schema(schema))
+        context.execute(st.refuse_foreign_owner)
         context.run_migrations()
 
 
