@@ -143,10 +143,16 @@ def resolve(context: Any) -> EnvironmentContext:
     if not isinstance(proxy, EnvironmentContext) or (
         running is not None and proxy.script is not running
     ):
+        # Alembic removes "this run's" proxies as the error leaves (a KeyError if another
+        # run removed them already): let there be some to remove.
+        if not isinstance(proxy, EnvironmentContext) and running is not None:
+            proxy = EnvironmentContext(Config(), running)
+        if isinstance(proxy, EnvironmentContext):
+            proxy._install_proxy()
         raise MigrationError(
             "another Alembic command started in this process while this one was starting, "
-            "and Alembic keeps the running command in module globals: refusing to run "
-            "either's migration in place of the other's. Run concurrent Alembic commands "
+            "and Alembic keeps the running command in module globals: refusing to run the "
+            "other command's migration in place of this one's. Run concurrent Alembic commands "
             "through cronoq_store.migrations.run_command(command.upgrade, config, ...) "
             "(or await cronoq_store.migrations.upgrade()): they then take turns"
         )

@@ -212,8 +212,8 @@ def test_raw_alembic_commands_in_threads_migrate_their_own_schema_or_say_why_not
         done = [s for s, outcome in zip(schemas, outcomes, strict=True) if outcome is None]
         for outcome in outcomes:
             if outcome is not None:
-                # Leaving, Alembic may then fail to remove proxies another run removed: a
-                # KeyError raised while our MigrationError propagates, which it names.
+                # Leaving, Alembic removes proxies: should another refused run have removed
+                # them just before, Alembic's KeyError carries our MigrationError.
                 refused = outcome if isinstance(outcome, MigrationError) else outcome.__context__
                 assert isinstance(refused, MigrationError), repr(outcome)
                 assert "run_command" in str(refused)
