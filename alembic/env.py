@@ -6,12 +6,16 @@ from typing import cast
 from alembic import context
 from alembic.runtime.environment import EnvironmentContext
 
+from cronoq_store.migration_lock import resolve
 from cronoq_store.migrations import run_environment
+
+# `alembic.context` is a module that proxies the EnvironmentContext of the latest run: the
+# one of this run, or a MigrationError if another thread's command replaced it meanwhile.
+environment = resolve(cast(EnvironmentContext, context))
 
 # Configure logging only for the command line (an ini file was read); a host application
 # that migrates from code keeps its own logging.
-if context.config.config_file_name is not None and context.config.cmd_opts is not None:
-    fileConfig(context.config.config_file_name, disable_existing_loggers=False)
+if environment.config.config_file_name is not None and environment.config.cmd_opts is not None:
+    fileConfig(environment.config.config_file_name, disable_existing_loggers=False)
 
-# `alembic.context` is a module that proxies the EnvironmentContext of this run.
-run_environment(cast(EnvironmentContext, context))
+run_environment(environment)

@@ -57,7 +57,7 @@ from .codec import clean_text
 from .config import trusted_trigger_names
 from .domain import ID_COUNTER_BITS, Priority, TaskId, TaskStatus, epoch_of
 from .errors import MigrationError, translate_error
-from .migrations import alembic_config, head_revision, refuse_untrusted, upgrade
+from .migrations import alembic_config, head_revision, refuse_untrusted, run_command, upgrade
 from .schema import (
     LEADER_ROW_ID,
     VERSION_TABLE,
@@ -517,7 +517,7 @@ def _print_script(schema: str, revision: str) -> None:
     script = io.StringIO()
     cfg.output_buffer = script
     try:
-        command.upgrade(cfg, revision, sql=True)
+        run_command(command.upgrade, cfg, revision, sql=True)
     except CommandError as exc:
         CliError(str(exc), ExitCode.FAILED).exit(None)
     click.echo(script.getvalue(), nl=False)

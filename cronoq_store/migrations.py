@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import configparser
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from alembic import command, op
 from alembic.config import Config
@@ -67,6 +68,7 @@ __all__ = [
     "head_revision",
     "refuse_untrusted",
     "require_head",
+    "run_command",
     "run_environment",
     "upgrade",
 ]
@@ -87,6 +89,9 @@ _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 _URL_ENV = "CRONOQ_DATABASE_URL"
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 _TRUSTED_TRIGGERS = "trusted_triggers"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def script_location() -> Path:
@@ -143,6 +148,26 @@ async def upgrade(
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+def run_command(
+    command_: Callable[Concatenate[Config, _P], _R],
+    config: Config,
+    *args: _P.args,
+    **kwargs: _P.kwargs,
+) -> _R:
+    """Run an Alembic command on our migrations, e.g. ``run_command(command.upgrade, cfg,
+    "head")``: the way to call ``alembic.command`` from code where other migrations may run
+    at once in this process (threads, other stores opening).
+
+    Alembic installs its module-global ``context`` proxy before ``env.py`` runs, so two raw
+    ``command.*`` calls at once can see each other's; ``env.py`` then refuses the run
+    (:class:`~cronoq_store.MigrationError`). Here the process's migration lock is taken
+    before Alembic starts, so runs take turns instead. In a coroutine, await
+    :func:`upgrade` rather than blocking the loop.
+    """
+    with migration_lock.held_for(config):
+        return command_(config, *args, **kwargs)
 
 
 async def _upgrade_on(
@@ -358,7 +383,7 @@ def run_environment(context: EnvironmentContext) -> None:
     ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
     in this process (:mod:`cronoq_store.migration_lock`).
     """
-    context = migration_lock.resolve(context)
+    context = migration_lock.resolve(context)  # refuses another command's context
     with migration_lock.held(context):
         _run_environment(context)
 
@@ -392,14 +417,20 @@ def _schema_of(context: EnvironmentContext) -> str:
 
 def _url_of(context: EnvironmentContext) -> str:
     x_args = context.get_x_argument(as_dictionary=True)
-    url = (
-        x_args.get("url")
-        or os.environ.get(_URL_ENV)
-        or context.config.get_main_option("sqlalchemy.url")
-    )
+    url = x_args.get("url") or os.environ.get(_URL_ENV) or _ini_url(context.config)
     if not url:
         raise MigrationError(f"no database URL: pass -x url=postgresql://... or set ${_URL_ENV}")
     return url
+
+
+def _ini_url(config: Config) -> str | None:
+    """``sqlalchemy.url`` from the ini file. A percent-encoded password (``%40``) is not
+    configparser interpolation: a value that does not interpolate is taken as written,
+    since configparser's error would quote it, password and all."""
+    try:
+        return config.get_main_option("sqlalchemy.url")
+    except configparser.Error:
+        return config.file_config.get(config.config_ini_section, "sqlalchemy.url", raw=True)
 
 
 def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
@@ -442,13 +473,17 @@ def _lock(schema: str) -> Any:
 
 
 def _run_offline(context: EnvironmentContext, schema: str) -> None:
-    """Print a script a DBA can review; it takes the same lock and search path (it cannot
-    check who owns what: the DBA runs it where they know)."""
+    """Print a script a DBA can review; it takes the same lock and search path, and stops
+    before any DDL if the schema belongs to a role other than the one running it that is not
+    a superuser (:data:`~cronoq_store.statements.refuse_foreign_owner`; the online check of
+    every object in the schema is not in the script)."""
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
         context.execute(st.local_search_path)
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
+        context.execute(st.checked_schema(schema))
+        context.execute(st.refuse_foreign_owner)
         context.run_migrations()
 
 

@@ -42,7 +42,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.schema import CreateTable
+from sqlalchemy.schema import DDL, CreateTable
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
@@ -58,6 +58,7 @@ __all__ = [
     "accepts_writes",
     "advance_recurring",
     "bump_epoch",
+    "checked_schema",
     "colliding_ids",
     "create_stage",
     "epoch_for_share",
@@ -76,6 +77,7 @@ __all__ = [
     "recent_terminal",
     "record_max_id",
     "recurring_schedules",
+    "refuse_foreign_owner",
     "remove_recurring",
     "restore_search_path",
     "schema_oid",
@@ -666,6 +668,48 @@ restore_search_path = select(
         _SEARCH_PATH_NAME, bindparam("path", type_=Text), literal_column("false")
     )
 )
+
+# --- offline migration script -------------------------------------------------------------
+
+
+#: Where the script's owner check finds the schema's name: a setting, so that the check
+#: itself is constant text (a ``DO`` block takes no parameters).
+_CHECKED_SCHEMA: ColumnElement[str] = literal_column("'cronoq_store.schema'")
+
+
+def checked_schema(schema: str) -> Select[tuple[str]]:
+    """Name ``schema`` to :data:`refuse_foreign_owner` until the end of the transaction (the
+    offline script renders the name as a literal)."""
+    return select(func.pg_catalog.set_config(_CHECKED_SCHEMA, literal(schema, Text), true()))
+
+
+#: What an offline (``--sql``) script runs right after ``CREATE SCHEMA IF NOT EXISTS``: stop,
+#: before any DDL, if a role other than the one running it, and not a superuser, owns the
+#: schema named by :func:`checked_schema` (it could have planted code the script would run
+#: as us). Only the owner: the online run's full check (``migrations.refuse_untrusted``)
+#: needs its answers in Python.
+refuse_foreign_owner = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store.schema');
+    owner_ pg_catalog.name;
+BEGIN
+    SELECT r.rolname INTO owner_
+    FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner
+    WHERE n.nspname = schema_ AND r.rolname <> current_user AND NOT r.rolsuper;
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = 'cronoq-store: schema ' || pg_catalog.quote_ident(schema_)
+                || ' is owned by ' || pg_catalog.quote_ident(owner_) || ', neither '
+                || pg_catalog.quote_ident(current_user) || ' nor a superuser: refusing to '
+                || 'migrate it (its owner could have planted code that would run as '
+                || pg_catalog.quote_ident(current_user) || '); run the script as its owner';
+    END IF;
+END
+$cronoq$"""
+)
+
 
 # --- health ---------------------------------------------------------------------------------
 

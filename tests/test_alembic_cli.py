@@ -6,13 +6,18 @@ import os
 import subprocess
 import sys
 import sysconfig
+import uuid
 import venv
 from pathlib import Path
 
+import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store.migrations import head_revision
+from cronoq_store.schema import VERSION_TABLE
+
+from .pgharness import admin_execute, asyncpg_dsn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +66,11 @@ def test_offline_sql_is_a_reviewable_script() -> None:
     script = result.stdout
     assert script.index("BEGIN;") < script.index("pg_advisory_xact_lock(1668444013")
     assert "CREATE SCHEMA IF NOT EXISTS ops_review;" in script
+    # Right after it, before any DDL, the script refuses a schema another role owns.
+    refusal = script.index("DO $cronoq$")
+    assert script.index("CREATE SCHEMA IF NOT EXISTS ops_review;") < refusal
+    assert refusal < script.index("CREATE TABLE")
+    assert "set_config('cronoq_store.schema', 'ops_review', true)" in script
     # The cluster's schema is never on the search path: every object is qualified.
     assert "set_config('search_path', 'pg_catalog, pg_temp', true)" in script
     assert "search_path TO" not in script
@@ -68,6 +78,48 @@ def test_offline_sql_is_a_reviewable_script() -> None:
     assert "INSERT INTO ops_review.cronoq_leader (id, epoch) VALUES (1, 0);" in script
     assert "CREATE TABLE ops_review.cronoq_alembic_version" in script
     assert script.rstrip().endswith("COMMIT;")
+
+
+async def run_script(url: URL, script: str) -> None:
+    """Run a ``--sql`` script as a DBA would (one simple-protocol batch, like ``psql -f``)."""
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await conn.execute(script)
+    finally:
+        await conn.close()
+
+
+async def test_offline_script_refuses_a_schema_another_role_owns_before_any_ddl(
+    pg_url: URL, schema: str
+) -> None:
+    """A superuser running the reviewed script on a schema a lesser role pre-created (and
+    could have filled with code that runs as the superuser) stops before creating anything;
+    on a schema of its own the same script migrates it to head."""
+    role = f"cq_squat_{uuid.uuid4().hex[:8]}"
+    squatted = f"sq_{uuid.uuid4().hex[:10]}"
+    await admin_execute(pg_url, f"CREATE ROLE {role} NOLOGIN")
+    await admin_execute(pg_url, f"CREATE SCHEMA {squatted} AUTHORIZATION {role}")
+    try:
+        refused = alembic("-x", f"schema={squatted}", "upgrade", "head", "--sql")
+        assert refused.returncode == 0, refused.stderr
+        with pytest.raises(asyncpg.InsufficientPrivilegeError) as caught:
+            await run_script(pg_url, refused.stdout)
+        assert str(caught.value) == (
+            f"cronoq-store: schema {squatted} is owned by {role}, neither postgres nor a "
+            "superuser: refusing to migrate it (its owner could have planted code that would "
+            "run as postgres); run the script as its owner"
+        )
+        tables = await admin_execute(
+            pg_url, "SELECT relname FROM pg_class WHERE relnamespace = $1::regnamespace", squatted
+        )
+        assert tables == []
+    finally:
+        await admin_execute(pg_url, f"DROP SCHEMA {squatted} CASCADE")
+        await admin_execute(pg_url, f"DROP ROLE {role}")
+    accepted = alembic("-x", f"schema={schema}", "upgrade", "head", "--sql")
+    await run_script(pg_url, accepted.stdout)
+    version = await admin_execute(pg_url, f"SELECT version_num FROM {schema}.{VERSION_TABLE}")
+    assert [r[0] for r in version] == [head_revision()]
 
 
 def test_cli_errors_are_one_clear_line_without_password(pg_url: URL) -> None:

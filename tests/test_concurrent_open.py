@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.errors import MigrationError
 from cronoq_store.migration_lock import held_async
-from cronoq_store.migrations import alembic_config, head_revision
+from cronoq_store.migrations import alembic_config, head_revision, run_command
 from cronoq_store.schema import VERSION_TABLE
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
@@ -41,6 +41,15 @@ async def schemas(pg_url: URL) -> AsyncIterator[list[str]]:
     names = [f"c_{uuid.uuid4().hex[:10]}" for _ in range(5)]
     yield names
     for name in names:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+@pytest.fixture
+async def rounds(pg_url: URL) -> AsyncIterator[list[list[str]]]:
+    """Three rounds of five fresh schema names (a race shows in some rounds only)."""
+    names = [[f"c_{uuid.uuid4().hex[:10]}" for _ in range(5)] for _ in range(3)]
+    yield names
+    for name in (n for part in names for n in part):
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
@@ -132,11 +141,99 @@ def test_stores_open_at_once_on_several_loops_in_several_threads(
     asyncio.run(assert_each_has_its_own_tables(pg_url, schemas))
 
 
+def in_threads(work: list[Callable[[], None]]) -> list[BaseException | None]:
+    """Run each callable in its own thread, all at once; what each raised, if anything."""
+    outcomes: list[BaseException | None] = [None] * len(work)
+    start = threading.Barrier(len(work))
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            work[i]()
+        except BaseException as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return outcomes
+
+
+def alembic_upgrade(pg_url: URL, schema: str, *, raw: bool) -> Callable[[], None]:
+    """``alembic.command.upgrade`` of ``schema`` on an engine of its own, raw or through
+    :func:`run_command`; the engine is made beforehand, so that the threads' calls overlap."""
+    engine = create_async_engine(async_url(pg_url), poolclass=NullPool)
+    cfg = alembic_config(schema, engine)
+
+    def run() -> None:
+        try:
+            if raw:
+                command.upgrade(cfg, "head")
+            else:
+                run_command(command.upgrade, cfg, "head")
+        finally:
+            asyncio.run(engine.dispose())
+
+    return run
+
+
+def test_alembic_commands_in_threads_through_run_command_take_turns(
+    pg_url: URL, rounds: list[list[str]]
+) -> None:
+    """Alembic called from code in several threads, while stores open in others: every
+    schema ends with its own tables (raw calls used to return normally having migrated
+    one schema several times and the others never)."""
+    for schemas in rounds:
+        a, b, c, d, e = schemas
+        upgrades = [alembic_upgrade(pg_url, s, raw=False) for s in (a, b, c, d)]
+        stores = [opener(pg_url, [a, d]), opener(pg_url, [e])]
+        assert in_threads([*upgrades, *stores]) == [None] * 6
+        asyncio.run(assert_each_has_its_own_tables(pg_url, schemas))
+
+
+def opener(url: URL, schemas: list[str]) -> Callable[[], None]:
+    """Open and close stores of ``schemas`` at once, on a loop of the calling thread."""
+
+    async def open_all() -> None:
+        await asyncio.gather(*(open_and_close(url, s) for s in schemas))
+
+    return lambda: asyncio.run(open_all())
+
+
+def test_raw_alembic_commands_in_threads_migrate_their_own_schema_or_say_why_not(
+    pg_url: URL, rounds: list[list[str]]
+) -> None:
+    """Raw ``command.upgrade`` calls at once in threads: Alembic's module-global context can
+    point at another thread's run; such a run must fail clearly, never return as if done."""
+    for schemas in rounds:
+        outcomes = in_threads([alembic_upgrade(pg_url, s, raw=True) for s in schemas])
+        done = [s for s, outcome in zip(schemas, outcomes, strict=True) if outcome is None]
+        for outcome in outcomes:
+            if outcome is not None:
+                # Leaving, Alembic removes proxies: should another refused run have removed
+                # them just before, Alembic's KeyError carries our MigrationError.
+                refused = outcome if isinstance(outcome, MigrationError) else outcome.__context__
+                assert isinstance(refused, MigrationError), repr(outcome)
+                assert "run_command" in str(refused)
+        asyncio.run(assert_each_has_its_own_tables(pg_url, done))
+        rows = asyncio.run(
+            admin_execute(
+                pg_url,
+                "SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1::text[])",
+                schemas,
+            )
+        )
+        assert sorted(r[0] for r in rows) == sorted(done)  # a refused run created nothing
+
+
 async def test_sync_alembic_inside_a_running_loop_takes_its_turn(
     pg_url: URL, schemas: list[str]
 ) -> None:
-    """``command.upgrade`` called synchronously in a coroutine (Alembic then migrates on a
-    loop of its own in a worker thread) while another thread's loop opens stores."""
+    """``command.upgrade`` called synchronously (through :func:`run_command`) in a coroutine
+    (Alembic then migrates on a loop of its own in a worker thread) while another thread's
+    loop opens stores."""
     failures: list[BaseException] = []
 
     def other_loop() -> None:
@@ -153,7 +250,7 @@ async def test_sync_alembic_inside_a_running_loop_takes_its_turn(
     engine = create_async_engine(async_url(pg_url), poolclass=NullPool)
     try:
         for schema in schemas:
-            command.upgrade(alembic_config(schema, engine), "head")  # blocks this loop
+            run_command(command.upgrade, alembic_config(schema, engine), "head")  # blocks
     finally:
         thread.join(timeout=120)
         await engine.dispose()

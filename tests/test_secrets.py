@@ -318,3 +318,53 @@ def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> N
 )
 def test_redact_masks_the_password_and_nothing_else(url: str, shown: str) -> None:
     assert redact(url) == shown
+
+
+def ini_with_url(tmp_path: Path, url: str) -> Path:
+    """This checkout's alembic.ini with ``sqlalchemy.url`` set, as an operator would write it."""
+    text = (ROOT / "alembic.ini").read_text()
+    text = text.replace("%(here)s/alembic", str(ROOT / "alembic"))
+    assert "\nsqlalchemy.url =\n" in text
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(text.replace("\nsqlalchemy.url =\n", f"\nsqlalchemy.url = {url}\n"))
+    return ini
+
+
+def test_alembic_reads_a_percent_encoded_password_from_the_ini_file_and_never_prints_it(
+    pg_url: URL, roles: dict[str, Role], cleanup: list[str], tmp_path: Path
+) -> None:
+    """A percent-encoded password in ``sqlalchemy.url`` is not configparser interpolation:
+    it logs in, and a failure says why without quoting the value (configparser's error did,
+    from the first '%' on, on stdout and in the log)."""
+    role = roles["special"]
+    encoded = quote(role.password, safe="")
+    spellings = (role.password, encoded, encoded[encoded.index("%") :])
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    for port, ok in ((pg_url.port, True), (unused_port(), False)):
+        url = f"postgresql://{role.name}:{encoded}@{pg_url.host}:{port}/{pg_url.database}"
+        schema = f"s_{uuid.uuid4().hex[:10]}"
+        cleanup.append(schema)
+        ini = str(ini_with_url(tmp_path, url))
+        command = [sys.executable, "-m", "alembic", "-c", ini, "-x", f"schema={schema}"]
+        result = subprocess.run(
+            [*command, "upgrade", "head"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        output = result.stdout + result.stderr
+        assert not [s for s in spellings if s in output], output
+        assert "Traceback" not in output
+        if ok:
+            assert result.returncode == 0, output
+            rows = asyncio.run(
+                admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
+            )
+            assert len(rows) == 1
+        else:
+            assert result.returncode != 0
+            assert result.stdout.startswith("FAILED: migrating failed: "), output
+            assert "Connect call failed" in result.stdout
