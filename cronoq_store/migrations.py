@@ -269,8 +269,12 @@ WITH ns AS (
         FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
     UNION ALL SELECT 'CREATE on schema ' || quote_ident(nspname), 'granted to', a.grantee
         FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
-    UNION ALL SELECT 'TRIGGER on ' || ours.oid::regclass::text, 'granted to', a.grantee
-        FROM ours, aclexplode(ours.relacl) a WHERE a.privilege_type = 'TRIGGER'
+    -- TRIGGER could plant code; REFERENCES a foreign key, whose internal triggers run the
+    -- referencing table's cascades inside our deletes.
+    UNION ALL SELECT a.privilege_type || ' on ' || ours.oid::regclass::text, 'granted to',
+            a.grantee
+        FROM ours, aclexplode(ours.relacl) a
+        WHERE a.privilege_type IN ('TRIGGER', 'REFERENCES')
     -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
     -- operators by the function that implements them too.
     UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
@@ -297,6 +301,13 @@ WHERE role = 0 OR NOT pg_has_role(
 UNION ALL
 SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
 FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
+-- A foreign key from elsewhere, whoever owns it: its internal triggers run the other table's
+-- actions (and that table's triggers) inside prune's deletes, or make every prune fail.
+UNION ALL
+SELECT 'foreign key ' || quote_ident(k.conname) || ' of ' || k.conrelid::regclass::text
+    || ' references ' || ours.oid::regclass::text
+FROM pg_constraint k JOIN ours ON k.confrelid = ours.oid
+WHERE k.contype = 'f' AND k.conrelid NOT IN (SELECT oid FROM ours)
 -- Our migrations create no trigger: each must be one the operator named, and even then
 -- without a WHEN clause (it can call anything, through a cast to a domain, say).
 UNION ALL
@@ -343,9 +354,9 @@ class TrustCheck:
             f"schema {self.schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
             f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
             "inherit its privileges) may own the schema or anything in it, create in it or "
-            "hold TRIGGER on its tables or write the code their triggers run; nothing may "
-            "add rules to them, and a trigger on them must be named in trusted_triggers "
-            "and have no WHEN clause"
+            "hold TRIGGER or REFERENCES on its tables or write the code their triggers run; "
+            "nothing may add rules to them or reference them by foreign key, and a trigger "
+            "on them must be named in trusted_triggers and have no WHEN clause"
         )
 
 
@@ -358,8 +369,9 @@ def refuse_untrusted(
     may carry default privileges).
 
     Refused: the schema, or any object in it, owned by such a role; such a role (or
-    ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` on our tables (it could plant
-    code after this check); any rule on our tables; any trigger on our tables (our
+    ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` or ``REFERENCES`` on our tables
+    (it could plant code after this check); any rule on our tables, and any foreign key from
+    another table to them; any trigger on our tables (our
     migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
     clause and runs a function of a trusted role. Trusted are the connecting role,
     superusers and roles that can already act with the connecting role's privileges.

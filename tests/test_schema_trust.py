@@ -247,6 +247,31 @@ async def test_a_trigger_by_a_role_granted_trigger_is_refused(
         await PgStore.from_engine(engine, config(schema))
 
 
+async def test_a_foreign_key_onto_our_tables_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A foreign key needs only REFERENCES: its internal triggers would run the other table's
+    cascades (and triggers) inside prune's deletes, or make every prune fail."""
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT REFERENCES ON {schema}.cronoq_tasks TO {attacker.name}")
+    with pytest.raises(MigrationError, match=f"REFERENCES on {schema}.cronoq_tasks granted to"):
+        await PgStore.from_engine(engine, config(schema))
+    table = f"{attacker.name}_s.t"
+    await admin_execute(attacker.url, f"CREATE SCHEMA {attacker.name}_s")
+    await admin_execute(
+        attacker.url,
+        f"CREATE TABLE {table} (ref bigint REFERENCES {schema}.cronoq_tasks (id) "
+        "ON DELETE CASCADE)",
+    )
+    await admin_execute(pg_url, f"REVOKE REFERENCES ON {schema}.cronoq_tasks FROM {attacker.name}")
+    # The key stays when the grant goes; whoever owns it, it is refused on every entry point.
+    for migrate in (True, False):
+        with pytest.raises(MigrationError) as info:
+            await PgStore.from_engine(engine, config(schema), migrate=migrate)
+        assert f"of {table} references {schema}.cronoq_tasks" in str(info.value)
+
+
 async def test_a_trigger_whose_when_clause_runs_untrusted_code_is_refused(
     pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
 ) -> None:
