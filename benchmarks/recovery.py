@@ -45,7 +45,7 @@ from cronoq_store.codec import (
 )
 from cronoq_store.domain import LIVE_STATUS_NAMES, Dependency, Submitted
 from cronoq_store.folding import INSERT_COLUMNS
-from cronoq_store.store import PgStore
+from cronoq_store.store import PgStore, next_id
 
 from .common import Profile, compile_for_asyncpg, dsn, make_spec, submission_row, summarize
 
@@ -156,12 +156,13 @@ def _decode_task(base: TimeBase, row: asyncpg.Record) -> RecoveredTask:
 
 async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) -> Recovered:
     """The store's queries on raw asyncpg, in one transaction, decoded the same way."""
-    next_id = compile_for_asyncpg(st.next_id, schema)
+    high_water = compile_for_asyncpg(st.high_water, schema)
     live = compile_for_asyncpg(st.live_tasks, schema)
     terminal = compile_for_asyncpg(st.recent_terminal, schema)
     recurring = compile_for_asyncpg(st.recurring_schedules, schema)
     async with conn.transaction():
-        recovered = Recovered(next_id=await conn.fetchval(next_id.sql, *next_id.args({})))
+        marks = await conn.fetchrow(high_water.sql, *high_water.args({}))
+        recovered = Recovered(next_id=next_id(*marks))
         now = time.time_ns()
         recovered.tasks = [_decode_task(base, row) for row in await conn.fetch(live.sql)]
         dep_ids: set[int] = set()

@@ -63,6 +63,7 @@ __all__ = [
     "create_stage",
     "epoch_for_share",
     "finished_page",
+    "high_water",
     "insert_from_stage",
     "insert_tasks",
     "insert_tasks_fenced",
@@ -70,7 +71,6 @@ __all__ = [
     "local_search_path",
     "lock_session_settings",
     "may_stage",
-    "next_id",
     "ping",
     "prune_batch",
     "quarantine",
@@ -427,16 +427,12 @@ advance_recurring = (
 
 # --- recovery -------------------------------------------------------------------------------
 
-_recorded_max = select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery()
-
-#: One more than the largest id ever issued (the recorded high-water mark, or the largest
-#: stored id: a stored id 0 counts), 0 when none was. A recorded mark of 0 is the column's
-#: default, not an issued id.
-next_id = select(
-    func.greatest(
-        case((_recorded_max > 0, _recorded_max + 1), else_=0),
-        select(func.coalesce(func.max(tasks.c.id) + 1, 0)).scalar_subquery(),
-    )
+#: The id high-water marks: the recorded one (0, the column's default, until a batch issues
+#: an id) and the largest stored id (NULL for none: a stored id 0 counts). The caller adds
+#: one in Python: the largest id may be 2**63-1.
+high_water = select(
+    select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery(),
+    select(func.max(tasks.c.id)).scalar_subquery(),
 )
 
 

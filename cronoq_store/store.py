@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
     _Row: TypeAlias = Row[Unpack[tuple[Any, ...]]]
 
-__all__ = ["PRUNE_BATCH", "RECOVERY_PARTITION", "PgStore"]
+__all__ = ["PRUNE_BATCH", "RECOVERY_PARTITION", "PgStore", "next_id"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -530,7 +530,7 @@ class PgStore:
         as finished; an undecodable schedule is logged, skipped and left in the table.
         """
         async with self._translated("recovering"), self._session() as conn:
-            recovered = Recovered(next_id=(await conn.execute(st.next_id)).scalar_one())
+            recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
             now = time.time_ns()
             await self._recover_tasks(conn, base, now, recovered)
             await self._recover_recurring(conn, base, recovered)
@@ -696,6 +696,13 @@ if sys.version_info >= (3, 11):
 
 else:
     _within = asyncio.wait_for  # pragma: no cover
+
+
+def next_id(recorded_max: int, stored_max: int | None) -> int:
+    """One more than the largest id ever issued, 0 when none was: ``recorded_max`` is 0 until
+    a batch records one (the column's default), ``stored_max`` ``None`` without tasks."""
+    recorded = recorded_max + 1 if recorded_max > 0 else 0
+    return max(recorded, 0 if stored_max is None else stored_max + 1)
 
 
 async def _require_utf8(engine: AsyncEngine, where: str) -> None:
