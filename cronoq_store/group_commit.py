@@ -1,7 +1,7 @@
 """Group commit: many concurrent submitters, few transactions, acknowledgement after durability.
 
 A transaction costs about the same for one mutation as for a thousand (round trips, not rows,
-dominate: see FACTS.md), so the scheduler's submitters should share them.
+dominate: see docs/performance.md), so the scheduler's submitters should share them.
 :class:`GroupCommitter` queues their submissions, and one writer task commits them in
 batches: while one commit is in flight the next batch accumulates, so batches grow with load
 and no timer adds latency when the system is idle. A submitter's ``await`` returns only once
