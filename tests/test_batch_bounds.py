@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 from sqlalchemy.engine import URL
@@ -28,7 +26,7 @@ from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute
-from .test_group_commit import wait_until
+from .test_group_commit import open_store, stored_ids, wait_until
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -38,20 +36,6 @@ POISON = b"poison"
 def submitted(epoch: int, n: int, payload: bytes | None = None) -> Submitted:
     spec = TaskSpec(b"payload %d" % n if payload is None else payload)
     return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, spec)
-
-
-async def stored_ids(url: URL, schema: str) -> set[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
-    return {r["id"] for r in rows}
-
-
-@asynccontextmanager
-async def open_store(url: URL, schema: str, **config: Any) -> AsyncIterator[PgStore]:
-    store = await PgStore.connect(url, PgStoreConfig(schema=schema, **config))
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 class Recording:
