@@ -111,26 +111,19 @@ async def cronoq_tables(pg_url: URL, schema: str) -> list[str]:
 # --- a planted operator, through every entry point ------------------------------------------
 
 
-async def test_connect_refuses_a_schema_with_a_planted_operator(
-    pg_url: URL, schema: str, attacker: Attacker
+@pytest.mark.parametrize("entry", ["connect", "from_engine"])
+async def test_opening_a_store_refuses_a_schema_with_a_planted_operator(
+    pg_url: URL, schema: str, attacker: Attacker, engine: AsyncEngine, entry: str
 ) -> None:
     await plant_operator(attacker, schema)
     for migrate in (True, False):
+        opening = (
+            PgStore.connect(pg_url, config(schema), migrate=migrate)
+            if entry == "connect"
+            else PgStore.from_engine(engine, config(schema), migrate=migrate)
+        )
         with pytest.raises(MigrationError) as info:
-            await PgStore.connect(pg_url, config(schema), migrate=migrate)
-        for said in refused(schema, attacker.name):
-            assert said in str(info.value)
-    assert not await is_superuser(pg_url, attacker.name)
-    assert await cronoq_tables(pg_url, schema) == []
-
-
-async def test_from_engine_refuses_a_schema_with_a_planted_operator(
-    pg_url: URL, schema: str, attacker: Attacker, engine: AsyncEngine
-) -> None:
-    await plant_operator(attacker, schema)
-    for migrate in (True, False):
-        with pytest.raises(MigrationError) as info:
-            await PgStore.from_engine(engine, config(schema), migrate=migrate)
+            await opening
         for said in refused(schema, attacker.name):
             assert said in str(info.value)
     assert not await is_superuser(pg_url, attacker.name)
