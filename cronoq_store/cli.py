@@ -53,9 +53,9 @@ from sqlalchemy.pool import NullPool
 
 from . import demo as demo_module
 from . import statements as st
-from .codec import clean_text
+from .codec import QUARANTINE_PREFIX, clean_text
 from .config import trusted_trigger_names
-from .domain import ID_COUNTER_BITS, Priority, TaskId, TaskStatus, epoch_of
+from .domain import I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, Priority, TaskId, TaskStatus, epoch_of
 from .errors import MigrationError, translate_error
 from .migrations import alembic_config, head_revision, refuse_untrusted, run_command, upgrade
 from .schema import (
@@ -68,20 +68,16 @@ from .schema import (
     validate_schema_name,
 )
 from .store import PRUNE_BATCH
-from .urls import async_url, redact, scrub
+from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = ["URL_ENV", "ExitCode", "cli", "main", "parse_duration"]
 
 _T = TypeVar("_T")
 
 #: Where the URL comes from when ``--url`` is not given.
-URL_ENV = "CRONOQ_DATABASE_URL"
 #: A silent host must not hang the tool for asyncpg's default minute.
 CONNECT_TIMEOUT = 10.0
 #: How recovery marks a live row it could not decode (docs/storage-format.md).
-QUARANTINE_PREFIX = "corrupt task row:"
-_ID_MAX = (1 << 63) - 1
-_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _FINISHED = [s.value for s in TaskStatus if s.is_terminal]
 
 
@@ -393,7 +389,7 @@ def _print_facts(console: Console, *facts: tuple[str, str]) -> None:
 
 
 def _utc(unix_ns: int) -> str:
-    moment = _UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
+    moment = UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -411,7 +407,7 @@ def _format_duration(seconds: int) -> str:
 
 def _task_id(value: int) -> str:
     """An id with what it encodes: the epoch that issued it and its number in that epoch."""
-    if not 0 <= value <= _ID_MAX:
+    if not 0 <= value <= I64_MAX:
         return str(value)
     counter = value & ((1 << ID_COUNTER_BITS) - 1)
     return f"{value} (epoch {epoch_of(TaskId(value))}, #{counter})"
@@ -642,7 +638,7 @@ def tasks_group() -> None:
 def tasks_show(options: _Options, ref: str, as_key: bool) -> None:
     """Show one task: REF is an id (digits) or a key (the newest task holding it)."""
     by_id = not as_key and re.fullmatch(r"[0-9]+", ref) is not None
-    if by_id and int(ref) > _ID_MAX:
+    if by_id and int(ref) > I64_MAX:
         raise click.BadParameter(f"{ref} is not a task id (ids fit a signed 64-bit integer)")
     _run(options, _show(options, ref, by_id, _console()))
 
@@ -683,7 +679,7 @@ async def _show(options: _Options, ref: str, by_id: bool, console: Console) -> N
 )
 @click.option(
     "--after",
-    type=click.IntRange(0, _ID_MAX),
+    type=click.IntRange(0, I64_MAX),
     help="Start after this id (the cursor the previous page printed).",
 )
 @click.option(
@@ -793,10 +789,10 @@ async def _prune(options: _Options, older_than: int, dry_run: bool, console: Con
         await _require_head(conn, options.schema)
         # The server's clock, not this machine's: the one every operator's run agrees on.
         now = (await conn.execute(select(func.now()))).scalar_one()
-        cutoff_ns = (now - _UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
+        cutoff_ns = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
         old = (await conn.execute(_finished_before, {"cutoff": cutoff_ns})).scalar_one()
         victims = (
-            await conn.execute(_prunable, {"cutoff": cutoff_ns, "batch": _ID_MAX})
+            await conn.execute(_prunable, {"cutoff": cutoff_ns, "batch": I64_MAX})
         ).scalar_one()
         await conn.rollback()
         protected = max(0, old - victims)

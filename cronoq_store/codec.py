@@ -23,6 +23,8 @@ from functools import lru_cache
 from typing import TypeVar
 
 from .domain import (
+    I64_MAX,
+    I64_MIN,
     CronSchedule,
     Dependency,
     DependencyCondition,
@@ -41,6 +43,7 @@ from .domain import (
 )
 
 __all__ = [
+    "QUARANTINE_PREFIX",
     "DecodeError",
     "clean_text",
     "decode_deps",
@@ -63,8 +66,9 @@ __all__ = [
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=Enum)
 
-_I64_MIN = -(1 << 63)
-_I64_MAX = (1 << 63) - 1
+QUARANTINE_PREFIX = "corrupt task row:"
+"""How the message of a task row that recovery quarantined begins (the CLI counts them)."""
+
 _MICROSECOND = timedelta(microseconds=1)
 _SHOWN_CHARS = 60
 """Longest rendering of a bad value in an error message, which may end up stored."""
@@ -93,7 +97,7 @@ def unix_converter(base: TimeBase) -> Callable[[int, str], int]:
 
     def to_unix(engine_ns: int, field: str) -> int:
         unix_ns = engine_ns + offset
-        if _I64_MIN <= unix_ns <= _I64_MAX:
+        if I64_MIN <= unix_ns <= I64_MAX:
             return unix_ns
         raise ValueError(
             f"{field}: engine time {engine_ns} is {show(unix_ns)} Unix ns through {base!r}, "
@@ -109,7 +113,7 @@ def duration_to_ns(td: timedelta) -> int:
     Exact for every duration below 2**63 ns (about 292 years); longer ones are stored as
     2**63 - 1, which no real timeout or backoff reaches.
     """
-    return min(td // _MICROSECOND * 1000, _I64_MAX)
+    return min(td // _MICROSECOND * 1000, I64_MAX)
 
 
 def ns_to_duration(ns: int) -> timedelta:
@@ -370,19 +374,19 @@ def _as_int(value: object, path: str) -> int:
 
 
 def _as_bigint(value: object, path: str) -> int:
-    if type(value) is not int or not _I64_MIN <= value <= _I64_MAX:
+    if type(value) is not int or not I64_MIN <= value <= I64_MAX:
         raise _mismatch(path, "an integer in -2**63..2**63-1", value)
     return value
 
 
 def _as_ns(value: object, path: str) -> timedelta:
-    if type(value) is not int or not 0 <= value <= _I64_MAX:
+    if type(value) is not int or not 0 <= value <= I64_MAX:
         raise _mismatch(path, "a non-negative integer of nanoseconds below 2**63", value)
     return ns_to_duration(value)
 
 
 def _as_task_id(value: object, path: str) -> TaskId:
-    if type(value) is not int or not 0 <= value <= _I64_MAX:
+    if type(value) is not int or not 0 <= value <= I64_MAX:
         raise _mismatch(path, "a task id (an integer in 0..2**63-1)", value)
     return TaskId(value)
 
@@ -483,7 +487,7 @@ def _resources_from_json(value: object, path: str) -> dict[str, int]:
     for name, amount in obj.items():
         if not name:
             raise DecodeError(f'{path}: expected non-empty resource names, got ""')
-        if type(amount) is not int or not 0 <= amount <= _I64_MAX:
+        if type(amount) is not int or not 0 <= amount <= I64_MAX:
             raise _mismatch(f"{path}[{_show(name)}]", "an integer in 0..2**63-1", amount)
         result[name] = amount
     return result

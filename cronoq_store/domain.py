@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from enum import Enum, IntEnum
 from typing import NewType, TypeAlias
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -31,11 +31,14 @@ EPOCH_MIN = 1
 EPOCH_MAX = 32767
 ID_COUNTER_BITS = 48
 
+I64_MIN = -(1 << 63)
+I64_MAX = (1 << 63) - 1
+"""Bounds of PostgreSQL's BIGINT: ids, seqs, engine and Unix times, amounts."""
+UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+"""Where stored Unix nanoseconds count from, as an aware ``datetime``."""
+
 _COUNTER_MAX = (1 << ID_COUNTER_BITS) - 1
-_I64_MIN = -(1 << 63)
-_I64_MAX = (1 << 63) - 1
 _I32_MAX = (1 << 31) - 1
-_ID_MAX = _I64_MAX
 _ZERO = timedelta(0)
 _SHOWN_CHARS = 60
 _SHOWN_INT_BITS = 256
@@ -93,13 +96,13 @@ def _check_int(name: str, value: object, low: int, high: int, requirement: str) 
 
 
 def _check_id(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= I64_MAX:
         raise _invalid(name, "a task id in 0..2**63-1", value)
 
 
 def _check_engine_time(name: str, value: object) -> None:
     # The store converts it to Unix ns at commit, where the result is checked again.
-    _check_int(name, value, _I64_MIN, _I64_MAX, _ENGINE_TIME)
+    _check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
 
 
 def _check_duration(name: str, value: object) -> None:
@@ -351,8 +354,8 @@ class TaskSpec:
         for name, amount in resources.items():
             if not isinstance(name, str) or not name:
                 raise _invalid("resources", "keyed by non-empty strings", name)
-            if type(amount) is not int or not 0 <= amount <= _I64_MAX:
-                _check_int(f"resources[{show(name)}]", amount, 0, _I64_MAX, _AMOUNT)
+            if type(amount) is not int or not 0 <= amount <= I64_MAX:
+                _check_int(f"resources[{show(name)}]", amount, 0, I64_MAX, _AMOUNT)
             merged = merged or clean_text(name) is not name
         if merged and len({clean_text(name) for name in resources}) < len(resources):
             raise _invalid(
@@ -463,11 +466,11 @@ class Submitted:
 
     def __post_init__(self) -> None:
         id_, seq, arrival = self.id, self.seq, self.arrival
-        if type(id_) is not int or not 0 <= id_ <= _ID_MAX:
+        if type(id_) is not int or not 0 <= id_ <= I64_MAX:
             _check_id("id", id_)
-        if type(seq) is not int or not 0 <= seq <= _I64_MAX:
-            _check_int("seq", seq, 0, _I64_MAX, "an integer in 0..2**63-1")
-        if type(arrival) is not int or not _I64_MIN <= arrival <= _I64_MAX:
+        if type(seq) is not int or not 0 <= seq <= I64_MAX:
+            _check_int("seq", seq, 0, I64_MAX, "an integer in 0..2**63-1")
+        if type(arrival) is not int or not I64_MIN <= arrival <= I64_MAX:
             _check_engine_time("arrival", arrival)
         if type(self.spec) is not TaskSpec and not isinstance(self.spec, TaskSpec):
             raise _invalid("spec", "a TaskSpec", self.spec)
@@ -489,13 +492,13 @@ class StatusChanged:
 
     def __post_init__(self) -> None:
         id_, attempt, at, message = self.id, self.attempt, self.at, self.message
-        if type(id_) is not int or not 0 <= id_ <= _ID_MAX:
+        if type(id_) is not int or not 0 <= id_ <= I64_MAX:
             _check_id("id", id_)
         if not isinstance(self.status, TaskStatus):
             raise _invalid("status", "a TaskStatus", self.status)
         if type(attempt) is not int or not 0 <= attempt <= _I32_MAX:
             _check_int("attempt", attempt, 0, _I32_MAX, "an integer in 0..2**31-1")
-        if type(at) is not int or not _I64_MIN <= at <= _I64_MAX:
+        if type(at) is not int or not I64_MIN <= at <= I64_MAX:
             _check_engine_time("at", at)
         if message is not None and not isinstance(message, str):
             raise _invalid("message", "None or a string", message)

@@ -57,7 +57,7 @@ from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
-from .urls import async_url, scrub
+from .urls import URL_ENV, async_url, scrub
 
 __all__ = [
     "LEGACY_REVISIONS",
@@ -86,7 +86,6 @@ LEGACY_REVISIONS = {
 _LEGACY_TABLE = "cronoq_schema_version"
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
-_URL_ENV = "CRONOQ_DATABASE_URL"
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 _TRUSTED_TRIGGERS = "trusted_triggers"
 
@@ -429,9 +428,9 @@ def _schema_of(context: EnvironmentContext) -> str:
 
 def _url_of(context: EnvironmentContext) -> str:
     x_args = context.get_x_argument(as_dictionary=True)
-    url = x_args.get("url") or os.environ.get(_URL_ENV) or _ini_url(context.config)
+    url = x_args.get("url") or os.environ.get(URL_ENV) or _ini_url(context.config)
     if not url:
-        raise MigrationError(f"no database URL: pass -x url=postgresql://... or set ${_URL_ENV}")
+        raise MigrationError(f"no database URL: pass -x url=postgresql://... or set ${URL_ENV}")
     return url
 
 

@@ -46,14 +46,13 @@ from sqlalchemy.schema import DDL, CreateTable
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from .domain import QUEUED, TaskStatus
+from .domain import EPOCH_MAX, QUEUED, TaskStatus
 from .folding import IDENTITY_COLUMNS, INSERT_COLUMNS, JSON_COLUMNS, LIVE_RANKS, TERMINAL_LEVEL
 from .schema import LEADER_ROW_ID, leader, recurring, tasks
 
 __all__ = [
     "LOCK_NS_LEADER",
     "LOCK_SESSION_SETTINGS",
-    "MAX_EPOCH",
     "SEARCH_PATH",
     "accepts_writes",
     "advance_recurring",
@@ -98,7 +97,6 @@ __all__ = [
 #: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
 LOCK_NS_LEADER = 0x63726F71
 #: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
-MAX_EPOCH = 32767
 
 # --- leadership -----------------------------------------------------------------------------
 
@@ -112,7 +110,7 @@ bump_epoch = (
     update(leader)
     .where(leader.c.id == LEADER_ROW_ID)
     .values(
-        epoch=case((leader.c.epoch >= MAX_EPOCH, 1), else_=leader.c.epoch + 1),
+        epoch=case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1),
     )
     .returning(leader.c.epoch)
 )

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from sqlalchemy.util import greenlet_spawn
 from . import migrations
 from . import statements as st
 from .codec import (
+    QUARANTINE_PREFIX,
     decode_deps,
     decode_miss_policy,
     decode_recurring,
@@ -41,7 +42,10 @@ from .codec import (
 )
 from .config import PgStoreConfig
 from .domain import (
+    I64_MAX,
+    I64_MIN,
     LIVE_STATUS_NAMES,
+    UNIX_EPOCH,
     FixedStart,
     Mutation,
     Priority,
@@ -88,14 +92,12 @@ PRUNE_BATCH = 1000
 #: Live task rows read and decoded at a time by :meth:`PgStore.recover`.
 RECOVERY_PARTITION = 10_000
 
-_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 # SQLSTATE classes after which a session is gone or going: connection exception, operator
 # intervention (shutdown, terminated backend).
 _CONNECTION_CLASSES = ("08", "57P")
 _DEFAULT_TOLERANCE_NS = 1_000_000_000
 #: Longest reason kept in a quarantined row's message (the message column is stored text).
 _QUARANTINE_REASON_CHARS = 500
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class PgStore:
@@ -557,7 +559,7 @@ class PgStore:
                             extra={"task_id": row.id, "error": reason},
                         )
                         corrupt_ids.append(row.id)
-                        corrupt_messages.append(f"corrupt task row: {reason}")
+                        corrupt_messages.append(f"{QUARANTINE_PREFIX} {reason}")
         if corrupt_ids:
             await conn.execute(
                 st.quarantine,
@@ -805,7 +807,7 @@ def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
     if id_ < 0:
         raise ValueError(f"id: must be a task id in 0..2**63-1, got {id_}")
     arrival_ns = base.from_unix(arrival)
-    if not _I64_MIN <= arrival_ns <= _I64_MAX:
+    if not I64_MIN <= arrival_ns <= I64_MAX:
         _engine_time(base, arrival, "arrival_unix_ns")  # raises, naming the column
     return RecoveredTask(
         id=TaskId(id_),
@@ -831,7 +833,7 @@ def _decode_recurring(base: TimeBase, row: _Row) -> RecoveredRecurring:
 def _engine_time(base: TimeBase, unix_ns: int, column: str) -> int:
     """The engine time of a stored time, which must fit the 64 bits the domain takes."""
     engine_ns = base.from_unix(unix_ns)
-    if _I64_MIN <= engine_ns <= _I64_MAX:
+    if I64_MIN <= engine_ns <= I64_MAX:
         return engine_ns
     raise ValueError(
         f"{column}: {unix_ns} is engine time {engine_ns} through {base!r}, outside -2**63..2**63-1"
@@ -854,5 +856,5 @@ def _record(row: _Row) -> TaskRecord:
         attempt=max(row.attempt, 0),
         message=row.message,
         output=row.output,
-        updated=_UNIX_EPOCH + timedelta(microseconds=max(row.updated_unix_ns, 0) // 1000),
+        updated=UNIX_EPOCH + timedelta(microseconds=max(row.updated_unix_ns, 0) // 1000),
     )

@@ -15,10 +15,13 @@ from urllib.parse import quote, quote_plus, unquote
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["MASK", "async_url", "redact", "scrub"]
+__all__ = ["MASK", "URL_ENV", "async_url", "redact", "scrub"]
 
 #: What a secret is replaced with.
 MASK = "***"
+
+URL_ENV = "CRONOQ_DATABASE_URL"
+"""The environment variable the CLI and ``alembic`` read the database URL from."""
 
 _PLAIN_DRIVERS = {"postgres", "postgresql", "postgresql+asyncpg"}
 #: A parameter whose name contains one of these carries a secret (``password``,

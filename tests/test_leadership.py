@@ -16,7 +16,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store import PgStore
+from cronoq_store import EPOCH_MAX, PgStore
 from cronoq_store import statements as st
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.errors import StoreError, translate_error
@@ -252,7 +252,7 @@ async def test_slow_but_answering_session_keeps_leadership(make: Factory, pg_url
 async def test_epoch_wraps_at_32767(make: Factory, pg_url: URL, migrated: str) -> None:
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 32766')
     a = make()
-    assert await lead(a) == st.MAX_EPOCH
+    assert await lead(a) == EPOCH_MAX
     await a.release()
     assert await lead(a) == 1
     rows = await admin_execute(pg_url, f'SELECT epoch FROM "{migrated}".cronoq_leader')
