@@ -1,0 +1,84 @@
+"""The one retry policy: capped exponential backoff with jitter, for every retry loop.
+
+Transient failures (``UnavailableError``) are retried after a pause that doubles from
+``initial`` up to ``cap``, with part of it drawn at random so that instances that failed
+together do not retry together. The group committer retries a failed batch with
+:data:`COMMIT_BACKOFF`; leader acquisition retries reaching the database with
+:func:`acquisition_backoff`. Changing how the store waits between attempts is a change to
+this module only.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .config import PgStoreConfig
+
+__all__ = ["COMMIT_BACKOFF", "Backoff", "acquisition_backoff"]
+
+#: Each pause's ceiling is the previous one times this, until ``cap``.
+_GROWTH = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Pauses between attempts, in float seconds: ``initial``, doubling, never over ``cap``.
+
+    ``jitter`` is the share of each pause drawn at random: the pause before retry *n*
+    (from 0) is uniform in ``[c * (1 - jitter), c]`` where ``c = min(cap, initial * 2**n)``.
+    ``1.0`` is full jitter, ``0.0`` none. ``rng`` makes the draws reproducible (tests); by
+    default they come from the :mod:`random` module's shared generator.
+    """
+
+    initial: float
+    cap: float
+    jitter: float = 1.0
+    rng: random.Random | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("initial", "cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"backoff {name} must be a number of seconds, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"backoff {name} must be a positive number of seconds, got {value!r}"
+                )
+        if self.cap < self.initial:
+            raise ValueError(
+                f"backoff cap ({self.cap}s) must be at least its initial delay ({self.initial}s)"
+            )
+        jitter = self.jitter
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter <= 1:
+            raise ValueError(f"backoff jitter must be a fraction from 0 to 1, got {jitter!r}")
+
+    def delays(self) -> Iterator[float]:
+        """The pauses of one run of consecutive failures, endless: take one per failure and
+        start a new run once an attempt succeeds."""
+        draw = self.rng.random if self.rng is not None else random.random
+        ceiling = float(self.initial)
+        while True:
+            yield ceiling * (1.0 - self.jitter * draw())
+            ceiling = min(self.cap, ceiling * _GROWTH)
+
+
+#: A batch's commit: retried at once after a blip, every 2 s at most through an outage
+#: (commits are idempotent, and only the leader commits, so nothing herds).
+COMMIT_BACKOFF = Backoff(initial=0.05, cap=2.0)
+
+
+def acquisition_backoff(config: PgStoreConfig) -> Backoff:
+    """Reaching the database while acquiring leadership: never longer than ``lock_poll``.
+
+    A standby polls the lock every ``lock_poll`` while the database answers, so capping its
+    reconnect pause there costs about what polling does, and keeps the takeover bound after
+    an outage: once the server accepts connections again, a standby's next attempt starts
+    within ``lock_poll`` of its last failed one, and it leads as soon as that attempt has
+    connected (bounded by ``session_timeout``) and taken the lock, which nobody holds after
+    a restart: within ``session_timeout + lock_poll`` of the server's return. Each pause is
+    at least half its ceiling: through a long outage, at most two attempts per ``lock_poll``.
+    """
+    return Backoff(initial=config.lock_poll / 4, cap=config.lock_poll, jitter=0.5)

@@ -1,0 +1,92 @@
+"""The one retry policy: each pause within its bounds, growing to the cap, reproducible."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.retry import COMMIT_BACKOFF, Backoff, acquisition_backoff
+
+
+def first(backoff: Backoff, n: int) -> list[float]:
+    return list(itertools.islice(backoff.delays(), n))
+
+
+def test_without_jitter_pauses_double_from_initial_up_to_the_cap() -> None:
+    assert first(Backoff(initial=0.1, cap=1.0, jitter=0.0), 7) == pytest.approx(
+        [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    )
+
+
+@pytest.mark.parametrize("jitter", [1.0, 0.5, 0.1])
+def test_each_pause_lies_within_its_jittered_ceiling(jitter: float) -> None:
+    backoff = Backoff(initial=0.05, cap=2.0, jitter=jitter, rng=random.Random(12))
+    ceilings = [min(2.0, 0.05 * 2**n) for n in range(12)]
+    for _ in range(200):
+        for pause, ceiling in zip(backoff.delays(), ceilings, strict=False):
+            assert ceiling * (1 - jitter) <= pause <= ceiling
+
+
+def test_pauses_grow_with_failures_and_the_cap_holds_forever() -> None:
+    backoff = Backoff(initial=0.01, cap=0.5, rng=random.Random(3))
+    runs = [first(backoff, 2000) for _ in range(100)]
+    means = [sum(run[n] for run in runs) / len(runs) for n in range(7)]
+    # Full jitter: the mean pause is half its ceiling, which doubles until the cap.
+    assert means == sorted(means)
+    assert means[6] > 10 * means[0]
+    assert max(max(run) for run in runs) <= 0.5
+    # Deep into a run the ceiling is the cap, not an overflowed power of two.
+    assert max(run[-1] for run in runs) > 0.25
+
+
+def test_an_injected_generator_makes_the_pauses_reproducible() -> None:
+    def sample(seed: int) -> list[float]:
+        return first(Backoff(initial=0.05, cap=2.0, rng=random.Random(seed)), 10)
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)
+
+
+def test_each_run_of_failures_starts_again_from_initial() -> None:
+    backoff = Backoff(initial=0.2, cap=3.0, jitter=0.0)
+    failing = backoff.delays()
+    assert [next(failing) for _ in range(4)] == pytest.approx([0.2, 0.4, 0.8, 1.6])
+    assert next(backoff.delays()) == pytest.approx(0.2)
+
+
+def test_the_committer_retries_a_blip_at_once_and_an_outage_every_two_seconds() -> None:
+    pauses = first(COMMIT_BACKOFF, 40)
+    assert pauses[0] <= 0.05
+    assert max(pauses) <= 2.0
+
+
+@pytest.mark.parametrize("lock_poll", [0.05, 0.5, 4.0])
+def test_acquisition_never_pauses_longer_than_lock_poll(lock_poll: float) -> None:
+    """The bound after an outage: a standby's next attempt comes within lock_poll."""
+    config = PgStoreConfig(lock_poll=lock_poll, session_timeout=10.0, keepalive=1.0)
+    backoff = acquisition_backoff(config)
+    for _ in range(50):
+        pauses = first(backoff, 30)
+        assert max(pauses) <= lock_poll
+        # Once at the cap, never faster than twice per lock_poll.
+        assert min(pauses[2:]) >= lock_poll / 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"initial": 0.0, "cap": 1.0}, "initial must be a positive number"),
+        ({"initial": 0.1, "cap": float("inf")}, "cap must be a positive number"),
+        ({"initial": True, "cap": 1.0}, "initial must be a number of seconds"),
+        ({"initial": 2.0, "cap": 1.0}, r"cap \(1.0s\) must be at least its initial"),
+        ({"initial": 0.1, "cap": 1.0, "jitter": 1.5}, "jitter must be a fraction"),
+        ({"initial": 0.1, "cap": 1.0, "jitter": -0.1}, "jitter must be a fraction"),
+    ],
+)
+def test_a_bad_policy_is_refused_when_built(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Backoff(**settings)
