@@ -9,11 +9,11 @@ the transaction holding its mutations has committed.
 
 Failures are sorted by who they belong to:
 
-* ``UnavailableError`` (transient) belongs to the database: the same batch is retried with
-  capped exponential backoff and full jitter; commits are idempotent, so a retry of a batch
-  that did land changes nothing. Unless the database answers while the batch keeps
-  failing: then the batch is at fault (a server that closes the connection on it, a
-  statement timeout it always hits) and is treated as if the error were not transient.
+* ``UnavailableError`` (transient) belongs to the database: the same batch is retried after
+  the pauses of the one retry policy (:mod:`cronoq_store.retry`); commits are idempotent, so
+  a retry of a batch that did land changes nothing. Unless the database answers while the
+  batch keeps failing: then the batch is at fault (a server that closes the connection on
+  it, a statement timeout it always hits) and is treated as if the error were not transient.
 * ``FencedError`` belongs to this instance: another leader took over, so nothing may be
   written again. Every pending submitter fails with it and the committer closes.
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
@@ -29,7 +29,6 @@ import asyncio
 import enum
 import logging
 import math
-import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +38,7 @@ from typing import Protocol, TypeAlias, TypeVar
 
 from .domain import Mutation, TaskId, TimeBase
 from .errors import FencedError, StoreError
+from .retry import COMMIT_BACKOFF, Backoff
 from .sizing import mutation_size, output_size
 
 __all__ = [
@@ -53,9 +53,6 @@ logger = logging.getLogger("cronoq_store")
 Output: TypeAlias = tuple[TaskId, bytes]
 
 _E = TypeVar("_E", bound=BaseException)
-
-#: Backoff exponents stop growing here; the cap is reached long before.
-_MAX_BACKOFF_EXPONENT = 32
 
 
 class SupportsCommit(Protocol):
@@ -209,8 +206,9 @@ class GroupCommitter:
     ``max_pending_mutations`` bounds the rows accepted but not yet settled (queued or in
     flight); ``submit`` waits for room, first come first served, and a submission larger
     than the bound is admitted once nothing else is pending. Outputs count as rows for both
-    bounds. Transient failures are retried after a full-jitter delay drawn from
-    ``[0, min(retry_max, retry_initial * 2**n)]`` seconds. From ``stuck_after`` consecutive
+    bounds. Transient failures are retried after the pauses of ``backoff`` (by default
+    :data:`~cronoq_store.retry.COMMIT_BACKOFF`), each run of failures of one batch starting
+    from its initial pause. From ``stuck_after`` consecutive
     transient failures of one batch on, the committer asks the store's ``ping()``, if it has
     one, whether the database answers; a batch that fails again between two answered pings
     is stuck: it is split in order (a single submission fails with its last error). A
@@ -230,8 +228,7 @@ class GroupCommitter:
         max_pending_mutations: int = 20_000,
         max_batch_bytes: int = 64 * 2**20,
         stuck_after: int = 3,
-        retry_initial: float = 0.05,
-        retry_max: float = 2.0,
+        backoff: Backoff = COMMIT_BACKOFF,
         latency_window: int = 10_000,
     ) -> None:
         self._store = store
@@ -243,16 +240,10 @@ class GroupCommitter:
         self._stuck_after = _positive_int("stuck_after", stuck_after)
         ping = getattr(store, "ping", None)
         self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
-        self._retry_initial = _positive_seconds("retry_initial", retry_initial)
-        self._retry_max = _positive_seconds("retry_max", retry_max)
-        if self._retry_max < self._retry_initial:
-            raise ValueError(
-                f"retry_max ({retry_max}s) must be at least retry_initial ({retry_initial}s)"
-            )
+        self._backoff = backoff
         self._latencies: deque[float] = deque(
             maxlen=_positive_int("latency_window", latency_window)
         )
-        self._rng = random.Random()
 
         self._queue: deque[_Submission] = deque()
         self._in_flight: list[_Submission] = []
@@ -623,6 +614,7 @@ class GroupCommitter:
         """One batch until it commits; transient failures are retried until an abort, or
         until the batch is stuck (``_Stuck``)."""
         attempt = 0
+        delays = self._backoff.delays()
         answered = False  # the database answered a ping since the last failed attempt
         while True:
             try:
@@ -642,8 +634,7 @@ class GroupCommitter:
                 if answered and before:
                     raise _Stuck(last)
             self._retries += 1
-            ceiling = self._retry_initial * 2 ** min(attempt - 1, _MAX_BACKOFF_EXPONENT)
-            delay = self._rng.uniform(0.0, min(self._retry_max, ceiling))
+            delay = next(delays)
             logger.warning(
                 "commit failed transiently; retrying the same batch",
                 extra={

@@ -21,6 +21,7 @@ from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import Mutation, Submitted, TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store.errors import BatchTooLargeError, StoreError, UnavailableError
 from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.retry import Backoff
 from cronoq_store.sizing import batch_size
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
@@ -155,7 +156,7 @@ async def test_a_batch_that_keeps_failing_while_the_database_answers_is_split(
             await plant_poison(pg_url, schema, action)
             subs = [[submitted(epoch, n)] for n in range(8)]
             subs[5] = [submitted(epoch, 5, POISON)]
-            committer = GroupCommitter(store, epoch, BASE, retry_initial=0.01, retry_max=0.05)
+            committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(0.01, 0.05))
             async with committer:
                 outcomes = await asyncio.wait_for(
                     asyncio.gather(*(committer.submit(s) for s in subs), return_exceptions=True),
@@ -187,9 +188,7 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
         pytest.skip("needs a server the suite can stop")
     async with open_store(pg_url, schema, commit_timeout=2.0) as store:
         epoch = await store.acquire_leadership()
-        committer = GroupCommitter(
-            store, epoch, BASE, stuck_after=1, retry_initial=0.01, retry_max=0.1
-        )
+        committer = GroupCommitter(store, epoch, BASE, stuck_after=1, backoff=Backoff(0.01, 0.1))
         async with committer:
             await committer.submit([submitted(epoch, 0)])
             await asyncio.to_thread(pg_server.stop, "immediate")
@@ -228,7 +227,7 @@ async def test_a_store_without_ping_keeps_retrying() -> None:
             raise UnavailableError("connection refused")
 
     store = Failing()
-    committer = GroupCommitter(store, 1, BASE, stuck_after=1, retry_initial=0.01, retry_max=0.01)
+    committer = GroupCommitter(store, 1, BASE, stuck_after=1, backoff=Backoff(0.01, 0.01))
     task = asyncio.create_task(committer.submit([submitted(1, 1)]))
     await wait_until(lambda: store.attempts >= 20, what="20 attempts")
     assert not task.done()

@@ -32,6 +32,7 @@ from cronoq_store.domain import (
 )
 from cronoq_store.errors import FencedError, StoreError, UnavailableError
 from cronoq_store.group_commit import CommitterClosedError, GroupCommitter
+from cronoq_store.retry import Backoff
 from cronoq_store.store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
@@ -232,7 +233,9 @@ async def test_acknowledged_means_durable_across_database_crashes(
                     return
                 acked.add(task_id(epoch, n))
 
-        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=200, retry_max=0.2)
+        committer = GroupCommitter(
+            store, epoch, BASE, max_batch_mutations=200, backoff=Backoff(0.05, 0.2)
+        )
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(64)]
         try:
             await grows_to(acked, 300, what="acks before the first crash")
@@ -279,7 +282,7 @@ async def test_unavailable_is_retried_until_the_batch_commits(pg_url: URL, schem
                 await committer.submit([submitted(epoch, n)])
                 acked.add(task_id(epoch, n))
 
-        committer = GroupCommitter(store, epoch, BASE, retry_initial=0.01, retry_max=0.05)
+        committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(0.01, 0.05))
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
             await grows_to(acked, 100, what="first acks")
@@ -498,6 +501,7 @@ class ScriptedStore:
         self.failures = list(failures)
         self.forever = forever
         self.attempts: list[list[Mutation]] = []
+        self.attempted_at: list[float] = []
         self.commits: list[list[Mutation]] = []
         self.gate = asyncio.Event()
         self.gate.set()
@@ -510,6 +514,7 @@ class ScriptedStore:
         outputs: Sequence[tuple[TaskId, bytes]],
     ) -> None:
         self.attempts.append(list(batch))
+        self.attempted_at.append(time.monotonic())
         await self.gate.wait()
         if self.forever:
             raise self.failures[0]
@@ -540,7 +545,7 @@ async def test_batches_keep_submission_order_and_respect_the_cap() -> None:
 
 async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() -> None:
     store = ScriptedStore([UnavailableError("connection refused")], forever=True)
-    committer = GroupCommitter(store, 1, BASE, retry_initial=0.01, retry_max=0.04)
+    committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.01, 0.04))
     task = asyncio.create_task(committer.submit([submitted(1, 1)]))
     await asyncio.sleep(0.5)
     attempts = len(store.attempts)
@@ -554,6 +559,26 @@ async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() ->
     assert isinstance(err.value.__cause__, UnavailableError)
     with pytest.raises(CommitterClosedError):
         await committer.submit([submitted(1, 2)])
+
+
+async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh() -> None:
+    outage = [UnavailableError("connection refused")] * 5
+    store = ScriptedStore(outage)
+    committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.04, 0.16, jitter=0.0))
+    async with committer:
+        await committer.submit([submitted(1, 1)])
+        store.failures += outage[:2]
+        await committer.submit([submitted(1, 2)])
+    at = store.attempted_at
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    # Five failures of the first batch: 0.04, 0.08, then the cap; its sixth attempt commits.
+    # The second batch fails twice and pauses from the initial delay again, not at the cap.
+    expected = [0.04, 0.08, 0.16, 0.16, 0.16, None, 0.04, 0.08]
+    assert len(gaps) == len(expected)
+    for gap, pause in zip(gaps, expected, strict=True):
+        if pause is not None:
+            assert pause <= gap < pause + 0.1, gaps
+    assert committer.stats().retries == 7
 
 
 async def test_a_single_submission_larger_than_the_bounds_goes_alone() -> None:
