@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from typing import Any
 
 from sqlalchemy import Executable, Result
@@ -34,15 +33,14 @@ from . import statements as st
 from .config import PgStoreConfig
 from .errors import StoreError, translate_error
 from .migrations import TrustCheck
+from .retry import acquisition_backoff
 from .schema import schema_options
 from .urls import redact
 
-__all__ = ["MAX_RETRY_DELAY", "Leadership"]
+__all__ = ["Leadership"]
 
 logger = logging.getLogger("cronoq_store")
 
-#: Upper bound of the pause between attempts to reach the database while acquiring.
-MAX_RETRY_DELAY = 5.0
 #: How long a graceful close of the lock session may take before the socket is dropped.
 _CLOSE_TIMEOUT = 1.0
 
@@ -164,6 +162,7 @@ class Leadership:
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._config = config
         self._settings = _session_settings(config)
+        self._backoff = acquisition_backoff(config)
         # With `pool`, sessions are made the way an application's engine makes its own (its
         # creator, TLS, connect_args), on a pool of their own, and the settings are applied
         # once connected; otherwise they are dialled from `url` with the settings attached.
@@ -217,14 +216,17 @@ class Leadership:
         """Wait until this instance leads; returns the new epoch.
 
         A session already held is closed first: each acquisition is a new term with a new
-        epoch. While the database is unreachable, retries with capped exponential backoff
-        and logs each failure; errors that retrying cannot fix are raised as ``StoreError``.
+        epoch. While the database is unreachable, retries and logs each failure, pausing
+        as :func:`~cronoq_store.retry.acquisition_backoff` says: never longer than
+        ``lock_poll``, so once the server is back this instance leads (if nobody else does)
+        within ``session_timeout + lock_poll``. Errors that retrying cannot fix are raised
+        as ``StoreError``.
         """
         async with self._acquiring:
             self._check_open()
             if self._session is not None:
                 await self.release()
-            delay = max(self._config.lock_poll, 0.05)
+            delays = self._backoff.delays()
             while True:
                 try:
                     session, epoch = await self._try_lead()
@@ -233,7 +235,7 @@ class Leadership:
                     error = translate_error(exc, "acquiring leadership")
                     if not error.is_transient:
                         raise error from exc
-                    pause = delay * random.uniform(0.9, 1.1)
+                    pause = next(delays)
                     logger.warning(
                         "cannot reach the database to acquire leadership; retrying",
                         extra={
@@ -246,7 +248,6 @@ class Leadership:
                     )
                     if await self._closed_within(pause):
                         raise self._closed_error() from exc
-                    delay = min(delay * 2, MAX_RETRY_DELAY)
             self._epoch = epoch
             self._lost.clear()
             self._session = session

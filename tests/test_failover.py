@@ -57,7 +57,7 @@ pytestmark = pytest.mark.slow
 
 SCHEMA = "failover"
 LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.1, 0.2, 1.0
-#: The standby's acquisition backs off while nothing is writable (up to MAX_RETRY_DELAY).
+#: The standby's acquisition retries while nothing is writable, then waits for the promotion.
 ELECTION_TIMEOUT = 20.0
 BASE = TimeBase.now()
 RANK = {"queued": 0, "succeeded": 1}

@@ -11,8 +11,8 @@
    recovered) within ``session_timeout + lock_poll + recovery + SLACK`` of the fault, with
    the fault's allowance in place of ``session_timeout`` where it sets one: a frozen
    leader's lock lasts until the server's idle limit on the lock session; after a server
-   restart the clock starts at the server's return, and standbys wait out their reconnect
-   backoff (capped at ``MAX_RETRY_DELAY``).
+   restart the clock starts at the server's return (standbys retry reaching it at least
+   every ``lock_poll``, so the bound holds unchanged).
 
 A violation carries the timeline around it: faults, takeovers, step-downs, fencing, acks.
 """

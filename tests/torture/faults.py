@@ -37,7 +37,6 @@ from typing import ClassVar, Protocol
 from sqlalchemy.engine import URL
 
 from cronoq_store.embedded import EmbeddedPostgres, StopMode
-from cronoq_store.leadership import MAX_RETRY_DELAY
 
 from ..tcpproxy import TcpProxy
 
@@ -390,8 +389,6 @@ class FaultInjector:
     async def _restart(self, fault: Fault) -> None:
         mode: StopMode = "immediate" if fault.kind == "restart_immediate" else "fast"
         down = self._detail(fault, "down", 0.1, 4.0)
-        # Standbys that failed while the server was down wait out their reconnect backoff.
-        fault.allowance = max(self.timing.session_timeout, MAX_RETRY_DELAY * 1.1)
         fault.freed_at = await self.cluster.restart_server(mode, down)
         fault.freed_exactly = True
 
