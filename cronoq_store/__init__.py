@@ -43,13 +43,14 @@ from .domain import (
 )
 from .errors import (
     BatchTooLargeError,
+    CommitterClosedError,
     FencedError,
     IdCollisionError,
     MigrationError,
     StoreError,
     UnavailableError,
 )
-from .group_commit import CommitterClosedError, CommitterStats, GroupCommitter
+from .group_commit import CommitterStats, GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
 

@@ -16,7 +16,12 @@ import asyncpg
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
+    "CONNECTION_CLASSES",
+    "READ_ONLY",
+    "TRANSIENT_CLASSES",
+    "TRANSIENT_CODES",
     "BatchTooLargeError",
+    "CommitterClosedError",
     "FencedError",
     "IdCollisionError",
     "MigrationError",
@@ -25,15 +30,18 @@ __all__ = [
     "translate_error",
 ]
 
-# 08: connection exception; 53: insufficient resources; 57P: operator intervention
-# (admin shutdown, crash shutdown, cannot connect now...).
-_TRANSIENT_CLASSES = ("08", "53", "57P")
-# 40001 serialization failure, 40P01 deadlock, 55P03 lock not available,
-# 57014 query cancelled (statement timeout).
-_TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
-# 25006: read-only transaction. A primary that was demoted to a standby answers this (and
-# "cannot execute ... during recovery"): the connection is in the wrong place.
-_READ_ONLY = "25006"
+#: SQLSTATE classes after which a session is gone or going: 08 connection exception, 57P
+#: operator intervention (admin shutdown, crash shutdown, cannot connect now, terminated).
+CONNECTION_CLASSES = ("08", "57P")
+#: SQLSTATE classes of transient failures: the connection classes and 53, insufficient
+#: resources (too many connections, out of memory or disk).
+TRANSIENT_CLASSES = (*CONNECTION_CLASSES, "53")
+#: Transient SQLSTATE codes: 40001 serialization failure, 40P01 deadlock, 55P03 lock not
+#: available, 57014 query cancelled (statement timeout).
+TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
+#: Read-only transaction. A primary that was demoted to a standby answers this (and
+#: "cannot execute ... during recovery"): the connection is in the wrong place.
+READ_ONLY = "25006"
 
 
 class StoreError(Exception):
@@ -151,9 +159,9 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     description = _describe(exc)
     message = f"{action} failed: {description}"
     states = _sqlstates(exc)
-    if _READ_ONLY in states or "during recovery" in description:
+    if READ_ONLY in states or "during recovery" in description:
         return UnavailableError(message, reconnect=True)
-    if any(s.startswith(_TRANSIENT_CLASSES) or s in _TRANSIENT_CODES for s in states):
+    if any(s.startswith(TRANSIENT_CLASSES) or s in TRANSIENT_CODES for s in states):
         return UnavailableError(message)
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return UnavailableError(message)
@@ -186,4 +194,13 @@ class BatchTooLargeError(StoreError):
 
     PostgreSQL refuses a protocol message over 1 GiB by closing the connection, which would
     look like an outage; the store refuses such a batch before sending anything instead.
+    """
+
+
+class CommitterClosedError(StoreError):
+    """The group committer was closed before this submission could be committed or confirmed.
+
+    Raised by ``GroupCommitter.submit`` after ``GroupCommitter.close``, and given to pending
+    submitters that a close without draining (or a drain that timed out) abandons. The
+    message says whether the submission may nonetheless have been committed.
     """

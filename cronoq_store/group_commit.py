@@ -37,12 +37,11 @@ from types import TracebackType
 from typing import Protocol, TypeAlias, TypeVar
 
 from .domain import Mutation, TaskId, TimeBase
-from .errors import FencedError, StoreError
+from .errors import CommitterClosedError, FencedError, StoreError
 from .retry import COMMIT_BACKOFF, Backoff
 from .sizing import mutation_size, output_size
 
 __all__ = [
-    "CommitterClosedError",
     "CommitterStats",
     "GroupCommitter",
     "SupportsCommit",
@@ -68,15 +67,6 @@ class SupportsCommit(Protocol):
         """Write ``batch`` and ``outputs`` in one idempotent transaction; return once it
         committed. ``FencedError``: stop writing; transient ``StoreError``: retry."""
         ...
-
-
-class CommitterClosedError(StoreError):
-    """The committer was closed before this submission could be committed or confirmed.
-
-    Raised by :meth:`GroupCommitter.submit` after :meth:`GroupCommitter.close`, and given to
-    pending submitters that a close without draining (or a drain that timed out) abandons.
-    The message says whether the submission may nonetheless have been committed.
-    """
 
 
 @dataclass(frozen=True, slots=True)

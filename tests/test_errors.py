@@ -18,7 +18,9 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+import cronoq_store
 from cronoq_store.errors import (
+    CONNECTION_CLASSES,
     FencedError,
     StoreError,
     UnavailableError,
@@ -138,7 +140,10 @@ async def test_server_stop_during_a_query(
         error, original = await failure(query(conn, "SELECT pg_sleep(10)"))
         await stop
         assert sqlstate(original) == "08003"  # 57P01 admin shutdown as its cause
-        assert "57P01" in {getattr(e, "sqlstate", None) for e in causes(original)}
+        codes = {getattr(e, "sqlstate", None) for e in causes(original)} - {None}
+        assert "57P01" in codes
+        # The store discards a connection that failed so (never back to the pool).
+        assert all(str(code).startswith(CONNECTION_CLASSES) for code in codes), codes
         assert_unavailable(error, original, password)
         await conn.rollback()
 
@@ -416,3 +421,16 @@ def test_a_driver_protocol_out_of_step_is_transient() -> None:
     # Misuse stays a bug: the same words from InterfaceError mean a shared connection.
     busy = asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
     assert not translate_error(busy, "committing a batch").is_transient
+
+
+def test_every_public_error_has_its_home_in_errors_and_derives_from_store_error() -> None:
+    """One root (callers catch ``StoreError``) and one module that defines them all."""
+    errors = [
+        value
+        for value in (getattr(cronoq_store, name) for name in cronoq_store.__all__)
+        if isinstance(value, type) and issubclass(value, BaseException)
+    ]
+    assert {e.__name__ for e in errors} >= {"StoreError", "CommitterClosedError"}
+    for error in errors:
+        assert issubclass(error, StoreError), error
+        assert error.__module__ == "cronoq_store.errors", error

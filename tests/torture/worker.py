@@ -44,8 +44,8 @@ from cronoq_store.domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store.errors import FencedError, StoreError
-from cronoq_store.group_commit import CommitterClosedError, GroupCommitter
+from cronoq_store.errors import CommitterClosedError, FencedError, StoreError
+from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.store import PgStore
 
 from . import audit
