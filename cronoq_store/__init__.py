@@ -8,6 +8,7 @@ standbys take over, recover the state, and fence the deposed leader out.
 
 from __future__ import annotations
 
+from .committer_stats import CommitterStats
 from .config import PgStoreConfig
 from .domain import (
     EPOCH_MAX,
@@ -50,7 +51,7 @@ from .errors import (
     StoreError,
     UnavailableError,
 )
-from .group_commit import CommitterStats, GroupCommitter
+from .group_commit import GroupCommitter
 from .protocols import Store, StoreQueries
 from .store import PgStore
 

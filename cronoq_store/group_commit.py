@@ -32,20 +32,16 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeAlias, TypeVar
 
+from .committer_stats import CommitterStats, Tally
 from .domain import Mutation, TaskId, TimeBase
 from .errors import CommitterClosedError, FencedError, StoreError
 from .retry import COMMIT_BACKOFF, Backoff
 from .sizing import mutation_size, output_size
 
-__all__ = [
-    "CommitterStats",
-    "GroupCommitter",
-    "SupportsCommit",
-]
+__all__ = ["GroupCommitter", "SupportsCommit"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -67,46 +63,6 @@ class SupportsCommit(Protocol):
         """Write ``batch`` and ``outputs`` in one idempotent transaction; return once it
         committed. ``FencedError``: stop writing; transient ``StoreError``: retry."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class CommitterStats:
-    """A snapshot of a committer's counters; latencies are seconds, ``None`` before any ack.
-
-    Latency runs from the call to ``submit`` (backpressure wait included) to the ack, over
-    the last ``latency_window`` acknowledged submissions.
-    """
-
-    #: Submissions accepted into the queue.
-    submissions: int
-    #: Submissions acknowledged: their mutations are durable.
-    acknowledged: int
-    #: Submissions that received an error.
-    failed_submissions: int
-    #: Submissions cancelled by their submitter before a batch took them: never committed.
-    dropped: int
-    #: Mutations acknowledged (outputs not counted).
-    mutations: int
-    #: Transactions that committed.
-    commits: int
-    #: Commit attempts that failed transiently and were retried.
-    retries: int
-    #: Batches split in two because a non-transient error failed them, or a stuck one.
-    splits: int
-    #: Batches that kept failing transiently while the database answered (stuck): split,
-    #: or, a single submission, failed with the last error.
-    stuck_batches: int
-    #: Pings that found the database not answering: the failing batch was retried.
-    unanswered_pings: int
-    #: Submissions accepted and not yet settled (queued or in flight), and their size.
-    pending_submissions: int
-    pending_mutations: int
-    #: Mutations and submissions per committed transaction.
-    mean_batch_mutations: float
-    mean_batch_submissions: float
-    latency_p50: float | None
-    latency_p99: float | None
-    latency_max: float | None
 
 
 class _State(enum.Enum):
@@ -171,13 +127,6 @@ def _positive_seconds(name: str, value: float) -> float:
     return float(value)
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile of an already sorted sequence."""
-    if not ordered:
-        return None
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 def _chained(error: _E, cause: BaseException | None) -> _E:
     """``error`` with ``cause`` attached as if raised ``from cause``; each submitter gets an
     instance of its own, so concurrent raises do not share one traceback."""
@@ -231,9 +180,7 @@ class GroupCommitter:
         ping = getattr(store, "ping", None)
         self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
         self._backoff = backoff
-        self._latencies: deque[float] = deque(
-            maxlen=_positive_int("latency_window", latency_window)
-        )
+        self._tally = Tally(_positive_int("latency_window", latency_window))
 
         self._queue: deque[_Submission] = deque()
         self._in_flight: list[_Submission] = []
@@ -250,18 +197,6 @@ class GroupCommitter:
         self._aborting = False  # stop committing: fail what is left
         self._fenced: FencedError | None = None
         self._failure: BaseException | None = None  # the writer died of this
-
-        self._submissions = 0
-        self._acknowledged = 0
-        self._failed = 0
-        self._dropped = 0
-        self._mutations = 0
-        self._commits = 0
-        self._retries = 0
-        self._splits = 0
-        self._stuck = 0
-        self._unanswered_pings = 0
-        self._committed_submissions = 0
 
     # --- public API -------------------------------------------------------------------------
 
@@ -311,7 +246,7 @@ class GroupCommitter:
             self._queue.append(sub)
             self._pending_count += 1
             self._pending_weight += sub.weight
-            self._submissions += 1
+            self._tally.submissions += 1
             self._wakeup.set()
             self._ensure_writer()
         try:
@@ -320,7 +255,7 @@ class GroupCommitter:
             if sub.state is _State.QUEUED:
                 sub.state = _State.DROPPED
                 self._release(sub)
-                self._dropped += 1
+                self._tally.dropped += 1
             raise
 
     async def close(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -376,27 +311,7 @@ class GroupCommitter:
 
     def stats(self) -> CommitterStats:
         """Counters and latency percentiles, as of now."""
-        ordered = sorted(self._latencies)
-        commits = self._commits
-        return CommitterStats(
-            submissions=self._submissions,
-            acknowledged=self._acknowledged,
-            failed_submissions=self._failed,
-            dropped=self._dropped,
-            mutations=self._mutations,
-            commits=commits,
-            retries=self._retries,
-            splits=self._splits,
-            stuck_batches=self._stuck,
-            unanswered_pings=self._unanswered_pings,
-            pending_submissions=self._pending_count,
-            pending_mutations=self._pending_weight,
-            mean_batch_mutations=self._mutations / commits if commits else 0.0,
-            mean_batch_submissions=self._committed_submissions / commits if commits else 0.0,
-            latency_p50=_percentile(ordered, 0.50),
-            latency_p99=_percentile(ordered, 0.99),
-            latency_max=ordered[-1] if ordered else None,
-        )
+        return self._tally.snapshot(self._pending_count, self._pending_weight)
 
     def __repr__(self) -> str:
         state = "fenced" if self._fenced else "closed" if self._closing else "open"
@@ -441,9 +356,7 @@ class GroupCommitter:
             return
         sub.state = _State.SETTLED
         self._release(sub)
-        self._acknowledged += 1
-        self._mutations += len(sub.mutations)
-        self._latencies.append(now - sub.started)
+        self._tally.acknowledge(len(sub.mutations), now - sub.started)
         if not sub.future.done():  # a submitter cancelled in flight is not waiting
             sub.future.set_result(None)
 
@@ -452,7 +365,7 @@ class GroupCommitter:
             return
         sub.state = _State.SETTLED
         self._release(sub)
-        self._failed += 1
+        self._tally.failed += 1
         if not sub.future.done():
             sub.future.set_exception(error)
 
@@ -563,7 +476,7 @@ class GroupCommitter:
         except Exception as caught:  # not transient, a bad mutation, or a stuck batch
             exc: BaseException = caught
             if isinstance(caught, _Stuck):
-                self._stuck += 1
+                self._tally.stuck += 1
                 exc = caught.last_error
             if len(subs) == 1:
                 logger.warning(
@@ -572,7 +485,7 @@ class GroupCommitter:
                 )
                 self._fail(subs[0], exc)
                 return
-            self._splits += 1
+            self._tally.splits += 1
             logger.warning(
                 "a batch failed to commit; committing its halves separately",
                 extra={
@@ -586,8 +499,7 @@ class GroupCommitter:
             await self._commit_group(subs[middle:])
             return
         now = time.monotonic()
-        self._commits += 1
-        self._committed_submissions += len(subs)
+        self._tally.commit(len(subs))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "batch committed",
@@ -623,7 +535,7 @@ class GroupCommitter:
                 answered, before = await self._answers(ping), answered
                 if answered and before:
                     raise _Stuck(last)
-            self._retries += 1
+            self._tally.retries += 1
             delay = next(delays)
             logger.warning(
                 "commit failed transiently; retrying the same batch",
@@ -642,7 +554,7 @@ class GroupCommitter:
         try:
             await ping()
         except StoreError as exc:
-            self._unanswered_pings += 1
+            self._tally.unanswered_pings += 1
             logger.warning(
                 "the database does not answer; retrying the batch until it does",
                 extra={"error": str(exc)},

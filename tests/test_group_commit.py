@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
+from cronoq_store.committer_stats import Tally
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     Mutation,
@@ -608,3 +609,17 @@ async def test_close_refuses_submitters_still_waiting_for_room() -> None:
     await asyncio.wait_for(closing, 1)
     assert [t.result() for t in accepted] == [None, None]
     assert [len(c) for c in store.commits] == [2]
+
+
+def test_stats_are_nearest_rank_percentiles_over_the_latest_window() -> None:
+    tally = Tally(latency_window=100)
+    assert tally.snapshot(0, 0).latency_p50 is None
+    for n in range(1, 151):  # the first 50 fall out of the window
+        tally.acknowledge(mutations=2, latency=float(n))
+    tally.commit(submissions=100)
+    tally.commit(submissions=50)
+    stats = tally.snapshot(pending_submissions=3, pending_mutations=7)
+    assert (stats.latency_p50, stats.latency_p99, stats.latency_max) == (100.0, 149.0, 150.0)
+    assert (stats.acknowledged, stats.mutations, stats.commits) == (150, 300, 2)
+    assert (stats.mean_batch_mutations, stats.mean_batch_submissions) == (150.0, 75.0)
+    assert (stats.pending_submissions, stats.pending_mutations) == (3, 7)
