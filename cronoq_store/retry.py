@@ -5,7 +5,7 @@ Transient failures (``UnavailableError``) are retried after a pause that doubles
 together do not retry together. The group committer retries a failed batch with
 :data:`COMMIT_BACKOFF`; leader acquisition retries reaching the database with
 :func:`acquisition_backoff`. Changing how the store waits between attempts is a change to
-this module only.
+this module only. (A task's own retries, ``domain.RetryPolicy``, are the scheduler's.)
 """
 
 from __future__ import annotations
