@@ -27,7 +27,7 @@ from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute
-from .test_group_commit import open_store, stored_ids, wait_until
+from .test_group_commit import bump_epoch, open_store, stored_ids, wait_until
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -187,7 +187,9 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
     if pg_server.kind == "external":
         pytest.skip("needs a server the suite can stop")
     async with open_store(pg_url, schema, commit_timeout=2.0) as store:
-        epoch = await store.acquire_leadership()
+        # The epoch without a lock session: the restart would end that session, and its
+        # keeper, if it pinged before the batches landed, would step down (fencing them).
+        epoch = await bump_epoch(pg_url, schema)
         committer = GroupCommitter(store, epoch, BASE, stuck_after=1, backoff=Backoff(0.01, 0.1))
         async with committer:
             await committer.submit([submitted(epoch, 0)])
