@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
@@ -132,6 +133,10 @@ class PgStore:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
+        # A borrowed session gets the store's search_path for each commit, and its own back
+        # after; behind PgBouncer (no prepared statements) those would land on other server
+        # sessions, so there the session's own was checked to be the store's at open.
+        self._swaps_path = not owns_engine and config.prepared_statements
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
@@ -241,6 +246,8 @@ class PgStore:
     ) -> PgStore:
         where = redact(engine.url)
         await _require_utf8(engine, where)
+        if not config.prepared_statements:
+            await _require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
@@ -439,7 +446,7 @@ class PgStore:
         driver: Any = pooled.driver_connection
         borrowed_path: str | None = None
         try:
-            if not self._owns_engine:
+            if self._swaps_path:
                 borrowed_path = await driver.fetchval(self._take_path.sql)
             yield driver
         except BaseException as exc:
@@ -702,11 +709,50 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
         async with engine.connect() as conn:
             encoding = (await conn.execute(st.server_encoding)).scalar_one()
     except Exception as exc:
+        refused = _refused_setting(exc)
+        if refused is not None:
+            raise StoreError(
+                f"the server at {where} refused the store's session settings ({refused}): "
+                "a transaction-pooling PgBouncer does; open the store with "
+                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
+                'server (docs/reliability.md, "Behind PgBouncer")'
+            ) from exc
         raise translate_error(exc, "reading the database's encoding") from exc
     if encoding != "UTF8":
         raise StoreError(
             f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
             "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
+def _refused_setting(exc: BaseException) -> str | None:
+    """What the peer said when it refused a startup parameter, as PgBouncer does with
+    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
+    orig = getattr(exc, "orig", exc)
+    found = re.search(r"unsupported startup parameter: \S+", str(orig))
+    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
+        return None
+    return found[0]
+
+
+async def _require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "Behind PgBouncer")'
         )
 
 

@@ -71,6 +71,8 @@ def _quote(value: str) -> str:
 class PgBouncer:
     """One PgBouncer process in front of the server at ``server_url`` (TCP, password auth).
 
+    ``connect_query`` runs on every server connection PgBouncer opens, before any client
+    uses it (how a pooled session gets settings a client cannot send at connection start).
     ``settings`` are added to (or override) the ``[pgbouncer]`` section, e.g.
     ``{"max_prepared_statements": "100"}`` on a newer build, ``{"pool_mode": "session"}``.
     """
@@ -80,12 +82,14 @@ class PgBouncer:
         server_url: URL,
         *,
         pool_size: int = 2,
+        connect_query: str | None = None,
         settings: dict[str, str] | None = None,
     ) -> None:
         if server_url.host is None or server_url.username is None or server_url.password is None:
             raise ValueError("the server URL needs a host, a user and a password")
         self.binary = require_pgbouncer()
         self.server_url = server_url
+        self.connect_query = connect_query
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="cronoq-pgbouncer-"))
         self.log_file = self.dir / "pgbouncer.log"
@@ -194,6 +198,7 @@ class PgBouncer:
                 ("dbname", database),
                 ("user", user),
                 ("password", password),
+                *((("connect_query", self.connect_query),) if self.connect_query else ()),
             )
         )
         # The password is in the files, which only the bouncer's user may read.
