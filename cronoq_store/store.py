@@ -244,6 +244,12 @@ class PgStore:
         lock_url: str | URL | None,
         migrate: bool,
     ) -> PgStore:
+        if not config.prepared_statements and lock_url is None:
+            raise ValueError(
+                "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
+                "needs lock_url=, a direct URL to the server: the leader's session advisory "
+                "lock cannot live on a pooled server connection"
+            )
         where = redact(engine.url)
         await _require_utf8(engine, where)
         if not config.prepared_statements:

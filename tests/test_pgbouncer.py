@@ -206,6 +206,26 @@ async def test_pooled_sessions_without_the_stores_search_path_are_refused(
     assert not await schema_exists(pg_url, schema)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_without_prepared_statements_a_direct_lock_url_is_required(
+    bouncer: PgBouncer, pg_url: URL, schema: str, shared: bool
+) -> None:
+    """The leader lock would otherwise be taken through PgBouncer, on a server connection
+    other clients' transactions use and that outlives this store's hold on it."""
+    engine = create_async_engine(async_url(bouncer.url()))
+    try:
+        opening = (
+            PgStore.from_engine(engine, behind(schema))
+            if shared
+            else PgStore.connect(bouncer.url(), behind(schema))
+        )
+        with pytest.raises(ValueError, match="needs lock_url="):
+            await opening
+    finally:
+        await engine.dispose()
+    assert not await schema_exists(pg_url, schema)
+
+
 # --- what works with prepared_statements=False --------------------------------------------
 
 
