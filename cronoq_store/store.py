@@ -179,12 +179,13 @@ class PgStore:
         """Open a store with its own pool, migrating the schema first.
 
         ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
-        sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
-        goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
-        there. With ``migrate=False`` the store only checks that no untrusted role controls
-        the schema and that it is at this build's revision (``MigrationError`` otherwise):
-        for a runtime role without DDL rights, where ops migrate with ``cronoq-store
-        migrate`` or Alembic.
+        sockets with ``?host=/path``). When ``url`` goes through a transaction-pooling
+        PgBouncer, give ``lock_url``, a direct server URL (a session advisory lock cannot
+        live there), and ``PgStoreConfig(prepared_statements=False)``. With
+        ``migrate=False`` the store only checks that no untrusted role controls the schema
+        and that it is at this build's revision (``MigrationError`` otherwise): for a
+        runtime role without DDL rights, where ops migrate with ``cronoq-store migrate`` or
+        Alembic.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
@@ -221,7 +222,10 @@ class PgStore:
 
         :meth:`close` leaves the engine open. ``config.max_connections`` does not apply:
         the engine keeps its own pool settings. ``lock_url`` and ``migrate`` are as for
-        :meth:`connect`.
+        :meth:`connect`. Behind a transaction-pooling PgBouncer the engine must turn off
+        asyncpg's and SQLAlchemy's statement caches (``connect_args={"statement_cache_size":
+        0, "prepared_statement_cache_size": 0}``) and ``config.prepared_statements`` be
+        ``False`` (docs/reliability.md, "PgBouncer").
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)

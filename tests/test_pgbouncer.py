@@ -57,6 +57,15 @@ STORE_ENTRY = (
     f"SET search_path = {SEARCH_PATH}; "
     f"SET idle_in_transaction_session_timeout = {round(SESSION_TIMEOUT * 1000)}"
 )
+#: The ``[pgbouncer]`` settings docs/reliability.md asks for, scaled to ``SESSION_TIMEOUT``.
+PGBOUNCER_SETTINGS = {
+    "idle_transaction_timeout": str(round(SESSION_TIMEOUT)),
+    "tcp_keepalive": "1",
+    "tcp_keepidle": str(round(SESSION_TIMEOUT)),
+    "tcp_keepintvl": "1",
+    "tcp_keepcnt": "3",
+    "tcp_user_timeout": str(round(SESSION_TIMEOUT * 1000)),
+}
 _seq = itertools.count(1)
 
 
@@ -64,7 +73,9 @@ _seq = itertools.count(1)
 def bouncer(pg_server: ServerUnderTest) -> Iterator[PgBouncer]:
     if pg_server.url.password is None:
         pytest.skip("PgBouncer here needs a server URL with a password")
-    with PgBouncer(pg_server.url, pool_size=2, connect_query=STORE_ENTRY) as running:
+    with PgBouncer(
+        pg_server.url, pool_size=2, connect_query=STORE_ENTRY, settings=PGBOUNCER_SETTINGS
+    ) as running:
         yield running
 
 
