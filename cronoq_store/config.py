@@ -66,7 +66,7 @@ class PgStoreConfig:
     #: connections then run unnamed statements only (asyncpg's and SQLAlchemy's statement
     #: caches off) and send no server settings at connection start, which such a PgBouncer
     #: refuses; the store then requires its ``search_path`` to be set by PgBouncer or for
-    #: the role (docs/reliability.md, "Behind PgBouncer"). The leader lock session, direct
+    #: the role (docs/reliability.md, "PgBouncer"). The leader lock session, direct
     #: through ``lock_url``, is not affected.
     prepared_statements: bool = True
 

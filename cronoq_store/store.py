@@ -725,7 +725,7 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
                 f"the server at {where} refused the store's session settings ({refused}): "
                 "a transaction-pooling PgBouncer does; open the store with "
                 "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
-                'server (docs/reliability.md, "Behind PgBouncer")'
+                'server (docs/reliability.md, "PgBouncer")'
             ) from exc
         raise translate_error(exc, "reading the database's encoding") from exc
     if encoding != "UTF8":
@@ -762,7 +762,7 @@ async def _require_search_path(engine: AsyncEngine, where: str) -> None:
             f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
             "per session; set it for the store's PgBouncer database entry (connect_query = "
             f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
-            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "Behind PgBouncer")'
+            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
         )
 
 
