@@ -81,6 +81,7 @@ __all__ = [
     "restore_search_path",
     "schema_oid",
     "server_encoding",
+    "session_search_path",
     "set_local_search_path",
     "stage",
     "store_outputs",
@@ -635,6 +636,10 @@ _SEARCH_PATH_NAME: ColumnElement[str] = literal_column("'search_path'")
 local_search_path = select(
     func.pg_catalog.set_config(_SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), true())
 )
+
+#: The session's own ``search_path``: without prepared statements (behind PgBouncer) the
+#: store cannot set it per session and checks that PgBouncer or the role did.
+session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
 
 #: A given ``search_path`` until the end of the current transaction.
 set_local_search_path = select(

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
@@ -40,7 +41,7 @@ from .codec import (
     decode_strings,
     ns_to_duration,
 )
-from .config import PgStoreConfig
+from .config import PgStoreConfig, keepalive_settings
 from .domain import (
     I64_MAX,
     I64_MIN,
@@ -132,6 +133,10 @@ class PgStore:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
+        # A borrowed session gets the store's search_path for each commit, and its own back
+        # after; behind PgBouncer (no prepared statements) those would land on other server
+        # sessions, so there the session's own was checked to be the store's at open.
+        self._swaps_path = not owns_engine and config.prepared_statements
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
@@ -174,12 +179,13 @@ class PgStore:
         """Open a store with its own pool, migrating the schema first.
 
         ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
-        sockets with ``?host=/path``). Give ``lock_url``, a direct server URL, when ``url``
-        goes through a transaction-pooling PgBouncer: a session advisory lock cannot live
-        there. With ``migrate=False`` the store only checks that no untrusted role controls
-        the schema and that it is at this build's revision (``MigrationError`` otherwise):
-        for a runtime role without DDL rights, where ops migrate with ``cronoq-store
-        migrate`` or Alembic.
+        sockets with ``?host=/path``). When ``url`` goes through a transaction-pooling
+        PgBouncer, give ``lock_url``, a direct server URL (a session advisory lock cannot
+        live there), and ``PgStoreConfig(prepared_statements=False)``. With
+        ``migrate=False`` the store only checks that no untrusted role controls the schema
+        and that it is at this build's revision (``MigrationError`` otherwise): for a
+        runtime role without DDL rights, where ops migrate with ``cronoq-store migrate`` or
+        Alembic.
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
@@ -191,19 +197,7 @@ class PgStore:
             pool_timeout=config.commit_timeout,
             # Batches carry payloads; errors and logs must not.
             hide_parameters=True,
-            connect_args={
-                "server_settings": {
-                    "application_name": config.application_name,
-                    # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
-                    # A leader frozen or cut off between two statements of a commit holds
-                    # the leader row lock; the server ends such a session, so a takeover
-                    # waits at most this long for it (the keeper has stepped down by then).
-                    "idle_in_transaction_session_timeout": str(
-                        round(config.session_timeout * 1000)
-                    ),
-                }
-            },
+            connect_args=_pool_connect_args(config),
         )
         event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
@@ -228,7 +222,10 @@ class PgStore:
 
         :meth:`close` leaves the engine open. ``config.max_connections`` does not apply:
         the engine keeps its own pool settings. ``lock_url`` and ``migrate`` are as for
-        :meth:`connect`.
+        :meth:`connect`. Behind a transaction-pooling PgBouncer the engine must turn off
+        asyncpg's and SQLAlchemy's statement caches (``connect_args={"statement_cache_size":
+        0, "prepared_statement_cache_size": 0}``) and ``config.prepared_statements`` be
+        ``False`` (docs/reliability.md, "PgBouncer").
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)
@@ -251,8 +248,16 @@ class PgStore:
         lock_url: str | URL | None,
         migrate: bool,
     ) -> PgStore:
+        if not config.prepared_statements and lock_url is None:
+            raise ValueError(
+                "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
+                "needs lock_url=, a direct URL to the server: the leader's session advisory "
+                "lock cannot live on a pooled server connection"
+            )
         where = redact(engine.url)
         await _require_utf8(engine, where)
+        if not config.prepared_statements:
+            await _require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
@@ -451,7 +456,7 @@ class PgStore:
         driver: Any = pooled.driver_connection
         borrowed_path: str | None = None
         try:
-            if not self._owns_engine:
+            if self._swaps_path:
                 borrowed_path = await driver.fetchval(self._take_path.sql)
             yield driver
         except BaseException as exc:
@@ -714,12 +719,78 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
         async with engine.connect() as conn:
             encoding = (await conn.execute(st.server_encoding)).scalar_one()
     except Exception as exc:
+        refused = _refused_setting(exc)
+        if refused is not None:
+            raise StoreError(
+                f"the server at {where} refused the store's session settings ({refused}): "
+                "a transaction-pooling PgBouncer does; open the store with "
+                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
+                'server (docs/reliability.md, "PgBouncer")'
+            ) from exc
         raise translate_error(exc, "reading the database's encoding") from exc
     if encoding != "UTF8":
         raise StoreError(
             f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
             "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
         )
+
+
+def _refused_setting(exc: BaseException) -> str | None:
+    """What the peer said when it refused a startup parameter, as PgBouncer does with
+    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
+    orig = getattr(exc, "orig", exc)
+    found = re.search(r"unsupported startup parameter: \S+", str(orig))
+    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
+        return None
+    return found[0]
+
+
+async def _require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+        )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(round(config.session_timeout * 1000)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
 
 
 def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:

@@ -1,0 +1,434 @@
+"""The store behind a real PgBouncer 1.18 in ``pool_mode = transaction``, and the settings
+of the store's own pool sessions.
+
+PgBouncer hands each transaction (and each statement outside one) to whichever of its
+server connections is free: a named prepared statement made on one is unknown on the next,
+or collides with another client's of the same name, and it refuses every startup parameter
+it does not track. The pool here has two server connections for up to eight client
+connections, so clients really share backends. The leader lock session goes direct
+(``lock_url``). The store's PgBouncer database entry sets the store's ``search_path`` and
+idle limit on each server connection (``connect_query``), as docs/reliability.md asks.
+
+Skipped, naming the package, where PgBouncer is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    IntervalSchedule,
+    Mutation,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.errors import FencedError, StoreError
+from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.statements import SEARCH_PATH
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+from cronoq_store.writer import STAGE_MIN_ROWS
+
+from .pgbouncer import PgBouncer
+from .pgharness import ServerUnderTest, admin_execute
+
+BASE = TimeBase.now()
+SESSION_TIMEOUT = 2.0
+#: What the store's PgBouncer database entry runs on each server connection it opens.
+STORE_ENTRY = (
+    f"SET search_path = {SEARCH_PATH}; "
+    f"SET idle_in_transaction_session_timeout = {round(SESSION_TIMEOUT * 1000)}"
+)
+#: The ``[pgbouncer]`` settings docs/reliability.md asks for, scaled to ``SESSION_TIMEOUT``.
+PGBOUNCER_SETTINGS = {
+    "idle_transaction_timeout": str(round(SESSION_TIMEOUT)),
+    "tcp_keepalive": "1",
+    "tcp_keepidle": str(round(SESSION_TIMEOUT)),
+    "tcp_keepintvl": "1",
+    "tcp_keepcnt": "3",
+    "tcp_user_timeout": str(round(SESSION_TIMEOUT * 1000)),
+}
+_seq = itertools.count(1)
+
+
+@pytest.fixture
+def bouncer(pg_server: ServerUnderTest) -> Iterator[PgBouncer]:
+    if pg_server.url.password is None:
+        pytest.skip("PgBouncer here needs a server URL with a password")
+    with PgBouncer(
+        pg_server.url, pool_size=2, connect_query=STORE_ENTRY, settings=PGBOUNCER_SETTINGS
+    ) as running:
+        yield running
+
+
+def behind(schema: str, name: str = "pgb", **settings: Any) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema,
+        prepared_statements=False,
+        lock_poll=0.1,
+        keepalive=0.2,
+        session_timeout=SESSION_TIMEOUT,
+        commit_timeout=5.0,
+        application_name=f"{name}-{schema}",
+        **settings,
+    )
+
+
+@asynccontextmanager
+async def store_behind(
+    bouncer: PgBouncer, direct: URL, config: PgStoreConfig, *, shared: bool = False
+) -> AsyncIterator[PgStore]:
+    """A store whose pool goes through ``bouncer`` and whose lock session goes direct: its
+    own pool (``connect``), or an application's engine set up as docs/reliability.md says."""
+    if not shared:
+        store = await PgStore.connect(bouncer.url(), config, lock_url=direct)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    engine = create_async_engine(
+        async_url(bouncer.url()),
+        pool_size=8,
+        connect_args={"statement_cache_size": 0, "prepared_statement_cache_size": 0},
+    )
+    try:
+        store = await PgStore.from_engine(engine, config, lock_url=direct)
+        try:
+            yield store
+        finally:
+            await store.close()
+    finally:
+        await engine.dispose()
+
+
+def submitted(epoch: int, n: int, key: str | None = None) -> Submitted:
+    return Submitted(
+        task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"payload %d" % n, key=key)
+    )
+
+
+def changed(epoch: int, n: int, status: TaskStatus, attempt: int = 1) -> StatusChanged:
+    return StatusChanged(task_id(epoch, n), status, attempt, BASE.engine_ns)
+
+
+async def stored(url: URL, schema: str) -> dict[int, tuple[str, bytes | None]]:
+    rows = await admin_execute(url, f'SELECT id, status, output FROM "{schema}".cronoq_tasks')
+    return {r["id"]: (r["status"], r["output"]) for r in rows}
+
+
+async def schema_exists(url: URL, schema: str) -> bool:
+    rows = await admin_execute(url, "SELECT 1 FROM pg_namespace WHERE nspname = $1", schema)
+    return bool(rows)
+
+
+# --- what the default settings meet -----------------------------------------------------
+
+
+async def test_the_default_settings_are_refused_with_the_setting_named(
+    bouncer: PgBouncer, pg_url: URL, schema: str
+) -> None:
+    """PgBouncer refuses the store's session settings at connection start: the store says
+    which setting to change, as a permanent error, before it creates anything."""
+    with pytest.raises(StoreError, match=r"PgStoreConfig\(prepared_statements=False\)") as info:
+        await PgStore.connect(bouncer.url(), PgStoreConfig(schema=schema), lock_url=pg_url)
+    assert not info.value.is_transient
+    assert "unsupported startup parameter" in str(info.value)
+    assert bouncer.server_url.password is not None
+    assert bouncer.server_url.password not in str(info.value)
+    assert not await schema_exists(pg_url, schema)
+
+
+async def test_named_prepared_statements_break_behind_pgbouncer(
+    bouncer: PgBouncer, pg_url: URL, schema: str
+) -> None:
+    """What ``prepared_statements=False`` avoids: an application engine with asyncpg's and
+    SQLAlchemy's statement caches on (their defaults), shared by a store left at the
+    default. Clients sharing server connections find their named statements missing
+    (26000) or taken by another client (42P05): commits and reads fail."""
+    engine = create_async_engine(async_url(bouncer.url()), pool_size=8, max_overflow=0)
+    failures: list[BaseException] = []
+    try:
+        try:
+            store = await PgStore.from_engine(engine, PgStoreConfig(schema=schema), lock_url=pg_url)
+        except StoreError as exc:
+            failures.append(exc)
+        else:
+            try:
+                epoch = await store.acquire_leadership()
+                results = await asyncio.gather(
+                    *(store.commit(epoch, BASE, [submitted(epoch, n)], []) for n in range(16)),
+                    *(store.get_task(task_id(epoch, n)) for n in range(16)),
+                    return_exceptions=True,
+                )
+                failures += [r for r in results if isinstance(r, BaseException)]
+            finally:
+                await store.close()
+    finally:
+        await engine.dispose()
+    assert failures, "named prepared statements worked behind a transaction-pooling PgBouncer"
+    assert all(isinstance(f, StoreError) for f in failures), failures
+    codes = {_sqlstate(f) for f in failures}
+    assert codes <= {"26000", "42P05"}, failures
+    assert any("prepared statement" in str(f) for f in failures), failures
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE somewhere in ``exc``'s chain of causes."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        for holder in (seen, getattr(seen, "orig", None)):
+            code = getattr(holder, "sqlstate", None)
+            if isinstance(code, str):
+                return code
+        seen = seen.__cause__
+    return None
+
+
+async def test_pooled_sessions_without_the_stores_search_path_are_refused(
+    pg_server: ServerUnderTest, pg_url: URL, schema: str
+) -> None:
+    """Without prepared statements the store cannot set ``search_path`` per session, so a
+    PgBouncer entry that does not set it is refused, naming the fix, before anything is
+    created."""
+    if pg_url.password is None:
+        pytest.skip("PgBouncer here needs a server URL with a password")
+    with PgBouncer(pg_url) as plain, pytest.raises(StoreError, match="connect_query") as info:
+        await PgStore.connect(plain.url(), behind(schema), lock_url=pg_url)
+    assert "search_path" in str(info.value)
+    assert not await schema_exists(pg_url, schema)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_without_prepared_statements_a_direct_lock_url_is_required(
+    bouncer: PgBouncer, pg_url: URL, schema: str, shared: bool
+) -> None:
+    """The leader lock would otherwise be taken through PgBouncer, on a server connection
+    other clients' transactions use and that outlives this store's hold on it."""
+    engine = create_async_engine(async_url(bouncer.url()))
+    try:
+        opening = (
+            PgStore.from_engine(engine, behind(schema))
+            if shared
+            else PgStore.connect(bouncer.url(), behind(schema))
+        )
+        with pytest.raises(ValueError, match="needs lock_url="):
+            await opening
+    finally:
+        await engine.dispose()
+    assert not await schema_exists(pg_url, schema)
+
+
+# --- what works with prepared_statements=False --------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_commits_recovery_and_queries_behind_pgbouncer(
+    bouncer: PgBouncer, pg_url: URL, schema: str, shared: bool
+) -> None:
+    """Every commit shape (one-statement submissions and transitions, a transaction with
+    outputs and a schedule, a batch staged by COPY), many at once so that clients share
+    server connections; then recovery, look-ups and pruning, all through PgBouncer."""
+    async with store_behind(bouncer, pg_url, behind(schema), shared=shared) as store:
+        epoch = await store.acquire_leadership()
+        await asyncio.gather(
+            *(store.commit(epoch, BASE, [submitted(epoch, n, key=f"k{n}")], []) for n in range(40))
+        )
+        await asyncio.gather(
+            *(
+                store.commit(epoch, BASE, [changed(epoch, n, TaskStatus.RUNNING)], [])
+                for n in range(40)
+            )
+        )
+        schedule = RecurringSpec("hourly", IntervalSchedule(timedelta(hours=1)), TaskSpec(b"tpl"))
+        await asyncio.gather(
+            *(
+                store.commit(
+                    epoch,
+                    BASE,
+                    [changed(epoch, n, TaskStatus.SUCCEEDED)],
+                    [(TaskId(task_id(epoch, n)), b"out %d" % n)],
+                )
+                for n in range(20)
+            ),
+            store.commit(epoch, BASE, [RecurringUpsert(schedule)], []),
+        )
+        large: list[Mutation] = [submitted(epoch, n) for n in range(1000, 1000 + STAGE_MIN_ROWS)]
+        await asyncio.gather(
+            store.commit(epoch, BASE, large, []),
+            *(store.commit(epoch, BASE, [submitted(epoch, n)], []) for n in range(40, 60)),
+        )
+
+        rows = await stored(pg_url, schema)
+        assert len(rows) == 60 + STAGE_MIN_ROWS
+        for n in range(20):
+            assert rows[task_id(epoch, n)] == ("succeeded", b"out %d" % n)
+        for n in range(20, 40):
+            assert rows[task_id(epoch, n)] == ("running", None)
+
+        recovered = await store.recover(BASE)
+        assert {t.id for t in recovered.tasks} == {task_id(epoch, n) for n in range(20, 60)} | {
+            task_id(epoch, n) for n in range(1000, 1000 + STAGE_MIN_ROWS)
+        }
+        assert {t.id for t in recovered.terminal} == {task_id(epoch, n) for n in range(20)}
+        assert [r.spec.name for r in recovered.recurring] == ["hourly"]
+        assert recovered.next_id == task_id(epoch, 1000 + STAGE_MIN_ROWS)
+
+        by_key = await store.get_task("k3")
+        assert by_key is not None
+        assert (by_key.id, by_key.status) == (task_id(epoch, 3), TaskStatus.SUCCEEDED)
+        page = await store.list_finished(statuses=[TaskStatus.SUCCEEDED], limit=100)
+        assert [r.id for r in page] == [task_id(epoch, n) for n in range(20)]
+        assert await store.load_output(TaskId(task_id(epoch, 7))) == b"out 7"
+        assert await store.prune(0) == 20
+        assert len(await stored(pg_url, schema)) == 40 + STAGE_MIN_ROWS
+
+
+async def test_group_commit_behind_pgbouncer(bouncer: PgBouncer, pg_url: URL, schema: str) -> None:
+    async with store_behind(bouncer, pg_url, behind(schema)) as store:
+        epoch = await store.acquire_leadership()
+        counter = itertools.count()
+        acked: set[int] = set()
+
+        async def submitter(committer: GroupCommitter) -> None:
+            for _ in range(10):
+                n = next(counter)
+                await committer.submit([submitted(epoch, n), changed(epoch, n, TaskStatus.RUNNING)])
+                acked.add(task_id(epoch, n))
+
+        async with GroupCommitter(store, epoch, BASE) as committer:
+            await asyncio.gather(*(submitter(committer) for _ in range(64)))
+            stats = committer.stats()
+    assert stats.failed_submissions == 0
+    assert stats.commits < len(acked)
+    rows = await stored(pg_url, schema)
+    assert len(acked) == 640
+    assert {i: rows[i][0] for i in acked} == dict.fromkeys(acked, "running")
+
+
+async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
+    bouncer: PgBouncer, pg_url: URL, schema: str
+) -> None:
+    """Two stores pooled through PgBouncer, lock sessions direct. The leader's lock session
+    is terminated; the standby takes over with the next epoch, recovers what the old leader
+    committed, and the old leader's next commit is fenced with nothing written."""
+    async with (
+        store_behind(bouncer, pg_url, behind(schema, "a")) as old,
+        store_behind(bouncer, pg_url, behind(schema, "b")) as new,
+    ):
+        old_epoch = await old.acquire_leadership()
+        await old.commit(old_epoch, BASE, [submitted(old_epoch, 0)], [])
+        standby = asyncio.ensure_future(new.acquire_leadership())
+        await asyncio.sleep(0.3)
+        assert not standby.done(), "the standby led while the leader held the lock"
+
+        rows = await admin_execute(
+            pg_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            f"a-{schema} leader",
+        )
+        assert [r[0] for r in rows] == [True]
+        new_epoch = await asyncio.wait_for(standby, 10)
+        assert new_epoch == old_epoch + 1
+        recovered = await new.recover(BASE)
+        assert [t.id for t in recovered.tasks] == [task_id(old_epoch, 0)]
+
+        with pytest.raises(FencedError):
+            await old.commit(old_epoch, BASE, [submitted(old_epoch, 1)], [])
+        await new.commit(new_epoch, BASE, [submitted(new_epoch, 0)], [])
+    assert set(await stored(pg_url, schema)) == {task_id(old_epoch, 0), task_id(new_epoch, 0)}
+
+
+@pytest.mark.parametrize("mode", ["term", "kill"])
+async def test_a_pgbouncer_restart_under_group_commit_loses_no_ack(
+    bouncer: PgBouncer, pg_url: URL, schema: str, mode: str
+) -> None:
+    """PgBouncer stops (SIGTERM: it closes every connection; SIGKILL: a crash) while 32
+    submitters commit, and comes back: commits in flight fail as unavailable and are
+    retried, submitters see no error, commits resume, and every acknowledged submission is
+    in the database."""
+    async with store_behind(bouncer, pg_url, behind(schema)) as store:
+        epoch = await store.acquire_leadership()
+        counter = itertools.count()
+        acked: set[int] = set()
+        going = True
+
+        async def submitter(committer: GroupCommitter) -> None:
+            while going:
+                n = next(counter)
+                await committer.submit([submitted(epoch, n)])
+                acked.add(task_id(epoch, n))
+
+        async def grows_by(count: int, what: str) -> None:
+            target = len(acked) + count
+            for _ in range(200):
+                if len(acked) >= target:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{what}: {len(acked)} acks, wanted {target}")
+
+        committer = GroupCommitter(store, epoch, BASE, retry_initial=0.02, retry_max=0.2)
+        tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
+        try:
+            await grows_by(200, "acks before the restart")
+            await asyncio.to_thread(bouncer.stop, "kill" if mode == "kill" else "term")
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(bouncer.start)
+            await grows_by(200, "acks after the restart")
+        finally:
+            going = False
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await committer.close()
+        stats = committer.stats()
+    assert [r for r in results if r is not None] == []
+    assert stats.retries >= 1
+    assert stats.failed_submissions == 0
+    missing = acked - set(await stored(pg_url, schema))
+    assert not missing, f"{len(missing)} acknowledged submissions are not in the database"
+
+
+# --- the store's own pool sessions --------------------------------------------------------
+
+
+async def test_pool_sessions_end_when_their_client_vanishes(pg_url: URL, schema: str) -> None:
+    """A pooled session of ``connect()`` has TCP keepalives and ``tcp_user_timeout`` scaled
+    to ``session_timeout``, like the lock session, and the store's idle-in-transaction limit:
+    a client cut off inside a commit cannot hold the leader row for hours."""
+    config = PgStoreConfig(schema=schema, session_timeout=7.0, keepalive=1.0, lock_poll=0.5)
+    async with await PgStore.connect(pg_url, config) as store, store.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT name, setting FROM pg_catalog.pg_settings WHERE name IN "
+                    "('tcp_keepalives_idle', 'tcp_keepalives_interval', "
+                    "'tcp_keepalives_count', 'tcp_user_timeout', "
+                    "'idle_in_transaction_session_timeout', 'search_path')"
+                )
+            )
+        ).all()
+    assert dict(rows) == {
+        "tcp_keepalives_idle": "7",
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": "7000",
+        "idle_in_transaction_session_timeout": "7000",
+        "search_path": SEARCH_PATH,
+    }
