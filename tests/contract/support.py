@@ -64,7 +64,10 @@ class Capability(Enum):
 
 
 class ContractStore(Store, StoreQueries, Protocol):
-    """What every store under contract offers: both protocols, its epoch, and close()."""
+    """What every store under contract offers: both protocols, its epoch, its bound on a
+    batch's bytes, and close()."""
+
+    max_commit_bytes: int
 
     @property
     def epoch(self) -> int | None: ...
