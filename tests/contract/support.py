@@ -210,10 +210,12 @@ class MemoryCluster(Cluster):
 # --- building and reading what tests commit -------------------------------------------------
 
 
-def submitted(id: int, payload: bytes = b"p", *, seq: int | None = None, **spec: Any) -> Submitted:
-    """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``id``."""
+def submitted(
+    id: int, payload: bytes = b"p", *, seq: int | None = None, arrival: int = 1, **spec: Any
+) -> Submitted:
+    """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``arrival``."""
     return Submitted(
-        TaskId(id), seq=id if seq is None else seq, arrival=id, spec=TaskSpec(payload, **spec)
+        TaskId(id), seq=id if seq is None else seq, arrival=arrival, spec=TaskSpec(payload, **spec)
     )
 
 

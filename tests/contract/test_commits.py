@@ -143,6 +143,7 @@ async def test_keys_that_differ_only_by_nul_and_u_fffd_are_one_key(cluster: Clus
 
 OTHER_TASKS: dict[str, Mutation] = {
     "seq": submitted(1, key="k", seq=2),
+    "arrival": submitted(1, key="k", arrival=2),
     "key": submitted(1, key="other"),
     "payload": submitted(1, b"q", key="k"),
     "tags": submitted(1, key="k", tags=["t"]),
