@@ -230,18 +230,20 @@ class InMemoryDatabase:
             if t.terminal and stored.spec.key is not None:
                 released.add(stored.spec.key)
         new = [row for id, row in batch.inserts.items() if id not in tasks]
-        taken: set[str] = set()
+        taken: dict[str, int] = {}
         for row in new:
             key = row.spec.key
             if key is None or row.terminal:
                 continue
-            if key in taken or (key in self._live_keys and key not in released):
-                holder = self._live_keys.get(key, "another task of the batch")
+            holder = taken.get(key)
+            if holder is None and key not in released:
+                holder = self._live_keys.get(key)
+            if holder is not None:
                 raise StoreError(
                     f"committing a batch failed: key {key!r} is held by live task {holder} "
                     "(at most one live task holds a key): nothing of the batch was written"
                 )
-            taken.add(key)
+            taken[key] = row.id
 
         for stored, t in moved:
             message = t.message_over(stored)
@@ -289,7 +291,9 @@ class InMemoryStore:
     #: ``BatchTooLargeError`` before anything is applied.
     max_commit_bytes: int = MAX_COMMIT_BYTES
 
-    def __init__(self, database: InMemoryDatabase | None = None, *, retention: float = 3600.0):
+    def __init__(
+        self, database: InMemoryDatabase | None = None, *, retention: float = 3600.0
+    ) -> None:
         if (
             isinstance(retention, bool)
             or not isinstance(retention, (int, float))
@@ -317,8 +321,7 @@ class InMemoryStore:
         if self._closed:
             return
         self._closed = True
-        self._step_down()
-        self._db._wake()
+        self._step_down()  # which also wakes this instance's acquisition, to give up
 
     async def __aenter__(self) -> InMemoryStore:
         return self
@@ -388,12 +391,10 @@ class InMemoryStore:
         return self._epoch
 
     def _step_down(self) -> None:
-        self._mark_lost()
-        self._db._free_lock(self)
-
-    def _mark_lost(self) -> None:
+        """Stop leading, and free the lock if this instance holds it."""
         self._epoch = None
         self._lost.set()
+        self._db._free_lock(self)
 
     # --- commits ----------------------------------------------------------------------------
 
@@ -428,7 +429,7 @@ class InMemoryStore:
         current = self._db._epoch
         if current != epoch:
             self._fenced = True
-            self._mark_lost()
+            self._step_down()  # PgStore's keeper then closes the lock session, if it has one
             raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
         self._db._write(folded)
 

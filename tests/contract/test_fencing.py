@@ -150,3 +150,18 @@ async def test_the_epoch_wraps_from_32767_to_1_and_ids_stay_unique(cluster: Clus
     recovered = await store.recover(BASE)
     assert [t.id for t in recovered.tasks] == [*last, *wrapped]
     assert recovered.next_id == wrapped[-1] + 1
+
+
+async def test_a_leader_fenced_by_a_commit_steps_down_and_frees_the_lock(
+    cluster: Cluster,
+) -> None:
+    a, b = await cluster.open(), await cluster.open()
+    epoch = await lead(a)
+    standby = asyncio.ensure_future(b.acquire_leadership())
+    assert await still_waiting(standby)
+    with pytest.raises(FencedError, match=f"stored epoch is {epoch}"):
+        await a.commit(epoch + 5, BASE, [submitted(1)], [])  # an epoch it does not hold
+    assert not a.is_leader
+    await asyncio.wait_for(a.leadership_lost(), 1)
+    assert await asyncio.wait_for(standby, 10) == epoch + 1
+    assert await b.get_task(TaskId(1)) is None
