@@ -1,0 +1,301 @@
+"""Commits: idempotent retries, outputs, live keys, id collisions, text, schedules, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from cronoq_store import (
+    BatchTooLargeError,
+    CronSchedule,
+    Dependency,
+    FixedStart,
+    GroupCommitter,
+    IdCollisionError,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StoreError,
+    TaskId,
+    TaskSpec,
+)
+
+from .support import (
+    BASE,
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    Cluster,
+    observe,
+    step,
+    submitted,
+    summary,
+)
+
+
+def every(seconds: int, name: str = "r", **template: Any) -> RecurringSpec:
+    return RecurringSpec(
+        name, IntervalSchedule(timedelta(seconds=seconds)), TaskSpec(b"tpl", **template)
+    )
+
+
+async def test_a_batch_committed_again_changes_nothing(cluster: Cluster) -> None:
+    """The retry of a batch whose acknowledgement was lost."""
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1), submitted(2)], [])
+    batch: list[Mutation] = [
+        step(1, RUNNING, 1, 10, "started"),
+        step(1, SUCCEEDED, 1, 20),
+        submitted(3),
+        step(3, RUNNING, 1, 10, "also started"),
+        submitted(4, key="k"),
+        RecurringUpsert(every(60)),
+        RecurringNext("r", 500, TaskId(3)),
+    ]
+    outputs = [(TaskId(1), b"out")]
+    await store.commit(0, BASE, batch, outputs)
+    landed = await observe(store, range(1, 5))
+    for _ in range(2):
+        await store.commit(0, BASE, batch, outputs)
+        assert await observe(store, range(1, 5)) == landed
+    records, stored_outputs, _, recovered = landed
+    assert [r.status if r else "missing" for r in records] == [SUCCEEDED, QUEUED, RUNNING, QUEUED]
+    assert stored_outputs == [b"out", None, None, None]
+    assert recovered["recurring"] == [["r", 500, 3]]
+
+
+async def test_an_output_is_kept_only_for_a_task_that_ends_succeeded(cluster: Cluster) -> None:
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1), submitted(5)], [])
+    batch: list[Mutation] = [
+        step(1, CANCELLED, 1, 10),  # stored: cancelled first, so final
+        step(1, SUCCEEDED, 1, 20),
+        submitted(2),
+        step(2, FAILED, 1, 20),
+        submitted(3),
+        step(3, RUNNING, 1, 20),
+        submitted(4),
+        step(4, SUCCEEDED, 1, 20),
+        submitted(5),  # stored, and sent again
+        step(5, CANCELLED, 1, 10),
+        step(5, SUCCEEDED, 1, 20),
+    ]
+    await store.commit(0, BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 7)])
+    records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
+    assert [(r.status, r.output) if r else None for r in records] == [
+        (CANCELLED, None),
+        (FAILED, None),
+        (RUNNING, None),
+        (SUCCEEDED, b"OUT"),
+        (CANCELLED, None),
+    ]
+    assert [await store.load_output(TaskId(i)) for i in range(1, 7)] == [
+        None,
+        None,
+        None,
+        b"OUT",
+        None,
+        None,
+    ]
+    # The last output given for a task wins, in a batch and across batches.
+    await store.commit(0, BASE, [], [(TaskId(4), b"first"), (TaskId(4), b"\0last")])
+    assert await store.load_output(TaskId(4)) == b"\0last"
+
+
+async def test_a_key_is_held_by_at_most_one_live_task(cluster: Cluster) -> None:
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    before = await observe(store, range(1, 4))
+    with pytest.raises(StoreError) as caught:
+        await store.commit(0, BASE, [submitted(3), submitted(2, key="k")], [])
+    assert type(caught.value) is StoreError
+    assert not caught.value.is_transient
+    assert await observe(store, range(1, 4)) == before  # not even task 3
+    # Its holder finishing releases it: in the same batch, updates come before inserts.
+    await store.commit(0, BASE, [step(1, SUCCEEDED), submitted(2, key="k")], [])
+    # A task that finishes in the batch that submits it never holds its key.
+    await store.commit(0, BASE, [submitted(3, key="k"), step(3, CANCELLED)], [])
+    newest = await store.get_task("k")
+    assert newest is not None
+    assert (newest.id, newest.status) == (3, CANCELLED)
+    live = [t.id for t in (await store.recover(BASE)).tasks]
+    assert live == [2]
+
+
+async def test_keys_that_differ_only_by_nul_and_u_fffd_are_one_key(cluster: Cluster) -> None:
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1, key="k\0")], [])
+    with pytest.raises(StoreError):
+        await store.commit(0, BASE, [submitted(2, key="k\ufffd")], [])
+    found = await store.get_task("k\ufffd")
+    assert found is not None
+    assert (found.id, found.key) == (1, "k\ufffd")
+
+
+OTHER_TASKS: dict[str, Mutation] = {
+    "seq": submitted(1, key="k", seq=2),
+    "arrival": submitted(1, key="k", arrival=2),
+    "key": submitted(1, key="other"),
+    "payload": submitted(1, b"q", key="k"),
+    "tags": submitted(1, key="k", tags=["t"]),
+}
+
+
+@pytest.mark.parametrize("field", OTHER_TASKS)
+async def test_a_different_task_under_a_stored_id_is_refused_with_nothing_written(
+    cluster: Cluster, field: str
+) -> None:
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1, key="k"), submitted(2)], [])
+    before = await observe(store, range(1, 12))
+    batch: list[Mutation] = [step(2, RUNNING), submitted(11), OTHER_TASKS[field]]
+    with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
+        await store.commit(0, BASE, batch, [])
+    assert caught.value.ids == [1]
+    assert not caught.value.is_transient
+    assert await observe(store, range(1, 12)) == before  # next_id did not move either
+    # The same submission again is no collision.
+    await store.commit(0, BASE, [step(2, RUNNING), submitted(11), submitted(1, key="k")], [])
+    assert [t.id for t in (await store.recover(BASE)).tasks] == [1, 2, 11]
+
+
+async def test_a_different_task_under_an_id_of_the_same_batch_is_refused(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open()
+    with pytest.raises(IdCollisionError, match="task id 3 already taken by another Submitted"):
+        await store.commit(0, BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
+    assert summary(await store.recover(BASE))["next_id"] == 0
+
+
+async def test_nul_in_every_string_is_stored_as_the_replacement_character(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open()
+    nul, clean = "x\0y", "x\ufffdy"
+    spec = TaskSpec(
+        b"\0",
+        kind=nul,
+        pool=nul,
+        key=nul,
+        tenant=nul,
+        tags=[nul],
+        labels=[nul],
+        deps=[Dependency(nul)],
+        resources={nul: 2},
+        retry=RetryPolicy(),
+        fixed_start=FixedStart(5),
+    )
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(1, **{f: getattr(spec, f) for f in ("kind", "pool", "key", "tenant")}),
+            submitted(2, b"\0", **{f: getattr(spec, f) for f in ("tags", "labels", "deps")}),
+            submitted(3, resources=spec.resources, retry=spec.retry, fixed_start=spec.fixed_start),
+            step(3, RUNNING, 1, 10, nul),
+            RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
+            RecurringNext(nul, 9, TaskId(1)),
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    one, two, three = (t.spec for t in recovered.tasks)
+    assert (one.kind, one.pool, one.key, one.tenant) == (clean, clean, clean, clean)
+    assert (two.tags, two.labels, two.deps, two.payload) == (
+        (clean,),
+        (clean,),
+        (Dependency(clean),),
+        b"\0",
+    )
+    assert three.resources == {clean: 2}
+    record = await store.get_task(TaskId(3))
+    assert record is not None
+    assert record.message == clean
+    [schedule] = recovered.recurring
+    template = schedule.spec.template
+    assert (schedule.spec.name, schedule.next, schedule.last) == (clean, 9, 1)
+    assert (template.kind, template.pool, template.key, template.tenant) == (clean,) * 4
+    assert (template.tags, template.labels, template.resources) == ((clean,), (clean,), {clean: 2})
+    assert await store.get_task(nul) == await store.get_task(TaskId(1))
+
+
+async def test_recurring_changes_apply_in_batch_order(cluster: Cluster) -> None:
+    store = await cluster.open()
+    await store.commit(
+        0,
+        BASE,
+        [
+            RecurringUpsert(every(10, "a")),
+            RecurringNext("a", 1_000, TaskId(7)),
+            RecurringRemove("a"),
+            RecurringUpsert(every(20, "a")),  # a new schedule: nothing carried over
+            RecurringUpsert(every(30, "b")),
+            RecurringNext("b", 2_000, None),
+            RecurringUpsert(every(40, "b")),  # a replaced one keeps its progress
+            RecurringRemove("c"),  # removing what is not there is fine
+            RecurringNext("d", 3_000, None),  # and so is advancing it
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    got = {r.spec.name: (r.spec.schedule, r.next, r.last) for r in recovered.recurring}
+    assert got == {
+        "a": (IntervalSchedule(timedelta(seconds=20)), None, None),
+        "b": (IntervalSchedule(timedelta(seconds=40)), 2_000, None),
+    }
+
+
+async def test_an_engine_time_outside_bigint_fails_its_batch_naming_the_field(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open()
+    far = 2**63 - 1  # fits the domain, but not once converted to Unix ns through BASE
+    batches: list[tuple[list[Mutation], str]] = [
+        ([submitted(1), submitted(2, deadline=far)], "deadline"),
+        ([submitted(1), step(1, RUNNING, 1, far)], "at"),
+        ([submitted(1), RecurringUpsert(every(5, deadline=far))], "template.deadline"),
+    ]
+    for batch, field in batches:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            await store.commit(0, BASE, batch, [])
+    records, _, finished, recovered = await observe(store, [1, 2])
+    assert (records, finished, recovered["next_id"], recovered["recurring"]) == (
+        [None, None],
+        [],
+        0,
+        [],
+    )
+
+
+async def test_a_batch_over_the_byte_bound_is_refused_before_anything_is_written(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open()
+    store.max_commit_bytes = 10_000
+    with pytest.raises(BatchTooLargeError):
+        await store.commit(0, BASE, [submitted(1), submitted(2, b"x" * 10_000)], [])
+    assert await store.get_task(TaskId(1)) is None
+    await store.commit(0, BASE, [submitted(1)], [])
+    assert await store.get_task(TaskId(1)) is not None
+
+
+async def test_what_a_group_committer_acknowledges_is_recovered(cluster: Cluster) -> None:
+    store = await cluster.open()
+    epoch = await store.acquire_leadership()
+    async with GroupCommitter(store, epoch, BASE) as committer:
+        await asyncio.gather(
+            *(committer.submit([submitted(i), step(i, RUNNING, 1, i)]) for i in range(1, 41))
+        )
+    recovered = await store.recover(BASE)
+    assert [(t.id, t.attempt) for t in recovered.tasks] == [(i, 1) for i in range(1, 41)]
+    assert recovered.next_id == 41

@@ -1,0 +1,171 @@
+"""Recovery: what a new leader loads, through its own time base."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from cronoq_store import (
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    MissPolicy,
+    Priority,
+    RecoveredTerminal,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.codec import QUARANTINE_PREFIX
+
+from .support import (
+    BASE,
+    FAILED,
+    HOUR,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    Capability,
+    Cluster,
+    step,
+    submitted,
+    summary,
+)
+
+
+def finished(id: int, ago: int, status: TaskStatus = SUCCEEDED) -> StatusChanged:
+    """A transition ``ago`` ns before now (engine time 0 is now in ``BASE``)."""
+    return StatusChanged(TaskId(id), status, attempt=1, at=-ago)
+
+
+async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open()
+    spec = TaskSpec(
+        b"\x00\xff",
+        kind="email",
+        pool="io",
+        priority=Priority.HIGH,
+        key="k",
+        deadline=5_000,
+        fixed_start=FixedStart(7_000, timedelta(seconds=3), MissPolicy.RUN),
+        duration_hint=timedelta(milliseconds=1500),
+        timeout=timedelta(seconds=9),
+        retry=RetryPolicy(max_attempts=5, backoff=timedelta(seconds=2)),
+        deps=[Dependency(TaskId(3), DependencyCondition.FINISHED), Dependency("other")],
+        resources={"gpu": 2},
+        tags=["a", "b"],
+        labels=["linux"],
+        tenant="acme",
+    )
+    await store.commit(0, BASE, [Submitted(TaskId(9), 4, 123, spec), step(9, RETRYING, 2, 1)], [])
+    # The new leader's engine clock reads 1,000,000 ns more at the same wall-clock time.
+    later = TimeBase(engine_ns=BASE.engine_ns + 10**6, unix_ns=BASE.unix_ns)
+    recovered = await store.recover(later)
+    [task] = recovered.tasks
+    assert (task.id, task.seq, task.arrival, task.attempt) == (9, 4, 123 + 10**6, 2)
+    shifted = FixedStart(7_000 + 10**6, timedelta(seconds=3), MissPolicy.RUN)
+    assert task.spec == replace(spec, deadline=5_000 + 10**6, fixed_start=shifted)
+    assert recovered.next_id == 10
+
+
+async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
+    cluster: Cluster,
+) -> None:
+    store = await cluster.open(retention=3600.0)
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(1),
+            finished(1, ago=2 * HOUR),  # old: dropped
+            submitted(2),
+            finished(2, ago=HOUR // 6, status=FAILED),  # 10 minutes ago: kept
+            submitted(3),
+            finished(3, ago=48 * HOUR),  # old, but task 6 depends on it by id
+            submitted(4, key="dep"),
+            finished(4, ago=30 * HOUR),  # old, but task 6 depends on its key
+            submitted(5, key="dep"),
+            finished(5, ago=20 * HOUR),  # a later task with the same key: kept too
+            submitted(6, deps=[Dependency(TaskId(3)), Dependency("dep")]),
+            submitted(7),
+            step(7, RUNNING, 1, -3 * HOUR),  # live, however old
+        ],
+        [],
+    )
+    recovered = await store.recover(BASE)
+    assert [t.id for t in recovered.tasks] == [6, 7]
+    assert recovered.terminal == [  # oldest first
+        RecoveredTerminal(TaskId(3), None, SUCCEEDED, -48 * HOUR),
+        RecoveredTerminal(TaskId(4), "dep", SUCCEEDED, -30 * HOUR),
+        RecoveredTerminal(TaskId(5), "dep", SUCCEEDED, -20 * HOUR),
+        RecoveredTerminal(TaskId(2), None, FAILED, -(HOUR // 6)),
+    ]
+
+
+async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
+    store = await cluster.open()
+    assert summary(await store.recover(BASE)) == {
+        "next_id": 0,
+        "tasks": [],
+        "terminal": [],
+        "recurring": [],
+    }
+    await store.commit(0, BASE, [submitted(0)], [])
+    assert (await store.recover(BASE)).next_id == 1  # a stored id 0 counts
+    high = TaskId((3 << 48) | 41)
+    old = TimeBase(engine_ns=0, unix_ns=BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
+    await store.commit(0, old, [submitted(high), step(high, SUCCEEDED, 1, 0)], [])
+    await store.commit(0, old, [submitted(5), step(5, SUCCEEDED, 1, 0)], [])
+    assert await store.prune(1) == 2
+    assert await store.get_task(high) is None
+    # Pruned, but issued: its id is never issued again.
+    assert (await store.recover(BASE)).next_id == high + 1
+
+
+@pytest.mark.needs(Capability.DURABLE)
+async def test_recover_in_a_new_process(cluster: Cluster) -> None:
+    """What was committed survives the process that committed it. InMemoryStore keeps its
+    state in one ``InMemoryDatabase`` object and does not declare ``DURABLE``."""
+    store = await cluster.open()
+    epoch = await store.acquire_leadership()
+    await store.commit(
+        epoch,
+        BASE,
+        [submitted(1, key="a"), step(1, RUNNING, 2, 10), submitted(2), finished(2, ago=60)],
+        [],
+    )
+    here = summary(await store.recover(BASE))
+    assert here["tasks"] == [[1, 1, 1, 2, "a"]]
+    assert here["terminal"] == [[2, None, "succeeded", -60]]
+    assert await cluster.recover_in_new_process(BASE) == here
+
+
+async def test_a_live_task_the_new_time_base_cannot_express_is_quarantined_not_fatal(
+    cluster: Cluster,
+) -> None:
+    """Through a base whose engine clock is near 2**63, the stored arrival of task 1 has
+    no 64-bit engine time: it is marked failed with the reason, once, and the rest
+    recovers."""
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1, key="k"), submitted(2, arrival=-(2**62))], [])
+    odd = TimeBase(engine_ns=2**63 - 1, unix_ns=BASE.unix_ns)  # arrival 1 is 2**63 there
+    recovered = await store.recover(odd)
+    assert [t.id for t in recovered.tasks] == [2]
+    assert [(t.id, t.key, t.status) for t in recovered.terminal] == [(1, "k", FAILED)]
+    record = await store.get_task(TaskId(1))
+    assert record is not None
+    assert record.status is FAILED
+    assert record.message is not None
+    assert record.message.startswith(QUARANTINE_PREFIX)
+    # An ordinary failed task now: its key is free, and the usual base recovers it as such.
+    await store.commit(0, BASE, [submitted(3, key="k")], [])
+    again = await store.recover(BASE)
+    assert [t.id for t in again.tasks] == [2, 3]
