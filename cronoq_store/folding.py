@@ -28,28 +28,17 @@ Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone 
 become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 
 The parameter names of the returned dictionaries are the bind names of the statements in
-:mod:`cronoq_store.statements` (``INSERT_COLUMNS`` for the insert).
+:mod:`cronoq_store.statements`; new tasks are rows made by :mod:`cronoq_store.rows`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .codec import (
-    clean_text,
-    duration_to_ns,
-    encode_deps,
-    encode_miss_policy,
-    encode_recurring,
-    encode_resources,
-    encode_retry,
-    encode_strings,
-    unix_converter,
-)
+from .codec import clean_text, encode_recurring, unix_converter
 from .domain import (
     QUEUED,
     Mutation,
@@ -63,11 +52,9 @@ from .domain import (
     TimeBase,
 )
 from .errors import IdCollisionError
+from .rows import insert_row, same_task, set_state, transposed
 
 __all__ = [
-    "IDENTITY_COLUMNS",
-    "INSERT_COLUMNS",
-    "JSON_COLUMNS",
     "LIVE_RANKS",
     "TERMINAL_LEVEL",
     "FoldedBatch",
@@ -75,32 +62,6 @@ __all__ = [
     "fold",
     "level",
 ]
-
-#: The columns a new task is inserted with, in statement order; each names its parameter.
-INSERT_COLUMNS: tuple[str, ...] = (
-    "id", "seq", "arrival_unix_ns", "pool", "kind", "priority", "key", "payload",
-    "deadline_unix_ns", "fixed_at_unix_ns", "fixed_tolerance_ns", "fixed_on_miss",
-    "duration_hint_ns", "timeout_ns", "retry", "deps", "resources", "tags", "status",
-    "terminal", "attempt", "updated_unix_ns", "message", "labels", "tenant",
-)  # fmt: skip
-#: Insert columns whose parameters are pre-serialized JSON text (cast to jsonb in SQL).
-JSON_COLUMNS = frozenset({"retry", "deps", "resources", "tags", "labels"})
-
-#: The columns that make a task what it is: equal in a retried ``Submitted``, so a stored row
-#: that differs in any of them under the same id is another task (the rest is its state).
-IDENTITY_COLUMNS: tuple[str, ...] = tuple(
-    name
-    for name in INSERT_COLUMNS
-    if name not in ("id", "status", "terminal", "attempt", "updated_unix_ns", "message")
-)
-_IDENTITY = tuple(INSERT_COLUMNS.index(name) for name in IDENTITY_COLUMNS)
-_JSON_IDENTITY = frozenset(INSERT_COLUMNS.index(name) for name in JSON_COLUMNS)
-
-# Where a task's latest state goes in its insert row.
-_STATUS, _TERMINAL, _ATTEMPT, _UPDATED, _MESSAGE = (
-    INSERT_COLUMNS.index(name)
-    for name in ("status", "terminal", "attempt", "updated_unix_ns", "message")
-)
 
 #: Rank of each live status within an attempt (other stored names rank as queued).
 LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
@@ -154,7 +115,7 @@ class FoldedBatch:
     #: The same for tasks submitted in the batch that have transitions, whose insert rows
     #: carry them: needed only where such a task turns out to be stored already.
     inserted_updates: dict[str, list[Any]]
-    #: New tasks, one row each in ``INSERT_COLUMNS`` order (what COPY takes).
+    #: New tasks, one row each in ``rows.INSERT_COLUMNS`` order (what COPY takes).
     insert_rows: list[list[Any]]
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
     outputs: dict[str, list[Any]]
@@ -164,10 +125,7 @@ class FoldedBatch:
     @property
     def inserts(self) -> dict[str, list[Any]]:
         """``insert_tasks`` parameters: the rows transposed, one array per column."""
-        if not self.insert_rows:
-            return {name: [] for name in INSERT_COLUMNS}
-        columns = zip(*self.insert_rows, strict=True)
-        return {name: list(values) for name, values in zip(INSERT_COLUMNS, columns, strict=True)}
+        return transposed(self.insert_rows)
 
     @property
     def update_count(self) -> int:
@@ -228,12 +186,12 @@ def fold(
                     later.message_at = earlier.message_at
                 transitions[m.id] = later
         elif isinstance(m, Submitted):
-            row = _insert_row(m, to_unix, now_unix_ns)
+            row = insert_row(m, to_unix, now_unix_ns)
             i = inserted.get(m.id)
             if i is None:
                 inserted[m.id] = len(rows)
                 rows.append(row)
-            elif not _same_task(rows[i], row):
+            elif not same_task(rows[i], row):
                 raise IdCollisionError([m.id], in_batch=True)
         elif isinstance(m, RecurringUpsert):
             spec = m.spec
@@ -271,9 +229,7 @@ def fold(
             stored[id] = t
             continue
         resubmitted[id] = t
-        row = rows[i]
-        row[_STATUS], row[_TERMINAL], row[_ATTEMPT] = t.status, t.terminal, t.attempt
-        row[_UPDATED], row[_MESSAGE] = t.at, t.message
+        set_state(rows[i], t.status, t.terminal, t.attempt, t.at, t.message)
     last_output = dict(outputs)
     return FoldedBatch(
         max_id=max(inserted) if inserted else None,
@@ -299,51 +255,3 @@ def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
         "message_levels": [t.message_level for t in latest],
         "message_ats": [t.message_at for t in latest],
     }
-
-
-def _same_task(a: list[Any], b: list[Any]) -> bool:
-    """Whether two insert rows are the same task, as the insert's conflict check decides:
-    JSON by value, as jsonb compares (an object's key order does not count)."""
-    return all(
-        a[c] == b[c]
-        or (
-            c in _JSON_IDENTITY
-            and a[c] is not None
-            and b[c] is not None
-            and json.loads(a[c]) == json.loads(b[c])
-        )
-        for c in _IDENTITY
-    )
-
-
-def _insert_row(m: Submitted, to_unix: Callable[[int, str], int], now_unix_ns: int) -> list[Any]:
-    """``m`` as an insert row (``INSERT_COLUMNS`` order), queued at ``now_unix_ns``."""
-    s = m.spec
-    fixed, key, tenant = s.fixed_start, s.key, s.tenant
-    return [
-        m.id,
-        m.seq,
-        to_unix(m.arrival, "arrival"),
-        clean_text(s.pool),
-        clean_text(s.kind),
-        int(s.priority),
-        None if key is None else clean_text(key),
-        s.payload,
-        None if s.deadline is None else to_unix(s.deadline, "deadline"),
-        None if fixed is None else to_unix(fixed.at, "fixed_start.at"),
-        None if fixed is None else duration_to_ns(fixed.tolerance),
-        None if fixed is None else encode_miss_policy(fixed.on_miss),
-        None if s.duration_hint is None else duration_to_ns(s.duration_hint),
-        None if s.timeout is None else duration_to_ns(s.timeout),
-        encode_retry(s.retry),
-        encode_deps(s.deps),
-        encode_resources(s.resources),
-        encode_strings(s.tags),
-        QUEUED,
-        False,
-        0,
-        now_unix_ns,
-        None,
-        encode_strings(s.labels),
-        None if tenant is None else clean_text(tenant),
-    ]

@@ -2,7 +2,7 @@
 
 The store runs the statements of :mod:`cronoq_store.statements` and nothing else: SQL is
 composed there, batches are folded in :mod:`cronoq_store.folding`, rows are decoded with
-:mod:`cronoq_store.codec`, and leader election lives in :mod:`cronoq_store.leadership`.
+:mod:`cronoq_store.rows`, and leader election lives in :mod:`cronoq_store.leadership`.
 Every failure leaves through :func:`cronoq_store.errors.translate_error`.
 """
 
@@ -16,12 +16,11 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
-from sqlalchemy import Executable, Row, event
+from sqlalchemy import Executable, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -30,33 +29,15 @@ from sqlalchemy.util import greenlet_spawn
 
 from . import migrations
 from . import statements as st
-from .codec import (
-    QUARANTINE_PREFIX,
-    decode_deps,
-    decode_miss_policy,
-    decode_recurring,
-    decode_resources,
-    decode_retry,
-    decode_strings,
-    ns_to_duration,
-)
+from .codec import QUARANTINE_PREFIX
 from .config import PgStoreConfig
 from .domain import (
-    I64_MAX,
-    I64_MIN,
-    LIVE_STATUS_NAMES,
-    UNIX_EPOCH,
-    FixedStart,
     Mutation,
-    Priority,
     Recovered,
-    RecoveredRecurring,
-    RecoveredTask,
     RecoveredTerminal,
     TaskId,
     TaskRecord,
     TaskRef,
-    TaskSpec,
     TaskStatus,
     TimeBase,
     clean_text,
@@ -71,17 +52,11 @@ from .errors import (
 )
 from .folding import FoldedBatch, fold
 from .leadership import Leadership
+from .rows import live_task, recurring_schedule, task_record
 from .schema import schema_options
 from .sizing import MAX_COMMIT_BYTES, batch_size
 from .urls import async_url, redact
 from .writer import STAGE_MIN_ROWS, BatchWriter, CompiledStatement
-
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from typing_extensions import Unpack
-
-    _Row: TypeAlias = Row[Unpack[tuple[Any, ...]]]
 
 __all__ = ["PRUNE_BATCH", "RECOVERY_PARTITION", "PgStore", "next_id"]
 
@@ -95,7 +70,6 @@ RECOVERY_PARTITION = 10_000
 # SQLSTATE classes after which a session is gone or going: connection exception, operator
 # intervention (shutdown, terminated backend).
 _CONNECTION_CLASSES = ("08", "57P")
-_DEFAULT_TOLERANCE_NS = 1_000_000_000
 #: Longest reason kept in a quarantined row's message (the message column is stored text).
 _QUARANTINE_REASON_CHARS = 500
 
@@ -551,7 +525,7 @@ class PgStore:
             with _gc_paused():
                 for row in rows:
                     try:
-                        recovered.tasks.append(_decode_task(base, row))
+                        recovered.tasks.append(live_task(base, *row))
                     except Exception as exc:  # whatever the row holds; free when nothing raises
                         reason = _reason(exc)
                         logger.error(
@@ -606,7 +580,7 @@ class PgStore:
     ) -> None:
         for row in await conn.execute(st.recurring_schedules):
             try:
-                recovered.recurring.append(_decode_recurring(base, row))
+                recovered.recurring.append(recurring_schedule(base, *row))
             except Exception as exc:  # whatever the row holds
                 # Left in place, so it can be repaired, but not scheduled.
                 logger.error(
@@ -632,7 +606,7 @@ class PgStore:
             stmt, params = st.task_by_id, {"id": int(ref)}
         async with self._translated("looking up a task"), self._session() as conn:
             row = (await conn.execute(stmt, params)).first()
-        return None if row is None else _record(row)
+        return None if row is None else task_record(*row)
 
     async def list_finished(
         self,
@@ -654,7 +628,7 @@ class PgStore:
         }
         async with self._translated("listing finished tasks"), self._session() as conn:
             rows = (await conn.execute(st.finished_page, params)).all()
-        return [_record(row) for row in rows]
+        return [task_record(*row) for row in rows]
 
     async def prune(self, older_than: float) -> int:
         """Delete finished tasks last updated more than ``older_than`` seconds ago, except
@@ -761,100 +735,3 @@ def _reason(exc: Exception) -> str:
     if len(reason) > _QUARANTINE_REASON_CHARS:
         reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
     return clean_text(reason)
-
-
-def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
-    """A live task row as the scheduler's value; ``ValueError`` names what is wrong.
-
-    The row is unpacked once, in ``statements.live_tasks`` column order: a look-up by
-    attribute per column costs about 30% of recovery at a million rows. A row the domain
-    would refuse as a submission (an empty pool, a negative seq or id) is refused here too.
-    """
-    (
-        id_, seq, arrival, pool, kind, priority, key, payload, deadline, fixed_at, tolerance,
-        on_miss, hint, timeout, retry, deps, resources, tags, labels, tenant, status, attempt,
-    ) = row  # fmt: skip
-    if status not in LIVE_STATUS_NAMES and TaskStatus.from_stored(status) is not None:
-        # A finished status on a row marked live: which of the two is wrong cannot be told.
-        # A name this build does not know is a newer build's live status: the task stays live.
-        raise ValueError(f"status: {status!r} is the status of a finished task, on a live row")
-    fixed = None
-    if fixed_at is not None:
-        fixed = FixedStart(
-            at=base.from_unix(fixed_at),
-            tolerance=ns_to_duration(_DEFAULT_TOLERANCE_NS if tolerance is None else tolerance),
-            on_miss=decode_miss_policy(on_miss),
-        )
-    spec = TaskSpec(
-        payload,
-        kind=kind,
-        pool=pool,
-        priority=Priority.from_stored(priority),
-        key=key,
-        deadline=None if deadline is None else base.from_unix(deadline),
-        fixed_start=fixed,
-        duration_hint=_duration(hint),
-        timeout=_duration(timeout),
-        retry=decode_retry(retry),
-        deps=decode_deps(deps),
-        resources=decode_resources(resources),
-        tags=decode_strings(tags, "tags"),
-        labels=decode_strings(labels, "labels"),
-        tenant=tenant,
-    )
-    if seq < 0:
-        raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
-    if id_ < 0:
-        raise ValueError(f"id: must be a task id in 0..2**63-1, got {id_}")
-    arrival_ns = base.from_unix(arrival)
-    if not I64_MIN <= arrival_ns <= I64_MAX:
-        _engine_time(base, arrival, "arrival_unix_ns")  # raises, naming the column
-    return RecoveredTask(
-        id=TaskId(id_),
-        seq=seq,
-        arrival=arrival_ns,
-        spec=spec,
-        attempt=max(attempt, 0),
-    )
-
-
-def _decode_recurring(base: TimeBase, row: _Row) -> RecoveredRecurring:
-    """A schedule row as the scheduler's value; ``ValueError`` names what is wrong."""
-    name, spec, payload, next_, last = row
-    if last is not None and last < 0:
-        raise ValueError(f"last_task_id: must be a task id in 0..2**63-1, got {last}")
-    return RecoveredRecurring(
-        spec=decode_recurring(base, name, spec, payload),
-        next=None if next_ is None else _engine_time(base, next_, "next_unix_ns"),
-        last=None if last is None else TaskId(last),
-    )
-
-
-def _engine_time(base: TimeBase, unix_ns: int, column: str) -> int:
-    """The engine time of a stored time, which must fit the 64 bits the domain takes."""
-    engine_ns = base.from_unix(unix_ns)
-    if I64_MIN <= engine_ns <= I64_MAX:
-        return engine_ns
-    raise ValueError(
-        f"{column}: {unix_ns} is engine time {engine_ns} through {base!r}, outside -2**63..2**63-1"
-    )
-
-
-def _duration(ns: int | None) -> timedelta | None:
-    return None if ns is None else ns_to_duration(ns)
-
-
-def _record(row: _Row) -> TaskRecord:
-    return TaskRecord(
-        id=TaskId(row.id),
-        key=row.key,
-        pool=row.pool,
-        kind=row.kind,
-        priority=Priority.from_stored(row.priority),
-        tenant=row.tenant,
-        status=TaskStatus.from_stored(row.status),
-        attempt=max(row.attempt, 0),
-        message=row.message,
-        output=row.output,
-        updated=UNIX_EPOCH + timedelta(microseconds=max(row.updated_unix_ns, 0) // 1000),
-    )

@@ -41,7 +41,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from . import statements as st
-from .folding import INSERT_COLUMNS, FoldedBatch, RecurringAction
+from .folding import FoldedBatch, RecurringAction
+from .rows import INSERT_COLUMNS
 from .schema import tasks
 
 __all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement", "Written"]

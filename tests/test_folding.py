@@ -40,7 +40,8 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.errors import IdCollisionError
-from cronoq_store.folding import INSERT_COLUMNS, TERMINAL_LEVEL, RecurringAction, fold, level
+from cronoq_store.folding import TERMINAL_LEVEL, RecurringAction, fold, level
+from cronoq_store.rows import INSERT_COLUMNS
 from cronoq_store.store import PgStore
 from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
 
