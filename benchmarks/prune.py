@@ -32,9 +32,10 @@ from sqlalchemy.engine import URL
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import statements as st
 from cronoq_store.codec import encode_deps, unix_converter
+from cronoq_store.queries import PRUNE_BATCH
 from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row
 from cronoq_store.schema import tasks
-from cronoq_store.store import PRUNE_BATCH, PgStore
+from cronoq_store.store import PgStore
 
 from .common import (
     Profile,

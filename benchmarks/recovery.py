@@ -32,8 +32,9 @@ from cronoq_store import (
 from cronoq_store import statements as st
 from cronoq_store.codec import encode_deps, unix_converter
 from cronoq_store.domain import Dependency, Submitted
+from cronoq_store.recovery import next_id
 from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row, live_task
-from cronoq_store.store import PgStore, next_id
+from cronoq_store.store import PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, make_spec, summarize
 

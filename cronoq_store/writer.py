@@ -31,27 +31,35 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import greenlet_spawn
 
 from . import statements as st
+from .errors import FencedError, IdCollisionError
 from .folding import FoldedBatch, RecurringAction
 from .rows import INSERT_COLUMNS
 from .schema import tasks
 
-__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement", "Written"]
+__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CommitPath", "CompiledStatement", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
 #: New tasks per batch from which they are staged by COPY rather than sent as arrays: the
 #: crossover measured on 2 cores (arrays win at 64 rows by 12%, staging at 128 by 10%).
 STAGE_MIN_ROWS = 128
+
+# SQLSTATE classes after which a session is gone or going: connection exception, operator
+# intervention (shutdown, terminated backend).
+_CONNECTION_CLASSES = ("08", "57P")
 
 # The unique index on live keys (see :func:`_maybe_stored`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
@@ -227,6 +235,103 @@ class BatchWriter:
     def _staged(self, batch: FoldedBatch) -> bool:
         threshold = self._stage_min_rows
         return threshold is not None and batch.insert_count >= threshold
+
+
+class CommitPath:
+    """The store's commits: a pooled connection's driver connection, the
+    :class:`BatchWriter` (``writer``), and what it found turned into errors.
+
+    ``borrowed``: the engine is an application's, whose sessions keep its search_path.
+    ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        schema: str,
+        *,
+        may_stage: bool,
+        borrowed: bool,
+        on_fenced: Callable[[], None],
+    ) -> None:
+        self._engine = engine
+        self._on_fenced = on_fenced
+        self.writer = BatchWriter(
+            engine.dialect, schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
+        )
+        # A borrowed engine's sessions keep the application's search_path: a commit sets
+        # the store's own (statements.SEARCH_PATH) while it uses one and gives the old back.
+        self._take_path: CompiledStatement | None = None
+        self._restore_path: CompiledStatement | None = None
+        if borrowed:
+            self._take_path = CompiledStatement.of(st.take_search_path, engine.dialect, schema)
+            self._restore_path = CompiledStatement.of(
+                st.restore_search_path, engine.dialect, schema
+            )
+
+    async def commit(self, epoch: int, batch: FoldedBatch) -> None:
+        """Write ``batch`` under ``epoch``; ``IdCollisionError`` or ``FencedError`` if it
+        wrote nothing because an id is another task's or the stored epoch is another."""
+        async with self._driver_connection() as conn:
+            written = await self.writer.write(conn, epoch, batch)
+        if written.colliding is not None:
+            raise IdCollisionError(written.colliding)
+        current = written.epoch
+        if current != epoch:
+            self._on_fenced()
+            logger.error(
+                "commit fenced: another instance took leadership",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+
+    @asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[Any]:
+        """A pooled connection's asyncpg connection, for :class:`BatchWriter`.
+
+        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
+        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
+        invalidated here instead of going back to the pool. A server's error leaves it
+        usable: asyncpg rolled the transaction back. A borrowed engine's session runs under
+        the store's search_path and gets its own back before it returns to the pool (two
+        round trips per commit; the store's own sessions have it from the start).
+        """
+        pooled = await self._engine.raw_connection()
+        driver: Any = pooled.driver_connection
+        borrowed_path: str | None = None
+        try:
+            if self._take_path is not None:
+                borrowed_path = await driver.fetchval(self._take_path.sql)
+            yield driver
+        except BaseException as exc:
+            clean = (
+                isinstance(exc, asyncpg.PostgresError)
+                and not exc.sqlstate.startswith(_CONNECTION_CLASSES)
+                and not driver.is_closed()
+                and not driver.is_in_transaction()
+            )
+            if not clean:
+                # Close the socket first: a graceful close waits for the operation in
+                # progress and fails ("another operation is in progress") after a timeout
+                # or cancellation, which would mask the error being raised.
+                driver.terminate()
+                pooled.invalidate()
+            raise
+        finally:
+            try:
+                if borrowed_path is not None and self._restore_path is not None and pooled.is_valid:
+                    args = self._restore_path.args({"path": borrowed_path})
+                    try:
+                        await driver.execute(self._restore_path.sql, *args)
+                    except BaseException:
+                        # Never back to the application with our search_path.
+                        driver.terminate()
+                        pooled.invalidate()
+                        raise
+            finally:
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
 
 
 def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:

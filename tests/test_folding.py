@@ -431,7 +431,7 @@ async def test_any_split_with_late_duplicates_stores_the_history_committed_once(
     store: PgStore, data: st.DataObject, stage_min_rows: int
 ) -> None:
     # With a threshold of 1, every insert travels by COPY through the staging table.
-    store._writer = BatchWriter(
+    store._commits.writer = BatchWriter(
         store.engine.dialect, store.config.schema, stage_min_rows=stage_min_rows
     )
     mutations = data.draw(histories())

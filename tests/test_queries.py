@@ -23,7 +23,8 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.store import PRUNE_BATCH, PgStore
+from cronoq_store.queries import PRUNE_BATCH
+from cronoq_store.store import PgStore
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)
