@@ -34,9 +34,9 @@ The parameter names of the returned dictionaries are the bind names of the state
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 from .codec import clean_text, encode_recurring, unix_converter
 from .domain import (
@@ -104,23 +104,48 @@ class _Transition:
         return not other.terminal and (self.level, self.at) > (other.level, other.at)
 
 
+#: Marks a field of :class:`FoldedBatch` that the commit writes (see ``FoldedBatch.writes``).
+_WRITE = {"write": True}
+
+
 @dataclass(slots=True)
 class FoldedBatch:
-    """What one commit writes, in the order the transaction writes it."""
+    """What one commit writes. The fields marked as writes are in the order the
+    transaction writes them; :meth:`writes` names those that hold something, so that the
+    writer's choices follow from the fields and a new kind of write cannot be skipped."""
 
     #: Largest id inserted by the batch (the high-water mark to record), if any.
     max_id: int | None
     #: ``update_status`` parameters: one row per task not submitted in the batch.
-    updates: dict[str, list[Any]]
+    updates: dict[str, list[Any]] = field(metadata=_WRITE)
     #: The same for tasks submitted in the batch that have transitions, whose insert rows
-    #: carry them: needed only where such a task turns out to be stored already.
+    #: carry them: needed only where such a task turns out to be stored already (see
+    #: :meth:`resubmitted`).
     inserted_updates: dict[str, list[Any]]
     #: New tasks, one row each in ``rows.INSERT_COLUMNS`` order (what COPY takes).
-    insert_rows: list[list[Any]]
+    insert_rows: list[list[Any]] = field(metadata=_WRITE)
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
-    outputs: dict[str, list[Any]]
+    outputs: dict[str, list[Any]] = field(metadata=_WRITE)
     #: Recurring changes in batch order.
-    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(default_factory=list)
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(
+        default_factory=list, metadata=_WRITE
+    )
+
+    #: The write fields, in the order the transaction writes them.
+    WRITES: ClassVar[tuple[str, ...]]
+
+    def writes(self) -> tuple[str, ...]:
+        """The write fields that hold something, in :attr:`WRITES` order. A field holds a
+        list of rows, or parameter columns (a dict of equally long lists)."""
+        return tuple(name for name in self.WRITES if _count(getattr(self, name)))
+
+    def resubmitted(self) -> FoldedBatch:
+        """This batch with ``inserted_updates`` moved into its updates: for a batch that
+        turned out to send tasks stored already, so that their transitions move the stored
+        rows."""
+        extra = self.inserted_updates
+        updates = {name: v + extra[name] for name, v in self.updates.items()}
+        return replace(self, updates=updates, inserted_updates={name: [] for name in extra})
 
     @property
     def inserts(self) -> dict[str, list[Any]]:
@@ -132,17 +157,22 @@ class FoldedBatch:
         return len(self.updates["ids"])
 
     @property
-    def all_updates(self) -> dict[str, list[Any]]:
-        """``updates`` and ``inserted_updates`` together."""
-        return {name: v + self.inserted_updates[name] for name, v in self.updates.items()}
-
-    @property
     def insert_count(self) -> int:
         return len(self.insert_rows)
 
     @property
     def output_count(self) -> int:
         return len(self.outputs["ids"])
+
+
+FoldedBatch.WRITES = tuple(f.name for f in fields(FoldedBatch) if f.metadata.get("write"))
+
+
+def _count(value: list[Any] | dict[str, list[Any]]) -> int:
+    """Rows in a write field: a list's length, or a parameter column's."""
+    if isinstance(value, dict):
+        return len(next(iter(value.values()), ()))
+    return len(value)
 
 
 def fold(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -136,12 +136,25 @@ class BatchWriter:
             RecurringAction.REMOVE: compiled(st.remove_recurring),
             RecurringAction.NEXT: compiled(st.advance_recurring),
         }
+        # One writer per write field of FoldedBatch: a field without one fails here, at
+        # construction, instead of being skipped by every commit.
+        self._writers: dict[str, Callable[[Any, FoldedBatch], Awaitable[None]]] = {
+            "updates": self._write_updates,
+            "insert_rows": self._write_inserts,
+            "outputs": self._write_outputs,
+            "recurring": self._write_recurring,
+        }
+        if set(self._writers) != set(FoldedBatch.WRITES):
+            raise RuntimeError(
+                f"BatchWriter writes {sorted(self._writers)}, FoldedBatch holds "
+                f"{sorted(FoldedBatch.WRITES)}"
+            )
 
     async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
         epoch and none of its ids is held by another task, else write nothing."""
         try:
-            return Written(await self._write(conn, epoch, batch, batch.updates))
+            return Written(await self._write(conn, epoch, batch))
         except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
             if not _maybe_stored(exc, batch):
                 raise
@@ -152,7 +165,7 @@ class BatchWriter:
         # write the batch again, those transitions in the update, before the insert. A live
         # key that still fails then is held by another task.
         try:
-            return Written(await self._write(conn, epoch, batch, batch.all_updates))
+            return Written(await self._write(conn, epoch, batch.resubmitted()))
         except asyncpg.NotNullViolationError as exc:
             if not _taken(exc):
                 raise
@@ -162,21 +175,18 @@ class BatchWriter:
         stmt = self._colliding_ids
         return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
 
-    async def _write(
-        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
-    ) -> int:
-        moves = bool(updates["ids"])
-        only_inserts = not (moves or batch.output_count or batch.recurring)
-        if only_inserts and batch.insert_count and not self._staged(batch):
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+        # One statement when the batch holds one kind of write that has a fenced form.
+        writes = batch.writes()
+        if writes == ("insert_rows",) and not self._staged(batch):
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
-        only_updates = not (batch.insert_count or batch.output_count or batch.recurring)
-        if only_updates and moves:
+        if writes == ("updates",):
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
-                stmt.sql, *stmt.args({**updates, "epoch": epoch})
+                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
             )
             if current == epoch:
                 _warn_unchanged(batch.update_count, updated)
@@ -184,7 +194,7 @@ class BatchWriter:
         transaction = conn.transaction()
         await transaction.start()
         try:
-            await self._write_in_transaction(conn, epoch, batch, updates)
+            await self._write_in_transaction(conn, epoch, batch, writes)
         except _Stale as stale:
             await transaction.rollback()
             return stale.current
@@ -199,7 +209,7 @@ class BatchWriter:
         return epoch
 
     async def _write_in_transaction(
-        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+        self, conn: Any, epoch: int, batch: FoldedBatch, writes: tuple[str, ...]
     ) -> None:
         if batch.max_id is None:
             stmt = self._epoch_for_share
@@ -210,10 +220,16 @@ class BatchWriter:
             current = await conn.fetchval(stmt.sql, *stmt.args({"issued": batch.max_id}))
         if current != epoch:
             raise _Stale(current)
-        # Updates first, so keys they release can be reused by tasks inserted below.
-        if updates["ids"]:
-            status = await conn.execute(self._update.sql, *self._update.args(updates))
-            _warn_unchanged(batch.update_count, _row_count(status))
+        # In FoldedBatch.WRITES order: updates first, so keys they release can be reused by
+        # tasks inserted after them.
+        for name in writes:
+            await self._writers[name](conn, batch)
+
+    async def _write_updates(self, conn: Any, batch: FoldedBatch) -> None:
+        status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
+        _warn_unchanged(batch.update_count, _row_count(status))
+
+    async def _write_inserts(self, conn: Any, batch: FoldedBatch) -> None:
         if self._staged(batch):
             await conn.execute(self._create_stage.sql)
             await conn.copy_records_to_table(
@@ -223,11 +239,14 @@ class BatchWriter:
                 schema_name=st.stage.schema,
             )
             await conn.execute(self._insert_from_stage.sql)
-        elif batch.insert_count:
+        else:
             await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
-        if batch.output_count:
-            status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
-            _warn_unstored_outputs(batch.output_count, _row_count(status))
+
+    async def _write_outputs(self, conn: Any, batch: FoldedBatch) -> None:
+        status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
+        _warn_unstored_outputs(batch.output_count, _row_count(status))
+
+    async def _write_recurring(self, conn: Any, batch: FoldedBatch) -> None:
         for action, params in batch.recurring:
             stmt = self._recurring[action]
             await conn.execute(stmt.sql, *stmt.args(params))

@@ -40,7 +40,7 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.errors import IdCollisionError
-from cronoq_store.folding import TERMINAL_LEVEL, RecurringAction, fold, level
+from cronoq_store.folding import TERMINAL_LEVEL, FoldedBatch, RecurringAction, fold, level
 from cronoq_store.rows import INSERT_COLUMNS
 from cronoq_store.store import PgStore
 from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
@@ -264,6 +264,43 @@ def test_parameter_names_match_the_statements() -> None:
     assert set(f.recurring[0][1]) == binds(statements.upsert_recurring)
     assert set(f.recurring[1][1]) == binds(statements.advance_recurring)
     assert set(f.recurring[2][1]) == binds(statements.remove_recurring)
+
+
+def test_writes_name_every_kind_of_write_a_batch_holds_in_the_transaction_order() -> None:
+    spec = RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b"t"))
+    # The contract's order inside one transaction, after the epoch check.
+    assert FoldedBatch.WRITES == ("updates", "insert_rows", "outputs", "recurring")
+    assert fold([], BASE, NOW).writes() == ()
+    assert fold([submitted(1)], BASE, NOW).writes() == ("insert_rows",)
+    assert fold([changed(2, RUNNING, 1)], BASE, NOW).writes() == ("updates",)
+    # A transition of a task the batch submits rides in its insert row.
+    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], BASE, NOW)
+    assert born_and_moved.writes() == ("insert_rows",)
+    assert fold([], BASE, NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
+    assert fold([RecurringRemove("r")], BASE, NOW).writes() == ("recurring",)
+    everything = fold(
+        [RecurringUpsert(spec), changed(2, RUNNING, 1), submitted(1)],
+        BASE,
+        NOW,
+        [(TaskId(1), b"o")],
+    )
+    assert everything.writes() == FoldedBatch.WRITES
+
+    # Sent again, the submitted task's transition moves into the update (before the insert).
+    again = born_and_moved.resubmitted()
+    assert again.writes() == ("updates", "insert_rows")
+    assert (again.updates["ids"], again.inserted_updates["ids"]) == ([1], [])
+    assert again.insert_rows == born_and_moved.insert_rows
+
+
+def test_a_write_the_batch_writer_cannot_write_is_refused_when_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new kind of write folded into a batch but not written would be lost silently."""
+    dialect = create_async_engine("postgresql+asyncpg://").dialect
+    monkeypatch.setattr(FoldedBatch, "WRITES", (*FoldedBatch.WRITES, "retirements"))
+    with pytest.raises(RuntimeError, match="retirements"):
+        BatchWriter(dialect, "public")
 
 
 # --- batching invariance on a real schema ------------------------------------------------
