@@ -2,7 +2,8 @@
 
 Arguments are checked by the ``*_params`` functions before anything connects, so that bad
 input is a ``ValueError`` and never a database error; ``PgStore`` runs the rest inside its
-error translation.
+error translation. The CLI prunes through ``PgStore.prune`` (its ``progress`` callback), so
+there is one loop that takes the leader row lock before every batch.
 """
 
 from __future__ import annotations
@@ -87,11 +88,14 @@ def prune_cutoff(older_than: float) -> int:
 
 
 async def prune(
-    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]], cutoff: int
+    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    cutoff: int,
+    progress: Callable[[int], None] | None = None,
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
     or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
-    returns how many were deleted.
+    returns how many were deleted, and calls ``progress`` with the running total after
+    each batch.
 
     Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks holds
     that row locked (it records the id high-water mark) from before its insert to its end,
@@ -105,5 +109,7 @@ async def prune(
             await conn.execute(st.epoch_for_share)
             deleted = (await conn.execute(st.prune_batch, params)).rowcount
         total += deleted
+        if progress is not None:
+            progress(total)
         if deleted < PRUNE_BATCH:
             return total

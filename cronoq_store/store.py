@@ -15,7 +15,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
@@ -449,17 +449,21 @@ class PgStore:
         async with self._translated("listing finished tasks"), self._session() as conn:
             return await queries.list_finished(conn, params)
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(
+        self, older_than: float, *, progress: Callable[[int], None] | None = None
+    ) -> int:
         """Delete finished tasks last updated more than ``older_than`` seconds ago, except
         those a live task depends on (by id or key); returns how many were deleted.
 
         Deletes :data:`~cronoq_store.queries.PRUNE_BATCH` rows per transaction, oldest
         first, so locks stay short, and waits for commits in flight that may add
-        dependencies (:func:`cronoq_store.queries.prune`).
+        dependencies (:func:`cronoq_store.queries.prune`). ``progress``, if given, is called
+        with the running total of deleted rows after each batch (an operator's progress
+        bar); an exception it raises ends the prune, as a ``StoreError``.
         """
         cutoff = queries.prune_cutoff(older_than)
         async with self._translated("pruning finished tasks"):
-            return await queries.prune(self._session, cutoff)
+            return await queries.prune(self._session, cutoff, progress)
 
 
 if sys.version_info >= (3, 11):
