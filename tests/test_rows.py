@@ -3,6 +3,7 @@ lists follow the schema, and a column the mapping does not know is refused at im
 
 from __future__ import annotations
 
+from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
@@ -59,6 +60,13 @@ SPEC = TaskSpec(
     tenant="tenant",
 )
 SUBMITTED = Submitted(TaskId(7), seq=8, arrival=9, spec=SPEC)
+
+
+def test_the_example_spec_sets_every_field() -> None:
+    """So that the tests below cover a field added to TaskSpec, once it is set here."""
+    default = TaskSpec(b"")
+    unset = [f.name for f in fields(TaskSpec) if getattr(SPEC, f.name) == getattr(default, f.name)]
+    assert unset == []
 
 
 def test_insert_row_puts_every_value_under_its_own_column() -> None:
