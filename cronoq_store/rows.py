@@ -10,10 +10,11 @@ Decoders take one parameter per column, named after it, and are called with the 
 unpacked (``live_task(base, *row)``): the statement selects the columns in the order of
 those parameters (:data:`LIVE_COLUMNS` is read from the signature), so every value is
 matched by name, for the cost of one call. A look-up by attribute per column cost about 30%
-of recovery at a million rows. The encoder writes a row in :data:`INSERT_COLUMNS` order,
-each value under its column's name; :func:`_check_columns` refuses, at import, a column list
-that the schema and these functions do not agree on, so adding a column fails here until
-it is mapped.
+of recovery at a million rows. The encoder builds one list literal in :data:`INSERT_COLUMNS`
+order, each value commented with its column (the fold's hot path): the names of that order
+are checked at import, the values column by column in ``tests/test_rows.py``.
+:func:`_check_columns` refuses, at import, a column list that the schema and these
+functions do not agree on, so a column added to the schema fails here until it is mapped.
 """
 
 from __future__ import annotations
