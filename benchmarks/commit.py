@@ -25,7 +25,8 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import StatusChanged, Submitted, TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store import statements as st
-from cronoq_store.folding import INSERT_COLUMNS
+from cronoq_store.codec import unix_converter
+from cronoq_store.rows import INSERT_COLUMNS, insert_row
 from cronoq_store.schema import tasks
 from cronoq_store.writer import STAGE_MIN_ROWS
 
@@ -40,7 +41,6 @@ from .common import (
     make_spec,
     open_store,
     paired,
-    submission_row,
     summarize,
     transition_columns,
     transitions,
@@ -106,9 +106,9 @@ class RawWriter:
         self._check(await self.conn.fetchval(stmt.sql, *stmt.args({"issued": max_id})))
 
     async def insert(self, batch: Sequence[Submitted], base: TimeBase) -> None:
-        now = time.time_ns()
+        now, to_unix = time.time_ns(), unix_converter(base)
         if len(batch) >= STAGE_MIN_ROWS:
-            rows = [submission_row(m, base, now) for m in batch]
+            rows = [insert_row(m, to_unix, now) for m in batch]
             async with self.conn.transaction():
                 await self._lock_epoch(max(m.id for m in batch))
                 await self.conn.execute(self._create_stage.sql)
@@ -117,14 +117,14 @@ class RawWriter:
                 )
                 await self.conn.execute(self._insert_from_stage.sql)
             return
-        columns = list(zip(*(submission_row(m, base, now) for m in batch), strict=True))
+        columns = list(zip(*(insert_row(m, to_unix, now) for m in batch), strict=True))
         params: dict[str, Any] = dict(zip(INSERT_COLUMNS, columns, strict=True))
         params.update(issued=max(columns[0]), epoch=self.epoch)
         self._check(await self.conn.fetchval(self._insert.sql, *self._insert.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
-        now = time.time_ns()
-        rows = [submission_row(m, base, now) for m in batch]
+        now, to_unix = time.time_ns(), unix_converter(base)
+        rows = [insert_row(m, to_unix, now) for m in batch]
         async with self.conn.transaction():
             await self._lock_epoch(max(m.id for m in batch))
             await self.conn.copy_records_to_table(
@@ -262,7 +262,8 @@ async def _seed(
     """Insert live tasks (COPY) for the transitions to move."""
     now = time.time_ns()
     arrival = base.from_unix(now)
-    rows = [submission_row(Submitted(i, i, arrival, spec), base, now) for i, spec in specs]
+    to_unix = unix_converter(base)
+    rows = [insert_row(Submitted(i, i, arrival, spec), to_unix, now) for i, spec in specs]
     await conn.copy_records_to_table(
         "cronoq_tasks", records=rows, columns=INSERT_COLUMNS, schema_name=schema
     )

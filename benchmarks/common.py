@@ -3,8 +3,9 @@ and the store's own statements compiled for raw asyncpg.
 
 The baselines run *the store's statements*: :func:`compile_for_asyncpg` renders the Core
 constructs of :mod:`cronoq_store.statements` for the asyncpg dialect, with the schema filled
-in, so raw asyncpg sends byte-for-byte the SQL the store sends. They encode values with the
-same :mod:`cronoq_store.codec` functions, so the difference is the store's own overhead.
+in, so raw asyncpg sends byte-for-byte the SQL the store sends. They encode and decode rows
+with the store's own :mod:`cronoq_store.rows` functions, so the difference is the store's
+own overhead.
 """
 
 from __future__ import annotations
@@ -33,15 +34,7 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store.codec import (
-    clean_text,
-    duration_to_ns,
-    encode_deps,
-    encode_miss_policy,
-    encode_resources,
-    encode_retry,
-    encode_strings,
-)
+from cronoq_store.codec import clean_text
 from cronoq_store.folding import level
 from cronoq_store.store import PgStore
 from cronoq_store.writer import CompiledStatement
@@ -269,40 +262,6 @@ def transitions(ids: Sequence[TaskId], round_: int, base: TimeBase) -> list[Stat
 
 
 # --- the hand-written encoding of the baselines ---------------------------------------------
-
-
-def submission_row(m: Submitted, base: TimeBase, now_unix_ns: int) -> tuple[Any, ...]:
-    """The insert's columns (``INSERT_COLUMNS`` order) for one new task, encoded with the
-    store's codec functions: what an application writing raw asyncpg would do."""
-    s = m.spec
-    fixed = s.fixed_start
-    return (
-        m.id,
-        m.seq,
-        base.to_unix(m.arrival),
-        clean_text(s.pool),
-        clean_text(s.kind),
-        int(s.priority),
-        None if s.key is None else clean_text(s.key),
-        s.payload,
-        None if s.deadline is None else base.to_unix(s.deadline),
-        None if fixed is None else base.to_unix(fixed.at),
-        None if fixed is None else duration_to_ns(fixed.tolerance),
-        None if fixed is None else encode_miss_policy(fixed.on_miss),
-        None if s.duration_hint is None else duration_to_ns(s.duration_hint),
-        None if s.timeout is None else duration_to_ns(s.timeout),
-        encode_retry(s.retry),
-        encode_deps(s.deps),
-        encode_resources(s.resources),
-        encode_strings(s.tags),
-        "queued",
-        False,
-        0,
-        now_unix_ns,
-        None,
-        encode_strings(s.labels),
-        None if s.tenant is None else clean_text(s.tenant),
-    )
 
 
 def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[str, list[Any]]:

@@ -31,10 +31,11 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import statements as st
-from cronoq_store.codec import encode_deps
-from cronoq_store.folding import INSERT_COLUMNS
+from cronoq_store.codec import encode_deps, unix_converter
+from cronoq_store.queries import PRUNE_BATCH
+from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row
 from cronoq_store.schema import tasks
-from cronoq_store.store import PRUNE_BATCH, PgStore
+from cronoq_store.store import PgStore
 
 from .common import (
     Profile,
@@ -42,11 +43,10 @@ from .common import (
     dsn,
     interleave,
     make_spec,
-    submission_row,
     summarize,
 )
 
-_COLUMN = {name: i for i, name in enumerate(INSERT_COLUMNS)}
+_COLUMN = INSERT_POSITION
 _OLDER_THAN = 3600.0
 _AGE_NS = 2 * 3600 * 10**9
 
@@ -66,7 +66,7 @@ _finished_left = select(func.count()).select_from(tasks).where(tasks.c.terminal)
 def make_rows(finished: int, live: int, base: TimeBase, now: int) -> list[tuple[Any, ...]]:
     """``finished`` finished tasks two hours old, then ``live`` live tasks that each depend
     on a different one of them, by id or (every other one) by key."""
-    proto = list(submission_row(Submitted(task_id(1, 1), 1, 0, make_spec(1)), base, now))
+    proto = insert_row(Submitted(task_id(1, 1), 1, 0, make_spec(1)), unix_converter(base), now)
     rows = []
     for n in range(1, finished + 1):
         row = proto.copy()

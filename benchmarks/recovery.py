@@ -1,5 +1,5 @@
 """Recovery: ``PgStore.recover`` against raw asyncpg running the same queries and decoding the
-rows into the same objects with the same codec functions; time and peak RSS.
+rows with the same :mod:`cronoq_store.rows` functions; time and peak RSS.
 
 Each measurement runs in a fresh child process (``python -m benchmarks.recovery MODE SCHEMA``,
 the server's URL in ``$BENCH_DSN``), so peak RSS (``ru_maxrss``) is that recovery's alone;
@@ -21,40 +21,29 @@ import asyncpg
 from sqlalchemy.engine import URL, make_url
 
 from cronoq_store import (
-    FixedStart,
     PgStoreConfig,
-    Priority,
     Recovered,
-    RecoveredTask,
     RecoveredTerminal,
     TaskId,
-    TaskSpec,
     TaskStatus,
     TimeBase,
     task_id,
 )
 from cronoq_store import statements as st
-from cronoq_store.codec import (
-    decode_deps,
-    decode_miss_policy,
-    decode_resources,
-    decode_retry,
-    decode_strings,
-    encode_deps,
-    ns_to_duration,
-)
-from cronoq_store.domain import LIVE_STATUS_NAMES, Dependency, Submitted
-from cronoq_store.folding import INSERT_COLUMNS
-from cronoq_store.store import PgStore, next_id
+from cronoq_store.codec import encode_deps, unix_converter
+from cronoq_store.domain import Dependency, Submitted
+from cronoq_store.recovery import next_id
+from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row, live_task
+from cronoq_store.store import PgStore
 
-from .common import Profile, compile_for_asyncpg, dsn, make_spec, submission_row, summarize
+from .common import Profile, compile_for_asyncpg, dsn, make_spec, summarize
 
 _ROOT = Path(__file__).resolve().parent.parent
 _DSN_ENV = "BENCH_DSN"
 _RETENTION = 3600.0
 _CHUNK = 50_000
 _PROTOTYPES = 20
-_COLUMN = {name: i for i, name in enumerate(INSERT_COLUMNS)}
+_COLUMN = INSERT_POSITION
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -64,8 +53,9 @@ def _rows(first: int, count: int, base: TimeBase, now: int) -> list[tuple[Any, .
     """Task rows made from a few encoded prototypes (building a million ``TaskSpec`` would
     take longer than the recovery): unique ids and keys, one dependency on every tenth task,
     a tenth running, and one finished task (within the retention) for every ten live ones."""
+    to_unix = unix_converter(base)
     protos = [
-        list(submission_row(Submitted(task_id(1, n), n, 0, make_spec(n)), base, now))
+        insert_row(Submitted(task_id(1, n), n, 0, make_spec(n)), to_unix, now)
         for n in range(1, _PROTOTYPES + 1)
     ]
     rows = []
@@ -115,45 +105,6 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _decode_task(base: TimeBase, row: asyncpg.Record) -> RecoveredTask:
-    """The store's decoding of a live row, for an asyncpg record."""
-    if row["status"] not in LIVE_STATUS_NAMES:
-        raise ValueError(f"status: {row['status']!r} is not the status of a live task")
-    fixed = None
-    if row["fixed_at_unix_ns"] is not None:
-        tolerance = row["fixed_tolerance_ns"]
-        fixed = FixedStart(
-            at=base.from_unix(row["fixed_at_unix_ns"]),
-            tolerance=ns_to_duration(1_000_000_000 if tolerance is None else tolerance),
-            on_miss=decode_miss_policy(row["fixed_on_miss"]),
-        )
-    hint, timeout, deadline = row["duration_hint_ns"], row["timeout_ns"], row["deadline_unix_ns"]
-    spec = TaskSpec(
-        row["payload"],
-        kind=row["kind"],
-        pool=row["pool"],
-        priority=Priority.from_stored(row["priority"]),
-        key=row["key"],
-        deadline=None if deadline is None else base.from_unix(deadline),
-        fixed_start=fixed,
-        duration_hint=None if hint is None else ns_to_duration(hint),
-        timeout=None if timeout is None else ns_to_duration(timeout),
-        retry=decode_retry(row["retry"]),
-        deps=decode_deps(row["deps"]),
-        resources=decode_resources(row["resources"]),
-        tags=decode_strings(row["tags"], "tags"),
-        labels=decode_strings(row["labels"], "labels"),
-        tenant=row["tenant"],
-    )
-    return RecoveredTask(
-        id=TaskId(row["id"]),
-        seq=row["seq"],
-        arrival=base.from_unix(row["arrival_unix_ns"]),
-        spec=spec,
-        attempt=max(row["attempt"], 0),
-    )
-
-
 async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) -> Recovered:
     """The store's queries on raw asyncpg, in one transaction, decoded the same way."""
     high_water = compile_for_asyncpg(st.high_water, schema)
@@ -164,7 +115,7 @@ async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) ->
         marks = await conn.fetchrow(high_water.sql, *high_water.args({}))
         recovered = Recovered(next_id=next_id(*marks))
         now = time.time_ns()
-        recovered.tasks = [_decode_task(base, row) for row in await conn.fetch(live.sql)]
+        recovered.tasks = [live_task(base, *row) for row in await conn.fetch(live.sql)]
         dep_ids: set[int] = set()
         dep_keys: set[str] = set()
         for task in recovered.tasks:

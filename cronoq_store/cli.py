@@ -58,6 +58,7 @@ from .config import trusted_trigger_names
 from .domain import I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, Priority, TaskId, TaskStatus, epoch_of
 from .errors import MigrationError, translate_error
 from .migrations import alembic_config, head_revision, refuse_untrusted, run_command, upgrade
+from .queries import PRUNE_BATCH
 from .schema import (
     LEADER_ROW_ID,
     VERSION_TABLE,
@@ -67,7 +68,6 @@ from .schema import (
     tasks,
     validate_schema_name,
 )
-from .store import PRUNE_BATCH
 from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = ["URL_ENV", "ExitCode", "cli", "main", "parse_duration"]

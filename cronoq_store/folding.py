@@ -28,28 +28,17 @@ Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone 
 become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 
 The parameter names of the returned dictionaries are the bind names of the statements in
-:mod:`cronoq_store.statements` (``INSERT_COLUMNS`` for the insert).
+:mod:`cronoq_store.statements`; new tasks are rows made by :mod:`cronoq_store.rows`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
-from .codec import (
-    clean_text,
-    duration_to_ns,
-    encode_deps,
-    encode_miss_policy,
-    encode_recurring,
-    encode_resources,
-    encode_retry,
-    encode_strings,
-    unix_converter,
-)
+from .codec import clean_text, encode_recurring, unix_converter
 from .domain import (
     QUEUED,
     Mutation,
@@ -63,11 +52,9 @@ from .domain import (
     TimeBase,
 )
 from .errors import IdCollisionError
+from .rows import insert_row, same_task, set_state, transposed
 
 __all__ = [
-    "IDENTITY_COLUMNS",
-    "INSERT_COLUMNS",
-    "JSON_COLUMNS",
     "LIVE_RANKS",
     "TERMINAL_LEVEL",
     "FoldedBatch",
@@ -75,32 +62,6 @@ __all__ = [
     "fold",
     "level",
 ]
-
-#: The columns a new task is inserted with, in statement order; each names its parameter.
-INSERT_COLUMNS: tuple[str, ...] = (
-    "id", "seq", "arrival_unix_ns", "pool", "kind", "priority", "key", "payload",
-    "deadline_unix_ns", "fixed_at_unix_ns", "fixed_tolerance_ns", "fixed_on_miss",
-    "duration_hint_ns", "timeout_ns", "retry", "deps", "resources", "tags", "status",
-    "terminal", "attempt", "updated_unix_ns", "message", "labels", "tenant",
-)  # fmt: skip
-#: Insert columns whose parameters are pre-serialized JSON text (cast to jsonb in SQL).
-JSON_COLUMNS = frozenset({"retry", "deps", "resources", "tags", "labels"})
-
-#: The columns that make a task what it is: equal in a retried ``Submitted``, so a stored row
-#: that differs in any of them under the same id is another task (the rest is its state).
-IDENTITY_COLUMNS: tuple[str, ...] = tuple(
-    name
-    for name in INSERT_COLUMNS
-    if name not in ("id", "status", "terminal", "attempt", "updated_unix_ns", "message")
-)
-_IDENTITY = tuple(INSERT_COLUMNS.index(name) for name in IDENTITY_COLUMNS)
-_JSON_IDENTITY = frozenset(INSERT_COLUMNS.index(name) for name in JSON_COLUMNS)
-
-# Where a task's latest state goes in its insert row.
-_STATUS, _TERMINAL, _ATTEMPT, _UPDATED, _MESSAGE = (
-    INSERT_COLUMNS.index(name)
-    for name in ("status", "terminal", "attempt", "updated_unix_ns", "message")
-)
 
 #: Rank of each live status within an attempt (other stored names rank as queued).
 LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
@@ -143,40 +104,57 @@ class _Transition:
         return not other.terminal and (self.level, self.at) > (other.level, other.at)
 
 
+#: Marks a field of :class:`FoldedBatch` that the commit writes (see ``FoldedBatch.writes``).
+_WRITE = {"write": True}
+
+
 @dataclass(slots=True)
 class FoldedBatch:
-    """What one commit writes, in the order the transaction writes it."""
+    """What one commit writes. The fields marked as writes are in the order the
+    transaction writes them; :meth:`writes` names those that hold something, so that the
+    writer's choices follow from the fields and a new kind of write cannot be skipped."""
 
     #: Largest id inserted by the batch (the high-water mark to record), if any.
     max_id: int | None
     #: ``update_status`` parameters: one row per task not submitted in the batch.
-    updates: dict[str, list[Any]]
+    updates: dict[str, list[Any]] = field(metadata=_WRITE)
     #: The same for tasks submitted in the batch that have transitions, whose insert rows
-    #: carry them: needed only where such a task turns out to be stored already.
+    #: carry them: needed only where such a task turns out to be stored already (see
+    #: :meth:`resubmitted`).
     inserted_updates: dict[str, list[Any]]
-    #: New tasks, one row each in ``INSERT_COLUMNS`` order (what COPY takes).
-    insert_rows: list[list[Any]]
+    #: New tasks, one row each in ``rows.INSERT_COLUMNS`` order (what COPY takes).
+    insert_rows: list[list[Any]] = field(metadata=_WRITE)
     #: ``store_outputs`` parameters: one row per task (the last output given wins).
-    outputs: dict[str, list[Any]]
+    outputs: dict[str, list[Any]] = field(metadata=_WRITE)
     #: Recurring changes in batch order.
-    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(default_factory=list)
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(
+        default_factory=list, metadata=_WRITE
+    )
+
+    #: The write fields, in the order the transaction writes them.
+    WRITES: ClassVar[tuple[str, ...]]
+
+    def writes(self) -> tuple[str, ...]:
+        """The write fields that hold something, in :attr:`WRITES` order. A field holds a
+        list of rows, or parameter columns (a dict of equally long lists)."""
+        return tuple(name for name in self.WRITES if _count(getattr(self, name)))
+
+    def resubmitted(self) -> FoldedBatch:
+        """This batch with ``inserted_updates`` moved into its updates: for a batch that
+        turned out to send tasks stored already, so that their transitions move the stored
+        rows."""
+        extra = self.inserted_updates
+        updates = {name: v + extra[name] for name, v in self.updates.items()}
+        return replace(self, updates=updates, inserted_updates={name: [] for name in extra})
 
     @property
     def inserts(self) -> dict[str, list[Any]]:
         """``insert_tasks`` parameters: the rows transposed, one array per column."""
-        if not self.insert_rows:
-            return {name: [] for name in INSERT_COLUMNS}
-        columns = zip(*self.insert_rows, strict=True)
-        return {name: list(values) for name, values in zip(INSERT_COLUMNS, columns, strict=True)}
+        return transposed(self.insert_rows)
 
     @property
     def update_count(self) -> int:
         return len(self.updates["ids"])
-
-    @property
-    def all_updates(self) -> dict[str, list[Any]]:
-        """``updates`` and ``inserted_updates`` together."""
-        return {name: v + self.inserted_updates[name] for name, v in self.updates.items()}
 
     @property
     def insert_count(self) -> int:
@@ -185,6 +163,16 @@ class FoldedBatch:
     @property
     def output_count(self) -> int:
         return len(self.outputs["ids"])
+
+
+FoldedBatch.WRITES = tuple(f.name for f in fields(FoldedBatch) if f.metadata.get("write"))
+
+
+def _count(value: list[Any] | dict[str, list[Any]]) -> int:
+    """Rows in a write field: a list's length, or a parameter column's."""
+    if isinstance(value, dict):
+        return len(next(iter(value.values()), ()))
+    return len(value)
 
 
 def fold(
@@ -228,12 +216,12 @@ def fold(
                     later.message_at = earlier.message_at
                 transitions[m.id] = later
         elif isinstance(m, Submitted):
-            row = _insert_row(m, to_unix, now_unix_ns)
+            row = insert_row(m, to_unix, now_unix_ns)
             i = inserted.get(m.id)
             if i is None:
                 inserted[m.id] = len(rows)
                 rows.append(row)
-            elif not _same_task(rows[i], row):
+            elif not same_task(rows[i], row):
                 raise IdCollisionError([m.id], in_batch=True)
         elif isinstance(m, RecurringUpsert):
             spec = m.spec
@@ -271,9 +259,7 @@ def fold(
             stored[id] = t
             continue
         resubmitted[id] = t
-        row = rows[i]
-        row[_STATUS], row[_TERMINAL], row[_ATTEMPT] = t.status, t.terminal, t.attempt
-        row[_UPDATED], row[_MESSAGE] = t.at, t.message
+        set_state(rows[i], t.status, t.terminal, t.attempt, t.at, t.message)
     last_output = dict(outputs)
     return FoldedBatch(
         max_id=max(inserted) if inserted else None,
@@ -299,51 +285,3 @@ def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
         "message_levels": [t.message_level for t in latest],
         "message_ats": [t.message_at for t in latest],
     }
-
-
-def _same_task(a: list[Any], b: list[Any]) -> bool:
-    """Whether two insert rows are the same task, as the insert's conflict check decides:
-    JSON by value, as jsonb compares (an object's key order does not count)."""
-    return all(
-        a[c] == b[c]
-        or (
-            c in _JSON_IDENTITY
-            and a[c] is not None
-            and b[c] is not None
-            and json.loads(a[c]) == json.loads(b[c])
-        )
-        for c in _IDENTITY
-    )
-
-
-def _insert_row(m: Submitted, to_unix: Callable[[int, str], int], now_unix_ns: int) -> list[Any]:
-    """``m`` as an insert row (``INSERT_COLUMNS`` order), queued at ``now_unix_ns``."""
-    s = m.spec
-    fixed, key, tenant = s.fixed_start, s.key, s.tenant
-    return [
-        m.id,
-        m.seq,
-        to_unix(m.arrival, "arrival"),
-        clean_text(s.pool),
-        clean_text(s.kind),
-        int(s.priority),
-        None if key is None else clean_text(key),
-        s.payload,
-        None if s.deadline is None else to_unix(s.deadline, "deadline"),
-        None if fixed is None else to_unix(fixed.at, "fixed_start.at"),
-        None if fixed is None else duration_to_ns(fixed.tolerance),
-        None if fixed is None else encode_miss_policy(fixed.on_miss),
-        None if s.duration_hint is None else duration_to_ns(s.duration_hint),
-        None if s.timeout is None else duration_to_ns(s.timeout),
-        encode_retry(s.retry),
-        encode_deps(s.deps),
-        encode_resources(s.resources),
-        encode_strings(s.tags),
-        QUEUED,
-        False,
-        0,
-        now_unix_ns,
-        None,
-        encode_strings(s.labels),
-        None if tenant is None else clean_text(tenant),
-    ]

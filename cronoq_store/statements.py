@@ -47,7 +47,15 @@ from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 from .domain import EPOCH_MAX, QUEUED, TaskStatus
-from .folding import IDENTITY_COLUMNS, INSERT_COLUMNS, JSON_COLUMNS, LIVE_RANKS, TERMINAL_LEVEL
+from .folding import LIVE_RANKS, TERMINAL_LEVEL
+from .rows import (
+    IDENTITY_COLUMNS,
+    INSERT_COLUMNS,
+    JSON_COLUMNS,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    RECURRING_COLUMNS,
+)
 from .schema import LEADER_ROW_ID, leader, recurring, tasks
 
 __all__ = [
@@ -435,41 +443,18 @@ high_water = select(
 )
 
 
-def _as_text(col: ColumnElement[Any]) -> ColumnElement[str]:
-    """A jsonb column as its text: the dialect would otherwise ``json.loads`` every value,
-    several times slower than decoding once where the values are used."""
-    return cast(col, Text).label(col.key)
+def _columns(table: Table, names: tuple[str, ...]) -> list[ColumnElement[Any]]:
+    """``names`` of ``table`` in that order, jsonb columns as their text: the dialect would
+    otherwise ``json.loads`` every value, several times slower than decoding once where the
+    values are used (:mod:`cronoq_store.rows`)."""
+    return [
+        cast(table.c[name], Text).label(name) if name in JSON_COLUMNS else table.c[name]
+        for name in names
+    ]
 
 
-#: Live tasks in id order, jsonb columns as text.
-live_tasks = (
-    select(
-        tasks.c.id,
-        tasks.c.seq,
-        tasks.c.arrival_unix_ns,
-        tasks.c.pool,
-        tasks.c.kind,
-        tasks.c.priority,
-        tasks.c.key,
-        tasks.c.payload,
-        tasks.c.deadline_unix_ns,
-        tasks.c.fixed_at_unix_ns,
-        tasks.c.fixed_tolerance_ns,
-        tasks.c.fixed_on_miss,
-        tasks.c.duration_hint_ns,
-        tasks.c.timeout_ns,
-        _as_text(tasks.c.retry),
-        _as_text(tasks.c.deps),
-        _as_text(tasks.c.resources),
-        _as_text(tasks.c.tags),
-        _as_text(tasks.c.labels),
-        tasks.c.tenant,
-        tasks.c.status,
-        tasks.c.attempt,
-    )
-    .where(~tasks.c.terminal)
-    .order_by(tasks.c.id)
-)
+#: Live tasks in id order, as ``rows.live_task`` takes them.
+live_tasks = select(*_columns(tasks, LIVE_COLUMNS)).where(~tasks.c.terminal).order_by(tasks.c.id)
 
 _corrupt = _unnest("u", ("ids", BigInteger()), ("messages", Text()))
 
@@ -500,30 +485,13 @@ recent_terminal = (
     .order_by(tasks.c.updated_unix_ns, tasks.c.id)
 )
 
-#: Recurring schedules by name, the spec as text.
-recurring_schedules = select(
-    recurring.c.name,
-    _as_text(recurring.c.spec),
-    recurring.c.template_payload,
-    recurring.c.next_unix_ns,
-    recurring.c.last_task_id,
-).order_by(recurring.c.name)
+#: Recurring schedules by name, as ``rows.recurring_schedule`` takes them.
+recurring_schedules = select(*_columns(recurring, RECURRING_COLUMNS)).order_by(recurring.c.name)
 
 # --- queries --------------------------------------------------------------------------------
 
-_record = select(
-    tasks.c.id,
-    tasks.c.key,
-    tasks.c.pool,
-    tasks.c.kind,
-    tasks.c.priority,
-    tasks.c.tenant,
-    tasks.c.status,
-    tasks.c.attempt,
-    tasks.c.message,
-    tasks.c.output,
-    tasks.c.updated_unix_ns,
-)
+#: Tasks as ``rows.task_record`` takes them.
+_record = select(*_columns(tasks, RECORD_COLUMNS))
 
 #: One task by id.
 task_by_id = _record.where(tasks.c.id == bindparam("id", type_=BigInteger))

@@ -1,104 +1,53 @@
 """``PgStore``: the scheduler's write-ahead state in PostgreSQL, one cluster per schema.
 
-The store runs the statements of :mod:`cronoq_store.statements` and nothing else: SQL is
-composed there, batches are folded in :mod:`cronoq_store.folding`, rows are decoded with
-:mod:`cronoq_store.codec`, and leader election lives in :mod:`cronoq_store.leadership`.
-Every failure leaves through :func:`cronoq_store.errors.translate_error`.
+A facade: it opens and closes, holds the engine, and wires the parts. Batches are folded in
+:mod:`cronoq_store.folding` and committed by :mod:`cronoq_store.writer`
+(:class:`~cronoq_store.writer.CommitPath`); recovery is :mod:`cronoq_store.recovery`,
+look-ups and pruning :mod:`cronoq_store.queries`, rows are mapped by
+:mod:`cronoq_store.rows`, SQL is composed in :mod:`cronoq_store.statements`, and leader
+election lives in :mod:`cronoq_store.leadership`. Every failure leaves the store through
+:meth:`PgStore._translated` (:func:`cronoq_store.errors.translate_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import math
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from datetime import timedelta
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import asyncpg
-from sqlalchemy import Executable, Row, event
+from sqlalchemy import event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import Pool, PoolProxiedConnection
-from sqlalchemy.util import greenlet_spawn
 
-from . import migrations
+from . import migrations, queries, recovery
 from . import statements as st
-from .codec import (
-    QUARANTINE_PREFIX,
-    decode_deps,
-    decode_miss_policy,
-    decode_recurring,
-    decode_resources,
-    decode_retry,
-    decode_strings,
-    ns_to_duration,
-)
 from .config import PgStoreConfig, keepalive_settings
-from .domain import (
-    I64_MAX,
-    I64_MIN,
-    LIVE_STATUS_NAMES,
-    UNIX_EPOCH,
-    FixedStart,
-    Mutation,
-    Priority,
-    Recovered,
-    RecoveredRecurring,
-    RecoveredTask,
-    RecoveredTerminal,
-    TaskId,
-    TaskRecord,
-    TaskRef,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    clean_text,
-)
+from .domain import Mutation, Recovered, TaskId, TaskRecord, TaskRef, TaskStatus, TimeBase
 from .errors import (
     BatchTooLargeError,
     FencedError,
-    IdCollisionError,
     StoreError,
     UnavailableError,
     translate_error,
 )
-from .folding import FoldedBatch, fold
+from .folding import fold
 from .leadership import Leadership
 from .schema import schema_options
 from .sizing import MAX_COMMIT_BYTES, batch_size
 from .urls import async_url, redact
-from .writer import STAGE_MIN_ROWS, BatchWriter, CompiledStatement
+from .writer import CommitPath
 
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from typing_extensions import Unpack
-
-    _Row: TypeAlias = Row[Unpack[tuple[Any, ...]]]
-
-__all__ = ["PRUNE_BATCH", "RECOVERY_PARTITION", "PgStore", "next_id"]
+__all__ = ["PgStore"]
 
 logger = logging.getLogger("cronoq_store")
-
-#: Rows deleted per statement by :meth:`PgStore.prune`: short transactions, bounded locks.
-PRUNE_BATCH = 1000
-#: Live task rows read and decoded at a time by :meth:`PgStore.recover`.
-RECOVERY_PARTITION = 10_000
-
-# SQLSTATE classes after which a session is gone or going: connection exception, operator
-# intervention (shutdown, terminated backend).
-_CONNECTION_CLASSES = ("08", "57P")
-_DEFAULT_TOLERANCE_NS = 1_000_000_000
-#: Longest reason kept in a quarantined row's message (the message column is stored text).
-_QUARANTINE_REASON_CHARS = 500
 
 
 class PgStore:
@@ -133,21 +82,18 @@ class PgStore:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
-        # A borrowed session gets the store's search_path for each commit, and its own back
-        # after; behind PgBouncer (no prepared statements) those would land on other server
-        # sessions, so there the session's own was checked to be the store's at open.
-        self._swaps_path = not owns_engine and config.prepared_statements
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
-        # A borrowed engine's sessions keep the application's search_path: the store sets
-        # its own (statements.SEARCH_PATH) while it uses one and gives the old one back.
-        self._take_path = CompiledStatement.of(st.take_search_path, engine.dialect, config.schema)
-        self._restore_path = CompiledStatement.of(
-            st.restore_search_path, engine.dialect, config.schema
-        )
-        self._writer = BatchWriter(
-            engine.dialect, config.schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
+        self._commits = CommitPath(
+            engine,
+            config.schema,
+            may_stage=may_stage,
+            # A borrowed session gets the store's search_path for each commit, and its own
+            # back after; behind PgBouncer (no prepared statements) those would land on other
+            # server sessions, so there the session's own was checked to be the store's at open.
+            swap_search_path=not owns_engine and config.prepared_statements,
+            on_fenced=self._fenced_out,
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
@@ -398,7 +344,7 @@ class PgStore:
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
-                await _within(self._write(epoch, folded), timeout)
+                await _within(self._commits.commit(epoch, folded), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
@@ -426,68 +372,10 @@ class PgStore:
                 reconnect=True,
             )
 
-    async def _write(self, epoch: int, batch: FoldedBatch) -> None:
-        async with self._driver_connection() as conn:
-            written = await self._writer.write(conn, epoch, batch)
-        if written.colliding is not None:
-            raise IdCollisionError(written.colliding)
-        current = written.epoch
-        if current != epoch:
-            self._fenced = True
-            self._leadership.mark_lost()
-            logger.error(
-                "commit fenced: another instance took leadership",
-                extra={"epoch": epoch, "current_epoch": current},
-            )
-            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
-
-    @asynccontextmanager
-    async def _driver_connection(self) -> AsyncIterator[Any]:
-        """A pooled connection's asyncpg connection, for :class:`BatchWriter`.
-
-        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
-        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
-        invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back. A borrowed engine's session runs under
-        the store's search_path and gets its own back before it returns to the pool (two
-        round trips per commit; the store's own sessions have it from the start).
-        """
-        pooled = await self._engine.raw_connection()
-        driver: Any = pooled.driver_connection
-        borrowed_path: str | None = None
-        try:
-            if self._swaps_path:
-                borrowed_path = await driver.fetchval(self._take_path.sql)
-            yield driver
-        except BaseException as exc:
-            clean = (
-                isinstance(exc, asyncpg.PostgresError)
-                and not exc.sqlstate.startswith(_CONNECTION_CLASSES)
-                and not driver.is_closed()
-                and not driver.is_in_transaction()
-            )
-            if not clean:
-                # Close the socket first: a graceful close waits for the operation in
-                # progress and fails ("another operation is in progress") after a timeout
-                # or cancellation, which would mask the error being raised.
-                driver.terminate()
-                pooled.invalidate()
-            raise
-        finally:
-            try:
-                if borrowed_path is not None and pooled.is_valid:
-                    args = self._restore_path.args({"path": borrowed_path})
-                    try:
-                        await driver.execute(self._restore_path.sql, *args)
-                    except BaseException:
-                        # Never back to the application with our search_path.
-                        driver.terminate()
-                        pooled.invalidate()
-                        raise
-            finally:
-                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
-                # the pool's reset-on-return may call the driver; it has nothing to roll back.
-                await greenlet_spawn(pooled.close)
+    def _fenced_out(self) -> None:
+        """A commit found another epoch: this instance must not write any more."""
+        self._fenced = True
+        self._leadership.mark_lost()
 
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
@@ -537,107 +425,19 @@ class PgStore:
         as finished; an undecodable schedule is logged, skipped and left in the table.
         """
         async with self._translated("recovering"), self._session() as conn:
-            recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
-            now = time.time_ns()
-            await self._recover_tasks(conn, base, now, recovered)
-            await self._recover_recurring(conn, base, recovered)
-        return recovered
-
-    async def _recover_tasks(
-        self, conn: AsyncConnection, base: TimeBase, now: int, recovered: Recovered
-    ) -> None:
-        corrupt_ids: list[int] = []
-        corrupt_messages: list[str] = []
-        # A server-side cursor, read and decoded a partition at a time: rows are dropped as
-        # they are decoded, and the transaction is never idle for longer than it takes to
-        # decode one partition (the pool's idle_in_transaction_session_timeout applies).
-        result = await conn.stream(st.live_tasks)
-        async for rows in result.partitions(RECOVERY_PARTITION):
-            with _gc_paused():
-                for row in rows:
-                    try:
-                        recovered.tasks.append(_decode_task(base, row))
-                    except Exception as exc:  # whatever the row holds; free when nothing raises
-                        reason = _reason(exc)
-                        logger.error(
-                            "quarantining undecodable task row",
-                            extra={"task_id": row.id, "error": reason},
-                        )
-                        corrupt_ids.append(row.id)
-                        corrupt_messages.append(f"{QUARANTINE_PREFIX} {reason}")
-        if corrupt_ids:
-            await conn.execute(
-                st.quarantine,
-                {
-                    "ids": corrupt_ids,
-                    "messages": corrupt_messages,
-                    "failed": TaskStatus.FAILED.value,
-                    "now": now,
-                },
-            )
-        dep_ids: set[int] = set()
-        dep_keys: set[str] = set()
-        for task in recovered.tasks:
-            for dep in task.spec.deps:
-                if isinstance(dep.target, str):
-                    dep_keys.add(dep.target)
-                else:
-                    dep_ids.add(dep.target)
-        # Quarantined rows were just updated (to `now`): this query returns them too.
-        cutoff = now - round(self._config.retention * 1e9)
-        finished = await conn.execute(
-            st.recent_terminal,
-            {"cutoff": cutoff, "dep_ids": list(dep_ids), "dep_keys": list(dep_keys)},
-        )
-        for done in finished:
-            status = TaskStatus.from_stored(done.status)
-            if status is None or not status.is_terminal:
-                logger.warning(
-                    "skipping finished task with an unknown status",
-                    extra={"task_id": done.id, "status": done.status},
-                )
-                continue
-            recovered.terminal.append(
-                RecoveredTerminal(
-                    id=TaskId(done.id),
-                    key=done.key,
-                    status=status,
-                    at=base.from_unix(done.updated_unix_ns),
-                )
-            )
-
-    async def _recover_recurring(
-        self, conn: AsyncConnection, base: TimeBase, recovered: Recovered
-    ) -> None:
-        for row in await conn.execute(st.recurring_schedules):
-            try:
-                recovered.recurring.append(_decode_recurring(base, row))
-            except Exception as exc:  # whatever the row holds
-                # Left in place, so it can be repaired, but not scheduled.
-                logger.error(
-                    "skipping undecodable recurring schedule",
-                    extra={"schedule": row.name, "error": _reason(exc)},
-                )
+            return await recovery.recover(conn, base, self._config.retention)
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
         async with self._translated("loading an output"), self._session() as conn:
-            output: bytes | None = (await conn.execute(st.task_output, {"id": id})).scalar()
-        return output
+            return await queries.load_output(conn, id)
 
     # --- queries ----------------------------------------------------------------------------
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
-        stmt: Executable
-        params: dict[str, object]
-        if isinstance(ref, str):
-            stmt, params = st.task_by_key, {"key": clean_text(ref)}
-        else:
-            stmt, params = st.task_by_id, {"id": int(ref)}
         async with self._translated("looking up a task"), self._session() as conn:
-            row = (await conn.execute(stmt, params)).first()
-        return None if row is None else _record(row)
+            return await queries.get_task(conn, ref)
 
     async def list_finished(
         self,
@@ -649,48 +449,25 @@ class PgStore:
         """Finished tasks in id order with ids above ``after``, at most ``limit``: those in
         one of ``pools`` (any if empty) with one of ``statuses`` (any if empty). Pass the
         last id of a page as ``after`` to get the next one."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit: must be a non-negative integer, got {limit!r}")
-        params = {
-            "pools": [clean_text(p) for p in pools],
-            "statuses": [s.value for s in statuses],
-            "after": -1 if after is None else after,
-            "limit": limit,
-        }
+        params = queries.finished_params(pools, statuses, after, limit)
         async with self._translated("listing finished tasks"), self._session() as conn:
-            rows = (await conn.execute(st.finished_page, params)).all()
-        return [_record(row) for row in rows]
+            return await queries.list_finished(conn, params)
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(
+        self, older_than: float, *, progress: Callable[[int], None] | None = None
+    ) -> int:
         """Delete finished tasks last updated more than ``older_than`` seconds ago, except
         those a live task depends on (by id or key); returns how many were deleted.
 
-        Deletes :data:`PRUNE_BATCH` rows per transaction, oldest first, so locks stay short.
-        Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks
-        holds that row locked (it records the id high-water mark) from before its insert to
-        its end, so the batch waits for such commits in flight and its ``DELETE``, under a
-        new snapshot, sees the dependencies they added; commits arriving meanwhile wait for
-        one batch.
+        Deletes :data:`~cronoq_store.queries.PRUNE_BATCH` rows per transaction, oldest
+        first, so locks stay short, and waits for commits in flight that may add
+        dependencies (:func:`cronoq_store.queries.prune`). ``progress``, if given, is called
+        with the running total of deleted rows after each batch (an operator's progress
+        bar); an exception it raises ends the prune, as a ``StoreError``.
         """
-        if (
-            isinstance(older_than, bool)
-            or not isinstance(older_than, (int, float))
-            or not math.isfinite(older_than)
-            or older_than < 0
-        ):
-            raise ValueError(
-                f"older_than: must be a non-negative number of seconds, got {older_than!r}"
-            )
-        params = {"cutoff": time.time_ns() - round(older_than * 1e9), "batch": PRUNE_BATCH}
-        total = 0
+        cutoff = queries.prune_cutoff(older_than)
         async with self._translated("pruning finished tasks"):
-            while True:
-                async with self._session() as conn:
-                    await conn.execute(st.epoch_for_share)
-                    deleted = (await conn.execute(st.prune_batch, params)).rowcount
-                total += deleted
-                if deleted < PRUNE_BATCH:
-                    return total
+            return await queries.prune(self._session, cutoff, progress)
 
 
 if sys.version_info >= (3, 11):
@@ -703,13 +480,6 @@ if sys.version_info >= (3, 11):
 
 else:
     _within = asyncio.wait_for  # pragma: no cover
-
-
-def next_id(recorded_max: int, stored_max: int | None) -> int:
-    """One more than the largest id ever issued, 0 when none was: ``recorded_max`` is 0 until
-    a batch records one (the column's default), ``stored_max`` ``None`` without tasks."""
-    recorded = recorded_max + 1 if recorded_max > 0 else 0
-    return max(recorded, 0 if stored_max is None else stored_max + 1)
 
 
 async def _require_utf8(engine: AsyncEngine, where: str) -> None:
@@ -806,126 +576,3 @@ def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnect
     driver: Any = proxy.driver_connection
     if driver.is_closed():
         raise DisconnectionError("the server closed this pooled connection")
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Decoding builds millions of objects that all stay alive: without a pause the cyclic
-    collector would walk the growing heap again and again (about a third of recovery time).
-    The loop it guards never awaits, so nothing else runs meanwhile."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _reason(exc: Exception) -> str:
-    """Why a row could not be decoded, as storable text: bounded and cleaned.
-
-    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
-    of this build on an odd value and says what it was.
-    """
-    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    if len(reason) > _QUARANTINE_REASON_CHARS:
-        reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
-    return clean_text(reason)
-
-
-def _decode_task(base: TimeBase, row: _Row) -> RecoveredTask:
-    """A live task row as the scheduler's value; ``ValueError`` names what is wrong.
-
-    The row is unpacked once, in ``statements.live_tasks`` column order: a look-up by
-    attribute per column costs about 30% of recovery at a million rows. A row the domain
-    would refuse as a submission (an empty pool, a negative seq or id) is refused here too.
-    """
-    (
-        id_, seq, arrival, pool, kind, priority, key, payload, deadline, fixed_at, tolerance,
-        on_miss, hint, timeout, retry, deps, resources, tags, labels, tenant, status, attempt,
-    ) = row  # fmt: skip
-    if status not in LIVE_STATUS_NAMES and TaskStatus.from_stored(status) is not None:
-        # A finished status on a row marked live: which of the two is wrong cannot be told.
-        # A name this build does not know is a newer build's live status: the task stays live.
-        raise ValueError(f"status: {status!r} is the status of a finished task, on a live row")
-    fixed = None
-    if fixed_at is not None:
-        fixed = FixedStart(
-            at=base.from_unix(fixed_at),
-            tolerance=ns_to_duration(_DEFAULT_TOLERANCE_NS if tolerance is None else tolerance),
-            on_miss=decode_miss_policy(on_miss),
-        )
-    spec = TaskSpec(
-        payload,
-        kind=kind,
-        pool=pool,
-        priority=Priority.from_stored(priority),
-        key=key,
-        deadline=None if deadline is None else base.from_unix(deadline),
-        fixed_start=fixed,
-        duration_hint=_duration(hint),
-        timeout=_duration(timeout),
-        retry=decode_retry(retry),
-        deps=decode_deps(deps),
-        resources=decode_resources(resources),
-        tags=decode_strings(tags, "tags"),
-        labels=decode_strings(labels, "labels"),
-        tenant=tenant,
-    )
-    if seq < 0:
-        raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
-    if id_ < 0:
-        raise ValueError(f"id: must be a task id in 0..2**63-1, got {id_}")
-    arrival_ns = base.from_unix(arrival)
-    if not I64_MIN <= arrival_ns <= I64_MAX:
-        _engine_time(base, arrival, "arrival_unix_ns")  # raises, naming the column
-    return RecoveredTask(
-        id=TaskId(id_),
-        seq=seq,
-        arrival=arrival_ns,
-        spec=spec,
-        attempt=max(attempt, 0),
-    )
-
-
-def _decode_recurring(base: TimeBase, row: _Row) -> RecoveredRecurring:
-    """A schedule row as the scheduler's value; ``ValueError`` names what is wrong."""
-    name, spec, payload, next_, last = row
-    if last is not None and last < 0:
-        raise ValueError(f"last_task_id: must be a task id in 0..2**63-1, got {last}")
-    return RecoveredRecurring(
-        spec=decode_recurring(base, name, spec, payload),
-        next=None if next_ is None else _engine_time(base, next_, "next_unix_ns"),
-        last=None if last is None else TaskId(last),
-    )
-
-
-def _engine_time(base: TimeBase, unix_ns: int, column: str) -> int:
-    """The engine time of a stored time, which must fit the 64 bits the domain takes."""
-    engine_ns = base.from_unix(unix_ns)
-    if I64_MIN <= engine_ns <= I64_MAX:
-        return engine_ns
-    raise ValueError(
-        f"{column}: {unix_ns} is engine time {engine_ns} through {base!r}, outside -2**63..2**63-1"
-    )
-
-
-def _duration(ns: int | None) -> timedelta | None:
-    return None if ns is None else ns_to_duration(ns)
-
-
-def _record(row: _Row) -> TaskRecord:
-    return TaskRecord(
-        id=TaskId(row.id),
-        key=row.key,
-        pool=row.pool,
-        kind=row.kind,
-        priority=Priority.from_stored(row.priority),
-        tenant=row.tenant,
-        status=TaskStatus.from_stored(row.status),
-        attempt=max(row.attempt, 0),
-        message=row.message,
-        output=row.output,
-        updated=UNIX_EPOCH + timedelta(microseconds=max(row.updated_unix_ns, 0) // 1000),
-    )

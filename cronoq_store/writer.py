@@ -31,20 +31,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import greenlet_spawn
 
 from . import statements as st
-from .folding import INSERT_COLUMNS, FoldedBatch, RecurringAction
+from .errors import CONNECTION_CLASSES, FencedError, IdCollisionError
+from .folding import FoldedBatch, RecurringAction
+from .rows import INSERT_COLUMNS
 from .schema import tasks
 
-__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CompiledStatement", "Written"]
+__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CommitPath", "CompiledStatement", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -127,12 +132,25 @@ class BatchWriter:
             RecurringAction.REMOVE: compiled(st.remove_recurring),
             RecurringAction.NEXT: compiled(st.advance_recurring),
         }
+        # One writer per write field of FoldedBatch: a field without one fails here, at
+        # construction, instead of being skipped by every commit.
+        self._writers: dict[str, Callable[[Any, FoldedBatch], Awaitable[None]]] = {
+            "updates": self._write_updates,
+            "insert_rows": self._write_inserts,
+            "outputs": self._write_outputs,
+            "recurring": self._write_recurring,
+        }
+        if set(self._writers) != set(FoldedBatch.WRITES):
+            raise RuntimeError(
+                f"BatchWriter writes {sorted(self._writers)}, FoldedBatch holds "
+                f"{sorted(FoldedBatch.WRITES)}"
+            )
 
     async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
         epoch and none of its ids is held by another task, else write nothing."""
         try:
-            return Written(await self._write(conn, epoch, batch, batch.updates))
+            return Written(await self._write(conn, epoch, batch))
         except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
             if not _maybe_stored(exc, batch):
                 raise
@@ -143,7 +161,7 @@ class BatchWriter:
         # write the batch again, those transitions in the update, before the insert. A live
         # key that still fails then is held by another task.
         try:
-            return Written(await self._write(conn, epoch, batch, batch.all_updates))
+            return Written(await self._write(conn, epoch, batch.resubmitted()))
         except asyncpg.NotNullViolationError as exc:
             if not _taken(exc):
                 raise
@@ -153,21 +171,18 @@ class BatchWriter:
         stmt = self._colliding_ids
         return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
 
-    async def _write(
-        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
-    ) -> int:
-        moves = bool(updates["ids"])
-        only_inserts = not (moves or batch.output_count or batch.recurring)
-        if only_inserts and batch.insert_count and not self._staged(batch):
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+        # One statement when the batch holds one kind of write that has a fenced form.
+        writes = batch.writes()
+        if writes == ("insert_rows",) and not self._staged(batch):
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
-        only_updates = not (batch.insert_count or batch.output_count or batch.recurring)
-        if only_updates and moves:
+        if writes == ("updates",):
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
-                stmt.sql, *stmt.args({**updates, "epoch": epoch})
+                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
             )
             if current == epoch:
                 _warn_unchanged(batch.update_count, updated)
@@ -175,7 +190,7 @@ class BatchWriter:
         transaction = conn.transaction()
         await transaction.start()
         try:
-            await self._write_in_transaction(conn, epoch, batch, updates)
+            await self._write_in_transaction(conn, epoch, batch, writes)
         except _Stale as stale:
             await transaction.rollback()
             return stale.current
@@ -190,7 +205,7 @@ class BatchWriter:
         return epoch
 
     async def _write_in_transaction(
-        self, conn: Any, epoch: int, batch: FoldedBatch, updates: dict[str, list[Any]]
+        self, conn: Any, epoch: int, batch: FoldedBatch, writes: tuple[str, ...]
     ) -> None:
         if batch.max_id is None:
             stmt = self._epoch_for_share
@@ -201,10 +216,16 @@ class BatchWriter:
             current = await conn.fetchval(stmt.sql, *stmt.args({"issued": batch.max_id}))
         if current != epoch:
             raise _Stale(current)
-        # Updates first, so keys they release can be reused by tasks inserted below.
-        if updates["ids"]:
-            status = await conn.execute(self._update.sql, *self._update.args(updates))
-            _warn_unchanged(batch.update_count, _row_count(status))
+        # In FoldedBatch.WRITES order: updates first, so keys they release can be reused by
+        # tasks inserted after them.
+        for name in writes:
+            await self._writers[name](conn, batch)
+
+    async def _write_updates(self, conn: Any, batch: FoldedBatch) -> None:
+        status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
+        _warn_unchanged(batch.update_count, _row_count(status))
+
+    async def _write_inserts(self, conn: Any, batch: FoldedBatch) -> None:
         if self._staged(batch):
             await conn.execute(self._create_stage.sql)
             await conn.copy_records_to_table(
@@ -214,11 +235,14 @@ class BatchWriter:
                 schema_name=st.stage.schema,
             )
             await conn.execute(self._insert_from_stage.sql)
-        elif batch.insert_count:
+        else:
             await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
-        if batch.output_count:
-            status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
-            _warn_unstored_outputs(batch.output_count, _row_count(status))
+
+    async def _write_outputs(self, conn: Any, batch: FoldedBatch) -> None:
+        status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
+        _warn_unstored_outputs(batch.output_count, _row_count(status))
+
+    async def _write_recurring(self, conn: Any, batch: FoldedBatch) -> None:
         for action, params in batch.recurring:
             stmt = self._recurring[action]
             await conn.execute(stmt.sql, *stmt.args(params))
@@ -226,6 +250,104 @@ class BatchWriter:
     def _staged(self, batch: FoldedBatch) -> bool:
         threshold = self._stage_min_rows
         return threshold is not None and batch.insert_count >= threshold
+
+
+class CommitPath:
+    """The store's commits: a pooled connection's driver connection, the
+    :class:`BatchWriter` (``writer``), and what it found turned into errors.
+
+    ``swap_search_path``: the engine is an application's, whose sessions keep its own
+    search_path, so each commit sets the store's and gives the old one back.
+    ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        schema: str,
+        *,
+        may_stage: bool,
+        swap_search_path: bool,
+        on_fenced: Callable[[], None],
+    ) -> None:
+        self._engine = engine
+        self._on_fenced = on_fenced
+        self.writer = BatchWriter(
+            engine.dialect, schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
+        )
+        # A borrowed engine's sessions keep the application's search_path: a commit sets
+        # the store's own (statements.SEARCH_PATH) while it uses one and gives the old back.
+        self._take_path: CompiledStatement | None = None
+        self._restore_path: CompiledStatement | None = None
+        if swap_search_path:
+            self._take_path = CompiledStatement.of(st.take_search_path, engine.dialect, schema)
+            self._restore_path = CompiledStatement.of(
+                st.restore_search_path, engine.dialect, schema
+            )
+
+    async def commit(self, epoch: int, batch: FoldedBatch) -> None:
+        """Write ``batch`` under ``epoch``; ``IdCollisionError`` or ``FencedError`` if it
+        wrote nothing because an id is another task's or the stored epoch is another."""
+        async with self._driver_connection() as conn:
+            written = await self.writer.write(conn, epoch, batch)
+        if written.colliding is not None:
+            raise IdCollisionError(written.colliding)
+        current = written.epoch
+        if current != epoch:
+            self._on_fenced()
+            logger.error(
+                "commit fenced: another instance took leadership",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+
+    @asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[Any]:
+        """A pooled connection's asyncpg connection, for :class:`BatchWriter`.
+
+        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
+        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
+        invalidated here instead of going back to the pool. A server's error leaves it
+        usable: asyncpg rolled the transaction back. A borrowed engine's session runs under
+        the store's search_path and gets its own back before it returns to the pool (two
+        round trips per commit; the store's own sessions have it from the start).
+        """
+        pooled = await self._engine.raw_connection()
+        driver: Any = pooled.driver_connection
+        borrowed_path: str | None = None
+        try:
+            if self._take_path is not None:
+                borrowed_path = await driver.fetchval(self._take_path.sql)
+            yield driver
+        except BaseException as exc:
+            clean = (
+                isinstance(exc, asyncpg.PostgresError)
+                and not exc.sqlstate.startswith(CONNECTION_CLASSES)
+                and not driver.is_closed()
+                and not driver.is_in_transaction()
+            )
+            if not clean:
+                # Close the socket first: a graceful close waits for the operation in
+                # progress and fails ("another operation is in progress") after a timeout
+                # or cancellation, which would mask the error being raised.
+                driver.terminate()
+                pooled.invalidate()
+            raise
+        finally:
+            try:
+                if borrowed_path is not None and self._restore_path is not None and pooled.is_valid:
+                    args = self._restore_path.args({"path": borrowed_path})
+                    try:
+                        await driver.execute(self._restore_path.sql, *args)
+                    except BaseException:
+                        # Never back to the application with our search_path.
+                        driver.terminate()
+                        pooled.invalidate()
+                        raise
+            finally:
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
 
 
 def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:

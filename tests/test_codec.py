@@ -370,6 +370,32 @@ def test_recurring_round_trip(spec: RecurringSpec, base: TimeBase) -> None:
     assert decoded == dataclasses.replace(spec, template=cleaned_spec(spec.template))
 
 
+def test_a_template_keeps_every_field_of_its_task_spec() -> None:
+    """A TaskSpec field the template's JSON left out would be lost by every occurrence."""
+    template = TaskSpec(
+        b"payload",
+        kind="kind",
+        pool="pool",
+        priority=Priority.HIGH,
+        key="key",
+        deadline=11,
+        fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
+        duration_hint=timedelta(seconds=3),
+        timeout=timedelta(seconds=4),
+        retry=RetryPolicy(),
+        deps=[Dependency(TaskId(5))],
+        resources={"gpu": 1},
+        tags=["t"],
+        labels=["l"],
+        tenant="tenant",
+    )
+    default = TaskSpec(b"")
+    fields = dataclasses.fields(TaskSpec)
+    assert [f.name for f in fields if getattr(template, f.name) == getattr(default, f.name)] == []
+    spec = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), template)
+    assert decode_recurring(BASE, "r", encode_recurring(BASE, spec), b"payload") == spec
+
+
 @settings(max_examples=50)
 @given(task_specs, time_bases, time_bases)
 def test_recurring_keeps_wall_clock_times_across_bases(

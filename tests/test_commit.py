@@ -504,7 +504,7 @@ def step(
 
 def staging_everything(store: PgStore) -> None:
     """Make ``store`` stage every insert by COPY, as it does from ``STAGE_MIN_ROWS`` rows."""
-    store._writer = BatchWriter(store.engine.dialect, store.config.schema, stage_min_rows=1)
+    store._commits.writer = BatchWriter(store.engine.dialect, store.config.schema, stage_min_rows=1)
 
 
 async def states(store: PgStore) -> list[tuple[Any, ...]]:

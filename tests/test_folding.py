@@ -40,7 +40,8 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.errors import IdCollisionError
-from cronoq_store.folding import INSERT_COLUMNS, TERMINAL_LEVEL, RecurringAction, fold, level
+from cronoq_store.folding import TERMINAL_LEVEL, FoldedBatch, RecurringAction, fold, level
+from cronoq_store.rows import INSERT_COLUMNS
 from cronoq_store.store import PgStore
 from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
 
@@ -265,6 +266,43 @@ def test_parameter_names_match_the_statements() -> None:
     assert set(f.recurring[2][1]) == binds(statements.remove_recurring)
 
 
+def test_writes_name_every_kind_of_write_a_batch_holds_in_the_transaction_order() -> None:
+    spec = RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b"t"))
+    # The contract's order inside one transaction, after the epoch check.
+    assert FoldedBatch.WRITES == ("updates", "insert_rows", "outputs", "recurring")
+    assert fold([], BASE, NOW).writes() == ()
+    assert fold([submitted(1)], BASE, NOW).writes() == ("insert_rows",)
+    assert fold([changed(2, RUNNING, 1)], BASE, NOW).writes() == ("updates",)
+    # A transition of a task the batch submits rides in its insert row.
+    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], BASE, NOW)
+    assert born_and_moved.writes() == ("insert_rows",)
+    assert fold([], BASE, NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
+    assert fold([RecurringRemove("r")], BASE, NOW).writes() == ("recurring",)
+    everything = fold(
+        [RecurringUpsert(spec), changed(2, RUNNING, 1), submitted(1)],
+        BASE,
+        NOW,
+        [(TaskId(1), b"o")],
+    )
+    assert everything.writes() == FoldedBatch.WRITES
+
+    # Sent again, the submitted task's transition moves into the update (before the insert).
+    again = born_and_moved.resubmitted()
+    assert again.writes() == ("updates", "insert_rows")
+    assert (again.updates["ids"], again.inserted_updates["ids"]) == ([1], [])
+    assert again.insert_rows == born_and_moved.insert_rows
+
+
+def test_a_write_the_batch_writer_cannot_write_is_refused_when_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new kind of write folded into a batch but not written would be lost silently."""
+    dialect = create_async_engine("postgresql+asyncpg://").dialect
+    monkeypatch.setattr(FoldedBatch, "WRITES", (*FoldedBatch.WRITES, "retirements"))
+    with pytest.raises(RuntimeError, match="retirements"):
+        BatchWriter(dialect, "public")
+
+
 # --- batching invariance on a real schema ------------------------------------------------
 
 
@@ -430,7 +468,7 @@ async def test_any_split_with_late_duplicates_stores_the_history_committed_once(
     store: PgStore, data: st.DataObject, stage_min_rows: int
 ) -> None:
     # With a threshold of 1, every insert travels by COPY through the staging table.
-    store._writer = BatchWriter(
+    store._commits.writer = BatchWriter(
         store.engine.dialect, store.config.schema, stage_min_rows=stage_min_rows
     )
     mutations = data.draw(histories())

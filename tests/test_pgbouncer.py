@@ -42,6 +42,7 @@ from cronoq_store.domain import (
 )
 from cronoq_store.errors import FencedError, StoreError
 from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.retry import Backoff
 from cronoq_store.statements import SEARCH_PATH
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
@@ -385,7 +386,7 @@ async def test_a_pgbouncer_restart_under_group_commit_loses_no_ack(
                 await asyncio.sleep(0.05)
             raise AssertionError(f"{what}: {len(acked)} acks, wanted {target}")
 
-        committer = GroupCommitter(store, epoch, BASE, retry_initial=0.02, retry_max=0.2)
+        committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(initial=0.02, cap=0.2))
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
             await grows_by(200, "acks before the restart")

@@ -23,7 +23,8 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.store import PRUNE_BATCH, PgStore
+from cronoq_store.queries import PRUNE_BATCH
+from cronoq_store.store import PgStore
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)
@@ -156,6 +157,23 @@ async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
     assert await store.prune(3600) == 0
     with pytest.raises(ValueError, match="older_than"):
         await store.prune(-1)
+
+
+async def test_prune_reports_the_running_total_after_each_batch(store: PgStore) -> None:
+    old = 2 * PRUNE_BATCH + 500
+    batch: list[Mutation] = []
+    for id in range(1, old + 1):
+        batch += [submitted(id), changed(id, SUCCEEDED, ago=2 * HOUR)]
+    batch += [submitted(old + 1)]  # live: neither pruned nor counted
+    await store.commit(0, BASE, batch, [])
+
+    totals: list[int] = []
+    assert await store.prune(3600, progress=totals.append) == old
+    assert totals == [PRUNE_BATCH, 2 * PRUNE_BATCH, old]
+    assert await stored_ids(store) == [old + 1]
+    # Nothing left to prune: one batch, reported once.
+    assert await store.prune(3600, progress=totals.append) == 0
+    assert totals[-1] == 0
 
 
 @pytest.mark.parametrize(

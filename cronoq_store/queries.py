@@ -1,0 +1,115 @@
+"""Look-ups and the one prune loop, on connections the store hands in.
+
+Arguments are checked by the ``*_params`` functions before anything connects, so that bad
+input is a ``ValueError`` and never a database error; ``PgStore`` runs the rest inside its
+error translation. The CLI prunes through ``PgStore.prune`` (its ``progress`` callback), so
+there is one loop that takes the leader row lock before every batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from sqlalchemy import Executable
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from . import statements as st
+from .domain import TaskId, TaskRecord, TaskRef, TaskStatus, clean_text
+from .rows import task_record
+
+__all__ = [
+    "PRUNE_BATCH",
+    "finished_params",
+    "get_task",
+    "list_finished",
+    "load_output",
+    "prune",
+    "prune_cutoff",
+]
+
+#: Rows deleted per statement by :func:`prune`: short transactions, bounded locks.
+PRUNE_BATCH = 1000
+
+
+async def get_task(conn: AsyncConnection, ref: TaskRef) -> TaskRecord | None:
+    """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
+    stmt: Executable
+    params: dict[str, object]
+    if isinstance(ref, str):
+        stmt, params = st.task_by_key, {"key": clean_text(ref)}
+    else:
+        stmt, params = st.task_by_id, {"id": int(ref)}
+    row = (await conn.execute(stmt, params)).first()
+    return None if row is None else task_record(*row)
+
+
+def finished_params(
+    pools: Sequence[str], statuses: Sequence[TaskStatus], after: TaskId | None, limit: int
+) -> dict[str, Any]:
+    """The parameters of a page of :func:`list_finished`; ``ValueError`` for a bad limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit: must be a non-negative integer, got {limit!r}")
+    return {
+        "pools": [clean_text(p) for p in pools],
+        "statuses": [s.value for s in statuses],
+        "after": -1 if after is None else after,
+        "limit": limit,
+    }
+
+
+async def list_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[TaskRecord]:
+    """One page of finished tasks in id order (parameters from :func:`finished_params`)."""
+    rows = (await conn.execute(st.finished_page, params)).all()
+    return [task_record(*row) for row in rows]
+
+
+async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
+    """The output of task ``id`` if it succeeded, else ``None``."""
+    output: bytes | None = (await conn.execute(st.task_output, {"id": id})).scalar()
+    return output
+
+
+def prune_cutoff(older_than: float) -> int:
+    """The Unix ns before which finished tasks are pruned; ``ValueError`` for a bad age."""
+    if (
+        isinstance(older_than, bool)
+        or not isinstance(older_than, (int, float))
+        or not math.isfinite(older_than)
+        or older_than < 0
+    ):
+        raise ValueError(
+            f"older_than: must be a non-negative number of seconds, got {older_than!r}"
+        )
+    return time.time_ns() - round(older_than * 1e9)
+
+
+async def prune(
+    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    cutoff: int,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
+    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
+    returns how many were deleted, and calls ``progress`` with the running total after
+    each batch.
+
+    Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks holds
+    that row locked (it records the id high-water mark) from before its insert to its end,
+    so the batch waits for such commits in flight and its ``DELETE``, under a new snapshot,
+    sees the dependencies they added; commits arriving meanwhile wait for one batch.
+    """
+    params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
+    total = 0
+    while True:
+        async with session() as conn:
+            await conn.execute(st.epoch_for_share)
+            deleted = (await conn.execute(st.prune_batch, params)).rowcount
+        total += deleted
+        if progress is not None:
+            progress(total)
+        if deleted < PRUNE_BATCH:
+            return total

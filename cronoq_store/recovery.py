@@ -1,0 +1,152 @@
+"""Recovery: what a new leader loads, total whatever the rows hold.
+
+Live tasks are read through a server-side cursor and decoded by :mod:`cronoq_store.rows`
+a partition at a time; an undecodable live row is quarantined (marked failed with the
+reason, once: it is an ordinary failed task afterwards) and reported as finished; an
+undecodable schedule is logged, skipped and left in the table. ``PgStore.recover`` runs
+:func:`recover` in one transaction and translates its failures.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from . import statements as st
+from .codec import QUARANTINE_PREFIX
+from .domain import Recovered, RecoveredTerminal, TaskId, TaskStatus, TimeBase, clean_text
+from .rows import live_task, recurring_schedule
+
+__all__ = ["RECOVERY_PARTITION", "next_id", "recover"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: Live task rows read and decoded at a time by :func:`recover`.
+RECOVERY_PARTITION = 10_000
+#: Longest reason kept in a quarantined row's message (the message column is stored text).
+_QUARANTINE_REASON_CHARS = 500
+
+
+async def recover(conn: AsyncConnection, base: TimeBase, retention: float) -> Recovered:
+    """Live tasks, finished ones updated within ``retention`` seconds or depended on by a
+    live task, recurring schedules, and the next id to issue, read in ``conn``'s
+    transaction (which quarantines undecodable live rows)."""
+    recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
+    now = time.time_ns()
+    await _recover_tasks(conn, base, now, retention, recovered)
+    await _recover_recurring(conn, base, recovered)
+    return recovered
+
+
+def next_id(recorded_max: int, stored_max: int | None) -> int:
+    """One more than the largest id ever issued, 0 when none was: ``recorded_max`` is 0 until
+    a batch records one (the column's default), ``stored_max`` ``None`` without tasks."""
+    recorded = recorded_max + 1 if recorded_max > 0 else 0
+    return max(recorded, 0 if stored_max is None else stored_max + 1)
+
+
+async def _recover_tasks(
+    conn: AsyncConnection, base: TimeBase, now: int, retention: float, recovered: Recovered
+) -> None:
+    corrupt_ids: list[int] = []
+    corrupt_messages: list[str] = []
+    # A server-side cursor, read and decoded a partition at a time: rows are dropped as
+    # they are decoded, and the transaction is never idle for longer than it takes to
+    # decode one partition (the pool's idle_in_transaction_session_timeout applies).
+    result = await conn.stream(st.live_tasks)
+    async for rows in result.partitions(RECOVERY_PARTITION):
+        with _gc_paused():
+            for row in rows:
+                try:
+                    recovered.tasks.append(live_task(base, *row))
+                except Exception as exc:  # whatever the row holds; free when nothing raises
+                    reason = _reason(exc)
+                    logger.error(
+                        "quarantining undecodable task row",
+                        extra={"task_id": row.id, "error": reason},
+                    )
+                    corrupt_ids.append(row.id)
+                    corrupt_messages.append(f"{QUARANTINE_PREFIX} {reason}")
+    if corrupt_ids:
+        await conn.execute(
+            st.quarantine,
+            {
+                "ids": corrupt_ids,
+                "messages": corrupt_messages,
+                "failed": TaskStatus.FAILED.value,
+                "now": now,
+            },
+        )
+    dep_ids: set[int] = set()
+    dep_keys: set[str] = set()
+    for task in recovered.tasks:
+        for dep in task.spec.deps:
+            if isinstance(dep.target, str):
+                dep_keys.add(dep.target)
+            else:
+                dep_ids.add(dep.target)
+    # Quarantined rows were just updated (to `now`): this query returns them too.
+    cutoff = now - round(retention * 1e9)
+    finished = await conn.execute(
+        st.recent_terminal,
+        {"cutoff": cutoff, "dep_ids": list(dep_ids), "dep_keys": list(dep_keys)},
+    )
+    for done in finished:
+        status = TaskStatus.from_stored(done.status)
+        if status is None or not status.is_terminal:
+            logger.warning(
+                "skipping finished task with an unknown status",
+                extra={"task_id": done.id, "status": done.status},
+            )
+            continue
+        recovered.terminal.append(
+            RecoveredTerminal(
+                id=TaskId(done.id),
+                key=done.key,
+                status=status,
+                at=base.from_unix(done.updated_unix_ns),
+            )
+        )
+
+
+async def _recover_recurring(conn: AsyncConnection, base: TimeBase, recovered: Recovered) -> None:
+    for row in await conn.execute(st.recurring_schedules):
+        try:
+            recovered.recurring.append(recurring_schedule(base, *row))
+        except Exception as exc:  # whatever the row holds
+            # Left in place, so it can be repaired, but not scheduled.
+            logger.error(
+                "skipping undecodable recurring schedule",
+                extra={"schedule": row.name, "error": _reason(exc)},
+            )
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Decoding builds millions of objects that all stay alive: without a pause the cyclic
+    collector would walk the growing heap again and again (about a third of recovery time).
+    The loop it guards never awaits, so nothing else runs meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _reason(exc: Exception) -> str:
+    """Why a row could not be decoded, as storable text: bounded and cleaned.
+
+    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
+    of this build on an odd value and says what it was.
+    """
+    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    if len(reason) > _QUARANTINE_REASON_CHARS:
+        reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
+    return clean_text(reason)

@@ -1,0 +1,168 @@
+"""Rows by column name: every column of a task row maps to its own domain value, the column
+lists follow the schema, and a column the mapping does not know is refused at import."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from cronoq_store import statements
+from cronoq_store.codec import encode_retry, unix_converter
+from cronoq_store.domain import (
+    QUEUED,
+    Dependency,
+    FixedStart,
+    MissPolicy,
+    Priority,
+    RetryPolicy,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.rows import (
+    INSERT_COLUMNS,
+    INSERT_POSITION,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    RECURRING_COLUMNS,
+    _check_columns,
+    insert_row,
+    live_task,
+    task_record,
+)
+from cronoq_store.schema import recurring, tasks
+
+BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
+NOW = 1_800_000_000_000_000_000
+UNIX = BASE.unix_ns - BASE.engine_ns
+
+# Every field differs from every other one, so a value under the wrong column shows.
+SPEC = TaskSpec(
+    b"payload",
+    kind="kind",
+    pool="pool",
+    priority=Priority.HIGH,
+    key="key",
+    deadline=11,
+    fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
+    duration_hint=timedelta(seconds=3),
+    timeout=timedelta(seconds=4),
+    retry=RetryPolicy(),
+    deps=[Dependency(TaskId(5))],
+    resources={"gpu": 1},
+    tags=["t"],
+    labels=["l"],
+    tenant="tenant",
+)
+SUBMITTED = Submitted(TaskId(7), seq=8, arrival=9, spec=SPEC)
+
+
+def test_the_example_spec_sets_every_field() -> None:
+    """So that the tests below cover a field added to TaskSpec, once it is set here."""
+    default = TaskSpec(b"")
+    unset = [f.name for f in fields(TaskSpec) if getattr(SPEC, f.name) == getattr(default, f.name)]
+    assert unset == []
+
+
+def test_insert_row_puts_every_value_under_its_own_column() -> None:
+    row = dict(zip(INSERT_COLUMNS, insert_row(SUBMITTED, unix_converter(BASE), NOW), strict=True))
+    assert row == {
+        "id": 7,
+        "seq": 8,
+        "arrival_unix_ns": UNIX + 9,
+        "pool": "pool",
+        "kind": "kind",
+        "priority": int(Priority.HIGH),
+        "key": "key",
+        "payload": b"payload",
+        "deadline_unix_ns": UNIX + 11,
+        "fixed_at_unix_ns": UNIX + 12,
+        "fixed_tolerance_ns": 2 * 10**9,
+        "fixed_on_miss": "run",
+        "duration_hint_ns": 3 * 10**9,
+        "timeout_ns": 4 * 10**9,
+        "retry": encode_retry(SPEC.retry),
+        "deps": '[{"id":5,"on":"succeeded"}]',
+        "resources": '{"gpu":1}',
+        "tags": '["t"]',
+        "status": QUEUED,
+        "terminal": False,
+        "attempt": 0,
+        "updated_unix_ns": NOW,
+        "message": None,
+        "labels": '["l"]',
+        "tenant": "tenant",
+    }
+
+
+def test_a_live_row_decodes_to_the_submission_it_was_encoded_from() -> None:
+    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+    row[INSERT_POSITION["status"]], row[INSERT_POSITION["attempt"]] = "running", 3
+    task = live_task(BASE, *(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    assert (task.id, task.seq, task.arrival, task.spec, task.attempt) == (7, 8, 9, SPEC, 3)
+
+
+def test_a_stored_tolerance_of_null_reads_as_the_domain_default() -> None:
+    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+    row[INSERT_POSITION["fixed_tolerance_ns"]] = None
+    task = live_task(BASE, *(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    assert task.spec.fixed_start is not None
+    assert task.spec.fixed_start.tolerance == FixedStart(0).tolerance
+
+
+def test_a_record_takes_each_value_from_its_own_column() -> None:
+    values: dict[str, Any] = {
+        "id": 7,
+        "key": "key",
+        "pool": "pool",
+        "kind": "kind",
+        "priority": int(Priority.LOW),
+        "tenant": "tenant",
+        "status": "failed",
+        "attempt": 2,
+        "message": "boom",
+        "output": b"out",
+        "updated_unix_ns": 1_500_000_000,
+    }
+    record = task_record(*(values[name] for name in RECORD_COLUMNS))
+    assert (record.id, record.key, record.pool, record.kind, record.tenant) == (
+        7,
+        "key",
+        "pool",
+        "kind",
+        "tenant",
+    )
+    assert (record.priority, record.status, record.attempt) == (
+        Priority.LOW,
+        TaskStatus.FAILED,
+        2,
+    )
+    assert (record.message, record.output) == ("boom", b"out")
+    assert record.updated.timestamp() == 1.5
+
+
+def test_the_statements_select_and_insert_the_mapped_columns_by_name() -> None:
+    assert [c.name for c in statements.live_tasks.selected_columns] == list(LIVE_COLUMNS)
+    assert [c.name for c in statements.task_by_id.selected_columns] == list(RECORD_COLUMNS)
+    assert [c.name for c in statements.recurring_schedules.selected_columns] == list(
+        RECURRING_COLUMNS
+    )
+    assert set(INSERT_COLUMNS) == {c.name for c in tasks.c} - {"output"}
+    assert set(RECURRING_COLUMNS) == {c.name for c in recurring.c}
+    assert [c.name for c in statements.stage.c] == list(INSERT_COLUMNS)
+
+
+def test_a_column_the_mapping_does_not_know_is_refused_naming_it() -> None:
+    with pytest.raises(RuntimeError, match=r"not mapped: \['priority_hint'\]"):
+        _check_columns("insert_row", ("id", "seq"), ("id", "seq", "priority_hint"))
+    with pytest.raises(RuntimeError, match=r"not in the schema: \['sequence'\]"):
+        _check_columns("live_task", ("id", "sequence"), ("id", "seq"))
+    # A decoder's arguments are matched by name; a positional row's order must match too.
+    _check_columns("live_task", ("seq", "id"), ("id", "seq"))
+    with pytest.raises(RuntimeError, match="maps columns"):
+        _check_columns("insert_row", ("seq", "id"), ("id", "seq"), ordered=True)
