@@ -25,10 +25,10 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import PgStoreConfig, TimeBase
 from cronoq_store import statements as st
-from cronoq_store.embedded import EmbeddedPostgres
 from cronoq_store.folding import INSERT_COLUMNS
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.store import PRUNE_BATCH, PgStore
+from cronoq_store.testing import EmbeddedPostgres
 
 from . import prune, recovery
 from .commit import RawWriter

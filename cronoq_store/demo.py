@@ -222,7 +222,7 @@ async def run_demo(
     if url is not None:
         parsed = make_url(url) if isinstance(url, str) else url
         return await _run_on(parsed, None, submitters, seconds, console)
-    from .embedded import EmbeddedPostgres
+    from .testing import EmbeddedPostgres
 
     try:
         server = EmbeddedPostgres()

@@ -36,8 +36,8 @@ from typing import ClassVar, Protocol
 
 from sqlalchemy.engine import URL
 
-from cronoq_store.embedded import EmbeddedPostgres, StopMode
 from cronoq_store.leadership import MAX_RETRY_DELAY
+from cronoq_store.testing import EmbeddedPostgres, StopMode
 
 from ..tcpproxy import TcpProxy
 

