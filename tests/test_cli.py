@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store.cli import URL_ENV, ExitCode, cli, parse_duration
+from cronoq_store.cli import ExitCode, cli, parse_duration
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     Dependency,
@@ -41,6 +41,7 @@ from cronoq_store.domain import (
 )
 from cronoq_store.migrations import head_revision
 from cronoq_store.store import PgStore
+from cronoq_store.urls import URL_ENV
 
 from .pgharness import admin_execute
 

@@ -1,0 +1,130 @@
+"""``cronoq-store prune``: delete old finished tasks, or count them with ``--dry-run``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .. import statements as st
+from ..domain import I64_MAX, UNIX_EPOCH
+from ..store import PRUNE_BATCH
+from . import database, output
+from .app import Options
+from .exits import run
+
+__all__ = ["parse_duration", "prune"]
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: Cutoffs are Unix nanoseconds in a BIGINT: keep them far from its limit (292 years).
+_MAX_DURATION = 36500 * 86400
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in a whole number of seconds, minutes, hours or days: ``30s``, ``15m``,
+    ``12h``, ``7d``; ``ValueError`` says what is accepted."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([smhd])\s*", text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration: use a whole number and a unit, like 30s, 15m, 12h or 7d"
+        )
+    seconds = int(match[1]) * _DURATION_UNITS[match[2]]
+    if seconds > _MAX_DURATION:
+        raise ValueError(f"{text!r} is too long: at most 36500d")
+    return seconds
+
+
+def _duration_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    callback=_duration_option,
+    metavar="DURATION",
+    required=True,
+    help="Finished tasks last updated longer ago than this (30s, 15m, 12h, 7d).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.pass_obj
+def prune(options: Options, older_than: int, dry_run: bool) -> None:
+    """Delete old finished tasks, except those a live task depends on (by id or key).
+
+    Deletes in batches, one short transaction each, as the store does.
+    """
+    run(options.url, _prune(options, older_than, dry_run, output.console()))
+
+
+async def _prune(options: Options, older_than: int, dry_run: bool, console: Console) -> None:
+    async with database.database(options) as conn:
+        await database.require_head(conn, options.schema)
+        # The server's clock, not this machine's: the one every operator's run agrees on.
+        now = (await conn.execute(st.server_now)).scalar_one()
+        cutoff_ns = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
+        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
+        victims = (
+            await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
+        ).scalar_one()
+        await conn.rollback()
+        protected = max(0, old - victims)
+        what = (
+            f"finished tasks last updated before {output.utc(cutoff_ns)} "
+            f"({output.format_duration(older_than)} ago)"
+        )
+        if dry_run:
+            console.print(f"would prune {victims:,} {what}")
+            console.print(f"would keep {protected:,} of them that live tasks depend on")
+            return
+        with _progress_bar(victims) as progress:
+            deleted = await _delete_in_batches(conn, cutoff_ns, progress=progress)
+    console.print(f"pruned {deleted:,} {what}")
+    console.print(f"kept {protected:,} of them that live tasks depend on")
+
+
+@contextmanager
+def _progress_bar(expected: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (stdout keeps the summary), gone when done; gives the
+    callback that takes the running total of deleted rows."""
+    bar = Progress(
+        TextColumn("pruning"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("pruning", total=max(expected, 1))
+
+        def update(total: int) -> None:
+            bar.update(task, completed=total, total=max(expected, total, 1))
+
+        yield update
+
+
+async def _delete_in_batches(
+    conn: AsyncConnection, cutoff_ns: int, *, progress: Callable[[int], None]
+) -> int:
+    """``PgStore.prune``'s loop, on the command's connection: batches of ``PRUNE_BATCH`` rows
+    updated before ``cutoff_ns``, one transaction each; ``progress`` gets the running total
+    after each batch. (To be replaced by ``PgStore.prune(..., progress=...)``.)"""
+    params = {"cutoff": cutoff_ns, "batch": PRUNE_BATCH}
+    total = 0
+    while True:
+        async with conn.begin():
+            deleted = (await conn.execute(st.prune_batch, params)).rowcount
+        total += deleted
+        progress(total)
+        if deleted < PRUNE_BATCH:
+            return total
