@@ -32,7 +32,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from cronoq_store import PgStore, PgStoreConfig, TaskId
+from cronoq_store import PgStore, PgStoreConfig, TaskId, TimeBase
 
 SEEN = Path(__file__).with_name("schemas.txt")
 
@@ -67,6 +67,7 @@ async def test_a_migrated_schema_of_its_own(
 async def test_an_open_store(cronoq_store: PgStore, cronoq_schema: str) -> None:
     assert cronoq_store.config.schema == cronoq_schema
     assert await cronoq_store.acquire_leadership() == 1
+    assert (await cronoq_store.recover(TimeBase.now())).tasks == []
 """
 
 
