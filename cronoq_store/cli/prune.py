@@ -118,11 +118,15 @@ async def _delete_in_batches(
 ) -> int:
     """``PgStore.prune``'s loop, on the command's connection: batches of ``PRUNE_BATCH`` rows
     updated before ``cutoff_ns``, one transaction each; ``progress`` gets the running total
-    after each batch. (To be replaced by ``PgStore.prune(..., progress=...)``.)"""
+    after each batch. (To be replaced by ``PgStore.prune(..., progress=...)``.)
+
+    Each batch first takes the leader row ``FOR SHARE``, as the store's does: it waits for a
+    commit in flight, whose new tasks may depend on a batch's victims."""
     params = {"cutoff": cutoff_ns, "batch": PRUNE_BATCH}
     total = 0
     while True:
         async with conn.begin():
+            await conn.execute(st.epoch_for_share)
             deleted = (await conn.execute(st.prune_batch, params)).rowcount
         total += deleted
         progress(total)
