@@ -676,12 +676,9 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
     migration = context.get_context()
     if migration.get_current_heads():
         return
-    quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
 
     def exists(name: str) -> bool:
-        found = conn.execute(
-            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": f"{quoted}.{name}"}
-        )
+        found = conn.execute(st.relation_exists, {"schema": schema, "name": name})
         return bool(found.scalar_one())
 
     if not exists(_LEGACY_TABLE):

@@ -712,8 +712,8 @@ $cronoq$"""
 accepts_writes = select(not_(func.pg_is_in_recovery(type_=Boolean)))
 
 
-# --- the operator's tool: catalogs and counts that ``cronoq-store`` shows -------------------
-# The store never runs these. Names are listed here so this section stays one hunk.
+# --- catalogs and counts: what the operator's tool shows and migrations ask ---------------
+# Commits, recovery and look-ups never run these. Their names are added to __all__ here.
 
 __all__ += [
     "finished_before_count",
@@ -721,6 +721,7 @@ __all__ += [
     "leader_state",
     "prunable_count",
     "quarantined_count",
+    "relation_exists",
     "schedule_summaries",
     "server_now",
     "server_version",
@@ -752,6 +753,16 @@ _pg_stat_activity = Table(
 )
 _pg_database = Table(
     "pg_database", _catalog, Column("oid", postgresql.OID), Column("datname", Text)
+)
+
+#: Whether ``schema.name`` names a table (or any relation); ``format('%I')`` quotes on the
+#: server. What migrations ask of a schema made before Alembic's version table.
+relation_exists = select(
+    func.to_regclass(
+        func.format(
+            literal("%I.%I", Text), bindparam("schema", type_=Text), bindparam("name", type_=Text)
+        )
+    ).is_not(None)
 )
 
 #: The clock every operator's run agrees on: the server's, not the client machine's.
