@@ -15,6 +15,11 @@ touches the schema; a migration runs it again after its last revision, in its
 transaction, and the lock session at each acquisition), and a database newer than this build. A
 schema created by the hand-rolled ``cronoq_schema_version`` table of earlier builds is
 adopted: stamped at the matching revision, then upgraded; revision 0006 drops the old table.
+
+Where a schema stands is read in one place, :func:`revision_status`: the ``cronoq-store``
+commands show and check it, and a store opened with ``migrate=False`` checks it
+(:func:`require_head`), so a schema behind or ahead of this build is refused in the same
+words everywhere.
 """
 
 from __future__ import annotations
