@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import PgStore, PgStoreConfig, StatusChanged, Submitted, TaskSpec, TimeBase
 from cronoq_store.domain import TaskId, TaskStatus
-from cronoq_store.embedded import EmbeddedPostgres
+from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.urls import async_url
 
 BASE = TimeBase.now()

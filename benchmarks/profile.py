@@ -25,11 +25,11 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import PgStoreConfig, TimeBase
 from cronoq_store import statements as st
-from cronoq_store.embedded import EmbeddedPostgres
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.queries import PRUNE_BATCH
 from cronoq_store.rows import INSERT_COLUMNS
 from cronoq_store.store import PgStore
+from cronoq_store.testing import EmbeddedPostgres
 
 from . import prune, recovery
 from .commit import RawWriter

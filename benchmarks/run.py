@@ -1,6 +1,6 @@
 """Run the benchmarks: ``python -m benchmarks.run [--quick] [--out DIR] [--only SECTION,...]``.
 
-Starts a throwaway PostgreSQL (``cronoq_store.embedded``, with WAL flushed at every commit),
+Starts a throwaway PostgreSQL (``cronoq_store.testing``, with WAL flushed at every commit),
 runs each section, and writes ``results.json``, ``results.md`` and ``results.png`` into the
 output directory. The last line printed is the key figures, ratios of paired trials.
 """
@@ -24,7 +24,7 @@ import asyncpg
 import psutil
 from sqlalchemy.engine import URL
 
-from cronoq_store.embedded import EmbeddedPostgres
+from cronoq_store.testing import EmbeddedPostgres
 
 from . import commit, group_commit, prune, recovery, report, takeover
 from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn

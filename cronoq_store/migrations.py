@@ -15,6 +15,11 @@ touches the schema; a migration runs it again after its last revision, in its
 transaction, and the lock session at each acquisition), and a database newer than this build. A
 schema created by the hand-rolled ``cronoq_schema_version`` table of earlier builds is
 adopted: stamped at the matching revision, then upgraded; revision 0006 drops the old table.
+
+Where a schema stands is read in one place, :func:`revision_status`: the ``cronoq-store``
+commands show and check it, and a store opened with ``migrate=False`` checks it
+(:func:`require_head`), so a schema behind or ahead of this build is refused in the same
+words everywhere.
 """
 
 from __future__ import annotations
@@ -62,12 +67,14 @@ from .urls import URL_ENV, async_url, scrub
 __all__ = [
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
+    "RevisionStatus",
     "TrustCheck",
     "alembic_config",
     "cluster_schema",
     "head_revision",
     "refuse_untrusted",
     "require_head",
+    "revision_status",
     "run_command",
     "run_environment",
     "upgrade",
@@ -180,6 +187,95 @@ async def _upgrade_on(
         await bind.run_sync(run)
 
 
+@dataclass(frozen=True, slots=True)
+class RevisionStatus:
+    """Where a schema stands against this build (:func:`revision_status`): what the
+    ``cronoq-store`` commands show and check, and what a store opened with ``migrate=False``
+    checks."""
+
+    schema: str
+    exists: bool
+    #: The revisions the schema's version table records; empty when it was never migrated.
+    current: tuple[str, ...]
+    #: This build's newest revision.
+    head: str
+    #: Recorded revisions this build does not know: a newer build migrated the schema.
+    unknown: tuple[str, ...]
+    #: What an upgrade to head would run, oldest first (empty when newer or missing).
+    pending: tuple[str, ...]
+
+    @property
+    def at_head(self) -> bool:
+        return self.current == (self.head,)
+
+    def describe(self) -> str:
+        """A few words: ``up to date``, ``missing``, ``2 revision(s) behind: ...``."""
+        if not self.exists:
+            return "missing"
+        if not self.current:
+            return "not migrated"
+        if self.unknown:
+            return "newer than this build"
+        if self.at_head:
+            return "up to date"
+        return f"{len(self.pending)} revision(s) behind: {', '.join(self.pending)}"
+
+    def require_head(self, fix: str) -> None:
+        """Raise :class:`~cronoq_store.MigrationError` unless the schema is at head; ``fix``
+        says how to migrate it (a newer database is fixed by upgrading cronoq-store)."""
+        if self.unknown:
+            raise MigrationError(_newer_message(self.schema, self.unknown))
+        if not self.exists:
+            raise MigrationError(f"schema {self.schema!r} does not exist: {fix}")
+        if not self.current:
+            raise MigrationError(f"schema {self.schema!r} is not migrated: {fix}")
+        if not self.at_head:
+            raise MigrationError(
+                f"schema {self.schema!r} is at revision {', '.join(self.current)}, behind "
+                f"this build's head {self.head}: {fix}"
+            )
+
+
+def revision_status(conn: Connection, schema: str) -> RevisionStatus:
+    """Read where ``schema`` stands (in ``conn``'s transaction; reads only, needs no DDL
+    rights). Run it after :func:`refuse_untrusted`; async callers use ``run_sync``."""
+    validate_schema_name(schema)
+    head = head_revision()
+    exists = conn.execute(st.schema_oid, {"schema": schema}).scalar() is not None
+    current: tuple[str, ...] = ()
+    if exists:
+        context = MigrationContext.configure(
+            conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
+        )
+        current = tuple(sorted(context.get_current_heads()))
+    script = ScriptDirectory(str(script_location()))
+    unknown = _unknown_revisions(script, current)
+    pending: tuple[str, ...] = ()
+    if exists and not unknown and current != (head,):
+        lower = current[0] if len(current) == 1 else None
+        pending = tuple(r.revision for r in reversed(list(script.iterate_revisions(head, lower))))
+    return RevisionStatus(schema, exists, current, head, unknown, pending)
+
+
+def _unknown_revisions(script: ScriptDirectory, revisions: Sequence[str]) -> tuple[str, ...]:
+    unknown = []
+    for revision in revisions:
+        try:
+            script.get_revision(revision)
+        except CommandError:
+            unknown.append(revision)
+    return tuple(unknown)
+
+
+def _newer_message(schema: str, unknown: Sequence[str]) -> str:
+    """The one refusal of a database that a newer build migrated."""
+    return (
+        f"schema {schema!r} is at revision {', '.join(unknown)}, which this build does not "
+        f"know (its newest is {head_revision()}): the database was migrated by a newer "
+        "version of cronoq-store; upgrade cronoq-store"
+    )
+
+
 async def require_head(
     engine: AsyncEngine, schema: str, *, trusted_triggers: frozenset[str] = frozenset()
 ) -> None:
@@ -188,31 +284,24 @@ async def require_head(
     What a store opened with ``migrate=False`` checks instead of migrating, after
     :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
     schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
-    the revisions named.
+    the revisions named (:meth:`RevisionStatus.require_head`).
     """
     validate_schema_name(schema)
 
-    def current(sync_conn: Connection) -> tuple[str, ...]:
+    def read(sync_conn: Connection) -> RevisionStatus:
         sync_conn.execute(st.local_search_path)
         refuse_untrusted(sync_conn, schema, trusted_triggers)
-        context = MigrationContext.configure(
-            sync_conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
-        )
-        return context.get_current_heads()
+        return revision_status(sync_conn, schema)
 
     try:
         async with engine.connect() as conn:
-            heads = await conn.run_sync(current)
+            status = await conn.run_sync(read)
     except Exception as exc:
         raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
-    head = head_revision()
-    if heads != (head,):
-        found = ", ".join(heads) if heads else "not migrated"
-        raise MigrationError(
-            f"schema {schema!r} is at revision {found}; this build of cronoq-store needs "
-            f"{head!r}: run `cronoq-store migrate` (or `alembic upgrade head`) with a role "
-            "that owns the schema, or open the store with migrate=True"
-        )
+    status.require_head(
+        f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
+        "head`) with a role that owns the schema, or open the store with migrate=True"
+    )
 
 
 def cluster_schema() -> str:
@@ -592,12 +681,9 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
     migration = context.get_context()
     if migration.get_current_heads():
         return
-    quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
 
     def exists(name: str) -> bool:
-        found = conn.execute(
-            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": f"{quoted}.{name}"}
-        )
+        found = conn.execute(st.relation_exists, {"schema": schema, "name": name})
         return bool(found.scalar_one())
 
     if not exists(_LEGACY_TABLE):
@@ -624,12 +710,6 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
 
 def _refuse_newer(context: EnvironmentContext, schema: str) -> None:
     assert context.script is not None
-    for current in context.get_context().get_current_heads():
-        try:
-            context.script.get_revision(current)
-        except CommandError:
-            raise MigrationError(
-                f"schema {schema!r} is at revision {current!r}, which this build of "
-                f"cronoq-store does not know (its newest is {head_revision()!r}): the database "
-                "was migrated by a newer version; upgrade cronoq-store instead"
-            ) from None
+    unknown = _unknown_revisions(context.script, context.get_context().get_current_heads())
+    if unknown:
+        raise MigrationError(_newer_message(schema, unknown))

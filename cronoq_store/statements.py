@@ -683,3 +683,139 @@ $cronoq$"""
 #: Whether the server takes writes (a standby, or a demoted primary, answers false): what the
 #: group committer asks before giving up on a batch that keeps failing.
 accepts_writes = select(not_(func.pg_is_in_recovery(type_=Boolean)))
+
+
+# --- catalogs and counts: what the operator's tool shows and migrations ask ---------------
+# Commits, recovery and look-ups never run these. Their names are added to __all__ here.
+
+__all__ += [
+    "finished_before_count",
+    "leader_lock_holder",
+    "leader_state",
+    "prunable_count",
+    "quarantined_count",
+    "relation_exists",
+    "schedule_summaries",
+    "server_now",
+    "server_version",
+    "task_counts",
+    "task_statuses",
+    "tasks_with_kind_or_message",
+]
+
+# Catalog tables carry their schema: ``schema_translate_map`` renames only schema-less ones.
+_catalog = MetaData(schema="pg_catalog")
+_pg_locks = Table(
+    "pg_locks",
+    _catalog,
+    Column("locktype", Text),
+    Column("database", postgresql.OID),
+    Column("classid", postgresql.OID),
+    Column("objid", postgresql.OID),
+    Column("objsubid", Integer),
+    Column("pid", Integer),
+    Column("granted", Boolean),
+)
+_pg_stat_activity = Table(
+    "pg_stat_activity",
+    _catalog,
+    Column("pid", Integer),
+    Column("application_name", Text),
+    Column("client_addr", postgresql.INET),
+    Column("backend_start", postgresql.TIMESTAMP(timezone=True)),
+)
+_pg_database = Table(
+    "pg_database", _catalog, Column("oid", postgresql.OID), Column("datname", Text)
+)
+
+#: Whether ``schema.name`` names a table (or any relation); ``format('%I')`` quotes on the
+#: server. What migrations ask of a schema made before Alembic's version table.
+relation_exists = select(
+    func.to_regclass(
+        func.format(
+            literal("%I.%I", Text), bindparam("schema", type_=Text), bindparam("name", type_=Text)
+        )
+    ).is_not(None)
+)
+
+#: The clock every operator's run agrees on: the server's, not the client machine's.
+server_now = select(func.now())
+#: The server's version, as ``SHOW server_version`` prints it.
+server_version = select(func.current_setting(literal("server_version", Text)))
+
+#: The leader row: the fencing epoch and the id high-water mark.
+leader_state = select(leader.c.epoch, leader.c.max_id).where(leader.c.id == LEADER_ROW_ID)
+
+#: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
+#: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
+#: objid = k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
+#: BIGINT. Advisory locks are per database, and so are schema OIDs.
+leader_lock_holder = (
+    select(
+        _pg_stat_activity.c.pid,
+        _pg_stat_activity.c.application_name,
+        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+        _pg_stat_activity.c.backend_start,
+    )
+    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
+    .where(
+        _pg_locks.c.locktype == "advisory",
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        cast(_pg_locks.c.classid, BigInteger) == bindparam("k1", type_=BigInteger),
+        cast(_pg_locks.c.objid, BigInteger) == bindparam("k2", type_=BigInteger),
+        _pg_locks.c.objsubid == 2,
+        _pg_locks.c.granted,
+    )
+)
+
+#: Tasks by pool, live or finished, and status. A full scan: an operator's occasional look,
+#: not a probe.
+task_counts = (
+    select(tasks.c.pool, tasks.c.terminal, tasks.c.status, func.count().label("n"))
+    .group_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
+    .order_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
+)
+
+#: How many rows recovery quarantined: failed, with a message starting with ``prefix``
+#: (``codec.QUARANTINE_PREFIX``).
+quarantined_count = select(func.count()).where(
+    tasks.c.terminal,
+    tasks.c.status == TaskStatus.FAILED.value,
+    func.starts_with(tasks.c.message, bindparam("prefix", type_=Text)),
+)
+
+#: Every recurring schedule's name, schedule (its JSON as text: the dialect's ``json.loads``
+#: recurses on a hand-written value nested too deep), next run and last task.
+schedule_summaries = select(
+    recurring.c.name,
+    cast(recurring.c.spec["schedule"], Text).label("schedule"),
+    recurring.c.next_unix_ns,
+    recurring.c.last_task_id,
+).order_by(recurring.c.name)
+
+#: Finished tasks last updated before ``cutoff``, whether prunable or protected.
+finished_before_count = select(func.count()).where(
+    tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
+)
+
+_prune_where = prune_batch.whereclause
+assert _prune_where is not None, "the prune statement names its victims"
+#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
+#: clause, so a dry run never disagrees with it about what a live task depends on.
+prunable_count = select(func.count()).select_from(tasks).where(_prune_where)
+
+# --- the HA demo (``cronoq_store.demo``) reads back what it wrote ----------------------------
+
+#: Every task's id and status.
+task_statuses = select(tasks.c.id, tasks.c.status)
+
+#: How many tasks carry ``kind`` or ``message``: the marks of the demo zombie's writes.
+tasks_with_kind_or_message = select(func.count()).where(
+    or_(
+        tasks.c.kind == bindparam("kind", type_=Text),
+        tasks.c.message == bindparam("message", type_=Text),
+    )
+)

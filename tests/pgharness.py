@@ -1,7 +1,9 @@
 """The suite's PostgreSQL: whichever real server is at hand, and the means to hurt it.
 
 Chosen once per session: ``$CRONOQ_TEST_DATABASE_URL`` if set; else a testcontainers
-container when a Docker engine answers; else an embedded server in a temporary directory.
+container when a Docker engine answers; else an embedded server in a temporary directory
+(:class:`cronoq_store.testing.EmbeddedPostgres`, the server applications' tests get from
+the ``cronoq_store.testing`` pytest plugin).
 Fault tests stop, start and restart the server and terminate backends; a server the suite
 does not own (an external URL) cannot be stopped, so those tests say so and skip.
 """
@@ -17,9 +19,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL, make_url
 
-from cronoq_store.embedded import EmbeddedPostgres, StopMode
-
-URL_ENV = "CRONOQ_TEST_DATABASE_URL"
+from cronoq_store.testing import TEST_URL_ENV, EmbeddedPostgres, StopMode
 
 
 class ServerUnderTest(Protocol):
@@ -54,10 +54,10 @@ class ExternalServer:
         return self._url
 
     def stop(self, mode: StopMode = "fast") -> None:
-        pytest.skip(f"stopping the server needs one the suite owns (unset {URL_ENV})")
+        pytest.skip(f"stopping the server needs one the suite owns (unset {TEST_URL_ENV})")
 
     def start(self) -> None:
-        pytest.skip(f"starting the server needs one the suite owns (unset {URL_ENV})")
+        pytest.skip(f"starting the server needs one the suite owns (unset {TEST_URL_ENV})")
 
     def close(self) -> None:
         pass
@@ -122,7 +122,7 @@ def _docker_answers() -> bool:
 
 
 def start_test_server() -> ServerUnderTest:
-    url = os.environ.get(URL_ENV)
+    url = os.environ.get(TEST_URL_ENV)
     if url:
         return ExternalServer(url)
     if _docker_answers():

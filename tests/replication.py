@@ -1,6 +1,6 @@
 """A PostgreSQL primary and a streaming standby, from the same binaries, for failover tests.
 
-The primary is an :class:`~cronoq_store.embedded.EmbeddedPostgres` (``wal_level=replica``;
+The primary is an :class:`~cronoq_store.testing.EmbeddedPostgres` (``wal_level=replica``;
 with ``synchronous=True`` it waits for the standby, by name, before acknowledging a
 commit). The standby is another ``EmbeddedPostgres`` whose data directory is filled by
 ``pg_basebackup -R`` before it starts, so it boots as a hot standby streaming from the
@@ -21,7 +21,7 @@ import time
 
 from sqlalchemy.engine import URL
 
-from cronoq_store.embedded import EmbeddedPostgres
+from cronoq_store.testing import EmbeddedPostgres
 
 from .pgharness import admin_execute
 

@@ -193,10 +193,12 @@ def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) ->
     run_dir.mkdir()
     code = (
         "import asyncio, sys, cronoq_store\n"
+        "import cronoq_store.cli, cronoq_store.demo, cronoq_store.testing.pytest_plugin\n"
         "from sqlalchemy.ext.asyncio import create_async_engine\n"
         "from cronoq_store.migrations import upgrade, script_location\n"
         "print(cronoq_store.__file__)\n"
         "print(script_location())\n"
+        "print(cronoq_store.testing.pytest_plugin.__file__)\n"
         "async def main():\n"
         "    engine = create_async_engine(sys.argv[1])\n"
         "    await upgrade(engine, sys.argv[2])\n"
@@ -219,8 +221,20 @@ def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) ->
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    module_file, location = result.stdout.split()
+    module_file, location, plugin_file = result.stdout.split()
     assert module_file.startswith(str(env_dir)), module_file
+    # The subpackages ship too: the operator's tool, the demo, the test helpers.
+    assert plugin_file == str(Path(module_file).parent / "testing" / "pytest_plugin.py")
+    script = subprocess.run(
+        [str(env_dir / "bin" / "cronoq-store"), "--help"],
+        env={**os.environ, "PYTHONPATH": deps},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert script.returncode == 0, script.stderr
+    assert "Exit codes:" in script.stdout
     assert location == str(Path(module_file).parent / "_alembic")
     assert (Path(location) / "versions" / f"{head_revision()}.py").is_file()
     check = alembic("-x", f"schema={schema}", "current", url=pg_url)

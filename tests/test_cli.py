@@ -18,12 +18,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store.cli import URL_ENV, ExitCode, cli, parse_duration
+from cronoq_store.cli import ExitCode, cli, parse_duration
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     Dependency,
@@ -38,11 +39,15 @@ from cronoq_store.domain import (
     TaskSpec,
     TaskStatus,
     TimeBase,
+    task_id,
 )
 from cronoq_store.migrations import head_revision
 from cronoq_store.store import PgStore
+from cronoq_store.urls import URL_ENV
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, asyncpg_dsn
+from .test_prune_race import open_store, settles
+from .test_prune_race import submitted as submitted_in
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)
@@ -447,6 +452,51 @@ async def test_prune_dry_run_counts_what_prune_then_deletes(pg_url: URL, store: 
 
     wider = await run("--url", url, "--schema", schema, "prune", "--older-than", "1h", "--dry-run")
     assert "would prune 1 finished tasks" in wider.stdout  # 7; 6 stays protected
+
+
+async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, schema: str) -> None:
+    """As the store's prune does (tests/test_prune_race.py): a batch waits for a commit in
+    flight, so a dependency that commit adds protects its target."""
+    async with open_store(pg_url, schema, f"c-{schema}") as store:
+        epoch = await store.acquire_leadership()
+        done, dependent = task_id(epoch, 1), task_id(epoch, 3)
+        await store.commit(
+            epoch,
+            BASE,
+            [submitted_in(epoch, 1), StatusChanged(done, SUCCEEDED, 1, BASE.engine_ns)],
+            [],
+        )
+        batch: list[Mutation] = [submitted_in(epoch, 3, deps=[Dependency(done)])]
+        # An uncommitted row with the dependent's id: the commit's insert waits on it.
+        blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
+        tx = blocker.transaction()
+        await tx.start()
+        try:
+            await blocker.execute(
+                "CREATE TEMPORARY TABLE copy ON COMMIT DROP AS "
+                f'SELECT * FROM "{schema}".cronoq_tasks WHERE id = {done}; '
+                f"UPDATE copy SET id = {dependent}, key = NULL; "
+                f'INSERT INTO "{schema}".cronoq_tasks SELECT * FROM copy'
+            )
+            commit = asyncio.create_task(store.commit(epoch, BASE, batch, []))
+            await settles(pg_url, f"c-{schema}", commit)
+            assert not commit.done(), "the commit was not held open"
+            url = full(pg_url)
+            prune = asyncio.create_task(
+                run("--url", url, "--schema", schema, "prune", "--older-than", "0s")
+            )
+            await settles(pg_url, "cronoq-store cli", prune)
+            waited = not prune.done()
+            await tx.rollback()
+            await asyncio.wait_for(commit, 10)
+            pruned = await asyncio.wait_for(prune, 30)
+        finally:
+            await blocker.close()
+    assert pruned.exit_code == 0, pruned.output
+    rows = await admin_execute(pg_url, f'SELECT id FROM "{schema}".cronoq_tasks')
+    assert {r["id"] for r in rows} == {done, dependent}, "prune deleted a depended-on task"
+    assert waited, "prune did not wait for the commit in flight"
+    assert "pruned 0 finished tasks" in pruned.stdout
 
 
 def test_durations_parse_whole_units() -> None:

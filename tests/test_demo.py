@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store.cli import URL_ENV, ExitCode
+from cronoq_store.cli import ExitCode
 from cronoq_store.demo import find_lost, parse_acks
+from cronoq_store.urls import URL_ENV
 
 from .pgharness import admin_execute
 
@@ -108,6 +109,26 @@ async def test_demo_with_a_wrong_password_exits_3_masked(pg_url: URL) -> None:
         assert result.returncode == ExitCode.UNREACHABLE, result.stdout + result.stderr
         assert "password authentication failed" in result.stderr
         assert "wrong-password-456" not in result.stdout + result.stderr
+
+
+def test_the_operator_commands_never_import_the_demo() -> None:
+    """The demo (and the test server it starts) loads only when `cronoq-store demo` runs."""
+    script = (
+        "import sys\n"
+        "from cronoq_store.cli import cli\n"
+        "try:\n"
+        "    cli(['--help'], prog_name='cronoq-store')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('cronoq_store.'))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert re.search(r"^  demo +Crash the leader mid-stream", result.stdout, re.M), result.stdout
+    loaded = result.stdout.splitlines()[-1].split()
+    assert "cronoq_store.cli.demo" in loaded  # the command is there, its module loaded
+    assert [m for m in loaded if m.startswith(("cronoq_store.demo", "cronoq_store.testing"))] == []
 
 
 def test_parse_acks_drops_a_torn_last_line() -> None:

@@ -43,11 +43,11 @@ from cronoq_store.domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store.embedded import find_bin_dir
 from cronoq_store.errors import FencedError, StoreError
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.statements import LOCK_NS_LEADER
 from cronoq_store.store import PgStore
+from cronoq_store.testing import find_bin_dir
 
 from .pgharness import admin_execute
 from .replication import ReplicatedPostgres, multi_host_url

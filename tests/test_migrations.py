@@ -288,6 +288,32 @@ async def test_newer_database_is_refused(engine: AsyncEngine, migrated: str) -> 
     assert await current_revision(engine, migrated) == "0042_future"
 
 
+async def test_a_newer_database_is_refused_in_the_same_words_without_migrating(
+    engine: AsyncEngine, migrated: str
+) -> None:
+    """``migrate=False`` and ``upgrade`` give the one refusal: upgrade cronoq-store (not
+    "run cronoq-store migrate", which would be wrong advice)."""
+    await set_revision(engine, migrated, "0042_future")
+    config = PgStoreConfig(schema=migrated)
+    with pytest.raises(MigrationError) as opened:
+        await PgStore.from_engine(engine, config, migrate=False)
+    with pytest.raises(MigrationError) as upgraded:
+        await upgrade(engine, migrated)
+    assert str(opened.value) == str(upgraded.value)
+    assert str(opened.value) == (
+        f"schema {migrated!r} is at revision 0042_future, which this build does not know "
+        f"(its newest is {head_revision()}): the database was migrated by a newer version of "
+        "cronoq-store; upgrade cronoq-store"
+    )
+
+
+async def set_revision(engine: AsyncEngine, schema: str, revision: str) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(f"UPDATE \"{schema}\".cronoq_alembic_version SET version_num = '{revision}'")
+        )
+
+
 async def test_legacy_version_newer_than_known_is_refused(
     engine: AsyncEngine, schema: str, pg_url: URL
 ) -> None:
@@ -382,13 +408,16 @@ async def test_a_store_opened_without_migrating_needs_the_schema_at_head(
     engine: AsyncEngine, schema: str
 ) -> None:
     config = PgStoreConfig(schema=schema)
-    with pytest.raises(MigrationError, match=r"not migrated.*cronoq-store migrate"):
+    with pytest.raises(
+        MigrationError, match=r"does not exist: run `cronoq-store --schema .* migrate`"
+    ):
         await PgStore.from_engine(engine, config, migrate=False)
     assert await tables(engine, schema) == set()  # nothing was created
 
     await upgrade(engine, schema, "0005_task_tenant")
     with pytest.raises(
-        MigrationError, match=rf"at revision 0005_task_tenant.*needs '{head_revision()}'"
+        MigrationError,
+        match=rf"at revision 0005_task_tenant, behind this build's head {head_revision()}: ",
     ):
         await PgStore.from_engine(engine, config, migrate=False)
     assert await current_revision(engine, schema) == "0005_task_tenant"  # not upgraded

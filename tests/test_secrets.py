@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store.cli import URL_ENV, cli
+from cronoq_store.cli import cli
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store.errors import StoreError, UnavailableError
 from cronoq_store.store import PgStore
-from cronoq_store.urls import redact, scrub
+from cronoq_store.urls import URL_ENV, redact, scrub
 
 from .pgharness import admin_execute
 from .test_store_connect import unused_port

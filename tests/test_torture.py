@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cronoq_store.embedded import find_bin_dir
+from cronoq_store.testing import find_bin_dir
 
 from .torture.orchestrator import profile_from_env, run_torture, seed_from_env
 

@@ -36,7 +36,7 @@ from typing import ClassVar, Protocol
 
 from sqlalchemy.engine import URL
 
-from cronoq_store.embedded import EmbeddedPostgres, StopMode
+from cronoq_store.testing import EmbeddedPostgres, StopMode
 
 from ..tcpproxy import TcpProxy
 

@@ -1,6 +1,6 @@
 """One torture run: a server, three store instances in processes, faults, then the checker.
 
-The run owns its PostgreSQL (an :class:`~cronoq_store.embedded.EmbeddedPostgres` with
+The run owns its PostgreSQL (an :class:`~cronoq_store.testing.EmbeddedPostgres` with
 ``track_commit_timestamp = on``), so it may crash and restart it at will while the suite's
 shared server stays healthy. Each instance reaches the server through its own two proxies
 (pool and lock session) run by this process's event loop.
@@ -38,8 +38,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from cronoq_store import migrations
-from cronoq_store.embedded import EmbeddedPostgres, StopMode
 from cronoq_store.statements import LOCK_NS_LEADER
+from cronoq_store.testing import EmbeddedPostgres, StopMode
 from cronoq_store.urls import async_url
 
 from ..pgharness import admin_execute, terminate_backends

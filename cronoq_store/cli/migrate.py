@@ -1,0 +1,68 @@
+"""``cronoq-store migrate``: the one command that changes a schema's structure."""
+
+from __future__ import annotations
+
+import io
+
+import click
+from alembic import command
+from alembic.util import CommandError
+from rich.console import Console
+
+from ..errors import MigrationError
+from ..migrations import alembic_config, run_command, upgrade
+from . import database, output
+from .app import Options
+from .exits import CliError, ExitCode, run
+
+__all__ = ["migrate"]
+
+
+@click.command()
+@click.argument("revision", default="head")
+@click.option("--sql", is_flag=True, help="Print the upgrade script instead of running it.")
+@click.pass_obj
+def migrate(options: Options, revision: str, sql: bool) -> None:
+    """Upgrade the schema to REVISION (default: head), in one serialized transaction.
+
+    With --sql, print the script for review without connecting (REVISION may then be a
+    range, FROM:TO).
+    """
+    if sql:
+        _print_script(options.schema, revision)
+        return
+    run(options.url, _migrate(options, revision, output.console()))
+
+
+def _print_script(schema: str, revision: str) -> None:
+    cfg = alembic_config(schema)
+    script = io.StringIO()
+    cfg.output_buffer = script
+    try:
+        run_command(command.upgrade, cfg, revision, sql=True)
+    except CommandError as exc:
+        CliError(str(exc), ExitCode.FAILED).exit(None)
+    click.echo(script.getvalue(), nl=False)
+
+
+async def _migrate(options: Options, revision: str, console: Console) -> None:
+    async with database.database(options) as conn:
+        before = await database.revision(conn, options.schema)
+    if before.unknown:
+        database.refuse_unless_at_head(before)
+    engine = database.engine(options.database_url())
+    try:
+        await upgrade(engine, options.schema, revision, trusted_triggers=options.trusted_triggers)
+    except MigrationError as exc:
+        raise CliError(str(exc), ExitCode.FAILED) from None
+    finally:
+        await engine.dispose()
+    async with database.database(options) as conn:
+        after = await database.revision(conn, options.schema)
+    now = ", ".join(after.current)
+    suffix = " (head)" if after.at_head else ""
+    if before.current == after.current:
+        console.print(f"schema {options.schema!r} already at {now}{suffix}")
+    else:
+        was = ", ".join(before.current) or "nothing"
+        console.print(f"schema {options.schema!r} upgraded: {was} -> {now}{suffix}")
