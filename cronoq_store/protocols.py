@@ -3,7 +3,8 @@
 The scheduler's engine needs :class:`Store` (leadership, write-ahead commits, recovery);
 tools that only look at tasks need :class:`StoreQueries`. Keeping them apart lets such tools
 run against any instance, leader or not. :class:`~cronoq_store.store.PgStore` implements
-both; the protocols exist so other implementations (an in-memory one for tests) can too.
+both; so does :class:`cronoq_store.testing.InMemoryStore`, for applications' unit tests,
+and tests/contract runs one suite against the two.
 """
 
 from __future__ import annotations
