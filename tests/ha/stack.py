@@ -367,7 +367,7 @@ class HaStack:
             return False
         if self.sync != "off" and not any(m.get("role") == "sync_standby" for m in members):
             return False
-        return await self.primary() == leaders[0]["name"]
+        return await self.primary() == str(leaders[0]["name"])
 
     async def wait_healthy(self, timeout: float = _BOOT) -> None:
         await self._wait(self.healthy, timeout, "the cluster to be healthy")
