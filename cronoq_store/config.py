@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .schema import validate_schema_name
 
-__all__ = ["PgStoreConfig", "trusted_trigger_names"]
+__all__ = ["PgStoreConfig", "keepalive_settings", "trusted_trigger_names"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -61,6 +61,14 @@ class PgStoreConfig:
     #: here is still refused if it has a ``WHEN`` clause or runs a function of a role the
     #: store cannot trust (docs/reliability.md, "Whose schema the store trusts").
     trusted_triggers: frozenset[str] = frozenset()
+    #: ``False`` for a pool behind a transaction-pooling PgBouncer older than 1.21, which
+    #: cannot keep a named prepared statement past the transaction that made it: pooled
+    #: connections then run unnamed statements only (asyncpg's and SQLAlchemy's statement
+    #: caches off) and send no server settings at connection start, which such a PgBouncer
+    #: refuses; the store then requires its ``search_path`` to be set by PgBouncer or for
+    #: the role (docs/reliability.md, "Behind PgBouncer"). The leader lock session, direct
+    #: through ``lock_url``, is not affected.
+    prepared_statements: bool = True
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
@@ -88,3 +96,22 @@ class PgStoreConfig:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         if not self.application_name or "\x00" in self.application_name:
             raise ValueError("application_name must be a non-empty string without NUL")
+        if not isinstance(self.prepared_statements, bool):
+            raise ValueError(
+                f"prepared_statements must be a bool, got {self.prepared_statements!r}"
+            )
+
+
+def keepalive_settings(config: PgStoreConfig) -> dict[str, str]:
+    """Server settings that end a session whose client vanished, within about
+    ``session_timeout``: TCP keepalives (idle ``session_timeout``, then three probes a second
+    apart) for a session waiting on its client, and ``tcp_user_timeout`` for one whose
+    replies go unacknowledged. A pool session cut off inside a commit holds the leader row
+    (``FOR SHARE`` or the epoch update): without these the server keeps it, and blocks every
+    takeover, until the kernel gives up on the socket, which can take hours."""
+    return {
+        "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": str(round(config.session_timeout * 1000)),
+    }

@@ -40,7 +40,7 @@ from .codec import (
     decode_strings,
     ns_to_duration,
 )
-from .config import PgStoreConfig
+from .config import PgStoreConfig, keepalive_settings
 from .domain import (
     I64_MAX,
     I64_MIN,
@@ -191,19 +191,7 @@ class PgStore:
             pool_timeout=config.commit_timeout,
             # Batches carry payloads; errors and logs must not.
             hide_parameters=True,
-            connect_args={
-                "server_settings": {
-                    "application_name": config.application_name,
-                    # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
-                    # A leader frozen or cut off between two statements of a commit holds
-                    # the leader row lock; the server ends such a session, so a takeover
-                    # waits at most this long for it (the keeper has stepped down by then).
-                    "idle_in_transaction_session_timeout": str(
-                        round(config.session_timeout * 1000)
-                    ),
-                }
-            },
+            connect_args=_pool_connect_args(config),
         )
         event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
@@ -720,6 +708,33 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
             f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
             "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
         )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(round(config.session_timeout * 1000)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
 
 
 def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:

@@ -20,6 +20,7 @@ from cronoq_store import PgStoreConfig
         ({"lock_poll": 5.0, "session_timeout": 2.0, "keepalive": 1.0}, "lock_poll .* shorter"),
         ({"max_connections": 0}, "max_connections must be at least 1"),
         ({"application_name": ""}, "application_name must be"),
+        ({"prepared_statements": "no"}, "prepared_statements must be a bool"),
     ],
 )
 def test_impossible_settings_are_refused(settings: dict[str, Any], message: str) -> None:
@@ -40,3 +41,4 @@ def test_defaults_are_the_seeds() -> None:
         30.0,
         8,
     )
+    assert config.prepared_statements is True
