@@ -10,8 +10,6 @@
 - **HAProxy** (Debian ``haproxy``) with one TCP frontend routed to whichever node answers
   Patroni's REST health check ``GET /primary`` with 200; sessions to a node marked down are
   shut (``on-marked-down shutdown-sessions``).
-- **PgBouncer** (Debian ``pgbouncer``), on demand, in ``pool_mode = transaction`` in front of
-  HAProxy (so it follows the primary); as root it runs as the unprivileged user too.
 - The **multi-host URL** lists every node with ``target_session_attrs=read-write``.
 
 Timing (:data:`DCS`): Patroni refuses a ``ttl`` under 20 s and a ``retry_timeout`` under
@@ -50,7 +48,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store.embedded import find_bin_dir
 
-from ..pgharness import asyncpg_dsn
+from ..pgbouncer import find_pgbouncer
 from ..tcpproxy import TcpProxy
 
 __all__ = [
@@ -63,7 +61,6 @@ __all__ = [
 
 ETCD = "/usr/bin/etcd"
 HAPROXY = "/usr/sbin/haproxy"
-PGBOUNCER = "/usr/sbin/pgbouncer"
 SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"
 
@@ -86,7 +83,7 @@ def missing() -> str | None:
     needs = []
     if not Path(ETCD).exists():
         needs.append("etcd (apt-get install etcd-server)")
-    if not Path(PGBOUNCER).exists():
+    if find_pgbouncer() is None:
         needs.append("pgbouncer (apt-get install pgbouncer)")
     if not Path(HAPROXY).exists():
         needs.append("haproxy (apt-get install haproxy)")
@@ -212,8 +209,6 @@ class HaStack:
         ]
         self._etcd: subprocess.Popen[bytes] | None = None
         self._haproxy: subprocess.Popen[bytes] | None = None
-        self.pgbouncer_port = free_port()
-        self._pgbouncer: subprocess.Popen[bytes] | None = None
         self._pids: set[int] = set()
 
     # --- addresses ------------------------------------------------------------------------
@@ -255,10 +250,6 @@ class HaStack:
             port=self.haproxy_port,
             database="postgres",
         )
-
-    def pgbouncer_url(self) -> URL:
-        """PgBouncer (transaction pooling) in front of HAProxy; see :meth:`start_pgbouncer`."""
-        return self.haproxy_url().set(port=self.pgbouncer_port)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -310,7 +301,7 @@ class HaStack:
                     os.kill(pid, signal.SIGQUIT)  # immediate shutdown, children included
                 await self._wait_gone([pid], 10)
             await node.etcd_link.close()
-        for process in (self._pgbouncer, self._haproxy, self._etcd):
+        for process in (self._haproxy, self._etcd):
             if process is not None and process.poll() is None:
                 process.terminate()
                 try:
@@ -656,73 +647,6 @@ listen primary
             )
         self._pids.add(self._haproxy.pid)
 
-    async def start_pgbouncer(self) -> None:
-        """Start PgBouncer in ``pool_mode = transaction``, its one server HAProxy's frontend
-        (so it follows the primary); waits until it serves a query."""
-        config = self.base / "pgbouncer.ini"
-        users = self.base / "userlist.txt"
-        users.write_text(f'"{SUPERUSER}" "{self.password}"\n')
-        config.write_text(
-            f"""[databases]
-* = host=127.0.0.1 port={self.haproxy_port}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {self.pgbouncer_port}
-unix_socket_dir =
-auth_type = scram-sha-256
-auth_file = {users}
-pool_mode = transaction
-max_client_conn = 500
-default_pool_size = 40
-server_reset_query =
-server_check_delay = 0
-server_login_retry = 1
-ignore_startup_parameters = extra_float_digits
-logfile = {self.base / "pgbouncer.log"}
-pidfile =
-"""
-        )
-        for path in (config, users):
-            path.chmod(0o600)
-            if self._run_as is not None:
-                shutil.chown(path, SYSTEM_USER, SYSTEM_USER)
-        self._spawn_pgbouncer(config)
-        await self._wait(self._pgbouncer_serves, _BOOT, "PgBouncer to serve")
-
-    def _spawn_pgbouncer(self, config: Path) -> None:
-        self._pgbouncer = subprocess.Popen(
-            [PGBOUNCER, str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            user=self._run_as,  # PgBouncer refuses to run as root
-            start_new_session=True,
-        )
-        self._pids.add(self._pgbouncer.pid)
-
-    async def restart_pgbouncer(self) -> None:
-        """SIGKILL PgBouncer (every client and server connection through it drops), then
-        start it again on the same port."""
-        if self._pgbouncer is not None:
-            self._pgbouncer.kill()
-            await asyncio.to_thread(self._pgbouncer.wait)
-        await self.start_pgbouncer()
-
-    async def _pgbouncer_serves(self) -> bool:
-        import asyncpg
-
-        try:
-            conn = await asyncpg.connect(
-                asyncpg_dsn(self.pgbouncer_url()), timeout=2, statement_cache_size=0
-            )
-        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
-            return False
-        try:
-            return bool(await conn.fetchval("SELECT 1") == 1)
-        finally:
-            await conn.close()
-
     async def _haproxy_routes(self) -> bool:
         """HAProxy's frontend reaches the primary (asked by ``pg_is_in_recovery``)."""
         import asyncpg
@@ -755,10 +679,6 @@ pidfile =
     def _check_processes(self) -> None:
         if self._etcd is not None and self._etcd.poll() is not None:
             raise RuntimeError(f"etcd exited with {self._etcd.returncode}\n{self.diagnostics()}")
-        if self._pgbouncer is not None and self._pgbouncer.poll() is not None:
-            raise RuntimeError(
-                f"pgbouncer exited with {self._pgbouncer.returncode}\n{self.diagnostics()}"
-            )
         if self._haproxy is not None and self._haproxy.poll() is not None:
             raise RuntimeError(
                 f"haproxy exited with {self._haproxy.returncode}\n{self.diagnostics()}"

@@ -3,8 +3,13 @@
 Three store instances run as the torture test's workers (:mod:`tests.torture.worker`: each
 in a process of its own, competing for leadership, committing continuously through
 ``GroupCommitter`` while it leads, journaling every acknowledgement after the ack), with
-the torture audit's triggers recording every committed row version and epoch. ``w1`` and
-``w3`` reach PostgreSQL through the multi-host URL, ``w2`` through HAProxy.
+the torture audit's triggers recording every committed row version and epoch. Routing:
+
+- ``w1``: pool and lock session through the multi-host URL (``target_session_attrs``);
+- ``w2``: pool through PgBouncer (``pool_mode = transaction``, in front of HAProxy) with
+  ``PgStoreConfig(prepared_statements=False)``, lock session direct through HAProxy
+  (``lock_url``: a session advisory lock cannot live behind transaction pooling);
+- ``w3``: pool and lock session through HAProxy.
 
 Faults, each on the current primary and each followed by the stack healing (every node
 streaming again, a synchronous standby in place) before the next:
@@ -20,6 +25,10 @@ streaming again, a synchronous standby in place) before the next:
   ``retry_timeout`` it demotes its PostgreSQL (25006 and "during recovery" for whoever is
   still connected); once the key expires the synchronous standby is promoted. Healed after.
 - ``restart_cluster``: every node stopped (primary last) and started again.
+- ``restart_pgbouncer``: SIGKILL of PgBouncer, started again at once, while ``w2`` leads
+  (the run hands leadership over until it does): ``w2``'s pool connections all drop, its
+  lock session (direct) does not; the same leader must commit again within
+  ``GroupCommitter``'s ``retry_max`` plus :data:`SLACK`.
 
 Then the torture checker proves, from journals, audit and tables: no acknowledged mutation
 lost, no write under a stale epoch, one acknowledging instance per epoch. Per fault the run
@@ -52,11 +61,12 @@ from cronoq_store import migrations
 from cronoq_store.leadership import MAX_RETRY_DELAY
 from cronoq_store.urls import async_url
 
+from ..pgbouncer import PgBouncer
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..torture import audit
 from ..torture.checker import Report, check, percentile
 from ..torture.faults import Timing
-from ..torture.journal import History, read_history
+from ..torture.journal import Ack, History, read_history
 from ..torture.worker import WorkerConfig
 from .stack import HaStack, Sync
 
@@ -74,7 +84,20 @@ __all__ = [
 
 SCHEMA = "ha"
 _REPO = Path(__file__).resolve().parents[2]
-FAULTS = ("switchover", "kill_postmaster", "kill_node", "cut_etcd", "restart_cluster")
+FAULTS = (
+    "switchover",
+    "kill_postmaster",
+    "kill_node",
+    "cut_etcd",
+    "restart_cluster",
+    "restart_pgbouncer",
+)
+#: Faults after which the same store leader goes on (its lock session does not go through
+#: what the fault hit); every other one ends every session on the primary: a takeover.
+_NO_TAKEOVER = frozenset({"restart_pgbouncer"})
+#: ``GroupCommitter``'s default ``retry_max``: the longest pause before a failed batch is
+#: retried, so the longest a leader whose lock survived waits to commit again.
+_RETRY_MAX = 2.0
 #: Scheduling slack (seconds): nine server processes, three Patroni, three workers, etcd
 #: and HAProxy share two cores.
 SLACK = 2.0
@@ -219,8 +242,11 @@ class _Workers:
 
     NAMES = ("w1", "w2", "w3")
 
-    def __init__(self, stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -> None:
+    def __init__(
+        self, stack: HaStack, bouncer: PgBouncer, profile: HaProfile, workdir: Path, seed: int
+    ) -> None:
         self.stack = stack
+        self.bouncer = bouncer
         self.profile = profile
         self.workdir = workdir
         self.seed = seed
@@ -234,17 +260,18 @@ class _Workers:
         (self.workdir / "journals").mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         routes = {
-            "w1": self.stack.multi_host_url(),
-            "w2": self.stack.haproxy_url(),
-            "w3": self.stack.multi_host_url(),
+            "w1": (self.stack.multi_host_url(), self.stack.multi_host_url()),
+            "w2": (self.bouncer.url(), self.stack.haproxy_url()),
+            "w3": (self.stack.haproxy_url(), self.stack.haproxy_url()),
         }
         timing = self.profile.timing
         for name in self.NAMES:
-            url = routes[name].render_as_string(hide_password=False)
+            url, lock_url = (u.render_as_string(hide_password=False) for u in routes[name])
             config = WorkerConfig(
                 name=name,
                 url=url,
-                lock_url=url,
+                lock_url=lock_url,
+                prepared_statements=name != "w2",
                 schema=SCHEMA,
                 journal=str(self.workdir / "journals" / f"{name}.jsonl"),
                 seed=random.Random(f"{self.seed}:{name}").getrandbits(48),
@@ -293,6 +320,10 @@ class _Workers:
             else:
                 if process.returncode != 0:
                     self._crashed(name, process)
+
+    def handover(self, name: str) -> None:
+        """Make ``name`` hand leadership over (it competes again after a pause)."""
+        self.processes[name].send_signal(signal.SIGUSR1)
 
     def _crashed(self, name: str, process: asyncio.subprocess.Process) -> None:
         log = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")
@@ -365,15 +396,54 @@ class _Journals:
             await asyncio.sleep(0.2)
         return False
 
+    async def acked_by_after(self, worker: str, at: float, timeout: float) -> Ack | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ack = next((a for a in self.history().acks if a.at > at and a.worker == worker), None)
+            if ack is not None:
+                return ack
+            await asyncio.sleep(0.1)
+        return None
+
+    def current(self) -> tuple[str, int] | None:
+        """The latest leader that has recovered and acknowledged: ``(worker, epoch)``."""
+        history = self.history()
+        if not history.leads:
+            return None
+        lead = history.leads[-1]
+        if any(a.epoch == lead.epoch and a.worker == lead.worker for a in history.acks):
+            return lead.worker, lead.epoch
+        return None
+
     def last_epoch(self) -> int:
         leads = self.history().leads
         return max((lead.epoch for lead in leads), default=0)
 
 
-async def _inject(stack: HaStack, kind: str, record: FaultRecord) -> None:
-    """Inject ``kind`` on the primary ``record.old``; returns once a primary accepts writes."""
+async def _lead_with(workers: _Workers, journals: _Journals, name: str) -> None:
+    """Hand leadership over until ``name`` leads (and acknowledges)."""
+    deadline = time.monotonic() + _PROGRESS
+    while time.monotonic() < deadline:
+        current = journals.current()
+        if current is not None and current[0] == name:
+            return
+        if current is not None:
+            workers.handover(current[0])
+            await journals.recovered_after(time.time(), current[1], _PROGRESS)
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{name} did not come to lead within {_PROGRESS} s")
+
+
+async def _inject(stack: HaStack, bouncer: PgBouncer, kind: str, record: FaultRecord) -> None:
+    """Inject ``kind`` on the primary ``record.old``; returns once a primary accepts writes
+    (or, for PgBouncer, once it serves again)."""
     old = record.old
     record.started = time.time()
+    if kind == "restart_pgbouncer":
+        await asyncio.to_thread(bouncer.restart, "kill")
+        record.new = old
+        record.writable_at = time.time()
+        return
     if kind == "switchover":
         _, record.new = await stack.switchover()
     elif kind == "kill_postmaster":
@@ -404,7 +474,9 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
     started = time.time()
     primary = await stack.wait_primary()
     await _prepare(stack.node_url(primary))
-    workers = _Workers(stack, profile, workdir, seed)
+    bouncer = PgBouncer(stack.haproxy_url())
+    await asyncio.to_thread(bouncer.start)
+    workers = _Workers(stack, bouncer, profile, workdir, seed)
     journals = _Journals(workers)
     run = HaRun(profile, report=Report(profile.name, seed, True, profile.timing, 0, 0, []))
     await workers.start(deadline=time.time() + 600 + 120 * len(profile.faults))
@@ -413,10 +485,27 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
             run.problems.append(f"no instance acknowledged within {_PROGRESS} s of the start")
             return run
         for kind in profile.faults:
+            if kind == "restart_pgbouncer":
+                await _lead_with(workers, journals, "w2")
             epoch = journals.last_epoch()
             record = FaultRecord(kind, old=await stack.wait_primary())
             run.faults.append(record)
-            await asyncio.wait_for(_inject(stack, kind, record), 120)
+            await asyncio.wait_for(_inject(stack, bouncer, kind, record), 120)
+            if kind in _NO_TAKEOVER:
+                ack = await journals.acked_by_after("w2", record.writable_at, _PROGRESS)
+                if ack is None:
+                    run.problems.append(f"{kind}: w2 acknowledged nothing within {_PROGRESS} s")
+                    break
+                record.epoch, record.recovered_at, record.recovery_seconds = ack.epoch, ack.at, 0
+                if ack.epoch != epoch:
+                    run.problems.append(f"{kind}: leadership moved ({epoch} -> {ack.epoch})")
+                if record.writable_to_recovered > _RETRY_MAX + SLACK:
+                    run.problems.append(
+                        f"{kind}: w2 committed again {record.writable_to_recovered:.3f} s after "
+                        f"PgBouncer came back (bound {_RETRY_MAX + SLACK} s)"
+                    )
+                record.healed_at = time.time()
+                continue
             found = await journals.recovered_after(record.started, epoch, _PROGRESS)
             if found is None:
                 run.problems.append(f"{kind}: no new store leader recovered within {_PROGRESS} s")
@@ -435,7 +524,10 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
                 run.problems.append(f"{kind}: no acknowledgement within {_PROGRESS} s of healing")
                 break
     finally:
-        await workers.stop()
+        try:
+            await workers.stop()
+        finally:
+            await asyncio.to_thread(bouncer.destroy)
     ended = time.time()
     admin = stack.node_url(await stack.wait_primary())
     rows = await admin_execute(admin, f'SELECT id, status, attempt FROM "{SCHEMA}".cronoq_tasks')
