@@ -358,21 +358,25 @@ class HaStack:
         status, _ = await _http_json(f"{node.rest}/{role}", timeout=1.0)
         return status == 200
 
-    async def healthy(self) -> bool:
-        """A primary, every other node streaming, and (sync modes) a synchronous standby."""
+    async def healthy(self, *, standbys: int | None = None) -> bool:
+        """A primary, ``standbys`` standbys streaming (default: every other node), and in
+        the synchronous modes a synchronous standby among them."""
+        wanted = len(self.nodes) - 1 if standbys is None else standbys
         members = await self.cluster()
-        if len(members) != len(self.nodes):
-            return False
         leaders = [m for m in members if m.get("role") == "leader" and m["state"] == "running"]
         streaming = [m for m in members if m.get("state") == "streaming"]
-        if len(leaders) != 1 or len(streaming) != len(self.nodes) - 1:
+        if len(leaders) != 1 or len(streaming) < wanted:
             return False
         if self.sync != "off" and not any(m.get("role") == "sync_standby" for m in members):
             return False
         return await self.primary() == str(leaders[0]["name"])
 
-    async def wait_healthy(self, timeout: float = _BOOT) -> None:
-        await self._wait(self.healthy, timeout, "the cluster to be healthy")
+    async def wait_healthy(self, *, standbys: int | None = None, timeout: float = _BOOT) -> None:
+        await self._wait(
+            lambda: self.healthy(standbys=standbys),
+            timeout,
+            f"a primary with {standbys or 'every other node'} streaming",
+        )
 
     async def wait_primary(self, *, other_than: str | None = None, timeout: float = _BOOT) -> str:
         """Wait for a primary (other than ``other_than``); returns its name."""
@@ -483,13 +487,12 @@ class HaStack:
         self.node(name).etcd_link.forward()
 
     async def restart_cluster(self) -> None:
-        """Stop every node (primary last, as an operator would), then start them all."""
+        """Stop every node (the standbys, then the primary, as an operator would), then
+        start them all."""
         primary = await self.primary()
-        order = [n.name for n in self.nodes if n.name != primary]
+        await asyncio.gather(*(self.stop_node(n.name) for n in self.nodes if n.name != primary))
         if primary is not None:
-            order.append(primary)
-        for name in order:
-            await self.stop_node(name)
+            await self.stop_node(primary)
         for node in self.nodes:
             self.spawn(node)
 
@@ -509,6 +512,8 @@ class HaStack:
         entry = ensure_user_exists(SYSTEM_USER)
         assert entry is not None, f"could not create the system user {SYSTEM_USER}"
         ensure_prefix_permissions(self.bin_dir)
+        # Patroni runs on this interpreter (a virtualenv's, under nox) as that user.
+        ensure_prefix_permissions(Path(sys.executable))
         read, execute = 0o044, 0o011
         ensure_folder_permissions(self.bin_dir, read | execute)
         ensure_folder_permissions(self.bin_dir.parent / "lib", read)
@@ -566,6 +571,11 @@ class HaStack:
                     # the tests exercise.
                     "fsync": "off",
                     "full_page_writes": "on",
+                    # Each node's server log in data/log, naming the client of each line.
+                    "logging_collector": "on",
+                    "log_directory": "log",
+                    "log_filename": "postgresql.log",
+                    "log_line_prefix": "%m [%p] %a: ",
                 },
             },
         }
@@ -696,6 +706,17 @@ listen primary
                 if s.connect_ex(("127.0.0.1", port)) != 0:
                     return
             await asyncio.sleep(0.05)
+
+    def server_log_lines(self, *needles: str) -> list[str]:
+        """Lines of every node's server log that contain one of ``needles``."""
+        found = []
+        for node in self.nodes:
+            for path in sorted((node.data_dir / "log").glob("*.log")):
+                with contextlib.suppress(OSError):
+                    for line in path.read_text(errors="replace").splitlines():
+                        if any(n in line for n in needles):
+                            found.append(f"{node.name}: {line}")
+        return found
 
     def diagnostics(self, lines: int = 15) -> str:
         """The tail of every log of the stack (no secrets: passwords are not logged)."""

@@ -44,7 +44,11 @@ async def test_acknowledged_work_survives_patroni_failovers_and_the_store_follow
 
     report = run.report
     assert not run.problems, run.summary()
-    violations = [v for v in report.violations if not (profile.loss_allowed and v.prop == 1)]
+    # Under asynchronous replication a failover may lose acknowledged commits, and with
+    # them an epoch bump (the next leader takes that epoch again): measured, not forbidden.
+    violations = [
+        v for v in report.violations if not (profile.loss_allowed and v.prop in (1, 2, 3))
+    ]
     assert not violations, report.failure()
     # Every fault moved leadership to a new epoch, and the store kept acknowledging.
     assert len(run.faults) == len(profile.faults), run.summary()
