@@ -73,6 +73,8 @@ DCS = {"ttl": 20, "loop_wait": 1, "retry_timeout": 4}
 
 #: HAProxy ends the sessions of a node that fails the check (a demoted primary's clients).
 _ON_DOWN = "on-marked-down shutdown-sessions"
+#: Attempts at a switchover that Patroni refuses (a candidate not ready yet).
+_SWITCHOVER_TRIES = 10
 #: Bounds on waiting for the stack (seconds).
 _BOOT = 90.0
 _STOP = 30.0
@@ -415,30 +417,36 @@ class HaStack:
     async def switchover(self) -> tuple[str, str]:
         """``patronictl switchover --force`` (Patroni picks the candidate: in synchronous
         mode the synchronous standby); returns ``(old, new)`` primary once the new one
-        passes ``/primary``."""
-        old = await self.wait_primary()
-        result = await asyncio.to_thread(
-            subprocess.run,
-            [
-                sys.executable,
-                "-c",
-                "from patroni.ctl import ctl; ctl()",
-                "-c",
-                str(self.node(old).config_file),
-                "switchover",
-                self.scope,
-                "--leader",
-                old,
-                "--force",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"patronictl switchover failed: {result.stdout}{result.stderr}")
-        return old, await self.wait_primary(other_than=old)
+        passes ``/primary``. Waits for a standby to switch to first; patronictl exits 0
+        when Patroni refuses (no healthy candidate yet), so a refusal is retried."""
+        for _ in range(_SWITCHOVER_TRIES):
+            await self.wait_healthy(standbys=1)
+            old = await self.wait_primary()
+            result = await asyncio.to_thread(
+                subprocess.run,
+                [
+                    sys.executable,
+                    "-c",
+                    "from patroni.ctl import ctl; ctl()",
+                    "-c",
+                    str(self.node(old).config_file),
+                    "switchover",
+                    self.scope,
+                    "--leader",
+                    old,
+                    "--force",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"patronictl switchover failed: {result.stdout}{result.stderr}")
+            if "failed" not in result.stdout.lower():
+                return old, await self.wait_primary(other_than=old)
+            await asyncio.sleep(1)
+        raise RuntimeError(f"Patroni refused every switchover: {result.stdout}")
 
     def kill_postmaster(self, name: str) -> int:
         """SIGKILL the postmaster of ``name`` (Patroni lives on); returns its pid."""

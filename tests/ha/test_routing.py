@@ -8,6 +8,8 @@ qualifies, so a standby, or a demoted primary, is skipped at connect time.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cronoq_store import (
@@ -74,3 +76,31 @@ async def test_multi_host_url_and_haproxy_reach_the_primary_follow_a_switchover_
     with pytest.raises(StoreError, match=r"read-only|recovery"):
         async with await PgStore.connect(url, PgStoreConfig(schema="routing")):
             pass
+
+
+async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_leads_a_standby(
+    two_node_stack: HaStack,
+) -> None:
+    """A store whose URL names one node (no routing) meets the demotion itself: its lock
+    session ends, it steps down, and every later attempt meets ``25006`` on the standby
+    (the epoch bump cannot write there) until the node is primary again."""
+    stack = two_node_stack
+    first = await stack.wait_primary()
+    config = PgStoreConfig(
+        schema="demoted", lock_poll=0.2, keepalive=0.5, session_timeout=3, application_name="pin"
+    )
+    async with await PgStore.connect(stack.node_url(first), config) as store:
+        epoch = await store.acquire_leadership()
+        await stack.switchover()
+        await asyncio.wait_for(store.leadership_lost(), 10)
+        assert not store.is_leader
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(store.acquire_leadership(), 4)
+        refused = stack.server_log_lines("pin leader: ERROR:  cannot execute UPDATE in a read-only")
+        assert refused, "the store never tried to bump the epoch on the standby"
+        assert all(line.startswith(f"{first}:") for line in refused)
+        # Once Patroni moves the primary back, the same store leads again, with a new epoch.
+        await stack.switchover()
+        assert await stack.wait_primary() == first
+        assert await asyncio.wait_for(store.acquire_leadership(), 15) == epoch + 1
+        await store.release_leadership()

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -190,6 +191,7 @@ class FaultRecord:
         return self.recovered_at - self.started
 
 
+_LOST = re.compile(r" in epoch (\d+), but ")
 _TORTURE_ONLY = ("faults injected", "takeovers after a fault", "  lock free", "unprovoked")
 
 
@@ -203,6 +205,17 @@ class HaRun:
     #: Server-log errors the store's sessions met on a demoted primary (25006, "during
     #: recovery"), per instance.
     read_only_errors: dict[str, int] = field(default_factory=dict)
+    #: Epochs a new leader took again after a failover lost their bump (asynchronous).
+    epochs_reused: list[int] = field(default_factory=list)
+
+    def lost_by_epoch(self) -> dict[int, int]:
+        """Acknowledged mutations the checker found lost, by the epoch that acknowledged."""
+        lost: dict[int, int] = {}
+        for v in self.report.violations:
+            match = _LOST.search(v.summary) if v.prop == 1 else None
+            if match:
+                lost[int(match.group(1))] = lost.get(int(match.group(1)), 0) + 1
+        return lost
 
     def figures(self) -> dict[str, Any]:
         by_kind: dict[str, dict[str, Any]] = {}
@@ -226,6 +239,19 @@ class HaRun:
             "bound_s": f"{MAX_RETRY_DELAY} + {t.lock_poll} + recovery + {SLACK}",
             "faults": by_kind,
             "read_only_errors": self.read_only_errors,
+            "epochs_reused": self.epochs_reused,
+            "lost_by_epoch": self.lost_by_epoch(),
+            "fault_log": [
+                {
+                    "kind": f.kind,
+                    "old": f.old,
+                    "new": f.new,
+                    "at_s": round(f.started - self.report.started, 3),
+                    "epoch": f.epoch,
+                    "writable_to_recovered_s": round(f.writable_to_recovered, 3),
+                }
+                for f in self.faults
+            ],
             "checker": self.report.figures(),
             "problems": self.problems,
         }
@@ -251,6 +277,16 @@ class HaRun:
                 f"max {f['fault_to_recovered_max_s']} s"
             )
         lines.append(f"  errors on a read-only server, per instance: {self.read_only_errors}")
+        if self.epochs_reused or self.report.lost:
+            lines.append(
+                f"  epochs taken again after a failover lost their bump: {self.epochs_reused}; "
+                f"lost acknowledged mutations by epoch: {self.lost_by_epoch()}"
+            )
+        lines += [
+            f"  fault {f.kind}: {f.old} -> {f.new}, epoch {f.epoch}"
+            for f in self.faults
+            if f.epoch in self.lost_by_epoch() or f.epoch in self.epochs_reused
+        ]
         lines += [f"problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -394,14 +430,15 @@ class _Journals:
         return read_history(self.workers.journals())
 
     async def recovered_after(
-        self, at: float, epoch_above: int, timeout: float
+        self, at: float, epoch_above: int, timeout: float, *, any_epoch: bool = False
     ) -> tuple[int, float, float] | None:
         """``(epoch, when, recovery seconds)`` of the first recovery of an epoch above
-        ``epoch_above`` after ``at``, waiting up to ``timeout``."""
+        ``epoch_above`` (of any epoch, with ``any_epoch``: a failover that lost the last
+        bump hands the same epoch out again) after ``at``, waiting up to ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for rec in self.history().recoveries:
-                if rec.at >= at and rec.epoch > epoch_above:
+                if rec.at >= at and (any_epoch or rec.epoch > epoch_above):
                     return rec.epoch, rec.at, rec.seconds
             await asyncio.sleep(0.2)
         return None
@@ -524,11 +561,16 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
                     )
                 record.healed_at = time.time()
                 continue
-            found = await journals.recovered_after(record.started, epoch, _PROGRESS)
+            found = await journals.recovered_after(
+                record.started, epoch, _PROGRESS, any_epoch=profile.loss_allowed
+            )
             if found is None:
                 run.problems.append(f"{kind}: no new store leader recovered within {_PROGRESS} s")
                 break
             record.epoch, record.recovered_at, record.recovery_seconds = found
+            if record.epoch <= epoch:
+                # Only a failover that lost the bump of epoch `epoch` hands it out again.
+                run.epochs_reused.append(record.epoch)
             bound = takeover_bound(profile.timing, record.recovery_seconds)
             if record.writable_to_recovered > bound:
                 run.problems.append(
