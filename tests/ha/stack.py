@@ -726,6 +726,14 @@ listen primary
                             found.append(f"{node.name}: {line}")
         return found
 
+    def keep_logs(self, dest: Path) -> None:
+        """Copy every log of the stack (etcd, Patroni, HAProxy, each server) into ``dest``."""
+        for path in self.base.rglob("*.log"):
+            target = dest / path.relative_to(self.base)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copyfile(path, target)
+
     def diagnostics(self, lines: int = 15) -> str:
         """The tail of every log of the stack (no secrets: passwords are not logged)."""
         parts = []

@@ -1,12 +1,14 @@
-"""The store on Patroni + etcd + HAProxy under load, through switchovers, failovers, a
-primary cut off from etcd and whole-cluster restarts: nothing acknowledged is lost, no
-deposed leader writes, and the store follows the new primary within a stated bound.
+"""The store on Patroni + etcd + HAProxy + PgBouncer under load, through switchovers,
+failovers, a primary cut off from etcd, PgBouncer and whole-cluster restarts: nothing
+acknowledged is lost, no deposed leader writes, and the store follows the new primary
+within a stated bound.
 
-The short profile (each fault kind twice, about 3 minutes) runs in the default suite;
+The short profile (each fault kind twice, about 3.5 minutes) runs in the default suite;
 ``CRONOQ_HA_PROFILE=long`` (each six times), ``async`` (asynchronous replication: losses
 measured, not forbidden) and ``strict`` (``synchronous_mode_strict``) run from
 ``nox -s ha_long``. ``CRONOQ_HA_SEED`` replays a run's choices, ``CRONOQ_HA_DIR`` keeps its
-journals, logs and ``ha-report.json``. See tests/ha/workload.py and docs/operations.md.
+journals, the workers' and the stack's logs and ``ha-report.json``. See
+tests/ha/workload.py and docs/operations.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ async def test_acknowledged_work_survives_patroni_failovers_and_the_store_follow
     try:
         run = await run_ha(stack, profile, workdir, seed)
     finally:
+        if os.environ.get("CRONOQ_HA_DIR"):
+            stack.keep_logs(workdir / "stack")
         await stack.close()
     print(run.summary())
     left = stack.leftovers()
