@@ -30,7 +30,9 @@ from typing import Literal
 import pytest
 from sqlalchemy.engine import URL
 
-__all__ = ["PgBouncer", "require_pgbouncer"]
+from cronoq_store.statements import SEARCH_PATH
+
+__all__ = ["PgBouncer", "require_pgbouncer", "store_connect_query", "store_settings"]
 
 #: Where Debian puts the binary (``/usr/sbin`` is not on every user's PATH).
 _CANDIDATES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer")
@@ -38,6 +40,28 @@ _SYSTEM_USER = "embedded_postgres"
 _START_TIMEOUT = 15.0
 
 StopMode = Literal["term", "kill"]
+
+
+def store_connect_query(session_timeout: float) -> str:
+    """The database entry's ``connect_query`` docs/reliability.md asks for ("PgBouncer"): the
+    settings a store pool's sessions cannot send through PgBouncer themselves."""
+    return (
+        f"SET search_path = {SEARCH_PATH}; "
+        f"SET idle_in_transaction_session_timeout = {round(session_timeout * 1000)}"
+    )
+
+
+def store_settings(session_timeout: float) -> dict[str, str]:
+    """The ``[pgbouncer]`` settings docs/reliability.md asks for, scaled to the stores'
+    ``session_timeout``."""
+    return {
+        "idle_transaction_timeout": str(round(session_timeout)),
+        "tcp_keepalive": "1",
+        "tcp_keepidle": str(round(session_timeout)),
+        "tcp_keepintvl": "1",
+        "tcp_keepcnt": "3",
+        "tcp_user_timeout": str(round(session_timeout * 1000)),
+    }
 
 
 def find_pgbouncer() -> str | None:

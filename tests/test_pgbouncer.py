@@ -48,25 +48,14 @@ from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
 from cronoq_store.writer import STAGE_MIN_ROWS
 
-from .pgbouncer import PgBouncer
+from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute
 
 BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
 #: What the store's PgBouncer database entry runs on each server connection it opens.
-STORE_ENTRY = (
-    f"SET search_path = {SEARCH_PATH}; "
-    f"SET idle_in_transaction_session_timeout = {round(SESSION_TIMEOUT * 1000)}"
-)
-#: The ``[pgbouncer]`` settings docs/reliability.md asks for, scaled to ``SESSION_TIMEOUT``.
-PGBOUNCER_SETTINGS = {
-    "idle_transaction_timeout": str(round(SESSION_TIMEOUT)),
-    "tcp_keepalive": "1",
-    "tcp_keepidle": str(round(SESSION_TIMEOUT)),
-    "tcp_keepintvl": "1",
-    "tcp_keepcnt": "3",
-    "tcp_user_timeout": str(round(SESSION_TIMEOUT * 1000)),
-}
+STORE_ENTRY = store_connect_query(SESSION_TIMEOUT)
+PGBOUNCER_SETTINGS = store_settings(SESSION_TIMEOUT)
 _seq = itertools.count(1)
 
 

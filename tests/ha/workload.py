@@ -63,7 +63,7 @@ from cronoq_store import migrations
 from cronoq_store.retry import COMMIT_BACKOFF
 from cronoq_store.urls import async_url
 
-from ..pgbouncer import PgBouncer
+from ..pgbouncer import PgBouncer, store_connect_query, store_settings
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..torture import audit
 from ..torture.checker import Report, check, percentile
@@ -530,7 +530,12 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
     started = time.time()
     primary = await stack.wait_primary()
     await _prepare(stack.node_url(primary))
-    bouncer = PgBouncer(stack.haproxy_url())
+    session_timeout = profile.timing.session_timeout
+    bouncer = PgBouncer(
+        stack.haproxy_url(),
+        connect_query=store_connect_query(session_timeout),
+        settings=store_settings(session_timeout),
+    )
     await asyncio.to_thread(bouncer.start)
     workers = _Workers(stack, bouncer, profile, workdir, seed)
     journals = _Journals(workers)
