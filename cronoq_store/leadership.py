@@ -237,7 +237,7 @@ class Leadership:
                         raise error from exc
                     pause = next(delays)
                     logger.warning(
-                        "cannot reach the database to acquire leadership; retrying",
+                        "acquiring leadership failed transiently (see error); retrying",
                         extra={
                             "schema": self._schema,
                             "url": redact(self._url),
