@@ -1,7 +1,7 @@
-"""What the search_path hand-over costs a borrowed engine (``from_engine``) per commit.
+"""What setting the search_path per transaction costs a borrowed engine (``from_engine``).
 
 The store's own pool (``connect``) gets ``search_path = pg_catalog, pg_temp`` at connect;
-a borrowed session gets it for each commit and its own back afterwards (two statements).
+on a borrowed session each commit is a transaction that sets it for itself first.
 This times one-statement commits (one status change) back to back, the two kinds of store
 alternating trial by trial on one embedded server, and prints the medians.
 

@@ -86,14 +86,12 @@ __all__ = [
     "recurring_schedules",
     "refuse_foreign_owner",
     "remove_recurring",
-    "restore_search_path",
     "schema_oid",
     "server_encoding",
     "session_search_path",
     "set_local_search_path",
     "stage",
     "store_outputs",
-    "take_search_path",
     "task_by_id",
     "task_by_key",
     "task_output",
@@ -612,28 +610,6 @@ session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
 #: A given ``search_path`` until the end of the current transaction.
 set_local_search_path = select(
     func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
-)
-
-_previous = (
-    select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME).label("path"))
-    .cte("previous")
-    .prefix_with("MATERIALIZED")
-)
-#: The session's ``search_path``, then :data:`SEARCH_PATH` for the session, in one round
-#: trip: for a borrowed connection used outside a transaction (commits on the driver
-#: connection). ``MATERIALIZED`` reads the old value before the outer select sets the new.
-take_search_path = select(
-    _previous.c.path,
-    func.pg_catalog.set_config(
-        _SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), literal_column("false")
-    ),
-)
-
-#: Give a borrowed session back its own ``search_path`` (read by :data:`take_search_path`).
-restore_search_path = select(
-    func.pg_catalog.set_config(
-        _SEARCH_PATH_NAME, bindparam("path", type_=Text), literal_column("false")
-    )
 )
 
 # --- offline migration script -------------------------------------------------------------

@@ -82,6 +82,11 @@ class PgStore:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
+        # Sessions that may not run under the store's search_path: an application's (its
+        # own path), or any server connection a transaction-pooling PgBouncer hands out
+        # (whatever another client of its pool left set). Every transaction of the store
+        # then sets the store's path for itself.
+        self._pins_path = not owns_engine or not config.prepared_statements
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
@@ -89,10 +94,7 @@ class PgStore:
             engine,
             config.schema,
             may_stage=may_stage,
-            # A borrowed session gets the store's search_path for each commit, and its own
-            # back after; behind PgBouncer (no prepared statements) those would land on other
-            # server sessions, so there the session's own was checked to be the store's at open.
-            swap_search_path=not owns_engine and config.prepared_statements,
+            pin_search_path=self._pins_path,
             on_fenced=self._fenced_out,
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
@@ -380,10 +382,10 @@ class PgStore:
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
         """A pooled connection in a transaction, with the cluster's schema applied, under
-        the store's search_path (a borrowed session's own returns when the transaction
-        ends: one more round trip per read)."""
+        the store's search_path (set for the transaction alone where the session may hold
+        another: one more round trip per read)."""
         async with self._db.begin() as conn:
-            if not self._owns_engine:
+            if self._pins_path:
                 await conn.execute(st.local_search_path)
             yield conn
 

@@ -106,11 +106,19 @@ class BatchWriter:
     """Writes folded batches for one cluster; ``write`` says what it found.
 
     ``stage_min_rows`` is where staging by COPY starts (``None``: never, for a role that
-    may not create temporary tables).
+    may not create temporary tables). ``pin_search_path``: the sessions may run under a
+    search_path that is not the store's (an application's engine, or PgBouncer handing out
+    any server connection), so every statement runs in a transaction that first sets the
+    store's with ``SET LOCAL`` semantics; the one-statement fast paths are off then.
     """
 
     def __init__(
-        self, dialect: Dialect, schema: str, *, stage_min_rows: int | None = STAGE_MIN_ROWS
+        self,
+        dialect: Dialect,
+        schema: str,
+        *,
+        stage_min_rows: int | None = STAGE_MIN_ROWS,
+        pin_search_path: bool = False,
     ) -> None:
         self._stage_min_rows = stage_min_rows
 
@@ -127,6 +135,7 @@ class BatchWriter:
         self._create_stage = compiled(st.create_stage)
         self._insert_from_stage = compiled(st.insert_from_stage)
         self._colliding_ids = compiled(st.colliding_ids)
+        self._pin = compiled(st.local_search_path) if pin_search_path else None
         self._recurring = {
             RecurringAction.UPSERT: compiled(st.upsert_recurring),
             RecurringAction.REMOVE: compiled(st.remove_recurring),
@@ -169,17 +178,22 @@ class BatchWriter:
 
     async def _colliding(self, conn: Any, batch: FoldedBatch) -> list[int]:
         stmt = self._colliding_ids
-        return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+        if self._pin is None:
+            return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+        async with conn.transaction():
+            await conn.execute(self._pin.sql)
+            return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
 
     async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
         # One statement when the batch holds one kind of write that has a fenced form.
         writes = batch.writes()
-        if writes == ("insert_rows",) and not self._staged(batch):
+        fast = self._pin is None
+        if fast and writes == ("insert_rows",) and not self._staged(batch):
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
-        if writes == ("updates",):
+        if fast and writes == ("updates",):
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
                 stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
@@ -190,6 +204,8 @@ class BatchWriter:
         transaction = conn.transaction()
         await transaction.start()
         try:
+            if self._pin is not None:
+                await conn.execute(self._pin.sql)
             await self._write_in_transaction(conn, epoch, batch, writes)
         except _Stale as stale:
             await transaction.rollback()
@@ -256,8 +272,9 @@ class CommitPath:
     """The store's commits: a pooled connection's driver connection, the
     :class:`BatchWriter` (``writer``), and what it found turned into errors.
 
-    ``swap_search_path``: the engine is an application's, whose sessions keep its own
-    search_path, so each commit sets the store's and gives the old one back.
+    ``pin_search_path``: the sessions may not run under the store's search_path (an
+    application's engine, or a transaction-pooling PgBouncer): every commit sets it for its
+    own transaction (:class:`BatchWriter`), so nothing is left on the session either.
     ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
     """
 
@@ -267,23 +284,17 @@ class CommitPath:
         schema: str,
         *,
         may_stage: bool,
-        swap_search_path: bool,
+        pin_search_path: bool,
         on_fenced: Callable[[], None],
     ) -> None:
         self._engine = engine
         self._on_fenced = on_fenced
         self.writer = BatchWriter(
-            engine.dialect, schema, stage_min_rows=STAGE_MIN_ROWS if may_stage else None
+            engine.dialect,
+            schema,
+            stage_min_rows=STAGE_MIN_ROWS if may_stage else None,
+            pin_search_path=pin_search_path,
         )
-        # A borrowed engine's sessions keep the application's search_path: a commit sets
-        # the store's own (statements.SEARCH_PATH) while it uses one and gives the old back.
-        self._take_path: CompiledStatement | None = None
-        self._restore_path: CompiledStatement | None = None
-        if swap_search_path:
-            self._take_path = CompiledStatement.of(st.take_search_path, engine.dialect, schema)
-            self._restore_path = CompiledStatement.of(
-                st.restore_search_path, engine.dialect, schema
-            )
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
         """Write ``batch`` under ``epoch``; ``IdCollisionError`` or ``FencedError`` if it
@@ -308,16 +319,11 @@ class CommitPath:
         SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
         (closed, still in a transaction, or interrupted by a timeout or a driver error) is
         invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back. A borrowed engine's session runs under
-        the store's search_path and gets its own back before it returns to the pool (two
-        round trips per commit; the store's own sessions have it from the start).
+        usable: asyncpg rolled the transaction back.
         """
         pooled = await self._engine.raw_connection()
         driver: Any = pooled.driver_connection
-        borrowed_path: str | None = None
         try:
-            if self._take_path is not None:
-                borrowed_path = await driver.fetchval(self._take_path.sql)
             yield driver
         except BaseException as exc:
             clean = (
@@ -334,20 +340,9 @@ class CommitPath:
                 pooled.invalidate()
             raise
         finally:
-            try:
-                if borrowed_path is not None and self._restore_path is not None and pooled.is_valid:
-                    args = self._restore_path.args({"path": borrowed_path})
-                    try:
-                        await driver.execute(self._restore_path.sql, *args)
-                    except BaseException:
-                        # Never back to the application with our search_path.
-                        driver.terminate()
-                        pooled.invalidate()
-                        raise
-            finally:
-                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
-                # the pool's reset-on-return may call the driver; it has nothing to roll back.
-                await greenlet_spawn(pooled.close)
+            # Back to the pool (or, invalidated, discarded). Inside a greenlet, because the
+            # pool's reset-on-return may call the driver; it has nothing to roll back.
+            await greenlet_spawn(pooled.close)
 
 
 def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import URL
@@ -49,7 +50,7 @@ from cronoq_store.urls import async_url
 from cronoq_store.writer import STAGE_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
-from .pgharness import ServerUnderTest, admin_execute
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
 
 BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
@@ -290,6 +291,56 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
         assert await store.load_output(TaskId(task_id(epoch, 7))) == b"out 7"
         assert await store.prune(0) == 20
         assert len(await stored(pg_url, schema)) == 40 + STAGE_MIN_ROWS
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_a_search_path_another_client_left_on_a_server_connection_never_reaches_a_commit(
+    bouncer: PgBouncer, pg_url: URL, schema: str, shared: bool
+) -> None:
+    """In transaction pooling a session-level ``SET search_path`` stays on the server
+    connection for its next client. Another client of the store's entry leaves one that
+    puts a schema anyone can write first, holding an exact-match ``=`` for integers (the
+    epoch check's): none of the store's commits or reads may run that operator."""
+    evil = f"{schema}_evil"
+    for statement in (
+        f"CREATE SCHEMA {evil}",
+        f"CREATE TABLE {evil}.calls (who text)",
+        f"GRANT ALL ON SCHEMA {evil} TO PUBLIC",
+        f"GRANT ALL ON {evil}.calls TO PUBLIC",
+        f"CREATE FUNCTION {evil}.eq(a integer, b integer) RETURNS boolean LANGUAGE sql AS "
+        f"$$ INSERT INTO {evil}.calls VALUES (current_user) "
+        "RETURNING a OPERATOR(pg_catalog.=) b $$",
+        f"CREATE OPERATOR {evil}.= (LEFTARG = integer, RIGHTARG = integer, FUNCTION = {evil}.eq)",
+    ):
+        await admin_execute(pg_url, statement)
+    async with store_behind(bouncer, pg_url, behind(schema), shared=shared) as store:
+        epoch = await store.acquire_leadership()
+        # The other client: both server connections of the pool get its search_path.
+        others = [
+            await asyncpg.connect(asyncpg_dsn(bouncer.url()), statement_cache_size=0)
+            for _ in range(2)
+        ]
+        try:
+            transactions = [other.transaction() for other in others]
+            for transaction in transactions:
+                await transaction.start()
+            for other in others:
+                await other.execute(f"SET search_path = {evil}, pg_catalog")
+            for transaction in transactions:
+                await transaction.commit()
+        finally:
+            for other in others:
+                await other.close()
+        for n in range(4):
+            await store.commit(epoch, BASE, [submitted(epoch, n)], [])
+        await store.commit(epoch, BASE, [changed(epoch, 0, TaskStatus.RUNNING)], [])
+        big = [submitted(epoch, 100 + n) for n in range(STAGE_MIN_ROWS)]
+        await store.commit(epoch, BASE, big, [])
+        assert (await store.get_task(task_id(epoch, 0))) is not None
+        recovered = await store.recover(BASE)
+        assert len(recovered.tasks) == 4 + STAGE_MIN_ROWS
+    calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
+    assert calls[0]["n"] == 0
 
 
 async def test_group_commit_behind_pgbouncer(bouncer: PgBouncer, pg_url: URL, schema: str) -> None:
