@@ -95,7 +95,8 @@ def _check_int(name: str, value: object, low: int, high: int, requirement: str) 
         raise _invalid(name, requirement, value)
 
 
-def _check_id(name: str, value: object) -> None:
+def check_task_id(name: str, value: object) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int in BIGINT's range from 0."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= I64_MAX:
         raise _invalid(name, "a task id in 0..2**63-1", value)
 
@@ -266,7 +267,7 @@ class Dependency:
             if not t:
                 raise _invalid("target", "a task id or a non-empty key", t)
         else:
-            _check_id("target", t)
+            check_task_id("target", t)
         if not isinstance(self.condition, DependencyCondition):
             raise _invalid("condition", "a DependencyCondition", self.condition)
 
@@ -467,7 +468,7 @@ class Submitted:
     def __post_init__(self) -> None:
         id_, seq, arrival = self.id, self.seq, self.arrival
         if type(id_) is not int or not 0 <= id_ <= I64_MAX:
-            _check_id("id", id_)
+            check_task_id("id", id_)
         if type(seq) is not int or not 0 <= seq <= I64_MAX:
             _check_int("seq", seq, 0, I64_MAX, "an integer in 0..2**63-1")
         if type(arrival) is not int or not I64_MIN <= arrival <= I64_MAX:
@@ -493,7 +494,7 @@ class StatusChanged:
     def __post_init__(self) -> None:
         id_, attempt, at, message = self.id, self.attempt, self.at, self.message
         if type(id_) is not int or not 0 <= id_ <= I64_MAX:
-            _check_id("id", id_)
+            check_task_id("id", id_)
         if not isinstance(self.status, TaskStatus):
             raise _invalid("status", "a TaskStatus", self.status)
         if type(attempt) is not int or not 0 <= attempt <= _I32_MAX:
@@ -535,7 +536,7 @@ class RecurringNext:
         if self.next is not None:
             _check_engine_time("next", self.next)
         if self.last is not None:
-            _check_id("last", self.last)
+            check_task_id("last", self.last)
 
 
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext

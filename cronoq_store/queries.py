@@ -18,31 +18,41 @@ from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import statements as st
-from .domain import TaskId, TaskRecord, TaskRef, TaskStatus, clean_text
+from .domain import I64_MAX, TaskId, TaskRecord, TaskRef, TaskStatus, check_task_id, clean_text
 from .rows import task_record
 
 __all__ = [
+    "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
     "finished_params",
     "get_task",
     "list_finished",
     "load_output",
+    "lookup_params",
     "prune",
     "prune_cutoff",
 ]
 
 #: Rows deleted per statement by :func:`prune`: short transactions, bounded locks.
 PRUNE_BATCH = 1000
+#: The oldest ``older_than`` :func:`prune_cutoff` takes, in seconds (100 years): cutoffs are
+#: Unix nanoseconds in a BIGINT, which ends 292 years from 1970.
+MAX_PRUNE_AGE = 36500 * 86400
 
 
-async def get_task(conn: AsyncConnection, ref: TaskRef) -> TaskRecord | None:
-    """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
-    stmt: Executable
-    params: dict[str, object]
+def lookup_params(ref: TaskRef) -> dict[str, object]:
+    """The parameters of :func:`get_task`: a cleaned key, or an id (``ValueError`` for an
+    id no task can have, rather than a database error or a silent miss)."""
     if isinstance(ref, str):
-        stmt, params = st.task_by_key, {"key": clean_text(ref)}
-    else:
-        stmt, params = st.task_by_id, {"id": int(ref)}
+        return {"key": clean_text(ref)}
+    check_task_id("ref", ref)
+    return {"id": int(ref)}
+
+
+async def get_task(conn: AsyncConnection, params: dict[str, object]) -> TaskRecord | None:
+    """The task with an id, or the newest task with a key (parameters from
+    :func:`lookup_params`)."""
+    stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
     row = (await conn.execute(stmt, params)).first()
     return None if row is None else task_record(*row)
 
@@ -50,9 +60,12 @@ async def get_task(conn: AsyncConnection, ref: TaskRef) -> TaskRecord | None:
 def finished_params(
     pools: Sequence[str], statuses: Sequence[TaskStatus], after: TaskId | None, limit: int
 ) -> dict[str, Any]:
-    """The parameters of a page of :func:`list_finished`; ``ValueError`` for a bad limit."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ValueError(f"limit: must be a non-negative integer, got {limit!r}")
+    """The parameters of a page of :func:`list_finished`; ``ValueError`` for a bad limit or
+    ``after``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= I64_MAX:
+        raise ValueError(f"limit: must be an integer in 0..2**63-1, got {limit!r}")
+    if after is not None:
+        check_task_id("after", after)
     return {
         "pools": [clean_text(p) for p in pools],
         "statuses": [s.value for s in statuses],
@@ -79,10 +92,11 @@ def prune_cutoff(older_than: float) -> int:
         isinstance(older_than, bool)
         or not isinstance(older_than, (int, float))
         or not math.isfinite(older_than)
-        or older_than < 0
+        or not 0 <= older_than <= MAX_PRUNE_AGE
     ):
         raise ValueError(
-            f"older_than: must be a non-negative number of seconds, got {older_than!r}"
+            f"older_than: must be a number of seconds in 0..{MAX_PRUNE_AGE} (100 years), "
+            f"got {older_than!r}"
         )
     return time.time_ns() - round(older_than * 1e9)
 

@@ -30,7 +30,16 @@ from sqlalchemy.pool import Pool, PoolProxiedConnection
 from . import migrations, queries, recovery
 from . import statements as st
 from .config import PgStoreConfig, keepalive_settings
-from .domain import Mutation, Recovered, TaskId, TaskRecord, TaskRef, TaskStatus, TimeBase
+from .domain import (
+    Mutation,
+    Recovered,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    TimeBase,
+    check_task_id,
+)
 from .errors import (
     BatchTooLargeError,
     FencedError,
@@ -431,6 +440,7 @@ class PgStore:
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
+        check_task_id("id", id)
         async with self._translated("loading an output"), self._session() as conn:
             return await queries.load_output(conn, id)
 
@@ -438,8 +448,9 @@ class PgStore:
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
+        params = queries.lookup_params(ref)
         async with self._translated("looking up a task"), self._session() as conn:
-            return await queries.get_task(conn, ref)
+            return await queries.get_task(conn, params)
 
     async def list_finished(
         self,

@@ -22,8 +22,6 @@ from .exits import run
 __all__ = ["parse_duration", "prune"]
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-#: Cutoffs are Unix nanoseconds in a BIGINT: keep them far from its limit (292 years).
-_MAX_DURATION = 36500 * 86400
 
 
 def parse_duration(text: str) -> int:
@@ -35,7 +33,7 @@ def parse_duration(text: str) -> int:
             f"{text!r} is not a duration: use a whole number and a unit, like 30s, 15m, 12h or 7d"
         )
     seconds = int(match[1]) * _DURATION_UNITS[match[2]]
-    if seconds > _MAX_DURATION:
+    if seconds > queries.MAX_PRUNE_AGE:
         raise ValueError(f"{text!r} is too long: at most 36500d")
     return seconds
 
