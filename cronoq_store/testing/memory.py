@@ -377,9 +377,9 @@ class InMemoryStore:
         """Live tasks, finished ones within ``retention`` or depended on by a live task,
         schedules, and the next id to issue, engine times through ``base``.
 
-        A live task whose stored times leave 64 bits through ``base`` is quarantined (marked
-        failed with the reason) and reported as finished, as ``PgStore`` does with any row
-        it cannot decode.
+        A live row that :func:`cronoq_store.rows.live_task` refuses (a stored time outside
+        64 bits through ``base``) is quarantined (marked failed with the reason) and
+        reported as finished, as ``PgStore`` does with any row it cannot decode.
         """
         self._check_open("recovering")
         await asyncio.sleep(0)
