@@ -2,13 +2,17 @@
 
 :class:`InMemoryStore` implements :class:`~cronoq_store.protocols.Store` and
 :class:`~cronoq_store.protocols.StoreQueries` with the semantics an application can observe
-through them (tests/contract runs one suite against both stores): batch folding and
-forward-only transitions (:func:`cronoq_store.folding.level`), idempotent commits, outputs
-kept only for tasks that succeeded, unique live keys, id collisions, fencing, epochs that
-wrap 32767 -> 1, recovery, look-ups, pruning, and NUL stored as U+FFFD
-(:func:`cronoq_store.domain.clean_text`). Instances built on one :class:`InMemoryDatabase`
-form one cluster: one leads, the others wait in :meth:`InMemoryStore.acquire_leadership`
-until it releases, closes, or loses its lock session (:meth:`InMemoryStore.end_lock_session`).
+through them (tests/contract runs one suite against both stores): the library's own batch
+folding (it applies the :class:`~cronoq_store.folding.FoldedBatch` that
+:func:`cronoq_store.folding.fold` makes, and keeps rows as the insert writes them, decoded by
+:mod:`cronoq_store.rows` as ``PgStore``'s are), forward-only transitions (the rule
+``statements.update_status`` applies in SQL, mirrored once by ``_update_status``),
+idempotent commits, outputs kept only for tasks that succeeded, unique live keys, id
+collisions, fencing, epochs that wrap 32767 -> 1, recovery, look-ups, pruning, and NUL
+stored as U+FFFD (:func:`cronoq_store.domain.clean_text`). Instances built on one
+:class:`InMemoryDatabase` form one cluster: one leads, the others wait in
+:meth:`InMemoryStore.acquire_leadership` until it releases, closes, or loses its lock
+session (:meth:`InMemoryStore.end_lock_session`).
 
 What it cannot honour, by design:
 
@@ -30,48 +34,39 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
-from enum import Enum
+from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
-from ..codec import (
-    QUARANTINE_PREFIX,
-    decode_recurring,
-    duration_to_ns,
-    encode_recurring,
-    ns_to_duration,
-    unix_converter,
-)
+from ..codec import QUARANTINE_PREFIX, decode_deps
 from ..domain import (
     EPOCH_MAX,
     EPOCH_MIN,
-    I64_MAX,
-    I64_MIN,
-    QUEUED,
-    UNIX_EPOCH,
-    Dependency,
     Mutation,
     Recovered,
-    RecoveredRecurring,
-    RecoveredTask,
     RecoveredTerminal,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskRecord,
     TaskRef,
-    TaskSpec,
     TaskStatus,
     TimeBase,
     clean_text,
 )
 from ..errors import BatchTooLargeError, FencedError, IdCollisionError, StoreError
-from ..folding import level
+from ..folding import FoldedBatch, RecurringAction, fold, level
+from ..queries import finished_params, prune_cutoff
+from ..recovery import next_id
+from ..rows import (
+    INSERT_POSITION,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    STATE_COLUMNS,
+    live_task,
+    recurring_schedule,
+    same_task,
+    set_state,
+    task_record,
+)
 from ..sizing import MAX_COMMIT_BYTES, batch_size
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]
@@ -82,85 +77,25 @@ _SUCCEEDED = TaskStatus.SUCCEEDED.value
 _REASON_CHARS = 500
 
 
-@dataclass(slots=True)
-class _Task:
-    """One task as ``cronoq_tasks`` stores it: strings cleaned, times in Unix ns, durations
-    as their stored nanoseconds give them back (``spec.deadline`` and
-    ``spec.fixed_start.at`` hold Unix ns here, not engine time)."""
-
-    id: int
-    seq: int
-    arrival: int
-    spec: TaskSpec
-    status: str = QUEUED
-    terminal: bool = False
-    attempt: int = 0
-    updated: int = 0
-    message: str | None = None
-    output: bytes | None = None
-
-    def same_task(self, other: _Task) -> bool:
-        """Whether ``other`` is this task sent again (the state aside), as the insert's
-        conflict check decides: every stored column but the state columns is equal."""
-        return (self.seq, self.arrival, self.spec) == (other.seq, other.arrival, other.spec)
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return level(self.status, self.terminal, self.attempt), self.updated
-
-
-@dataclass(slots=True)
-class _Transition:
-    """A task's latest state after the transitions of one batch that moved it forward, and
-    the position of the one that brought its message (as ``folding`` folds them)."""
-
-    status: str
-    terminal: bool
-    attempt: int
-    at: int
-    level: int
-    message: str | None
-    message_position: tuple[int, int] | None
-
-    def ahead_of(self, position: tuple[int, int], terminal: bool) -> bool:
-        return not terminal and (self.level, self.at) > position
-
-    def message_over(self, stored: _Task) -> str | None:
-        """The message after this transition moved ``stored``: its own, or an earlier one
-        of the batch if that one is ahead of the stored state, else the stored one."""
-        position = self.message_position
-        if position is None:
-            return stored.message
-        if position == (self.level, self.at) or position > stored.position:
-            return self.message
-        return stored.message
-
-
-class _Action(Enum):
-    UPSERT = "upsert"
-    REMOVE = "remove"
-    NEXT = "next"
+#: Where each column sits in a stored row: a row is an insert row (``rows.INSERT_COLUMNS``
+#: order), as ``folding.fold`` makes it; the output is kept beside it.
+_P = INSERT_POSITION
+_ID, _KEY, _DEPS, _POOL = _P["id"], _P["key"], _P["deps"], _P["pool"]
+_STATUS, _TERMINAL, _ATTEMPT, _UPDATED, _MESSAGE = (_P[name] for name in STATE_COLUMNS)
+_LIVE = tuple(_P[name] for name in LIVE_COLUMNS)
+_RECORD = tuple(_P.get(name) for name in RECORD_COLUMNS)  # None: the output
+#: A row's state columns (``rows.STATE_COLUMNS``), as a transition leaves them.
+_State = tuple[str, bool, int, int, str | None]
 
 
 @dataclass(slots=True)
 class _Schedule:
-    """One row of ``cronoq_recurring``: the spec as the JSON ``PgStore`` stores (in a
-    folded ``NEXT`` change, only ``next`` and ``last`` count: what to record)."""
+    """One row of ``cronoq_recurring``: the spec as the JSON ``PgStore`` stores."""
 
     spec_json: str
     payload: bytes
     next: int | None = None
     last: int | None = None
-
-
-@dataclass(slots=True)
-class _Folded:
-    """One batch, folded: what the commit writes, in the order it writes it."""
-
-    transitions: dict[int, _Transition] = field(default_factory=dict)
-    inserts: dict[int, _Task] = field(default_factory=dict)
-    recurring: list[tuple[_Action, str, _Schedule]] = field(default_factory=list)
-    outputs: dict[int, bytes] = field(default_factory=dict)
 
 
 class InMemoryDatabase:
@@ -176,7 +111,8 @@ class InMemoryDatabase:
             raise ValueError(f"epoch: must be an integer in 0..{EPOCH_MAX}, got {epoch!r}")
         self._epoch = epoch
         self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records one
-        self._tasks: dict[int, _Task] = {}
+        self._tasks: dict[int, list[Any]] = {}  # rows by id
+        self._outputs: dict[int, bytes] = {}
         self._live_keys: dict[str, int] = {}  # the unique index on live keys
         self._schedules: dict[str, _Schedule] = {}
         self._holder: InMemoryStore | None = None
@@ -204,36 +140,39 @@ class InMemoryDatabase:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _next_id(self) -> int:
-        recorded = self._max_id + 1 if self._max_id > 0 else 0
-        return max(recorded, max(self._tasks, default=-1) + 1)
+    def _write(self, batch: FoldedBatch) -> None:
+        """Apply what ``folding.fold`` made of a batch whole, or raise with nothing applied:
+        ids held by other tasks first (``IdCollisionError``), then live keys (``StoreError``).
 
-    def _write(self, batch: _Folded) -> None:
-        """Apply ``batch`` whole, or raise with nothing applied: ids held by other tasks
-        first (``IdCollisionError``), then live keys (``StoreError``). Transitions of stored
-        tasks come first, so a key they release can be taken by a task inserted after."""
+        The writes go in ``PgStore``'s order: transitions of stored tasks first (so a key
+        they release can be taken by a task inserted after), then new tasks, outputs and
+        schedules. A task sent again with transitions gets them as an update, as the writer's
+        second attempt gives them (``FoldedBatch.resubmitted``); a task stored already is
+        otherwise left as it is (``statements.insert_tasks``' conflict rule)."""
         tasks = self._tasks
         colliding = sorted(
-            id
-            for id, row in batch.inserts.items()
-            if (stored := tasks.get(id)) is not None and not stored.same_task(row)
+            row[_ID]
+            for row in batch.insert_rows
+            if (stored := tasks.get(row[_ID])) is not None and not same_task(stored, row)
         )
         if colliding:
             raise IdCollisionError(colliding)
-        moved: list[tuple[_Task, _Transition]] = []
+        moved: list[tuple[list[Any], _State]] = []
         released: set[str] = set()
-        for id, t in batch.transitions.items():
+        updates = batch.resubmitted().updates
+        for id, *transition in zip(*(updates[name] for name in _UPDATE_PARAMS), strict=True):
             stored = tasks.get(id)
-            if stored is None or not t.ahead_of(stored.position, stored.terminal):
+            state = None if stored is None else _update_status(stored, *transition)
+            if stored is None or state is None:
                 continue  # new (its row carries it), missing (pruned?), or not ahead
-            moved.append((stored, t))
-            if t.terminal and stored.spec.key is not None:
-                released.add(stored.spec.key)
-        new = [row for id, row in batch.inserts.items() if id not in tasks]
+            moved.append((stored, state))
+            if state[1] and stored[_KEY] is not None:  # finished: its key is free
+                released.add(stored[_KEY])
+        new = [row for row in batch.insert_rows if row[_ID] not in tasks]
         taken: dict[str, int] = {}
         for row in new:
-            key = row.spec.key
-            if key is None or row.terminal:
+            key = row[_KEY]
+            if key is None or row[_TERMINAL]:
                 continue
             holder = taken.get(key)
             if holder is None and key not in released:
@@ -243,40 +182,41 @@ class InMemoryDatabase:
                     f"committing a batch failed: key {key!r} is held by live task {holder} "
                     "(at most one live task holds a key): nothing of the batch was written"
                 )
-            taken[key] = row.id
+            taken[key] = row[_ID]
 
-        for stored, t in moved:
-            message = t.message_over(stored)
-            stored.status, stored.terminal, stored.attempt = t.status, t.terminal, t.attempt
-            stored.updated, stored.message = t.at, message
-            if t.terminal and stored.spec.key is not None:
-                self._live_keys.pop(stored.spec.key, None)
+        for stored, state in moved:
+            set_state(stored, *state)
+            if stored[_TERMINAL] and stored[_KEY] is not None:
+                self._live_keys.pop(stored[_KEY], None)
         for row in new:
-            tasks[row.id] = row
-            if row.spec.key is not None and not row.terminal:
-                self._live_keys[row.spec.key] = row.id
-        if batch.inserts:
-            self._max_id = max(self._max_id, max(batch.inserts))
-        for id, output in batch.outputs.items():
+            tasks[row[_ID]] = row
+            if row[_KEY] is not None and not row[_TERMINAL]:
+                self._live_keys[row[_KEY]] = row[_ID]
+        if batch.max_id is not None:
+            self._max_id = max(self._max_id, batch.max_id)
+        for id, output in zip(batch.outputs["ids"], batch.outputs["outputs"], strict=True):
             done = tasks.get(id)
-            if done is not None and done.status == _SUCCEEDED:
-                done.output = output
-        for action, name, schedule in batch.recurring:
-            if action is _Action.UPSERT:
-                kept = self._schedules.get(name)
+            if done is not None and done[_STATUS] == _SUCCEEDED:
+                self._outputs[id] = output
+        for action, params in batch.recurring:
+            name = params["schedule"]
+            kept = self._schedules.get(name)
+            if action is RecurringAction.UPSERT:
+                schedule = _Schedule(params["spec_json"], params["payload"])
                 if kept is not None:
                     schedule.next, schedule.last = kept.next, kept.last
                 self._schedules[name] = schedule
-            elif action is _Action.REMOVE:
+            elif action is RecurringAction.REMOVE:
                 self._schedules.pop(name, None)
-            elif (kept := self._schedules.get(name)) is not None:
-                kept.next, kept.last = schedule.next, schedule.last
+            elif kept is not None:
+                kept.next, kept.last = params["next"], params["last"]
 
-    def _quarantine(self, row: _Task, reason: str, now: int) -> None:
-        row.status, row.terminal, row.updated = TaskStatus.FAILED.value, True, now
-        row.message = f"{QUARANTINE_PREFIX} {reason}"
-        if row.spec.key is not None and self._live_keys.get(row.spec.key) == row.id:
-            del self._live_keys[row.spec.key]
+    def _quarantine(self, row: list[Any], reason: str, now: int) -> None:
+        set_state(
+            row, TaskStatus.FAILED.value, True, row[_ATTEMPT], now, f"{QUARANTINE_PREFIX} {reason}"
+        )
+        if row[_KEY] is not None and self._live_keys.get(row[_KEY]) == row[_ID]:
+            del self._live_keys[row[_KEY]]
 
 
 class InMemoryStore:
@@ -424,7 +364,7 @@ class InMemoryStore:
                 f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
                 "one commit may send; commit them in smaller batches"
             )
-        folded = _fold(batch, base, time.time_ns(), outputs)
+        folded = fold(batch, base, time.time_ns(), outputs)
         await asyncio.sleep(0)  # a commit is a round trip: others run meanwhile
         current = self._db._epoch
         if current != epoch:
@@ -437,19 +377,19 @@ class InMemoryStore:
         """Live tasks, finished ones within ``retention`` or depended on by a live task,
         schedules, and the next id to issue, engine times through ``base``.
 
-        A live task whose stored times leave 64 bits through ``base`` is quarantined (marked
-        failed with the reason) and reported as finished, as ``PgStore`` does with any row
-        it cannot decode.
+        A live row that :func:`cronoq_store.rows.live_task` refuses (a stored time outside
+        64 bits through ``base``) is quarantined (marked failed with the reason) and
+        reported as finished, as ``PgStore`` does with any row it cannot decode.
         """
         self._check_open("recovering")
         await asyncio.sleep(0)
         db = self._db
         now = time.time_ns()
-        recovered = Recovered(next_id=db._next_id())
-        for id in sorted(id for id, row in db._tasks.items() if not row.terminal):
+        recovered = Recovered(next_id=next_id(db._max_id, max(db._tasks, default=None)))
+        for id in sorted(id for id, row in db._tasks.items() if not row[_TERMINAL]):
             row = db._tasks[id]
             try:
-                recovered.tasks.append(_recovered_task(base, row))
+                recovered.tasks.append(live_task(base, *(row[i] for i in _LIVE)))
             except ValueError as exc:
                 reason = clean_text(str(exc))[:_REASON_CHARS]
                 logger.error(
@@ -462,37 +402,34 @@ class InMemoryStore:
             (
                 row
                 for row in db._tasks.values()
-                if row.terminal
-                and (row.updated >= cutoff or row.id in targets or row.spec.key in targets)
+                if row[_TERMINAL]
+                and (row[_UPDATED] >= cutoff or row[_ID] in targets or row[_KEY] in targets)
             ),
-            key=lambda row: (row.updated, row.id),
+            key=lambda row: (row[_UPDATED], row[_ID]),
         )
         recovered.terminal = [
             RecoveredTerminal(
-                TaskId(row.id), row.spec.key, TaskStatus(row.status), base.from_unix(row.updated)
+                TaskId(row[_ID]), row[_KEY], TaskStatus(row[_STATUS]), base.from_unix(row[_UPDATED])
             )
             for row in finished
         ]
         for name in sorted(db._schedules):
-            schedule = db._schedules[name]
+            s = db._schedules[name]
             try:
-                spec = decode_recurring(base, name, schedule.spec_json, schedule.payload)
-                next_ = None if schedule.next is None else _engine_time(base, schedule.next)
+                recovered.recurring.append(
+                    recurring_schedule(base, name, s.spec_json, s.payload, s.next, s.last)
+                )
             except ValueError as exc:  # left in place, not scheduled
                 logger.error(
                     "skipping undecodable recurring schedule",
                     extra={"schedule": name, "error": str(exc)},
                 )
-                continue
-            last = None if schedule.last is None else TaskId(schedule.last)
-            recovered.recurring.append(RecoveredRecurring(spec, next_, last))
         return recovered
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
         self._check_open("loading an output")
-        row = self._db._tasks.get(id)
-        return row.output if row is not None and row.status == _SUCCEEDED else None
+        return self._db._outputs.get(id)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -502,10 +439,9 @@ class InMemoryStore:
         tasks = self._db._tasks
         if isinstance(ref, str):
             key = clean_text(ref)
-            newest = max((id for id, row in tasks.items() if row.spec.key == key), default=None)
-            return None if newest is None else _record(tasks[newest])
-        row = tasks.get(int(ref))
-        return None if row is None else _record(row)
+            newest = max((id for id, row in tasks.items() if row[_KEY] == key), default=None)
+            return None if newest is None else self._record(newest)
+        return self._record(int(ref)) if int(ref) in tasks else None
 
     async def list_finished(
         self,
@@ -516,21 +452,18 @@ class InMemoryStore:
     ) -> list[TaskRecord]:
         """Finished tasks in id order with ids above ``after``, at most ``limit``: those in
         one of ``pools`` (any if empty) with one of ``statuses`` (any if empty)."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit: must be a non-negative integer, got {limit!r}")
+        params = finished_params(pools, statuses, after, limit)
         self._check_open("listing finished tasks")
-        wanted_pools = {clean_text(p) for p in pools}
-        wanted_statuses = {s.value for s in statuses}
-        low = -1 if after is None else after
+        wanted_pools, wanted_statuses = set(params["pools"]), set(params["statuses"])
         page = sorted(
             id
             for id, row in self._db._tasks.items()
-            if row.terminal
-            and id > low
-            and (not wanted_pools or row.spec.pool in wanted_pools)
-            and (not wanted_statuses or row.status in wanted_statuses)
-        )[:limit]
-        return [_record(self._db._tasks[id]) for id in page]
+            if row[_TERMINAL]
+            and id > params["after"]
+            and (not wanted_pools or row[_POOL] in wanted_pools)
+            and (not wanted_statuses or row[_STATUS] in wanted_statuses)
+        )[: params["limit"]]
+        return [self._record(id) for id in page]
 
     async def prune(
         self, older_than: float, *, progress: Callable[[int], None] | None = None
@@ -540,178 +473,72 @@ class InMemoryStore:
 
         Deleted in one step: ``progress``, if given, is called once with the total.
         """
-        if (
-            isinstance(older_than, bool)
-            or not isinstance(older_than, (int, float))
-            or not math.isfinite(older_than)
-            or older_than < 0
-        ):
-            raise ValueError(
-                f"older_than: must be a non-negative number of seconds, got {older_than!r}"
-            )
+        cutoff = prune_cutoff(older_than)
         self._check_open("pruning finished tasks")
-        tasks = self._db._tasks
-        cutoff = time.time_ns() - round(older_than * 1e9)
-        # Ids and keys that live tasks depend on.
-        protected = {d.target for row in tasks.values() if not row.terminal for d in row.spec.deps}
+        db = self._db
+        # Ids and keys that live tasks depend on (``statements.prune_batch``'s refs).
+        protected = {
+            d.target
+            for row in db._tasks.values()
+            if not row[_TERMINAL]
+            for d in decode_deps(row[_DEPS])
+        }
         victims = [
             id
-            for id, row in tasks.items()
-            if row.terminal
-            and row.updated < cutoff
+            for id, row in db._tasks.items()
+            if row[_TERMINAL]
+            and row[_UPDATED] < cutoff
             and id not in protected
-            and (row.spec.key is None or row.spec.key not in protected)
+            and (row[_KEY] is None or row[_KEY] not in protected)
         ]
         for id in victims:
-            del tasks[id]
+            del db._tasks[id]
+            db._outputs.pop(id, None)
         if progress is not None:
             progress(len(victims))
         return len(victims)
+
+    def _record(self, id: int) -> TaskRecord:
+        row, output = self._db._tasks[id], self._db._outputs.get(id)
+        columns: list[Any] = [output if i is None else row[i] for i in _RECORD]
+        return task_record(*columns)
 
     def _check_open(self, action: str) -> None:
         if self._closed:
             raise StoreError(f"{action} failed: the store is closed")
 
 
-def _fold(
-    batch: Sequence[Mutation],
-    base: TimeBase,
-    now: int,
-    outputs: Sequence[tuple[TaskId, bytes]],
-) -> _Folded:
-    """``batch`` as the writes of one commit, by ``folding.fold``'s rules: a transition
-    counts only if it moves the task forward, a message carries forward, a new task is
-    inserted once with its latest state (queued at ``now`` without one), the same
-    ``Submitted`` again is a no-op and a different one under its id a collision."""
-    folded = _Folded(outputs=dict(outputs))
-    to_unix = unix_converter(base)
-    for m in batch:
-        if isinstance(m, StatusChanged):
-            status = m.status
-            at = to_unix(m.at, "at")
-            lvl = level(status.value, status.is_terminal, m.attempt)
-            message = None if m.message is None else clean_text(m.message)
-            later = _Transition(
-                status.value,
-                status.is_terminal,
-                m.attempt,
-                at,
-                lvl,
-                message,
-                None if message is None else (lvl, at),
-            )
-            earlier = folded.transitions.get(m.id)
-            if earlier is None:
-                folded.transitions[m.id] = later
-            elif later.ahead_of((earlier.level, earlier.at), earlier.terminal):
-                if message is None:
-                    later.message, later.message_position = (
-                        earlier.message,
-                        earlier.message_position,
-                    )
-                folded.transitions[m.id] = later
-        elif isinstance(m, Submitted):
-            row = _Task(m.id, m.seq, to_unix(m.arrival, "arrival"), _stored_spec(m.spec, to_unix))
-            row.updated = now
-            earlier_row = folded.inserts.get(m.id)
-            if earlier_row is None:
-                folded.inserts[m.id] = row
-            elif not earlier_row.same_task(row):
-                raise IdCollisionError([m.id], in_batch=True)
-        elif isinstance(m, RecurringUpsert):
-            spec = m.spec
-            schedule = _Schedule(encode_recurring(base, spec), spec.template.payload)
-            folded.recurring.append((_Action.UPSERT, clean_text(spec.name), schedule))
-        elif isinstance(m, RecurringRemove):
-            folded.recurring.append((_Action.REMOVE, clean_text(m.name), _Schedule("", b"")))
-        elif isinstance(m, RecurringNext):
-            next_ = None if m.next is None else to_unix(m.next, "next")
-            advance = _Schedule("", b"", next_, m.last)
-            folded.recurring.append((_Action.NEXT, clean_text(m.name), advance))
-        else:
-            raise TypeError(f"not a mutation: {type(m).__name__}")
-    for id, t in folded.transitions.items():
-        new = folded.inserts.get(id)
-        if new is not None:
-            new.status, new.terminal, new.attempt = t.status, t.terminal, t.attempt
-            new.updated, new.message = t.at, t.message
-    return folded
+#: The ``update_status`` parameters: ``ids``, then those :func:`_update_status` takes, in order.
+_UPDATE_PARAMS = (
+    "ids", "statuses", "terminals", "attempts", "updated", "levels", "messages",
+    "message_levels", "message_ats",
+)  # fmt: skip
 
 
-def _stored(td: timedelta) -> timedelta:
-    """A duration as its stored nanoseconds give it back (capped at 2**63 - 1 ns)."""
-    return ns_to_duration(duration_to_ns(td))
-
-
-def _stored_retry(retry: RetryPolicy) -> RetryPolicy:
-    cap = retry.max_backoff
-    return replace(
-        retry, backoff=_stored(retry.backoff), max_backoff=None if cap is None else _stored(cap)
-    )
-
-
-def _stored_spec(spec: TaskSpec, to_unix: Callable[[int, str], int]) -> TaskSpec:
-    """``spec`` as stored: every string cleaned, times in Unix ns, durations as stored."""
-    fixed, key, tenant = spec.fixed_start, spec.key, spec.tenant
-    return replace(
-        spec,
-        kind=clean_text(spec.kind),
-        pool=clean_text(spec.pool),
-        key=None if key is None else clean_text(key),
-        tenant=None if tenant is None else clean_text(tenant),
-        deadline=None if spec.deadline is None else to_unix(spec.deadline, "deadline"),
-        fixed_start=None
-        if fixed is None
-        else replace(
-            fixed, at=to_unix(fixed.at, "fixed_start.at"), tolerance=_stored(fixed.tolerance)
-        ),
-        duration_hint=None if spec.duration_hint is None else _stored(spec.duration_hint),
-        timeout=None if spec.timeout is None else _stored(spec.timeout),
-        retry=None if spec.retry is None else _stored_retry(spec.retry),
-        deps=tuple(
-            Dependency(clean_text(d.target), d.condition) if isinstance(d.target, str) else d
-            for d in spec.deps
-        ),
-        resources={clean_text(name): amount for name, amount in spec.resources.items()},
-        tags=tuple(map(clean_text, spec.tags)),
-        labels=tuple(map(clean_text, spec.labels)),
-    )
-
-
-def _engine_time(base: TimeBase, unix_ns: int) -> int:
-    engine_ns = base.from_unix(unix_ns)
-    if not I64_MIN <= engine_ns <= I64_MAX:
-        raise ValueError(f"engine time {engine_ns} through {base!r} is outside -2**63..2**63-1")
-    return engine_ns
-
-
-def _recovered_task(base: TimeBase, row: _Task) -> RecoveredTask:
-    """A live task with engine times through ``base``; ``ValueError`` if one leaves 64
-    bits (the domain's own checks say which)."""
-    spec, fixed = row.spec, row.spec.fixed_start
-    if spec.deadline is not None or fixed is not None:
-        spec = replace(
-            spec,
-            deadline=None if spec.deadline is None else base.from_unix(spec.deadline),
-            fixed_start=None if fixed is None else replace(fixed, at=base.from_unix(fixed.at)),
-        )
-    return RecoveredTask(
-        TaskId(row.id), row.seq, _engine_time(base, row.arrival), spec, row.attempt
-    )
-
-
-def _record(row: _Task) -> TaskRecord:
-    spec = row.spec
-    return TaskRecord(
-        id=TaskId(row.id),
-        key=spec.key,
-        pool=spec.pool,
-        kind=spec.kind,
-        priority=spec.priority,
-        tenant=spec.tenant,
-        status=TaskStatus.from_stored(row.status),
-        attempt=row.attempt,
-        message=row.message,
-        output=row.output,
-        updated=UNIX_EPOCH + timedelta(microseconds=max(row.updated, 0) // 1000),
-    )
+def _update_status(
+    row: list[Any],
+    status: str,
+    terminal: bool,
+    attempt: int,
+    at: int,
+    lvl: int,
+    message: str | None,
+    message_level: int | None,
+    message_at: int | None,
+) -> _State | None:
+    """The state one transition of ``update_status`` gives a stored row, or ``None`` where
+    it does not move it. Mirrors the SQL of :mod:`cronoq_store.statements`: ``_forward``
+    (a terminal row is final, a live one moves when the transition's ``(level, at)`` is
+    greater than its own, ``_level`` in SQL being :func:`~cronoq_store.folding.level`) and
+    ``_transition_values``' message (none keeps the stored one, the moving transition's own
+    comes with it, an earlier one's only if that transition is ahead of the stored row)."""
+    if row[_TERMINAL]:
+        return None
+    stored = (level(row[_STATUS], False, row[_ATTEMPT]), row[_UPDATED])
+    if (lvl, at) <= stored:
+        return None
+    if message_level is None or message_at is None:
+        return status, terminal, attempt, at, row[_MESSAGE]
+    brought = (message_level, message_at)
+    kept = brought != (lvl, at) and brought <= stored
+    return status, terminal, attempt, at, row[_MESSAGE] if kept else message

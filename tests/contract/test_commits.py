@@ -36,9 +36,11 @@ from .support import (
     SUCCEEDED,
     Cluster,
     observe,
+    state,
     step,
     submitted,
     summary,
+    when,
 )
 
 
@@ -129,6 +131,29 @@ async def test_a_key_is_held_by_at_most_one_live_task(cluster: Cluster) -> None:
     assert (newest.id, newest.status) == (3, CANCELLED)
     live = [t.id for t in (await store.recover(BASE)).tasks]
     assert live == [2]
+
+
+async def test_a_task_sent_again_with_later_transitions_moves_as_a_stored_task(
+    cluster: Cluster,
+) -> None:
+    """A submission delivered again with transitions beyond the stored state (a retried
+    batch that grew) moves the stored row as an update does: its message carries forward,
+    its output is kept, and the key it releases can be taken in the same batch."""
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(1, key="k"), step(1, RUNNING, message="started")], [])
+    again: list[Mutation] = [
+        submitted(1, key="k"),
+        step(1, SUCCEEDED, at=200),
+        submitted(2, key="k"),
+    ]
+    await store.commit(0, BASE, again, [(TaskId(1), b"out")])
+    one = await store.get_task(TaskId(1))
+    assert state(one) == (SUCCEEDED, 1, "started", when(200))
+    assert await store.load_output(TaskId(1)) == b"out"
+    assert [t.id for t in (await store.recover(BASE)).tasks] == [2]
+    newest = await store.get_task("k")
+    assert newest is not None
+    assert (newest.id, newest.status) == (2, QUEUED)
 
 
 async def test_keys_that_differ_only_by_nul_and_u_fffd_are_one_key(cluster: Cluster) -> None:
