@@ -50,11 +50,12 @@ from ..domain import (
     TaskRef,
     TaskStatus,
     TimeBase,
+    check_task_id,
     clean_text,
 )
 from ..errors import BatchTooLargeError, FencedError, IdCollisionError, StoreError
 from ..folding import FoldedBatch, RecurringAction, fold, level
-from ..queries import finished_params, prune_cutoff
+from ..queries import finished_params, lookup_params, prune_cutoff
 from ..recovery import next_id
 from ..rows import (
     INSERT_POSITION,
@@ -428,6 +429,7 @@ class InMemoryStore:
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
+        check_task_id("id", id)
         self._check_open("loading an output")
         return self._db._outputs.get(id)
 
@@ -435,13 +437,14 @@ class InMemoryStore:
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
+        params = lookup_params(ref)
         self._check_open("looking up a task")
         tasks = self._db._tasks
         if isinstance(ref, str):
-            key = clean_text(ref)
+            key = params["key"]
             newest = max((id for id, row in tasks.items() if row[_KEY] == key), default=None)
             return None if newest is None else self._record(newest)
-        return self._record(int(ref)) if int(ref) in tasks else None
+        return self._record(ref) if ref in tasks else None
 
     async def list_finished(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta, timezone
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,27 @@ async def test_load_output_only_for_tasks_that_succeeded(cluster: Cluster) -> No
     assert await store.load_output(TaskId(2)) is None
     assert await store.load_output(TaskId(3)) is None
     assert await store.load_output(TaskId(4)) is None
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda s: s.get_task(TaskId(2**63)), "ref"),
+        (lambda s: s.get_task(TaskId(-1)), "ref"),
+        (lambda s: s.load_output(TaskId(2**63)), "id"),
+        (lambda s: s.list_finished(after=TaskId(2**63)), "after"),
+        (lambda s: s.list_finished(limit=2**63), "limit"),
+        (lambda s: s.prune(1e12), "older_than"),
+        (lambda s: s.prune(float("nan")), "older_than"),
+    ],
+    ids=["id-too-big", "id-negative", "output-id", "after", "limit", "older-than", "nan"],
+)
+async def test_arguments_no_task_can_match_are_refused_by_name(
+    cluster: Cluster, call: Any, argument: str
+) -> None:
+    """An id outside BIGINT or an age past the cutoffs' range is the caller's mistake: a
+    ``ValueError`` naming the argument, the same from every store, never a database error
+    or a silent empty answer."""
+    store = await cluster.open()
+    with pytest.raises(ValueError, match=rf"^{argument}: "):
+        await call(store)
