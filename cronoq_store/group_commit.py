@@ -179,6 +179,8 @@ class GroupCommitter:
         self._stuck_after = _positive_int("stuck_after", stuck_after)
         ping = getattr(store, "ping", None)
         self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
+        if not isinstance(backoff, Backoff):
+            raise ValueError(f"backoff must be a retry.Backoff, got {backoff!r}")
         self._backoff = backoff
         self._tally = Tally(_positive_int("latency_window", latency_window))
 

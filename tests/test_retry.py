@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 
 from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import TimeBase
+from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.retry import COMMIT_BACKOFF, Backoff, acquisition_backoff
+from cronoq_store.testing import InMemoryStore
 
 
 def first(backoff: Backoff, n: int) -> list[float]:
@@ -90,3 +93,10 @@ def test_acquisition_never_pauses_longer_than_lock_poll(lock_poll: float) -> Non
 def test_a_bad_policy_is_refused_when_built(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Backoff(**settings)
+
+
+def test_a_committer_refuses_a_backoff_that_is_not_a_policy() -> None:
+    """``backoff=2.0`` (seconds, as the old ``retry_max`` took) fails when built, not at the
+    first retry of a batch."""
+    with pytest.raises(ValueError, match=r"backoff must be a retry\.Backoff"):
+        GroupCommitter(InMemoryStore(), 1, TimeBase.now(), backoff=2.0)  # type: ignore[arg-type]
