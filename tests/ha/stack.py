@@ -302,7 +302,11 @@ class HaStack:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGQUIT)  # immediate shutdown, children included
                 await self._wait_gone([pid], 10)
-            await node.etcd_link.close()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # one that ignored SIGQUIT
+            # One link that fails to close must not leave HAProxy, etcd and the files.
+            with contextlib.suppress(Exception):
+                await node.etcd_link.close()
         for process in (self._haproxy, self._etcd):
             if process is not None and process.poll() is None:
                 process.terminate()

@@ -96,7 +96,7 @@ FAULTS = (
 )
 #: Faults after which the same store leader goes on (its lock session does not go through
 #: what the fault hit); every other one ends every session on the primary: a takeover.
-_NO_TAKEOVER = frozenset({"restart_pgbouncer"})
+NO_TAKEOVER = frozenset({"restart_pgbouncer"})
 #: The longest pause before a failed batch is retried (the committer's default backoff), so
 #: the longest a leader whose lock survived waits to commit again.
 _RETRY_MAX = COMMIT_BACKOFF.cap
@@ -552,7 +552,7 @@ async def run_ha(stack: HaStack, profile: HaProfile, workdir: Path, seed: int) -
             record = FaultRecord(kind, old=await stack.wait_primary())
             run.faults.append(record)
             await asyncio.wait_for(_inject(stack, bouncer, kind, record), 120)
-            if kind in _NO_TAKEOVER:
+            if kind in NO_TAKEOVER:
                 ack = await journals.acked_by_after("w2", record.writable_at, _PROGRESS)
                 if ack is None:
                     run.problems.append(f"{kind}: w2 acknowledged nothing within {_PROGRESS} s")
