@@ -237,7 +237,7 @@ class Leadership:
                         raise error from exc
                     pause = next(delays)
                     logger.warning(
-                        "acquiring leadership failed transiently (see error); retrying",
+                        "cannot acquire leadership for now (transient: see error); retrying",
                         extra={
                             "schema": self._schema,
                             "url": redact(self._url),

@@ -235,7 +235,7 @@ async def test_no_surface_shows_a_password(
         finally:
             await read_only.dispose()
         assert any("no longer accepts writes" in t for t in records.texts)
-        assert any("acquiring leadership failed transiently" in t for t in records.texts)
+        assert any("cannot acquire leadership for now" in t for t in records.texts)
     else:
         with pytest.raises(StoreError) as refused:
             await PgStore.connect(url, config)
