@@ -70,7 +70,7 @@ from ..domain import (
     TimeBase,
     clean_text,
 )
-from ..errors import BatchTooLargeError, FencedError, IdCollisionError, StoreError
+from ..errors import BatchTooLargeError, FencedError, IdCollisionError, KeyTakenError, StoreError
 from ..folding import level
 from ..sizing import MAX_COMMIT_BYTES, batch_size
 
@@ -210,7 +210,7 @@ class InMemoryDatabase:
 
     def _write(self, batch: _Folded) -> None:
         """Apply ``batch`` whole, or raise with nothing applied: ids held by other tasks
-        first (``IdCollisionError``), then live keys (``StoreError``). Transitions of stored
+        first (``IdCollisionError``), then live keys (``KeyTakenError``). Transitions of stored
         tasks come first, so a key they release can be taken by a task inserted after."""
         tasks = self._tasks
         colliding = sorted(
@@ -239,10 +239,7 @@ class InMemoryDatabase:
             if holder is None and key not in released:
                 holder = self._live_keys.get(key)
             if holder is not None:
-                raise StoreError(
-                    f"committing a batch failed: key {key!r} is held by live task {holder} "
-                    "(at most one live task holds a key): nothing of the batch was written"
-                )
+                raise KeyTakenError([key])
             taken[key] = row.id
 
         for stored, t in moved:
@@ -410,7 +407,7 @@ class InMemoryStore:
         Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
         lost and nothing is applied) or leadership was lost before, ``BatchTooLargeError``
         over :attr:`max_commit_bytes`, ``IdCollisionError`` for a different task under a
-        stored id or an id of the batch, ``StoreError`` for a key a live task holds, and
+        stored id or an id of the batch, ``KeyTakenError`` for a key a live task holds, and
         ``ValueError`` naming the field for an engine time that leaves BIGINT through
         ``base``; in each case nothing of the batch is applied.
         """
