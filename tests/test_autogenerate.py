@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import Column, Integer, MetaData, Table
 from sqlalchemy.engine import URL
 
+from cronoq_store.autogenerate import hiding_store
+from cronoq_store.schema import tasks
 from cronoq_store.urls import async_url
 
 from .pgharness import admin_execute
@@ -147,3 +151,21 @@ async def test_clusters_in_other_schemas_are_left_alone_with_include_schemas(
             assert f"'{table}'" in bare.stdout + bare.stderr, table
     finally:
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{app_schema}" CASCADE')
+
+
+def test_hiding_store_leaves_every_other_decision_to_the_applications_filters() -> None:
+    orders = Table("orders", MetaData(), Column("id", Integer, primary_key=True))
+    asked: list[str | None] = []
+
+    def own_object(object: Any, name: str | None, type_: str, reflected: bool, to: Any) -> bool:
+        asked.append(name)
+        return name != "orders"
+
+    include_object = hiding_store(include_object=own_object)["include_object"]
+    assert include_object(orders, "orders", "table", False, None) is False
+    assert include_object(orders.c.id, "id", "column", False, None) is True
+    # The store's own objects are hidden before the application's filter is asked.
+    index = next(iter(tasks.indexes))
+    assert include_object(tasks, "cronoq_tasks", "table", True, None) is False
+    assert include_object(index, index.name, "index", True, None) is False
+    assert asked == ["orders", "id"]
