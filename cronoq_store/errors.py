@@ -17,6 +17,7 @@ from sqlalchemy import exc as sa_exc
 
 __all__ = [
     "CONNECTION_CLASSES",
+    "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "TRANSIENT_CLASSES",
     "TRANSIENT_CODES",
@@ -24,6 +25,7 @@ __all__ = [
     "CommitterClosedError",
     "FencedError",
     "IdCollisionError",
+    "KeyTakenError",
     "MigrationError",
     "StoreError",
     "UnavailableError",
@@ -42,6 +44,9 @@ TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
 #: Read-only transaction. A primary that was demoted to a standby answers this (and
 #: "cannot execute ... during recovery"): the connection is in the wrong place.
 READ_ONLY = "25006"
+#: A named prepared statement missing (26000) or already defined (42P05) on the server:
+#: clients sharing server sessions behind a transaction-pooling PgBouncer before 1.21.
+PREPARED_STATEMENT_CODES = frozenset({"26000", "42P05"})
 
 
 class StoreError(Exception):
@@ -149,8 +154,9 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     server (25006, with ``reconnect``), and a driver protocol out of step with a session the
     server ended (asyncpg's ``InternalClientError``). Everything else is a ``StoreError``,
     including driver misuse that merely looks like a connection problem (asyncpg's
-    ``InterfaceError`` for a wrong argument count or a busy connection). Store errors pass
-    through unchanged.
+    ``InterfaceError`` for a wrong argument count or a busy connection). A named prepared
+    statement missing or taken (26000, 42P05: a transaction-pooling PgBouncer) is a permanent
+    ``StoreError`` saying which settings avoid it. Store errors pass through unchanged.
 
     Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
     """
@@ -163,6 +169,13 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
         return UnavailableError(message, reconnect=True)
     if any(s.startswith(TRANSIENT_CLASSES) or s in TRANSIENT_CODES for s in states):
         return UnavailableError(message)
+    if any(s in PREPARED_STATEMENT_CODES for s in states):
+        return StoreError(
+            f"{message}; named prepared statements do not survive a transaction-pooling "
+            "PgBouncer before 1.21: open the store with PgStoreConfig(prepared_statements=False) "
+            'and, with from_engine, an engine with connect_args={"statement_cache_size": 0, '
+            '"prepared_statement_cache_size": 0} (docs/reliability.md, "PgBouncer")'
+        )
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return UnavailableError(message)
     if isinstance(exc, (sa_exc.TimeoutError, asyncio.TimeoutError, OSError)):
@@ -187,6 +200,21 @@ class IdCollisionError(StoreError):
             "the batch was written (issue ids from Recovered.next_id, see task_id)"
         )
         self.ids = ids
+
+
+class KeyTakenError(StoreError):
+    """A ``Submitted`` gives a live task a key that another live task holds (keys are unique
+    among live tasks; a finished task releases its key); nothing of its batch was written.
+    Not transient: the same batch fails again. ``keys`` are the keys named (the server names
+    the first it meets; empty when it named none)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        named = ", ".join(map(repr, keys)) or "(not named by the server)"
+        super().__init__(
+            f"committing a batch failed: key {named} is held by another live task (a key "
+            "is unique among live tasks): nothing of the batch was written"
+        )
+        self.keys = keys
 
 
 class BatchTooLargeError(StoreError):

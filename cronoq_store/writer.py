@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util import greenlet_spawn
 
 from . import statements as st
-from .errors import CONNECTION_CLASSES, FencedError, IdCollisionError
+from .errors import CONNECTION_CLASSES, FencedError, IdCollisionError, KeyTakenError
 from .folding import FoldedBatch, RecurringAction
 from .rows import INSERT_COLUMNS
 from .schema import tasks
@@ -59,6 +60,8 @@ STAGE_MIN_ROWS = 128
 
 # The unique index on live keys (see :func:`_maybe_stored`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
+# The server's detail for a violation of it: the key as text.
+_KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,10 +300,17 @@ class CommitPath:
         )
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
-        """Write ``batch`` under ``epoch``; ``IdCollisionError`` or ``FencedError`` if it
-        wrote nothing because an id is another task's or the stored epoch is another."""
-        async with self._driver_connection() as conn:
-            written = await self.writer.write(conn, epoch, batch)
+        """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or
+        ``FencedError`` if it wrote nothing because an id is another task's, a live key is
+        another live task's or the stored epoch is another."""
+        try:
+            async with self._driver_connection() as conn:
+                written = await self.writer.write(conn, epoch, batch)
+        except asyncpg.UniqueViolationError as exc:
+            # Translated here, after the connection went back clean to the pool.
+            if exc.constraint_name != _LIVE_KEY_INDEX:
+                raise
+            raise KeyTakenError(_keys_named(exc)) from exc
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
         current = written.epoch
@@ -355,6 +365,13 @@ def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:
         return _taken(exc)
     constraint: str | None = exc.constraint_name
     return constraint == _LIVE_KEY_INDEX and bool(batch.inserted_updates["ids"])
+
+
+def _keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:
+    """The key the server names in a live-key violation ("Key (key)=(k) already exists.")."""
+    detail: str | None = exc.detail
+    found = _KEY_DETAIL.fullmatch(detail or "")
+    return [] if found is None else [found.group(1)]
 
 
 def _taken(exc: asyncpg.NotNullViolationError) -> bool:

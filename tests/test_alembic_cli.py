@@ -8,6 +8,7 @@ import sys
 import sysconfig
 import uuid
 import venv
+import zipfile
 from pathlib import Path
 
 import asyncpg
@@ -177,6 +178,13 @@ def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) ->
     )
     assert built.returncode == 0, built.stdout + built.stderr
     wheel = next(dist.glob("cronoq_store-*.whl"))
+    # The licence travels with the wheel, and its metadata names it.
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [licence] = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert "Apache License" in archive.read(licence).decode()
+        [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        assert "License-Expression: Apache-2.0" in archive.read(metadata).decode()
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"

@@ -36,7 +36,7 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.errors import FencedError, StoreError, UnavailableError
+from cronoq_store.errors import FencedError, KeyTakenError, UnavailableError
 from cronoq_store.store import PgStore
 from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
 
@@ -381,8 +381,9 @@ async def test_a_failed_commit_leaves_its_pooled_connection_clean_and_in_use(
             [submitted(3, key="k")],
         ]
         for batch in batches:
-            with pytest.raises(StoreError, match="UniqueViolationError") as caught:
+            with pytest.raises(KeyTakenError, match="nothing of the batch") as caught:
                 await store.commit(0, BASE, batch, [])
+            assert caught.value.keys == ["k"]
             assert not caught.value.is_transient
             # The server's error left the session usable: it stays in the pool, idle.
             assert await session_states(pg_url, name) == [(pid, "idle")]
@@ -598,8 +599,9 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     assert [tuple(r) for r in rows] == [(1, "a", "succeeded"), (2, "a", "queued"), (3, None, third)]
     # Writing such a batch again does not hide a key really held: 2 holds "a", live.
     landed = await snapshot(store)
-    with pytest.raises(StoreError, match="UniqueViolationError"):
+    with pytest.raises(KeyTakenError) as caught:
         await store.commit(0, BASE, [*batch, submitted(4, key="a")], [])
+    assert caught.value.keys == ["a"]
     assert await snapshot(store) == landed
 
 

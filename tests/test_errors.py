@@ -374,6 +374,28 @@ async def test_syntax_error(engine: AsyncEngine, password: str) -> None:
         await conn.rollback()
 
 
+@pytest.mark.parametrize(
+    ("sql", "code"),
+    [
+        ("EXECUTE cronoq_missing", "26000"),
+        ("PREPARE p AS SELECT 1; PREPARE p AS SELECT 1", "42P05"),
+    ],
+)
+async def test_a_prepared_statement_missing_or_taken_names_the_settings_that_avoid_it(
+    engine: AsyncEngine, password: str, sql: str, code: str
+) -> None:
+    """What a transaction-pooling PgBouncer produces, made directly: permanent, and saying
+    which settings to change."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        error, original = await failure(driver.execute(f"{SECRET_SQL} {sql}"))
+        assert getattr(original, "sqlstate", None) == code
+        assert_permanent(error, original, password)
+        assert "PgStoreConfig(prepared_statements=False)" in str(error)
+        assert '"prepared_statement_cache_size": 0' in str(error)
+        await conn.rollback()
+
+
 async def test_nul_in_a_text_parameter(engine: AsyncEngine, table: str, password: str) -> None:
     async with engine.connect() as conn:
         error, original = await failure(

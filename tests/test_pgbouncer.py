@@ -186,6 +186,12 @@ async def test_named_prepared_statements_break_behind_pgbouncer(
     codes = {_sqlstate(f) for f in failures}
     assert codes <= {"26000", "42P05"}, failures
     assert any("prepared statement" in str(f) for f in failures), failures
+    # Each says what to change, and is not retried: the same settings fail again.
+    for failure in failures:
+        assert "PgStoreConfig(prepared_statements=False)" in str(failure), failure
+        assert '"statement_cache_size": 0' in str(failure), failure
+        assert isinstance(failure, StoreError)
+        assert not failure.is_transient, failure
 
 
 def _sqlstate(exc: BaseException) -> str | None:

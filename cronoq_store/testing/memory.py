@@ -53,7 +53,7 @@ from ..domain import (
     check_task_id,
     clean_text,
 )
-from ..errors import BatchTooLargeError, FencedError, IdCollisionError, StoreError
+from ..errors import BatchTooLargeError, FencedError, IdCollisionError, KeyTakenError, StoreError
 from ..folding import FoldedBatch, RecurringAction, fold, level
 from ..queries import finished_params, lookup_params, prune_cutoff
 from ..recovery import next_id
@@ -143,7 +143,7 @@ class InMemoryDatabase:
 
     def _write(self, batch: FoldedBatch) -> None:
         """Apply what ``folding.fold`` made of a batch whole, or raise with nothing applied:
-        ids held by other tasks first (``IdCollisionError``), then live keys (``StoreError``).
+        ids held by other tasks first (``IdCollisionError``), then live keys (``KeyTakenError``).
 
         The writes go in ``PgStore``'s order: transitions of stored tasks first (so a key
         they release can be taken by a task inserted after), then new tasks, outputs and
@@ -179,10 +179,7 @@ class InMemoryDatabase:
             if holder is None and key not in released:
                 holder = self._live_keys.get(key)
             if holder is not None:
-                raise StoreError(
-                    f"committing a batch failed: key {key!r} is held by live task {holder} "
-                    "(at most one live task holds a key): nothing of the batch was written"
-                )
+                raise KeyTakenError([key])
             taken[key] = row[_ID]
 
         for stored, state in moved:
@@ -351,7 +348,7 @@ class InMemoryStore:
         Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
         lost and nothing is applied) or leadership was lost before, ``BatchTooLargeError``
         over :attr:`max_commit_bytes`, ``IdCollisionError`` for a different task under a
-        stored id or an id of the batch, ``StoreError`` for a key a live task holds, and
+        stored id or an id of the batch, ``KeyTakenError`` for a key a live task holds, and
         ``ValueError`` naming the field for an engine time that leaves BIGINT through
         ``base``; in each case nothing of the batch is applied.
         """

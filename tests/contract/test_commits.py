@@ -16,13 +16,13 @@ from cronoq_store import (
     GroupCommitter,
     IdCollisionError,
     IntervalSchedule,
+    KeyTakenError,
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringSpec,
     RecurringUpsert,
     RetryPolicy,
-    StoreError,
     TaskId,
     TaskSpec,
 )
@@ -117,9 +117,10 @@ async def test_a_key_is_held_by_at_most_one_live_task(cluster: Cluster) -> None:
     store = await cluster.open()
     await store.commit(0, BASE, [submitted(1, key="k")], [])
     before = await observe(store, range(1, 4))
-    with pytest.raises(StoreError) as caught:
+    with pytest.raises(KeyTakenError) as caught:
         await store.commit(0, BASE, [submitted(3), submitted(2, key="k")], [])
-    assert type(caught.value) is StoreError
+    assert caught.value.keys == ["k"]
+    assert "nothing of the batch was written" in str(caught.value)
     assert not caught.value.is_transient
     assert await observe(store, range(1, 4)) == before  # not even task 3
     # Its holder finishing releases it: in the same batch, updates come before inserts.
@@ -159,8 +160,9 @@ async def test_a_task_sent_again_with_later_transitions_moves_as_a_stored_task(
 async def test_keys_that_differ_only_by_nul_and_u_fffd_are_one_key(cluster: Cluster) -> None:
     store = await cluster.open()
     await store.commit(0, BASE, [submitted(1, key="k\0")], [])
-    with pytest.raises(StoreError):
+    with pytest.raises(KeyTakenError) as caught:
         await store.commit(0, BASE, [submitted(2, key="k\ufffd")], [])
+    assert caught.value.keys == ["k\ufffd"]
     found = await store.get_task("k\ufffd")
     assert found is not None
     assert (found.id, found.key) == (1, "k\ufffd")
