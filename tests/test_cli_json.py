@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
+from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
 from cronoq_store.cli import ExitCode
 from cronoq_store.migrations import head_revision
 
@@ -56,7 +56,8 @@ def rfc3339(text: str) -> datetime:
 async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: str) -> None:
     url = full(pg_url)
     leaderless = await run("--url", url, "--schema", migrated, "health")
-    assert leaderless.exit_code == ExitCode.NO_LEADER == 6
+    assert leaderless.exit_code == ExitCode.NO_LEADER
+    assert int(ExitCode.NO_LEADER) == 6  # documented
     assert leaderless.stdout == "unhealthy: no instance holds the leader lock\n"
 
     config = PgStoreConfig(schema=migrated, application_name="probe-a")
@@ -245,7 +246,10 @@ def in_a_terminal(argv: list[str], columns: int) -> str:
 async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: PgStore) -> None:
     key = "k" * 100
     ids = [TaskId(WIDE - 1), TaskId(WIDE)]
-    batch = [submitted(ids[0], key=key), changed(ids[0], TaskStatus.CANCELLED, message="m" * 70)]
+    batch: list[Mutation] = [
+        submitted(ids[0], key=key),
+        changed(ids[0], TaskStatus.CANCELLED, message="m" * 70),
+    ]
     batch += [submitted(ids[1]), changed(ids[1], TaskStatus.SUCCEEDED)]
     await store.commit(0, BASE, batch, [])
     argv = command(pg_url, store.config.schema, "tasks", "finished")
