@@ -845,3 +845,13 @@ health_facts = (
     .select_from(leader.outerjoin(_holder, true()))
     .where(leader.c.id == LEADER_ROW_ID)
 )
+
+# --- a forced handover (``cronoq-store handover``) ------------------------------------------
+
+__all__ += ["terminate_backend"]
+
+#: Ends the session ``pid`` (its transaction rolls back, its session locks are released);
+#: needs the ``pg_signal_backend`` role (or superuser, or the same role as that session).
+terminate_backend = select(
+    func.pg_catalog.pg_terminate_backend(bindparam("pid", type_=Integer), type_=Boolean)
+)

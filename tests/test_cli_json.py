@@ -274,3 +274,52 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
     assert [line.split("\t")[:2] for line in lines[1:3]] == [[str(ids[0]), key], [str(ids[1]), "-"]]
     assert lines[1].split("\t")[7] == "m" * 60  # messages are shortened, never ids or keys
     assert lines[3] == "end of list"
+
+
+# --- handover -------------------------------------------------------------------------------
+
+
+def ha_config(schema: str, name: str) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema, application_name=name, lock_poll=0.05, keepalive=0.2, session_timeout=1.0
+    )
+
+
+async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
+    pg_url: URL, migrated: str
+) -> None:
+    url = full(pg_url)
+    async with (
+        await PgStore.connect(pg_url, ha_config(migrated, "handover-a")) as a,
+        await PgStore.connect(pg_url, ha_config(migrated, "handover-b")) as b,
+    ):
+        first = await a.acquire_leadership()
+        standby = asyncio.create_task(b.acquire_leadership())
+
+        unconfirmed = await run("--url", url, "--schema", migrated, "handover")
+        assert unconfirmed.exit_code == ExitCode.USAGE
+        assert "pass --yes" in unconfirmed.stderr
+        assert a.is_leader
+        assert not standby.done()
+
+        result = await run("--url", url, "--schema", migrated, "handover", "--yes")
+        assert result.exit_code == 0, result.output
+        epoch = await asyncio.wait_for(standby, 10)
+        assert epoch == first + 1
+        assert re.search(
+            r"^new leader: pid \d+ \(handover-b leader\), epoch (\d+)$", result.stdout, re.M
+        )
+        assert result.stdout.rstrip().endswith(f"epoch {epoch}")
+        assert re.search(rf"^epoch\s+{first}\s*$", result.stdout, re.M)
+        await asyncio.wait_for(a.leadership_lost(), 10)
+        assert not a.is_leader
+
+        # No standby now: the command ends the holder and gives up after --timeout.
+        alone = await run("--url", url, "--schema", migrated, "handover", "--yes", "--timeout", "1")
+        assert alone.exit_code == ExitCode.NO_LEADER
+        assert "no standby leads after 1 s" in alone.stderr
+        await asyncio.wait_for(b.leadership_lost(), 10)
+
+    nobody = await run("--url", url, "--schema", migrated, "handover", "--yes")
+    assert nobody.exit_code == ExitCode.NO_LEADER
+    assert "nothing to hand over" in nobody.stderr

@@ -12,7 +12,8 @@ script what went wrong (:class:`ExitCode`).
 
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
-module per command (``migrate``, ``status``, ``tasks``, ``prune``, ``demo``, ``health``).
+module per command (``migrate``, ``status``, ``tasks``, ``prune``, ``demo``, ``health``,
+``handover``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from .app import cli
 from .demo import demo
 from .exits import ExitCode
+from .handover import handover
 from .health import health
 from .migrate import migrate
 from .prune import parse_duration, prune
@@ -28,7 +30,7 @@ from .tasks import tasks
 
 __all__ = ["ExitCode", "cli", "main", "parse_duration"]
 
-for _command in (migrate, status, tasks, prune, demo, health):
+for _command in (migrate, status, tasks, prune, demo, health, handover):
     cli.add_command(_command)
 
 
