@@ -220,13 +220,14 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
-def in_a_terminal(argv: list[str], columns: int) -> str:
-    """What ``argv`` shows on a real terminal ``columns`` wide."""
+def in_a_terminal(argv: list[str], columns: int, typed: bytes = b"", expect: int = 0) -> str:
+    """What ``argv`` shows on a real terminal ``columns`` wide, ``typed`` typed into it."""
     main, child = pty.openpty()
     with subprocess.Popen(
         argv, stdin=child, stdout=child, stderr=child, env=environment(COLUMNS=str(columns))
     ) as process:
         os.close(child)
+        os.write(main, typed)
         chunks = []
         while True:
             try:
@@ -236,7 +237,7 @@ def in_a_terminal(argv: list[str], columns: int) -> str:
             if not chunk:
                 break
             chunks.append(chunk)
-        assert process.wait(timeout=60) == 0, b"".join(chunks)
+        assert process.wait(timeout=60) == expect, b"".join(chunks)
     os.close(main)
     # Without the styles' escape codes, lines ending as on a file.
     text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())
@@ -323,3 +324,24 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
     nobody = await run("--url", url, "--schema", migrated, "handover", "--yes")
     assert nobody.exit_code == ExitCode.NO_LEADER
     assert "nothing to hand over" in nobody.stderr
+
+
+async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
+    async with (
+        await PgStore.connect(pg_url, ha_config(migrated, "asked-a")) as a,
+        await PgStore.connect(pg_url, ha_config(migrated, "asked-b")) as b,
+    ):
+        first = await a.acquire_leadership()
+        standby = asyncio.create_task(b.acquire_leadership())
+        argv = command(pg_url, migrated, "handover", "--timeout", "10")
+
+        declined = await asyncio.to_thread(in_a_terminal, argv, 100, b"n\n", ExitCode.FAILED)
+        assert "so that a standby leads? [y/N]" in declined
+        assert "handover cancelled" in declined
+        assert a.is_leader
+        assert not standby.done()
+
+        accepted = await asyncio.to_thread(in_a_terminal, argv, 100, b"y\n")
+        epoch = await asyncio.wait_for(standby, 10)
+        assert epoch == first + 1
+        assert f"(asked-b leader), epoch {epoch}" in accepted
