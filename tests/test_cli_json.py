@@ -251,7 +251,7 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
         submitted(ids[0], key=key),
         changed(ids[0], TaskStatus.CANCELLED, message="m" * 70),
     ]
-    batch += [submitted(ids[1]), changed(ids[1], TaskStatus.SUCCEEDED)]
+    batch += [submitted(ids[1]), changed(ids[1], TaskStatus.SUCCEEDED, message="a\tb\nc\\")]
     await store.commit(0, BASE, batch, [])
     argv = command(pg_url, store.config.schema, "tasks", "finished")
 
@@ -274,6 +274,7 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
     ]  # fmt: skip
     assert [line.split("\t")[:2] for line in lines[1:3]] == [[str(ids[0]), key], [str(ids[1]), "-"]]
     assert lines[1].split("\t")[7] == "m" * 60  # messages are shortened, never ids or keys
+    assert lines[2].split("\t")[7] == "a\\tb\\nc\\\\"  # one line, its tab a field's end
     assert lines[3] == "end of list"
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 
 import click
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -86,9 +87,10 @@ def print_table(
 ) -> None:
     """Rows under ``columns``; only the ``wrap`` column may wrap, nothing is ever cut.
 
-    Piped: a header line and one tab-separated line per row (tabs and line breaks in cells
-    written as ``\\t``, ``\\n``). On a terminal: a table, or, when the terminal is too
-    narrow for every unwrapped cell whole, one block of label-and-value lines per row.
+    Piped: a header line and one tab-separated line per row (backslashes, tabs and line
+    breaks in cells written as ``\\\\``, ``\\t``, ``\\n``, ``\\r``). On a terminal: a
+    table, or, when the terminal is too narrow for every unwrapped cell whole, one block
+    of label-and-value lines per row.
     """
     cells = [list(row) for row in rows]
     if not out.is_terminal:
@@ -97,7 +99,7 @@ def print_table(
             out.file.write("\t".join(_one_line(cell) for cell in line) + "\n")
         return
     widths = [
-        _MIN_WRAPPED if name == wrap else max(len(name), *(len(row[i]) for row in cells))
+        _MIN_WRAPPED if name == wrap else max(cell_len(name), *(cell_len(row[i]) for row in cells))
         for i, name in enumerate(columns)
     ]
     # Each cell has one space of padding either side and one border to its left.
