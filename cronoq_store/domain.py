@@ -607,3 +607,44 @@ class TaskRecord:
     message: str | None
     output: bytes | None
     updated: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """The session holding a cluster's leader lock, as ``pg_stat_activity`` shows it.
+    ``application_name``, ``client_addr`` and ``since`` are ``None`` when the reading role
+    may not see another role's sessions (grant it ``pg_read_all_stats``); ``client_addr`` is
+    also ``None`` for a local socket."""
+
+    pid: int
+    application_name: str | None
+    client_addr: str | None
+    #: When the holder's session started (tz-aware UTC).
+    since: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What ``PgStore.health()`` reads in one round trip, for a readiness endpoint: facts,
+    never a verdict raised as an error."""
+
+    #: Whether this instance holds the leader lock, and its epoch while it does.
+    is_leader: bool
+    epoch: int | None
+    #: The epoch in the leader row: the latest leader's, whoever that is.
+    stored_epoch: int
+    #: Who holds the leader lock now; ``None`` when no instance leads.
+    holder: LockHolder | None
+    #: The revisions the schema's version table records, and this build's head.
+    revision: tuple[str, ...]
+    head: str
+    #: Seconds since this instance's last successful commit; ``None`` before the first.
+    last_commit_age: float | None
+
+    @property
+    def at_head(self) -> bool:
+        return self.revision == (self.head,)
+
+    @property
+    def has_leader(self) -> bool:
+        return self.holder is not None

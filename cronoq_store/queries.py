@@ -12,18 +12,30 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from datetime import timezone
+from typing import Any, NamedTuple
 
 from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import statements as st
-from .domain import I64_MAX, TaskId, TaskRecord, TaskRef, TaskStatus, check_task_id, clean_text
+from .domain import (
+    I64_MAX,
+    LockHolder,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    check_task_id,
+    clean_text,
+)
 from .rows import task_record
 
 __all__ = [
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
+    "ClusterFacts",
+    "cluster_facts",
     "finished_params",
     "get_task",
     "list_finished",
@@ -127,3 +139,31 @@ async def prune(
             progress(total)
         if deleted < PRUNE_BATCH:
             return total
+
+
+class ClusterFacts(NamedTuple):
+    """What any session can read of a cluster's leadership and revision
+    (:data:`~cronoq_store.statements.health_facts`)."""
+
+    stored_epoch: int
+    holder: LockHolder | None
+    revision: tuple[str, ...]
+
+
+async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and the
+    recorded revisions, in one statement: what ``PgStore.health`` and ``cronoq-store
+    health`` report."""
+    # The store passes the schema OID as a signed int4; pg_locks shows it unsigned.
+    keys = {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
+    row = (await conn.execute(st.health_facts, keys)).one()
+    holder = None
+    if row.pid is not None:
+        since = row.backend_start
+        holder = LockHolder(
+            pid=row.pid,
+            application_name=row.application_name,
+            client_addr=row.client_addr,
+            since=None if since is None else since.astimezone(timezone.utc),
+        )
+    return ClusterFacts(row.epoch, holder, tuple(sorted(row.revisions or ())))

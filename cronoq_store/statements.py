@@ -56,7 +56,7 @@ from .rows import (
     RECORD_COLUMNS,
     RECURRING_COLUMNS,
 )
-from .schema import LEADER_ROW_ID, leader, recurring, tasks
+from .schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
 
 __all__ = [
     "LOCK_NS_LEADER",
@@ -794,4 +794,40 @@ tasks_with_kind_or_message = select(func.count()).where(
         tasks.c.kind == bindparam("kind", type_=Text),
         tasks.c.message == bindparam("message", type_=Text),
     )
+)
+
+# --- health (``PgStore.health``, ``cronoq-store health``) ----------------------------------
+
+__all__ += ["health_facts"]
+
+# Alembic's version table, schema-less like the store's tables so the cluster's schema is
+# applied at execution; only its one column is read.
+_versions = Table(VERSION_TABLE, MetaData(), Column("version_num", Text))
+_holder = leader_lock_holder.subquery("h")
+
+#: In one round trip: the stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL
+#: columns when none holds it) and the revisions the version table records.
+health_facts = (
+    select(
+        leader.c.epoch,
+        _holder.c.pid,
+        _holder.c.application_name,
+        _holder.c.client_addr,
+        _holder.c.backend_start,
+        select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+        .scalar_subquery()
+        .label("revisions"),
+    )
+    .select_from(leader.outerjoin(_holder, true()))
+    .where(leader.c.id == LEADER_ROW_ID)
+)
+
+# --- a forced handover (``cronoq-store handover``) ------------------------------------------
+
+__all__ += ["terminate_backend"]
+
+#: Ends the session ``pid`` (its transaction rolls back, its session locks are released);
+#: needs the ``pg_signal_backend`` role (or superuser, or the same role as that session).
+terminate_backend = select(
+    func.pg_catalog.pg_terminate_backend(bindparam("pid", type_=Integer), type_=Boolean)
 )

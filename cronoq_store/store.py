@@ -31,6 +31,7 @@ from . import migrations, queries, recovery
 from . import statements as st
 from .config import PgStoreConfig, keepalive_settings
 from .domain import (
+    Health,
     Mutation,
     Recovered,
     TaskId,
@@ -121,6 +122,8 @@ class PgStore:
         self._has_led = False
         self._fenced = False
         self._closed = False
+        # time.monotonic() of the last commit that returned, for health().
+        self._last_commit: float | None = None
 
     # --- construction -----------------------------------------------------------------------
 
@@ -360,6 +363,7 @@ class PgStore:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
                 ) from exc
+        self._last_commit = time.monotonic()
 
     async def ping(self) -> None:
         """Return once the database answers and takes writes; ``UnavailableError`` if it
@@ -445,6 +449,25 @@ class PgStore:
             return await queries.load_output(conn, id)
 
     # --- queries ----------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        """This instance's leadership and the cluster's, the schema's revision against this
+        build's head, and the age of this instance's last successful commit, read in one
+        statement: for an application's readiness endpoint. "Not healthy" is a fact in the
+        result (no leader, not at head); only a database that cannot be read raises
+        (``UnavailableError`` or ``StoreError``)."""
+        async with self._translated("reading health"), self._session() as conn:
+            facts = await queries.cluster_facts(conn, self._leader_lock)
+        last = self._last_commit
+        return Health(
+            is_leader=self.is_leader,
+            epoch=self.epoch,
+            stored_epoch=facts.stored_epoch,
+            holder=facts.holder,
+            revision=facts.revision,
+            head=migrations.head_revision(),
+            last_commit_age=None if last is None else time.monotonic() - last,
+        )
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""

@@ -5,14 +5,16 @@ at this build's head instead of migrating it as a side effect (an operator looki
 database should not alter it, and may not have the right to), and they refuse a database
 that a newer build migrated, whose columns this build cannot know. They need no more than
 read access, except ``prune``, which needs the runtime role's grants (``DELETE`` on the
-tasks, ``UPDATE`` on the leader row for its ``FOR SHARE``). Their statements live in
-:mod:`cronoq_store.statements`, the cluster's schema applied at execution as the store
-does. Errors are one line on stderr with the password masked, and the exit code tells a
-script what went wrong (:class:`ExitCode`).
+tasks, ``UPDATE`` on the leader row for its ``FOR SHARE``), and ``handover``, which ends the
+leader's session (``pg_signal_backend``, the store's own role, or a superuser). Their
+statements live in :mod:`cronoq_store.statements`, the cluster's schema applied at
+execution as the store does. Errors are one line on stderr with the password masked, and
+the exit code tells a script what went wrong (:class:`ExitCode`).
 
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
-module per command (``migrate``, ``status``, ``tasks``, ``prune``, ``demo``).
+module per command (``migrate``, ``status``, ``tasks``, ``prune``, ``demo``, ``health``,
+``handover``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from .app import cli
 from .demo import demo
 from .exits import ExitCode
+from .handover import handover
+from .health import health
 from .migrate import migrate
 from .prune import parse_duration, prune
 from .status import status
@@ -27,7 +31,7 @@ from .tasks import tasks
 
 __all__ = ["ExitCode", "cli", "main", "parse_duration"]
 
-for _command in (migrate, status, tasks, prune, demo):
+for _command in (migrate, status, tasks, prune, demo, health, handover):
     cli.add_command(_command)
 
 

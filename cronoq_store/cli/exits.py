@@ -27,6 +27,7 @@ class ExitCode(IntEnum):
     UNREACHABLE = 3
     NOT_MIGRATED = 4
     NEWER_DATABASE = 5
+    NO_LEADER = 6
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -40,6 +41,7 @@ Exit codes:
   {ExitCode.NOT_MIGRATED:d}  the schema is missing or not migrated to this build's head
      (run `cronoq-store migrate`)
   {ExitCode.NEWER_DATABASE:d}  the schema was migrated by a newer cronoq-store: upgrade it
+  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
 """
 
 

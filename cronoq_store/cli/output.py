@@ -1,26 +1,57 @@
-"""How the commands print: the console, label-and-value lines, and values in words (times,
-durations, task ids, schedules, outputs). Nothing a row holds can make these fail."""
+"""How the commands print: the console, label-and-value lines, tables, JSON documents, and
+values in words (times, durations, task ids, schedules, outputs). Nothing a row holds can make
+these fail.
+
+On a terminal, tables are drawn to its width, and a table that cannot show every cell whole
+at that width is printed as one block of lines per row instead, so an id is never cut.
+Piped, output is plain: label-and-value lines never wrapped, tables as tab-separated lines
+under a header, nothing cut at any width. ``--json`` prints one document (:func:`emit_json`):
+ids as integers, times as RFC 3339 UTC.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 
+import click
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from ..domain import I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, TaskId, epoch_of
+from ..domain import (
+    I64_MAX,
+    ID_COUNTER_BITS,
+    QUEUED,
+    UNIX_EPOCH,
+    LockHolder,
+    TaskId,
+    TaskRecord,
+    epoch_of,
+)
 
 __all__ = [
     "ago",
     "console",
     "describe_schedule",
+    "emit_json",
     "format_duration",
+    "holder_document",
     "preview",
     "print_facts",
+    "print_table",
+    "rfc3339",
+    "task_document",
     "task_id",
     "utc",
 ]
+
+#: The width of a pipe: wide enough that nothing is ever wrapped or cut.
+_PIPE_WIDTH = 1 << 16
+#: The narrowest a wrapping column may become before rows are printed as blocks instead.
+_MIN_WRAPPED = 20
 
 
 def console(*, markup: bool = False) -> Console:
@@ -29,7 +60,10 @@ def console(*, markup: bool = False) -> Console:
     Without markup and emoji codes: keys, messages and pool names are data, and ``[/b]`` or
     ``:fire:`` in them must print as written.
     """
-    return Console(highlight=False, markup=markup, emoji=False)
+    probe = Console()
+    if probe.is_terminal:
+        return Console(highlight=False, markup=markup, emoji=False)
+    return Console(highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True)
 
 
 def print_facts(out: Console, *facts: tuple[str, str]) -> None:
@@ -40,6 +74,99 @@ def print_facts(out: Console, *facts: tuple[str, str]) -> None:
     for label, value in facts:
         grid.add_row(label, value)
     out.print(grid)
+
+
+def print_table(
+    out: Console,
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    right: Sequence[str] = (),
+    wrap: str | None = None,
+) -> None:
+    """Rows under ``columns``; only the ``wrap`` column may wrap, nothing is ever cut.
+
+    Piped: a header line and one tab-separated line per row (backslashes, tabs and line
+    breaks in cells written as ``\\\\``, ``\\t``, ``\\n``, ``\\r``). On a terminal: a
+    table, or, when the terminal is too narrow for every unwrapped cell whole, one block
+    of label-and-value lines per row.
+    """
+    cells = [list(row) for row in rows]
+    if not out.is_terminal:
+        for line in (columns, *cells):
+            # Written as is: rich would expand the tabs into spaces.
+            out.file.write("\t".join(_one_line(cell) for cell in line) + "\n")
+        return
+    widths = [
+        _MIN_WRAPPED if name == wrap else max(cell_len(name), *(cell_len(row[i]) for row in cells))
+        for i, name in enumerate(columns)
+    ]
+    # Each cell has one space of padding either side and one border to its left.
+    if sum(widths) + 3 * len(columns) + 1 > out.width:
+        out.print(title)
+        for row in cells:
+            out.print()
+            print_facts(out, *zip(columns, row, strict=True))
+        return
+    table = Table(title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=name != wrap)
+    for row in cells:
+        table.add_row(*row)
+    out.print(table)
+
+
+def _one_line(cell: str) -> str:
+    return cell.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def emit_json(document: Mapping[str, object]) -> None:
+    """The command's one JSON document, alone on stdout."""
+    click.echo(json.dumps(document, ensure_ascii=False, indent=2))
+
+
+def rfc3339(moment: datetime | int | None) -> str | None:
+    """A time (aware ``datetime`` or Unix ns) as RFC 3339 in UTC, ``Z``-suffixed."""
+    if moment is None:
+        return None
+    if isinstance(moment, int):
+        moment = UNIX_EPOCH + timedelta(microseconds=moment // 1000)
+    text = moment.astimezone(timezone.utc).isoformat(timespec="microseconds")
+    return text.removesuffix("+00:00") + "Z"
+
+
+def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
+    """The leader lock's holder, as ``status --json`` and ``health --json`` show it."""
+    if holder is None:
+        return None
+    return {
+        "pid": holder.pid,
+        "application_name": holder.application_name,
+        "client_addr": holder.client_addr,
+        "since": rfc3339(holder.since),
+    }
+
+
+def task_document(record: TaskRecord) -> dict[str, object]:
+    """A task, as ``tasks show --json`` and ``tasks finished --json`` show it; the output
+    as base64."""
+    out = record.output
+    return {
+        "id": record.id,
+        "epoch": epoch_of(record.id) if 0 <= record.id <= I64_MAX else None,
+        "key": record.key,
+        "pool": record.pool,
+        "kind": record.kind,
+        "priority": record.priority.name.lower(),
+        "tenant": record.tenant,
+        "status": QUEUED if record.status is None else record.status.value,
+        "attempt": record.attempt,
+        "updated": rfc3339(record.updated),
+        "message": record.message,
+        "output_size": None if out is None else len(out),
+        "output_base64": None if out is None else base64.b64encode(out).decode("ascii"),
+    }
 
 
 def utc(unix_ns: int) -> str:

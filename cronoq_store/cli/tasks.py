@@ -1,4 +1,5 @@
-"""``cronoq-store tasks``: look one task up, or page through finished ones."""
+"""``cronoq-store tasks``: look one task up, or page through finished ones. Rows are decoded
+by :mod:`cronoq_store.rows` through :mod:`cronoq_store.queries`, as the store's look-ups are."""
 
 from __future__ import annotations
 
@@ -7,11 +8,9 @@ from collections.abc import Sequence
 
 import click
 from rich.console import Console
-from rich.table import Table
 
-from .. import statements as st
-from ..codec import clean_text
-from ..domain import I64_MAX, Priority, TaskStatus
+from .. import queries
+from ..domain import I64_MAX, QUEUED, TaskId, TaskRecord, TaskStatus
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run
@@ -20,6 +19,10 @@ __all__ = ["tasks"]
 
 #: The statuses ``--status`` accepts: the finished ones.
 _FINISHED = [s.value for s in TaskStatus if s.is_terminal]
+
+_json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+)
 
 
 @click.group()
@@ -30,37 +33,39 @@ def tasks() -> None:
 @tasks.command("show")
 @click.argument("ref")
 @click.option("--key", "as_key", is_flag=True, help="Treat REF as a key even if it is numeric.")
+@_json_option
 @click.pass_obj
-def show(options: Options, ref: str, as_key: bool) -> None:
+def show(options: Options, ref: str, as_key: bool, as_json: bool) -> None:
     """Show one task: REF is an id (digits) or a key (the newest task holding it)."""
     by_id = not as_key and re.fullmatch(r"[0-9]+", ref) is not None
     if by_id and int(ref) > I64_MAX:
         raise click.BadParameter(f"{ref} is not a task id (ids fit a signed 64-bit integer)")
-    run(options.url, _show(options, ref, by_id, output.console()))
+    run(options.url, _show(options, TaskId(int(ref)) if by_id else ref, as_json, output.console()))
 
 
-async def _show(options: Options, ref: str, by_id: bool, console: Console) -> None:
+async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        if by_id:
-            row = (await conn.execute(st.task_by_id, {"id": int(ref)})).first()
-        else:
-            row = (await conn.execute(st.task_by_key, {"key": clean_text(ref)})).first()
-    if row is None:
-        raise CliError(f"no task with {'id' if by_id else 'key'} {ref!r}", ExitCode.FAILED)
+        record = await queries.get_task(conn, queries.lookup_params(ref))
+    if record is None:
+        kind = "key" if isinstance(ref, str) else "id"
+        raise CliError(f"no task with {kind} {str(ref)!r}", ExitCode.FAILED)
+    if as_json:
+        output.emit_json(output.task_document(record))
+        return
     output.print_facts(
         console,
-        ("id", output.task_id(row.id)),
-        ("key", row.key or "-"),
-        ("pool", row.pool),
-        ("kind", row.kind or "-"),
-        ("priority", Priority.from_stored(row.priority).name.lower()),
-        ("tenant", row.tenant or "-"),
-        ("status", row.status),
-        ("attempt", str(row.attempt)),
-        ("updated", output.utc(row.updated_unix_ns)),
-        ("message", row.message or "-"),
-        ("output", output.preview(row.output)),
+        ("id", output.task_id(record.id)),
+        ("key", record.key or "-"),
+        ("pool", record.pool),
+        ("kind", record.kind or "-"),
+        ("priority", record.priority.name.lower()),
+        ("tenant", record.tenant or "-"),
+        ("status", _status(record)),
+        ("attempt", str(record.attempt)),
+        ("updated", _updated(record)),
+        ("message", record.message or "-"),
+        ("output", output.preview(record.output)),
     )
 
 
@@ -81,6 +86,7 @@ async def _show(options: Options, ref: str, by_id: bool, console: Console) -> No
 @click.option(
     "--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="Tasks per page."
 )
+@_json_option
 @click.pass_obj
 def finished(
     options: Options,
@@ -88,48 +94,64 @@ def finished(
     statuses: tuple[str, ...],
     after: int | None,
     limit: int,
+    as_json: bool,
 ) -> None:
     """List finished tasks in id order, a page at a time."""
-    run(options.url, _finished(options, pools, statuses, after, limit, output.console()))
+    chosen = [TaskStatus(s.lower()) for s in statuses]
+    cursor = None if after is None else TaskId(after)
+    run(options.url, _finished(options, pools, chosen, cursor, limit, as_json, output.console()))
 
 
 async def _finished(
     options: Options,
     pools: Sequence[str],
-    statuses: Sequence[str],
-    after: int | None,
+    statuses: Sequence[TaskStatus],
+    after: TaskId | None,
     limit: int,
+    as_json: bool,
     console: Console,
 ) -> None:
-    params = {
-        "pools": [clean_text(p) for p in pools],
-        "statuses": [s.lower() for s in statuses],
-        "after": -1 if after is None else after,
-        "limit": limit + 1,  # one more tells whether another page follows
-    }
+    # One more than a page tells whether another page follows.
+    params = queries.finished_params(pools, statuses, after, limit + 1)
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        rows = (await conn.execute(st.finished_page, params)).all()
-    page, more = rows[:limit], len(rows) > limit
+        records = await queries.list_finished(conn, params)
+    page, more = records[:limit], len(records) > limit
+    next_after = page[-1].id if more else None
+    if as_json:
+        output.emit_json(
+            {"tasks": [output.task_document(r) for r in page], "next_after": next_after}
+        )
+        return
     if not page:
         console.print("no finished tasks" + (" after that id" if after is not None else ""))
         return
-    listing = Table(title=f"finished tasks ({len(page)})", title_justify="left")
-    for name in ("id", "key", "pool", "kind", "status", "attempt", "updated", "message"):
-        listing.add_column(name, justify="right" if name in ("id", "attempt") else "left")
-    for row in page:
-        listing.add_row(
-            str(row.id),
-            row.key or "-",
-            row.pool,
-            row.kind or "-",
-            row.status,
-            str(row.attempt),
-            output.utc(row.updated_unix_ns),
-            (row.message or "-")[:60],
-        )
-    console.print(listing)
-    if more:
-        console.print(f"next page: --after {page[-1].id}")
-    else:
-        console.print("end of list")
+    output.print_table(
+        console,
+        f"finished tasks ({len(page)})",
+        ("id", "key", "pool", "kind", "status", "attempt", "updated", "message"),
+        (
+            (
+                str(r.id),
+                r.key or "-",
+                r.pool,
+                r.kind or "-",
+                _status(r),
+                str(r.attempt),
+                _updated(r),
+                (r.message or "-")[:60],
+            )
+            for r in page
+        ),
+        right=("id", "attempt"),
+        wrap="message",
+    )
+    console.print("end of list" if next_after is None else f"next page: --after {next_after}")
+
+
+def _status(record: TaskRecord) -> str:
+    return QUEUED if record.status is None else record.status.value
+
+
+def _updated(record: TaskRecord) -> str:
+    return record.updated.strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -1,0 +1,80 @@
+"""``cronoq-store health``: a probe for orchestrators. Exit 0 only when the schema is at this
+build's head and some instance holds the leader lock; otherwise the exit code says which
+(5 newer database, 4 not at head, 6 no leader) and each reason is one line."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+
+from .. import queries
+from .. import statements as st
+from ..migrations import RevisionStatus
+from ..queries import ClusterFacts
+from . import database, output
+from .app import Options
+from .exits import ExitCode, run
+
+__all__ = ["health"]
+
+
+@click.command()
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+)
+@click.pass_obj
+def health(options: Options, as_json: bool) -> None:
+    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5 or 6."""
+    code = run(options.url, _health(options, as_json, output.console()))
+    if code is not ExitCode.OK:
+        raise click.exceptions.Exit(int(code))
+
+
+async def _health(options: Options, as_json: bool, console: Console) -> ExitCode:
+    facts: ClusterFacts | None = None
+    async with database.database(options) as conn:
+        revision = await database.revision(conn, options.schema)
+        if revision.current:
+            # Migrated at some revision: the leader row and the lock are there to read.
+            oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
+            facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
+    code, reasons = _verdict(revision, facts)
+    holder = None if facts is None else facts.holder
+    if as_json:
+        output.emit_json(
+            {
+                "healthy": code is ExitCode.OK,
+                "schema": options.schema,
+                "revision": list(revision.current),
+                "head": revision.head,
+                "at_head": revision.at_head,
+                "stored_epoch": None if facts is None else facts.stored_epoch,
+                "leader": output.holder_document(holder),
+                "reasons": reasons,
+            }
+        )
+    elif holder is not None and facts is not None and code is ExitCode.OK:
+        console.print(
+            f"healthy: schema {options.schema} at {revision.head}, leader pid {holder.pid} "
+            f"({holder.application_name or 'details hidden'}), epoch {facts.stored_epoch}"
+        )
+    else:
+        for reason in reasons:
+            console.print(f"unhealthy: {reason}")
+    return code
+
+
+def _verdict(revision: RevisionStatus, facts: ClusterFacts | None) -> tuple[ExitCode, list[str]]:
+    """The exit code (the gravest reason's) and every reason, in words."""
+    codes: list[ExitCode] = []
+    reasons: list[str] = []
+    if not revision.at_head:
+        codes.append(ExitCode.NEWER_DATABASE if revision.unknown else ExitCode.NOT_MIGRATED)
+        reasons.append(
+            f"schema {revision.schema} is {revision.describe()} (this build's head is "
+            f"{revision.head})"
+        )
+    if facts is None or facts.holder is None:
+        codes.append(ExitCode.NO_LEADER)
+        reasons.append("no instance holds the leader lock")
+    return (codes[0] if codes else ExitCode.OK), reasons

@@ -1,0 +1,348 @@
+"""What a script or an orchestrator reads from ``cronoq-store``: ``health`` and its exit
+codes, ``--json`` documents, and task ids whole at any terminal width and when piped. Against
+a real server; the narrow terminal is a real pty."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
+from cronoq_store.cli import ExitCode
+from cronoq_store.migrations import head_revision
+
+from .pgharness import admin_execute
+from .test_cli import BASE, changed, full, run, submitted
+
+REPO = Path(__file__).resolve().parent.parent
+#: The largest id an epoch can issue: 19 digits, the widest an id gets.
+WIDE = task_id(32767, (1 << 48) - 1)
+
+
+@pytest.fixture
+async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
+    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+        yield s
+
+
+def document(stdout: str) -> Any:
+    """The one JSON document on stdout (``json.loads`` refuses anything around it)."""
+    return json.loads(stdout)
+
+
+def rfc3339(text: str) -> datetime:
+    assert text.endswith("Z"), text
+    moment = datetime.fromisoformat(text.removesuffix("Z") + "+00:00")
+    assert moment.tzinfo == timezone.utc
+    return moment
+
+
+# --- health --------------------------------------------------------------------------------
+
+
+async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: str) -> None:
+    url = full(pg_url)
+    leaderless = await run("--url", url, "--schema", migrated, "health")
+    assert leaderless.exit_code == ExitCode.NO_LEADER
+    assert int(ExitCode.NO_LEADER) == 6  # documented
+    assert leaderless.stdout == "unhealthy: no instance holds the leader lock\n"
+
+    config = PgStoreConfig(schema=migrated, application_name="probe-a")
+    async with await PgStore.connect(pg_url, config) as leader:
+        epoch = await leader.acquire_leadership()
+        (row,) = await admin_execute(
+            pg_url, "SELECT pid FROM pg_stat_activity WHERE application_name = 'probe-a leader'"
+        )
+        plain = await run("--url", url, "--schema", migrated, "health")
+        assert plain.exit_code == ExitCode.OK, plain.output
+        assert plain.stdout == (
+            f"healthy: schema {migrated} at {head_revision()}, leader pid {row['pid']} "
+            f"(probe-a leader), epoch {epoch}\n"
+        )
+        probe = await run("--url", url, "--schema", migrated, "health", "--json")
+        assert probe.exit_code == ExitCode.OK
+        doc = document(probe.stdout)
+        assert doc["leader"]["since"] is not None
+        assert rfc3339(doc["leader"].pop("since")) <= datetime.now(timezone.utc)
+        assert doc == {
+            "healthy": True,
+            "schema": migrated,
+            "revision": [head_revision()],
+            "head": head_revision(),
+            "at_head": True,
+            "stored_epoch": epoch,
+            "leader": {
+                "pid": row["pid"],
+                "application_name": "probe-a leader",
+                "client_addr": "127.0.0.1",
+            },
+            "reasons": [],
+        }
+
+        # Behind head and leading: 4, whatever the leader.
+        await admin_execute(
+            pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '9999_x'"
+        )
+        newer = await run("--url", url, "--schema", migrated, "health", "--json")
+        assert newer.exit_code == ExitCode.NEWER_DATABASE
+        doc = document(newer.stdout)
+        assert (doc["healthy"], doc["at_head"], doc["leader"]["pid"]) == (False, False, row["pid"])
+        assert doc["reasons"] == [
+            f"schema {migrated} is newer than this build (this build's head is {head_revision()})"
+        ]
+
+
+async def test_health_of_a_missing_schema_exits_4_and_unreachable_3(
+    pg_url: URL, schema: str
+) -> None:
+    missing = await run("--url", full(pg_url), "--schema", schema, "health", "--json")
+    assert missing.exit_code == ExitCode.NOT_MIGRATED
+    doc = document(missing.stdout)
+    assert (doc["healthy"], doc["revision"], doc["leader"]) == (False, [], None)
+    assert doc["reasons"] == [
+        f"schema {schema} is missing (this build's head is {head_revision()})",
+        "no instance holds the leader lock",
+    ]
+    wrong = pg_url.set(password="wrong-password-123")
+    unreachable = await run("--url", full(wrong), "--schema", schema, "health", "--json")
+    assert unreachable.exit_code == ExitCode.UNREACHABLE
+    assert unreachable.stdout == ""
+    assert "wrong-password-123" not in unreachable.stderr
+
+
+# --- --json --------------------------------------------------------------------------------
+
+
+async def test_status_json_masks_the_password_and_counts(pg_url: URL, store: PgStore) -> None:
+    schema = store.config.schema
+    await store.commit(0, BASE, [submitted(1), submitted(2), changed(2, TaskStatus.FAILED)], [])
+    result = await run("--url", full(pg_url), "--schema", schema, "status", "--json")
+    assert result.exit_code == 0, result.output
+    doc = document(result.stdout)
+    assert pg_url.password
+    assert pg_url.password not in result.stdout
+    assert doc["database"] == pg_url.render_as_string(hide_password=True)
+    assert (doc["schema"], doc["revision"], doc["epoch"], doc["max_id"]) == (
+        schema,
+        [head_revision()],
+        0,
+        2,
+    )
+    assert doc["leader"] is None
+    assert doc["lock"] == [store.leader_lock[0], store.leader_lock[1] & 0xFFFFFFFF]
+    assert doc["tasks"] == [
+        {"pool": "default", "state": "live", "status": "queued", "count": 1},
+        {"pool": "default", "state": "finished", "status": "failed", "count": 1},
+    ]
+    assert (doc["quarantined"], doc["recurring"]) == (0, [])
+
+    newer = "9999_future"
+    await admin_execute(
+        pg_url, f"UPDATE \"{schema}\".cronoq_alembic_version SET version_num = '{newer}'"
+    )
+    refused = await run("--url", full(pg_url), "--schema", schema, "status", "--json")
+    assert refused.exit_code == ExitCode.NEWER_DATABASE
+    assert refused.stdout == ""
+    assert newer in refused.stderr
+
+
+async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None:
+    big = TaskId(WIDE)
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(big, key="nightly", pool="etl", kind="report"),
+            changed(big, TaskStatus.SUCCEEDED, message="done"),
+            submitted(5),
+            changed(5, TaskStatus.FAILED),
+        ],
+        [(big, b"\x00pdf")],
+    )
+    args = ("--url", full(pg_url), "--schema", store.config.schema, "tasks")
+    shown = await run(*args, "show", "nightly", "--json")
+    assert shown.exit_code == 0, shown.output
+    doc = document(shown.stdout)
+    updated = rfc3339(doc.pop("updated"))
+    record = await store.get_task(big)
+    assert record is not None
+    assert updated == record.updated
+    assert doc == {
+        "id": WIDE,
+        "epoch": 32767,
+        "key": "nightly",
+        "pool": "etl",
+        "kind": "report",
+        "priority": "normal",
+        "tenant": None,
+        "status": "succeeded",
+        "attempt": 1,
+        "message": "done",
+        "output_size": 4,
+        "output_base64": "AHBkZg==",
+    }
+
+    first = document((await run(*args, "finished", "--limit", "1", "--json")).stdout)
+    assert [t["id"] for t in first["tasks"]] == [5]
+    assert first["next_after"] == 5
+    rest = document((await run(*args, "finished", "--after", "5", "--json")).stdout)
+    assert [t["id"] for t in rest["tasks"]] == [WIDE]
+    assert rest["next_after"] is None
+
+    missing = await run(*args, "show", "77", "--json")
+    assert (missing.exit_code, missing.stdout) == (ExitCode.FAILED, "")
+    assert "no task with id '77'" in missing.stderr
+
+
+# --- widths ---------------------------------------------------------------------------------
+
+
+def command(url: URL, schema: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "cronoq_store.cli", "--url", full(url), "--schema", schema, *args]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(PYTHONPATH=str(REPO), TERM="xterm", **extra)
+    return env
+
+
+def in_a_terminal(argv: list[str], columns: int, typed: bytes = b"", expect: int = 0) -> str:
+    """What ``argv`` shows on a real terminal ``columns`` wide, ``typed`` typed into it."""
+    main, child = pty.openpty()
+    with subprocess.Popen(
+        argv, stdin=child, stdout=child, stderr=child, env=environment(COLUMNS=str(columns))
+    ) as process:
+        os.close(child)
+        os.write(main, typed)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert process.wait(timeout=60) == expect, b"".join(chunks)
+    os.close(main)
+    # Without the styles' escape codes, lines ending as on a file.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())
+    return text.replace("\r\n", "\n")
+
+
+async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: PgStore) -> None:
+    key = "k" * 100
+    ids = [TaskId(WIDE - 1), TaskId(WIDE)]
+    batch: list[Mutation] = [
+        submitted(ids[0], key=key),
+        changed(ids[0], TaskStatus.CANCELLED, message="m" * 70),
+    ]
+    batch += [submitted(ids[1]), changed(ids[1], TaskStatus.SUCCEEDED, message="a\tb\nc\\")]
+    await store.commit(0, BASE, batch, [])
+    argv = command(pg_url, store.config.schema, "tasks", "finished")
+
+    for columns in (40, 80, 120):
+        shown = await asyncio.to_thread(in_a_terminal, argv, columns)
+        for id in ids:  # whole, on a line of their own
+            assert re.search(rf"^id\s+{id}\s*$", shown, re.M), (columns, shown)
+        assert max(len(line) for line in shown.splitlines()) <= columns, shown
+    wide = await asyncio.to_thread(in_a_terminal, argv, 300)
+    assert "┃ key" in wide  # a table where one fits
+    assert re.search(rf"^│ +{ids[0]} │ {key} │", wide, re.M), wide
+
+    piped = await asyncio.to_thread(
+        subprocess.run, argv, capture_output=True, text=True, timeout=60, env=environment()
+    )
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stdout.splitlines()
+    assert lines[0].split("\t") == [
+        "id", "key", "pool", "kind", "status", "attempt", "updated", "message"
+    ]  # fmt: skip
+    assert [line.split("\t")[:2] for line in lines[1:3]] == [[str(ids[0]), key], [str(ids[1]), "-"]]
+    assert lines[1].split("\t")[7] == "m" * 60  # messages are shortened, never ids or keys
+    assert lines[2].split("\t")[7] == "a\\tb\\nc\\\\"  # one line, its tab a field's end
+    assert lines[3] == "end of list"
+
+
+# --- handover -------------------------------------------------------------------------------
+
+
+def ha_config(schema: str, name: str) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema, application_name=name, lock_poll=0.05, keepalive=0.2, session_timeout=1.0
+    )
+
+
+async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
+    pg_url: URL, migrated: str
+) -> None:
+    url = full(pg_url)
+    async with (
+        await PgStore.connect(pg_url, ha_config(migrated, "handover-a")) as a,
+        await PgStore.connect(pg_url, ha_config(migrated, "handover-b")) as b,
+    ):
+        first = await a.acquire_leadership()
+        standby = asyncio.create_task(b.acquire_leadership())
+
+        unconfirmed = await run("--url", url, "--schema", migrated, "handover")
+        assert unconfirmed.exit_code == ExitCode.USAGE
+        assert "pass --yes" in unconfirmed.stderr
+        assert a.is_leader
+        assert not standby.done()
+
+        result = await run("--url", url, "--schema", migrated, "handover", "--yes")
+        assert result.exit_code == 0, result.output
+        epoch = await asyncio.wait_for(standby, 10)
+        assert epoch == first + 1
+        assert re.search(
+            r"^new leader: pid \d+ \(handover-b leader\), epoch (\d+)$", result.stdout, re.M
+        )
+        assert result.stdout.rstrip().endswith(f"epoch {epoch}")
+        assert re.search(rf"^epoch\s+{first}\s*$", result.stdout, re.M)
+        await asyncio.wait_for(a.leadership_lost(), 10)
+        assert not a.is_leader
+
+        # No standby now: the command ends the holder and gives up after --timeout.
+        alone = await run("--url", url, "--schema", migrated, "handover", "--yes", "--timeout", "1")
+        assert alone.exit_code == ExitCode.NO_LEADER
+        assert "no standby leads after 1 s" in alone.stderr
+        await asyncio.wait_for(b.leadership_lost(), 10)
+
+    nobody = await run("--url", url, "--schema", migrated, "handover", "--yes")
+    assert nobody.exit_code == ExitCode.NO_LEADER
+    assert "nothing to hand over" in nobody.stderr
+
+
+async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
+    async with (
+        await PgStore.connect(pg_url, ha_config(migrated, "asked-a")) as a,
+        await PgStore.connect(pg_url, ha_config(migrated, "asked-b")) as b,
+    ):
+        first = await a.acquire_leadership()
+        standby = asyncio.create_task(b.acquire_leadership())
+        argv = command(pg_url, migrated, "handover", "--timeout", "10")
+
+        declined = await asyncio.to_thread(in_a_terminal, argv, 100, b"n\n", ExitCode.FAILED)
+        assert "so that a standby leads? [y/N]" in declined
+        assert "handover cancelled" in declined
+        assert a.is_leader
+        assert not standby.done()
+
+        accepted = await asyncio.to_thread(in_a_terminal, argv, 100, b"y\n")
+        epoch = await asyncio.wait_for(standby, 10)
+        assert epoch == first + 1
+        assert f"(asked-b leader), epoch {epoch}" in accepted

@@ -1,0 +1,91 @@
+"""``PgStore.health()`` on a real server: a leader and a standby report the same cluster
+facts and their own roles; not being healthy is a value, an unreadable database an error."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store import Health, PgStore, PgStoreConfig, StoreError, TimeBase
+from cronoq_store.migrations import head_revision
+
+from .pgharness import admin_execute
+
+BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
+
+
+def config(schema: str, name: str) -> PgStoreConfig:
+    return PgStoreConfig(schema=schema, application_name=name, lock_poll=0.05)
+
+
+async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_age(
+    pg_url: URL, migrated: str
+) -> None:
+    async with (
+        await PgStore.connect(pg_url, config(migrated, "health-a")) as a,
+        await PgStore.connect(pg_url, config(migrated, "health-b")) as b,
+    ):
+        before = await b.health()
+        assert before == Health(
+            is_leader=False,
+            epoch=None,
+            stored_epoch=0,
+            holder=None,
+            revision=(head_revision(),),
+            head=head_revision(),
+            last_commit_age=None,
+        )
+        assert before.at_head
+        assert not before.has_leader
+
+        epoch = await a.acquire_leadership()
+        started = datetime.now(timezone.utc)
+        await a.commit(epoch, BASE, [], [])
+        (row,) = await admin_execute(
+            pg_url,
+            "SELECT pid, backend_start FROM pg_stat_activity "
+            "WHERE application_name = 'health-a leader'",
+        )
+        leader, standby = await a.health(), await b.health()
+
+        assert (leader.is_leader, leader.epoch, leader.stored_epoch) == (True, epoch, epoch)
+        assert (standby.is_leader, standby.epoch, standby.stored_epoch) == (False, None, epoch)
+        assert leader.holder == standby.holder
+        holder = leader.holder
+        assert holder is not None
+        assert (holder.pid, holder.application_name, holder.client_addr) == (
+            row["pid"],
+            "health-a leader",
+            "127.0.0.1",
+        )
+        assert holder.since == row["backend_start"]
+        assert holder.since is not None
+        assert holder.since.utcoffset() == timedelta(0)
+        assert holder.since <= started
+        assert leader.last_commit_age is not None
+        assert 0 <= leader.last_commit_age < 5
+        assert standby.last_commit_age is None
+
+        await a.release_leadership()
+        after = await b.health()
+        assert (after.has_leader, after.stored_epoch) == (False, epoch)
+
+
+async def test_a_schema_behind_head_is_reported_not_raised(pg_url: URL, migrated: str) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, "health-c")) as store:
+        await admin_execute(
+            pg_url, f"UPDATE {migrated}.cronoq_alembic_version SET version_num = 'older'"
+        )
+        health = await store.health()
+        assert health.revision == ("older",)
+        assert not health.at_head
+
+
+async def test_an_unreadable_database_is_a_store_error(pg_url: URL, migrated: str) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, "health-d")) as store:
+        await admin_execute(pg_url, f"DROP TABLE {migrated}.cronoq_leader")
+        with pytest.raises(StoreError, match="reading health failed"):
+            await store.health()
