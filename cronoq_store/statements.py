@@ -36,6 +36,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    table,
     true,
     tuple_,
     update,
@@ -56,7 +57,7 @@ from .rows import (
     RECORD_COLUMNS,
     RECURRING_COLUMNS,
 )
-from .schema import LEADER_ROW_ID, leader, recurring, tasks
+from .schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
 
 __all__ = [
     "LOCK_NS_LEADER",
@@ -819,3 +820,22 @@ tasks_with_kind_or_message = select(func.count()).where(
         tasks.c.message == bindparam("message", type_=Text),
     )
 )
+
+# --- the CLI: where the clusters are ----------------------------------------------------------
+
+_pg_class = table(
+    "pg_class", column("relname"), column("relnamespace"), column("relkind"), schema="pg_catalog"
+)
+_pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+
+#: The schemas holding a cluster (its Alembic version table), by name: what the CLI lists
+#: when no schema was named and ``public`` holds none. Catalogs only, schema-qualified: no
+#: cluster's schema is ever on ``search_path``.
+cluster_schemas = (
+    select(_pg_namespace.c.nspname)
+    .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
+    .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+    .order_by(_pg_namespace.c.nspname)
+)
+
+__all__ += ["cluster_schemas"]

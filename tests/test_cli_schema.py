@@ -1,0 +1,108 @@
+"""Which schema a ``cronoq-store`` command acts on: ``--schema`` before or after the command,
+``$CRONOQ_SCHEMA``, and a forgotten ``--schema`` in a database whose clusters are elsewhere."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store.cli import ExitCode
+from cronoq_store.cli.app import hoist_schema
+from cronoq_store.migrations import upgrade
+from cronoq_store.urls import async_url
+
+from .pgharness import admin_execute
+from .test_cli import full, run
+
+
+def schema_line(output: str) -> str:
+    found = re.search(r"^schema\s+(\S+)", output, re.M)
+    assert found is not None, output
+    return found.group(1)
+
+
+async def test_schema_after_the_command_and_from_the_environment(
+    pg_url: URL, migrated: str
+) -> None:
+    url = full(pg_url)
+    after = await run("--url", url, "status", "--schema", migrated)
+    assert after.exit_code == 0, after.output
+    assert schema_line(after.stdout) == migrated
+    nested = await run("--url", url, "tasks", "finished", f"--schema={migrated}")
+    assert nested.exit_code == 0, nested.output
+
+    by_env = await run("--url", url, "status", env={"CRONOQ_SCHEMA": migrated})
+    assert by_env.exit_code == 0, by_env.output
+    assert schema_line(by_env.stdout) == migrated
+    # The command line wins over the environment, and the last --schema over the first.
+    missing = f"m_{uuid.uuid4().hex[:10]}"
+    over = await run("--url", url, "status", "--schema", missing, env={"CRONOQ_SCHEMA": migrated})
+    assert over.exit_code == ExitCode.NOT_MIGRATED
+    assert f"schema {missing!r} does not exist" in over.stderr
+    last = await run("--url", url, "--schema", missing, "status", "--schema", migrated)
+    assert last.exit_code == 0, last.output
+    assert schema_line(last.stdout) == migrated
+
+    bad = await run("--url", url, "status", "--schema", 'x"; drop')
+    assert bad.exit_code == ExitCode.USAGE
+    assert "invalid schema name" in bad.stderr
+
+
+def test_only_schema_options_move_and_nothing_after_a_double_dash() -> None:
+    assert hoist_schema(["tasks", "show", "7", "--schema", "a", "--schema=b"]) == [
+        "--schema",
+        "a",
+        "--schema=b",
+        "tasks",
+        "show",
+        "7",
+    ]
+    assert hoist_schema(["tasks", "show", "--", "--schema"]) == ["tasks", "show", "--", "--schema"]
+
+
+@pytest.fixture
+async def database(pg_url: URL) -> AsyncIterator[URL]:
+    """A database of its own: whether ``public`` holds a cluster is this test's to decide."""
+    name = f"cq_{uuid.uuid4().hex[:10]}"
+    await admin_execute(pg_url, f"CREATE DATABASE {name}")
+    try:
+        yield pg_url.set(database=name)
+    finally:
+        await admin_execute(pg_url, f"DROP DATABASE {name} WITH (FORCE)")
+
+
+async def test_a_forgotten_schema_names_the_clusters_and_exits_2(database: URL) -> None:
+    engine = create_async_engine(async_url(database))
+    try:
+        for schema in ("billing", "alpha"):
+            await upgrade(engine, schema)
+    finally:
+        await engine.dispose()
+    url = full(database)
+    for command in (["status"], ["tasks", "finished"], ["migrate"]):
+        result = await run("--url", url, *command)
+        assert result.exit_code == ExitCode.USAGE, (command, result.output)
+        assert "the clusters in this database are in: alpha, billing;" in result.stderr
+        assert "pass --schema NAME (--schema public to use 'public' anyway)" in result.stderr
+    # Nothing was created in public by the refused migrate.
+    tables = await admin_execute(
+        database, "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace"
+    )
+    assert tables == []
+
+    named = await run("--url", url, "--schema", "public", "migrate")
+    assert named.exit_code == 0, named.output
+    defaulted = await run("--url", url, "status")
+    assert defaulted.exit_code == 0, defaulted.output
+    assert schema_line(defaulted.stdout) == "public"
+
+
+async def test_an_empty_database_defaults_to_public(database: URL) -> None:
+    result = await run("--url", full(database), "migrate")
+    assert result.exit_code == 0, result.output
+    assert "schema 'public' upgraded: nothing ->" in result.stdout
