@@ -38,6 +38,7 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
@@ -71,6 +72,8 @@ __all__ = [
     "TrustCheck",
     "alembic_config",
     "cluster_schema",
+    "downgrade",
+    "downgrade_steps",
     "head_revision",
     "refuse_untrusted",
     "require_head",
@@ -138,6 +141,29 @@ async def upgrade(
     process take turns (:mod:`cronoq_store.migration_lock`): any number of stores may open
     at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
     """
+    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision)
+
+
+async def downgrade(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    revision: str,
+    *,
+    trusted_triggers: frozenset[str] = frozenset(),
+) -> None:
+    """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
+    same transaction, lock and trust checks as :func:`upgrade`. What it undoes is lost,
+    rows and all: :func:`downgrade_steps` says which revisions that is."""
+    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision)
+
+
+async def _run_on(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    alembic_command: Callable[[Config, str], None],
+    revision: str,
+) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
 
@@ -145,15 +171,37 @@ async def upgrade(
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
         cfg.attributes[_TRUSTED_TRIGGERS] = trusted
-        command.upgrade(cfg, revision)
+        alembic_command(cfg, revision)
 
     try:
         async with migration_lock.held_async():
-            await _upgrade_on(bind, run)
+            await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
+    """The revisions that going from ``current`` to ``revision`` would undo, newest first;
+    empty when ``revision`` is not below ``current`` (it is ahead, the same, on no path
+    from it, or unknown: an upgrade reports those)."""
+    if len(current) != 1:
+        return ()
+    script = ScriptDirectory(str(script_location()))
+    lower: str | None = None
+    if revision != "base":
+        try:
+            target = script.get_revision(revision)
+        except CommandError:
+            return ()
+        if target is None or target.revision == current[0]:
+            return ()
+        lower = target.revision
+    try:
+        return tuple(r.revision for r in script.iterate_revisions(current[0], lower))
+    except (CommandError, RevisionError):
+        return ()
 
 
 def run_command(
@@ -176,7 +224,7 @@ def run_command(
         return command_(config, *args, **kwargs)
 
 
-async def _upgrade_on(
+async def _in_transaction(
     bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
 ) -> None:
     if isinstance(bind, AsyncEngine):

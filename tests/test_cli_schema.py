@@ -1,5 +1,6 @@
-"""Which schema a ``cronoq-store`` command acts on: ``--schema`` before or after the command,
-``$CRONOQ_SCHEMA``, and a forgotten ``--schema`` in a database whose clusters are elsewhere."""
+"""Which schema a ``cronoq-store`` command acts on (``--schema`` before or after the command,
+``$CRONOQ_SCHEMA``, a forgotten ``--schema`` in a database whose clusters are elsewhere), and
+moving its revision down: ``migrate`` refuses, ``downgrade`` does it when confirmed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.cli import ExitCode
 from cronoq_store.cli.app import hoist_schema
-from cronoq_store.migrations import upgrade
+from cronoq_store.migrations import head_revision, upgrade
+from cronoq_store.schema import VERSION_TABLE
 from cronoq_store.urls import async_url
 
 from .pgharness import admin_execute
@@ -106,3 +108,90 @@ async def test_an_empty_database_defaults_to_public(database: URL) -> None:
     result = await run("--url", full(database), "migrate")
     assert result.exit_code == 0, result.output
     assert "schema 'public' upgraded: nothing ->" in result.stdout
+
+
+async def versions(url: URL, schema: str) -> list[str]:
+    rows = await admin_execute(url, f'SELECT version_num FROM "{schema}".{VERSION_TABLE}')
+    return [row[0] for row in rows]
+
+
+async def test_migrate_below_the_current_revision_refuses_with_the_downgrade_command(
+    pg_url: URL, migrated: str
+) -> None:
+    url = full(pg_url)
+    result = await run("--url", url, "--schema", migrated, "migrate", "0004_task_labels")
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert f"schema {migrated!r} is at {head_revision()}, above 0004_task_labels" in result.stderr
+    assert f"run `cronoq-store --schema {migrated} downgrade 0004_task_labels`" in result.stderr
+    assert await versions(pg_url, migrated) == [head_revision()]
+    base = await run("--url", url, "--schema", migrated, "migrate", "base")
+    assert base.exit_code == ExitCode.USAGE
+    assert "downgrade base`" in base.stderr
+
+
+async def test_downgrade_asks_then_undoes_the_revisions_named(pg_url: URL, migrated: str) -> None:
+    url = full(pg_url)
+    unconfirmed = await run("--url", url, "--schema", migrated, "downgrade", "0004")
+    assert unconfirmed.exit_code == ExitCode.USAGE, unconfirmed.output
+    assert (
+        f"undoing {head_revision()}, 0005_task_tenant? What they hold is lost. Pass --yes"
+        in unconfirmed.stderr
+    )
+    assert await versions(pg_url, migrated) == [head_revision()]
+
+    done = await run("--url", url, "downgrade", "0004", "--yes", "--schema", migrated)
+    assert done.exit_code == 0, done.output
+    assert f"downgraded: {head_revision()} -> 0004_task_labels" in done.stdout
+    assert await versions(pg_url, migrated) == ["0004_task_labels"]
+    columns = await admin_execute(
+        pg_url,
+        "SELECT attname FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'tenant'",
+        f'"{migrated}".cronoq_tasks',
+    )
+    assert columns == []  # 0005's column is gone
+
+    upward = await run("--url", url, "--schema", migrated, "downgrade", "head", "--yes")
+    assert upward.exit_code == ExitCode.USAGE
+    assert "is not a revision below it" in upward.stderr
+
+    gone = await run("--url", url, "--schema", migrated, "downgrade", "base", "--yes")
+    assert gone.exit_code == 0, gone.output
+    assert "downgraded: 0004_task_labels -> base" in gone.stdout
+    tables = await admin_execute(
+        pg_url,
+        "SELECT relname FROM pg_class WHERE relnamespace = $1::regnamespace AND relkind = 'r'",
+        migrated,
+    )
+    assert sorted(row[0] for row in tables) == [VERSION_TABLE]
+    again = await run("--url", url, "--schema", migrated, "migrate")
+    assert again.exit_code == 0, again.output
+
+
+async def test_downgrade_refuses_a_newer_or_missing_schema(pg_url: URL, migrated: str) -> None:
+    url = full(pg_url)
+    missing = await run("--url", url, "--schema", "m_nowhere_x", "downgrade", "base", "--yes")
+    assert missing.exit_code == ExitCode.NOT_MIGRATED
+    await admin_execute(
+        pg_url, f"UPDATE \"{migrated}\".{VERSION_TABLE} SET version_num = '9999_future'"
+    )
+    newer = await run("--url", url, "--schema", migrated, "downgrade", "base", "--yes")
+    assert newer.exit_code == ExitCode.NEWER_DATABASE
+    assert await versions(pg_url, migrated) == ["9999_future"]
+
+
+async def test_downgrade_sql_prints_the_script_without_connecting() -> None:
+    result = await run(
+        "--url",
+        "postgresql://x@127.0.0.1:1/db",
+        "--schema",
+        "ops_review",
+        "downgrade",
+        "--sql",
+        "0005_task_tenant:0004_task_labels",
+    )
+    assert result.exit_code == 0, result.output
+    assert "pg_advisory_xact_lock(1668444013" in result.stdout
+    assert "ALTER TABLE ops_review.cronoq_tasks DROP COLUMN tenant" in result.stdout
+    assert "UPDATE ops_review.cronoq_alembic_version SET version_num='0004_task_labels'" in (
+        result.stdout
+    )

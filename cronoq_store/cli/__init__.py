@@ -1,24 +1,25 @@
 """``cronoq-store``: the operator's tool for one cluster schema, and the HA demo.
 
-Only ``migrate`` changes a schema's structure: the other commands refuse a schema that is not
-at this build's head instead of migrating it as a side effect (an operator looking at a
-database should not alter it, and may not have the right to), and they refuse a database
-that a newer build migrated, whose columns this build cannot know. They need no more than
-read access, except ``prune``, which needs the runtime role's grants (``DELETE`` on the
-tasks, ``UPDATE`` on the leader row for its ``FOR SHARE``). Their statements live in
-:mod:`cronoq_store.statements`, the cluster's schema applied at execution as the store
-does. Errors are one line on stderr with the password masked, and the exit code tells a
-script what went wrong (:class:`ExitCode`).
+Only ``migrate`` and ``downgrade`` change a schema's structure (``migrate`` never
+downgrades): the other commands refuse a schema that is not at this build's head instead of
+migrating it as a side effect (an operator looking at a database should not alter it, and
+may not have the right to), and they refuse a database that a newer build migrated, whose
+columns this build cannot know. They need no more than read access, except ``prune``, which
+needs the runtime role's grants (``DELETE`` on the tasks, ``UPDATE`` on the leader row for
+its ``FOR SHARE``). Their statements live in :mod:`cronoq_store.statements`, the cluster's
+schema applied at execution as the store does. Errors are one line on stderr with the
+password masked, and the exit code tells a script what went wrong (:class:`ExitCode`).
 
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
-module per command (``migrate``, ``status``, ``tasks``, ``prune``, ``demo``).
+module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``).
 """
 
 from __future__ import annotations
 
 from .app import cli
 from .demo import demo
+from .downgrade import downgrade_command
 from .exits import ExitCode
 from .migrate import migrate
 from .prune import parse_duration, prune
@@ -27,7 +28,7 @@ from .tasks import tasks
 
 __all__ = ["ExitCode", "cli", "main", "parse_duration"]
 
-for _command in (migrate, status, tasks, prune, demo):
+for _command in (migrate, downgrade_command, status, tasks, prune, demo):
     cli.add_command(_command)
 
 
