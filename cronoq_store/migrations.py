@@ -63,14 +63,16 @@ from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
-from .urls import URL_ENV, async_url, scrub
+from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
     "RevisionStatus",
     "TrustCheck",
     "alembic_config",
+    "alembic_ini",
     "cluster_schema",
     "downgrade",
     "downgrade_steps",
@@ -98,6 +100,9 @@ _LEGACY_TABLE = "cronoq_schema_version"
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 _TRUSTED_TRIGGERS = "trusted_triggers"
+#: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
+#: commands: a firewall dropping packets must not hang them for asyncpg's minute.
+CONNECT_TIMEOUT = 10.0
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -108,6 +113,13 @@ def script_location() -> Path:
     package = Path(__file__).resolve().parent
     packaged = package / "_alembic"
     return packaged if packaged.is_dir() else package.parent / "alembic"
+
+
+def alembic_ini() -> Path:
+    """An ``alembic.ini`` for Alembic's own command line on these migrations, wherever they
+    are (``alembic -c "$(cronoq-store alembic-ini)" -x schema=NAME upgrade head``): it lives
+    beside ``env.py``, so an installed wheel has one too."""
+    return script_location() / "alembic.ini"
 
 
 def alembic_config(schema: str, connection: Connection | AsyncEngine | None = None) -> Config:
@@ -638,12 +650,22 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
 def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
+        url = _url_of(context)
         engine = create_async_engine(
-            async_url(_url_of(context)),
+            async_url(url),
             poolclass=NullPool,
-            connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+            connect_args={
+                "timeout": CONNECT_TIMEOUT,
+                "server_settings": {"search_path": st.SEARCH_PATH},
+            },
         )
-        _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
+        try:
+            _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
+        except _ConnectFailed as failed:
+            # The command line's one line names the server it could not reach, masked; no
+            # colon after the URL, which a ?password=*** would run into when scrubbed.
+            reason = translate_error(failed.__cause__ or failed, "connecting")
+            raise MigrationError(f"cannot connect to {redact(url)} ({reason})") from failed
     elif isinstance(bind, AsyncEngine):
         _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
     elif isinstance(bind, Connection):
@@ -664,12 +686,24 @@ async def _run_async(
     context: EnvironmentContext, schema: str, engine: AsyncEngine, *, dispose: bool
 ) -> None:
     try:
-        async with engine.connect() as conn:
+        try:
+            conn = await engine.connect()
+        except Exception as exc:
+            if not dispose:
+                raise  # the application's engine: its caller translates the error
+            raise _ConnectFailed from exc
+        try:
             await conn.run_sync(lambda sync_conn: _migrate(context, schema, sync_conn))
             await conn.commit()
+        finally:
+            await conn.close()
     finally:
         if dispose:
             await engine.dispose()
+
+
+class _ConnectFailed(Exception):
+    """The engine made from a URL could not connect (the cause says why)."""
 
 
 def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -12,11 +12,13 @@ password masked, and the exit code tells a script what went wrong (:class:`ExitC
 
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
-module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``).
+module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
+``alembic_ini``).
 """
 
 from __future__ import annotations
 
+from .alembic_ini import alembic_ini_command
 from .app import cli
 from .demo import demo
 from .downgrade import downgrade_command
@@ -28,7 +30,7 @@ from .tasks import tasks
 
 __all__ = ["ExitCode", "cli", "main", "parse_duration"]
 
-for _command in (migrate, downgrade_command, status, tasks, prune, demo):
+for _command in (migrate, downgrade_command, status, tasks, prune, demo, alembic_ini_command):
     cli.add_command(_command)
 
 

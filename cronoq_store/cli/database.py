@@ -16,7 +16,7 @@ from sqlalchemy.pool import NullPool
 
 from .. import statements as st
 from ..errors import MigrationError, translate_error
-from ..migrations import RevisionStatus, refuse_untrusted, revision_status
+from ..migrations import CONNECT_TIMEOUT, RevisionStatus, refuse_untrusted, revision_status
 from ..schema import schema_options
 from ..urls import async_url, redact
 from .app import SCHEMA_ENV, Options
@@ -30,9 +30,6 @@ __all__ = [
     "require_head",
     "revision",
 ]
-
-#: A silent host must not hang the tool for asyncpg's default minute.
-CONNECT_TIMEOUT = 10.0
 
 
 def engine(url: str) -> AsyncEngine:
