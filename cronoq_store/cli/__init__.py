@@ -13,7 +13,7 @@ password masked, and the exit code tells a script what went wrong (:class:`ExitC
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
 module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
-``alembic_ini``).
+``dev_server``, ``alembic_ini``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from .alembic_ini import alembic_ini_command
 from .app import cli
 from .demo import demo
+from .dev_server import dev_server
 from .downgrade import downgrade_command
 from .exits import ExitCode
 from .migrate import migrate
@@ -30,7 +31,16 @@ from .tasks import tasks
 
 __all__ = ["ExitCode", "cli", "main", "parse_duration"]
 
-for _command in (migrate, downgrade_command, status, tasks, prune, demo, alembic_ini_command):
+for _command in (
+    migrate,
+    downgrade_command,
+    status,
+    tasks,
+    prune,
+    demo,
+    dev_server,
+    alembic_ini_command,
+):
     cli.add_command(_command)
 
 
