@@ -4,9 +4,17 @@ moving its revision down: ``migrate`` refuses, ``downgrade`` does it when confir
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import pty
 import re
+import select
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import URL
@@ -20,6 +28,8 @@ from cronoq_store.urls import async_url
 
 from .pgharness import admin_execute
 from .test_cli import full, run
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def schema_line(output: str) -> str:
@@ -195,3 +205,48 @@ async def test_downgrade_sql_prints_the_script_without_connecting() -> None:
     assert "UPDATE ops_review.cronoq_alembic_version SET version_num='0004_task_labels'" in (
         result.stdout
     )
+
+
+def on_a_terminal(answer: str, *args: str) -> tuple[int, str]:
+    """Run the console script on a pseudo-terminal (its three streams), type ``answer``."""
+    leader, follower = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cronoq_store.cli", *args],
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        os.close(follower)
+        shown = b""
+        while b"[y/N]" not in shown:
+            ready, _, _ = select.select([leader], [], [], 60)
+            assert ready, shown
+            chunk = os.read(leader, 4096)
+            assert chunk, shown
+            shown += chunk
+        os.write(leader, answer.encode() + b"\n")
+        process.wait(timeout=60)
+        with contextlib.suppress(OSError):  # the terminal closes with the process
+            while chunk := os.read(leader, 4096):
+                shown += chunk
+    finally:
+        os.close(leader)
+    # Rich wraps at the terminal's width: words, not line breaks, are what was shown.
+    return process.returncode, " ".join(shown.decode().split())
+
+
+async def test_downgrade_on_a_terminal_asks_and_a_no_changes_nothing(
+    pg_url: URL, migrated: str
+) -> None:
+    url = full(pg_url)
+    args = ("--url", url, "--schema", migrated, "downgrade", "0005_task_tenant")
+    code, shown = await asyncio.to_thread(on_a_terminal, "n", *args)
+    assert code == ExitCode.FAILED, shown
+    assert f"undoing {head_revision()}? What they hold is lost. [y/N]" in shown
+    assert await versions(pg_url, migrated) == [head_revision()]
+    code, shown = await asyncio.to_thread(on_a_terminal, "y", *args)
+    assert code == 0, shown
+    assert f"downgraded: {head_revision()} -> 0005_task_tenant" in shown
+    assert await versions(pg_url, migrated) == ["0005_task_tenant"]
