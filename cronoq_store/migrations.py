@@ -38,6 +38,7 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
@@ -62,15 +63,19 @@ from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
-from .urls import URL_ENV, async_url, scrub
+from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
     "RevisionStatus",
     "TrustCheck",
     "alembic_config",
+    "alembic_ini",
     "cluster_schema",
+    "downgrade",
+    "downgrade_steps",
     "head_revision",
     "refuse_untrusted",
     "require_head",
@@ -95,6 +100,9 @@ _LEGACY_TABLE = "cronoq_schema_version"
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 _TRUSTED_TRIGGERS = "trusted_triggers"
+#: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
+#: commands: a firewall dropping packets must not hang them for asyncpg's minute.
+CONNECT_TIMEOUT = 10.0
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -105,6 +113,13 @@ def script_location() -> Path:
     package = Path(__file__).resolve().parent
     packaged = package / "_alembic"
     return packaged if packaged.is_dir() else package.parent / "alembic"
+
+
+def alembic_ini() -> Path:
+    """An ``alembic.ini`` for Alembic's own command line on these migrations, wherever they
+    are (``alembic -c "$(cronoq-store alembic-ini)" -x schema=NAME upgrade head``): it lives
+    beside ``env.py``, so an installed wheel has one too."""
+    return script_location() / "alembic.ini"
 
 
 def alembic_config(schema: str, connection: Connection | AsyncEngine | None = None) -> Config:
@@ -138,6 +153,29 @@ async def upgrade(
     process take turns (:mod:`cronoq_store.migration_lock`): any number of stores may open
     at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
     """
+    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision)
+
+
+async def downgrade(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    revision: str,
+    *,
+    trusted_triggers: frozenset[str] = frozenset(),
+) -> None:
+    """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
+    same transaction, lock and trust checks as :func:`upgrade`. What it undoes is lost,
+    rows and all: :func:`downgrade_steps` says which revisions that is."""
+    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision)
+
+
+async def _run_on(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    alembic_command: Callable[[Config, str], None],
+    revision: str,
+) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
 
@@ -145,15 +183,37 @@ async def upgrade(
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
         cfg.attributes[_TRUSTED_TRIGGERS] = trusted
-        command.upgrade(cfg, revision)
+        alembic_command(cfg, revision)
 
     try:
         async with migration_lock.held_async():
-            await _upgrade_on(bind, run)
+            await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
     except Exception as exc:
         raise translate_error(exc, f"migrating schema {schema!r}") from exc
+
+
+def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
+    """The revisions that going from ``current`` to ``revision`` would undo, newest first;
+    empty when ``revision`` is not below ``current`` (it is ahead, the same, on no path
+    from it, or unknown: an upgrade reports those)."""
+    if len(current) != 1:
+        return ()
+    script = ScriptDirectory(str(script_location()))
+    lower: str | None = None
+    if revision != "base":
+        try:
+            target = script.get_revision(revision)
+        except CommandError:
+            return ()
+        if target is None or target.revision == current[0]:
+            return ()
+        lower = target.revision
+    try:
+        return tuple(r.revision for r in script.iterate_revisions(current[0], lower))
+    except (CommandError, RevisionError):
+        return ()
 
 
 def run_command(
@@ -176,7 +236,7 @@ def run_command(
         return command_(config, *args, **kwargs)
 
 
-async def _upgrade_on(
+async def _in_transaction(
     bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
 ) -> None:
     if isinstance(bind, AsyncEngine):
@@ -590,12 +650,22 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
 def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
+        url = _url_of(context)
         engine = create_async_engine(
-            async_url(_url_of(context)),
+            async_url(url),
             poolclass=NullPool,
-            connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+            connect_args={
+                "timeout": CONNECT_TIMEOUT,
+                "server_settings": {"search_path": st.SEARCH_PATH},
+            },
         )
-        _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
+        try:
+            _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
+        except _ConnectFailed as failed:
+            # The command line's one line names the server it could not reach, masked; no
+            # colon after the URL, which a ?password=*** would run into when scrubbed.
+            reason = translate_error(failed.__cause__ or failed, "connecting")
+            raise MigrationError(f"cannot connect to {redact(url)} ({reason})") from failed
     elif isinstance(bind, AsyncEngine):
         _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
     elif isinstance(bind, Connection):
@@ -616,12 +686,24 @@ async def _run_async(
     context: EnvironmentContext, schema: str, engine: AsyncEngine, *, dispose: bool
 ) -> None:
     try:
-        async with engine.connect() as conn:
+        try:
+            conn = await engine.connect()
+        except Exception as exc:
+            if not dispose:
+                raise  # the application's engine: its caller translates the error
+            raise _ConnectFailed from exc
+        try:
             await conn.run_sync(lambda sync_conn: _migrate(context, schema, sync_conn))
             await conn.commit()
+        finally:
+            await conn.close()
     finally:
         if dispose:
             await engine.dispose()
+
+
+class _ConnectFailed(Exception):
+    """The engine made from a URL could not connect (the cause says why)."""
 
 
 def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -36,6 +36,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    table,
     true,
     tuple_,
     update,
@@ -831,3 +832,22 @@ __all__ += ["terminate_backend"]
 terminate_backend = select(
     func.pg_catalog.pg_terminate_backend(bindparam("pid", type_=Integer), type_=Boolean)
 )
+
+# --- the CLI: where the clusters are ----------------------------------------------------------
+
+_pg_class = table(
+    "pg_class", column("relname"), column("relnamespace"), column("relkind"), schema="pg_catalog"
+)
+_pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+
+#: The schemas holding a cluster (its Alembic version table), by name: what the CLI lists
+#: when no schema was named and ``public`` holds none. Catalogs only, schema-qualified: no
+#: cluster's schema is ever on ``search_path``.
+cluster_schemas = (
+    select(_pg_namespace.c.nspname)
+    .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
+    .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+    .order_by(_pg_namespace.c.nspname)
+)
+
+__all__ += ["cluster_schemas"]

@@ -141,6 +141,18 @@ def test_cli_errors_are_one_clear_line_without_password(pg_url: URL) -> None:
     assert "FAILED: no database URL" in missing.stdout
 
 
+def test_an_unreachable_server_is_one_masked_line_naming_it() -> None:
+    url = URL.create("postgresql", "ops", "s3cret-pw", "127.0.0.1", 1, "app")
+    result = alembic("-x", "schema=abc", "upgrade", "head", url=url)
+    assert result.returncode != 0
+    assert result.stdout.splitlines() == [
+        "FAILED: cannot connect to postgresql://ops:***@127.0.0.1:1/app (connecting failed: "
+        "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 1))"
+    ]
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # Alembic's log of that line
+    assert "s3cret-pw" not in result.stdout + result.stderr
+
+
 def test_cli_refuses_newer_database(pg_url: URL, schema: str) -> None:
     assert alembic("-x", f"schema={schema}", "upgrade", "head", url=pg_url).returncode == 0
     stamp = alembic("-x", f"schema={schema}", "stamp", "--purge", "head", url=pg_url)
@@ -247,3 +259,36 @@ def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) ->
     assert (Path(location) / "versions" / f"{head_revision()}.py").is_file()
     check = alembic("-x", f"schema={schema}", "current", url=pg_url)
     assert f"{head_revision()} (head)" in check.stdout
+
+    # Alembic's own command line on the installed migrations, no checkout in sight.
+    ini = subprocess.run(
+        [str(env_dir / "bin" / "cronoq-store"), "alembic-ini"],
+        env={**os.environ, "PYTHONPATH": deps},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    assert ini == str(Path(location) / "alembic.ini")
+    ops = {
+        **os.environ,
+        "PYTHONPATH": deps,
+        "CRONOQ_DATABASE_URL": pg_url.render_as_string(hide_password=False),
+    }
+    for args in (["current"], ["downgrade", "base"], ["upgrade", "head"]):
+        ran = subprocess.run(
+            [str(python), "-m", "alembic", "-c", ini, "-x", f"schema={schema}", *args],
+            cwd=run_dir,
+            env=ops,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert ran.returncode == 0, (args, ran.stderr)
+        if args == ["current"]:
+            assert f"{head_revision()} (head)" in ran.stdout
+        if args == ["downgrade", "base"]:
+            assert "Running downgrade 0001_base" in ran.stderr
+        if args == ["upgrade", "head"]:
+            assert "Running upgrade  -> 0001_base" in ran.stderr

@@ -294,7 +294,7 @@ def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> N
     for url, why in ((wrong, "password authentication failed"), (refused, "Connect call failed")):
         stdout, stderr = alembic_outputs(url, "public")
         assert "Traceback" not in stderr
-        assert stdout.startswith("FAILED: migrating failed: ")
+        assert stdout.startswith(f"FAILED: cannot connect to {redact(url)} (")
         assert why in stdout
         assert secret not in stdout + stderr
 
@@ -366,5 +366,5 @@ def test_alembic_reads_a_percent_encoded_password_from_the_ini_file_and_never_pr
             assert len(rows) == 1
         else:
             assert result.returncode != 0
-            assert result.stdout.startswith("FAILED: migrating failed: "), output
+            assert result.stdout.startswith(f"FAILED: cannot connect to {redact(url)} ("), output
             assert "Connect call failed" in result.stdout

@@ -1,18 +1,29 @@
 """The ``cronoq-store`` group: its global options (URL, schema, trusted triggers), which
-every command receives as :class:`Options`."""
+every command receives as :class:`Options`.
+
+``--schema`` may come before the command or after it (``cronoq-store status --schema a``),
+so a script can append it to any command line; the last one given wins, then
+``$CRONOQ_SCHEMA``, then ``public``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import click
+from click.core import ParameterSource
 
 from ..config import trusted_trigger_names
 from ..schema import validate_schema_name
 from ..urls import URL_ENV
 from .exits import EPILOG
 
-__all__ = ["Options", "cli"]
+__all__ = ["SCHEMA_ENV", "Options", "cli"]
+
+#: The environment variable that names the cluster's schema when ``--schema`` is not given.
+SCHEMA_ENV = "CRONOQ_SCHEMA"
+_SCHEMA_OPTION = "--schema"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +34,9 @@ class Options:
     schema: str
     #: Triggers the operator allows on the cluster's tables (``PgStoreConfig.trusted_triggers``).
     trusted_triggers: frozenset[str] = frozenset()
+    #: Whether the operator named the schema (option or environment), rather than the
+    #: ``public`` default: only a defaulted schema is checked for clusters elsewhere.
+    schema_chosen: bool = True
 
     def database_url(self) -> str:
         if self.url is None:
@@ -46,7 +60,41 @@ def _check_triggers(
         raise click.BadParameter(str(exc)) from None
 
 
-@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+def hoist_schema(args: Sequence[str]) -> list[str]:
+    """``args`` with every ``--schema NAME`` (or ``--schema=NAME``) moved before the
+    command, in order, so that the group parses it wherever it was written; nothing after
+    ``--`` moves."""
+    moved: list[str] = []
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        if arg == "--":
+            rest.append(arg)
+            rest.extend(items)
+        elif arg == _SCHEMA_OPTION:
+            moved.append(arg)
+            value = next(items, None)
+            if value is not None:
+                moved.append(value)
+        elif arg.startswith(_SCHEMA_OPTION + "="):
+            moved.append(arg)
+        else:
+            rest.append(arg)
+    return moved + rest
+
+
+class _Group(click.Group):
+    """The group, parsing ``--schema`` after the command as well as before it."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_schema(args))
+
+
+@click.group(
+    cls=_Group,
+    epilog=EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.option(
     "--url",
     envvar=URL_ENV,
@@ -56,10 +104,14 @@ def _check_triggers(
 )
 @click.option(
     "--schema",
+    envvar=SCHEMA_ENV,
+    show_envvar=True,
     default="public",
     show_default=True,
     callback=_check_schema,
-    help="The cluster's schema.",
+    help="The cluster's schema; may also follow the command. Without it (and without "
+    f"${SCHEMA_ENV}), a database whose clusters are all in other schemas is a usage error "
+    "that names them.",
 )
 @click.option(
     "--trusted-trigger",
@@ -74,4 +126,7 @@ def _check_triggers(
 @click.pass_context
 def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: frozenset[str]) -> None:
     """Migrate, inspect and prune the PostgreSQL schema of a cronoq scheduler cluster."""
-    ctx.obj = Options(url=url, schema=schema, trusted_triggers=trusted_triggers)
+    chosen = ctx.get_parameter_source("schema") is not ParameterSource.DEFAULT
+    ctx.obj = Options(
+        url=url, schema=schema, trusted_triggers=trusted_triggers, schema_chosen=chosen
+    )

@@ -16,10 +16,10 @@ from sqlalchemy.pool import NullPool
 
 from .. import statements as st
 from ..errors import MigrationError, translate_error
-from ..migrations import RevisionStatus, refuse_untrusted, revision_status
+from ..migrations import CONNECT_TIMEOUT, RevisionStatus, refuse_untrusted, revision_status
 from ..schema import schema_options
 from ..urls import async_url, redact
-from .app import Options
+from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 
 __all__ = [
@@ -30,9 +30,6 @@ __all__ = [
     "require_head",
     "revision",
 ]
-
-#: A silent host must not hang the tool for asyncpg's default minute.
-CONNECT_TIMEOUT = 10.0
 
 
 def engine(url: str) -> AsyncEngine:
@@ -70,6 +67,8 @@ async def database(options: Options) -> AsyncIterator[AsyncConnection]:
                 f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
             ) from None
         try:
+            if not options.schema_chosen:
+                await _refuse_defaulted_schema(conn, options.schema)
             await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
             await conn.rollback()
             yield conn
@@ -77,6 +76,21 @@ async def database(options: Options) -> AsyncIterator[AsyncConnection]:
             await conn.close()
     finally:
         await made.dispose()
+
+
+async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:
+    """Exit 2 when no schema was named, the default holds no cluster and other schemas do:
+    the operator most likely forgot ``--schema``, and the default would show (or, for
+    ``migrate``, create) an empty one."""
+    found = list((await conn.execute(st.cluster_schemas)).scalars())
+    await conn.rollback()
+    if found and schema not in found:
+        raise CliError(
+            f"no --schema given (nor ${SCHEMA_ENV}) and schema {schema!r} holds no cronoq "
+            f"cluster; the clusters in this database are in: {', '.join(found)}; pass "
+            f"--schema NAME (--schema {schema} to use {schema!r} anyway)",
+            ExitCode.USAGE,
+        )
 
 
 async def revision(conn: AsyncConnection, schema: str) -> RevisionStatus:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 import click
 from alembic import command
@@ -10,12 +11,12 @@ from alembic.util import CommandError
 from rich.console import Console
 
 from ..errors import MigrationError
-from ..migrations import alembic_config, run_command, upgrade
+from ..migrations import alembic_config, downgrade_steps, run_command, upgrade
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run
 
-__all__ = ["migrate"]
+__all__ = ["migrate", "print_script"]
 
 
 @click.command()
@@ -26,20 +27,22 @@ def migrate(options: Options, revision: str, sql: bool) -> None:
     """Upgrade the schema to REVISION (default: head), in one serialized transaction.
 
     With --sql, print the script for review without connecting (REVISION may then be a
-    range, FROM:TO).
+    range, FROM:TO). A REVISION below the current one is refused: downgrades are their own
+    command (``downgrade``).
     """
     if sql:
-        _print_script(options.schema, revision)
+        print_script(command.upgrade, options.schema, revision)
         return
     run(options.url, _migrate(options, revision, output.console()))
 
 
-def _print_script(schema: str, revision: str) -> None:
+def print_script(alembic_command: Callable[..., None], schema: str, revision: str) -> None:
+    """Print Alembic's offline script for ``schema`` without connecting."""
     cfg = alembic_config(schema)
     script = io.StringIO()
     cfg.output_buffer = script
     try:
-        run_command(command.upgrade, cfg, revision, sql=True)
+        run_command(alembic_command, cfg, revision, sql=True)
     except CommandError as exc:
         CliError(str(exc), ExitCode.FAILED).exit(None)
     click.echo(script.getvalue(), nl=False)
@@ -50,6 +53,14 @@ async def _migrate(options: Options, revision: str, console: Console) -> None:
         before = await database.revision(conn, options.schema)
     if before.unknown:
         database.refuse_unless_at_head(before)
+    undone = downgrade_steps(before.current, revision)
+    if undone:
+        raise CliError(
+            f"schema {options.schema!r} is at {before.current[0]}, above {revision}: migrate "
+            f"only upgrades; to undo {', '.join(undone)} (what they hold is lost), run "
+            f"`cronoq-store --schema {options.schema} downgrade {revision}`",
+            ExitCode.USAGE,
+        )
     engine = database.engine(options.database_url())
     try:
         await upgrade(engine, options.schema, revision, trusted_triggers=options.trusted_triggers)
