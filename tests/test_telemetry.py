@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -129,6 +131,52 @@ async def test_without_a_configured_provider_the_store_records_nothing(
         assert s.telemetry is DISABLED
         assert not s.telemetry.enabled
         await s.commit(0, BASE, [submitted(1)], [])  # and commits as ever
+
+
+# Run in a process of its own: the global providers can be set once per process.
+GLOBAL_PROVIDERS = """
+import asyncio, os, sys, time
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from cronoq_store import PgStore, PgStoreConfig, Submitted, TaskId, TaskSpec, TimeBase
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+trace.set_tracer_provider(TracerProvider())
+
+async def main():
+    config = PgStoreConfig(schema=sys.argv[1])
+    async with await PgStore.connect(os.environ["CRONOQ_TEST_URL"], config) as store:
+        assert store.telemetry.enabled
+        task = Submitted(TaskId(1), seq=1, arrival=1, spec=TaskSpec(b"p"))
+        await store.commit(0, TimeBase(engine_ns=0, unix_ns=time.time_ns()), [task], [])
+    names = [m.name for r in reader.get_metrics_data().resource_metrics
+             for s in r.scope_metrics for m in s.metrics]
+    print(sorted(set(names)))
+
+asyncio.run(main())
+"""
+
+
+async def test_a_store_opened_after_the_global_providers_are_set_records_to_them(
+    pg_url: URL, schema: str
+) -> None:
+    env = {**os.environ, "CRONOQ_TEST_URL": pg_url.render_as_string(hide_password=False)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        GLOBAL_PROVIDERS,
+        schema,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(child.communicate(), 120)
+    assert child.returncode == 0, err.decode()
+    assert "cronoq.commit.duration" in out.decode()
+    assert "cronoq.commit.mutations" in out.decode()
 
 
 async def test_a_commit_records_its_mutations_bytes_write_path_and_span(
