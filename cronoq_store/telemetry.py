@@ -265,6 +265,10 @@ class _Recording(Telemetry):
             f"{operation} {self._attrs['db.namespace']}",
             kind=trace.SpanKind.CLIENT,
             attributes={**self._attrs, "db.operation.name": operation},
+            # An error's message may quote a key or a value (a unique violation's detail):
+            # a failed span gets the error's type, never its text or traceback.
+            record_exception=False,
+            set_status_on_exception=False,
         )
 
     @contextmanager
@@ -279,6 +283,7 @@ class _Recording(Telemetry):
                 attrs["error.type"] = type(exc).__qualname__
                 if span is not None:
                     span.set_attribute("error.type", attrs["error.type"])
+                    span.set_status(trace.StatusCode.ERROR)
                 raise
 
     @contextmanager
@@ -314,11 +319,9 @@ class _Recording(Telemetry):
 
         def loaded(live: int, finished: int, recurring: int, quarantined: int) -> None:
             if self._m is not None:
-                for kind, rows in (("live", live), ("finished", finished)):
+                kinds = (("live", live), ("finished", finished), ("recurring", recurring))
+                for kind, rows in kinds:
                     self._m.recovery_rows.add(rows, {**self._attrs, "cronoq.row.kind": kind})
-                self._m.recovery_rows.add(
-                    recurring, {**self._attrs, "cronoq.row.kind": "recurring"}
-                )
                 self._m.quarantined.add(quarantined, self._attrs)
 
         with self._timed("recover") as attrs:

@@ -88,6 +88,9 @@ class Otel:
 
     def every_attribute_value(self) -> list[str]:
         values = [str(v) for span in self.finished() for v in (span.attributes or {}).values()]
+        for span in self.finished():
+            values.extend(str(v) for e in span.events for v in (e.attributes or {}).values())
+            values.append(str(span.status.description))
         data = self.reader.get_metrics_data()
         for resource in data.resource_metrics if data is not None else ():
             for scope in resource.scope_metrics:
@@ -351,6 +354,8 @@ async def test_no_attribute_holds_the_password_a_payload_a_key_or_a_message(
     assert pg_url.password
     epoch = await store.acquire_leadership()
     await store.commit(epoch, BASE, [submitted(1, key=KEY)], [(TaskId(1), PAYLOAD)])
+    with pytest.raises(StoreError, match="uq_cronoq_tasks_live_key"):  # the key is live
+        await store.commit(epoch, BASE, [submitted(2, key=KEY)], [])
     await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED)], [(TaskId(1), PAYLOAD)])
     with pytest.raises(StoreError):
         await store.commit(epoch, BASE, [submitted(1, key=KEY, payload=b"another")], [])
