@@ -40,6 +40,7 @@ from .domain import Mutation, TaskId, TimeBase
 from .errors import CommitterClosedError, FencedError, StoreError
 from .retry import COMMIT_BACKOFF, Backoff
 from .sizing import mutation_size, output_size
+from .telemetry import DISABLED, Telemetry
 
 __all__ = ["GroupCommitter", "SupportsCommit"]
 
@@ -183,6 +184,10 @@ class GroupCommitter:
             raise ValueError(f"backoff must be a retry.Backoff, got {backoff!r}")
         self._backoff = backoff
         self._tally = Tally(_positive_int("latency_window", latency_window))
+        # A PgStore's telemetry (cronoq_store.telemetry), as of now; any other store's: none.
+        recorder = getattr(store, "telemetry", DISABLED)
+        self._telemetry: Telemetry = recorder if isinstance(recorder, Telemetry) else DISABLED
+        self._telemetry.watch_committer(self)
 
         self._queue: deque[_Submission] = deque()
         self._in_flight: list[_Submission] = []
@@ -488,6 +493,8 @@ class GroupCommitter:
                 self._fail(subs[0], exc)
                 return
             self._tally.splits += 1
+            if self._telemetry.enabled:
+                self._telemetry.split()
             logger.warning(
                 "a batch failed to commit; committing its halves separately",
                 extra={
@@ -502,6 +509,8 @@ class GroupCommitter:
             return
         now = time.monotonic()
         self._tally.commit(len(subs))
+        if self._telemetry.enabled:
+            self._telemetry.batch_committed(len(mutations), [now - sub.started for sub in subs])
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "batch committed",
@@ -538,6 +547,8 @@ class GroupCommitter:
                 if answered and before:
                     raise _Stuck(last)
             self._tally.retries += 1
+            if self._telemetry.enabled:
+                self._telemetry.retried()
             delay = next(delays)
             logger.warning(
                 "commit failed transiently; retrying the same batch",

@@ -35,6 +35,7 @@ from .errors import StoreError, translate_error
 from .migrations import TrustCheck
 from .retry import acquisition_backoff
 from .schema import schema_options
+from .telemetry import DISABLED, Telemetry
 from .urls import redact
 
 __all__ = ["Leadership"]
@@ -193,6 +194,8 @@ class Leadership:
         self._acquiring = asyncio.Lock()
         self._session: _Session | None = None
         self._keeper: asyncio.Task[None] | None = None
+        #: Where step-downs are counted (``PgStore`` sets its own).
+        self.telemetry: Telemetry = DISABLED
 
     @property
     def epoch(self) -> int | None:
@@ -203,8 +206,11 @@ class Leadership:
     def is_leader(self) -> bool:
         return self._epoch is not None
 
-    def mark_lost(self) -> None:
-        """Stop leading now (a commit found another epoch); the keeper closes the session."""
+    def mark_lost(self, reason: str = "fenced") -> None:
+        """Stop leading now (a commit found another epoch); the keeper closes the session.
+        ``reason`` is the step-down's, counted when this instance was leading."""
+        if self._epoch is not None:
+            self.telemetry.step_down(reason)
         self._epoch = None
         self._lost.set()
 
@@ -257,13 +263,13 @@ class Leadership:
 
     async def release(self) -> None:
         """Give up leadership: the lock session is closed, so the server releases the lock."""
-        self.mark_lost()
+        self.mark_lost("released")
         await self._end_term()
 
     async def close(self) -> None:
         """Release leadership, stop any acquisition in progress and free the engine."""
         self._closing.set()
-        self.mark_lost()
+        self.mark_lost("closed")
         async with self._acquiring:  # an acquisition in progress notices and gives up
             await self._end_term()
             await self._engine.dispose()
@@ -325,7 +331,7 @@ class Leadership:
                 except Exception as exc:
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    self.mark_lost()
+                    self.mark_lost("session_lost")
                     logger.error(
                         "leader lock session lost; stepping down",
                         extra={

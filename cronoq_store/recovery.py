@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -32,13 +32,21 @@ RECOVERY_PARTITION = 10_000
 _QUARANTINE_REASON_CHARS = 500
 
 
-async def recover(conn: AsyncConnection, base: TimeBase, retention: float) -> Recovered:
+async def recover(
+    conn: AsyncConnection,
+    base: TimeBase,
+    retention: float,
+    quarantined: Callable[[int], None] | None = None,
+) -> Recovered:
     """Live tasks, finished ones updated within ``retention`` seconds or depended on by a
     live task, recurring schedules, and the next id to issue, read in ``conn``'s
-    transaction (which quarantines undecodable live rows)."""
+    transaction (which quarantines undecodable live rows; ``quarantined``, if given, is
+    told how many, for the store's telemetry)."""
     recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
     now = time.time_ns()
-    await _recover_tasks(conn, base, now, retention, recovered)
+    count = await _recover_tasks(conn, base, now, retention, recovered)
+    if quarantined is not None:
+        quarantined(count)
     await _recover_recurring(conn, base, recovered)
     return recovered
 
@@ -52,7 +60,8 @@ def next_id(recorded_max: int, stored_max: int | None) -> int:
 
 async def _recover_tasks(
     conn: AsyncConnection, base: TimeBase, now: int, retention: float, recovered: Recovered
-) -> None:
+) -> int:
+    """Fills ``recovered``'s tasks; returns how many rows were quarantined."""
     corrupt_ids: list[int] = []
     corrupt_messages: list[str] = []
     # A server-side cursor, read and decoded a partition at a time: rows are dropped as
@@ -112,6 +121,7 @@ async def _recover_tasks(
                 at=base.from_unix(done.updated_unix_ns),
             )
         )
+    return len(corrupt_ids)
 
 
 async def _recover_recurring(conn: AsyncConnection, base: TimeBase, recovered: Recovered) -> None:

@@ -52,6 +52,7 @@ from .folding import fold
 from .leadership import Leadership
 from .schema import schema_options
 from .sizing import MAX_COMMIT_BYTES, batch_size
+from .telemetry import CommitRecord, Telemetry, resolve
 from .urls import async_url, redact
 from .writer import CommitPath
 
@@ -124,6 +125,7 @@ class PgStore:
         self._closed = False
         # time.monotonic() of the last commit that returned, for health().
         self._last_commit: float | None = None
+        self._use_telemetry(resolve(config.schema))
 
     # --- construction -----------------------------------------------------------------------
 
@@ -290,6 +292,18 @@ class PgStore:
         """The engine whose pool serves commits and queries (never the leader lock)."""
         return self._engine
 
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where this store records metrics and spans (:mod:`cronoq_store.telemetry`):
+        the global OpenTelemetry providers configured when it opened, or those given to
+        :func:`~cronoq_store.telemetry.instrument`; ``enabled`` is ``False`` for none."""
+        return self._telemetry
+
+    def _use_telemetry(self, recorder: Telemetry) -> None:
+        self._telemetry = recorder
+        self._leadership.telemetry = recorder
+        recorder.watch_leadership(self._leadership)
+
     # --- leadership -------------------------------------------------------------------------
 
     async def acquire_leadership(self) -> int:
@@ -300,7 +314,8 @@ class PgStore:
         or grant added since the store opened makes this raise ``MigrationError``, with the
         lock released and no epoch taken.
         """
-        epoch = await self._leadership.acquire()
+        with self._telemetry.acquisition():
+            epoch = await self._leadership.acquire()
         self._has_led, self._fenced = True, False
         return epoch
 
@@ -344,6 +359,19 @@ class PgStore:
         :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
         commit takes longer than ``commit_timeout``.
         """
+        if not self._telemetry.enabled:
+            return await self._commit(epoch, base, batch, outputs, None)
+        with self._telemetry.commit(len(batch)) as record:
+            return await self._commit(epoch, base, batch, outputs, record)
+
+    async def _commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+        record: CommitRecord | None,
+    ) -> None:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             raise FencedError("leadership was lost: this instance must not write any more")
         size = batch_size(batch, outputs)
@@ -355,6 +383,8 @@ class PgStore:
                 "them in smaller batches"
             )
         folded = fold(batch, base, time.time_ns(), outputs)
+        if record is not None:
+            record.size, record.path = size, self._commits.writer.path(folded)
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
@@ -390,7 +420,7 @@ class PgStore:
     def _fenced_out(self) -> None:
         """A commit found another epoch: this instance must not write any more."""
         self._fenced = True
-        self._leadership.mark_lost()
+        self._leadership.mark_lost("fenced")
 
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
@@ -439,8 +469,14 @@ class PgStore:
         failed with the reason, once: it is an ordinary failed task afterwards) and reported
         as finished; an undecodable schedule is logged, skipped and left in the table.
         """
-        async with self._translated("recovering"), self._session() as conn:
-            return await recovery.recover(conn, base, self._config.retention)
+        quarantined: list[int] = []
+        with self._telemetry.recovery() as loaded:
+            async with self._translated("recovering"), self._session() as conn:
+                found = await recovery.recover(
+                    conn, base, self._config.retention, quarantined.append
+                )
+            loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
+        return found
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
@@ -502,8 +538,11 @@ class PgStore:
         bar); an exception it raises ends the prune, as a ``StoreError``.
         """
         cutoff = queries.prune_cutoff(older_than)
-        async with self._translated("pruning finished tasks"):
-            return await queries.prune(self._session, cutoff, progress)
+        with self._telemetry.prune() as pruned:
+            async with self._translated("pruning finished tasks"):
+                deleted = await queries.prune(self._session, cutoff, progress)
+            pruned(deleted)
+        return deleted
 
 
 if sys.version_info >= (3, 11):

@@ -187,16 +187,30 @@ class BatchWriter:
             await conn.execute(self._pin.sql)
             return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
 
-    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
-        # One statement when the batch holds one kind of write that has a fenced form.
-        writes = batch.writes()
+    def path(self, batch: FoldedBatch) -> str:
+        """The write path ``batch`` takes (its first write; a batch written again runs in a
+        transaction): one statement (``insert`` or ``update``, when it holds one kind of
+        write that has a fenced form), ``staged_copy``, or ``transaction``."""
+        return self._path(batch, batch.writes())
+
+    def _path(self, batch: FoldedBatch, writes: tuple[str, ...]) -> str:
+        # The one-statement paths need the session's own search_path to be the store's.
         fast = self._pin is None
         if fast and writes == ("insert_rows",) and not self._staged(batch):
+            return "insert"
+        if fast and writes == ("updates",):
+            return "update"
+        return "staged_copy" if self._staged(batch) else "transaction"
+
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+        writes = batch.writes()
+        path = self._path(batch, writes)
+        if path == "insert":
             stmt = self._insert_fenced
             params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
-        if fast and writes == ("updates",):
+        if path == "update":
             stmt = self._update_fenced
             current, updated = await conn.fetchrow(
                 stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})

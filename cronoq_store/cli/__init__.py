@@ -8,8 +8,9 @@ columns this build cannot know. They need no more than read access, except ``pru
 needs the runtime role's grants (``DELETE`` on the tasks, ``UPDATE`` on the leader row for
 its ``FOR SHARE``), and ``handover``, which ends the leader's session
 (``pg_signal_backend``, the store's own role, or a superuser). Their statements live in
-:mod:`cronoq_store.statements`, the cluster's schema applied at execution as the store does. Errors are one line on stderr with the
-password masked, and the exit code tells a script what went wrong (:class:`ExitCode`).
+:mod:`cronoq_store.statements`, the cluster's schema applied at execution as the store
+does. Errors are one line on stderr with the password masked, and the exit code tells a
+script what went wrong (:class:`ExitCode`).
 
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
