@@ -75,7 +75,10 @@ def retry_policies(draw: st.DrawFn) -> RetryPolicy:
 dependencies = st.builds(
     Dependency, target=ids | names, condition=st.sampled_from(DependencyCondition)
 )
-resource_maps = st.dictionaries(names, st.integers(0, I64_MAX), max_size=4)
+# Names that stay distinct once stored ("k\0" and "k\ufffd" are one name): TaskSpec refuses others.
+resource_maps = st.dictionaries(names, st.integers(0, I64_MAX), max_size=4).filter(
+    lambda resources: len({clean_text(name) for name in resources}) == len(resources)
+)
 string_tuples = st.lists(any_text, max_size=4).map(tuple)
 fixed_starts = st.builds(
     FixedStart, at=engine_times, tolerance=durations, on_miss=st.sampled_from(MissPolicy)

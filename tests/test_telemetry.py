@@ -25,6 +25,7 @@ from cronoq_store import (
     FencedError,
     GroupCommitter,
     IdCollisionError,
+    KeyTakenError,
     PgStore,
     PgStoreConfig,
     StatusChanged,
@@ -354,7 +355,7 @@ async def test_no_attribute_holds_the_password_a_payload_a_key_or_a_message(
     assert pg_url.password
     epoch = await store.acquire_leadership()
     await store.commit(epoch, BASE, [submitted(1, key=KEY)], [(TaskId(1), PAYLOAD)])
-    with pytest.raises(StoreError, match="uq_cronoq_tasks_live_key"):  # the key is live
+    with pytest.raises(KeyTakenError):  # the key is live
         await store.commit(epoch, BASE, [submitted(2, key=KEY)], [])
     await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED)], [(TaskId(1), PAYLOAD)])
     with pytest.raises(StoreError):
