@@ -38,7 +38,7 @@ from typing import Protocol, TypeAlias, TypeVar
 from .committer_stats import CommitterStats, Tally
 from .domain import Mutation, TaskId, TimeBase
 from .errors import CommitterClosedError, FencedError, StoreError
-from .retry import COMMIT_BACKOFF, Backoff
+from .retry import COMMIT_BACKOFF, Backoff, pause
 from .sizing import mutation_size, output_size
 from .telemetry import DISABLED, Telemetry
 
@@ -579,11 +579,7 @@ class GroupCommitter:
         """Sleep ``delay`` seconds; ``True`` if an abort cut the sleep short."""
         if self._aborting:
             return True
-        try:
-            await asyncio.wait_for(self._abort_event.wait(), delay)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await pause(delay, self._abort_event)
 
     def _on_fenced(self, exc: FencedError) -> None:
         self._fenced = exc

@@ -33,7 +33,7 @@ from . import statements as st
 from .config import PgStoreConfig
 from .errors import StoreError, translate_error
 from .migrations import TrustCheck
-from .retry import acquisition_backoff
+from .retry import acquisition_backoff, bounded, pause
 from .schema import schema_options
 from .telemetry import DISABLED, Telemetry
 from .urls import redact
@@ -280,7 +280,7 @@ class Leadership:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
         timeout = self._config.session_timeout
         # Bounded here too: an application's creator may have no connect timeout.
-        conn = await asyncio.wait_for(self._db.connect(), timeout)
+        conn = await bounded(self._db.connect(), timeout)
         try:
             raw = await conn.get_raw_connection()
         except BaseException:
@@ -358,18 +358,10 @@ class Leadership:
 
     async def _lost_within(self, seconds: float) -> bool:
         """Whether leadership is marked lost within ``seconds`` (a sleep that wakes early)."""
-        try:
-            await asyncio.wait_for(self._lost.wait(), seconds)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await pause(seconds, self._lost)
 
     async def _closed_within(self, seconds: float) -> bool:
-        try:
-            await asyncio.wait_for(self._closing.wait(), seconds)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await pause(seconds, self._closing)
 
     def _check_open(self) -> None:
         if self._closing.is_set():

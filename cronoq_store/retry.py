@@ -10,14 +10,18 @@ this module only. (A task's own retries, ``domain.RetryPolicy``, are the schedul
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .config import PgStoreConfig
 
-__all__ = ["COMMIT_BACKOFF", "Backoff", "acquisition_backoff"]
+__all__ = ["COMMIT_BACKOFF", "Backoff", "acquisition_backoff", "bounded", "pause"]
+
+_T = TypeVar("_T")
 
 #: Each pause's ceiling is the previous one times this, until ``cap``.
 _GROWTH = 2.0
@@ -82,3 +86,38 @@ def acquisition_backoff(config: PgStoreConfig) -> Backoff:
     at least half its ceiling: through a long outage, at most two attempts per ``lock_poll``.
     """
     return Backoff(initial=config.lock_poll / 4, cap=config.lock_poll, jitter=0.5)
+
+
+# ``asyncio.wait_for`` before Python 3.12 loses a cancellation that arrives as its awaitable
+# finishes (it returns that result or raises that error instead): a retry loop around it
+# then keeps retrying in a task its caller has cancelled and is waiting for. Seen here: a
+# cancelled ``acquire_leadership`` retried forever when a refused connect and the cancel
+# came together. These two never lose one.
+
+
+async def bounded(work: Awaitable[_T], seconds: float) -> _T:
+    """``await work`` for at most ``seconds`` (``asyncio.TimeoutError`` after); a
+    cancellation of the caller cancels ``work`` and is raised, whatever ``work`` did."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if not done:
+        raise asyncio.TimeoutError(f"no answer within {seconds:g} s")
+    return task.result()
+
+
+async def pause(seconds: float, until: asyncio.Event) -> bool:
+    """Sleep ``seconds`` or until ``until`` is set; whether it was set."""
+    if until.is_set():
+        return True
+    waiter = asyncio.ensure_future(until.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=seconds)
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+    return until.is_set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import TimeBase
 from cronoq_store.group_commit import GroupCommitter
-from cronoq_store.retry import COMMIT_BACKOFF, Backoff, acquisition_backoff
+from cronoq_store.retry import COMMIT_BACKOFF, Backoff, acquisition_backoff, bounded, pause
 from cronoq_store.testing import InMemoryStore
 
 
@@ -30,8 +31,8 @@ def test_each_pause_lies_within_its_jittered_ceiling(jitter: float) -> None:
     backoff = Backoff(initial=0.05, cap=2.0, jitter=jitter, rng=random.Random(12))
     ceilings = [min(2.0, 0.05 * 2**n) for n in range(12)]
     for _ in range(200):
-        for pause, ceiling in zip(backoff.delays(), ceilings, strict=False):
-            assert ceiling * (1 - jitter) <= pause <= ceiling
+        for delay, ceiling in zip(backoff.delays(), ceilings, strict=False):
+            assert ceiling * (1 - jitter) <= delay <= ceiling
 
 
 def test_pauses_grow_with_failures_and_the_cap_holds_forever() -> None:
@@ -100,3 +101,30 @@ def test_a_committer_refuses_a_backoff_that_is_not_a_policy() -> None:
     first retry of a batch."""
     with pytest.raises(ValueError, match=r"backoff must be a retry\.Backoff"):
         GroupCommitter(InMemoryStore(), 1, TimeBase.now(), backoff=2.0)  # type: ignore[arg-type]
+
+
+async def test_a_cancellation_that_arrives_as_the_work_fails_is_never_lost() -> None:
+    """The race that made a cancelled ``acquire_leadership`` retry forever: the connect
+    fails (a refused port) in the same loop turn as the caller's cancellation. Before 3.12,
+    ``asyncio.wait_for`` raised the connect's error there, the loop took it as transient and
+    retried; ``bounded`` raises the cancellation."""
+    loop = asyncio.get_running_loop()
+    work: asyncio.Future[int] = loop.create_future()
+    waiter = asyncio.ensure_future(bounded(work, 5))
+    await asyncio.sleep(0)  # waiting on work now
+    work.set_exception(ConnectionRefusedError("refused"))
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+
+
+async def test_a_pause_woken_as_it_is_cancelled_raises_the_cancellation() -> None:
+    event = asyncio.Event()
+    sleeper = asyncio.ensure_future(pause(5, event))
+    await asyncio.sleep(0)
+    event.set()
+    sleeper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sleeper
+    assert await pause(5, event)  # set: returns at once
+    assert not await pause(0.01, asyncio.Event())
