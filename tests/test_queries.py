@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     Dependency,
     Mutation,
-    Priority,
     StatusChanged,
     Submitted,
     TaskId,
@@ -57,77 +55,6 @@ async def stored_ids(store: PgStore) -> list[int]:
             text(f'SELECT id FROM "{store.config.schema}".cronoq_tasks ORDER BY id')
         )
         return [r.id for r in rows]
-
-
-async def test_get_task_by_id_and_by_key_returns_the_newest(store: PgStore) -> None:
-    await store.commit(
-        0,
-        BASE,
-        [
-            submitted(1, key="k", pool="io", kind="email", priority=Priority.HIGH, tenant="t"),
-            changed(1, FAILED, ago=HOUR, message="boom"),
-            submitted(5, key="k"),
-            changed(5, SUCCEEDED),
-            submitted(7, key="k"),
-            submitted(8, key="n\0ul"),
-        ],
-        [(TaskId(5), b"five")],
-    )
-    one = await store.get_task(TaskId(1))
-    assert one is not None
-    assert (one.id, one.key, one.pool, one.kind, one.priority, one.tenant) == (
-        1,
-        "k",
-        "io",
-        "email",
-        Priority.HIGH,
-        "t",
-    )
-    assert (one.status, one.attempt, one.message, one.output) == (FAILED, 2, "boom", None)
-    assert one.updated.tzinfo is timezone.utc
-    expected = datetime.fromtimestamp((NOW - HOUR) // 1000 / 1e6, tz=timezone.utc)
-    assert abs(one.updated - expected) < timedelta(microseconds=2)
-
-    newest = await store.get_task("k")
-    assert newest is not None
-    assert newest.id == 7
-    assert newest.status is None  # queued
-    finished = await store.get_task(TaskId(5))
-    assert finished is not None
-    assert finished.output == b"five"
-    by_nul_key = await store.get_task("n\0ul")  # looked up as stored, with U+FFFD
-    assert by_nul_key is not None
-    assert by_nul_key.id == 8
-    assert await store.get_task(TaskId(99)) is None
-    assert await store.get_task("missing") is None
-
-
-async def test_list_finished_filters_and_pages_by_id(store: PgStore) -> None:
-    batch: list[Mutation] = []
-    for id in range(1, 31):
-        pool = "a" if id % 2 else "b"
-        status = [SUCCEEDED, FAILED, CANCELLED][id % 3]
-        batch += [submitted(id, pool=pool), changed(id, status)]
-    batch += [submitted(31, pool="a"), changed(31, RUNNING), submitted(32, pool="a")]
-    await store.commit(0, BASE, batch, [])
-
-    everything = await store.list_finished(limit=1000)
-    assert [r.id for r in everything] == list(range(1, 31))  # live tasks are not finished
-
-    pages: list[list[int]] = []
-    after: TaskId | None = None
-    while page := await store.list_finished(pools=["a"], statuses=[FAILED], after=after, limit=2):
-        pages.append([r.id for r in page])
-        after = page[-1].id
-    expected = [i for i in range(1, 31) if i % 2 and i % 3 == 1]
-    assert pages == [expected[i : i + 2] for i in range(0, len(expected), 2)]
-
-    both = await store.list_finished(pools=["a", "b"], statuses=[SUCCEEDED, CANCELLED], limit=5)
-    assert [r.id for r in both] == [2, 3, 5, 6, 8]
-    assert await store.list_finished(pools=["nope"]) == []
-    assert await store.list_finished(limit=0) == []
-    with pytest.raises(ValueError, match="limit"):
-        await store.list_finished(limit=-1)
 
 
 async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
@@ -215,16 +142,3 @@ async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
 
     assert await store.prune(3600) == 1
     assert await stored_ids(store) == [8, 20, 21]
-
-
-async def test_load_output_only_for_succeeded_tasks(store: PgStore) -> None:
-    await store.commit(
-        0,
-        BASE,
-        [submitted(1), changed(1, SUCCEEDED), submitted(2), changed(2, FAILED), submitted(3)],
-        [(TaskId(1), b"\0ok"), (TaskId(2), b"partial"), (TaskId(3), b"early")],
-    )
-    assert await store.load_output(TaskId(1)) == b"\0ok"
-    assert await store.load_output(TaskId(2)) is None
-    assert await store.load_output(TaskId(3)) is None
-    assert await store.load_output(TaskId(4)) is None

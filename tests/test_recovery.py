@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,11 +19,9 @@ from cronoq_store.domain import (
     FixedStart,
     MissPolicy,
     Priority,
-    RecoveredTerminal,
     RecurringNext,
     RecurringSpec,
     RecurringUpsert,
-    RetryPolicy,
     StatusChanged,
     Submitted,
     TaskId,
@@ -44,11 +41,6 @@ def submitted(id: int, **spec: Any) -> Submitted:
     return Submitted(TaskId(id), seq=id, arrival=-id, spec=TaskSpec(b"p%d" % id, **spec))
 
 
-def finished(id: int, ago: int, status: TaskStatus = SUCCEEDED) -> StatusChanged:
-    """A transition ``ago`` ns before now (engine time 0 is now in ``BASE``)."""
-    return StatusChanged(TaskId(id), status, attempt=1, at=-ago)
-
-
 @pytest.fixture
 async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
     config = PgStoreConfig(schema=migrated, retention=3600.0)
@@ -61,70 +53,6 @@ async def execute(store: PgStore, sql: str) -> list[Any]:
     async with store.engine.begin() as conn:
         result = await conn.execute(text(sql.replace("{s}", f'"{store.config.schema}"')))
         return list(result.all()) if result.returns_rows else []
-
-
-async def test_live_tasks_round_trip_with_every_field(store: PgStore) -> None:
-    spec = TaskSpec(
-        b"\x00\xff",
-        kind="email",
-        pool="io",
-        priority=Priority.HIGH,
-        key="k",
-        deadline=5_000,
-        fixed_start=FixedStart(7_000, timedelta(seconds=3), MissPolicy.RUN),
-        duration_hint=timedelta(milliseconds=1500),
-        timeout=timedelta(seconds=9),
-        retry=RetryPolicy(max_attempts=5, backoff=timedelta(seconds=2)),
-        deps=[Dependency(TaskId(3), DependencyCondition.FINISHED), Dependency("other")],
-        resources={"gpu": 2},
-        tags=["a", "b"],
-        labels=["linux"],
-        tenant="acme",
-    )
-    await store.commit(
-        0,
-        BASE,
-        [
-            Submitted(TaskId(9), 4, 123, spec),
-            StatusChanged(TaskId(9), TaskStatus.RETRYING, attempt=2, at=1),
-        ],
-        [],
-    )
-    recovered = await store.recover(BASE)
-    [task] = recovered.tasks
-    assert (task.id, task.seq, task.arrival, task.attempt) == (9, 4, 123, 2)
-    assert task.spec == spec
-    assert recovered.next_id == 10
-
-
-async def test_finished_tasks_within_retention_and_those_depended_on(store: PgStore) -> None:
-    await store.commit(
-        0,
-        BASE,
-        [
-            submitted(1),
-            finished(1, ago=2 * HOUR),  # old: dropped
-            submitted(2),
-            finished(2, ago=HOUR // 6, status=FAILED),  # 10 minutes ago: kept
-            submitted(3),
-            finished(3, ago=48 * HOUR),  # old, but task 6 depends on it by id
-            submitted(4, key="dep"),
-            finished(4, ago=30 * HOUR),  # old, but task 6 depends on its key
-            submitted(5, key="dep"),
-            finished(5, ago=20 * HOUR),  # a later task with the same key: kept too
-            submitted(6, deps=[Dependency(TaskId(3)), Dependency("dep")]),
-        ],
-        [],
-    )
-    recovered = await store.recover(BASE)
-    assert [t.id for t in recovered.tasks] == [6]
-    # Ordered by update time, oldest first.
-    assert recovered.terminal == [
-        RecoveredTerminal(TaskId(3), None, SUCCEEDED, -48 * HOUR),
-        RecoveredTerminal(TaskId(4), "dep", SUCCEEDED, -30 * HOUR),
-        RecoveredTerminal(TaskId(5), "dep", SUCCEEDED, -20 * HOUR),
-        RecoveredTerminal(TaskId(2), None, FAILED, -(HOUR // 6)),
-    ]
 
 
 async def test_next_id_is_zero_for_an_empty_store(store: PgStore) -> None:
