@@ -244,7 +244,7 @@ def _scale(section: dict[str, Any]) -> list[str]:
                 rows.append(
                     [
                         f"{int(size):,}",
-                        f"{kind} (batch {batch.get(kind, '?')})",
+                        f"{kind}, batches of {batch.get(kind, '?')}",
                         _spread(v["large"]),
                         _spread(v["empty"]),
                         _ratio(r[kind]["large_vs_empty"]),
@@ -257,7 +257,10 @@ def _scale(section: dict[str, Any]) -> list[str]:
         "### How cost grows with the table (mutations/s)",
         "",
         *([f"Seeded: {seeded}.", ""] if seeded else []),
-        *_table(["rows in the table", "commit of", "that table", "empty table", "ratio"], rows),
+        *_table(
+            ["rows in the table", "what", "into that table", "into an empty table", "ratio"],
+            rows,
+        ),
     ]
 
 
