@@ -461,6 +461,20 @@ def _targets(sections: dict[str, Any]) -> list[str]:
     ]
 
 
+#: The quick profile's whole run must stay within this (issue #15).
+QUICK_BUDGET_SECONDS = 120.0
+
+
+def timing(results: dict[str, Any]) -> str:
+    """How long each section took, and whether a quick run kept within its budget."""
+    sections = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("section_seconds", {}).items())
+    total = results.get("elapsed_seconds", 0.0)
+    line = f"took {total:.0f} s ({sections or 'no section'})"
+    if results["profile"] == "quick" and total > QUICK_BUDGET_SECONDS:
+        line += f": over the quick profile's budget of {QUICK_BUDGET_SECONDS:.0f} s"
+    return line
+
+
 def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
     libs = ", ".join(f"{k} {v}" for k, v in machine["libraries"].items() if v)
@@ -473,7 +487,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"{machine['nproc']} cores, {machine['memory_gib']} GiB, Python {machine['python']}, "
         f"{server}; {libs}; revision {machine['revision']}; load average "
-        f"{load.get('before', [0])[0]:.2f} before, {after} after.",
+        f"{load.get('before', [0])[0]:.2f} before, {after} after; {timing(results)}.",
         "",
     ]
     lines += _targets(results["sections"])

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     save()
     (args.out / "results.md").write_text(report.markdown(results))
     report.plot(results, args.out / "results.png")
-    print(f"results in {args.out} ({results['elapsed_seconds']} s)")
+    print(f"results in {args.out}; {report.timing(results)}")
     print(report.key_figures(results))
 
 

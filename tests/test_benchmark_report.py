@@ -284,3 +284,14 @@ def test_results_of_older_runs_render(tmp_path: Path) -> None:
     assert "group/batched" not in md
     assert "peak RSS, recovery" not in md  # the RSS target is set at 1M
     report.plot(run, tmp_path / "results.png")
+
+
+def test_timing_says_when_a_quick_run_is_over_its_budget() -> None:
+    run = results({"commit": _commit()})
+    run["section_seconds"] = {"commit": 20.0, "scale": 90.0}
+    run["elapsed_seconds"] = 115.0
+    assert report.timing(run) == "took 115 s (commit 20 s, scale 90 s)"
+    run["elapsed_seconds"] = 125.0
+    assert report.timing(run).endswith(": over the quick profile's budget of 120 s")
+    run["profile"] = "full"
+    assert "budget" not in report.timing(run)
