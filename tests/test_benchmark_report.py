@@ -134,6 +134,27 @@ def _prune() -> dict[str, Any]:
         "variants": {"store": s(100_000.0), "raw_unprotected": s(130_000.0)},
         "protected_kept": [2000],
         "large_batch": None,
+        "large_finished": {
+            "finished": 1_000_000,
+            "live_with_dependencies": 20_000,
+            "batch": 1000,
+            "seed_seconds": 30.0,
+            "variants": {
+                side: {
+                    "deleted": deleted,
+                    "kept": 1_000_000 - deleted,
+                    "seconds": deleted / rate,
+                    "rows_per_second": rate,
+                    "batches": deleted // 1000 + 1,
+                    "seconds_per_batch": s(0.01, 0.005, 0.05),
+                }
+                for side, deleted, rate in (
+                    ("store", 980_000, 90_000.0),
+                    ("raw_unprotected", 1_000_000, 150_000.0),
+                )
+            },
+            "store_vs_raw": 0.6,
+        },
     }
 
 
@@ -211,6 +232,7 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
     assert figures["scale_commit_vs_empty_at_1m"] == "0.90"
     assert figures["scale_transitions_vs_empty_at_1m"] == "0.90"
     assert figures["prune_20k_rows_per_s"] == "100000"
+    assert figures["prune_1m_rows_per_s"] == "90000"
 
     md = report.markdown(run)
     # Every target of the issue, with its range and verdict.
@@ -229,6 +251,7 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
         in md
     )
     assert "(target set at 10M)" in md
+    assert "| PgStore.prune (protected) | 90.0k | 981 | 0.01 s (0.01 s-0.05 s) | 20,000 |" in md
     for heading in ("Group commit", "Recovery", "Takeover", "Prune", "How cost grows", "Index"):
         assert f"### {heading}" in md
     report.plot(run, tmp_path / "results.png")
