@@ -10,14 +10,12 @@ own overhead.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import URL
@@ -132,26 +130,6 @@ FULL = Profile(
 
 def batches_per_trial(profile: Profile, size: int) -> int:
     return max(1, min(profile.commit_max_batches, profile.commit_rows // size))
-
-
-# --- the event loop -------------------------------------------------------------------------
-
-#: The event loops a run can use (``--loop``); child processes (recovery, the takeover's
-#: leader) read the choice from ``$BENCH_LOOP``, so every process of a run uses the same one.
-LOOPS = ("asyncio", "uvloop")
-LOOP_ENV = "BENCH_LOOP"
-
-T = TypeVar("T")
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` on the run's event loop: asyncio's own, or uvloop (an optional
-    benchmark dependency; the store never requires it)."""
-    if os.environ.get(LOOP_ENV, "asyncio") == "uvloop":
-        import uvloop
-
-        return uvloop.run(main)
-    return asyncio.run(main)
 
 
 # --- measurement ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from cronoq_store.recovery import next_id
 from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row, live_task
 from cronoq_store.store import PgStore
 
-from .common import Profile, compile_for_asyncpg, dsn, make_spec, run_loop, summarize
+from .common import Profile, compile_for_asyncpg, dsn, make_spec, summarize
 
 _ROOT = Path(__file__).resolve().parent.parent
 _DSN_ENV = "BENCH_DSN"
@@ -235,4 +235,6 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
 
 
 if __name__ == "__main__":
+    from .loops import run_loop  # only the child process runs a loop of its own
+
     print(json.dumps(run_loop(_child(sys.argv[1], sys.argv[2]))))

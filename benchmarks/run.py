@@ -27,7 +27,8 @@ from sqlalchemy.engine import URL
 from cronoq_store.testing import EmbeddedPostgres
 
 from . import commit, group_commit, prune, recovery, report, takeover
-from .common import FULL, LOOP_ENV, LOOPS, QUICK, SERVER_SETTINGS, Profile, dsn, run_loop
+from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
+from .loops import LOOP_ENV, LOOPS, run_loop
 
 _ROOT = Path(__file__).resolve().parent.parent
 _LIBRARIES = (

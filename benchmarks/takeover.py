@@ -32,7 +32,8 @@ from sqlalchemy.engine import URL, make_url
 from cronoq_store import PgStoreConfig
 from cronoq_store.store import PgStore
 
-from .common import Profile, dsn, run_loop, summarize
+from .common import Profile, dsn, summarize
+from .loops import run_loop
 from .proxy import StallingProxy
 
 _ROOT = Path(__file__).resolve().parent.parent

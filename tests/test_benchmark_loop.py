@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.common import LOOP_ENV, run_loop
+from benchmarks.loops import LOOP_ENV, run_loop
 
 
 async def _loop_module() -> str:
