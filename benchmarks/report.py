@@ -630,6 +630,7 @@ def _bars(
         ax.invert_yaxis()
     else:
         ax.set_xticks(range(len(groups)), groups)
+        ax.margins(y=0.25)  # room above the bars for the legend
 
 
 def _finish(ax: Any, title: str, *, legend: bool = True) -> None:
@@ -872,9 +873,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for panel in make(sections[name])
     ]
     rows = max(1, (len(panels) + 1) // 2)
-    with plt.rc_context({"font.size": 10}):
+    with plt.rc_context({"font.size": 11}):
         fig, axes = plt.subplots(
-            rows, 2, figsize=(13, 4.6 * rows), squeeze=False, layout="constrained"
+            rows, 2, figsize=(12, 4.6 * rows), squeeze=False, layout="constrained"
         )
         for ax, panel in zip(axes.flat, panels, strict=False):
             panel(ax)
