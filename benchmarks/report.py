@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -290,8 +291,34 @@ def _scale(section: dict[str, Any]) -> list[str]:
     ]
 
 
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+
+
+_INDEX_DDL = re.compile(r"CREATE (UNIQUE )?INDEX (\S+) ON \S+ USING (.*)$")
+
+
+def _index_changes(indexes: list[str], current: list[str]) -> str:
+    """A design's indexes as what differs from the current design's (``-`` a name dropped,
+    ``+`` a definition added), given as ``pg_indexes.indexdef`` lines; anything else (or
+    the current design itself) is listed as it is."""
+    ours = [m for m in map(_INDEX_DDL.match, indexes) if m]
+    theirs = [m for m in map(_INDEX_DDL.match, current) if m]
+    if len(ours) < len(indexes) or len(theirs) < len(current) or indexes == current:
+        return ", ".join(m[2] for m in ours) if len(ours) == len(indexes) else ", ".join(indexes)
+
+    def definition(m: re.Match[str]) -> str:
+        return (m[1] or "").lower() + m[3]
+
+    defined, kept = {definition(m) for m in ours}, {definition(m) for m in theirs}
+    dropped = [f"- {m[2]}" for m in theirs if definition(m) not in defined]
+    added = [f"+ {definition(m)}" for m in ours if definition(m) not in kept]
+    return ", ".join(dropped + added) or "the same"
+
+
 def _indexes(section: dict[str, Any]) -> list[str]:
     designs = section.get("designs", {})
+    current = designs.get("current", {}).get("indexes", [])
     queries = list(dict.fromkeys(q for d in designs.values() for q in d.get("queries_ms", {})))
     rows = []
     for name, d in designs.items():
@@ -299,12 +326,12 @@ def _indexes(section: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 name,
-                ", ".join(d.get("indexes", [])),
+                _index_changes(d.get("indexes", []), current),
                 _spread(d["transitions"]) if "transitions" in d else "-",
                 _ratio(d["vs_current"]) if "vs_current" in d else "-",
                 f"{d['hot_fraction']:.0%}" if "hot_fraction" in d else "-",
                 f"{d['wal_bytes_per_update']:,.0f}" if "wal_bytes_per_update" in d else "-",
-                *(f"{timings[q]:.1f}" if q in timings else "-" for q in queries),
+                *(_ms(timings[q]) if q in timings else "-" for q in queries),
             ]
         )
     rows_note = f" on {section['rows']:,} rows" if "rows" in section else ""
@@ -315,7 +342,7 @@ def _indexes(section: dict[str, Any]) -> list[str]:
         *_table(
             [
                 "design",
-                "indexes",
+                "indexes (against current)",
                 "transitions/s",
                 "vs current",
                 "HOT updates",

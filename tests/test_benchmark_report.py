@@ -158,19 +158,29 @@ def _prune() -> dict[str, Any]:
     }
 
 
+_LIVE = "CREATE INDEX ix_live ON {}.cronoq_tasks USING btree (id) WHERE (NOT terminal)"
+_DONE = "CREATE INDEX ix_done ON {}.cronoq_tasks USING btree (updated_unix_ns, id) WHERE terminal"
+_BRIN = "CREATE INDEX ix_d0 ON {}.cronoq_tasks USING brin (updated_unix_ns) WHERE terminal"
+
+
 def _indexes() -> dict[str, Any]:
     return {
+        "rows": 100_000,
         "designs": {
-            "current": {"indexes": ["a", "b"], "transitions": s(30_000.0), "vs_current": s(1.0)},
+            "current": {
+                "indexes": [_DONE.format("bench_ix_current"), _LIVE.format("bench_ix_current")],
+                "transitions": s(30_000.0),
+                "vs_current": s(1.0),
+            },
             "hot": {
-                "indexes": ["a"],
+                "indexes": [_LIVE.format("bench_ix_hot"), _BRIN.format("bench_ix_hot")],
                 "transitions": s(36_000.0),
                 "vs_current": s(1.2, 1.1, 1.3),
                 "hot_fraction": 0.95,
                 "wal_bytes_per_update": 310.0,
                 "queries_ms": {"live scan": 120.0},
             },
-        }
+        },
     }
 
 
@@ -254,6 +264,9 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
     )
     assert "(target set at 10M)" in md
     assert "| PgStore.prune (protected) | 90.0k | 981 | 0.01 s (0.01 s-0.05 s) | 20,000 |" in md
+    # An index design shows as what it changes against the current one.
+    assert "| current | ix_done, ix_live | 30.0k" in md
+    assert "| hot | - ix_done, + brin (updated_unix_ns) WHERE terminal | 36.0k" in md
     for heading in ("Group commit", "Recovery", "Takeover", "Prune", "How cost grows", "Index"):
         assert f"### {heading}" in md
     report.plot(run, tmp_path / "results.png")
