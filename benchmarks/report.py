@@ -716,16 +716,29 @@ def _commit_panels(section: dict[str, Any]) -> list[Callable[[Any], None]]:
 def _group_commit_panels(section: dict[str, Any]) -> list[Callable[[Any], None]]:
     counts = _counts(section)
 
+    sides = {
+        "group": "GroupCommitter",
+        "single": "one transaction each",
+        "batched": "one caller, batches of N",
+    }
+
     def panel(ax: Any) -> None:
-        xs = [int(n) for n in counts]
-        for name, label in (
-            ("group", "GroupCommitter"),
-            ("single", "one transaction each"),
-            ("batched", "one caller, batches of N"),
-        ):
-            if all(name in r["variants"] for r in counts.values()):
+        shown = {k: v for k, v in sides.items() if all(k in r["variants"] for r in counts.values())}
+        if len(counts) >= 3:  # a curve over the submitter counts
+            xs = [int(n) for n in counts]
+            for name, label in shown.items():
                 _errorbars(ax, xs, [r["variants"][name] for r in counts.values()], label)
-        ax.set(xscale="log", yscale="log", xlabel="concurrent submitters", ylabel="mutations/s")
+            ax.set(xscale="log", xlabel="concurrent submitters")
+        else:  # one or two counts (the quick profile): bars
+            _bars(
+                ax,
+                [f"{int(n):,} submitters" for n in counts],
+                {
+                    label: [r["variants"][name] for r in counts.values()]
+                    for name, label in shown.items()
+                },
+            )
+        ax.set(yscale="log", ylabel="mutations/s")
         title = "Group commit, one-mutation submissions"
         if "64" in counts:
             r = counts["64"]
@@ -804,8 +817,8 @@ def _takeover_panels(section: dict[str, Any]) -> list[Callable[[Any], None]]:
         ax.set(xlabel="seconds after the failure")
         _finish(
             ax,
-            f"Takeover (session_timeout {section['session_timeout']} s, "
-            f"lock_poll {section['lock_poll']} s)",
+            f"Takeover\nsession_timeout {section['session_timeout']} s, "
+            f"lock_poll {section['lock_poll']} s",
         )
 
     return [panel]
@@ -869,11 +882,11 @@ def _indexes_panels(section: dict[str, Any]) -> list[Callable[[Any], None]]:
             ax,
             list(designs),
             {"transitions vs current design": [d["vs_current"] for d in designs.values()]},
+            horizontal=True,
         )
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set(ylabel="paired ratio")
-        ax.tick_params(axis="x", labelrotation=20)
-        _finish(ax, "Index designs: status transitions")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set(xlabel="paired ratio of transition rates")
+        _finish(ax, "Index designs: status transitions", legend=False)
 
     return [panel] if designs else []
 
