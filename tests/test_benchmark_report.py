@@ -53,7 +53,7 @@ def _commit() -> dict[str, Any]:
     }
 
 
-def _group(batched: bool) -> dict[str, Any]:
+def _group(batched: bool, counts: tuple[int, ...] = (1, 16, 64)) -> dict[str, Any]:
     def entry(n: int) -> dict[str, Any]:
         e: dict[str, Any] = {
             "variants": {"group": s(400.0 * n), "single": s(1500.0)},
@@ -66,7 +66,7 @@ def _group(batched: bool) -> dict[str, Any]:
             e["group_vs_batched"] = s(0.93, 0.88, 0.97)
         return e
 
-    return {str(n): entry(n) for n in (1, 64)}
+    return {str(n): entry(n) for n in counts}
 
 
 def _recovery(sizes: tuple[int, ...]) -> dict[str, Any]:
@@ -309,7 +309,7 @@ def test_results_of_older_runs_render(tmp_path: Path) -> None:
     recovery size and an unknown section: rendered, the missing figures left out."""
     run = results(
         {
-            "group_commit": _group(batched=False),
+            "group_commit": _group(batched=False, counts=(64,)),
             "recovery": _recovery((100_000,)),
             "telemetry": {"anything": 1},
         }
