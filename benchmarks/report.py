@@ -732,7 +732,7 @@ def _group_commit_panels(section: dict[str, Any]) -> list[Callable[[Any], None]]
         else:  # one or two counts (the quick profile): bars
             _bars(
                 ax,
-                [f"{int(n):,} submitters" for n in counts],
+                [f"{int(n):,} submitter{'' if n == '1' else 's'}" for n in counts],
                 {
                     label: [r["variants"][name] for r in counts.values()]
                     for name, label in shown.items()
