@@ -273,6 +273,18 @@ def fold(
 
 def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
     """``update_status`` parameters, one row per task."""
+    if not transitions:  # most batches: no transitions, or only of tasks stored before
+        return {
+            "ids": [],
+            "statuses": [],
+            "terminals": [],
+            "attempts": [],
+            "updated": [],
+            "levels": [],
+            "messages": [],
+            "message_levels": [],
+            "message_ats": [],
+        }
     latest = transitions.values()
     return {
         "ids": list(transitions),
