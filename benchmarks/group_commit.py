@@ -110,7 +110,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                 )
 
             measured = await interleave(
-                {"group": grouped, "single": single, "batched": batched}, profile.rounds
+                {"group": grouped, "single": single, "batched": batched}, profile.group_rounds
             )
             results[str(submitters)] = {
                 "variants": {name: summarize(v) for name, v in measured.items()},
