@@ -300,7 +300,8 @@ class CommitPath:
     and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
     another as before. It is given up, never reused, when in doubt (as any connection of a
     failed commit), when the server closed it, or when the pool it came from was disposed
-    (a demoted primary); and returned by :meth:`release` (close, step-down, fencing).
+    (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
+    ``release_leadership``, fencing, and the first commit refused after a lost term).
     """
 
     def __init__(
