@@ -1,7 +1,9 @@
 """Group commit: N concurrent submitters of one mutation each, through ``GroupCommitter``
-against each calling ``PgStore.commit`` itself (one transaction per submission).
+against each calling ``PgStore.commit`` itself (one transaction per submission), and
+against one caller committing the same kind of mutations in batches of N back to back
+(``batched``: what the committer could reach without any per-submission cost).
 
-Both sides use the same store (its pool of ``max_connections`` = 8, the default) and run
+Every side uses the same store (its pool of ``max_connections`` = 8, the default) and runs
 for the same time; the figure is acknowledged mutations per second.
 """
 
@@ -38,6 +40,18 @@ async def drive(commit: Commit, workload: Workload, submitters: int, seconds: fl
 
     started = time.perf_counter()
     await asyncio.gather(*(submitter() for _ in range(submitters)))
+    return done / (time.perf_counter() - started)
+
+
+async def drive_batched(commit: Commit, workload: Workload, size: int, seconds: float) -> float:
+    """One caller committing batches of ``size`` new tasks back to back until the deadline;
+    returns mutations per second."""
+    deadline = time.perf_counter() + seconds
+    done = 0
+    started = time.perf_counter()
+    while time.perf_counter() < deadline:
+        await commit([workload.one() for _ in range(size)])
+        done += size
     return done / (time.perf_counter() - started)
 
 
@@ -87,10 +101,21 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                     profile.group_seconds,
                 )
 
-            measured = await interleave({"group": grouped, "single": single}, profile.rounds)
+            async def batched(submitters: int = submitters) -> float:
+                return await drive_batched(
+                    lambda batch: store.commit(epoch, base, batch, ()),
+                    workload,
+                    submitters,
+                    profile.group_seconds,
+                )
+
+            measured = await interleave(
+                {"group": grouped, "single": single, "batched": batched}, profile.group_rounds
+            )
             results[str(submitters)] = {
                 "variants": {name: summarize(v) for name, v in measured.items()},
                 "group_vs_single": paired(measured["group"], measured["single"]),
+                "group_vs_batched": paired(measured["group"], measured["batched"]),
                 # The first trial of each side is the warm-up round.
                 "mean_batch_mutations": summarize(batches[1:]),
                 "latency_p99_seconds": summarize(latencies[1:]),

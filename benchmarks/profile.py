@@ -1,7 +1,8 @@
 """Where the time goes, on both sides of the wire: ``python -m benchmarks.profile [--out DIR]``.
 
 Client: cProfile of ``PgStore.commit`` (batches of 1 and of 1,000), of ``GroupCommitter``
-with 64 submitters, and of ``PgStore.recover`` (100,000 tasks). Server: the plans that
+with 64 submitters beside one caller committing batches of 64, and of ``PgStore.recover``
+(100,000 tasks). Server: the plans that
 ``auto_explain`` (ANALYZE, BUFFERS, WAL) logs for the store's insert, status update and prune
 batch, and for pgqueuer's enqueue, each with a batch of 1,000. Writes ``profile.txt``.
 """
@@ -34,7 +35,7 @@ from cronoq_store.testing import EmbeddedPostgres
 from . import prune, recovery
 from .commit import RawWriter
 from .common import SERVER_SETTINGS, Workload, compile_for_asyncpg, dsn, open_store, transitions
-from .group_commit import drive
+from .group_commit import drive, drive_batched
 
 _ROOT = Path(__file__).resolve().parent.parent
 _TOP = 22
@@ -157,6 +158,13 @@ async def _client_profiles(url: URL) -> list[str]:
                 await drive(committer.submit, workload, 64, 2.0)
 
         sections.append(await _client_profile("GroupCommitter, 64 submitters, 2 s", group))
+
+        async def batched() -> None:
+            await drive_batched(lambda b: store.commit(epoch, base, b, ()), workload, 64, 2.0)
+
+        # The same mutations without the committer: what its per-submission work costs.
+        title = "PgStore.commit, one caller, batches of 64, 2 s"
+        sections.append(await _client_profile(title, batched))
     finally:
         await store.close()
 

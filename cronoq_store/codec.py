@@ -42,6 +42,12 @@ from .domain import (
     show,
 )
 
+_orjson_dumps: Callable[[object], bytes] | None
+try:
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover - the optional "json" extra
+    _orjson_dumps = None
+
 __all__ = [
     "QUARANTINE_PREFIX",
     "DecodeError",
@@ -155,7 +161,7 @@ def decode_retry(text: str | None) -> RetryPolicy | None:
 def encode_deps(deps: Iterable[Dependency]) -> str:
     """JSON for the ``deps`` column: an array of ``{"id"|"key": ..., "on": ...}``."""
     items = [_dep_to_json(d) for d in deps]
-    return _dumps(items) if items else "[]"
+    return _dumps_plain(items) if items else "[]"
 
 
 def decode_deps(text: str) -> tuple[Dependency, ...]:
@@ -167,7 +173,7 @@ def decode_deps(text: str) -> tuple[Dependency, ...]:
 
 def encode_resources(resources: Mapping[str, int]) -> str:
     """JSON for the ``resources`` column: an object of name -> amount."""
-    return _dumps(_resources_to_json(resources)) if resources else "{}"
+    return _dumps_plain(_resources_to_json(resources)) if resources else "{}"
 
 
 def decode_resources(text: str) -> dict[str, int]:
@@ -236,6 +242,19 @@ def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> Re
 
 def _dumps(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _dumps_plain(value: object) -> str:
+    """:func:`_dumps` of strings, integers, lists and dicts (no floats: orjson writes NaN
+    as null), with orjson when installed (the ``json`` extra): the same text, 5 to 20
+    times faster for the small values of each row. An integer beyond 64 bits, which orjson
+    refuses, goes through ``json`` as before."""
+    if _orjson_dumps is not None:
+        try:
+            return _orjson_dumps(value).decode()
+        except TypeError:
+            pass
+    return _dumps(value)
 
 
 def _optional_ns(td: timedelta | None) -> int | None:

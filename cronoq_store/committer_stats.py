@@ -87,11 +87,12 @@ class Tally:
         self.unanswered_pings = 0
         self.latencies: deque[float] = deque(maxlen=latency_window)
 
-    def acknowledge(self, mutations: int, latency: float) -> None:
-        """One submission of ``mutations`` is durable, ``latency`` seconds after its submit."""
-        self.acknowledged += 1
+    def acknowledge(self, mutations: int, latencies: Sequence[float]) -> None:
+        """Submissions holding ``mutations`` in all are durable, each ``latencies[i]``
+        seconds after its submit (one call per committed batch)."""
+        self.acknowledged += len(latencies)
         self.mutations += mutations
-        self.latencies.append(latency)
+        self.latencies.extend(latencies)
 
     def commit(self, submissions: int) -> None:
         """One transaction holding ``submissions`` committed."""

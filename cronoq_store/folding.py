@@ -33,7 +33,7 @@ The parameter names of the returned dictionaries are the bind names of the state
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, ClassVar
@@ -184,11 +184,23 @@ def fold(
     """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
     their update time. Engine times are converted to Unix ns through ``base``; one that
     leaves BIGINT raises ``ValueError`` naming the field (only its submission then fails)."""
+    to_unix = unix_converter(base)
+    distinct = _distinct_transitions(batch)
+    if distinct is not None:
+        # Transitions of distinct tasks (most status batches): nothing to fold, so their
+        # columns are built directly, as the loop below would build them.
+        last_output = dict(outputs)
+        return FoldedBatch(
+            max_id=None,
+            updates=_transition_params(distinct, to_unix),
+            inserted_updates=_update_params({}),
+            insert_rows=[],
+            outputs={"ids": list(last_output), "outputs": list(last_output.values())},
+        )
     rows: list[list[Any]] = []  # one list per row is much cheaper than 25 column appends
     inserted: dict[int, int] = {}
     transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
     recurring: list[tuple[RecurringAction, dict[str, Any]]] = []
-    to_unix = unix_converter(base)
 
     for m in batch:
         if isinstance(m, StatusChanged):
@@ -271,8 +283,76 @@ def fold(
     )
 
 
+def _distinct_transitions(batch: Sequence[Mutation]) -> list[StatusChanged] | None:
+    """``batch`` if it holds only transitions, of distinct tasks; else ``None``."""
+    found: list[StatusChanged] = []
+    for m in batch:
+        if type(m) is not StatusChanged:
+            return None
+        found.append(m)
+    return found if len({m.id for m in found}) == len(found) else None
+
+
+def _transition_params(
+    batch: Sequence[StatusChanged], to_unix: Callable[[int, str], int]
+) -> dict[str, list[Any]]:
+    """``update_status`` parameters of transitions of distinct tasks: what
+    :func:`_update_params` makes of them, without a ``_Transition`` per row."""
+    ids: list[Any] = []
+    statuses: list[Any] = []
+    terminals: list[Any] = []
+    attempts: list[Any] = []
+    updated: list[Any] = []
+    levels: list[Any] = []
+    messages: list[Any] = []
+    message_levels: list[Any] = []
+    message_ats: list[Any] = []
+    for m in batch:
+        status = m.status
+        name, terminal = status.value, status.is_terminal
+        at = to_unix(m.at, "at")
+        lvl = level(name, terminal, m.attempt)
+        ids.append(m.id)
+        statuses.append(name)
+        terminals.append(terminal)
+        attempts.append(m.attempt)
+        updated.append(at)
+        levels.append(lvl)
+        if m.message is None:
+            messages.append(None)
+            message_levels.append(None)
+            message_ats.append(None)
+        else:
+            messages.append(clean_text(m.message))
+            message_levels.append(lvl)
+            message_ats.append(at)
+    return {
+        "ids": ids,
+        "statuses": statuses,
+        "terminals": terminals,
+        "attempts": attempts,
+        "updated": updated,
+        "levels": levels,
+        "messages": messages,
+        "message_levels": message_levels,
+        "message_ats": message_ats,
+    }
+
+
 def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
     """``update_status`` parameters, one row per task."""
+    if not transitions:  # most batches: no transitions, or only of tasks stored before
+        return {
+            "ids": [],
+            "statuses": [],
+            "terminals": [],
+            "attempts": [],
+            "updated": [],
+            "levels": [],
+            "messages": [],
+            "message_levels": [],
+            "message_ats": [],
+        }
     latest = transitions.values()
     return {
         "ids": list(transitions),

@@ -193,8 +193,10 @@ class GroupCommitter:
         self._in_flight: list[_Submission] = []
         self._pending_count = 0
         self._pending_weight = 0
-        # FIFO admission: a submitter waiting for room keeps its place in line.
+        # FIFO admission: a submitter waiting for room keeps its place in line, and none
+        # passes it while anyone waits (`_waiting`).
         self._admission = asyncio.Lock()
+        self._waiting = 0
         self._room = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._abort_event = asyncio.Event()
@@ -243,19 +245,22 @@ class GroupCommitter:
             asyncio.get_running_loop().create_future(),
             started,
         )
-        async with self._admission:
-            while True:
-                self._refuse_if_closed()
-                if self._has_room(sub.weight):
-                    break
-                self._room.clear()
-                await self._room.wait()
-            self._queue.append(sub)
-            self._pending_count += 1
-            self._pending_weight += sub.weight
-            self._tally.submissions += 1
-            self._wakeup.set()
-            self._ensure_writer()
+        if self._waiting or not self._has_room(sub.weight):
+            # Wait for room in line; with nobody waiting and room, no lock is needed.
+            self._waiting += 1
+            try:
+                async with self._admission:
+                    while True:
+                        self._refuse_if_closed()
+                        if self._has_room(sub.weight):
+                            break
+                        self._room.clear()
+                        await self._room.wait()
+                    self._enqueue(sub)
+            finally:
+                self._waiting -= 1
+        else:
+            self._enqueue(sub)
         try:
             await sub.future
         except asyncio.CancelledError:
@@ -342,14 +347,22 @@ class GroupCommitter:
         if self._closing:
             raise CommitterClosedError("the group committer is closed; submission refused")
 
+    def _enqueue(self, sub: _Submission) -> None:
+        self._queue.append(sub)
+        self._pending_count += 1
+        self._pending_weight += sub.weight
+        self._tally.submissions += 1
+        self._wakeup.set()
+        if self._writer is None:
+            self._start_writer()
+
     def _has_room(self, weight: int) -> bool:
         return self._pending_count == 0 or self._pending_weight + weight <= self._max_pending
 
-    def _ensure_writer(self) -> None:
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(
-                self._run(), name=f"cronoq-group-commit-epoch-{self._epoch}"
-            )
+    def _start_writer(self) -> None:
+        self._writer = asyncio.get_running_loop().create_task(
+            self._run(), name=f"cronoq-group-commit-epoch-{self._epoch}"
+        )
 
     def _release(self, sub: _Submission) -> None:
         self._pending_count -= 1
@@ -358,14 +371,23 @@ class GroupCommitter:
 
     # --- settling ---------------------------------------------------------------------------
 
-    def _acknowledge(self, sub: _Submission, now: float) -> None:
-        if sub.state is _State.SETTLED:
-            return
-        sub.state = _State.SETTLED
-        self._release(sub)
-        self._tally.acknowledge(len(sub.mutations), now - sub.started)
-        if not sub.future.done():  # a submitter cancelled in flight is not waiting
-            sub.future.set_result(None)
+    def _acknowledge_all(self, subs: list[_Submission], now: float) -> None:
+        """Settle a committed batch's submissions, the counters updated once for all."""
+        weight = mutations = 0
+        latencies: list[float] = []
+        for sub in subs:
+            if sub.state is _State.SETTLED:
+                continue
+            sub.state = _State.SETTLED
+            weight += sub.weight
+            mutations += len(sub.mutations)
+            latencies.append(now - sub.started)
+            if not sub.future.done():  # a submitter cancelled in flight is not waiting
+                sub.future.set_result(None)
+        self._pending_count -= len(latencies)
+        self._pending_weight -= weight
+        self._tally.acknowledge(mutations, latencies)
+        self._room.set()
 
     def _fail(self, sub: _Submission, error: BaseException) -> None:
         if sub.state is _State.SETTLED or sub.state is _State.DROPPED:
@@ -520,8 +542,7 @@ class GroupCommitter:
                     "elapsed": now - started,
                 },
             )
-        for sub in subs:
-            self._acknowledge(sub, now)
+        self._acknowledge_all(subs, now)
 
     async def _commit_with_retry(self, mutations: list[Mutation], outputs: list[Output]) -> None:
         """One batch until it commits; transient failures are retried until an abort, or

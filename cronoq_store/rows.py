@@ -186,12 +186,11 @@ def same_task(a: Sequence[Any], b: Sequence[Any]) -> bool:
     )
 
 
-def transposed(rows: Iterable[Sequence[Any]]) -> dict[str, list[Any]]:
+def transposed(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
     """Insert rows as one list per column, by column name (the insert's array parameters)."""
-    columns = list(zip(*rows, strict=True))
-    if not columns:
+    if not rows:
         return {name: [] for name in INSERT_COLUMNS}
-    return {name: list(values) for name, values in zip(INSERT_COLUMNS, columns, strict=True)}
+    return dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
 
 
 # --- recovery -------------------------------------------------------------------------------

@@ -107,6 +107,10 @@ class PgStore:
             may_stage=may_stage,
             pin_search_path=self._pins_path,
             on_fenced=self._fenced_out,
+            # The store's own pool holds one connection for the writer (no checkout per
+            # commit) when another is left for reads, pings and concurrent commits; an
+            # application's pool is not the store's to hold from.
+            hold=owns_engine and config.max_connections >= 2,
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
@@ -261,6 +265,7 @@ class PgStore:
             return
         self._closed = True
         try:
+            await self._commits.release()
             await self._leadership.close()
         finally:
             if self._owns_engine:
@@ -322,6 +327,7 @@ class PgStore:
     async def release_leadership(self) -> None:
         """Release the leader lock; commits fail with ``FencedError`` from now on."""
         await self._leadership.release()
+        await self._commits.release()
 
     async def leadership_lost(self) -> None:
         """Return once leadership held by this instance is lost (or released)."""
@@ -373,6 +379,7 @@ class PgStore:
         record: CommitRecord | None,
     ) -> None:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
+            await self._commits.release()  # the term is over: its writer connection too
             raise FencedError("leadership was lost: this instance must not write any more")
         size = batch_size(batch, outputs)
         if size > self.max_commit_bytes:

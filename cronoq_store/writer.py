@@ -41,6 +41,7 @@ import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util import greenlet_spawn
 
@@ -293,6 +294,14 @@ class CommitPath:
     application's engine, or a transaction-pooling PgBouncer): every commit sets it for its
     own transaction (:class:`BatchWriter`), so nothing is left on the session either.
     ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
+
+    ``hold``: keep one pooled connection checked out between commits (the writer's, for the
+    term) instead of a checkout and a return per commit, which cost a greenlet switch each
+    and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
+    another as before. It is given up, never reused, when in doubt (as any connection of a
+    failed commit), when the server closed it, or when the pool it came from was disposed
+    (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
+    ``release_leadership``, fencing, and the first commit refused after a lost term).
     """
 
     def __init__(
@@ -303,9 +312,15 @@ class CommitPath:
         may_stage: bool,
         pin_search_path: bool,
         on_fenced: Callable[[], None],
+        hold: bool = False,
     ) -> None:
         self._engine = engine
         self._on_fenced = on_fenced
+        self._hold = hold
+        self._held: PoolProxiedConnection | None = None
+        self._held_from: Pool | None = None  # the pool it came from
+        self._held_busy = False
+        self._releases = 0  # a connection checked out before a release is not held
         self.writer = BatchWriter(
             engine.dialect,
             schema,
@@ -329,12 +344,38 @@ class CommitPath:
             raise IdCollisionError(written.colliding)
         current = written.epoch
         if current != epoch:
+            await self.release()
             self._on_fenced()
             logger.error(
                 "commit fenced: another instance took leadership",
                 extra={"epoch": epoch, "current_epoch": current},
             )
             raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+
+    async def release(self) -> None:
+        """Return the held connection to the pool (a commit using it returns it when done);
+        a later commit holds one again."""
+        held, busy = self._held, self._held_busy
+        self._held, self._held_busy = None, False
+        self._releases += 1
+        if held is not None and not busy:
+            await greenlet_spawn(held.close)
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        """The held connection if it is free and sound, else one from the pool."""
+        held = self._held
+        if held is None or self._held_busy:
+            return await self._engine.raw_connection()
+        if self._held_from is self._engine.sync_engine.pool and not _driver(held).is_closed():
+            self._held_busy = True
+            return held
+        # What the pool's checkout check would refuse, or a connection of a pool disposed
+        # since (a demoted primary): discarded, never reused.
+        self._held = None
+        _driver(held).terminate()
+        held.invalidate()
+        await greenlet_spawn(held.close)
+        return await self._engine.raw_connection()
 
     @asynccontextmanager
     async def _driver_connection(self) -> AsyncIterator[Any]:
@@ -343,12 +384,16 @@ class CommitPath:
         SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
         (closed, still in a transaction, or interrupted by a timeout or a driver error) is
         invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back.
+        usable: asyncpg rolled the transaction back. With ``hold``, a sound connection is
+        kept as the held one when none is (and none was released meanwhile).
         """
-        pooled = await self._engine.raw_connection()
-        driver: Any = pooled.driver_connection
+        pool, releases = self._engine.sync_engine.pool, self._releases
+        pooled = await self._checkout()
+        driver = _driver(pooled)
+        sound = False
         try:
             yield driver
+            sound = True
         except BaseException as exc:
             clean = (
                 isinstance(exc, asyncpg.PostgresError)
@@ -356,7 +401,11 @@ class CommitPath:
                 and not driver.is_closed()
                 and not driver.is_in_transaction()
             )
-            if not clean:
+            if clean:
+                sound = True
+            else:
+                if pooled is self._held:
+                    self._held, self._held_busy = None, False
                 # Close the socket first: a graceful close waits for the operation in
                 # progress and fails ("another operation is in progress") after a timeout
                 # or cancellation, which would mask the error being raised.
@@ -364,9 +413,19 @@ class CommitPath:
                 pooled.invalidate()
             raise
         finally:
-            # Back to the pool (or, invalidated, discarded). Inside a greenlet, because the
-            # pool's reset-on-return may call the driver; it has nothing to roll back.
-            await greenlet_spawn(pooled.close)
+            if pooled is self._held:
+                self._held_busy = False
+            elif sound and self._hold and self._held is None and self._releases == releases:
+                self._held, self._held_from = pooled, pool
+            else:
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
+
+
+def _driver(pooled: PoolProxiedConnection) -> Any:
+    """The asyncpg connection under a pooled one."""
+    return pooled.driver_connection
 
 
 def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:

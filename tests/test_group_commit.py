@@ -614,8 +614,8 @@ async def test_close_refuses_submitters_still_waiting_for_room() -> None:
 def test_stats_are_nearest_rank_percentiles_over_the_latest_window() -> None:
     tally = Tally(latency_window=100)
     assert tally.snapshot(0, 0).latency_p50 is None
-    for n in range(1, 151):  # the first 50 fall out of the window
-        tally.acknowledge(mutations=2, latency=float(n))
+    for n in range(1, 151, 3):  # the first 50 fall out of the window
+        tally.acknowledge(mutations=6, latencies=[float(n), float(n + 1), float(n + 2)])
     tally.commit(submissions=100)
     tally.commit(submissions=50)
     stats = tally.snapshot(pending_submissions=3, pending_mutations=7)

@@ -1,0 +1,46 @@
+"""The fold's shortcut for transitions of distinct tasks builds what its general loop does."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cronoq_store.domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store.folding import fold
+
+BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000 * 10**9)
+NOW = 1_800_000_000 * 10**9
+
+_TRANSITIONS = st.lists(
+    st.builds(
+        StatusChanged,
+        id=st.integers(min_value=1, max_value=10**6).map(TaskId),
+        status=st.sampled_from(list(TaskStatus)),
+        attempt=st.integers(min_value=0, max_value=5),
+        at=st.integers(min_value=-(10**12), max_value=10**12),
+        message=st.none() | st.text(max_size=5),
+    ),
+    max_size=8,
+    unique_by=lambda m: m.id,
+)
+
+
+@given(_TRANSITIONS, st.lists(st.tuples(st.integers(1, 10**6), st.binary(max_size=3)), max_size=3))
+def test_distinct_transitions_fold_as_in_any_other_batch(
+    batch: list[StatusChanged], outputs: list[tuple[int, bytes]]
+) -> None:
+    outs = [(TaskId(i), o) for i, o in outputs]
+    alone = fold(batch, BASE, NOW, outs)
+    # A submission of another task sends the same transitions through the general loop.
+    other = Submitted(TaskId(10**7), 1, 0, TaskSpec(b"p"))
+    mixed = fold([*batch, other], BASE, NOW, outs)
+    assert alone.updates == mixed.updates
+    assert alone.outputs == mixed.outputs
+    assert alone.inserted_updates == mixed.inserted_updates
+    assert (alone.insert_rows, alone.max_id, alone.recurring) == ([], None, [])
+
+
+def test_a_message_is_cleaned_on_the_shortcut_too() -> None:
+    folded = fold([StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, "a\0b")], BASE, NOW)
+    assert folded.updates["messages"] == ["a\ufffdb"]
+    assert folded.updates["message_levels"] == folded.updates["levels"]
