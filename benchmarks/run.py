@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store.testing import EmbeddedPostgres
 
-from . import commit, group_commit, prune, recovery, report, takeover
+from . import commit, group_commit, indexes, prune, recovery, report, scale, takeover
 from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +49,8 @@ SECTIONS: dict[str, Section] = {
     "recovery": recovery.run,
     "takeover": takeover.run,
     "prune": prune.run,
+    "scale": scale.run,
+    "indexes": indexes.run,
 }
 
 
