@@ -200,7 +200,8 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     conn = await asyncpg.connect(dsn(url))
     try:
         for size in profile.scale_rows:
-            print(f"   scale: {size:,} rows in the table", flush=True)
+            sizes = " and ".join(f"{n:,}" for n in profile.scale_rows)
+            print(f"   scale: {size:,} rows ({profile.name} profile: {sizes})", flush=True)
             async with AsyncExitStack() as stack:
                 measured, seconds = await _measure(stack, conn, url, size, profile)
             results["seed_seconds"][str(size)] = round(seconds, 1)
