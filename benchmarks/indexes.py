@@ -43,7 +43,7 @@ from .common import (
     paired,
     summarize,
 )
-from .scale import seed
+from .history import HISTORY_EPOCH, seed
 
 _BATCH = 100
 _BATCHES = 30
@@ -97,7 +97,7 @@ async def _build(conn: asyncpg.Connection, design: str, rows: int) -> list[str]:
         await conn.execute(f'DROP INDEX "{schema}".{name}')
     for n, ddl in enumerate(spec["add"]):
         await conn.execute(ddl.format(table=table, name=f"ix_cronoq_tasks_design_{n}"))
-    await seed(conn, schema, rows, epoch=3, key_prefix="hist-")
+    await seed(conn, schema, rows, epoch=HISTORY_EPOCH, key_prefix="hist-")
     return [r[0] for r in await conn.fetch(_INDEXES, schema)]
 
 
@@ -115,7 +115,7 @@ def _queries(prune_cutoff: int, recent_cutoff: int) -> dict[str, tuple[Any, dict
             {"after": 0, "pools": [], "statuses": [], "limit": 100},
         ),
         "task_by_key": (st.task_by_key, {"key": "hist-1000"}),
-        "task_by_id": (st.task_by_id, {"id": task_id(3, 1001)}),
+        "task_by_id": (st.task_by_id, {"id": task_id(HISTORY_EPOCH, 1001)}),
     }
 
 
@@ -126,8 +126,8 @@ async def _timings(conn: asyncpg.Connection, schema: str, rows: int) -> dict[str
     """Execution time (ms, best of three) of each query, in a transaction rolled back:
     prune's candidates are the older half of the history, recovery's window its last 10%."""
     updated = _UPDATED.format(table=f'"{schema}".cronoq_tasks')
-    prune_cutoff = await conn.fetchval(updated, task_id(3, rows // 2))
-    recent_cutoff = await conn.fetchval(updated, task_id(3, rows - rows // 10))
+    prune_cutoff = await conn.fetchval(updated, task_id(HISTORY_EPOCH, rows // 2))
+    recent_cutoff = await conn.fetchval(updated, task_id(HISTORY_EPOCH, rows - rows // 10))
     timings = {}
     for name, (statement, params) in _queries(prune_cutoff, recent_cutoff).items():
         compiled = compile_for_asyncpg(statement, schema)
