@@ -147,11 +147,14 @@ async def _timings(conn: asyncpg.Connection, schema: str, rows: int) -> dict[str
 
 
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
-    """Every design against ``current``, interleaved; the schemas are dropped afterwards."""
+    """The profile's designs against ``current``, interleaved; the schemas are dropped
+    afterwards."""
+    names = ("current", *(d for d in profile.index_designs or DESIGNS if d != "current"))
+    print(f"   indexes: {', '.join(names)} on {profile.index_rows:,} rows", flush=True)
     conn = await asyncpg.connect(dsn(url))
     try:
         async with AsyncExitStack() as stack:
-            designs = await _measure(stack, conn, url, profile)
+            designs = await _measure(stack, conn, url, profile, names)
         # The stores' sessions have ended, so their statistics are flushed.
         await asyncio.sleep(0.5)
         for name, design in designs.items():
@@ -160,18 +163,22 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
             design["hot_fraction"] = round(hot / upd, 3) if upd else 0.0
             design["queries_ms"] = await _timings(conn, _schema(name), profile.index_rows)
     finally:
-        for name in DESIGNS:
+        for name in names:
             await conn.execute(f'DROP SCHEMA IF EXISTS "{_schema(name)}" CASCADE')
         await conn.close()
     return {"rows": profile.index_rows, "batch": _BATCH, "designs": designs}
 
 
 async def _measure(
-    stack: AsyncExitStack, conn: asyncpg.Connection, url: URL, profile: Profile
+    stack: AsyncExitStack,
+    conn: asyncpg.Connection,
+    url: URL,
+    profile: Profile,
+    names: tuple[str, ...],
 ) -> dict[str, dict[str, Any]]:
     stores: dict[str, tuple[PgStore, int]] = {}
     indexes: dict[str, list[str]] = {}
-    for design in DESIGNS:
+    for design in names:
         store, epoch = await open_store(url, _schema(design))
         stack.push_async_callback(store.close)
         stores[design] = store, epoch
@@ -181,9 +188,9 @@ async def _measure(
     workload = Workload()
     base = workload.base
     shared: SharedBatches[Submitted] = SharedBatches(
-        lambda: workload.batches(_BATCH, _BATCHES), consumers=len(DESIGNS)
+        lambda: workload.batches(_BATCH, _BATCHES), consumers=len(names)
     )
-    wal: dict[str, list[float]] = {design: [] for design in DESIGNS}
+    wal: dict[str, list[float]] = {design: [] for design in names}
 
     def trial(design: str) -> Trial:
         store, epoch = stores[design]
@@ -211,7 +218,7 @@ async def _measure(
 
         return run_trial
 
-    measured = await interleave({design: trial(design) for design in DESIGNS}, profile.rounds)
+    measured = await interleave({design: trial(design) for design in names}, profile.rounds)
     return {
         design: {
             "indexes": indexes[design],
