@@ -5,10 +5,12 @@ is in ``ix_cronoq_tasks_finished_updated``, so no update is HOT (heap-only: no i
 written). A live-to-live transition (queued to running, running to retrying) changes no
 other indexed column (``terminal`` stays false, and PostgreSQL compares the values), so
 without a B-tree on ``updated_unix_ns``, and with room on the page, it can be HOT. A
-transition to a finished state changes ``terminal`` and can never be.
+transition to a finished state changes ``terminal`` and can never be. A batch moves tasks
+inserted together, so every row of a page is updated by the same statement: HOT for all of
+them needs about half of each page free (fillfactor 50).
 
 Each design is a throwaway schema built by the store's migrations, its indexes then changed,
-holding ``index_rows`` rows of history (``benchmarks.scale``). A trial commits fresh tasks
+holding ``index_rows`` rows of history (``benchmarks.history``). A trial commits fresh tasks
 (not timed), then times their lives through ``PgStore.commit``: queued to running, then
 running to succeeded, in batches of 100; WAL bytes per transition come from the WAL
 position around the timed part, the HOT fraction from ``pg_stat_user_tables``. What the
