@@ -87,6 +87,12 @@ class Profile:
     stall_takeovers: int
     #: Leadership timings of the takeover scenarios (keepalive, session_timeout, lock_poll).
     takeover_timing: tuple[float, float, float]
+    #: Rows already in the table for ``benchmarks.scale`` (each against an empty table).
+    scale_rows: tuple[int, ...]
+    #: Rows of history in each index design's table, and the designs measured (names of
+    #: ``benchmarks.indexes.DESIGNS``; the empty tuple: all of them).
+    index_rows: int
+    index_designs: tuple[str, ...]
 
 
 QUICK = Profile(
@@ -108,6 +114,9 @@ QUICK = Profile(
     kill_takeovers=1,
     stall_takeovers=1,
     takeover_timing=(0.5, 2.0, 0.25),
+    scale_rows=(1_000_000,),
+    index_rows=100_000,
+    index_designs=("current", "brin_finished_ff50", "stable_finished_key_ff70"),
 )
 
 FULL = Profile(
@@ -130,6 +139,9 @@ FULL = Profile(
     stall_takeovers=3,
     # The defaults of PgStoreConfig.
     takeover_timing=(1.0, 10.0, 0.5),
+    scale_rows=(1_000_000, 10_000_000),
+    index_rows=1_000_000,
+    index_designs=(),
 )
 
 

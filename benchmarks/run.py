@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store.testing import EmbeddedPostgres
 
-from . import commit, group_commit, prune, recovery, report, takeover
+from . import commit, group_commit, indexes, prune, recovery, report, scale, takeover
 from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
 from .loops import LOOP_ENV, LOOPS, run_loop
 
@@ -51,6 +51,8 @@ SECTIONS: dict[str, Section] = {
     "recovery": recovery.run,
     "takeover": takeover.run,
     "prune": prune.run,
+    "scale": scale.run,
+    "indexes": indexes.run,
 }
 
 
