@@ -83,6 +83,8 @@ class Profile:
     prune_rounds: int
     #: Also time one batch on a 200,000-task table (see ``benchmarks.prune``).
     prune_large: bool
+    #: Finished tasks of the one-trial prune of a large table (0: not run).
+    prune_large_finished: int
     kill_takeovers: int
     stall_takeovers: int
     #: Leadership timings of the takeover scenarios (keepalive, session_timeout, lock_poll).
@@ -111,6 +113,7 @@ QUICK = Profile(
     prune_live=2_000,
     prune_rounds=1,
     prune_large=False,
+    prune_large_finished=0,
     kill_takeovers=1,
     stall_takeovers=1,
     takeover_timing=(0.5, 2.0, 0.25),
@@ -135,6 +138,7 @@ FULL = Profile(
     prune_live=2_000,
     prune_rounds=3,
     prune_large=True,
+    prune_large_finished=1_000_000,
     kill_takeovers=5,
     stall_takeovers=3,
     # The defaults of PgStoreConfig.

@@ -6,34 +6,44 @@ Each trial starts from the same fresh table: ``prune_finished`` old finished tas
 ``prune_live`` live tasks, each depending on a different finished one (by id or by key).
 
 The protection's plan changes with the number of live dependencies: past a few thousand,
-the planner no longer hashes the ``NOT IN`` over keys and each batch scans every reference
-for every candidate. The store now uses ``NOT EXISTS`` (hash anti-joins); the full profile
+a plain ``NOT IN`` stopped being hashed and each batch scanned every reference for every
+candidate; the store's ``NOT IN`` over ``DISTINCT`` sets stays hashed. The full profile
 also times one batch of the store's statement on a large table (200,000 finished, 20,000
 live with dependencies), bounded by a statement timeout, so a regression to the old plan
-shows as a timeout.
+shows as a timeout; and prunes ``prune_large_finished`` (1,000,000) finished tasks, one in
+50 of them depended on, to the end, once per side, with the time of every batch, on a
+table seeded server-side (one ``INSERT ... SELECT`` over ``generate_series``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     bindparam,
+    case,
+    cast,
     delete,
     func,
+    insert,
+    literal,
     select,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
+from sqlalchemy.sql.dml import Insert
 
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import statements as st
 from cronoq_store.codec import encode_deps, unix_converter
 from cronoq_store.queries import PRUNE_BATCH
-from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row
+from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, JSON_COLUMNS, insert_row
 from cronoq_store.schema import tasks
 from cronoq_store.store import PgStore
 
@@ -142,6 +152,9 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     large = await _large_batch(url) if profile.prune_large else None
     if any(k != profile.prune_live for k in kept):
         raise RuntimeError(f"prune kept {kept} finished tasks, expected {profile.prune_live}")
+    many = None
+    if profile.prune_large_finished:
+        many = await _many_finished(url, profile.prune_large_finished)
     return {
         "finished": profile.prune_finished,
         "live_with_dependencies": profile.prune_live,
@@ -149,6 +162,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         "variants": {name: summarize(v) for name, v in measured.items()},
         "protected_kept": kept,
         "large_batch": large,
+        "large_finished": many,
     }
 
 
@@ -198,4 +212,150 @@ async def _large_batch(url: URL) -> dict[str, Any]:
         "live_with_dependencies": _LARGE_LIVE,
         "timeout_seconds": _LARGE_TIMEOUT,
         "seconds_per_batch": seconds,
+    }
+
+
+#: Live tasks with a dependency in the table of :func:`_many_finished`, one for every 50
+#: finished tasks: the protection's sets are ten times larger than where its plan once
+#: collapsed (see the module's docstring).
+_MANY_LIVE_EVERY = 50
+
+Trial = dict[str, Any]
+
+
+def _seed_statement(finished: int, live: int, now: int) -> Insert:
+    """One ``INSERT ... SELECT`` over ``generate_series`` that writes what
+    :func:`make_rows` would, server-side: ``finished`` finished tasks two hours old, then
+    ``live`` live tasks, each depending on a different one of them by id or (every other
+    one) by key. The values every row shares come from the same encoded prototype."""
+    proto = insert_row(
+        Submitted(task_id(1, 1), 1, 0, make_spec(1)), unix_converter(TimeBase.now()), now
+    )
+    n = func.generate_series(1, finished + live).table_valued("n").render_derived(name="g").c.n
+    is_live = n > finished
+    target = n - finished - 1  # the j of make_rows, for live tasks
+    target_n = 1 + target * (finished // live)
+    id_base = task_id(1, 0)
+    deps = case(
+        (
+            is_live,
+            func.jsonb_build_array(
+                case(
+                    (
+                        target % 2 == 0,
+                        func.jsonb_build_object(
+                            "id", literal(id_base, BigInteger) + target_n, "on", "succeeded"
+                        ),
+                    ),
+                    else_=func.jsonb_build_object(
+                        "key", func.concat("done-", target_n), "on", "succeeded"
+                    ),
+                )
+            ),
+        ),
+        else_=cast(literal("[]"), JSONB),
+    )
+    computed: dict[str, ColumnElement[Any]] = {
+        "id": literal(id_base, BigInteger) + n,
+        "seq": cast(n, BigInteger),
+        "key": case((is_live, literal(proto[_COLUMN["key"]])), else_=func.concat("done-", n)),
+        "status": case((is_live, literal(proto[_COLUMN["status"]])), else_=literal("succeeded")),
+        "terminal": ~is_live,
+        "updated_unix_ns": case(
+            (is_live, literal(now, BigInteger)), else_=literal(now - _AGE_NS, BigInteger) + n
+        ),
+        "deps": deps,
+    }
+
+    def shared(name: str) -> ColumnElement[Any]:
+        value, column = proto[_COLUMN[name]], tasks.c[name]
+        if name in JSON_COLUMNS:
+            return cast(literal(value), JSONB) if value is not None else cast(None, JSONB)
+        return cast(literal(value, column.type), column.type)
+
+    values = [computed[c] if c in computed else shared(c) for c in INSERT_COLUMNS]
+    return insert(tasks).from_select(list(INSERT_COLUMNS), select(*values))
+
+
+async def _many_finished(url: URL, finished: int) -> dict[str, Any]:
+    """``PgStore.prune`` of ``finished`` old finished tasks, one in 50 depended on by a live
+    task, against the unprotected delete of the same batches on the same table: rows/s,
+    batches and the spread of the seconds per batch (a plan that degrades as the table
+    empties, or collapses, shows there). One trial each: the table is seeded server-side
+    (``generate_series``) before each, which takes longer than the prune."""
+    live = finished // _MANY_LIVE_EVERY
+    schemas = {"store": "bench_prune_many_store", "raw": "bench_prune_many_raw"}
+    store = await PgStore.connect(url, PgStoreConfig(schema=schemas["store"]))
+    raw_store = await PgStore.connect(url, PgStoreConfig(schema=schemas["raw"]))
+    await raw_store.close()
+    conn = await asyncpg.connect(dsn(url))
+    seed_seconds: dict[str, float] = {}
+
+    async def seed(side: str) -> None:
+        schema = schemas[side]
+        started = time.perf_counter()
+        stmt = compile_for_asyncpg(_seed_statement(finished, live, time.time_ns()), schema)
+        await conn.execute(f'TRUNCATE "{schema}".cronoq_tasks')
+        await conn.execute(stmt.sql, *stmt.args({}))
+        await conn.execute(f'VACUUM ANALYZE "{schema}".cronoq_tasks')
+        seed_seconds[side] = round(time.perf_counter() - started, 1)
+
+    async def timed(side: str, batches: Callable[[Callable[[], None]], Awaitable[int]]) -> Trial:
+        await seed(side)
+        times: list[float] = []
+        mark = started = time.perf_counter()
+
+        def lap() -> None:  # after each batch
+            nonlocal mark
+            now = time.perf_counter()
+            times.append(now - mark)
+            mark = now
+
+        deleted = await batches(lap)
+        seconds = time.perf_counter() - started
+        left = await conn.fetchval(compile_for_asyncpg(_finished_left, schemas[side]).sql)
+        return {
+            "deleted": deleted,
+            "kept": left,
+            "seconds": round(seconds, 2),
+            "rows_per_second": deleted / seconds,
+            "batches": len(times),
+            "seconds_per_batch": summarize(times),
+        }
+
+    async def protected(lap: Callable[[], None]) -> int:
+        return await store.prune(_OLDER_THAN, progress=lambda _: lap())
+
+    unprotected = compile_for_asyncpg(_unprotected, schemas["raw"])
+
+    async def plain(lap: Callable[[], None]) -> int:
+        params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
+        total = 0
+        while True:
+            async with conn.transaction():
+                status = await conn.execute(unprotected.sql, *unprotected.args(params))
+            deleted = int(status.split()[-1])
+            total += deleted
+            lap()
+            if deleted < PRUNE_BATCH:
+                return total
+
+    try:
+        variants = {
+            "store": await timed("store", protected),
+            "raw_unprotected": await timed("raw", plain),
+        }
+    finally:
+        await conn.close()
+        await store.close()
+    if variants["store"]["kept"] != live or variants["raw_unprotected"]["kept"] != 0:
+        raise RuntimeError(f"prune of {finished:,} kept {variants}, expected {live} and 0")
+    return {
+        "finished": finished,
+        "live_with_dependencies": live,
+        "batch": PRUNE_BATCH,
+        "seed_seconds": seed_seconds,
+        "variants": variants,
+        "store_vs_raw": variants["store"]["rows_per_second"]
+        / variants["raw_unprotected"]["rows_per_second"],
     }

@@ -33,10 +33,10 @@ from cronoq_store import statements as st
 from cronoq_store.codec import encode_deps, unix_converter
 from cronoq_store.domain import Dependency, Submitted
 from cronoq_store.recovery import next_id
-from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, insert_row, live_task
+from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, LiveTasks, insert_row
 from cronoq_store.store import PgStore
 
-from .common import Profile, compile_for_asyncpg, dsn, make_spec, summarize
+from .common import Profile, compile_for_asyncpg, dsn, make_spec, paired, summarize
 
 _ROOT = Path(__file__).resolve().parent.parent
 _DSN_ENV = "BENCH_DSN"
@@ -115,7 +115,8 @@ async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) ->
         marks = await conn.fetchrow(high_water.sql, *high_water.args({}))
         recovered = Recovered(next_id=next_id(*marks))
         now = time.time_ns()
-        recovered.tasks = [live_task(base, *row) for row in await conn.fetch(live.sql)]
+        decode = LiveTasks(base).decode
+        recovered.tasks = [decode(*row) for row in await conn.fetch(live.sql)]
         dep_ids: set[int] = set()
         dep_keys: set[str] = set()
         for task in recovered.tasks:
@@ -197,23 +198,30 @@ async def _measure(url: URL, mode: str, schema: str) -> dict[str, Any]:
 
 
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
-    """Per size: seconds and peak RSS of both sides (interleaved, repeated) and the paired
-    ratio of their rates (raw seconds / store seconds)."""
-    results: dict[str, Any] = {}
-    for live in profile.recovery_sizes:
-        schema = f"bench_recovery_{live}"
+    """Per size: seconds and peak RSS of both sides and the paired ratio of their rates
+    (raw seconds / store seconds); every size and side runs once per round, in an order
+    that alternates, so the per-task rate of each larger size is paired with the smallest
+    one's of the same round (``per_task_vs_<smallest>``: 1.0 when recovery is linear)."""
+    sizes = profile.recovery_sizes
+    populated: dict[int, float] = {}
+    for live in sizes:
         started = time.monotonic()
-        await populate(url, schema, live)
-        populated = time.monotonic() - started
-        runs: dict[str, list[dict[str, Any]]] = {"store": [], "raw": []}
-        for r in range(profile.recovery_rounds):
+        await populate(url, f"bench_recovery_{live}", live)
+        populated[live] = time.monotonic() - started
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {n: {"store": [], "raw": []} for n in sizes}
+    for r in range(profile.recovery_rounds):
+        for live in sizes if r % 2 == 0 else sizes[::-1]:
             for mode in ("store", "raw") if r % 2 == 0 else ("raw", "store"):
-                runs[mode].append(await _measure(url, mode, schema))
-        counts = {(m["tasks"], m["terminal"]) for ms in runs.values() for m in ms}
+                runs[live][mode].append(await _measure(url, mode, f"bench_recovery_{live}"))
+    results: dict[str, Any] = {}
+    smallest = sizes[0]
+    for live in sizes:
+        measured = runs[live]
+        counts = {(m["tasks"], m["terminal"]) for ms in measured.values() for m in ms}
         if len(counts) != 1:
             raise RuntimeError(f"the recoveries disagree on what they loaded: {counts}")
-        results[str(live)] = {
-            "populate_seconds": round(populated, 1),
+        result: dict[str, Any] = {
+            "populate_seconds": round(populated[live], 1),
             "loaded": dict(zip(("tasks", "terminal"), counts.pop(), strict=True)),
             "variants": {
                 mode: {
@@ -222,15 +230,19 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                     "peak_rss_mib": summarize([m["peak_rss_mib"] for m in ms]),
                     "rss_before_mib": summarize([m["rss_before_mib"] for m in ms]),
                 }
-                for mode, ms in runs.items()
+                for mode, ms in measured.items()
             },
-            "store_vs_raw": summarize(
-                [
-                    raw["seconds"] / store["seconds"]
-                    for store, raw in zip(runs["store"], runs["raw"], strict=True)
-                ]
+            "store_vs_raw": paired(
+                [m["seconds"] for m in measured["raw"]], [m["seconds"] for m in measured["store"]]
             ),
         }
+        if live != smallest:
+            for mode, key in (("store", "per_task_vs_"), ("raw", "raw_per_task_vs_")):
+                result[f"{key}{smallest}"] = paired(
+                    [m["tasks"] / m["seconds"] for m in measured[mode]],
+                    [m["tasks"] / m["seconds"] for m in runs[smallest][mode]],
+                )
+        results[str(live)] = result
     return results
 
 

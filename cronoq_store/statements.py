@@ -452,7 +452,7 @@ def _columns(table: Table, names: tuple[str, ...]) -> list[ColumnElement[Any]]:
     ]
 
 
-#: Live tasks in id order, as ``rows.live_task`` takes them.
+#: Live tasks in id order, as ``rows.LiveTasks.decode`` takes them.
 live_tasks = select(*_columns(tasks, LIVE_COLUMNS)).where(~tasks.c.terminal).order_by(tasks.c.id)
 
 _corrupt = _unnest("u", ("ids", BigInteger()), ("messages", Text()))

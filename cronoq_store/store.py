@@ -477,10 +477,10 @@ class PgStore:
         as finished; an undecodable schedule is logged, skipped and left in the table.
         """
         quarantined: list[int] = []
-        with self._telemetry.recovery() as loaded:
+        with self._telemetry.recovery() as loaded, recovery.collector_paused():
             async with self._translated("recovering"), self._session() as conn:
                 found = await recovery.recover(
-                    conn, base, self._config.retention, quarantined.append
+                    conn, self._config.schema, base, self._config.retention, quarantined.append
                 )
             loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
         return found

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store import recovery
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
     CronSchedule,
@@ -22,6 +25,7 @@ from cronoq_store.domain import (
     RecurringNext,
     RecurringSpec,
     RecurringUpsert,
+    RetryPolicy,
     StatusChanged,
     Submitted,
     TaskId,
@@ -29,6 +33,7 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
+from cronoq_store.errors import StoreError
 from cronoq_store.store import PgStore
 
 NOW = time.time_ns()
@@ -174,3 +179,63 @@ async def test_undecodable_schedule_is_skipped_and_left_in_place(
     assert "lunar" in getattr(record, "error", "")
     rows = await execute(store, "SELECT name FROM {s}.cronoq_recurring ORDER BY name")
     assert [r.name for r in rows] == ["bad", "good"]
+
+
+async def test_values_that_repeat_are_one_object_shared_by_the_recovered_tasks(
+    store: PgStore,
+) -> None:
+    """A million recovered tasks stay in memory together: equal strings and equal immutable
+    options are kept once, not once per task; each spec keeps its own resources dict."""
+    options: dict[str, Any] = {
+        "kind": "mail",
+        "pool": "email",
+        "tenant": "acme",
+        "timeout": timedelta(seconds=30),
+        "retry": RetryPolicy(max_attempts=4),
+        "tags": ("a", "b"),
+        "resources": {"cpu": 1},
+    }
+    await store.commit(0, BASE, [submitted(i, **options) for i in (1, 2)], [])
+    a, b = (await store.recover(BASE)).tasks
+    for name, value in options.items():
+        assert getattr(a.spec, name) == getattr(b.spec, name) == value, name
+        if name != "resources":
+            assert getattr(a.spec, name) is getattr(b.spec, name), name
+    assert a.spec.resources is not b.spec.resources
+
+
+async def test_a_corrupt_value_stored_by_several_rows_quarantines_each_of_them(
+    store: PgStore,
+) -> None:
+    await store.commit(0, BASE, [submitted(i, retry=RetryPolicy()) for i in (1, 2, 3)], [])
+    await execute(
+        store, "UPDATE {s}.cronoq_tasks SET retry = '{\"max_attempts\": 0}' WHERE id <> 2"
+    )
+    recovered = await store.recover(BASE)
+    assert [t.id for t in recovered.tasks] == [2]
+    assert [t.id for t in recovered.terminal if t.status is FAILED] == [1, 3]
+
+
+async def test_live_tasks_are_read_partition_by_partition_in_id_order(
+    store: PgStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery, "RECOVERY_PARTITION", 2)
+    await store.commit(0, BASE, [submitted(i) for i in range(1, 8)], [])
+    await execute(store, "UPDATE {s}.cronoq_tasks SET pool = '' WHERE id = 4")
+    recovered = await store.recover(BASE)
+    assert [t.id for t in recovered.tasks] == [1, 2, 3, 5, 6, 7]
+    assert [t.id for t in recovered.terminal] == [4]
+
+
+async def test_a_recovery_that_fails_midway_turns_the_collector_back_on(
+    store: PgStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    assert gc.isenabled()
+    monkeypatch.setattr(recovery, "RECOVERY_PARTITION", -1)  # the driver refuses to fetch
+    with pytest.raises(StoreError):
+        await store.recover(BASE)
+    assert gc.isenabled()
+    monkeypatch.undo()
+    assert [t.id for t in (await store.recover(BASE)).tasks] == [1]
+    assert gc.isenabled()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cronoq_store import statements
+from cronoq_store import rows, statements
 from cronoq_store.codec import encode_retry, unix_converter
 from cronoq_store.domain import (
     QUEUED,
@@ -30,9 +30,9 @@ from cronoq_store.rows import (
     LIVE_COLUMNS,
     RECORD_COLUMNS,
     RECURRING_COLUMNS,
+    LiveTasks,
     _check_columns,
     insert_row,
-    live_task,
     task_record,
 )
 from cronoq_store.schema import recurring, tasks
@@ -103,14 +103,14 @@ def test_insert_row_puts_every_value_under_its_own_column() -> None:
 def test_a_live_row_decodes_to_the_submission_it_was_encoded_from() -> None:
     row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
     row[INSERT_POSITION["status"]], row[INSERT_POSITION["attempt"]] = "running", 3
-    task = live_task(BASE, *(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    task = LiveTasks(BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
     assert (task.id, task.seq, task.arrival, task.spec, task.attempt) == (7, 8, 9, SPEC, 3)
 
 
 def test_a_stored_tolerance_of_null_reads_as_the_domain_default() -> None:
     row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
     row[INSERT_POSITION["fixed_tolerance_ns"]] = None
-    task = live_task(BASE, *(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    task = LiveTasks(BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
     assert task.spec.fixed_start is not None
     assert task.spec.fixed_start.tolerance == FixedStart(0).tolerance
 
@@ -166,3 +166,21 @@ def test_a_column_the_mapping_does_not_know_is_refused_naming_it() -> None:
     _check_columns("live_task", ("seq", "id"), ("id", "seq"))
     with pytest.raises(RuntimeError, match="maps columns"):
         _check_columns("insert_row", ("seq", "id"), ("id", "seq"), ordered=True)
+
+
+def test_a_live_decoder_shares_at_most_its_limit_of_values_and_decodes_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(rows, "SHARED_VALUES", 2)  # the strings cache: "kind", then "p0"
+    decode = LiveTasks(BASE).decode
+    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+
+    def pool_of_a_task_in(n: int) -> str:
+        row[INSERT_POSITION["pool"]] = f"p{n}"  # a new string object every time
+        return decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS)).spec.pool
+
+    pools = [pool_of_a_task_in(n % 3) for n in range(6)]
+    assert pools == ["p0", "p1", "p2"] * 2
+    assert pools[0] is pools[3]
+    assert pools[1] is not pools[4]
+    assert pools[2] is not pools[5]

@@ -62,7 +62,7 @@ from ..rows import (
     LIVE_COLUMNS,
     RECORD_COLUMNS,
     STATE_COLUMNS,
-    live_task,
+    LiveTasks,
     recurring_schedule,
     same_task,
     set_state,
@@ -375,7 +375,7 @@ class InMemoryStore:
         """Live tasks, finished ones within ``retention`` or depended on by a live task,
         schedules, and the next id to issue, engine times through ``base``.
 
-        A live row that :func:`cronoq_store.rows.live_task` refuses (a stored time outside
+        A live row that :class:`cronoq_store.rows.LiveTasks` refuses (a stored time outside
         64 bits through ``base``) is quarantined (marked failed with the reason) and
         reported as finished, as ``PgStore`` does with any row it cannot decode.
         """
@@ -384,10 +384,11 @@ class InMemoryStore:
         db = self._db
         now = time.time_ns()
         recovered = Recovered(next_id=next_id(db._max_id, max(db._tasks, default=None)))
+        decode = LiveTasks(base).decode
         for id in sorted(id for id, row in db._tasks.items() if not row[_TERMINAL]):
             row = db._tasks[id]
             try:
-                recovered.tasks.append(live_task(base, *(row[i] for i in _LIVE)))
+                recovered.tasks.append(decode(*(row[i] for i in _LIVE)))
             except ValueError as exc:
                 reason = clean_text(str(exc))[:_REASON_CHARS]
                 logger.error(
