@@ -37,8 +37,9 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.errors import FencedError, KeyTakenError, UnavailableError
+from cronoq_store.folding import fold
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
+from cronoq_store.writer import COPY_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 
@@ -209,9 +210,9 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
     assert "\\u0000" not in spec_text
 
 
-# Each kind of batch checks the epoch its own way: in a transaction that also records the
-# high-water mark, or that takes a share lock; or in the one statement of a batch that only
-# inserts, or only updates.
+# Each kind of batch checks the epoch its own way: in a transaction (sent with its BEGIN)
+# that also records the high-water mark, or that takes a share lock; or in the one statement
+# of a batch that only inserts, or only updates.
 FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     "transaction-record-max-id": (
         [changed(1, RUNNING), RecurringUpsert(recurring("r")), submitted(2)],
@@ -223,7 +224,11 @@ FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     ),
     "one-statement-insert": ([submitted(2), submitted(3)], []),
     "one-statement-update": ([changed(1, RUNNING)], []),
-    "staged-insert": ([submitted(i) for i in range(2, 2 + STAGE_MIN_ROWS)], []),
+    "copy-insert": ([submitted(i) for i in range(2, 2 + COPY_MIN_ROWS)], []),
+    "copy-transaction": (
+        [changed(1, RUNNING), *(submitted(i) for i in range(2, 2 + COPY_MIN_ROWS))],
+        [(TaskId(1), b"o")],
+    ),
 }
 
 
@@ -333,8 +338,8 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
         assert [r.id for r in rows] == [1]
 
 
-@pytest.mark.parametrize("shape", ["one-statement-insert", "one-statement-update"])
-async def test_a_one_statement_commit_waits_for_a_takeover_in_flight_and_is_fenced(
+@pytest.mark.parametrize("shape", FENCED_BATCHES)
+async def test_a_commit_waits_for_a_takeover_in_flight_and_is_fenced(
     store: PgStore, migrated: str, pg_url: URL, shape: str
 ) -> None:
     await store.commit(0, BASE, [submitted(1)], [])
@@ -375,10 +380,12 @@ async def test_a_failed_commit_leaves_its_pooled_connection_clean_and_in_use(
     async with await PgStore.connect(pg_url, config) as store:
         await store.commit(0, BASE, [submitted(1, key="k")], [])
         [(pid, _)] = await session_states(pg_url, name)
-        # A second live task with key "k": one batch in a transaction, one as one statement.
+        # A second live task with key "k": in a transaction, as one statement, by COPY.
         batches: list[list[Mutation]] = [
             [changed(1, RUNNING), submitted(2, key="k")],
             [submitted(3, key="k")],
+            # By COPY, which fails, rolls back and is written again by the insert.
+            [submitted(n, key="k" if n == 3 else None) for n in range(3, 3 + COPY_MIN_ROWS)],
         ]
         for batch in batches:
             with pytest.raises(KeyTakenError, match="nothing of the batch") as caught:
@@ -437,16 +444,17 @@ def varied_spec(n: int, nul: str = "\0") -> TaskSpec:
     )
 
 
-async def test_a_large_batch_is_staged_and_stores_what_small_batches_store(
+async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
-    count = STAGE_MIN_ROWS + 20
+    count = COPY_MIN_ROWS + 20
     specs = {TaskId(n): varied_spec(n) for n in range(1, count + 1)}
     small: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i <= 10]
     large: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i > 10]
-    large.append(changed(count, RUNNING, "patched in the staged row"))
+    large.append(changed(count, RUNNING, "patched in the copied row"))
     await store.commit(0, BASE, small, [])  # one statement, arrays
-    await store.commit(0, BASE, large, [])  # a transaction, COPY into the staging table
+    assert store._commits.writer.path(fold(large, BASE, 0)) == "copy"
+    await store.commit(0, BASE, large, [])  # a transaction, COPY into the table
     landed = await snapshot(store)
     await store.commit(0, BASE, large, [])  # a retry that already landed changes nothing
     assert await snapshot(store) == landed
@@ -457,13 +465,7 @@ async def test_a_large_batch_is_staged_and_stores_what_small_batches_store(
     [row] = await fetch(
         store, "SELECT status, message FROM {s}.cronoq_tasks WHERE id = :id", id=count
     )
-    assert tuple(row) == ("running", "patched in the staged row")
-    # The rows went through a session's staging table (temporary: pg_temp_N).
-    [[staged]] = await fetch(
-        store,
-        "SELECT count(*) FROM pg_class WHERE relname = 'cronoq_stage' AND relpersistence = 't'",
-    )
-    assert staged >= 1
+    assert tuple(row) == ("running", "patched in the copied row")
 
 
 async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_works(
@@ -503,9 +505,10 @@ def step(
     return StatusChanged(TaskId(id), status, attempt, at, message)
 
 
-def staging_everything(store: PgStore) -> None:
-    """Make ``store`` stage every insert by COPY, as it does from ``STAGE_MIN_ROWS`` rows."""
-    store._commits.writer = BatchWriter(store.engine.dialect, store.config.schema, stage_min_rows=1)
+def copying_everything(store: PgStore) -> None:
+    """Make ``store`` send every insert by COPY first, as it does from ``COPY_MIN_ROWS``
+    rows."""
+    store._commits.writer = BatchWriter(store.engine.dialect, store.config.schema, copy_min_rows=1)
 
 
 async def states(store: PgStore) -> list[tuple[Any, ...]]:
@@ -516,12 +519,12 @@ async def states(store: PgStore) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
-@pytest.mark.parametrize("path", ["arrays", "staged"])
+@pytest.mark.parametrize("path", ["arrays", "copy"])
 async def test_a_submission_sent_again_with_a_later_transition_stores_the_transition(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     await store.commit(0, BASE, [submitted(1)], [])
     # [[S1], [S1, Succeeded1]] must end where [[S1], [S1], [Succeeded1]] ends.
     await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED, "done")], [])
@@ -549,13 +552,13 @@ async def test_batches_delivered_again_late_never_move_a_task_backwards(store: P
         assert await states(store) == landed
 
 
-async def test_a_staged_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
-    count = STAGE_MIN_ROWS + 22
+async def test_a_copied_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
+    count = COPY_MIN_ROWS + 22
     ids = range(1, count + 1)
     await store.commit(0, BASE, [submitted(i) for i in ids], [])
     again: list[Mutation] = [submitted(i) for i in ids]
     again += [step(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 1, 50, f"m{i}") for i in ids]
-    await store.commit(0, BASE, again, [])  # COPY path, every id already stored
+    await store.commit(0, BASE, again, [])  # COPY fails: every id is stored already
     landed = await states(store)
     assert landed == [
         (i, "succeeded" if i % 2 else "failed", 1, BASE.to_unix(50), f"m{i}") for i in ids
@@ -577,12 +580,12 @@ async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
 
 
-@pytest.mark.parametrize("path", ["one-statement", "arrays", "staged"])
+@pytest.mark.parametrize("path", ["one-statement", "arrays", "copy"])
 async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reused(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     await store.commit(0, BASE, [submitted(1, key="a"), submitted(3)], [])
     # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
     # S2's row reaches the live key index while S1 still holds the key in the store.
@@ -605,12 +608,12 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     assert await snapshot(store) == landed
 
 
-@pytest.mark.parametrize("path", ["arrays", "staged"])
+@pytest.mark.parametrize("path", ["arrays", "copy"])
 async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
     await store.commit(0, BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [

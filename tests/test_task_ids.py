@@ -28,7 +28,7 @@ from cronoq_store.domain import (
     task_id,
 )
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -62,11 +62,11 @@ OTHER_TASKS = {
     "tags": submitted(1, key="k", tags=["t"]),
 }
 
-# Each write path inserts its own way: one fenced statement, a transaction, COPY staging.
+# Each write path inserts its own way: one fenced statement, a transaction, COPY.
 PATHS: dict[str, list[Mutation]] = {
     "one-statement": [submitted(10)],
     "transaction": [StatusChanged(TaskId(2), TaskStatus.RUNNING, 1, 5), submitted(10)],
-    "staged": [submitted(i) for i in range(10, 10 + STAGE_MIN_ROWS)],
+    "copy": [submitted(i) for i in range(10, 10 + COPY_MIN_ROWS)],
 }
 
 
