@@ -638,3 +638,41 @@ async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
         (SUCCEEDED, b"OUT"),
         (cancelled, None),
     ]
+
+
+async def test_an_audit_trigger_sees_each_copied_row_once_and_nothing_of_a_failed_copy(
+    pg_url: URL, migrated: str
+) -> None:
+    """COPY fires the table's triggers, like the torture test's audit (a statement trigger
+    with a transition table): a COPY that meets a stored id rolls back with what its
+    trigger wrote, and the insert that writes the batch again records only new rows."""
+    audit = f"{migrated}_audit"
+    await admin_execute(pg_url, f"CREATE SCHEMA {audit}")
+    try:
+        await admin_execute(pg_url, f"CREATE TABLE {audit}.seen (id bigint, op text)")
+        await admin_execute(
+            pg_url,
+            f"CREATE FUNCTION {audit}.record() RETURNS trigger LANGUAGE plpgsql "
+            f"SET search_path = pg_catalog AS $$ BEGIN "
+            f"INSERT INTO {audit}.seen SELECT n.id, TG_OP FROM new_rows n; RETURN NULL; END $$",
+        )
+        for op in ("INSERT", "UPDATE"):
+            await admin_execute(
+                pg_url,
+                f'CREATE TRIGGER audit_{op.lower()} AFTER {op} ON "{migrated}".cronoq_tasks '
+                f"REFERENCING NEW TABLE AS new_rows "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {audit}.record()",
+            )
+        config = PgStoreConfig(
+            schema=migrated, trusted_triggers=frozenset({"audit_insert", "audit_update"})
+        )
+        first = [submitted(n) for n in range(1, 1 + COPY_MIN_ROWS)]
+        second = [submitted(n) for n in range(1000, 1000 + COPY_MIN_ROWS)] + first[-1:]
+        async with await PgStore.connect(pg_url, config) as store:
+            await store.commit(0, BASE, first, [])  # by COPY
+            await store.commit(0, BASE, first, [])  # COPY fails at once; nothing new
+            await store.commit(0, BASE, second, [])  # COPY fails after the new rows
+        seen = await admin_execute(pg_url, f"SELECT id, op FROM {audit}.seen ORDER BY id")
+        assert [tuple(r) for r in seen] == [(m.id, "INSERT") for m in first + second[:-1]]
+    finally:
+        await admin_execute(pg_url, f"DROP SCHEMA {audit} CASCADE")
