@@ -82,17 +82,18 @@ class SharedBatches(Generic[M]):
 class RawWriter:
     """The baselines: one asyncpg connection running the store's own SQL for ``schema``
     with the same epoch check, as the store sends it: a batch of new tasks, or of
-    transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced``,
-    ``update_status_fenced``); from ``COPY_MIN_ROWS`` new tasks on, ``BEGIN`` and the epoch
-    check (``record_max_id``) travel in one message, then COPY straight into the table and
-    ``COMMIT``. The COPY baseline does the latter at every size: the bound (it cannot skip
-    rows that exist)."""
+    transitions, is one statement whose CTE checks the epoch (``insert_task_fenced`` for
+    one task, ``insert_tasks_fenced``, ``update_status_fenced``); from ``COPY_MIN_ROWS``
+    new tasks on, ``BEGIN`` and the epoch check (``record_max_id``) travel in one message,
+    then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
+    every size: the bound (it cannot skip rows that exist)."""
 
     def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int) -> None:
         self.conn = conn
         self.schema = schema
         self.epoch = epoch
         self._opening = Opening.of(compile_for_asyncpg(st.record_max_id, schema))
+        self._insert_one = compile_for_asyncpg(st.insert_task_fenced, schema)
         self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
 
@@ -105,10 +106,15 @@ class RawWriter:
         if len(batch) >= COPY_MIN_ROWS:
             await self.copy(batch, base)
             return
-        columns = list(zip(*(insert_row(m, to_unix, now) for m in batch), strict=True))
-        params: dict[str, Any] = dict(zip(INSERT_COLUMNS, columns, strict=True))
-        params.update(issued=max(columns[0]), epoch=self.epoch)
-        self._check(await self.conn.fetchval(self._insert.sql, *self._insert.args(params)))
+        rows = [insert_row(m, to_unix, now) for m in batch]
+        if len(rows) == 1:
+            stmt = self._insert_one
+            params: dict[str, Any] = dict(zip(INSERT_COLUMNS, rows[0], strict=True))
+        else:
+            stmt = self._insert
+            params = dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
+        params.update(issued=max(m.id for m in batch), epoch=self.epoch)
+        self._check(await self.conn.fetchval(stmt.sql, *stmt.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)

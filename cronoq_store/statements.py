@@ -72,6 +72,7 @@ __all__ = [
     "epoch_held_for_share",
     "finished_page",
     "high_water",
+    "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
     "live_tasks",
@@ -345,6 +346,24 @@ _issuing = (
 #: Returns the stored epoch, for the caller to raise ``FencedError``.
 insert_tasks_fenced = select(_issuing.c.epoch).add_cte(
     _insert_from(_new_rows.where(_issuing.c.epoch == _epoch)).cte("ins")
+)
+
+#: One new task: the same as :data:`insert_tasks_fenced` with one scalar parameter per
+#: column. A batch of one is the commonest, and 25 one-element arrays cost the client (each
+#: encoded and checked) and the server (``unnest``) more than 25 values.
+insert_task_fenced = select(_issuing.c.epoch).add_cte(
+    _insert_from(
+        select(
+            *(
+                (
+                    cast(bindparam(name, type_=Text), JSONB)
+                    if name in JSON_COLUMNS
+                    else bindparam(name, type_=tasks.c[name].type)
+                ).label(name)
+                for name in INSERT_COLUMNS
+            )
+        ).where(_issuing.c.epoch == _epoch)
+    ).cte("ins")
 )
 
 _incoming = _new_rows.subquery("n")

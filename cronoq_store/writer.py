@@ -162,6 +162,7 @@ class BatchWriter:
         def compiled(statement: ClauseElement) -> CompiledStatement:
             return CompiledStatement.of(statement, dialect, schema)
 
+        self._insert_one_fenced = compiled(st.insert_task_fenced)
         self._insert_fenced = compiled(st.insert_tasks_fenced)
         self._update_fenced = compiled(st.update_status_fenced)
         self._pin = compiled(st.local_search_path) if pin_search_path else None
@@ -248,8 +249,13 @@ class BatchWriter:
         writes = batch.writes()
         path = self._path(writes, copy)
         if path == "insert":
-            stmt = self._insert_fenced
-            params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
+            fenced = {"issued": batch.max_id, "epoch": epoch}
+            if batch.insert_count == 1:
+                stmt = self._insert_one_fenced
+                params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
+            else:
+                stmt = self._insert_fenced
+                params = {**batch.inserts, **fenced}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
         if path == "update":

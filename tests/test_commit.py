@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -55,9 +56,18 @@ def changed(id: int, status: TaskStatus, message: str | None = None) -> StatusCh
     return StatusChanged(TaskId(id), status, attempt=1, at=100, message=message)
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+@pytest.fixture(params=["from_engine", "connect"])
+async def store(
+    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> AsyncIterator[PgStore]:
+    """A store on an application's engine (every commit a transaction that pins the
+    search_path), and one on its own pool (the one-statement paths)."""
+    config = PgStoreConfig(schema=migrated)
+    if request.param == "connect":
+        opening = PgStore.connect(pg_url, config)
+    else:
+        opening = PgStore.from_engine(engine, config)
+    async with await opening as s:
         yield s
 
 
@@ -676,3 +686,46 @@ async def test_an_audit_trigger_sees_each_copied_row_once_and_nothing_of_a_faile
         assert [tuple(r) for r in seen] == [(m.id, "INSERT") for m in first + second[:-1]]
     finally:
         await admin_execute(pg_url, f"DROP SCHEMA {audit} CASCADE")
+
+
+async def test_a_task_committed_alone_is_stored_as_in_a_batch(store: PgStore) -> None:
+    """A batch of one task goes as scalar parameters, a larger one as arrays or COPY: every
+    column is written the same way (a column missed or swapped would differ)."""
+    full = TaskSpec(
+        b"\x00payload",
+        kind="kind",
+        pool="pool",
+        priority=Priority.HIGH,
+        key="key",
+        deadline=11,
+        fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
+        duration_hint=timedelta(seconds=3),
+        timeout=timedelta(seconds=4),
+        retry=RetryPolicy(max_attempts=3),
+        deps=[Dependency(TaskId(5)), Dependency("other")],
+        resources={"gpu": 1},
+        tags=["t"],
+        labels=["l"],
+        tenant="tenant",
+    )
+    batches = {
+        1: [Submitted(TaskId(1), 7, 8, full)],
+        2: [Submitted(TaskId(2), 7, 8, dataclasses.replace(full, key="k2")), submitted(3)],
+        100: [
+            Submitted(TaskId(100), 7, 8, dataclasses.replace(full, key="k100")),
+            *(submitted(n) for n in range(101, 100 + COPY_MIN_ROWS)),
+        ],
+    }
+    for batch in batches.values():
+        await store.commit(0, BASE, batch, [])
+    rows = {
+        r.id: r._mapping
+        for r in await fetch(store, "SELECT * FROM {s}.cronoq_tasks WHERE id IN (1, 2, 100)")
+    }
+    assert rows[1]["key"] == "key"
+    same = {"id", "key", "updated_unix_ns"}
+    for i in (2, 100):
+        assert rows[i]["key"] == f"k{i}"
+        assert {k: v for k, v in rows[i].items() if k not in same} == {
+            k: v for k, v in rows[1].items() if k not in same
+        }
