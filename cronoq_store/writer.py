@@ -245,7 +245,7 @@ class BatchWriter:
             return "update"
         return "copy" if copy else "transaction"
 
-    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch, *, copy: bool) -> int:
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch, *, copy: bool) -> int | None:
         writes = batch.writes()
         path = self._path(writes, copy)
         if path == "insert":
@@ -271,11 +271,12 @@ class BatchWriter:
         try:
             checked = await conn.execute(opening.sql({"issued": batch.max_id, "epoch": epoch}))
             if _row_count(checked) != 1:
-                # Another epoch: name it, write nothing.
+                # Another epoch: name it, write nothing. (Read by a later statement, it
+                # could only be ours again if it moved back meanwhile: fenced all the same.)
                 stmt = self._stored_epoch
-                stored: int = await conn.fetchval(stmt.sql, *stmt.args({}))
+                stored: int | None = await conn.fetchval(stmt.sql, *stmt.args({}))
                 await conn.execute("ROLLBACK")
-                return stored
+                return None if stored == epoch else stored
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
             # reused by tasks inserted after them.
             for name in writes:
