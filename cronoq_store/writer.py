@@ -61,7 +61,7 @@ logger = logging.getLogger("cronoq_store")
 
 #: New tasks per batch from which they travel by COPY rather than as array parameters of
 #: one statement: the crossover measured on 2 cores (see docs/performance.md).
-COPY_MIN_ROWS = 64
+COPY_MIN_ROWS = 32
 
 # The unique index on live keys (see :func:`_maybe_stored`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
