@@ -28,7 +28,7 @@ from cronoq_store import statements as st
 from cronoq_store.codec import unix_converter
 from cronoq_store.rows import INSERT_COLUMNS, insert_row
 from cronoq_store.schema import tasks
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS, Opening
 
 from .common import (
     Profile,
@@ -82,54 +82,56 @@ class SharedBatches(Generic[M]):
 class RawWriter:
     """The baselines: one asyncpg connection running the store's own SQL for ``schema``
     with the same epoch check, as the store sends it: a batch of new tasks, or of
-    transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced``,
-    ``update_status_fenced``); from ``STAGE_MIN_ROWS`` new tasks on, a transaction checks
-    the epoch (``record_max_id``), COPYs into the session's staging table and inserts from
-    it. The COPY baseline copies straight into the table after the same epoch check."""
+    transitions, is one statement whose CTE checks the epoch (``insert_task_fenced`` for
+    one task, ``insert_tasks_fenced``, ``update_status_fenced``); from ``COPY_MIN_ROWS``
+    new tasks on, ``BEGIN`` and the epoch check (``record_max_id``) travel in one message,
+    then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
+    every size: the bound (it cannot skip rows that exist)."""
 
     def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int) -> None:
         self.conn = conn
         self.schema = schema
         self.epoch = epoch
-        self._record_max_id = compile_for_asyncpg(st.record_max_id, schema)
+        self._opening = Opening.of(compile_for_asyncpg(st.record_max_id, schema))
+        self._insert_one = compile_for_asyncpg(st.insert_task_fenced, schema)
         self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
-        self._create_stage = compile_for_asyncpg(st.create_stage, schema)
-        self._insert_from_stage = compile_for_asyncpg(st.insert_from_stage, schema)
 
     def _check(self, current: int) -> None:
         if current != self.epoch:
             raise RuntimeError(f"fenced: epoch {current}, expected {self.epoch}")
 
-    async def _lock_epoch(self, max_id: int) -> None:
-        stmt = self._record_max_id
-        self._check(await self.conn.fetchval(stmt.sql, *stmt.args({"issued": max_id})))
-
     async def insert(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)
-        if len(batch) >= STAGE_MIN_ROWS:
-            rows = [insert_row(m, to_unix, now) for m in batch]
-            async with self.conn.transaction():
-                await self._lock_epoch(max(m.id for m in batch))
-                await self.conn.execute(self._create_stage.sql)
-                await self.conn.copy_records_to_table(
-                    st.stage.name, records=rows, columns=INSERT_COLUMNS, schema_name="pg_temp"
-                )
-                await self.conn.execute(self._insert_from_stage.sql)
+        if len(batch) >= COPY_MIN_ROWS:
+            await self.copy(batch, base)
             return
-        columns = list(zip(*(insert_row(m, to_unix, now) for m in batch), strict=True))
-        params: dict[str, Any] = dict(zip(INSERT_COLUMNS, columns, strict=True))
-        params.update(issued=max(columns[0]), epoch=self.epoch)
-        self._check(await self.conn.fetchval(self._insert.sql, *self._insert.args(params)))
+        rows = [insert_row(m, to_unix, now) for m in batch]
+        if len(rows) == 1:
+            stmt = self._insert_one
+            params: dict[str, Any] = dict(zip(INSERT_COLUMNS, rows[0], strict=True))
+        else:
+            stmt = self._insert
+            params = dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
+        params.update(issued=max(m.id for m in batch), epoch=self.epoch)
+        self._check(await self.conn.fetchval(stmt.sql, *stmt.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)
         rows = [insert_row(m, to_unix, now) for m in batch]
-        async with self.conn.transaction():
-            await self._lock_epoch(max(m.id for m in batch))
+        checked = await self.conn.execute(
+            self._opening.sql({"issued": max(m.id for m in batch), "epoch": self.epoch})
+        )
+        try:
+            if checked != "UPDATE 1":
+                raise RuntimeError(f"fenced: the epoch is not {self.epoch}")
             await self.conn.copy_records_to_table(
                 "cronoq_tasks", records=rows, columns=INSERT_COLUMNS, schema_name=self.schema
             )
+        except BaseException:
+            await self.conn.execute("ROLLBACK")
+            raise
+        await self.conn.execute("COMMIT")
 
     async def update(self, batch: Sequence[StatusChanged], base: TimeBase) -> None:
         params = {**transition_columns(batch, base), "epoch": self.epoch}

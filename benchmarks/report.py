@@ -233,8 +233,8 @@ def _many_finished(many: dict[str, Any] | None) -> list[str]:
     ]
     return [
         f"Prune of {many['finished']:,} finished tasks, {many['live_with_dependencies']:,} of "
-        f"them depended on by live tasks (one run each; seeded in "
-        f"{many.get('seed_seconds', 0):.0f} s):",
+        f"them depended on by live tasks (one run each; each side seeded in "
+        f"{max(many.get('seed_seconds', {}).values(), default=0):.0f} s):",
         "",
         *_table(["", "rows deleted/s", "batches", "seconds per batch", "finished kept"], rows),
     ]

@@ -43,7 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.schema import DDL, CreateTable
+from sqlalchemy.schema import DDL
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
@@ -68,17 +68,16 @@ __all__ = [
     "bump_epoch",
     "checked_schema",
     "colliding_ids",
-    "create_stage",
     "epoch_for_share",
+    "epoch_held_for_share",
     "finished_page",
     "high_water",
-    "insert_from_stage",
+    "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
     "live_tasks",
     "local_search_path",
     "lock_session_settings",
-    "may_stage",
     "ping",
     "prune_batch",
     "quarantine",
@@ -91,7 +90,6 @@ __all__ = [
     "server_encoding",
     "session_search_path",
     "set_local_search_path",
-    "stage",
     "store_outputs",
     "task_by_id",
     "task_by_key",
@@ -160,16 +158,25 @@ epoch_for_share = (
 )
 
 _issued = bindparam("issued", type_=BigInteger)
-#: The epoch a one-statement commit expects (see :data:`insert_tasks_fenced`).
+#: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
 
-#: The epoch check of a batch that issues ids: the row lock is taken by the update, which
-#: records the id high-water mark so that pruning can never lead to an id being issued again.
+#: The epoch check of a transaction that issues ids, sent with its ``BEGIN`` (its parameters
+#: are integers, rendered as literals by the writer): one row when the stored epoch is
+#: ``:epoch``, locked by the update, which records the id high-water mark so that pruning
+#: can never lead to an id being issued again; none (and nothing recorded) otherwise.
 record_max_id = (
     update(leader)
-    .where(leader.c.id == LEADER_ROW_ID)
+    .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch)
     .values(max_id=func.greatest(leader.c.max_id, _issued))
-    .returning(leader.c.epoch)
+)
+
+#: The same for a transaction that issues no ids: one row, share-locked as by
+#: :data:`epoch_for_share`, when the stored epoch is ``:epoch``; none otherwise.
+epoch_held_for_share = (
+    select(leader.c.epoch)
+    .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch)
+    .with_for_update(read=True)
 )
 
 
@@ -341,6 +348,24 @@ insert_tasks_fenced = select(_issuing.c.epoch).add_cte(
     _insert_from(_new_rows.where(_issuing.c.epoch == _epoch)).cte("ins")
 )
 
+#: One new task: the same as :data:`insert_tasks_fenced` with one scalar parameter per
+#: column. A batch of one is the commonest, and 25 one-element arrays cost the client (each
+#: encoded and checked) and the server (``unnest``) more than 25 values.
+insert_task_fenced = select(_issuing.c.epoch).add_cte(
+    _insert_from(
+        select(
+            *(
+                (
+                    cast(bindparam(name, type_=Text), JSONB)
+                    if name in JSON_COLUMNS
+                    else bindparam(name, type_=tasks.c[name].type)
+                ).label(name)
+                for name in INSERT_COLUMNS
+            )
+        ).where(_issuing.c.epoch == _epoch)
+    ).cte("ins")
+)
+
 _incoming = _new_rows.subquery("n")
 
 #: The ids of ``insert_tasks``' rows (same parameters) that another task holds: run after
@@ -352,37 +377,11 @@ colliding_ids = (
     .order_by(_incoming.c.id)
 )
 
-# --- commit: large batches of new tasks, through a staging table -----------------------------
-
-#: A session's scratch table for large batches of new tasks, filled by binary COPY: asyncpg
-#: encodes COPY rows several times faster than 25 array parameters (it checks every array
-#: element against ``collections.abc``). Temporary, so never WAL-logged and private to the
-#: session; emptied by every commit. Not part of the cluster's schema (a ``MetaData`` of its
-#: own, so Alembic never sees it): it lives in ``pg_temp``, which no translation touches.
-stage = Table(
-    "cronoq_stage",
-    MetaData(),
-    *(Column(name, tasks.c[name].type) for name in INSERT_COLUMNS),
-    schema="pg_temp",
-    prefixes=["TEMPORARY"],
-    postgresql_on_commit="DELETE ROWS",
-)
+# --- opening a store: the database's encoding ---------------------------------------------------
 
 #: The database's encoding: text the store accepts is stored only where it is UTF8 (any other
 #: encoding refuses characters it lacks, and such a value would fail its whole batch).
 server_encoding = select(func.pg_catalog.current_setting(literal_column("'server_encoding'")))
-
-#: Whether this role may create temporary tables (``TEMPORARY`` is granted to ``PUBLIC``
-#: by default; where it was revoked, large batches go as arrays instead).
-may_stage = select(
-    func.has_database_privilege(func.current_database(), literal_column("'TEMPORARY'"))
-)
-
-#: Created once per session, inside the commit's transaction (a no-op once it exists).
-create_stage = CreateTable(stage, if_not_exists=True)
-
-#: The staged rows into the tasks table, with the same conflict rule as :data:`insert_tasks`.
-insert_from_stage = _insert_from(select(*stage.c))
 
 # --- commit: outputs ------------------------------------------------------------------------
 

@@ -83,13 +83,12 @@ class PgStore:
         config: PgStoreConfig,
         *,
         schema_oid: int,
-        may_stage: bool,
         owns_engine: bool,
         lock_url: URL,
         lock_pool: Pool | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
-        and read the schema's OID and whether large batches may be staged."""
+        and read the schema's OID."""
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
@@ -104,7 +103,6 @@ class PgStore:
         self._commits = CommitPath(
             engine,
             config.schema,
-            may_stage=may_stage,
             pin_search_path=self._pins_path,
             on_fenced=self._fenced_out,
             # The store's own pool holds one connection for the writer (no checkout per
@@ -233,7 +231,6 @@ class PgStore:
             async with engine.begin() as conn:
                 await conn.execute(st.local_search_path)
                 oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
-                may_stage = bool((await conn.execute(st.may_stage)).scalar())
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -242,7 +239,6 @@ class PgStore:
             engine,
             config,
             schema_oid=oid,
-            may_stage=may_stage,
             owns_engine=owns_engine,
             lock_url=engine.url if lock_url is None else async_url(lock_url),
             # An application's engine may connect through a creator, TLS or connect_args

@@ -8,12 +8,17 @@ constructs composed in :mod:`cronoq_store.statements`, are compiled here for the
 dialect with the cluster's schema (``schema_translate_map``, rendered once), and executed
 with asyncpg's prepared-statement cache. Reads keep the SQLAlchemy path.
 
-A batch that only inserts new tasks, or only changes statuses, is one statement: the epoch
-check lives in a CTE of the write, so no BEGIN or COMMIT travels. Every other batch runs in
-one transaction in the contract's order: epoch check, updates, inserts, outputs, recurring.
-From :data:`STAGE_MIN_ROWS` new tasks on, the inserts travel by binary COPY into a
-temporary staging table and are inserted from there (``statements.stage``): a few more
-round trips, much less client CPU per row.
+A batch that only inserts new tasks (fewer than :data:`COPY_MIN_ROWS`), or only changes
+statuses, is one statement: the epoch check lives in a CTE of the write, so no BEGIN or
+COMMIT travels. Every other batch runs in one transaction in the contract's order: epoch
+check, updates, inserts, outputs, recurring. Its ``BEGIN`` travels with the epoch check in
+one message (the check's parameters are integers we render ourselves). From
+:data:`COPY_MIN_ROWS` new tasks on, the inserts travel by binary COPY straight into the
+tasks table: a few more round trips than one statement, much less work per row on both
+sides. COPY has no conflict rule, so it is optimistic: a batch whose COPY meets a stored
+id or a taken live key (a batch sent again, an id collision, a key held) rolls back and is
+written again by the insert below, whose conflict rule tells these apart. The common batch
+(new tasks) pays only the COPY.
 
 An insert that finds one of its ids stored fails when the stored row is a different task, or
 is the same task and the batch's transitions of it are ahead (see ``statements._insert_from``),
@@ -51,18 +56,20 @@ from .folding import FoldedBatch, RecurringAction
 from .rows import INSERT_COLUMNS
 from .schema import tasks
 
-__all__ = ["STAGE_MIN_ROWS", "BatchWriter", "CommitPath", "CompiledStatement", "Written"]
+__all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "CompiledStatement", "Opening", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
-#: New tasks per batch from which they are staged by COPY rather than sent as arrays: the
-#: crossover measured on 2 cores (arrays win at 64 rows by 12%, staging at 128 by 10%).
-STAGE_MIN_ROWS = 128
+#: New tasks per batch from which they travel by COPY rather than as array parameters of
+#: one statement: the crossover measured on 2 cores (see docs/performance.md).
+COPY_MIN_ROWS = 32
 
 # The unique index on live keys (see :func:`_maybe_stored`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 # The server's detail for a violation of it: the key as text.
 _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
+# A positional parameter of a compiled statement.
+_PARAMETER = re.compile(r"\$(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +96,38 @@ class CompiledStatement:
         return [values[n] if n in values else self.defaults[n] for n in self.names]
 
 
-class _Stale(Exception):
-    """Raised inside a commit's transaction to roll it back when the epoch moved on."""
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
+    check, as one simple-protocol message: one round trip instead of one per statement. The
+    simple protocol takes no parameters, so the check's (integers only: the epoch, the id
+    high-water mark, the leader row's id) are rendered as literals; any other value is
+    refused."""
 
-    def __init__(self, current: int) -> None:
-        super().__init__(current)
-        self.current = current
+    template: str
+    check: CompiledStatement
+
+    @classmethod
+    def of(cls, check: CompiledStatement, *before: CompiledStatement) -> Opening:
+        if any(statement.names for statement in before):
+            raise ValueError("only the epoch check of an opening takes parameters")
+        if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
+            range(1, len(check.names) + 1)
+        ):
+            raise ValueError(f"not one placeholder per parameter: {check.sql}")
+        escaped = check.sql.replace("{", "{{").replace("}", "}}")
+        body = _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
+        return cls("; ".join(["BEGIN", *(statement.sql for statement in before), body]), check)
+
+    def sql(self, values: Mapping[str, Any]) -> str:
+        return self.template.format(*map(_integer, self.check.args(values)))
+
+
+def _integer(value: object) -> str:
+    """``value`` as an SQL literal, if it is an integer (a bool is not)."""
+    if type(value) is not int:
+        raise TypeError(f"only integers are rendered into SQL, not {type(value).__name__}")
+    return str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +142,11 @@ class Written:
 class BatchWriter:
     """Writes folded batches for one cluster; ``write`` says what it found.
 
-    ``stage_min_rows`` is where staging by COPY starts (``None``: never, for a role that
-    may not create temporary tables). ``pin_search_path``: the sessions may run under a
-    search_path that is not the store's (an application's engine, or PgBouncer handing out
-    any server connection), so every statement runs in a transaction that first sets the
-    store's with ``SET LOCAL`` semantics; the one-statement fast paths are off then.
+    ``copy_min_rows``: new tasks per batch from which they travel by COPY.
+    ``pin_search_path``: the sessions may run under a search_path that is not the store's
+    (an application's engine, or PgBouncer handing out any server connection), so every
+    statement runs in a transaction that first sets the store's with ``SET LOCAL``
+    semantics; the one-statement fast paths are off then.
     """
 
     def __init__(
@@ -121,25 +154,27 @@ class BatchWriter:
         dialect: Dialect,
         schema: str,
         *,
-        stage_min_rows: int | None = STAGE_MIN_ROWS,
+        copy_min_rows: int = COPY_MIN_ROWS,
         pin_search_path: bool = False,
     ) -> None:
-        self._stage_min_rows = stage_min_rows
+        self._copy_min_rows = copy_min_rows
+        self._schema = schema
 
         def compiled(statement: ClauseElement) -> CompiledStatement:
             return CompiledStatement.of(statement, dialect, schema)
 
+        self._insert_one_fenced = compiled(st.insert_task_fenced)
         self._insert_fenced = compiled(st.insert_tasks_fenced)
         self._update_fenced = compiled(st.update_status_fenced)
-        self._record_max_id = compiled(st.record_max_id)
-        self._epoch_for_share = compiled(st.epoch_for_share)
+        self._pin = compiled(st.local_search_path) if pin_search_path else None
+        pin = () if self._pin is None else (self._pin,)
+        self._issuing = Opening.of(compiled(st.record_max_id), *pin)
+        self._sharing = Opening.of(compiled(st.epoch_held_for_share), *pin)
+        self._stored_epoch = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
         self._outputs = compiled(st.store_outputs)
-        self._create_stage = compiled(st.create_stage)
-        self._insert_from_stage = compiled(st.insert_from_stage)
         self._colliding_ids = compiled(st.colliding_ids)
-        self._pin = compiled(st.local_search_path) if pin_search_path else None
         self._recurring = {
             RecurringAction.UPSERT: compiled(st.upsert_recurring),
             RecurringAction.REMOVE: compiled(st.remove_recurring),
@@ -147,7 +182,7 @@ class BatchWriter:
         }
         # One writer per write field of FoldedBatch: a field without one fails here, at
         # construction, instead of being skipped by every commit.
-        self._writers: dict[str, Callable[[Any, FoldedBatch], Awaitable[None]]] = {
+        self._writers: dict[str, Callable[[Any, FoldedBatch, bool], Awaitable[None]]] = {
             "updates": self._write_updates,
             "insert_rows": self._write_inserts,
             "outputs": self._write_outputs,
@@ -162,8 +197,14 @@ class BatchWriter:
     async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
         epoch and none of its ids is held by another task, else write nothing."""
+        if self._copied(batch):
+            # Optimistic: new tasks, as nearly every batch holds. A stored id or a taken
+            # live key fails the COPY (and rolls back everything): the insert below, with
+            # its conflict rule, then says which it was.
+            with contextlib.suppress(asyncpg.UniqueViolationError):
+                return Written(await self._write(conn, epoch, batch, copy=True))
         try:
-            return Written(await self._write(conn, epoch, batch))
+            return Written(await self._write(conn, epoch, batch, copy=False))
         except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
             if not _maybe_stored(exc, batch):
                 raise
@@ -174,7 +215,7 @@ class BatchWriter:
         # write the batch again, those transitions in the update, before the insert. A live
         # key that still fails then is held by another task.
         try:
-            return Written(await self._write(conn, epoch, batch.resubmitted()))
+            return Written(await self._write(conn, epoch, batch.resubmitted(), copy=False))
         except asyncpg.NotNullViolationError as exc:
             if not _taken(exc):
                 raise
@@ -189,26 +230,33 @@ class BatchWriter:
             return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
 
     def path(self, batch: FoldedBatch) -> str:
-        """The write path ``batch`` takes (its first write; a batch written again runs in a
-        transaction): one statement (``insert`` or ``update``, when it holds one kind of
-        write that has a fenced form), ``staged_copy``, or ``transaction``."""
-        return self._path(batch, batch.writes())
+        """The write path ``batch`` takes first (a batch written again after its insert
+        found ids or keys stored runs in a transaction, or as one ``insert``): one
+        statement (``insert`` or ``update``, when it holds one kind of write that has a
+        fenced form), ``copy`` (a transaction whose new tasks travel by COPY), or
+        ``transaction``."""
+        return self._path(batch.writes(), self._copied(batch))
 
-    def _path(self, batch: FoldedBatch, writes: tuple[str, ...]) -> str:
+    def _path(self, writes: tuple[str, ...], copy: bool) -> str:
         # The one-statement paths need the session's own search_path to be the store's.
         fast = self._pin is None
-        if fast and writes == ("insert_rows",) and not self._staged(batch):
+        if fast and writes == ("insert_rows",) and not copy:
             return "insert"
         if fast and writes == ("updates",):
             return "update"
-        return "staged_copy" if self._staged(batch) else "transaction"
+        return "copy" if copy else "transaction"
 
-    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch) -> int:
+    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch, *, copy: bool) -> int | None:
         writes = batch.writes()
-        path = self._path(batch, writes)
+        path = self._path(writes, copy)
         if path == "insert":
-            stmt = self._insert_fenced
-            params = {**batch.inserts, "issued": batch.max_id, "epoch": epoch}
+            fenced = {"issued": batch.max_id, "epoch": epoch}
+            if batch.insert_count == 1:
+                stmt = self._insert_one_fenced
+                params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
+            else:
+                stmt = self._insert_fenced
+                params = {**batch.inserts, **fenced}
             current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
             return current
         if path == "update":
@@ -219,71 +267,57 @@ class BatchWriter:
             if current == epoch:
                 _warn_unchanged(batch.update_count, updated)
             return current
-        transaction = conn.transaction()
-        await transaction.start()
+        # A batch that issues ids records the high-water mark while checking the epoch.
+        opening = self._sharing if batch.max_id is None else self._issuing
         try:
-            if self._pin is not None:
-                await conn.execute(self._pin.sql)
-            await self._write_in_transaction(conn, epoch, batch, writes)
-        except _Stale as stale:
-            await transaction.rollback()
-            return stale.current
+            checked = await conn.execute(opening.sql({"issued": batch.max_id, "epoch": epoch}))
+            if _row_count(checked) != 1:
+                # Another epoch: name it, write nothing. (Read by a later statement, it
+                # could only be ours again if it moved back meanwhile: fenced all the same.)
+                stmt = self._stored_epoch
+                stored: int | None = await conn.fetchval(stmt.sql, *stmt.args({}))
+                await conn.execute("ROLLBACK")
+                return None if stored == epoch else stored
+            # In FoldedBatch.WRITES order: updates first, so keys they release can be
+            # reused by tasks inserted after them.
+            for name in writes:
+                await self._writers[name](conn, batch, copy)
         except BaseException:
             # On a connection that died or whose statement was cancelled, the rollback fails
             # too ("another operation is in progress"); that must not replace the error that
             # explains the failure. The caller discards a connection left in a transaction.
             with contextlib.suppress(Exception):
-                await transaction.rollback()
+                await conn.execute("ROLLBACK")
             raise
-        await transaction.commit()
+        await conn.execute("COMMIT")
         return epoch
 
-    async def _write_in_transaction(
-        self, conn: Any, epoch: int, batch: FoldedBatch, writes: tuple[str, ...]
-    ) -> None:
-        if batch.max_id is None:
-            stmt = self._epoch_for_share
-            current = await conn.fetchval(stmt.sql, *stmt.args({}))
-        else:
-            # Record the id high-water mark while checking the epoch.
-            stmt = self._record_max_id
-            current = await conn.fetchval(stmt.sql, *stmt.args({"issued": batch.max_id}))
-        if current != epoch:
-            raise _Stale(current)
-        # In FoldedBatch.WRITES order: updates first, so keys they release can be reused by
-        # tasks inserted after them.
-        for name in writes:
-            await self._writers[name](conn, batch)
-
-    async def _write_updates(self, conn: Any, batch: FoldedBatch) -> None:
+    async def _write_updates(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
         _warn_unchanged(batch.update_count, _row_count(status))
 
-    async def _write_inserts(self, conn: Any, batch: FoldedBatch) -> None:
-        if self._staged(batch):
-            await conn.execute(self._create_stage.sql)
+    async def _write_inserts(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
+        if copy:
             await conn.copy_records_to_table(
-                st.stage.name,
+                tasks.name,
                 records=batch.insert_rows,
                 columns=INSERT_COLUMNS,
-                schema_name=st.stage.schema,
+                schema_name=self._schema,
             )
-            await conn.execute(self._insert_from_stage.sql)
         else:
             await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
 
-    async def _write_outputs(self, conn: Any, batch: FoldedBatch) -> None:
+    async def _write_outputs(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
         _warn_unstored_outputs(batch.output_count, _row_count(status))
 
-    async def _write_recurring(self, conn: Any, batch: FoldedBatch) -> None:
+    async def _write_recurring(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         for action, params in batch.recurring:
             stmt = self._recurring[action]
             await conn.execute(stmt.sql, *stmt.args(params))
 
-    def _staged(self, batch: FoldedBatch) -> bool:
-        threshold = self._stage_min_rows
-        return threshold is not None and batch.insert_count >= threshold
+    def _copied(self, batch: FoldedBatch) -> bool:
+        return batch.insert_count >= self._copy_min_rows
 
 
 class CommitPath:
@@ -309,7 +343,6 @@ class CommitPath:
         engine: AsyncEngine,
         schema: str,
         *,
-        may_stage: bool,
         pin_search_path: bool,
         on_fenced: Callable[[], None],
         hold: bool = False,
@@ -321,12 +354,7 @@ class CommitPath:
         self._held_from: Pool | None = None  # the pool it came from
         self._held_busy = False
         self._releases = 0  # a connection checked out before a release is not held
-        self.writer = BatchWriter(
-            engine.dialect,
-            schema,
-            stage_min_rows=STAGE_MIN_ROWS if may_stage else None,
-            pin_search_path=pin_search_path,
-        )
+        self.writer = BatchWriter(engine.dialect, schema, pin_search_path=pin_search_path)
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
         """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,8 +38,9 @@ from cronoq_store.domain import (
     TimeBase,
 )
 from cronoq_store.errors import FencedError, KeyTakenError, UnavailableError
+from cronoq_store.folding import fold
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
+from cronoq_store.writer import COPY_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 
@@ -54,9 +56,18 @@ def changed(id: int, status: TaskStatus, message: str | None = None) -> StatusCh
     return StatusChanged(TaskId(id), status, attempt=1, at=100, message=message)
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+@pytest.fixture(params=["from_engine", "connect"])
+async def store(
+    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> AsyncIterator[PgStore]:
+    """A store on an application's engine (every commit a transaction that pins the
+    search_path), and one on its own pool (the one-statement paths)."""
+    config = PgStoreConfig(schema=migrated)
+    if request.param == "connect":
+        opening = PgStore.connect(pg_url, config)
+    else:
+        opening = PgStore.from_engine(engine, config)
+    async with await opening as s:
         yield s
 
 
@@ -209,9 +220,9 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
     assert "\\u0000" not in spec_text
 
 
-# Each kind of batch checks the epoch its own way: in a transaction that also records the
-# high-water mark, or that takes a share lock; or in the one statement of a batch that only
-# inserts, or only updates.
+# Each kind of batch checks the epoch its own way: in a transaction (sent with its BEGIN)
+# that also records the high-water mark, or that takes a share lock; or in the one statement
+# of a batch that only inserts, or only updates.
 FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     "transaction-record-max-id": (
         [changed(1, RUNNING), RecurringUpsert(recurring("r")), submitted(2)],
@@ -223,7 +234,11 @@ FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     ),
     "one-statement-insert": ([submitted(2), submitted(3)], []),
     "one-statement-update": ([changed(1, RUNNING)], []),
-    "staged-insert": ([submitted(i) for i in range(2, 2 + STAGE_MIN_ROWS)], []),
+    "copy-insert": ([submitted(i) for i in range(2, 2 + COPY_MIN_ROWS)], []),
+    "copy-transaction": (
+        [changed(1, RUNNING), *(submitted(i) for i in range(2, 2 + COPY_MIN_ROWS))],
+        [(TaskId(1), b"o")],
+    ),
 }
 
 
@@ -333,8 +348,8 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
         assert [r.id for r in rows] == [1]
 
 
-@pytest.mark.parametrize("shape", ["one-statement-insert", "one-statement-update"])
-async def test_a_one_statement_commit_waits_for_a_takeover_in_flight_and_is_fenced(
+@pytest.mark.parametrize("shape", FENCED_BATCHES)
+async def test_a_commit_waits_for_a_takeover_in_flight_and_is_fenced(
     store: PgStore, migrated: str, pg_url: URL, shape: str
 ) -> None:
     await store.commit(0, BASE, [submitted(1)], [])
@@ -375,10 +390,12 @@ async def test_a_failed_commit_leaves_its_pooled_connection_clean_and_in_use(
     async with await PgStore.connect(pg_url, config) as store:
         await store.commit(0, BASE, [submitted(1, key="k")], [])
         [(pid, _)] = await session_states(pg_url, name)
-        # A second live task with key "k": one batch in a transaction, one as one statement.
+        # A second live task with key "k": in a transaction, as one statement, by COPY.
         batches: list[list[Mutation]] = [
             [changed(1, RUNNING), submitted(2, key="k")],
             [submitted(3, key="k")],
+            # By COPY, which fails, rolls back and is written again by the insert.
+            [submitted(n, key="k" if n == 3 else None) for n in range(3, 3 + COPY_MIN_ROWS)],
         ]
         for batch in batches:
             with pytest.raises(KeyTakenError, match="nothing of the batch") as caught:
@@ -437,16 +454,17 @@ def varied_spec(n: int, nul: str = "\0") -> TaskSpec:
     )
 
 
-async def test_a_large_batch_is_staged_and_stores_what_small_batches_store(
+async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
-    count = STAGE_MIN_ROWS + 20
+    count = COPY_MIN_ROWS + 20
     specs = {TaskId(n): varied_spec(n) for n in range(1, count + 1)}
     small: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i <= 10]
     large: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i > 10]
-    large.append(changed(count, RUNNING, "patched in the staged row"))
+    large.append(changed(count, RUNNING, "patched in the copied row"))
     await store.commit(0, BASE, small, [])  # one statement, arrays
-    await store.commit(0, BASE, large, [])  # a transaction, COPY into the staging table
+    assert store._commits.writer.path(fold(large, BASE, 0)) == "copy"
+    await store.commit(0, BASE, large, [])  # a transaction, COPY into the table
     landed = await snapshot(store)
     await store.commit(0, BASE, large, [])  # a retry that already landed changes nothing
     assert await snapshot(store) == landed
@@ -457,13 +475,7 @@ async def test_a_large_batch_is_staged_and_stores_what_small_batches_store(
     [row] = await fetch(
         store, "SELECT status, message FROM {s}.cronoq_tasks WHERE id = :id", id=count
     )
-    assert tuple(row) == ("running", "patched in the staged row")
-    # The rows went through a session's staging table (temporary: pg_temp_N).
-    [[staged]] = await fetch(
-        store,
-        "SELECT count(*) FROM pg_class WHERE relname = 'cronoq_stage' AND relpersistence = 't'",
-    )
-    assert staged >= 1
+    assert tuple(row) == ("running", "patched in the copied row")
 
 
 async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_works(
@@ -503,9 +515,10 @@ def step(
     return StatusChanged(TaskId(id), status, attempt, at, message)
 
 
-def staging_everything(store: PgStore) -> None:
-    """Make ``store`` stage every insert by COPY, as it does from ``STAGE_MIN_ROWS`` rows."""
-    store._commits.writer = BatchWriter(store.engine.dialect, store.config.schema, stage_min_rows=1)
+def copying_everything(store: PgStore) -> None:
+    """Make ``store`` send every insert by COPY first, as it does from ``COPY_MIN_ROWS``
+    rows."""
+    store._commits.writer = BatchWriter(store.engine.dialect, store.config.schema, copy_min_rows=1)
 
 
 async def states(store: PgStore) -> list[tuple[Any, ...]]:
@@ -516,12 +529,12 @@ async def states(store: PgStore) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
-@pytest.mark.parametrize("path", ["arrays", "staged"])
+@pytest.mark.parametrize("path", ["arrays", "copy"])
 async def test_a_submission_sent_again_with_a_later_transition_stores_the_transition(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     await store.commit(0, BASE, [submitted(1)], [])
     # [[S1], [S1, Succeeded1]] must end where [[S1], [S1], [Succeeded1]] ends.
     await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED, "done")], [])
@@ -549,13 +562,13 @@ async def test_batches_delivered_again_late_never_move_a_task_backwards(store: P
         assert await states(store) == landed
 
 
-async def test_a_staged_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
-    count = STAGE_MIN_ROWS + 22
+async def test_a_copied_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
+    count = COPY_MIN_ROWS + 22
     ids = range(1, count + 1)
     await store.commit(0, BASE, [submitted(i) for i in ids], [])
     again: list[Mutation] = [submitted(i) for i in ids]
     again += [step(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 1, 50, f"m{i}") for i in ids]
-    await store.commit(0, BASE, again, [])  # COPY path, every id already stored
+    await store.commit(0, BASE, again, [])  # COPY fails: every id is stored already
     landed = await states(store)
     assert landed == [
         (i, "succeeded" if i % 2 else "failed", 1, BASE.to_unix(50), f"m{i}") for i in ids
@@ -577,12 +590,12 @@ async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
 
 
-@pytest.mark.parametrize("path", ["one-statement", "arrays", "staged"])
+@pytest.mark.parametrize("path", ["one-statement", "arrays", "copy"])
 async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reused(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     await store.commit(0, BASE, [submitted(1, key="a"), submitted(3)], [])
     # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
     # S2's row reaches the live key index while S1 still holds the key in the store.
@@ -605,12 +618,12 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     assert await snapshot(store) == landed
 
 
-@pytest.mark.parametrize("path", ["arrays", "staged"])
+@pytest.mark.parametrize("path", ["arrays", "copy"])
 async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
     store: PgStore, path: str
 ) -> None:
-    if path == "staged":
-        staging_everything(store)
+    if path == "copy":
+        copying_everything(store)
     cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
     await store.commit(0, BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [
@@ -635,3 +648,84 @@ async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
         (SUCCEEDED, b"OUT"),
         (cancelled, None),
     ]
+
+
+async def test_an_audit_trigger_sees_each_copied_row_once_and_nothing_of_a_failed_copy(
+    pg_url: URL, migrated: str
+) -> None:
+    """COPY fires the table's triggers, like the torture test's audit (a statement trigger
+    with a transition table): a COPY that meets a stored id rolls back with what its
+    trigger wrote, and the insert that writes the batch again records only new rows."""
+    audit = f"{migrated}_audit"
+    await admin_execute(pg_url, f"CREATE SCHEMA {audit}")
+    try:
+        await admin_execute(pg_url, f"CREATE TABLE {audit}.seen (id bigint, op text)")
+        await admin_execute(
+            pg_url,
+            f"CREATE FUNCTION {audit}.record() RETURNS trigger LANGUAGE plpgsql "
+            f"SET search_path = pg_catalog AS $$ BEGIN "
+            f"INSERT INTO {audit}.seen SELECT n.id, TG_OP FROM new_rows n; RETURN NULL; END $$",
+        )
+        for op in ("INSERT", "UPDATE"):
+            await admin_execute(
+                pg_url,
+                f'CREATE TRIGGER audit_{op.lower()} AFTER {op} ON "{migrated}".cronoq_tasks '
+                f"REFERENCING NEW TABLE AS new_rows "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {audit}.record()",
+            )
+        config = PgStoreConfig(
+            schema=migrated, trusted_triggers=frozenset({"audit_insert", "audit_update"})
+        )
+        first = [submitted(n) for n in range(1, 1 + COPY_MIN_ROWS)]
+        second = [submitted(n) for n in range(1000, 1000 + COPY_MIN_ROWS)] + first[-1:]
+        async with await PgStore.connect(pg_url, config) as store:
+            await store.commit(0, BASE, first, [])  # by COPY
+            await store.commit(0, BASE, first, [])  # COPY fails at once; nothing new
+            await store.commit(0, BASE, second, [])  # COPY fails after the new rows
+        seen = await admin_execute(pg_url, f"SELECT id, op FROM {audit}.seen ORDER BY id")
+        assert [tuple(r) for r in seen] == [(m.id, "INSERT") for m in first + second[:-1]]
+    finally:
+        await admin_execute(pg_url, f"DROP SCHEMA {audit} CASCADE")
+
+
+async def test_a_task_committed_alone_is_stored_as_in_a_batch(store: PgStore) -> None:
+    """A batch of one task goes as scalar parameters, a larger one as arrays or COPY: every
+    column is written the same way (a column missed or swapped would differ)."""
+    full = TaskSpec(
+        b"\x00payload",
+        kind="kind",
+        pool="pool",
+        priority=Priority.HIGH,
+        key="key",
+        deadline=11,
+        fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
+        duration_hint=timedelta(seconds=3),
+        timeout=timedelta(seconds=4),
+        retry=RetryPolicy(max_attempts=3),
+        deps=[Dependency(TaskId(5)), Dependency("other")],
+        resources={"gpu": 1},
+        tags=["t"],
+        labels=["l"],
+        tenant="tenant",
+    )
+    batches = {
+        1: [Submitted(TaskId(1), 7, 8, full)],
+        2: [Submitted(TaskId(2), 7, 8, dataclasses.replace(full, key="k2")), submitted(3)],
+        100: [
+            Submitted(TaskId(100), 7, 8, dataclasses.replace(full, key="k100")),
+            *(submitted(n) for n in range(101, 100 + COPY_MIN_ROWS)),
+        ],
+    }
+    for batch in batches.values():
+        await store.commit(0, BASE, batch, [])
+    rows = {
+        r.id: r._mapping
+        for r in await fetch(store, "SELECT * FROM {s}.cronoq_tasks WHERE id IN (1, 2, 100)")
+    }
+    assert rows[1]["key"] == "key"
+    same = {"id", "key", "updated_unix_ns"}
+    for i in (2, 100):
+        assert rows[i]["key"] == f"k{i}"
+        assert {k: v for k, v in rows[i].items() if k not in same} == {
+            k: v for k, v in rows[1].items() if k not in same
+        }

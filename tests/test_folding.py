@@ -43,7 +43,7 @@ from cronoq_store.errors import IdCollisionError
 from cronoq_store.folding import TERMINAL_LEVEL, FoldedBatch, RecurringAction, fold, level
 from cronoq_store.rows import INSERT_COLUMNS
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS, BatchWriter
+from cronoq_store.writer import COPY_MIN_ROWS, BatchWriter
 
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000
@@ -463,13 +463,13 @@ async def replay(store: PgStore, batches: list[list[Mutation]]) -> dict[int, Exp
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-@pytest.mark.parametrize("stage_min_rows", [STAGE_MIN_ROWS, 1], ids=["arrays", "staged"])
+@pytest.mark.parametrize("copy_min_rows", [COPY_MIN_ROWS, 1], ids=["arrays", "copy"])
 async def test_any_split_with_late_duplicates_stores_the_history_committed_once(
-    store: PgStore, data: st.DataObject, stage_min_rows: int
+    store: PgStore, data: st.DataObject, copy_min_rows: int
 ) -> None:
-    # With a threshold of 1, every insert travels by COPY through the staging table.
+    # With a threshold of 1, every insert travels by COPY first.
     store._commits.writer = BatchWriter(
-        store.engine.dialect, store.config.schema, stage_min_rows=stage_min_rows
+        store.engine.dialect, store.config.schema, copy_min_rows=copy_min_rows
     )
     mutations = data.draw(histories())
     expected = reference_fold(mutations)

@@ -42,10 +42,11 @@ from cronoq_store.domain import (
     task_id,
 )
 from cronoq_store.errors import MigrationError, StoreError
+from cronoq_store.folding import fold
 from cronoq_store.migrations import upgrade
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -167,12 +168,11 @@ async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, sch
         await store.commit(epoch, BASE, [RecurringRemove("nightly")], [])
         large = [
             Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
-            for n in range(2, 2 + STAGE_MIN_ROWS)
+            for n in range(2, 2 + COPY_MIN_ROWS)
         ]
-        await store.commit(epoch, BASE, large, [])  # staged by COPY into a temporary table
-        assert len((await store.recover(BASE)).tasks) == 1 + STAGE_MIN_ROWS
+        await store.commit(epoch, BASE, large, [])  # by COPY
+        assert len((await store.recover(BASE)).tasks) == 1 + COPY_MIN_ROWS
         assert await store.prune(0) == 1
-        assert await staging_tables(roles.runtime) == 1
         await store.release_leadership()
         assert await store.acquire_leadership() == epoch + 1
     finally:
@@ -197,15 +197,7 @@ async def test_the_runtime_role_cannot_change_the_schema(roles: Roles, schema: s
         await engine.dispose()
 
 
-async def staging_tables(url: URL) -> int:
-    rows = await admin_execute(
-        url,
-        "SELECT count(*) FROM pg_class WHERE relname = 'cronoq_stage' AND relpersistence = 't'",
-    )
-    return int(rows[0][0])
-
-
-async def test_without_the_temporary_privilege_large_batches_go_as_arrays(
+async def test_large_batches_need_no_temporary_privilege(
     roles: Roles, schema: str, pg_url: URL
 ) -> None:
     database = pg_url.database
@@ -215,11 +207,11 @@ async def test_without_the_temporary_privilege_large_batches_go_as_arrays(
             epoch = await store.acquire_leadership()
             large = [
                 Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
-                for n in range(STAGE_MIN_ROWS + 1)
+                for n in range(COPY_MIN_ROWS + 1)
             ]
+            assert store._commits.writer.path(fold(large, BASE, 0)) == "copy"
             await store.commit(epoch, BASE, large, [])
             assert len((await store.recover(BASE)).tasks) == len(large)
-            assert await staging_tables(roles.runtime) == 0
     finally:
         await admin_execute(pg_url, f'GRANT TEMPORARY ON DATABASE "{database}" TO PUBLIC')
 

@@ -47,7 +47,7 @@ from cronoq_store.retry import Backoff
 from cronoq_store.statements import SEARCH_PATH
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
@@ -248,7 +248,7 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
     bouncer: PgBouncer, pg_url: URL, schema: str, shared: bool
 ) -> None:
     """Every commit shape (one-statement submissions and transitions, a transaction with
-    outputs and a schedule, a batch staged by COPY), many at once so that clients share
+    outputs and a schedule, a batch of new tasks by COPY), many at once so that clients share
     server connections; then recovery, look-ups and pruning, all through PgBouncer."""
     async with store_behind(bouncer, pg_url, behind(schema), shared=shared) as store:
         epoch = await store.acquire_leadership()
@@ -274,14 +274,14 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
             ),
             store.commit(epoch, BASE, [RecurringUpsert(schedule)], []),
         )
-        large: list[Mutation] = [submitted(epoch, n) for n in range(1000, 1000 + STAGE_MIN_ROWS)]
+        large: list[Mutation] = [submitted(epoch, n) for n in range(1000, 1000 + COPY_MIN_ROWS)]
         await asyncio.gather(
             store.commit(epoch, BASE, large, []),
             *(store.commit(epoch, BASE, [submitted(epoch, n)], []) for n in range(40, 60)),
         )
 
         rows = await stored(pg_url, schema)
-        assert len(rows) == 60 + STAGE_MIN_ROWS
+        assert len(rows) == 60 + COPY_MIN_ROWS
         for n in range(20):
             assert rows[task_id(epoch, n)] == ("succeeded", b"out %d" % n)
         for n in range(20, 40):
@@ -289,11 +289,11 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
 
         recovered = await store.recover(BASE)
         assert {t.id for t in recovered.tasks} == {task_id(epoch, n) for n in range(20, 60)} | {
-            task_id(epoch, n) for n in range(1000, 1000 + STAGE_MIN_ROWS)
+            task_id(epoch, n) for n in range(1000, 1000 + COPY_MIN_ROWS)
         }
         assert {t.id for t in recovered.terminal} == {task_id(epoch, n) for n in range(20)}
         assert [r.spec.name for r in recovered.recurring] == ["hourly"]
-        assert recovered.next_id == task_id(epoch, 1000 + STAGE_MIN_ROWS)
+        assert recovered.next_id == task_id(epoch, 1000 + COPY_MIN_ROWS)
 
         by_key = await store.get_task("k3")
         assert by_key is not None
@@ -302,7 +302,7 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
         assert [r.id for r in page] == [task_id(epoch, n) for n in range(20)]
         assert await store.load_output(TaskId(task_id(epoch, 7))) == b"out 7"
         assert await store.prune(0) == 20
-        assert len(await stored(pg_url, schema)) == 40 + STAGE_MIN_ROWS
+        assert len(await stored(pg_url, schema)) == 40 + COPY_MIN_ROWS
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
@@ -346,11 +346,11 @@ async def test_a_search_path_another_client_left_on_a_server_connection_never_re
         for n in range(4):
             await store.commit(epoch, BASE, [submitted(epoch, n)], [])
         await store.commit(epoch, BASE, [changed(epoch, 0, TaskStatus.RUNNING)], [])
-        big = [submitted(epoch, 100 + n) for n in range(STAGE_MIN_ROWS)]
+        big = [submitted(epoch, 100 + n) for n in range(COPY_MIN_ROWS)]
         await store.commit(epoch, BASE, big, [])
         assert (await store.get_task(task_id(epoch, 0))) is not None
         recovered = await store.recover(BASE)
-        assert len(recovered.tasks) == 4 + STAGE_MIN_ROWS
+        assert len(recovered.tasks) == 4 + COPY_MIN_ROWS
     calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
     assert calls[0]["n"] == 0
 

@@ -31,7 +31,7 @@ from cronoq_store.domain import (
     task_id,
 )
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
 
@@ -80,7 +80,7 @@ async def settles(url: URL, name: str, task: asyncio.Task[object], timeout: floa
         ("one statement", False),
         ("one statement", True),
         ("transaction", False),
-        ("staged", True),
+        ("copy", True),
     ],
 )
 async def test_prune_waits_for_a_commit_that_adds_a_dependency(
@@ -109,8 +109,8 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(
         batch: list[Mutation] = [submitted(epoch, 3, deps=[target])]
         if path == "transaction":
             batch.append(StatusChanged(live, TaskStatus.RUNNING, 1, BASE.engine_ns))
-        elif path == "staged":
-            batch += [submitted(epoch, 10 + n) for n in range(STAGE_MIN_ROWS)]
+        elif path == "copy":
+            batch += [submitted(epoch, 10 + n) for n in range(COPY_MIN_ROWS)]
 
         # An uncommitted row with the dependent's id: the commit's insert waits on it.
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))

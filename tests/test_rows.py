@@ -154,7 +154,6 @@ def test_the_statements_select_and_insert_the_mapped_columns_by_name() -> None:
     )
     assert set(INSERT_COLUMNS) == {c.name for c in tasks.c} - {"output"}
     assert set(RECURRING_COLUMNS) == {c.name for c in recurring.c}
-    assert [c.name for c in statements.stage.c] == list(INSERT_COLUMNS)
 
 
 def test_a_column_the_mapping_does_not_know_is_refused_naming_it() -> None:

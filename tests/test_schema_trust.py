@@ -30,7 +30,7 @@ from cronoq_store.errors import MigrationError
 from cronoq_store.migrations import upgrade
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -415,12 +415,12 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             record = await store.get_task(TaskId(1))
             assert record is not None
             assert record.status is TaskStatus.RUNNING
-            staged = [  # a transaction, and COPY into pg_temp.cronoq_stage
+            copied = [  # a transaction, and COPY into the tasks table
                 Submitted(TaskId(n), n, BASE.engine_ns, TaskSpec(b"bulk"))
-                for n in range(2, 2 + STAGE_MIN_ROWS)
+                for n in range(2, 2 + COPY_MIN_ROWS)
             ]
-            await store.commit(0, BASE, staged, [(TaskId(1), b"out")])
-            assert len((await store.recover(BASE)).tasks) == 1 + STAGE_MIN_ROWS
+            await store.commit(0, BASE, copied, [(TaskId(1), b"out")])
+            assert len((await store.recover(BASE)).tasks) == 1 + COPY_MIN_ROWS
             assert await store.prune(0) == 0
         assert not await is_superuser(pg_url, attacker.name)
         async with app.connect() as conn:  # the pool's one session, given back

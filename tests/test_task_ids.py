@@ -28,7 +28,7 @@ from cronoq_store.domain import (
     task_id,
 )
 from cronoq_store.store import PgStore
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 
@@ -39,9 +39,18 @@ def submitted(id: int, payload: bytes = b"p", **spec: Any) -> Submitted:
     return Submitted(TaskId(id), seq=id, arrival=1, spec=TaskSpec(payload, **spec))
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
+@pytest.fixture(params=["from_engine", "connect"])
+async def store(
+    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> AsyncIterator[PgStore]:
+    """A store on an application's engine (every commit a transaction), and one on its own
+    pool (the one-statement paths)."""
+    config = PgStoreConfig(schema=migrated)
+    if request.param == "connect":
+        opening = PgStore.connect(pg_url, config)
+    else:
+        opening = PgStore.from_engine(engine, config)
+    async with await opening as s:
         yield s
 
 
@@ -62,11 +71,13 @@ OTHER_TASKS = {
     "tags": submitted(1, key="k", tags=["t"]),
 }
 
-# Each write path inserts its own way: one fenced statement, a transaction, COPY staging.
+# Each write path inserts its own way: one fenced statement (scalars for one task, else
+# arrays), a transaction, COPY.
 PATHS: dict[str, list[Mutation]] = {
+    "one-task": [],
     "one-statement": [submitted(10)],
     "transaction": [StatusChanged(TaskId(2), TaskStatus.RUNNING, 1, 5), submitted(10)],
-    "staged": [submitted(i) for i in range(10, 10 + STAGE_MIN_ROWS)],
+    "copy": [submitted(i) for i in range(10, 10 + COPY_MIN_ROWS)],
 }
 
 

@@ -37,7 +37,7 @@ from cronoq_store import (
     TimeBase,
 )
 from cronoq_store.telemetry import DISABLED, instrument
-from cronoq_store.writer import STAGE_MIN_ROWS
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends
 
@@ -191,18 +191,18 @@ async def test_a_commit_records_its_mutations_bytes_write_path_and_span(
         0, BASE, [changed(1, TaskStatus.RUNNING), changed(2, TaskStatus.RUNNING)], []
     )
     await store.commit(0, BASE, [submitted(4), changed(3, TaskStatus.RUNNING)], [])
-    await store.commit(0, BASE, [submitted(i) for i in range(10, 10 + STAGE_MIN_ROWS)], [])
+    await store.commit(0, BASE, [submitted(i) for i in range(10, 10 + COPY_MIN_ROWS)], [])
 
-    for path in ("insert", "update", "transaction", "staged_copy"):
+    for path in ("insert", "update", "transaction", "copy"):
         count, seconds = otel.value(
             "cronoq.commit.duration",
             {"cronoq.commit.outcome": "ok", "cronoq.commit.write_path": path},
         )
         assert (count, seconds > 0) == (1, True), path
-    assert otel.value("cronoq.commit.mutations") == (4, 3 + 2 + 2 + STAGE_MIN_ROWS)
+    assert otel.value("cronoq.commit.mutations") == (4, 3 + 2 + 2 + COPY_MIN_ROWS)
     count, size = otel.value("cronoq.commit.size")
     assert count == 4
-    assert size > STAGE_MIN_ROWS * len(PAYLOAD)
+    assert size > COPY_MIN_ROWS * len(PAYLOAD)
 
     (point,) = otel.points("cronoq.commit.mutations")
     assert dict(point.attributes) == {

@@ -1,0 +1,64 @@
+"""The writer's choices and its one-message transaction opening, without a server."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+
+from cronoq_store import statements as st
+from cronoq_store.domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store.folding import fold
+from cronoq_store.writer import COPY_MIN_ROWS, BatchWriter, CompiledStatement, Opening
+
+DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
+BASE = TimeBase(engine_ns=0, unix_ns=0)
+
+
+def compiled(statement: object) -> CompiledStatement:
+    return CompiledStatement.of(statement, DIALECT, "s")  # type: ignore[arg-type]
+
+
+def submitted(n: int) -> Submitted:
+    return Submitted(TaskId(n), n, 0, TaskSpec(b"p"))
+
+
+def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -> None:
+    opening = Opening.of(compiled(st.record_max_id))
+    sql = opening.sql({"issued": 2**62 + 7, "epoch": 3})
+    assert sql.startswith("BEGIN; UPDATE s.cronoq_leader SET max_id=")
+    assert "$" not in sql
+    assert f"greatest(s.cronoq_leader.max_id, {2**62 + 7}::BIGINT)" in sql
+    assert "s.cronoq_leader.epoch = 3::INTEGER" in sql
+    assert "s.cronoq_leader.id = 1::SMALLINT" in sql  # the construct's own value
+    pinned = Opening.of(compiled(st.epoch_held_for_share), compiled(st.local_search_path))
+    sql = pinned.sql({"epoch": 9})
+    first, setting, check = sql.split("; ")
+    assert (first, setting) == ("BEGIN", compiled(st.local_search_path).sql)
+    assert check.endswith("FOR SHARE")
+    assert "epoch = 9::INTEGER" in check
+
+
+@pytest.mark.parametrize("value", ["1; DROP TABLE x", 1.5, True, None])
+def test_the_opening_renders_nothing_but_integers(value: object) -> None:
+    opening = Opening.of(compiled(st.record_max_id))
+    with pytest.raises(TypeError, match="only integers"):
+        opening.sql({"issued": value, "epoch": 1})
+
+
+def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:
+    with pytest.raises(ValueError, match="only the epoch check"):
+        Opening.of(compiled(st.epoch_held_for_share), compiled(st.record_max_id))
+
+
+def test_new_tasks_go_by_copy_from_the_threshold_on() -> None:
+    writer = BatchWriter(DIALECT, "s")
+    pinned = BatchWriter(DIALECT, "s", pin_search_path=True)
+    below = fold([submitted(n) for n in range(COPY_MIN_ROWS - 1)], BASE, 0)
+    at = fold([submitted(n) for n in range(COPY_MIN_ROWS)], BASE, 0)
+    mixed = fold(
+        [StatusChanged(TaskId(10**6), TaskStatus.RUNNING, 1, 0), *map(submitted, range(2))],
+        BASE,
+        0,
+    )
+    assert [writer.path(b) for b in (below, at, mixed)] == ["insert", "copy", "transaction"]
+    assert [pinned.path(b) for b in (below, at, mixed)] == ["transaction", "copy", "transaction"]
