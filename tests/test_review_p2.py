@@ -105,17 +105,17 @@ async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_an
     # the other, and health() then waits pool_timeout (commit_timeout) and fails, although
     # nothing commits. On main both reads get a connection.
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=2)
+    await store.commit(epoch, BASE, [submitted(1)], [])
+    await row_lock.lock()
+    prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
-        await row_lock.lock()
-        prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
         await asyncio.sleep(0.3)
         assert not prune.done()
         health = await store.health()  # must not need the idle writer's connection
         assert health.is_leader
+    finally:
         await row_lock.release()
         assert await prune == 0
-    finally:
         await store.close()
 
 
