@@ -301,7 +301,8 @@ class CommitPath:
     another as before. It is given up, never reused, when in doubt (as any connection of a
     failed commit), when the server closed it, or when the pool it came from was disposed
     (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
-    ``release_leadership``, fencing, and the first commit refused after a lost term).
+    ``release_leadership``, fencing, the first commit refused after a lost term, and
+    ``acquire_leadership``: a standby holds none, a new term takes a fresh one).
     """
 
     def __init__(
