@@ -419,6 +419,11 @@ class CommitPath:
             elif sound and self._hold and self._held is None and self._releases == releases:
                 self._held, self._held_from = pooled, pool
             else:
+                if sound and pool is not self._engine.sync_engine.pool:
+                    # Its pool was disposed meanwhile (close(), a demoted primary): returned
+                    # there, it would stay open, never handed out nor closed.
+                    driver.terminate()
+                    pooled.invalidate()
                 # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
                 # the pool's reset-on-return may call the driver; it has nothing to roll back.
                 await greenlet_spawn(pooled.close)
