@@ -13,11 +13,17 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store.config import PgStoreConfig
-from cronoq_store.errors import FencedError, StoreError, UnavailableError
+from cronoq_store.errors import (
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
+)
 from cronoq_store.store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
-from .test_commit import BASE, submitted
+from .test_commit import BASE, changed, submitted
 from .test_leadership import lock_holders
 
 
@@ -288,6 +294,31 @@ async def test_the_server_restarted_under_a_held_connection(
         await store.commit(epoch, BASE, [submitted(2)], [])
         assert store._commits._held is not held
         assert checked_out(store) == 1
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    # A server's refusal (a live key, an id of another task) in a transaction path must
+    # leave the held session out of any transaction, and it goes on serving commits.
+    from cronoq_store.domain import TaskStatus
+
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1, key="k")], [])
+        held = store._commits._held
+        [pid] = await writers(pg_url, name)
+        with pytest.raises(KeyTakenError):
+            await store.commit(epoch, BASE, [changed(1, TaskStatus.RUNNING), submitted(2, "k")], [])
+        with pytest.raises(IdCollisionError):
+            await store.commit(epoch, BASE, [submitted(1, payload=b"other")], [])
+        rows = await admin_execute(pg_url, "SELECT state FROM pg_stat_activity WHERE pid = $1", pid)
+        assert [r["state"] for r in rows] == ["idle"]
+        assert store._commits._held is held
+        await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, "k")], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
