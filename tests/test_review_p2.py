@@ -377,3 +377,21 @@ async def test_admission_under_cancellation_keeps_counters_order_and_bounds() ->
     assert len(set(store.committed)) == len(store.committed)
     # Submitters keep their order: the tasks committed in submission order.
     assert store.committed == sorted(store.committed)
+
+
+async def test_a_held_connection_of_a_disposed_pool_is_closed_at_step_down(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    # FAILS on p2: the pool disposed while the writer holds a connection (as _translated
+    # does for a demoted primary, after a read or ping), release_leadership() returns the
+    # held connection to the disposed pool, where its session stays open.
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        [pid] = await writers(pg_url, name)
+        await store.engine.dispose()
+        await store.release_leadership()
+        await asyncio.sleep(0.3)
+        assert pid not in await backends(pg_url, name)
+    finally:
+        await store.close()
