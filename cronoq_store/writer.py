@@ -360,6 +360,10 @@ class CommitPath:
         self._held, self._held_busy = None, False
         self._releases += 1
         if held is not None and not busy:
+            if self._held_from is not self._engine.sync_engine.pool:
+                # Its pool was disposed (a demoted primary): it would stay open there.
+                _driver(held).terminate()
+                held.invalidate()
             await greenlet_spawn(held.close)
 
     async def _checkout(self) -> PoolProxiedConnection:
