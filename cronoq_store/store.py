@@ -315,6 +315,8 @@ class PgStore:
         or grant added since the store opened makes this raise ``MigrationError``, with the
         lock released and no epoch taken.
         """
+        # A standby holds no writer connection, and a new term takes a fresh one.
+        await self._commits.release()
         with self._telemetry.acquisition():
             epoch = await self._leadership.acquire()
         self._has_led, self._fenced = True, False

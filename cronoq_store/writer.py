@@ -335,7 +335,8 @@ class CommitPath:
     another as before. It is given up, never reused, when in doubt (as any connection of a
     failed commit), when the server closed it, or when the pool it came from was disposed
     (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
-    ``release_leadership``, fencing, and the first commit refused after a lost term).
+    ``release_leadership``, fencing, the first commit refused after a lost term, and
+    ``acquire_leadership``: a standby holds none, a new term takes a fresh one).
     """
 
     def __init__(
@@ -387,6 +388,10 @@ class CommitPath:
         self._held, self._held_busy = None, False
         self._releases += 1
         if held is not None and not busy:
+            if self._held_from is not self._engine.sync_engine.pool:
+                # Its pool was disposed (a demoted primary): it would stay open there.
+                _driver(held).terminate()
+                held.invalidate()
             await greenlet_spawn(held.close)
 
     async def _checkout(self) -> PoolProxiedConnection:
@@ -446,6 +451,11 @@ class CommitPath:
             elif sound and self._hold and self._held is None and self._releases == releases:
                 self._held, self._held_from = pooled, pool
             else:
+                if sound and pool is not self._engine.sync_engine.pool:
+                    # Its pool was disposed meanwhile (close(), a demoted primary): returned
+                    # there, it would stay open, never handed out nor closed.
+                    driver.terminate()
+                    pooled.invalidate()
                 # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
                 # the pool's reset-on-return may call the driver; it has nothing to roll back.
                 await greenlet_spawn(pooled.close)
