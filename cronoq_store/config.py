@@ -52,7 +52,8 @@ class PgStoreConfig:
     #: Upper bound on one commit; a slower commit fails as ``UnavailableError``.
     commit_timeout: float = 30.0
     #: Size of the connection pool used for commits and queries (``connect`` only: an engine
-    #: given to ``from_engine`` keeps its own pool).
+    #: given to ``from_engine`` keeps its own pool). From 3 on, a leader keeps one of them
+    #: checked out for its commits for the whole term.
     max_connections: int = 8
     #: ``application_name`` of the store's sessions, as ``pg_stat_activity`` shows them.
     application_name: str = "cronoq-store"

@@ -106,9 +106,10 @@ class PgStore:
             pin_search_path=self._pins_path,
             on_fenced=self._fenced_out,
             # The store's own pool holds one connection for the writer (no checkout per
-            # commit) when another is left for reads, pings and concurrent commits; an
-            # application's pool is not the store's to hold from.
-            hold=owns_engine and config.max_connections >= 2,
+            # commit) when two are left for reads, pings and concurrent commits (with one,
+            # a read waiting on a lock, such as a prune behind a commit, would starve a
+            # health probe); an application's pool is not the store's to hold from.
+            hold=owns_engine and config.max_connections >= 3,
         )
         self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(

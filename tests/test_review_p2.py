@@ -103,14 +103,15 @@ async def open_leader(
 # --- the pool: the held connection takes a slot from reads ----------------------------------
 
 
+@pytest.mark.parametrize("connections", [2, 3])
 async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_another(
-    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+    pg_url: URL, migrated: str, name: str, row_lock: RowLock, connections: int
 ) -> None:
-    # FAILS on p2: with max_connections=2 the writer holds one connection for the whole
-    # term, idle between commits; a read waiting on a lock (a prune behind a commit) takes
-    # the other, and health() then waits pool_timeout (commit_timeout) and fails, although
-    # nothing commits. On main both reads get a connection.
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=2)
+    # Failed on p2: with max_connections=2 the writer held one connection for the whole
+    # term, idle between commits; a read waiting on a lock (a prune behind a commit) took
+    # the other, and health() then waited pool_timeout (commit_timeout) and failed, although
+    # nothing committed. A writer holds a connection only from max_connections=3 on.
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=connections)
     await store.commit(epoch, BASE, [submitted(1)], [])
     await row_lock.lock()
     prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
@@ -266,10 +267,10 @@ async def test_a_deposed_leader_cannot_write_through_its_held_connection(
         await store.close()
 
 
-async def test_concurrent_commits_with_two_connections(
+async def test_concurrent_commits_with_three_connections(
     pg_url: URL, migrated: str, name: str
 ) -> None:
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=2)
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await asyncio.gather(*(store.commit(epoch, BASE, [submitted(n)], []) for n in range(1, 9)))
         assert checked_out(store) == 1
