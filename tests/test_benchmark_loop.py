@@ -20,6 +20,5 @@ def test_asyncio_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_uvloop_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("uvloop")
     monkeypatch.setenv(LOOP_ENV, "uvloop")
     assert run_loop(_loop_module()).startswith("uvloop")
