@@ -46,6 +46,7 @@ from cronoq_store.queries import PRUNE_BATCH
 from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, JSON_COLUMNS, insert_row
 from cronoq_store.schema import tasks
 from cronoq_store.store import PgStore
+from cronoq_store.writer import CompiledStatement
 
 from .common import (
     Profile,
@@ -101,6 +102,23 @@ def make_rows(finished: int, live: int, base: TimeBase, now: int) -> list[tuple[
     return rows
 
 
+async def _delete_unprotected(
+    conn: asyncpg.Connection, unprotected: CompiledStatement, lap: Callable[[], None] = lambda: None
+) -> int:
+    """The baseline: the same old finished tasks deleted in the store's batches, one
+    transaction each, without the protection; ``lap`` runs after each batch."""
+    params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
+    total = 0
+    while True:
+        async with conn.transaction():
+            status = await conn.execute(unprotected.sql, *unprotected.args(params))
+        deleted = int(status.split()[-1])
+        total += deleted
+        lap()
+        if deleted < PRUNE_BATCH:
+            return total
+
+
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
     """Deleted rows per second of both sides, and the finished tasks the store kept."""
     schemas = {"store": "bench_prune_store", "raw": "bench_prune_raw"}
@@ -130,16 +148,8 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
 
     async def plain() -> float:
         await fill(schemas["raw"])
-        params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
         started = time.perf_counter()
-        total = 0
-        while True:
-            async with conn.transaction():
-                status = await conn.execute(unprotected.sql, *unprotected.args(params))
-            deleted = int(status.split()[-1])
-            total += deleted
-            if deleted < PRUNE_BATCH:
-                break
+        total = await _delete_unprotected(conn, unprotected)
         return total / (time.perf_counter() - started)
 
     try:
@@ -329,16 +339,7 @@ async def _many_finished(url: URL, finished: int) -> dict[str, Any]:
     unprotected = compile_for_asyncpg(_unprotected, schemas["raw"])
 
     async def plain(lap: Callable[[], None]) -> int:
-        params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
-        total = 0
-        while True:
-            async with conn.transaction():
-                status = await conn.execute(unprotected.sql, *unprotected.args(params))
-            deleted = int(status.split()[-1])
-            total += deleted
-            lap()
-            if deleted < PRUNE_BATCH:
-                return total
+        return await _delete_unprotected(conn, unprotected, lap)
 
     try:
         variants = {

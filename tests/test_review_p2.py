@@ -25,6 +25,7 @@ from cronoq_store.store import PgStore
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
 from .test_commit import BASE, changed, submitted
 from .test_leadership import lock_holders
+from .test_writer_connection import checked_out, stored, writers
 
 
 @pytest.fixture
@@ -32,30 +33,11 @@ def name(migrated: str) -> str:
     return f"cronoq-rev-{uuid.uuid4().hex[:8]}"
 
 
-def checked_out(store: PgStore) -> int:
-    return int(store.engine.pool.checkedout())  # type: ignore[attr-defined]
-
-
 async def backends(pg_url: URL, name: str) -> set[int]:
     rows = await admin_execute(
         pg_url, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", name
     )
     return {r["pid"] for r in rows}
-
-
-async def writers(pg_url: URL, name: str) -> set[int]:
-    rows = await admin_execute(
-        pg_url,
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query LIKE $2",
-        name,
-        "%INSERT INTO%cronoq_tasks%",
-    )
-    return {r["pid"] for r in rows}
-
-
-async def stored(pg_url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(pg_url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r["id"] for r in rows]
 
 
 class RowLock:
