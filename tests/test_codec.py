@@ -47,6 +47,8 @@ from cronoq_store.domain import (
     task_id,
 )
 
+from .test_rows import SPEC
+
 I64_MAX = 2**63 - 1
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
 
@@ -375,23 +377,7 @@ def test_recurring_round_trip(spec: RecurringSpec, base: TimeBase) -> None:
 
 def test_a_template_keeps_every_field_of_its_task_spec() -> None:
     """A TaskSpec field the template's JSON left out would be lost by every occurrence."""
-    template = TaskSpec(
-        b"payload",
-        kind="kind",
-        pool="pool",
-        priority=Priority.HIGH,
-        key="key",
-        deadline=11,
-        fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
-        duration_hint=timedelta(seconds=3),
-        timeout=timedelta(seconds=4),
-        retry=RetryPolicy(),
-        deps=[Dependency(TaskId(5))],
-        resources={"gpu": 1},
-        tags=["t"],
-        labels=["l"],
-        tenant="tenant",
-    )
+    template = SPEC  # every field set, each to a value of its own
     default = TaskSpec(b"")
     fields = dataclasses.fields(TaskSpec)
     assert [f.name for f in fields if getattr(template, f.name) == getattr(default, f.name)] == []
