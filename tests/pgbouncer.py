@@ -31,12 +31,12 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store.statements import SEARCH_PATH
+from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
 __all__ = ["PgBouncer", "require_pgbouncer", "store_connect_query", "store_settings"]
 
 #: Where Debian puts the binary (``/usr/sbin`` is not on every user's PATH).
 _CANDIDATES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer")
-_SYSTEM_USER = "embedded_postgres"
 _START_TIMEOUT = 15.0
 
 StopMode = Literal["term", "kill"]
@@ -132,7 +132,6 @@ class PgBouncer:
             **(settings or {}),
         }
         self._process: subprocess.Popen[bytes] | None = None
-        self._run_as = _SYSTEM_USER if os.geteuid() == 0 else None
         self._write_config()
 
     def url(self, url: URL | None = None) -> URL:
@@ -149,7 +148,7 @@ class PgBouncer:
             [self.binary, str(self.dir / "pgbouncer.ini")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            user=self._run_as,
+            **run_as(),
         )
         deadline = time.monotonic() + _START_TIMEOUT
         while True:
@@ -233,7 +232,7 @@ class PgBouncer:
         os.chmod(self.dir, 0o700)
         for path in self.dir.iterdir():
             os.chmod(path, 0o600)
-        if self._run_as is not None:
-            entry = pwd.getpwnam(self._run_as)
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam(SYSTEM_USER)
             for path in (self.dir, *self.dir.iterdir()):
                 os.chown(path, entry.pw_uid, entry.pw_gid)

@@ -22,6 +22,7 @@ import time
 from sqlalchemy.engine import URL
 
 from cronoq_store.testing import EmbeddedPostgres
+from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
 from .pgharness import admin_execute
 
@@ -29,7 +30,6 @@ __all__ = ["STANDBY_NAME", "ReplicatedPostgres", "multi_host_url"]
 
 #: The standby's ``application_name``, as ``synchronous_standby_names`` names it.
 STANDBY_NAME = "standby1"
-_SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
 #: Bound on waiting for the standby to stream (and, when synchronous, to be the sync one).
 _STREAMING_TIMEOUT = 30.0
@@ -65,7 +65,6 @@ class ReplicatedPostgres:
         self.standby = EmbeddedPostgres()
         # The standby is a copy of the primary: same superuser, same password.
         self.standby.password = self.primary.password
-        self._run_as = _SYSTEM_USER if os.geteuid() == 0 else None
 
     def start(self, upstream_port: int | None = None) -> None:
         """Start the primary, copy it with ``pg_basebackup -R`` (through ``upstream_port``,
@@ -75,8 +74,8 @@ class ReplicatedPostgres:
         port = upstream_port or self.primary.port
         standby = self.standby
         standby.socket_dir.mkdir(parents=True, exist_ok=True)
-        if self._run_as is not None:
-            entry = pwd.getpwnam(self._run_as)
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam(SYSTEM_USER)
             for path in (standby.base_dir, standby.socket_dir):
                 os.chown(path, entry.pw_uid, entry.pw_gid)
         self._run(
@@ -140,7 +139,7 @@ class ReplicatedPostgres:
             text=True,
             check=False,
             timeout=120,
-            user=self._run_as,
+            **run_as(),
             env={**os.environ, **(env or {})},
         )
         if result.returncode != 0:

