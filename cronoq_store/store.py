@@ -518,11 +518,13 @@ class PgStore:
             async with self._translated("reading health"), self._session() as conn:
                 facts = await queries.cluster_facts(conn, self._leader_lock)
         except SchemaGoneError:
-            # No leader row to read (not migrated, or dropped under a leader): what is
-            # known is who holds the lock; no revision, and epoch 0 as in a new cluster.
+            # No leader table to read (not migrated, or dropped under a leader): what is
+            # known is who holds the lock and what the version table (if any) records;
+            # epoch 0, as in a cluster not yet created.
             async with self._translated("reading health"), self._session() as conn:
                 holder = await queries.leader_lock_holder(conn, self._leader_lock)
-            facts = queries.ClusterFacts(0, holder, ())
+                status = await conn.run_sync(migrations.revision_status, self._config.schema)
+            facts = queries.ClusterFacts(0, holder, status.current)
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,
