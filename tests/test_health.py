@@ -111,4 +111,5 @@ async def test_tables_dropped_under_a_leader_report_the_holder_and_no_revision(
         assert seen.holder is not None
         assert seen.holder.application_name == "health-e leader"
         assert (seen.revision, seen.stored_epoch, seen.at_head) == ((), 0, False)
-        assert seen.has_leader and not seen.is_leader
+        assert seen.has_leader
+        assert not seen.is_leader
