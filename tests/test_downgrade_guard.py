@@ -270,3 +270,21 @@ async def test_the_offline_script_stops_under_a_live_leader(pg_url: URL, migrate
     finally:
         await conn.close()
     assert await tables(pg_url, migrated) == {"cronoq_alembic_version"}
+
+
+async def test_health_names_the_holder_of_a_schema_downgraded_under_it(
+    pg_url: URL, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dgh-{migrated}")) as leader:
+        await leader.acquire_leadership()
+        (pid,) = await leader_lock_pids(pg_url, migrated)
+        forced = await cronoq(
+            "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
+        )
+        assert forced.returncode == 0, forced.stderr
+        # The leader has not committed since: it still holds the lock, on a schema with no tables.
+        health = await cronoq("--schema", migrated, "health", url=pg_url)
+        assert health.returncode == ExitCode.NOT_MIGRATED, health.stdout
+        assert "no instance holds the leader lock" not in health.stdout
+        assert f"schema {migrated} is not migrated" in health.stdout
+        assert f"pid {pid} (dgh-{migrated} leader) holds the leader lock" in health.stdout
