@@ -189,6 +189,22 @@ async def test_a_standby_waits_behind_a_downgrade_and_never_leads_the_void(
         assert await leader_lock_pids(pg_url, migrated) == []
 
 
+async def test_a_standby_that_leads_after_a_partial_downgrade_steps_down_at_its_commit(
+    pg_url: URL, engine: AsyncEngine, migrated: str
+) -> None:
+    """The columns it writes are gone (42703): SchemaGoneError, not a StoreError retried or
+    raised for every batch, and the leadership is given up."""
+    async with await PgStore.connect(pg_url, config(migrated, f"dgp-{migrated}")) as standby:
+        await downgrade(engine, migrated, "0003_recurring_last_task_id")
+        epoch = await standby.acquire_leadership()
+        with pytest.raises(SchemaGoneError, match="run `cronoq-store migrate`"):
+            await standby.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await asyncio.wait_for(standby.leadership_lost(), 5)
+        assert not standby.is_leader
+        with pytest.raises(FencedError):
+            await standby.commit(epoch, BASE, [submitted(epoch, 2)], [])
+
+
 @pytest.mark.parametrize("drop", ["forced downgrade", "by hand"])
 async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_after(
     pg_url: URL, migrated: str, drop: str
