@@ -51,6 +51,7 @@ from .errors import (
     IdCollisionError,
     KeyTakenError,
     MigrationError,
+    SchemaGoneError,
     StoreError,
     UnavailableError,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "RecurringUpsert",
     "RetryPolicy",
     "Schedule",
+    "SchemaGoneError",
     "StatusChanged",
     "Store",
     "StoreError",

@@ -19,6 +19,7 @@ __all__ = [
     "CONNECTION_CLASSES",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
+    "SCHEMA_GONE_CODES",
     "TRANSIENT_CLASSES",
     "TRANSIENT_CODES",
     "BatchTooLargeError",
@@ -27,6 +28,7 @@ __all__ = [
     "IdCollisionError",
     "KeyTakenError",
     "MigrationError",
+    "SchemaGoneError",
     "StoreError",
     "UnavailableError",
     "translate_error",
@@ -47,6 +49,9 @@ READ_ONLY = "25006"
 #: A named prepared statement missing (26000) or already defined (42P05) on the server:
 #: clients sharing server sessions behind a transaction-pooling PgBouncer before 1.21.
 PREPARED_STATEMENT_CODES = frozenset({"26000", "42P05"})
+#: What this build reads and writes is gone: 42P01 undefined table, 42703 undefined column,
+#: 3F000 invalid schema name (a downgrade, or a schema dropped by hand, under the store).
+SCHEMA_GONE_CODES = frozenset({"42P01", "42703", "3F000"})
 
 
 class StoreError(Exception):
@@ -73,6 +78,13 @@ class UnavailableError(StoreError):
 
 class FencedError(StoreError):
     """Another instance took leadership: this instance must never write again."""
+
+
+class SchemaGoneError(FencedError):
+    """The cluster's tables or columns that this build uses are gone (a forced downgrade, or
+    a schema dropped by hand, while it ran): nothing of the failed call was written, and
+    retrying cannot help. A leader steps down on it (``leadership_lost()`` returns); migrate
+    the schema before any instance leads it again."""
 
 
 class MigrationError(StoreError):
@@ -156,7 +168,8 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     including driver misuse that merely looks like a connection problem (asyncpg's
     ``InterfaceError`` for a wrong argument count or a busy connection). A named prepared
     statement missing or taken (26000, 42P05: a transaction-pooling PgBouncer) is a permanent
-    ``StoreError`` saying which settings avoid it. Store errors pass through unchanged.
+    ``StoreError`` saying which settings avoid it. A table, column or schema missing (42P01,
+    42703, 3F000) is a :class:`SchemaGoneError`. Store errors pass through unchanged.
 
     Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
     """
@@ -169,6 +182,12 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
         return UnavailableError(message, reconnect=True)
     if any(s.startswith(TRANSIENT_CLASSES) or s in TRANSIENT_CODES for s in states):
         return UnavailableError(message)
+    if any(s in SCHEMA_GONE_CODES for s in states):
+        return SchemaGoneError(
+            f"{message}; the cluster's schema lacks tables or columns this build uses "
+            "(downgraded or dropped while in use?): this instance must not write to it; "
+            "run `cronoq-store migrate` before any instance leads it again"
+        )
     if any(s in PREPARED_STATEMENT_CODES for s in states):
         return StoreError(
             f"{message}; named prepared statements do not survive a transaction-pooling "

@@ -37,7 +37,7 @@ from typing import Protocol, TypeAlias, TypeVar
 
 from .committer_stats import CommitterStats, Tally
 from .domain import Mutation, TaskId, TimeBase
-from .errors import CommitterClosedError, FencedError, StoreError
+from .errors import CommitterClosedError, FencedError, SchemaGoneError, StoreError
 from .retry import COMMIT_BACKOFF, Backoff, pause
 from .sizing import mutation_size, output_size
 from .telemetry import DISABLED, Telemetry
@@ -126,6 +126,14 @@ def _positive_seconds(name: str, value: float) -> float:
     ):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def _fenced_error(what: str, cause: FencedError) -> FencedError:
+    """The error of a submitter after ``cause`` fenced the committer, of the same kind: a
+    :class:`SchemaGoneError` stays one (no other instance leads then; the tables are gone)."""
+    if isinstance(cause, SchemaGoneError):
+        return SchemaGoneError(f"{what}; this instance must not write any more")
+    return FencedError(f"{what}; another instance leads, so this instance must not write any more")
 
 
 def _chained(error: _E, cause: BaseException | None) -> _E:
@@ -336,9 +344,8 @@ class GroupCommitter:
 
     def _refuse_if_closed(self) -> None:
         if self._fenced is not None:
-            raise FencedError(
-                f"the group committer was fenced ({self._fenced}): another instance leads, "
-                "so this instance must not write any more"
+            raise _fenced_error(
+                f"the group committer was fenced ({self._fenced})", self._fenced
             ) from self._fenced
         if self._failure is not None:
             raise CommitterClosedError(
@@ -617,10 +624,7 @@ class GroupCommitter:
 
         def fenced() -> FencedError:
             return _chained(
-                FencedError(
-                    f"fenced before this submission was confirmed durable: {exc}; another "
-                    "instance leads, so this instance must not write any more"
-                ),
+                _fenced_error(f"fenced before this submission was confirmed durable: {exc}", exc),
                 exc,
             )
 

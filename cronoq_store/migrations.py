@@ -58,7 +58,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
-from . import migration_lock
+from . import downgrade_guard, migration_lock
 from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
@@ -162,11 +162,16 @@ async def downgrade(
     revision: str,
     *,
     trusted_triggers: frozenset[str] = frozenset(),
+    force: bool = False,
 ) -> None:
     """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
     same transaction, lock and trust checks as :func:`upgrade`. What it undoes is lost,
-    rows and all: :func:`downgrade_steps` says which revisions that is."""
-    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision)
+    rows and all: :func:`downgrade_steps` says which revisions that is.
+
+    Refused (:class:`~cronoq_store.MigrationError`) while an instance holds the leader lock,
+    and to base once the cluster issued task ids, unless ``force``; forced, a live leader is
+    fenced (:mod:`cronoq_store.downgrade_guard`)."""
+    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision, force=force)
 
 
 async def _run_on(
@@ -175,6 +180,8 @@ async def _run_on(
     trusted_triggers: frozenset[str],
     alembic_command: Callable[[Config, str], None],
     revision: str,
+    *,
+    force: bool = False,
 ) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
@@ -183,6 +190,7 @@ async def _run_on(
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
         cfg.attributes[_TRUSTED_TRIGGERS] = trusted
+        cfg.attributes[downgrade_guard.FORCE] = force
         alembic_command(cfg, revision)
 
     try:
@@ -541,7 +549,9 @@ def run_environment(context: EnvironmentContext) -> None:
     ``AsyncConnection.run_sync``, an ``AsyncEngine`` or an ``Engine``), else from
     ``-x url=...``, ``$CRONOQ_DATABASE_URL`` or ``sqlalchemy.url``. The schema comes from
     ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
-    in this process (:mod:`cronoq_store.migration_lock`).
+    in this process (:mod:`cronoq_store.migration_lock`). A downgrade is refused under a
+    live leader unless ``attributes["force"]`` or ``-x force=true``
+    (:mod:`cronoq_store.downgrade_guard`).
     """
     context = migration_lock.resolve(context)  # refuses another command's context
     with migration_lock.held(context):
@@ -615,6 +625,9 @@ def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
         include_name=include_name,
         compare_type=True,
         transaction_per_migration=False,
+        # Every downgrade checks for a live leader before its first step, in the run's
+        # transaction (:mod:`cronoq_store.downgrade_guard`).
+        fn=downgrade_guard.guarded(context, schema, connection),
         **kwargs,
     )
 

@@ -38,8 +38,11 @@ __all__ = [
     "cluster_facts",
     "finished_params",
     "get_task",
+    "leader_lock_holder",
     "list_finished",
     "load_output",
+    "lock_holder",
+    "lock_keys",
     "lookup_params",
     "prune",
     "prune_cutoff",
@@ -154,16 +157,30 @@ async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> Cluster
     """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and the
     recorded revisions, in one statement: what ``PgStore.health`` and ``cronoq-store
     health`` report."""
-    # The store passes the schema OID as a signed int4; pg_locks shows it unsigned.
-    keys = {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
-    row = (await conn.execute(st.health_facts, keys)).one()
-    holder = None
-    if row.pid is not None:
-        since = row.backend_start
-        holder = LockHolder(
-            pid=row.pid,
-            application_name=row.application_name,
-            client_addr=row.client_addr,
-            since=None if since is None else since.astimezone(timezone.utc),
-        )
-    return ClusterFacts(row.epoch, holder, tuple(sorted(row.revisions or ())))
+    row = (await conn.execute(st.health_facts, lock_keys(lock))).one()
+    return ClusterFacts(row.epoch, lock_holder(row), tuple(sorted(row.revisions or ())))
+
+
+async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:
+    """Who holds the leader lock ``lock``, also where the schema has no leader row to read
+    (not migrated, or its tables dropped under a running leader)."""
+    return lock_holder((await conn.execute(st.leader_lock_holder, lock_keys(lock))).first())
+
+
+def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
+    """The parameters of :data:`~cronoq_store.statements.leader_lock_holder` for the store's
+    keys: the store passes the schema OID as a signed int4; pg_locks shows it unsigned."""
+    return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
+
+
+def lock_holder(row: Any) -> LockHolder | None:
+    """The holder in a row of ``leader_lock_holder``'s columns; ``None`` for no row or pid."""
+    if row is None or row.pid is None:
+        return None
+    since = row.backend_start
+    return LockHolder(
+        pid=row.pid,
+        application_name=row.application_name,
+        client_addr=row.client_addr,
+        since=None if since is None else since.astimezone(timezone.utc),
+    )

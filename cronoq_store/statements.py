@@ -850,3 +850,70 @@ cluster_schemas = (
 )
 
 __all__ += ["cluster_schemas"]
+
+# --- a downgrade, under the leader lock (``cronoq_store.downgrade_guard``) --------------------
+
+__all__ += [
+    "cluster_issued_ids",
+    "lock_cluster_tables",
+    "refuse_live_leader",
+    "try_leader_lock_for_transaction",
+]
+
+#: ``pg_try_advisory_xact_lock(k1, k2)``: true if this transaction now holds the leader lock,
+#: until it ends; a standby's ``pg_try_advisory_lock`` fails meanwhile.
+try_leader_lock_for_transaction = select(
+    func.pg_try_advisory_xact_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
+)
+
+#: Whether the cluster ever issued a task id: someone led (the epoch moved) or a task is stored.
+#: A cluster made again after a downgrade to base starts at epoch 0 and issues them again.
+cluster_issued_ids = select(
+    or_(
+        select(leader.c.id).where(leader.c.epoch > 0).exists(),
+        select(tasks.c.id).exists(),
+    )
+)
+
+
+def lock_cluster_tables(schema: str, dialect: Any) -> DDL:
+    """``LOCK TABLE`` of the cluster's tables in ``schema``, all in one statement before the
+    downgrade touches any: it waits for commits in flight, and later ones wait for it, in one
+    order (leader row first, as every commit takes it), so none can deadlock with its DDL."""
+    quote = dialect.identifier_preparer.quote
+    names = ", ".join(f"{quote(schema)}.{quote(t.name)}" for t in (leader, tasks, recurring))
+    return DDL(f"LOCK TABLE ONLY {names} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
+
+
+#: What an offline (``--sql``) downgrade script runs before its first revision: stop if a
+#: session holds the leader lock of the schema named by :func:`checked_schema`, else hold it
+#: until the script's COMMIT, as the online run does (``-x force=true`` leaves this out).
+#: The key is :data:`LOCK_NS_LEADER`, written out: the block is constant text.
+refuse_live_leader = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store.schema');
+    holder_ pg_catalog.text;
+BEGIN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(1668444017, pg_catalog.to_regnamespace(
+            pg_catalog.quote_ident(schema_))::pg_catalog.oid::pg_catalog.int4) THEN
+        SELECT 'pid ' || l.pid || ', role ' || pg_catalog.quote_nullable(a.usename)
+                || ', application ' || pg_catalog.quote_nullable(a.application_name)
+                || ', since ' || COALESCE(a.backend_start::pg_catalog.text, 'unknown')
+            INTO holder_
+        FROM pg_catalog.pg_locks l LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                WHERE d.datname = pg_catalog.current_database())
+            AND l.classid = 1668444017 AND l.objid = pg_catalog.to_regnamespace(
+                pg_catalog.quote_ident(schema_))::pg_catalog.oid;
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_in_use',
+            MESSAGE = 'cronoq-store: an instance leads schema ' || pg_catalog.quote_ident(schema_)
+                || ' (it holds the leader lock: ' || COALESCE(holder_, 'let go since')
+                || '): refusing to downgrade under a live leader; stop every instance, or '
+                || 'generate the script with -x force=true';
+    END IF;
+END
+$cronoq$"""
+)

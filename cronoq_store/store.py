@@ -44,6 +44,7 @@ from .domain import (
 from .errors import (
     BatchTooLargeError,
     FencedError,
+    SchemaGoneError,
     StoreError,
     UnavailableError,
     translate_error,
@@ -428,6 +429,17 @@ class PgStore:
         self._fenced = True
         self._leadership.mark_lost("fenced")
 
+    async def _schema_gone(self, error: SchemaGoneError) -> None:
+        """The cluster's tables or columns went away under this leader (a forced downgrade):
+        step down, releasing the lock, as when fenced; a new term needs a migrated schema."""
+        logger.error(
+            "the cluster's schema lost what this build uses; stepping down",
+            extra={"schema": self._config.schema, "epoch": self.epoch, "error": str(error)},
+        )
+        self._fenced = True
+        self._leadership.mark_lost("schema_gone")
+        await self._commits.release()
+
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
         """A pooled connection in a transaction, with the cluster's schema applied, under
@@ -454,6 +466,8 @@ class PgStore:
             yield
         except Exception as exc:
             error = translate_error(exc, action)
+            if isinstance(error, SchemaGoneError) and self._leadership.is_leader:
+                await self._schema_gone(error)
             if isinstance(error, UnavailableError) and error.reconnect:
                 logger.warning(
                     "the database no longer accepts writes (demoted primary?); "
@@ -497,9 +511,20 @@ class PgStore:
         build's head, and the age of this instance's last successful commit, read in one
         statement: for an application's readiness endpoint. "Not healthy" is a fact in the
         result (no leader, not at head); only a database that cannot be read raises
-        (``UnavailableError`` or ``StoreError``)."""
-        async with self._translated("reading health"), self._session() as conn:
-            facts = await queries.cluster_facts(conn, self._leader_lock)
+        (``UnavailableError`` or ``StoreError``). A schema whose tables are gone (never
+        migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
+        with whoever holds its leader lock."""
+        try:
+            async with self._translated("reading health"), self._session() as conn:
+                facts = await queries.cluster_facts(conn, self._leader_lock)
+        except SchemaGoneError:
+            # No leader table to read (not migrated, or dropped under a leader): what is
+            # known is who holds the lock and what the version table (if any) records;
+            # epoch 0, as in a cluster not yet created.
+            async with self._translated("reading health"), self._session() as conn:
+                holder = await queries.leader_lock_holder(conn, self._leader_lock)
+                status = await conn.run_sync(migrations.revision_status, self._config.schema)
+            facts = queries.ClusterFacts(0, holder, status.current)
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,

@@ -84,8 +84,8 @@ class Telemetry:
         yield
 
     def step_down(self, reason: str) -> None:
-        """Leadership held was given up or lost: ``session_lost``, ``fenced``, ``released``
-        or ``closed``."""
+        """Leadership held was given up or lost: ``session_lost``, ``fenced``,
+        ``schema_gone``, ``released`` or ``closed``."""
 
     def watch_leadership(self, leadership: Leadership) -> None:
         """Report ``leadership`` in the is-leader and epoch gauges."""

@@ -86,6 +86,30 @@ async def test_a_schema_behind_head_is_reported_not_raised(pg_url: URL, migrated
 
 async def test_an_unreadable_database_is_a_store_error(pg_url: URL, migrated: str) -> None:
     async with await PgStore.connect(pg_url, config(migrated, "health-d")) as store:
-        await admin_execute(pg_url, f"DROP TABLE {migrated}.cronoq_leader")
+        await admin_execute(pg_url, f"DELETE FROM {migrated}.cronoq_leader")
         with pytest.raises(StoreError, match="reading health failed"):
             await store.health()
+
+
+async def test_tables_dropped_under_a_leader_report_the_holder_and_no_revision(
+    pg_url: URL, migrated: str
+) -> None:
+    """Health says what it knows: the lock is held, by whom, and the schema is not migrated
+    (before: the leader row's UndefinedTableError raised from health())."""
+    async with (
+        await PgStore.connect(pg_url, config(migrated, "health-e")) as leader,
+        await PgStore.connect(pg_url, config(migrated, "health-f")) as standby,
+    ):
+        await leader.acquire_leadership()
+        await admin_execute(
+            pg_url,
+            f"DROP TABLE {migrated}.cronoq_leader, {migrated}.cronoq_tasks, "
+            f"{migrated}.cronoq_recurring",
+        )
+        await admin_execute(pg_url, f"DELETE FROM {migrated}.cronoq_alembic_version")
+        seen = await standby.health()
+        assert seen.holder is not None
+        assert seen.holder.application_name == "health-e leader"
+        assert (seen.revision, seen.stored_epoch, seen.at_head) == ((), 0, False)
+        assert seen.has_leader
+        assert not seen.is_leader

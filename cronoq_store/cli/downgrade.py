@@ -3,7 +3,9 @@
 A downgrade drops what the undone revisions hold (``base``: every table of the cluster,
 every task with them), so it names them and asks first: ``--yes`` in a script, a
 confirmation on a terminal, a usage error otherwise. It runs as ``migrate`` does: one
-transaction under the schema's migration lock, the same trust checks.
+transaction under the schema's migration lock, the same trust checks. It refuses (exit 1)
+while an instance holds the leader lock, naming it, and to base once the cluster issued
+task ids, unless ``--force`` (:mod:`cronoq_store.downgrade_guard`).
 """
 
 from __future__ import annotations
@@ -28,18 +30,28 @@ __all__ = ["downgrade_command"]
 @click.argument("revision")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation (scripts).")
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Downgrade even while an instance leads (it is fenced), or to base of a cluster "
+    "that issued task ids (a cluster migrated again here issues them again).",
+)
+@click.option(
     "--sql", is_flag=True, help="Print the downgrade script instead of running it (FROM:TO)."
 )
 @click.pass_obj
-def downgrade_command(options: Options, revision: str, sql: bool, yes: bool) -> None:
+def downgrade_command(options: Options, revision: str, sql: bool, yes: bool, force: bool) -> None:
     """Downgrade the schema to REVISION (``base`` removes the cluster), in one serialized
     transaction; what the undone revisions hold is lost.
 
+    Refused while an instance holds the leader lock, and to base once the cluster issued
+    task ids, unless --force.
+
     With --sql, print the script for review without connecting: REVISION is then a range,
-    FROM:TO (e.g. 0006_drop_legacy_version_table:0005_task_tenant).
+    FROM:TO (e.g. 0006_drop_legacy_version_table:0005_task_tenant). The script stops if an
+    instance leads when it runs (with --force: fences it).
     """
     if sql:
-        print_script(command.downgrade, options.schema, revision)
+        print_script(command.downgrade, options.schema, revision, force=force)
         return
     current, undone = run(options.url, _plan(options, revision))
     question = (
@@ -51,7 +63,7 @@ def downgrade_command(options: Options, revision: str, sql: bool, yes: bool) -> 
             CliError(f"{question} Pass --yes to confirm.", ExitCode.USAGE).exit(options.url)
         if not click.confirm(question, default=False):
             CliError("downgrade cancelled: nothing changed", ExitCode.FAILED).exit(options.url)
-    run(options.url, _downgrade(options, revision, current, output.console()))
+    run(options.url, _downgrade(options, revision, current, force, output.console()))
 
 
 async def _plan(options: Options, revision: str) -> tuple[str, tuple[str, ...]]:
@@ -71,11 +83,15 @@ async def _plan(options: Options, revision: str) -> tuple[str, tuple[str, ...]]:
     return before.current[0], undone
 
 
-async def _downgrade(options: Options, revision: str, current: str, console: Console) -> None:
+async def _downgrade(
+    options: Options, revision: str, current: str, force: bool, console: Console
+) -> None:
     schema = options.schema
     engine = database.engine(options.database_url())
     try:
-        await downgrade(engine, schema, revision, trusted_triggers=options.trusted_triggers)
+        await downgrade(
+            engine, schema, revision, trusted_triggers=options.trusted_triggers, force=force
+        )
     except MigrationError as exc:
         raise CliError(str(exc), ExitCode.FAILED) from None
     finally:

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from .. import queries
 from .. import statements as st
+from ..domain import LockHolder
 from ..migrations import RevisionStatus
 from ..queries import ClusterFacts
 from . import database, output
@@ -32,14 +33,21 @@ def health(options: Options, as_json: bool) -> None:
 
 async def _health(options: Options, as_json: bool, console: Console) -> ExitCode:
     facts: ClusterFacts | None = None
+    holder: LockHolder | None = None
     async with database.database(options) as conn:
         revision = await database.revision(conn, options.schema)
-        if revision.current:
-            # Migrated at some revision: the leader row and the lock are there to read.
+        if revision.exists:
             oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-            facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
-    code, reasons = _verdict(revision, facts)
-    holder = None if facts is None else facts.holder
+            lock = (st.LOCK_NS_LEADER, oid)
+            if revision.current:
+                # Migrated at some revision: the leader row and the lock are there to read.
+                facts = await queries.cluster_facts(conn, lock)
+                holder = facts.holder
+            else:
+                # No leader row, but a leader may still hold the lock (its tables were
+                # dropped under it): say so rather than "no instance holds the lock".
+                holder = await queries.leader_lock_holder(conn, lock)
+    code, reasons = _verdict(revision, facts, holder)
     if as_json:
         output.emit_json(
             {
@@ -64,7 +72,9 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     return code
 
 
-def _verdict(revision: RevisionStatus, facts: ClusterFacts | None) -> tuple[ExitCode, list[str]]:
+def _verdict(
+    revision: RevisionStatus, facts: ClusterFacts | None, holder: LockHolder | None
+) -> tuple[ExitCode, list[str]]:
     """The exit code (the gravest reason's) and every reason, in words."""
     codes: list[ExitCode] = []
     reasons: list[str] = []
@@ -74,7 +84,12 @@ def _verdict(revision: RevisionStatus, facts: ClusterFacts | None) -> tuple[Exit
             f"schema {revision.schema} is {revision.describe()} (this build's head is "
             f"{revision.head})"
         )
-    if facts is None or facts.holder is None:
+    if holder is None:
         codes.append(ExitCode.NO_LEADER)
         reasons.append("no instance holds the leader lock")
+    elif facts is None:
+        reasons.append(
+            f"pid {holder.pid} ({holder.application_name or 'details hidden'}) holds the "
+            f"leader lock, but schema {revision.schema} is not migrated: it cannot lead it"
+        )
     return (codes[0] if codes else ExitCode.OK), reasons

@@ -10,6 +10,7 @@ from alembic import command
 from alembic.util import CommandError
 from rich.console import Console
 
+from ..downgrade_guard import FORCE
 from ..errors import MigrationError
 from ..migrations import alembic_config, downgrade_steps, run_command, upgrade
 from . import database, output
@@ -36,9 +37,13 @@ def migrate(options: Options, revision: str, sql: bool) -> None:
     run(options.url, _migrate(options, revision, output.console()))
 
 
-def print_script(alembic_command: Callable[..., None], schema: str, revision: str) -> None:
-    """Print Alembic's offline script for ``schema`` without connecting."""
+def print_script(
+    alembic_command: Callable[..., None], schema: str, revision: str, *, force: bool = False
+) -> None:
+    """Print Alembic's offline script for ``schema`` without connecting (``force``: a
+    downgrade's script does not stop under a live leader, it fences it)."""
     cfg = alembic_config(schema)
+    cfg.attributes[FORCE] = force
     script = io.StringIO()
     cfg.output_buffer = script
     try:

@@ -1,0 +1,306 @@
+"""Operators cannot destroy a live cluster by accident: a downgrade refuses while an instance
+holds the leader lock (``cronoq-store downgrade``, Alembic's own command, the offline
+script), and to base once the cluster issued ids, unless forced; it holds the lock until its
+COMMIT, so a standby waits behind it; a leader whose tables a forced downgrade (or a hand)
+drops steps down with ``SchemaGoneError``, and nothing is acknowledged after the drop.
+
+The commands run as real processes (``python -m cronoq_store.cli``, ``python -m alembic``);
+the leaders are stores in this process, with real sessions on the server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import (
+    FencedError,
+    GroupCommitter,
+    PgStore,
+    PgStoreConfig,
+    SchemaGoneError,
+    Submitted,
+    TaskSpec,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.cli import ExitCode
+from cronoq_store.migrations import downgrade, head_revision, upgrade
+from cronoq_store.statements import LOCK_NS_LEADER
+
+from .pgharness import admin_execute, asyncpg_dsn
+from .test_group_commit import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = TimeBase.now()
+_seq = itertools.count(1)
+
+
+def submitted(epoch: int, n: int) -> Submitted:
+    return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"p %d" % n))
+
+
+def config(schema: str, name: str) -> PgStoreConfig:
+    return PgStoreConfig(schema=schema, application_name=name, lock_poll=0.05)
+
+
+async def command(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
+    """A command line as an operator runs it, in a process of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
+    env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
+
+
+async def cronoq(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
+    return await command("-m", "cronoq_store.cli", *args, url=url)
+
+
+async def alembic(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
+    return await command("-m", "alembic", *args, url=url)
+
+
+async def task_rows(url: URL, schema: str) -> int:
+    return int((await admin_execute(url, f'SELECT count(*) FROM "{schema}".cronoq_tasks'))[0][0])
+
+
+async def tables(url: URL, schema: str) -> set[str]:
+    rows = await admin_execute(url, "SELECT tablename FROM pg_tables WHERE schemaname = $1", schema)
+    return {r[0] for r in rows}
+
+
+async def leader_lock_pids(url: URL, schema: str) -> list[int]:
+    rows = await admin_execute(
+        url,
+        "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.classid = $1 AND l.objid = $2::regnamespace::oid AND l.objsubid = 2",
+        LOCK_NS_LEADER,
+        schema,
+    )
+    return [r[0] for r in rows]
+
+
+async def test_downgrade_refuses_under_a_live_leader_naming_it_and_forced_fences_it(
+    pg_url: URL, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dg-{migrated}")) as leader:
+        epoch = await leader.acquire_leadership()
+        await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        (pid,) = await leader_lock_pids(pg_url, migrated)
+
+        for target in ("base", "0005_task_tenant"):
+            refused = await cronoq("--schema", migrated, "downgrade", target, "--yes", url=pg_url)
+            assert refused.returncode == ExitCode.FAILED, (target, refused.stderr)
+            assert f"an instance leads schema {migrated!r}" in refused.stderr
+            assert f"pid {pid}, application 'dg-{migrated} leader'" in refused.stderr
+            assert "--force" in refused.stderr
+        by_alembic = await alembic("-x", f"schema={migrated}", "downgrade", "-1", url=pg_url)
+        assert by_alembic.returncode != 0
+        assert f"an instance leads schema {migrated!r}" in by_alembic.stderr
+        assert "-x force=true" in by_alembic.stderr
+        # Nothing changed: the revision, the tables and the task are all there.
+        assert await task_rows(pg_url, migrated) == 1
+        assert (await leader.health()).revision == (head_revision(),)
+        await leader.commit(epoch, BASE, [submitted(epoch, 2)], [])
+
+        forced = await cronoq(
+            "--schema", migrated, "downgrade", "0004_task_labels", "--yes", "--force", url=pg_url
+        )
+        assert forced.returncode == 0, forced.stderr
+        # The leader was fenced by the downgrade's epoch bump: its next commit lands nowhere.
+        with pytest.raises(FencedError):
+            await leader.commit(epoch, BASE, [submitted(epoch, 3)], [])
+        await asyncio.wait_for(leader.leadership_lost(), 5)
+        assert await task_rows(pg_url, migrated) == 2
+
+
+async def test_alembic_force_downgrades_under_a_leader(pg_url: URL, migrated: str) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dga-{migrated}")) as leader:
+        epoch = await leader.acquire_leadership()
+        forced = await alembic(
+            "-x", f"schema={migrated}", "-x", "force=true", "downgrade", "base", url=pg_url
+        )
+        assert forced.returncode == 0, forced.stderr
+        assert await tables(pg_url, migrated) == {"cronoq_alembic_version"}
+        with pytest.raises(SchemaGoneError):
+            await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        assert not leader.is_leader
+        await asyncio.wait_for(leader.leadership_lost(), 5)
+
+
+async def test_base_refuses_a_cluster_that_issued_ids_and_a_partial_one_runs_unled(
+    pg_url: URL, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dgb-{migrated}")) as store:
+        epoch = await store.acquire_leadership()
+        await store.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await store.release_leadership()
+
+    partial = await cronoq(
+        "--schema", migrated, "downgrade", "0005_task_tenant", "--yes", url=pg_url
+    )
+    assert partial.returncode == 0, partial.stderr
+    gone = await cronoq("--schema", migrated, "downgrade", "base", "--yes", url=pg_url)
+    assert gone.returncode == ExitCode.FAILED
+    assert f"schema {migrated!r} has issued task ids" in gone.stderr
+    assert "issues the same ids" in gone.stderr
+    assert await task_rows(pg_url, migrated) == 1
+    forced = await cronoq("--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url)
+    assert forced.returncode == 0, forced.stderr
+    assert await tables(pg_url, migrated) == {"cronoq_alembic_version"}
+
+
+async def test_a_standby_waits_behind_a_downgrade_and_never_leads_the_void(
+    pg_url: URL, engine: AsyncEngine, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dgr-{migrated}")) as standby:
+        async with engine.connect() as conn:
+            await conn.begin()
+            await downgrade(conn, migrated, "base")
+            downgrading = (await conn.execute(select(func.pg_backend_pid()))).scalar_one()
+            acquiring = asyncio.ensure_future(standby.acquire_leadership())
+            await asyncio.sleep(1.0)
+            # The downgrade's transaction holds the leader lock: the standby polls behind it.
+            assert not acquiring.done()
+            assert await leader_lock_pids(pg_url, migrated) == [downgrading]
+            await conn.commit()
+        with pytest.raises(SchemaGoneError, match="run `cronoq-store migrate`"):
+            await asyncio.wait_for(acquiring, 10)
+        assert not standby.is_leader
+        assert await leader_lock_pids(pg_url, migrated) == []
+
+
+async def test_a_standby_that_leads_after_a_partial_downgrade_steps_down_at_its_commit(
+    pg_url: URL, engine: AsyncEngine, migrated: str
+) -> None:
+    """The columns it writes are gone (42703): SchemaGoneError, not a StoreError retried or
+    raised for every batch, and the leadership is given up."""
+    async with await PgStore.connect(pg_url, config(migrated, f"dgp-{migrated}")) as standby:
+        await downgrade(engine, migrated, "0003_recurring_last_task_id")
+        epoch = await standby.acquire_leadership()
+        with pytest.raises(SchemaGoneError, match="run `cronoq-store migrate`"):
+            await standby.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await asyncio.wait_for(standby.leadership_lost(), 5)
+        assert not standby.is_leader
+        with pytest.raises(FencedError):
+            await standby.commit(epoch, BASE, [submitted(epoch, 2)], [])
+
+
+@pytest.mark.parametrize("drop", ["forced downgrade", "by hand"])
+async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_after(
+    pg_url: URL, migrated: str, drop: str
+) -> None:
+    name = f"dgl-{migrated}"
+    async with await PgStore.connect(pg_url, config(migrated, name)) as leader:
+        epoch = await leader.acquire_leadership()
+        counter = itertools.count()
+        acks: list[float] = []
+
+        async def submitter(committer: GroupCommitter) -> None:
+            while True:
+                await committer.submit([submitted(epoch, next(counter))])
+                acks.append(time.monotonic())
+
+        committer = GroupCommitter(leader, epoch, BASE)
+        running = [asyncio.ensure_future(submitter(committer)) for _ in range(16)]
+        try:
+            await wait_until(lambda: len(acks) >= 200, what="acks before the drop")
+            if drop == "by hand":
+                conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+                try:
+                    await conn.execute(
+                        f'DROP TABLE "{migrated}".cronoq_leader, "{migrated}".cronoq_tasks, '
+                        f'"{migrated}".cronoq_recurring'
+                    )
+                    await conn.execute(f'DELETE FROM "{migrated}".cronoq_alembic_version')
+                finally:
+                    await conn.close()
+            else:
+                ran = await cronoq(
+                    "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
+                )
+                assert ran.returncode == 0, ran.stderr
+            dropped = time.monotonic()
+            errors = await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 10)
+            await asyncio.wait_for(leader.leadership_lost(), 5)
+        finally:
+            for task in running:
+                task.cancel()
+            await committer.close()
+        assert all(isinstance(e, SchemaGoneError) for e in errors), errors
+        assert "tables or columns this build uses" in str(errors[0])
+        assert not leader.is_leader
+        assert [t for t in acks if t > dropped] == []
+
+        # The lock session was closed: no session of this leader holds the lock.
+        async def unlocked() -> bool:
+            return await leader_lock_pids(pg_url, migrated) == []
+
+        await wait_until(unlocked, 5, what="the lock session to close")
+        # A schema migrated again gets nothing from the old leader.
+        await upgrade(leader.engine, migrated)
+        await asyncio.sleep(0.2)
+        assert await task_rows(pg_url, migrated) == 0
+        with pytest.raises(FencedError):
+            await leader.commit(epoch, BASE, [submitted(epoch, 10**6)], [])
+
+
+async def test_the_offline_script_stops_under_a_live_leader(pg_url: URL, migrated: str) -> None:
+    script = await cronoq(
+        "--schema", migrated, "downgrade", "--sql", f"{head_revision()}:base", url=pg_url
+    )
+    assert script.returncode == 0, script.stderr
+    async with await PgStore.connect(pg_url, config(migrated, f"dgo-{migrated}")) as leader:
+        epoch = await leader.acquire_leadership()
+        conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+        try:
+            with pytest.raises(asyncpg.ObjectInUseError, match="an instance leads schema"):
+                await conn.execute(script.stdout)
+        finally:
+            await conn.close()
+        assert await tables(pg_url, migrated) >= {"cronoq_leader", "cronoq_tasks"}
+        await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+    # Nobody leads: the same script runs.
+    conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await conn.execute(script.stdout)
+    finally:
+        await conn.close()
+    assert await tables(pg_url, migrated) == {"cronoq_alembic_version"}
+
+
+async def test_health_names_the_holder_of_a_schema_downgraded_under_it(
+    pg_url: URL, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, f"dgh-{migrated}")) as leader:
+        await leader.acquire_leadership()
+        (pid,) = await leader_lock_pids(pg_url, migrated)
+        forced = await cronoq(
+            "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
+        )
+        assert forced.returncode == 0, forced.stderr
+        # The leader has not committed since: it still holds the lock, on a schema with no tables.
+        health = await cronoq("--schema", migrated, "health", url=pg_url)
+        assert health.returncode == ExitCode.NOT_MIGRATED, health.stdout
+        assert "no instance holds the leader lock" not in health.stdout
+        assert f"schema {migrated} is not migrated" in health.stdout
+        assert f"pid {pid} (dgh-{migrated} leader) holds the leader lock" in health.stdout
