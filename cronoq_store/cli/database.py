@@ -2,8 +2,9 @@
 
 One pool-less engine per command, the cluster's schema applied at execution as the store
 does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for objects an
-untrusted role controls before any command reads it. Failing to connect is exit code 3; a
-schema that is not at this build's head is 4, one that a newer build migrated 5.
+untrusted role controls before any command reads it. A URL that is not a PostgreSQL URL is
+a usage error (2), failing to connect is exit code 3; a schema that is not at this build's
+head is 4, one that a newer build migrated 5.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def engine(url: str) -> AsyncEngine:
             },
         )
     except ValueError as exc:  # async_url's messages are already masked
-        raise CliError(str(exc), ExitCode.UNREACHABLE) from None
+        # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
+        # DSN, a parameter the store refuses) is the operator's to fix: a usage error,
+        # found before anything connects.
+        raise CliError(str(exc), ExitCode.USAGE) from None
 
 
 @asynccontextmanager

@@ -37,14 +37,16 @@ def migrate(options: Options, revision: str, sql: bool) -> None:
 
 
 def print_script(alembic_command: Callable[..., None], schema: str, revision: str) -> None:
-    """Print Alembic's offline script for ``schema`` without connecting."""
+    """Print Alembic's offline script for ``schema`` without connecting. Nothing but the
+    arguments can make it fail (a revision or range Alembic refuses, ``downgrade`` without
+    ``FROM:TO``): a usage error."""
     cfg = alembic_config(schema)
     script = io.StringIO()
     cfg.output_buffer = script
     try:
         run_command(alembic_command, cfg, revision, sql=True)
     except CommandError as exc:
-        CliError(str(exc), ExitCode.FAILED).exit(None)
+        CliError(str(exc), ExitCode.USAGE).exit(None)
     click.echo(script.getvalue(), nl=False)
 
 
