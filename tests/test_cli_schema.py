@@ -65,7 +65,14 @@ async def test_schema_after_the_command_and_from_the_environment(
     assert "invalid schema name" in bad.stderr
 
 
-def test_only_schema_options_move_and_nothing_after_a_double_dash() -> None:
+def test_only_global_options_move_and_nothing_after_a_double_dash() -> None:
+    assert hoist_global_options(["status", "--url", "u", "--json", "--url=v"]) == [
+        "--url",
+        "u",
+        "--url=v",
+        "status",
+        "--json",
+    ]
     assert hoist_global_options(["tasks", "show", "7", "--schema", "a", "--schema=b"]) == [
         "--schema",
         "a",
