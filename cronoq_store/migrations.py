@@ -63,6 +63,7 @@ from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
+from .terminal_safe import visible
 from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = [
@@ -563,9 +564,11 @@ def _run_environment(context: EnvironmentContext) -> None:
         if not from_cli:
             raise
         # Alembic's command line prints a CommandError as one clear line, where anything
-        # else is a driver's traceback; a URL written into the message is masked.
+        # else is a driver's traceback; a URL written into the message is masked, and what
+        # it quotes made safe for a terminal.
         known = isinstance(exc, (MigrationError, ValueError))
-        raise CommandError(scrub(str(exc if known else translate_error(exc, "migrating")))) from exc
+        message = scrub(str(exc if known else translate_error(exc, "migrating")))
+        raise CommandError(visible(message)) from exc
 
 
 def _schema_of(context: EnvironmentContext) -> str:

@@ -72,3 +72,15 @@ async def test_current_says_a_schema_holds_no_cluster_and_creates_nothing(databa
     at_head = alembic("-x", "schema=alpha", "current", url=database)
     assert f"{head_revision()} (head)" in at_head.stdout
     assert "holds no cronoq cluster" not in at_head.stdout
+
+
+def test_an_error_quoting_a_hostile_url_is_escaped() -> None:
+    url = "mysql://ops:hunter22@db\x1b]0;owned\x07\u202e/app"
+    result = alembic("-x", "schema=ops", "-x", f"url={url}", "current")
+    assert result.returncode != 0
+    assert "unsupported database URL mysql://ops:***@db\\x1b]0;owned\\x07\\u202e/app" in (
+        result.stderr
+    )
+    assert "\x1b" not in result.stderr
+    assert "\u202e" not in result.stderr
+    assert "hunter22" not in result.stderr

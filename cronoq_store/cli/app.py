@@ -94,16 +94,20 @@ def _visible_errors() -> Iterator[None]:
     (:func:`~cronoq_store.terminal_safe.visible`) before click prints them."""
     try:
         yield
-    except _VisibleUsageError:
-        raise
+    except (_VisibleUsageError, _VisibleError):
+        raise  # a nested command's, made safe already
     except click.UsageError as exc:
         raise _VisibleUsageError(visible(exc.format_message()), exc.ctx) from None
     except click.ClickException as exc:
-        raise click.ClickException(visible(exc.format_message())) from None
+        raise _VisibleError(visible(exc.format_message())) from None
 
 
 class _VisibleUsageError(click.UsageError):
     """A usage error whose text went through ``visible`` once already."""
+
+
+class _VisibleError(click.ClickException):
+    """Any other click error whose text went through ``visible`` once already."""
 
 
 class _Group(click.Group):
