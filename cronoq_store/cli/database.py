@@ -17,7 +17,13 @@ from sqlalchemy.pool import NullPool
 
 from .. import statements as st
 from ..errors import MigrationError, translate_error
-from ..migrations import CONNECT_TIMEOUT, RevisionStatus, refuse_untrusted, revision_status
+from ..migrations import (
+    CONNECT_TIMEOUT,
+    RevisionStatus,
+    clusters_elsewhere,
+    refuse_untrusted,
+    revision_status,
+)
 from ..schema import schema_options
 from ..urls import async_url, redact
 from .app import SCHEMA_ENV, Options
@@ -86,9 +92,9 @@ async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:
     """Exit 2 when no schema was named, the default holds no cluster and other schemas do:
     the operator most likely forgot ``--schema``, and the default would show (or, for
     ``migrate``, create) an empty one."""
-    found = list((await conn.execute(st.cluster_schemas)).scalars())
+    found = await conn.run_sync(clusters_elsewhere, schema)
     await conn.rollback()
-    if found and schema not in found:
+    if found:
         raise CliError(
             f"no --schema given (nor ${SCHEMA_ENV}) and schema {schema!r} holds no cronoq "
             f"cluster; the clusters in this database are in: {', '.join(found)}; pass "
