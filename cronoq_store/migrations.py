@@ -63,6 +63,7 @@ from . import statements as st
 from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
+from .terminal_safe import visible
 from .urls import URL_ENV, async_url, redact, scrub
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "alembic_config",
     "alembic_ini",
     "cluster_schema",
+    "clusters_elsewhere",
     "downgrade",
     "downgrade_steps",
     "head_revision",
@@ -573,9 +575,11 @@ def _run_environment(context: EnvironmentContext) -> None:
         if not from_cli:
             raise
         # Alembic's command line prints a CommandError as one clear line, where anything
-        # else is a driver's traceback; a URL written into the message is masked.
+        # else is a driver's traceback; a URL written into the message is masked, and what
+        # it quotes made safe for a terminal.
         known = isinstance(exc, (MigrationError, ValueError))
-        raise CommandError(scrub(str(exc if known else translate_error(exc, "migrating")))) from exc
+        message = scrub(str(exc if known else translate_error(exc, "migrating")))
+        raise CommandError(visible(message)) from exc
 
 
 def _schema_of(context: EnvironmentContext) -> str:
@@ -732,11 +736,52 @@ def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
         pool.submit(lambda: asyncio.run(make())).result()
 
 
+def clusters_elsewhere(conn: Connection, schema: str) -> list[str]:
+    """The schemas that hold a cluster, when ``schema`` holds none and others do; else
+    empty. For a schema nobody named (the ``public`` default) that means the operator most
+    likely forgot to name one: ``cronoq-store`` and Alembic's env both refuse it then,
+    rather than show, or create, an empty cluster beside the real ones."""
+    found = list(conn.execute(st.cluster_schemas).scalars())
+    return found if found and schema not in found else []
+
+
+def _schema_named(context: EnvironmentContext) -> bool:
+    return context.config.attributes.get(
+        "schema"
+    ) is not None or "schema" in context.get_x_argument(as_dictionary=True)
+
+
+def _refuse_defaulted_schema(context: EnvironmentContext, schema: str, conn: Connection) -> None:
+    """The CLI's rule (:func:`clusters_elsewhere`), worded for Alembic's command line."""
+    if _schema_named(context):
+        return
+    elsewhere = clusters_elsewhere(conn, schema)
+    if elsewhere:
+        raise MigrationError(
+            f"no -x schema=NAME given and schema {schema!r} holds no cronoq cluster; the "
+            f"clusters in this database are in: {', '.join(elsewhere)}; pass -x schema=NAME "
+            f"(-x schema={schema} to use {schema!r} anyway)"
+        )
+
+
+def _showing_current(context: EnvironmentContext) -> bool:
+    """Whether this run is ``alembic current``, which only reads."""
+    command_line = getattr(context.config.cmd_opts, "cmd", None)
+    return command_line is not None and getattr(command_line[0], "__name__", "") == "current"
+
+
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
     _configure(context, schema, connection=conn)
     with context.begin_transaction():
         conn.execute(st.local_search_path)
         conn.execute(_lock(schema))
+        _refuse_defaulted_schema(context, schema, conn)
+        if _showing_current(context) and not revision_status(conn, schema).current:
+            # `current` would print nothing (and create the schema): say why instead.
+            context.config.print_stdout(
+                f"schema {schema!r} holds no cronoq cluster (not migrated): nothing to show"
+            )
+            return
         # Created first (a no-op if it exists) and then checked: a schema that another role
         # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
         conn.execute(CreateSchema(schema, if_not_exists=True))

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import timezone
+from datetime import timedelta, timezone
 from typing import Any, NamedTuple
 
 from sqlalchemy import Executable
@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from . import statements as st
 from .domain import (
     I64_MAX,
+    UNIX_EPOCH,
     LockHolder,
     TaskId,
     TaskRecord,
@@ -29,23 +30,28 @@ from .domain import (
     check_task_id,
     clean_text,
 )
-from .rows import task_record
+from .rows import RECORD_COLUMNS, task_record
 
 __all__ = [
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
     "ClusterFacts",
+    "ListedTask",
     "cluster_facts",
     "finished_params",
+    "get_listed_task",
     "get_task",
     "leader_lock_holder",
     "list_finished",
+    "list_listed_finished",
     "load_output",
     "lock_holder",
     "lock_keys",
     "lookup_params",
     "prune",
+    "prune_age_ns",
     "prune_cutoff",
+    "server_prune_cutoff",
 ]
 
 #: Rows deleted per statement by :func:`prune`: short transactions, bounded locks.
@@ -64,12 +70,35 @@ def lookup_params(ref: TaskRef) -> dict[str, object]:
     return {"id": int(ref)}
 
 
+class ListedTask(NamedTuple):
+    """A task as an operator's listing shows it: its record, and its status as stored,
+    which is a newer build's status name where ``record.status`` can only say ``None``."""
+
+    record: TaskRecord
+    stored_status: str
+
+
+#: Where the stored status stands in a task row (:data:`~cronoq_store.rows.RECORD_COLUMNS`).
+_STATUS_AT = RECORD_COLUMNS.index("status")
+
+
+def _listed(row: Sequence[Any]) -> ListedTask:
+    return ListedTask(task_record(*row), row[_STATUS_AT])
+
+
+async def get_listed_task(conn: AsyncConnection, params: dict[str, object]) -> ListedTask | None:
+    """The task with an id, or the newest task with a key (parameters from
+    :func:`lookup_params`), with its stored status."""
+    stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
+    row = (await conn.execute(stmt, params)).first()
+    return None if row is None else _listed(row)
+
+
 async def get_task(conn: AsyncConnection, params: dict[str, object]) -> TaskRecord | None:
     """The task with an id, or the newest task with a key (parameters from
     :func:`lookup_params`)."""
-    stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
-    row = (await conn.execute(stmt, params)).first()
-    return None if row is None else task_record(*row)
+    listed = await get_listed_task(conn, params)
+    return None if listed is None else listed.record
 
 
 def finished_params(
@@ -89,10 +118,16 @@ def finished_params(
     }
 
 
+async def list_listed_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[ListedTask]:
+    """One page of finished tasks in id order (parameters from :func:`finished_params`),
+    with their stored statuses."""
+    rows = (await conn.execute(st.finished_page, params)).all()
+    return [_listed(row) for row in rows]
+
+
 async def list_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[TaskRecord]:
     """One page of finished tasks in id order (parameters from :func:`finished_params`)."""
-    rows = (await conn.execute(st.finished_page, params)).all()
-    return [task_record(*row) for row in rows]
+    return [listed.record for listed in await list_listed_finished(conn, params)]
 
 
 async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
@@ -101,8 +136,9 @@ async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
     return output
 
 
-def prune_cutoff(older_than: float) -> int:
-    """The Unix ns before which finished tasks are pruned; ``ValueError`` for a bad age."""
+def prune_age_ns(older_than: float) -> int:
+    """``older_than`` seconds in ns; ``ValueError`` for a bad age (before anything
+    connects)."""
     if (
         isinstance(older_than, bool)
         or not isinstance(older_than, (int, float))
@@ -113,7 +149,23 @@ def prune_cutoff(older_than: float) -> int:
             f"older_than: must be a number of seconds in 0..{MAX_PRUNE_AGE} (100 years), "
             f"got {older_than!r}"
         )
-    return time.time_ns() - round(older_than * 1e9)
+    return round(older_than * 1e9)
+
+
+def prune_cutoff(older_than: float) -> int:
+    """The Unix ns before which finished tasks are pruned, on this process's clock: the
+    in-memory store's, which has no server."""
+    return time.time_ns() - prune_age_ns(older_than)
+
+
+async def server_prune_cutoff(conn: AsyncConnection, older_than: float) -> int:
+    """The Unix ns before which finished tasks are pruned, on the database server's clock:
+    what ``PgStore.prune`` and ``cronoq-store prune`` count from, so that every machine
+    that prunes one cluster agrees, whatever its own clock says (a host whose clock runs
+    days ahead must not delete tasks that finished an hour ago)."""
+    age = prune_age_ns(older_than)
+    now = (await conn.execute(st.server_now)).scalar_one()
+    return (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - age
 
 
 async def prune(

@@ -559,7 +559,8 @@ class PgStore:
     async def prune(
         self, older_than: float, *, progress: Callable[[int], None] | None = None
     ) -> int:
-        """Delete finished tasks last updated more than ``older_than`` seconds ago, except
+        """Delete finished tasks last updated more than ``older_than`` seconds ago, on the
+        database server's clock (:func:`cronoq_store.queries.server_prune_cutoff`), except
         those a live task depends on (by id or key); returns how many were deleted.
 
         Deletes :data:`~cronoq_store.queries.PRUNE_BATCH` rows per transaction, oldest
@@ -568,9 +569,11 @@ class PgStore:
         with the running total of deleted rows after each batch (an operator's progress
         bar); an exception it raises ends the prune, as a ``StoreError``.
         """
-        cutoff = queries.prune_cutoff(older_than)
+        queries.prune_age_ns(older_than)  # a bad age is a ValueError before connecting
         with self._telemetry.prune() as pruned:
             async with self._translated("pruning finished tasks"):
+                async with self._session() as conn:
+                    cutoff = await queries.server_prune_cutoff(conn, older_than)
                 deleted = await queries.prune(self._session, cutoff, progress)
             pruned(deleted)
         return deleted

@@ -129,18 +129,31 @@ async def test_a_wrong_password_exits_3_with_every_password_masked(
         assert secret not in result.output
 
 
-async def test_unreachable_servers_and_malformed_urls_exit_3_masked() -> None:
+async def test_unreachable_servers_exit_3_and_malformed_urls_are_usage_errors_masked() -> None:
     refused = await run("--url", "postgresql://ops:hunter22@127.0.0.1:1/app", "status")
     assert refused.exit_code == ExitCode.UNREACHABLE
     assert "cannot connect to postgresql://ops:***@127.0.0.1:1/app" in refused.stderr
     unsupported = await run("--url", "mysql://ops:hunter22@db.example/app", "status")
-    assert unsupported.exit_code == ExitCode.UNREACHABLE
+    assert unsupported.exit_code == ExitCode.USAGE
     assert "unsupported database URL mysql://ops:***@db.example/app" in unsupported.stderr
-    garbled = await run("--url", "postgresql://ops:hunter22@db:notaport/app", "status")
-    assert garbled.exit_code == ExitCode.UNREACHABLE
-    for result in (refused, unsupported, garbled):
+    malformed = [unsupported]
+    # Not a port, an unencoded "@" in the password, a libpq keyword DSN, another driver.
+    for url in (
+        "postgresql://ops:hunter22@db:notaport/app",
+        "postgresql://ops:hunter@22@127.0.0.1:1/app",
+        "host=127.0.0.1 port=1 user=ops password=hunter22 dbname=app",
+        "postgresql+psycopg://ops:hunter22@127.0.0.1:1/app",
+        "sqlite:///app.db",
+    ):
+        # Nothing is tried: a server on port 1 would have made this "cannot connect".
+        result = await run("--url", url, "tasks", "show", "1")
+        assert result.exit_code == ExitCode.USAGE, (url, result.output)
+        assert "cannot connect" not in result.stderr
+        malformed.append(result)
+    for result in (refused, *malformed):
         assert "hunter22" not in result.output
         assert result.stderr.startswith("Error: ")
+        assert len(result.stderr.splitlines()) == 1
 
 
 async def test_console_script_prints_one_line_and_no_traceback(pg_url: URL, schema: str) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.cli import ExitCode
-from cronoq_store.cli.app import hoist_schema
+from cronoq_store.cli.app import hoist_global_options
 from cronoq_store.migrations import head_revision, upgrade
 from cronoq_store.schema import VERSION_TABLE
 from cronoq_store.urls import async_url
@@ -65,8 +65,15 @@ async def test_schema_after_the_command_and_from_the_environment(
     assert "invalid schema name" in bad.stderr
 
 
-def test_only_schema_options_move_and_nothing_after_a_double_dash() -> None:
-    assert hoist_schema(["tasks", "show", "7", "--schema", "a", "--schema=b"]) == [
+def test_only_global_options_move_and_nothing_after_a_double_dash() -> None:
+    assert hoist_global_options(["status", "--url", "u", "--json", "--url=v"]) == [
+        "--url",
+        "u",
+        "--url=v",
+        "status",
+        "--json",
+    ]
+    assert hoist_global_options(["tasks", "show", "7", "--schema", "a", "--schema=b"]) == [
         "--schema",
         "a",
         "--schema=b",
@@ -74,7 +81,12 @@ def test_only_schema_options_move_and_nothing_after_a_double_dash() -> None:
         "show",
         "7",
     ]
-    assert hoist_schema(["tasks", "show", "--", "--schema"]) == ["tasks", "show", "--", "--schema"]
+    assert hoist_global_options(["tasks", "show", "--", "--schema"]) == [
+        "tasks",
+        "show",
+        "--",
+        "--schema",
+    ]
 
 
 @pytest.fixture

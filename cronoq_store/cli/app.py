@@ -1,21 +1,25 @@
 """The ``cronoq-store`` group: its global options (URL, schema, trusted triggers), which
 every command receives as :class:`Options`.
 
-``--schema`` may come before the command or after it (``cronoq-store status --schema a``),
-so a script can append it to any command line; the last one given wins, then
-``$CRONOQ_SCHEMA``, then ``public``.
+The global options may come before the command or after it (``cronoq-store status --url
+URL --schema a``), so a script can append them to any command line; the last one given
+wins, then the environment (``$CRONOQ_DATABASE_URL``, ``$CRONOQ_SCHEMA``), then ``public``
+for the schema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from ..config import trusted_trigger_names
 from ..schema import validate_schema_name
+from ..terminal_safe import visible
 from ..urls import URL_ENV
 from .exits import EPILOG
 
@@ -23,7 +27,8 @@ __all__ = ["SCHEMA_ENV", "Options", "cli"]
 
 #: The environment variable that names the cluster's schema when ``--schema`` is not given.
 SCHEMA_ENV = "CRONOQ_SCHEMA"
-_SCHEMA_OPTION = "--schema"
+#: The group's options that may also follow the command.
+_GLOBAL_OPTIONS = frozenset({"--url", "--schema", "--trusted-trigger"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +65,10 @@ def _check_triggers(
         raise click.BadParameter(str(exc)) from None
 
 
-def hoist_schema(args: Sequence[str]) -> list[str]:
-    """``args`` with every ``--schema NAME`` (or ``--schema=NAME``) moved before the
-    command, in order, so that the group parses it wherever it was written; nothing after
-    ``--`` moves."""
+def hoist_global_options(args: Sequence[str]) -> list[str]:
+    """``args`` with every global option (``--url``, ``--schema``, ``--trusted-trigger``,
+    as ``--opt VALUE`` or ``--opt=VALUE``) moved before the command, in order, so that the
+    group parses it wherever it was written; nothing after ``--`` moves."""
     moved: list[str] = []
     rest: list[str] = []
     items = iter(args)
@@ -71,23 +76,60 @@ def hoist_schema(args: Sequence[str]) -> list[str]:
         if arg == "--":
             rest.append(arg)
             rest.extend(items)
-        elif arg == _SCHEMA_OPTION:
+        elif arg in _GLOBAL_OPTIONS:
             moved.append(arg)
             value = next(items, None)
             if value is not None:
                 moved.append(value)
-        elif arg.startswith(_SCHEMA_OPTION + "="):
+        elif arg.split("=", 1)[0] in _GLOBAL_OPTIONS:
             moved.append(arg)
         else:
             rest.append(arg)
     return moved + rest
 
 
+@contextmanager
+def _visible_errors() -> Iterator[None]:
+    """Click's errors quote what the operator typed: made safe for a terminal
+    (:func:`~cronoq_store.terminal_safe.visible`) before click prints them."""
+    try:
+        yield
+    except (_VisibleUsageError, _VisibleError):
+        raise  # a nested command's, made safe already
+    except click.UsageError as exc:
+        raise _VisibleUsageError(visible(exc.format_message()), exc.ctx) from None
+    except click.ClickException as exc:
+        raise _VisibleError(visible(exc.format_message())) from None
+
+
+class _VisibleUsageError(click.UsageError):
+    """A usage error whose text went through ``visible`` once already."""
+
+
+class _VisibleError(click.ClickException):
+    """Any other click error whose text went through ``visible`` once already."""
+
+
 class _Group(click.Group):
-    """The group, parsing ``--schema`` after the command as well as before it."""
+    """The group: global options parsed after the command as well as before it, and every
+    usage error printed through the terminal-safe rule."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, hoist_schema(args))
+        return super().parse_args(ctx, hoist_global_options(args))
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        with _visible_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _visible_errors():
+            return super().invoke(ctx)
 
 
 @click.group(
@@ -100,7 +142,8 @@ class _Group(click.Group):
     envvar=URL_ENV,
     show_envvar=True,
     metavar="URL",
-    help="Database URL, postgresql://user:password@host/db (the password is never printed).",
+    help="Database URL, postgresql://user:password@host/db (the password is never printed); "
+    "may also follow the command.",
 )
 @click.option(
     "--schema",
@@ -120,7 +163,7 @@ class _Group(click.Group):
     metavar="NAME",
     callback=_check_triggers,
     help="A trigger allowed on the cluster's tables, such as an audit (repeatable); it must "
-    "have no WHEN clause and run a trusted role's function.",
+    "have no WHEN clause and run a trusted role's function. May also follow the command.",
 )
 @click.version_option(package_name="cronoq-store")
 @click.pass_context

@@ -2,8 +2,9 @@
 
 One pool-less engine per command, the cluster's schema applied at execution as the store
 does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for objects an
-untrusted role controls before any command reads it. Failing to connect is exit code 3; a
-schema that is not at this build's head is 4, one that a newer build migrated 5.
+untrusted role controls before any command reads it. A URL that is not a PostgreSQL URL is
+a usage error (2), failing to connect is exit code 3; a schema that is not at this build's
+head is 4, one that a newer build migrated 5.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from sqlalchemy.pool import NullPool
 
 from .. import statements as st
 from ..errors import MigrationError, translate_error
-from ..migrations import CONNECT_TIMEOUT, RevisionStatus, refuse_untrusted, revision_status
+from ..migrations import (
+    CONNECT_TIMEOUT,
+    RevisionStatus,
+    clusters_elsewhere,
+    refuse_untrusted,
+    revision_status,
+)
 from ..schema import schema_options
 from ..urls import async_url, redact
 from .app import SCHEMA_ENV, Options
@@ -49,7 +56,10 @@ def engine(url: str) -> AsyncEngine:
             },
         )
     except ValueError as exc:  # async_url's messages are already masked
-        raise CliError(str(exc), ExitCode.UNREACHABLE) from None
+        # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
+        # DSN, a parameter the store refuses) is the operator's to fix: a usage error,
+        # found before anything connects.
+        raise CliError(str(exc), ExitCode.USAGE) from None
 
 
 @asynccontextmanager
@@ -82,9 +92,9 @@ async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:
     """Exit 2 when no schema was named, the default holds no cluster and other schemas do:
     the operator most likely forgot ``--schema``, and the default would show (or, for
     ``migrate``, create) an empty one."""
-    found = list((await conn.execute(st.cluster_schemas)).scalars())
+    found = await conn.run_sync(clusters_elsewhere, schema)
     await conn.rollback()
-    if found and schema not in found:
+    if found:
         raise CliError(
             f"no --schema given (nor ${SCHEMA_ENV}) and schema {schema!r} holds no cronoq "
             f"cluster; the clusters in this database are in: {', '.join(found)}; pass "

@@ -9,7 +9,6 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
-from ..urls import URL_ENV
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run
@@ -21,13 +20,6 @@ __all__ = ["demo"]
 
 
 @click.command()
-@click.option(
-    "--url",
-    "demo_url",
-    metavar="URL",
-    help="Run on this server (in a throwaway schema) instead of an embedded PostgreSQL. "
-    f"The demo never reads ${URL_ENV}.",
-)
 @click.option(
     "--submitters",
     type=click.IntRange(1, 1000),
@@ -43,8 +35,11 @@ __all__ = ["demo"]
     help="How long instance A accepts submissions before it is killed.",
 )
 @click.pass_context
-def demo(ctx: click.Context, demo_url: str | None, submitters: int, seconds: float) -> None:
+def demo(ctx: click.Context, submitters: int, seconds: float) -> None:
     """Crash the leader mid-stream and show that nothing acknowledged is lost.
+
+    On an embedded PostgreSQL, or, given --url (before or after the command), on that
+    server in a throwaway schema; the demo never reads $CRONOQ_DATABASE_URL.
 
     Instance A leads and acknowledges submissions from concurrent submitters through group
     commit; B waits as standby. A is killed with SIGKILL; B takes over with the next epoch
@@ -53,14 +48,10 @@ def demo(ctx: click.Context, demo_url: str | None, submitters: int, seconds: flo
     """
     options: Options = ctx.obj
     parent = ctx.parent
-    # `cronoq-store --url X demo` means X; a URL from the environment never does (it is the
-    # operator's database, not a demo's).
-    if (
-        demo_url is None
-        and parent is not None
-        and parent.get_parameter_source("url") is ParameterSource.COMMANDLINE
-    ):
-        demo_url = options.url
+    # `--url X` means X; a URL from the environment never does (it is the operator's
+    # database, not a demo's).
+    given = parent is not None and parent.get_parameter_source("url") is ParameterSource.COMMANDLINE
+    demo_url = options.url if given else None
     report = run(demo_url, _demo(demo_url, submitters, seconds, output.console(markup=True)))
     if not report.ok:
         CliError(f"the demo failed: {'; '.join(report.failures)}", ExitCode.FAILED).exit(demo_url)

@@ -1,5 +1,6 @@
-"""What a failure looks like to the operator: one line on stderr, password masked, and an
-exit code a script can act on."""
+"""What a failure looks like to the operator: one line on stderr, password masked, what it
+quotes made safe for a terminal (:func:`cronoq_store.terminal_safe.visible`), and an exit
+code a script can act on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ..errors import translate_error
+from ..terminal_safe import visible
 from ..urls import scrub
 
 __all__ = ["EPILOG", "CliError", "ExitCode", "run"]
@@ -54,7 +56,7 @@ class CliError(Exception):
 
     def exit(self, url: str | None) -> NoReturn:
         """Print the message, the URL's password masked, and leave with the exit code."""
-        click.echo(f"Error: {scrub(str(self), [url])}", err=True)
+        click.echo(f"Error: {visible(scrub(str(self), [url]))}", err=True)
         raise click.exceptions.Exit(int(self.code))
 
 

@@ -41,7 +41,9 @@ def print_script(
     alembic_command: Callable[..., None], schema: str, revision: str, *, force: bool = False
 ) -> None:
     """Print Alembic's offline script for ``schema`` without connecting (``force``: a
-    downgrade's script does not stop under a live leader, it fences it)."""
+    downgrade's script does not stop under a live leader, it fences it). Nothing but the
+    arguments can make it fail (a revision or range Alembic refuses, ``downgrade`` without
+    ``FROM:TO``): a usage error."""
     cfg = alembic_config(schema)
     cfg.attributes[FORCE] = force
     script = io.StringIO()
@@ -49,7 +51,7 @@ def print_script(
     try:
         run_command(alembic_command, cfg, revision, sql=True)
     except CommandError as exc:
-        CliError(str(exc), ExitCode.FAILED).exit(None)
+        CliError(str(exc), ExitCode.USAGE).exit(None)
     click.echo(script.getvalue(), nl=False)
 
 

@@ -7,6 +7,11 @@ at that width is printed as one block of lines per row instead, so an id is neve
 Piped, output is plain: label-and-value lines never wrapped, tables as tab-separated lines
 under a header, nothing cut at any width. ``--json`` prints one document (:func:`emit_json`):
 ids as integers, times as RFC 3339 UTC.
+
+Everything goes through :mod:`cronoq_store.terminal_safe`, on a terminal and piped alike: the
+console
+escapes every string it renders (cells, values, titles, messages), piped table lines are
+written through the same function, and JSON documents through its encoder.
 """
 
 from __future__ import annotations
@@ -15,22 +20,24 @@ import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import click
 from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..domain import (
     I64_MAX,
     ID_COUNTER_BITS,
-    QUEUED,
     UNIX_EPOCH,
     LockHolder,
     TaskId,
     TaskRecord,
     epoch_of,
 )
+from ..terminal_safe import json_text, visible
 
 __all__ = [
     "ago",
@@ -54,6 +61,21 @@ _PIPE_WIDTH = 1 << 16
 _MIN_WRAPPED = 20
 
 
+class _SafeConsole(Console):
+    """A console that writes every string it renders through
+    :func:`~cronoq_store.terminal_safe.visible`.
+
+    Text with markup (the demo's) is the caller's to make safe: markup's own escape is a
+    backslash, so its values go through ``visible`` and then ``rich.markup.escape``.
+    """
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        markup = kwargs.get("markup")
+        if not (self._markup if markup is None else markup):
+            text = visible(text)
+        return super().render_str(text, **kwargs)
+
+
 def console(*, markup: bool = False) -> Console:
     """Made per command: it reads the terminal (and ``COLUMNS``) as it is at that moment.
 
@@ -62,8 +84,10 @@ def console(*, markup: bool = False) -> Console:
     """
     probe = Console()
     if probe.is_terminal:
-        return Console(highlight=False, markup=markup, emoji=False)
-    return Console(highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True)
+        return _SafeConsole(highlight=False, markup=markup, emoji=False)
+    return _SafeConsole(
+        highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True
+    )
 
 
 def print_facts(out: Console, *facts: tuple[str, str]) -> None:
@@ -87,19 +111,21 @@ def print_table(
 ) -> None:
     """Rows under ``columns``; only the ``wrap`` column may wrap, nothing is ever cut.
 
-    Piped: a header line and one tab-separated line per row (backslashes, tabs and line
-    breaks in cells written as ``\\\\``, ``\\t``, ``\\n``, ``\\r``). On a terminal: a
-    table, or, when the terminal is too narrow for every unwrapped cell whole, one block
-    of label-and-value lines per row.
+    Piped: a header line and one tab-separated line per row (cells through
+    :func:`~cronoq_store.terminal_safe.visible`: a tab or line break in a cell is an
+    escape). On a terminal: a table, or, when the terminal is too narrow for every
+    unwrapped cell whole, one block of label-and-value lines per row.
     """
     cells = [list(row) for row in rows]
     if not out.is_terminal:
         for line in (columns, *cells):
             # Written as is: rich would expand the tabs into spaces.
-            out.file.write("\t".join(_one_line(cell) for cell in line) + "\n")
+            out.file.write("\t".join(visible(cell) for cell in line) + "\n")
         return
     widths = [
-        _MIN_WRAPPED if name == wrap else max(cell_len(name), *(cell_len(row[i]) for row in cells))
+        _MIN_WRAPPED
+        if name == wrap
+        else max(cell_len(name), *(cell_len(visible(row[i])) for row in cells))
         for i, name in enumerate(columns)
     ]
     # Each cell has one space of padding either side and one border to its left.
@@ -117,13 +143,10 @@ def print_table(
     out.print(table)
 
 
-def _one_line(cell: str) -> str:
-    return cell.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
-
-
 def emit_json(document: Mapping[str, object]) -> None:
-    """The command's one JSON document, alone on stdout."""
-    click.echo(json.dumps(document, ensure_ascii=False, indent=2))
+    """The command's one JSON document, alone on stdout
+    (:func:`~cronoq_store.terminal_safe.json_text`)."""
+    click.echo(json_text(document))
 
 
 def rfc3339(moment: datetime | int | None) -> str | None:
@@ -148,9 +171,9 @@ def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
     }
 
 
-def task_document(record: TaskRecord) -> dict[str, object]:
-    """A task, as ``tasks show --json`` and ``tasks finished --json`` show it; the output
-    as base64."""
+def task_document(record: TaskRecord, status: str) -> dict[str, object]:
+    """A task, as ``tasks show --json`` and ``tasks finished --json`` show it: ``status``
+    as stored (a newer build's name as written), the output as base64."""
     out = record.output
     return {
         "id": record.id,
@@ -160,7 +183,7 @@ def task_document(record: TaskRecord) -> dict[str, object]:
         "kind": record.kind,
         "priority": record.priority.name.lower(),
         "tenant": record.tenant,
-        "status": QUEUED if record.status is None else record.status.value,
+        "status": status,
         "attempt": record.attempt,
         "updated": rfc3339(record.updated),
         "message": record.message,

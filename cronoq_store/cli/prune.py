@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from datetime import timedelta
 
 import click
 from rich.console import Console
@@ -14,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import queries
 from .. import statements as st
-from ..domain import I64_MAX, UNIX_EPOCH
+from ..domain import I64_MAX
 from . import database, output
 from .app import Options
 from .exits import run
@@ -68,9 +67,8 @@ def prune(options: Options, older_than: int, dry_run: bool) -> None:
 async def _prune(options: Options, older_than: int, dry_run: bool, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        # The server's clock, not this machine's: the one every operator's run agrees on.
-        now = (await conn.execute(st.server_now)).scalar_one()
-        cutoff_ns = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
+        # The server's clock, as PgStore.prune counts: the one every machine agrees on.
+        cutoff_ns = await queries.server_prune_cutoff(conn, older_than)
         old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
         victims = (
             await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 
 from .. import queries
-from ..domain import I64_MAX, QUEUED, TaskId, TaskRecord, TaskStatus
+from ..domain import I64_MAX, TaskId, TaskRecord, TaskStatus
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run
@@ -46,12 +46,13 @@ def show(options: Options, ref: str, as_key: bool, as_json: bool) -> None:
 async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        record = await queries.get_task(conn, queries.lookup_params(ref))
-    if record is None:
+        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
+    if listed is None:
         kind = "key" if isinstance(ref, str) else "id"
-        raise CliError(f"no task with {kind} {str(ref)!r}", ExitCode.FAILED)
+        raise CliError(f"no task with {kind} '{ref}'", ExitCode.FAILED)
+    record, status = listed
     if as_json:
-        output.emit_json(output.task_document(record))
+        output.emit_json(output.task_document(record, status))
         return
     output.print_facts(
         console,
@@ -61,7 +62,7 @@ async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Con
         ("kind", record.kind or "-"),
         ("priority", record.priority.name.lower()),
         ("tenant", record.tenant or "-"),
-        ("status", _status(record)),
+        ("status", status),
         ("attempt", str(record.attempt)),
         ("updated", _updated(record)),
         ("message", record.message or "-"),
@@ -115,12 +116,12 @@ async def _finished(
     params = queries.finished_params(pools, statuses, after, limit + 1)
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        records = await queries.list_finished(conn, params)
+        records = await queries.list_listed_finished(conn, params)
     page, more = records[:limit], len(records) > limit
-    next_after = page[-1].id if more else None
+    next_after = page[-1].record.id if more else None
     if as_json:
         output.emit_json(
-            {"tasks": [output.task_document(r) for r in page], "next_after": next_after}
+            {"tasks": [output.task_document(*listed) for listed in page], "next_after": next_after}
         )
         return
     if not page:
@@ -136,21 +137,17 @@ async def _finished(
                 r.key or "-",
                 r.pool,
                 r.kind or "-",
-                _status(r),
+                status,
                 str(r.attempt),
                 _updated(r),
                 (r.message or "-")[:60],
             )
-            for r in page
+            for r, status in page
         ),
         right=("id", "attempt"),
         wrap="message",
     )
     console.print("end of list" if next_after is None else f"next page: --after {next_after}")
-
-
-def _status(record: TaskRecord) -> str:
-    return QUEUED if record.status is None else record.status.value
 
 
 def _updated(record: TaskRecord) -> str:

@@ -30,6 +30,7 @@ from .. import statements as st
 from ..errors import StoreError
 from ..migrations import upgrade
 from ..schema import schema_options
+from ..terminal_safe import visible
 from ..urls import async_url, redact
 from .roles import URL_ENV, ZOMBIE_KIND, ZOMBIE_MESSAGE
 from .verdict import DemoReport, find_lost, judge, parse_acks, render
@@ -86,7 +87,7 @@ async def _run_on(
                 submitters=submitters,
             )
             _step(console, "[bold]cronoq-store HA demo[/bold]")
-            _step(console, f"• {escape(report.server)}, schema {schema}")
+            _step(console, f"• {escape(visible(report.server))}, schema {schema}")
             with tempfile.TemporaryDirectory(prefix="cronoq-demo-") as workdir:
                 await _play(url, Path(workdir), engine, report, seconds, console)
         finally:
@@ -203,7 +204,7 @@ async def _drop_schema(engine: AsyncEngine, schema: str, console: Console) -> No
         async with engine.begin() as conn:
             await conn.execute(DropSchema(schema, cascade=True, if_exists=True))
     except Exception as exc:  # the demo's own outcome matters more: say what is left behind
-        _step(console, f"could not drop the demo schema {schema}: {escape(str(exc))}")
+        _step(console, f"could not drop the demo schema {schema}: {escape(visible(str(exc)))}")
 
 
 def _step(console: Console, text: str) -> None:

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..terminal_safe import visible
+
 __all__ = ["DemoReport", "find_lost", "judge", "parse_acks", "render"]
 
 # What an acknowledgement promises, and which recovered or stored states keep the promise:
@@ -145,7 +147,7 @@ def render(report: DemoReport, console: Console) -> None:
         )
     else:
         for failure in report.failures:
-            console.print(f"[red]FAILED[/red]: {escape(failure)}")
+            console.print(f"[red]FAILED[/red]: {escape(visible(failure))}")
 
 
 def judge(report: DemoReport, fenced: Mapping[str, Any]) -> None:
