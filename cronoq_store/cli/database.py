@@ -18,7 +18,7 @@ from .. import statements as st
 from ..errors import MigrationError, translate_error
 from ..migrations import CONNECT_TIMEOUT, RevisionStatus, refuse_untrusted, revision_status
 from ..schema import schema_options
-from ..urls import async_url, redact
+from ..urls import UnsupportedParameterError, engine_arguments, redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 
@@ -35,8 +35,9 @@ __all__ = [
 def engine(url: str) -> AsyncEngine:
     """A pool-less engine: a command opens a connection or two and is gone."""
     try:
+        dialled, tls = engine_arguments(url)
         return create_async_engine(
-            async_url(url),
+            dialled,
             poolclass=NullPool,
             hide_parameters=True,
             connect_args={
@@ -46,8 +47,11 @@ def engine(url: str) -> AsyncEngine:
                     # No schema another role can write is ever on the path (CVE-2018-1058).
                     "search_path": st.SEARCH_PATH,
                 },
+                **tls,
             },
         )
+    except UnsupportedParameterError as exc:  # a parameter the store cannot honour
+        raise CliError(str(exc), ExitCode.USAGE) from None
     except ValueError as exc:  # async_url's messages are already masked
         raise CliError(str(exc), ExitCode.UNREACHABLE) from None
 
