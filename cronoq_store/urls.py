@@ -220,6 +220,12 @@ def _refuse_unsupported(url: URL) -> None:
                 f"(expected {' or '.join(values)})",
                 [name],
             )
+    if _last(url.query.get("sslrootcert")) == "system":
+        raise UnsupportedParameterError(
+            f"database URL {redact(url)}: sslrootcert=system (libpq 16's system CA store) "
+            "is not supported; give the CA certificate file",
+            ["sslrootcert"],
+        )
     if "ssl" in names and "sslmode" in names:
         raise UnsupportedParameterError(
             f"database URL {redact(url)}: give sslmode or asyncpg's ssl, not both",

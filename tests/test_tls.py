@@ -29,6 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.cli import cli
 from cronoq_store.cli.exits import ExitCode
@@ -38,7 +39,7 @@ from cronoq_store.errors import StoreError
 from cronoq_store.store import PgStore
 from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._unprivileged import system_user_entry
-from cronoq_store.urls import URL_ENV, UnsupportedParameterError
+from cronoq_store.urls import URL_ENV, UnsupportedParameterError, engine_arguments
 
 from .test_secrets import texts_of
 
@@ -356,6 +357,36 @@ async def test_every_session_of_the_store_uses_tls_when_asked(tls: TlsServer) ->
     assert all(ssl for _, ssl in rows), rows
 
 
+async def test_an_application_engine_made_from_engine_arguments_and_its_lock_session(
+    tls: TlsServer,
+) -> None:
+    """``from_engine``: the lock session is made like the application's engine, TLS too."""
+    dialled, arguments = engine_arguments(tls.verified())
+    engine = create_async_engine(dialled, connect_args=arguments)
+    config = _config()
+    try:
+        async with await PgStore.from_engine(engine, config) as store:
+            epoch = await store.acquire_leadership()
+            await store.commit(
+                epoch, TimeBase.now(), [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], []
+            )
+            rows = await tls.admin(
+                "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) "
+                "WHERE a.application_name = $1",
+                f"{config.application_name} leader",
+            )
+        assert [ssl for (ssl,) in rows] == [True]
+    finally:
+        await engine.dispose()
+    await tls.present("other-host")
+    refused = create_async_engine(dialled, connect_args=arguments)
+    try:
+        with pytest.raises(StoreError, match=MISMATCH):
+            await PgStore.from_engine(refused, _config())
+    finally:
+        await refused.dispose()
+
+
 async def test_verify_full_refuses_a_certificate_for_another_host(tls: TlsServer) -> None:
     await tls.present("other-host")
     why = await _refused(tls.verified())
@@ -470,6 +501,7 @@ async def test_alembic_speaks_tls_from_the_url(tls: TlsServer) -> None:
         ("ssl_min_protocol_version=SSLv3", "ssl_min_protocol_version"),
         ("application_name=mine", "application_name"),
         ("ssl=require&sslmode=verify-full", "sslmode"),
+        ("sslmode=verify-full&sslrootcert=system", "sslrootcert"),
     ],
 )
 async def test_a_parameter_the_store_cannot_honour_is_refused_by_name(
