@@ -83,12 +83,18 @@ _USERINFO = re.compile(r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:
 # The user info of a URL as typed, when its parts cannot be told apart (an unencoded "@" or
 # space in the password): the password runs to the URL's last "@".
 _TYPED_USERINFO = re.compile(r"\A(?P<head>[\w+.-]+://[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S)
-# A secret-named parameter in a query string or a keyword DSN: `password=x`, `password='x y'`.
-_PARAMETER = re.compile(
-    r"(?P<head>\b[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*\s*=\s*)"
-    # A value already masked stays as it is, with the punctuation that follows it (scrubbing
-    # twice changes nothing: "?password=***: refused" keeps its colon).
-    r"(?P<secret>\*\*\*(?=[:;,.)\]]?(?:\s|$))|'(?:[^'\\]|\\.)*'|(?:[^&\s'\"\\]|\\.)+)",
+_SECRET_NAME = r"(?P<head>\b[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*\s*=\s*)"
+# A value already masked stays as it is, with what follows it (scrubbing twice changes
+# nothing: "?password=***: refused" keeps its colon).
+_MASKED = r"\*\*\*(?=[^\w%\\*]|$)"
+# A secret-named parameter in a URL's query: its value runs to the next "&" (or "#").
+_QUERY_PARAMETER = re.compile(
+    r"(?<=[?&])" + _SECRET_NAME + r"(?P<secret>" + _MASKED + r"|[^&#\s'\"]+)", re.IGNORECASE
+)
+# One in a keyword DSN (`password=x`, `password='x y'`, `password=a\ b`), or in prose: its
+# value runs to the next space.
+_KEYWORD_PARAMETER = re.compile(
+    _SECRET_NAME + r"(?P<secret>" + _MASKED + r"|'(?:[^'\\]|\\.)*'|(?:[^\s'\"\\]|\\.)+)",
     re.IGNORECASE,
 )
 
@@ -141,7 +147,8 @@ def scrub(text: str, urls: Iterable[str | URL | None] = ()) -> str:
 def _mask_written(text: str) -> str:
     """Mask URL passwords and secret-named parameters written in ``text``, by position."""
     text = _USERINFO.sub(lambda m: m["head"] + (MASK if m["secret"] else ""), text)
-    return _PARAMETER.sub(lambda m: m["head"] + MASK, text)
+    text = _QUERY_PARAMETER.sub(lambda m: m["head"] + MASK, text)
+    return _KEYWORD_PARAMETER.sub(lambda m: m["head"] + MASK, text)
 
 
 def redact(url: str | URL) -> str:
