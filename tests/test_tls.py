@@ -426,6 +426,16 @@ async def test_a_client_certificate_logs_in_without_a_password(tls: TlsServer) -
     await _connects(
         tls.url(CERT_USER, sslmode="verify-full", sslrootcert=str(files.ca), **encrypted)
     )
+    # A wrong passphrase fails, and no output shows either passphrase.
+    wrong = {**encrypted, "sslpassword": f"wrong-{files.key_password}"}
+    url = tls.url(CERT_USER, sslmode="verify-full", sslrootcert=str(files.ca), **wrong)
+    with pytest.raises(StoreError) as failed:
+        await _connects(url)
+    code, out = await asyncio.to_thread(_cli, url, "status")
+    assert code == ExitCode.UNREACHABLE, out
+    seen = texts_of(failed.value) + out
+    assert "sslpassword=***" in out
+    assert files.key_password not in seen
     # Without the certificate the cert rule refuses the role.
     assert "certificate" in await _refused(
         tls.url(CERT_USER, sslmode="verify-full", sslrootcert=str(files.ca))
