@@ -314,11 +314,15 @@ async def test_refused_url_forms_show_no_password(url: str, records: Records) ->
         ),
         # Several hosts, IPv6, an unencoded "@", a password SQLAlchemy cannot delimit.
         (
-            '"postgresql://ops:pw@h1:5432,[::1]:5433/app" failed',
-            None,
+            '"postgresql://ops:h1@h1:5432,[::1]:5433/app" failed',
+            "postgresql://ops:h1@h1:5432,[::1]:5433/app",
             '"postgresql://ops:***@h1:5432,[::1]:5433/app" failed',
         ),
-        ("dial postgresql://ops:s3cr@t@db/app now", None, "dial postgresql://ops:***@db/app now"),
+        (
+            "dial postgresql://ops:db@t@db/app now (db)",
+            "postgresql://ops:db@t@db/app",
+            "dial postgresql://ops:***@db/app now (db)",
+        ),
         (
             "dial postgresql://ops:p@ss w/rd?&=+ %#@db/app now",
             "postgresql://ops:p@ss w/rd?&=+ %#@db/app",
@@ -331,8 +335,8 @@ async def test_refused_url_forms_show_no_password(url: str, records: Records) ->
             "dsn host=db password=*** user=ops sslpassword=*** dbname=app",
         ),
         (
-            "PGPASSWORD = hunter2 passfile=/home/ops/.pgpass",
-            None,
+            "PGPASSWORD = pass passfile=/home/ops/.pgpass",
+            "postgresql://ops:pass@db/app",
             "PGPASSWORD = *** passfile=/home/ops/.pgpass",
         ),
         # Nothing secret: left alone, byte for byte.
