@@ -524,6 +524,17 @@ async def test_a_parameter_the_store_cannot_honour_is_refused_by_name(
     assert named in refused.value.names
     assert "Hx" not in texts_of(refused.value)
     code, out = await asyncio.to_thread(_cli, url, "status")
-    assert code not in (ExitCode.OK, ExitCode.UNREACHABLE), out  # a usage error, not 3
+    assert code == ExitCode.USAGE, out
     assert named in out
     assert "Hx" not in out
+
+
+def test_alembic_refuses_a_parameter_it_cannot_honour_by_name() -> None:
+    secret = f"Hx{uuid.uuid4().hex[:8]}"
+    url = f"postgresql://ops:{secret}@127.0.0.1:1/app?sslmode=require&gssencmode=prefer"
+    refused = _alembic(url, "public")
+    assert refused.returncode != 0
+    assert refused.stdout.startswith("FAILED: database URL postgresql://ops:***@"), refused.stdout
+    assert "cannot honour the parameter gssencmode" in refused.stdout
+    assert "Traceback" not in refused.stderr
+    assert secret not in refused.stdout + refused.stderr
