@@ -36,7 +36,7 @@ from .migrations import TrustCheck
 from .retry import acquisition_backoff, bounded, pause
 from .schema import schema_options
 from .telemetry import DISABLED, Telemetry
-from .urls import redact
+from .urls import engine_arguments, redact
 
 __all__ = ["Leadership"]
 
@@ -173,14 +173,16 @@ class Leadership:
                 url, pool=pool, isolation_level="AUTOCOMMIT"
             )
         else:
+            dialled, tls = engine_arguments(url)
             self._engine = create_async_engine(
-                url,
+                dialled,
                 poolclass=NullPool,
                 isolation_level="AUTOCOMMIT",
                 connect_args={
                     # asyncpg's bound on opening a connection (a silent server never refuses).
                     "timeout": config.session_timeout,
                     "server_settings": self._settings,
+                    **tls,
                 },
             )
         self._apply_settings = pool is not None

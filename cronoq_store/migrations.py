@@ -64,7 +64,7 @@ from .config import trusted_trigger_names
 from .errors import MigrationError, translate_error
 from .schema import VERSION_TABLE, metadata, validate_schema_name
 from .terminal_safe import visible
-from .urls import URL_ENV, async_url, redact, scrub
+from .urls import URL_ENV, engine_arguments, redact, scrub
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -668,12 +668,14 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
         url = _url_of(context)
+        dialled, tls = engine_arguments(url)
         engine = create_async_engine(
-            async_url(url),
+            dialled,
             poolclass=NullPool,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
                 "server_settings": {"search_path": st.SEARCH_PATH},
+                **tls,
             },
         )
         try:

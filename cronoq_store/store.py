@@ -54,7 +54,7 @@ from .leadership import Leadership
 from .schema import schema_options
 from .sizing import MAX_COMMIT_BYTES, batch_size
 from .telemetry import CommitRecord, Telemetry, resolve
-from .urls import async_url, redact
+from .urls import async_url, engine_arguments, redact
 from .writer import CommitPath
 
 __all__ = ["PgStore"]
@@ -155,20 +155,26 @@ class PgStore:
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
+        dialled, tls = engine_arguments(url)
         engine = create_async_engine(
-            async_url(url),
+            dialled,
             pool_size=config.max_connections,
             max_overflow=0,
             # No store call waits for a connection longer than a commit may take.
             pool_timeout=config.commit_timeout,
             # Batches carry payloads; errors and logs must not.
             hide_parameters=True,
-            connect_args=_pool_connect_args(config),
+            connect_args={**_pool_connect_args(config), **tls},
         )
         event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
         try:
             return await cls._open(
-                engine, config, owns_engine=True, lock_url=lock_url, migrate=migrate
+                engine,
+                config,
+                owns_engine=True,
+                lock_url=lock_url,
+                migrate=migrate,
+                url=async_url(url),
             )
         except BaseException:
             await engine.dispose()
@@ -213,7 +219,10 @@ class PgStore:
         owns_engine: bool,
         lock_url: str | URL | None,
         migrate: bool,
+        url: URL | None = None,
     ) -> PgStore:
+        """``url``: the one the store's own engine was made from, TLS parameters included
+        (``engine.url`` has lost them), for the lock session."""
         if not config.prepared_statements and lock_url is None:
             raise ValueError(
                 "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
@@ -242,7 +251,7 @@ class PgStore:
             config,
             schema_oid=oid,
             owns_engine=owns_engine,
-            lock_url=engine.url if lock_url is None else async_url(lock_url),
+            lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
             # An application's engine may connect through a creator, TLS or connect_args
             # its URL does not show: a pool made like its own (Pool.recreate) makes the
             # lock session the same way, and hands out none of the application's sessions.

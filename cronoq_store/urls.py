@@ -1,5 +1,9 @@
 """Database URLs: accept what users type, hand SQLAlchemy what it needs, never print secrets.
 
+libpq's TLS parameters (``sslmode``, ``sslrootcert``...) ride in the URL's query, the form
+operators write; :func:`engine_arguments` hands them to asyncpg, which implements their
+libpq meaning, for every engine the store makes from a URL.
+
 A URL can carry a password in its user info (``user:secret@host``, percent-encoded or not),
 in query parameters (``?password=``, the libpq form SQLAlchemy and asyncpg accept, and other
 secret-bearing ones such as ``sslpassword``), and a libpq keyword DSN in ``key=value`` pairs.
@@ -10,12 +14,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from urllib.parse import quote, quote_plus, unquote
+from typing import Any
+from urllib.parse import urlencode
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["MASK", "URL_ENV", "async_url", "redact", "scrub"]
+__all__ = [
+    "MASK",
+    "URL_ENV",
+    "UnsupportedParameterError",
+    "async_url",
+    "engine_arguments",
+    "redact",
+    "scrub",
+]
 
 #: What a secret is replaced with.
 MASK = "***"
@@ -24,18 +37,75 @@ URL_ENV = "CRONOQ_DATABASE_URL"
 """The environment variable the CLI and ``alembic`` read the database URL from."""
 
 _PLAIN_DRIVERS = {"postgres", "postgresql", "postgresql+asyncpg"}
+#: libpq's TLS parameters that asyncpg implements with libpq's meaning when they come in a
+#: DSN (asyncpg 0.32 ``connect_utils``: ``verify-full`` checks the host name, ``verify-ca``
+#: only the chain, ``require`` with a root certificate verifies the chain as ``verify-ca``
+#: does, ``prefer`` and ``allow`` fall back, a CRL is checked along the chain); SQLAlchemy
+#: would pass them to ``asyncpg.connect()`` as keywords it refuses.
+_TLS_PARAMETERS = frozenset(
+    {
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "sslcrl",
+        "sslpassword",
+        "ssl_min_protocol_version",
+        "ssl_max_protocol_version",
+        "sslnegotiation",
+    }
+)
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")
+#: Parameters SQLAlchemy hands to ``asyncpg.connect()`` as they are, which it accepts.
+_PASSED_PARAMETERS = frozenset(
+    {
+        "host",
+        "port",
+        "user",
+        "database",
+        "passfile",
+        "service",
+        "servicefile",
+        "target_session_attrs",
+        "krbsrvname",
+        "gsslib",
+        "ssl",  # asyncpg's own: a mode, without certificate files
+        "prepared_statement_cache_size",  # the dialect's own
+    }
+)
 #: A parameter whose name contains one of these carries a secret (``password``,
 #: ``sslpassword``, ``PGPASSWORD``, ``auth_token``...).
 _SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token")
 # The user info of a URL: the password runs up to the last "@" before the host (a password
 # with an unencoded "@" is masked whole, even where SQLAlchemy would split it).
 _USERINFO = re.compile(r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:[/?\s]|$))")
-# A secret-named parameter in a query string or a keyword DSN: `password=x`, `password='x y'`.
-_PARAMETER = re.compile(
-    r"(?P<head>\b[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*\s*=\s*)"
-    r"(?P<secret>'(?:[^'\\]|\\.)*'|[^&\s'\"]+)",
+# The user info of a URL as typed, when its parts cannot be told apart (an unencoded "@" or
+# space in the password): the password runs to the URL's last "@".
+_TYPED_USERINFO = re.compile(r"\A(?P<head>[\w+.-]+://[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S)
+_SECRET_NAME = r"(?P<head>\b[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*\s*=\s*)"
+# A value already masked stays as it is, with what follows it (scrubbing twice changes
+# nothing: "?password=***: refused" keeps its colon).
+_MASKED = r"\*\*\*(?=[^\w%\\*]|$)"
+# A secret-named parameter in a URL's query: its value runs to the next "&" (or "#").
+_QUERY_PARAMETER = re.compile(
+    r"(?<=[?&])" + _SECRET_NAME + r"(?P<secret>" + _MASKED + r"|[^&#\s'\"]+)", re.IGNORECASE
+)
+# One in a keyword DSN (`password=x`, `password='x y'`, `password=a\ b`), or in prose: its
+# value runs to the next space.
+_KEYWORD_PARAMETER = re.compile(
+    _SECRET_NAME + r"(?P<secret>" + _MASKED + r"|'(?:[^'\\]|\\.)*'|(?:[^\s'\"\\]|\\.)+)",
     re.IGNORECASE,
 )
+
+
+class UnsupportedParameterError(ValueError):
+    """A URL parameter the store cannot honour (or a value it does not know), refused by
+    name before anything connects: a usage error. ``names`` are the parameters."""
+
+    def __init__(self, message: str, names: Iterable[str]) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
 
 
 def _is_secret(name: str) -> bool:
@@ -51,54 +121,44 @@ def _parse(url: str | URL) -> URL | None:
         return None
 
 
-def _secrets(url: str | URL) -> set[str]:
-    """Every form of every secret ``url`` carries, as it could appear in a message."""
-    found: set[str] = set()
-    parsed = _parse(url)
-    if parsed is not None:
-        if parsed.password:
-            found.add(str(parsed.password))
-        for name, value in parsed.query.items():
-            if _is_secret(name):
-                found.update((value,) if isinstance(value, str) else value)
-    if isinstance(url, str):
-        for pattern in (_USERINFO, _PARAMETER):
-            for match in pattern.finditer(url):
-                raw = match["secret"]
-                found.update((raw, unquote(raw), raw.strip("'")))
-    forms: set[str] = set()
-    for secret in found:
-        if secret:
-            forms.update((secret, quote(secret, safe=""), quote_plus(secret)))
-    return forms
-
-
 def scrub(text: str, urls: Iterable[str | URL | None] = ()) -> str:
-    """``text`` with every password masked: those ``urls`` carry, wherever a driver or library
-    put them, and any URL password or secret-named parameter written in ``text`` itself."""
-    secrets: set[str] = set()
+    """``text`` with every secret masked where it stands, and nothing else changed.
+
+    Each of ``urls`` written in ``text`` as typed is replaced with its :func:`redact` form
+    (a password with characters no pattern can delimit, ``p@ss w/rd``, is still masked
+    whole); then every URL user-info password and every secret-named parameter written in
+    ``text`` is masked by its position. A known password is never searched for as a bare
+    substring: with the password ``o``, that would mask every ``o`` of the message and
+    tell a reader which letters the password is made of.
+    """
+    typed: set[str] = set()
     for url in urls:
-        if url is not None:
-            secrets |= _secrets(url)
-    # Longest first, so that a secret containing another is masked whole.
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, MASK)
+        if isinstance(url, URL):
+            typed.add(url.render_as_string(hide_password=False))
+        elif url:
+            typed.add(url)
+    # Longest first, so that a URL containing another is replaced whole.
+    for url in sorted(typed, key=len, reverse=True):
+        if url in text:
+            text = text.replace(url, redact(url))
     return _mask_written(text)
 
 
 def _mask_written(text: str) -> str:
-    """Mask URL passwords and secret-named parameters written in ``text``."""
+    """Mask URL passwords and secret-named parameters written in ``text``, by position."""
     text = _USERINFO.sub(lambda m: m["head"] + (MASK if m["secret"] else ""), text)
-    return _PARAMETER.sub(lambda m: m["head"] + MASK, text)
+    text = _QUERY_PARAMETER.sub(lambda m: m["head"] + MASK, text)
+    return _KEYWORD_PARAMETER.sub(lambda m: m["head"] + MASK, text)
 
 
 def redact(url: str | URL) -> str:
     """``url`` as text with every secret masked, for logs, errors and CLI output."""
     parsed = _parse(url)
-    if parsed is None or (parsed.host is not None and "@" in parsed.host):
-        # Unparseable, or a password with an unencoded "@" that SQLAlchemy would split:
-        # masked as typed.
-        return scrub(str(url), [url])
+    if parsed is None or (parsed.host is not None and re.search(r"[@\s]", parsed.host)):
+        # Unparseable, or a password with an unencoded "@" or space that SQLAlchemy would
+        # split: masked as typed.
+        typed = _TYPED_USERINFO.sub(lambda m: m["head"] + MASK, str(url), count=1)
+        return _mask_written(typed)
     query = {name: MASK if _is_secret(name) else value for name, value in parsed.query.items()}
     masked = parsed.set(password=MASK if parsed.password else None, query=query)
     # The secrets are gone from the parts: no search for their text, which would also mask
@@ -112,7 +172,9 @@ def async_url(url: str | URL) -> URL:
     Accepts ``postgres://``, ``postgresql://`` and ``postgresql+asyncpg://`` URLs, including
     unix-socket ones (``postgresql:///db?host=/run/postgresql``). A ``?password=`` parameter
     becomes the URL's password, so that SQLAlchemy's own masking (``str(engine.url)``, its
-    logging) covers it. Raises ``ValueError`` for anything else, with the password masked.
+    logging) covers it; libpq's TLS parameters stay in the query (make engines with
+    :func:`engine_arguments`). Raises ``ValueError`` for anything else, with the password
+    masked, and :class:`UnsupportedParameterError` for a parameter the store cannot honour.
     """
     parsed = _parse(url)
     if parsed is None:
@@ -128,15 +190,72 @@ def async_url(url: str | URL) -> URL:
             f"invalid database URL {redact(url)}: an '@' in the password must be "
             "percent-encoded (%40)"
         )
-    unsupported = sorted(n for n in parsed.query if _is_secret(n) and n != "password")
-    if unsupported:
-        raise ValueError(
-            f"database URL {redact(parsed)}: asyncpg does not take {', '.join(unsupported)} "
-            "as a URL parameter; give the engine an ssl.SSLContext instead (from_engine)"
-        )
+    _refuse_unsupported(parsed)
     password = parsed.query.get("password")
     if password is not None:
         # asyncpg takes the query's password over the user info's: so does this.
         value = password if isinstance(password, str) else password[-1]
         parsed = parsed.difference_update_query(["password"]).set(password=value)
     return parsed.set(drivername="postgresql+asyncpg")
+
+
+def _refuse_unsupported(url: URL) -> None:
+    """Refuse, by name, every query parameter neither asyncpg nor this module honours, and
+    TLS parameters with values libpq would not accept."""
+    names = set(url.query) - {"password"}
+    unknown = sorted(names - _TLS_PARAMETERS - _PASSED_PARAMETERS - {"sslsni"})
+    if unknown:
+        raise UnsupportedParameterError(
+            f"database URL {redact(url)}: cronoq-store cannot honour the parameter"
+            f"{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (it takes "
+            f"{', '.join(sorted(_TLS_PARAMETERS | _PASSED_PARAMETERS | {'sslsni'}))})",
+            unknown,
+        )
+    allowed = {
+        "sslmode": _SSLMODES,
+        "ssl_min_protocol_version": _TLS_VERSIONS,
+        "ssl_max_protocol_version": _TLS_VERSIONS,
+        "sslnegotiation": ("postgres", "direct"),
+        # asyncpg always sends the host name as SNI; it cannot leave it out.
+        "sslsni": ("1",),
+    }
+    for name, values in allowed.items():
+        value = _last(url.query.get(name))
+        if value is not None and value not in values:
+            raise UnsupportedParameterError(
+                f"database URL {redact(url)}: {name}={value!r} is not supported "
+                f"(expected {' or '.join(values)})",
+                [name],
+            )
+    if _last(url.query.get("sslrootcert")) == "system":
+        raise UnsupportedParameterError(
+            f"database URL {redact(url)}: sslrootcert=system (libpq 16's system CA store) "
+            "is not supported; give the CA certificate file",
+            ["sslrootcert"],
+        )
+    if "ssl" in names and "sslmode" in names:
+        raise UnsupportedParameterError(
+            f"database URL {redact(url)}: give sslmode or asyncpg's ssl, not both",
+            ["ssl", "sslmode"],
+        )
+
+
+def _last(value: str | tuple[str, ...] | None) -> str | None:
+    """A query parameter's value; the last one when repeated, as libpq and asyncpg take it."""
+    return value if value is None or isinstance(value, str) else value[-1]
+
+
+def engine_arguments(url: str | URL) -> tuple[URL, dict[str, Any]]:
+    """The URL an engine dials and the asyncpg connect arguments that go with it.
+
+    Every engine the store makes from a URL (its pool, the lock session, the CLI's,
+    Alembic's) is made from these, so that each session uses TLS as the URL asks. libpq's
+    TLS parameters leave the URL and reach asyncpg as a DSN holding only them, which it
+    parses with libpq's meaning; host, user and the rest still come from SQLAlchemy.
+    """
+    target = async_url(url)
+    tls = {name: _last(target.query[name]) for name in _TLS_PARAMETERS if name in target.query}
+    dialled = target.difference_update_query([*_TLS_PARAMETERS, "sslsni"])
+    if not tls:
+        return dialled, {}
+    return dialled, {"dsn": "postgresql://?" + urlencode(sorted(tls.items()))}

@@ -22,6 +22,8 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -258,7 +260,7 @@ async def test_no_surface_shows_a_password(
         "host=db.example user=ops password='dsn {secret}' dbname=app",
         "host=db.example password={secret} dbname=app",
         "postgresql://ops:{secret}@db.example:notaport/app",
-        "postgresql://ops@db.example/app?sslpassword={secret}",
+        "postgresql://ops@db.example/app?sslpassword={secret}&sslcompression=1",
         "postgresql://ops:{secret}@host1:5432,host2:5433/app",
         "mysql://ops:{secret}@db.example/app",
     ],
@@ -280,11 +282,132 @@ async def test_refused_url_forms_show_no_password(url: str, records: Records) ->
     assert secret not in everything
 
 
-def test_scrub_masks_every_spelling_of_a_known_password() -> None:
-    url = "postgresql://ops:a%2Fb%40c@db/app?password=q%26r"
-    message = "auth failed for a/b@c (a%2Fb%40c) and q&r, sent as q%26r; password=zz"
-    masked = scrub(message, [url])
-    assert masked == "auth failed for *** (***) and ***, sent as ***; password=***"
+@pytest.mark.parametrize(
+    ("text", "known", "shown"),
+    [
+        # The issue's examples: a one-letter password masks itself, not every letter.
+        (
+            "cannot connect to postgresql://u:o@127.0.0.1:1/cronoq",
+            "postgresql://u:o@127.0.0.1:1/cronoq",
+            "cannot connect to postgresql://u:***@127.0.0.1:1/cronoq",
+        ),
+        (
+            "cannot connect to postgresql://u:***@127.0.0.1:1/cronoq",
+            "postgresql://u:o@127.0.0.1:1/cronoq",
+            "cannot connect to postgresql://u:***@127.0.0.1:1/cronoq",
+        ),
+        (
+            "the tree sees postgresql://u@h/db?password=e here",
+            "postgresql://u@h/db?password=e",
+            "the tree sees postgresql://u@h/db?password=*** here",
+        ),
+        # A password that is a word of the message, a percent-encoded one, in a repr.
+        (
+            "role postgres: URL('postgresql://postgres:postgres@db:5432/postgres')",
+            "postgresql://postgres:postgres@db:5432/postgres",
+            "role postgres: URL('postgresql://postgres:***@db:5432/postgres')",
+        ),
+        (
+            "auth failed for a/b@c: postgresql://ops:a%2Fb%40c@db/app?password=q%26r&x=1",
+            "postgresql://ops:a%2Fb%40c@db/app?password=q%26r&x=1",
+            "auth failed for a/b@c: postgresql://ops:***@db/app?password=***&x=1",
+        ),
+        # Several hosts, IPv6, an unencoded "@", a password SQLAlchemy cannot delimit.
+        (
+            '"postgresql://ops:h1@h1:5432,[::1]:5433/app" failed',
+            "postgresql://ops:h1@h1:5432,[::1]:5433/app",
+            '"postgresql://ops:***@h1:5432,[::1]:5433/app" failed',
+        ),
+        (
+            "dial postgresql://ops:db@t@db/app now (db)",
+            "postgresql://ops:db@t@db/app",
+            "dial postgresql://ops:***@db/app now (db)",
+        ),
+        (
+            "dial postgresql://ops:p@ss w/rd?&=+ %#@db/app now",
+            "postgresql://ops:p@ss w/rd?&=+ %#@db/app",
+            "dial postgresql://ops:***@db/app now",
+        ),
+        # Keyword DSNs: quoted, escaped, spaced; secret-named parameters of every kind.
+        (
+            "dsn host=db password='a \\'b c' user=ops sslpassword=k\\ ey dbname=app",
+            None,
+            "dsn host=db password=*** user=ops sslpassword=*** dbname=app",
+        ),
+        (
+            "PGPASSWORD = pass passfile=/home/ops/.pgpass",
+            "postgresql://ops:pass@db/app",
+            "PGPASSWORD = *** passfile=/home/ops/.pgpass",
+        ),
+        # Nothing secret: left alone, byte for byte.
+        (
+            "sslmode=verify-full sslrootcert=/etc/ca.crt: cannot connect to host db",
+            "postgresql://u:cannot@db/app",
+            "sslmode=verify-full sslrootcert=/etc/ca.crt: cannot connect to host db",
+        ),
+    ],
+)
+def test_scrub_masks_secrets_where_they_stand_and_nothing_else(
+    text: str, known: str | None, shown: str
+) -> None:
+    assert scrub(text, [known]) == shown
+
+
+_PROSE = st.text(
+    st.characters(whitelist_categories=("L", "N", "Zs"), whitelist_characters=".,;()!-'\""),
+    max_size=40,
+)
+_SECRET = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=_PROSE, after=_PROSE, password=_SECRET)
+def test_only_the_secret_of_a_url_in_prose_is_masked(
+    before: str, after: str, password: str
+) -> None:
+    """Whatever the password (one letter, a word of the text, any character) and the prose
+    around it, the URL's password is masked and every other character stays."""
+    encoded = quote(password, safe="")
+    for url, shown in [
+        (
+            f"postgresql://ops:{encoded}@db.example:5432/app",
+            "postgresql://ops:***@db.example:5432/app",
+        ),
+        (
+            f"postgresql://ops@db/app?password={encoded}&x=1",
+            "postgresql://ops@db/app?password=***&x=1",
+        ),
+    ]:
+        text = f"{before} {url} {after}"
+        assert scrub(text, [url]) == f"{before} {shown} {after}"
+        assert scrub(text) == f"{before} {shown} {after}"
+        assert scrub(f"{before} {after}", [url]) == f"{before} {after}"
+    escaped = password.replace("\\", "\\\\").replace("'", "\\'")
+    dsn = f"{before} host=db password='{escaped}' dbname=app {after}"
+    assert scrub(dsn) == f"{before} host=db password=*** dbname=app {after}"
+
+
+@pytest.mark.parametrize("password", ["o", "e", "postgres", "127", "cronoq"])
+def test_a_short_password_does_not_mark_its_letters_in_the_cli_or_alembic(password: str) -> None:
+    """The issue's CLI example, and Alembic's: nothing but the password is masked."""
+    port = unused_port()
+    for url, shown in [
+        (
+            f"postgresql://postgres:{password}@127.0.0.1:{port}/cronoq",
+            f"postgresql://postgres:***@127.0.0.1:{port}/cronoq",
+        ),
+        (
+            f"postgresql://postgres@127.0.0.1:{port}/cronoq?password={password}",
+            f"postgresql://postgres@127.0.0.1:{port}/cronoq?password=***",
+        ),
+    ]:
+        result = CliRunner().invoke(cli, ["--url", url, "status"], env={"COLUMNS": "250"})
+        assert result.exit_code == 3, result.stderr
+        assert result.stderr.startswith(f"Error: cannot connect to {shown}: "), result.stderr
+        assert result.stderr.count("***") == 1, result.stderr
+        stdout, _ = alembic_outputs(url, "public")
+        assert stdout.startswith(f"FAILED: cannot connect to {shown} ("), stdout
+        assert stdout.count("***") == 1, stdout
 
 
 def test_alembic_says_why_it_cannot_connect_in_one_masked_line(pg_url: URL) -> None:

@@ -25,7 +25,7 @@ from ..migrations import (
     revision_status,
 )
 from ..schema import schema_options
-from ..urls import async_url, redact
+from ..urls import engine_arguments, redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 
@@ -42,8 +42,9 @@ __all__ = [
 def engine(url: str) -> AsyncEngine:
     """A pool-less engine: a command opens a connection or two and is gone."""
     try:
+        dialled, tls = engine_arguments(url)
         return create_async_engine(
-            async_url(url),
+            dialled,
             poolclass=NullPool,
             hide_parameters=True,
             connect_args={
@@ -53,9 +54,10 @@ def engine(url: str) -> AsyncEngine:
                     # No schema another role can write is ever on the path (CVE-2018-1058).
                     "search_path": st.SEARCH_PATH,
                 },
+                **tls,
             },
         )
-    except ValueError as exc:  # async_url's messages are already masked
+    except ValueError as exc:  # the messages of urls' refusals are already masked
         # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
         # DSN, a parameter the store refuses) is the operator's to fix: a usage error,
         # found before anything connects.

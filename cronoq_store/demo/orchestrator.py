@@ -31,7 +31,7 @@ from ..errors import StoreError
 from ..migrations import upgrade
 from ..schema import schema_options
 from ..terminal_safe import visible
-from ..urls import async_url, redact
+from ..urls import engine_arguments, redact
 from .roles import URL_ENV, ZOMBIE_KIND, ZOMBIE_MESSAGE
 from .verdict import DemoReport, find_lost, judge, parse_acks, render
 
@@ -73,7 +73,10 @@ async def _run_on(
     url: URL, kind: str | None, submitters: int, seconds: float, console: Console
 ) -> DemoReport:
     schema = f"cronoq_demo_{secrets.token_hex(4)}"
-    engine = create_async_engine(async_url(url), poolclass=NullPool, hide_parameters=True)
+    dialled, tls = engine_arguments(url)
+    engine = create_async_engine(
+        dialled, poolclass=NullPool, hide_parameters=True, connect_args=tls
+    )
     try:
         # A failed upgrade leaves nothing behind; from here on the schema must be dropped.
         await upgrade(engine, schema)
