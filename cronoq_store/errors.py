@@ -205,8 +205,10 @@ class IdCollisionError(StoreError):
 class KeyTakenError(StoreError):
     """A ``Submitted`` gives a live task a key that another live task holds (keys are unique
     among live tasks; a finished task releases its key); nothing of its batch was written.
-    Not transient: the same batch fails again. ``keys`` are the keys named (the server names
-    the first it meets; empty when it named none)."""
+    Not transient: the same batch fails again. ``keys`` are every key of the batch taken so,
+    sorted (empty only when the holders were gone when looked up). A batch that also reuses
+    a stored id raises ``IdCollisionError`` instead: the batch is not what the store holds,
+    so its keys mean nothing yet."""
 
     def __init__(self, keys: list[str]) -> None:
         named = ", ".join(map(repr, keys)) or "(not named by the server)"

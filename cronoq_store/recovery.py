@@ -20,8 +20,16 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import statements as st
-from .codec import QUARANTINE_PREFIX
-from .domain import Recovered, RecoveredTerminal, TaskId, TaskStatus, TimeBase, clean_text
+from .codec import QUARANTINE_PREFIX, engine_time
+from .domain import (
+    Recovered,
+    RecoveredTerminal,
+    TaskId,
+    TaskStatus,
+    TimeBase,
+    clean_text,
+    reading_stored,
+)
 from .rows import LiveTasks, recurring_schedule
 from .writer import CompiledStatement
 
@@ -49,10 +57,11 @@ async def recover(
     runs the transaction under :func:`collector_paused`."""
     recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
     now = time.time_ns()
-    count = await _recover_tasks(conn, schema, base, now, retention, recovered)
-    if quarantined is not None:
-        quarantined(count)
-    await _recover_recurring(conn, base, recovered)
+    with reading_stored():  # what was stored is storable: no bound of this build refuses it
+        count = await _recover_tasks(conn, schema, base, now, retention, recovered)
+        if quarantined is not None:
+            quarantined(count)
+        await _recover_recurring(conn, base, recovered)
     return recovered
 
 
@@ -134,7 +143,7 @@ async def _recover_tasks(
                 id=TaskId(done.id),
                 key=done.key,
                 status=status,
-                at=base.from_unix(done.updated_unix_ns),
+                at=engine_time(base, done.updated_unix_ns),
             )
         )
     return len(corrupt_ids)
