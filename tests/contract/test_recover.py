@@ -22,7 +22,6 @@ from cronoq_store import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.codec import QUARANTINE_PREFIX
 
 from .support import (
     BASE,
@@ -148,24 +147,23 @@ async def test_recover_in_a_new_process(cluster: Cluster) -> None:
     assert await cluster.recover_in_new_process(BASE) == here
 
 
-async def test_a_live_task_the_new_time_base_cannot_express_is_quarantined_not_fatal(
+async def test_a_live_task_the_new_time_base_cannot_express_is_recovered_at_the_bound(
     cluster: Cluster,
 ) -> None:
     """Through a base whose engine clock is near 2**63, the stored arrival of task 1 has
-    no 64-bit engine time: it is marked failed with the reason, once, and the rest
-    recovers."""
+    no 64-bit engine time: the row is valid all the same (only the reader's base is odd),
+    so it is recovered with the arrival at the bound, never quarantined."""
     store = await cluster.open()
     await store.commit(0, BASE, [submitted(1, key="k"), submitted(2, arrival=-(2**62))], [])
     odd = TimeBase(engine_ns=2**63 - 1, unix_ns=BASE.unix_ns)  # arrival 1 is 2**63 there
     recovered = await store.recover(odd)
-    assert [t.id for t in recovered.tasks] == [2]
-    assert [(t.id, t.key, t.status) for t in recovered.terminal] == [(1, "k", FAILED)]
+    assert [(t.id, t.arrival) for t in recovered.tasks] == [
+        (1, 2**63 - 1),
+        (2, 2**63 - 1 - 2**62),
+    ]
+    assert recovered.terminal == []
     record = await store.get_task(TaskId(1))
     assert record is not None
-    assert record.status is FAILED
-    assert record.message is not None
-    assert record.message.startswith(QUARANTINE_PREFIX)
-    # An ordinary failed task now: its key is free, and the usual base recovers it as such.
-    await store.commit(0, BASE, [submitted(3, key="k")], [])
+    assert (record.status, record.message) == (None, None)
     again = await store.recover(BASE)
-    assert [t.id for t in again.tasks] == [2, 3]
+    assert [(t.id, t.arrival) for t in again.tasks] == [(1, 1), (2, -(2**62))]
