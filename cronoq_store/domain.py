@@ -628,7 +628,8 @@ class RecoveredRecurring:
 @dataclass(slots=True)
 class Recovered:
     """Everything a new leader needs to resume. ``next_id`` is one more than the largest task
-    id ever issued (0 when none was): no id below it may be issued again. A leader issues
+    id ever issued, and at least 1 (the high-water mark cannot tell "no id issued" from "id 0
+    issued", so id 0 counts as issued): no id below it may be issued again. A leader issues
     ids from ``max(next_id, task_id(epoch, 0))`` upward: the epoch prefix until the epoch
     wraps to 1, then ids continue above every id ever issued. Reusing an id for a different
     task fails the commit with ``IdCollisionError``."""

@@ -66,10 +66,14 @@ async def recover(
 
 
 def next_id(recorded_max: int, stored_max: int | None) -> int:
-    """One more than the largest id ever issued, 0 when none was: ``recorded_max`` is 0 until
-    a batch records one (the column's default), ``stored_max`` ``None`` without tasks."""
-    recorded = recorded_max + 1 if recorded_max > 0 else 0
-    return max(recorded, 0 if stored_max is None else stored_max + 1)
+    """One more than the largest id ever issued: ``recorded_max`` is the high-water mark
+    (``cronoq_leader.max_id``), ``stored_max`` the largest stored id (``None`` without tasks).
+
+    The mark starts at 0, the column's default, which is also what a batch that issued only
+    id 0 records: the two cannot be told apart, so 0 counts as issued and ``next_id`` is at
+    least 1. Reading 0 as "none" reissued a hand-issued id 0 once its task was pruned.
+    """
+    return max(recorded_max + 1, 0 if stored_max is None else stored_max + 1)
 
 
 async def _recover_tasks(

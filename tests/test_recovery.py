@@ -60,9 +60,10 @@ async def execute(store: PgStore, sql: str) -> list[Any]:
         return list(result.all()) if result.returns_rows else []
 
 
-async def test_next_id_is_zero_for_an_empty_store(store: PgStore) -> None:
+async def test_next_id_is_one_for_an_empty_store(store: PgStore) -> None:
+    """The high-water mark starts at 0, which is also what issuing id 0 records."""
     recovered = await store.recover(BASE)
-    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (0, [], [])
+    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (1, [], [])
 
 
 async def test_next_id_is_above_a_stored_id_zero(store: PgStore) -> None:

@@ -111,7 +111,7 @@ class InMemoryDatabase:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= EPOCH_MAX:
             raise ValueError(f"epoch: must be an integer in 0..{EPOCH_MAX}, got {epoch!r}")
         self._epoch = epoch
-        self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records one
+        self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records a larger one
         self._tasks: dict[int, list[Any]] = {}  # rows by id
         self._outputs: dict[int, bytes] = {}
         self._live_keys: dict[str, int] = {}  # the unique index on live keys

@@ -111,8 +111,9 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
 
 async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     store = await cluster.open()
+    # A high-water mark of 0 may mean id 0 was issued: no store ever answers 0.
     assert summary(await store.recover(BASE)) == {
-        "next_id": 0,
+        "next_id": 1,
         "tasks": [],
         "terminal": [],
         "recurring": [],
@@ -127,6 +128,21 @@ async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     assert await store.get_task(high) is None
     # Pruned, but issued: its id is never issued again.
     assert (await store.recover(BASE)).next_id == high + 1
+
+
+async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Cluster) -> None:
+    """Id 0 submitted by hand, finished, pruned; the next leader's ``next_id`` stays above it
+    (the high-water mark it recorded is 0, the column's default)."""
+    first = await cluster.open()
+    epoch = await first.acquire_leadership()
+    old = TimeBase(engine_ns=0, unix_ns=BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
+    await first.commit(epoch, old, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
+    assert await first.prune(1) == 1
+    assert await first.get_task(TaskId(0)) is None
+    await first.release_leadership()
+    second = await cluster.open()
+    await second.acquire_leadership()
+    assert (await second.recover(BASE)).next_id == 1
 
 
 @pytest.mark.needs(Capability.DURABLE)
