@@ -51,11 +51,13 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 INDEXED_TEXT_MAX_BYTES = 2048
-"""Most bytes a task key, a dependency's target key or a schedule name may take as stored:
-UTF-8 after :func:`clean_text` (a NUL becomes U+FFFD, three bytes). These columns are
-indexed, and a btree entry holds at most 2704 bytes (``(key, id)`` with its headers); a value
-PostgreSQL cannot compress under that fails its whole commit, so one over this bound is
-refused when built, with room to spare."""
+"""Most bytes a task key (``TaskSpec.key``) or a schedule name (``RecurringSpec.name``) may
+take as stored: UTF-8 after :func:`clean_text` (a NUL becomes U+FFFD, three bytes). These
+columns are indexed, and a btree entry holds at most 2704 bytes (``(key, id)`` with its
+headers); a value PostgreSQL cannot compress under that fails its whole commit, so one over
+this bound is refused when built, with room to spare. Values that only look a key or a name
+up (a dependency's target, ``RecurringNext``, ``RecurringRemove``, ``get_task``) are never
+inserted in an index and are not bounded: they may name a longer value stored earlier."""
 # Below this many characters no string can take more bytes than the bound (4 per character).
 _INDEXED_FAST_CHARS = INDEXED_TEXT_MAX_BYTES // 4
 _READING_STORED: ContextVar[bool] = ContextVar("cronoq_reading_stored", default=False)
@@ -306,8 +308,6 @@ class Dependency:
         if isinstance(t, str):
             if not t:
                 raise _invalid("target", "a task id or a non-empty key", t)
-            if len(t) > _INDEXED_FAST_CHARS:
-                _check_indexed("target", t)
         else:
             check_task_id("target", t)
         if not isinstance(self.condition, DependencyCondition):
@@ -463,6 +463,8 @@ class RecurringSpec:
 
     def __post_init__(self) -> None:
         _check_name(self.name)
+        if len(self.name) > _INDEXED_FAST_CHARS:  # the primary key: only an upsert inserts it
+            _check_indexed("name", self.name)
         if not isinstance(self.schedule, (CronSchedule, IntervalSchedule)):
             raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
         if not isinstance(self.template, TaskSpec):
@@ -472,8 +474,6 @@ class RecurringSpec:
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name:
         raise _invalid("name", "a non-empty string", name)
-    if len(name) > _INDEXED_FAST_CHARS:
-        _check_indexed("name", name)
 
 
 @dataclass(frozen=True, slots=True)
