@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import asyncpg
 from sqlalchemy import exc as sa_exc
 
+from .domain import show
+
 __all__ = [
     "CONNECTION_CLASSES",
     "PREPARED_STATEMENT_CODES",
@@ -211,10 +213,12 @@ class KeyTakenError(StoreError):
     so its keys mean nothing yet."""
 
     def __init__(self, keys: list[str]) -> None:
-        named = ", ".join(map(repr, keys)) or "(not named by the server)"
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        named = ", ".join(map(show, keys[:5])) + more or "(gone when looked up)"
         super().__init__(
-            f"committing a batch failed: key {named} is held by another live task (a key "
-            "is unique among live tasks): nothing of the batch was written"
+            f"committing a batch failed: {'keys' if len(keys) > 1 else 'key'} {named} "
+            "held by another live task or given twice by the batch (a key is unique among "
+            "live tasks): nothing of the batch was written"
         )
         self.keys = keys
 
