@@ -49,6 +49,7 @@ def plans(draw: st.DrawFn) -> list[tuple[list[Mutation], list[tuple[TaskId, byte
     first = next(_examples) * 100
     ids = [first + i for i in range(TASKS_PER_EXAMPLE)]
     keys = [None, None, f"a{first}", f"b{first}", f"c{first}"]
+    fresh = itertools.count(first + 20)  # ids outside ``ids``, each sent once
     sent: dict[int, Mutation] = {}
     mutations: list[Mutation] = []
     at = 0
@@ -57,6 +58,10 @@ def plans(draw: st.DrawFn) -> list[tuple[list[Mutation], list[tuple[TaskId, byte
         id = draw(st.sampled_from(ids))
         choice = draw(st.integers(0, 7))
         if id in sent and choice == 0:  # the id of a task sent before, for another task
+            if draw(st.booleans()):  # behind a new task that may take a held key
+                extra = next(fresh)
+                sent[extra] = submitted(extra, key=draw(st.sampled_from(keys)))
+                mutations.append(sent[extra])
             mutations.append(submitted(id, b"other", key=draw(st.sampled_from(keys))))
         elif id not in sent or choice == 1:
             sent.setdefault(id, submitted(id, key=draw(st.sampled_from(keys))))
