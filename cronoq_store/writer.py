@@ -30,6 +30,11 @@ keys: a task it sends again may still hold, in the store, a key that a new task 
 takes once the update has finished the old holder; a key still refused then is really held.
 That costs nothing to the common batch: a submission is sent again together with a
 transition only when an unacknowledged batch is retried.
+
+Whichever row meets the server first, an id held by another task wins over a held key: a
+refusal on the live-key index is followed by the same look-up of colliding ids, and only a
+batch without one reports its keys, every key taken (``statements.key_holders`` and
+``folding.taken_keys``, the rule the in-memory store applies too).
 """
 
 from __future__ import annotations
