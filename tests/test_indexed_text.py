@@ -23,9 +23,11 @@ from cronoq_store.domain import (
     RecurringRemove,
     RecurringSpec,
     RecurringUpsert,
+    StatusChanged,
     Submitted,
     TaskId,
     TaskSpec,
+    TaskStatus,
     TimeBase,
     clean_text,
 )
@@ -122,11 +124,12 @@ def test_a_value_over_the_bound_is_refused_when_built_naming_the_field(
 
 
 async def test_lookups_by_a_longer_key_or_name_are_not_bounded(store: PgStore) -> None:
-    """A dependency's target, ``RecurringNext``, ``RecurringRemove`` and ``get_task`` only
-    look a value up (a dependency lives in jsonb): they may name a longer value stored by an
-    earlier build, and never fail a commit."""
+    """A dependency's target, ``RecurringNext``, ``RecurringRemove``, ``get_task`` and the
+    pools of ``list_finished`` only look a value up (a dependency lives in jsonb, pools are
+    not indexed): they may name a longer value stored by an earlier build, and never fail."""
     long = incompressible("abcdefghijklmnopqrstuvwxyz", 100_000)
     assert await store.get_task(long) is None
+    assert await store.list_finished(pools=[long, "\0" * 50_000]) == []
     dependent = TaskSpec(b"d", deps=[Dependency(long, DependencyCondition.FINISHED)])
     batch: list[Mutation] = [
         Submitted(TaskId(1), 1, 0, dependent),
@@ -170,3 +173,22 @@ async def test_a_stored_key_over_the_bound_is_recovered_not_quarantined(
     record = await store.get_task(TaskId(1))
     assert record is not None
     assert record.status is None  # still queued: not quarantined
+
+
+async def test_text_columns_without_an_index_take_any_length(store: PgStore) -> None:
+    """``pool``, ``kind``, ``tenant`` and the message are not indexed: no bound applies."""
+    pool, kind, tenant, message = (
+        incompressible("abcdefghijklmnopqrstuvwxyz", 20_000) for _ in range(4)
+    )
+    spec = TaskSpec(b"a", pool=pool, kind=kind, tenant=tenant)
+    done = StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, message)
+    await store.commit(0, BASE, [Submitted(TaskId(1), 1, 0, spec), done], [])
+    record = await store.get_task(TaskId(1))
+    assert record is not None
+    assert (record.pool, record.kind, record.tenant, record.message) == (
+        pool,
+        kind,
+        tenant,
+        message,
+    )
+    assert [r.id for r in await store.list_finished(pools=[pool])] == [1]
