@@ -113,6 +113,21 @@ def unix_converter(base: TimeBase) -> Callable[[int, str], int]:
     return to_unix
 
 
+def engine_time(base: TimeBase, unix_ns: int) -> int:
+    """The engine time (ns) of a stored Unix time (ns), saturated to -2**63..2**63-1.
+
+    A stored BIGINT time is valid whatever the reader's clock; only the reader's base can push
+    it out of the 64 bits the domain takes (a wall clock still near 1970, as on a machine
+    without a real-time clock before NTP, puts ``2**63-1`` beyond them). Such a time is
+    centuries away through that base, so its bound means the same, and a valid row is never
+    refused, nor quarantined, for the reader's own time base.
+    """
+    engine_ns = base.from_unix(unix_ns)
+    if engine_ns > I64_MAX:
+        return I64_MAX
+    return max(engine_ns, I64_MIN)
+
+
 def duration_to_ns(td: timedelta) -> int:
     """Integer nanoseconds of a timedelta, for the ``*_ns`` BIGINT columns and members.
 
@@ -540,7 +555,7 @@ def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedSta
     at = _as_bigint(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
     d = _DEFAULT_FIXED
     return FixedStart(
-        at=base.from_unix(at),
+        at=engine_time(base, at),
         tolerance=_member(obj, "tolerance_ns", path, _as_ns, d.tolerance),
         on_miss=_member(obj, "on_miss", path, _miss_policy_from_json, d.on_miss),
     )
@@ -565,7 +580,7 @@ def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str
             pool=_member(obj, "pool", path, _as_str, d.pool),
             priority=_member(obj, "priority", path, _priority_from_json, d.priority),
             key=_nullable(obj, "key", path, _as_str),
-            deadline=None if deadline is None else base.from_unix(deadline),
+            deadline=None if deadline is None else engine_time(base, deadline),
             fixed_start=_nullable(
                 obj, "fixed_start", path, lambda v, p: _fixed_start_from_json(base, v, p)
             ),

@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from enum import Enum, IntEnum
@@ -46,6 +48,46 @@ _ENGINE_TIME = "an engine time in integer nanoseconds in -2**63..2**63-1"
 _AMOUNT = "an integer in 0..2**63-1"
 # What PostgreSQL cannot store in text or jsonb: NUL, and lone surrogates (not UTF-8).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+INDEXED_TEXT_MAX_BYTES = 2048
+"""Most bytes a task key (``TaskSpec.key``) or a schedule name (``RecurringSpec.name``) may
+take as stored: UTF-8 after :func:`clean_text` (a NUL becomes U+FFFD, three bytes). These
+columns are indexed, and a btree entry holds at most 2704 bytes (``(key, id)`` with its
+headers); a value PostgreSQL cannot compress under that fails its whole commit, so one over
+this bound is refused when built, with room to spare. Values that only look a key or a name
+up (a dependency's target, ``RecurringNext``, ``RecurringRemove``, ``get_task``) are never
+inserted in an index and are not bounded: they may name a longer value stored earlier."""
+# Below this many characters no string can take more bytes than the bound (4 per character).
+_INDEXED_FAST_CHARS = INDEXED_TEXT_MAX_BYTES // 4
+_READING_STORED: ContextVar[bool] = ContextVar("cronoq_reading_stored", default=False)
+
+
+@contextmanager
+def reading_stored() -> Iterator[None]:
+    """Build values from stored rows: :data:`INDEXED_TEXT_MAX_BYTES` is not applied.
+
+    A row that was stored is storable (PostgreSQL compresses a long value before indexing
+    it, and an earlier build had no bound): a tighter bound must never refuse, nor
+    quarantine, a row that is already there.
+    """
+    token = _READING_STORED.set(True)
+    try:
+        yield
+    finally:
+        _READING_STORED.reset(token)
+
+
+def _check_indexed(name: str, value: str) -> None:
+    # Callers test ``len(value) > _INDEXED_FAST_CHARS`` inline: short values cost nothing.
+    if _READING_STORED.get():
+        return
+    size = len(clean_text(value).encode("utf-8"))
+    if size > INDEXED_TEXT_MAX_BYTES:
+        raise ValueError(
+            f"{name}: must take at most {INDEXED_TEXT_MAX_BYTES} bytes as stored (UTF-8, NUL "
+            f"as U+FFFD), since it is indexed; got {size} bytes: {show(value)}"
+        )
 
 
 def clean_text(s: str) -> str:
@@ -331,8 +373,12 @@ class TaskSpec:
                 setattr_(self, "priority", Priority(self.priority))
             except ValueError:
                 raise _invalid("priority", "a Priority", self.priority) from None
-        if self.key is not None and (not isinstance(self.key, str) or not self.key):
-            raise _invalid("key", "None or a non-empty string", self.key)
+        key = self.key
+        if key is not None:
+            if not isinstance(key, str) or not key:
+                raise _invalid("key", "None or a non-empty string", key)
+            if len(key) > _INDEXED_FAST_CHARS:
+                _check_indexed("key", key)
         if self.deadline is not None:
             _check_engine_time("deadline", self.deadline)
         if self.fixed_start is not None and not isinstance(self.fixed_start, FixedStart):
@@ -417,6 +463,8 @@ class RecurringSpec:
 
     def __post_init__(self) -> None:
         _check_name(self.name)
+        if len(self.name) > _INDEXED_FAST_CHARS:  # the primary key: only an upsert inserts it
+            _check_indexed("name", self.name)
         if not isinstance(self.schedule, (CronSchedule, IntervalSchedule)):
             raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
         if not isinstance(self.template, TaskSpec):
@@ -580,7 +628,8 @@ class RecoveredRecurring:
 @dataclass(slots=True)
 class Recovered:
     """Everything a new leader needs to resume. ``next_id`` is one more than the largest task
-    id ever issued (0 when none was): no id below it may be issued again. A leader issues
+    id ever issued, and at least 1 (the high-water mark cannot tell "no id issued" from "id 0
+    issued", so id 0 counts as issued): no id below it may be issued again. A leader issues
     ids from ``max(next_id, task_id(epoch, 0))`` upward: the epoch prefix until the epoch
     wraps to 1, then ids continue above every id ever issued. Reusing an id for a different
     task fails the commit with ``IdCollisionError``."""

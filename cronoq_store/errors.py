@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import asyncpg
 from sqlalchemy import exc as sa_exc
 
+from .domain import show
+
 __all__ = [
     "CONNECTION_CLASSES",
     "PREPARED_STATEMENT_CODES",
@@ -224,14 +226,18 @@ class IdCollisionError(StoreError):
 class KeyTakenError(StoreError):
     """A ``Submitted`` gives a live task a key that another live task holds (keys are unique
     among live tasks; a finished task releases its key); nothing of its batch was written.
-    Not transient: the same batch fails again. ``keys`` are the keys named (the server names
-    the first it meets; empty when it named none)."""
+    Not transient: the same batch fails again. ``keys`` are every key of the batch taken so,
+    sorted (empty only when the holders were gone when looked up). A batch that also reuses
+    a stored id raises ``IdCollisionError`` instead: the batch is not what the store holds,
+    so its keys mean nothing yet."""
 
     def __init__(self, keys: list[str]) -> None:
-        named = ", ".join(map(repr, keys)) or "(not named by the server)"
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        named = ", ".join(map(show, keys[:5])) + more or "(gone when looked up)"
         super().__init__(
-            f"committing a batch failed: key {named} is held by another live task (a key "
-            "is unique among live tasks): nothing of the batch was written"
+            f"committing a batch failed: {'keys' if len(keys) > 1 else 'key'} {named} "
+            "held by another live task or given twice by the batch (a key is unique among "
+            "live tasks): nothing of the batch was written"
         )
         self.keys = keys
 

@@ -33,7 +33,7 @@ The parameter names of the returned dictionaries are the bind names of the state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, ClassVar
@@ -52,7 +52,7 @@ from .domain import (
     TimeBase,
 )
 from .errors import IdCollisionError
-from .rows import insert_row, same_task, set_state, transposed
+from .rows import INSERT_POSITION, insert_row, same_task, set_state, transposed
 
 __all__ = [
     "LIVE_RANKS",
@@ -61,6 +61,7 @@ __all__ = [
     "RecurringAction",
     "fold",
     "level",
+    "taken_keys",
 ]
 
 #: Rank of each live status within an attempt (other stored names rank as queued).
@@ -166,6 +167,35 @@ class FoldedBatch:
 
 
 FoldedBatch.WRITES = tuple(f.name for f in fields(FoldedBatch) if f.metadata.get("write"))
+
+_ID, _KEY, _TERMINAL = INSERT_POSITION["id"], INSERT_POSITION["key"], INSERT_POSITION["terminal"]
+
+
+def taken_keys(
+    batch: FoldedBatch, stored_ids: Container[int], live_holders: Mapping[str, int]
+) -> list[str]:
+    """Every key that ``batch`` gives a new live task while another live task holds it, sorted:
+    what ``KeyTakenError.keys`` lists, in both stores.
+
+    ``stored_ids`` holds (at least) which of the batch's ids are stored, ``live_holders`` the
+    id of the stored live task holding each of its keys. A key is taken when its holder is
+    not finished by the batch (its updates run before its inserts; a transition to a
+    finished state always moves a live task) or when an earlier new task of the batch takes
+    it. Ids held by other tasks are checked before, and win (``IdCollisionError``).
+    """
+    updates = batch.resubmitted().updates
+    finished = {id for id, done in zip(updates["ids"], updates["terminals"], strict=True) if done}
+    given: set[str] = set()
+    taken: set[str] = set()
+    for row in batch.insert_rows:
+        key = row[_KEY]
+        if key is None or row[_TERMINAL] or row[_ID] in stored_ids:
+            continue
+        holder = live_holders.get(key)
+        if key in given or (holder is not None and holder not in finished):
+            taken.add(key)
+        given.add(key)
+    return sorted(taken)
 
 
 def _count(value: list[Any] | dict[str, list[Any]]) -> int:

@@ -150,7 +150,10 @@ class GroupCommitter:
     commit. Submissions are committed in the order they were accepted; a batch takes whole
     submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
     :func:`~cronoq_store.sizing.mutation_size` estimates them; a larger single submission
-    goes alone, and fails at its first attempt if the store refuses its size).
+    goes alone, and fails at its first attempt if the store refuses its size), and never
+    more bytes than the store's ``max_commit_bytes`` (``PgStore``, ``InMemoryStore``) as it
+    is when the batch is built: a store's limit lowered at run time is the committer's at
+    once, so no batch is sent to be refused and bisected.
     ``max_pending_mutations`` bounds the rows accepted but not yet settled (queued or in
     flight); ``submit`` waits for room, first come first served, and a submission larger
     than the bound is admitted once nothing else is pending. Outputs count as rows for both
@@ -485,12 +488,13 @@ class GroupCommitter:
             await self._wakeup.wait()
         batch: list[_Submission] = []
         rows = size = 0
+        max_bytes = self._batch_bytes()
         while queue:
             sub = queue[0]
             if sub.state is not _State.QUEUED:
                 queue.popleft()
                 continue
-            if batch and (rows + sub.weight > self._max_batch or size + sub.size > self._max_bytes):
+            if batch and (rows + sub.weight > self._max_batch or size + sub.size > max_bytes):
                 break
             queue.popleft()
             sub.state = _State.TAKEN
@@ -498,6 +502,14 @@ class GroupCommitter:
             rows += sub.weight
             size += sub.size
         return batch
+
+    def _batch_bytes(self) -> int:
+        """The byte bound of the next batch: ``max_batch_bytes``, or the store's
+        ``max_commit_bytes`` where that is lower (read now: the store's is the one truth)."""
+        store_limit = getattr(self._store, "max_commit_bytes", None)
+        if isinstance(store_limit, int) and not isinstance(store_limit, bool):
+            return min(self._max_bytes, store_limit)
+        return self._max_bytes
 
     async def _commit_group(self, subs: list[_Submission]) -> None:
         """Commit ``subs`` in one transaction; on a non-transient error, bisect so that only

@@ -20,8 +20,16 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import statements as st
-from .codec import QUARANTINE_PREFIX
-from .domain import Recovered, RecoveredTerminal, TaskId, TaskStatus, TimeBase, clean_text
+from .codec import QUARANTINE_PREFIX, engine_time
+from .domain import (
+    Recovered,
+    RecoveredTerminal,
+    TaskId,
+    TaskStatus,
+    TimeBase,
+    clean_text,
+    reading_stored,
+)
 from .rows import LiveTasks, recurring_schedule
 from .writer import CompiledStatement
 
@@ -49,18 +57,23 @@ async def recover(
     runs the transaction under :func:`collector_paused`."""
     recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
     now = time.time_ns()
-    count = await _recover_tasks(conn, schema, base, now, retention, recovered)
-    if quarantined is not None:
-        quarantined(count)
-    await _recover_recurring(conn, base, recovered)
+    with reading_stored():  # what was stored is storable: no bound of this build refuses it
+        count = await _recover_tasks(conn, schema, base, now, retention, recovered)
+        if quarantined is not None:
+            quarantined(count)
+        await _recover_recurring(conn, base, recovered)
     return recovered
 
 
 def next_id(recorded_max: int, stored_max: int | None) -> int:
-    """One more than the largest id ever issued, 0 when none was: ``recorded_max`` is 0 until
-    a batch records one (the column's default), ``stored_max`` ``None`` without tasks."""
-    recorded = recorded_max + 1 if recorded_max > 0 else 0
-    return max(recorded, 0 if stored_max is None else stored_max + 1)
+    """One more than the largest id ever issued: ``recorded_max`` is the high-water mark
+    (``cronoq_leader.max_id``), ``stored_max`` the largest stored id (``None`` without tasks).
+
+    The mark starts at 0, the column's default, which is also what a batch that issued only
+    id 0 records: the two cannot be told apart, so 0 counts as issued and ``next_id`` is at
+    least 1. Reading 0 as "none" reissued a hand-issued id 0 once its task was pruned.
+    """
+    return max(recorded_max + 1, 0 if stored_max is None else stored_max + 1)
 
 
 async def _recover_tasks(
@@ -134,7 +147,7 @@ async def _recover_tasks(
                 id=TaskId(done.id),
                 key=done.key,
                 status=status,
-                at=base.from_unix(done.updated_unix_ns),
+                at=engine_time(base, done.updated_unix_ns),
             )
         )
     return len(corrupt_ids)

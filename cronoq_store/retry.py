@@ -19,12 +19,22 @@ from typing import TypeVar
 
 from .config import PgStoreConfig
 
-__all__ = ["COMMIT_BACKOFF", "Backoff", "acquisition_backoff", "bounded", "pause"]
+__all__ = [
+    "COMMIT_BACKOFF",
+    "MIN_PAUSE",
+    "Backoff",
+    "acquisition_backoff",
+    "bounded",
+    "pause",
+]
 
 _T = TypeVar("_T")
 
 #: Each pause's ceiling is the previous one times this, until ``cap``.
 _GROWTH = 2.0
+#: The shortest pause (seconds) between two attempts: below it a retry loop against a
+#: server that refuses at once spins a core and floods the server's log.
+MIN_PAUSE = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +44,9 @@ class Backoff:
     ``jitter`` is the share of each pause drawn at random: the pause before retry *n*
     (from 0) is uniform in ``[c * (1 - jitter), c]`` where ``c = min(cap, initial * 2**n)``.
     ``1.0`` is full jitter, ``0.0`` none. ``rng`` makes the draws reproducible (tests); by
-    default they come from the :mod:`random` module's shared generator.
+    default they come from the :mod:`random` module's shared generator. No pause is shorter
+    than :data:`MIN_PAUSE`: ``initial`` below it is refused, and a jittered draw below it is
+    raised to it.
     """
 
     initial: float
@@ -51,6 +63,11 @@ class Backoff:
                 raise ValueError(
                     f"backoff {name} must be a positive number of seconds, got {value!r}"
                 )
+            if value < MIN_PAUSE:
+                raise ValueError(
+                    f"backoff {name} must be at least {MIN_PAUSE}s (a shorter pause is a busy "
+                    f"loop), got {value!r}"
+                )
         if self.cap < self.initial:
             raise ValueError(
                 f"backoff cap ({self.cap}s) must be at least its initial delay ({self.initial}s)"
@@ -65,7 +82,7 @@ class Backoff:
         draw = self.rng.random if self.rng is not None else random.random
         ceiling = float(self.initial)
         while True:
-            yield ceiling * (1.0 - self.jitter * draw())
+            yield max(MIN_PAUSE, ceiling * (1.0 - self.jitter * draw()))
             ceiling = min(self.cap, ceiling * _GROWTH)
 
 
@@ -85,7 +102,8 @@ def acquisition_backoff(config: PgStoreConfig) -> Backoff:
     a restart: within ``session_timeout + lock_poll`` of the server's return. Each pause is
     at least half its ceiling: through a long outage, at most two attempts per ``lock_poll``.
     """
-    return Backoff(initial=config.lock_poll / 4, cap=config.lock_poll, jitter=0.5)
+    cap = max(config.lock_poll, MIN_PAUSE)
+    return Backoff(initial=max(cap / 4, MIN_PAUSE), cap=cap, jitter=0.5)
 
 
 # ``asyncio.wait_for`` before Python 3.12 loses a cancellation that arrives as its awaitable

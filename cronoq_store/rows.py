@@ -42,11 +42,10 @@ from .codec import (
     encode_resources,
     encode_retry,
     encode_strings,
+    engine_time,
     ns_to_duration,
 )
 from .domain import (
-    I64_MAX,
-    I64_MIN,
     LIVE_STATUS_NAMES,
     QUEUED,
     UNIX_EPOCH,
@@ -299,7 +298,7 @@ class LiveTasks:
         fixed = None
         if fixed_at_unix_ns is not None:
             fixed = FixedStart(
-                at=base.from_unix(fixed_at_unix_ns),
+                at=engine_time(base, fixed_at_unix_ns),
                 tolerance=(
                     _DEFAULT_TOLERANCE
                     if fixed_tolerance_ns is None
@@ -313,7 +312,7 @@ class LiveTasks:
             pool=strings[pool],
             priority=self._priorities[priority],
             key=key,
-            deadline=None if deadline_unix_ns is None else base.from_unix(deadline_unix_ns),
+            deadline=(None if deadline_unix_ns is None else engine_time(base, deadline_unix_ns)),
             fixed_start=fixed,
             duration_hint=None if duration_hint_ns is None else durations[duration_hint_ns],
             timeout=None if timeout_ns is None else durations[timeout_ns],
@@ -328,11 +327,12 @@ class LiveTasks:
             raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
         if id < 0:
             raise ValueError(f"id: must be a task id in 0..2**63-1, got {id}")
-        arrival = base.from_unix(arrival_unix_ns)
-        if not I64_MIN <= arrival <= I64_MAX:
-            _engine_time(base, arrival_unix_ns, "arrival_unix_ns")  # raises, naming the column
         return RecoveredTask(
-            id=TaskId(id), seq=seq, arrival=arrival, spec=spec, attempt=max(attempt, 0)
+            id=TaskId(id),
+            seq=seq,
+            arrival=engine_time(base, arrival_unix_ns),
+            spec=spec,
+            attempt=max(attempt, 0),
         )
 
 
@@ -350,18 +350,8 @@ def recurring_schedule(
         raise ValueError(f"last_task_id: must be a task id in 0..2**63-1, got {last_task_id}")
     return RecoveredRecurring(
         spec=decode_recurring(base, name, spec, template_payload),
-        next=None if next_unix_ns is None else _engine_time(base, next_unix_ns, "next_unix_ns"),
+        next=None if next_unix_ns is None else engine_time(base, next_unix_ns),
         last=None if last_task_id is None else TaskId(last_task_id),
-    )
-
-
-def _engine_time(base: TimeBase, unix_ns: int, column: str) -> int:
-    """The engine time of a stored time, which must fit the 64 bits the domain takes."""
-    engine_ns = base.from_unix(unix_ns)
-    if I64_MIN <= engine_ns <= I64_MAX:
-        return engine_ns
-    raise ValueError(
-        f"{column}: {unix_ns} is engine time {engine_ns} through {base!r}, outside -2**63..2**63-1"
     )
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
+    "key_holders",
     "live_tasks",
     "local_search_path",
     "lock_session_settings",
@@ -375,6 +376,16 @@ colliding_ids = (
     .join(tasks, tasks.c.id == _incoming.c.id)
     .where(_other_task(tasks.c, _incoming.c))
     .order_by(_incoming.c.id)
+)
+
+#: What decides which keys of a batch refused on the unique index of live keys are taken
+#: (``folding.taken_keys``): the stored ids among ``:id`` and the live holders of ``:key``
+#: (``insert_tasks``' columns of those names). Run on that refusal only.
+key_holders = select(tasks.c.id, tasks.c.key, tasks.c.terminal).where(
+    or_(
+        tasks.c.id == any_(bindparam("id", type_=ARRAY(BigInteger))),
+        and_(~tasks.c.terminal, tasks.c.key == any_(bindparam("key", type_=ARRAY(Text)))),
+    )
 )
 
 # --- opening a store: the database's encoding ---------------------------------------------------

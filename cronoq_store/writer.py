@@ -30,6 +30,11 @@ keys: a task it sends again may still hold, in the store, a key that a new task 
 takes once the update has finished the old holder; a key still refused then is really held.
 That costs nothing to the common batch: a submission is sent again together with a
 transition only when an unacknowledged batch is retried.
+
+Whichever row meets the server first, an id held by another task wins over a held key: a
+refusal on the live-key index is followed by the same look-up of colliding ids, and only a
+batch without one reports its keys, every key taken (``statements.key_holders`` and
+``folding.taken_keys``, the rule the in-memory store applies too).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from . import statements as st
 from .errors import CONNECTION_CLASSES, FencedError, IdCollisionError, KeyTakenError
-from .folding import FoldedBatch, RecurringAction
+from .folding import FoldedBatch, RecurringAction, taken_keys
 from .rows import INSERT_COLUMNS
 from .schema import tasks
 
@@ -64,7 +69,7 @@ logger = logging.getLogger("cronoq_store")
 #: one statement: the crossover measured on 2 cores (see docs/performance.md).
 COPY_MIN_ROWS = 32
 
-# The unique index on live keys (see :func:`_maybe_stored`).
+# The unique index on live keys (see :func:`_refused`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 # The server's detail for a violation of it: the key as text.
 _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
@@ -133,10 +138,12 @@ def _integer(value: object) -> str:
 @dataclass(frozen=True, slots=True)
 class Written:
     """What ``BatchWriter.write`` found: the stored epoch (nothing was written unless it is
-    the batch's), or ids held by other tasks (nothing was written)."""
+    the batch's), or ids held by other tasks, or else live keys held by other live tasks
+    (nothing was written)."""
 
     epoch: int | None
     colliding: list[int] | None = None
+    taken: list[str] | None = None
 
 
 class BatchWriter:
@@ -175,6 +182,7 @@ class BatchWriter:
         self._insert = compiled(st.insert_tasks)
         self._outputs = compiled(st.store_outputs)
         self._colliding_ids = compiled(st.colliding_ids)
+        self._key_holders = compiled(st.key_holders)
         self._recurring = {
             RecurringAction.UPSERT: compiled(st.upsert_recurring),
             RecurringAction.REMOVE: compiled(st.remove_recurring),
@@ -206,28 +214,46 @@ class BatchWriter:
         try:
             return Written(await self._write(conn, epoch, batch, copy=False))
         except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
-            if not _maybe_stored(exc, batch):
+            if not _refused(exc):
                 raise
+            refusal = exc
+        # Ids held by other tasks win over held keys, whichever row met the server first.
         colliding = await self._colliding(conn, batch)
-        if colliding or not batch.inserted_updates["ids"]:
+        if colliding:
             return Written(None, colliding)
-        # Tasks the batch submits may be stored already with its transitions moving them:
-        # write the batch again, those transitions in the update, before the insert. A live
-        # key that still fails then is held by another task.
-        try:
-            return Written(await self._write(conn, epoch, batch.resubmitted(), copy=False))
-        except asyncpg.NotNullViolationError as exc:
-            if not _taken(exc):
-                raise
-        return Written(None, await self._colliding(conn, batch))
+        if batch.inserted_updates["ids"]:
+            # Tasks the batch submits may be stored already with its transitions moving
+            # them: write the batch again, those transitions in the update, before the
+            # insert. A live key that still fails then is held by another task.
+            try:
+                return Written(await self._write(conn, epoch, batch.resubmitted(), copy=False))
+            except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
+                if not _refused(exc):
+                    raise
+                refusal = exc
+            colliding = await self._colliding(conn, batch)
+            if colliding:
+                return Written(None, colliding)
+        if isinstance(refusal, asyncpg.NotNullViolationError):
+            return Written(None, colliding)  # the colliding task was gone when looked up
+        return Written(None, taken=await self._held_keys(conn, batch) or _keys_named(refusal))
+
+    async def _held_keys(self, conn: Any, batch: FoldedBatch) -> list[str]:
+        """The keys of ``batch`` that other live tasks hold (:func:`folding.taken_keys`)."""
+        rows = await self._fetch(conn, self._key_holders, batch.inserts)
+        stored = {row[0] for row in rows}
+        holders = {row[1]: row[0] for row in rows if not row[2] and row[1] is not None}
+        return taken_keys(batch, stored, holders)
 
     async def _colliding(self, conn: Any, batch: FoldedBatch) -> list[int]:
-        stmt = self._colliding_ids
+        return [row[0] for row in await self._fetch(conn, self._colliding_ids, batch.inserts)]
+
+    async def _fetch(self, conn: Any, stmt: CompiledStatement, params: Mapping[str, Any]) -> Any:
         if self._pin is None:
-            return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+            return await conn.fetch(stmt.sql, *stmt.args(params))
         async with conn.transaction():
             await conn.execute(self._pin.sql)
-            return [r[0] for r in await conn.fetch(stmt.sql, *stmt.args(batch.inserts))]
+            return await conn.fetch(stmt.sql, *stmt.args(params))
 
     def path(self, batch: FoldedBatch) -> str:
         """The write path ``batch`` takes first (a batch written again after its insert
@@ -361,16 +387,12 @@ class CommitPath:
         """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or
         ``FencedError`` if it wrote nothing because an id is another task's, a live key is
         another live task's or the stored epoch is another."""
-        try:
-            async with self._driver_connection() as conn:
-                written = await self.writer.write(conn, epoch, batch)
-        except asyncpg.UniqueViolationError as exc:
-            # Translated here, after the connection went back clean to the pool.
-            if exc.constraint_name != _LIVE_KEY_INDEX:
-                raise
-            raise KeyTakenError(_keys_named(exc)) from exc
+        async with self._driver_connection() as conn:
+            written = await self.writer.write(conn, epoch, batch)
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
+        if written.taken is not None:
+            raise KeyTakenError(written.taken)
         current = written.epoch
         if current != epoch:
             await self.release()
@@ -466,16 +488,14 @@ def _driver(pooled: PoolProxiedConnection) -> Any:
     return pooled.driver_connection
 
 
-def _maybe_stored(exc: asyncpg.PostgresError, batch: FoldedBatch) -> bool:
-    """Whether the insert's failure may come from tasks of the batch being stored already:
-    the insert's signal (:func:`_taken`), or a live key when the batch submits tasks with
-    transitions. Their transitions ride in their insert rows, so the key a stored one holds
-    is released only by the update of the second write: the row of a new task taking that
-    key can meet the index before the stored task's row raises the signal."""
+def _refused(exc: asyncpg.PostgresError) -> bool:
+    """Whether the insert's failure is one the writer explains (an id held by another task,
+    a live key held by another live task) rather than an error to raise: the insert's
+    signal (:func:`_taken`) or a violation of the unique index of live keys."""
     if isinstance(exc, asyncpg.NotNullViolationError):
         return _taken(exc)
     constraint: str | None = exc.constraint_name
-    return constraint == _LIVE_KEY_INDEX and bool(batch.inserted_updates["ids"])
+    return constraint == _LIVE_KEY_INDEX
 
 
 def _keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:

@@ -46,6 +46,10 @@ class Recording:
         self.store = store
         self.sizes: list[int] = []
 
+    @property
+    def max_commit_bytes(self) -> int:
+        return self.store.max_commit_bytes
+
     async def commit(
         self,
         epoch: int,
@@ -89,6 +93,26 @@ async def test_a_batch_too_large_for_the_server_is_refused_before_it_is_sent(
         with pytest.raises(BatchTooLargeError):
             await store.commit(epoch, BASE, [small], [(small.id, bytes(2**20))])
         assert await stored_ids(pg_url, schema) == set()
+
+
+async def test_a_store_limit_lowered_at_run_time_bounds_the_next_batches(
+    pg_url: URL, schema: str
+) -> None:
+    """The committer sizes each batch by the store's ``max_commit_bytes`` as it is then: a
+    limit lowered under a running committer (with its own bound far above) gets no batch
+    refused by the store and bisected."""
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        recording = Recording(store)
+        async with GroupCommitter(recording, epoch, BASE) as committer:
+            await committer.submit([submitted(epoch, 0)])  # running, at the default limit
+            store.max_commit_bytes = 2**20
+            subs = [[submitted(epoch, n, bytes(200 * 1024))] for n in range(1, 18)]
+            await asyncio.wait_for(asyncio.gather(*(committer.submit(s) for s in subs)), 60)
+        stats = committer.stats()
+        assert (stats.splits, stats.failed_submissions) == (0, 0)
+        assert max(recording.sizes) <= 2**20
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(18)}
 
 
 async def test_a_submission_too_large_to_commit_fails_at_once_and_alone(

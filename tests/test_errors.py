@@ -22,6 +22,7 @@ import cronoq_store
 from cronoq_store.errors import (
     CONNECTION_CLASSES,
     FencedError,
+    KeyTakenError,
     StoreError,
     UnavailableError,
     translate_error,
@@ -456,3 +457,13 @@ def test_every_public_error_has_its_home_in_errors_and_derives_from_store_error(
     for error in errors:
         assert issubclass(error, StoreError), error
         assert error.__module__ == "cronoq_store.errors", error
+
+
+def test_key_taken_keeps_every_key_and_names_a_bounded_few() -> None:
+    keys = ["k" * 3000] + [f"key{n}" for n in range(7)]
+    error = KeyTakenError(keys)
+    assert error.keys == keys
+    message = str(error)
+    assert message.startswith("committing a batch failed: keys 'kkk")
+    assert "'key3' and 3 more held by another live task or given twice" in message
+    assert len(message) < 400

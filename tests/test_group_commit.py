@@ -31,7 +31,14 @@ from cronoq_store.domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store.errors import CommitterClosedError, FencedError, StoreError, UnavailableError
+from cronoq_store.errors import (
+    CommitterClosedError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
+)
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.retry import Backoff
 from cronoq_store.store import PgStore
@@ -623,3 +630,32 @@ def test_stats_are_nearest_rank_percentiles_over_the_latest_window() -> None:
     assert (stats.acknowledged, stats.mutations, stats.commits) == (150, 300, 2)
     assert (stats.mean_batch_mutations, stats.mean_batch_submissions) == (150.0, 75.0)
     assert (stats.pending_submissions, stats.pending_mutations) == (3, 7)
+
+
+async def test_through_the_committer_an_id_collision_still_wins_over_taken_keys(
+    pg_url: URL, schema: str
+) -> None:
+    """On the leader's held connection, each half the committer bisects answers as a batch
+    of its own does: the submission with both an id collision and a taken key (its key row
+    first) gets ``IdCollisionError``, the one with a taken key only ``KeyTakenError``."""
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        await store.commit(epoch, BASE, [submitted(epoch, 1, key="k1"), submitted(epoch, 2)], [])
+        other = Submitted(task_id(epoch, 2), next(_seq), BASE.engine_ns, TaskSpec(b"other"))
+        both: list[Mutation] = [submitted(epoch, 3, key="k1"), other]
+        keys: list[Mutation] = [submitted(epoch, 4, key="k1"), submitted(epoch, 6, key="k2")]
+        fine: list[Mutation] = [submitted(epoch, 5, key="k2")]
+        async with GroupCommitter(store, epoch, BASE) as committer:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(committer.submit(s) for s in (both, keys, fine)), return_exceptions=True
+                ),
+                30,
+            )
+        collision, taken, ok = outcomes
+        assert isinstance(collision, IdCollisionError)
+        assert collision.ids == [task_id(epoch, 2)]
+        assert isinstance(taken, KeyTakenError)
+        assert taken.keys == ["k1"]
+        assert ok is None
+        assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in (1, 2, 5)}

@@ -60,9 +60,10 @@ async def execute(store: PgStore, sql: str) -> list[Any]:
         return list(result.all()) if result.returns_rows else []
 
 
-async def test_next_id_is_zero_for_an_empty_store(store: PgStore) -> None:
+async def test_next_id_is_one_for_an_empty_store(store: PgStore) -> None:
+    """The high-water mark starts at 0, which is also what issuing id 0 records."""
     recovered = await store.recover(BASE)
-    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (0, [], [])
+    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (1, [], [])
 
 
 async def test_next_id_is_above_a_stored_id_zero(store: PgStore) -> None:
@@ -239,3 +240,46 @@ async def test_a_recovery_that_fails_midway_turns_the_collector_back_on(
     monkeypatch.undo()
     assert [t.id for t in (await store.recover(BASE)).tasks] == [1]
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    "column", ["deadline_unix_ns", "fixed_at_unix_ns", "arrival_unix_ns", "next_unix_ns"]
+)
+@pytest.mark.parametrize("stored", [2**63 - 1, -(2**63)])
+async def test_a_reader_whose_wall_clock_is_near_1970_quarantines_no_valid_row(
+    store: PgStore, column: str, stored: int
+) -> None:
+    """A machine without a real-time clock boots near 1970: engine time (its uptime) is then
+    larger than Unix time, and a stored BIGINT time at its bound is beyond the engine's 64
+    bits. The row is valid whatever the reader's clock: it is read with that bound, never
+    quarantined (which would rewrite it as failed, permanently)."""
+    schedule = RecurringSpec("s", CronSchedule("* * * * *"), TaskSpec(b"t"))
+    await store.commit(
+        0,
+        BASE,
+        [submitted(1, deadline=1, fixed_start=FixedStart(at=1)), RecurringUpsert(schedule)],
+        [],
+    )
+    await store.commit(0, BASE, [RecurringNext("s", 1, None)], [])
+    table = "cronoq_recurring" if column == "next_unix_ns" else "cronoq_tasks"
+    await execute(store, f"UPDATE {{s}}.{table} SET {column} = {stored}")
+    uptime = 10 * 86400 * 10**9
+    for behind in (
+        TimeBase(engine_ns=uptime, unix_ns=10**9),
+        TimeBase(engine_ns=-uptime, unix_ns=NOW),
+    ):
+        recovered = await store.recover(behind)
+        [task] = recovered.tasks
+        [recurring] = recovered.recurring
+        bound = 2**63 - 1 if stored > 0 else -(2**63)
+        read = {
+            "deadline_unix_ns": task.spec.deadline,
+            "fixed_at_unix_ns": task.spec.fixed_start and task.spec.fixed_start.at,
+            "arrival_unix_ns": task.arrival,
+            "next_unix_ns": recurring.next,
+        }[column]
+        assert read in (bound, behind.from_unix(stored))
+        assert -(2**63) <= read <= 2**63 - 1
+    record = await store.get_task(TaskId(1))
+    assert record is not None
+    assert (record.status, record.message) == (None, None)  # still queued, not quarantined

@@ -12,7 +12,14 @@ import pytest
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import TimeBase
 from cronoq_store.group_commit import GroupCommitter
-from cronoq_store.retry import COMMIT_BACKOFF, Backoff, acquisition_backoff, bounded, pause
+from cronoq_store.retry import (
+    COMMIT_BACKOFF,
+    MIN_PAUSE,
+    Backoff,
+    acquisition_backoff,
+    bounded,
+    pause,
+)
 from cronoq_store.testing import InMemoryStore
 
 
@@ -80,9 +87,32 @@ def test_acquisition_never_pauses_longer_than_lock_poll(lock_poll: float) -> Non
         assert min(pauses[2:]) >= lock_poll / 2
 
 
+class _Topmost(random.Random):
+    """Draws the largest value ``random()`` can return: full jitter then takes all the pause."""
+
+    def random(self) -> float:
+        return 1.0 - 2.0**-53
+
+
+@pytest.mark.parametrize("jitter", [1.0, 0.999])
+def test_no_pause_is_shorter_than_the_floor_whatever_the_draw(jitter: float) -> None:
+    """Full jitter may draw a pause of almost nothing: a hot loop, unless raised to the floor."""
+    backoff = Backoff(initial=MIN_PAUSE, cap=MIN_PAUSE * 4, jitter=jitter, rng=_Topmost())
+    assert min(first(backoff, 20)) == MIN_PAUSE
+
+
+@pytest.mark.parametrize("lock_poll", [1e-300, 1e-6, 0.002])
+def test_a_tiny_lock_poll_still_pauses_at_least_the_floor(lock_poll: float) -> None:
+    config = PgStoreConfig(lock_poll=lock_poll, session_timeout=10.0, keepalive=1.0)
+    backoff = acquisition_backoff(config)
+    assert min(min(first(backoff, 30)) for _ in range(50)) >= MIN_PAUSE
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
+        ({"initial": 1e-300, "cap": 1e-300}, r"initial must be at least 0.001s"),
+        ({"initial": 0.0009, "cap": 1.0}, r"initial must be at least 0.001s"),
         ({"initial": 0.0, "cap": 1.0}, "initial must be a positive number"),
         ({"initial": 0.1, "cap": float("inf")}, "cap must be a positive number"),
         ({"initial": True, "cap": 1.0}, "initial must be a number of seconds"),

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ..codec import QUARANTINE_PREFIX, decode_deps
+from ..codec import QUARANTINE_PREFIX, decode_deps, engine_time
 from ..domain import (
     EPOCH_MAX,
     EPOCH_MIN,
@@ -54,7 +54,7 @@ from ..domain import (
     clean_text,
 )
 from ..errors import BatchTooLargeError, FencedError, IdCollisionError, KeyTakenError, StoreError
-from ..folding import FoldedBatch, RecurringAction, fold, level
+from ..folding import FoldedBatch, RecurringAction, fold, level, taken_keys
 from ..queries import finished_params, lookup_params, prune_cutoff
 from ..recovery import next_id
 from ..rows import (
@@ -111,7 +111,7 @@ class InMemoryDatabase:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= EPOCH_MAX:
             raise ValueError(f"epoch: must be an integer in 0..{EPOCH_MAX}, got {epoch!r}")
         self._epoch = epoch
-        self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records one
+        self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records a larger one
         self._tasks: dict[int, list[Any]] = {}  # rows by id
         self._outputs: dict[int, bytes] = {}
         self._live_keys: dict[str, int] = {}  # the unique index on live keys
@@ -158,30 +158,17 @@ class InMemoryDatabase:
         )
         if colliding:
             raise IdCollisionError(colliding)
+        taken = taken_keys(batch, tasks, self._live_keys)
+        if taken:
+            raise KeyTakenError(taken)
         moved: list[tuple[list[Any], _State]] = []
-        released: set[str] = set()
         updates = batch.resubmitted().updates
         for id, *transition in zip(*(updates[name] for name in _UPDATE_PARAMS), strict=True):
             stored = tasks.get(id)
             state = None if stored is None else _update_status(stored, *transition)
-            if stored is None or state is None:
-                continue  # new (its row carries it), missing (pruned?), or not ahead
-            moved.append((stored, state))
-            if state[1] and stored[_KEY] is not None:  # finished: its key is free
-                released.add(stored[_KEY])
+            if stored is not None and state is not None:  # else new, missing or not ahead
+                moved.append((stored, state))
         new = [row for row in batch.insert_rows if row[_ID] not in tasks]
-        taken: dict[str, int] = {}
-        for row in new:
-            key = row[_KEY]
-            if key is None or row[_TERMINAL]:
-                continue
-            holder = taken.get(key)
-            if holder is None and key not in released:
-                holder = self._live_keys.get(key)
-            if holder is not None:
-                raise KeyTakenError([key])
-            taken[key] = row[_ID]
-
         for stored, state in moved:
             set_state(stored, *state)
             if stored[_TERMINAL] and stored[_KEY] is not None:
@@ -408,7 +395,10 @@ class InMemoryStore:
         )
         recovered.terminal = [
             RecoveredTerminal(
-                TaskId(row[_ID]), row[_KEY], TaskStatus(row[_STATUS]), base.from_unix(row[_UPDATED])
+                TaskId(row[_ID]),
+                row[_KEY],
+                TaskStatus(row[_STATUS]),
+                engine_time(base, row[_UPDATED]),
             )
             for row in finished
         ]

@@ -26,6 +26,7 @@ from cronoq_store import (
     TaskId,
     TaskSpec,
 )
+from cronoq_store.writer import COPY_MIN_ROWS
 
 from .support import (
     BASE,
@@ -201,7 +202,7 @@ async def test_a_different_task_under_an_id_of_the_same_batch_is_refused(
     store = await cluster.open()
     with pytest.raises(IdCollisionError, match="task id 3 already taken by another Submitted"):
         await store.commit(0, BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
-    assert summary(await store.recover(BASE))["next_id"] == 0
+    assert summary(await store.recover(BASE))["next_id"] == 1  # ids 3 and 4 not recorded
 
 
 async def test_nul_in_every_string_is_stored_as_the_replacement_character(
@@ -299,7 +300,7 @@ async def test_an_engine_time_outside_bigint_fails_its_batch_naming_the_field(
     assert (records, finished, recovered["next_id"], recovered["recurring"]) == (
         [None, None],
         [],
-        0,
+        1,  # nothing recorded: the fresh store's
         [],
     )
 
@@ -326,3 +327,54 @@ async def test_what_a_group_committer_acknowledges_is_recovered(cluster: Cluster
     recovered = await store.recover(BASE)
     assert [(t.id, t.attempt) for t in recovered.tasks] == [(i, 1) for i in range(1, 41)]
     assert recovered.next_id == 41
+
+
+def _padded(batch: list[Mutation], path: str) -> list[Mutation]:
+    """``batch``, with enough new tasks in front for the COPY path when ``path`` says so."""
+    if path == "insert":
+        return batch
+    return [submitted(100 + n) for n in range(COPY_MIN_ROWS)] + batch
+
+
+@pytest.mark.parametrize("path", ["insert", "copy"])
+@pytest.mark.parametrize("order", ["collision first", "keys first"])
+async def test_an_id_collision_wins_over_taken_keys_whatever_the_order(
+    cluster: Cluster, path: str, order: str
+) -> None:
+    """One documented precedence: a batch that reuses a stored id for another task is not
+    what the store holds, so ``IdCollisionError`` is raised even where its rows taking held
+    keys meet the index first."""
+    store = await cluster.open()
+    await store.commit(0, BASE, [submitted(2, key="k1"), submitted(5, key="k2")], [])
+    before = await observe(store, range(1, 12))
+    keys: list[Mutation] = [submitted(1, key="k1"), submitted(9, key="k2")]
+    colliding: list[Mutation] = [submitted(5, b"other")]
+    batch = colliding + keys if order == "collision first" else keys + colliding
+    with pytest.raises(IdCollisionError) as caught:
+        await store.commit(0, BASE, _padded(batch, path), [])
+    assert caught.value.ids == [5]
+    assert await observe(store, range(1, 12)) == before
+
+
+@pytest.mark.parametrize("path", ["insert", "copy"])
+async def test_key_taken_names_every_key_taken(cluster: Cluster, path: str) -> None:
+    """Held by a stored live task (not one the batch finishes), or by an earlier new task
+    of the same batch: every such key is named, sorted."""
+    store = await cluster.open()
+    await store.commit(
+        0, BASE, [submitted(1, key="k1"), submitted(2, key="k2"), submitted(3, key="free")], []
+    )
+    batch: list[Mutation] = [
+        step(3, SUCCEEDED),  # releases "free" before the inserts
+        submitted(11, key="k2"),
+        submitted(12, key="free"),
+        submitted(13, key="k1"),
+        submitted(14, key="twice"),
+        submitted(15, key="twice"),
+        submitted(16, key="new"),
+    ]
+    with pytest.raises(KeyTakenError) as caught:
+        await store.commit(0, BASE, _padded(batch, path), [])
+    assert caught.value.keys == ["k1", "k2", "twice"]
+    assert "'k1', 'k2', 'twice'" in str(caught.value)
+    assert [t.id for t in (await store.recover(BASE)).tasks] == [1, 2, 3]

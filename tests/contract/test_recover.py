@@ -22,7 +22,6 @@ from cronoq_store import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.codec import QUARANTINE_PREFIX
 
 from .support import (
     BASE,
@@ -112,8 +111,9 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
 
 async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     store = await cluster.open()
+    # A high-water mark of 0 may mean id 0 was issued: no store ever answers 0.
     assert summary(await store.recover(BASE)) == {
-        "next_id": 0,
+        "next_id": 1,
         "tasks": [],
         "terminal": [],
         "recurring": [],
@@ -128,6 +128,21 @@ async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     assert await store.get_task(high) is None
     # Pruned, but issued: its id is never issued again.
     assert (await store.recover(BASE)).next_id == high + 1
+
+
+async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Cluster) -> None:
+    """Id 0 submitted by hand, finished, pruned; the next leader's ``next_id`` stays above it
+    (the high-water mark it recorded is 0, the column's default)."""
+    first = await cluster.open()
+    epoch = await first.acquire_leadership()
+    old = TimeBase(engine_ns=0, unix_ns=BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
+    await first.commit(epoch, old, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
+    assert await first.prune(1) == 1
+    assert await first.get_task(TaskId(0)) is None
+    await first.release_leadership()
+    second = await cluster.open()
+    await second.acquire_leadership()
+    assert (await second.recover(BASE)).next_id == 1
 
 
 @pytest.mark.needs(Capability.DURABLE)
@@ -148,24 +163,23 @@ async def test_recover_in_a_new_process(cluster: Cluster) -> None:
     assert await cluster.recover_in_new_process(BASE) == here
 
 
-async def test_a_live_task_the_new_time_base_cannot_express_is_quarantined_not_fatal(
+async def test_a_live_task_the_new_time_base_cannot_express_is_recovered_at_the_bound(
     cluster: Cluster,
 ) -> None:
     """Through a base whose engine clock is near 2**63, the stored arrival of task 1 has
-    no 64-bit engine time: it is marked failed with the reason, once, and the rest
-    recovers."""
+    no 64-bit engine time: the row is valid all the same (only the reader's base is odd),
+    so it is recovered with the arrival at the bound, never quarantined."""
     store = await cluster.open()
     await store.commit(0, BASE, [submitted(1, key="k"), submitted(2, arrival=-(2**62))], [])
     odd = TimeBase(engine_ns=2**63 - 1, unix_ns=BASE.unix_ns)  # arrival 1 is 2**63 there
     recovered = await store.recover(odd)
-    assert [t.id for t in recovered.tasks] == [2]
-    assert [(t.id, t.key, t.status) for t in recovered.terminal] == [(1, "k", FAILED)]
+    assert [(t.id, t.arrival) for t in recovered.tasks] == [
+        (1, 2**63 - 1),
+        (2, 2**63 - 1 - 2**62),
+    ]
+    assert recovered.terminal == []
     record = await store.get_task(TaskId(1))
     assert record is not None
-    assert record.status is FAILED
-    assert record.message is not None
-    assert record.message.startswith(QUARANTINE_PREFIX)
-    # An ordinary failed task now: its key is free, and the usual base recovers it as such.
-    await store.commit(0, BASE, [submitted(3, key="k")], [])
+    assert (record.status, record.message) == (None, None)
     again = await store.recover(BASE)
-    assert [t.id for t in again.tasks] == [2, 3]
+    assert [(t.id, t.arrival) for t in again.tasks] == [(1, 1), (2, -(2**62))]
