@@ -280,7 +280,8 @@ class Leadership:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
         timeout = self._config.session_timeout
         # Bounded here too: an application's creator may have no connect timeout.
-        conn = await bounded(self._db.connect(), timeout)
+        # A connect done as the acquisition is cancelled (or times out) is closed, not lost.
+        conn = await bounded(self._db.connect(), timeout, discard=AsyncConnection.close)
         try:
             raw = await conn.get_raw_connection()
         except BaseException:
