@@ -435,7 +435,8 @@ class PgStore:
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
         """A pooled connection in a transaction, with the cluster's schema applied, under
-        the store's settings.
+        the store's settings. A failure inside is raised as it is, never replaced by the
+        rollback's on a connection that is gone.
 
         On a borrowed session the store opens the transaction itself, with the message that
         sets them for it alone (:attr:`BatchWriter.borrowed_opening`: no more round trips
@@ -446,8 +447,20 @@ class PgStore:
         """
         opening = self._commits.writer.borrowed_opening
         if opening is None:
-            async with self._db.begin() as conn:
-                yield conn
+            failure: BaseException | None = None
+            try:
+                async with self._db.begin() as conn:
+                    try:
+                        yield conn
+                    except BaseException as exc:
+                        failure = exc
+                        raise
+            except BaseException as exc:
+                if failure is None or exc is failure:
+                    raise
+                # The rollback failed too, on a connection that is gone (a crash): the
+                # first failure is what explains it.
+                raise failure from None
             return
         async with self._db.connect() as conn:
             pooled = await conn.get_raw_connection()
