@@ -136,6 +136,10 @@ LOCK_SESSION_SETTINGS = (
     "tcp_keepalives_interval",
     "tcp_keepalives_count",
     "idle_session_timeout",
+    "synchronous_commit",
+    "default_transaction_read_only",
+    "statement_timeout",
+    "lock_timeout",
 )
 lock_session_settings = select(
     *(

@@ -10,6 +10,7 @@ connection; a read's, on its SQLAlchemy connection) before the store's statement
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -332,6 +333,52 @@ async def test_settings_another_client_left_on_a_pgbouncer_server_connection_nev
             ] == [("on", "off", "0")]
             assert store.engine.sync_engine.pool is pool
             assert (await store.get_task(TaskId(task_id(epoch, 1)))) is not None
+        finally:
+            await store.close()
+    finally:
+        await engine.dispose()
+
+
+async def test_an_applications_connect_settings_reach_neither_the_lock_session_nor_a_commit(
+    pg_url: URL, migrated: str
+) -> None:
+    """Settings in the engine's connect arguments are the sessions' reset values, so
+    ``TO DEFAULT`` alone would keep them: the store still commits durably and read-write,
+    and its lock session (made the way the engine connects) bumps the epoch the same way."""
+    engine = create_async_engine(
+        async_url(pg_url),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={
+            "server_settings": {
+                "synchronous_commit": "off",
+                "default_transaction_read_only": "on",
+                "statement_timeout": "17s",
+                "lock_timeout": "13s",
+            }
+        },
+    )
+    try:
+        store = await PgStore.from_engine(engine, config(migrated), migrate=False)
+        try:
+            epoch = await asyncio.wait_for(store.acquire_leadership(), 10)
+            lock_session: Any = store._leadership._session
+            assert lock_session is not None
+            seen = dict(await lock_session.driver.fetchrow(PROBE))
+            assert (seen["synchronous_commit"], seen["statement_timeout"]) == ("on", "0")
+            assert seen["lock_timeout"] == "0"
+            assert (
+                await lock_session.driver.fetchval(
+                    "SELECT current_setting('default_transaction_read_only')"
+                )
+                == "off"
+            )
+            commits = probing_commits(store)
+            await store.commit(epoch, BASE, batch(epoch, 1), [])
+            assert [(c["synchronous_commit"], c["transaction_read_only"]) for c in commits] == [
+                ("on", "off")
+            ]
+            assert await store.prune(0) == 0
         finally:
             await store.close()
     finally:
