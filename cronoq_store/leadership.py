@@ -5,7 +5,7 @@ comes from the application's pool and never returns to any pool (a pooled connec
 a session lock after ``close()``): it is discarded when it ends, and releasing leadership
 means closing it. On an application's engine it is made as that engine makes its own
 (creator, TLS, connect arguments), then sets its own keepalives, idle limit, search path,
-durability, read-write mode and timeouts (``_session_settings``). Taking the lock bumps the
+durability and read-write mode (``_session_settings``). Taking the lock bumps the
 fencing epoch, which every commit checks in its own transaction.
 
 The keeper pings the session every ``keepalive``. If nothing has been heard from it for
@@ -130,11 +130,9 @@ def _session_settings(config: PgStoreConfig) -> dict[str, str]:
         "idle_session_timeout": str(_idle_session_timeout_ms(config)),
         # Whatever an application's connect arguments say: the epoch bump is as durable as
         # a commit (a bump lost in a failover would let the next leader take the same
-        # epoch), it writes, and the keeper bounds every call itself.
+        # epoch), and it writes.
         "synchronous_commit": "on",
         "default_transaction_read_only": "off",
-        "statement_timeout": "0",
-        "lock_timeout": "0",
     }
     assert tuple(settings) == st.LOCK_SESSION_SETTINGS
     return settings

@@ -138,8 +138,6 @@ LOCK_SESSION_SETTINGS = (
     "idle_session_timeout",
     "synchronous_commit",
     "default_transaction_read_only",
-    "statement_timeout",
-    "lock_timeout",
 )
 lock_session_settings = select(
     *(
@@ -629,13 +627,20 @@ set_local_search_path = select(
 #: read-write whatever ``default_transaction_read_only`` says, never deferrable.
 _BORROWED_BEGIN = text("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE, NOT DEFERRABLE")
 
-#: The identity and durability the operator configured (role, database or server), not the
+#: The identity, durability and timeouts configured for the sessions (role, database,
+#: server, connect arguments), as the store's own pool would have them, not a ``SET`` of the
 #: session's: ``SET LOCAL ... TO DEFAULT`` takes the reset value, which no ``SET`` changes.
-#: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role.
+#: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role;
+#: an application's short ``statement_timeout`` would fail every commit.
 _BORROWED_DEFAULTS = (
+    # First: each statement of the opening message is analysed after the one before ran,
+    # so no name below resolves through a path another client left on the session.
+    text(f"SET LOCAL search_path = {SEARCH_PATH}"),
     text("SET LOCAL SESSION AUTHORIZATION DEFAULT"),
     text("SET LOCAL role TO DEFAULT"),
     text("SET LOCAL synchronous_commit TO DEFAULT"),
+    text("SET LOCAL statement_timeout TO DEFAULT"),
+    text("SET LOCAL lock_timeout TO DEFAULT"),
 )
 
 
@@ -652,11 +657,25 @@ def _setting(name: str) -> ColumnElement[str]:
     return func.pg_catalog.current_setting(_constant(name), true(), type_=Text)
 
 
+def _equal(left: ColumnElement[str], right: ColumnElement[str]) -> ColumnElement[bool]:
+    """``left = right`` with pg_catalog's operator, whatever the session's search_path."""
+    return left.op("OPERATOR(pg_catalog.=)", is_comparison=True)(right)
+
+
 def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]:
     """``name`` set to ``value`` until the end of the transaction."""
     if isinstance(value, str):
         value = _constant(value)
     return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
+
+
+#: ``transaction_timeout``'s reset value (PostgreSQL 17+), for a server that may not have it.
+_TRANSACTION_TIMEOUT_DEFAULT = (
+    select(literal_column("reset_val", Text))
+    .select_from(table("pg_settings", schema="pg_catalog"))
+    .where(_equal(literal_column("name", Text), _constant("transaction_timeout")))
+    .scalar_subquery()
+)
 
 
 def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
@@ -668,26 +687,25 @@ def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
     if type(idle_in_transaction_ms) is not int or idle_in_transaction_ms < 0:
         raise ValueError(f"not a timeout in milliseconds: {idle_in_transaction_ms!r}")
     settings = select(
-        _set_local("search_path", SEARCH_PATH),
         # At least "on" (flushed, and confirmed by the synchronous standbys): a configured
         # remote_apply, stronger, is kept; local, remote_write and off are not enough.
         _set_local(
             "synchronous_commit",
             case(
                 (
-                    _setting("synchronous_commit") == _constant("remote_apply"),
+                    _equal(_setting("synchronous_commit"), _constant("remote_apply")),
                     _constant("remote_apply"),
                 ),
                 else_=_constant("on"),
             ),
         ),
-        # The store bounds its own calls (commit_timeout, session_timeout) and cancels them.
-        _set_local("statement_timeout", "0"),
-        _set_local("lock_timeout", "0"),
         _set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)),
-        # PostgreSQL 17 and later only; NULL (nothing set) before.
+        # PostgreSQL 17 and later only (``TO DEFAULT`` would fail before): its reset value.
         case(
-            (_setting("transaction_timeout").is_not(None), _set_local("transaction_timeout", "0"))
+            (
+                _setting("transaction_timeout").is_not(None),
+                _set_local("transaction_timeout", _TRANSACTION_TIMEOUT_DEFAULT),
+            )
         ),
         # asyncpg encodes and decodes text in the session's client_encoding.
         _set_local("client_encoding", "UTF8"),
@@ -695,7 +713,7 @@ def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
         # when it differs (a session that could set it can set it back).
         case(
             (
-                _setting("session_replication_role") != _constant("origin"),
+                not_(_equal(_setting("session_replication_role"), _constant("origin"))),
                 _set_local("session_replication_role", "origin"),
             )
         ),

@@ -77,6 +77,7 @@ POISONS = [
         "transaction_deferrable",
         "off",
     ),
+    # The configured default (here the server's: none), as on the store's own pool.
     ("SET statement_timeout = '17s'", "statement_timeout", "0"),
     ("SET lock_timeout = '13s'", "lock_timeout", "0"),
     ("SET idle_in_transaction_session_timeout = '1h'", "idle_timeout", "2s"),
@@ -209,7 +210,21 @@ async def test_a_store_transaction_runs_under_its_own_settings_on_a_poisoned_ses
 async def test_every_setting_at_once_and_every_store_transaction(
     app_engine: AsyncEngine, migrated: str, pg_url: URL, intruder_role: str
 ) -> None:
-    """All the poisons together, on commits (every write path), reads, recovery and prune."""
+    """All the poisons together, on commits (every write path), reads, recovery and prune;
+    the search path puts first a schema anyone can write, holding an exact-match ``=`` for
+    text (the one the store's own opening compares settings with)."""
+    evil = f"{migrated}_evil"
+    for statement in (
+        f"CREATE SCHEMA {evil}",
+        f"CREATE TABLE {evil}.calls (who text)",
+        f"GRANT ALL ON SCHEMA {evil} TO PUBLIC",
+        f"GRANT ALL ON {evil}.calls TO PUBLIC",
+        f"CREATE FUNCTION {evil}.eq(a text, b text) RETURNS boolean LANGUAGE sql AS "
+        f"$$ INSERT INTO {evil}.calls VALUES (current_user) "
+        "RETURNING a OPERATOR(pg_catalog.=) b $$",
+        f"CREATE OPERATOR {evil}.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {evil}.eq)",
+    ):
+        await admin_execute(pg_url, statement)
     store = await PgStore.from_engine(app_engine, config(migrated))
     try:
         epoch = await store.acquire_leadership()
@@ -217,7 +232,7 @@ async def test_every_setting_at_once_and_every_store_transaction(
         await poison(
             app_engine,
             *(p[0].format(role=intruder_role) for p in POISONS if "ROLE" not in p[0]),
-            "SET search_path = public",
+            f"SET search_path = {evil}, pg_catalog",
             "SET statement_timeout = 1",
             f'SET ROLE "{intruder_role}"',
         )
@@ -248,6 +263,9 @@ async def test_every_setting_at_once_and_every_store_transaction(
         await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
     rows = await admin_execute(pg_url, f'SELECT key FROM "{migrated}".cronoq_tasks')
     assert [r["key"] for r in rows] == ["k-\N{EURO SIGN}-\u6771"]
+    calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
+    await admin_execute(pg_url, f"DROP SCHEMA {evil} CASCADE")
+    assert calls[0]["n"] == 0
 
 
 async def _read_only_error(engine: AsyncEngine) -> asyncpg.ReadOnlySQLTransactionError:
@@ -344,7 +362,8 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
 ) -> None:
     """Settings in the engine's connect arguments are the sessions' reset values, so
     ``TO DEFAULT`` alone would keep them: the store still commits durably and read-write,
-    and its lock session (made the way the engine connects) bumps the epoch the same way."""
+    and its lock session (made the way the engine connects) bumps the epoch the same way.
+    A timeout there is the engine's configuration, as on the store's own pool: kept."""
     engine = create_async_engine(
         async_url(pg_url),
         pool_size=1,
@@ -353,8 +372,8 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             "server_settings": {
                 "synchronous_commit": "off",
                 "default_transaction_read_only": "on",
+                # The engine's configuration, as the store's own pool has it: kept.
                 "statement_timeout": "17s",
-                "lock_timeout": "13s",
             }
         },
     )
@@ -365,8 +384,7 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             lock_session: Any = store._leadership._session
             assert lock_session is not None
             seen = dict(await lock_session.driver.fetchrow(PROBE))
-            assert (seen["synchronous_commit"], seen["statement_timeout"]) == ("on", "0")
-            assert seen["lock_timeout"] == "0"
+            assert seen["synchronous_commit"] == "on"
             assert (
                 await lock_session.driver.fetchval(
                     "SELECT current_setting('default_transaction_read_only')"
@@ -375,9 +393,10 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             )
             commits = probing_commits(store)
             await store.commit(epoch, BASE, batch(epoch, 1), [])
-            assert [(c["synchronous_commit"], c["transaction_read_only"]) for c in commits] == [
-                ("on", "off")
-            ]
+            assert [
+                (c["synchronous_commit"], c["transaction_read_only"], c["statement_timeout"])
+                for c in commits
+            ] == [("on", "off", "17s")]
             assert await store.prune(0) == 0
         finally:
             await store.close()
