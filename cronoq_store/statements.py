@@ -669,15 +669,6 @@ def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]
     return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
 
 
-#: ``transaction_timeout``'s reset value (PostgreSQL 17+), for a server that may not have it.
-_TRANSACTION_TIMEOUT_DEFAULT = (
-    select(literal_column("reset_val", Text))
-    .select_from(table("pg_settings", schema="pg_catalog"))
-    .where(_equal(literal_column("name", Text), _constant("transaction_timeout")))
-    .scalar_subquery()
-)
-
-
 def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
     """The statements that open a transaction of the store on a borrowed session, in order.
 
@@ -700,13 +691,6 @@ def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
             ),
         ),
         _set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)),
-        # PostgreSQL 17 and later only (``TO DEFAULT`` would fail before): its reset value.
-        case(
-            (
-                _setting("transaction_timeout").is_not(None),
-                _set_local("transaction_timeout", _TRANSACTION_TIMEOUT_DEFAULT),
-            )
-        ),
         # asyncpg encodes and decodes text in the session's client_encoding.
         _set_local("client_encoding", "UTF8"),
         # "replica" skips triggers and foreign keys; only a superuser may set it, so only

@@ -81,7 +81,6 @@ POISONS = [
     ("SET statement_timeout = '17s'", "statement_timeout", "0"),
     ("SET lock_timeout = '13s'", "lock_timeout", "0"),
     ("SET idle_in_transaction_session_timeout = '1h'", "idle_timeout", "2s"),
-    ("SET transaction_timeout = '19s'", "transaction_timeout", "0"),
     ("SET session_replication_role = replica", "session_replication_role", "origin"),
     ("SET client_encoding = 'LATIN1'", "client_encoding", "UTF8"),
     ("SET ROLE {role}", "current_user", "{user}"),
