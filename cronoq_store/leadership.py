@@ -4,9 +4,9 @@ The lock lives exactly as long as the session that took it. That session therefo
 comes from the application's pool and never returns to any pool (a pooled connection keeps
 a session lock after ``close()``): it is discarded when it ends, and releasing leadership
 means closing it. On an application's engine it is made as that engine makes its own
-(creator, TLS, connect arguments), then sets its own keepalives, idle limit and search
-path (``_session_settings``). Taking the lock bumps the fencing epoch, which every commit
-checks in its own transaction.
+(creator, TLS, connect arguments), then sets its own keepalives, idle limit, search path,
+durability and read-write mode (``_session_settings``). Taking the lock bumps the
+fencing epoch, which every commit checks in its own transaction.
 
 The keeper pings the session every ``keepalive``. If nothing has been heard from it for
 ``session_timeout``, this instance steps down: the session is torn down without waiting on
@@ -128,6 +128,11 @@ def _session_settings(config: PgStoreConfig) -> dict[str, str]:
         # `keepalive` and standbys every `lock_poll`, both shorter, so a healthy session is
         # never idle that long.
         "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+        # Whatever an application's connect arguments say: the epoch bump is as durable as
+        # a commit (a bump lost in a failover would let the next leader take the same
+        # epoch), and it writes.
+        "synchronous_commit": "on",
+        "default_transaction_read_only": "off",
     }
     assert tuple(settings) == st.LOCK_SESSION_SETTINGS
     return settings
@@ -282,7 +287,8 @@ class Leadership:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
         timeout = self._config.session_timeout
         # Bounded here too: an application's creator may have no connect timeout.
-        conn = await bounded(self._db.connect(), timeout)
+        # A connect done as the acquisition is cancelled (or times out) is closed, not lost.
+        conn = await bounded(self._db.connect(), timeout, discard=AsyncConnection.close)
         try:
             raw = await conn.get_raw_connection()
         except BaseException:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -113,19 +113,40 @@ def acquisition_backoff(config: PgStoreConfig) -> Backoff:
 # came together. These two never lose one.
 
 
-async def bounded(work: Awaitable[_T], seconds: float) -> _T:
+async def bounded(
+    work: Awaitable[_T],
+    seconds: float,
+    *,
+    discard: Callable[[_T], Awaitable[object]] | None = None,
+) -> _T:
     """``await work`` for at most ``seconds`` (``asyncio.TimeoutError`` after); a
-    cancellation of the caller cancels ``work`` and is raised, whatever ``work`` did."""
+    cancellation of the caller cancels ``work`` and is raised, whatever ``work`` did.
+
+    ``discard`` frees what ``work`` made when nobody gets it: a result that arrived in the
+    same loop turn as the caller's cancellation, or as the timeout's (a connection opened
+    just then would otherwise stay open, and checked out, for good).
+    """
     task = asyncio.ensure_future(work)
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
+    except BaseException:
+        await _abandon(task, discard)
+        raise
     if not done:
+        await _abandon(task, discard)
         raise asyncio.TimeoutError(f"no answer within {seconds:g} s")
     return task.result()
+
+
+async def _abandon(
+    task: asyncio.Future[_T], discard: Callable[[_T], Awaitable[object]] | None
+) -> None:
+    """Cancel ``task``, whose result nobody will get, and discard the result it had anyway."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    if discard is not None and not task.cancelled() and task.exception() is None:
+        await discard(task.result())
 
 
 async def pause(seconds: float, until: asyncio.Event) -> bool:

@@ -37,6 +37,7 @@ from sqlalchemy import (
     or_,
     select,
     table,
+    text,
     true,
     tuple_,
     update,
@@ -65,6 +66,7 @@ __all__ = [
     "SEARCH_PATH",
     "accepts_writes",
     "advance_recurring",
+    "borrowed_transaction",
     "bump_epoch",
     "checked_schema",
     "colliding_ids",
@@ -135,6 +137,8 @@ LOCK_SESSION_SETTINGS = (
     "tcp_keepalives_interval",
     "tcp_keepalives_count",
     "idle_session_timeout",
+    "synchronous_commit",
+    "default_transaction_read_only",
 )
 lock_session_settings = select(
     *(
@@ -622,6 +626,95 @@ session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
 set_local_search_path = select(
     func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
 )
+
+# --- transactions on sessions the store does not own ---------------------------------------
+# An application's pooled session, or whatever server connection a transaction-pooling
+# PgBouncer hands out, carries settings someone else chose (``SET synchronous_commit = off``,
+# ``SET ROLE``, ...). Every transaction of the store there starts with what its guarantees
+# need, for that transaction alone (docs/reliability.md, "Borrowed sessions"). All of it
+# travels in the message that opens the transaction: no round trip of its own.
+
+#: Read committed (the fencing argument: each statement sees the epoch committed before it),
+#: read-write whatever ``default_transaction_read_only`` says, never deferrable.
+_BORROWED_BEGIN = text("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE, NOT DEFERRABLE")
+
+#: The identity, durability and timeouts configured for the sessions (role, database,
+#: server, connect arguments), as the store's own pool would have them, not a ``SET`` of the
+#: session's: ``SET LOCAL ... TO DEFAULT`` takes the reset value, which no ``SET`` changes.
+#: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role;
+#: an application's short ``statement_timeout`` would fail every commit.
+_BORROWED_DEFAULTS = (
+    # First: each statement of the opening message is analysed after the one before ran,
+    # so no name below resolves through a path another client left on the session.
+    text(f"SET LOCAL search_path = {SEARCH_PATH}"),
+    text("SET LOCAL SESSION AUTHORIZATION DEFAULT"),
+    text("SET LOCAL role TO DEFAULT"),
+    text("SET LOCAL synchronous_commit TO DEFAULT"),
+    text("SET LOCAL statement_timeout TO DEFAULT"),
+    text("SET LOCAL lock_timeout TO DEFAULT"),
+)
+
+
+def _constant(value: str) -> ColumnElement[str]:
+    """A constant of this module as an SQL literal (no parameter: the opening message of a
+    transaction travels by the simple protocol)."""
+    if "'" in value or "\\" in value:
+        raise ValueError(f"not a plain constant: {value!r}")
+    return literal_column(f"'{value}'", Text)
+
+
+def _setting(name: str) -> ColumnElement[str]:
+    """The setting ``name`` now, NULL if the server has no such setting."""
+    return func.pg_catalog.current_setting(_constant(name), true(), type_=Text)
+
+
+def _equal(left: ColumnElement[str], right: ColumnElement[str]) -> ColumnElement[bool]:
+    """``left = right`` with pg_catalog's operator, whatever the session's search_path."""
+    return left.op("OPERATOR(pg_catalog.=)", is_comparison=True)(right)
+
+
+def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]:
+    """``name`` set to ``value`` until the end of the transaction."""
+    if isinstance(value, str):
+        value = _constant(value)
+    return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
+
+
+def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
+    """The statements that open a transaction of the store on a borrowed session, in order.
+
+    ``idle_in_transaction_ms`` is the store's own bound on a transaction left idle (its
+    pool's ``idle_in_transaction_session_timeout``), rendered as a literal: an integer only.
+    """
+    if type(idle_in_transaction_ms) is not int or idle_in_transaction_ms < 0:
+        raise ValueError(f"not a timeout in milliseconds: {idle_in_transaction_ms!r}")
+    settings = select(
+        # At least "on" (flushed, and confirmed by the synchronous standbys): a configured
+        # remote_apply, stronger, is kept; local, remote_write and off are not enough.
+        _set_local(
+            "synchronous_commit",
+            case(
+                (
+                    _equal(_setting("synchronous_commit"), _constant("remote_apply")),
+                    _constant("remote_apply"),
+                ),
+                else_=_constant("on"),
+            ),
+        ),
+        _set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)),
+        # asyncpg encodes and decodes text in the session's client_encoding.
+        _set_local("client_encoding", "UTF8"),
+        # "replica" skips triggers and foreign keys; only a superuser may set it, so only
+        # when it differs (a session that could set it can set it back).
+        case(
+            (
+                not_(_equal(_setting("session_replication_role"), _constant("origin"))),
+                _set_local("session_replication_role", "origin"),
+            )
+        ),
+    )
+    return (_BORROWED_BEGIN, *_BORROWED_DEFAULTS, settings)
+
 
 # --- offline migration script -------------------------------------------------------------
 

@@ -12,6 +12,7 @@ election lives in :mod:`cronoq_store.leadership`. Every failure leaves the store
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import sys
@@ -51,6 +52,7 @@ from .errors import (
 )
 from .folding import fold
 from .leadership import Leadership
+from .retry import bounded
 from .schema import schema_options
 from .sizing import MAX_COMMIT_BYTES, batch_size
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -93,18 +95,22 @@ class PgStore:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
-        # Sessions that may not run under the store's search_path: an application's (its
-        # own path), or any server connection a transaction-pooling PgBouncer hands out
+        # Sessions that may carry settings that are not the store's: an application's (its
+        # SETs), or any server connection a transaction-pooling PgBouncer hands out
         # (whatever another client of its pool left set). Every transaction of the store
-        # then sets the store's path for itself.
-        self._pins_path = not owns_engine or not config.prepared_statements
+        # then sets what its guarantees need for itself (statements.borrowed_transaction).
+        self._borrows_sessions = not owns_engine or not config.prepared_statements
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
         self._commits = CommitPath(
             engine,
             config.schema,
-            pin_search_path=self._pins_path,
+            borrowed=(
+                st.borrowed_transaction(_idle_in_transaction_ms(config))
+                if self._borrows_sessions
+                else None
+            ),
             on_fenced=self._fenced_out,
             # The store's own pool holds one connection for the writer (no checkout per
             # commit) when two are left for reads, pings and concurrent commits (with one,
@@ -425,9 +431,7 @@ class PgStore:
                 ) from exc
 
     async def _ping(self) -> None:
-        async with self._db.connect() as conn:
-            writable = (await conn.execute(st.accepts_writes)).scalar()
-        if not writable:
+        if not await self._accepts_writes():
             raise UnavailableError(
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
@@ -452,21 +456,62 @@ class PgStore:
     @asynccontextmanager
     async def _session(self) -> AsyncIterator[AsyncConnection]:
         """A pooled connection in a transaction, with the cluster's schema applied, under
-        the store's search_path (set for the transaction alone where the session may hold
-        another: one more round trip per read)."""
-        async with self._db.begin() as conn:
-            if self._pins_path:
-                await conn.execute(st.local_search_path)
-            yield conn
+        the store's settings. A failure inside is raised as it is, never replaced by the
+        rollback's on a connection that is gone.
+
+        On a borrowed session the store opens the transaction itself, with the message that
+        sets them for it alone (:attr:`BatchWriter.borrowed_opening`: no more round trips
+        than SQLAlchemy's ``BEGIN``), and the driver adapter sends no ``BEGIN`` of its own
+        meanwhile (its DBAPI ``autocommit``; SQLAlchemy's isolation-level option would
+        leave the application's session reset to another level). A connection left in
+        doubt (a failed rollback, a cancellation) is discarded.
+        """
+        opening = self._commits.writer.borrowed_opening
+        if opening is None:
+            failure: BaseException | None = None
+            try:
+                async with self._db.begin() as conn:
+                    try:
+                        yield conn
+                    except BaseException as exc:
+                        failure = exc
+                        raise
+            except BaseException as exc:
+                if failure is None or exc is failure:
+                    raise
+                # The rollback failed too, on a connection that is gone (a crash): the
+                # first failure is what explains it.
+                raise failure from None
+            return
+        async with self._db.connect() as conn:
+            pooled = await conn.get_raw_connection()
+            adapter: Any = pooled.dbapi_connection
+            driver: Any = pooled.driver_connection
+            adapter.autocommit = True
+            try:
+                await driver.execute(opening)
+                yield conn
+                await driver.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await driver.execute("ROLLBACK")
+                if driver.is_closed() or driver.is_in_transaction():
+                    driver.terminate()
+                    await conn.invalidate()
+                raise
+            finally:
+                adapter.autocommit = False
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
         """Turn any failure into a ``StoreError``; the one place errors leave the store.
 
-        A demoted primary (``reconnect``) also disposes the pool, shared or owned: every
-        pooled connection points at a server that can no longer write, and pre-ping cannot
-        tell. ``dispose()`` closes idle connections and those in use when returned; the
-        engine stays usable and reconnects to whatever the URL resolves to now.
+        A demoted primary (``reconnect``) also disposes the pool: every pooled connection
+        points at a server that can no longer write, and pre-ping cannot tell. ``dispose()``
+        closes idle connections and those in use when returned; the engine stays usable and
+        reconnects to whatever the URL resolves to now. An application's pool is disposed
+        only once a server it hands out says it is in recovery: a read-only error alone may
+        come from the application's session state, which is no failover.
         """
         if self._closed:
             # An owned engine would quietly open a new pool that nothing disposes.
@@ -477,7 +522,7 @@ class PgStore:
             error = translate_error(exc, action)
             if isinstance(error, SchemaGoneError) and self._leadership.is_leader:
                 await self._schema_gone(error)
-            if isinstance(error, UnavailableError) and error.reconnect:
+            if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
                 logger.warning(
                     "the database no longer accepts writes (demoted primary?); "
                     "dropping the pool's connections",
@@ -487,6 +532,31 @@ class PgStore:
             if error is exc:
                 raise
             raise error from exc
+
+    async def _demoted(self) -> bool:
+        """Whether a read-only failure is evidence enough to drop the pool's connections:
+        always for the store's own pool; for an application's, only if a session it hands
+        out is on a server in recovery (a standby)."""
+        if self._owns_engine:
+            return True
+        try:
+            writable = await bounded(self._accepts_writes(), self._config.commit_timeout)
+        except Exception as exc:
+            logger.warning(
+                "a read-only failure on the application's pool, and the server cannot say "
+                "whether it is in recovery: its connections are left alone",
+                extra={
+                    "url": redact(self._engine.url),
+                    "error": str(translate_error(exc, "checking recovery")),
+                },
+            )
+            return False
+        return writable is False
+
+    async def _accepts_writes(self) -> bool | None:
+        async with self._db.connect() as conn:
+            writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+        return writable
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -674,11 +744,18 @@ def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
             # A leader frozen or cut off between two statements of a commit holds the
             # leader row lock; the server ends such a session, so a takeover waits at most
             # this long for it (the keeper has stepped down by then).
-            "idle_in_transaction_session_timeout": str(round(config.session_timeout * 1000)),
+            "idle_in_transaction_session_timeout": str(_idle_in_transaction_ms(config)),
             # And one cut off while the server sends or waits on it (keepalive_settings).
             **keepalive_settings(config),
         }
     }
+
+
+def _idle_in_transaction_ms(config: PgStoreConfig) -> int:
+    """How long the server lets a transaction of the store sit idle before it ends the
+    session: ``session_timeout``, so a takeover waits at most that long for a frozen
+    leader's row lock."""
+    return round(config.session_timeout * 1000)
 
 
 def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:

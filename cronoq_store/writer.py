@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +113,9 @@ class Opening:
     check: CompiledStatement
 
     @classmethod
-    def of(cls, check: CompiledStatement, *before: CompiledStatement) -> Opening:
+    def of(
+        cls, check: CompiledStatement, *before: CompiledStatement, begin: str = "BEGIN"
+    ) -> Opening:
         if any(statement.names for statement in before):
             raise ValueError("only the epoch check of an opening takes parameters")
         if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
@@ -122,7 +124,7 @@ class Opening:
             raise ValueError(f"not one placeholder per parameter: {check.sql}")
         escaped = check.sql.replace("{", "{{").replace("}", "}}")
         body = _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
-        return cls("; ".join(["BEGIN", *(statement.sql for statement in before), body]), check)
+        return cls("; ".join([begin, *(statement.sql for statement in before), body]), check)
 
     def sql(self, values: Mapping[str, Any]) -> str:
         return self.template.format(*map(_integer, self.check.args(values)))
@@ -150,10 +152,11 @@ class BatchWriter:
     """Writes folded batches for one cluster; ``write`` says what it found.
 
     ``copy_min_rows``: new tasks per batch from which they travel by COPY.
-    ``pin_search_path``: the sessions may run under a search_path that is not the store's
-    (an application's engine, or PgBouncer handing out any server connection), so every
-    statement runs in a transaction that first sets the store's with ``SET LOCAL``
-    semantics; the one-statement fast paths are off then.
+    ``borrowed``: the sessions may carry settings that are not the store's (an application's
+    engine, or PgBouncer handing out any server connection), so every statement runs in a
+    transaction opened by these statements (:func:`~cronoq_store.statements.borrowed_transaction`,
+    ``BEGIN`` first), sent with the transaction's first statement; the one-statement fast
+    paths are off then. :attr:`borrowed_opening` is that opening as one message.
     """
 
     def __init__(
@@ -162,7 +165,7 @@ class BatchWriter:
         schema: str,
         *,
         copy_min_rows: int = COPY_MIN_ROWS,
-        pin_search_path: bool = False,
+        borrowed: Sequence[ClauseElement] | None = None,
     ) -> None:
         self._copy_min_rows = copy_min_rows
         self._schema = schema
@@ -173,10 +176,17 @@ class BatchWriter:
         self._insert_one_fenced = compiled(st.insert_task_fenced)
         self._insert_fenced = compiled(st.insert_tasks_fenced)
         self._update_fenced = compiled(st.update_status_fenced)
-        self._pin = compiled(st.local_search_path) if pin_search_path else None
-        pin = () if self._pin is None else (self._pin,)
-        self._issuing = Opening.of(compiled(st.record_max_id), *pin)
-        self._sharing = Opening.of(compiled(st.epoch_held_for_share), *pin)
+        opening = [CompiledStatement("BEGIN", (), {})]
+        if borrowed is not None:
+            opening = [compiled(statement) for statement in borrowed]
+        begin, *settings = opening
+        #: The message that opens a transaction on a borrowed session, ``None`` when the
+        #: sessions are the store's own.
+        self.borrowed_opening = (
+            None if borrowed is None else "; ".join(statement.sql for statement in opening)
+        )
+        self._issuing = Opening.of(compiled(st.record_max_id), *settings, begin=begin.sql)
+        self._sharing = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
         self._stored_epoch = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
@@ -249,11 +259,16 @@ class BatchWriter:
         return [row[0] for row in await self._fetch(conn, self._colliding_ids, batch.inserts)]
 
     async def _fetch(self, conn: Any, stmt: CompiledStatement, params: Mapping[str, Any]) -> Any:
-        if self._pin is None:
+        if self.borrowed_opening is None:
             return await conn.fetch(stmt.sql, *stmt.args(params))
-        async with conn.transaction():
-            await conn.execute(self._pin.sql)
+        try:
+            await conn.execute(self.borrowed_opening)
             return await conn.fetch(stmt.sql, *stmt.args(params))
+        finally:
+            # As in _write: a failed rollback must not replace the error being raised; the
+            # caller discards a connection left in a transaction.
+            with contextlib.suppress(Exception):
+                await conn.execute("ROLLBACK")
 
     def path(self, batch: FoldedBatch) -> str:
         """The write path ``batch`` takes first (a batch written again after its insert
@@ -264,8 +279,8 @@ class BatchWriter:
         return self._path(batch.writes(), self._copied(batch))
 
     def _path(self, writes: tuple[str, ...], copy: bool) -> str:
-        # The one-statement paths need the session's own search_path to be the store's.
-        fast = self._pin is None
+        # The one-statement paths need the session's own settings to be the store's.
+        fast = self.borrowed_opening is None
         if fast and writes == ("insert_rows",) and not copy:
             return "insert"
         if fast and writes == ("updates",):
@@ -350,9 +365,10 @@ class CommitPath:
     """The store's commits: a pooled connection's driver connection, the
     :class:`BatchWriter` (``writer``), and what it found turned into errors.
 
-    ``pin_search_path``: the sessions may not run under the store's search_path (an
-    application's engine, or a transaction-pooling PgBouncer): every commit sets it for its
-    own transaction (:class:`BatchWriter`), so nothing is left on the session either.
+    ``borrowed``: the sessions may carry settings that are not the store's (an application's
+    engine, or a transaction-pooling PgBouncer): every commit opens its transaction with
+    these statements, which set the store's for that transaction alone (:class:`BatchWriter`),
+    so nothing is left on the session either.
     ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
 
     ``hold``: keep one pooled connection checked out between commits (the writer's, for the
@@ -370,7 +386,7 @@ class CommitPath:
         engine: AsyncEngine,
         schema: str,
         *,
-        pin_search_path: bool,
+        borrowed: Sequence[ClauseElement] | None,
         on_fenced: Callable[[], None],
         hold: bool = False,
     ) -> None:
@@ -381,7 +397,7 @@ class CommitPath:
         self._held_from: Pool | None = None  # the pool it came from
         self._held_busy = False
         self._releases = 0  # a connection checked out before a release is not held
-        self.writer = BatchWriter(engine.dialect, schema, pin_search_path=pin_search_path)
+        self.writer = BatchWriter(engine.dialect, schema, borrowed=borrowed)
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
         """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import threading
+from collections.abc import Callable
+from types import FrameType
 from typing import Any, Protocol
 
 import asyncpg
@@ -68,6 +72,7 @@ class EmbeddedServer:
 
     def __init__(self) -> None:
         self.server = EmbeddedPostgres().start()
+        self._forget_sigterm = _destroy_on_sigterm(self.server)
 
     @property
     def url(self) -> URL:
@@ -80,7 +85,36 @@ class EmbeddedServer:
         self.server.start()
 
     def close(self) -> None:
+        self._forget_sigterm()
         self.server.destroy()
+
+
+def _destroy_on_sigterm(server: EmbeddedPostgres) -> Callable[[], None]:
+    """Destroy ``server`` if this process gets SIGTERM (a cancelled CI job, a timeout).
+
+    Python dies of SIGTERM without running finalizers or ``atexit``, and the server is a
+    process of its own: it would live on, holding its port and directory. The handler
+    destroys it, then lets the signal do what it did before (by default, end the process
+    with it). Returns what puts the previous handler back. Nothing is installed outside
+    the main thread (only it may set handlers) or where SIGTERM is ignored.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        server.destroy()
+        restore()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return restore
 
 
 class ContainerServer:

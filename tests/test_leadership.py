@@ -482,7 +482,8 @@ def app_engine(kind: str, pg_url: URL, app_name: str) -> AsyncEngine:
                 dsn, server_settings={"application_name": app_name}
             ),
         )
-    settings = {"application_name": app_name, "statement_timeout": "4321"}
+    # work_mem: a setting the lock session does not set for itself.
+    settings = {"application_name": app_name, "work_mem": "4321kB"}
     if kind == "connect_args_password":
         # The password travels in connect_args, not in the URL.
         return create_async_engine(
@@ -537,7 +538,7 @@ async def test_from_engine_lock_session_connects_like_the_engine(
             assert await lock_session_setting(store, "idle_session_timeout") == "6s"
             if kind != "async_creator":
                 # The engine's own server settings came along.
-                assert await lock_session_setting(store, "statement_timeout") == "4321ms"
+                assert await lock_session_setting(store, "work_mem") == "4321kB"
             assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
         assert await lock_holders(pg_url, store.leader_lock) == []
     finally:

@@ -10,6 +10,7 @@ all produced; none may contain the password in any spelling.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
@@ -222,20 +223,20 @@ async def test_no_surface_shows_a_password(
                 await asyncio.wait_for(store.acquire_leadership(), 10)
         finally:
             await raw.dispose()
-        read_only = create_async_engine(
-            make_url(url).set(drivername="postgresql+asyncpg"),
-            connect_args={"server_settings": {"default_transaction_read_only": "on"}},
-        )
-        try:
-            async with await PgStore.from_engine(read_only, config, migrate=False) as store:
-                seen += [repr(store)]
-                with pytest.raises(UnavailableError) as caught:
-                    await store.commit(
-                        0, TimeBase.now(), [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], []
-                    )
-                seen.append(texts_of(caught.value))
-        finally:
-            await read_only.dispose()
+        # A read-only failure on the store's own pool (one session, made read-only) is
+        # taken for a demoted primary: the warning that drops the pool names the URL. (On an
+        # application's pool the store sets read-write for its own transactions.)
+        one = dataclasses.replace(config, max_connections=1)
+        async with await PgStore.connect(url, one, migrate=False) as store:
+            seen += [repr(store)]
+            async with store.engine.connect() as session:
+                await session.exec_driver_sql("SET default_transaction_read_only = on")
+                await session.commit()
+            with pytest.raises(UnavailableError) as caught:
+                await store.commit(
+                    0, TimeBase.now(), [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], []
+                )
+            seen.append(texts_of(caught.value))
         assert any("no longer accepts writes" in t for t in records.texts)
         assert any("cannot acquire leadership for now" in t for t in records.texts)
     else:

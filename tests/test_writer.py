@@ -30,10 +30,12 @@ def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -
     assert f"greatest(s.cronoq_leader.max_id, {2**62 + 7}::BIGINT)" in sql
     assert "s.cronoq_leader.epoch = 3::INTEGER" in sql
     assert "s.cronoq_leader.id = 1::SMALLINT" in sql  # the construct's own value
-    pinned = Opening.of(compiled(st.epoch_held_for_share), compiled(st.local_search_path))
+    begin, *settings = map(compiled, st.borrowed_transaction(5000))
+    pinned = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
     sql = pinned.sql({"epoch": 9})
-    first, setting, check = sql.split("; ")
-    assert (first, setting) == ("BEGIN", compiled(st.local_search_path).sql)
+    *sent, check = sql.split("; ")
+    assert sent == [begin.sql, *(s.sql for s in settings)]
+    assert begin.sql.startswith("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE")
     assert check.endswith("FOR SHARE")
     assert "epoch = 9::INTEGER" in check
 
@@ -52,7 +54,7 @@ def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:
 
 def test_new_tasks_go_by_copy_from_the_threshold_on() -> None:
     writer = BatchWriter(DIALECT, "s")
-    pinned = BatchWriter(DIALECT, "s", pin_search_path=True)
+    pinned = BatchWriter(DIALECT, "s", borrowed=st.borrowed_transaction(5000))
     below = fold([submitted(n) for n in range(COPY_MIN_ROWS - 1)], BASE, 0)
     at = fold([submitted(n) for n in range(COPY_MIN_ROWS)], BASE, 0)
     mixed = fold(

@@ -156,6 +156,28 @@ class PgCluster(Cluster):
         )
         return await PgStore.from_engine(self._engine, config, migrate=False)
 
+    async def close(self) -> None:
+        """Close every instance, then check that none left anything behind: no connection
+        checked out of its pool, and no server session of its own (each instance's lock
+        session is named after it) still open."""
+        await super().close()
+        for store in self._opened:
+            pool: Any = cast(PgStore, store).engine.sync_engine.pool
+            assert pool.checkedout() == 0, f"{pool.checkedout()} connection(s) left checked out"
+        prefix = f"contract-{self._schema}-"
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            left = await admin_execute(
+                self._url,
+                "SELECT pid, application_name, state FROM pg_stat_activity "
+                "WHERE starts_with(application_name, $1)",
+                prefix,
+            )
+            if not left or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert not left, f"server sessions left open: {[dict(r) for r in left]}"
+
     async def end_lock_session(self, store: ContractStore) -> None:
         name = f"{cast(PgStore, store).config.application_name} leader"
         assert await terminate_backends(self._url, name) == 1

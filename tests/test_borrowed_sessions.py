@@ -1,0 +1,403 @@
+"""An application's session settings never reach the store's transactions.
+
+With ``PgStore.from_engine`` the store's transactions run on the application's pooled
+sessions, whatever the application ``SET`` on them. The application's pool here has one
+connection, so the store's next transaction runs on exactly the session the application
+poisoned. What a store transaction runs under is read inside it, on the real server: a
+probe statement runs in the store's own transaction (the commit's, on the driver
+connection; a read's, on its SQLAlchemy connection) before the store's statements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from cronoq_store import queries
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store.errors import UnavailableError
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+
+from .pgbouncer import PgBouncer, store_connect_query, store_settings
+from .pgharness import ServerUnderTest, admin_execute
+
+BASE = TimeBase.now()
+SESSION_TIMEOUT = 2.0
+
+#: What a store transaction runs under, read inside it.
+PROBE = (
+    "SELECT current_setting('synchronous_commit') AS synchronous_commit, "
+    "current_setting('transaction_read_only') AS transaction_read_only, "
+    "current_setting('transaction_isolation') AS transaction_isolation, "
+    "current_setting('transaction_deferrable') AS transaction_deferrable, "
+    "current_setting('statement_timeout') AS statement_timeout, "
+    "current_setting('lock_timeout') AS lock_timeout, "
+    "current_setting('idle_in_transaction_session_timeout') AS idle_timeout, "
+    "current_setting('transaction_timeout', true) AS transaction_timeout, "
+    "current_setting('session_replication_role') AS session_replication_role, "
+    "current_setting('client_encoding') AS client_encoding, "
+    "current_setting('search_path') AS search_path, "
+    "current_user::text AS current_user, session_user::text AS session_user"
+)
+
+#: (what the application runs on its session, the probe's column, what the store needs).
+POISONS = [
+    ("SET synchronous_commit = off", "synchronous_commit", "on"),
+    ("SET synchronous_commit = local", "synchronous_commit", "on"),
+    ("SET default_transaction_read_only = on", "transaction_read_only", "off"),
+    ("SET default_transaction_isolation = serializable", "transaction_isolation", "read committed"),
+    (
+        "SET default_transaction_isolation = 'repeatable read'",
+        "transaction_isolation",
+        "read committed",
+    ),
+    (
+        "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE, "
+        "READ ONLY, DEFERRABLE",
+        "transaction_deferrable",
+        "off",
+    ),
+    # The configured default (here the server's: none), as on the store's own pool.
+    ("SET statement_timeout = '17s'", "statement_timeout", "0"),
+    ("SET lock_timeout = '13s'", "lock_timeout", "0"),
+    ("SET idle_in_transaction_session_timeout = '1h'", "idle_timeout", "2s"),
+    ("SET session_replication_role = replica", "session_replication_role", "origin"),
+    ("SET client_encoding = 'LATIN1'", "client_encoding", "UTF8"),
+    ("SET ROLE {role}", "current_user", "{user}"),
+    ("SET SESSION AUTHORIZATION {role}", "session_user", "{user}"),
+]
+
+
+@pytest.fixture
+async def intruder_role(pg_url: URL) -> AsyncIterator[str]:
+    """A role with no rights on anything: a store acting as it could not even read."""
+    name = f"r_{uuid.uuid4().hex[:12]}"
+    await admin_execute(pg_url, f'CREATE ROLE "{name}" NOLOGIN')
+    yield name
+    await admin_execute(pg_url, f'DROP ROLE "{name}"')
+
+
+@pytest.fixture
+async def app_engine(pg_url: URL) -> AsyncIterator[AsyncEngine]:
+    """An application's engine with one pooled session: the store's transactions get the
+    session the application used last."""
+    engine = create_async_engine(async_url(pg_url), pool_size=1, max_overflow=0)
+    try:
+        yield engine
+        checked_out = engine.sync_engine.pool.checkedout()  # type: ignore[attr-defined]
+        assert checked_out == 0, f"{checked_out} pool connection(s) left checked out"
+    finally:
+        await engine.dispose()
+
+
+def config(schema: str) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema,
+        lock_poll=0.1,
+        keepalive=0.2,
+        session_timeout=SESSION_TIMEOUT,
+        commit_timeout=10.0,
+        application_name=f"borrowed-{schema}",
+    )
+
+
+async def poison(engine: AsyncEngine, *statements: str) -> None:
+    """The application's ``SET``s, left on its pooled session."""
+    async with engine.connect() as conn:
+        for statement in statements:
+            await conn.exec_driver_sql(statement)
+        await conn.commit()
+
+
+async def session_values(engine: AsyncEngine) -> dict[str, Any]:
+    """What the application's session runs under, outside the store's transactions."""
+    async with engine.connect() as conn:
+        return dict((await conn.execute(text(PROBE))).mappings().one())
+
+
+def probing_commits(store: PgStore) -> list[dict[str, Any]]:
+    """Probe every commit's transaction, before its inserts."""
+    seen: list[dict[str, Any]] = []
+    writers = store._commits.writer._writers
+    insert = writers["insert_rows"]
+
+    async def probed(conn: Any, batch: Any, copy: bool) -> None:
+        seen.append(dict(await conn.fetchrow(PROBE)))
+        await insert(conn, batch, copy)
+
+    writers["insert_rows"] = probed
+    return seen
+
+
+def probing_reads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Probe every ``get_task``'s transaction, before its look-up."""
+    seen: list[dict[str, Any]] = []
+    get_task: Callable[[AsyncConnection, Any], Awaitable[Any]] = queries.get_task
+
+    async def probed(conn: AsyncConnection, params: Any) -> Any:
+        seen.append(dict((await conn.execute(text(PROBE))).mappings().one()))
+        return await get_task(conn, params)
+
+    monkeypatch.setattr(queries, "get_task", probed)
+    return seen
+
+
+def batch(epoch: int, n: int, key: str | None = None) -> list[Mutation]:
+    """A submission and a transition: a transaction with inserts on every path."""
+    return [
+        Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"p", key=key)),
+        StatusChanged(task_id(epoch, n), TaskStatus.RUNNING, 1, BASE.engine_ns),
+    ]
+
+
+@pytest.mark.parametrize(("statement", "column", "needed"), POISONS, ids=[p[0] for p in POISONS])
+async def test_a_store_transaction_runs_under_its_own_settings_on_a_poisoned_session(
+    app_engine: AsyncEngine,
+    migrated: str,
+    pg_url: URL,
+    intruder_role: str,
+    monkeypatch: pytest.MonkeyPatch,
+    statement: str,
+    column: str,
+    needed: str,
+) -> None:
+    user = pg_url.username
+    statement, needed = statement.format(role=intruder_role), needed.format(user=user)
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = await store.acquire_leadership()
+        pool = app_engine.sync_engine.pool
+        before = await session_values(app_engine)
+        await poison(app_engine, statement)
+        poisoned = await session_values(app_engine)
+        assert poisoned != before  # the application's SET took
+        commits, reads = probing_commits(store), probing_reads(monkeypatch)
+        await store.commit(epoch, BASE, batch(epoch, 1), [])
+        found = await store.get_task(task_id(epoch, 1))
+        assert found is not None
+        assert found.status is TaskStatus.RUNNING
+        assert await store.prune(0) == 0
+        assert [c[column] for c in commits + reads] == [needed, needed]
+        # For its transaction alone: the application's session keeps its own settings.
+        assert await session_values(app_engine) == poisoned
+        assert app_engine.sync_engine.pool is pool  # never disposed
+    finally:
+        await store.close()
+        await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+
+
+async def test_every_setting_at_once_and_every_store_transaction(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL, intruder_role: str
+) -> None:
+    """All the poisons together, on commits (every write path), reads, recovery and prune;
+    the search path puts first a schema anyone can write, holding an exact-match ``=`` for
+    text (the one the store's own opening compares settings with)."""
+    evil = f"{migrated}_evil"
+    for statement in (
+        f"CREATE SCHEMA {evil}",
+        f"CREATE TABLE {evil}.calls (who text)",
+        f"GRANT ALL ON SCHEMA {evil} TO PUBLIC",
+        f"GRANT ALL ON {evil}.calls TO PUBLIC",
+        f"CREATE FUNCTION {evil}.eq(a text, b text) RETURNS boolean LANGUAGE sql AS "
+        f"$$ INSERT INTO {evil}.calls VALUES (current_user) "
+        "RETURNING a OPERATOR(pg_catalog.=) b $$",
+        f"CREATE OPERATOR {evil}.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {evil}.eq)",
+    ):
+        await admin_execute(pg_url, statement)
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = await store.acquire_leadership()
+        pool = app_engine.sync_engine.pool
+        await poison(
+            app_engine,
+            *(p[0].format(role=intruder_role) for p in POISONS if "ROLE" not in p[0]),
+            f"SET search_path = {evil}, pg_catalog",
+            "SET statement_timeout = 1",
+            f'SET ROLE "{intruder_role}"',
+        )
+        commits = probing_commits(store)
+        # One task, many, by COPY; then transitions alone; a key outside LATIN1.
+        await store.commit(epoch, BASE, batch(epoch, 1, key="k-\N{EURO SIGN}-\u6771"), [])
+        many = [
+            Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"p")) for n in range(2, 50)
+        ]
+        await store.commit(epoch, BASE, many, [])
+        finish = [
+            StatusChanged(task_id(epoch, n), TaskStatus.SUCCEEDED, 1, 1) for n in range(2, 50)
+        ]
+        await store.commit(epoch, BASE, finish, [(task_id(epoch, 2), b"out")])
+        assert len(commits) == 2
+        assert all(c["current_user"] == pg_url.username for c in commits)
+        found = await store.get_task("k-\N{EURO SIGN}-\u6771")
+        assert found is not None
+        assert found.id == task_id(epoch, 1)
+        assert await store.load_output(task_id(epoch, 2)) == b"out"
+        recovered = await store.recover(BASE)
+        assert [t.id for t in recovered.tasks] == [task_id(epoch, 1)]
+        assert (await store.health()).is_leader
+        assert await store.prune(0) == 48
+        assert app_engine.sync_engine.pool is pool
+    finally:
+        await store.close()
+        await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+    rows = await admin_execute(pg_url, f'SELECT key FROM "{migrated}".cronoq_tasks')
+    assert [r["key"] for r in rows] == ["k-\N{EURO SIGN}-\u6771"]
+    calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
+    await admin_execute(pg_url, f"DROP SCHEMA {evil} CASCADE")
+    assert calls[0]["n"] == 0
+
+
+async def _read_only_error(engine: AsyncEngine) -> asyncpg.ReadOnlySQLTransactionError:
+    """A real 25006 from the server (a read-only transaction that writes)."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        try:
+            await driver.execute("BEGIN READ ONLY; CREATE TEMPORARY TABLE t (x int); COMMIT")
+        except asyncpg.ReadOnlySQLTransactionError as exc:
+            await driver.execute("ROLLBACK")
+            error: asyncpg.ReadOnlySQLTransactionError = exc
+            return error
+    raise AssertionError("the server took a write in a read-only transaction")
+
+
+async def test_a_read_only_error_alone_never_disposes_an_applications_pool(
+    app_engine: AsyncEngine, migrated: str
+) -> None:
+    """The server is a primary: a read-only error there comes from session state, which is
+    no failover. The store's error stays transient; the application's pool stays."""
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        pool = app_engine.sync_engine.pool
+        error = await _read_only_error(app_engine)
+        with pytest.raises(UnavailableError):
+            async with store._translated("committing a batch"):
+                raise error
+        assert app_engine.sync_engine.pool is pool
+    finally:
+        await store.close()
+
+
+# --- through a transaction-pooling PgBouncer ---------------------------------------------
+
+
+@pytest.fixture
+def bouncer(pg_server: ServerUnderTest) -> AsyncIterator[PgBouncer] | Any:
+    if pg_server.url.password is None:
+        pytest.skip("PgBouncer here needs a server URL with a password")
+    with PgBouncer(
+        pg_server.url,
+        pool_size=1,
+        connect_query=store_connect_query(SESSION_TIMEOUT),
+        settings=store_settings(SESSION_TIMEOUT),
+    ) as running:
+        yield running
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_settings_another_client_left_on_a_pgbouncer_server_connection_never_reach_the_store(
+    bouncer: PgBouncer, pg_url: URL, migrated: str, shared: bool
+) -> None:
+    """In transaction pooling a session-level ``SET`` stays on the server connection for
+    its next client, whichever it is: one server connection, so the store gets it."""
+    settings = dataclasses.replace(config(migrated), prepared_statements=False)
+    no_cache = {"statement_cache_size": 0, "prepared_statement_cache_size": 0}
+    engine = create_async_engine(async_url(bouncer.url()), pool_size=2, connect_args=no_cache)
+    try:
+        if shared:
+            store = await PgStore.from_engine(engine, settings, lock_url=pg_url)
+        else:
+            store = await PgStore.connect(bouncer.url(), settings, lock_url=pg_url)
+        try:
+            epoch = await store.acquire_leadership()
+            other = await asyncpg.connect(
+                bouncer.url().set(drivername="postgresql").render_as_string(hide_password=False),
+                statement_cache_size=0,
+            )
+            try:
+                await other.execute(
+                    "BEGIN; SET synchronous_commit = off; "
+                    "SET default_transaction_read_only = on; SET lock_timeout = '13s'; COMMIT"
+                )
+            finally:
+                await other.close()
+            pool = store.engine.sync_engine.pool
+            commits = probing_commits(store)
+            await store.commit(epoch, BASE, batch(epoch, 1), [])
+            assert await store.prune(0) == 0
+            assert [
+                (c["synchronous_commit"], c["transaction_read_only"], c["lock_timeout"])
+                for c in commits
+            ] == [("on", "off", "0")]
+            assert store.engine.sync_engine.pool is pool
+            assert (await store.get_task(TaskId(task_id(epoch, 1)))) is not None
+        finally:
+            await store.close()
+    finally:
+        await engine.dispose()
+
+
+async def test_an_applications_connect_settings_reach_neither_the_lock_session_nor_a_commit(
+    pg_url: URL, migrated: str
+) -> None:
+    """Settings in the engine's connect arguments are the sessions' reset values, so
+    ``TO DEFAULT`` alone would keep them: the store still commits durably and read-write,
+    and its lock session (made the way the engine connects) bumps the epoch the same way.
+    A timeout there is the engine's configuration, as on the store's own pool: kept."""
+    engine = create_async_engine(
+        async_url(pg_url),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={
+            "server_settings": {
+                "synchronous_commit": "off",
+                "default_transaction_read_only": "on",
+                # The engine's configuration, as the store's own pool has it: kept.
+                "statement_timeout": "17s",
+            }
+        },
+    )
+    try:
+        store = await PgStore.from_engine(engine, config(migrated), migrate=False)
+        try:
+            epoch = await asyncio.wait_for(store.acquire_leadership(), 10)
+            lock_session: Any = store._leadership._session
+            assert lock_session is not None
+            seen = dict(await lock_session.driver.fetchrow(PROBE))
+            assert seen["synchronous_commit"] == "on"
+            assert (
+                await lock_session.driver.fetchval(
+                    "SELECT current_setting('default_transaction_read_only')"
+                )
+                == "off"
+            )
+            commits = probing_commits(store)
+            await store.commit(epoch, BASE, batch(epoch, 1), [])
+            assert [
+                (c["synchronous_commit"], c["transaction_read_only"], c["statement_timeout"])
+                for c in commits
+            ] == [("on", "off", "17s")]
+            assert await store.prune(0) == 0
+        finally:
+            await store.close()
+    finally:
+        await engine.dispose()

@@ -1,0 +1,84 @@
+"""A server crash during ``recover()`` is reported as the lost connection it is.
+
+The server really stops (``immediate``: a crash as clients see it) while recovery reads its
+cursor a partition at a time. The rollback that follows fails too, on a connection that is
+gone: the error must name the lost connection, be transient, and not be the rollback's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store import recovery
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import Submitted, TaskSpec, TimeBase, task_id
+from cronoq_store.errors import UnavailableError
+from cronoq_store.rows import LiveTasks
+from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
+
+from .pgharness import EmbeddedServer, ServerUnderTest
+
+BASE = TimeBase.now()
+
+
+@pytest.fixture
+def stoppable(pg_server: ServerUnderTest) -> Iterator[ServerUnderTest]:
+    """The server, for a test that stops it; running again afterwards, whatever happens."""
+    if not isinstance(pg_server, EmbeddedServer):
+        pytest.skip("needs a server the suite can stop and start on the same port")
+    try:
+        yield pg_server
+    finally:
+        if not pg_server.server.running:
+            pg_server.start()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_a_crash_during_recover_reports_the_lost_connection(
+    pg_url: URL,
+    migrated: str,
+    stoppable: ServerUnderTest,
+    monkeypatch: pytest.MonkeyPatch,
+    shared: bool,
+) -> None:
+    config = PgStoreConfig(schema=migrated, commit_timeout=10.0)
+    if shared:
+        engine = create_async_engine(async_url(pg_url))
+        store = await PgStore.from_engine(engine, config)
+    else:
+        store = await PgStore.connect(pg_url, config)
+    try:
+        epoch = await store.acquire_leadership()
+        batch = [Submitted(task_id(epoch, n), n, 0, TaskSpec(b"p")) for n in range(40)]
+        await store.commit(epoch, BASE, batch, [])
+        await store.release_leadership()
+
+        class CrashingDecoder(LiveTasks):
+            """Stops the server once the first partition is decoded."""
+
+            def decode(self, *row: Any) -> Any:
+                if row[0] == task_id(epoch, 5):
+                    stoppable.stop("immediate")
+                return super().decode(*row)
+
+        monkeypatch.setattr(recovery, "RECOVERY_PARTITION", 10)
+        monkeypatch.setattr(recovery, "LiveTasks", CrashingDecoder)
+        with pytest.raises(UnavailableError) as raised:
+            await store.recover(BASE)
+        message = str(raised.value)
+        assert message.startswith("recovering failed: ")
+        assert "rollback" not in message.lower()
+        assert "connection" in message.lower(), message
+        assert raised.value.is_transient
+    finally:
+        if not stoppable.server.running:  # type: ignore[attr-defined]
+            stoppable.start()
+        await store.close()
+        if shared:
+            await engine.dispose()
