@@ -24,10 +24,10 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..cli.exits import CliError
+from ..cli.exits import CliError, ExitCode
 from ..cli.output import format_duration
 from ..domain import I64_MAX, TaskId, clean_text
-from ..errors import MigrationError
+from ..errors import MigrationError, translate_error
 from ..schema import validate_schema_name
 from ..urls import scrub
 from . import reads
@@ -202,10 +202,16 @@ def console_app(
             return respond(request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404)
         except _BadRequest as exc:
             return respond(request, "error.html", {"error": str(exc)}, 400)
-        except MigrationError as exc:
+        except MigrationError as exc:  # the trust check refused the schema
             return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 409)
-        except CliError as exc:  # cannot connect: already masked
-            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 503)
+        except CliError as exc:  # cannot connect (503), or a schema not at this build's head
+            status = 503 if exc.code is ExitCode.UNREACHABLE else 409
+            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, status)
+        except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
+            error = translate_error(exc, "reading the cluster")
+            log.warning("%s %s: %s", request.method, request.url.path, scrub(str(error), [url]))
+            status = 503 if error.is_transient else 500
+            return respond(request, "error.html", {"error": scrub(str(error), [url])}, status)
 
     async def overview(request: Request) -> Response:
         return await guarded(

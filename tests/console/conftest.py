@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ class Console:
 @dataclass
 class Reply:
     status: int
+    #: By lower-case name.
     headers: Mapping[str, str]
     body: bytes
 
@@ -81,9 +82,13 @@ def get(url: str, headers: Mapping[str, str] | None = None) -> Reply:
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return Reply(response.status, dict(response.headers), response.read())
+            return Reply(response.status, _lower(response.headers.items()), response.read())
     except urllib.error.HTTPError as exc:
-        return Reply(exc.code, dict(exc.headers), exc.read())
+        return Reply(exc.code, _lower(exc.headers.items()), exc.read())
+
+
+def _lower(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers}
 
 
 async def fetch(url: str, headers: Mapping[str, str] | None = None) -> Reply:
