@@ -77,9 +77,9 @@ class Reply:
         return self.body.decode()
 
 
-def get(url: str, headers: Mapping[str, str] | None = None) -> Reply:
-    """One GET, whatever its status."""
-    request = urllib.request.Request(url, headers=dict(headers or {}))
+def get(url: str, headers: Mapping[str, str] | None = None, method: str = "GET") -> Reply:
+    """One request, whatever its status."""
+    request = urllib.request.Request(url, headers=dict(headers or {}), method=method)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return Reply(response.status, _lower(response.headers.items()), response.read())
@@ -91,9 +91,9 @@ def _lower(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
     return {name.lower(): value for name, value in headers}
 
 
-async def fetch(url: str, headers: Mapping[str, str] | None = None) -> Reply:
+async def fetch(url: str, headers: Mapping[str, str] | None = None, method: str = "GET") -> Reply:
     """:func:`get` off the event loop (a store may be leading on it meanwhile)."""
-    return await asyncio.to_thread(get, url, headers)
+    return await asyncio.to_thread(get, url, headers, method)
 
 
 def console_command(url: URL, *args: str) -> list[str]:
