@@ -32,6 +32,7 @@ from ..schema import validate_schema_name
 from ..urls import scrub
 from . import reads
 from .security import Credentials, Guard
+from .statements import SAMPLE
 from .text import visible, visible_block
 
 __all__ = ["console_app"]
@@ -87,6 +88,7 @@ def _environment(refresh_seconds: int) -> Environment:
     env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
     env.globals["refresh_seconds"] = refresh_seconds
     env.globals["statuses"] = reads.FINISHED_STATUSES
+    env.globals["sample"] = SAMPLE
     return env
 
 

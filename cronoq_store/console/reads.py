@@ -39,8 +39,6 @@ __all__ = [
 
 #: Finished tasks per page.
 PAGE_SIZE = 50
-#: How many matching finished tasks the cluster page counts at most.
-COUNT_BOUND = 1000
 #: Recurring schedules the cluster page lists at most.
 SCHEDULES_SHOWN = 500
 #: Dependencies whose targets a task's page looks up at most.
@@ -195,9 +193,9 @@ async def cluster(
         else:
             page_params["before_updated"], page_params["before_id"] = filters.before
             rows = (await conn.execute(cs.finished_next_page, page_params)).all()
-        matching = (
-            await conn.execute(cs.finished_count, {**params, "bound": COUNT_BOUND})
-        ).scalar_one()
+        examined, matching = (
+            await conn.execute(cs.finished_count, {**params, "bound": cs.SAMPLE})
+        ).one()
         live = (await conn.execute(cs.live_counts)).all()
         recurring = (await conn.execute(cs.schedules, {"limit": SCHEDULES_SHOWN + 1})).all()
         await conn.rollback()
@@ -211,7 +209,8 @@ async def cluster(
             "tasks": [output.task_document(task_record(*row)) for row in page],
             "next": None if last is None else f"{last.updated_unix_ns}.{last.id}",
             "matching": matching,
-            "matching_at_least": matching >= COUNT_BOUND,
+            # At the bound, older tasks of the window were not examined: a minimum.
+            "matching_at_least": examined >= cs.SAMPLE,
         },
         "recurring": [
             {

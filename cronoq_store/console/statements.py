@@ -17,6 +17,7 @@ from sqlalchemy import (
     BigInteger,
     Select,
     Text,
+    and_,
     bindparam,
     cast,
     func,
@@ -92,17 +93,23 @@ _kinds = bindparam("kinds", type_=ARRAY(Text))
 _tenants = bindparam("tenants", type_=ARRAY(Text))
 
 
-def _finished_filters() -> list[Any]:
-    """Finished tasks in a time window (an index range), then the filters the index does not
-    hold, checked on the rows it yields; an empty array means any."""
+def _window(table: Any) -> list[Any]:
+    """Finished tasks updated in the window ``since``..``until``: a range of the index."""
     return [
-        tasks.c.terminal,
-        tasks.c.updated_unix_ns >= bindparam("since", type_=BigInteger),
-        tasks.c.updated_unix_ns <= bindparam("until", type_=BigInteger),
-        or_(func.cardinality(_pools) == 0, tasks.c.pool == func.any(_pools)),
-        or_(func.cardinality(_statuses) == 0, tasks.c.status == func.any(_statuses)),
-        or_(func.cardinality(_kinds) == 0, tasks.c.kind == func.any(_kinds)),
-        or_(func.cardinality(_tenants) == 0, tasks.c.tenant == func.any(_tenants)),
+        table.c.terminal,
+        table.c.updated_unix_ns >= bindparam("since", type_=BigInteger),
+        table.c.updated_unix_ns <= bindparam("until", type_=BigInteger),
+    ]
+
+
+def _chosen(table: Any) -> list[Any]:
+    """The filters the index does not hold, checked on the rows it yields; an empty array
+    means any."""
+    return [
+        or_(func.cardinality(_pools) == 0, table.c.pool == func.any(_pools)),
+        or_(func.cardinality(_statuses) == 0, table.c.status == func.any(_statuses)),
+        or_(func.cardinality(_kinds) == 0, table.c.kind == func.any(_kinds)),
+        or_(func.cardinality(_tenants) == 0, table.c.tenant == func.any(_tenants)),
     ]
 
 
@@ -112,7 +119,7 @@ _page_columns = [tasks.c[name] for name in RECORD_COLUMNS]
 
 
 def _finished_page(after_cursor: bool) -> Select[Any]:
-    where = _finished_filters()
+    where = [*_window(tasks), *_chosen(tasks)]
     if after_cursor:
         cursor = tuple_(
             bindparam("before_updated", type_=BigInteger), bindparam("before_id", type_=BigInteger)
@@ -131,14 +138,21 @@ finished_first_page = _finished_page(after_cursor=False)
 #: The same, strictly older than the cursor ``(before_updated, before_id)``: keyset paging.
 finished_next_page = _finished_page(after_cursor=True)
 
-#: How many finished tasks pass the filters, counting no further than ``bound``.
-finished_count = select(func.count()).select_from(
-    select(tasks.c.id)
-    .where(*_finished_filters())
+_examined = (
+    select(tasks.c.pool, tasks.c.status, tasks.c.kind, tasks.c.tenant)
+    .where(*_window(tasks))
+    .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
     .limit(bindparam("bound", type_=BigInteger))
-    .subquery("matching")
+    .subquery("examined")
 )
 
+#: Among the newest ``bound`` finished tasks of the window: how many were examined, and how
+#: many of them pass the filters. Bounded by the rows it reads, not by the matches it finds:
+#: a filter that matches little would otherwise walk the whole index to count to a bound.
+finished_count = select(
+    func.count().label("examined"),
+    func.count().filter(and_(*_chosen(_examined))).label("matching"),
+)
 #: What a task's page shows beyond its record: its spec's columns, JSON ones as text (shown
 #: as stored, even when a hand-written row holds something no decoder accepts), and sizes.
 task_spec = select(
