@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from cronoq_store.codec import QUARANTINE_PREFIX
 from cronoq_store.console import statements as cs
@@ -79,6 +80,7 @@ async def explain(
         schema_translate_map={None: schema},
         render_schema_translate=True,
     )
+    assert isinstance(compiled, SQLCompiler)
     values = compiled.construct_params(params)
     args = [values[name] for name in compiled.positiontup or ()]
     raw = (await conn.get_raw_connection()).driver_connection
