@@ -17,13 +17,14 @@ from .. import queries
 from .. import statements as st
 from ..cli import database, output
 from ..cli.app import Options
+from ..cli.exits import CliError
 from ..cli.health import _verdict as health_verdict
 from ..codec import QUARANTINE_PREFIX
 from ..domain import I64_MAX, TaskId, TaskStatus
-from ..errors import MigrationError
+from ..errors import MigrationError, translate_error
 from ..migrations import RevisionStatus, head_revision
 from ..rows import task_record
-from ..urls import redact
+from ..urls import redact, scrub
 from . import statements as cs
 
 __all__ = [
@@ -159,15 +160,22 @@ def _age(unix_ns: int) -> float:
 
 
 async def overview(url: str, trusted_triggers: frozenset[str]) -> dict[str, Any]:
-    """Every cluster of the database, one summary each; a schema the trust check refuses is
-    listed with the reason, not read."""
+    """Every cluster of the database, one summary each; a schema the trust check refuses, or
+    this role cannot read, is listed with the reason."""
     clusters = []
     for schema in await cluster_schemas(url):
         try:
             async with database.database(_options(url, schema, trusted_triggers)) as conn:
                 clusters.append(await _summary(conn, schema))
-        except MigrationError as exc:
+        except MigrationError as exc:  # the trust check
             clusters.append({"schema": schema, "refused": str(exc)})
+        except CliError:
+            raise  # cannot connect: the whole page says so
+        except Exception as exc:  # e.g. no SELECT on this schema: the others still show
+            error = translate_error(exc, f"reading schema {schema}")
+            if error.is_transient:
+                raise error from exc
+            clusters.append({"schema": schema, "refused": scrub(str(error), [url])})
     return {"database": redact(url), "head": head_revision(), "clusters": clusters}
 
 

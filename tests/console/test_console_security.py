@@ -274,6 +274,11 @@ async def test_a_role_that_can_only_read_sees_every_page(
             assert reply.status == 500
             assert "permission denied for table cronoq_alembic_version" in reply.text()
             assert password not in reply.text()
+            # The overview still shows, with the reason beside that schema.
+            overview = await fetch(console.base + "/?format=json")
+            assert overview.status == 200
+            (refused,) = [c for c in overview.json()["clusters"] if c["schema"] == schema]
+            assert "permission denied" in refused["refused"]
         finally:
             stop_console(console)
     finally:
