@@ -29,8 +29,14 @@ __all__ = ["console"]
     show_default=True,
     help="Seconds between the pages' refreshes.",
 )
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Offer a handover on the cluster pages (needs credentials in the environment, even "
+    "on loopback).",
+)
 @click.pass_obj
-def console(options: Options, host: str, port: int, refresh: int) -> None:
+def console(options: Options, host: str, port: int, refresh: int, allow_actions: bool) -> None:
     """Serve the operator's console: every cluster schema of the database, live.
 
     Binding anything but loopback needs $CRONOQ_CONSOLE_TOKEN, or $CRONOQ_CONSOLE_USER and
@@ -57,11 +63,24 @@ def console(options: Options, host: str, port: int, refresh: int) -> None:
             "and password in the environment), or bind 127.0.0.1",
             ExitCode.USAGE,
         ).exit(url)
-    app = console_app(url, credentials, options.trusted_triggers, refresh_seconds=refresh)
+    if allow_actions and credentials is None:
+        CliError(
+            f"refusing --allow-actions without authentication: set ${TOKEN_ENV} (or a user "
+            "and password in the environment); every local user can reach loopback",
+            ExitCode.USAGE,
+        ).exit(url)
+    app = console_app(
+        url,
+        credentials,
+        options.trusted_triggers,
+        refresh_seconds=refresh,
+        allow_actions=allow_actions,
+    )
     shown = f"[{host}]" if ":" in host else host
     click.echo(
         f"console of {redact(url)} at http://{shown}:{port}/ "
-        f"({'authentication required' if credentials else 'loopback only, no authentication'})",
+        f"({'authentication required' if credentials else 'loopback only, no authentication'}"
+        f"{', actions allowed' if allow_actions else ', read-only'})",
         err=True,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", server_header=False)

@@ -14,7 +14,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup, escape
@@ -30,7 +30,7 @@ from ..domain import I64_MAX, TaskId, clean_text
 from ..errors import MigrationError, translate_error
 from ..schema import validate_schema_name
 from ..urls import scrub
-from . import reads
+from . import actions, reads
 from .security import Credentials, Guard
 from .statements import SAMPLE
 from .text import visible, visible_block
@@ -43,6 +43,8 @@ _MAX_VALUES = 20
 _MAX_VALUE_CHARS = 1000
 _CURSOR = re.compile(r"(-?[0-9]{1,19})\.([0-9]{1,19})")
 _ID = re.compile(r"[0-9]{1,19}")
+_FORM = "application/x-www-form-urlencoded"
+_MAX_FORM = 4096
 
 log = logging.getLogger("cronoq_store.console")
 
@@ -168,6 +170,16 @@ def _ref(request: Request) -> TaskId | str:
     return by_key
 
 
+async def _form(request: Request) -> dict[str, str]:
+    """A small url-encoded form (one value per field)."""
+    if request.headers.get("content-type", "").split(";")[0] != _FORM:
+        raise _BadRequest(f"expected a form ({_FORM})")
+    body = await request.body()
+    if len(body) > _MAX_FORM:
+        raise _BadRequest("form too large")
+    return {k: v[0] for k, v in parse_qs(body.decode("latin-1"), max_num_fields=10).items()}
+
+
 def _query(items: list[tuple[str, str]]) -> str:
     return "?" + urlencode(items)
 
@@ -178,10 +190,16 @@ def console_app(
     trusted_triggers: frozenset[str] = frozenset(),
     *,
     refresh_seconds: int = 5,
+    allow_actions: bool = False,
 ) -> Guard:
     """The console for the database at ``url``, guarded by ``credentials`` (``None``:
-    loopback hosts only); its overview and cluster pages refresh every ``refresh_seconds``."""
+    loopback hosts only); its overview and cluster pages refresh every ``refresh_seconds``.
+    With ``allow_actions`` (which needs ``credentials``), its pages offer a handover."""
+    if allow_actions and credentials is None:
+        raise ValueError("actions need credentials: every local user can reach loopback")
     templates = _environment(refresh_seconds)
+    templates.globals["actions"] = allow_actions
+    csrf = actions.Csrf()
 
     def respond(
         request: Request, template: str, doc: dict[str, Any], status: int = 200
@@ -204,6 +222,9 @@ def console_app(
             return respond(request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404)
         except _BadRequest as exc:
             return respond(request, "error.html", {"error": str(exc)}, 400)
+        except actions.ActionRefused as exc:
+            log.warning("refused %s %s: %s", request.method, request.url.path, exc)
+            return respond(request, "error.html", {"error": str(exc)}, 403)
         except MigrationError as exc:  # the trust check refused the schema
             return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 409)
         except CliError as exc:  # cannot connect (503), or a schema not at this build's head
@@ -237,6 +258,31 @@ def console_app(
 
         return await guarded(request, "cluster.html", work)
 
+    async def handover_page(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            await reads.known(url, schema)
+            doc = await actions.handover_facts(url, schema, trusted_triggers)
+            doc["csrf"] = csrf.token(schema, "handover")
+            return doc
+
+        return await guarded(request, "handover.html", work)
+
+    async def handover(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            actions.check_origin(request)
+            form = await _form(request)
+            csrf.check(schema, "handover", form.get("csrf"))
+            pid = form.get("pid", "")
+            if _ID.fullmatch(pid) is None or int(pid) > 2**31 - 1:
+                raise _BadRequest("pid: not a backend pid")
+            await reads.known(url, schema)
+            who = getattr(request.state, "who", None) or "unauthenticated"
+            return await actions.handover(url, schema, trusted_triggers, int(pid), who)
+
+        return await guarded(request, "handed_over.html", work)
+
     async def task(request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
@@ -246,12 +292,14 @@ def console_app(
 
         return await guarded(request, "task.html", work)
 
-    app = Starlette(
-        routes=[
-            Route("/", overview),
-            Route("/clusters/{schema}", cluster),
-            Route("/clusters/{schema}/task", task),
-            Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
-        ]
-    )
+    routes = [
+        Route("/", overview),
+        Route("/clusters/{schema}", cluster),
+        Route("/clusters/{schema}/task", task),
+        Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
+    ]
+    if allow_actions:
+        routes.append(Route("/clusters/{schema}/handover", handover_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/handover", handover, methods=["POST"]))
+    app = Starlette(routes=routes)
     return Guard(app, credentials)

@@ -179,7 +179,8 @@ async def overview(url: str, trusted_triggers: frozenset[str]) -> dict[str, Any]
     return {"database": redact(url), "head": head_revision(), "clusters": clusters}
 
 
-async def _known(url: str, schema: str) -> None:
+async def known(url: str, schema: str) -> None:
+    """``ClusterNotFound`` unless ``schema`` holds a cluster."""
     if schema not in await cluster_schemas(url):
         raise ClusterNotFound(schema)
 
@@ -189,7 +190,7 @@ async def cluster(
 ) -> dict[str, Any]:
     """A cluster's page: its summary, live tasks by pool and status, a page of finished
     tasks (newest first) and its recurring schedules."""
-    await _known(url, schema)
+    await known(url, schema)
     async with database.database(_options(url, schema, trusted_triggers)) as conn:
         summary = await _summary(conn, schema)
         if not summary["at_head"]:
@@ -250,7 +251,7 @@ async def task(
 ) -> dict[str, Any]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
     dependency with its target's state."""
-    await _known(url, schema)
+    await known(url, schema)
     async with database.database(_options(url, schema, trusted_triggers)) as conn:
         await database.require_head(conn, schema)
         record = await queries.get_task(conn, queries.lookup_params(ref))

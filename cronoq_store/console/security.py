@@ -49,7 +49,8 @@ SECURITY_HEADERS = {
     ),
     "x-frame-options": "DENY",
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    # same-origin, not no-referrer: a form POST would otherwise carry "Origin: null".
+    "referrer-policy": "same-origin",
     "cache-control": "no-store",
 }
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
@@ -61,33 +62,34 @@ class Credentials:
     user: str | None = None
     password: str | None = None
 
-    def accept(self, authorization: str | None) -> bool:
-        """Whether the ``Authorization`` header carries these credentials (compared in
-        constant time)."""
+    def identify(self, authorization: str | None) -> str | None:
+        """Who the ``Authorization`` header says asks (the user name, or ``token``) if it
+        carries these credentials, else ``None``; compared in constant time."""
         if authorization is None:
-            return False
+            return None
         scheme, _, value = authorization.partition(" ")
         scheme = scheme.lower()
         if scheme == "bearer" and self.token is not None:
-            return _same(value.strip(), self.token)
+            return "token" if _same(value.strip(), self.token) else None
         if scheme != "basic":
-            return False
+            return None
         try:
-            user, sep, password = (
-                base64.b64decode(value.strip(), validate=True).decode().partition(":")
-            )
+            decoded = base64.b64decode(value.strip(), validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
-            return False
+            return None
+        user, sep, password = decoded.partition(":")
         if not sep:
-            return False
+            return None
         if self.token is not None and _same(password, self.token):
-            return True
-        return (
+            return "token"
+        if (
             self.user is not None
             and self.password is not None
             and _same(user, self.user)
             and _same(password, self.password)
-        )
+        ):
+            return self.user
+        return None
 
 
 def _same(given: str, expected: str) -> bool:
@@ -156,6 +158,11 @@ class Guard:
         if refusal is not None:
             await refusal(scope, receive, send_with_headers)
             return
+        if self.credentials is not None:
+            # Who asks, for the log of actions (``request.state.who``).
+            scope.setdefault("state", {})["who"] = self.credentials.identify(
+                headers.get("authorization")
+            )
         await self.app(scope, receive, send_with_headers)
 
     def _refusal(self, headers: Headers) -> PlainTextResponse | None:
@@ -163,7 +170,7 @@ class Guard:
             if _host_name(headers.get("host", "")).lower() not in _LOOPBACK_NAMES:
                 return PlainTextResponse("this console answers loopback hosts only", 421)
             return None
-        if self.credentials.accept(headers.get("authorization")):
+        if self.credentials.identify(headers.get("authorization")) is not None:
             return None
         return PlainTextResponse(
             "authentication required",

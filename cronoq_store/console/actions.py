@@ -1,0 +1,112 @@
+"""What the console may change, only with ``--allow-actions``: a handover, shown first (the
+holder, the epoch) and done on confirmation by ``POST``.
+
+A ``POST`` is refused (403) unless it comes from the console's own page: its ``Origin`` (when
+the browser sends one) is the console's, its ``Sec-Fetch-Site`` (when sent) is
+``same-origin``, and it carries the CSRF token the confirmation page rendered, an HMAC of the
+schema and action under a secret made at start-up. Basic auth is sent by the browser to any
+page that posts to the console, so credentials alone never authorise an action. Every action
+is logged with who asked (the authenticated user, or "token").
+
+The handover itself is the CLI's (``cli.handover``): end the holder's session, then wait for
+another session to hold the lock with a moved epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+
+from .. import statements as st
+from ..cli import database
+from ..cli.app import Options
+from ..cli.exits import CliError, ExitCode
+from ..cli.handover import _facts as leader_facts
+from ..cli.handover import _new_leader as new_leader
+from ..cli.output import holder_document
+
+__all__ = ["HANDOVER_WAIT", "ActionRefused", "Csrf", "check_origin", "handover", "handover_facts"]
+
+#: Seconds a handover waits for a standby to lead.
+HANDOVER_WAIT = 15.0
+
+log = logging.getLogger("cronoq_store.console")
+
+
+class ActionRefused(PermissionError):
+    """A POST that did not come from the console's own page: a 403 with the reason."""
+
+
+class Csrf:
+    """Tokens bound to one schema and action, valid while this console runs."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+
+    def token(self, schema: str, action: str) -> str:
+        return hmac.new(self._secret, f"{schema}\0{action}".encode(), hashlib.sha256).hexdigest()
+
+    def check(self, schema: str, action: str, given: str | None) -> None:
+        if given is None or not hmac.compare_digest(given, self.token(schema, action)):
+            raise ActionRefused("missing or wrong CSRF token: start from the console's page")
+
+
+def check_origin(request: Request) -> None:
+    """Refuse a request another site's page made (``Origin``, ``Sec-Fetch-Site``)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site != "same-origin":
+        raise ActionRefused(f"refused a {site} request: actions come from the console's page")
+    origin = request.headers.get("origin")
+    host = request.headers.get("host", "")
+    if origin is not None and origin not in (f"http://{host}", f"https://{host}"):
+        raise ActionRefused("refused a request from another origin")
+
+
+async def handover_facts(url: str, schema: str, trusted: frozenset[str]) -> dict[str, Any]:
+    """What the confirmation page shows: the epoch and the holder it would end."""
+    async with database.database(Options(url, schema, trusted)) as conn:
+        await database.require_head(conn, schema)
+        lock = await _lock(conn, schema)
+        facts = await leader_facts(conn, lock)
+    return {
+        "schema": schema,
+        "stored_epoch": facts.stored_epoch,
+        "leader": holder_document(facts.holder),
+    }
+
+
+async def _lock(conn: Any, schema: str) -> tuple[int, int]:
+    oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
+    return (st.LOCK_NS_LEADER, oid)
+
+
+async def handover(
+    url: str, schema: str, trusted: frozenset[str], pid: int, who: str
+) -> dict[str, Any]:
+    """End session ``pid`` if it still holds the leader lock, and wait for a standby."""
+    async with database.database(Options(url, schema, trusted)) as conn:
+        await database.require_head(conn, schema)
+        lock = await _lock(conn, schema)
+        before = await leader_facts(conn, lock)
+        holder = before.holder
+        if holder is None or holder.pid != pid:
+            raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
+        log.warning("handover of %s asked by %s: ending session pid %d", schema, who, pid)
+        ended = (await conn.execute(st.terminate_backend, {"pid": pid})).scalar()
+        await conn.rollback()
+        if not ended:
+            raise CliError(f"session pid {pid} could not be ended", ExitCode.FAILED)
+        after = await new_leader(conn, lock, before, holder, HANDOVER_WAIT)
+    log.warning("handover of %s asked by %s: epoch %d", schema, who, after.stored_epoch)
+    return {
+        "schema": schema,
+        "ended_pid": pid,
+        "previous_epoch": before.stored_epoch,
+        "stored_epoch": after.stored_epoch,
+        "leader": holder_document(after.holder),
+    }
