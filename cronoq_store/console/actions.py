@@ -1,5 +1,6 @@
 """What the console may change, only with ``--allow-actions``: a handover, shown first (the
-holder, the epoch) and done on confirmation by ``POST``.
+holder, the epoch) and done on confirmation, and a prune, counted first (a dry run) and done
+on confirmation with the dry run's cutoff; each by ``POST``.
 
 A ``POST`` is refused (403) unless it comes from the console's own page: its ``Origin`` (when
 the browser sends one) is the console's, its ``Sec-Fetch-Site`` (when sent) is
@@ -9,7 +10,8 @@ page that posts to the console, so credentials alone never authorise an action. 
 is logged with who asked (the authenticated user, or "token").
 
 The handover itself is the CLI's (``cli.handover``): end the holder's session, then wait for
-another session to hold the lock with a moved epoch.
+another session to hold the lock with a moved epoch. The prune is the store's one loop
+(``queries.prune``), batch by batch, each batch logged.
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ import hashlib
 import hmac
 import logging
 import secrets
+from datetime import timedelta
 from typing import Any
 
 from starlette.requests import Request
 
+from .. import queries
 from .. import statements as st
 from ..cli import database
 from ..cli.app import Options
 from ..cli.exits import CliError, ExitCode
 from ..cli.handover import _facts as leader_facts
 from ..cli.handover import _new_leader as new_leader
-from ..cli.output import holder_document
+from ..cli.output import format_duration, holder_document, rfc3339
+from ..cli.prune import _transactions as transactions
+from ..domain import I64_MAX, UNIX_EPOCH
 
-__all__ = ["HANDOVER_WAIT", "ActionRefused", "Csrf", "check_origin", "handover", "handover_facts"]
+__all__ = [
+    "HANDOVER_WAIT",
+    "ActionRefused",
+    "Csrf",
+    "check_origin",
+    "handover",
+    "handover_facts",
+    "prune",
+    "prune_preview",
+]
 
 #: Seconds a handover waits for a standby to lead.
 HANDOVER_WAIT = 15.0
@@ -110,3 +125,46 @@ async def handover(
         "stored_epoch": after.stored_epoch,
         "leader": holder_document(after.holder),
     }
+
+
+async def prune_preview(
+    url: str, schema: str, trusted: frozenset[str], older_than: int
+) -> dict[str, Any]:
+    """The dry run: what a prune of finished tasks older than ``older_than`` seconds (on the
+    server's clock) would delete, and what it would keep because live tasks depend on it."""
+    async with database.database(Options(url, schema, trusted)) as conn:
+        await database.require_head(conn, schema)
+        now = (await conn.execute(st.server_now)).scalar_one()
+        cutoff = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
+        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff})).scalar_one()
+        victims = (
+            await conn.execute(st.prunable_count, {"cutoff": cutoff, "batch": I64_MAX})
+        ).scalar_one()
+        await conn.rollback()
+    return {
+        "schema": schema,
+        "older_than": format_duration(older_than),
+        "cutoff_ns": cutoff,
+        "cutoff": rfc3339(cutoff),
+        "would_delete": victims,
+        "would_keep": max(0, old - victims),
+    }
+
+
+async def prune(
+    url: str, schema: str, trusted: frozenset[str], cutoff: int, who: str
+) -> dict[str, Any]:
+    """Delete what the dry run counted (finished tasks updated before ``cutoff`` that no
+    live task depends on), batch by batch, each logged."""
+    log.warning("prune of %s asked by %s: before %s", schema, who, rfc3339(cutoff))
+    batches = 0
+
+    def progress(total: int) -> None:
+        nonlocal batches
+        batches += 1
+        log.warning("prune of %s asked by %s: %d deleted", schema, who, total)
+
+    async with database.database(Options(url, schema, trusted)) as conn:
+        await database.require_head(conn, schema)
+        deleted = await queries.prune(transactions(conn), cutoff, progress)
+    return {"schema": schema, "cutoff": rfc3339(cutoff), "deleted": deleted, "batches": batches}

@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..cli.exits import CliError, ExitCode
 from ..cli.output import format_duration
+from ..cli.prune import parse_duration
 from ..domain import I64_MAX, TaskId, clean_text
 from ..errors import MigrationError, translate_error
 from ..schema import validate_schema_name
@@ -43,6 +44,7 @@ _MAX_VALUES = 20
 _MAX_VALUE_CHARS = 1000
 _CURSOR = re.compile(r"(-?[0-9]{1,19})\.([0-9]{1,19})")
 _ID = re.compile(r"[0-9]{1,19}")
+_CUTOFF = re.compile(r"-?[0-9]{1,19}")
 _FORM = "application/x-www-form-urlencoded"
 _MAX_FORM = 4096
 
@@ -194,7 +196,8 @@ def console_app(
 ) -> Guard:
     """The console for the database at ``url``, guarded by ``credentials`` (``None``:
     loopback hosts only); its overview and cluster pages refresh every ``refresh_seconds``.
-    With ``allow_actions`` (which needs ``credentials``), its pages offer a handover."""
+    With ``allow_actions`` (which needs ``credentials``), its pages offer a handover and a
+    prune."""
     if allow_actions and credentials is None:
         raise ValueError("actions need credentials: every local user can reach loopback")
     templates = _environment(refresh_seconds)
@@ -283,6 +286,36 @@ def console_app(
 
         return await guarded(request, "handed_over.html", work)
 
+    async def prune_page(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            try:
+                older_than = parse_duration(request.query_params.get("older_than", "7d"))
+            except ValueError as exc:
+                raise _BadRequest(str(exc)) from None
+            await reads.known(url, schema)
+            doc = await actions.prune_preview(url, schema, trusted_triggers, older_than)
+            # Bound to the dry run's cutoff: the real run deletes what was counted.
+            doc["csrf"] = csrf.token(schema, f"prune:{doc['cutoff_ns']}")
+            return doc
+
+        return await guarded(request, "prune.html", work)
+
+    async def prune(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            actions.check_origin(request)
+            form = await _form(request)
+            cutoff = form.get("cutoff", "")
+            if _CUTOFF.fullmatch(cutoff) is None or not -(2**63) <= int(cutoff) <= I64_MAX:
+                raise _BadRequest("cutoff: not one a dry run gave")
+            csrf.check(schema, f"prune:{cutoff}", form.get("csrf"))
+            await reads.known(url, schema)
+            who = getattr(request.state, "who", None) or "unauthenticated"
+            return await actions.prune(url, schema, trusted_triggers, int(cutoff), who)
+
+        return await guarded(request, "pruned.html", work)
+
     async def task(request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
@@ -301,5 +334,7 @@ def console_app(
     if allow_actions:
         routes.append(Route("/clusters/{schema}/handover", handover_page, methods=["GET"]))
         routes.append(Route("/clusters/{schema}/handover", handover, methods=["POST"]))
+        routes.append(Route("/clusters/{schema}/prune", prune_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/prune", prune, methods=["POST"]))
     app = Starlette(routes=routes)
     return Guard(app, credentials)

@@ -1,6 +1,7 @@
-"""The console's one action, a handover, only with ``--allow-actions`` and credentials: done
-through the page in chromium (the new epoch shown), and refused without the flag, without the
-CSRF token, and from another site's page (a real second origin in the same browser)."""
+"""The console's actions, a handover and a prune, only with ``--allow-actions`` and
+credentials: done through the pages in chromium (the new epoch shown; the dry run's count
+deleted), and refused without the flag, without the CSRF token, and from another site's page
+(a real second origin in the same browser)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore
 from cronoq_store.cli import ExitCode
+from cronoq_store.domain import Dependency, Mutation, Submitted, TaskId, TaskSpec
 
+from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config
 from .conftest import Console, fetch, start_console, stop_console
 from .test_console_security import basic, environment, refused_start
@@ -195,3 +198,52 @@ def _post(url: str, headers: dict[str, str], body: str) -> int:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
+
+
+async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counted(
+    browser: webdriver.Chrome, acting: Console, store: PgStore
+) -> None:
+    schema = store.config.schema
+    changes: list[Mutation] = []
+    for n in range(1, 31):  # 30 finished two days ago
+        changes += [submitted(n, key=f"old-{n}"), changed(n, SUCCEEDED, ago=2 * DAY)]
+    for n in range(31, 36):  # 5 finished just now
+        changes += [submitted(n), changed(n, SUCCEEDED)]
+    # A live task depends on old-7 by key: that one is kept.
+    changes.append(
+        Submitted(TaskId(40), seq=40, arrival=0, spec=TaskSpec(b"p", deps=[Dependency("old-7")]))
+    )
+    await store.commit(0, BASE, changes, [])
+    target = f"{acting.base}/clusters/{schema}/prune"
+
+    def prune() -> None:
+        browser.get(credentialed(acting.base) + f"/clusters/{schema}")
+        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "prune"))
+        browser.find_element(By.ID, "prune").click()
+        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "older-than"))
+        field = browser.find_element(By.ID, "older-than")
+        field.clear()
+        field.send_keys("1d")
+        browser.find_element(By.ID, "count").click()
+        WebDriverWait(browser, 10).until(lambda d: "older_than=1d" in d.current_url)
+        assert browser.find_element(By.ID, "would-delete").text == "29"
+        assert browser.find_element(By.ID, "would-keep").text.startswith("1 ")
+        browser.find_element(By.ID, "confirm-prune").click()
+        WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.ID, "deleted"))
+        assert browser.find_element(By.ID, "deleted").text == "29"
+
+    await asyncio.to_thread(prune)
+    assert await store.get_task(TaskId(1)) is None
+    assert await store.get_task("old-7") is not None
+    assert await store.get_task(TaskId(31)) is not None
+    assert f"prune of {schema} asked by ops: 29 deleted" in acting.stderr()
+
+    # The token is bound to the dry run's cutoff: another cutoff is refused.
+    page = (await fetch(target + "?older_than=0s&format=json", AUTH)).json()
+    form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
+    later = page["cutoff_ns"] + 10**9
+    assert (
+        await asyncio.to_thread(_post, target, form, f"cutoff={later}&csrf={page['csrf']}") == 403
+    )
+    assert await asyncio.to_thread(_post, target, form, f"cutoff={page['cutoff_ns']}") == 403
+    assert await store.get_task(TaskId(31)) is not None
