@@ -149,7 +149,18 @@ def stop_console(console: Console) -> None:
 
 @pytest.fixture
 def console_at(pg_url: URL, tmp_path: Path) -> Iterator[Console]:
-    """The console on loopback, refreshing every second."""
+    """The console on loopback; its pages do not refresh during a test (a refresh swaps the
+    elements a test holds), except where a test asks for it (``refreshing``)."""
+    console = start_console(pg_url, tmp_path, "--refresh", "3600")
+    try:
+        yield console
+    finally:
+        stop_console(console)
+
+
+@pytest.fixture
+def refreshing(pg_url: URL, tmp_path: Path) -> Iterator[Console]:
+    """The console on loopback, its pages refreshing every second."""
     console = start_console(pg_url, tmp_path, "--refresh", "1")
     try:
         yield console

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException
+from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
@@ -66,8 +66,14 @@ def wait_for(browser: webdriver.Chrome, css: str, timeout: float = 10) -> None:
 
 
 def text_of(browser: webdriver.Chrome, css: str) -> str:
-    text: str = browser.find_element(By.CSS_SELECTOR, css).text
-    return text
+    """The element's text, looked up again if a refresh replaced it meanwhile."""
+    for _ in range(10):
+        try:
+            text: str = browser.find_element(By.CSS_SELECTOR, css).text
+            return text
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{css} kept being replaced")
 
 
 def spec_of(id: int, **spec: object) -> Submitted:
@@ -223,8 +229,9 @@ async def test_filters_and_keyset_pages(
 
 
 async def test_the_overview_refreshes_after_a_commit(
-    store: PgStore, console_at: Console, browser: webdriver.Chrome
+    store: PgStore, refreshing: Console, browser: webdriver.Chrome
 ) -> None:
+    console_at = refreshing
     await store.commit(0, BASE, [submitted(1)], [])
     live = f"#cluster-{store.config.schema} .live"
     browser.get(console_at.base + "/")

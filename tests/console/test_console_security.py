@@ -90,6 +90,7 @@ async def test_with_credentials_every_request_must_carry_them(
 ) -> None:
     env = environment(**{TOKEN_ENV: TOKEN, USER_ENV: "ops", PASSWORD_ENV: "pa55-" + TOKEN})
     console = start_console(pg_url, tmp_path, "--refresh", "1", host="0.0.0.0", env=env)
+    # (It refreshes: the browser below checks that a refresh carries the credentials too.)
     try:
         paths = ["/", f"/clusters/{migrated}", "/static/console.js", "/?format=json", "/nope"]
         for path in paths:
