@@ -26,6 +26,7 @@ from cronoq_store.domain import Dependency, Mutation, Submitted, TaskId, TaskSpe
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config
 from .conftest import Console, fetch, start_console, stop_console
+from .test_console_browser import shots
 from .test_console_security import basic, environment, refused_start
 
 PASSWORD = "pa55-" + uuid.uuid4().hex
@@ -84,7 +85,7 @@ def credentialed(base: str) -> str:
 
 
 async def test_a_handover_through_the_page_shows_the_new_epoch(
-    browser: webdriver.Chrome, acting: Console, pg_url: URL, leader: PgStore
+    browser: webdriver.Chrome, acting: Console, pg_url: URL, leader: PgStore, tmp_path: Path
 ) -> None:
     schema = leader.config.schema
     first = leader.epoch
@@ -99,10 +100,12 @@ async def test_a_handover_through_the_page_shows_the_new_epoch(
             WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "confirm-handover"))
             assert "handover-a" in browser.find_element(By.ID, "handover-holder").text
             assert browser.find_element(By.ID, "handover-epoch").text == str(first)
+            browser.save_screenshot(str(shots(tmp_path) / "handover.png"))
             browser.find_element(By.ID, "confirm-handover").click()
             WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.ID, "new-epoch"))
             assert browser.find_element(By.ID, "new-epoch").text == str(first + 1)
             assert "handover-b" in browser.find_element(By.ID, "new-leader").text
+            browser.save_screenshot(str(shots(tmp_path) / "handed-over.png"))
 
         await asyncio.to_thread(hand_over)
         assert await asyncio.wait_for(standby, 10) == first + 1
@@ -201,7 +204,7 @@ def _post(url: str, headers: dict[str, str], body: str) -> int:
 
 
 async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counted(
-    browser: webdriver.Chrome, acting: Console, store: PgStore
+    browser: webdriver.Chrome, acting: Console, store: PgStore, tmp_path: Path
 ) -> None:
     schema = store.config.schema
     changes: list[Mutation] = []
@@ -228,6 +231,7 @@ async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counte
         WebDriverWait(browser, 10).until(lambda d: "older_than=1d" in d.current_url)
         assert browser.find_element(By.ID, "would-delete").text == "29"
         assert browser.find_element(By.ID, "would-keep").text.startswith("1 ")
+        browser.save_screenshot(str(shots(tmp_path) / "prune.png"))
         browser.find_element(By.ID, "confirm-prune").click()
         WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.ID, "deleted"))
         assert browser.find_element(By.ID, "deleted").text == "29"
