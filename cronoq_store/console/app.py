@@ -226,7 +226,8 @@ def console_app(
         except _BadRequest as exc:
             return respond(request, "error.html", {"error": str(exc)}, 400)
         except actions.ActionRefused as exc:
-            log.warning("refused %s %s: %s", request.method, request.url.path, exc)
+            # Made visible: a log line goes to the operator's terminal.
+            log.warning("refused %s %s: %s", request.method, visible(request.url.path), exc)
             return respond(request, "error.html", {"error": str(exc)}, 403)
         except MigrationError as exc:  # the trust check refused the schema
             return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 409)
@@ -235,7 +236,12 @@ def console_app(
             return respond(request, "error.html", {"error": scrub(str(exc), [url])}, status)
         except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
             error = translate_error(exc, "reading the cluster")
-            log.warning("%s %s: %s", request.method, request.url.path, scrub(str(error), [url]))
+            log.warning(
+                "%s %s: %s",
+                request.method,
+                visible(request.url.path),
+                visible(scrub(str(error), [url])),
+            )
             status = 503 if error.is_transient else 500
             return respond(request, "error.html", {"error": scrub(str(error), [url])}, status)
 
