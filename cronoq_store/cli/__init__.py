@@ -15,13 +15,14 @@ script what went wrong (:class:`ExitCode`).
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
 module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
-``health``, ``handover``, ``dev_server``, ``alembic_ini``).
+``health``, ``handover``, ``dev_server``, ``alembic_ini``, ``console``).
 """
 
 from __future__ import annotations
 
 from .alembic_ini import alembic_ini_command
 from .app import cli
+from .console import console
 from .demo import demo
 from .dev_server import dev_server
 from .downgrade import downgrade_command
@@ -46,6 +47,7 @@ for _command in (
     handover,
     dev_server,
     alembic_ini_command,
+    console,
 ):
     cli.add_command(_command)
 

@@ -1,0 +1,321 @@
+"""The console in Debian's chromium, against the real command and the suite's PostgreSQL,
+seeded through the store: what an operator clicks through, what an attacker's stored text
+does (nothing), and that the page refreshes itself after a commit.
+
+Screenshots of each page go to ``$CRONOQ_CONSOLE_SCREENSHOTS`` when it is set (how
+docs/console/*.png are made), else to the test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+from sqlalchemy.engine import URL
+
+from cronoq_store import PgStore, PgStoreConfig
+from cronoq_store.console.text import visible
+from cronoq_store.domain import (
+    Dependency,
+    DependencyCondition,
+    Mutation,
+    Submitted,
+    TaskId,
+    TaskSpec,
+)
+
+from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
+from .conftest import Console, fetch
+
+HOSTILE_KEY = "<img src=x onerror=alert(1)>"
+HOSTILE_POOL = "<script>alert(2)</script>\u202eloop"
+HOSTILE_MESSAGE = "\x1b]0;owned\x07\x1b[2J\x9bstatus  succeeded\n<b onmouseover=alert(3)>x</b>"
+
+
+def shots(tmp_path: Path) -> Path:
+    where = os.environ.get("CRONOQ_CONSOLE_SCREENSHOTS")
+    path = Path(where) if where else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def logs(browser: webdriver.Chrome) -> list[dict[str, Any]]:
+    """The browser's console messages since the last call."""
+    entries: list[dict[str, Any]] = browser.get_log("browser")  # type: ignore[no-untyped-call]
+    return entries
+
+
+def no_alert(browser: webdriver.Chrome) -> None:
+    with pytest.raises(NoAlertPresentException):
+        _ = browser.switch_to.alert.text
+
+
+def wait_for(browser: webdriver.Chrome, css: str, timeout: float = 10) -> None:
+    WebDriverWait(browser, timeout).until(
+        lambda b: b.find_elements(By.CSS_SELECTOR, css), f"no {css}"
+    )
+
+
+def text_of(browser: webdriver.Chrome, css: str) -> str:
+    """The element's text, looked up again if a refresh replaced it meanwhile."""
+    for _ in range(10):
+        try:
+            text: str = browser.find_element(By.CSS_SELECTOR, css).text
+            return text
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{css} kept being replaced")
+
+
+def spec_of(id: int, **spec: object) -> Submitted:
+    return Submitted(TaskId(id), seq=id, arrival=0, spec=TaskSpec(b"payload", **spec))  # type: ignore[arg-type]
+
+
+async def test_overview_to_cluster_to_task_and_back(
+    pg_url: URL, migrated: str, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    config = PgStoreConfig(schema=migrated, application_name="billing-worker")
+    async with await PgStore.connect(pg_url, config) as store:
+        epoch = await store.acquire_leadership()
+        await store.commit(
+            epoch,
+            BASE,
+            [
+                submitted(1, key="nightly", pool="etl", kind="report", tenant="acme"),
+                changed(1, SUCCEEDED, message="42 rows"),
+                spec_of(
+                    2,
+                    key="invoice-7",
+                    pool="billing",
+                    kind="invoice",
+                    deps=[
+                        Dependency(TaskId(1)),
+                        Dependency("nightly", DependencyCondition.SUCCEEDED),
+                        Dependency(TaskId(99)),
+                    ],
+                    resources={"cpu": 2},
+                    tags=["monthly"],
+                    labels=["team:finance"],
+                ),
+                submitted(3, pool="billing"),
+                submitted(4, pool="etl"),
+                changed(4, FAILED, message="upstream timed out"),
+            ],
+            [(TaskId(1), b"csv")],
+        )
+        where = shots(tmp_path)
+        base = console_at.base
+
+        def walk() -> None:
+            browser.get(base + "/")
+            section = f"#cluster-{migrated}"
+            wait_for(browser, section)
+            summary = text_of(browser, section)
+            assert "healthy" in summary
+            assert "unhealthy" not in summary
+            assert f"epoch\n{epoch}" in summary
+            assert "billing-worker" in summary  # the leader's application_name
+            assert "queued 2" in text_of(browser, f"{section} .live")
+            assert text_of(browser, f"{section} .finished") == "failed 1 · succeeded 1"
+            browser.save_screenshot(str(where / "overview.png"))
+
+            browser.find_element(By.CSS_SELECTOR, f"{section} a.cluster-link").click()
+            wait_for(browser, "#live-tasks")
+            live = text_of(browser, "#live-tasks")
+            assert "billing queued 2" in live
+            finished = browser.find_elements(By.CSS_SELECTOR, "#finished-tasks tbody tr")
+            assert [r.find_element(By.CSS_SELECTOR, "td").text for r in finished] == ["4", "1"]
+            browser.save_screenshot(str(where / "cluster.png"))
+
+            browser.find_element(By.ID, "lookup-key").send_keys("invoice-7")
+            browser.find_element(By.CSS_SELECTOR, "form.lookup button").click()
+            wait_for(browser, "#task-id")
+            assert text_of(browser, "#task-id") == "2 (epoch 0)"
+            assert text_of(browser, "#task-status") == "queued"
+            assert json.loads(text_of(browser, "#task-resources")) == {"cpu": 2}
+            assert json.loads(text_of(browser, "#task-labels")) == ["team:finance"]
+            rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#deps tbody tr")]
+            assert len(rows) == 3
+            assert "succeeded" in rows[0]
+            assert "succeeded" in rows[1]
+            assert "(nightly)" in rows[1]
+            assert "no such task" in rows[2]
+            browser.save_screenshot(str(where / "task.png"))
+
+            browser.find_element(By.CSS_SELECTOR, "a.dep-link").click()
+            wait_for(browser, "#task-key")
+            assert text_of(browser, "#task-key") == "nightly"
+            assert "3 bytes" in text_of(browser, "#task")
+            browser.back()
+            wait_for(browser, "#deps")
+            assert text_of(browser, "#task-id").startswith("2 ")
+            browser.find_element(By.ID, "back").click()
+            wait_for(browser, "#live-tasks")
+            browser.find_element(By.CSS_SELECTOR, "header a.home").click()
+            wait_for(browser, f"#cluster-{migrated}")
+            no_alert(browser)
+
+        await asyncio.to_thread(walk)
+
+
+async def test_filters_and_keyset_pages(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome
+) -> None:
+    # 130 finished tasks, one a minute apart, in two pools and two statuses.
+    changes: list[Mutation] = []
+    for n in range(1, 131):
+        changes.append(submitted(n, pool="etl" if n % 2 else "web", kind=f"k{n % 3}"))
+        changes.append(changed(n, FAILED if n % 5 == 0 else SUCCEEDED, ago=n * 60 * 10**9))
+    await store.commit(0, BASE, changes, [])
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+
+    def ids() -> list[int]:
+        cells = browser.find_elements(By.CSS_SELECTOR, "#finished-tasks tbody a.task-link")
+        return [int(c.text) for c in cells]
+
+    def every_page() -> list[int]:
+        seen = ids()
+        while browser.find_elements(By.ID, "next-page"):
+            browser.find_element(By.ID, "next-page").click()
+            wait_for(browser, "#finished-tasks")
+            seen += ids()
+        assert text_of(browser, "#end") == "end of list"
+        return seen
+
+    def walk() -> None:
+        browser.get(cluster)
+        wait_for(browser, "#finished-tasks")
+        assert text_of(browser, "#matching") == "130 matching, newest first"
+        # Newest first: the smallest `ago` is the newest update.
+        assert every_page() == list(range(1, 131))
+
+        browser.get(cluster)
+        wait_for(browser, "#filters")
+        browser.find_element(By.NAME, "pool").send_keys("etl")
+        Select(browser.find_element(By.NAME, "status")).select_by_visible_text("failed")
+        browser.find_element(By.ID, "apply").click()
+        wait_for(browser, "#matching")
+        expected = [n for n in range(1, 131) if n % 2 and n % 5 == 0]
+        assert every_page() == expected
+        assert text_of(browser, "#matching") == f"{len(expected)} matching, newest first"
+
+        # A time window: updated within the last 55 minutes (tasks 1..54), kind k0.
+        since = datetime.fromtimestamp(BASE.unix_ns / 1e9, timezone.utc) - timedelta(minutes=55)
+        browser.get(f"{cluster}?kind=k0&since={since:%Y-%m-%dT%H:%M:%S}")
+        wait_for(browser, "#finished-tasks")
+        assert every_page() == [n for n in range(1, 55) if n % 3 == 0]
+        no_alert(browser)
+
+    await asyncio.to_thread(walk)
+    # Past the last page: nothing, and no error.
+    past = await fetch(f"{cluster}?before=0.0&format=json")
+    assert past.json()["finished"] == {
+        "tasks": [],
+        "next": None,
+        "next_url": None,
+        "first_url": "?format=json",
+        "matching": 130,
+        "matching_at_least": False,
+    }
+
+
+async def test_the_overview_refreshes_after_a_commit(
+    store: PgStore, refreshing: Console, browser: webdriver.Chrome
+) -> None:
+    console_at = refreshing
+    await store.commit(0, BASE, [submitted(1)], [])
+    live = f"#cluster-{store.config.schema} .live"
+    browser.get(console_at.base + "/")
+    wait_for(browser, live)
+    assert text_of(browser, live) == "queued 1"
+
+    await store.commit(0, BASE, [submitted(2), submitted(3), changed(3, SUCCEEDED)], [])
+    await asyncio.to_thread(
+        WebDriverWait(browser, 10).until, lambda b: text_of(b, live) == "queued 2"
+    )
+    finished = f"#cluster-{store.config.schema} .finished"
+    assert text_of(browser, finished) == "succeeded 1"
+    assert text_of(browser, "#refreshed").startswith("refreshed ")
+
+
+async def test_hostile_text_is_shown_as_text(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(1, key=HOSTILE_KEY, pool=HOSTILE_POOL, kind="<i>k</i>", tenant="\u2066t"),
+            changed(1, FAILED, message=HOSTILE_MESSAGE),
+            submitted(2, key="\u202egnp.exe", pool=HOSTILE_POOL),
+        ],
+        [],
+    )
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+
+    def look() -> None:
+        logs(browser)  # drains what earlier pages logged
+        browser.get(cluster)
+        wait_for(browser, "#finished-tasks")
+        row = browser.find_element(By.CSS_SELECTOR, "#finished-tasks tbody tr")
+        cells = [c.text for c in row.find_elements(By.CSS_SELECTOR, "td")]
+        assert cells[1:5] == [HOSTILE_KEY, visible(HOSTILE_POOL), "<i>k</i>", "\\u2066t"]
+        # (A table cell collapses runs of spaces, as HTML does.)
+        assert cells[8] == visible(HOSTILE_MESSAGE)[:120].replace("  ", " ")
+        assert visible(HOSTILE_POOL) in text_of(browser, "#live-tasks")
+        for tag in ("img", "i", "b"):
+            assert browser.find_elements(By.CSS_SELECTOR, f"main {tag}") == []
+        # One <script>, the page's own file: nothing stored became one.
+        scripts = browser.find_elements(By.TAG_NAME, "script")
+        assert [s.get_attribute("src") for s in scripts] == [console_at.base + "/static/console.js"]
+        browser.save_screenshot(str(shots(tmp_path) / "hostile.png"))
+
+        browser.get(f"{cluster}/task?id=1")
+        wait_for(browser, "#task-message")
+        assert text_of(browser, "#task-key") == HOSTILE_KEY
+        # A block keeps its newline, and nothing else of the terminal's controls.
+        assert text_of(browser, "#task-message") == (
+            "\\x1b]0;owned\\x07\\x1b[2J\\x9bstatus  succeeded\n<b onmouseover=alert(3)>x</b>"
+        )
+        assert browser.title == "task 1 · " + store.config.schema
+        browser.get(f"{cluster}/task?key=%E2%80%AEgnp.exe")
+        wait_for(browser, "#task-key")
+        assert text_of(browser, "#task-key") == "\\u202egnp.exe"
+        no_alert(browser)
+        errors = [e for e in logs(browser) if e["level"] == "SEVERE"]
+        assert errors == [], errors  # no policy violation, no script error
+
+    await asyncio.to_thread(look)
+    doc = (await fetch(f"{cluster}/task?id=1&format=json")).json()
+    assert (doc["key"], doc["pool"], doc["message"]) == (HOSTILE_KEY, HOSTILE_POOL, HOSTILE_MESSAGE)
+
+
+async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:
+    """More finished tasks than a count examines: the overview says "at least"."""
+    from cronoq_store.console import statements as cs
+
+    many = cs.SAMPLE + 5
+    changes: list[Mutation] = []
+    for n in range(1, many + 1):
+        changes += [submitted(n), changed(n, SUCCEEDED, ago=DAY)]
+    await store.commit(0, BASE, changes, [])
+    clusters = (await fetch(console_at.base + "/?format=json")).json()["clusters"]
+    (cluster,) = [c for c in clusters if c["schema"] == store.config.schema]
+    assert cluster["finished"] == {
+        "statuses": [{"status": "succeeded", "count": cs.SAMPLE}],
+        "examined": cs.SAMPLE,
+        "sample": cs.SAMPLE,
+        "at_least": True,
+    }
+    page = (await fetch(console_at.base + "/")).text()
+    assert f"succeeded ≥ {cs.SAMPLE:,}" in page
+    assert "(at least: among the newest" in page

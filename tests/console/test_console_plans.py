@@ -1,0 +1,141 @@
+"""Every statement the console runs, EXPLAINed on a seeded table: each reads the tasks
+through an index (never a sequential scan of ``cronoq_tasks``), with the planner's custom
+plans and with the generic plan a prepared statement settles on after five runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from cronoq_store.codec import QUARANTINE_PREFIX
+from cronoq_store.console import statements as cs
+from cronoq_store.domain import I64_MAX
+
+TASKS = 60_000
+#: One task in 50 is live.
+LIVE_EVERY = 50
+SCHEDULES = 2_000
+
+FILTERS = {
+    "pools": ["etl"],
+    "statuses": ["failed"],
+    "kinds": [],
+    "tenants": ["acme"],
+    "since": -(2**63),
+    "until": I64_MAX,
+}
+ANY = {**FILTERS, "pools": [], "statuses": [], "tenants": []}
+WINDOW = {**ANY, "since": 1_000 * 10**9, "until": 2_000 * 10**9}
+
+CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
+    "live counts": (cs.live_counts, {}, "ix_cronoq_tasks_live"),
+    "finished sample": (
+        cs.finished_sample,
+        {"sample": cs.SAMPLE, "prefix": QUARANTINE_PREFIX},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "newest change": (cs.newest_change, {}, "ix_cronoq_tasks_finished_updated"),
+    "first page, filtered": (
+        cs.finished_first_page,
+        {**FILTERS, "limit": 51},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "first page, any": (
+        cs.finished_first_page,
+        {**ANY, "limit": 51},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "next page, in a window": (
+        cs.finished_next_page,
+        {**WINDOW, "limit": 51, "before_updated": 1_500 * 10**9, "before_id": 30_000},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "bounded count": (
+        cs.finished_count,
+        {**FILTERS, "bound": cs.SAMPLE},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "task spec": (cs.task_spec, {"id": 12345}, "pk_cronoq_tasks"),
+    "schedules": (cs.schedules, {"limit": 501}, "pk_cronoq_tasks"),
+}
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+async def explain(
+    conn: AsyncConnection, stmt: ClauseElement, params: dict[str, Any], schema: str
+) -> dict[str, Any]:
+    compiled = stmt.compile(
+        dialect=conn.dialect,
+        schema_translate_map={None: schema},
+        render_schema_translate=True,
+    )
+    assert isinstance(compiled, SQLCompiler)
+    values = compiled.construct_params(params)
+    args = [values[name] for name in compiled.positiontup or ()]
+    raw = (await conn.get_raw_connection()).driver_connection
+    assert raw is not None
+    found = await raw.fetchval(f"EXPLAIN (FORMAT JSON) {compiled.string}", *args)
+    # SQLAlchemy's asyncpg dialect decodes json columns on its connections.
+    document = json.loads(found) if isinstance(found, str) else found
+    plan: dict[str, Any] = document[0]["Plan"]
+    return plan
+
+
+@pytest.fixture
+async def seeded(engine: AsyncEngine, migrated: str) -> str:
+    s = f'"{migrated}"'
+    async with engine.begin() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None
+        await raw.execute(
+            f"""
+            INSERT INTO {s}.cronoq_tasks (id, seq, arrival_unix_ns, pool, kind, priority, key,
+                payload, status, terminal, attempt, updated_unix_ns, tenant, message)
+            SELECT n, n, n * 1000000000::bigint,
+                   (ARRAY['etl', 'web', 'billing'])[n % 3 + 1], 'k' || (n % 7), 0,
+                   CASE WHEN n % 4 = 0 THEN 'key-' || n END, '\\x00'::bytea,
+                   CASE WHEN n % {LIVE_EVERY} = 0 THEN 'queued'
+                        WHEN n % 5 = 0 THEN 'failed' ELSE 'succeeded' END,
+                   n % {LIVE_EVERY} <> 0, 1, n * 1000000000::bigint,
+                   CASE WHEN n % 2 = 0 THEN 'acme' END, 'm'
+            FROM generate_series(1, {TASKS}) AS n
+            """
+        )
+        await raw.execute(
+            f"""
+            INSERT INTO {s}.cronoq_recurring (name, spec, template_payload, next_unix_ns,
+                last_task_id)
+            SELECT 'r' || n, '{{"schedule": {{"type": "interval", "every_ns": 1000000000}}}}',
+                   '\\x00'::bytea, n, n * 17
+            FROM generate_series(1, {SCHEDULES}) AS n
+            """
+        )
+        await raw.execute(f"ANALYZE {s}.cronoq_tasks")
+        await raw.execute(f"ANALYZE {s}.cronoq_recurring")
+    return migrated
+
+
+@pytest.mark.parametrize("mode", ["auto", "force_generic_plan"])
+async def test_every_console_statement_reads_the_tasks_through_an_index(
+    engine: AsyncEngine, seeded: str, mode: str
+) -> None:
+    async with engine.connect() as conn:
+        await conn.exec_driver_sql(f"SET plan_cache_mode = {mode}")
+        for name, (stmt, params, index) in CASES.items():
+            plan = await explain(conn, stmt, params, seeded)
+            seq = [n for n in nodes(plan) if n["Node Type"] == "Seq Scan"]
+            assert [n for n in seq if n["Relation Name"] == "cronoq_tasks"] == [], (name, mode)
+            used = {n.get("Index Name") for n in nodes(plan)}
+            assert index in used, (name, mode, used)
+        await conn.rollback()
