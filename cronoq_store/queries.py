@@ -44,6 +44,7 @@ __all__ = [
     "leader_lock_holder",
     "list_finished",
     "list_listed_finished",
+    "listed_task",
     "load_output",
     "lock_holder",
     "lock_keys",
@@ -82,7 +83,8 @@ class ListedTask(NamedTuple):
 _STATUS_AT = RECORD_COLUMNS.index("status")
 
 
-def _listed(row: Sequence[Any]) -> ListedTask:
+def listed_task(row: Sequence[Any]) -> ListedTask:
+    """A task row (:data:`~cronoq_store.rows.RECORD_COLUMNS`) as a listing shows it."""
     return ListedTask(task_record(*row), row[_STATUS_AT])
 
 
@@ -91,7 +93,7 @@ async def get_listed_task(conn: AsyncConnection, params: dict[str, object]) -> L
     :func:`lookup_params`), with its stored status."""
     stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
     row = (await conn.execute(stmt, params)).first()
-    return None if row is None else _listed(row)
+    return None if row is None else listed_task(row)
 
 
 async def get_task(conn: AsyncConnection, params: dict[str, object]) -> TaskRecord | None:
@@ -122,7 +124,7 @@ async def list_listed_finished(conn: AsyncConnection, params: dict[str, Any]) ->
     """One page of finished tasks in id order (parameters from :func:`finished_params`),
     with their stored statuses."""
     rows = (await conn.execute(st.finished_page, params)).all()
-    return [_listed(row) for row in rows]
+    return [listed_task(row) for row in rows]
 
 
 async def list_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[TaskRecord]:

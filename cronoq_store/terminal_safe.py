@@ -19,7 +19,7 @@ import json
 import unicodedata
 from collections.abc import Mapping
 
-__all__ = ["json_text", "visible"]
+__all__ = ["json_text", "visible", "visible_block"]
 
 #: The Unicode categories written as escapes: controls, format characters, line and
 #: paragraph separators, surrogates.
@@ -50,6 +50,12 @@ def visible(text: str) -> str:
     if text.isascii() and text.isprintable() and "\\" not in text:
         return text  # the common case, untouched
     return "".join(map(_escape, text))
+
+
+def visible_block(text: str) -> str:
+    """Like :func:`visible`, but tabs and line feeds stay: a message shown as a block (the
+    console's pages, where a value cannot start a line that passes for a label)."""
+    return "\n".join("\t".join(map(visible, line.split("\t"))) for line in text.split("\n"))
 
 
 def _json_escape(char: str) -> str:

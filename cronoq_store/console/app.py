@@ -2,7 +2,7 @@
 (``?format=json``), read-only, behind :class:`~cronoq_store.console.security.Guard`.
 
 Templates are Jinja2 with autoescaping on, and every value goes through
-:func:`~cronoq_store.console.text.visible` first (Jinja's ``finalize``), so neither markup nor
+:func:`~cronoq_store.terminal_safe.visible` first (Jinja's ``finalize``), so neither markup nor
 controls nor bidi overrides in a stored value reach the page as such.
 """
 
@@ -30,11 +30,11 @@ from ..cli.prune import parse_duration
 from ..domain import I64_MAX, TaskId, clean_text
 from ..errors import MigrationError, translate_error
 from ..schema import validate_schema_name
+from ..terminal_safe import visible, visible_block
 from ..urls import scrub
 from . import actions, reads
 from .security import Credentials, Guard
 from .statements import SAMPLE
-from .text import visible, visible_block
 
 __all__ = ["console_app"]
 

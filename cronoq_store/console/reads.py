@@ -23,7 +23,6 @@ from ..codec import QUARANTINE_PREFIX
 from ..domain import I64_MAX, TaskId, TaskStatus
 from ..errors import MigrationError, translate_error
 from ..migrations import RevisionStatus, head_revision
-from ..rows import task_record
 from ..urls import redact, scrub
 from . import statements as cs
 
@@ -110,8 +109,8 @@ async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
     if revision.current:
         oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
         facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
-    code, reasons = health_verdict(revision, facts)
     holder = None if facts is None else facts.holder
+    code, reasons = health_verdict(revision, facts, holder)
     doc: dict[str, Any] = {
         "schema": schema,
         **_revision_document(revision),
@@ -215,7 +214,7 @@ async def cluster(
         "summary": summary,
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
         "finished": {
-            "tasks": [output.task_document(task_record(*row)) for row in page],
+            "tasks": [output.task_document(*queries.listed_task(row)) for row in page],
             "next": None if last is None else f"{last.updated_unix_ns}.{last.id}",
             "matching": matching,
             # At the bound, older tasks of the window were not examined: a minimum.
@@ -254,16 +253,17 @@ async def task(
     await known(url, schema)
     async with database.database(_options(url, schema, trusted_triggers)) as conn:
         await database.require_head(conn, schema)
-        record = await queries.get_task(conn, queries.lookup_params(ref))
-        if record is None:
+        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
+        if listed is None:
             raise TaskNotFound(str(ref))
+        record = listed.record
         spec = (await conn.execute(cs.task_spec, {"id": record.id})).one()
         deps = _json_or_text(spec.deps)
         targets = []
         for dep in deps[:DEPS_SHOWN] if isinstance(deps, list) else []:
             targets.append(await _target(conn, dep))
         await conn.rollback()
-    doc = output.task_document(record)
+    doc = output.task_document(*listed)
     doc["spec"] = {
         "seq": spec.seq,
         "arrival": output.rfc3339(spec.arrival_unix_ns),
@@ -306,14 +306,15 @@ async def _target(conn: AsyncConnection, dep: Any) -> dict[str, Any]:
     except ValueError as exc:
         shown["problem"] = str(exc)
         return shown
-    found = await queries.get_task(conn, params)
-    if found is None:
+    listed = await queries.get_listed_task(conn, params)
+    if listed is None:
         shown["problem"] = "no such task (pruned, or never stored)"
     else:
+        found = listed.record
         shown["target"] = {
             "id": found.id,
             "key": found.key,
-            "status": output.task_document(found)["status"],
+            "status": listed.stored_status,
             "updated": output.rfc3339(found.updated),
         }
     return shown

@@ -23,7 +23,6 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store.console.text import visible
 from cronoq_store.domain import (
     Dependency,
     DependencyCondition,
@@ -32,6 +31,7 @@ from cronoq_store.domain import (
     TaskId,
     TaskSpec,
 )
+from cronoq_store.terminal_safe import visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
 from .conftest import Console, fetch

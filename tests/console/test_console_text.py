@@ -1,11 +1,12 @@
-"""The console's rule for stored text on a page: controls and format characters become
-visible escapes, everything printable stays as it is."""
+"""Stored text on a page follows the CLI's rule (:mod:`cronoq_store.terminal_safe`):
+controls and format characters become visible escapes, everything printable stays as it
+is, and markup is left for Jinja to escape."""
 
 from __future__ import annotations
 
 import pytest
 
-from cronoq_store.console.text import visible, visible_block
+from cronoq_store.terminal_safe import visible, visible_block
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,8 @@ from cronoq_store.console.text import visible, visible_block
         ("zero\u200bwidth\ufeff", "zero\\u200bwidth\\ufeff"),
         ("tag\U000e0041", "tag\\U000e0041"),  # a format character beyond the BMP
         ("line\u2028para\u2029", "line\\u2028para\\u2029"),
-        ("tab\tnew\nret\r", "tab\\x09new\\x0aret\\x0d"),
+        ("tab\tnew\nret\r", "tab\\tnew\\nret\\r"),
+        ("C:\\x1b", "C:\\\\x1b"),  # text that spells an escape cannot pass for one
         ("café 日本 <b>&amp;", "café 日本 <b>&amp;"),  # markup is Jinja's to escape
         ("", ""),
     ],
@@ -30,4 +32,4 @@ def test_visible_escapes_controls_and_format_characters(stored: str, shown: str)
 
 
 def test_a_block_keeps_tabs_and_newlines_only() -> None:
-    assert visible_block("a\tb\nc\rd\x1b\u202e") == "a\tb\nc\\x0dd\\x1b\\u202e"
+    assert visible_block("a\tb\nc\rd\x1b\u202e") == "a\tb\nc\\rd\\x1b\\u202e"
