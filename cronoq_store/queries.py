@@ -8,6 +8,7 @@ there is one loop that takes the leader row lock before every batch.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +35,15 @@ from .rows import task_record
 __all__ = [
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
+    "TAKEOVER_GRACE",
     "ClusterFacts",
     "cluster_facts",
+    "facts_of",
     "finished_params",
     "get_task",
     "list_finished",
     "load_output",
+    "lock_keys",
     "lookup_params",
     "prune",
     "prune_cutoff",
@@ -150,13 +154,20 @@ class ClusterFacts(NamedTuple):
     revision: tuple[str, ...]
 
 
-async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
-    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and the
-    recorded revisions, in one statement: what ``PgStore.health`` and ``cronoq-store
-    health`` report."""
-    # The store passes the schema OID as a signed int4; pg_locks shows it unsigned.
-    keys = {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
-    row = (await conn.execute(st.health_facts, keys)).one()
+#: How long a holder that is not (yet) a store instance gets before it is reported as
+#: foreign: a takeover checks the schema between taking the lock and moving the epoch (a
+#: few milliseconds, two statements), and a probe landing there must not see an intruder.
+TAKEOVER_GRACE = 0.5
+
+
+def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
+    """The parameters of :data:`~cronoq_store.statements.health_facts` for the store's
+    keys: the store passes the schema OID as a signed int4; pg_locks shows it unsigned."""
+    return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
+
+
+def facts_of(row: Any) -> ClusterFacts:
+    """A row of :data:`~cronoq_store.statements.health_facts`, as facts."""
     holder = None
     if row.pid is not None:
         since = row.backend_start
@@ -165,5 +176,21 @@ async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> Cluster
             application_name=row.application_name,
             client_addr=row.client_addr,
             since=None if since is None else since.astimezone(timezone.utc),
+            role=row.usename,
+            store_instance=bool(row.store_instance),
         )
     return ClusterFacts(row.epoch, holder, tuple(sorted(row.revisions or ())))
+
+
+async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and whether
+    it is a store instance, and the recorded revisions: what ``PgStore.health`` and
+    ``cronoq-store health`` report. One statement; a holder that is not a store instance is
+    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
+    keys = lock_keys(lock)
+    facts = facts_of((await conn.execute(st.health_facts, keys)).one())
+    if facts.holder is None or facts.holder.store_instance:
+        return facts
+    await asyncio.sleep(TAKEOVER_GRACE)
+    await conn.execute(st.clear_stats_snapshot)
+    return facts_of((await conn.execute(st.health_facts, keys)).one())

@@ -1,6 +1,7 @@
 """``cronoq-store health``: a probe for orchestrators. Exit 0 only when the schema is at this
 build's head and some instance holds the leader lock; otherwise the exit code says which
-(5 newer database, 4 not at head, 6 no leader) and each reason is one line."""
+(5 newer database, 4 not at head, 7 the lock held by a session that is not a store
+instance, 6 no leader) and each reason is one line."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ __all__ = ["health"]
 )
 @click.pass_obj
 def health(options: Options, as_json: bool) -> None:
-    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5 or 6."""
+    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5, 6 or 7."""
     code = run(options.url, _health(options, as_json, output.console()))
     if code is not ExitCode.OK:
         raise click.exceptions.Exit(int(code))
@@ -49,7 +50,8 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
                 "head": revision.head,
                 "at_head": revision.at_head,
                 "stored_epoch": None if facts is None else facts.stored_epoch,
-                "leader": output.holder_document(holder),
+                "leader": output.holder_document(output.leader_of(holder)),
+                "lock_holder": output.holder_document(holder),
                 "reasons": reasons,
             }
         )
@@ -77,4 +79,7 @@ def _verdict(revision: RevisionStatus, facts: ClusterFacts | None) -> tuple[Exit
     if facts is None or facts.holder is None:
         codes.append(ExitCode.NO_LEADER)
         reasons.append("no instance holds the leader lock")
+    elif not facts.holder.store_instance:
+        codes.append(ExitCode.FOREIGN_HOLDER)
+        reasons.append(output.describe_foreign(facts.holder))
     return (codes[0] if codes else ExitCode.OK), reasons
