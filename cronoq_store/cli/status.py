@@ -132,7 +132,10 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
     if holder is None:
         return [("leader", f"none: no session holds the {lock}")]
     if not holder.store_instance:
-        return [("leader", "none"), ("lock holder", output.describe_foreign(holder))]
+        return [
+            ("leader", f"none: the {lock} is held by a session that is not a store instance"),
+            ("lock holder", output.describe_foreign(holder)),
+        ]
     if holder.since is None:
         # Another role's session, and this one may not see its details.
         return [
