@@ -184,6 +184,8 @@ async def test_a_genuine_leader_is_healthy_right_after_a_takeover(
             assert health.has_leader
             assert health.holder is not None
             assert health.holder.application_name == "holders-d leader"
+            assert health.holder.store_instance
+            assert health.foreign_holder is None
         result = await run_cli(pg_url, migrated, "health")
         assert result.exit_code == ExitCode.OK, result.output
         assert "holders-d leader" in result.output
