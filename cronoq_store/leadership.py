@@ -34,7 +34,7 @@ from .config import PgStoreConfig
 from .domain import LockHolder
 from .errors import StoreError, translate_error
 from .migrations import ConnectCheck, TrustCheck
-from .queries import facts_of, lock_keys
+from .queries import holder_of, lock_keys
 from .retry import acquisition_backoff, bounded, pause
 from .schema import schema_options
 from .telemetry import DISABLED, Telemetry
@@ -362,7 +362,7 @@ class Leadership:
         was seen twice, a check apart (a takeover is an instance before its epoch bump).
         Returns the pid of a foreign holder seen now, for the next check."""
         keys = lock_keys((self._key["k1"], self._key["k2"]))
-        holder = facts_of((await session.run(st.health_facts, keys, timeout)).one()).holder
+        holder = holder_of((await session.run(st.leader_holder_facts, keys, timeout)).one())
         if holder is None or holder.store_instance:
             return None
         now = asyncio.get_running_loop().time()

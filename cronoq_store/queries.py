@@ -41,6 +41,7 @@ __all__ = [
     "facts_of",
     "finished_params",
     "get_task",
+    "holder_of",
     "list_finished",
     "load_output",
     "lock_keys",
@@ -166,20 +167,25 @@ def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
     return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
 
 
+def holder_of(row: Any) -> LockHolder | None:
+    """The holder in a row of :data:`~cronoq_store.statements.leader_holder_facts` (or of
+    :data:`~cronoq_store.statements.health_facts`)."""
+    if row.pid is None:
+        return None
+    since = row.backend_start
+    return LockHolder(
+        pid=row.pid,
+        application_name=row.application_name,
+        client_addr=row.client_addr,
+        since=None if since is None else since.astimezone(timezone.utc),
+        role=row.usename,
+        store_instance=bool(row.store_instance),
+    )
+
+
 def facts_of(row: Any) -> ClusterFacts:
     """A row of :data:`~cronoq_store.statements.health_facts`, as facts."""
-    holder = None
-    if row.pid is not None:
-        since = row.backend_start
-        holder = LockHolder(
-            pid=row.pid,
-            application_name=row.application_name,
-            client_addr=row.client_addr,
-            since=None if since is None else since.astimezone(timezone.utc),
-            role=row.usename,
-            store_instance=bool(row.store_instance),
-        )
-    return ClusterFacts(row.epoch, holder, tuple(sorted(row.revisions or ())))
+    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())))
 
 
 async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:

@@ -827,7 +827,7 @@ tasks_with_kind_or_message = select(func.count()).where(
 
 # --- health (``PgStore.health``, ``cronoq-store health``) ----------------------------------
 
-__all__ += ["health_facts"]
+__all__ += ["health_facts", "leader_holder_facts"]
 
 # Alembic's version table, schema-less like the store's tables so the cluster's schema is
 # applied at execution; only its one column is read.
@@ -863,10 +863,11 @@ _bumping = (
     .exists()
 )
 
-#: In one round trip: the stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL
-#: columns when none holds it), whether it is a store instance (the session the leader row
-#: records, or one bumping the epoch now) and the revisions the version table records.
-health_facts = (
+#: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
+#: holds it) and whether it is a store instance (the session the leader row records, or one
+#: bumping the epoch now): what a waiting standby's lock session reads, with no more
+#: privilege than it has (``SELECT`` on the leader row).
+leader_holder_facts = (
     select(
         leader.c.epoch,
         _holder.c.pid,
@@ -875,12 +876,17 @@ health_facts = (
         _holder.c.client_addr,
         _holder.c.backend_start,
         func.coalesce(_recorded | _bumping, false()).label("store_instance"),
-        select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
-        .scalar_subquery()
-        .label("revisions"),
     )
     .select_from(leader.outerjoin(_holder, true()))
     .where(leader.c.id == LEADER_ROW_ID)
+)
+
+#: In one round trip: :data:`leader_holder_facts` and the revisions the version table
+#: records.
+health_facts = leader_holder_facts.add_columns(
+    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+    .scalar_subquery()
+    .label("revisions")
 )
 
 #: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at

@@ -239,8 +239,22 @@ async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
 async def test_a_standby_behind_a_foreign_holder_warns_once_naming_it(
     pg_url: URL, migrated: str, intruder: Role, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The standby's lock session runs as a lock role with the least it needs (``SELECT,
+    UPDATE`` on the leader row): looking at the holder needs no more."""
+    lock = await create_role(pg_url, f"{migrated}_lock")
+    for grant in (f"USAGE ON SCHEMA {migrated}", f"SELECT, UPDATE ON {migrated}.cronoq_leader"):
+        await admin_execute(pg_url, f"GRANT {grant} TO {lock.name}")
+    try:
+        await standby_warns_once(pg_url, migrated, intruder, lock, caplog)
+    finally:
+        await drop_role(pg_url, lock.name)
+
+
+async def standby_warns_once(
+    pg_url: URL, migrated: str, intruder: Role, lock: Role, caplog: pytest.LogCaptureFixture
+) -> None:
     trusting = config(migrated, "holders-g", trusted_roles=frozenset({intruder.name}))
-    async with await PgStore.connect(pg_url, trusting) as store:
+    async with await PgStore.connect(pg_url, trusting, lock_url=lock.url) as store:
         held = await take_lock(intruder.url, store.leader_lock)
         try:
             with caplog.at_level(logging.WARNING, logger="cronoq_store"):
