@@ -648,6 +648,10 @@ class Health:
     head: str
     #: Seconds since this instance's last successful commit; ``None`` before the first.
     last_commit_age: float | None
+    #: ``PUBLIC`` and the login roles the store does not trust that may connect: any could
+    #: hold the leader lock. While any is listed, instances refuse to lead (unless
+    #: ``allow_untrusted_connect``).
+    untrusted_connect: tuple[str, ...] = ()
 
     @property
     def at_head(self) -> bool:

@@ -889,6 +889,16 @@ health_facts = leader_holder_facts.add_columns(
     .label("revisions")
 )
 
+#: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),
+#: which stores refuse to lead in: what ``cronoq-store health`` can tell from any role.
+public_may_connect = select(
+    func.pg_catalog.has_database_privilege(
+        literal("public", Text), func.current_database(), literal("CONNECT", Text), type_=Boolean
+    )
+)
+
+__all__ += ["public_may_connect"]
+
 #: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
 #: the lock holder in the same transaction sees sessions as they are now.
 clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())

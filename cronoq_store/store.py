@@ -125,6 +125,10 @@ class PgStore:
                 config.trusted_roles | ({pool_role} if pool_role is not None else set())
             ),
         )
+        # Who may connect, as health() reads it on the pool's role: its lock role is the
+        # store's too.
+        lock_role = {lock_url.username} if lock_url.username else set()
+        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -505,15 +509,18 @@ class PgStore:
 
     async def health(self) -> Health:
         """This instance's leadership and the cluster's, the schema's revision against this
-        build's head, and the age of this instance's last successful commit, read in one
-        statement: for an application's readiness endpoint. "Not healthy" is a fact in the
+        build's head, the age of this instance's last successful commit, and who may
+        connect that the store does not trust, read in two statements: for an
+        application's readiness endpoint. "Not healthy" is a fact in the
         result (no leader, a foreign lock holder, not at head); only a database that cannot
         be read raises (``UnavailableError`` or ``StoreError``). A holder that is not a store
         instance (it never took the epoch) is read again after
         :data:`~cronoq_store.queries.TAKEOVER_GRACE` and reported in ``foreign_holder``,
         never as a leader."""
+        check = self._connect_check
         async with self._translated("reading health"), self._session() as conn:
             facts = await queries.cluster_facts(conn, self._leader_lock)
+            untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,
@@ -523,6 +530,7 @@ class PgStore:
             revision=facts.revision,
             head=migrations.head_revision(),
             last_commit_age=None if last is None else time.monotonic() - last,
+            untrusted_connect=tuple(untrusted),
         )
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:

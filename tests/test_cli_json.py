@@ -95,6 +95,7 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
                 "store_instance": True,
             },
             "reasons": [],
+            "warnings": [],
         }
 
         # Behind head and leading: 4, whatever the leader.

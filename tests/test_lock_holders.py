@@ -292,6 +292,13 @@ async def test_leading_is_refused_while_public_may_connect(pg_url: URL, migrated
             assert not store.is_leader
             health = await store.health()
             assert (health.holder, health.stored_epoch) == (None, 0)
+            assert health.untrusted_connect == ("PUBLIC",)
+            result = await run_cli(pg_url, migrated, "health")
+            assert result.exit_code == ExitCode.NO_LEADER, result.output
+            assert "warning: every role may connect to this database" in result.output
+            doc = json.loads((await run_cli(pg_url, migrated, "health", "--json")).output)
+            assert len(doc["warnings"]) == 1
+            assert "PUBLIC" in doc["warnings"][0]
     finally:
         await admin_execute(pg_url, f'REVOKE CONNECT ON DATABASE "{database}" FROM PUBLIC')
 
@@ -302,11 +309,13 @@ async def test_leading_is_refused_while_an_untrusted_login_role_may_connect(
     async with await PgStore.connect(pg_url, config(migrated, "holders-i")) as store:
         with pytest.raises(MigrationError, match=f"CONNECT is granted to {intruder.name}\\."):
             await asyncio.wait_for(store.acquire_leadership(), 10)
-        assert (await store.health()).stored_epoch == 0
+        health = await store.health()
+        assert (health.stored_epoch, health.untrusted_connect) == (0, (intruder.name,))
     # Named by the operator, it is trusted to connect.
     trusting = config(migrated, "holders-j", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting) as store:
         assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+        assert (await store.health()).untrusted_connect == ()
 
 
 async def test_connect_through_a_group_role_counts_and_nologin_roles_do_not(

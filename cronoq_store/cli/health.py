@@ -34,6 +34,7 @@ def health(options: Options, as_json: bool) -> None:
 async def _health(options: Options, as_json: bool, console: Console) -> ExitCode:
     facts: ClusterFacts | None = None
     async with database.database(options) as conn:
+        public = bool((await conn.execute(st.public_may_connect)).scalar())
         revision = await database.revision(conn, options.schema)
         if revision.current:
             # Migrated at some revision: the leader row and the lock are there to read.
@@ -41,6 +42,7 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
             facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
     code, reasons = _verdict(revision, facts)
     holder = None if facts is None else facts.holder
+    warnings = [_PUBLIC_CONNECT] if public else []
     if as_json:
         output.emit_json(
             {
@@ -53,9 +55,11 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
                 "leader": output.holder_document(output.leader_of(holder)),
                 "lock_holder": output.holder_document(holder),
                 "reasons": reasons,
+                "warnings": warnings,
             }
         )
-    elif holder is not None and facts is not None and code is ExitCode.OK:
+        return code
+    if holder is not None and facts is not None and code is ExitCode.OK:
         console.print(
             f"healthy: schema {options.schema} at {revision.head}, leader pid {holder.pid} "
             f"({holder.application_name or 'details hidden'}), epoch {facts.stored_epoch}"
@@ -63,7 +67,17 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     else:
         for reason in reasons:
             console.print(f"unhealthy: {reason}")
+    for warning in warnings:
+        console.print(f"warning: {warning}")
     return code
+
+
+#: Why a database where PUBLIC may connect is worth a line (docs/reliability.md).
+_PUBLIC_CONNECT = (
+    "every role may connect to this database (CONNECT is granted to PUBLIC), so any of them "
+    "can hold the leader lock: instances refuse to lead here unless allow_untrusted_connect; "
+    "run REVOKE CONNECT ON DATABASE ... FROM PUBLIC"
+)
 
 
 def _verdict(revision: RevisionStatus, facts: ClusterFacts | None) -> tuple[ExitCode, list[str]]:
