@@ -73,6 +73,9 @@ leader = Table(
     Column("holder_pid", Integer),
     Column("holder_backend_start", DateTime(timezone=True)),
     Column("holder_role", OID),
+    # The epoch that session took: an epoch that moved without it (a build before this
+    # column, mid rolling upgrade) leaves the record stale, and the holder unknown.
+    Column("holder_epoch", Integer),
     CheckConstraint("id = 1", name="single_row"),
 )
 

@@ -132,11 +132,13 @@ def _own(name: str) -> Any:
 #: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
 #: did (pid, backend start, role): what tells the leader from a session that only holds the
 #: lock (:data:`health_facts`). Returns the new epoch.
+_next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
 bump_epoch = (
     update(leader)
     .where(leader.c.id == LEADER_ROW_ID)
     .values(
-        epoch=case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1),
+        epoch=_next_epoch,
+        holder_epoch=_next_epoch,
         holder_pid=func.pg_backend_pid(),
         holder_backend_start=_own("backend_start"),
         holder_role=_own("usesysid"),
@@ -847,6 +849,10 @@ _recorded = and_(
         _holder.c.backend_start == leader.c.holder_backend_start,
     ),
 )
+#: Whether the current epoch was taken by a build that does not record its holder (before
+#: revision 0007, mid rolling upgrade): the holder is then unknown, and not called foreign.
+#: Epoch 0 was never taken: a holder there is foreign. Only a writer of the row can move it.
+_unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
 #: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
 #: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
 #: the old leader's commits) and keeps until it commits. Only a role that may write the
@@ -875,7 +881,7 @@ leader_holder_facts = (
         _holder.c.application_name,
         _holder.c.client_addr,
         _holder.c.backend_start,
-        func.coalesce(_recorded | _bumping, false()).label("store_instance"),
+        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
     )
     .select_from(leader.outerjoin(_holder, true()))
     .where(leader.c.id == LEADER_ROW_ID)

@@ -355,3 +355,26 @@ async def test_allow_untrusted_connect_leads_and_says_so(
 def test_trusted_roles_must_be_role_names(names: object) -> None:
     with pytest.raises(ValueError, match="trusted_roles"):
         PgStoreConfig(trusted_roles=names)  # type: ignore[arg-type]
+
+
+async def test_an_epoch_taken_by_an_older_build_leaves_its_holder_unknown_not_foreign(
+    pg_url: URL, migrated: str
+) -> None:
+    """Mid rolling upgrade, a build before revision 0007 takes the epoch without recording
+    its session: its holder cannot be told from an intruder, and is not called foreign."""
+    async with await PgStore.connect(pg_url, config(migrated, "holders-m")) as store:
+        epoch = await store.acquire_leadership()
+        await store.release_leadership()
+        older = await take_lock(pg_url, store.leader_lock)
+        try:
+            assert (await store.health()).foreign_holder is not None  # took no epoch yet
+            await older.execute(
+                f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1 WHERE id = 1'
+            )
+            health = await store.health()
+            assert health.stored_epoch == epoch + 1
+            assert health.holder is not None
+            assert health.holder.pid == older.get_server_pid()
+            assert health.has_leader
+        finally:
+            await older.close()

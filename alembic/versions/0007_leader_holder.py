@@ -3,7 +3,9 @@
 Any role that can connect can take the leader's advisory lock; only a role that may write
 the leader row can record itself there. ``health`` and ``status`` compare the lock's holder
 with this record to tell the leader from a foreign holder (docs/reliability.md, "Who holds
-the lock"). Empty until the next leader takes an epoch.
+the lock"). Empty until the next leader takes an epoch; ``holder_epoch`` says which epoch
+the record belongs to, so that an epoch a build before this revision takes (during a
+rolling upgrade) leaves its holder unknown rather than foreign.
 
 Revision ID: 0007_leader_holder
 Revises: 0006_drop_legacy_version_table
@@ -25,7 +27,7 @@ down_revision: str | Sequence[str] | None = "0006_drop_legacy_version_table"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_COLUMNS = ("holder_pid", "holder_backend_start", "holder_role")
+_COLUMNS = ("holder_pid", "holder_backend_start", "holder_role", "holder_epoch")
 
 
 def upgrade() -> None:
@@ -37,6 +39,7 @@ def upgrade() -> None:
         schema=schema,
     )
     op.add_column("cronoq_leader", sa.Column("holder_role", postgresql.OID()), schema=schema)
+    op.add_column("cronoq_leader", sa.Column("holder_epoch", sa.Integer()), schema=schema)
 
 
 def downgrade() -> None:
