@@ -855,18 +855,25 @@ _recorded = and_(
 _unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
 #: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
 #: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
-#: the old leader's commits) and keeps until it commits. Only a role that may write the
-#: table can take that lock. ``pg_locks`` shows every session's locks to every role.
-_bumping = (
+#: the old leader's commits) and keeps until it commits, and its role may update the table.
+#: ``pg_locks`` shows every session's locks to every role.
+_leader_table = select(_leader_oid.c.tableoid).limit(1).scalar_subquery()
+_bumping = and_(
     select(_pg_locks.c.pid)
     .where(
         _pg_locks.c.pid == _holder.c.pid,
         _pg_locks.c.locktype == "relation",
-        _pg_locks.c.relation == select(_leader_oid.c.tableoid).limit(1).scalar_subquery(),
+        _pg_locks.c.relation == _leader_table,
         _pg_locks.c.mode == "RowExclusiveLock",
         _pg_locks.c.granted,
     )
-    .exists()
+    .exists(),
+    # A statement takes that lock when parsed, its privileges are checked when it runs:
+    # `PREPARE ... AS UPDATE` in an open transaction holds it for any role with USAGE on
+    # the schema.
+    func.pg_catalog.has_table_privilege(
+        _holder.c.usesysid, _leader_table, literal("UPDATE", Text), type_=Boolean
+    ),
 )
 
 #: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none

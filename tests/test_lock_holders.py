@@ -378,3 +378,35 @@ async def test_an_epoch_taken_by_an_older_build_leaves_its_holder_unknown_not_fo
             assert health.has_leader
         finally:
             await older.close()
+
+
+async def test_a_role_that_may_not_write_the_leader_row_cannot_pass_for_a_takeover(
+    pg_url: URL, migrated: str, intruder: Role
+) -> None:
+    """PostgreSQL locks a table for an UPDATE when it parses it and checks privileges only
+    when it runs it: ``PREPARE ... AS UPDATE`` in an open transaction keeps the lock a
+    takeover holds. A monitoring role (USAGE, SELECT) holding the leader lock and that one
+    still took no epoch, and is named foreign."""
+    for grant in (f"USAGE ON SCHEMA {migrated}", f"SELECT ON {migrated}.cronoq_leader"):
+        await admin_execute(pg_url, f"GRANT {grant} TO {intruder.name}")
+    trusting = config(migrated, "holders-n", trusted_roles=frozenset({intruder.name}))
+    async with await PgStore.connect(pg_url, trusting) as store:
+        held = await take_lock(intruder.url, store.leader_lock)
+        try:
+            transaction = held.transaction()
+            await transaction.start()
+            await held.execute(
+                f'PREPARE forged AS UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1'
+            )
+            locks = await admin_execute(
+                pg_url,
+                "SELECT mode FROM pg_locks WHERE pid = $1 AND relation = $2::regclass",
+                held.get_server_pid(),
+                f"{migrated}.cronoq_leader",
+            )
+            assert [r["mode"] for r in locks] == ["RowExclusiveLock"]
+            health = await store.health()
+            assert health.foreign_holder is not None
+            assert health.foreign_holder.pid == held.get_server_pid()
+        finally:
+            await held.close()
