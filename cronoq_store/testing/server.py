@@ -115,7 +115,10 @@ class EmbeddedPostgres:
         )
         self._pg_ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", options)
         if fresh:
-            self._psql("REVOKE CONNECT ON DATABASE postgres FROM PUBLIC")
+            # Local: settings may ask for a synchronous standby that does not exist yet.
+            self._psql(
+                "SET synchronous_commit = local", "REVOKE CONNECT ON DATABASE postgres FROM PUBLIC"
+            )
         return self
 
     def stop(self, mode: StopMode = "fast") -> None:
@@ -238,12 +241,13 @@ class EmbeddedPostgres:
                 f"{self.log_tail()}"
             )
 
-    def _psql(self, statement: str) -> None:
-        """Run one statement as the superuser, over the private socket."""
+    def _psql(self, *statements: str) -> None:
+        """Run statements, in one session, as the superuser, over the private socket."""
         self._run(
             "psql",
             *("-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", str(self.socket_dir)),
-            *("-p", str(self.port), "-U", _SUPERUSER, "-d", "postgres", "-c", statement),
+            *("-p", str(self.port), "-U", _SUPERUSER, "-d", "postgres"),
+            *(arg for statement in statements for arg in ("-c", statement)),
         )
 
     def _pg_ctl(self, *args: str) -> None:
