@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .schema import validate_schema_name
 
-__all__ = ["PgStoreConfig", "keepalive_settings", "trusted_trigger_names"]
+__all__ = ["PgStoreConfig", "keepalive_settings", "trusted_role_names", "trusted_trigger_names"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -29,6 +29,26 @@ def trusted_trigger_names(names: Iterable[str]) -> frozenset[str]:
                 f"trusted_triggers: {name!r} is not a plain identifier (letters, digits and "
                 "_, not starting with a digit, at most 63 characters)"
             )
+    return found
+
+
+def trusted_role_names(names: Iterable[str]) -> frozenset[str]:
+    """Validate the names of roles an operator lets connect to the store's database.
+
+    Compared with ``pg_roles.rolname`` exactly, as written (no case folding): any name
+    PostgreSQL can hold, non-empty, without NUL, at most 63 bytes.
+    """
+    if isinstance(names, (str, bytes)):
+        raise ValueError(f"trusted_roles must be a set of role names, not {names!r}")
+    found = frozenset(names)
+    for name in sorted(found, key=repr):
+        if (
+            not isinstance(name, str)
+            or not name
+            or "\x00" in name
+            or len(name.encode("utf-8", "surrogatepass")) > 63
+        ):
+            raise ValueError(f"trusted_roles: {name!r} is not a role name (1 to 63 bytes, no NUL)")
     return found
 
 
@@ -62,6 +82,16 @@ class PgStoreConfig:
     #: here is still refused if it has a ``WHEN`` clause or runs a function of a role the
     #: store cannot trust (docs/reliability.md, "Whose schema the store trusts").
     trusted_triggers: frozenset[str] = frozenset()
+    #: Login roles besides the store's own (and superusers, and roles that can act as the
+    #: lock session's role) that may connect to the database, by exact name: a monitoring
+    #: role, say. Any role that can connect can take the leader lock and stop every
+    #: instance from leading, so the store refuses to lead where ``PUBLIC`` or any other
+    #: login role has ``CONNECT`` (docs/reliability.md, "Who holds the lock").
+    trusted_roles: frozenset[str] = frozenset()
+    #: ``True`` leads even where untrusted roles may connect (a shared database whose grants
+    #: the operator cannot change): logged as a warning at every acquisition; a foreign
+    #: lock holder is then possible, and ``health`` reports it.
+    allow_untrusted_connect: bool = False
     #: ``False`` for a pool behind a transaction-pooling PgBouncer older than 1.21, which
     #: cannot keep a named prepared statement past the transaction that made it: pooled
     #: connections then run unnamed statements only (asyncpg's and SQLAlchemy's statement
@@ -74,6 +104,11 @@ class PgStoreConfig:
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
         object.__setattr__(self, "trusted_triggers", trusted_trigger_names(self.trusted_triggers))
+        object.__setattr__(self, "trusted_roles", trusted_role_names(self.trusted_roles))
+        if not isinstance(self.allow_untrusted_connect, bool):
+            raise ValueError(
+                f"allow_untrusted_connect must be a bool, got {self.allow_untrusted_connect!r}"
+            )
         for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

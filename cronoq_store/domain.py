@@ -670,6 +670,13 @@ class LockHolder:
     client_addr: str | None
     #: When the holder's session started (tz-aware UTC).
     since: datetime | None
+    #: The holder's role (``pg_stat_activity.usename``).
+    role: str | None = None
+    #: Whether the holder is a store instance: the lock session the leader row records as
+    #: having taken the current epoch, or one taking it now. Any role that can connect can
+    #: take the lock; such a foreign holder stops every instance from leading, and is never
+    #: a leader (docs/reliability.md, "Who holds the lock").
+    store_instance: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,13 +689,18 @@ class Health:
     epoch: int | None
     #: The epoch in the leader row: the latest leader's, whoever that is.
     stored_epoch: int
-    #: Who holds the leader lock now; ``None`` when no instance leads.
+    #: Who holds the leader lock now, a store instance or not (``holder.store_instance``);
+    #: ``None`` when no session holds it.
     holder: LockHolder | None
     #: The revisions the schema's version table records, and this build's head.
     revision: tuple[str, ...]
     head: str
     #: Seconds since this instance's last successful commit; ``None`` before the first.
     last_commit_age: float | None
+    #: ``PUBLIC`` and the login roles the store does not trust that may connect: any could
+    #: hold the leader lock. While any is listed, instances refuse to lead (unless
+    #: ``allow_untrusted_connect``).
+    untrusted_connect: tuple[str, ...] = ()
 
     @property
     def at_head(self) -> bool:
@@ -696,4 +708,13 @@ class Health:
 
     @property
     def has_leader(self) -> bool:
-        return self.holder is not None
+        """Whether a store instance holds the leader lock (a foreign holder is no leader)."""
+        return self.holder is not None and self.holder.store_instance
+
+    @property
+    def foreign_holder(self) -> LockHolder | None:
+        """The holder of the leader lock when it is not a store instance: nobody can lead
+        until it lets go (``cronoq-store handover`` can end it)."""
+        if self.holder is None or self.holder.store_instance:
+            return None
+        return self.holder

@@ -85,7 +85,7 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
     took = conn.execute(st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]})
     if not took.scalar():
         row = conn.execute(st.leader_lock_holder, queries.lock_keys(lock)).first()
-        holder = _describe(queries.lock_holder(row))
+        holder = _describe(None if row is None else queries.holder_of(row, store_instance=False))
         if not force:
             raise MigrationError(
                 f"an instance leads schema {schema!r} ({holder} holds its leader lock): "
@@ -138,6 +138,7 @@ def _describe(holder: LockHolder | None) -> str:
         return "a session that has let go since"
     since = "an unknown time" if holder.since is None else holder.since.isoformat()
     return (
-        f"pid {holder.pid}, application {holder.application_name!r}, client "
+        f"pid {holder.pid}, application {holder.application_name!r}, role "
+        f"{holder.role or '(hidden)'!r}, client "
         f"{holder.client_addr or 'local socket or hidden'}, since {since}"
     )

@@ -31,8 +31,10 @@ from sqlalchemy.pool import NullPool, Pool
 
 from . import statements as st
 from .config import PgStoreConfig
+from .domain import LockHolder
 from .errors import StoreError, translate_error
-from .migrations import TrustCheck
+from .migrations import ConnectCheck, TrustCheck
+from .queries import holder_of, lock_keys
 from .retry import acquisition_backoff, bounded, pause
 from .schema import schema_options
 from .telemetry import DISABLED, Telemetry
@@ -44,6 +46,10 @@ logger = logging.getLogger("cronoq_store")
 
 #: How long a graceful close of the lock session may take before the socket is dropped.
 _CLOSE_TIMEOUT = 1.0
+#: A waiting standby looks at who holds the lock every this many polls.
+_HOLDER_CHECK_POLLS = 10
+#: A standby warns about a foreign lock holder at most this often (seconds).
+_FOREIGN_WARNING_INTERVAL = 60.0
 
 
 class _Session:
@@ -148,7 +154,11 @@ class Leadership:
     dialect and the server in logs; each session is discarded when it ends, never reused.
     ``lock_key`` is the pair of advisory-lock keys. Given ``trust``, each acquisition runs
     that check on the lock session once the lock is taken, and refuses (releasing the lock,
-    no epoch taken) a schema that fails it. The object can lead many times: after a loss,
+    no epoch taken) a schema that fails it. Given ``connect``, each acquisition first checks
+    who may connect to the database and refuses to wait for the lock where untrusted roles
+    may (``config.allow_untrusted_connect`` makes that a warning). A standby waiting behind a
+    holder that is not a store instance logs it, at most every
+    ``_FOREIGN_WARNING_INTERVAL``. The object can lead many times: after a loss,
     :meth:`acquire` opens a new session and takes a new epoch.
     """
 
@@ -161,9 +171,13 @@ class Leadership:
         *,
         pool: Pool | None = None,
         trust: TrustCheck | None = None,
+        connect: ConnectCheck | None = None,
     ) -> None:
         self._url = url
         self._trust = trust
+        self._connect = connect
+        # loop.time() of the last warning about a foreign lock holder.
+        self._warned_at: float | None = None
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._config = config
@@ -298,7 +312,13 @@ class Leadership:
         try:
             if self._apply_settings:
                 await session.run(st.lock_session_settings, self._settings, timeout)
+            if self._connect is not None:
+                await self._refuse_untrusted_connect(session, self._connect, timeout)
+            polls, suspect = 0, None
             while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
+                if polls % _HOLDER_CHECK_POLLS == 0:
+                    suspect = await self._watch_holder(session, suspect, timeout)
+                polls += 1
                 if await self._closed_within(self._config.lock_poll):
                     raise self._closed_error()
             if self._trust is not None:
@@ -322,6 +342,49 @@ class Leadership:
         if found:
             me = (await session.run(trust.current_user, None, timeout)).scalar_one()
             raise trust.refusal(found, me)
+
+    async def _refuse_untrusted_connect(
+        self, session: _Session, check: ConnectCheck, timeout: float
+    ) -> None:
+        """Refuse to wait for the lock where roles the store does not trust may connect:
+        any of them could hold it forever. A warning instead with allow_untrusted_connect."""
+        found = (await session.run(check.statement, check.params, timeout)).scalars().all()
+        if not found:
+            return
+        database = (await session.run(check.database, None, timeout)).scalar_one()
+        me = (await session.run(TrustCheck.current_user, None, timeout)).scalar_one()
+        refusal = check.refusal(found, database, me)
+        if not self._config.allow_untrusted_connect:
+            raise refusal
+        logger.warning(
+            "leading although untrusted roles may connect (allow_untrusted_connect=True): "
+            "any of them can hold the leader lock and stop every instance from leading",
+            extra={"schema": self._schema, "database": database, "roles": list(found)},
+        )
+
+    async def _watch_holder(
+        self, session: _Session, suspect: int | None, timeout: float
+    ) -> int | None:
+        """Look at who holds the lock this standby waits for; warn (at most every
+        ``_FOREIGN_WARNING_INTERVAL``) about a holder that is not a store instance, once it
+        was seen twice, a check apart (a takeover is an instance before its epoch bump).
+        Returns the pid of a foreign holder seen now, for the next check."""
+        keys = lock_keys((self._key["k1"], self._key["k2"]))
+        holder = holder_of((await session.run(st.leader_holder_facts, keys, timeout)).one())
+        if holder is None or holder.store_instance:
+            return None
+        now = asyncio.get_running_loop().time()
+        recent = self._warned_at is not None and now - self._warned_at < _FOREIGN_WARNING_INTERVAL
+        if holder.pid == suspect and not recent:
+            self._warned_at = now
+            logger.warning(
+                "waiting for the leader lock, held by pid %d (role %r), a session that is not "
+                "a store instance: no instance can lead until it lets go",
+                holder.pid,
+                holder.role,
+                extra={"schema": self._schema, **_holder_fields(holder)},
+            )
+        return holder.pid
 
     async def _keep(self, session: _Session, epoch: int) -> None:
         """Check the session every ``keepalive``; step down once it was silent too long.
@@ -377,3 +440,13 @@ class Leadership:
 
     def _closed_error(self) -> StoreError:
         return StoreError(f"leadership of schema {self._schema!r} is closed")
+
+
+def _holder_fields(holder: LockHolder) -> dict[str, object]:
+    """A lock holder as a log record's fields."""
+    return {
+        "holder_pid": holder.pid,
+        "holder_role": holder.role,
+        "holder_application_name": holder.application_name,
+        "holder_since": None if holder.since is None else holder.since.isoformat(),
+    }

@@ -70,6 +70,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
+    "ConnectCheck",
     "RevisionStatus",
     "TrustCheck",
     "alembic_config",
@@ -515,6 +516,66 @@ class TrustCheck:
             "hold TRIGGER or REFERENCES on its tables or write the code their triggers run; "
             "nothing may add rules to them or reference them by foreign key, and a trigger "
             "on them must be named in trusted_triggers and have no WHEN clause"
+        )
+
+
+# Who can connect to the database: PUBLIC, and each login role that has CONNECT (directly,
+# through PUBLIC or through a role it inherits from) and is neither one that can act as us
+# (the test of _UNTRUSTED: pg_has_role(..., current_user, 'USAGE')) nor named by the
+# operator. pg_roles and has_database_privilege answer about any role.
+_UNTRUSTED_CONNECT = text(
+    """
+SELECT 'PUBLIC' WHERE has_database_privilege('public', current_database(), 'CONNECT')
+UNION ALL (
+    SELECT quote_ident(r.rolname) FROM pg_roles r
+    WHERE r.rolcanlogin AND has_database_privilege(r.oid, current_database(), 'CONNECT')
+        AND NOT pg_has_role(r.oid, current_user, 'USAGE')
+        AND NOT r.rolname::text = ANY (:roles)
+    ORDER BY 1
+)
+"""
+).bindparams(bindparam("roles", type_=ARRAY(Text)))
+
+#: How many untrusted roles a refusal names before it counts the rest.
+_NAMED_ROLES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectCheck:
+    """Who besides trusted roles may connect to the store's database: any such role can
+    take the leader lock (``pg_locks`` shows every key to everyone) and stop every instance
+    from leading. The lock session runs it before it polls for the lock
+    (:class:`~cronoq_store.leadership.Leadership`). Trusted are the lock session's role,
+    superusers, roles that can act as it, and ``trusted_roles`` (by exact name). Needs
+    ``search_path`` = ``pg_catalog, pg_temp``.
+    """
+
+    #: Roles the operator lets connect (``PgStoreConfig.trusted_roles``), and the store's
+    #: pool role.
+    trusted_roles: frozenset[str] = frozenset()
+
+    statement: ClassVar[Executable] = _UNTRUSTED_CONNECT
+    database: ClassVar[Executable] = select(func.current_database())
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"roles": sorted(self.trusted_roles)}
+
+    def refusal(self, found: Sequence[str], database: str, me: str) -> MigrationError:
+        """The error naming who may connect to ``database`` (as ``me`` saw it), and the fix."""
+        named = ", ".join(found[:_NAMED_ROLES])
+        if len(found) > _NAMED_ROLES:
+            named += f" and {len(found) - _NAMED_ROLES} more"
+        quoted = '"' + database.replace('"', '""') + '"'
+        return MigrationError(
+            f"database {database!r} lets roles the store does not trust connect, refusing to "
+            f"lead: CONNECT is granted to {named}. Any role that can connect can take the "
+            "leader lock and stop every instance from leading. Run `REVOKE CONNECT ON "
+            f"DATABASE {quoted} FROM PUBLIC`, grant CONNECT only to the store's roles and "
+            f"those you trust, and name the latter in trusted_roles (trusted already: {me!r}, "
+            f"superusers and roles that can act as {me!r}); or set "
+            "allow_untrusted_connect=True to lead anyway (docs/reliability.md, "
+            '"Who holds the lock")'
         )
 
 

@@ -8,6 +8,7 @@ there is one loop that takes the leader row lock before every batch.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,18 +36,20 @@ from .rows import RECORD_COLUMNS, task_record
 __all__ = [
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
+    "TAKEOVER_GRACE",
     "ClusterFacts",
     "ListedTask",
     "cluster_facts",
+    "facts_of",
     "finished_params",
     "get_listed_task",
     "get_task",
+    "holder_of",
     "leader_lock_holder",
     "list_finished",
     "list_listed_finished",
     "listed_task",
     "load_output",
-    "lock_holder",
     "lock_keys",
     "lookup_params",
     "prune",
@@ -207,29 +210,23 @@ class ClusterFacts(NamedTuple):
     revision: tuple[str, ...]
 
 
-async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
-    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and the
-    recorded revisions, in one statement: what ``PgStore.health`` and ``cronoq-store
-    health`` report."""
-    row = (await conn.execute(st.health_facts, lock_keys(lock))).one()
-    return ClusterFacts(row.epoch, lock_holder(row), tuple(sorted(row.revisions or ())))
-
-
-async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:
-    """Who holds the leader lock ``lock``, also where the schema has no leader row to read
-    (not migrated, or its tables dropped under a running leader)."""
-    return lock_holder((await conn.execute(st.leader_lock_holder, lock_keys(lock))).first())
+#: How long a holder that is not (yet) a store instance gets before it is reported as
+#: foreign: a takeover checks the schema between taking the lock and moving the epoch (a
+#: few milliseconds, two statements), and a probe landing there must not see an intruder.
+TAKEOVER_GRACE = 0.5
 
 
 def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
-    """The parameters of :data:`~cronoq_store.statements.leader_lock_holder` for the store's
+    """The parameters of :data:`~cronoq_store.statements.health_facts` for the store's
     keys: the store passes the schema OID as a signed int4; pg_locks shows it unsigned."""
     return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
 
 
-def lock_holder(row: Any) -> LockHolder | None:
-    """The holder in a row of ``leader_lock_holder``'s columns; ``None`` for no row or pid."""
-    if row is None or row.pid is None:
+def holder_of(row: Any, *, store_instance: bool | None = None) -> LockHolder | None:
+    """The holder in a row of :data:`~cronoq_store.statements.leader_holder_facts` (or of
+    :data:`~cronoq_store.statements.health_facts`); ``store_instance`` where the row
+    cannot say (:func:`leader_lock_holder`)."""
+    if row.pid is None:
         return None
     since = row.backend_start
     return LockHolder(
@@ -237,4 +234,33 @@ def lock_holder(row: Any) -> LockHolder | None:
         application_name=row.application_name,
         client_addr=row.client_addr,
         since=None if since is None else since.astimezone(timezone.utc),
+        role=row.usename,
+        store_instance=bool(row.store_instance) if store_instance is None else store_instance,
     )
+
+
+def facts_of(row: Any) -> ClusterFacts:
+    """A row of :data:`~cronoq_store.statements.health_facts`, as facts."""
+    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())))
+
+
+async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and whether
+    it is a store instance, and the recorded revisions: what ``PgStore.health`` and
+    ``cronoq-store health`` report. One statement; a holder that is not a store instance is
+    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
+    keys = lock_keys(lock)
+    facts = facts_of((await conn.execute(st.health_facts, keys)).one())
+    if facts.holder is None or facts.holder.store_instance:
+        return facts
+    await asyncio.sleep(TAKEOVER_GRACE)
+    await conn.execute(st.clear_stats_snapshot)
+    return facts_of((await conn.execute(st.health_facts, keys)).one())
+
+
+async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:
+    """Who holds the leader lock ``lock`` where the schema has no leader row to read (not
+    migrated, or its tables dropped under a running leader): without the row nobody can
+    be told a store instance, so none is."""
+    row = (await conn.execute(st.leader_lock_holder, lock_keys(lock))).first()
+    return None if row is None else holder_of(row, store_instance=False)

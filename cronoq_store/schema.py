@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    DateTime,
     Index,
     Integer,
     LargeBinary,
@@ -28,7 +29,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, OID
 
 __all__ = [
     "LEADER_ROW_ID",
@@ -66,6 +67,15 @@ leader = Table(
     Column("epoch", Integer, nullable=False, server_default=text("0")),
     # High-water mark of issued task ids, so pruning can never cause id reuse.
     Column("max_id", BigInteger, nullable=False, server_default=text("0")),
+    # The lock session that took the current epoch (its pid, backend start and role), so
+    # that anyone can tell the leader from a session that only holds the lock: only a role
+    # that may write this row can record itself (docs/reliability.md, "Who holds the lock").
+    Column("holder_pid", Integer),
+    Column("holder_backend_start", DateTime(timezone=True)),
+    Column("holder_role", OID),
+    # The epoch that session took: an epoch that moved without it (a build before this
+    # column, mid rolling upgrade) leaves the record stale, and the holder unknown.
+    Column("holder_epoch", Integer),
     CheckConstraint("id = 1", name="single_row"),
 )
 

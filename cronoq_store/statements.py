@@ -114,12 +114,37 @@ try_leader_lock = select(
     func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
 )
 
-#: Taking the lock bumps the epoch, wrapping 32767 -> 1; returns the new epoch.
+_own_session = table(
+    "pg_stat_activity",
+    column("pid", Integer),
+    column("backend_start", postgresql.TIMESTAMP(timezone=True)),
+    column("usesysid", postgresql.OID),
+    schema="pg_catalog",
+)
+
+
+def _own(name: str) -> Any:
+    """A column of this session's own ``pg_stat_activity`` row (always visible to it)."""
+    return (
+        select(_own_session.c[name])
+        .where(_own_session.c.pid == func.pg_backend_pid())
+        .scalar_subquery()
+    )
+
+
+#: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
+#: did (pid, backend start, role): what tells the leader from a session that only holds the
+#: lock (:data:`health_facts`). Returns the new epoch.
+_next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
 bump_epoch = (
     update(leader)
     .where(leader.c.id == LEADER_ROW_ID)
     .values(
-        epoch=case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1),
+        epoch=_next_epoch,
+        holder_epoch=_next_epoch,
+        holder_pid=func.pg_backend_pid(),
+        holder_backend_start=_own("backend_start"),
+        holder_role=_own("usesysid"),
     )
     .returning(leader.c.epoch)
 )
@@ -795,11 +820,15 @@ _pg_locks = Table(
     Column("objsubid", Integer),
     Column("pid", Integer),
     Column("granted", Boolean),
+    Column("relation", postgresql.OID),
+    Column("mode", Text),
 )
 _pg_stat_activity = Table(
     "pg_stat_activity",
     _catalog,
     Column("pid", Integer),
+    Column("usesysid", postgresql.OID),
+    Column("usename", Text),
     Column("application_name", Text),
     Column("client_addr", postgresql.INET),
     Column("backend_start", postgresql.TIMESTAMP(timezone=True)),
@@ -833,6 +862,8 @@ leader_state = select(leader.c.epoch, leader.c.max_id).where(leader.c.id == LEAD
 leader_lock_holder = (
     select(
         _pg_stat_activity.c.pid,
+        _pg_stat_activity.c.usesysid,
+        _pg_stat_activity.c.usename,
         _pg_stat_activity.c.application_name,
         func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
         _pg_stat_activity.c.backend_start,
@@ -902,29 +933,94 @@ tasks_with_kind_or_message = select(func.count()).where(
 
 # --- health (``PgStore.health``, ``cronoq-store health``) ----------------------------------
 
-__all__ += ["health_facts"]
+__all__ += ["health_facts", "leader_holder_facts"]
 
 # Alembic's version table, schema-less like the store's tables so the cluster's schema is
 # applied at execution; only its one column is read.
 _versions = Table(VERSION_TABLE, MetaData(), Column("version_num", Text))
 _holder = leader_lock_holder.subquery("h")
+# The leader table's own OID (its ``tableoid``), to find locks on it in ``pg_locks``.
+_leader_oid = Table(leader.name, MetaData(), Column("tableoid", postgresql.OID))
 
-#: In one round trip: the stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL
-#: columns when none holds it) and the revisions the version table records.
-health_facts = (
+#: Whether the holder is the lock session the leader row records: the same pid and role,
+#: and the same backend start where the reader may see it (pg_read_all_stats). A holder
+#: that never moved the epoch (any role that can connect can take the lock) is not.
+_recorded = and_(
+    _holder.c.pid == leader.c.holder_pid,
+    _holder.c.usesysid == leader.c.holder_role,
+    or_(
+        _holder.c.backend_start.is_(None),
+        _holder.c.backend_start == leader.c.holder_backend_start,
+    ),
+)
+#: Whether the current epoch was taken by a build that does not record its holder (before
+#: revision 0007, mid rolling upgrade): the holder is then unknown, and not called foreign.
+#: Epoch 0 was never taken: a holder there is foreign. Only a writer of the row can move it.
+_unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
+#: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
+#: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
+#: the old leader's commits) and keeps until it commits, and its role may update the table.
+#: ``pg_locks`` shows every session's locks to every role.
+_leader_table = select(_leader_oid.c.tableoid).limit(1).scalar_subquery()
+_bumping = and_(
+    select(_pg_locks.c.pid)
+    .where(
+        _pg_locks.c.pid == _holder.c.pid,
+        _pg_locks.c.locktype == "relation",
+        _pg_locks.c.relation == _leader_table,
+        _pg_locks.c.mode == "RowExclusiveLock",
+        _pg_locks.c.granted,
+    )
+    .exists(),
+    # A statement takes that lock when parsed, its privileges are checked when it runs:
+    # `PREPARE ... AS UPDATE` in an open transaction holds it for any role with USAGE on
+    # the schema.
+    func.pg_catalog.has_table_privilege(
+        _holder.c.usesysid, _leader_table, literal("UPDATE", Text), type_=Boolean
+    ),
+)
+
+#: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
+#: holds it) and whether it is a store instance (the session the leader row records, or one
+#: bumping the epoch now): what a waiting standby's lock session reads, with no more
+#: privilege than it has (``SELECT`` on the leader row).
+leader_holder_facts = (
     select(
         leader.c.epoch,
         _holder.c.pid,
+        _holder.c.usename,
         _holder.c.application_name,
         _holder.c.client_addr,
         _holder.c.backend_start,
-        select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
-        .scalar_subquery()
-        .label("revisions"),
+        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
     )
     .select_from(leader.outerjoin(_holder, true()))
     .where(leader.c.id == LEADER_ROW_ID)
 )
+
+#: In one round trip: :data:`leader_holder_facts` and the revisions the version table
+#: records.
+health_facts = leader_holder_facts.add_columns(
+    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+    .scalar_subquery()
+    .label("revisions")
+)
+
+#: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),
+#: which stores refuse to lead in: what ``cronoq-store health`` can tell from any role.
+public_may_connect = select(
+    func.pg_catalog.has_database_privilege(
+        literal("public", Text), func.current_database(), literal("CONNECT", Text), type_=Boolean
+    )
+)
+
+__all__ += ["public_may_connect"]
+
+#: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
+#: the lock holder in the same transaction sees sessions as they are now.
+clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
+
+__all__ += ["clear_stats_snapshot"]
 
 # --- a forced handover (``cronoq-store handover``) ------------------------------------------
 

@@ -89,6 +89,7 @@ class PgStore:
         owns_engine: bool,
         lock_url: URL,
         lock_pool: Pool | None = None,
+        pool_role: str | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID."""
@@ -126,7 +127,15 @@ class PgStore:
             config,
             pool=lock_pool,
             trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
+            # The pool's role connects as the store does: trusted by its lock session too.
+            connect=migrations.ConnectCheck(
+                config.trusted_roles | ({pool_role} if pool_role is not None else set())
+            ),
         )
+        # Who may connect, as health() reads it on the pool's role: its lock role is the
+        # store's too.
+        lock_role = {lock_url.username} if lock_url.username else set()
+        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -248,6 +257,7 @@ class PgStore:
             async with engine.begin() as conn:
                 await conn.execute(st.local_search_path)
                 oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
+                pool_role = (await conn.execute(migrations.TrustCheck.current_user)).scalar_one()
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -257,6 +267,7 @@ class PgStore:
             config,
             schema_oid=oid,
             owns_engine=owns_engine,
+            pool_role=pool_role,
             lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
             # An application's engine may connect through a creator, TLS or connect_args
             # its URL does not show: a pool made like its own (Pool.recreate) makes the
@@ -330,7 +341,11 @@ class PgStore:
         Once the lock is taken, and before the epoch is bumped, the lock session runs the
         schema's trust check again (:class:`~cronoq_store.migrations.TrustCheck`): a trigger
         or grant added since the store opened makes this raise ``MigrationError``, with the
-        lock released and no epoch taken.
+        lock released and no epoch taken. Before it waits for the lock, it refuses, with
+        ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
+        has ``CONNECT`` (:class:`~cronoq_store.migrations.ConnectCheck`; unless
+        ``allow_untrusted_connect``): any such role could hold the lock forever. While it
+        waits behind a holder that is not a store instance, it logs a warning naming it.
         """
         # A standby holds no writer connection, and a new term takes a fresh one.
         await self._commits.release()
@@ -587,15 +602,20 @@ class PgStore:
 
     async def health(self) -> Health:
         """This instance's leadership and the cluster's, the schema's revision against this
-        build's head, and the age of this instance's last successful commit, read in one
-        statement: for an application's readiness endpoint. "Not healthy" is a fact in the
-        result (no leader, not at head); only a database that cannot be read raises
-        (``UnavailableError`` or ``StoreError``). A schema whose tables are gone (never
+        build's head, the age of this instance's last successful commit, and who may
+        connect that the store does not trust: for an application's readiness endpoint.
+        "Not healthy" is a fact in the result (no leader, a foreign lock holder, not at
+        head); only a database that cannot be read raises (``UnavailableError`` or
+        ``StoreError``). A holder that is not a store instance (it never took the epoch) is
+        read again after :data:`~cronoq_store.queries.TAKEOVER_GRACE` and reported in
+        ``foreign_holder``, never as a leader. A schema whose tables are gone (never
         migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
-        with whoever holds its leader lock."""
+        with whoever holds its leader lock (not a store instance: nothing records one)."""
+        check = self._connect_check
         try:
             async with self._translated("reading health"), self._session() as conn:
                 facts = await queries.cluster_facts(conn, self._leader_lock)
+                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
@@ -603,6 +623,7 @@ class PgStore:
             async with self._translated("reading health"), self._session() as conn:
                 holder = await queries.leader_lock_holder(conn, self._leader_lock)
                 status = await conn.run_sync(migrations.revision_status, self._config.schema)
+                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
             facts = queries.ClusterFacts(0, holder, status.current)
         last = self._last_commit
         return Health(
@@ -613,6 +634,7 @@ class PgStore:
             revision=facts.revision,
             head=migrations.head_revision(),
             last_commit_age=None if last is None else time.monotonic() - last,
+            untrusted_connect=tuple(untrusted),
         )
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:

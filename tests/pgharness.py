@@ -10,6 +10,7 @@ does not own (an external URL) cannot be stopped, so those tests say so and skip
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -124,6 +125,10 @@ class ContainerServer:
         from testcontainers.postgres import PostgresContainer
 
         self.container: Any = PostgresContainer("postgres:18", driver=None).start()
+        # As the store requires of its database (and EmbeddedPostgres does): only roles
+        # granted CONNECT may connect.
+        database = self.url.database or "postgres"
+        asyncio.run(admin_execute(self.url, f'REVOKE CONNECT ON DATABASE "{database}" FROM PUBLIC'))
 
     @property
     def url(self) -> URL:

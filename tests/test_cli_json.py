@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from sqlalchemy.engine import URL
@@ -77,6 +78,8 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
         doc = document(probe.stdout)
         assert doc["leader"]["since"] is not None
         assert rfc3339(doc["leader"].pop("since")) <= datetime.now(timezone.utc)
+        # The lock's holder, whoever it is; here the leader.
+        assert doc.pop("lock_holder") == {**doc["leader"], "since": ANY}
         assert doc == {
             "healthy": True,
             "schema": migrated,
@@ -88,8 +91,11 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
                 "pid": row["pid"],
                 "application_name": "probe-a leader",
                 "client_addr": "127.0.0.1",
+                "role": pg_url.username,
+                "store_instance": True,
             },
             "reasons": [],
+            "warnings": [],
         }
 
         # Behind head and leading: 4, whatever the leader.

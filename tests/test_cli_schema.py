@@ -156,8 +156,8 @@ async def test_downgrade_asks_then_undoes_the_revisions_named(pg_url: URL, migra
     unconfirmed = await run("--url", url, "--schema", migrated, "downgrade", "0004")
     assert unconfirmed.exit_code == ExitCode.USAGE, unconfirmed.output
     assert (
-        f"undoing {head_revision()}, 0005_task_tenant? What they hold is lost. Pass --yes"
-        in unconfirmed.stderr
+        f"undoing {head_revision()}, 0006_drop_legacy_version_table, 0005_task_tenant? What "
+        "they hold is lost. Pass --yes" in unconfirmed.stderr
     )
     assert await versions(pg_url, migrated) == [head_revision()]
 
@@ -253,12 +253,12 @@ async def test_downgrade_on_a_terminal_asks_and_a_no_changes_nothing(
     pg_url: URL, migrated: str
 ) -> None:
     url = full(pg_url)
-    args = ("--url", url, "--schema", migrated, "downgrade", "0005_task_tenant")
+    args = ("--url", url, "--schema", migrated, "downgrade", "0006_drop_legacy_version_table")
     code, shown = await asyncio.to_thread(on_a_terminal, "n", *args)
     assert code == ExitCode.FAILED, shown
     assert f"undoing {head_revision()}? What they hold is lost. [y/N]" in shown
     assert await versions(pg_url, migrated) == [head_revision()]
     code, shown = await asyncio.to_thread(on_a_terminal, "y", *args)
     assert code == 0, shown
-    assert f"downgraded: {head_revision()} -> 0005_task_tenant" in shown
-    assert await versions(pg_url, migrated) == ["0005_task_tenant"]
+    assert f"downgraded: {head_revision()} -> 0006_drop_legacy_version_table" in shown
+    assert await versions(pg_url, migrated) == ["0006_drop_legacy_version_table"]

@@ -83,6 +83,8 @@ async def roles(pg_url: URL, schema: str) -> AsyncIterator[Roles]:
         pytest.skip("needs a server where the suite may create roles")
     try:
         await admin_execute(pg_url, f"CREATE ROLE {runtime} LOGIN PASSWORD '{runtime_pw}'")
+        # The database lets only the store's roles connect (docs/reliability.md).
+        await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{database}" TO {owner}, {runtime}')
         await admin_execute(pg_url, f'GRANT CREATE ON DATABASE "{database}" TO {owner}')
         urls = Roles(
             owner=pg_url.set(username=owner, password=owner_pw),

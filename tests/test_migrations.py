@@ -88,12 +88,14 @@ ADDED_BY = {
     "0003_recurring_last_task_id": "cronoq_recurring.last_task_id",
     "0004_task_labels": "cronoq_tasks.labels",
     "0005_task_tenant": "cronoq_tasks.tenant",
+    "0007_leader_holder": "cronoq_leader.holder_pid",
 }
 
 
 def test_revisions_mirror_the_five_legacy_steps_then_adopt() -> None:
     assert REVISIONS[:5] == [LEGACY_REVISIONS[v] for v in range(1, 6)]
-    assert REVISIONS[-1] == head_revision() == "0006_drop_legacy_version_table"
+    assert REVISIONS[5] == "0006_drop_legacy_version_table"
+    assert REVISIONS[-1] == head_revision() == "0007_leader_holder"
 
 
 async def test_every_revision_up_and_down(engine: AsyncEngine, schema: str) -> None:

@@ -53,7 +53,9 @@ async def attacker(pg_url: URL, schema: str) -> AsyncIterator[Attacker]:
     except asyncpg.InsufficientPrivilegeError:
         pytest.skip("needs a server where the suite may create roles")
     try:
-        await admin_execute(pg_url, f'GRANT CREATE ON DATABASE "{pg_url.database}" TO {name}')
+        await admin_execute(
+            pg_url, f'GRANT CONNECT, CREATE ON DATABASE "{pg_url.database}" TO {name}'
+        )
         yield Attacker(name, pg_url.set(username=name, password=password))
     finally:
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -89,7 +91,15 @@ async def plant_operator(attacker: Attacker, schema: str) -> None:
 
 
 def config(schema: str) -> PgStoreConfig:
-    return PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
+    """The attacker may connect (it plants what these tests refuse): trusted to connect, not
+    to plant, so that acquisitions meet the schema's trust check."""
+    return PgStoreConfig(
+        schema=schema,
+        lock_poll=0.05,
+        keepalive=0.2,
+        session_timeout=1.0,
+        trusted_roles=frozenset({f"{schema}_atk"}),
+    )
 
 
 def refused(schema: str, attacker: str) -> list[str]:
@@ -665,6 +675,7 @@ async def test_the_lock_session_checks_as_its_own_role(
     owner, lock = attacker, f"{schema}_lock"
     password = secrets.token_urlsafe(18)
     await admin_execute(pg_url, f"CREATE ROLE {lock} LOGIN PASSWORD '{password}'")
+    await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {lock}')
     try:
         async with await PgStore.connect(owner.url, config(schema)):  # the owner migrates
             for grant in [f"USAGE ON SCHEMA {schema}", f"SELECT, UPDATE ON {schema}.cronoq_leader"]:

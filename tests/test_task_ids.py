@@ -58,7 +58,7 @@ async def snapshot(store: PgStore) -> tuple[list[Any], list[Any]]:
     schema = store.config.schema
     async with store.engine.connect() as conn:
         tasks = await conn.execute(text(f'SELECT * FROM "{schema}".cronoq_tasks ORDER BY id'))
-        leader = await conn.execute(text(f'SELECT * FROM "{schema}".cronoq_leader'))
+        leader = await conn.execute(text(f'SELECT id, epoch, max_id FROM "{schema}".cronoq_leader'))
         return [tuple(r) for r in tasks], [tuple(r) for r in leader]
 
 

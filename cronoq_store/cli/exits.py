@@ -30,6 +30,7 @@ class ExitCode(IntEnum):
     NOT_MIGRATED = 4
     NEWER_DATABASE = 5
     NO_LEADER = 6
+    FOREIGN_HOLDER = 7
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -44,6 +45,8 @@ Exit codes:
      (run `cronoq-store migrate`)
   {ExitCode.NEWER_DATABASE:d}  the schema was migrated by a newer cronoq-store: upgrade it
   {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
+  {ExitCode.FOREIGN_HOLDER:d}  (health) a session that is not a store instance holds the
+     leader lock: no instance can lead until it lets go
 """
 
 

@@ -1,6 +1,7 @@
 """``cronoq-store health``: a probe for orchestrators. Exit 0 only when the schema is at this
 build's head and some instance holds the leader lock; otherwise the exit code says which
-(5 newer database, 4 not at head, 6 no leader) and each reason is one line."""
+(5 newer database, 4 not at head, 7 the lock held by a session that is not a store
+instance, 6 no leader) and each reason is one line."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ __all__ = ["health"]
 )
 @click.pass_obj
 def health(options: Options, as_json: bool) -> None:
-    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5 or 6."""
+    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5, 6 or 7."""
     code = run(options.url, _health(options, as_json, output.console()))
     if code is not ExitCode.OK:
         raise click.exceptions.Exit(int(code))
@@ -35,6 +36,7 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     facts: ClusterFacts | None = None
     holder: LockHolder | None = None
     async with database.database(options) as conn:
+        public = bool((await conn.execute(st.public_may_connect)).scalar())
         revision = await database.revision(conn, options.schema)
         if revision.exists:
             oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
@@ -48,6 +50,7 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
                 # dropped under it): say so rather than "no instance holds the lock".
                 holder = await queries.leader_lock_holder(conn, lock)
     code, reasons = _verdict(revision, facts, holder)
+    warnings = [_PUBLIC_CONNECT] if public else []
     if as_json:
         output.emit_json(
             {
@@ -57,11 +60,14 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
                 "head": revision.head,
                 "at_head": revision.at_head,
                 "stored_epoch": None if facts is None else facts.stored_epoch,
-                "leader": output.holder_document(holder),
+                "leader": output.holder_document(output.leader_of(holder)),
+                "lock_holder": output.holder_document(holder),
                 "reasons": reasons,
+                "warnings": warnings,
             }
         )
-    elif holder is not None and facts is not None and code is ExitCode.OK:
+        return code
+    if holder is not None and facts is not None and code is ExitCode.OK:
         console.print(
             f"healthy: schema {options.schema} at {revision.head}, leader pid {holder.pid} "
             f"({holder.application_name or 'details hidden'}), epoch {facts.stored_epoch}"
@@ -69,7 +75,17 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     else:
         for reason in reasons:
             console.print(f"unhealthy: {reason}")
+    for warning in warnings:
+        console.print(f"warning: {warning}")
     return code
+
+
+#: Why a database where PUBLIC may connect is worth a line (docs/reliability.md).
+_PUBLIC_CONNECT = (
+    "every role may connect to this database (CONNECT is granted to PUBLIC), so any of them "
+    "can hold the leader lock: instances refuse to lead here unless allow_untrusted_connect; "
+    "run REVOKE CONNECT ON DATABASE ... FROM PUBLIC"
+)
 
 
 def _verdict(
@@ -92,4 +108,7 @@ def _verdict(
             f"pid {holder.pid} ({holder.application_name or 'details hidden'}) holds the "
             f"leader lock, but schema {revision.schema} is not migrated: it cannot lead it"
         )
+    elif not holder.store_instance:
+        codes.append(ExitCode.FOREIGN_HOLDER)
+        reasons.append(output.describe_foreign(holder))
     return (codes[0] if codes else ExitCode.OK), reasons

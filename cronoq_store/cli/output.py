@@ -42,10 +42,12 @@ from ..terminal_safe import json_text, visible
 __all__ = [
     "ago",
     "console",
+    "describe_foreign",
     "describe_schedule",
     "emit_json",
     "format_duration",
     "holder_document",
+    "leader_of",
     "preview",
     "print_facts",
     "print_table",
@@ -168,7 +170,30 @@ def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
         "application_name": holder.application_name,
         "client_addr": holder.client_addr,
         "since": rfc3339(holder.since),
+        "role": holder.role,
+        "store_instance": holder.store_instance,
     }
+
+
+def leader_of(holder: LockHolder | None) -> LockHolder | None:
+    """The holder when it is a store instance: a foreign holder is never shown as leader."""
+    return holder if holder is not None and holder.store_instance else None
+
+
+def describe_foreign(holder: LockHolder) -> str:
+    """A lock holder that is not a store instance, in words: pid, role, application name
+    and since when (``health``, ``status``)."""
+    since = (
+        "since an unknown time"
+        if holder.since is None
+        else (f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})")
+    )
+    return (
+        f"pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
+        f"{holder.application_name or ''!r}, session {since}, holds the leader lock but is "
+        "not a store instance (it never took the epoch): no instance can lead until it lets "
+        "go (`cronoq-store handover` ends it)"
+    )
 
 
 def task_document(record: TaskRecord, status: str) -> dict[str, object]:

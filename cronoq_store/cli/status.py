@@ -62,7 +62,8 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
                 "epoch": epoch,
                 "max_id": max_id,
                 "lock": list(keys),
-                "leader": output.holder_document(facts.holder),
+                "leader": output.holder_document(output.leader_of(facts.holder)),
+                "lock_holder": output.holder_document(facts.holder),
                 "quarantined": quarantined,
                 "tasks": [
                     {
@@ -130,6 +131,11 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
     """The leader lock's holder as label-and-value lines (``status``, ``handover``)."""
     if holder is None:
         return [("leader", f"none: no session holds the {lock}")]
+    if not holder.store_instance:
+        return [
+            ("leader", f"none: the {lock} is held by a session that is not a store instance"),
+            ("lock holder", output.describe_foreign(holder)),
+        ]
     if holder.since is None:
         # Another role's session, and this one may not see its details.
         return [

@@ -115,7 +115,8 @@ async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
         "schema": schema,
         **_revision_document(revision),
         "stored_epoch": None if facts is None else facts.stored_epoch,
-        "leader": output.holder_document(holder),
+        "leader": output.holder_document(output.leader_of(holder)),
+        "lock_holder": output.holder_document(holder),
         # What `cronoq-store health --json` says of this schema.
         "health": {"healthy": code == 0, "exit_code": int(code), "reasons": reasons},
     }

@@ -100,14 +100,25 @@ class EmbeddedPostgres:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> EmbeddedPostgres:
-        """Initialise the data directory if needed and start the server; waits until ready."""
-        if not (self.data_dir / "PG_VERSION").exists():
+        """Initialise the data directory if needed and start the server; waits until ready.
+
+        A new server's ``postgres`` database lets no one but the superuser connect
+        (``REVOKE CONNECT ... FROM PUBLIC``), as a store requires of its database: a role a
+        test creates connects only where it is granted ``CONNECT``.
+        """
+        fresh = not (self.data_dir / "PG_VERSION").exists()
+        if fresh:
             self._init()
         options = " ".join(
             [f"-p {self.port}", f"-k {self.socket_dir}"]
             + [f"-c {k}={v}" for k, v in self.settings.items()]
         )
         self._pg_ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", options)
+        if fresh:
+            # Local: settings may ask for a synchronous standby that does not exist yet.
+            self._psql(
+                "SET synchronous_commit = local", "REVOKE CONNECT ON DATABASE postgres FROM PUBLIC"
+            )
         return self
 
     def stop(self, mode: StopMode = "fast") -> None:
@@ -229,6 +240,15 @@ class EmbeddedPostgres:
                 f"{program} failed ({result.returncode}): {result.stderr.strip()}\n"
                 f"{self.log_tail()}"
             )
+
+    def _psql(self, *statements: str) -> None:
+        """Run statements, in one session, as the superuser, over the private socket."""
+        self._run(
+            "psql",
+            *("-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", str(self.socket_dir)),
+            *("-p", str(self.port), "-U", _SUPERUSER, "-d", "postgres"),
+            *(arg for statement in statements for arg in ("-c", statement)),
+        )
 
     def _pg_ctl(self, *args: str) -> None:
         self._run("pg_ctl", "-D", str(self.data_dir), *args)

@@ -169,7 +169,8 @@ def refreshing(pg_url: URL, tmp_path: Path) -> Iterator[Console]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[webdriver.Chrome]:
+def chromium() -> Iterator[webdriver.Chrome]:
+    """One browser per module (starting one takes about a second)."""
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in CHROMIUM_FLAGS:
@@ -182,6 +183,18 @@ def browser() -> Iterator[webdriver.Chrome]:
             yield driver
         finally:
             driver.quit()
+
+
+@pytest.fixture
+def browser(chromium: webdriver.Chrome) -> Iterator[webdriver.Chrome]:
+    """The module's browser, left on a blank page with its log read out after each test: a
+    page of an earlier test's console, polling a server that has stopped, would otherwise
+    log its refused connections into the next test."""
+    try:
+        yield chromium
+    finally:
+        chromium.get("about:blank")
+        chromium.get_log("browser")  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture

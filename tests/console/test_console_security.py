@@ -250,6 +250,7 @@ async def test_a_role_that_can_only_read_sees_every_page(
     role, password = f"ro_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     await admin_execute(pg_url, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
     try:
+        await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {role}')
         await admin_execute(pg_url, f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
         await admin_execute(pg_url, f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
         reader = pg_url.set(username=role, password=password)
@@ -285,6 +286,7 @@ async def test_a_role_that_can_only_read_sees_every_page(
     finally:
         await admin_execute(pg_url, f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
         await admin_execute(pg_url, f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+        await admin_execute(pg_url, f'REVOKE ALL ON DATABASE "{pg_url.database}" FROM {role}')
         await admin_execute(pg_url, f"DROP ROLE {role}")
 
 

@@ -63,6 +63,7 @@ from cronoq_store.testing._unprivileged import (
 )
 
 from ..pgbouncer import find_pgbouncer
+from ..pgharness import admin_execute
 from ..tcpproxy import TcpProxy
 
 __all__ = [
@@ -285,6 +286,11 @@ class HaStack:
             # The first node bootstraps the cluster; the others clone it.
             self.spawn(self.nodes[0])
             await self._wait(lambda: self._role_is(self.nodes[0], "primary"), _BOOT, "n1 to lead")
+            # As the store requires (docs/reliability.md, "Who holds the lock"): Patroni's
+            # replicator is a login role, and must not be able to connect to the database.
+            await admin_execute(
+                self.node_url(self.nodes[0].name), "REVOKE CONNECT ON DATABASE postgres FROM PUBLIC"
+            )
             for node in self.nodes[1:]:
                 self.spawn(node)
             await self.wait_healthy()

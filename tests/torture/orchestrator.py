@@ -321,6 +321,7 @@ async def _prepare(admin: URL, profile: Profile) -> tuple[str, int]:
     password = secrets.token_urlsafe(18)  # URL-safe characters only: fine inside quotes
     statements = [
         f"CREATE ROLE {LOCK_ROLE} LOGIN PASSWORD '{password}'",
+        f'GRANT CONNECT ON DATABASE "{admin.database or "postgres"}" TO {LOCK_ROLE}',
         f'GRANT USAGE ON SCHEMA "{SCHEMA}" TO {LOCK_ROLE}',
         f'GRANT SELECT, UPDATE ON "{SCHEMA}".cronoq_leader TO {LOCK_ROLE}',
     ]
