@@ -827,10 +827,11 @@ def _refuse_defaulted_schema(context: EnvironmentContext, schema: str, conn: Con
         )
 
 
-def _showing_current(context: EnvironmentContext) -> bool:
-    """Whether this run is ``alembic current``, which only reads."""
+def _command_name(context: EnvironmentContext) -> str:
+    """The Alembic command this run is (``current``, ``downgrade``...), or ``""`` when
+    called from code."""
     command_line = getattr(context.config.cmd_opts, "cmd", None)
-    return command_line is not None and getattr(command_line[0], "__name__", "") == "current"
+    return "" if command_line is None else getattr(command_line[0], "__name__", "")
 
 
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
@@ -839,11 +840,14 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
         conn.execute(st.local_search_path)
         conn.execute(_lock(schema))
         _refuse_defaulted_schema(context, schema, conn)
-        if _showing_current(context) and not revision_status(conn, schema).current:
-            # `current` would print nothing (and create the schema): say why instead.
-            context.config.print_stdout(
-                f"schema {schema!r} holds no cronoq cluster (not migrated): nothing to show"
-            )
+        command = _command_name(context)
+        if command in ("current", "downgrade") and not revision_status(conn, schema).current:
+            # `current` would print nothing and a downgrade do nothing (both creating the
+            # schema) and exit 0: say why instead; a downgrade of a typo fails.
+            said = f"schema {schema!r} holds no cronoq cluster (not migrated)"
+            if command == "downgrade":
+                raise MigrationError(f"{said}: nothing to downgrade")
+            context.config.print_stdout(f"{said}: nothing to show")
             return
         # Created first (a no-op if it exists) and then checked: a schema that another role
         # creates between a check and our CREATE ... IF NOT EXISTS is still refused.

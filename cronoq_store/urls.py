@@ -12,6 +12,7 @@ secret-bearing ones such as ``sslpassword``), and a libpq keyword DSN in ``key=v
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -55,6 +56,8 @@ _TLS_PARAMETERS = frozenset(
         "sslnegotiation",
     }
 )
+#: The TLS parameters that name files.
+_TLS_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 _TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")
 #: Parameters SQLAlchemy hands to ``asyncpg.connect()`` as they are, which it accepts.
@@ -79,10 +82,18 @@ _PASSED_PARAMETERS = frozenset(
 _SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token")
 # The user info of a URL: the password runs up to the last "@" before the host (a password
 # with an unencoded "@" is masked whole, even where SQLAlchemy would split it).
-_USERINFO = re.compile(r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:[/?\s]|$))")
+# An "@" is not the user info's end when another follows it before the query or a space, or
+# in the query's first name (a password "a@b/c" leaves "b/c@host/db", "a@b?c" "b?c@host"):
+# the password runs to that one.
+_USERINFO = re.compile(
+    r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:[/?\s]|$))(?!@[^\s?]*@|@[^\s?]*\?[^=&\s]*@)"
+)
 # The user info of a URL as typed, when its parts cannot be told apart (an unencoded "@" or
 # space in the password): the password runs to the URL's last "@".
 _TYPED_USERINFO = re.compile(r"\A(?P<head>[\w+.-]+://[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S)
+# A URL whose user info has another "@" after its first one, before the query or in the
+# query's first parameter name (which never holds one).
+_SPLIT_USERINFO = re.compile(r"[^:/@]*://[^@/?]*@(?:[^?]*@|[^?]*\?[^=&]*@)")
 _SECRET_NAME = r"(?P<head>\b[\w.-]*(?:" + "|".join(_SECRET_WORDS) + r")[\w.-]*\s*=\s*)"
 # A value already masked stays as it is, with what follows it (scrubbing twice changes
 # nothing: "?password=***: refused" keeps its colon).
@@ -154,7 +165,7 @@ def _mask_written(text: str) -> str:
 def redact(url: str | URL) -> str:
     """``url`` as text with every secret masked, for logs, errors and CLI output."""
     parsed = _parse(url)
-    if parsed is None or (parsed.host is not None and re.search(r"[@\s]", parsed.host)):
+    if parsed is None or _split_password(url, parsed):
         # Unparseable, or a password with an unencoded "@" or space that SQLAlchemy would
         # split: masked as typed.
         typed = _TYPED_USERINFO.sub(lambda m: m["head"] + MASK, str(url), count=1)
@@ -185,10 +196,16 @@ def async_url(url: str | URL) -> URL:
             f"unsupported database URL {redact(parsed)}: cronoq-store speaks PostgreSQL through "
             "asyncpg (postgresql:// or postgresql+asyncpg://)"
         )
-    if parsed.host is not None and "@" in parsed.host:
+    if _split_password(url, parsed):
+        # SQLAlchemy ends the password at its first "@": the rest would be dialled as a host
+        # or opened as a database, and part of the password sent as one.
         raise ValueError(
             f"invalid database URL {redact(url)}: an '@' in the password must be "
             "percent-encoded (%40)"
+        )
+    if parsed.port is not None and not 0 < parsed.port <= 0xFFFF:
+        raise ValueError(
+            f"invalid database URL {redact(url)}: port {parsed.port} is not in 1 to 65535"
         )
     _refuse_unsupported(parsed)
     password = parsed.query.get("password")
@@ -197,6 +214,15 @@ def async_url(url: str | URL) -> URL:
         value = password if isinstance(password, str) else password[-1]
         parsed = parsed.difference_update_query(["password"]).set(password=value)
     return parsed.set(drivername="postgresql+asyncpg")
+
+
+def _split_password(typed: str | URL, parsed: URL) -> bool:
+    """Whether SQLAlchemy cut a password with an unencoded "@" (or space) at its first "@":
+    a space is left in the host, or another "@" before the query or in a parameter's name
+    (``u:a@b/c@host/db``, ``u:a@b?c@host/db``), in the URL as typed."""
+    if parsed.host is not None and re.search(r"[@\s]", parsed.host):
+        return True
+    return isinstance(typed, str) and _SPLIT_USERINFO.match(typed) is not None
 
 
 def _refuse_unsupported(url: URL) -> None:
@@ -240,6 +266,21 @@ def _refuse_unsupported(url: URL) -> None:
         )
 
 
+def _refuse_missing_files(url: URL, tls: dict[str, str | None]) -> None:
+    """Refuse, naming it, a certificate, key or CRL file that is not there: asyncpg would
+    fail every connect with a ``FileNotFoundError`` that names no file, and libpq in
+    ``require`` mode would skip the verification the operator asked for."""
+    for name in _TLS_FILES:
+        path = tls.get(name)
+        if path and not os.path.isfile(path):
+            raise UnsupportedParameterError(
+                f"database URL {redact(url)}: {name} {path!r} is not a file (a relative path "
+                f"is read from the working directory, {os.getcwd()!r}, and '~' is not "
+                "expanded, as in libpq)",
+                [name],
+            )
+
+
 def _last(value: str | tuple[str, ...] | None) -> str | None:
     """A query parameter's value; the last one when repeated, as libpq and asyncpg take it."""
     return value if value is None or isinstance(value, str) else value[-1]
@@ -255,6 +296,7 @@ def engine_arguments(url: str | URL) -> tuple[URL, dict[str, Any]]:
     """
     target = async_url(url)
     tls = {name: _last(target.query[name]) for name in _TLS_PARAMETERS if name in target.query}
+    _refuse_missing_files(target, tls)
     dialled = target.difference_update_query([*_TLS_PARAMETERS, "sslsni"])
     if not tls:
         return dialled, {}

@@ -84,3 +84,18 @@ def test_an_error_quoting_a_hostile_url_is_escaped() -> None:
     assert "\x1b" not in result.stderr
     assert "\u202e" not in result.stderr
     assert "hunter22" not in result.stderr
+
+
+async def test_downgrade_of_a_schema_without_a_cluster_says_so_and_creates_nothing(
+    database: URL,
+) -> None:
+    """Like `current`: a downgrade of a schema that holds no cluster (a typo) is refused,
+    saying so, instead of creating the schema and exiting 0 having done nothing."""
+    for args in (["downgrade", "base"], ["downgrade", "-1"]):
+        result = alembic("-x", "schema=nosuch", *args, url=database)
+        assert result.returncode != 0, (args, result.stdout, result.stderr)
+        assert "schema 'nosuch' holds no cronoq cluster (not migrated)" in result.stderr
+    rows = await admin_execute(
+        database, "SELECT nspname FROM pg_namespace WHERE nspname = 'nosuch'"
+    )
+    assert rows == []

@@ -264,6 +264,11 @@ async def test_no_surface_shows_a_password(
         "postgresql://ops@db.example/app?sslpassword={secret}&sslcompression=1",
         "postgresql://ops:{secret}@host1:5432,host2:5433/app",
         "mysql://ops:{secret}@db.example/app",
+        # An unencoded "@" then "/" or "?" in the password: SQLAlchemy cuts it at the first
+        # "@" and would dial the rest as a host, a part of the password sent as one.
+        "postgresql://ops:{secret}@evil.example/{secret}@db.example/app",
+        "postgresql://ops:{secret}@evil.example?{secret}@db.example/app",
+        "postgresql://ops:{secret}@db.example:99999/app",
     ],
 )
 async def test_refused_url_forms_show_no_password(url: str, records: Records) -> None:
@@ -339,6 +344,22 @@ async def test_refused_url_forms_show_no_password(url: str, records: Records) ->
             "PGPASSWORD = pass passfile=/home/ops/.pgpass",
             "postgresql://ops:pass@db/app",
             "PGPASSWORD = *** passfile=/home/ops/.pgpass",
+        ),
+        # A password with an unencoded "@" then "/" or "?": masked to the user info's end.
+        (
+            "cannot connect to postgresql://u:a@evil/b@db:5432/app: refused",
+            None,
+            "cannot connect to postgresql://u:***@db:5432/app: refused",
+        ),
+        (
+            "cannot connect to postgresql://u:a@evil?b@db/app: refused",
+            None,
+            "cannot connect to postgresql://u:***@db/app: refused",
+        ),
+        (
+            "at postgresql://u:s@db/app?application_name=me@host, ask ops@example.com/x",
+            None,
+            "at postgresql://u:***@db/app?application_name=me@host, ask ops@example.com/x",
         ),
         # Nothing secret: left alone, byte for byte.
         (

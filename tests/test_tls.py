@@ -512,6 +512,13 @@ async def test_alembic_speaks_tls_from_the_url(tls: TlsServer) -> None:
         ("application_name=mine", "application_name"),
         ("ssl=require&sslmode=verify-full", "sslmode"),
         ("sslmode=verify-full&sslrootcert=system", "sslrootcert"),
+        # A file that is not there is named (asyncpg's FileNotFoundError names none).
+        ("sslmode=require&sslrootcert=/nonexistent/ca.crt", "sslrootcert"),
+        ("sslmode=verify-full&sslrootcert=~/ca.crt", "sslrootcert"),
+        ("sslmode=verify-full&sslrootcert=no-such-ca.crt", "sslrootcert"),
+        ("sslmode=require&sslcert=/nonexistent/c.crt&sslkey=/etc/hostname", "sslcert"),
+        ("sslmode=require&sslcert=/etc/hostname&sslkey=/nonexistent/c.key", "sslkey"),
+        ("sslmode=verify-ca&sslrootcert=/etc/hostname&sslcrl=/nonexistent/r.crl", "sslcrl"),
     ],
 )
 async def test_a_parameter_the_store_cannot_honour_is_refused_by_name(
