@@ -786,8 +786,10 @@ $cronoq$"""
 # --- health ---------------------------------------------------------------------------------
 
 #: Whether the server takes writes (a standby, or a demoted primary, answers false): what the
-#: group committer asks before giving up on a batch that keeps failing.
-accepts_writes = select(not_(func.pg_is_in_recovery(type_=Boolean)))
+#: group committer asks before giving up on a batch that keeps failing. Schema-qualified: it
+#: also runs outside a store transaction on a borrowed session, under the application's
+#: ``search_path`` (a ``pg_is_in_recovery`` planted before ``pg_catalog`` must not answer).
+accepts_writes = select(not_(func.pg_catalog.pg_is_in_recovery(type_=Boolean)))
 
 
 # --- catalogs and counts: what the operator's tool shows and migrations ask ---------------

@@ -401,3 +401,30 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             await store.close()
     finally:
         await engine.dispose()
+
+
+async def test_a_function_on_the_applications_path_neither_fails_a_ping_nor_disposes_its_pool(
+    app_engine: AsyncEngine, migrated: str
+) -> None:
+    """The recovery check runs on the application's session outside a store transaction:
+    a ``pg_is_in_recovery`` in a schema the application put before ``pg_catalog`` (one
+    another role can write) must not answer it, nor make a primary look like a standby
+    and dispose the application's pool."""
+    shadow = f"shadow_{uuid.uuid4().hex[:8]}"
+    async with app_engine.begin() as conn:
+        await conn.exec_driver_sql(f'CREATE SCHEMA "{shadow}"')
+        await conn.exec_driver_sql(
+            f'CREATE FUNCTION "{shadow}".pg_is_in_recovery() RETURNS boolean '
+            "LANGUAGE sql AS 'SELECT true'"
+        )
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        pool = app_engine.sync_engine.pool
+        await poison(app_engine, f'SET search_path = "{shadow}", pg_catalog')
+        await store.ping()
+        assert await store._demoted() is False
+        assert app_engine.sync_engine.pool is pool
+    finally:
+        await store.close()
+        async with app_engine.begin() as conn:
+            await conn.exec_driver_sql(f'DROP SCHEMA "{shadow}" CASCADE')
