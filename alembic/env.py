@@ -1,4 +1,4 @@
-"""Alembic environment of cronoq-store: the logic lives in ``cronoq_store.migrations``."""
+"""Alembic environment of cronoq-store: the logic lives in ``cronoq_store._migrations``."""
 
 from logging.config import fileConfig
 from typing import cast
@@ -6,8 +6,8 @@ from typing import cast
 from alembic import context
 from alembic.runtime.environment import EnvironmentContext
 
-from cronoq_store.migration_lock import resolve
-from cronoq_store.migrations import run_environment
+from cronoq_store._migration_lock import resolve as resolve
+from cronoq_store._migrations import run_environment as run_environment
 
 # `alembic.context` is a module that proxies the EnvironmentContext of the latest run: the
 # one of this run, or a MigrationError if another thread's command replaced it meanwhile.

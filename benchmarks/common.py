@@ -2,9 +2,9 @@
 and the store's own statements compiled for raw asyncpg.
 
 The baselines run *the store's statements*: :func:`compile_for_asyncpg` renders the Core
-constructs of :mod:`cronoq_store.statements` for the asyncpg dialect, with the schema filled
+constructs of :mod:`cronoq_store._statements` for the asyncpg dialect, with the schema filled
 in, so raw asyncpg sends byte-for-byte the SQL the store sends. They encode and decode rows
-with the store's own :mod:`cronoq_store.rows` functions, so the difference is the store's
+with the store's own :mod:`cronoq_store._rows` functions, so the difference is the store's
 own overhead.
 """
 
@@ -34,10 +34,10 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store.codec import clean_text
-from cronoq_store.folding import level
-from cronoq_store.store import PgStore
-from cronoq_store.writer import CompiledStatement
+from cronoq_store._codec import clean_text as clean_text
+from cronoq_store._folding import level as level
+from cronoq_store._store import PgStore as PgStore
+from cronoq_store._writer import CompiledStatement as CompiledStatement
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
 #: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a
@@ -208,7 +208,7 @@ _DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 
 def compile_for_asyncpg(statement: ClauseElement, schema: str) -> CompiledStatement:
     """``statement`` rendered as the store renders it for ``schema``: the store's own
-    compiler (``cronoq_store.writer.CompiledStatement``), so the SQL is byte for byte the
+    compiler (``cronoq_store._writer.CompiledStatement``), so the SQL is byte for byte the
     same."""
     return CompiledStatement.of(statement, _DIALECT, schema)
 

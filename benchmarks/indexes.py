@@ -30,8 +30,8 @@ import asyncpg
 from sqlalchemy.engine import URL
 
 from cronoq_store import StatusChanged, Submitted, TaskStatus, task_id
-from cronoq_store import statements as st
-from cronoq_store.store import PgStore
+from cronoq_store import _statements as st
+from cronoq_store._store import PgStore as PgStore
 
 from .commit import SharedBatches
 from .common import (

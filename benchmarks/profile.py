@@ -25,11 +25,11 @@ from pgqueuer.queries import Queries
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStoreConfig, TimeBase
-from cronoq_store import statements as st
-from cronoq_store.group_commit import GroupCommitter
-from cronoq_store.queries import PRUNE_BATCH
-from cronoq_store.rows import INSERT_COLUMNS
-from cronoq_store.store import PgStore
+from cronoq_store import _statements as st
+from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+from cronoq_store._queries import PRUNE_BATCH as PRUNE_BATCH
+from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
+from cronoq_store._store import PgStore as PgStore
 from cronoq_store.testing import EmbeddedPostgres
 
 from . import prune, recovery

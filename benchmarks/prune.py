@@ -40,13 +40,25 @@ from sqlalchemy.engine import URL
 from sqlalchemy.sql.dml import Insert
 
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
-from cronoq_store import statements as st
-from cronoq_store.codec import encode_deps, unix_converter
-from cronoq_store.queries import PRUNE_BATCH
-from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, JSON_COLUMNS, insert_row
-from cronoq_store.schema import tasks
-from cronoq_store.store import PgStore
-from cronoq_store.writer import CompiledStatement
+from cronoq_store import _statements as st
+from cronoq_store._codec import encode_deps as encode_deps
+from cronoq_store._codec import unix_converter as unix_converter
+from cronoq_store._queries import PRUNE_BATCH as PRUNE_BATCH
+from cronoq_store._rows import (
+    INSERT_COLUMNS as INSERT_COLUMNS,
+)
+from cronoq_store._rows import (
+    INSERT_POSITION as INSERT_POSITION,
+)
+from cronoq_store._rows import (
+    JSON_COLUMNS as JSON_COLUMNS,
+)
+from cronoq_store._rows import (
+    insert_row as insert_row,
+)
+from cronoq_store._schema import tasks as tasks
+from cronoq_store._store import PgStore as PgStore
+from cronoq_store._writer import CompiledStatement as CompiledStatement
 
 from .common import (
     Profile,

@@ -1,5 +1,5 @@
 """Recovery: ``PgStore.recover`` against raw asyncpg running the same queries and decoding the
-rows with the same :mod:`cronoq_store.rows` functions; time and peak RSS.
+rows with the same :mod:`cronoq_store._rows` functions; time and peak RSS.
 
 Each measurement runs in a fresh child process (``python -m benchmarks.recovery MODE SCHEMA``,
 the server's URL in ``$BENCH_DSN``), so peak RSS (``ru_maxrss``) is that recovery's alone;
@@ -29,12 +29,25 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store import statements as st
-from cronoq_store.codec import encode_deps, unix_converter
-from cronoq_store.domain import Dependency, Submitted
-from cronoq_store.recovery import next_id
-from cronoq_store.rows import INSERT_COLUMNS, INSERT_POSITION, LiveTasks, insert_row
-from cronoq_store.store import PgStore
+from cronoq_store import _statements as st
+from cronoq_store._codec import encode_deps as encode_deps
+from cronoq_store._codec import unix_converter as unix_converter
+from cronoq_store._domain import Dependency as Dependency
+from cronoq_store._domain import Submitted as Submitted
+from cronoq_store._recovery import next_id as next_id
+from cronoq_store._rows import (
+    INSERT_COLUMNS as INSERT_COLUMNS,
+)
+from cronoq_store._rows import (
+    INSERT_POSITION as INSERT_POSITION,
+)
+from cronoq_store._rows import (
+    LiveTasks as LiveTasks,
+)
+from cronoq_store._rows import (
+    insert_row as insert_row,
+)
+from cronoq_store._store import PgStore as PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, make_spec, paired, summarize
 

@@ -8,56 +8,135 @@ standbys take over, recover the state, and fence the deposed leader out.
 
 from __future__ import annotations
 
-from .committer_stats import CommitterStats
-from .config import PgStoreConfig
-from .domain import (
-    EPOCH_MAX,
-    EPOCH_MIN,
-    CronSchedule,
-    Dependency,
-    DependencyCondition,
-    FixedStart,
-    Health,
-    IntervalSchedule,
-    LockHolder,
-    MissPolicy,
-    Mutation,
-    Priority,
-    Recovered,
-    RecoveredRecurring,
-    RecoveredTask,
-    RecoveredTerminal,
-    RecurringNext,
-    RecurringRemove,
-    RecurringSpec,
-    RecurringUpsert,
-    RetryPolicy,
-    Schedule,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskRecord,
-    TaskRef,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    epoch_of,
-    task_id,
+from ._committer_stats import CommitterStats as CommitterStats
+from ._config import PgStoreConfig as PgStoreConfig
+from ._domain import (
+    EPOCH_MAX as EPOCH_MAX,
 )
-from .errors import (
-    BatchTooLargeError,
-    CommitterClosedError,
-    FencedError,
-    IdCollisionError,
-    KeyTakenError,
-    MigrationError,
-    SchemaGoneError,
-    StoreError,
-    UnavailableError,
+from ._domain import (
+    EPOCH_MIN as EPOCH_MIN,
 )
-from .group_commit import GroupCommitter
-from .protocols import Store, StoreQueries
-from .store import PgStore
+from ._domain import (
+    CronSchedule as CronSchedule,
+)
+from ._domain import (
+    Dependency as Dependency,
+)
+from ._domain import (
+    DependencyCondition as DependencyCondition,
+)
+from ._domain import (
+    FixedStart as FixedStart,
+)
+from ._domain import (
+    Health as Health,
+)
+from ._domain import (
+    IntervalSchedule as IntervalSchedule,
+)
+from ._domain import (
+    LockHolder as LockHolder,
+)
+from ._domain import (
+    MissPolicy as MissPolicy,
+)
+from ._domain import (
+    Mutation as Mutation,
+)
+from ._domain import (
+    Priority as Priority,
+)
+from ._domain import (
+    Recovered as Recovered,
+)
+from ._domain import (
+    RecoveredRecurring as RecoveredRecurring,
+)
+from ._domain import (
+    RecoveredTask as RecoveredTask,
+)
+from ._domain import (
+    RecoveredTerminal as RecoveredTerminal,
+)
+from ._domain import (
+    RecurringNext as RecurringNext,
+)
+from ._domain import (
+    RecurringRemove as RecurringRemove,
+)
+from ._domain import (
+    RecurringSpec as RecurringSpec,
+)
+from ._domain import (
+    RecurringUpsert as RecurringUpsert,
+)
+from ._domain import (
+    RetryPolicy as RetryPolicy,
+)
+from ._domain import (
+    Schedule as Schedule,
+)
+from ._domain import (
+    StatusChanged as StatusChanged,
+)
+from ._domain import (
+    Submitted as Submitted,
+)
+from ._domain import (
+    TaskId as TaskId,
+)
+from ._domain import (
+    TaskRecord as TaskRecord,
+)
+from ._domain import (
+    TaskRef as TaskRef,
+)
+from ._domain import (
+    TaskSpec as TaskSpec,
+)
+from ._domain import (
+    TaskStatus as TaskStatus,
+)
+from ._domain import (
+    TimeBase as TimeBase,
+)
+from ._domain import (
+    epoch_of as epoch_of,
+)
+from ._domain import (
+    task_id as task_id,
+)
+from ._errors import (
+    BatchTooLargeError as BatchTooLargeError,
+)
+from ._errors import (
+    CommitterClosedError as CommitterClosedError,
+)
+from ._errors import (
+    FencedError as FencedError,
+)
+from ._errors import (
+    IdCollisionError as IdCollisionError,
+)
+from ._errors import (
+    KeyTakenError as KeyTakenError,
+)
+from ._errors import (
+    MigrationError as MigrationError,
+)
+from ._errors import (
+    SchemaGoneError as SchemaGoneError,
+)
+from ._errors import (
+    StoreError as StoreError,
+)
+from ._errors import (
+    UnavailableError as UnavailableError,
+)
+from ._group_commit import GroupCommitter as GroupCommitter
+from ._protocols import Store as Store
+from ._protocols import StoreQueries as StoreQueries
+from ._store import PgStore as PgStore
 
 __all__ = [
     "EPOCH_MAX",

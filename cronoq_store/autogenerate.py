@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .schema import VERSION_TABLE, metadata
+from ._schema import VERSION_TABLE as VERSION_TABLE
+from ._schema import metadata as metadata
 
 __all__ = ["STORE_TABLES", "hiding_store", "include_name", "include_object"]
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from .errors import FencedError, StoreError
+from ._errors import FencedError as FencedError
+from ._errors import StoreError as StoreError
 
 try:
     from opentelemetry import metrics, trace
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import TracerProvider
 
-    from .group_commit import GroupCommitter
-    from .leadership import Leadership
-    from .store import PgStore
+    from ._group_commit import GroupCommitter as GroupCommitter
+    from ._leadership import Leadership as Leadership
+    from ._store import PgStore as PgStore
 
 __all__ = ["DISABLED", "CommitRecord", "Telemetry", "instrument", "resolve"]
 

@@ -21,8 +21,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from cronoq_store.migrations import alembic_config as cronoq_alembic_config
-from cronoq_store.urls import async_url
+from cronoq_store._migrations import alembic_config as cronoq_alembic_config
+from cronoq_store._urls import async_url as async_url
 
 from .pgharness import asyncpg_dsn
 

@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store.migrations import head_revision
-from cronoq_store.schema import VERSION_TABLE
+from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._schema import VERSION_TABLE as VERSION_TABLE
 
 from .pgharness import admin_execute, asyncpg_dsn
 
@@ -71,7 +71,7 @@ def test_offline_sql_is_a_reviewable_script() -> None:
     refusal = script.index("DO $cronoq$")
     assert script.index("CREATE SCHEMA IF NOT EXISTS ops_review;") < refusal
     assert refusal < script.index("CREATE TABLE")
-    assert "set_config('cronoq_store.schema', 'ops_review', true)" in script
+    assert "set_config('cronoq_store._schema', 'ops_review', true)" in script
     # The cluster's schema is never on the search path: every object is qualified.
     assert "set_config('search_path', 'pg_catalog, pg_temp', true)" in script
     assert "search_path TO" not in script
@@ -213,9 +213,9 @@ def test_wheel_ships_the_migrations(pg_url: URL, schema: str, tmp_path: Path) ->
     run_dir.mkdir()
     code = (
         "import asyncio, sys, cronoq_store\n"
-        "import cronoq_store.cli, cronoq_store.demo, cronoq_store.testing.pytest_plugin\n"
+        "import cronoq_store._cli, cronoq_store._demo, cronoq_store.testing.pytest_plugin\n"
         "from sqlalchemy.ext.asyncio import create_async_engine\n"
-        "from cronoq_store.migrations import upgrade, script_location\n"
+        "from cronoq_store._migrations import upgrade, script_location\n"
         "print(cronoq_store.__file__)\n"
         "print(script_location())\n"
         "print(cronoq_store.testing.pytest_plugin.__file__)\n"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cronoq_store.cli import ExitCode
-from cronoq_store.migrations import head_revision
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._migrations import head_revision as head_revision
 
 from .test_cli import run
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def start_dev_server() -> tuple[subprocess.Popen[str], dict[str, str]]:
     """Start it and read its announcement: the data directory and the export line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "cronoq_store.cli", "dev-server"],
+        [sys.executable, "-m", "cronoq_store._cli", "dev-server"],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

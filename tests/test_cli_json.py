@@ -22,8 +22,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
-from cronoq_store.cli import ExitCode
-from cronoq_store.migrations import head_revision
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._migrations import head_revision as head_revision
 
 from .pgharness import admin_execute
 from .test_cli import BASE, changed, full, run, submitted
@@ -217,7 +217,16 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
 
 
 def command(url: URL, schema: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "cronoq_store.cli", "--url", full(url), "--schema", schema, *args]
+    return [
+        sys.executable,
+        "-m",
+        "cronoq_store._cli",
+        "--url",
+        full(url),
+        "--schema",
+        schema,
+        *args,
+    ]
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -20,11 +20,12 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store.cli import ExitCode
-from cronoq_store.cli.app import hoist_global_options
-from cronoq_store.migrations import head_revision, upgrade
-from cronoq_store.schema import VERSION_TABLE
-from cronoq_store.urls import async_url
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._cli.app import hoist_global_options as hoist_global_options
+from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._migrations import upgrade as upgrade
+from cronoq_store._schema import VERSION_TABLE as VERSION_TABLE
+from cronoq_store._urls import async_url as async_url
 
 from .pgharness import admin_execute
 from .test_cli import full, run
@@ -224,7 +225,7 @@ def on_a_terminal(answer: str, *args: str) -> tuple[int, str]:
     leader, follower = pty.openpty()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "cronoq_store.cli", *args],
+            [sys.executable, "-m", "cronoq_store._cli", *args],
             stdin=follower,
             stdout=follower,
             stderr=follower,

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store.cli import ExitCode
-from cronoq_store.demo import find_lost, parse_acks
-from cronoq_store.urls import URL_ENV
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._demo import find_lost as find_lost
+from cronoq_store._demo import parse_acks as parse_acks
+from cronoq_store._urls import URL_ENV as URL_ENV
 
 from .pgharness import admin_execute
 
@@ -115,7 +116,7 @@ def test_the_operator_commands_never_import_the_demo() -> None:
     """The demo (and the test server it starts) loads only when `cronoq-store demo` runs."""
     script = (
         "import sys\n"
-        "from cronoq_store.cli import cli\n"
+        "from cronoq_store._cli import cli\n"
         "try:\n"
         "    cli(['--help'], prog_name='cronoq-store')\n"
         "except SystemExit:\n"
@@ -127,8 +128,8 @@ def test_the_operator_commands_never_import_the_demo() -> None:
     )
     assert re.search(r"^  demo +Crash the leader mid-stream", result.stdout, re.M), result.stdout
     loaded = result.stdout.splitlines()[-1].split()
-    assert "cronoq_store.cli.demo" in loaded  # the command is there, its module loaded
-    assert [m for m in loaded if m.startswith(("cronoq_store.demo", "cronoq_store.testing"))] == []
+    assert "cronoq_store._cli.demo" in loaded  # the command is there, its module loaded
+    assert [m for m in loaded if m.startswith(("cronoq_store._demo", "cronoq_store.testing"))] == []
 
 
 def test_parse_acks_drops_a_torn_last_line() -> None:

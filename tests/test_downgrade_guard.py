@@ -4,7 +4,7 @@ script), and to base once the cluster issued ids, unless forced; it holds the lo
 COMMIT, so a standby waits behind it; a leader whose tables a forced downgrade (or a hand)
 drops steps down with ``SchemaGoneError``, and nothing is acknowledged after the drop.
 
-The commands run as real processes (``python -m cronoq_store.cli``, ``python -m alembic``);
+The commands run as real processes (``python -m cronoq_store._cli``, ``python -m alembic``);
 the leaders are stores in this process, with real sessions on the server."""
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store.cli import ExitCode
-from cronoq_store.migrations import downgrade, head_revision, upgrade
-from cronoq_store.statements import LOCK_NS_LEADER
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._migrations import downgrade as downgrade
+from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._migrations import upgrade as upgrade
+from cronoq_store._statements import LOCK_NS_LEADER as LOCK_NS_LEADER
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_group_commit import wait_until
@@ -72,7 +74,7 @@ async def command(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
 
 
 async def cronoq(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    return await command("-m", "cronoq_store.cli", *args, url=url)
+    return await command("-m", "cronoq_store._cli", *args, url=url)
 
 
 async def alembic(*args: str, url: URL) -> subprocess.CompletedProcess[str]:

@@ -19,15 +19,25 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 import cronoq_store
-from cronoq_store.errors import (
-    CONNECTION_CLASSES,
-    FencedError,
-    KeyTakenError,
-    StoreError,
-    UnavailableError,
-    translate_error,
+from cronoq_store._errors import (
+    CONNECTION_CLASSES as CONNECTION_CLASSES,
 )
-from cronoq_store.urls import async_url
+from cronoq_store._errors import (
+    FencedError as FencedError,
+)
+from cronoq_store._errors import (
+    KeyTakenError as KeyTakenError,
+)
+from cronoq_store._errors import (
+    StoreError as StoreError,
+)
+from cronoq_store._errors import (
+    UnavailableError as UnavailableError,
+)
+from cronoq_store._errors import (
+    translate_error as translate_error,
+)
+from cronoq_store._urls import async_url as async_url
 
 from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, terminate_backend
 
@@ -456,7 +466,7 @@ def test_every_public_error_has_its_home_in_errors_and_derives_from_store_error(
     assert {e.__name__ for e in errors} >= {"StoreError", "CommitterClosedError"}
     for error in errors:
         assert issubclass(error, StoreError), error
-        assert error.__module__ == "cronoq_store.errors", error
+        assert error.__module__ == "cronoq_store._errors", error
 
 
 def test_key_taken_keeps_every_key_and_names_a_bounded_few() -> None:

@@ -65,7 +65,7 @@ async def test_a_migrated_schema_of_its_own(
 
 @pytest.mark.asyncio
 async def test_an_open_store(cronoq_store: PgStore, cronoq_schema: str) -> None:
-    assert cronoq_store.config.schema == cronoq_schema
+    assert cronoq_store._config.schema == cronoq_schema
     assert await cronoq_store.acquire_leadership() == 1
     assert (await cronoq_store.recover(TimeBase.now())).tasks == []
 """

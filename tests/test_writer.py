@@ -5,10 +5,38 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
-from cronoq_store import statements as st
-from cronoq_store.domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
-from cronoq_store.folding import fold
-from cronoq_store.writer import COPY_MIN_ROWS, BatchWriter, CompiledStatement, Opening
+from cronoq_store import _statements as st
+from cronoq_store._domain import (
+    StatusChanged as StatusChanged,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._domain import (
+    TaskStatus as TaskStatus,
+)
+from cronoq_store._domain import (
+    TimeBase as TimeBase,
+)
+from cronoq_store._folding import fold as fold
+from cronoq_store._writer import (
+    COPY_MIN_ROWS as COPY_MIN_ROWS,
+)
+from cronoq_store._writer import (
+    BatchWriter as BatchWriter,
+)
+from cronoq_store._writer import (
+    CompiledStatement as CompiledStatement,
+)
+from cronoq_store._writer import (
+    Opening as Opening,
+)
 
 DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 BASE = TimeBase(engine_ns=0, unix_ns=0)

@@ -35,12 +35,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
-from ..config import PgStoreConfig
-from ..migrations import upgrade
-from ..statements import SEARCH_PATH
-from ..store import PgStore
-from ..urls import async_url
-from .server import TEST_URL_ENV, EmbeddedPostgres
+from .._config import PgStoreConfig as PgStoreConfig
+from .._migrations import upgrade as upgrade
+from .._statements import SEARCH_PATH as SEARCH_PATH
+from .._store import PgStore as PgStore
+from .._urls import async_url as async_url
+from ._server import TEST_URL_ENV as TEST_URL_ENV
+from ._server import EmbeddedPostgres as EmbeddedPostgres
 
 __all__ = ["cronoq_config", "cronoq_database_url", "cronoq_schema", "cronoq_store"]
 

@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store.urls import URL_ENV
+from cronoq_store._urls import URL_ENV as URL_ENV
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -98,7 +98,7 @@ async def fetch(url: str, headers: Mapping[str, str] | None = None, method: str 
 
 def console_command(url: URL, *args: str) -> list[str]:
     full = url.render_as_string(hide_password=False)
-    return [sys.executable, "-m", "cronoq_store.cli", "--url", full, "console", *args]
+    return [sys.executable, "-m", "cronoq_store._cli", "--url", full, "console", *args]
 
 
 def start_console(

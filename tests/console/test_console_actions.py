@@ -20,8 +20,22 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore
-from cronoq_store.cli import ExitCode
-from cronoq_store.domain import Dependency, Mutation, Submitted, TaskId, TaskSpec
+from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._domain import (
+    Dependency as Dependency,
+)
+from cronoq_store._domain import (
+    Mutation as Mutation,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
 
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config

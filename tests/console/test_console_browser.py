@@ -23,15 +23,25 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store.domain import (
-    Dependency,
-    DependencyCondition,
-    Mutation,
-    Submitted,
-    TaskId,
-    TaskSpec,
+from cronoq_store._domain import (
+    Dependency as Dependency,
 )
-from cronoq_store.terminal_safe import visible
+from cronoq_store._domain import (
+    DependencyCondition as DependencyCondition,
+)
+from cronoq_store._domain import (
+    Mutation as Mutation,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._terminal_safe import visible as visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
 from .conftest import Console, fetch
@@ -301,7 +311,7 @@ async def test_hostile_text_is_shown_as_text(
 
 async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:
     """More finished tasks than a count examines: the overview says "at least"."""
-    from cronoq_store.console import statements as cs
+    from cronoq_store._console import statements as cs
 
     many = cs.SAMPLE + 5
     changes: list[Mutation] = []

@@ -13,9 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from cronoq_store.codec import QUARANTINE_PREFIX
-from cronoq_store.console import statements as cs
-from cronoq_store.domain import I64_MAX
+from cronoq_store._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
+from cronoq_store._console import statements as cs
+from cronoq_store._domain import I64_MAX as I64_MAX
 
 TASKS = 60_000
 #: One task in 50 is live.

@@ -1,4 +1,4 @@
-"""Stored text on a page follows the CLI's rule (:mod:`cronoq_store.terminal_safe`):
+"""Stored text on a page follows the CLI's rule (:mod:`cronoq_store._terminal_safe`):
 controls and format characters become visible escapes, everything printable stays as it
 is, and markup is left for Jinja to escape."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cronoq_store.terminal_safe import visible, visible_block
+from cronoq_store._terminal_safe import visible as visible
+from cronoq_store._terminal_safe import visible_block as visible_block
 
 
 @pytest.mark.parametrize(

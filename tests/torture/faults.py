@@ -56,7 +56,7 @@ __all__ = [
 
 
 #: The store's lock session asks the server to end it once idle for this many
-#: ``session_timeout`` (``idle_session_timeout``, cronoq_store.leadership): what frees the
+#: ``session_timeout`` (``idle_session_timeout``, cronoq_store._leadership): what frees the
 #: lock of a leader that is frozen, or cut off behind a path whose kernel still answers.
 LOCK_IDLE_FACTOR = 1.5
 

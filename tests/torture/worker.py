@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.torture.worker CONFIG.json``. The instance competes for leadership
 of the cluster's schema; while it leads, submitters commit new tasks and status transitions
-through a :class:`~cronoq_store.group_commit.GroupCommitter`, continuously, and every
+through a :class:`~cronoq_store._group_commit.GroupCommitter`, continuously, and every
 acknowledged submission is recorded in the instance's journal *after* the ack (so a journal
 never claims more than the store acknowledged). Each transition's message names the epoch
 and the instance that committed it (``e<epoch> <name>``), so the checker can tell, row by
@@ -32,21 +32,39 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from cronoq_store.config import PgStoreConfig
-from cronoq_store.domain import (
-    Mutation,
-    Recovered,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
+from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._domain import (
+    Mutation as Mutation,
 )
-from cronoq_store.errors import CommitterClosedError, FencedError, StoreError
-from cronoq_store.group_commit import GroupCommitter
-from cronoq_store.store import PgStore
+from cronoq_store._domain import (
+    Recovered as Recovered,
+)
+from cronoq_store._domain import (
+    StatusChanged as StatusChanged,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._domain import (
+    TaskStatus as TaskStatus,
+)
+from cronoq_store._domain import (
+    TimeBase as TimeBase,
+)
+from cronoq_store._domain import (
+    task_id as task_id,
+)
+from cronoq_store._errors import CommitterClosedError as CommitterClosedError
+from cronoq_store._errors import FencedError as FencedError
+from cronoq_store._errors import StoreError as StoreError
+from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+from cronoq_store._store import PgStore as PgStore
 
 from . import audit
 from .journal import Journal

@@ -1,0 +1,175 @@
+"""The ``cronoq-store`` group: its global options (URL, schema, trusted triggers), which
+every command receives as :class:`Options`.
+
+The global options may come before the command or after it (``cronoq-store status --url
+URL --schema a``), so a script can append them to any command line; the last one given
+wins, then the environment (``$CRONOQ_DATABASE_URL``, ``$CRONOQ_SCHEMA``), then ``public``
+for the schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from .._config import trusted_trigger_names as trusted_trigger_names
+from .._schema import validate_schema_name as validate_schema_name
+from .._terminal_safe import visible as visible
+from .._urls import URL_ENV as URL_ENV
+from .exits import EPILOG
+
+__all__ = ["SCHEMA_ENV", "Options", "cli"]
+
+#: The environment variable that names the cluster's schema when ``--schema`` is not given.
+SCHEMA_ENV = "CRONOQ_SCHEMA"
+#: The group's options that may also follow the command.
+_GLOBAL_OPTIONS = frozenset({"--url", "--schema", "--trusted-trigger"})
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The global options, as the commands get them (``@click.pass_obj``)."""
+
+    url: str | None
+    schema: str
+    #: Triggers the operator allows on the cluster's tables (``PgStoreConfig.trusted_triggers``).
+    trusted_triggers: frozenset[str] = frozenset()
+    #: Whether the operator named the schema (option or environment), rather than the
+    #: ``public`` default: only a defaulted schema is checked for clusters elsewhere.
+    schema_chosen: bool = True
+
+    def database_url(self) -> str:
+        if self.url is None:
+            raise click.UsageError(f"no database URL: pass --url or set ${URL_ENV}")
+        return self.url
+
+
+def _check_schema(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return validate_schema_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _check_triggers(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> frozenset[str]:
+    try:
+        return trusted_trigger_names(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def hoist_global_options(args: Sequence[str]) -> list[str]:
+    """``args`` with every global option (``--url``, ``--schema``, ``--trusted-trigger``,
+    as ``--opt VALUE`` or ``--opt=VALUE``) moved before the command, in order, so that the
+    group parses it wherever it was written; nothing after ``--`` moves."""
+    moved: list[str] = []
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        if arg == "--":
+            rest.append(arg)
+            rest.extend(items)
+        elif arg in _GLOBAL_OPTIONS:
+            moved.append(arg)
+            value = next(items, None)
+            if value is not None:
+                moved.append(value)
+        elif arg.split("=", 1)[0] in _GLOBAL_OPTIONS:
+            moved.append(arg)
+        else:
+            rest.append(arg)
+    return moved + rest
+
+
+@contextmanager
+def _visible_errors() -> Iterator[None]:
+    """Click's errors quote what the operator typed: made safe for a terminal
+    (:func:`~cronoq_store._terminal_safe.visible`) before click prints them."""
+    try:
+        yield
+    except (_VisibleUsageError, _VisibleError):
+        raise  # a nested command's, made safe already
+    except click.UsageError as exc:
+        raise _VisibleUsageError(visible(exc.format_message()), exc.ctx) from None
+    except click.ClickException as exc:
+        raise _VisibleError(visible(exc.format_message())) from None
+
+
+class _VisibleUsageError(click.UsageError):
+    """A usage error whose text went through ``visible`` once already."""
+
+
+class _VisibleError(click.ClickException):
+    """Any other click error whose text went through ``visible`` once already."""
+
+
+class _Group(click.Group):
+    """The group: global options parsed after the command as well as before it, and every
+    usage error printed through the terminal-safe rule."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(args))
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        with _visible_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _visible_errors():
+            return super().invoke(ctx)
+
+
+@click.group(
+    cls=_Group,
+    epilog=EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.option(
+    "--url",
+    envvar=URL_ENV,
+    show_envvar=True,
+    metavar="URL",
+    help="Database URL, postgresql://user:password@host/db (the password is never printed); "
+    "may also follow the command.",
+)
+@click.option(
+    "--schema",
+    envvar=SCHEMA_ENV,
+    show_envvar=True,
+    default="public",
+    show_default=True,
+    callback=_check_schema,
+    help="The cluster's schema; may also follow the command. Without it (and without "
+    f"${SCHEMA_ENV}), a database whose clusters are all in other schemas is a usage error "
+    "that names them.",
+)
+@click.option(
+    "--trusted-trigger",
+    "trusted_triggers",
+    multiple=True,
+    metavar="NAME",
+    callback=_check_triggers,
+    help="A trigger allowed on the cluster's tables, such as an audit (repeatable); it must "
+    "have no WHEN clause and run a trusted role's function. May also follow the command.",
+)
+@click.version_option(package_name="cronoq-store")
+@click.pass_context
+def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: frozenset[str]) -> None:
+    """Migrate, inspect and prune the PostgreSQL schema of a cronoq scheduler cluster."""
+    chosen = ctx.get_parameter_source("schema") is not ParameterSource.DEFAULT
+    ctx.obj = Options(
+        url=url, schema=schema, trusted_triggers=trusted_triggers, schema_chosen=chosen
+    )

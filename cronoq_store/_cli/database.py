@@ -1,0 +1,137 @@
+"""The command's connection to the cluster's schema, and where that schema stands.
+
+One pool-less engine per command, the cluster's schema applied at execution as the store
+does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for objects an
+untrusted role controls before any command reads it. A URL that is not a PostgreSQL URL is
+a usage error (2), failing to connect is exit code 3; a schema that is not at this build's
+head is 4, one that a newer build migrated 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from .. import _statements as st
+from .._errors import MigrationError as MigrationError
+from .._errors import translate_error as translate_error
+from .._migrations import (
+    CONNECT_TIMEOUT as CONNECT_TIMEOUT,
+)
+from .._migrations import (
+    RevisionStatus as RevisionStatus,
+)
+from .._migrations import (
+    clusters_elsewhere as clusters_elsewhere,
+)
+from .._migrations import (
+    refuse_untrusted as refuse_untrusted,
+)
+from .._migrations import (
+    revision_status as revision_status,
+)
+from .._schema import schema_options as schema_options
+from .._urls import engine_arguments as engine_arguments
+from .._urls import redact as redact
+from .app import SCHEMA_ENV, Options
+from .exits import CliError, ExitCode
+
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "database",
+    "engine",
+    "refuse_unless_at_head",
+    "require_head",
+    "revision",
+]
+
+
+def engine(url: str) -> AsyncEngine:
+    """A pool-less engine: a command opens a connection or two and is gone."""
+    try:
+        dialled, tls = engine_arguments(url)
+        return create_async_engine(
+            dialled,
+            poolclass=NullPool,
+            hide_parameters=True,
+            connect_args={
+                "timeout": CONNECT_TIMEOUT,
+                "server_settings": {
+                    "application_name": "cronoq-store cli",
+                    # No schema another role can write is ever on the path (CVE-2018-1058).
+                    "search_path": st.SEARCH_PATH,
+                },
+                **tls,
+            },
+        )
+    except ValueError as exc:  # the messages of urls' refusals are already masked
+        # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
+        # DSN, a parameter the store refuses) is the operator's to fix: a usage error,
+        # found before anything connects.
+        raise CliError(str(exc), ExitCode.USAGE) from None
+
+
+@asynccontextmanager
+async def database(options: Options) -> AsyncIterator[AsyncConnection]:
+    """One connection with the cluster's schema applied, after the trust check
+    (``migrations.refuse_untrusted``); failing to open it is exit code 3."""
+    url = options.database_url()
+    made = engine(url)
+    try:
+        try:
+            conn = await made.execution_options(**schema_options(options.schema)).connect()
+        except Exception as exc:
+            reason = translate_error(exc, "connecting")
+            raise CliError(
+                f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
+            ) from None
+        try:
+            if not options.schema_chosen:
+                await _refuse_defaulted_schema(conn, options.schema)
+            await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
+            await conn.rollback()
+            yield conn
+        finally:
+            await conn.close()
+    finally:
+        await made.dispose()
+
+
+async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:
+    """Exit 2 when no schema was named, the default holds no cluster and other schemas do:
+    the operator most likely forgot ``--schema``, and the default would show (or, for
+    ``migrate``, create) an empty one."""
+    found = await conn.run_sync(clusters_elsewhere, schema)
+    await conn.rollback()
+    if found:
+        raise CliError(
+            f"no --schema given (nor ${SCHEMA_ENV}) and schema {schema!r} holds no cronoq "
+            f"cluster; the clusters in this database are in: {', '.join(found)}; pass "
+            f"--schema NAME (--schema {schema} to use {schema!r} anyway)",
+            ExitCode.USAGE,
+        )
+
+
+async def revision(conn: AsyncConnection, schema: str) -> RevisionStatus:
+    """Where ``schema`` stands; no transaction is left open (an upgrade or a long command
+    may follow)."""
+    status = await conn.run_sync(revision_status, schema)
+    await conn.rollback()
+    return status
+
+
+def refuse_unless_at_head(status: RevisionStatus) -> None:
+    """Exit 5 for a schema a newer build migrated, 4 for one missing or behind."""
+    try:
+        status.require_head(f"run `cronoq-store --schema {status.schema} migrate`")
+    except MigrationError as exc:
+        code = ExitCode.NEWER_DATABASE if status.unknown else ExitCode.NOT_MIGRATED
+        raise CliError(str(exc), code) from None
+
+
+async def require_head(conn: AsyncConnection, schema: str) -> None:
+    """Refuse a schema this build cannot read: missing, behind, or newer."""
+    refuse_unless_at_head(await revision(conn, schema))

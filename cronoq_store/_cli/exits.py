@@ -1,0 +1,78 @@
+"""What a failure looks like to the operator: one line on stderr, password masked, what it
+quotes made safe for a terminal (:func:`cronoq_store._terminal_safe.visible`), and an exit
+code a script can act on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from enum import IntEnum
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from .._errors import translate_error as translate_error
+from .._terminal_safe import visible as visible
+from .._urls import scrub as scrub
+
+__all__ = ["EPILOG", "CliError", "ExitCode", "run"]
+
+_T = TypeVar("_T")
+
+
+class ExitCode(IntEnum):
+    """What a script can tell from the exit status; listed in ``--help``."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    NOT_MIGRATED = 4
+    NEWER_DATABASE = 5
+    NO_LEADER = 6
+    FOREIGN_HOLDER = 7
+
+
+#: The exit codes, as ``--help`` lists them.
+EPILOG = f"""\b
+Exit codes:
+  {ExitCode.OK:d}  success
+  {ExitCode.FAILED:d}  the operation failed (task not found, migration refused, demo lost data)
+  {ExitCode.USAGE:d}  usage error
+  {ExitCode.UNREACHABLE:d}  cannot connect: wrong URL, host, password or database, or the
+     server is unavailable
+  {ExitCode.NOT_MIGRATED:d}  the schema is missing or not migrated to this build's head
+     (run `cronoq-store migrate`)
+  {ExitCode.NEWER_DATABASE:d}  the schema was migrated by a newer cronoq-store: upgrade it
+  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
+  {ExitCode.FOREIGN_HOLDER:d}  (health) a session that is not a store instance holds the
+     leader lock: no instance can lead until it lets go
+"""
+
+
+class CliError(Exception):
+    """A failure to report as one line (``Error: ...``) and exit with ``code``."""
+
+    def __init__(self, message: str, code: ExitCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def exit(self, url: str | None) -> NoReturn:
+        """Print the message, the URL's password masked, and leave with the exit code."""
+        click.echo(f"Error: {visible(scrub(str(self), [url]))}", err=True)
+        raise click.exceptions.Exit(int(self.code))
+
+
+def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
+    """Run a command's coroutine; every failure leaves as one line, ``url`` masked in it,
+    with its exit code."""
+    try:
+        return asyncio.run(work)
+    except click.ClickException:
+        raise  # usage errors: click prints them and exits with 2
+    except CliError as exc:
+        exc.exit(url)
+    except Exception as exc:
+        error = translate_error(exc, "the command")
+        code = ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED
+        CliError(str(error), code).exit(url)

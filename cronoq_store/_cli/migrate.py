@@ -1,0 +1,97 @@
+"""``cronoq-store migrate``: the one command that changes a schema's structure."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import click
+from alembic import command
+from alembic.util import CommandError
+from rich.console import Console
+
+from .._downgrade_guard import FORCE as FORCE
+from .._errors import MigrationError as MigrationError
+from .._migrations import (
+    alembic_config as alembic_config,
+)
+from .._migrations import (
+    downgrade_steps as downgrade_steps,
+)
+from .._migrations import (
+    run_command as run_command,
+)
+from .._migrations import (
+    upgrade as upgrade,
+)
+from . import database, output
+from .app import Options
+from .exits import CliError, ExitCode, run
+
+__all__ = ["migrate", "print_script"]
+
+
+@click.command()
+@click.argument("revision", default="head")
+@click.option("--sql", is_flag=True, help="Print the upgrade script instead of running it.")
+@click.pass_obj
+def migrate(options: Options, revision: str, sql: bool) -> None:
+    """Upgrade the schema to REVISION (default: head), in one serialized transaction.
+
+    With --sql, print the script for review without connecting (REVISION may then be a
+    range, FROM:TO). A REVISION below the current one is refused: downgrades are their own
+    command (``downgrade``).
+    """
+    if sql:
+        print_script(command.upgrade, options.schema, revision)
+        return
+    run(options.url, _migrate(options, revision, output.console()))
+
+
+def print_script(
+    alembic_command: Callable[..., None], schema: str, revision: str, *, force: bool = False
+) -> None:
+    """Print Alembic's offline script for ``schema`` without connecting (``force``: a
+    downgrade's script does not stop under a live leader, it fences it). Nothing but the
+    arguments can make it fail (a revision or range Alembic refuses, ``downgrade`` without
+    ``FROM:TO``): a usage error."""
+    cfg = alembic_config(schema)
+    cfg.attributes[FORCE] = force
+    script = io.StringIO()
+    cfg.output_buffer = script
+    try:
+        run_command(alembic_command, cfg, revision, sql=True)
+    except CommandError as exc:
+        CliError(str(exc), ExitCode.USAGE).exit(None)
+    click.echo(script.getvalue(), nl=False)
+
+
+async def _migrate(options: Options, revision: str, console: Console) -> None:
+    async with database.database(options) as conn:
+        before = await database.revision(conn, options.schema)
+    if before.unknown:
+        database.refuse_unless_at_head(before)
+    undone = downgrade_steps(before.current, revision)
+    if undone:
+        raise CliError(
+            f"schema {options.schema!r} is at {before.current[0]}, above {revision}: migrate "
+            f"only upgrades; to undo {', '.join(undone)} (what they hold is lost), run "
+            f"`cronoq-store --schema {options.schema} downgrade {revision}`",
+            ExitCode.USAGE,
+        )
+    engine = database.engine(options.database_url())
+    try:
+        await upgrade(engine, options.schema, revision, trusted_triggers=options.trusted_triggers)
+    except MigrationError as exc:
+        raise CliError(str(exc), ExitCode.FAILED) from None
+    finally:
+        await engine.dispose()
+    async with database.database(options) as conn:
+        after = await database.revision(conn, options.schema)
+    now = ", ".join(after.current)
+    suffix = " (head)" if after.at_head else ""
+    if before.current == after.current:
+        console.print(f"schema {options.schema!r} already at {now}{suffix}")
+    else:
+        was = ", ".join(before.current) or "nothing"
+        console.print(f"schema {options.schema!r} upgraded: {was} -> {now}{suffix}")

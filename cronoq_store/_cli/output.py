@@ -1,0 +1,284 @@
+"""How the commands print: the console, label-and-value lines, tables, JSON documents, and
+values in words (times, durations, task ids, schedules, outputs). Nothing a row holds can make
+these fail.
+
+On a terminal, tables are drawn to its width, and a table that cannot show every cell whole
+at that width is printed as one block of lines per row instead, so an id is never cut.
+Piped, output is plain: label-and-value lines never wrapped, tables as tab-separated lines
+under a header, nothing cut at any width. ``--json`` prints one document (:func:`emit_json`):
+ids as integers, times as RFC 3339 UTC.
+
+Everything goes through :mod:`cronoq_store._terminal_safe`, on a terminal and piped alike: the
+console
+escapes every string it renders (cells, values, titles, messages), piped table lines are
+written through the same function, and JSON documents through its encoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+from rich.cells import cell_len
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .._domain import (
+    I64_MAX as I64_MAX,
+)
+from .._domain import (
+    ID_COUNTER_BITS as ID_COUNTER_BITS,
+)
+from .._domain import (
+    UNIX_EPOCH as UNIX_EPOCH,
+)
+from .._domain import (
+    LockHolder as LockHolder,
+)
+from .._domain import (
+    TaskId as TaskId,
+)
+from .._domain import (
+    TaskRecord as TaskRecord,
+)
+from .._domain import (
+    epoch_of as epoch_of,
+)
+from .._terminal_safe import json_text as json_text
+from .._terminal_safe import visible as visible
+
+__all__ = [
+    "ago",
+    "console",
+    "describe_foreign",
+    "describe_schedule",
+    "emit_json",
+    "format_duration",
+    "holder_document",
+    "leader_of",
+    "preview",
+    "print_facts",
+    "print_table",
+    "rfc3339",
+    "task_document",
+    "task_id",
+    "utc",
+]
+
+#: The width of a pipe: wide enough that nothing is ever wrapped or cut.
+_PIPE_WIDTH = 1 << 16
+#: The narrowest a wrapping column may become before rows are printed as blocks instead.
+_MIN_WRAPPED = 20
+
+
+class _SafeConsole(Console):
+    """A console that writes every string it renders through
+    :func:`~cronoq_store._terminal_safe.visible`.
+
+    Text with markup (the demo's) is the caller's to make safe: markup's own escape is a
+    backslash, so its values go through ``visible`` and then ``rich.markup.escape``.
+    """
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        markup = kwargs.get("markup")
+        if not (self._markup if markup is None else markup):
+            text = visible(text)
+        return super().render_str(text, **kwargs)
+
+
+def console(*, markup: bool = False) -> Console:
+    """Made per command: it reads the terminal (and ``COLUMNS``) as it is at that moment.
+
+    Without markup and emoji codes: keys, messages and pool names are data, and ``[/b]`` or
+    ``:fire:`` in them must print as written.
+    """
+    probe = Console()
+    if probe.is_terminal:
+        return _SafeConsole(highlight=False, markup=markup, emoji=False)
+    return _SafeConsole(
+        highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True
+    )
+
+
+def print_facts(out: Console, *facts: tuple[str, str]) -> None:
+    """Label and value lines, aligned; long values wrap under their value column."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", min_width=11)
+    grid.add_column()
+    for label, value in facts:
+        grid.add_row(label, value)
+    out.print(grid)
+
+
+def print_table(
+    out: Console,
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    right: Sequence[str] = (),
+    wrap: str | None = None,
+) -> None:
+    """Rows under ``columns``; only the ``wrap`` column may wrap, nothing is ever cut.
+
+    Piped: a header line and one tab-separated line per row (cells through
+    :func:`~cronoq_store._terminal_safe.visible`: a tab or line break in a cell is an
+    escape). On a terminal: a table, or, when the terminal is too narrow for every
+    unwrapped cell whole, one block of label-and-value lines per row.
+    """
+    cells = [list(row) for row in rows]
+    if not out.is_terminal:
+        for line in (columns, *cells):
+            # Written as is: rich would expand the tabs into spaces.
+            out.file.write("\t".join(visible(cell) for cell in line) + "\n")
+        return
+    widths = [
+        _MIN_WRAPPED
+        if name == wrap
+        else max(cell_len(name), *(cell_len(visible(row[i])) for row in cells))
+        for i, name in enumerate(columns)
+    ]
+    # Each cell has one space of padding either side and one border to its left.
+    if sum(widths) + 3 * len(columns) + 1 > out.width:
+        out.print(title)
+        for row in cells:
+            out.print()
+            print_facts(out, *zip(columns, row, strict=True))
+        return
+    table = Table(title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=name != wrap)
+    for row in cells:
+        table.add_row(*row)
+    out.print(table)
+
+
+def emit_json(document: Mapping[str, object]) -> None:
+    """The command's one JSON document, alone on stdout
+    (:func:`~cronoq_store._terminal_safe.json_text`)."""
+    click.echo(json_text(document))
+
+
+def rfc3339(moment: datetime | int | None) -> str | None:
+    """A time (aware ``datetime`` or Unix ns) as RFC 3339 in UTC, ``Z``-suffixed."""
+    if moment is None:
+        return None
+    if isinstance(moment, int):
+        moment = UNIX_EPOCH + timedelta(microseconds=moment // 1000)
+    text = moment.astimezone(timezone.utc).isoformat(timespec="microseconds")
+    return text.removesuffix("+00:00") + "Z"
+
+
+def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
+    """The leader lock's holder, as ``status --json`` and ``health --json`` show it."""
+    if holder is None:
+        return None
+    return {
+        "pid": holder.pid,
+        "application_name": holder.application_name,
+        "client_addr": holder.client_addr,
+        "since": rfc3339(holder.since),
+        "role": holder.role,
+        "store_instance": holder.store_instance,
+    }
+
+
+def leader_of(holder: LockHolder | None) -> LockHolder | None:
+    """The holder when it is a store instance: a foreign holder is never shown as leader."""
+    return holder if holder is not None and holder.store_instance else None
+
+
+def describe_foreign(holder: LockHolder) -> str:
+    """A lock holder that is not a store instance, in words: pid, role, application name
+    and since when (``health``, ``status``)."""
+    since = (
+        "since an unknown time"
+        if holder.since is None
+        else (f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})")
+    )
+    return (
+        f"pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
+        f"{holder.application_name or ''!r}, session {since}, holds the leader lock but is "
+        "not a store instance (it never took the epoch): no instance can lead until it lets "
+        "go (`cronoq-store handover` ends it)"
+    )
+
+
+def task_document(record: TaskRecord, status: str) -> dict[str, object]:
+    """A task, as ``tasks show --json`` and ``tasks finished --json`` show it: ``status``
+    as stored (a newer build's name as written), the output as base64."""
+    out = record.output
+    return {
+        "id": record.id,
+        "epoch": epoch_of(record.id) if 0 <= record.id <= I64_MAX else None,
+        "key": record.key,
+        "pool": record.pool,
+        "kind": record.kind,
+        "priority": record.priority.name.lower(),
+        "tenant": record.tenant,
+        "status": status,
+        "attempt": record.attempt,
+        "updated": rfc3339(record.updated),
+        "message": record.message,
+        "output_size": None if out is None else len(out),
+        "output_base64": None if out is None else base64.b64encode(out).decode("ascii"),
+    }
+
+
+def utc(unix_ns: int) -> str:
+    moment = UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def ago(moment: datetime) -> str:
+    seconds = max(0, int((datetime.now(timezone.utc) - moment).total_seconds()))
+    return f"{format_duration(seconds)} ago" if seconds else "just now"
+
+
+def format_duration(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def task_id(value: int) -> str:
+    """An id with what it encodes: the epoch that issued it and its number in that epoch."""
+    if not 0 <= value <= I64_MAX:
+        return str(value)
+    counter = value & ((1 << ID_COUNTER_BITS) - 1)
+    return f"{value} (epoch {epoch_of(TaskId(value))}, #{counter})"
+
+
+def describe_schedule(stored: str | None) -> str:
+    """The stored schedule (its JSON text) as words; undecodable ones are shown, not skipped
+    (status is for finding exactly those), and nothing a row holds can make this fail."""
+    try:
+        return _schedule_words(None if stored is None else json.loads(stored))
+    except (ValueError, RecursionError, OverflowError):
+        return f"undecodable: {stored}"[:80]
+
+
+def _schedule_words(schedule: object) -> str:
+    if isinstance(schedule, dict):
+        if schedule.get("type") == "cron":
+            return f"cron {schedule.get('expr')} ({schedule.get('timezone', 'UTC')})"[:80]
+        every = schedule.get("every_ns")
+        # What recovery decodes: a positive BIGINT of nanoseconds.
+        if schedule.get("type") == "interval" and isinstance(every, int) and 0 < every <= I64_MAX:
+            if every % 10**9 == 0:
+                return f"every {format_duration(every // 10**9)}"
+            return f"every {every / 1e9:g}s"
+    return f"undecodable: {schedule!r}"[:80]
+
+
+def preview(data: bytes | None) -> str:
+    if data is None:
+        return "-"
+    shown = data[:48]
+    return f"{len(data)} bytes: {shown!r}{'...' if len(data) > len(shown) else ''}"

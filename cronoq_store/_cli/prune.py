@@ -1,0 +1,123 @@
+"""``cronoq-store prune``: delete old finished tasks, or count them with ``--dry-run``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .. import _queries as queries
+from .. import _statements as st
+from .._domain import I64_MAX as I64_MAX
+from . import database, output
+from .app import Options
+from .exits import run
+
+__all__ = ["parse_duration", "prune"]
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in a whole number of seconds, minutes, hours or days: ``30s``, ``15m``,
+    ``12h``, ``7d``; ``ValueError`` says what is accepted."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([smhd])\s*", text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration: use a whole number and a unit, like 30s, 15m, 12h or 7d"
+        )
+    seconds = int(match[1]) * _DURATION_UNITS[match[2]]
+    if seconds > queries.MAX_PRUNE_AGE:
+        raise ValueError(f"{text!r} is too long: at most 36500d")
+    return seconds
+
+
+def _duration_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    callback=_duration_option,
+    metavar="DURATION",
+    required=True,
+    help="Finished tasks last updated longer ago than this (30s, 15m, 12h, 7d).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.pass_obj
+def prune(options: Options, older_than: int, dry_run: bool) -> None:
+    """Delete old finished tasks, except those a live task depends on (by id or key).
+
+    Deletes in batches, one short transaction each, with the store's own prune loop; the
+    cutoff is counted on the server's clock.
+    """
+    run(options.url, _prune(options, older_than, dry_run, output.console()))
+
+
+async def _prune(options: Options, older_than: int, dry_run: bool, console: Console) -> None:
+    async with database.database(options) as conn:
+        await database.require_head(conn, options.schema)
+        # The server's clock, as PgStore.prune counts: the one every machine agrees on.
+        cutoff_ns = await queries.server_prune_cutoff(conn, older_than)
+        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
+        victims = (
+            await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
+        ).scalar_one()
+        await conn.rollback()
+        protected = max(0, old - victims)
+        what = (
+            f"finished tasks last updated before {output.utc(cutoff_ns)} "
+            f"({output.format_duration(older_than)} ago)"
+        )
+        if dry_run:
+            console.print(f"would prune {victims:,} {what}")
+            console.print(f"would keep {protected:,} of them that live tasks depend on")
+            return
+        with _progress_bar(victims) as progress:
+            deleted = await queries.prune(_transactions(conn), cutoff_ns, progress)
+    console.print(f"pruned {deleted:,} {what}")
+    console.print(f"kept {protected:,} of them that live tasks depend on")
+
+
+@contextmanager
+def _progress_bar(expected: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (stdout keeps the summary), gone when done; gives the
+    callback that takes the running total of deleted rows."""
+    bar = Progress(
+        TextColumn("pruning"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("pruning", total=max(expected, 1))
+
+        def update(total: int) -> None:
+            bar.update(task, completed=total, total=max(expected, total, 1))
+
+        yield update
+
+
+def _transactions(
+    conn: AsyncConnection,
+) -> Callable[[], AbstractAsyncContextManager[AsyncConnection]]:
+    """The command's connection, one transaction per prune batch, for the store's loop."""
+
+    @asynccontextmanager
+    async def transaction() -> AsyncIterator[AsyncConnection]:
+        async with conn.begin():
+            yield conn
+
+    return transaction

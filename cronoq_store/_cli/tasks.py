@@ -1,0 +1,165 @@
+"""``cronoq-store tasks``: look one task up, or page through finished ones. Rows are decoded
+by :mod:`cronoq_store._rows` through :mod:`cronoq_store._queries`, as the store's look-ups are."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import click
+from rich.console import Console
+
+from .. import _queries as queries
+from .._domain import (
+    I64_MAX as I64_MAX,
+)
+from .._domain import (
+    TaskId as TaskId,
+)
+from .._domain import (
+    TaskRecord as TaskRecord,
+)
+from .._domain import (
+    TaskStatus as TaskStatus,
+)
+from . import database, output
+from .app import Options
+from .exits import CliError, ExitCode, run
+
+__all__ = ["tasks"]
+
+#: The statuses ``--status`` accepts: the finished ones.
+_FINISHED = [s.value for s in TaskStatus if s.is_terminal]
+
+_json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+)
+
+
+@click.group()
+def tasks() -> None:
+    """Look tasks up."""
+
+
+@tasks.command("show")
+@click.argument("ref")
+@click.option("--key", "as_key", is_flag=True, help="Treat REF as a key even if it is numeric.")
+@_json_option
+@click.pass_obj
+def show(options: Options, ref: str, as_key: bool, as_json: bool) -> None:
+    """Show one task: REF is an id (digits) or a key (the newest task holding it)."""
+    by_id = not as_key and re.fullmatch(r"[0-9]+", ref) is not None
+    if by_id and int(ref) > I64_MAX:
+        raise click.BadParameter(f"{ref} is not a task id (ids fit a signed 64-bit integer)")
+    run(options.url, _show(options, TaskId(int(ref)) if by_id else ref, as_json, output.console()))
+
+
+async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Console) -> None:
+    async with database.database(options) as conn:
+        await database.require_head(conn, options.schema)
+        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
+    if listed is None:
+        kind = "key" if isinstance(ref, str) else "id"
+        raise CliError(f"no task with {kind} '{ref}'", ExitCode.FAILED)
+    record, status = listed
+    if as_json:
+        output.emit_json(output.task_document(record, status))
+        return
+    output.print_facts(
+        console,
+        ("id", output.task_id(record.id)),
+        ("key", record.key or "-"),
+        ("pool", record.pool),
+        ("kind", record.kind or "-"),
+        ("priority", record.priority.name.lower()),
+        ("tenant", record.tenant or "-"),
+        ("status", status),
+        ("attempt", str(record.attempt)),
+        ("updated", _updated(record)),
+        ("message", record.message or "-"),
+        ("output", output.preview(record.output)),
+    )
+
+
+@tasks.command("finished")
+@click.option("--pool", "pools", multiple=True, help="Only this pool (repeatable).")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(_FINISHED, case_sensitive=False),
+    help="Only this status (repeatable).",
+)
+@click.option(
+    "--after",
+    type=click.IntRange(0, I64_MAX),
+    help="Start after this id (the cursor the previous page printed).",
+)
+@click.option(
+    "--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="Tasks per page."
+)
+@_json_option
+@click.pass_obj
+def finished(
+    options: Options,
+    pools: tuple[str, ...],
+    statuses: tuple[str, ...],
+    after: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List finished tasks in id order, a page at a time."""
+    chosen = [TaskStatus(s.lower()) for s in statuses]
+    cursor = None if after is None else TaskId(after)
+    run(options.url, _finished(options, pools, chosen, cursor, limit, as_json, output.console()))
+
+
+async def _finished(
+    options: Options,
+    pools: Sequence[str],
+    statuses: Sequence[TaskStatus],
+    after: TaskId | None,
+    limit: int,
+    as_json: bool,
+    console: Console,
+) -> None:
+    # One more than a page tells whether another page follows.
+    params = queries.finished_params(pools, statuses, after, limit + 1)
+    async with database.database(options) as conn:
+        await database.require_head(conn, options.schema)
+        records = await queries.list_listed_finished(conn, params)
+    page, more = records[:limit], len(records) > limit
+    next_after = page[-1].record.id if more else None
+    if as_json:
+        output.emit_json(
+            {"tasks": [output.task_document(*listed) for listed in page], "next_after": next_after}
+        )
+        return
+    if not page:
+        console.print("no finished tasks" + (" after that id" if after is not None else ""))
+        return
+    output.print_table(
+        console,
+        f"finished tasks ({len(page)})",
+        ("id", "key", "pool", "kind", "status", "attempt", "updated", "message"),
+        (
+            (
+                str(r.id),
+                r.key or "-",
+                r.pool,
+                r.kind or "-",
+                status,
+                str(r.attempt),
+                _updated(r),
+                (r.message or "-")[:60],
+            )
+            for r, status in page
+        ),
+        right=("id", "attempt"),
+        wrap="message",
+    )
+    console.print("end of list" if next_after is None else f"next page: --after {next_after}")
+
+
+def _updated(record: TaskRecord) -> str:
+    return record.updated.strftime("%Y-%m-%d %H:%M:%S UTC")

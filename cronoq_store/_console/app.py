@@ -1,0 +1,351 @@
+"""The console as a Starlette application: three pages, each beside its JSON document
+(``?format=json``), read-only, behind :class:`~cronoq_store._console.security.Guard`.
+
+Templates are Jinja2 with autoescaping on, and every value goes through
+:func:`~cronoq_store._terminal_safe.visible` first (Jinja's ``finalize``), so neither markup nor
+controls nor bidi overrides in a stored value reach the page as such.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup, escape
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from .._cli.exits import CliError as CliError
+from .._cli.exits import ExitCode as ExitCode
+from .._cli.output import format_duration as format_duration
+from .._cli.prune import parse_duration as parse_duration
+from .._domain import I64_MAX as I64_MAX
+from .._domain import TaskId as TaskId
+from .._domain import clean_text as clean_text
+from .._errors import MigrationError as MigrationError
+from .._errors import translate_error as translate_error
+from .._schema import validate_schema_name as validate_schema_name
+from .._terminal_safe import visible as visible
+from .._terminal_safe import visible_block as visible_block
+from .._urls import scrub as scrub
+from . import actions, reads
+from .security import Credentials, Guard
+from .statements import SAMPLE
+
+__all__ = ["console_app"]
+
+_HERE = Path(__file__).resolve().parent
+#: Values per filter, and characters per value, a query string may carry.
+_MAX_VALUES = 20
+_MAX_VALUE_CHARS = 1000
+_CURSOR = re.compile(r"(-?[0-9]{1,19})\.([0-9]{1,19})")
+_ID = re.compile(r"[0-9]{1,19}")
+_CUTOFF = re.compile(r"-?[0-9]{1,19}")
+_FORM = "application/x-www-form-urlencoded"
+_MAX_FORM = 4096
+
+log = logging.getLogger("cronoq_store.console")
+
+
+def _finalize(value: Any) -> Any:
+    """Every ``{{ value }}``: ``None`` as a dash, text made visible (then autoescaped)."""
+    if value is None:
+        return "-"
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return visible(value)
+    return value
+
+
+def _age(moment: str | None) -> str:
+    """An RFC 3339 time as "5m ago" (to the second)."""
+    if moment is None:
+        return "-"
+    then = datetime.fromisoformat(moment.removesuffix("Z") + "+00:00")
+    seconds = int((datetime.now(timezone.utc) - then).total_seconds())
+    if seconds < 0:
+        return f"in {format_duration(-seconds)}"
+    return "just now" if seconds == 0 else f"{_coarse(seconds)} ago"
+
+
+def _coarse(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _environment(refresh_seconds: int) -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(_HERE / "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        finalize=_finalize,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    # Escaped here (Markup), so that finalize leaves its tabs and newlines alone.
+    env.filters["block"] = lambda text: escape(visible_block(text))
+    env.filters["age"] = _age
+    env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
+    env.globals["refresh_seconds"] = refresh_seconds
+    env.globals["statuses"] = reads.FINISHED_STATUSES
+    env.globals["sample"] = SAMPLE
+    return env
+
+
+class _BadRequest(ValueError):
+    """A query string the page cannot take: a 400 with the reason."""
+
+
+def _values(request: Request, name: str) -> tuple[str, ...]:
+    values = [v for v in request.query_params.getlist(name) if v != ""]
+    if len(values) > _MAX_VALUES or any(len(v) > _MAX_VALUE_CHARS for v in values):
+        raise _BadRequest(f"{name}: at most {_MAX_VALUES} values of {_MAX_VALUE_CHARS} characters")
+    return tuple(clean_text(v) for v in values)
+
+
+def _moment(request: Request, name: str) -> int | None:
+    """A time filter (``2026-12-01T20:00``, ``...Z`` or with an offset; UTC when naive) as
+    Unix ns."""
+    text = request.query_params.get(name, "")
+    if text == "":
+        return None
+    try:
+        moment = datetime.fromisoformat(text.removesuffix("Z"))
+    except ValueError:
+        raise _BadRequest(f"{name}: not a date and time: {text[:40]!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    delta = moment - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    ns = (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+    if not -(2**63) <= ns <= I64_MAX:
+        raise _BadRequest(f"{name}: out of range")
+    return ns
+
+
+def _filters(request: Request) -> reads.FinishedFilters:
+    statuses = tuple(s.lower() for s in _values(request, "status"))
+    for status in statuses:
+        if status not in reads.FINISHED_STATUSES:
+            raise _BadRequest(
+                f"status: {status[:40]!r} is not one of {', '.join(reads.FINISHED_STATUSES)}"
+            )
+    before = None
+    cursor = request.query_params.get("before", "")
+    if cursor:
+        match = _CURSOR.fullmatch(cursor)
+        if match is None or not all(-(2**63) <= int(g) <= I64_MAX for g in match.groups()):
+            raise _BadRequest("before: not a cursor this page gave")
+        before = (int(match.group(1)), int(match.group(2)))
+    return reads.FinishedFilters(
+        pools=_values(request, "pool"),
+        statuses=statuses,
+        kinds=_values(request, "kind"),
+        tenants=_values(request, "tenant"),
+        since_ns=_moment(request, "since"),
+        until_ns=_moment(request, "until"),
+        before=before,
+    )
+
+
+def _schema(request: Request) -> str:
+    try:
+        return validate_schema_name(request.path_params["schema"])
+    except ValueError:
+        raise reads.ClusterNotFound(request.path_params["schema"]) from None
+
+
+def _ref(request: Request) -> TaskId | str:
+    by_id, by_key = request.query_params.get("id"), request.query_params.get("key")
+    if (by_id is None) == (by_key is None):
+        raise _BadRequest("give one of id= and key=")
+    if by_id is not None:
+        if _ID.fullmatch(by_id) is None or int(by_id) > I64_MAX:
+            raise _BadRequest(f"id: not a task id: {by_id[:40]!r}")
+        return TaskId(int(by_id))
+    assert by_key is not None
+    if len(by_key) > _MAX_VALUE_CHARS * 10:
+        raise _BadRequest("key: too long")
+    return by_key
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """A small url-encoded form (one value per field)."""
+    if request.headers.get("content-type", "").split(";")[0] != _FORM:
+        raise _BadRequest(f"expected a form ({_FORM})")
+    body = await request.body()
+    if len(body) > _MAX_FORM:
+        raise _BadRequest("form too large")
+    return {k: v[0] for k, v in parse_qs(body.decode("latin-1"), max_num_fields=10).items()}
+
+
+def _query(items: list[tuple[str, str]]) -> str:
+    return "?" + urlencode(items)
+
+
+def console_app(
+    url: str,
+    credentials: Credentials | None,
+    trusted_triggers: frozenset[str] = frozenset(),
+    *,
+    refresh_seconds: int = 5,
+    allow_actions: bool = False,
+) -> Guard:
+    """The console for the database at ``url``, guarded by ``credentials`` (``None``:
+    loopback hosts only); its overview and cluster pages refresh every ``refresh_seconds``.
+    With ``allow_actions`` (which needs ``credentials``), its pages offer a handover and a
+    prune."""
+    if allow_actions and credentials is None:
+        raise ValueError("actions need credentials: every local user can reach loopback")
+    templates = _environment(refresh_seconds)
+    templates.globals["actions"] = allow_actions
+    csrf = actions.Csrf()
+
+    def respond(
+        request: Request, template: str, doc: dict[str, Any], status: int = 200
+    ) -> Response:
+        if request.query_params.get("format") == "json":
+            # ASCII-escaped: valid JSON whatever a value holds, safe in any viewer.
+            return Response(
+                json.dumps(doc, ensure_ascii=True, indent=2),
+                status,
+                media_type="application/json",
+            )
+        body = templates.get_template(template).render(doc=doc, request=request)
+        return HTMLResponse(body, status)
+
+    async def guarded(request: Request, template: str, work: Any) -> Response:
+        try:
+            return respond(request, template, await work())
+        except (reads.ClusterNotFound, reads.TaskNotFound) as exc:
+            what = "cluster" if isinstance(exc, reads.ClusterNotFound) else "task"
+            return respond(request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404)
+        except _BadRequest as exc:
+            return respond(request, "error.html", {"error": str(exc)}, 400)
+        except actions.ActionRefused as exc:
+            # Made visible: a log line goes to the operator's terminal.
+            log.warning("refused %s %s: %s", request.method, visible(request.url.path), exc)
+            return respond(request, "error.html", {"error": str(exc)}, 403)
+        except MigrationError as exc:  # the trust check refused the schema
+            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 409)
+        except CliError as exc:  # cannot connect (503), or a schema not at this build's head
+            status = 503 if exc.code is ExitCode.UNREACHABLE else 409
+            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, status)
+        except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
+            error = translate_error(exc, "reading the cluster")
+            log.warning(
+                "%s %s: %s",
+                request.method,
+                visible(request.url.path),
+                visible(scrub(str(error), [url])),
+            )
+            status = 503 if error.is_transient else 500
+            return respond(request, "error.html", {"error": scrub(str(error), [url])}, status)
+
+    async def overview(request: Request) -> Response:
+        return await guarded(
+            request, "overview.html", lambda: reads.overview(url, trusted_triggers)
+        )
+
+    async def cluster(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema, filters = _schema(request), _filters(request)
+            doc = await reads.cluster(url, schema, trusted_triggers, filters)
+            finished = doc.get("finished")
+            if finished is not None:
+                # The same filters, one page on; and back to the newest page.
+                kept = [(k, v) for k, v in request.query_params.multi_items() if k != "before"]
+                cursor = finished["next"]
+                finished["next_url"] = (
+                    None if cursor is None else _query([*kept, ("before", cursor)])
+                )
+                finished["first_url"] = _query(kept) if filters.before is not None else None
+            return doc
+
+        return await guarded(request, "cluster.html", work)
+
+    async def handover_page(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            await reads.known(url, schema)
+            doc = await actions.handover_facts(url, schema, trusted_triggers)
+            doc["csrf"] = csrf.token(schema, "handover")
+            return doc
+
+        return await guarded(request, "handover.html", work)
+
+    async def handover(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            actions.check_origin(request)
+            form = await _form(request)
+            csrf.check(schema, "handover", form.get("csrf"))
+            pid = form.get("pid", "")
+            if _ID.fullmatch(pid) is None or int(pid) > 2**31 - 1:
+                raise _BadRequest("pid: not a backend pid")
+            await reads.known(url, schema)
+            who = getattr(request.state, "who", None) or "unauthenticated"
+            return await actions.handover(url, schema, trusted_triggers, int(pid), who)
+
+        return await guarded(request, "handed_over.html", work)
+
+    async def prune_page(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            try:
+                older_than = parse_duration(request.query_params.get("older_than", "7d"))
+            except ValueError as exc:
+                raise _BadRequest(str(exc)) from None
+            await reads.known(url, schema)
+            doc = await actions.prune_preview(url, schema, trusted_triggers, older_than)
+            # Bound to the dry run's cutoff: the real run deletes what was counted.
+            doc["csrf"] = csrf.token(schema, f"prune:{doc['cutoff_ns']}")
+            return doc
+
+        return await guarded(request, "prune.html", work)
+
+    async def prune(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            actions.check_origin(request)
+            form = await _form(request)
+            cutoff = form.get("cutoff", "")
+            if _CUTOFF.fullmatch(cutoff) is None or not -(2**63) <= int(cutoff) <= I64_MAX:
+                raise _BadRequest("cutoff: not one a dry run gave")
+            csrf.check(schema, f"prune:{cutoff}", form.get("csrf"))
+            await reads.known(url, schema)
+            who = getattr(request.state, "who", None) or "unauthenticated"
+            return await actions.prune(url, schema, trusted_triggers, int(cutoff), who)
+
+        return await guarded(request, "pruned.html", work)
+
+    async def task(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema, ref = _schema(request), _ref(request)
+            doc = await reads.task(url, schema, trusted_triggers, ref)
+            doc["schema"] = schema
+            return doc
+
+        return await guarded(request, "task.html", work)
+
+    routes = [
+        Route("/", overview),
+        Route("/clusters/{schema}", cluster),
+        Route("/clusters/{schema}/task", task),
+        Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
+    ]
+    if allow_actions:
+        routes.append(Route("/clusters/{schema}/handover", handover_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/handover", handover, methods=["POST"]))
+        routes.append(Route("/clusters/{schema}/prune", prune_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/prune", prune, methods=["POST"]))
+    app = Starlette(routes=routes)
+    return Guard(app, credentials)

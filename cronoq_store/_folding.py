@@ -1,0 +1,431 @@
+"""Batch folding: a commit batch turned into the column-wise parameters of a few statements.
+
+Pure (no SQLAlchemy, no I/O), so the folding rules can be tested on their own:
+
+- a task's states are totally ordered (:func:`level`, then the transition's time): attempt
+  first, then queued < running < retrying < terminal, and a terminal state is final. A
+  transition applies only if it moves the task forward; one that does not (a duplicate, a
+  late retry, a tie) changes nothing, its message included;
+- a task submitted in the batch is inserted once, carrying its latest state, so a task that
+  is born and finishes in one batch is written once. The same ``Submitted`` again is a
+  no-op; a different task under the same id raises :class:`~cronoq_store._errors.IdCollisionError`;
+- a task stored by an earlier batch gets one forward-only update (``update_status``). So
+  does a task submitted in the batch with transitions, but only when it turns out to be
+  stored already (a submission sent again): the insert then signals it and the writer
+  writes the batch again with those updates first (see :mod:`cronoq_store._writer`);
+- a message carries forward until a later transition brings its own; the update carries the
+  position of the transition that brought it, so the statement keeps the stored message
+  when that transition is not ahead of the stored state;
+- recurring changes keep their batch order.
+
+These rules make the stored result independent of how mutations were split into batches and
+of batches delivered again after their first delivery, the database applying the same order
+in each statement, provided first deliveries come in the order the mutations were emitted. A
+batch first delivered after a later one is applied as if emitted last: its transitions that
+are not ahead change nothing, messages included, and the first finished state delivered
+stays (the store cannot tell that from a history that went backwards itself).
+Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone surrogates
+become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
+
+The parameter names of the returned dictionaries are the bind names of the statements in
+:mod:`cronoq_store._statements`; new tasks are rows made by :mod:`cronoq_store._rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any, ClassVar
+
+from ._codec import clean_text as clean_text
+from ._codec import encode_recurring as encode_recurring
+from ._codec import unix_converter as unix_converter
+from ._domain import (
+    QUEUED as QUEUED,
+)
+from ._domain import (
+    Mutation as Mutation,
+)
+from ._domain import (
+    RecurringNext as RecurringNext,
+)
+from ._domain import (
+    RecurringRemove as RecurringRemove,
+)
+from ._domain import (
+    RecurringUpsert as RecurringUpsert,
+)
+from ._domain import (
+    StatusChanged as StatusChanged,
+)
+from ._domain import (
+    Submitted as Submitted,
+)
+from ._domain import (
+    TaskId as TaskId,
+)
+from ._domain import (
+    TaskStatus as TaskStatus,
+)
+from ._domain import (
+    TimeBase as TimeBase,
+)
+from ._errors import IdCollisionError as IdCollisionError
+from ._rows import (
+    INSERT_POSITION as INSERT_POSITION,
+)
+from ._rows import (
+    insert_row as insert_row,
+)
+from ._rows import (
+    same_task as same_task,
+)
+from ._rows import (
+    set_state as set_state,
+)
+from ._rows import (
+    transposed as transposed,
+)
+
+__all__ = [
+    "LIVE_RANKS",
+    "TERMINAL_LEVEL",
+    "FoldedBatch",
+    "RecurringAction",
+    "fold",
+    "level",
+    "taken_keys",
+]
+
+#: Rank of each live status within an attempt (other stored names rank as queued).
+LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
+#: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
+#: times 4 ranks stay below it).
+TERMINAL_LEVEL = 1 << 62
+
+
+def level(status: str, terminal: bool, attempt: int) -> int:
+    """Where a state stands in a task's life: ``attempt * 4 + rank`` while live, then
+    :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level, at)`` is
+    greater than the stored one and the stored state is not terminal (a terminal state is
+    final: no tie-break by time). ``update_status`` computes the same in SQL."""
+    return TERMINAL_LEVEL if terminal else attempt * 4 + LIVE_RANKS.get(status, 0)
+
+
+class RecurringAction(Enum):
+    """Which recurring statement a change runs."""
+
+    UPSERT = "upsert"
+    REMOVE = "remove"
+    NEXT = "next"
+
+
+@dataclass(slots=True)
+class _Transition:
+    """A task's state after the transitions of one batch that moved it forward, and the
+    position (``level``, ``at``) of the one that brought its message."""
+
+    status: str
+    terminal: bool
+    attempt: int
+    at: int
+    level: int
+    message: str | None
+    message_level: int | None
+    message_at: int | None
+
+    def ahead_of(self, other: _Transition) -> bool:
+        return not other.terminal and (self.level, self.at) > (other.level, other.at)
+
+
+#: Marks a field of :class:`FoldedBatch` that the commit writes (see ``FoldedBatch.writes``).
+_WRITE = {"write": True}
+
+
+@dataclass(slots=True)
+class FoldedBatch:
+    """What one commit writes. The fields marked as writes are in the order the
+    transaction writes them; :meth:`writes` names those that hold something, so that the
+    writer's choices follow from the fields and a new kind of write cannot be skipped."""
+
+    #: Largest id inserted by the batch (the high-water mark to record), if any.
+    max_id: int | None
+    #: ``update_status`` parameters: one row per task not submitted in the batch.
+    updates: dict[str, list[Any]] = field(metadata=_WRITE)
+    #: The same for tasks submitted in the batch that have transitions, whose insert rows
+    #: carry them: needed only where such a task turns out to be stored already (see
+    #: :meth:`resubmitted`).
+    inserted_updates: dict[str, list[Any]]
+    #: New tasks, one row each in ``rows.INSERT_COLUMNS`` order (what COPY takes).
+    insert_rows: list[list[Any]] = field(metadata=_WRITE)
+    #: ``store_outputs`` parameters: one row per task (the last output given wins).
+    outputs: dict[str, list[Any]] = field(metadata=_WRITE)
+    #: Recurring changes in batch order.
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = field(
+        default_factory=list, metadata=_WRITE
+    )
+
+    #: The write fields, in the order the transaction writes them.
+    WRITES: ClassVar[tuple[str, ...]]
+
+    def writes(self) -> tuple[str, ...]:
+        """The write fields that hold something, in :attr:`WRITES` order. A field holds a
+        list of rows, or parameter columns (a dict of equally long lists)."""
+        return tuple(name for name in self.WRITES if _count(getattr(self, name)))
+
+    def resubmitted(self) -> FoldedBatch:
+        """This batch with ``inserted_updates`` moved into its updates: for a batch that
+        turned out to send tasks stored already, so that their transitions move the stored
+        rows."""
+        extra = self.inserted_updates
+        updates = {name: v + extra[name] for name, v in self.updates.items()}
+        return replace(self, updates=updates, inserted_updates={name: [] for name in extra})
+
+    @property
+    def inserts(self) -> dict[str, list[Any]]:
+        """``insert_tasks`` parameters: the rows transposed, one array per column."""
+        return transposed(self.insert_rows)
+
+    @property
+    def update_count(self) -> int:
+        return len(self.updates["ids"])
+
+    @property
+    def insert_count(self) -> int:
+        return len(self.insert_rows)
+
+    @property
+    def output_count(self) -> int:
+        return len(self.outputs["ids"])
+
+
+FoldedBatch.WRITES = tuple(f.name for f in fields(FoldedBatch) if f.metadata.get("write"))
+
+_ID, _KEY, _TERMINAL = INSERT_POSITION["id"], INSERT_POSITION["key"], INSERT_POSITION["terminal"]
+
+
+def taken_keys(
+    batch: FoldedBatch, stored_ids: Container[int], live_holders: Mapping[str, int]
+) -> list[str]:
+    """Every key that ``batch`` gives a new live task while another live task holds it, sorted:
+    what ``KeyTakenError.keys`` lists, in both stores.
+
+    ``stored_ids`` holds (at least) which of the batch's ids are stored, ``live_holders`` the
+    id of the stored live task holding each of its keys. A key is taken when its holder is
+    not finished by the batch (its updates run before its inserts; a transition to a
+    finished state always moves a live task) or when an earlier new task of the batch takes
+    it. Ids held by other tasks are checked before, and win (``IdCollisionError``).
+    """
+    updates = batch.resubmitted().updates
+    finished = {id for id, done in zip(updates["ids"], updates["terminals"], strict=True) if done}
+    given: set[str] = set()
+    taken: set[str] = set()
+    for row in batch.insert_rows:
+        key = row[_KEY]
+        if key is None or row[_TERMINAL] or row[_ID] in stored_ids:
+            continue
+        holder = live_holders.get(key)
+        if key in given or (holder is not None and holder not in finished):
+            taken.add(key)
+        given.add(key)
+    return sorted(taken)
+
+
+def _count(value: list[Any] | dict[str, list[Any]]) -> int:
+    """Rows in a write field: a list's length, or a parameter column's."""
+    if isinstance(value, dict):
+        return len(next(iter(value.values()), ()))
+    return len(value)
+
+
+def fold(
+    batch: Sequence[Mutation],
+    base: TimeBase,
+    now_unix_ns: int,
+    outputs: Sequence[tuple[TaskId, bytes]] = (),
+) -> FoldedBatch:
+    """Fold ``batch`` and ``outputs``; new tasks without a transition get ``now_unix_ns`` as
+    their update time. Engine times are converted to Unix ns through ``base``; one that
+    leaves BIGINT raises ``ValueError`` naming the field (only its submission then fails)."""
+    to_unix = unix_converter(base)
+    distinct = _distinct_transitions(batch)
+    if distinct is not None:
+        # Transitions of distinct tasks (most status batches): nothing to fold, so their
+        # columns are built directly, as the loop below would build them.
+        last_output = dict(outputs)
+        return FoldedBatch(
+            max_id=None,
+            updates=_transition_params(distinct, to_unix),
+            inserted_updates=_update_params({}),
+            insert_rows=[],
+            outputs={"ids": list(last_output), "outputs": list(last_output.values())},
+        )
+    rows: list[list[Any]] = []  # one list per row is much cheaper than 25 column appends
+    inserted: dict[int, int] = {}
+    transitions: dict[int, _Transition] = {}  # insertion-ordered: first transition's order
+    recurring: list[tuple[RecurringAction, dict[str, Any]]] = []
+
+    for m in batch:
+        if isinstance(m, StatusChanged):
+            status = m.status
+            at = to_unix(m.at, "at")
+            lvl = level(status.value, status.is_terminal, m.attempt)
+            message = None if m.message is None else clean_text(m.message)
+            later = _Transition(
+                status.value,
+                status.is_terminal,
+                m.attempt,
+                at,
+                lvl,
+                message,
+                None if message is None else lvl,
+                None if message is None else at,
+            )
+            earlier = transitions.get(m.id)
+            if earlier is None:
+                transitions[m.id] = later
+            elif later.ahead_of(earlier):
+                if message is None:
+                    later.message = earlier.message
+                    later.message_level = earlier.message_level
+                    later.message_at = earlier.message_at
+                transitions[m.id] = later
+        elif isinstance(m, Submitted):
+            row = insert_row(m, to_unix, now_unix_ns)
+            i = inserted.get(m.id)
+            if i is None:
+                inserted[m.id] = len(rows)
+                rows.append(row)
+            elif not same_task(rows[i], row):
+                raise IdCollisionError([m.id], in_batch=True)
+        elif isinstance(m, RecurringUpsert):
+            spec = m.spec
+            recurring.append(
+                (
+                    RecurringAction.UPSERT,
+                    {
+                        "schedule": clean_text(spec.name),
+                        "spec_json": encode_recurring(base, spec),
+                        "payload": spec.template.payload,
+                    },
+                )
+            )
+        elif isinstance(m, RecurringRemove):
+            recurring.append((RecurringAction.REMOVE, {"schedule": clean_text(m.name)}))
+        elif isinstance(m, RecurringNext):
+            recurring.append(
+                (
+                    RecurringAction.NEXT,
+                    {
+                        "schedule": clean_text(m.name),
+                        "next": None if m.next is None else to_unix(m.next, "next"),
+                        "last": m.last,
+                    },
+                )
+            )
+        else:
+            raise TypeError(f"not a mutation: {type(m).__name__}")
+
+    stored: dict[int, _Transition] = {}
+    resubmitted: dict[int, _Transition] = {}
+    for id, t in transitions.items():
+        i = inserted.get(id)
+        if i is None:
+            stored[id] = t
+            continue
+        resubmitted[id] = t
+        set_state(rows[i], t.status, t.terminal, t.attempt, t.at, t.message)
+    last_output = dict(outputs)
+    return FoldedBatch(
+        max_id=max(inserted) if inserted else None,
+        updates=_update_params(stored),
+        inserted_updates=_update_params(resubmitted),
+        insert_rows=rows,
+        outputs={"ids": list(last_output), "outputs": list(last_output.values())},
+        recurring=recurring,
+    )
+
+
+def _distinct_transitions(batch: Sequence[Mutation]) -> list[StatusChanged] | None:
+    """``batch`` if it holds only transitions, of distinct tasks; else ``None``."""
+    found: list[StatusChanged] = []
+    for m in batch:
+        if type(m) is not StatusChanged:
+            return None
+        found.append(m)
+    return found if len({m.id for m in found}) == len(found) else None
+
+
+def _transition_params(
+    batch: Sequence[StatusChanged], to_unix: Callable[[int, str], int]
+) -> dict[str, list[Any]]:
+    """``update_status`` parameters of transitions of distinct tasks: what
+    :func:`_update_params` makes of them, without a ``_Transition`` per row."""
+    ids: list[Any] = []
+    statuses: list[Any] = []
+    terminals: list[Any] = []
+    attempts: list[Any] = []
+    updated: list[Any] = []
+    levels: list[Any] = []
+    messages: list[Any] = []
+    message_levels: list[Any] = []
+    message_ats: list[Any] = []
+    for m in batch:
+        status = m.status
+        name, terminal = status.value, status.is_terminal
+        at = to_unix(m.at, "at")
+        lvl = level(name, terminal, m.attempt)
+        ids.append(m.id)
+        statuses.append(name)
+        terminals.append(terminal)
+        attempts.append(m.attempt)
+        updated.append(at)
+        levels.append(lvl)
+        if m.message is None:
+            messages.append(None)
+            message_levels.append(None)
+            message_ats.append(None)
+        else:
+            messages.append(clean_text(m.message))
+            message_levels.append(lvl)
+            message_ats.append(at)
+    return {
+        "ids": ids,
+        "statuses": statuses,
+        "terminals": terminals,
+        "attempts": attempts,
+        "updated": updated,
+        "levels": levels,
+        "messages": messages,
+        "message_levels": message_levels,
+        "message_ats": message_ats,
+    }
+
+
+def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
+    """``update_status`` parameters, one row per task."""
+    if not transitions:  # most batches: no transitions, or only of tasks stored before
+        return {
+            "ids": [],
+            "statuses": [],
+            "terminals": [],
+            "attempts": [],
+            "updated": [],
+            "levels": [],
+            "messages": [],
+            "message_levels": [],
+            "message_ats": [],
+        }
+    latest = transitions.values()
+    return {
+        "ids": list(transitions),
+        "statuses": [t.status for t in latest],
+        "terminals": [t.terminal for t in latest],
+        "attempts": [t.attempt for t in latest],
+        "updated": [t.at for t in latest],
+        "levels": [t.level for t in latest],
+        "messages": [t.message for t in latest],
+        "message_levels": [t.message_level for t in latest],
+        "message_ats": [t.message_at for t in latest],
+    }

@@ -1,0 +1,458 @@
+"""Leader election: a session advisory lock held on a dedicated connection, and its keeper.
+
+The lock lives exactly as long as the session that took it. That session therefore never
+comes from the application's pool and never returns to any pool (a pooled connection keeps
+a session lock after ``close()``): it is discarded when it ends, and releasing leadership
+means closing it. On an application's engine it is made as that engine makes its own
+(creator, TLS, connect arguments), then sets its own keepalives, idle limit, search path,
+durability and read-write mode (``_session_settings``). Taking the lock bumps the
+fencing epoch, which every commit checks in its own transaction.
+
+The keeper pings the session every ``keepalive``. If nothing has been heard from it for
+``session_timeout``, this instance steps down: the session is torn down without waiting on
+its socket, so a partition cannot keep a deposed leader believing it leads. Across a
+partition the server gives up on the session only later (its TCP keepalives start after
+``session_timeout`` idle, then probe three times, a second apart), so the old leader has
+stepped down before the lock can move. When the server ends the session first (a terminated
+backend), a standby may lead before the keeper notices; the epoch fences every commit of
+the old leader from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from sqlalchemy import Executable, Result
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool, Pool
+
+from . import _statements as st
+from ._config import PgStoreConfig as PgStoreConfig
+from ._domain import LockHolder as LockHolder
+from ._errors import StoreError as StoreError
+from ._errors import translate_error as translate_error
+from ._migrations import ConnectCheck as ConnectCheck
+from ._migrations import TrustCheck as TrustCheck
+from ._queries import holder_of as holder_of
+from ._queries import lock_keys as lock_keys
+from ._retry import acquisition_backoff as acquisition_backoff
+from ._retry import bounded as bounded
+from ._retry import pause as pause
+from ._schema import schema_options as schema_options
+from ._urls import engine_arguments as engine_arguments
+from ._urls import redact as redact
+from .telemetry import DISABLED, Telemetry
+
+__all__ = ["Leadership"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: How long a graceful close of the lock session may take before the socket is dropped.
+_CLOSE_TIMEOUT = 1.0
+#: A waiting standby looks at who holds the lock every this many polls.
+_HOLDER_CHECK_POLLS = 10
+#: A standby warns about a foreign lock holder at most this often (seconds).
+_FOREIGN_WARNING_INTERVAL = 60.0
+
+
+class _Session:
+    """The lock session: its SQLAlchemy connection, and the driver's, to abort a dead socket.
+
+    Statements run as SQLAlchemy Core on ``conn``; ``driver`` (the asyncpg connection) is used
+    only to close: ``terminate()`` drops the socket at once, where any polite close would wait
+    for a peer that may never answer.
+    """
+
+    def __init__(self, conn: AsyncConnection, driver: Any) -> None:
+        self.conn = conn
+        self.driver = driver
+        self.closed = False
+
+    async def run(
+        self, statement: Executable, params: dict[str, Any] | None, timeout: float
+    ) -> Result[Any]:
+        """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
+
+        The statement is not cancelled (that would send a cancel request over a new
+        connection, into the same silence); aborting the socket makes it fail at once.
+        """
+        task = asyncio.ensure_future(self.conn.execute(statement, params))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        finally:
+            if not task.done():
+                self.driver.terminate()
+                await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT)
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # the consequence of the abort, not news
+        if not done:
+            raise asyncio.TimeoutError(f"the lock session did not answer within {timeout:g} s")
+        return task.result()
+
+    async def close(self) -> None:
+        """Close the session, ending the server's backend and so releasing its lock; bounded.
+
+        A graceful close is tried when the socket is still open; the socket is dropped if
+        that fails or takes longer than ``_CLOSE_TIMEOUT``. Closing twice is harmless.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.driver.is_closed():
+                try:
+                    await self.driver.close(timeout=_CLOSE_TIMEOUT)
+                except Exception:
+                    self.driver.terminate()
+        finally:
+            try:
+                # The driver connection is closed: this settles SQLAlchemy's bookkeeping.
+                await self.conn.invalidate()
+                await self.conn.close()
+            except Exception as exc:
+                logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
+
+
+def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
+    return max(1000, round(1500 * config.session_timeout))
+
+
+def _session_settings(config: PgStoreConfig) -> dict[str, str]:
+    """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`)."""
+    settings = {
+        # Names resolve in pg_catalog only: no schema another role can write can capture
+        # a function or operator the lock session calls.
+        "search_path": st.SEARCH_PATH,
+        "application_name": f"{config.application_name} leader",
+        # The server drops the session (and the lock) once the client is gone.
+        "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+        # Keepalives cannot see a client behind a stalled path whose kernel still answers
+        # probes (a proxy, a NAT): a lock session with no query for 1.5 x session_timeout
+        # is ended by the server, freeing the lock for a standby. The keeper queries every
+        # `keepalive` and standbys every `lock_poll`, both shorter, so a healthy session is
+        # never idle that long.
+        "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+        # Whatever an application's connect arguments say: the epoch bump is as durable as
+        # a commit (a bump lost in a failover would let the next leader take the same
+        # epoch), and it writes.
+        "synchronous_commit": "on",
+        "default_transaction_read_only": "off",
+    }
+    assert tuple(settings) == st.LOCK_SESSION_SETTINGS
+    return settings
+
+
+class Leadership:
+    """Leader election for one cluster (one schema) on its own lock session.
+
+    ``url`` is a ``postgresql+asyncpg`` URL of a server reached directly (a session advisory
+    lock cannot live behind a transaction-pooling PgBouncer). Given ``pool`` (an application
+    engine's pool ``recreate()``-d: its creator and connect arguments, none of its
+    connections), sessions are made by that pool instead, and ``url`` only names the
+    dialect and the server in logs; each session is discarded when it ends, never reused.
+    ``lock_key`` is the pair of advisory-lock keys. Given ``trust``, each acquisition runs
+    that check on the lock session once the lock is taken, and refuses (releasing the lock,
+    no epoch taken) a schema that fails it. Given ``connect``, each acquisition first checks
+    who may connect to the database and refuses to wait for the lock where untrusted roles
+    may (``config.allow_untrusted_connect`` makes that a warning). A standby waiting behind a
+    holder that is not a store instance logs it, at most every
+    ``_FOREIGN_WARNING_INTERVAL``. The object can lead many times: after a loss,
+    :meth:`acquire` opens a new session and takes a new epoch.
+    """
+
+    def __init__(
+        self,
+        url: URL,
+        schema: str,
+        lock_key: tuple[int, int],
+        config: PgStoreConfig,
+        *,
+        pool: Pool | None = None,
+        trust: TrustCheck | None = None,
+        connect: ConnectCheck | None = None,
+    ) -> None:
+        self._url = url
+        self._trust = trust
+        self._connect = connect
+        # loop.time() of the last warning about a foreign lock holder.
+        self._warned_at: float | None = None
+        self._schema = schema
+        self._key = {"k1": lock_key[0], "k2": lock_key[1]}
+        self._config = config
+        self._settings = _session_settings(config)
+        self._backoff = acquisition_backoff(config)
+        # With `pool`, sessions are made the way an application's engine makes its own (its
+        # creator, TLS, connect_args), on a pool of their own, and the settings are applied
+        # once connected; otherwise they are dialled from `url` with the settings attached.
+        self._via = "the engine's connection creator" if pool is not None else "the URL"
+        if pool is not None:
+            self._engine: AsyncEngine = create_async_engine(
+                url, pool=pool, isolation_level="AUTOCOMMIT"
+            )
+        else:
+            dialled, tls = engine_arguments(url)
+            self._engine = create_async_engine(
+                dialled,
+                poolclass=NullPool,
+                isolation_level="AUTOCOMMIT",
+                connect_args={
+                    # asyncpg's bound on opening a connection (a silent server never refuses).
+                    "timeout": config.session_timeout,
+                    "server_settings": self._settings,
+                    **tls,
+                },
+            )
+        self._apply_settings = pool is not None
+        # bump_epoch must hit the cluster's schema.
+        self._db = self._engine.execution_options(**schema_options(schema))
+        self._epoch: int | None = None
+        # Set while this instance does not lead after having led (or released); cleared by
+        # each acquisition. Never set before the first one, so wait_lost() then waits.
+        self._lost = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._acquiring = asyncio.Lock()
+        self._session: _Session | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        #: Where step-downs are counted (``PgStore`` sets its own).
+        self.telemetry: Telemetry = DISABLED
+
+    @property
+    def epoch(self) -> int | None:
+        """The fencing epoch while this instance leads, else ``None``."""
+        return self._epoch
+
+    @property
+    def is_leader(self) -> bool:
+        return self._epoch is not None
+
+    def mark_lost(self, reason: str = "fenced") -> None:
+        """Stop leading now (a commit found another epoch); the keeper closes the session.
+        ``reason`` is the step-down's, counted when this instance was leading."""
+        if self._epoch is not None:
+            self.telemetry.step_down(reason)
+        self._epoch = None
+        self._lost.set()
+
+    async def wait_lost(self) -> None:
+        """Return once leadership held by this instance is lost or released."""
+        await self._lost.wait()
+
+    async def acquire(self) -> int:
+        """Wait until this instance leads; returns the new epoch.
+
+        A session already held is closed first: each acquisition is a new term with a new
+        epoch. While the database is unreachable, retries and logs each failure, pausing
+        as :func:`~cronoq_store._retry.acquisition_backoff` says: never longer than
+        ``lock_poll``, so once the server is back this instance leads (if nobody else does)
+        within ``session_timeout + lock_poll``. Errors that retrying cannot fix are raised
+        as ``StoreError``.
+        """
+        async with self._acquiring:
+            self._check_open()
+            if self._session is not None:
+                await self.release()
+            delays = self._backoff.delays()
+            while True:
+                try:
+                    session, epoch = await self._try_lead()
+                    break
+                except Exception as exc:
+                    error = translate_error(exc, "acquiring leadership")
+                    if not error.is_transient:
+                        raise error from exc
+                    pause = next(delays)
+                    logger.warning(
+                        "cannot acquire leadership for now (transient: see error); retrying",
+                        extra={
+                            "schema": self._schema,
+                            "url": redact(self._url),
+                            "via": self._via,
+                            "error": str(error),
+                            "retry_in": round(pause, 3),
+                        },
+                    )
+                    if await self._closed_within(pause):
+                        raise self._closed_error() from exc
+            self._epoch = epoch
+            self._lost.clear()
+            self._session = session
+            self._keeper = asyncio.ensure_future(self._keep(session, epoch))
+            logger.info("acquired leadership", extra={"epoch": epoch, "schema": self._schema})
+            return epoch
+
+    async def release(self) -> None:
+        """Give up leadership: the lock session is closed, so the server releases the lock."""
+        self.mark_lost("released")
+        await self._end_term()
+
+    async def close(self) -> None:
+        """Release leadership, stop any acquisition in progress and free the engine."""
+        self._closing.set()
+        self.mark_lost("closed")
+        async with self._acquiring:  # an acquisition in progress notices and gives up
+            await self._end_term()
+            await self._engine.dispose()
+
+    # --- internals ------------------------------------------------------------------------
+
+    async def _try_lead(self) -> tuple[_Session, int]:
+        """Open a lock session and poll for the lock; returns the session and the new epoch."""
+        timeout = self._config.session_timeout
+        # Bounded here too: an application's creator may have no connect timeout.
+        # A connect done as the acquisition is cancelled (or times out) is closed, not lost.
+        conn = await bounded(self._db.connect(), timeout, discard=AsyncConnection.close)
+        try:
+            raw = await conn.get_raw_connection()
+        except BaseException:
+            await conn.close()
+            raise
+        session = _Session(conn, raw.driver_connection)
+        try:
+            if self._apply_settings:
+                await session.run(st.lock_session_settings, self._settings, timeout)
+            if self._connect is not None:
+                await self._refuse_untrusted_connect(session, self._connect, timeout)
+            polls, suspect = 0, None
+            while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
+                if polls % _HOLDER_CHECK_POLLS == 0:
+                    suspect = await self._watch_holder(session, suspect, timeout)
+                polls += 1
+                if await self._closed_within(self._config.lock_poll):
+                    raise self._closed_error()
+            if self._trust is not None:
+                await self._vet(session, self._trust, timeout)
+            epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
+            if epoch is None:
+                raise StoreError(
+                    f"the leader row of schema {self._schema!r} is missing: run the migrations"
+                )
+            # Prepared now, so that each of the keeper's checks is a single round trip.
+            await session.run(st.ping, None, timeout)
+            return session, int(epoch)
+        except BaseException:
+            await session.close()  # releases the lock if this session took it
+            raise
+
+    async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
+        """Refuse to lead a schema that fails the trust check, before the epoch bump: its
+        UPDATE of the leader row runs any trigger planted there since the store opened."""
+        found = (await session.run(trust.statement, trust.params, timeout)).scalars().all()
+        if found:
+            me = (await session.run(trust.current_user, None, timeout)).scalar_one()
+            raise trust.refusal(found, me)
+
+    async def _refuse_untrusted_connect(
+        self, session: _Session, check: ConnectCheck, timeout: float
+    ) -> None:
+        """Refuse to wait for the lock where roles the store does not trust may connect:
+        any of them could hold it forever. A warning instead with allow_untrusted_connect."""
+        found = (await session.run(check.statement, check.params, timeout)).scalars().all()
+        if not found:
+            return
+        database = (await session.run(check.database, None, timeout)).scalar_one()
+        me = (await session.run(TrustCheck.current_user, None, timeout)).scalar_one()
+        refusal = check.refusal(found, database, me)
+        if not self._config.allow_untrusted_connect:
+            raise refusal
+        logger.warning(
+            "leading although untrusted roles may connect (allow_untrusted_connect=True): "
+            "any of them can hold the leader lock and stop every instance from leading",
+            extra={"schema": self._schema, "database": database, "roles": list(found)},
+        )
+
+    async def _watch_holder(
+        self, session: _Session, suspect: int | None, timeout: float
+    ) -> int | None:
+        """Look at who holds the lock this standby waits for; warn (at most every
+        ``_FOREIGN_WARNING_INTERVAL``) about a holder that is not a store instance, once it
+        was seen twice, a check apart (a takeover is an instance before its epoch bump).
+        Returns the pid of a foreign holder seen now, for the next check."""
+        keys = lock_keys((self._key["k1"], self._key["k2"]))
+        holder = holder_of((await session.run(st.leader_holder_facts, keys, timeout)).one())
+        if holder is None or holder.store_instance:
+            return None
+        now = asyncio.get_running_loop().time()
+        recent = self._warned_at is not None and now - self._warned_at < _FOREIGN_WARNING_INTERVAL
+        if holder.pid == suspect and not recent:
+            self._warned_at = now
+            logger.warning(
+                "waiting for the leader lock, held by pid %d (role %r), a session that is not "
+                "a store instance: no instance can lead until it lets go",
+                holder.pid,
+                holder.role,
+                extra={"schema": self._schema, **_holder_fields(holder)},
+            )
+        return holder.pid
+
+    async def _keep(self, session: _Session, epoch: int) -> None:
+        """Check the session every ``keepalive``; step down once it was silent too long.
+
+        Silence is measured from the last answer, so the step-down comes at most
+        ``session_timeout`` after the session went silent, whatever the ping interval.
+        """
+        loop = asyncio.get_running_loop()
+        keepalive, limit = self._config.keepalive, self._config.session_timeout
+        last_answer = loop.time()
+        try:
+            while not await self._lost_within(keepalive):
+                try:
+                    await session.run(st.ping, None, last_answer + limit - loop.time())
+                except Exception as exc:
+                    if self._epoch != epoch:  # already released or marked lost
+                        return
+                    self.mark_lost("session_lost")
+                    logger.error(
+                        "leader lock session lost; stepping down",
+                        extra={
+                            "epoch": epoch,
+                            "schema": self._schema,
+                            "error": str(translate_error(exc, "checking the leader lock session")),
+                        },
+                    )
+                    return
+                last_answer = loop.time()
+        finally:
+            await session.close()
+
+    async def _end_term(self) -> None:
+        """Stop the keeper of the current or last term and close its session."""
+        keeper, self._keeper = self._keeper, None
+        session, self._session = self._session, None
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.wait({keeper})
+        if session is not None:
+            # Also when the keeper was cancelled before it ever ran.
+            await session.close()
+
+    async def _lost_within(self, seconds: float) -> bool:
+        """Whether leadership is marked lost within ``seconds`` (a sleep that wakes early)."""
+        return await pause(seconds, self._lost)
+
+    async def _closed_within(self, seconds: float) -> bool:
+        return await pause(seconds, self._closing)
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise self._closed_error()
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"leadership of schema {self._schema!r} is closed")
+
+
+def _holder_fields(holder: LockHolder) -> dict[str, object]:
+    """A lock holder as a log record's fields."""
+    return {
+        "holder_pid": holder.pid,
+        "holder_role": holder.role,
+        "holder_application_name": holder.application_name,
+        "holder_since": None if holder.since is None else holder.since.isoformat(),
+    }

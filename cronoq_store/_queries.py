@@ -1,0 +1,283 @@
+"""Look-ups and the one prune loop, on connections the store hands in.
+
+Arguments are checked by the ``*_params`` functions before anything connects, so that bad
+input is a ``ValueError`` and never a database error; ``PgStore`` runs the rest inside its
+error translation. The CLI prunes through ``PgStore.prune`` (its ``progress`` callback), so
+there is one loop that takes the leader row lock before every batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from datetime import timedelta, timezone
+from typing import Any, NamedTuple
+
+from sqlalchemy import Executable
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from . import _statements as st
+from ._domain import (
+    I64_MAX as I64_MAX,
+)
+from ._domain import (
+    UNIX_EPOCH as UNIX_EPOCH,
+)
+from ._domain import (
+    LockHolder as LockHolder,
+)
+from ._domain import (
+    TaskId as TaskId,
+)
+from ._domain import (
+    TaskRecord as TaskRecord,
+)
+from ._domain import (
+    TaskRef as TaskRef,
+)
+from ._domain import (
+    TaskStatus as TaskStatus,
+)
+from ._domain import (
+    check_task_id as check_task_id,
+)
+from ._domain import (
+    clean_text as clean_text,
+)
+from ._rows import RECORD_COLUMNS as RECORD_COLUMNS
+from ._rows import task_record as task_record
+
+__all__ = [
+    "MAX_PRUNE_AGE",
+    "PRUNE_BATCH",
+    "TAKEOVER_GRACE",
+    "ClusterFacts",
+    "ListedTask",
+    "cluster_facts",
+    "facts_of",
+    "finished_params",
+    "get_listed_task",
+    "get_task",
+    "holder_of",
+    "leader_lock_holder",
+    "list_finished",
+    "list_listed_finished",
+    "listed_task",
+    "load_output",
+    "lock_keys",
+    "lookup_params",
+    "prune",
+    "prune_age_ns",
+    "prune_cutoff",
+    "server_prune_cutoff",
+]
+
+#: Rows deleted per statement by :func:`prune`: short transactions, bounded locks.
+PRUNE_BATCH = 1000
+#: The oldest ``older_than`` :func:`prune_cutoff` takes, in seconds (100 years): cutoffs are
+#: Unix nanoseconds in a BIGINT, which ends 292 years from 1970.
+MAX_PRUNE_AGE = 36500 * 86400
+
+
+def lookup_params(ref: TaskRef) -> dict[str, object]:
+    """The parameters of :func:`get_task`: a cleaned key, or an id (``ValueError`` for an
+    id no task can have, rather than a database error or a silent miss)."""
+    if isinstance(ref, str):
+        return {"key": clean_text(ref)}
+    check_task_id("ref", ref)
+    return {"id": int(ref)}
+
+
+class ListedTask(NamedTuple):
+    """A task as an operator's listing shows it: its record, and its status as stored,
+    which is a newer build's status name where ``record.status`` can only say ``None``."""
+
+    record: TaskRecord
+    stored_status: str
+
+
+#: Where the stored status stands in a task row (:data:`~cronoq_store._rows.RECORD_COLUMNS`).
+_STATUS_AT = RECORD_COLUMNS.index("status")
+
+
+def listed_task(row: Sequence[Any]) -> ListedTask:
+    """A task row (:data:`~cronoq_store._rows.RECORD_COLUMNS`) as a listing shows it."""
+    return ListedTask(task_record(*row), row[_STATUS_AT])
+
+
+async def get_listed_task(conn: AsyncConnection, params: dict[str, object]) -> ListedTask | None:
+    """The task with an id, or the newest task with a key (parameters from
+    :func:`lookup_params`), with its stored status."""
+    stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
+    row = (await conn.execute(stmt, params)).first()
+    return None if row is None else listed_task(row)
+
+
+async def get_task(conn: AsyncConnection, params: dict[str, object]) -> TaskRecord | None:
+    """The task with an id, or the newest task with a key (parameters from
+    :func:`lookup_params`)."""
+    listed = await get_listed_task(conn, params)
+    return None if listed is None else listed.record
+
+
+def finished_params(
+    pools: Sequence[str], statuses: Sequence[TaskStatus], after: TaskId | None, limit: int
+) -> dict[str, Any]:
+    """The parameters of a page of :func:`list_finished`; ``ValueError`` for a bad limit or
+    ``after``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= I64_MAX:
+        raise ValueError(f"limit: must be an integer in 0..2**63-1, got {limit!r}")
+    if after is not None:
+        check_task_id("after", after)
+    return {
+        "pools": [clean_text(p) for p in pools],
+        "statuses": [s.value for s in statuses],
+        "after": -1 if after is None else after,
+        "limit": limit,
+    }
+
+
+async def list_listed_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[ListedTask]:
+    """One page of finished tasks in id order (parameters from :func:`finished_params`),
+    with their stored statuses."""
+    rows = (await conn.execute(st.finished_page, params)).all()
+    return [listed_task(row) for row in rows]
+
+
+async def list_finished(conn: AsyncConnection, params: dict[str, Any]) -> list[TaskRecord]:
+    """One page of finished tasks in id order (parameters from :func:`finished_params`)."""
+    return [listed.record for listed in await list_listed_finished(conn, params)]
+
+
+async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
+    """The output of task ``id`` if it succeeded, else ``None``."""
+    output: bytes | None = (await conn.execute(st.task_output, {"id": id})).scalar()
+    return output
+
+
+def prune_age_ns(older_than: float) -> int:
+    """``older_than`` seconds in ns; ``ValueError`` for a bad age (before anything
+    connects)."""
+    if (
+        isinstance(older_than, bool)
+        or not isinstance(older_than, (int, float))
+        or not math.isfinite(older_than)
+        or not 0 <= older_than <= MAX_PRUNE_AGE
+    ):
+        raise ValueError(
+            f"older_than: must be a number of seconds in 0..{MAX_PRUNE_AGE} (100 years), "
+            f"got {older_than!r}"
+        )
+    return round(older_than * 1e9)
+
+
+def prune_cutoff(older_than: float) -> int:
+    """The Unix ns before which finished tasks are pruned, on this process's clock: the
+    in-memory store's, which has no server."""
+    return time.time_ns() - prune_age_ns(older_than)
+
+
+async def server_prune_cutoff(conn: AsyncConnection, older_than: float) -> int:
+    """The Unix ns before which finished tasks are pruned, on the database server's clock:
+    what ``PgStore.prune`` and ``cronoq-store prune`` count from, so that every machine
+    that prunes one cluster agrees, whatever its own clock says (a host whose clock runs
+    days ahead must not delete tasks that finished an hour ago)."""
+    age = prune_age_ns(older_than)
+    now = (await conn.execute(st.server_now)).scalar_one()
+    return (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - age
+
+
+async def prune(
+    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    cutoff: int,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
+    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
+    returns how many were deleted, and calls ``progress`` with the running total after
+    each batch.
+
+    Each batch first takes the leader row ``FOR SHARE``: a commit that inserts tasks holds
+    that row locked (it records the id high-water mark) from before its insert to its end,
+    so the batch waits for such commits in flight and its ``DELETE``, under a new snapshot,
+    sees the dependencies they added; commits arriving meanwhile wait for one batch.
+    """
+    params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
+    total = 0
+    while True:
+        async with session() as conn:
+            await conn.execute(st.epoch_for_share)
+            deleted = (await conn.execute(st.prune_batch, params)).rowcount
+        total += deleted
+        if progress is not None:
+            progress(total)
+        if deleted < PRUNE_BATCH:
+            return total
+
+
+class ClusterFacts(NamedTuple):
+    """What any session can read of a cluster's leadership and revision
+    (:data:`~cronoq_store._statements.health_facts`)."""
+
+    stored_epoch: int
+    holder: LockHolder | None
+    revision: tuple[str, ...]
+
+
+#: How long a holder that is not (yet) a store instance gets before it is reported as
+#: foreign: a takeover checks the schema between taking the lock and moving the epoch (a
+#: few milliseconds, two statements), and a probe landing there must not see an intruder.
+TAKEOVER_GRACE = 0.5
+
+
+def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
+    """The parameters of :data:`~cronoq_store._statements.health_facts` for the store's
+    keys: the store passes the schema OID as a signed int4; pg_locks shows it unsigned."""
+    return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
+
+
+def holder_of(row: Any, *, store_instance: bool | None = None) -> LockHolder | None:
+    """The holder in a row of :data:`~cronoq_store._statements.leader_holder_facts` (or of
+    :data:`~cronoq_store._statements.health_facts`); ``store_instance`` where the row
+    cannot say (:func:`leader_lock_holder`)."""
+    if row.pid is None:
+        return None
+    since = row.backend_start
+    return LockHolder(
+        pid=row.pid,
+        application_name=row.application_name,
+        client_addr=row.client_addr,
+        since=None if since is None else since.astimezone(timezone.utc),
+        role=row.usename,
+        store_instance=bool(row.store_instance) if store_instance is None else store_instance,
+    )
+
+
+def facts_of(row: Any) -> ClusterFacts:
+    """A row of :data:`~cronoq_store._statements.health_facts`, as facts."""
+    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())))
+
+
+async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+    """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and whether
+    it is a store instance, and the recorded revisions: what ``PgStore.health`` and
+    ``cronoq-store health`` report. One statement; a holder that is not a store instance is
+    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
+    keys = lock_keys(lock)
+    facts = facts_of((await conn.execute(st.health_facts, keys)).one())
+    if facts.holder is None or facts.holder.store_instance:
+        return facts
+    await asyncio.sleep(TAKEOVER_GRACE)
+    await conn.execute(st.clear_stats_snapshot)
+    return facts_of((await conn.execute(st.health_facts, keys)).one())
+
+
+async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:
+    """Who holds the leader lock ``lock`` where the schema has no leader row to read (not
+    migrated, or its tables dropped under a running leader): without the row nobody can
+    be told a store instance, so none is."""
+    row = (await conn.execute(st.leader_lock_holder, lock_keys(lock))).first()
+    return None if row is None else holder_of(row, store_instance=False)

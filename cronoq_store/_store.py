@@ -1,0 +1,827 @@
+"""``PgStore``: the scheduler's write-ahead state in PostgreSQL, one cluster per schema.
+
+A facade: it opens and closes, holds the engine, and wires the parts. Batches are folded in
+:mod:`cronoq_store._folding` and committed by :mod:`cronoq_store._writer`
+(:class:`~cronoq_store._writer.CommitPath`); recovery is :mod:`cronoq_store._recovery`,
+look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
+:mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
+election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
+:meth:`PgStore._translated` (:func:`cronoq_store._errors.translate_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import Pool, PoolProxiedConnection
+
+from . import _migrations as migrations
+from . import _queries as queries
+from . import _recovery as recovery
+from . import _statements as st
+from ._config import PgStoreConfig as PgStoreConfig
+from ._config import keepalive_settings as keepalive_settings
+from ._domain import (
+    Health as Health,
+)
+from ._domain import (
+    Mutation as Mutation,
+)
+from ._domain import (
+    Recovered as Recovered,
+)
+from ._domain import (
+    TaskId as TaskId,
+)
+from ._domain import (
+    TaskRecord as TaskRecord,
+)
+from ._domain import (
+    TaskRef as TaskRef,
+)
+from ._domain import (
+    TaskStatus as TaskStatus,
+)
+from ._domain import (
+    TimeBase as TimeBase,
+)
+from ._domain import (
+    check_task_id as check_task_id,
+)
+from ._errors import (
+    BatchTooLargeError as BatchTooLargeError,
+)
+from ._errors import (
+    FencedError as FencedError,
+)
+from ._errors import (
+    SchemaGoneError as SchemaGoneError,
+)
+from ._errors import (
+    StoreError as StoreError,
+)
+from ._errors import (
+    UnavailableError as UnavailableError,
+)
+from ._errors import (
+    translate_error as translate_error,
+)
+from ._folding import fold as fold
+from ._leadership import Leadership as Leadership
+from ._retry import bounded as bounded
+from ._schema import schema_options as schema_options
+from ._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
+from ._sizing import batch_size as batch_size
+from ._urls import async_url as async_url
+from ._urls import engine_arguments as engine_arguments
+from ._urls import redact as redact
+from ._writer import CommitPath as CommitPath
+from .telemetry import CommitRecord, Telemetry, resolve
+
+__all__ = ["PgStore"]
+
+logger = logging.getLogger("cronoq_store")
+
+
+class PgStore:
+    """PostgreSQL-backed ``Store`` and ``StoreQueries`` for one scheduler cluster.
+
+    Build it with :meth:`connect` (the store owns its engine) or :meth:`from_engine` (it
+    shares an application's engine and pool). Use it as an async context manager, or call
+    :meth:`close`. The leader lock never rides on the pool: :class:`Leadership` holds it on
+    a dedicated session, opened from ``lock_url`` when given; else a store on an
+    application's engine opens it the way that engine connects (its creator, TLS and
+    connect arguments, on a pool of its own), and a store with its own engine from the URL.
+    """
+
+    #: The largest batch :meth:`commit` sends, as :func:`~cronoq_store._sizing.batch_size`
+    #: estimates it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
+    #: keep commits smaller; raising it risks batches the server refuses.
+    max_commit_bytes: int = MAX_COMMIT_BYTES
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: PgStoreConfig,
+        *,
+        schema_oid: int,
+        owns_engine: bool,
+        lock_url: URL,
+        lock_pool: Pool | None = None,
+        pool_role: str | None = None,
+    ) -> None:
+        """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
+        and read the schema's OID."""
+        self._engine = engine
+        self._config = config
+        self._owns_engine = owns_engine
+        # Sessions that may carry settings that are not the store's: an application's (its
+        # SETs), or any server connection a transaction-pooling PgBouncer hands out
+        # (whatever another client of its pool left set). Every transaction of the store
+        # then sets what its guarantees need for itself (statements.borrowed_transaction).
+        self._borrows_sessions = not owns_engine or not config.prepared_statements
+        # The cluster's schema is applied at execution: one compiled statement per construct
+        # serves every schema.
+        self._db = engine.execution_options(**schema_options(config.schema))
+        self._commits = CommitPath(
+            engine,
+            config.schema,
+            borrowed=(
+                st.borrowed_transaction(_idle_in_transaction_ms(config))
+                if self._borrows_sessions
+                else None
+            ),
+            on_fenced=self._fenced_out,
+            # The store's own pool holds one connection for the writer (no checkout per
+            # commit) when two are left for reads, pings and concurrent commits (with one,
+            # a read waiting on a lock, such as a prune behind a commit, would starve a
+            # health probe); an application's pool is not the store's to hold from.
+            hold=owns_engine and config.max_connections >= 3,
+        )
+        self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
+        self._leadership = Leadership(
+            lock_url,
+            config.schema,
+            self._leader_lock,
+            config,
+            pool=lock_pool,
+            trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
+            # The pool's role connects as the store does: trusted by its lock session too.
+            connect=migrations.ConnectCheck(
+                config.trusted_roles | ({pool_role} if pool_role is not None else set())
+            ),
+        )
+        # Who may connect, as health() reads it on the pool's role: its lock role is the
+        # store's too.
+        lock_role = {lock_url.username} if lock_url.username else set()
+        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
+        # Leadership counts as lost once it was held and is gone, or once a commit was
+        # fenced. A store that never led may commit: the epoch check in the transaction
+        # still fences it.
+        self._has_led = False
+        self._fenced = False
+        self._closed = False
+        # time.monotonic() of the last commit that returned, for health().
+        self._last_commit: float | None = None
+        self._use_telemetry(resolve(config.schema))
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | URL,
+        config: PgStoreConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+        migrate: bool = True,
+    ) -> PgStore:
+        """Open a store with its own pool, migrating the schema first.
+
+        ``url`` is ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` (unix
+        sockets with ``?host=/path``). When ``url`` goes through a transaction-pooling
+        PgBouncer, give ``lock_url``, a direct server URL (a session advisory lock cannot
+        live there), and ``PgStoreConfig(prepared_statements=False)``. With
+        ``migrate=False`` the store only checks that no untrusted role controls the schema
+        and that it is at this build's revision (``MigrationError`` otherwise): for a
+        runtime role without DDL rights, where ops migrate with ``cronoq-store migrate`` or
+        Alembic.
+        """
+        config = config or PgStoreConfig()
+        schema_options(config.schema)  # refuse a bad name before anything connects
+        dialled, tls = engine_arguments(url)
+        engine = create_async_engine(
+            dialled,
+            pool_size=config.max_connections,
+            max_overflow=0,
+            # No store call waits for a connection longer than a commit may take.
+            pool_timeout=config.commit_timeout,
+            # Batches carry payloads; errors and logs must not.
+            hide_parameters=True,
+            connect_args={**_pool_connect_args(config), **tls},
+        )
+        event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
+        try:
+            return await cls._open(
+                engine,
+                config,
+                owns_engine=True,
+                lock_url=lock_url,
+                migrate=migrate,
+                url=async_url(url),
+            )
+        except BaseException:
+            await engine.dispose()
+            raise
+
+    @classmethod
+    async def from_engine(
+        cls,
+        engine: AsyncEngine,
+        config: PgStoreConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+        migrate: bool = True,
+    ) -> PgStore:
+        """Open a store on an application's ``AsyncEngine``, sharing its pool (an async
+        classmethod: ``await PgStore.from_engine(engine)``).
+
+        :meth:`close` leaves the engine open. ``config.max_connections`` does not apply:
+        the engine keeps its own pool settings. ``lock_url`` and ``migrate`` are as for
+        :meth:`connect`. Behind a transaction-pooling PgBouncer the engine must turn off
+        asyncpg's and SQLAlchemy's statement caches (``connect_args={"statement_cache_size":
+        0, "prepared_statement_cache_size": 0}``) and ``config.prepared_statements`` be
+        ``False`` (docs/reliability.md, "PgBouncer").
+        """
+        config = config or PgStoreConfig()
+        schema_options(config.schema)
+        if engine.dialect.driver != "asyncpg":
+            raise ValueError(
+                f"engine: the store needs the asyncpg driver "
+                f"(postgresql+asyncpg://), got {engine.dialect.name}+{engine.dialect.driver}"
+            )
+        return await cls._open(
+            engine, config, owns_engine=False, lock_url=lock_url, migrate=migrate
+        )
+
+    @classmethod
+    async def _open(
+        cls,
+        engine: AsyncEngine,
+        config: PgStoreConfig,
+        *,
+        owns_engine: bool,
+        lock_url: str | URL | None,
+        migrate: bool,
+        url: URL | None = None,
+    ) -> PgStore:
+        """``url``: the one the store's own engine was made from, TLS parameters included
+        (``engine.url`` has lost them), for the lock session."""
+        if not config.prepared_statements and lock_url is None:
+            raise ValueError(
+                "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
+                "needs lock_url=, a direct URL to the server: the leader's session advisory "
+                "lock cannot live on a pooled server connection"
+            )
+        where = redact(engine.url)
+        await _require_utf8(engine, where)
+        if not config.prepared_statements:
+            await _require_search_path(engine, where)
+        trusted = config.trusted_triggers
+        if migrate:
+            await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
+        else:
+            await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(st.local_search_path)
+                oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
+                pool_role = (await conn.execute(migrations.TrustCheck.current_user)).scalar_one()
+        except Exception as exc:
+            raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
+        if oid is None:
+            raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
+        return cls(
+            engine,
+            config,
+            schema_oid=oid,
+            owns_engine=owns_engine,
+            pool_role=pool_role,
+            lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
+            # An application's engine may connect through a creator, TLS or connect_args
+            # its URL does not show: a pool made like its own (Pool.recreate) makes the
+            # lock session the same way, and hands out none of the application's sessions.
+            lock_pool=(
+                engine.sync_engine.pool.recreate() if lock_url is None and not owns_engine else None
+            ),
+        )
+
+    async def migrate(self) -> None:
+        """Apply pending migrations (idempotent, serialized); :meth:`connect` already did."""
+        await migrations.upgrade(
+            self._engine, self._config.schema, trusted_triggers=self._config.trusted_triggers
+        )
+
+    async def close(self) -> None:
+        """Give up leadership and close the pool, unless the pool is an application's."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._commits.release()
+            await self._leadership.close()
+        finally:
+            if self._owns_engine:
+                await self._engine.dispose()
+
+    async def __aenter__(self) -> PgStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PgStore(url={redact(self._engine.url)!r}, schema={self._config.schema!r}, "
+            f"owns_engine={self._owns_engine})"
+        )
+
+    @property
+    def config(self) -> PgStoreConfig:
+        return self._config
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine whose pool serves commits and queries (never the leader lock)."""
+        return self._engine
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where this store records metrics and spans (:mod:`cronoq_store.telemetry`):
+        the global OpenTelemetry providers configured when it opened, or those given to
+        :func:`~cronoq_store.telemetry.instrument`; ``enabled`` is ``False`` for none."""
+        return self._telemetry
+
+    def _use_telemetry(self, recorder: Telemetry) -> None:
+        self._telemetry = recorder
+        self._leadership.telemetry = recorder
+        recorder.watch_leadership(self._leadership)
+
+    # --- leadership -------------------------------------------------------------------------
+
+    async def acquire_leadership(self) -> int:
+        """Wait until this instance leads; returns the new fencing epoch.
+
+        Once the lock is taken, and before the epoch is bumped, the lock session runs the
+        schema's trust check again (:class:`~cronoq_store._migrations.TrustCheck`): a trigger
+        or grant added since the store opened makes this raise ``MigrationError``, with the
+        lock released and no epoch taken. Before it waits for the lock, it refuses, with
+        ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
+        has ``CONNECT`` (:class:`~cronoq_store._migrations.ConnectCheck`; unless
+        ``allow_untrusted_connect``): any such role could hold the lock forever. While it
+        waits behind a holder that is not a store instance, it logs a warning naming it.
+        """
+        # A standby holds no writer connection, and a new term takes a fresh one.
+        await self._commits.release()
+        with self._telemetry.acquisition():
+            epoch = await self._leadership.acquire()
+        self._has_led, self._fenced = True, False
+        return epoch
+
+    async def release_leadership(self) -> None:
+        """Release the leader lock; commits fail with ``FencedError`` from now on."""
+        await self._leadership.release()
+        await self._commits.release()
+
+    async def leadership_lost(self) -> None:
+        """Return once leadership held by this instance is lost (or released)."""
+        await self._leadership.wait_lost()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership.is_leader
+
+    @property
+    def epoch(self) -> int | None:
+        """The fencing epoch while this instance leads, else ``None``."""
+        return self._leadership.epoch
+
+    @property
+    def leader_lock(self) -> tuple[int, int]:
+        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``)."""
+        return self._leader_lock
+
+    # --- commits ----------------------------------------------------------------------------
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        """Write ``batch`` and ``outputs`` in one transaction; return once it committed.
+
+        Idempotent: a batch that already landed changes nothing when committed again.
+        Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
+        lost and nothing is written) or leadership was lost before,
+        ``BatchTooLargeError`` (before sending anything) if the batch could exceed
+        :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
+        commit takes longer than ``commit_timeout``.
+        """
+        if not self._telemetry.enabled:
+            return await self._commit(epoch, base, batch, outputs, None)
+        with self._telemetry.commit(len(batch)) as record:
+            return await self._commit(epoch, base, batch, outputs, record)
+
+    async def _commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+        record: CommitRecord | None,
+    ) -> None:
+        if self._fenced or (self._has_led and not self._leadership.is_leader):
+            await self._commits.release()  # the term is over: its writer connection too
+            raise FencedError("leadership was lost: this instance must not write any more")
+        size = batch_size(batch, outputs)
+        if size > self.max_commit_bytes:
+            raise BatchTooLargeError(
+                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
+                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
+                "one commit may send (PostgreSQL refuses a message over 1 GiB); commit "
+                "them in smaller batches"
+            )
+        folded = fold(batch, base, time.time_ns(), outputs)
+        if record is not None:
+            record.size, record.path = size, self._commits.writer.path(folded)
+        timeout = self._config.commit_timeout
+        async with self._translated("committing a batch"):
+            try:
+                await _within(self._commits.commit(epoch, folded), timeout)
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"committing a batch failed: not done within commit_timeout ({timeout} s)"
+                ) from exc
+        self._last_commit = time.monotonic()
+
+    async def ping(self) -> None:
+        """Return once the database answers and takes writes; ``UnavailableError`` if it
+        does not within ``commit_timeout``. The group committer asks, when a batch keeps
+        failing transiently, whether the database or the batch is at fault."""
+        timeout = self._config.commit_timeout
+        async with self._translated("pinging the database"):
+            try:
+                await _within(self._ping(), timeout)
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"pinging the database failed: no answer within commit_timeout ({timeout} s)"
+                ) from exc
+
+    async def _ping(self) -> None:
+        if not await self._accepts_writes():
+            raise UnavailableError(
+                "pinging the database failed: the server does not take writes (a standby?)",
+                reconnect=True,
+            )
+
+    def _fenced_out(self) -> None:
+        """A commit found another epoch: this instance must not write any more."""
+        self._fenced = True
+        self._leadership.mark_lost("fenced")
+
+    async def _schema_gone(self, error: SchemaGoneError) -> None:
+        """The cluster's tables or columns went away under this leader (a forced downgrade):
+        step down, releasing the lock, as when fenced; a new term needs a migrated schema."""
+        logger.error(
+            "the cluster's schema lost what this build uses; stepping down",
+            extra={"schema": self._config.schema, "epoch": self.epoch, "error": str(error)},
+        )
+        self._fenced = True
+        self._leadership.mark_lost("schema_gone")
+        await self._commits.release()
+
+    @asynccontextmanager
+    async def _session(self) -> AsyncIterator[AsyncConnection]:
+        """A pooled connection in a transaction, with the cluster's schema applied, under
+        the store's settings. A failure inside is raised as it is, never replaced by the
+        rollback's on a connection that is gone.
+
+        On a borrowed session the store opens the transaction itself, with the message that
+        sets them for it alone (:attr:`BatchWriter.borrowed_opening`: no more round trips
+        than SQLAlchemy's ``BEGIN``), and the driver adapter sends no ``BEGIN`` of its own
+        meanwhile (its DBAPI ``autocommit``; SQLAlchemy's isolation-level option would
+        leave the application's session reset to another level). A connection left in
+        doubt (a failed rollback, a cancellation) is discarded.
+        """
+        opening = self._commits.writer.borrowed_opening
+        if opening is None:
+            failure: BaseException | None = None
+            try:
+                async with self._db.begin() as conn:
+                    try:
+                        yield conn
+                    except BaseException as exc:
+                        failure = exc
+                        raise
+            except BaseException as exc:
+                if failure is None or exc is failure:
+                    raise
+                # The rollback failed too, on a connection that is gone (a crash): the
+                # first failure is what explains it.
+                raise failure from None
+            return
+        async with self._db.connect() as conn:
+            pooled = await conn.get_raw_connection()
+            adapter: Any = pooled.dbapi_connection
+            driver: Any = pooled.driver_connection
+            adapter.autocommit = True
+            try:
+                await driver.execute(opening)
+                yield conn
+                await driver.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await driver.execute("ROLLBACK")
+                if driver.is_closed() or driver.is_in_transaction():
+                    driver.terminate()
+                    await conn.invalidate()
+                raise
+            finally:
+                adapter.autocommit = False
+
+    @asynccontextmanager
+    async def _translated(self, action: str) -> AsyncIterator[None]:
+        """Turn any failure into a ``StoreError``; the one place errors leave the store.
+
+        A demoted primary (``reconnect``) also disposes the pool: every pooled connection
+        points at a server that can no longer write, and pre-ping cannot tell. ``dispose()``
+        closes idle connections and those in use when returned; the engine stays usable and
+        reconnects to whatever the URL resolves to now. An application's pool is disposed
+        only once a server it hands out says it is in recovery: a read-only error alone may
+        come from the application's session state, which is no failover.
+        """
+        if self._closed:
+            # An owned engine would quietly open a new pool that nothing disposes.
+            raise StoreError(f"{action} failed: the store is closed")
+        try:
+            yield
+        except Exception as exc:
+            error = translate_error(exc, action)
+            if isinstance(error, SchemaGoneError) and self._leadership.is_leader:
+                await self._schema_gone(error)
+            if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
+                logger.warning(
+                    "the database no longer accepts writes (demoted primary?); "
+                    "dropping the pool's connections",
+                    extra={"url": redact(self._engine.url), "error": str(error)},
+                )
+                await self._engine.dispose()
+            if error is exc:
+                raise
+            raise error from exc
+
+    async def _demoted(self) -> bool:
+        """Whether a read-only failure is evidence enough to drop the pool's connections:
+        always for the store's own pool; for an application's, only if a session it hands
+        out is on a server in recovery (a standby)."""
+        if self._owns_engine:
+            return True
+        try:
+            writable = await bounded(self._accepts_writes(), self._config.commit_timeout)
+        except Exception as exc:
+            logger.warning(
+                "a read-only failure on the application's pool, and the server cannot say "
+                "whether it is in recovery: its connections are left alone",
+                extra={
+                    "url": redact(self._engine.url),
+                    "error": str(translate_error(exc, "checking recovery")),
+                },
+            )
+            return False
+        return writable is False
+
+    async def _accepts_writes(self) -> bool | None:
+        async with self._db.connect() as conn:
+            writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+        return writable
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    async def recover(self, base: TimeBase) -> Recovered:
+        """Load what a new leader needs: live tasks, finished ones within ``retention`` or
+        depended on by a live task, recurring schedules, and the next id to issue.
+
+        Total whatever the rows hold: an undecodable live row is quarantined (marked
+        failed with the reason, once: it is an ordinary failed task afterwards) and reported
+        as finished; an undecodable schedule is logged, skipped and left in the table.
+        """
+        quarantined: list[int] = []
+        with self._telemetry.recovery() as loaded, recovery.collector_paused():
+            async with self._translated("recovering"), self._session() as conn:
+                found = await recovery.recover(
+                    conn, self._config.schema, base, self._config.retention, quarantined.append
+                )
+            loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
+        return found
+
+    async def load_output(self, id: TaskId) -> bytes | None:
+        """The output of task ``id`` if it succeeded, else ``None``."""
+        check_task_id("id", id)
+        async with self._translated("loading an output"), self._session() as conn:
+            return await queries.load_output(conn, id)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        """This instance's leadership and the cluster's, the schema's revision against this
+        build's head, the age of this instance's last successful commit, and who may
+        connect that the store does not trust: for an application's readiness endpoint.
+        "Not healthy" is a fact in the result (no leader, a foreign lock holder, not at
+        head); only a database that cannot be read raises (``UnavailableError`` or
+        ``StoreError``). A holder that is not a store instance (it never took the epoch) is
+        read again after :data:`~cronoq_store._queries.TAKEOVER_GRACE` and reported in
+        ``foreign_holder``, never as a leader. A schema whose tables are gone (never
+        migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
+        with whoever holds its leader lock (not a store instance: nothing records one)."""
+        check = self._connect_check
+        try:
+            async with self._translated("reading health"), self._session() as conn:
+                facts = await queries.cluster_facts(conn, self._leader_lock)
+                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+        except SchemaGoneError:
+            # No leader table to read (not migrated, or dropped under a leader): what is
+            # known is who holds the lock and what the version table (if any) records;
+            # epoch 0, as in a cluster not yet created.
+            async with self._translated("reading health"), self._session() as conn:
+                holder = await queries.leader_lock_holder(conn, self._leader_lock)
+                status = await conn.run_sync(migrations.revision_status, self._config.schema)
+                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+            facts = queries.ClusterFacts(0, holder, status.current)
+        last = self._last_commit
+        return Health(
+            is_leader=self.is_leader,
+            epoch=self.epoch,
+            stored_epoch=facts.stored_epoch,
+            holder=facts.holder,
+            revision=facts.revision,
+            head=migrations.head_revision(),
+            last_commit_age=None if last is None else time.monotonic() - last,
+            untrusted_connect=tuple(untrusted),
+        )
+
+    async def get_task(self, ref: TaskRef) -> TaskRecord | None:
+        """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
+        params = queries.lookup_params(ref)
+        async with self._translated("looking up a task"), self._session() as conn:
+            return await queries.get_task(conn, params)
+
+    async def list_finished(
+        self,
+        pools: Sequence[str] = (),
+        statuses: Sequence[TaskStatus] = (),
+        after: TaskId | None = None,
+        limit: int = 100,
+    ) -> list[TaskRecord]:
+        """Finished tasks in id order with ids above ``after``, at most ``limit``: those in
+        one of ``pools`` (any if empty) with one of ``statuses`` (any if empty). Pass the
+        last id of a page as ``after`` to get the next one."""
+        params = queries.finished_params(pools, statuses, after, limit)
+        async with self._translated("listing finished tasks"), self._session() as conn:
+            return await queries.list_finished(conn, params)
+
+    async def prune(
+        self, older_than: float, *, progress: Callable[[int], None] | None = None
+    ) -> int:
+        """Delete finished tasks last updated more than ``older_than`` seconds ago, on the
+        database server's clock (:func:`cronoq_store._queries.server_prune_cutoff`), except
+        those a live task depends on (by id or key); returns how many were deleted.
+
+        Deletes :data:`~cronoq_store._queries.PRUNE_BATCH` rows per transaction, oldest
+        first, so locks stay short, and waits for commits in flight that may add
+        dependencies (:func:`cronoq_store._queries.prune`). ``progress``, if given, is called
+        with the running total of deleted rows after each batch (an operator's progress
+        bar); an exception it raises ends the prune, as a ``StoreError``.
+        """
+        queries.prune_age_ns(older_than)  # a bad age is a ValueError before connecting
+        with self._telemetry.prune() as pruned:
+            async with self._translated("pruning finished tasks"):
+                async with self._session() as conn:
+                    cutoff = await queries.server_prune_cutoff(conn, older_than)
+                deleted = await queries.prune(self._session, cutoff, progress)
+            pruned(deleted)
+        return deleted
+
+
+if sys.version_info >= (3, 11):
+
+    async def _within(work: Awaitable[None], seconds: float) -> None:
+        """``work``, cancelled with ``TimeoutError`` after ``seconds``: ``asyncio.wait_for``
+        without the task it creates on 3.11 (a few event-loop turns per commit)."""
+        async with asyncio.timeout(seconds):
+            await work
+
+else:
+    _within = asyncio.wait_for  # pragma: no cover
+
+
+async def _require_utf8(engine: AsyncEngine, where: str) -> None:
+    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
+    string the domain accepts must be storable, and another encoding lacks most characters."""
+    try:
+        async with engine.connect() as conn:
+            encoding = (await conn.execute(st.server_encoding)).scalar_one()
+    except Exception as exc:
+        refused = _refused_setting(exc)
+        if refused is not None:
+            raise StoreError(
+                f"the server at {where} refused the store's session settings ({refused}): "
+                "a transaction-pooling PgBouncer does; open the store with "
+                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
+                'server (docs/reliability.md, "PgBouncer")'
+            ) from exc
+        raise translate_error(exc, "reading the database's encoding") from exc
+    if encoding != "UTF8":
+        raise StoreError(
+            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
+def _refused_setting(exc: BaseException) -> str | None:
+    """What the peer said when it refused a startup parameter, as PgBouncer does with
+    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
+    orig = getattr(exc, "orig", exc)
+    found = re.search(r"unsupported startup parameter: \S+", str(orig))
+    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
+        return None
+    return found[0]
+
+
+async def _require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+        )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(_idle_in_transaction_ms(config)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
+
+
+def _idle_in_transaction_ms(config: PgStoreConfig) -> int:
+    """How long the server lets a transaction of the store sit idle before it ends the
+    session: ``session_timeout``, so a takeover waits at most that long for a frozen
+    leader's row lock."""
+    return round(config.session_timeout * 1000)
+
+
+def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
+    """The pool's pre-ping, without a round trip: a pooled connection that the server
+    closed (restart, terminated backend, idle timeout) is replaced at checkout.
+
+    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
+    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
+    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
+    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
+    caller retries.
+    """
+    driver: Any = proxy.driver_connection
+    if driver.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")

@@ -1,7 +1,0 @@
-"""``python -m cronoq_store.cli``: the ``cronoq-store`` command."""
-
-from __future__ import annotations
-
-from . import main
-
-main()

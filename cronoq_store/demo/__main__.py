@@ -1,7 +1,0 @@
-"""``python -m cronoq_store.demo ROLE``: one role's process, started by the orchestrator."""
-
-from __future__ import annotations
-
-from .roles import main
-
-main()
