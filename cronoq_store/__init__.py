@@ -134,6 +134,7 @@ from ._errors import (
     UnavailableError as UnavailableError,
 )
 from ._group_commit import GroupCommitter as GroupCommitter
+from ._migrations import downgrade, run_command, upgrade
 from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
 from ._store import PgStore as PgStore
@@ -184,6 +185,9 @@ __all__ = [
     "TaskStatus",
     "TimeBase",
     "UnavailableError",
+    "downgrade",
     "epoch_of",
+    "run_command",
     "task_id",
+    "upgrade",
 ]

@@ -86,7 +86,7 @@ def _acquire_here() -> None:
         raise MigrationError(
             "a migration is running on this event loop, and Alembic was called "
             "synchronously on the same loop, which blocks it: await "
-            "cronoq_store._migrations.upgrade() (or use AsyncConnection.run_sync) instead"
+            "cronoq_store.upgrade() (or use AsyncConnection.run_sync) instead"
         )
     _lock.acquire()
 
@@ -153,8 +153,8 @@ def resolve(context: Any) -> EnvironmentContext:
             "another Alembic command started in this process while this one was starting, "
             "and Alembic keeps the running command in module globals: refusing to run the "
             "other command's migration in place of this one's. Run concurrent Alembic commands "
-            "through cronoq_store._migrations.run_command(command.upgrade, config, ...) "
-            "(or await cronoq_store._migrations.upgrade()): they then take turns"
+            "through cronoq_store.run_command(command.upgrade, config, ...) "
+            "(or await cronoq_store.upgrade()): they then take turns"
         )
     if proxy.__dict__.get("_remove_proxy") is None:
         proxy._remove_proxy = lambda: _remove_own_proxy(proxy)  # type: ignore[method-assign]

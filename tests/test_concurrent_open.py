@@ -265,5 +265,5 @@ async def test_sync_alembic_on_the_loop_of_a_running_migration_is_refused(
 ) -> None:
     """Waiting would block the very loop that must finish the other run: a clear error."""
     async with held_async():
-        with pytest.raises(MigrationError, match=r"await cronoq_store\.migrations\.upgrade"):
+        with pytest.raises(MigrationError, match=r"await cronoq_store\.upgrade"):
             command.upgrade(alembic_config(schema, engine), "head")
