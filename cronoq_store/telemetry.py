@@ -67,6 +67,7 @@ class Telemetry:
 
     @contextmanager
     def commit(self, mutations: int) -> Iterator[CommitRecord]:
+        """Yields the :class:`CommitRecord` that the commit fills in."""
         yield CommitRecord(mutations)
 
     @contextmanager
@@ -81,6 +82,7 @@ class Telemetry:
 
     @contextmanager
     def acquisition(self) -> Iterator[None]:
+        """Around one leadership acquisition, from the first try to the lock held."""
         yield
 
     def step_down(self, reason: str) -> None:
