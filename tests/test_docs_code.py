@@ -156,3 +156,10 @@ async def test_the_readme_program_writes_what_it_says(pg_url: URL, schema: str) 
         pg_url, f'SELECT key, status FROM "{schema}".cronoq_tasks ORDER BY id'
     )
     assert [tuple(r) for r in rows] == [("report-day-1", "succeeded"), ("mail-42", "queued")]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    (command,) = [b.code for b in BLOCKS if b.path.name == "README.md" and "nox -s" in b.code]
+    nox = command.strip().split(" && ")[-1]
+    last = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert last == nox
