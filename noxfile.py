@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint (ruff + mypy --strict), tests_pg15, bench, torture_long, ha_long.
+"""nox sessions: tests, lint (ruff + mypy --strict), docs, tests_pg15, bench, torture_long, ha_long.
 
 The suite starts its own PostgreSQL (see tests/pgharness.py); ``tests_pg15`` runs it on
 Debian's PostgreSQL 15 binaries (``apt-get install postgresql-15``) instead of the 18 that
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "docs", "tests"]
 nox.options.default_venv_backend = "venv"
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -57,6 +57,16 @@ def lint(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
     session.run("ruff", "check", ".")
     session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The API reference and docs/ as HTML in docs/_build/html. Every warning fails the
+    build (``-W``), and so does a cross-reference that does not resolve (``-n``)."""
+    session.install("-e", ".[docs]")
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-n", "-q", "-b", "html", "docs", "docs/_build/html"
+    )
 
 
 @nox.session

@@ -27,9 +27,12 @@ from enum import Enum, IntEnum
 from typing import NewType, TypeAlias
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+#: A task's id: ``task_id(epoch, n)``, so ids of different leaders never collide.
 TaskId = NewType("TaskId", int)
 
+#: The fencing epoch's range: taking the lock after ``EPOCH_MAX`` wraps to ``EPOCH_MIN``.
 EPOCH_MIN = 1
+#: The largest fencing epoch (ids keep 48 bits for the counter in a signed BIGINT).
 EPOCH_MAX = 32767
 ID_COUNTER_BITS = 48
 
@@ -450,6 +453,7 @@ class IntervalSchedule:
             raise _invalid("every", "a positive timedelta", self.every)
 
 
+#: When a recurring task runs: a cron expression or a fixed interval.
 Schedule: TypeAlias = CronSchedule | IntervalSchedule
 
 
@@ -587,6 +591,7 @@ class RecurringNext:
             check_task_id("last", self.last)
 
 
+#: One change a batch commits: a submission, a transition or a schedule change.
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
 
 
@@ -704,6 +709,7 @@ class Health:
 
     @property
     def at_head(self) -> bool:
+        """Whether the schema is at this build's head revision."""
         return self.revision == (self.head,)
 
     @property

@@ -346,6 +346,7 @@ class PgStore:
 
     @property
     def config(self) -> PgStoreConfig:
+        """The settings this store was opened with."""
         return self._config
 
     @property
@@ -397,6 +398,7 @@ class PgStore:
 
     @property
     def is_leader(self) -> bool:
+        """Whether this instance leads now (it holds the lock and was not fenced)."""
         return self._leadership.is_leader
 
     @property

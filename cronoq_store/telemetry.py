@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from ._errors import FencedError as FencedError
@@ -41,6 +42,18 @@ __all__ = ["DISABLED", "CommitRecord", "Telemetry", "instrument", "resolve"]
 
 #: The instrumentation scope's name: one meter and one tracer of that name per provider.
 SCOPE = "cronoq_store"
+
+
+def _package_version() -> str | None:
+    try:
+        return metadata.version("cronoq-store")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a bare source tree
+        return None
+
+
+#: The instrumentation scope's version: the package's, so a backend can tell which build
+#: recorded what.
+SCOPE_VERSION = _package_version()
 
 # Histogram buckets: seconds from a sub-millisecond commit to a long recovery; rows per
 # batch up to the committer's caps; bytes up to the largest commit (sizing.MAX_COMMIT_BYTES).
@@ -68,6 +81,7 @@ class Telemetry:
 
     @contextmanager
     def commit(self, mutations: int) -> Iterator[CommitRecord]:
+        """Yields the :class:`CommitRecord` that the commit fills in."""
         yield CommitRecord(mutations)
 
     @contextmanager
@@ -82,6 +96,7 @@ class Telemetry:
 
     @contextmanager
     def acquisition(self) -> Iterator[None]:
+        """Around one leadership acquisition, from the first try to the lock held."""
         yield
 
     def step_down(self, reason: str) -> None:
@@ -251,12 +266,16 @@ class _Recording(Telemetry):
     ) -> None:
         self._attrs = {"db.system.name": "postgresql", "db.system": "postgresql"}
         self._attrs["db.namespace"] = schema
-        self._tracer = None if tracer_provider is None else tracer_provider.get_tracer(SCOPE)
+        self._tracer = (
+            None if tracer_provider is None else tracer_provider.get_tracer(SCOPE, SCOPE_VERSION)
+        )
         self._m: _Instruments | None = None
         if meter_provider is not None:
             found = _by_provider.get(meter_provider)
             if found is None:
-                found = _by_provider[meter_provider] = _Instruments(meter_provider.get_meter(SCOPE))
+                found = _by_provider[meter_provider] = _Instruments(
+                    meter_provider.get_meter(SCOPE, SCOPE_VERSION)
+                )
             self._m = found
 
     def _span(self, operation: str) -> Any:

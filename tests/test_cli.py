@@ -297,7 +297,7 @@ async def test_status_names_the_session_holding_the_leader_lock(pg_url: URL, mig
         result = await run("--url", full(pg_url), "--schema", migrated, "status")
         assert result.exit_code == 0, result.output
         holder = re.search(
-            r"^leader\s+pid (\d+), 'cli-probe leader', from (\S+)\s*$", result.stdout, re.M
+            r"^leader\s+backend pid (\d+), 'cli-probe leader', from (\S+)\s*$", result.stdout, re.M
         )
         assert holder is not None, result.stdout
         assert int(holder[1]) == row["pid"]

@@ -39,6 +39,7 @@ def start_dev_server() -> tuple[subprocess.Popen[str], dict[str, str]]:
         "dir": lines[0].removeprefix("PostgreSQL running in ").split(" until ")[0],
         "url": lines[1].removeprefix("URL: ").strip(),
         "export": lines[2].strip(),
+        "hint": lines[3].strip(),
     }
     return process, seen
 
@@ -57,6 +58,11 @@ async def test_dev_server_serves_the_commands_and_a_signal_removes_it(
         assert holds_a_cluster_data_dir(data_dir)
         assert seen["export"] == f"export CRONOQ_DATABASE_URL='{seen['url']}'"
         assert ":***@" not in seen["url"]  # no password to mask: the socket needs none
+        # The hint names the cluster schema the docs' examples use, never `public`.
+        assert seen["hint"] == (
+            "then: cronoq-store --schema cluster_a migrate && "
+            "cronoq-store --schema cluster_a status"
+        )
         schema = f"dev_{uuid.uuid4().hex[:8]}"
         env: dict[str, str | None] = {"CRONOQ_DATABASE_URL": seen["url"]}
         migrated = await run("--schema", schema, "migrate", env=env)

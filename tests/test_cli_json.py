@@ -70,7 +70,7 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
         plain = await run("--url", url, "--schema", migrated, "health")
         assert plain.exit_code == ExitCode.OK, plain.output
         assert plain.stdout == (
-            f"healthy: schema {migrated} at {head_revision()}, leader pid {row['pid']} "
+            f"healthy: schema {migrated} at {head_revision()}, leader's backend pid {row['pid']} "
             f"(probe-a leader), epoch {epoch}\n"
         )
         probe = await run("--url", url, "--schema", migrated, "health", "--json")

@@ -304,4 +304,4 @@ async def test_health_names_the_holder_of_a_schema_downgraded_under_it(
         assert health.returncode == ExitCode.NOT_MIGRATED, health.stdout
         assert "no instance holds the leader lock" not in health.stdout
         assert f"schema {migrated} is not migrated" in health.stdout
-        assert f"pid {pid} (dgh-{migrated} leader) holds the leader lock" in health.stdout
+        assert f"backend pid {pid} (dgh-{migrated} leader) holds the leader lock" in health.stdout

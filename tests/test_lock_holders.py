@@ -105,7 +105,7 @@ async def assert_reported_foreign(
     result = await run_cli(pg_url, schema, "health")
     assert result.exit_code == ExitCode.FOREIGN_HOLDER, result.output
     assert "healthy:" not in result.output.replace("unhealthy:", "")
-    assert f"pid {pid}, role {role!r}, application_name {FORGED!r}" in result.output
+    assert f"backend pid {pid}, role {role!r}, application_name {FORGED!r}" in result.output
     assert "not a store instance" in result.output
     assert re.search(r"session since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", result.output)
 
@@ -119,7 +119,7 @@ async def assert_reported_foreign(
     status = await run_cli(pg_url, schema, "status")
     assert status.exit_code == 0, status.output
     assert re.search(r"^leader\s+none: ", status.output, re.MULTILINE), status.output
-    assert f"pid {pid}, role {role!r}" in status.output
+    assert f"backend pid {pid}, role {role!r}" in status.output
     assert "not a store instance" in status.output
     status_doc = json.loads((await run_cli(pg_url, schema, "status", "--json")).output)
     assert status_doc["leader"] is None

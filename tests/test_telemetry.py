@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import asyncpg
@@ -215,6 +216,25 @@ async def test_a_commit_records_its_mutations_bytes_write_path_and_span(
     assert spans[0].attributes is not None
     assert spans[0].attributes["db.operation.name"] == "commit"
     assert spans[0].attributes["db.namespace"] == schema
+
+
+async def test_the_meter_and_the_tracer_carry_the_package_version(
+    store: PgStore, otel: Otel
+) -> None:
+    await store.commit(0, BASE, [submitted(1)], [])
+    version = metadata.version("cronoq-store")
+    data = otel.reader.get_metrics_data()
+    assert data is not None
+    meters = {
+        (s.scope.name, s.scope.version) for r in data.resource_metrics for s in r.scope_metrics
+    }
+    assert meters == {("cronoq_store", version)}
+    tracers = {
+        (span.instrumentation_scope.name, span.instrumentation_scope.version)
+        for span in otel.finished()
+        if span.instrumentation_scope is not None
+    }
+    assert tracers == {("cronoq_store", version)}
 
 
 async def test_a_fenced_commit_records_outcome_fenced_and_a_step_down(

@@ -22,6 +22,9 @@ __all__ = ["dev_server"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+#: The cluster schema the hint names: the one every example of the docs uses.
+EXAMPLE_SCHEMA = "cluster_a"
+
 
 @click.command("dev-server")
 def dev_server() -> None:
@@ -48,7 +51,10 @@ def dev_server() -> None:
                 click.echo(f"PostgreSQL running in {server.base_dir} until Ctrl-C, then removed")
                 click.echo(f"URL: {url}")
                 click.echo(f"export {URL_ENV}={shlex.quote(url)}")
-                click.echo("then: cronoq-store migrate && cronoq-store status")
+                click.echo(
+                    f"then: cronoq-store --schema {EXAMPLE_SCHEMA} migrate && "
+                    f"cronoq-store --schema {EXAMPLE_SCHEMA} status"
+                )
             while not stopping.wait(1.0):
                 pass
         except RuntimeError as exc:  # initdb or pg_ctl failed: their output says why

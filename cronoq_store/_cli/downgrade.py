@@ -41,7 +41,7 @@ __all__ = ["downgrade_command"]
 )
 @click.pass_obj
 def downgrade_command(options: Options, revision: str, sql: bool, yes: bool, force: bool) -> None:
-    """Downgrade the schema to REVISION (``base`` removes the cluster), in one serialized
+    """Downgrade the schema to REVISION (base removes the cluster), in one serialized
     transaction; what the undone revisions hold is lost.
 
     Refused while an instance holds the leader lock, and to base once the cluster issued

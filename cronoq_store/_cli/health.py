@@ -22,7 +22,7 @@ __all__ = ["health"]
 
 @click.command()
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+    "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
 @click.pass_obj
 def health(options: Options, as_json: bool) -> None:
@@ -69,7 +69,8 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
         return code
     if holder is not None and facts is not None and code is ExitCode.OK:
         console.print(
-            f"healthy: schema {options.schema} at {revision.head}, leader pid {holder.pid} "
+            f"healthy: schema {options.schema} at {revision.head}, "
+            f"leader's backend pid {holder.pid} "
             f"({holder.application_name or 'details hidden'}), epoch {facts.stored_epoch}"
         )
     else:
@@ -105,7 +106,7 @@ def _verdict(
         reasons.append("no instance holds the leader lock")
     elif facts is None:
         reasons.append(
-            f"pid {holder.pid} ({holder.application_name or 'details hidden'}) holds the "
+            f"backend pid {holder.pid} ({holder.application_name or 'details hidden'}) holds the "
             f"leader lock, but schema {revision.schema} is not migrated: it cannot lead it"
         )
     elif not holder.store_instance:

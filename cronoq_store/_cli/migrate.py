@@ -40,7 +40,7 @@ def migrate(options: Options, revision: str, sql: bool) -> None:
 
     With --sql, print the script for review without connecting (REVISION may then be a
     range, FROM:TO). A REVISION below the current one is refused: downgrades are their own
-    command (``downgrade``).
+    command (cronoq-store downgrade --help).
     """
     if sql:
         print_script(command.upgrade, options.schema, revision)

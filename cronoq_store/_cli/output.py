@@ -202,7 +202,7 @@ def describe_foreign(holder: LockHolder) -> str:
         else (f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})")
     )
     return (
-        f"pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
+        f"backend pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
         f"{holder.application_name or ''!r}, session {since}, holds the leader lock but is "
         "not a store instance (it never took the epoch): no instance can lead until it lets "
         "go (`cronoq-store handover` ends it)"

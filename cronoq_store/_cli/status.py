@@ -20,7 +20,7 @@ __all__ = ["holder_facts", "status"]
 
 @click.command()
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+    "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
 @click.pass_obj
 def status(options: Options, as_json: bool) -> None:
@@ -139,13 +139,17 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
     if holder.since is None:
         # Another role's session, and this one may not see its details.
         return [
-            ("leader", f"pid {holder.pid} (details hidden: grant this role pg_read_all_stats)"),
+            (
+                "leader",
+                f"backend pid {holder.pid} (details hidden: grant this role pg_read_all_stats)",
+            ),
             ("", f"holds the {lock}"),
         ]
     return [
         (
             "leader",
-            f"pid {holder.pid}, {holder.application_name or '(no application_name)'!r}, "
+            f"backend pid {holder.pid}, "
+            f"{holder.application_name or '(no application_name)'!r}, "
             f"from {holder.client_addr or 'a local socket'}",
         ),
         ("", f"session since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({output.ago(holder.since)})"),

@@ -32,7 +32,7 @@ __all__ = ["tasks"]
 _FINISHED = [s.value for s in TaskStatus if s.is_terminal]
 
 _json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON document (keys in docs/operations.md)."
+    "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
 
 

@@ -379,6 +379,7 @@ class InMemoryStore:
 
     @property
     def is_leader(self) -> bool:
+        """Whether this instance leads now."""
         return self._epoch is not None
 
     @property

@@ -37,6 +37,7 @@ from cronoq_store.testing._unprivileged import (
 
 __all__ = ["TEST_URL_ENV", "EmbeddedPostgres", "StopMode", "find_bin_dir"]
 
+#: How :meth:`EmbeddedPostgres.stop` stops the server (``pg_ctl stop -m``).
 StopMode = Literal["smart", "fast", "immediate"]
 #: A server for tests to use instead of starting one: honoured by the pytest plugin and by
 #: this project's own suite.
@@ -127,6 +128,7 @@ class EmbeddedPostgres:
 
     @property
     def running(self) -> bool:
+        """Whether the server is up (``pg_ctl status``)."""
         result = subprocess.run(
             self._command("pg_ctl", "status", "-D", str(self.data_dir)),
             capture_output=True,
@@ -181,6 +183,7 @@ class EmbeddedPostgres:
         )
 
     def log_tail(self, lines: int = 40) -> str:
+        """The server log's last ``lines`` lines, to show why it failed."""
         try:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
         except OSError:

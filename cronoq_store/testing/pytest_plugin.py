@@ -16,6 +16,13 @@ point, so installing cronoq-store changes no one's test run)::
   ``migrate=False``: the schema is already migrated), closed after the test. An async
   fixture: it needs pytest-asyncio, in either of its modes.
 
+The async fixtures are function-scoped, so they run on the test's own event loop. Set
+pytest-asyncio's fixture loop scope to match, in the application's pytest configuration,
+or each run warns that it is unset::
+
+    [pytest]
+    asyncio_default_fixture_loop_scope = function
+
 Schemas are made and dropped on a connection of their own in a worker thread, so the sync
 fixtures work whether or not the test's event loop is running.
 """
