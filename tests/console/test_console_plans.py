@@ -17,6 +17,8 @@ from cronoq_store.codec import QUARANTINE_PREFIX
 from cronoq_store.console import statements as cs
 from cronoq_store.domain import I64_MAX
 
+from .conftest import Console, fetch
+
 TASKS = 60_000
 #: One task in 50 is live.
 LIVE_EVERY = 50
@@ -196,3 +198,27 @@ async def test_every_console_statement_reads_the_tasks_through_an_index(
             used = {n.get("Index Name") for n in nodes(plan)}
             assert index in used, (name, mode, used)
         await conn.rollback()
+
+
+async def test_a_filter_that_matches_little_is_searched_a_bound_at_a_time(
+    engine: AsyncEngine, seeded: str, console_at: Console
+) -> None:
+    """More finished tasks than a page examines: a filter that matches none of them shows
+    an empty page that says how far it looked and offers to look further from there, and
+    looking further finds what lies beyond, and then the end."""
+    async with engine.begin() as conn:
+        # The one task of tenant "rare" is among the oldest, beyond the first SCAN.
+        await conn.exec_driver_sql(
+            f"UPDATE \"{seeded}\".cronoq_tasks SET tenant = 'rare' WHERE id = 7"
+        )
+    cluster = f"{console_at.base}/clusters/{seeded}"
+    for tenant, beyond in (("nobody", []), ("rare", [7])):
+        first = (await fetch(f"{cluster}?tenant={tenant}&format=json")).json()["finished"]
+        assert (first["tasks"], first["scan_stopped"]) == ([], True), tenant
+        assert first["next_url"] is not None
+        html = (await fetch(f"{cluster}?tenant={tenant}")).text()
+        assert f"looked at {cs.SCAN:,} finished tasks from here and found none" in html
+        assert "look further" in html
+        further = (await fetch(cluster + first["next_url"])).json()["finished"]
+        assert [t["id"] for t in further["tasks"]] == beyond, tenant
+        assert (further["scan_stopped"], further["next"]) == (False, None)
