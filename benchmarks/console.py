@@ -38,7 +38,7 @@ SCHEMA = "bench_console"
 #: Every page within this, server-side (issue 23).
 TARGET_MS = 300.0
 #: Timed requests of each page (after one warm-up).
-_REPEATS = 7
+_REPEATS = 11
 #: Recurring schedules seeded (the cluster page lists 500 of them).
 _SCHEDULES = 1_000
 
@@ -198,7 +198,11 @@ async def measure(url: URL, rows: int, key_prefix: str = "hist-") -> dict[str, A
     return {"pages": timed, "plans": plans, "target_ms": TARGET_MS}
 
 
-_n = func.generate_series(1, bindparam("count", type_=BigInteger)).table_valued("n").alias("g")
+_n = (
+    func.generate_series(1, bindparam("count", type_=BigInteger))
+    .table_valued("n")
+    .render_derived(name="g")
+)
 #: ``count`` interval schedules, each chained to a task spread over the history.
 _schedules = recurring.insert().from_select(
     ["name", "spec", "template_payload", "next_unix_ns", "last_task_id"],
