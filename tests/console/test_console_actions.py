@@ -238,6 +238,7 @@ async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counte
         WebDriverWait(browser, 20).until(lambda d: text_of(d, "#prune-state") == "done")
         assert text_of(browser, "#deleted") == "29"
         assert text_of(browser, "#asked-by").startswith("ops, ")
+        browser.save_screenshot(str(shots(tmp_path) / "pruning.png"))
 
     await asyncio.to_thread(prune)
     assert await store.get_task(TaskId(1)) is None
