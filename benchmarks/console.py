@@ -152,11 +152,18 @@ def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 async def explain(
-    conn: asyncpg.Connection, stmt: ClauseElement, params: dict[str, Any], schema: str
+    conn: asyncpg.Connection,
+    stmt: ClauseElement,
+    params: dict[str, Any],
+    schema: str,
+    *,
+    analyze: bool = False,
 ) -> dict[str, Any]:
-    """The plan ``EXPLAIN (FORMAT JSON)`` gives ``stmt`` as the store compiles it."""
+    """The plan ``EXPLAIN (FORMAT JSON)`` gives ``stmt`` as the store compiles it; run, with
+    its buffers counted, if ``analyze``."""
     compiled = compile_for_asyncpg(stmt, schema)
-    found = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {compiled.sql}", *compiled.args(params))
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    found = await conn.fetchval(f"EXPLAIN ({options}) {compiled.sql}", *compiled.args(params))
     document = json.loads(found) if isinstance(found, str) else found
     plan: dict[str, Any] = document[0]["Plan"]
     return plan

@@ -4,15 +4,14 @@ plans and with the generic plan a prepared statement settles on after five runs.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import ClauseElement
-from sqlalchemy.sql.compiler import SQLCompiler
 
+from benchmarks import console as console_benchmark
+from benchmarks.console import plan_nodes
 from cronoq_store.codec import QUARANTINE_PREFIX
 from cronoq_store.console import statements as cs
 from cronoq_store.domain import I64_MAX
@@ -99,30 +98,18 @@ def test_every_console_statement_has_a_case() -> None:
     assert statements - CATALOG_ONLY == covered
 
 
-def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from nodes(child)
-
-
 async def explain(
-    conn: AsyncConnection, stmt: ClauseElement, params: dict[str, Any], schema: str
+    conn: AsyncConnection,
+    stmt: ClauseElement,
+    params: dict[str, Any],
+    schema: str,
+    *,
+    analyze: bool = False,
 ) -> dict[str, Any]:
-    compiled = stmt.compile(
-        dialect=conn.dialect,
-        schema_translate_map={None: schema},
-        render_schema_translate=True,
-    )
-    assert isinstance(compiled, SQLCompiler)
-    values = compiled.construct_params(params)
-    args = [values[name] for name in compiled.positiontup or ()]
+    """The benchmark's EXPLAIN, on this connection's own driver session (its settings)."""
     raw = (await conn.get_raw_connection()).driver_connection
     assert raw is not None
-    found = await raw.fetchval(f"EXPLAIN (FORMAT JSON) {compiled.string}", *args)
-    # SQLAlchemy's asyncpg dialect decodes json columns on its connections.
-    document = json.loads(found) if isinstance(found, str) else found
-    plan: dict[str, Any] = document[0]["Plan"]
-    return plan
+    return await console_benchmark.explain(raw, stmt, params, schema, analyze=analyze)
 
 
 @pytest.fixture
@@ -165,20 +152,10 @@ async def test_a_page_deep_in_the_keyset_order_starts_at_its_cursor(
     """A page halfway down reads the index from its cursor, not from the newest entry down
     to it: a handful of buffers, not half the index (a row comparison alone does not start a
     backward scan; on 10M rows that walk took 225 ms)."""
-    compiled = cs.finished_next_page.compile(
-        dialect=engine.dialect, schema_translate_map={None: seeded}, render_schema_translate=True
-    )
-    assert isinstance(compiled, SQLCompiler)
-    values = compiled.construct_params({**ANY, "limit": 51, "scan": cs.SCAN, **MIDDLE})
-    args = [values[name] for name in compiled.positiontup or ()]
+    params = {**ANY, "limit": 51, "scan": cs.SCAN, **MIDDLE}
     async with engine.connect() as conn:
-        raw = (await conn.get_raw_connection()).driver_connection
-        assert raw is not None
-        found = await raw.fetchval(
-            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled.string}", *args
-        )
+        plan = await explain(conn, cs.finished_next_page, params, seeded, analyze=True)
         await conn.rollback()
-    plan = (json.loads(found) if isinstance(found, str) else found)[0]["Plan"]
     assert plan["Actual Rows"] == 51
     blocks = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
     # The index alone has (TASKS / 2) / ~400 = 75 leaf pages above the cursor.
@@ -193,9 +170,9 @@ async def test_every_console_statement_reads_the_tasks_through_an_index(
         await conn.exec_driver_sql(f"SET plan_cache_mode = {mode}")
         for name, (stmt, params, index) in CASES.items():
             plan = await explain(conn, stmt, params, seeded)
-            seq = [n for n in nodes(plan) if n["Node Type"] == "Seq Scan"]
+            seq = [n for n in plan_nodes(plan) if n["Node Type"] == "Seq Scan"]
             assert [n for n in seq if n["Relation Name"] == "cronoq_tasks"] == [], (name, mode)
-            used = {n.get("Index Name") for n in nodes(plan)}
+            used = {n.get("Index Name") for n in plan_nodes(plan)}
             assert index in used, (name, mode, used)
         await conn.rollback()
 
