@@ -95,6 +95,8 @@ class Profile:
     #: ``benchmarks.indexes.DESIGNS``; the empty tuple: all of them).
     index_rows: int
     index_designs: tuple[str, ...]
+    #: Task rows of the cluster whose console pages ``benchmarks.console`` times.
+    console_rows: int
 
 
 QUICK = Profile(
@@ -120,6 +122,7 @@ QUICK = Profile(
     scale_rows=(1_000_000,),
     index_rows=100_000,
     index_designs=("current", "brin_finished_ff50", "stable_finished_key_ff70"),
+    console_rows=200_000,
 )
 
 FULL = Profile(
@@ -146,6 +149,7 @@ FULL = Profile(
     scale_rows=(1_000_000, 10_000_000),
     index_rows=1_000_000,
     index_designs=(),
+    console_rows=10_000_000,
 )
 
 

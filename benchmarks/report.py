@@ -354,6 +354,31 @@ def _indexes(section: dict[str, Any]) -> list[str]:
     ]
 
 
+def _console(section: dict[str, Any]) -> list[str]:
+    target = section["target_ms"]
+    pages = [
+        [
+            name,
+            f"`{page['target']}`"[:70],
+            _ms(page["ms"]["median"]),
+            _ms(page["ms"]["max"]),
+            "met" if page["ms"]["max"] <= target else "missed",
+        ]
+        for name, page in section["pages"].items()
+    ]
+    plans = [[name, ", ".join(plan["scans"])] for name, plan in section["plans"].items()]
+    return [
+        f"### The console's pages on {section['rows']:,} rows (ms, server-side)",
+        "",
+        f"Seeded in {section['seed_seconds']:.0f} s; the tasks table and its indexes: "
+        f"{section['table_bytes'] / 2**30:.1f} GiB. Target: every page within {target:.0f} ms.",
+        "",
+        *_table(["page", "request", "median", "slowest", "target"], pages),
+        "",
+        *_table(["statement", "what its plan reads"], plans),
+    ]
+
+
 _SECTIONS = {
     "commit": _commit,
     "group_commit": _group_commit,
@@ -362,6 +387,7 @@ _SECTIONS = {
     "prune": _prune,
     "scale": _scale,
     "indexes": _indexes,
+    "console": _console,
 }
 
 

@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store.testing import EmbeddedPostgres
 
-from . import commit, group_commit, indexes, prune, recovery, report, scale, takeover
+from . import commit, console, group_commit, indexes, prune, recovery, report, scale, takeover
 from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
 from .loops import LOOP_ENV, LOOPS, run_loop
 
@@ -53,6 +53,7 @@ SECTIONS: dict[str, Section] = {
     "prune": prune.run,
     "scale": scale.run,
     "indexes": indexes.run,
+    "console": console.run,
 }
 
 

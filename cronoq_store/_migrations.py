@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import configparser
+import functools
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -133,6 +134,13 @@ def script_location() -> Path:
     return packaged if packaged.is_dir() else package.parent / "alembic"
 
 
+@functools.lru_cache(maxsize=4)
+def _scripts(location: str) -> ScriptDirectory:
+    """The migrations at ``location``, read once per process: parsing every revision file
+    costs tens of milliseconds, which every console page and CLI check would pay again."""
+    return ScriptDirectory(location)
+
+
 def alembic_ini() -> Path:
     """An ``alembic.ini`` for Alembic's own command line on these migrations, wherever they
     are (``alembic -c "$(cronoq-store alembic-ini)" -x schema=NAME upgrade head``): it lives
@@ -152,7 +160,7 @@ def alembic_config(schema: str, connection: Connection | AsyncEngine | None = No
 
 def head_revision() -> str:
     """The newest revision this build knows."""
-    head = ScriptDirectory(str(script_location())).get_current_head()
+    head = _scripts(str(script_location())).get_current_head()
     assert head is not None, "the migrations have a single head"
     return head
 
@@ -226,7 +234,7 @@ def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
     from it, or unknown: an upgrade reports those)."""
     if len(current) != 1:
         return ()
-    script = ScriptDirectory(str(script_location()))
+    script = _scripts(str(script_location()))
     lower: str | None = None
     if revision != "base":
         try:
@@ -334,7 +342,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
             conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
         )
         current = tuple(sorted(context.get_current_heads()))
-    script = ScriptDirectory(str(script_location()))
+    script = _scripts(str(script_location()))
     unknown = _unknown_revisions(script, current)
     pending: tuple[str, ...] = ()
     if exists and not unknown and current != (head,):

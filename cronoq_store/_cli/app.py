@@ -9,10 +9,10 @@ for the schema.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -23,12 +23,23 @@ from .._terminal_safe import visible as visible
 from .._urls import URL_ENV as URL_ENV
 from .exits import EPILOG
 
-__all__ = ["SCHEMA_ENV", "Options", "cli"]
+__all__ = ["SCHEMA_ENV", "Options", "cli", "number_option"]
 
 #: The environment variable that names the cluster's schema when ``--schema`` is not given.
 SCHEMA_ENV = "CRONOQ_SCHEMA"
 #: The group's options that may also follow the command.
 _GLOBAL_OPTIONS = frozenset({"--url", "--schema", "--trusted-trigger"})
+
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def number_option(
+    name: str, kind: click.IntRange | click.FloatRange, default: float, help: str
+) -> Callable[[_Command], _Command]:
+    """An option that takes a number within ``kind``'s range, its default shown in
+    ``--help``."""
+    return click.option(name, type=kind, default=default, show_default=True, help=help)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from .._urls import redact as redact
-from .app import Options
+from .app import Options, number_option
 from .exits import CliError, ExitCode
 
 __all__ = ["console"]
@@ -19,21 +19,13 @@ __all__ = ["console"]
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=8040, show_default=True, help="Port to bind."
-)
-@click.option(
-    "--refresh",
-    type=click.IntRange(1, 3600),
-    default=5,
-    show_default=True,
-    help="Seconds between the pages' refreshes.",
-)
+@number_option("--port", click.IntRange(0, 65535), 8040, "Port to bind.")
+@number_option("--refresh", click.IntRange(1, 3600), 5, "Seconds between the pages' refreshes.")
 @click.option(
     "--allow-actions",
     is_flag=True,
-    help="Offer a handover on the cluster pages (needs credentials in the environment, even "
-    "on loopback).",
+    help="Offer a handover and a prune on the cluster pages (needs credentials in the "
+    "environment, even on loopback).",
 )
 @click.pass_obj
 def console(options: Options, host: str, port: int, refresh: int, allow_actions: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -49,13 +50,20 @@ __all__ = [
 ]
 
 
-def engine(url: str) -> AsyncEngine:
-    """A pool-less engine: a command opens a connection or two and is gone."""
+def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
+    """A pool-less engine: a command opens a connection or two and is gone; with a
+    ``pool_size``, one that keeps that many open (a server that reads again and again, like
+    the console: connecting costs more than most of its pages' statements)."""
+    pooling: dict[str, Any] = (
+        {"poolclass": NullPool}
+        if pool_size == 0
+        else {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
+    )
     try:
         dialled, tls = engine_arguments(url)
         return create_async_engine(
             dialled,
-            poolclass=NullPool,
+            **pooling,
             hide_parameters=True,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
@@ -75,11 +83,14 @@ def engine(url: str) -> AsyncEngine:
 
 
 @asynccontextmanager
-async def database(options: Options) -> AsyncIterator[AsyncConnection]:
+async def database(
+    options: Options, pooled: AsyncEngine | None = None
+) -> AsyncIterator[AsyncConnection]:
     """One connection with the cluster's schema applied, after the trust check
-    (``migrations.refuse_untrusted``); failing to open it is exit code 3."""
+    (``migrations.refuse_untrusted``); failing to open it is exit code 3. From ``pooled``
+    when given (the caller's long-lived engine), else from an engine of its own."""
     url = options.database_url()
-    made = engine(url)
+    made = engine(url) if pooled is None else pooled
     try:
         try:
             conn = await made.execution_options(**schema_options(options.schema)).connect()
@@ -97,7 +108,8 @@ async def database(options: Options) -> AsyncIterator[AsyncConnection]:
         finally:
             await conn.close()
     finally:
-        await made.dispose()
+        if pooled is None:
+            await made.dispose()
 
 
 async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:

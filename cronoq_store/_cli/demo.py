@@ -10,7 +10,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from . import database, output
-from .app import Options
+from .app import Options, number_option
 from .exits import CliError, ExitCode, run
 
 if TYPE_CHECKING:
@@ -20,19 +20,17 @@ __all__ = ["demo"]
 
 
 @click.command()
-@click.option(
+@number_option(
     "--submitters",
-    type=click.IntRange(1, 1000),
-    default=64,
-    show_default=True,
-    help="Concurrent submitters in instance A, each waiting for its acknowledgements.",
+    click.IntRange(1, 1000),
+    64,
+    "Concurrent submitters in instance A, each waiting for its acknowledgements.",
 )
-@click.option(
+@number_option(
     "--seconds",
-    type=click.FloatRange(0.5, 300),
-    default=5.0,
-    show_default=True,
-    help="How long instance A accepts submissions before it is killed.",
+    click.FloatRange(0.5, 300),
+    5.0,
+    "How long instance A accepts submissions before it is killed.",
 )
 @click.pass_context
 def demo(ctx: click.Context, submitters: int, seconds: float) -> None:

@@ -6,27 +6,17 @@ lock and bumps the epoch, which this command waits for, up to ``--timeout``."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 
 import click
 from rich.console import Console
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .. import _queries as queries
-from .. import _statements as st
-from .._domain import LockHolder as LockHolder
-from .._queries import ClusterFacts as ClusterFacts
-from . import database, output
+from . import database, operations, output
 from .app import Options
 from .exits import CliError, ExitCode, run
 from .status import holder_facts
 
 __all__ = ["handover"]
-
-#: How often the command looks for the new leader while it waits.
-_POLL = 0.1
 
 
 @click.command()
@@ -47,9 +37,8 @@ def handover(options: Options, yes: bool, timeout: float) -> None:
 async def _handover(options: Options, yes: bool, timeout: float, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-        lock = (st.LOCK_NS_LEADER, oid)
-        before = await _facts(conn, lock)
+        lock = await operations.leader_lock(conn, options.schema)
+        before = await operations.fresh_facts(conn, lock)
         holder = before.holder
         if holder is None:
             raise CliError(
@@ -69,50 +58,12 @@ async def _handover(options: Options, yes: bool, timeout: float, console: Consol
                 )
             if not click.confirm(f"End session pid {holder.pid} so that a standby leads?"):
                 raise CliError("handover cancelled", ExitCode.FAILED)
-        current = (await _facts(conn, lock)).holder
-        if current is None or current.pid != holder.pid:
-            raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
-        ended = (await conn.execute(st.terminate_backend, {"pid": holder.pid})).scalar()
-        await conn.rollback()
-        if not ended:
-            raise CliError(f"session pid {holder.pid} could not be ended", ExitCode.FAILED)
+        await operations.end_leader_session(conn, lock, holder.pid)
         console.print(f"ended session pid {holder.pid}; waiting up to {timeout:g} s for a standby")
-        after = await _new_leader(conn, lock, before, holder, timeout)
+        after = await operations.wait_for_new_leader(conn, lock, before, holder, timeout)
     new = after.holder
     assert new is not None
     console.print(
         f"new leader: pid {new.pid} ({new.application_name or 'details hidden'}), "
         f"epoch {after.stored_epoch}"
     )
-
-
-async def _facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
-    facts = await queries.cluster_facts(conn, lock)
-    # pg_stat_activity is read once per transaction: end it so the next look is fresh.
-    await conn.rollback()
-    return facts
-
-
-async def _new_leader(
-    conn: AsyncConnection,
-    lock: tuple[int, int],
-    before: ClusterFacts,
-    old: LockHolder,
-    timeout: float,
-) -> ClusterFacts:
-    """Once another session holds the lock and the epoch moved (a leader bumps it after
-    taking the lock), the facts; exit 6 if that does not happen within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        facts = await _facts(conn, lock)
-        holder = facts.holder
-        moved = facts.stored_epoch != before.stored_epoch
-        if holder is not None and holder.pid != old.pid and moved:
-            return facts
-        if time.monotonic() >= deadline:
-            raise CliError(
-                f"no standby leads after {timeout:g} s (epoch {facts.stored_epoch}): is one "
-                "running?",
-                ExitCode.NO_LEADER,
-            )
-        await asyncio.sleep(_POLL)

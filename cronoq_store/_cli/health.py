@@ -8,12 +8,7 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
-from .. import _queries as queries
-from .. import _statements as st
-from .._domain import LockHolder as LockHolder
-from .._migrations import RevisionStatus as RevisionStatus
-from .._queries import ClusterFacts as ClusterFacts
-from . import database, output
+from . import database, operations, output
 from .app import Options
 from .exits import ExitCode, run
 
@@ -33,39 +28,11 @@ def health(options: Options, as_json: bool) -> None:
 
 
 async def _health(options: Options, as_json: bool, console: Console) -> ExitCode:
-    facts: ClusterFacts | None = None
-    holder: LockHolder | None = None
     async with database.database(options) as conn:
-        public = bool((await conn.execute(st.public_may_connect)).scalar())
-        revision = await database.revision(conn, options.schema)
-        if revision.exists:
-            oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-            lock = (st.LOCK_NS_LEADER, oid)
-            if revision.current:
-                # Migrated at some revision: the leader row and the lock are there to read.
-                facts = await queries.cluster_facts(conn, lock)
-                holder = facts.holder
-            else:
-                # No leader row, but a leader may still hold the lock (its tables were
-                # dropped under it): say so rather than "no instance holds the lock".
-                holder = await queries.leader_lock_holder(conn, lock)
-    code, reasons = _verdict(revision, facts, holder)
-    warnings = [_PUBLIC_CONNECT] if public else []
+        health = await operations.read_health(conn, options.schema)
+    code, revision, facts, holder = health.code, health.revision, health.facts, health.holder
     if as_json:
-        output.emit_json(
-            {
-                "healthy": code is ExitCode.OK,
-                "schema": options.schema,
-                "revision": list(revision.current),
-                "head": revision.head,
-                "at_head": revision.at_head,
-                "stored_epoch": None if facts is None else facts.stored_epoch,
-                "leader": output.holder_document(output.leader_of(holder)),
-                "lock_holder": output.holder_document(holder),
-                "reasons": reasons,
-                "warnings": warnings,
-            }
-        )
+        output.emit_json(operations.health_document(options.schema, health))
         return code
     if holder is not None and facts is not None and code is ExitCode.OK:
         console.print(
@@ -74,42 +41,8 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
             f"({holder.application_name or 'details hidden'}), epoch {facts.stored_epoch}"
         )
     else:
-        for reason in reasons:
+        for reason in health.reasons:
             console.print(f"unhealthy: {reason}")
-    for warning in warnings:
-        console.print(f"warning: {warning}")
+    if health.public_connect:
+        console.print(f"warning: {operations.PUBLIC_CONNECT_WARNING}")
     return code
-
-
-#: Why a database where PUBLIC may connect is worth a line (docs/reliability.md).
-_PUBLIC_CONNECT = (
-    "every role may connect to this database (CONNECT is granted to PUBLIC), so any of them "
-    "can hold the leader lock: instances refuse to lead here unless allow_untrusted_connect; "
-    "run REVOKE CONNECT ON DATABASE ... FROM PUBLIC"
-)
-
-
-def _verdict(
-    revision: RevisionStatus, facts: ClusterFacts | None, holder: LockHolder | None
-) -> tuple[ExitCode, list[str]]:
-    """The exit code (the gravest reason's) and every reason, in words."""
-    codes: list[ExitCode] = []
-    reasons: list[str] = []
-    if not revision.at_head:
-        codes.append(ExitCode.NEWER_DATABASE if revision.unknown else ExitCode.NOT_MIGRATED)
-        reasons.append(
-            f"schema {revision.schema} is {revision.describe()} (this build's head is "
-            f"{revision.head})"
-        )
-    if holder is None:
-        codes.append(ExitCode.NO_LEADER)
-        reasons.append("no instance holds the leader lock")
-    elif facts is None:
-        reasons.append(
-            f"backend pid {holder.pid} ({holder.application_name or 'details hidden'}) holds the "
-            f"leader lock, but schema {revision.schema} is not migrated: it cannot lead it"
-        )
-    elif not holder.store_instance:
-        codes.append(ExitCode.FOREIGN_HOLDER)
-        reasons.append(output.describe_foreign(holder))
-    return (codes[0] if codes else ExitCode.OK), reasons

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _queries as queries
-from .. import _statements as st
-from .._domain import I64_MAX as I64_MAX
-from . import database, output
+from . import database, operations, output
 from .app import Options
 from .exits import run
 
@@ -68,13 +65,7 @@ async def _prune(options: Options, older_than: int, dry_run: bool, console: Cons
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
         # The server's clock, as PgStore.prune counts: the one every machine agrees on.
-        cutoff_ns = await queries.server_prune_cutoff(conn, older_than)
-        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
-        victims = (
-            await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
-        ).scalar_one()
-        await conn.rollback()
-        protected = max(0, old - victims)
+        cutoff_ns, victims, protected = await operations.plan_prune(conn, older_than)
         what = (
             f"finished tasks last updated before {output.utc(cutoff_ns)} "
             f"({output.format_duration(older_than)} ago)"
@@ -84,7 +75,7 @@ async def _prune(options: Options, older_than: int, dry_run: bool, console: Cons
             console.print(f"would keep {protected:,} of them that live tasks depend on")
             return
         with _progress_bar(victims) as progress:
-            deleted = await queries.prune(_transactions(conn), cutoff_ns, progress)
+            deleted = await queries.prune(operations.batch_transactions(conn), cutoff_ns, progress)
     console.print(f"pruned {deleted:,} {what}")
     console.print(f"kept {protected:,} of them that live tasks depend on")
 
@@ -108,16 +99,3 @@ def _progress_bar(expected: int) -> Iterator[Callable[[int], None]]:
             bar.update(task, completed=total, total=max(expected, total, 1))
 
         yield update
-
-
-def _transactions(
-    conn: AsyncConnection,
-) -> Callable[[], AbstractAsyncContextManager[AsyncConnection]]:
-    """The command's connection, one transaction per prune batch, for the store's loop."""
-
-    @asynccontextmanager
-    async def transaction() -> AsyncIterator[AsyncConnection]:
-        async with conn.begin():
-            yield conn
-
-    return transaction

@@ -9,45 +9,48 @@ schema and action under a secret made at start-up. Basic auth is sent by the bro
 page that posts to the console, so credentials alone never authorise an action. Every action
 is logged with who asked (the authenticated user, or "token").
 
-The handover itself is the CLI's (``cli.handover``): end the holder's session, then wait for
-another session to hold the lock with a moved epoch. The prune is the store's one loop
-(``queries.prune``), batch by batch, each batch logged.
+The handover itself is the CLI's (``cli.operations``): end the holder's session, then wait
+for another session to hold the lock with a moved epoch. The prune is the store's one loop
+(``queries.prune``), batch by batch, run in the background (:class:`Pruning`) so that its
+page shows the rows deleted so far; each batch is logged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import secrets
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from starlette.requests import Request
 
 from .. import _queries as queries
-from .. import _statements as st
 from .._cli import database as database
-from .._cli.app import Options as Options
+from .._cli import operations as operations
 from .._cli.exits import CliError as CliError
 from .._cli.exits import ExitCode as ExitCode
-from .._cli.handover import _facts as leader_facts
-from .._cli.handover import _new_leader as new_leader
 from .._cli.output import format_duration as format_duration
 from .._cli.output import holder_document as holder_document
 from .._cli.output import rfc3339 as rfc3339
-from .._cli.prune import _transactions as transactions
-from .._domain import I64_MAX as I64_MAX
-from .._domain import UNIX_EPOCH as UNIX_EPOCH
+from .._errors import translate_error as translate_error
+from .._terminal_safe import visible as visible
+from .._urls import scrub as scrub
+from .source import Source
 
 __all__ = [
     "HANDOVER_WAIT",
     "ActionRefused",
     "Csrf",
+    "PruneJob",
+    "PruneNotFound",
+    "Pruning",
     "check_origin",
     "handover",
     "handover_facts",
-    "prune",
     "prune_preview",
 ]
 
@@ -59,6 +62,10 @@ log = logging.getLogger("cronoq_store.console")
 
 class ActionRefused(PermissionError):
     """A POST that did not come from the console's own page: a 403 with the reason."""
+
+
+class PruneNotFound(LookupError):
+    """No prune with that id on this console (it keeps the last ones only): a 404."""
 
 
 class Csrf:
@@ -86,12 +93,12 @@ def check_origin(request: Request) -> None:
         raise ActionRefused("refused a request from another origin")
 
 
-async def handover_facts(url: str, schema: str, trusted: frozenset[str]) -> dict[str, Any]:
+async def handover_facts(source: Source, schema: str) -> dict[str, Any]:
     """What the confirmation page shows: the epoch and the holder it would end."""
-    async with database.database(Options(url, schema, trusted)) as conn:
+    async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
-        lock = await _lock(conn, schema)
-        facts = await leader_facts(conn, lock)
+        lock = await operations.leader_lock(conn, schema)
+        facts = await operations.fresh_facts(conn, lock)
     return {
         "schema": schema,
         "stored_epoch": facts.stored_epoch,
@@ -99,28 +106,18 @@ async def handover_facts(url: str, schema: str, trusted: frozenset[str]) -> dict
     }
 
 
-async def _lock(conn: Any, schema: str) -> tuple[int, int]:
-    oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-    return (st.LOCK_NS_LEADER, oid)
-
-
-async def handover(
-    url: str, schema: str, trusted: frozenset[str], pid: int, who: str
-) -> dict[str, Any]:
+async def handover(source: Source, schema: str, pid: int, who: str) -> dict[str, Any]:
     """End session ``pid`` if it still holds the leader lock, and wait for a standby."""
-    async with database.database(Options(url, schema, trusted)) as conn:
+    async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
-        lock = await _lock(conn, schema)
-        before = await leader_facts(conn, lock)
+        lock = await operations.leader_lock(conn, schema)
+        before = await operations.fresh_facts(conn, lock)
         holder = before.holder
         if holder is None or holder.pid != pid:
             raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
         log.warning("handover of %s asked by %s: ending session pid %d", schema, who, pid)
-        ended = (await conn.execute(st.terminate_backend, {"pid": pid})).scalar()
-        await conn.rollback()
-        if not ended:
-            raise CliError(f"session pid {pid} could not be ended", ExitCode.FAILED)
-        after = await new_leader(conn, lock, before, holder, HANDOVER_WAIT)
+        await operations.end_leader_session(conn, lock, pid)
+        after = await operations.wait_for_new_leader(conn, lock, before, holder, HANDOVER_WAIT)
     log.warning("handover of %s asked by %s: epoch %d", schema, who, after.stored_epoch)
     return {
         "schema": schema,
@@ -131,44 +128,109 @@ async def handover(
     }
 
 
-async def prune_preview(
-    url: str, schema: str, trusted: frozenset[str], older_than: int
-) -> dict[str, Any]:
+async def prune_preview(source: Source, schema: str, older_than: int) -> dict[str, Any]:
     """The dry run: what a prune of finished tasks older than ``older_than`` seconds (on the
     server's clock) would delete, and what it would keep because live tasks depend on it."""
-    async with database.database(Options(url, schema, trusted)) as conn:
+    async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
-        now = (await conn.execute(st.server_now)).scalar_one()
-        cutoff = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
-        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff})).scalar_one()
-        victims = (
-            await conn.execute(st.prunable_count, {"cutoff": cutoff, "batch": I64_MAX})
-        ).scalar_one()
-        await conn.rollback()
+        plan = await operations.plan_prune(conn, older_than)
     return {
         "schema": schema,
         "older_than": format_duration(older_than),
-        "cutoff_ns": cutoff,
-        "cutoff": rfc3339(cutoff),
-        "would_delete": victims,
-        "would_keep": max(0, old - victims),
+        "cutoff_ns": plan.cutoff_ns,
+        "cutoff": rfc3339(plan.cutoff_ns),
+        "would_delete": plan.victims,
+        "would_keep": plan.protected,
     }
 
 
-async def prune(
-    url: str, schema: str, trusted: frozenset[str], cutoff: int, who: str
-) -> dict[str, Any]:
-    """Delete what the dry run counted (finished tasks updated before ``cutoff`` that no
-    live task depends on), batch by batch, each logged."""
-    log.warning("prune of %s asked by %s: before %s", schema, who, rfc3339(cutoff))
-    batches = 0
+@dataclass
+class PruneJob:
+    """A prune the console runs in the background: what it was asked, and how far it got
+    (its page reads this while it runs, and refreshes until it is done)."""
 
-    def progress(total: int) -> None:
-        nonlocal batches
-        batches += 1
-        log.warning("prune of %s asked by %s: %d deleted", schema, who, total)
+    id: str
+    schema: str
+    cutoff: int
+    #: What the dry run counted.
+    expected: int
+    who: str
+    started: datetime
+    deleted: int = 0
+    batches: int = 0
+    finished: datetime | None = None
+    error: str | None = None
 
-    async with database.database(Options(url, schema, trusted)) as conn:
-        await database.require_head(conn, schema)
-        deleted = await queries.prune(transactions(conn), cutoff, progress)
-    return {"schema": schema, "cutoff": rfc3339(cutoff), "deleted": deleted, "batches": batches}
+    def document(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "schema": self.schema,
+            "cutoff": rfc3339(self.cutoff),
+            "expected": self.expected,
+            "asked_by": self.who,
+            "started": rfc3339(self.started),
+            "deleted": self.deleted,
+            "batches": self.batches,
+            "done": self.finished is not None,
+            "finished": rfc3339(self.finished),
+            "error": self.error,
+        }
+
+
+class Pruning:
+    """The console's prunes: one at a time per cluster, each in a task of its own, so the
+    request that starts one returns at once and its page shows the rows deleted so far."""
+
+    #: Finished prunes whose pages stay readable.
+    KEPT = 20
+
+    def __init__(self, source: Source) -> None:
+        self._source = source
+        self._jobs: dict[str, PruneJob] = {}
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    def job(self, schema: str, id: str) -> PruneJob | None:
+        found = self._jobs.get(id)
+        return found if found is not None and found.schema == schema else None
+
+    def start(self, schema: str, cutoff: int, expected: int, who: str) -> PruneJob:
+        """Start deleting what the dry run counted; ``ActionRefused`` while another prune
+        of ``schema`` runs."""
+        if schema in self._running:
+            raise ActionRefused(f"a prune of {schema} is running: wait for it to end")
+        job = PruneJob(
+            secrets.token_hex(8), schema, cutoff, expected, who, datetime.now(timezone.utc)
+        )
+        self._jobs[job.id] = job
+        for old in [j for j in self._jobs.values() if j.finished is not None][: -self.KEPT]:
+            del self._jobs[old.id]
+        self._running[schema] = asyncio.create_task(self._run(job))
+        return job
+
+    async def _run(self, job: PruneJob) -> None:
+        schema, who = job.schema, job.who
+        log.warning("prune of %s asked by %s: before %s", schema, who, rfc3339(job.cutoff))
+
+        def progress(total: int) -> None:
+            job.deleted, job.batches = total, job.batches + 1
+            log.warning("prune of %s asked by %s: %d deleted", schema, who, total)
+
+        try:
+            async with self._source.connect(schema) as conn:
+                await database.require_head(conn, schema)
+                transactions = operations.batch_transactions(conn)
+                await queries.prune(transactions, job.cutoff, progress)
+            log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
+        except Exception as exc:  # said on the page and in the log, never a traceback
+            error = exc if isinstance(exc, CliError) else translate_error(exc, "pruning")
+            job.error = visible(scrub(str(error), [self._source.url]))
+            log.warning("prune of %s asked by %s: failed: %s", schema, who, job.error)
+        finally:
+            job.finished = datetime.now(timezone.utc)
+            del self._running[schema]
+
+    async def close(self) -> None:
+        """Cancel the prunes still running (the batch in flight rolls back)."""
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)

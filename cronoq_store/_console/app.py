@@ -8,9 +8,11 @@ controls nor bidi overrides in a stored value reach the page as such.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup, escape
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -39,6 +41,7 @@ from .._terminal_safe import visible_block as visible_block
 from .._urls import scrub as scrub
 from . import actions, reads
 from .security import Credentials, Guard
+from .source import ClusterNotFound, Source
 from .statements import SAMPLE
 
 __all__ = ["console_app"]
@@ -160,7 +163,7 @@ def _schema(request: Request) -> str:
     try:
         return validate_schema_name(request.path_params["schema"])
     except ValueError:
-        raise reads.ClusterNotFound(request.path_params["schema"]) from None
+        raise ClusterNotFound(request.path_params["schema"]) from None
 
 
 def _ref(request: Request) -> TaskId | str:
@@ -187,6 +190,11 @@ async def _form(request: Request) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(body.decode("latin-1"), max_num_fields=10).items()}
 
 
+def _prune_action(cutoff: object, expected: object) -> str:
+    """What a prune's CSRF token is bound to: the dry run's cutoff and count."""
+    return f"prune:{cutoff}:{expected}"
+
+
 def _query(items: list[tuple[str, str]]) -> str:
     return "?" + urlencode(items)
 
@@ -208,6 +216,8 @@ def console_app(
     templates = _environment(refresh_seconds)
     templates.globals["actions"] = allow_actions
     csrf = actions.Csrf()
+    source = Source(url, trusted_triggers)
+    pruning = actions.Pruning(source)
 
     def respond(
         request: Request, template: str, doc: dict[str, Any], status: int = 200
@@ -224,9 +234,14 @@ def console_app(
 
     async def guarded(request: Request, template: str, work: Any) -> Response:
         try:
-            return respond(request, template, await work())
-        except (reads.ClusterNotFound, reads.TaskNotFound) as exc:
-            what = "cluster" if isinstance(exc, reads.ClusterNotFound) else "task"
+            done = await work()
+            return done if isinstance(done, Response) else respond(request, template, done)
+        except (ClusterNotFound, reads.TaskNotFound, actions.PruneNotFound) as exc:
+            what = {
+                ClusterNotFound: "cluster",
+                reads.TaskNotFound: "task",
+                actions.PruneNotFound: "prune (this console keeps its last ones only)",
+            }[type(exc)]
             return respond(request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404)
         except _BadRequest as exc:
             return respond(request, "error.html", {"error": str(exc)}, 400)
@@ -251,18 +266,25 @@ def console_app(
             return respond(request, "error.html", {"error": scrub(str(error), [url])}, status)
 
     async def overview(request: Request) -> Response:
-        return await guarded(
-            request, "overview.html", lambda: reads.overview(url, trusted_triggers)
-        )
+        return await guarded(request, "overview.html", lambda: reads.overview(source))
 
     async def cluster(request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema, filters = _schema(request), _filters(request)
-            doc = await reads.cluster(url, schema, trusted_triggers, filters)
+            after = request.query_params.get("schedules_after", "")
+            if len(after) > _MAX_VALUE_CHARS:
+                raise _BadRequest("schedules_after: too long")
+            doc = await reads.cluster(source, schema, filters, clean_text(after))
             finished = doc.get("finished")
             if finished is not None:
                 # The same filters, one page on; and back to the newest page.
-                kept = [(k, v) for k, v in request.query_params.multi_items() if k != "before"]
+                items = request.query_params.multi_items()
+                kept = [(k, v) for k, v in items if k not in ("before", "schedules_after")]
+                name = doc["recurring_next"]
+                doc["recurring_next_url"] = (
+                    None if name is None else _query([*kept, ("schedules_after", name)])
+                )
+                kept = [(k, v) for k, v in items if k != "before"]
                 cursor = finished["next"]
                 finished["next_url"] = (
                     None if cursor is None else _query([*kept, ("before", cursor)])
@@ -275,25 +297,32 @@ def console_app(
     async def handover_page(request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema = _schema(request)
-            await reads.known(url, schema)
-            doc = await actions.handover_facts(url, schema, trusted_triggers)
+            await source.known(schema)
+            doc = await actions.handover_facts(source, schema)
             doc["csrf"] = csrf.token(schema, "handover")
             return doc
 
         return await guarded(request, "handover.html", work)
 
+    async def posted(
+        request: Request, action: Callable[[dict[str, str]], str]
+    ) -> tuple[str, dict[str, str], str]:
+        """A POST from the console's own page: its cluster, its form and who asked, once
+        its origin and its CSRF token (bound to the action ``action(form)`` names) pass."""
+        schema = _schema(request)
+        actions.check_origin(request)
+        form = await _form(request)
+        csrf.check(schema, action(form), form.get("csrf"))
+        await source.known(schema)
+        return schema, form, getattr(request.state, "who", None) or "unauthenticated"
+
     async def handover(request: Request) -> Response:
         async def work() -> dict[str, Any]:
-            schema = _schema(request)
-            actions.check_origin(request)
-            form = await _form(request)
-            csrf.check(schema, "handover", form.get("csrf"))
+            schema, form, who = await posted(request, lambda form: "handover")
             pid = form.get("pid", "")
             if _ID.fullmatch(pid) is None or int(pid) > 2**31 - 1:
                 raise _BadRequest("pid: not a backend pid")
-            await reads.known(url, schema)
-            who = getattr(request.state, "who", None) or "unauthenticated"
-            return await actions.handover(url, schema, trusted_triggers, int(pid), who)
+            return await actions.handover(source, schema, int(pid), who)
 
         return await guarded(request, "handed_over.html", work)
 
@@ -304,33 +333,45 @@ def console_app(
                 older_than = parse_duration(request.query_params.get("older_than", "7d"))
             except ValueError as exc:
                 raise _BadRequest(str(exc)) from None
-            await reads.known(url, schema)
-            doc = await actions.prune_preview(url, schema, trusted_triggers, older_than)
-            # Bound to the dry run's cutoff: the real run deletes what was counted.
-            doc["csrf"] = csrf.token(schema, f"prune:{doc['cutoff_ns']}")
+            await source.known(schema)
+            doc = await actions.prune_preview(source, schema, older_than)
+            # Bound to the dry run: the real run deletes before its cutoff, and its page
+            # counts against what the dry run counted.
+            doc["csrf"] = csrf.token(schema, _prune_action(doc["cutoff_ns"], doc["would_delete"]))
             return doc
 
         return await guarded(request, "prune.html", work)
 
     async def prune(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema = _schema(request)
-            actions.check_origin(request)
-            form = await _form(request)
-            cutoff = form.get("cutoff", "")
+        async def work() -> Response:
+            schema, form, who = await posted(
+                request, lambda form: _prune_action(form.get("cutoff"), form.get("expected"))
+            )
+            cutoff, expected = form.get("cutoff", ""), form.get("expected", "")
             if _CUTOFF.fullmatch(cutoff) is None or not -(2**63) <= int(cutoff) <= I64_MAX:
                 raise _BadRequest("cutoff: not one a dry run gave")
-            csrf.check(schema, f"prune:{cutoff}", form.get("csrf"))
-            await reads.known(url, schema)
-            who = getattr(request.state, "who", None) or "unauthenticated"
-            return await actions.prune(url, schema, trusted_triggers, int(cutoff), who)
+            if _ID.fullmatch(expected) is None or int(expected) > I64_MAX:
+                raise _BadRequest("expected: not a count a dry run gave")
+            job = pruning.start(schema, int(cutoff), int(expected), who)
+            # See Other: the browser GETs the prune's page, which refreshes until it ends.
+            return RedirectResponse(f"/clusters/{schema}/prune/{job.id}", 303)
 
-        return await guarded(request, "pruned.html", work)
+        return await guarded(request, "pruning.html", work)
+
+    async def prune_progress(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            job = pruning.job(schema, request.path_params["job"])
+            if job is None:
+                raise actions.PruneNotFound(request.path_params["job"])
+            return job.document()
+
+        return await guarded(request, "pruning.html", work)
 
     async def task(request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
-            doc = await reads.task(url, schema, trusted_triggers, ref)
+            doc = await reads.task(source, schema, ref)
             doc["schema"] = schema
             return doc
 
@@ -347,5 +388,13 @@ def console_app(
         routes.append(Route("/clusters/{schema}/handover", handover, methods=["POST"]))
         routes.append(Route("/clusters/{schema}/prune", prune_page, methods=["GET"]))
         routes.append(Route("/clusters/{schema}/prune", prune, methods=["POST"]))
-    app = Starlette(routes=routes)
+        routes.append(Route("/clusters/{schema}/prune/{job}", prune_progress, methods=["GET"]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await pruning.close()
+        await source.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
     return Guard(app, credentials)

@@ -1,12 +1,13 @@
 """What each page shows, read from the database as one document: the page renders it and
 ``?format=json`` returns it, so the two never disagree. Built from the CLI's own pieces: its
 connection (``cli.database``: the trust check, the revision check), the store's health
-facts (``queries.cluster_facts``) and the verdict ``cronoq-store health`` gives, and its
-task and holder documents (``cli.output``)."""
+facts and the verdict ``cronoq-store health`` gives (``cli.operations``), and its task and
+holder documents (``cli.output``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -16,10 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .. import _queries as queries
 from .. import _statements as st
 from .._cli import database as database
+from .._cli import operations as operations
 from .._cli import output as output
-from .._cli.app import Options as Options
 from .._cli.exits import CliError as CliError
-from .._cli.health import _verdict as health_verdict
 from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._domain import I64_MAX as I64_MAX
 from .._domain import TaskId as TaskId
@@ -31,6 +31,7 @@ from .._migrations import head_revision as head_revision
 from .._urls import redact as redact
 from .._urls import scrub as scrub
 from . import statements as cs
+from .source import ClusterNotFound, Source
 
 __all__ = [
     "FINISHED_STATUSES",
@@ -45,15 +46,12 @@ __all__ = [
 
 #: Finished tasks per page.
 PAGE_SIZE = 50
-#: Recurring schedules the cluster page lists at most.
-SCHEDULES_SHOWN = 500
+#: Recurring schedules the cluster page lists at most (a page of them: rendering is most
+#: of a page's time).
+SCHEDULES_SHOWN = 100
 #: Dependencies whose targets a task's page looks up at most.
 DEPS_SHOWN = 100
 FINISHED_STATUSES = tuple(s.value for s in TaskStatus if s.is_terminal)
-
-
-class ClusterNotFound(LookupError):
-    """No cluster in that schema (or a name no schema can have): a 404."""
 
 
 class TaskNotFound(LookupError):
@@ -85,20 +83,6 @@ class FinishedFilters:
         }
 
 
-def _options(url: str, schema: str, trusted_triggers: frozenset[str]) -> Options:
-    return Options(url=url, schema=schema, trusted_triggers=trusted_triggers)
-
-
-async def cluster_schemas(url: str) -> list[str]:
-    """Every schema of the database holding a cluster (the CLI's own catalog query)."""
-    made = database.engine(url)
-    try:
-        async with made.connect() as conn:
-            return list((await conn.execute(st.cluster_schemas)).scalars())
-    finally:
-        await made.dispose()
-
-
 def _revision_document(revision: RevisionStatus) -> dict[str, Any]:
     return {
         "revision": list(revision.current),
@@ -108,45 +92,57 @@ def _revision_document(revision: RevisionStatus) -> dict[str, Any]:
     }
 
 
-async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
-    """One cluster's line of the overview."""
-    revision = await database.revision(conn, schema)
-    facts = None
-    if revision.current:
-        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-        facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
-    holder = None if facts is None else facts.holder
-    code, reasons = health_verdict(revision, facts, holder)
+async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], Sequence[Any]]:
+    """One cluster's line of the overview, and its live counts by pool and status."""
+    health = await operations.read_health(conn, schema)
+    revision, facts, holder = health.revision, health.facts, health.holder
     doc: dict[str, Any] = {
         "schema": schema,
         **_revision_document(revision),
         "stored_epoch": None if facts is None else facts.stored_epoch,
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
-        # What `cronoq-store health --json` says of this schema.
-        "health": {"healthy": code == 0, "exit_code": int(code), "reasons": reasons},
+        # The very document `cronoq-store --schema SCHEMA health --json` prints, and the
+        # exit code it gives.
+        "health": operations.health_document(schema, health),
+        "health_exit_code": int(health.code),
     }
     if not revision.at_head:
         # A schema this build cannot read: its tables may not be what the statements expect.
-        return doc
+        return doc, []
     epoch, max_id = (await conn.execute(st.leader_state)).one()
-    newest = (await conn.execute(cs.newest_change)).scalar()
-    live = (await conn.execute(cs.live_counts)).all()
+    live = (await conn.execute(cs.live_counts, {"bound": cs.LIVE_SAMPLE})).all()
     finished = (
         await conn.execute(cs.finished_sample, {"sample": cs.SAMPLE, "prefix": QUARANTINE_PREFIX})
     ).all()
+    live_examined = sum(row.n for row in live)
+    # At the bound, older live tasks were not looked at: counts are minimums, and the
+    # total is the planner's estimate.
+    live_at_least = live_examined >= cs.LIVE_SAMPLE
+    estimate = None
+    if live_at_least:
+        found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
+        estimate = None if found is None or found < 0 else round(found)
     await conn.rollback()
     by_status: dict[str, int] = {}
     for row in live:
         by_status[row.status] = by_status.get(row.status, 0) + row.n
     examined = sum(row.n for row in finished)
+    # The store keeps no commit time: the newest update among what the counts examined is
+    # the last change a commit recorded (or an earlier one, when the live counts stopped).
+    newest = max((row.newest for row in (*live, *finished)), default=None)
     doc.update(
         {
             "epoch": epoch,
             "max_id": max_id,
             "newest_change": output.rfc3339(newest),
             "newest_change_age_seconds": None if newest is None else _age(newest),
+            "newest_change_at_most": live_at_least,
             "live": [{"status": s, "count": n} for s, n in sorted(by_status.items())],
+            "live_examined": live_examined,
+            "live_sample": cs.LIVE_SAMPLE,
+            "live_at_least": live_at_least,
+            "live_estimate": estimate,
             "finished": {
                 "statuses": [{"status": row.status, "count": row.n} for row in finished],
                 "examined": examined,
@@ -157,7 +153,7 @@ async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
             "quarantined": sum(row.quarantined for row in finished),
         }
     )
-    return doc
+    return doc, live
 
 
 def _age(unix_ns: int) -> float:
@@ -165,14 +161,15 @@ def _age(unix_ns: int) -> float:
     return max(0.0, round(now - unix_ns / 1e9, 3))
 
 
-async def overview(url: str, trusted_triggers: frozenset[str]) -> dict[str, Any]:
+async def overview(source: Source) -> dict[str, Any]:
     """Every cluster of the database, one summary each; a schema the trust check refuses, or
     this role cannot read, is listed with the reason."""
     clusters = []
-    for schema in await cluster_schemas(url):
+    url = source.url
+    for schema in await source.cluster_schemas():
         try:
-            async with database.database(_options(url, schema, trusted_triggers)) as conn:
-                clusters.append(await _summary(conn, schema))
+            async with source.connect(schema) as conn:
+                clusters.append((await _summary(conn, schema))[0])
         except MigrationError as exc:  # the trust check
             clusters.append({"schema": schema, "refused": str(exc)})
         except CliError:
@@ -185,44 +182,57 @@ async def overview(url: str, trusted_triggers: frozenset[str]) -> dict[str, Any]
     return {"database": redact(url), "head": head_revision(), "clusters": clusters}
 
 
-async def known(url: str, schema: str) -> None:
-    """``ClusterNotFound`` unless ``schema`` holds a cluster."""
-    if schema not in await cluster_schemas(url):
-        raise ClusterNotFound(schema)
-
-
 async def cluster(
-    url: str, schema: str, trusted_triggers: frozenset[str], filters: FinishedFilters
+    source: Source, schema: str, filters: FinishedFilters, schedules_after: str = ""
 ) -> dict[str, Any]:
     """A cluster's page: its summary, live tasks by pool and status, a page of finished
-    tasks (newest first) and its recurring schedules."""
-    await known(url, schema)
-    async with database.database(_options(url, schema, trusted_triggers)) as conn:
-        summary = await _summary(conn, schema)
+    tasks (newest first) and a page of its recurring schedules (by name, after
+    ``schedules_after``)."""
+    await source.known(schema)
+    async with source.connect(schema) as conn:
+        summary, live = await _summary(conn, schema)
         if not summary["at_head"]:
             return {"schema": schema, "summary": summary}
         params = filters.params()
-        page_params = {**params, "limit": PAGE_SIZE + 1}
+        page_params = {**params, "limit": PAGE_SIZE + 1, "scan": cs.SCAN}
+        before = (I64_MAX, I64_MAX) if filters.before is None else filters.before
+        cursor = {"before_updated": before[0], "before_id": before[1]}
         if filters.before is None:
             rows = (await conn.execute(cs.finished_first_page, page_params)).all()
         else:
-            page_params["before_updated"], page_params["before_id"] = filters.before
-            rows = (await conn.execute(cs.finished_next_page, page_params)).all()
+            rows = (await conn.execute(cs.finished_next_page, {**page_params, **cursor})).all()
+        boundary = None
+        if len(rows) <= PAGE_SIZE:
+            # Fewer matches than a page: the end of the window, or the scan's bound.
+            boundary = (
+                await conn.execute(cs.scan_boundary, {**params, **cursor, "scan": cs.SCAN})
+            ).first()
         examined, matching = (
             await conn.execute(cs.finished_count, {**params, "bound": cs.SAMPLE})
         ).one()
-        live = (await conn.execute(cs.live_counts)).all()
-        recurring = (await conn.execute(cs.schedules, {"limit": SCHEDULES_SHOWN + 1})).all()
+        recurring = (
+            await conn.execute(
+                cs.schedules, {"limit": SCHEDULES_SHOWN + 1, "after": schedules_after}
+            )
+        ).all()
         await conn.rollback()
     page = rows[:PAGE_SIZE]
-    last = page[-1] if len(rows) > PAGE_SIZE else None
+    if len(rows) > PAGE_SIZE:
+        last: tuple[int, int] | None = (page[-1].updated_unix_ns, page[-1].id)
+    elif boundary is not None:
+        last = (boundary.updated_unix_ns, boundary.id)
+    else:
+        last = None
     return {
         "schema": schema,
         "summary": summary,
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
         "finished": {
             "tasks": [output.task_document(*queries.listed_task(row)) for row in page],
-            "next": None if last is None else f"{last.updated_unix_ns}.{last.id}",
+            "next": None if last is None else f"{last[0]}.{last[1]}",
+            # The page examined its bound of tasks without filling up: older ones may match.
+            "scan_stopped": len(rows) <= PAGE_SIZE and boundary is not None,
+            "scan": cs.SCAN,
             "matching": matching,
             # At the bound, older tasks of the window were not examined: a minimum.
             "matching_at_least": examined >= cs.SAMPLE,
@@ -238,7 +248,10 @@ async def cluster(
             }
             for r in recurring[:SCHEDULES_SHOWN]
         ],
-        "recurring_more": len(recurring) > SCHEDULES_SHOWN,
+        # The name the next page of schedules starts after.
+        "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
+        if len(recurring) > SCHEDULES_SHOWN
+        else None,
     }
 
 
@@ -252,13 +265,11 @@ def _json_or_text(text: str | None) -> Any:
         return {"undecodable": text}
 
 
-async def task(
-    url: str, schema: str, trusted_triggers: frozenset[str], ref: TaskId | str
-) -> dict[str, Any]:
+async def task(source: Source, schema: str, ref: TaskId | str) -> dict[str, Any]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
     dependency with its target's state."""
-    await known(url, schema)
-    async with database.database(_options(url, schema, trusted_triggers)) as conn:
+    await source.known(schema)
+    async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
         listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
         if listed is None:

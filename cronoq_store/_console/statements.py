@@ -3,9 +3,12 @@ cluster's schema applied at execution, as everywhere): read-only, and each one b
 index or by a ``LIMIT`` on the rows it examines, so a page stays fast on a big cluster.
 
 Finished tasks are read through ``ix_cronoq_tasks_finished_updated`` (``updated_unix_ns,
-id`` where ``terminal``), newest first; live tasks through ``ix_cronoq_tasks_live`` (the live
-set is what every instance holds in memory, so it is never large for long). Counts over
-finished tasks look at the newest :data:`SAMPLE` of them and say "at least" when they stop.
+id`` where ``terminal``), newest first; live tasks through ``ix_cronoq_tasks_live`` (``id``
+where ``NOT terminal``), newest first. Nothing walks a whole index: counts look at the
+newest :data:`SAMPLE` finished or :data:`LIVE_SAMPLE` live tasks and say "at least" when
+they stop (the live total is then the planner's estimate, and said to be one); a page of
+finished tasks examines at most :data:`SCAN` of them and, when its filters match fewer than
+a page there, says how far it looked and offers to look further from there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from typing import Any
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Column,
+    Float,
+    MetaData,
     Select,
+    Table,
     Text,
     and_,
     bindparam,
@@ -25,6 +32,7 @@ from sqlalchemy import (
     select,
     tuple_,
 )
+from sqlalchemy.dialects.postgresql import OID
 
 from .._domain import TaskStatus as TaskStatus
 from .._rows import RECORD_COLUMNS as RECORD_COLUMNS
@@ -32,42 +40,86 @@ from .._schema import recurring as recurring
 from .._schema import tasks as tasks
 
 __all__ = [
+    "LIVE_SAMPLE",
     "SAMPLE",
+    "SCAN",
     "finished_count",
     "finished_first_page",
     "finished_next_page",
     "finished_sample",
     "live_counts",
-    "newest_change",
+    "live_estimate",
+    "scan_boundary",
     "schedules",
     "task_spec",
 ]
 
 #: How many finished tasks (newest first) a count examines at most.
 SAMPLE = 10_000
+#: How many live tasks (newest first) the live counts examine at most.
+LIVE_SAMPLE = 50_000
+#: How many finished tasks a page examines at most for the rows its filters match.
+SCAN = 50_000
 
-#: Live tasks by pool and status.
-live_counts = (
-    select(tasks.c.pool, tasks.c.status, func.count().label("n"))
+_live = (
+    select(tasks.c.pool, tasks.c.status, tasks.c.updated_unix_ns)
     .where(~tasks.c.terminal)
-    .group_by(tasks.c.pool, tasks.c.status)
-    .order_by(tasks.c.pool, tasks.c.status)
+    .order_by(tasks.c.id.desc())
+    .limit(bindparam("bound", type_=BigInteger))
+    .subquery("live")
+)
+
+#: Among the newest ``bound`` live tasks (by id): how many of each pool and status, and the
+#: newest update of each.
+live_counts = (
+    select(
+        _live.c.pool,
+        _live.c.status,
+        func.count().label("n"),
+        func.max(_live.c.updated_unix_ns).label("newest"),
+    )
+    .group_by(_live.c.pool, _live.c.status)
+    .order_by(_live.c.pool, _live.c.status)
+)
+
+_catalog = MetaData(schema="pg_catalog")
+_pg_class = Table(
+    "pg_class",
+    _catalog,
+    Column("relname", Text),
+    Column("relnamespace", OID),
+    Column("reltuples", Float),
+)
+_pg_namespace = Table("pg_namespace", _catalog, Column("oid", OID), Column("nspname", Text))
+
+#: The planner's estimate of the live tasks (the entries of ``ix_cronoq_tasks_live`` when
+#: it was last vacuumed or analysed; -1 if never), for when the live counts stop at their
+#: bound: no row is read.
+live_estimate = (
+    select(_pg_class.c.reltuples)
+    .select_from(_pg_class.join(_pg_namespace, _pg_namespace.c.oid == _pg_class.c.relnamespace))
+    .where(
+        _pg_class.c.relname == "ix_cronoq_tasks_live",
+        _pg_namespace.c.nspname == bindparam("schema", type_=Text),
+    )
 )
 
 _newest = (
-    select(tasks.c.status, tasks.c.message)
+    select(tasks.c.status, tasks.c.message, tasks.c.updated_unix_ns)
     .where(tasks.c.terminal)
     .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
     .limit(bindparam("sample", type_=BigInteger))
     .subquery("newest")
 )
 
-#: Among the newest ``sample`` finished tasks: how many of each status, and how many of the
-#: failed ones recovery quarantined (their message starts with ``prefix``).
+#: Among the newest ``sample`` finished tasks: how many of each status, how many of the
+#: failed ones recovery quarantined (their message starts with ``prefix``), and the newest
+#: update of each.
 finished_sample = (
     select(
         _newest.c.status,
         func.count().label("n"),
+        func.max(_newest.c.updated_unix_ns).label("newest"),
         func.count()
         .filter(
             _newest.c.status == TaskStatus.FAILED.value,
@@ -77,15 +129,6 @@ finished_sample = (
     )
     .group_by(_newest.c.status)
     .order_by(_newest.c.status)
-)
-
-#: The newest ``updated_unix_ns`` of any task: the last change a commit recorded (the store
-#: keeps no commit time of its own). The finished side is one step down its index.
-newest_change = select(
-    func.greatest(
-        select(func.max(tasks.c.updated_unix_ns)).where(tasks.c.terminal).scalar_subquery(),
-        select(func.max(tasks.c.updated_unix_ns)).where(~tasks.c.terminal).scalar_subquery(),
-    )
 )
 
 _pools = bindparam("pools", type_=ARRAY(Text))
@@ -118,26 +161,61 @@ def _chosen(table: Any) -> list[Any]:
 #: ``updated_unix_ns``, is also the cursor's first half, to the nanosecond.
 _page_columns = [tasks.c[name] for name in RECORD_COLUMNS]
 
+_cursor = tuple_(
+    bindparam("before_updated", type_=BigInteger), bindparam("before_id", type_=BigInteger)
+)
 
-def _finished_page(after_cursor: bool) -> Select[Any]:
-    where = [*_window(tasks), *_chosen(tasks)]
+
+def _after_cursor(table: Any) -> list[Any]:
+    """Strictly older than the cursor. The row comparison alone would not start the index
+    scan at the cursor (a backward scan positions on the window's scalar upper bound and
+    walks down to it: half the index for a page halfway down), so the cursor's time is
+    also given as a scalar bound, which does."""
+    return [
+        table.c.updated_unix_ns <= bindparam("before_updated", type_=BigInteger),
+        tuple_(table.c.updated_unix_ns, table.c.id) < _cursor,
+    ]
+
+
+def _scanned(after_cursor: bool) -> Select[Any]:
+    """The newest ``scan`` finished tasks of the window (strictly older than the cursor
+    ``(before_updated, before_id)`` if ``after_cursor``): one range of the index."""
+    where = _window(tasks)
     if after_cursor:
-        cursor = tuple_(
-            bindparam("before_updated", type_=BigInteger), bindparam("before_id", type_=BigInteger)
-        )
-        where.append(tuple_(tasks.c.updated_unix_ns, tasks.c.id) < cursor)
+        where += _after_cursor(tasks)
     return (
         select(*_page_columns)
         .where(*where)
         .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
+        .limit(bindparam("scan", type_=BigInteger))
+    )
+
+
+def _finished_page(after_cursor: bool) -> Select[Any]:
+    examined = _scanned(after_cursor).subquery("examined")
+    return (
+        select(*(examined.c[name] for name in RECORD_COLUMNS))
+        .where(*_chosen(examined))
+        .order_by(examined.c.updated_unix_ns.desc(), examined.c.id.desc())
         .limit(bindparam("limit", type_=BigInteger))
     )
 
 
-#: The newest finished tasks that pass the filters (``limit`` of them).
+#: The newest ``limit`` finished tasks that pass the filters among the ``scan`` newest of
+#: the window: the index is read only until a page is full or ``scan`` rows were examined.
 finished_first_page = _finished_page(after_cursor=False)
 #: The same, strictly older than the cursor ``(before_updated, before_id)``: keyset paging.
 finished_next_page = _finished_page(after_cursor=True)
+
+#: The cursor of the last task a page examined when it stopped at ``scan`` rows (none if the
+#: window ends sooner): where the next page looks on from. The index alone answers.
+scan_boundary = (
+    select(tasks.c.updated_unix_ns, tasks.c.id)
+    .where(*_window(tasks), *_after_cursor(tasks))
+    .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
+    .offset(bindparam("scan", type_=BigInteger) - 1)
+    .limit(1)
+)
 
 _examined = (
     select(tasks.c.pool, tasks.c.status, tasks.c.kind, tasks.c.tenant)
@@ -176,8 +254,8 @@ task_spec = select(
 
 _last = tasks.alias("last")
 
-#: Recurring schedules by name (``limit`` of them), each with its next run and its last
-#: task's state, one primary-key look-up per schedule.
+#: Recurring schedules by name after ``after`` (``limit`` of them), each with its next run
+#: and its last task's state, one primary-key look-up per schedule.
 schedules = (
     select(
         recurring.c.name,
@@ -188,6 +266,7 @@ schedules = (
         _last.c.updated_unix_ns.label("last_updated"),
     )
     .select_from(recurring.outerjoin(_last, _last.c.id == recurring.c.last_task_id))
+    .where(recurring.c.name > bindparam("after", type_=Text))
     .order_by(recurring.c.name)
     .limit(bindparam("limit", type_=BigInteger))
 )

@@ -18,6 +18,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore
 from cronoq_store._cli import ExitCode as ExitCode
@@ -40,7 +41,7 @@ from cronoq_store._domain import (
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config
 from .conftest import Console, fetch, start_console, stop_console
-from .test_console_browser import shots
+from .test_console_browser import shots, text_of
 from .test_console_security import basic, environment, refused_start
 
 PASSWORD = "pa55-" + uuid.uuid4().hex
@@ -247,21 +248,79 @@ async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counte
         assert browser.find_element(By.ID, "would-keep").text.startswith("1 ")
         browser.save_screenshot(str(shots(tmp_path) / "prune.png"))
         browser.find_element(By.ID, "confirm-prune").click()
-        WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.ID, "deleted"))
-        assert browser.find_element(By.ID, "deleted").text == "29"
+        WebDriverWait(browser, 20).until(lambda d: "/prune/" in d.current_url)
+        WebDriverWait(browser, 20).until(lambda d: text_of(d, "#prune-state") == "done")
+        assert text_of(browser, "#deleted") == "29"
+        assert text_of(browser, "#asked-by").startswith("ops, ")
+        browser.save_screenshot(str(shots(tmp_path) / "pruning.png"))
 
     await asyncio.to_thread(prune)
     assert await store.get_task(TaskId(1)) is None
     assert await store.get_task("old-7") is not None
     assert await store.get_task(TaskId(31)) is not None
     assert f"prune of {schema} asked by ops: 29 deleted" in acting.stderr()
+    assert f"prune of {schema} asked by ops: done, 29 deleted" in acting.stderr()
 
     # The token is bound to the dry run's cutoff: another cutoff is refused.
     page = (await fetch(target + "?older_than=0s&format=json", AUTH)).json()
     form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
-    later = page["cutoff_ns"] + 10**9
-    assert (
-        await asyncio.to_thread(_post, target, form, f"cutoff={later}&csrf={page['csrf']}") == 403
-    )
-    assert await asyncio.to_thread(_post, target, form, f"cutoff={page['cutoff_ns']}") == 403
+    later, counted = page["cutoff_ns"] + 10**9, page["would_delete"]
+    token = f"csrf={page['csrf']}"
+    for body in (
+        f"cutoff={later}&expected={counted}&{token}",
+        f"cutoff={page['cutoff_ns']}&expected={counted + 1}&{token}",
+        f"cutoff={page['cutoff_ns']}&expected={counted}",
+    ):
+        assert await asyncio.to_thread(_post, target, form, body) == 403, body
     assert await store.get_task(TaskId(31)) is not None
+
+
+async def test_a_prune_page_shows_its_progress_live_until_it_ends(
+    browser: webdriver.Chrome, acting: Console, store: PgStore, engine: AsyncEngine
+) -> None:
+    """The real run starts in the background and its page refreshes itself: "running" with
+    the rows deleted so far while a batch waits (here on the leader row, held by a commit
+    that does not end), then "done" with the count, and then it stops asking."""
+    schema = store.config.schema
+    changes: list[Mutation] = []
+    for n in range(1, 2501):  # three batches of the store's prune loop
+        changes += [submitted(n), changed(n, SUCCEEDED, ago=2 * DAY)]
+    await store.commit(0, BASE, changes, [])
+    dry_run = f"{acting.base}/clusters/{schema}/prune?older_than=1d&format=json"
+    dry = (await fetch(dry_run, AUTH)).json()
+    assert dry["would_delete"] == 2500
+    async with engine.connect() as blocker:
+        # What a commit inserting tasks holds: each prune batch first waits for it.
+        await blocker.exec_driver_sql(
+            f'SELECT epoch FROM "{schema}".cronoq_leader WHERE id = 1 FOR UPDATE'
+        )
+
+        def start() -> str:
+            browser.get(credentialed(acting.base) + f"/clusters/{schema}/prune?older_than=1d")
+            WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "confirm-prune"))
+            browser.find_element(By.ID, "confirm-prune").click()
+            WebDriverWait(browser, 10).until(lambda d: "/prune/" in d.current_url)
+            assert text_of(browser, "#prune-state") == "running"
+            assert text_of(browser, "#deleted") == "0"
+            url: str = browser.current_url
+            return url
+
+        progress = await asyncio.to_thread(start)
+        await asyncio.sleep(1.5)  # a refresh or two, still blocked
+        path = urllib.parse.urlsplit(progress).path
+        running = (await fetch(f"{acting.base}{path}?format=json", AUTH)).json()
+        assert (running["done"], running["deleted"], running["asked_by"]) == (False, 0, "ops")
+        await blocker.rollback()
+
+    def finish() -> None:
+        WebDriverWait(browser, 20).until(lambda d: text_of(d, "#prune-state") == "done")
+        assert browser.current_url == progress  # refreshed in place, not reloaded
+        assert text_of(browser, "#deleted") == "2,500"
+        assert text_of(browser, "#batches").startswith("3 ")
+        WebDriverWait(browser, 5).until(lambda d: text_of(d, "#refreshed").startswith("final "))
+
+    await asyncio.to_thread(finish)
+    log = acting.stderr()
+    assert f"prune of {schema} asked by ops: 1000 deleted" in log
+    assert f"prune of {schema} asked by ops: done, 2500 deleted" in log
+    assert PASSWORD not in log

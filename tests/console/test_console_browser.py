@@ -23,6 +23,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
+from cronoq_store._console import statements as cs
 from cronoq_store._domain import (
     Dependency as Dependency,
 )
@@ -235,6 +236,8 @@ async def test_filters_and_keyset_pages(
         "first_url": "?format=json",
         "matching": 130,
         "matching_at_least": False,
+        "scan": cs.SCAN,
+        "scan_stopped": False,
     }
 
 
@@ -311,8 +314,6 @@ async def test_hostile_text_is_shown_as_text(
 
 async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:
     """More finished tasks than a count examines: the overview says "at least"."""
-    from cronoq_store._console import statements as cs
-
     many = cs.SAMPLE + 5
     changes: list[Mutation] = []
     for n in range(1, many + 1):

@@ -238,7 +238,7 @@ async def test_a_schema_behind_this_build_is_shown_not_read(
         if c["schema"] == schema
     ]
     assert cluster["revision_state"] == "newer than this build"
-    assert cluster["health"]["exit_code"] == ExitCode.NEWER_DATABASE
+    assert cluster["health_exit_code"] == ExitCode.NEWER_DATABASE
     assert "live" not in cluster
     assert (await fetch(f"{console_at.base}/clusters/{schema}/task?id=1")).status == 409
 

@@ -25,11 +25,17 @@
       if (fresh && !busy()) {
         document.getElementById("live").replaceChildren(...Array.from(fresh.childNodes).map(function (n) { return document.importNode(n, true); }));
       }
+      if (!page.body.dataset.refresh) {
+        // The page is final (a prune that ended): stop asking.
+        window.clearInterval(timer);
+        show("final " + new Date().toISOString().slice(11, 19) + " UTC", false);
+        return;
+      }
       show("refreshed " + new Date().toISOString().slice(11, 19) + " UTC", false);
     } catch (err) {
       show("not refreshed: " + err.message, true);
     }
   }
   show("refreshes every " + seconds + " s", false);
-  window.setInterval(refresh, seconds * 1000);
+  var timer = window.setInterval(refresh, seconds * 1000);
 }());
