@@ -6,6 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,8 +26,9 @@ def _checker() -> ModuleType:
 prose = _checker()
 
 
-def test_sentences_and_paragraphs_stay_within_the_limits() -> None:
-    figures = prose.measure(prose.default_files())
+@pytest.mark.parametrize("rule", prose.RULES, ids=lambda rule: rule.name)
+def test_sentences_and_paragraphs_stay_within_the_limits(rule: Any) -> None:
+    figures = prose.measure(prose.default_files(), rule)
     assert figures.ok, prose.report(figures, verbose=True)
 
 
