@@ -6,6 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,9 +26,10 @@ def _checker() -> ModuleType:
 prose = _checker()
 
 
-def test_sentences_and_paragraphs_stay_within_the_limits() -> None:
-    figures = prose.measure(prose.default_files())
-    assert figures.ok, prose.report(figures)
+@pytest.mark.parametrize("rule", prose.RULES, ids=lambda rule: rule.name)
+def test_sentences_and_paragraphs_stay_within_the_limits(rule: Any) -> None:
+    figures = prose.measure(prose.default_files(), rule)
+    assert figures.ok, prose.report(figures, verbose=True)
 
 
 def test_the_checker_counts_what_a_reader_reads(tmp_path: Path) -> None:
@@ -45,6 +49,12 @@ def test_the_checker_counts_what_a_reader_reads(tmp_path: Path) -> None:
     ]
     figures = prose.measure([page])
     assert (figures.sentences, figures.median, figures.p90) == (5, 3, 7)
+    full_stops = prose.measure([page], prose.FULL_STOPS)
+    assert next(p.sentences for p in prose.paragraphs(page, prose.FULL_STOPS)) == [
+        "One two three.",
+        "Four five: six; seven CODE eight!",
+    ]
+    assert (full_stops.sentences, full_stops.median, full_stops.p90) == (3, 6, 7)
     long = tmp_path / "long.md"
     long.write_text(" ".join(["word"] * 121) + "\n")
     assert [p.words for p in prose.measure([long]).too_long] == [121]
