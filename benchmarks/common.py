@@ -35,7 +35,7 @@ from cronoq_store import (
     task_id,
 )
 from cronoq_store._codec import clean_text as clean_text
-from cronoq_store._folding import level as level
+from cronoq_store._domain import level as level
 from cronoq_store._store import PgStore as PgStore
 from cronoq_store._writer import CompiledStatement as CompiledStatement
 

@@ -7,11 +7,39 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ._schema import validate_schema_name as validate_schema_name
-
-__all__ = ["PgStoreConfig", "keepalive_settings", "trusted_role_names", "trusted_trigger_names"]
+__all__ = [
+    "PgStoreConfig",
+    "keepalive_settings",
+    "trusted_role_names",
+    "trusted_trigger_names",
+    "validate_schema_name",
+]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def validate_schema_name(schema: str) -> str:
+    """Return ``schema`` if it is a plain PostgreSQL identifier, else raise ``ValueError``.
+
+    Only ASCII letters, digits and ``_``, not starting with a digit, at most 63 characters
+    (PostgreSQL truncates longer names silently, which would merge two clusters). Checked
+    before the name reaches any statement, so quoting is never the only defence. The system's
+    schemas (``pg_*``, ``information_schema``, in any case) are refused: they are not ours to
+    fill, and ``pg_temp`` is a different schema in every session.
+    """
+    if not isinstance(schema, str):
+        raise ValueError(f"schema name must be a string, got {type(schema).__name__}")
+    if _IDENTIFIER.fullmatch(schema) is None:
+        raise ValueError(
+            f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
+            "not starting with a digit"
+        )
+    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
+        raise ValueError(
+            f"invalid schema name {schema!r}: pg_* and information_schema are the system's "
+            "schemas; give the cluster a schema of its own"
+        )
+    return schema
 
 
 def trusted_trigger_names(names: Iterable[str]) -> frozenset[str]:

@@ -225,6 +225,20 @@ QUEUED = "queued"
 LIVE_STATUS_NAMES = frozenset({QUEUED, TaskStatus.RUNNING.value, TaskStatus.RETRYING.value})
 """Stored status names of tasks that are not finished."""
 
+#: Rank of each live status within an attempt (other stored names rank as queued).
+LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
+#: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
+#: times 4 ranks stay below it).
+TERMINAL_LEVEL = 1 << 62
+
+
+def level(status: str, terminal: bool, attempt: int) -> int:
+    """Where a state stands in a task's life: ``attempt * 4 + rank`` while live, then
+    :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level, at)`` is
+    greater than the stored one and the stored state is not terminal (a terminal state is
+    final: no tie-break by time). ``statements.update_status`` computes the same in SQL."""
+    return TERMINAL_LEVEL if terminal else attempt * 4 + LIVE_RANKS.get(status, 0)
+
 
 class MissPolicy(Enum):
     """What to do with a fixed-start task whose start window has passed."""

@@ -71,6 +71,7 @@ from ._domain import (
 from ._domain import (
     TimeBase as TimeBase,
 )
+from ._domain import level as level
 from ._errors import IdCollisionError as IdCollisionError
 from ._rows import (
     INSERT_POSITION as INSERT_POSITION,
@@ -89,28 +90,11 @@ from ._rows import (
 )
 
 __all__ = [
-    "LIVE_RANKS",
-    "TERMINAL_LEVEL",
     "FoldedBatch",
     "RecurringAction",
     "fold",
-    "level",
     "taken_keys",
 ]
-
-#: Rank of each live status within an attempt (other stored names rank as queued).
-LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
-#: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
-#: times 4 ranks stay below it).
-TERMINAL_LEVEL = 1 << 62
-
-
-def level(status: str, terminal: bool, attempt: int) -> int:
-    """Where a state stands in a task's life: ``attempt * 4 + rank`` while live, then
-    :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level, at)`` is
-    greater than the stored one and the stored state is not terminal (a terminal state is
-    final: no tie-break by time). ``update_status`` computes the same in SQL."""
-    return TERMINAL_LEVEL if terminal else attempt * 4 + LIVE_RANKS.get(status, 0)
 
 
 class RecurringAction(Enum):

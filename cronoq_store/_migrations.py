@@ -62,11 +62,11 @@ from . import _downgrade_guard as downgrade_guard
 from . import _migration_lock as migration_lock
 from . import _statements as st
 from ._config import trusted_trigger_names as trusted_trigger_names
+from ._config import validate_schema_name as validate_schema_name
 from ._errors import MigrationError as MigrationError
 from ._errors import translate_error as translate_error
 from ._schema import VERSION_TABLE as VERSION_TABLE
 from ._schema import metadata as metadata
-from ._schema import validate_schema_name as validate_schema_name
 from ._terminal_safe import visible as visible
 from ._urls import (
     URL_ENV as URL_ENV,

@@ -49,10 +49,10 @@ from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
 from ._domain import EPOCH_MAX as EPOCH_MAX
+from ._domain import LIVE_RANKS as LIVE_RANKS
 from ._domain import QUEUED as QUEUED
+from ._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
 from ._domain import TaskStatus as TaskStatus
-from ._folding import LIVE_RANKS as LIVE_RANKS
-from ._folding import TERMINAL_LEVEL as TERMINAL_LEVEL
 from ._rows import (
     IDENTITY_COLUMNS as IDENTITY_COLUMNS,
 )
@@ -261,7 +261,7 @@ _transition = _unnest(
 
 
 def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnElement[int]:
-    """:func:`cronoq_store._folding.level` in SQL, for the stored row and the transition; the
+    """:func:`cronoq_store._domain.level` in SQL, for the stored row and the transition; the
     constants are literals (ours, not input), so the statement has no parameters of its own."""
 
     def constant(value: int) -> ColumnElement[int]:
@@ -304,7 +304,7 @@ _transition_values = {
 #: Only forward, decided on the stored row in the statement itself, so a duplicate or late
 #: delivery (even one running concurrently) changes nothing: a terminal row is final, a live
 #: one moves when the transition's (level, at) is greater than its own. ``levels`` is
-#: :func:`cronoq_store._folding.level` of each transition, computed by the fold.
+#: :func:`cronoq_store._domain.level` of each transition, computed by the fold.
 _forward = (
     tasks.c.id == _u.ids,
     ~tasks.c.terminal,

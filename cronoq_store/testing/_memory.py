@@ -591,7 +591,7 @@ def _update_status(
     """The state one transition of ``update_status`` gives a stored row, or ``None`` where
     it does not move it. Mirrors the SQL of :mod:`cronoq_store._statements`: ``_forward``
     (a terminal row is final, a live one moves when the transition's ``(level, at)`` is
-    greater than its own, ``_level`` in SQL being :func:`~cronoq_store._folding.level`) and
+    greater than its own, ``_level`` in SQL being :func:`~cronoq_store._domain.level`) and
     ``_transition_values``' message (none keeps the stored one, the moving transition's own
     comes with it, an earlier one's only if that transition is ahead of the stored row)."""
     if row[_TERMINAL]:
