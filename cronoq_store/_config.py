@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ._domain import check_seconds as check_seconds
 
 __all__ = [
     "PgStoreConfig",
@@ -138,11 +139,7 @@ class PgStoreConfig:
                 f"allow_untrusted_connect must be a bool, got {self.allow_untrusted_connect!r}"
             )
         for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            check_seconds(name, getattr(self, name))
         if self.keepalive >= self.session_timeout:
             raise ValueError(
                 f"keepalive ({self.keepalive}s) must be shorter than session_timeout "

@@ -148,6 +148,20 @@ def _check_engine_time(name: str, value: object) -> None:
     _check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
 
 
+def check_seconds(name: str, value: object, *, most: float | None = None) -> float:
+    """``value`` as float seconds, or ``ValueError`` naming ``name``: a finite int or float
+    (never a bool), above 0; with ``most``, in ``0..most`` instead (an age, where 0 means
+    now). The one rule for durations given as numbers (settings, timeouts, ages)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if most is None:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    elif not math.isfinite(value) or not 0 <= value <= most:
+        raise ValueError(f"{name} must be a number of seconds in 0..{most:g}, got {value!r}")
+    return float(value)
+
+
 def _check_duration(name: str, value: object) -> None:
     if not isinstance(value, timedelta) or value < _ZERO:
         raise _invalid(name, "a non-negative timedelta", value)
@@ -227,17 +241,20 @@ LIVE_STATUS_NAMES = frozenset({QUEUED, TaskStatus.RUNNING.value, TaskStatus.RETR
 
 #: Rank of each live status within an attempt (other stored names rank as queued).
 LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
+#: Levels each attempt spans: more than the live ranks, so attempts never overlap.
+RANKS_PER_ATTEMPT = 4
 #: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
-#: times 4 ranks stay below it).
+#: times :data:`RANKS_PER_ATTEMPT` ranks stay below it).
 TERMINAL_LEVEL = 1 << 62
 
 
 def level(status: str, terminal: bool, attempt: int) -> int:
-    """Where a state stands in a task's life: ``attempt * 4 + rank`` while live, then
-    :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level, at)`` is
-    greater than the stored one and the stored state is not terminal (a terminal state is
-    final: no tie-break by time). ``statements.update_status`` computes the same in SQL."""
-    return TERMINAL_LEVEL if terminal else attempt * 4 + LIVE_RANKS.get(status, 0)
+    """Where a state stands in a task's life: ``attempt * RANKS_PER_ATTEMPT + rank`` while
+    live, then :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level,
+    at)`` is greater than the stored one and the stored state is not terminal (a terminal
+    state is final: no tie-break by time). ``statements.update_status`` builds the same in
+    SQL from these three constants."""
+    return TERMINAL_LEVEL if terminal else attempt * RANKS_PER_ATTEMPT + LIVE_RANKS.get(status, 0)
 
 
 class MissPolicy(Enum):

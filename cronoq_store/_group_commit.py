@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +39,7 @@ from ._committer_stats import Tally as Tally
 from ._domain import Mutation as Mutation
 from ._domain import TaskId as TaskId
 from ._domain import TimeBase as TimeBase
+from ._domain import check_seconds as check_seconds
 from ._errors import (
     CommitterClosedError as CommitterClosedError,
 )
@@ -132,17 +132,6 @@ def _positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def _positive_seconds(name: str, value: float) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _fenced_error(what: str, cause: FencedError) -> FencedError:
@@ -308,7 +297,7 @@ class GroupCommitter:
         Idempotent; a later call may escalate a drain to an abort.
         """
         if timeout is not None:
-            timeout = _positive_seconds("timeout", timeout)
+            timeout = check_seconds("timeout", timeout)
         if not self._closing:
             logger.info(
                 "closing the group committer",

@@ -9,7 +9,6 @@ there is one loop that takes the leader row lock before every batch.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -41,6 +40,7 @@ from ._domain import (
 from ._domain import (
     TaskStatus as TaskStatus,
 )
+from ._domain import check_seconds as check_seconds
 from ._domain import (
     check_task_id as check_task_id,
 )
@@ -161,17 +161,7 @@ async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
 def prune_age_ns(older_than: float) -> int:
     """``older_than`` seconds in ns; ``ValueError`` for a bad age (before anything
     connects)."""
-    if (
-        isinstance(older_than, bool)
-        or not isinstance(older_than, (int, float))
-        or not math.isfinite(older_than)
-        or not 0 <= older_than <= MAX_PRUNE_AGE
-    ):
-        raise ValueError(
-            f"older_than: must be a number of seconds in 0..{MAX_PRUNE_AGE} (100 years), "
-            f"got {older_than!r}"
-        )
-    return round(older_than * 1e9)
+    return round(check_seconds("older_than", older_than, most=MAX_PRUNE_AGE) * 1e9)
 
 
 def prune_cutoff(older_than: float) -> int:

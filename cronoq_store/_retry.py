@@ -11,13 +11,13 @@ this module only. (A task's own retries, ``domain.RetryPolicy``, are the schedul
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ._config import PgStoreConfig as PgStoreConfig
+from ._domain import check_seconds as check_seconds
 
 __all__ = [
     "COMMIT_BACKOFF",
@@ -56,13 +56,7 @@ class Backoff:
 
     def __post_init__(self) -> None:
         for name in ("initial", "cap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"backoff {name} must be a number of seconds, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(
-                    f"backoff {name} must be a positive number of seconds, got {value!r}"
-                )
+            value = check_seconds(f"backoff {name}", getattr(self, name))
             if value < MIN_PAUSE:
                 raise ValueError(
                     f"backoff {name} must be at least {MIN_PAUSE}s (a shorter pause is a busy "

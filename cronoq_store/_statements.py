@@ -51,6 +51,7 @@ from sqlalchemy.types import TypeEngine
 from ._domain import EPOCH_MAX as EPOCH_MAX
 from ._domain import LIVE_RANKS as LIVE_RANKS
 from ._domain import QUEUED as QUEUED
+from ._domain import RANKS_PER_ATTEMPT as RANKS_PER_ATTEMPT
 from ._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
 from ._domain import TaskStatus as TaskStatus
 from ._rows import (
@@ -277,7 +278,7 @@ def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnEl
     )
     return case(
         (terminal, constant(TERMINAL_LEVEL)),
-        else_=cast(attempt, BigInteger) * constant(4) + rank,
+        else_=cast(attempt, BigInteger) * constant(RANKS_PER_ATTEMPT) + rank,
     )
 
 

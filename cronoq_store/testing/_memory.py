@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ from .._domain import (
 from .._domain import (
     TimeBase as TimeBase,
 )
+from .._domain import check_seconds as check_seconds
 from .._domain import (
     check_task_id as check_task_id,
 )
@@ -290,13 +290,7 @@ class InMemoryStore:
     def __init__(
         self, database: InMemoryDatabase | None = None, *, retention: float = 3600.0
     ) -> None:
-        if (
-            isinstance(retention, bool)
-            or not isinstance(retention, (int, float))
-            or not math.isfinite(retention)
-            or retention <= 0
-        ):
-            raise ValueError(f"retention must be a positive number of seconds, got {retention!r}")
+        check_seconds("retention", retention)
         self._db = InMemoryDatabase() if database is None else database
         self._retention = retention
         self._epoch: int | None = None
