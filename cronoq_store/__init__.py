@@ -8,6 +8,8 @@ standbys take over, recover the state, and fence the deposed leader out.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from ._committer_stats import CommitterStats as CommitterStats
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import (
@@ -187,3 +189,14 @@ __all__ = [
     "epoch_of",
     "task_id",
 ]
+
+
+def _check_mutations_exported() -> None:
+    """Refuse, at import, a mutation type the package does not export: applications build
+    every one of them (a new type added to ``Mutation`` fails here until it is exported)."""
+    missing = sorted(t.__name__ for t in get_args(Mutation) if t.__name__ not in __all__)
+    if missing:
+        raise ImportError(f"cronoq_store: mutation types not exported: {missing}")
+
+
+_check_mutations_exported()

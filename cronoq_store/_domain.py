@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from enum import Enum, IntEnum
-from typing import NewType, TypeAlias
+from typing import NewType, NoReturn, TypeAlias
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 TaskId = NewType("TaskId", int)
@@ -148,17 +148,18 @@ def _check_engine_time(name: str, value: object) -> None:
     _check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
 
 
-def check_seconds(name: str, value: object, *, most: float | None = None) -> float:
-    """``value`` as float seconds, or ``ValueError`` naming ``name``: a finite int or float
-    (never a bool), above 0; with ``most``, in ``0..most`` instead (an age, where 0 means
-    now). The one rule for durations given as numbers (settings, timeouts, ages)."""
+def check_seconds(name: str, value: object, *, most: int | None = None) -> float:
+    """``value`` as float seconds, or a ``ValueError`` whose message begins with ``name``
+    (a caller's own style: ``"older_than:"``, as the look-ups' arguments): a finite int or
+    float (never a bool), above 0; with ``most``, in ``0..most`` instead (an age, where 0
+    means now). The one rule for durations given as numbers (settings, timeouts, ages)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     if most is None:
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     elif not math.isfinite(value) or not 0 <= value <= most:
-        raise ValueError(f"{name} must be a number of seconds in 0..{most:g}, got {value!r}")
+        raise ValueError(f"{name} must be a number of seconds in 0..{most}, got {value!r}")
     return float(value)
 
 
@@ -619,6 +620,20 @@ class RecurringNext:
 
 
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
+"""Every mutation type. Each site that dispatches on it is a ``match`` ending in
+:func:`unhandled`, so ``mypy --strict`` names every site a new type must be handled in."""
+
+
+def unhandled(value: NoReturn, kind: str = "mutation") -> NoReturn:
+    """The last case of every ``match`` on a mutation's (or a schedule's, an action's) type.
+
+    As ``typing.assert_never``: ``mypy --strict`` refuses the call where a type is left
+    unhandled ("Argument 1 to "unhandled" has incompatible type ...; expected "NoReturn""),
+    so adding a type to :data:`Mutation` lists every site it needs. At run time a value of
+    no known type is a ``TypeError`` naming its type (never its contents, which may be
+    a payload), as it was before the dispatch was a ``match``.
+    """
+    raise TypeError(f"not a {kind}: {type(value).__name__}")
 
 
 # Recovery: what a new leader loads. The store builds these from rows it has already

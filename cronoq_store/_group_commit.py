@@ -55,6 +55,7 @@ from ._errors import (
 from ._retry import COMMIT_BACKOFF as COMMIT_BACKOFF
 from ._retry import Backoff as Backoff
 from ._retry import pause as pause
+from ._retry import retry as retry
 from ._sizing import mutation_size as mutation_size
 from ._sizing import output_size as output_size
 from .telemetry import DISABLED, Telemetry
@@ -132,6 +133,11 @@ def _positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _store_error(exc: Exception) -> StoreError | None:
+    """What the committer retries: a store's transient errors; any other error is raised."""
+    return exc if isinstance(exc, StoreError) else None
 
 
 def _fenced_error(what: str, cause: FencedError) -> FencedError:
@@ -570,43 +576,44 @@ class GroupCommitter:
         self._acknowledge_all(subs, now)
 
     async def _commit_with_retry(self, mutations: list[Mutation], outputs: list[Output]) -> None:
-        """One batch until it commits; transient failures are retried until an abort, or
-        until the batch is stuck (``_Stuck``)."""
-        attempt = 0
-        delays = self._backoff.delays()
+        """One batch until it commits; transient failures are retried (:func:`retry`) until
+        an abort (``_Abandoned``), or until the batch is stuck (``_Stuck``)."""
         answered = False  # the database answered a ping since the last failed attempt
-        while True:
-            try:
-                await self._store.commit(self._epoch, self._base, mutations, outputs)
-                return
-            except StoreError as exc:
-                if not exc.is_transient:
-                    raise
-                last = exc
+
+        async def check(last: StoreError, failures: int) -> None:
+            nonlocal answered
             if self._aborting:
                 raise _Abandoned(last)
-            attempt += 1
             ping = self._ping
-            if attempt >= self._stuck_after and ping is not None:
+            if failures >= self._stuck_after and ping is not None:
                 # Answered before and after the attempt that just failed: the batch's fault.
                 answered, before = await self._answers(ping), answered
                 if answered and before:
                     raise _Stuck(last)
+
+        def pausing(last: StoreError, failures: int, delay: float) -> None:
             self._tally.retries += 1
             if self._telemetry.enabled:
                 self._telemetry.retried()
-            delay = next(delays)
             logger.warning(
                 "commit failed transiently; retrying the same batch",
                 extra={
                     "error": str(last),
-                    "attempt": attempt,
+                    "attempt": failures,
                     "delay": delay,
                     "batch_mutations": len(mutations),
                 },
             )
-            if await self._sleep_unless_aborted(delay):
-                raise _Abandoned(last)
+
+        await retry(
+            lambda: self._store.commit(self._epoch, self._base, mutations, outputs),
+            self._backoff,
+            classify=_store_error,
+            check=check,
+            pausing=pausing,
+            wait=self._sleep_unless_aborted,
+            stopped=_Abandoned,
+        )
 
     async def _answers(self, ping: Callable[[], Awaitable[object]]) -> bool:
         """Whether the store's ``ping()`` says the database answers."""

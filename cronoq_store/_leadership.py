@@ -41,6 +41,7 @@ from ._queries import lock_keys as lock_keys
 from ._retry import acquisition_backoff as acquisition_backoff
 from ._retry import bounded as bounded
 from ._retry import pause as pause
+from ._retry import retry as retry
 from ._schema import schema_options as schema_options
 from ._urls import engine_arguments as engine_arguments
 from ._urls import redact as redact
@@ -79,21 +80,13 @@ class _Session:
         The statement is not cancelled (that would send a cancel request over a new
         connection, into the same silence); aborting the socket makes it fail at once.
         """
-        task = asyncio.ensure_future(self.conn.execute(statement, params))
-        try:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
-        finally:
-            if not task.done():
-                self.driver.terminate()
-                await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT)
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait({task})
-                if not task.cancelled():
-                    task.exception()  # the consequence of the abort, not news
-        if not done:
-            raise asyncio.TimeoutError(f"the lock session did not answer within {timeout:g} s")
-        return task.result()
+        return await bounded(
+            self.conn.execute(statement, params),
+            timeout,
+            abort=self.driver.terminate,
+            grace=_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
 
     async def close(self) -> None:
         """Close the session, ending the server's backend and so releasing its lock; bounded.
@@ -259,28 +252,15 @@ class Leadership:
             self._check_open()
             if self._session is not None:
                 await self.release()
-            delays = self._backoff.delays()
-            while True:
-                try:
-                    session, epoch = await self._try_lead()
-                    break
-                except Exception as exc:
-                    error = translate_error(exc, "acquiring leadership")
-                    if not error.is_transient:
-                        raise error from exc
-                    pause = next(delays)
-                    logger.warning(
-                        "cannot acquire leadership for now (transient: see error); retrying",
-                        extra={
-                            "schema": self._schema,
-                            "url": redact(self._url),
-                            "via": self._via,
-                            "error": str(error),
-                            "retry_in": round(pause, 3),
-                        },
-                    )
-                    if await self._closed_within(pause):
-                        raise self._closed_error() from exc
+            session, epoch = await retry(
+                self._try_lead,
+                self._backoff,
+                classify=_acquisition_error,
+                check=_go_on,
+                pausing=self._log_retry,
+                wait=self._closed_within,
+                stopped=lambda _: self._closed_error(),
+            )
             self._epoch = epoch
             self._lost.clear()
             self._session = session
@@ -437,6 +417,18 @@ class Leadership:
         """Whether leadership is marked lost within ``seconds`` (a sleep that wakes early)."""
         return await pause(seconds, self._lost)
 
+    def _log_retry(self, error: StoreError, failures: int, pause: float) -> None:
+        logger.warning(
+            "cannot acquire leadership for now (transient: see error); retrying",
+            extra={
+                "schema": self._schema,
+                "url": redact(self._url),
+                "via": self._via,
+                "error": str(error),
+                "retry_in": round(pause, 3),
+            },
+        )
+
     async def _closed_within(self, seconds: float) -> bool:
         return await pause(seconds, self._closing)
 
@@ -446,6 +438,14 @@ class Leadership:
 
     def _closed_error(self) -> StoreError:
         return StoreError(f"leadership of schema {self._schema!r} is closed")
+
+
+def _acquisition_error(exc: Exception) -> StoreError:
+    return translate_error(exc, "acquiring leadership")
+
+
+async def _go_on(error: StoreError, failures: int) -> None:
+    """Acquisition retries as long as the failures are transient (and it is not closed)."""
 
 
 def _holder_fields(holder: LockHolder) -> dict[str, object]:

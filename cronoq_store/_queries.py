@@ -161,7 +161,7 @@ async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
 def prune_age_ns(older_than: float) -> int:
     """``older_than`` seconds in ns; ``ValueError`` for a bad age (before anything
     connects)."""
-    return round(check_seconds("older_than", older_than, most=MAX_PRUNE_AGE) * 1e9)
+    return round(check_seconds("older_than:", older_than, most=MAX_PRUNE_AGE) * 1e9)
 
 
 def prune_cutoff(older_than: float) -> int:

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from . import _statements as st
 from ._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from ._codec import engine_time as engine_time
+from ._codec import quarantine_reason as quarantine_reason
 from ._domain import (
     Recovered as Recovered,
 )
@@ -53,8 +54,6 @@ logger = logging.getLogger("cronoq_store")
 
 #: Live task rows read and decoded at a time by :func:`recover`.
 RECOVERY_PARTITION = 10_000
-#: Longest reason kept in a quarantined row's message (the message column is stored text).
-_QUARANTINE_REASON_CHARS = 500
 
 
 async def recover(
@@ -117,7 +116,7 @@ async def _recover_tasks(
             try:
                 tasks.append(decode(*row))
             except Exception as exc:  # whatever the row holds; free when nothing raises
-                reason = _reason(exc)
+                reason = quarantine_reason(exc)
                 logger.error(
                     "quarantining undecodable task row",
                     extra={"task_id": row["id"], "error": reason},
@@ -175,7 +174,7 @@ async def _recover_recurring(conn: AsyncConnection, base: TimeBase, recovered: R
             # Left in place, so it can be repaired, but not scheduled.
             logger.error(
                 "skipping undecodable recurring schedule",
-                extra={"schedule": row.name, "error": _reason(exc)},
+                extra={"schedule": row.name, "error": quarantine_reason(exc)},
             )
 
 
@@ -199,15 +198,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _reason(exc: Exception) -> str:
-    """Why a row could not be decoded, as storable text: bounded and cleaned.
-
-    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
-    of this build on an odd value and says what it was.
-    """
-    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    if len(reason) > _QUARANTINE_REASON_CHARS:
-        reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
-    return clean_text(reason)

@@ -72,6 +72,7 @@ from ._rows import (
 from ._rows import (
     RECURRING_COLUMNS as RECURRING_COLUMNS,
 )
+from ._rows import update_param_types as update_param_types
 from ._schema import (
     LEADER_ROW_ID as LEADER_ROW_ID,
 )
@@ -247,18 +248,7 @@ def _unnest(name: str, *columns: tuple[str, TypeEngine[Any]]) -> TableValuedAlia
 
 # --- commit: one update per existing task ---------------------------------------------------
 
-_transition = _unnest(
-    "u",
-    ("ids", BigInteger()),
-    ("statuses", Text()),
-    ("terminals", Boolean()),
-    ("attempts", Integer()),
-    ("updated", BigInteger()),
-    ("levels", BigInteger()),
-    ("messages", Text()),
-    ("message_levels", BigInteger()),
-    ("message_ats", BigInteger()),
-)
+_transition = _unnest("u", *update_param_types())
 
 
 def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnElement[int]:

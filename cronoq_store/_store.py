@@ -15,9 +15,8 @@ import asyncio
 import contextlib
 import logging
 import re
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
@@ -84,7 +83,7 @@ from ._leadership import Leadership as Leadership
 from ._retry import bounded as bounded
 from ._schema import schema_options as schema_options
 from ._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
-from ._sizing import batch_size as batch_size
+from ._sizing import check_batch_size as check_batch_size
 from ._urls import async_url as async_url
 from ._urls import engine_arguments as engine_arguments
 from ._urls import redact as redact
@@ -443,21 +442,14 @@ class PgStore:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
             raise FencedError("leadership was lost: this instance must not write any more")
-        size = batch_size(batch, outputs)
-        if size > self.max_commit_bytes:
-            raise BatchTooLargeError(
-                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
-                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
-                "one commit may send (PostgreSQL refuses a message over 1 GiB); commit "
-                "them in smaller batches"
-            )
+        size = check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         if record is not None:
             record.size, record.path = size, self._commits.writer.path(folded)
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
-                await _within(self._commits.commit(epoch, folded), timeout)
+                await bounded(self._commits.commit(epoch, folded), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
@@ -471,7 +463,7 @@ class PgStore:
         timeout = self._config.commit_timeout
         async with self._translated("pinging the database"):
             try:
-                await _within(self._ping(), timeout)
+                await bounded(self._ping(), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"pinging the database failed: no answer within commit_timeout ({timeout} s)"
@@ -710,18 +702,6 @@ class PgStore:
                 deleted = await queries.prune(self._session, cutoff, progress)
             pruned(deleted)
         return deleted
-
-
-if sys.version_info >= (3, 11):
-
-    async def _within(work: Awaitable[None], seconds: float) -> None:
-        """``work``, cancelled with ``TimeoutError`` after ``seconds``: ``asyncio.wait_for``
-        without the task it creates on 3.11 (a few event-loop turns per commit)."""
-        async with asyncio.timeout(seconds):
-            await work
-
-else:
-    _within = asyncio.wait_for  # pragma: no cover
 
 
 async def _require_utf8(engine: AsyncEngine, where: str) -> None:
