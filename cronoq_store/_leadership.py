@@ -32,16 +32,16 @@ from sqlalchemy.pool import NullPool, Pool
 from . import _statements as st
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import LockHolder as LockHolder
+from ._driver import translate_error as translate_error
 from ._errors import StoreError as StoreError
-from ._errors import translate_error as translate_error
-from ._migrations import ConnectCheck as ConnectCheck
-from ._migrations import TrustCheck as TrustCheck
 from ._queries import holder_of as holder_of
 from ._queries import lock_keys as lock_keys
 from ._retry import acquisition_backoff as acquisition_backoff
 from ._retry import bounded as bounded
 from ._retry import pause as pause
 from ._schema import schema_options as schema_options
+from ._trust import ConnectCheck as ConnectCheck
+from ._trust import TrustCheck as TrustCheck
 from ._urls import engine_arguments as engine_arguments
 from ._urls import redact as redact
 from .telemetry import DISABLED, Telemetry

@@ -785,7 +785,7 @@ def checked_schema(schema: str) -> Select[tuple[str]]:
 #: What an offline (``--sql``) script runs right after ``CREATE SCHEMA IF NOT EXISTS``: stop,
 #: before any DDL, if a role other than the one running it, and not a superuser, owns the
 #: schema named by :func:`checked_schema` (it could have planted code the script would run
-#: as us). Only the owner: the online run's full check (``migrations.refuse_untrusted``)
+#: as us). Only the owner: the online run's full check (``trust.refuse_untrusted``)
 #: needs its answers in Python.
 refuse_foreign_owner = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
     """DO $cronoq$

@@ -6,7 +6,7 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._errors.translate_error`).
+:meth:`PgStore._translated` (:func:`cronoq_store._driver.translate_error`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,6 +31,7 @@ from . import _migrations as migrations
 from . import _queries as queries
 from . import _recovery as recovery
 from . import _statements as st
+from . import _trust as trust
 from ._config import PgStoreConfig as PgStoreConfig
 from ._config import keepalive_settings as keepalive_settings
 from ._domain import (
@@ -61,6 +61,8 @@ from ._domain import (
 from ._domain import (
     check_task_id as check_task_id,
 )
+from ._driver import translate_error as translate_error
+from ._driver import translate_open_error as translate_open_error
 from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
@@ -75,9 +77,6 @@ from ._errors import (
 )
 from ._errors import (
     UnavailableError as UnavailableError,
-)
-from ._errors import (
-    translate_error as translate_error,
 )
 from ._folding import fold as fold
 from ._leadership import Leadership as Leadership
@@ -158,16 +157,16 @@ class PgStore:
             self._leader_lock,
             config,
             pool=lock_pool,
-            trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
+            trust=trust.TrustCheck(config.schema, config.trusted_triggers),
             # The pool's role connects as the store does: trusted by its lock session too.
-            connect=migrations.ConnectCheck(
+            connect=trust.ConnectCheck(
                 config.trusted_roles | ({pool_role} if pool_role is not None else set())
             ),
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.
         lock_role = {lock_url.username} if lock_url.username else set()
-        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
+        self._connect_check = trust.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -289,7 +288,7 @@ class PgStore:
             async with engine.begin() as conn:
                 await conn.execute(st.local_search_path)
                 oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
-                pool_role = (await conn.execute(migrations.TrustCheck.current_user)).scalar_one()
+                pool_role = (await conn.execute(trust.TrustCheck.current_user)).scalar_one()
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -371,11 +370,11 @@ class PgStore:
         """Wait until this instance leads; returns the new fencing epoch.
 
         Once the lock is taken, and before the epoch is bumped, the lock session runs the
-        schema's trust check again (:class:`~cronoq_store._migrations.TrustCheck`): a trigger
+        schema's trust check again (:class:`~cronoq_store._trust.TrustCheck`): a trigger
         or grant added since the store opened makes this raise ``MigrationError``, with the
         lock released and no epoch taken. Before it waits for the lock, it refuses, with
         ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
-        has ``CONNECT`` (:class:`~cronoq_store._migrations.ConnectCheck`; unless
+        has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
         """
@@ -731,30 +730,12 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
         async with engine.connect() as conn:
             encoding = (await conn.execute(st.server_encoding)).scalar_one()
     except Exception as exc:
-        refused = _refused_setting(exc)
-        if refused is not None:
-            raise StoreError(
-                f"the server at {where} refused the store's session settings ({refused}): "
-                "a transaction-pooling PgBouncer does; open the store with "
-                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
-                'server (docs/reliability.md, "PgBouncer")'
-            ) from exc
-        raise translate_error(exc, "reading the database's encoding") from exc
+        raise translate_open_error(exc, where, "reading the database's encoding") from exc
     if encoding != "UTF8":
         raise StoreError(
             f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
             "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
         )
-
-
-def _refused_setting(exc: BaseException) -> str | None:
-    """What the peer said when it refused a startup parameter, as PgBouncer does with
-    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
-    orig = getattr(exc, "orig", exc)
-    found = re.search(r"unsupported startup parameter: \S+", str(orig))
-    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
-        return None
-    return found[0]
 
 
 async def _require_search_path(engine: AsyncEngine, where: str) -> None:

@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store import EPOCH_MAX, PgStore
 from cronoq_store import _statements as st
 from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._driver import translate_error as translate_error
 from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._errors import translate_error as translate_error
 from cronoq_store._leadership import Leadership as Leadership
 from cronoq_store._urls import async_url as async_url
 

@@ -24,18 +24,14 @@ from cronoq_store._domain import (
 from cronoq_store._domain import (
     TimeBase as TimeBase,
 )
+from cronoq_store._driver import CompiledStatement as CompiledStatement
+from cronoq_store._driver import Opening as Opening
 from cronoq_store._folding import fold as fold
 from cronoq_store._writer import (
     COPY_MIN_ROWS as COPY_MIN_ROWS,
 )
 from cronoq_store._writer import (
     BatchWriter as BatchWriter,
-)
-from cronoq_store._writer import (
-    CompiledStatement as CompiledStatement,
-)
-from cronoq_store._writer import (
-    Opening as Opening,
 )
 
 DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]

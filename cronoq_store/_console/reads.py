@@ -24,8 +24,8 @@ from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._domain import I64_MAX as I64_MAX
 from .._domain import TaskId as TaskId
 from .._domain import TaskStatus as TaskStatus
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
 from .._migrations import RevisionStatus as RevisionStatus
 from .._migrations import head_revision as head_revision
 from .._urls import redact as redact
