@@ -53,9 +53,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
+from . import _catalog as catalog
 from . import _downgrade_guard as downgrade_guard
+from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
-from . import _statements as st
+from . import _migration_statements as migration_st
+from . import _session_statements as session_st
 from ._config import trusted_trigger_names as trusted_trigger_names
 from ._config import validate_schema_name as validate_schema_name
 from ._driver import translate_error as translate_error
@@ -319,7 +322,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
     rights). Run it after :func:`refuse_untrusted`; async callers use ``run_sync``."""
     validate_schema_name(schema)
     head = head_revision()
-    exists = conn.execute(st.schema_oid, {"schema": schema}).scalar() is not None
+    exists = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar() is not None
     current: tuple[str, ...] = ()
     if exists:
         context = MigrationContext.configure(
@@ -367,7 +370,7 @@ async def require_head(
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
-        sync_conn.execute(st.local_search_path)
+        sync_conn.execute(session_st.local_search_path)
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 
@@ -505,11 +508,11 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     every object in the schema is not in the script)."""
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
-        context.execute(st.local_search_path)
+        context.execute(session_st.local_search_path)
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
-        context.execute(st.checked_schema(schema))
-        context.execute(st.refuse_foreign_owner)
+        context.execute(migration_st.checked_schema(schema))
+        context.execute(migration_st.refuse_foreign_owner)
         context.run_migrations()
 
 
@@ -523,7 +526,7 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
             poolclass=NullPool,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"search_path": st.SEARCH_PATH},
+                "server_settings": {"search_path": session_st.SEARCH_PATH},
                 **tls,
             },
         )
@@ -592,7 +595,7 @@ def clusters_elsewhere(conn: Connection, schema: str) -> list[str]:
     empty. For a schema nobody named (the ``public`` default) that means the operator most
     likely forgot to name one: ``cronoq-store`` and Alembic's env both refuse it then,
     rather than show, or create, an empty cluster beside the real ones."""
-    found = list(conn.execute(st.cluster_schemas).scalars())
+    found = list(conn.execute(catalog.cluster_schemas).scalars())
     return found if found and schema not in found else []
 
 
@@ -625,7 +628,7 @@ def _command_name(context: EnvironmentContext) -> str:
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
     _configure(context, schema, connection=conn)
     with context.begin_transaction():
-        conn.execute(st.local_search_path)
+        conn.execute(session_st.local_search_path)
         conn.execute(_lock(schema))
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)
@@ -646,7 +649,9 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
             # Autogenerate (`alembic check`) reflects the engine's default schema as "the
             # tables visible on search_path"; it just passed the trust check above.
             quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
+            conn.execute(
+                session_st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"}
+            )
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()
@@ -678,7 +683,7 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
         return
 
     def exists(name: str) -> bool:
-        found = conn.execute(st.relation_exists, {"schema": schema, "name": name})
+        found = conn.execute(catalog.relation_exists, {"schema": schema, "name": name})
         return bool(found.scalar_one())
 
     if not exists(LEGACY_VERSION_TABLE):

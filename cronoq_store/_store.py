@@ -27,9 +27,11 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import Pool, PoolProxiedConnection
 
+from . import _lock_statements as lock_st
 from . import _migrations as migrations
 from . import _queries as queries
 from . import _recovery as recovery
+from . import _session_statements as session_st
 from . import _statements as st
 from . import _trust as trust
 from ._config import PgStoreConfig as PgStoreConfig
@@ -139,7 +141,7 @@ class PgStore:
             engine,
             config.schema,
             borrowed=(
-                st.borrowed_transaction(_idle_in_transaction_ms(config))
+                session_st.borrowed_transaction(_idle_in_transaction_ms(config))
                 if self._borrows_sessions
                 else None
             ),
@@ -150,7 +152,7 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
+        self._leader_lock = (lock_st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
             lock_url,
             config.schema,
@@ -286,8 +288,8 @@ class PgStore:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
         try:
             async with engine.begin() as conn:
-                await conn.execute(st.local_search_path)
-                oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
+                await conn.execute(session_st.local_search_path)
+                oid = (await conn.execute(lock_st.schema_oid, {"schema": config.schema})).scalar()
                 pool_role = (await conn.execute(trust.TrustCheck.current_user)).scalar_one()
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
@@ -744,18 +746,18 @@ async def _require_search_path(engine: AsyncEngine, where: str) -> None:
     it per session, and a schema another role can write on it could capture an operator."""
     try:
         async with engine.connect() as conn:
-            path = (await conn.execute(st.session_search_path)).scalar_one()
+            path = (await conn.execute(session_st.session_search_path)).scalar_one()
     except Exception as exc:
         raise translate_error(exc, "reading the pooled sessions' search_path") from exc
     if [part.strip() for part in path.split(",")] != [
-        part.strip() for part in st.SEARCH_PATH.split(",")
+        part.strip() for part in session_st.SEARCH_PATH.split(",")
     ]:
         raise StoreError(
             f"the pooled sessions at {where} run with search_path {path!r}, not "
-            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
             "per session; set it for the store's PgBouncer database entry (connect_query = "
-            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
-            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
         )
 
 
@@ -775,7 +777,7 @@ def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
         "server_settings": {
             "application_name": config.application_name,
             # No schema another role can write is ever on the path (CVE-2018-1058).
-            "search_path": st.SEARCH_PATH,
+            "search_path": session_st.SEARCH_PATH,
             # A leader frozen or cut off between two statements of a commit holds the
             # leader row lock; the server ends such a session, so a takeover waits at most
             # this long for it (the keeper has stepped down by then).

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .. import _statements as st
+from .. import _session_statements as session_st
 from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
 from .._migrations import (
@@ -60,7 +60,7 @@ def engine(url: str) -> AsyncEngine:
                 "server_settings": {
                     "application_name": "cronoq-store cli",
                     # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
+                    "search_path": session_st.SEARCH_PATH,
                 },
                 **tls,
             },
