@@ -29,7 +29,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 TaskId = NewType("TaskId", int)
 
+#: The first fencing epoch a leader takes (epoch 0 means no one has led yet).
 EPOCH_MIN = 1
+#: The last fencing epoch: the next after it is :data:`EPOCH_MIN` again (ids carry 15 bits).
 EPOCH_MAX = 32767
 ID_COUNTER_BITS = 48
 
@@ -464,6 +466,7 @@ class IntervalSchedule:
             raise _invalid("every", "a positive timedelta", self.every)
 
 
+#: When a recurring schedule fires: a cron expression or a fixed interval.
 Schedule: TypeAlias = CronSchedule | IntervalSchedule
 
 
@@ -601,6 +604,7 @@ class RecurringNext:
             check_task_id("last", self.last)
 
 
+#: One state change a batch commits.
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
 
 
