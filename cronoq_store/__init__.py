@@ -136,13 +136,21 @@ from ._errors import (
     UnavailableError as UnavailableError,
 )
 from ._group_commit import GroupCommitter as GroupCommitter
+from ._migrations import downgrade as downgrade
+from ._migrations import run_command as run_command
+from ._migrations import upgrade as upgrade
 from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
+from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
+from ._urls import UnsupportedParameterError as UnsupportedParameterError
+from ._urls import engine_arguments as engine_arguments
+from ._urls import scrub as scrub
 
 __all__ = [
     "EPOCH_MAX",
     "EPOCH_MIN",
+    "Backoff",
     "BatchTooLargeError",
     "CommitterClosedError",
     "CommitterStats",
@@ -186,8 +194,14 @@ __all__ = [
     "TaskStatus",
     "TimeBase",
     "UnavailableError",
+    "UnsupportedParameterError",
+    "downgrade",
+    "engine_arguments",
     "epoch_of",
+    "run_command",
+    "scrub",
     "task_id",
+    "upgrade",
 ]
 
 

@@ -29,7 +29,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 TaskId = NewType("TaskId", int)
 
+#: The first fencing epoch a leader takes (epoch 0 means no one has led yet).
 EPOCH_MIN = 1
+#: The last fencing epoch: the next after it is :data:`EPOCH_MIN` again (ids carry 15 bits).
 EPOCH_MAX = 32767
 ID_COUNTER_BITS = 48
 
@@ -482,6 +484,7 @@ class IntervalSchedule:
             raise _invalid("every", "a positive timedelta", self.every)
 
 
+#: When a recurring schedule fires: a cron expression or a fixed interval.
 Schedule: TypeAlias = CronSchedule | IntervalSchedule
 
 
@@ -619,6 +622,7 @@ class RecurringNext:
             check_task_id("last", self.last)
 
 
+#: One state change a batch commits.
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
 """Every mutation type. Each site that dispatches on it is a ``match`` ending in
 :func:`unhandled`, so ``mypy --strict`` names every site a new type must be handled in."""

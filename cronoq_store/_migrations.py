@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from alembic import command, op
 from alembic.config import Config
@@ -43,31 +43,31 @@ from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
     Engine,
-    Executable,
     MetaData,
-    Text,
-    bindparam,
     column,
     func,
     select,
     table,
-    text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
+from . import _catalog as catalog
 from . import _downgrade_guard as downgrade_guard
+from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
-from . import _statements as st
+from . import _migration_statements as migration_st
+from . import _session_statements as session_st
 from ._config import trusted_trigger_names as trusted_trigger_names
 from ._config import validate_schema_name as validate_schema_name
+from ._driver import translate_error as translate_error
 from ._errors import MigrationError as MigrationError
-from ._errors import translate_error as translate_error
+from ._schema import LEGACY_VERSION_TABLE as LEGACY_VERSION_TABLE
 from ._schema import VERSION_TABLE as VERSION_TABLE
 from ._schema import metadata as metadata
 from ._terminal_safe import visible as visible
+from ._trust import refuse_untrusted as refuse_untrusted
 from ._urls import (
     URL_ENV as URL_ENV,
 )
@@ -85,9 +85,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
-    "ConnectCheck",
     "RevisionStatus",
-    "TrustCheck",
     "alembic_config",
     "alembic_ini",
     "cluster_schema",
@@ -95,7 +93,6 @@ __all__ = [
     "downgrade",
     "downgrade_steps",
     "head_revision",
-    "refuse_untrusted",
     "require_head",
     "revision_status",
     "run_command",
@@ -113,9 +110,7 @@ LEGACY_REVISIONS = {
     4: "0004_task_labels",
     5: "0005_task_tenant",
 }
-_LEGACY_TABLE = "cronoq_schema_version"
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
-_OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 _TRUSTED_TRIGGERS = "trusted_triggers"
 #: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
@@ -327,7 +322,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
     rights). Run it after :func:`refuse_untrusted`; async callers use ``run_sync``."""
     validate_schema_name(schema)
     head = head_revision()
-    exists = conn.execute(st.schema_oid, {"schema": schema}).scalar() is not None
+    exists = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar() is not None
     current: tuple[str, ...] = ()
     if exists:
         context = MigrationContext.configure(
@@ -375,7 +370,7 @@ async def require_head(
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
-        sync_conn.execute(st.local_search_path)
+        sync_conn.execute(session_st.local_search_path)
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 
@@ -396,225 +391,6 @@ def cluster_schema() -> str:
     schema = op.get_context().version_table_schema
     assert schema is not None, "env.py always sets version_table_schema"
     return validate_schema_name(schema)
-
-
-# Who may own the schema or anything in it, or create in it: a role that can already act with
-# our privileges (pg_has_role(..., 'USAGE') is true for ourselves, for superusers and for
-# roles that inherit ours), so code it plants gains it nothing. Not a role we are merely a
-# member of: its other members could plant code that would then run with our privileges.
-# pg_database_owner (owner of `public` since PG 15) stands for the database's owner.
-_UNTRUSTED = text(
-    """
-WITH ns AS (
-    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE nspname = :schema
-), ours AS (
-    SELECT c.oid, c.relowner, c.relacl FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-    WHERE c.relname::text = ANY (:tables)
-), found (what, how, role) AS (
-    SELECT 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
-    UNION ALL SELECT CASE c.relkind WHEN 'v' THEN 'view ' WHEN 'm' THEN 'materialized view '
-            WHEN 'S' THEN 'sequence ' WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
-            ELSE 'table ' END || c.oid::regclass::text, 'owned by', c.relowner
-        FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-        WHERE c.relkind NOT IN ('i', 'I')  -- an index belongs to its table's owner
-    UNION ALL SELECT CASE p.prokind WHEN 'p' THEN 'procedure ' WHEN 'a' THEN 'aggregate '
-            ELSE 'function ' END || p.oid::regprocedure::text, 'owned by', p.proowner
-        FROM pg_proc p JOIN ns ON p.pronamespace = ns.oid
-    UNION ALL SELECT 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
-        FROM pg_operator o JOIN ns ON o.oprnamespace = ns.oid
-    UNION ALL SELECT 'type ' || t.oid::regtype::text, 'owned by', t.typowner
-        FROM pg_type t JOIN ns ON t.typnamespace = ns.oid
-        WHERE t.typrelid = 0 AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
-    UNION ALL SELECT 'collation ' || c.oid::regcollation::text, 'owned by', c.collowner
-        FROM pg_collation c JOIN ns ON c.collnamespace = ns.oid
-    UNION ALL SELECT 'conversion ' || quote_ident(c.conname), 'owned by', c.conowner
-        FROM pg_conversion c JOIN ns ON c.connamespace = ns.oid
-    UNION ALL SELECT 'operator class ' || quote_ident(c.opcname), 'owned by', c.opcowner
-        FROM pg_opclass c JOIN ns ON c.opcnamespace = ns.oid
-    UNION ALL SELECT 'operator family ' || quote_ident(f.opfname), 'owned by', f.opfowner
-        FROM pg_opfamily f JOIN ns ON f.opfnamespace = ns.oid
-    UNION ALL SELECT 'text search configuration ' || c.oid::regconfig::text, 'owned by',
-            c.cfgowner
-        FROM pg_ts_config c JOIN ns ON c.cfgnamespace = ns.oid
-    UNION ALL SELECT 'text search dictionary ' || d.oid::regdictionary::text, 'owned by',
-            d.dictowner
-        FROM pg_ts_dict d JOIN ns ON d.dictnamespace = ns.oid
-    UNION ALL SELECT 'statistics ' || quote_ident(x.stxname), 'owned by', x.stxowner
-        FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
-    UNION ALL SELECT 'CREATE on schema ' || quote_ident(nspname), 'granted to', a.grantee
-        FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
-    -- TRIGGER could plant code; REFERENCES a foreign key, whose internal triggers run the
-    -- referencing table's cascades inside our deletes.
-    UNION ALL SELECT a.privilege_type || ' on ' || ours.oid::regclass::text, 'granted to',
-            a.grantee
-        FROM ours, aclexplode(ours.relacl) a
-        WHERE a.privilege_type IN ('TRIGGER', 'REFERENCES')
-    -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
-    -- operators by the function that implements them too.
-    UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
-            || ours.oid::regclass::text || ' runs ' || CASE WHEN p.oid IS NOT NULL
-                THEN 'function ' || p.oid::regprocedure::text
-                ELSE 'operator ' || o.oid::regoperator::text END,
-            'owned by', COALESCE(p.proowner, o.oprowner)
-        FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
-        JOIN pg_depend d ON d.classid = 'pg_trigger'::regclass AND d.objid = tg.oid
-        LEFT JOIN pg_operator o ON d.refclassid = 'pg_operator'::regclass
-            AND o.oid = d.refobjid
-        LEFT JOIN pg_proc p ON (d.refclassid = 'pg_proc'::regclass AND p.oid = d.refobjid)
-            OR p.oid = o.oprcode
-        WHERE NOT tg.tgisinternal AND (p.oid IS NOT NULL OR o.oid IS NOT NULL)
-), db AS (
-    SELECT d.datdba, 'pg_database_owner'::regrole::oid AS stand_in
-    FROM pg_database d WHERE d.datname = current_database()
-)
-SELECT what || ' ' || how || ' ' ||
-    CASE WHEN role = 0 THEN 'PUBLIC' ELSE role::regrole::text END
-FROM found, db
-WHERE role = 0 OR NOT pg_has_role(
-    CASE WHEN role = db.stand_in THEN db.datdba ELSE role END, current_user, 'USAGE')
-UNION ALL
-SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
-FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
--- A foreign key from elsewhere, whoever owns it: its internal triggers run the other table's
--- actions (and that table's triggers) inside prune's deletes, or make every prune fail.
-UNION ALL
-SELECT 'foreign key ' || quote_ident(k.conname) || ' of ' || k.conrelid::regclass::text
-    || ' references ' || ours.oid::regclass::text
-FROM pg_constraint k JOIN ours ON k.confrelid = ours.oid
-WHERE k.contype = 'f' AND k.conrelid NOT IN (SELECT oid FROM ours)
--- Our migrations create no trigger: each must be one the operator named, and even then
--- without a WHEN clause (it can call anything, through a cast to a domain, say).
-UNION ALL
-SELECT 'trigger ' || quote_ident(tg.tgname) || ' on ' || ours.oid::regclass::text
-    || CASE WHEN tg.tgname::text = ANY (:triggers) THEN ' has a WHEN clause'
-        ELSE ' was not created by cronoq-store and is not one of the trusted_triggers' END
-FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
-WHERE NOT tg.tgisinternal
-    AND (tg.tgqual IS NOT NULL OR NOT tg.tgname::text = ANY (:triggers))
-ORDER BY 1
-"""
-).bindparams(bindparam("tables", type_=ARRAY(Text)), bindparam("triggers", type_=ARRAY(Text)))
-
-
-@dataclass(frozen=True, slots=True)
-class TrustCheck:
-    """The trust check of one schema, as a statement any session can run and a verdict.
-
-    :func:`refuse_untrusted` runs it on a migration's or a command's connection; the leader
-    lock session runs it after taking the lock, before the epoch bump that would fire a
-    trigger on the leader row (:class:`~cronoq_store._leadership.Leadership`). Needs
-    ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-
-    schema: str
-    #: Triggers the operator allows on our tables (``PgStoreConfig.trusted_triggers``).
-    trusted_triggers: frozenset[str] = frozenset()
-
-    statement: ClassVar[Executable] = _UNTRUSTED
-    #: Who the check ran as, for the refusal.
-    current_user: ClassVar[Executable] = select(func.current_user())
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "tables": _OUR_TABLES,
-            "triggers": sorted(self.trusted_triggers),
-        }
-
-    def refusal(self, found: Sequence[str], me: str) -> MigrationError:
-        """The error naming everything ``found`` (as ``me``, the role the check ran as)."""
-        return MigrationError(
-            f"schema {self.schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
-            f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
-            "inherit its privileges) may own the schema or anything in it, create in it or "
-            "hold TRIGGER or REFERENCES on its tables or write the code their triggers run; "
-            "nothing may add rules to them or reference them by foreign key, and a trigger "
-            "on them must be named in trusted_triggers and have no WHEN clause"
-        )
-
-
-# Who can connect to the database: PUBLIC, and each login role that has CONNECT (directly,
-# through PUBLIC or through a role it inherits from) and is neither one that can act as us
-# (the test of _UNTRUSTED: pg_has_role(..., current_user, 'USAGE')) nor named by the
-# operator. pg_roles and has_database_privilege answer about any role.
-_UNTRUSTED_CONNECT = text(
-    """
-SELECT 'PUBLIC' WHERE has_database_privilege('public', current_database(), 'CONNECT')
-UNION ALL (
-    SELECT quote_ident(r.rolname) FROM pg_roles r
-    WHERE r.rolcanlogin AND has_database_privilege(r.oid, current_database(), 'CONNECT')
-        AND NOT pg_has_role(r.oid, current_user, 'USAGE')
-        AND NOT r.rolname::text = ANY (:roles)
-    ORDER BY 1
-)
-"""
-).bindparams(bindparam("roles", type_=ARRAY(Text)))
-
-#: How many untrusted roles a refusal names before it counts the rest.
-_NAMED_ROLES = 10
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectCheck:
-    """Who besides trusted roles may connect to the store's database: any such role can
-    take the leader lock (``pg_locks`` shows every key to everyone) and stop every instance
-    from leading. The lock session runs it before it polls for the lock
-    (:class:`~cronoq_store._leadership.Leadership`). Trusted are the lock session's role,
-    superusers, roles that can act as it, and ``trusted_roles`` (by exact name). Needs
-    ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-
-    #: Roles the operator lets connect (``PgStoreConfig.trusted_roles``), and the store's
-    #: pool role.
-    trusted_roles: frozenset[str] = frozenset()
-
-    statement: ClassVar[Executable] = _UNTRUSTED_CONNECT
-    database: ClassVar[Executable] = select(func.current_database())
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {"roles": sorted(self.trusted_roles)}
-
-    def refusal(self, found: Sequence[str], database: str, me: str) -> MigrationError:
-        """The error naming who may connect to ``database`` (as ``me`` saw it), and the fix."""
-        named = ", ".join(found[:_NAMED_ROLES])
-        if len(found) > _NAMED_ROLES:
-            named += f" and {len(found) - _NAMED_ROLES} more"
-        quoted = '"' + database.replace('"', '""') + '"'
-        return MigrationError(
-            f"database {database!r} lets roles the store does not trust connect, refusing to "
-            f"lead: CONNECT is granted to {named}. Any role that can connect can take the "
-            "leader lock and stop every instance from leading. Run `REVOKE CONNECT ON "
-            f"DATABASE {quoted} FROM PUBLIC`, grant CONNECT only to the store's roles and "
-            f"those you trust, and name the latter in trusted_roles (trusted already: {me!r}, "
-            f"superusers and roles that can act as {me!r}); or set "
-            "allow_untrusted_connect=True to lead anyway (docs/reliability.md, "
-            '"Who holds the lock")'
-        )
-
-
-def refuse_untrusted(
-    conn: Connection, schema: str, trusted_triggers: frozenset[str] = frozenset()
-) -> None:
-    """Raise :class:`~cronoq_store.MigrationError` naming every object of ``schema`` that a
-    role we cannot trust controls; run before the first statement that touches the schema,
-    and again after migrating (in the same transaction: tables the migration just created
-    may carry default privileges).
-
-    Refused: the schema, or any object in it, owned by such a role; such a role (or
-    ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` or ``REFERENCES`` on our tables
-    (it could plant code after this check); any rule on our tables, and any foreign key from
-    another table to them; any trigger on our tables (our
-    migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
-    clause and runs a function of a trusted role. Trusted are the connecting role,
-    superusers and roles that can already act with the connecting role's privileges.
-    Needs ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-    check = TrustCheck(schema, trusted_triggers)
-    found = conn.execute(check.statement, check.params).scalars().all()
-    if found:
-        raise check.refusal(found, conn.execute(check.current_user).scalar_one())
 
 
 # --- the environment, run by alembic/env.py -------------------------------------------------
@@ -732,11 +508,11 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     every object in the schema is not in the script)."""
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
-        context.execute(st.local_search_path)
+        context.execute(session_st.local_search_path)
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
-        context.execute(st.checked_schema(schema))
-        context.execute(st.refuse_foreign_owner)
+        context.execute(migration_st.checked_schema(schema))
+        context.execute(migration_st.refuse_foreign_owner)
         context.run_migrations()
 
 
@@ -750,7 +526,7 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
             poolclass=NullPool,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"search_path": st.SEARCH_PATH},
+                "server_settings": {"search_path": session_st.SEARCH_PATH},
                 **tls,
             },
         )
@@ -819,7 +595,7 @@ def clusters_elsewhere(conn: Connection, schema: str) -> list[str]:
     empty. For a schema nobody named (the ``public`` default) that means the operator most
     likely forgot to name one: ``cronoq-store`` and Alembic's env both refuse it then,
     rather than show, or create, an empty cluster beside the real ones."""
-    found = list(conn.execute(st.cluster_schemas).scalars())
+    found = list(conn.execute(catalog.cluster_schemas).scalars())
     return found if found and schema not in found else []
 
 
@@ -852,7 +628,7 @@ def _command_name(context: EnvironmentContext) -> str:
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
     _configure(context, schema, connection=conn)
     with context.begin_transaction():
-        conn.execute(st.local_search_path)
+        conn.execute(session_st.local_search_path)
         conn.execute(_lock(schema))
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)
@@ -873,7 +649,9 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
             # Autogenerate (`alembic check`) reflects the engine's default schema as "the
             # tables visible on search_path"; it just passed the trust check above.
             quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
+            conn.execute(
+                session_st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"}
+            )
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()
@@ -905,10 +683,10 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
         return
 
     def exists(name: str) -> bool:
-        found = conn.execute(st.relation_exists, {"schema": schema, "name": name})
+        found = conn.execute(catalog.relation_exists, {"schema": schema, "name": name})
         return bool(found.scalar_one())
 
-    if not exists(_LEGACY_TABLE):
+    if not exists(LEGACY_VERSION_TABLE):
         if exists("cronoq_tasks"):
             raise MigrationError(
                 "the schema holds cronoq tables but no version table: it was not created by "
@@ -916,14 +694,14 @@ def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) ->
                 "match with `alembic stamp`"
             )
         return
-    legacy = table(_LEGACY_TABLE, column("id"), column("version"), schema=schema)
+    legacy = table(LEGACY_VERSION_TABLE, column("id"), column("version"), schema=schema)
     version = conn.execute(select(legacy.c.version).where(legacy.c.id == 1)).scalar_one_or_none()
     if version is None or version == 0:
         return  # the legacy run never committed a migration: nothing to adopt
     revision = LEGACY_REVISIONS.get(version)
     if revision is None:
         raise MigrationError(
-            f"{_LEGACY_TABLE} records version {version}, newer than this build knows "
+            f"{LEGACY_VERSION_TABLE} records version {version}, newer than this build knows "
             f"(1..{max(LEGACY_REVISIONS)})"
         )
     assert context.script is not None

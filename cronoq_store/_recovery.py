@@ -44,9 +44,9 @@ from ._domain import (
 from ._domain import (
     reading_stored as reading_stored,
 )
+from ._driver import CompiledStatement as CompiledStatement
 from ._rows import LiveTasks as LiveTasks
 from ._rows import recurring_schedule as recurring_schedule
-from ._writer import CompiledStatement as CompiledStatement
 
 __all__ = ["RECOVERY_PARTITION", "collector_paused", "next_id", "recover"]
 
@@ -110,7 +110,7 @@ async def _recover_tasks(
     # 100,000 tasks).
     live = CompiledStatement.of(st.live_tasks, conn.dialect, schema)
     driver: Any = (await conn.get_raw_connection()).driver_connection
-    cursor = await driver.cursor(live.sql, *live.args({}))
+    cursor = await live.cursor(driver, {})
     while rows := await cursor.fetch(RECOVERY_PARTITION):
         for row in rows:
             try:

@@ -34,6 +34,7 @@ from ._config import validate_schema_name as validate_schema_name
 
 __all__ = [
     "LEADER_ROW_ID",
+    "LEGACY_VERSION_TABLE",
     "VERSION_TABLE",
     "leader",
     "metadata",
@@ -44,6 +45,9 @@ __all__ = [
 
 #: Alembic's version table, per schema, named so it never collides with an application's own.
 VERSION_TABLE = "cronoq_alembic_version"
+#: The version table of builds before Alembic (versions 1 to 5), adopted and then dropped
+#: by revision 0006.
+LEGACY_VERSION_TABLE = "cronoq_schema_version"
 #: ``cronoq_leader`` holds exactly one row, with this id.
 LEADER_ROW_ID = 1
 

@@ -6,7 +6,7 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._errors.translate_error`).
+:meth:`PgStore._translated` (:func:`cronoq_store._driver.translate_error`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -27,10 +26,13 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import Pool, PoolProxiedConnection
 
+from . import _lock_statements as lock_st
 from . import _migrations as migrations
 from . import _queries as queries
 from . import _recovery as recovery
+from . import _session_statements as session_st
 from . import _statements as st
+from . import _trust as trust
 from ._config import PgStoreConfig as PgStoreConfig
 from ._config import keepalive_settings as keepalive_settings
 from ._domain import (
@@ -60,6 +62,8 @@ from ._domain import (
 from ._domain import (
     check_task_id as check_task_id,
 )
+from ._driver import translate_error as translate_error
+from ._driver import translate_open_error as translate_open_error
 from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
@@ -74,9 +78,6 @@ from ._errors import (
 )
 from ._errors import (
     UnavailableError as UnavailableError,
-)
-from ._errors import (
-    translate_error as translate_error,
 )
 from ._folding import fold as fold
 from ._leadership import Leadership as Leadership
@@ -139,7 +140,7 @@ class PgStore:
             engine,
             config.schema,
             borrowed=(
-                st.borrowed_transaction(_idle_in_transaction_ms(config))
+                session_st.borrowed_transaction(_idle_in_transaction_ms(config))
                 if self._borrows_sessions
                 else None
             ),
@@ -150,23 +151,23 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
+        self._leader_lock = (lock_st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
             lock_url,
             config.schema,
             self._leader_lock,
             config,
             pool=lock_pool,
-            trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
+            trust=trust.TrustCheck(config.schema, config.trusted_triggers),
             # The pool's role connects as the store does: trusted by its lock session too.
-            connect=migrations.ConnectCheck(
+            connect=trust.ConnectCheck(
                 config.trusted_roles | ({pool_role} if pool_role is not None else set())
             ),
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.
         lock_role = {lock_url.username} if lock_url.username else set()
-        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
+        self._connect_check = trust.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -286,9 +287,9 @@ class PgStore:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
         try:
             async with engine.begin() as conn:
-                await conn.execute(st.local_search_path)
-                oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
-                pool_role = (await conn.execute(migrations.TrustCheck.current_user)).scalar_one()
+                await conn.execute(session_st.local_search_path)
+                oid = (await conn.execute(lock_st.schema_oid, {"schema": config.schema})).scalar()
+                pool_role = (await conn.execute(trust.TrustCheck.current_user)).scalar_one()
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -370,11 +371,11 @@ class PgStore:
         """Wait until this instance leads; returns the new fencing epoch.
 
         Once the lock is taken, and before the epoch is bumped, the lock session runs the
-        schema's trust check again (:class:`~cronoq_store._migrations.TrustCheck`): a trigger
+        schema's trust check again (:class:`~cronoq_store._trust.TrustCheck`): a trigger
         or grant added since the store opened makes this raise ``MigrationError``, with the
         lock released and no epoch taken. Before it waits for the lock, it refuses, with
         ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
-        has ``CONNECT`` (:class:`~cronoq_store._migrations.ConnectCheck`; unless
+        has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
         """
@@ -711,30 +712,12 @@ async def _require_utf8(engine: AsyncEngine, where: str) -> None:
         async with engine.connect() as conn:
             encoding = (await conn.execute(st.server_encoding)).scalar_one()
     except Exception as exc:
-        refused = _refused_setting(exc)
-        if refused is not None:
-            raise StoreError(
-                f"the server at {where} refused the store's session settings ({refused}): "
-                "a transaction-pooling PgBouncer does; open the store with "
-                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
-                'server (docs/reliability.md, "PgBouncer")'
-            ) from exc
-        raise translate_error(exc, "reading the database's encoding") from exc
+        raise translate_open_error(exc, where, "reading the database's encoding") from exc
     if encoding != "UTF8":
         raise StoreError(
             f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
             "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
         )
-
-
-def _refused_setting(exc: BaseException) -> str | None:
-    """What the peer said when it refused a startup parameter, as PgBouncer does with
-    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
-    orig = getattr(exc, "orig", exc)
-    found = re.search(r"unsupported startup parameter: \S+", str(orig))
-    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
-        return None
-    return found[0]
 
 
 async def _require_search_path(engine: AsyncEngine, where: str) -> None:
@@ -743,18 +726,18 @@ async def _require_search_path(engine: AsyncEngine, where: str) -> None:
     it per session, and a schema another role can write on it could capture an operator."""
     try:
         async with engine.connect() as conn:
-            path = (await conn.execute(st.session_search_path)).scalar_one()
+            path = (await conn.execute(session_st.session_search_path)).scalar_one()
     except Exception as exc:
         raise translate_error(exc, "reading the pooled sessions' search_path") from exc
     if [part.strip() for part in path.split(",")] != [
-        part.strip() for part in st.SEARCH_PATH.split(",")
+        part.strip() for part in session_st.SEARCH_PATH.split(",")
     ]:
         raise StoreError(
             f"the pooled sessions at {where} run with search_path {path!r}, not "
-            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
             "per session; set it for the store's PgBouncer database entry (connect_query = "
-            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
-            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
         )
 
 
@@ -774,7 +757,7 @@ def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
         "server_settings": {
             "application_name": config.application_name,
             # No schema another role can write is ever on the path (CVE-2018-1058).
-            "search_path": st.SEARCH_PATH,
+            "search_path": session_st.SEARCH_PATH,
             # A leader frozen or cut off between two statements of a commit holds the
             # leader row lock; the server ends such a session, so a takeover waits at most
             # this long for it (the keeper has stepped down by then).

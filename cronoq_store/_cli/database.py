@@ -15,9 +15,9 @@ from contextlib import asynccontextmanager
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .. import _statements as st
+from .. import _session_statements as session_st
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
 from .._migrations import (
     CONNECT_TIMEOUT as CONNECT_TIMEOUT,
 )
@@ -28,12 +28,10 @@ from .._migrations import (
     clusters_elsewhere as clusters_elsewhere,
 )
 from .._migrations import (
-    refuse_untrusted as refuse_untrusted,
-)
-from .._migrations import (
     revision_status as revision_status,
 )
 from .._schema import schema_options as schema_options
+from .._trust import refuse_untrusted as refuse_untrusted
 from .._urls import engine_arguments as engine_arguments
 from .._urls import redact as redact
 from .app import SCHEMA_ENV, Options
@@ -62,7 +60,7 @@ def engine(url: str) -> AsyncEngine:
                 "server_settings": {
                     "application_name": "cronoq-store cli",
                     # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
+                    "search_path": session_st.SEARCH_PATH,
                 },
                 **tls,
             },
@@ -77,7 +75,7 @@ def engine(url: str) -> AsyncEngine:
 @asynccontextmanager
 async def database(options: Options) -> AsyncIterator[AsyncConnection]:
     """One connection with the cluster's schema applied, after the trust check
-    (``migrations.refuse_untrusted``); failing to open it is exit code 3."""
+    (``trust.refuse_untrusted``); failing to open it is exit code 3."""
     url = options.database_url()
     made = engine(url)
     try:

@@ -14,8 +14,9 @@ import click
 from rich.console import Console
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._domain import LockHolder as LockHolder
 from .._queries import ClusterFacts as ClusterFacts
 from . import database, output
@@ -47,8 +48,8 @@ def handover(options: Options, yes: bool, timeout: float) -> None:
 async def _handover(options: Options, yes: bool, timeout: float, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-        lock = (st.LOCK_NS_LEADER, oid)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": options.schema})).scalar_one()
+        lock = (lock_st.LOCK_NS_LEADER, oid)
         before = await _facts(conn, lock)
         holder = before.holder
         if holder is None:
@@ -72,7 +73,7 @@ async def _handover(options: Options, yes: bool, timeout: float, console: Consol
         current = (await _facts(conn, lock)).holder
         if current is None or current.pid != holder.pid:
             raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
-        ended = (await conn.execute(st.terminate_backend, {"pid": holder.pid})).scalar()
+        ended = (await conn.execute(catalog.terminate_backend, {"pid": holder.pid})).scalar()
         await conn.rollback()
         if not ended:
             raise CliError(f"session pid {holder.pid} could not be ended", ExitCode.FAILED)

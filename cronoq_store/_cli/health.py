@@ -8,8 +8,9 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._domain import LockHolder as LockHolder
 from .._migrations import RevisionStatus as RevisionStatus
 from .._queries import ClusterFacts as ClusterFacts
@@ -36,11 +37,11 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     facts: ClusterFacts | None = None
     holder: LockHolder | None = None
     async with database.database(options) as conn:
-        public = bool((await conn.execute(st.public_may_connect)).scalar())
+        public = bool((await conn.execute(catalog.public_may_connect)).scalar())
         revision = await database.revision(conn, options.schema)
         if revision.exists:
-            oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-            lock = (st.LOCK_NS_LEADER, oid)
+            oid = (await conn.execute(lock_st.schema_oid, {"schema": options.schema})).scalar_one()
+            lock = (lock_st.LOCK_NS_LEADER, oid)
             if revision.current:
                 # Migrated at some revision: the leader row and the lock are there to read.
                 facts = await queries.cluster_facts(conn, lock)

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _catalog as catalog
 from .. import _queries as queries
-from .. import _statements as st
 from .._domain import I64_MAX as I64_MAX
 from . import database, output
 from .app import Options
@@ -69,9 +69,11 @@ async def _prune(options: Options, older_than: int, dry_run: bool, console: Cons
         await database.require_head(conn, options.schema)
         # The server's clock, as PgStore.prune counts: the one every machine agrees on.
         cutoff_ns = await queries.server_prune_cutoff(conn, older_than)
-        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
+        old = (
+            await conn.execute(catalog.finished_before_count, {"cutoff": cutoff_ns})
+        ).scalar_one()
         victims = (
-            await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
+            await conn.execute(catalog.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
         ).scalar_one()
         await conn.rollback()
         protected = max(0, old - victims)

@@ -25,8 +25,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._cli import database as database
 from .._cli.app import Options as Options
 from .._cli.exits import CliError as CliError
@@ -100,8 +101,8 @@ async def handover_facts(url: str, schema: str, trusted: frozenset[str]) -> dict
 
 
 async def _lock(conn: Any, schema: str) -> tuple[int, int]:
-    oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-    return (st.LOCK_NS_LEADER, oid)
+    oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
+    return (lock_st.LOCK_NS_LEADER, oid)
 
 
 async def handover(
@@ -116,7 +117,7 @@ async def handover(
         if holder is None or holder.pid != pid:
             raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
         log.warning("handover of %s asked by %s: ending session pid %d", schema, who, pid)
-        ended = (await conn.execute(st.terminate_backend, {"pid": pid})).scalar()
+        ended = (await conn.execute(catalog.terminate_backend, {"pid": pid})).scalar()
         await conn.rollback()
         if not ended:
             raise CliError(f"session pid {pid} could not be ended", ExitCode.FAILED)
@@ -138,11 +139,11 @@ async def prune_preview(
     server's clock) would delete, and what it would keep because live tasks depend on it."""
     async with database.database(Options(url, schema, trusted)) as conn:
         await database.require_head(conn, schema)
-        now = (await conn.execute(st.server_now)).scalar_one()
+        now = (await conn.execute(catalog.server_now)).scalar_one()
         cutoff = (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - older_than * 10**9
-        old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff})).scalar_one()
+        old = (await conn.execute(catalog.finished_before_count, {"cutoff": cutoff})).scalar_one()
         victims = (
-            await conn.execute(st.prunable_count, {"cutoff": cutoff, "batch": I64_MAX})
+            await conn.execute(catalog.prunable_count, {"cutoff": cutoff, "batch": I64_MAX})
         ).scalar_one()
         await conn.rollback()
     return {

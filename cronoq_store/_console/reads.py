@@ -13,8 +13,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._cli import database as database
 from .._cli import output as output
 from .._cli.app import Options as Options
@@ -24,8 +25,8 @@ from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._domain import I64_MAX as I64_MAX
 from .._domain import TaskId as TaskId
 from .._domain import TaskStatus as TaskStatus
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
 from .._migrations import RevisionStatus as RevisionStatus
 from .._migrations import head_revision as head_revision
 from .._urls import redact as redact
@@ -94,7 +95,7 @@ async def cluster_schemas(url: str) -> list[str]:
     made = database.engine(url)
     try:
         async with made.connect() as conn:
-            return list((await conn.execute(st.cluster_schemas)).scalars())
+            return list((await conn.execute(catalog.cluster_schemas)).scalars())
     finally:
         await made.dispose()
 
@@ -113,8 +114,8 @@ async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
     revision = await database.revision(conn, schema)
     facts = None
     if revision.current:
-        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-        facts = await queries.cluster_facts(conn, (st.LOCK_NS_LEADER, oid))
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
+        facts = await queries.cluster_facts(conn, (lock_st.LOCK_NS_LEADER, oid))
     holder = None if facts is None else facts.holder
     code, reasons = health_verdict(revision, facts, holder)
     doc: dict[str, Any] = {
@@ -129,7 +130,7 @@ async def _summary(conn: AsyncConnection, schema: str) -> dict[str, Any]:
     if not revision.at_head:
         # A schema this build cannot read: its tables may not be what the statements expect.
         return doc
-    epoch, max_id = (await conn.execute(st.leader_state)).one()
+    epoch, max_id = (await conn.execute(catalog.leader_state)).one()
     newest = (await conn.execute(cs.newest_change)).scalar()
     live = (await conn.execute(cs.live_counts)).all()
     finished = (

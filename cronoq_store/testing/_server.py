@@ -37,6 +37,7 @@ from cronoq_store.testing._unprivileged import (
 
 __all__ = ["TEST_URL_ENV", "EmbeddedPostgres", "StopMode", "find_bin_dir"]
 
+#: How the server is stopped: ``pg_ctl stop -m`` with this mode.
 StopMode = Literal["smart", "fast", "immediate"]
 #: A server for tests to use instead of starting one: honoured by the pytest plugin and by
 #: this project's own suite.
