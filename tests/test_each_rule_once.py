@@ -209,50 +209,40 @@ async def test_retry_retries_transient_errors_until_the_attempt_succeeds() -> No
     assert failures == [1, 2]
 
 
-async def test_retry_raises_what_it_does_not_retry_and_stops_when_told() -> None:
-    async def broken() -> None:
-        raise KeyError("not ours")
+async def _refused() -> None:
+    raise OSError("refused")
 
-    with pytest.raises(KeyError):
+
+async def _stop(seconds: float) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    ("attempt", "error", "wait", "raised", "cause"),
+    [
+        (_refused, None, _never, OSError, None),  # not the store's: raised as it is
+        (_refused, StoreError("permanent"), _never, StoreError, OSError),
+        (_refused, UnavailableError("down"), _stop, RuntimeError, OSError),
+    ],
+    ids=["not-ours", "not-transient", "stopped"],
+)
+async def test_retry_raises_what_it_does_not_retry_and_stops_when_told(
+    attempt: Any, error: StoreError | None, wait: Any, raised: type[Exception], cause: Any
+) -> None:
+    with pytest.raises(raised) as caught:
         await retry(
-            broken,
+            attempt,
             _FAST,
-            classify=lambda exc: None,
+            classify=lambda exc: error,
             check=_go_on,
             pausing=_no_log,
-            wait=_never,
-            stopped=lambda e: e,
-        )
-
-    async def refused() -> None:
-        raise OSError("refused")
-
-    with pytest.raises(StoreError, match="permanent") as caught:
-        await retry(
-            refused,
-            _FAST,
-            classify=lambda exc: StoreError("permanent"),
-            check=_go_on,
-            pausing=_no_log,
-            wait=_never,
-            stopped=lambda e: e,
-        )
-    assert isinstance(caught.value.__cause__, OSError)
-
-    async def stop(seconds: float) -> bool:
-        return True
-
-    with pytest.raises(RuntimeError, match="stopped") as stopped:
-        await retry(
-            refused,
-            _FAST,
-            classify=lambda exc: UnavailableError("down"),
-            check=_go_on,
-            pausing=_no_log,
-            wait=stop,
+            wait=wait,
             stopped=lambda e: RuntimeError(f"stopped after {e}"),
         )
-    assert isinstance(stopped.value.__cause__, OSError)
+    if cause is None:
+        assert caught.value.__cause__ is None
+    else:
+        assert isinstance(caught.value.__cause__, cause)
 
 
 async def test_bounded_aborts_then_cancels_work_that_stays_silent() -> None:
