@@ -38,7 +38,7 @@ LAYERS: tuple[Layer, ...] = (
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
             "_codec": "JSON encodings of the JSONB columns; time and duration conversions",
-            "_retry": "the retry policy (`Backoff`) and the bounded wait",
+            "_retry": "the one retry loop (policy, what to retry, when to stop) and timeout",
             "_urls": "database URLs: the asyncpg form, the one masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
             "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
