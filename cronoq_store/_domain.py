@@ -500,7 +500,7 @@ class RecurringSpec:
         _check_name(self.name)
         if len(self.name) > _INDEXED_FAST_CHARS:  # the primary key: only an upsert inserts it
             _check_indexed("name", self.name)
-        if not isinstance(self.schedule, (CronSchedule, IntervalSchedule)):
+        if not isinstance(self.schedule, Schedule):  # every type of the alias
             raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
         if not isinstance(self.template, TaskSpec):
             raise _invalid("template", "a TaskSpec", self.template)
