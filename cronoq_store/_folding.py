@@ -42,9 +42,6 @@ from ._codec import clean_text as clean_text
 from ._codec import encode_recurring as encode_recurring
 from ._codec import unix_converter as unix_converter
 from ._domain import (
-    QUEUED as QUEUED,
-)
-from ._domain import (
     Mutation as Mutation,
 )
 from ._domain import (
@@ -64,9 +61,6 @@ from ._domain import (
 )
 from ._domain import (
     TaskId as TaskId,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
 )
 from ._domain import (
     TimeBase as TimeBase,

@@ -67,6 +67,7 @@ LAYERS: tuple[Layer, ...] = (
             "_driver": "statements compiled for asyncpg and run on its connection; every "
             "driver error mapped to the store's errors",
             "_held_connection": "the commit connection's life: checked out, held, given up",
+            "_transactions": "a read's transaction on a pooled session, own or borrowed",
         },
     ),
     Layer(
@@ -79,10 +80,12 @@ LAYERS: tuple[Layer, ...] = (
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
             "_trust": "the trust checks: who may control the schema, who may connect",
+            "_pool": "the store's own pool, and the checks every pool passes at open",
             "_leadership": "the leader lock session, its keeper, the epoch",
             "_migration_lock": "one Alembic run at a time in the process",
             "_downgrade_guard": "a downgrade never under a live leader",
-            "_migrations": "Alembic per schema: the environment, upgrades from code",
+            "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision check",
+            "_alembic_env": "Alembic's environment, what `alembic/env.py` runs",
         },
     ),
     Layer(

@@ -97,7 +97,10 @@ async def _recover_tasks(
     retention: float,
     recovered: Recovered,
 ) -> int:
-    """Fills ``recovered``'s tasks; returns how many rows were quarantined."""
+    """Fills ``recovered``'s tasks; returns how many rows were quarantined.
+
+    Long for a reason: the cursor loop and the quarantine stay in one frame, on recovery's
+    per-row path."""
     corrupt_ids: list[int] = []
     corrupt_messages: list[str] = []
     decode = LiveTasks(base).decode

@@ -388,7 +388,9 @@ class LiveTasks:
     ) -> RecoveredTask:
         """A live task row (:data:`LIVE_COLUMNS`) as the scheduler's value; ``ValueError``
         names what is wrong. A row the domain would refuse as a submission (an empty pool,
-        a negative seq or id) is refused here too."""
+        a negative seq or id) is refused here too.
+
+        Long for a reason: recovery's per-row decoder, one frame with no call per column."""
         if status not in LIVE_STATUS_NAMES and TaskStatus.from_stored(status) is not None:
             # A finished status on a row marked live: which of the two is wrong cannot be
             # told. A name this build does not know is a newer build's live status: the task

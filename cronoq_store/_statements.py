@@ -45,7 +45,6 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from ._domain import EPOCH_MAX as EPOCH_MAX
 from ._domain import LIVE_RANKS as LIVE_RANKS
 from ._domain import QUEUED as QUEUED
 from ._domain import RANKS_PER_ATTEMPT as RANKS_PER_ATTEMPT
@@ -72,9 +71,6 @@ from ._rows import (
 from ._rows import update_param_types as update_param_types
 from ._schema import (
     LEADER_ROW_ID as LEADER_ROW_ID,
-)
-from ._schema import (
-    VERSION_TABLE as VERSION_TABLE,
 )
 from ._schema import (
     leader as leader,

@@ -146,6 +146,8 @@ class _Instruments:
     created twice under one name keeps only its first callbacks)."""
 
     def __init__(self, meter: Any) -> None:
+        """Every instrument, declared once. Long for a reason: a flat list of declarations
+        (name, unit, description), no logic."""
         hist = meter.create_histogram
         self.commit_duration = hist(
             "cronoq.commit.duration",

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from .. import _session_statements as session_st
+from .._alembic_env import clusters_elsewhere as clusters_elsewhere
 from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
 from .._migrations import (
@@ -23,9 +24,6 @@ from .._migrations import (
 )
 from .._migrations import (
     RevisionStatus as RevisionStatus,
-)
-from .._migrations import (
-    clusters_elsewhere as clusters_elsewhere,
 )
 from .._migrations import (
     revision_status as revision_status,

@@ -30,6 +30,9 @@ def status(options: Options, as_json: bool) -> None:
 
 
 async def _status(options: Options, as_json: bool, console: Console) -> None:
+    """What ``cronoq-store status`` shows. Long for a reason: one read of each fact, then the
+    lines in the order the operator reads them; split into helpers, that order would be
+    spread over them."""
     async with database.database(options) as conn:
         revision = await database.revision(conn, options.schema)
         if not as_json:

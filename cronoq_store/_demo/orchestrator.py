@@ -110,6 +110,8 @@ async def _play(
     seconds: float,
     console: Console,
 ) -> None:
+    """The demo, in order: lead, submit, kill the leader, take over, fence the zombie, check.
+    Long for a reason: the story is one sequence read top to bottom."""
     acks_path = workdir / "acks"
     recovered_path = workdir / "recovered"
     env = {**os.environ, URL_ENV: url.render_as_string(hide_password=False)}
