@@ -35,9 +35,9 @@ from cronoq_store import (
     task_id,
 )
 from cronoq_store._codec import clean_text as clean_text
-from cronoq_store._folding import level as level
+from cronoq_store._domain import level as level
+from cronoq_store._driver import CompiledStatement as CompiledStatement
 from cronoq_store._store import PgStore as PgStore
-from cronoq_store._writer import CompiledStatement as CompiledStatement
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
 #: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a
@@ -212,7 +212,7 @@ _DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 
 def compile_for_asyncpg(statement: ClauseElement, schema: str) -> CompiledStatement:
     """``statement`` rendered as the store renders it for ``schema``: the store's own
-    compiler (``cronoq_store._writer.CompiledStatement``), so the SQL is byte for byte the
+    compiler (``cronoq_store._driver.CompiledStatement``), so the SQL is byte for byte the
     same."""
     return CompiledStatement.of(statement, _DIALECT, schema)
 

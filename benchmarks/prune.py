@@ -43,6 +43,7 @@ from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeB
 from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps as encode_deps
 from cronoq_store._codec import unix_converter as unix_converter
+from cronoq_store._driver import CompiledStatement as CompiledStatement
 from cronoq_store._queries import PRUNE_BATCH as PRUNE_BATCH
 from cronoq_store._rows import (
     INSERT_COLUMNS as INSERT_COLUMNS,
@@ -58,7 +59,6 @@ from cronoq_store._rows import (
 )
 from cronoq_store._schema import tasks as tasks
 from cronoq_store._store import PgStore as PgStore
-from cronoq_store._writer import CompiledStatement as CompiledStatement
 
 from .common import (
     Profile,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields
 from datetime import timedelta
 from enum import Enum
 from functools import lru_cache
@@ -73,6 +74,7 @@ from ._domain import (
 from ._domain import (
     show as show,
 )
+from ._domain import unhandled as unhandled
 
 _orjson_dumps: Callable[[object], bytes] | None
 try:
@@ -82,7 +84,10 @@ except ImportError:  # pragma: no cover - the optional "json" extra
 
 __all__ = [
     "QUARANTINE_PREFIX",
+    "QUARANTINE_REASON_CHARS",
+    "TEMPLATE_MEMBERS",
     "DecodeError",
+    "check_template",
     "clean_text",
     "decode_deps",
     "decode_miss_policy",
@@ -98,6 +103,7 @@ __all__ = [
     "encode_retry",
     "encode_strings",
     "ns_to_duration",
+    "quarantine_reason",
     "unix_converter",
 ]
 
@@ -106,6 +112,8 @@ _E = TypeVar("_E", bound=Enum)
 
 QUARANTINE_PREFIX = "corrupt task row:"
 """How the message of a task row that recovery quarantined begins (the CLI counts them)."""
+QUARANTINE_REASON_CHARS = 500
+"""Longest reason kept in a quarantined row's message (after :data:`QUARANTINE_PREFIX`)."""
 
 _MICROSECOND = timedelta(microseconds=1)
 _SHOWN_CHARS = 60
@@ -122,6 +130,19 @@ _MISS_POLICIES = {p.value: p for p in MissPolicy}
 
 class DecodeError(ValueError):
     """A stored value that this build cannot decode; the message names the member."""
+
+
+def quarantine_reason(exc: Exception) -> str:
+    """Why a task row could not be decoded, as storable text: at most
+    :data:`QUARANTINE_REASON_CHARS` characters (a longer one cut, ending in "…"), cleaned.
+
+    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
+    of this build on an odd value and says what it was. Both stores quarantine with it.
+    """
+    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    if len(reason) > QUARANTINE_REASON_CHARS:
+        reason = reason[: QUARANTINE_REASON_CHARS - 1] + "…"
+    return clean_text(reason)
 
 
 def unix_converter(base: TimeBase) -> Callable[[int, str], int]:
@@ -329,13 +350,13 @@ def _resources_to_json(resources: Mapping[str, int]) -> dict[str, int]:
 
 
 def _schedule_to_json(schedule: Schedule) -> dict[str, object]:
-    if isinstance(schedule, CronSchedule):
-        return {
-            "type": "cron",
-            "expr": clean_text(schedule.expr),
-            "timezone": clean_text(schedule.timezone),
-        }
-    return {"type": "interval", "every_ns": duration_to_ns(schedule.every)}
+    match schedule:
+        case CronSchedule(expr=expr, timezone=zone):
+            return {"type": "cron", "expr": clean_text(expr), "timezone": clean_text(zone)}
+        case IntervalSchedule(every=every):
+            return {"type": "interval", "every_ns": duration_to_ns(every)}
+        case _:
+            unhandled(schedule, "schedule")
 
 
 def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dict[str, object]:
@@ -629,3 +650,83 @@ def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str
         raise
     except ValueError as exc:
         raise _rejected(path, exc) from exc
+
+
+#: The template's JSON member of each ``TaskSpec`` field (``None``: not in the JSON; the
+#: payload has a column of its own). :func:`check_template` holds TaskSpec's fields, what
+#: the encoder writes and what the decoder reads to it at import, as ``_rows`` holds the
+#: columns: a field added to ``TaskSpec`` fails the import until it is mapped here and in
+#: both directions.
+TEMPLATE_MEMBERS: dict[str, str | None] = {
+    "payload": None,
+    "kind": "kind",
+    "pool": "pool",
+    "priority": "priority",
+    "key": "key",
+    "deadline": "deadline_unix_ns",
+    "fixed_start": "fixed_start",
+    "duration_hint": "duration_hint_ns",
+    "timeout": "timeout_ns",
+    "retry": "retry",
+    "deps": "deps",
+    "resources": "resources",
+    "tags": "tags",
+    "labels": "labels",
+    "tenant": "tenant",
+}
+
+
+class _ReadMembers(dict[str, object]):
+    """A JSON object that records which members a decoder looks at."""
+
+    def __init__(self, members: dict[str, object]) -> None:
+        super().__init__(members)
+        self.read: set[str] = set()
+
+    def __contains__(self, name: object) -> bool:
+        self.read.add(str(name))
+        return super().__contains__(name)
+
+    def __getitem__(self, name: str) -> object:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: object = None) -> object:
+        self.read.add(name)
+        return super().get(name, default)
+
+
+def check_template(
+    spec_type: type[TaskSpec] = TaskSpec,
+    encode: Callable[[Callable[[int, str], int], TaskSpec], dict[str, object]] = _template_to_json,
+    decode: Callable[[TimeBase, object, bytes, str], TaskSpec] = _template_from_json,
+) -> None:
+    """``RuntimeError`` unless :data:`TEMPLATE_MEMBERS` maps every field of ``spec_type``
+    and only those, ``encode`` writes every mapped member and only those, and ``decode``
+    reads each of them: run at import, so a forgotten codec entry is an import error."""
+    names = [f.name for f in fields(spec_type)]
+    members = {m for m in TEMPLATE_MEMBERS.values() if m is not None}
+    problems = []
+    if set(names) != set(TEMPLATE_MEMBERS):
+        problems.append(
+            f"TaskSpec fields not mapped: {sorted(set(names) - set(TEMPLATE_MEMBERS))}, "
+            f"mapped but not fields: {sorted(set(TEMPLATE_MEMBERS) - set(names))}"
+        )
+    written = json.loads(json.dumps(encode(lambda t, _: t, spec_type(b""))))
+    if set(written) != members:
+        problems.append(
+            f"the encoder does not write {sorted(members - set(written))} and writes "
+            f"unmapped {sorted(set(written) - members)}"
+        )
+    read = _ReadMembers(written)
+    decode(TimeBase(0, 0), read, b"", "template")
+    if not members <= read.read:
+        problems.append(f"the decoder does not read {sorted(members - read.read)}")
+    if problems:
+        raise RuntimeError(
+            "cronoq_store._codec: the recurring template's JSON and TaskSpec disagree: "
+            + "; ".join(problems)
+        )
+
+
+check_template()

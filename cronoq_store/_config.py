@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ._schema import validate_schema_name as validate_schema_name
+from ._domain import check_seconds as check_seconds
 
-__all__ = ["PgStoreConfig", "keepalive_settings", "trusted_role_names", "trusted_trigger_names"]
+__all__ = [
+    "PgStoreConfig",
+    "keepalive_settings",
+    "trusted_role_names",
+    "trusted_trigger_names",
+    "validate_schema_name",
+]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def validate_schema_name(schema: str) -> str:
+    """Return ``schema`` if it is a plain PostgreSQL identifier, else raise ``ValueError``.
+
+    Only ASCII letters, digits and ``_``, not starting with a digit, at most 63 characters
+    (PostgreSQL truncates longer names silently, which would merge two clusters). Checked
+    before the name reaches any statement, so quoting is never the only defence. The system's
+    schemas (``pg_*``, ``information_schema``, in any case) are refused: they are not ours to
+    fill, and ``pg_temp`` is a different schema in every session.
+    """
+    if not isinstance(schema, str):
+        raise ValueError(f"schema name must be a string, got {type(schema).__name__}")
+    if _IDENTIFIER.fullmatch(schema) is None:
+        raise ValueError(
+            f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
+            "not starting with a digit"
+        )
+    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
+        raise ValueError(
+            f"invalid schema name {schema!r}: pg_* and information_schema are the system's "
+            "schemas; give the cluster a schema of its own"
+        )
+    return schema
 
 
 def trusted_trigger_names(names: Iterable[str]) -> frozenset[str]:
@@ -110,11 +139,7 @@ class PgStoreConfig:
                 f"allow_untrusted_connect must be a bool, got {self.allow_untrusted_connect!r}"
             )
         for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            check_seconds(name, getattr(self, name))
         if self.keepalive >= self.session_timeout:
             raise ValueError(
                 f"keepalive ({self.keepalive}s) must be shorter than session_timeout "

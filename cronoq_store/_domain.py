@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from enum import Enum, IntEnum
-from typing import NewType, TypeAlias
+from typing import NewType, NoReturn, TypeAlias
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 #: A task's id: ``task_id(epoch, n)``, so ids of different leaders never collide.
@@ -151,6 +151,21 @@ def _check_engine_time(name: str, value: object) -> None:
     _check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
 
 
+def check_seconds(name: str, value: object, *, most: int | None = None) -> float:
+    """``value`` as float seconds, or a ``ValueError`` whose message begins with ``name``
+    (a caller's own style: ``"older_than:"``, as the look-ups' arguments): a finite int or
+    float (never a bool), above 0; with ``most``, in ``0..most`` instead (an age, where 0
+    means now). The one rule for durations given as numbers (settings, timeouts, ages)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if most is None:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    elif not math.isfinite(value) or not 0 <= value <= most:
+        raise ValueError(f"{name} must be a number of seconds in 0..{most}, got {value!r}")
+    return float(value)
+
+
 def _check_duration(name: str, value: object) -> None:
     if not isinstance(value, timedelta) or value < _ZERO:
         raise _invalid(name, "a non-negative timedelta", value)
@@ -227,6 +242,23 @@ QUEUED = "queued"
 
 LIVE_STATUS_NAMES = frozenset({QUEUED, TaskStatus.RUNNING.value, TaskStatus.RETRYING.value})
 """Stored status names of tasks that are not finished."""
+
+#: Rank of each live status within an attempt (other stored names rank as queued).
+LIVE_RANKS: dict[str, int] = {QUEUED: 0, TaskStatus.RUNNING.value: 1, TaskStatus.RETRYING.value: 2}
+#: Levels each attempt spans: more than the live ranks, so attempts never overlap.
+RANKS_PER_ATTEMPT = 4
+#: Level of every terminal state: above any live one, whatever the attempt (2**31 attempts
+#: times :data:`RANKS_PER_ATTEMPT` ranks stay below it).
+TERMINAL_LEVEL = 1 << 62
+
+
+def level(status: str, terminal: bool, attempt: int) -> int:
+    """Where a state stands in a task's life: ``attempt * RANKS_PER_ATTEMPT + rank`` while
+    live, then :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level,
+    at)`` is greater than the stored one and the stored state is not terminal (a terminal
+    state is final: no tie-break by time). ``statements.update_status`` builds the same in
+    SQL from these three constants."""
+    return TERMINAL_LEVEL if terminal else attempt * RANKS_PER_ATTEMPT + LIVE_RANKS.get(status, 0)
 
 
 class MissPolicy(Enum):
@@ -469,7 +501,7 @@ class RecurringSpec:
         _check_name(self.name)
         if len(self.name) > _INDEXED_FAST_CHARS:  # the primary key: only an upsert inserts it
             _check_indexed("name", self.name)
-        if not isinstance(self.schedule, (CronSchedule, IntervalSchedule)):
+        if not isinstance(self.schedule, Schedule):  # every type of the alias
             raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
         if not isinstance(self.template, TaskSpec):
             raise _invalid("template", "a TaskSpec", self.template)
@@ -593,6 +625,20 @@ class RecurringNext:
 
 #: One change a batch commits: a submission, a transition or a schedule change.
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
+"""Every mutation type. Each site that dispatches on it is a ``match`` ending in
+:func:`unhandled`, so ``mypy --strict`` names every site a new type must be handled in."""
+
+
+def unhandled(value: NoReturn, kind: str = "mutation") -> NoReturn:
+    """The last case of every ``match`` on a mutation's (or a schedule's, an action's) type.
+
+    As ``typing.assert_never``: ``mypy --strict`` refuses the call where a type is left
+    unhandled ("Argument 1 to "unhandled" has incompatible type ...; expected "NoReturn""),
+    so adding a type to :data:`Mutation` lists every site it needs. At run time a value of
+    no known type is a ``TypeError`` naming its type (never its contents, which may be
+    a payload), as it was before the dispatch was a ``match``.
+    """
+    raise TypeError(f"not a {kind}: {type(value).__name__}")
 
 
 # Recovery: what a new leader loads. The store builds these from rows it has already

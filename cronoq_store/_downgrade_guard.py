@@ -30,8 +30,10 @@ from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext, RevisionStep
 from sqlalchemy import Connection, text
 
+from . import _catalog as catalog
+from . import _lock_statements as lock_st
+from . import _migration_statements as migration_st
 from . import _queries as queries
-from . import _statements as st
 from ._domain import LockHolder as LockHolder
 from ._errors import MigrationError as MigrationError
 from ._schema import schema_options as schema_options
@@ -79,12 +81,14 @@ def guarded(
 
 
 def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None:
-    oid = conn.execute(st.schema_oid, {"schema": schema}).scalar_one()
-    lock = (st.LOCK_NS_LEADER, oid)
+    oid = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar_one()
+    lock = (lock_st.LOCK_NS_LEADER, oid)
     cluster = schema_options(schema)
-    took = conn.execute(st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]})
+    took = conn.execute(
+        migration_st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]}
+    )
     if not took.scalar():
-        row = conn.execute(st.leader_lock_holder, queries.lock_keys(lock)).first()
+        row = conn.execute(catalog.leader_lock_holder, queries.lock_keys(lock)).first()
         holder = _describe(None if row is None else queries.holder_of(row, store_instance=False))
         if not force:
             raise MigrationError(
@@ -99,13 +103,13 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
             extra={"schema": schema, "holder": holder},
         )
         # Waits for its commits in flight; the bump fences every later one.
-        conn.execute(st.lock_cluster_tables(schema, conn.dialect))
-        conn.execute(st.bump_epoch, execution_options=cluster)
+        conn.execute(migration_st.lock_cluster_tables(schema, conn.dialect))
+        conn.execute(lock_st.bump_epoch, execution_options=cluster)
         return
     if (
         to_base
         and not force
-        and conn.execute(st.cluster_issued_ids, execution_options=cluster).scalar()
+        and conn.execute(migration_st.cluster_issued_ids, execution_options=cluster).scalar()
     ):
         raise MigrationError(
             f"schema {schema!r} has issued task ids: downgrading it to base drops them, and "
@@ -121,10 +125,10 @@ def _script(
     """The same in an offline script: refuse a live leader and hold the lock, or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
     if not force:
-        context.execute(st.refuse_live_leader)
+        context.execute(migration_st.refuse_live_leader)
         return
-    context.execute(st.lock_cluster_tables(schema, migration.dialect))
-    bump = st.bump_epoch.compile(
+    context.execute(migration_st.lock_cluster_tables(schema, migration.dialect))
+    bump = lock_st.bump_epoch.compile(
         dialect=migration.dialect,
         schema_translate_map={None: schema},
         compile_kwargs={"literal_binds": True},

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +39,7 @@ from ._committer_stats import Tally as Tally
 from ._domain import Mutation as Mutation
 from ._domain import TaskId as TaskId
 from ._domain import TimeBase as TimeBase
+from ._domain import check_seconds as check_seconds
 from ._errors import (
     CommitterClosedError as CommitterClosedError,
 )
@@ -55,6 +55,7 @@ from ._errors import (
 from ._retry import COMMIT_BACKOFF as COMMIT_BACKOFF
 from ._retry import Backoff as Backoff
 from ._retry import pause as pause
+from ._retry import retry as retry
 from ._sizing import mutation_size as mutation_size
 from ._sizing import output_size as output_size
 from .telemetry import DISABLED, Telemetry
@@ -134,15 +135,9 @@ def _positive_int(name: str, value: int) -> int:
     return value
 
 
-def _positive_seconds(name: str, value: float) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+def _store_error(exc: Exception) -> StoreError | None:
+    """What the committer retries: a store's transient errors; any other error is raised."""
+    return exc if isinstance(exc, StoreError) else None
 
 
 def _fenced_error(what: str, cause: FencedError) -> FencedError:
@@ -308,7 +303,7 @@ class GroupCommitter:
         Idempotent; a later call may escalate a drain to an abort.
         """
         if timeout is not None:
-            timeout = _positive_seconds("timeout", timeout)
+            timeout = check_seconds("timeout", timeout)
         if not self._closing:
             logger.info(
                 "closing the group committer",
@@ -581,43 +576,44 @@ class GroupCommitter:
         self._acknowledge_all(subs, now)
 
     async def _commit_with_retry(self, mutations: list[Mutation], outputs: list[Output]) -> None:
-        """One batch until it commits; transient failures are retried until an abort, or
-        until the batch is stuck (``_Stuck``)."""
-        attempt = 0
-        delays = self._backoff.delays()
+        """One batch until it commits; transient failures are retried (:func:`retry`) until
+        an abort (``_Abandoned``), or until the batch is stuck (``_Stuck``)."""
         answered = False  # the database answered a ping since the last failed attempt
-        while True:
-            try:
-                await self._store.commit(self._epoch, self._base, mutations, outputs)
-                return
-            except StoreError as exc:
-                if not exc.is_transient:
-                    raise
-                last = exc
+
+        async def check(last: StoreError, failures: int) -> None:
+            nonlocal answered
             if self._aborting:
                 raise _Abandoned(last)
-            attempt += 1
             ping = self._ping
-            if attempt >= self._stuck_after and ping is not None:
+            if failures >= self._stuck_after and ping is not None:
                 # Answered before and after the attempt that just failed: the batch's fault.
                 answered, before = await self._answers(ping), answered
                 if answered and before:
                     raise _Stuck(last)
+
+        def pausing(last: StoreError, failures: int, delay: float) -> None:
             self._tally.retries += 1
             if self._telemetry.enabled:
                 self._telemetry.retried()
-            delay = next(delays)
             logger.warning(
                 "commit failed transiently; retrying the same batch",
                 extra={
                     "error": str(last),
-                    "attempt": attempt,
+                    "attempt": failures,
                     "delay": delay,
                     "batch_mutations": len(mutations),
                 },
             )
-            if await self._sleep_unless_aborted(delay):
-                raise _Abandoned(last)
+
+        await retry(
+            lambda: self._store.commit(self._epoch, self._base, mutations, outputs),
+            self._backoff,
+            classify=_store_error,
+            check=check,
+            pausing=pausing,
+            wait=self._sleep_unless_aborted,
+            stopped=_Abandoned,
+        )
 
     async def _answers(self, ping: Callable[[], Awaitable[object]]) -> bool:
         """Whether the store's ``ping()`` says the database answers."""

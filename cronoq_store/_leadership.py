@@ -29,19 +29,22 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, Pool
 
-from . import _statements as st
+from . import _catalog as catalog
+from . import _lock_statements as lock_st
+from . import _session_statements as session_st
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import LockHolder as LockHolder
+from ._driver import translate_error as translate_error
 from ._errors import StoreError as StoreError
-from ._errors import translate_error as translate_error
-from ._migrations import ConnectCheck as ConnectCheck
-from ._migrations import TrustCheck as TrustCheck
 from ._queries import holder_of as holder_of
 from ._queries import lock_keys as lock_keys
 from ._retry import acquisition_backoff as acquisition_backoff
 from ._retry import bounded as bounded
 from ._retry import pause as pause
+from ._retry import retry as retry
 from ._schema import schema_options as schema_options
+from ._trust import ConnectCheck as ConnectCheck
+from ._trust import TrustCheck as TrustCheck
 from ._urls import engine_arguments as engine_arguments
 from ._urls import redact as redact
 from .telemetry import DISABLED, Telemetry
@@ -79,21 +82,13 @@ class _Session:
         The statement is not cancelled (that would send a cancel request over a new
         connection, into the same silence); aborting the socket makes it fail at once.
         """
-        task = asyncio.ensure_future(self.conn.execute(statement, params))
-        try:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
-        finally:
-            if not task.done():
-                self.driver.terminate()
-                await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT)
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait({task})
-                if not task.cancelled():
-                    task.exception()  # the consequence of the abort, not news
-        if not done:
-            raise asyncio.TimeoutError(f"the lock session did not answer within {timeout:g} s")
-        return task.result()
+        return await bounded(
+            self.conn.execute(statement, params),
+            timeout,
+            abort=self.driver.terminate,
+            grace=_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
 
     async def close(self) -> None:
         """Close the session, ending the server's backend and so releasing its lock; bounded.
@@ -128,7 +123,7 @@ def _session_settings(config: PgStoreConfig) -> dict[str, str]:
     settings = {
         # Names resolve in pg_catalog only: no schema another role can write can capture
         # a function or operator the lock session calls.
-        "search_path": st.SEARCH_PATH,
+        "search_path": session_st.SEARCH_PATH,
         "application_name": f"{config.application_name} leader",
         # The server drops the session (and the lock) once the client is gone.
         "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
@@ -146,7 +141,7 @@ def _session_settings(config: PgStoreConfig) -> dict[str, str]:
         "synchronous_commit": "on",
         "default_transaction_read_only": "off",
     }
-    assert tuple(settings) == st.LOCK_SESSION_SETTINGS
+    assert tuple(settings) == lock_st.LOCK_SESSION_SETTINGS
     return settings
 
 
@@ -259,28 +254,15 @@ class Leadership:
             self._check_open()
             if self._session is not None:
                 await self.release()
-            delays = self._backoff.delays()
-            while True:
-                try:
-                    session, epoch = await self._try_lead()
-                    break
-                except Exception as exc:
-                    error = translate_error(exc, "acquiring leadership")
-                    if not error.is_transient:
-                        raise error from exc
-                    pause = next(delays)
-                    logger.warning(
-                        "cannot acquire leadership for now (transient: see error); retrying",
-                        extra={
-                            "schema": self._schema,
-                            "url": redact(self._url),
-                            "via": self._via,
-                            "error": str(error),
-                            "retry_in": round(pause, 3),
-                        },
-                    )
-                    if await self._closed_within(pause):
-                        raise self._closed_error() from exc
+            session, epoch = await retry(
+                self._try_lead,
+                self._backoff,
+                classify=_acquisition_error,
+                check=_go_on,
+                pausing=self._log_retry,
+                wait=self._closed_within,
+                stopped=lambda _: self._closed_error(),
+            )
             self._epoch = epoch
             self._lost.clear()
             self._session = session
@@ -317,11 +299,11 @@ class Leadership:
         session = _Session(conn, raw.driver_connection)
         try:
             if self._apply_settings:
-                await session.run(st.lock_session_settings, self._settings, timeout)
+                await session.run(lock_st.lock_session_settings, self._settings, timeout)
             if self._connect is not None:
                 await self._refuse_untrusted_connect(session, self._connect, timeout)
             polls, suspect = 0, None
-            while not (await session.run(st.try_leader_lock, self._key, timeout)).scalar():
+            while not (await session.run(lock_st.try_leader_lock, self._key, timeout)).scalar():
                 if polls % _HOLDER_CHECK_POLLS == 0:
                     suspect = await self._watch_holder(session, suspect, timeout)
                 polls += 1
@@ -329,13 +311,13 @@ class Leadership:
                     raise self._closed_error()
             if self._trust is not None:
                 await self._vet(session, self._trust, timeout)
-            epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
+            epoch = (await session.run(lock_st.bump_epoch, None, timeout)).scalar()
             if epoch is None:
                 raise StoreError(
                     f"the leader row of schema {self._schema!r} is missing: run the migrations"
                 )
             # Prepared now, so that each of the keeper's checks is a single round trip.
-            await session.run(st.ping, None, timeout)
+            await session.run(lock_st.ping, None, timeout)
             return session, int(epoch)
         except BaseException:
             await session.close()  # releases the lock if this session took it
@@ -376,7 +358,7 @@ class Leadership:
         was seen twice, a check apart (a takeover is an instance before its epoch bump).
         Returns the pid of a foreign holder seen now, for the next check."""
         keys = lock_keys((self._key["k1"], self._key["k2"]))
-        holder = holder_of((await session.run(st.leader_holder_facts, keys, timeout)).one())
+        holder = holder_of((await session.run(catalog.leader_holder_facts, keys, timeout)).one())
         if holder is None or holder.store_instance:
             return None
         now = asyncio.get_running_loop().time()
@@ -404,7 +386,7 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    await session.run(st.ping, None, last_answer + limit - loop.time())
+                    await session.run(lock_st.ping, None, last_answer + limit - loop.time())
                 except Exception as exc:
                     if self._epoch != epoch:  # already released or marked lost
                         return
@@ -437,6 +419,18 @@ class Leadership:
         """Whether leadership is marked lost within ``seconds`` (a sleep that wakes early)."""
         return await pause(seconds, self._lost)
 
+    def _log_retry(self, error: StoreError, failures: int, pause: float) -> None:
+        logger.warning(
+            "cannot acquire leadership for now (transient: see error); retrying",
+            extra={
+                "schema": self._schema,
+                "url": redact(self._url),
+                "via": self._via,
+                "error": str(error),
+                "retry_in": round(pause, 3),
+            },
+        )
+
     async def _closed_within(self, seconds: float) -> bool:
         return await pause(seconds, self._closing)
 
@@ -446,6 +440,14 @@ class Leadership:
 
     def _closed_error(self) -> StoreError:
         return StoreError(f"leadership of schema {self._schema!r} is closed")
+
+
+def _acquisition_error(exc: Exception) -> StoreError:
+    return translate_error(exc, "acquiring leadership")
+
+
+async def _go_on(error: StoreError, failures: int) -> None:
+    """Acquisition retries as long as the failures are transient (and it is not closed)."""
 
 
 def _holder_fields(holder: LockHolder) -> dict[str, object]:

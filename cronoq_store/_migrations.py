@@ -1,4 +1,5 @@
-"""Alembic, one cluster schema at a time: the environment ``env.py`` runs, and upgrades from code.
+"""Alembic, one cluster schema at a time: upgrades and downgrades from code, the revision
+check; the environment ``env.py`` runs is :mod:`cronoq_store._alembic_env`.
 
 Every run for a schema happens in one transaction that first takes
 ``pg_advisory_xact_lock(0x63726f6d, hashtext(schema))``: concurrent upgrades serialize (the
@@ -24,83 +25,48 @@ words everywhere.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import configparser
 import functools
-import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from alembic import command, op
 from alembic.config import Config
-from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
-    Engine,
-    Executable,
-    MetaData,
-    Text,
-    bindparam,
-    column,
-    func,
-    select,
-    table,
-    text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
-from sqlalchemy.schema import CreateSchema
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from . import _downgrade_guard as downgrade_guard
+from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
-from . import _statements as st
+from . import _session_statements as session_st
 from ._config import trusted_trigger_names as trusted_trigger_names
+from ._config import validate_schema_name as validate_schema_name
+from ._driver import translate_error as translate_error
 from ._errors import MigrationError as MigrationError
-from ._errors import translate_error as translate_error
 from ._schema import VERSION_TABLE as VERSION_TABLE
-from ._schema import metadata as metadata
-from ._schema import validate_schema_name as validate_schema_name
-from ._terminal_safe import visible as visible
-from ._urls import (
-    URL_ENV as URL_ENV,
-)
-from ._urls import (
-    engine_arguments as engine_arguments,
-)
-from ._urls import (
-    redact as redact,
-)
-from ._urls import (
-    scrub as scrub,
-)
+from ._trust import refuse_untrusted as refuse_untrusted
 
 __all__ = [
     "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
-    "ConnectCheck",
     "RevisionStatus",
-    "TrustCheck",
     "alembic_config",
     "alembic_ini",
     "cluster_schema",
-    "clusters_elsewhere",
     "downgrade",
     "downgrade_steps",
     "head_revision",
-    "refuse_untrusted",
     "require_head",
     "revision_status",
     "run_command",
-    "run_environment",
     "upgrade",
 ]
 
@@ -114,11 +80,9 @@ LEGACY_REVISIONS = {
     4: "0004_task_labels",
     5: "0005_task_tenant",
 }
-_LEGACY_TABLE = "cronoq_schema_version"
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
-_OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, _LEGACY_TABLE})
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
-_TRUSTED_TRIGGERS = "trusted_triggers"
+TRUSTED_TRIGGERS = "trusted_triggers"
 #: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
 #: commands: a firewall dropping packets must not hang them for asyncpg's minute.
 CONNECT_TIMEOUT = 10.0
@@ -215,7 +179,7 @@ async def _run_on(
     def run(sync_conn: Connection) -> None:
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
-        cfg.attributes[_TRUSTED_TRIGGERS] = trusted
+        cfg.attributes[TRUSTED_TRIGGERS] = trusted
         cfg.attributes[downgrade_guard.FORCE] = force
         alembic_command(cfg, revision)
 
@@ -318,7 +282,7 @@ class RevisionStatus:
         """Raise :class:`~cronoq_store.MigrationError` unless the schema is at head; ``fix``
         says how to migrate it (a newer database is fixed by upgrading cronoq-store)."""
         if self.unknown:
-            raise MigrationError(_newer_message(self.schema, self.unknown))
+            raise MigrationError(newer_message(self.schema, self.unknown))
         if not self.exists:
             raise MigrationError(f"schema {self.schema!r} does not exist: {fix}")
         if not self.current:
@@ -335,7 +299,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
     rights). Run it after :func:`refuse_untrusted`; async callers use ``run_sync``."""
     validate_schema_name(schema)
     head = head_revision()
-    exists = conn.execute(st.schema_oid, {"schema": schema}).scalar() is not None
+    exists = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar() is not None
     current: tuple[str, ...] = ()
     if exists:
         context = MigrationContext.configure(
@@ -343,7 +307,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
         )
         current = tuple(sorted(context.get_current_heads()))
     script = _scripts(str(script_location()))
-    unknown = _unknown_revisions(script, current)
+    unknown = unknown_revisions(script, current)
     pending: tuple[str, ...] = ()
     if exists and not unknown and current != (head,):
         lower = current[0] if len(current) == 1 else None
@@ -351,7 +315,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
     return RevisionStatus(schema, exists, current, head, unknown, pending)
 
 
-def _unknown_revisions(script: ScriptDirectory, revisions: Sequence[str]) -> tuple[str, ...]:
+def unknown_revisions(script: ScriptDirectory, revisions: Sequence[str]) -> tuple[str, ...]:
     unknown = []
     for revision in revisions:
         try:
@@ -361,7 +325,7 @@ def _unknown_revisions(script: ScriptDirectory, revisions: Sequence[str]) -> tup
     return tuple(unknown)
 
 
-def _newer_message(schema: str, unknown: Sequence[str]) -> str:
+def newer_message(schema: str, unknown: Sequence[str]) -> str:
     """The one refusal of a database that a newer build migrated."""
     return (
         f"schema {schema!r} is at revision {', '.join(unknown)}, which this build does not "
@@ -383,7 +347,7 @@ async def require_head(
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
-        sync_conn.execute(st.local_search_path)
+        sync_conn.execute(session_st.local_search_path)
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 
@@ -404,542 +368,3 @@ def cluster_schema() -> str:
     schema = op.get_context().version_table_schema
     assert schema is not None, "env.py always sets version_table_schema"
     return validate_schema_name(schema)
-
-
-# Who may own the schema or anything in it, or create in it: a role that can already act with
-# our privileges (pg_has_role(..., 'USAGE') is true for ourselves, for superusers and for
-# roles that inherit ours), so code it plants gains it nothing. Not a role we are merely a
-# member of: its other members could plant code that would then run with our privileges.
-# pg_database_owner (owner of `public` since PG 15) stands for the database's owner.
-_UNTRUSTED = text(
-    """
-WITH ns AS (
-    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE nspname = :schema
-), ours AS (
-    SELECT c.oid, c.relowner, c.relacl FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-    WHERE c.relname::text = ANY (:tables)
-), found (what, how, role) AS (
-    SELECT 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
-    UNION ALL SELECT CASE c.relkind WHEN 'v' THEN 'view ' WHEN 'm' THEN 'materialized view '
-            WHEN 'S' THEN 'sequence ' WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
-            ELSE 'table ' END || c.oid::regclass::text, 'owned by', c.relowner
-        FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-        WHERE c.relkind NOT IN ('i', 'I')  -- an index belongs to its table's owner
-    UNION ALL SELECT CASE p.prokind WHEN 'p' THEN 'procedure ' WHEN 'a' THEN 'aggregate '
-            ELSE 'function ' END || p.oid::regprocedure::text, 'owned by', p.proowner
-        FROM pg_proc p JOIN ns ON p.pronamespace = ns.oid
-    UNION ALL SELECT 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
-        FROM pg_operator o JOIN ns ON o.oprnamespace = ns.oid
-    UNION ALL SELECT 'type ' || t.oid::regtype::text, 'owned by', t.typowner
-        FROM pg_type t JOIN ns ON t.typnamespace = ns.oid
-        WHERE t.typrelid = 0 AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
-    UNION ALL SELECT 'collation ' || c.oid::regcollation::text, 'owned by', c.collowner
-        FROM pg_collation c JOIN ns ON c.collnamespace = ns.oid
-    UNION ALL SELECT 'conversion ' || quote_ident(c.conname), 'owned by', c.conowner
-        FROM pg_conversion c JOIN ns ON c.connamespace = ns.oid
-    UNION ALL SELECT 'operator class ' || quote_ident(c.opcname), 'owned by', c.opcowner
-        FROM pg_opclass c JOIN ns ON c.opcnamespace = ns.oid
-    UNION ALL SELECT 'operator family ' || quote_ident(f.opfname), 'owned by', f.opfowner
-        FROM pg_opfamily f JOIN ns ON f.opfnamespace = ns.oid
-    UNION ALL SELECT 'text search configuration ' || c.oid::regconfig::text, 'owned by',
-            c.cfgowner
-        FROM pg_ts_config c JOIN ns ON c.cfgnamespace = ns.oid
-    UNION ALL SELECT 'text search dictionary ' || d.oid::regdictionary::text, 'owned by',
-            d.dictowner
-        FROM pg_ts_dict d JOIN ns ON d.dictnamespace = ns.oid
-    UNION ALL SELECT 'statistics ' || quote_ident(x.stxname), 'owned by', x.stxowner
-        FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
-    UNION ALL SELECT 'CREATE on schema ' || quote_ident(nspname), 'granted to', a.grantee
-        FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
-    -- TRIGGER could plant code; REFERENCES a foreign key, whose internal triggers run the
-    -- referencing table's cascades inside our deletes.
-    UNION ALL SELECT a.privilege_type || ' on ' || ours.oid::regclass::text, 'granted to',
-            a.grantee
-        FROM ours, aclexplode(ours.relacl) a
-        WHERE a.privilege_type IN ('TRIGGER', 'REFERENCES')
-    -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
-    -- operators by the function that implements them too.
-    UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
-            || ours.oid::regclass::text || ' runs ' || CASE WHEN p.oid IS NOT NULL
-                THEN 'function ' || p.oid::regprocedure::text
-                ELSE 'operator ' || o.oid::regoperator::text END,
-            'owned by', COALESCE(p.proowner, o.oprowner)
-        FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
-        JOIN pg_depend d ON d.classid = 'pg_trigger'::regclass AND d.objid = tg.oid
-        LEFT JOIN pg_operator o ON d.refclassid = 'pg_operator'::regclass
-            AND o.oid = d.refobjid
-        LEFT JOIN pg_proc p ON (d.refclassid = 'pg_proc'::regclass AND p.oid = d.refobjid)
-            OR p.oid = o.oprcode
-        WHERE NOT tg.tgisinternal AND (p.oid IS NOT NULL OR o.oid IS NOT NULL)
-), db AS (
-    SELECT d.datdba, 'pg_database_owner'::regrole::oid AS stand_in
-    FROM pg_database d WHERE d.datname = current_database()
-)
-SELECT what || ' ' || how || ' ' ||
-    CASE WHEN role = 0 THEN 'PUBLIC' ELSE role::regrole::text END
-FROM found, db
-WHERE role = 0 OR NOT pg_has_role(
-    CASE WHEN role = db.stand_in THEN db.datdba ELSE role END, current_user, 'USAGE')
-UNION ALL
-SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
-FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
--- A foreign key from elsewhere, whoever owns it: its internal triggers run the other table's
--- actions (and that table's triggers) inside prune's deletes, or make every prune fail.
-UNION ALL
-SELECT 'foreign key ' || quote_ident(k.conname) || ' of ' || k.conrelid::regclass::text
-    || ' references ' || ours.oid::regclass::text
-FROM pg_constraint k JOIN ours ON k.confrelid = ours.oid
-WHERE k.contype = 'f' AND k.conrelid NOT IN (SELECT oid FROM ours)
--- Our migrations create no trigger: each must be one the operator named, and even then
--- without a WHEN clause (it can call anything, through a cast to a domain, say).
-UNION ALL
-SELECT 'trigger ' || quote_ident(tg.tgname) || ' on ' || ours.oid::regclass::text
-    || CASE WHEN tg.tgname::text = ANY (:triggers) THEN ' has a WHEN clause'
-        ELSE ' was not created by cronoq-store and is not one of the trusted_triggers' END
-FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
-WHERE NOT tg.tgisinternal
-    AND (tg.tgqual IS NOT NULL OR NOT tg.tgname::text = ANY (:triggers))
-ORDER BY 1
-"""
-).bindparams(bindparam("tables", type_=ARRAY(Text)), bindparam("triggers", type_=ARRAY(Text)))
-
-
-@dataclass(frozen=True, slots=True)
-class TrustCheck:
-    """The trust check of one schema, as a statement any session can run and a verdict.
-
-    :func:`refuse_untrusted` runs it on a migration's or a command's connection; the leader
-    lock session runs it after taking the lock, before the epoch bump that would fire a
-    trigger on the leader row (:class:`~cronoq_store._leadership.Leadership`). Needs
-    ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-
-    schema: str
-    #: Triggers the operator allows on our tables (``PgStoreConfig.trusted_triggers``).
-    trusted_triggers: frozenset[str] = frozenset()
-
-    statement: ClassVar[Executable] = _UNTRUSTED
-    #: Who the check ran as, for the refusal.
-    current_user: ClassVar[Executable] = select(func.current_user())
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "tables": _OUR_TABLES,
-            "triggers": sorted(self.trusted_triggers),
-        }
-
-    def refusal(self, found: Sequence[str], me: str) -> MigrationError:
-        """The error naming everything ``found`` (as ``me``, the role the check ran as)."""
-        return MigrationError(
-            f"schema {self.schema!r} is not safe to use, refusing it: {'; '.join(found)}. "
-            f"Only {me!r}, superusers and roles that can act as {me!r} (members of it that "
-            "inherit its privileges) may own the schema or anything in it, create in it or "
-            "hold TRIGGER or REFERENCES on its tables or write the code their triggers run; "
-            "nothing may add rules to them or reference them by foreign key, and a trigger "
-            "on them must be named in trusted_triggers and have no WHEN clause"
-        )
-
-
-# Who can connect to the database: PUBLIC, and each login role that has CONNECT (directly,
-# through PUBLIC or through a role it inherits from) and is neither one that can act as us
-# (the test of _UNTRUSTED: pg_has_role(..., current_user, 'USAGE')) nor named by the
-# operator. pg_roles and has_database_privilege answer about any role.
-_UNTRUSTED_CONNECT = text(
-    """
-SELECT 'PUBLIC' WHERE has_database_privilege('public', current_database(), 'CONNECT')
-UNION ALL (
-    SELECT quote_ident(r.rolname) FROM pg_roles r
-    WHERE r.rolcanlogin AND has_database_privilege(r.oid, current_database(), 'CONNECT')
-        AND NOT pg_has_role(r.oid, current_user, 'USAGE')
-        AND NOT r.rolname::text = ANY (:roles)
-    ORDER BY 1
-)
-"""
-).bindparams(bindparam("roles", type_=ARRAY(Text)))
-
-#: How many untrusted roles a refusal names before it counts the rest.
-_NAMED_ROLES = 10
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectCheck:
-    """Who besides trusted roles may connect to the store's database: any such role can
-    take the leader lock (``pg_locks`` shows every key to everyone) and stop every instance
-    from leading. The lock session runs it before it polls for the lock
-    (:class:`~cronoq_store._leadership.Leadership`). Trusted are the lock session's role,
-    superusers, roles that can act as it, and ``trusted_roles`` (by exact name). Needs
-    ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-
-    #: Roles the operator lets connect (``PgStoreConfig.trusted_roles``), and the store's
-    #: pool role.
-    trusted_roles: frozenset[str] = frozenset()
-
-    statement: ClassVar[Executable] = _UNTRUSTED_CONNECT
-    database: ClassVar[Executable] = select(func.current_database())
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {"roles": sorted(self.trusted_roles)}
-
-    def refusal(self, found: Sequence[str], database: str, me: str) -> MigrationError:
-        """The error naming who may connect to ``database`` (as ``me`` saw it), and the fix."""
-        named = ", ".join(found[:_NAMED_ROLES])
-        if len(found) > _NAMED_ROLES:
-            named += f" and {len(found) - _NAMED_ROLES} more"
-        quoted = '"' + database.replace('"', '""') + '"'
-        return MigrationError(
-            f"database {database!r} lets roles the store does not trust connect, refusing to "
-            f"lead: CONNECT is granted to {named}. Any role that can connect can take the "
-            "leader lock and stop every instance from leading. Run `REVOKE CONNECT ON "
-            f"DATABASE {quoted} FROM PUBLIC`, grant CONNECT only to the store's roles and "
-            f"those you trust, and name the latter in trusted_roles (trusted already: {me!r}, "
-            f"superusers and roles that can act as {me!r}); or set "
-            "allow_untrusted_connect=True to lead anyway (docs/reliability.md, "
-            '"Who holds the lock")'
-        )
-
-
-def refuse_untrusted(
-    conn: Connection, schema: str, trusted_triggers: frozenset[str] = frozenset()
-) -> None:
-    """Raise :class:`~cronoq_store.MigrationError` naming every object of ``schema`` that a
-    role we cannot trust controls; run before the first statement that touches the schema,
-    and again after migrating (in the same transaction: tables the migration just created
-    may carry default privileges).
-
-    Refused: the schema, or any object in it, owned by such a role; such a role (or
-    ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` or ``REFERENCES`` on our tables
-    (it could plant code after this check); any rule on our tables, and any foreign key from
-    another table to them; any trigger on our tables (our
-    migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
-    clause and runs a function of a trusted role. Trusted are the connecting role,
-    superusers and roles that can already act with the connecting role's privileges.
-    Needs ``search_path`` = ``pg_catalog, pg_temp``.
-    """
-    check = TrustCheck(schema, trusted_triggers)
-    found = conn.execute(check.statement, check.params).scalars().all()
-    if found:
-        raise check.refusal(found, conn.execute(check.current_user).scalar_one())
-
-
-# --- the environment, run by alembic/env.py -------------------------------------------------
-
-
-def run_environment(context: EnvironmentContext) -> None:
-    """Run the migration Alembic asked for, offline (``--sql``) or against a database.
-
-    The connection comes from ``config.attributes["connection"]`` (a sync ``Connection`` from
-    ``AsyncConnection.run_sync``, an ``AsyncEngine`` or an ``Engine``), else from
-    ``-x url=...``, ``$CRONOQ_DATABASE_URL`` or ``sqlalchemy.url``. The schema comes from
-    ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
-    in this process (:mod:`cronoq_store._migration_lock`). A downgrade is refused under a
-    live leader unless ``attributes["force"]`` or ``-x force=true``
-    (:mod:`cronoq_store._downgrade_guard`).
-    """
-    context = migration_lock.resolve(context)  # refuses another command's context
-    with migration_lock.held(context):
-        _run_environment(context)
-
-
-def _run_environment(context: EnvironmentContext) -> None:
-    config = context.config
-    from_cli = config.cmd_opts is not None
-    try:
-        schema = _schema_of(context)
-        if context.is_offline_mode():
-            _run_offline(context, schema)
-        else:
-            _run_online(context, schema)
-    except CommandError:
-        raise
-    except Exception as exc:
-        if not from_cli:
-            raise
-        # Alembic's command line prints a CommandError as one clear line, where anything
-        # else is a driver's traceback; a URL written into the message is masked, and what
-        # it quotes made safe for a terminal.
-        known = isinstance(exc, (MigrationError, ValueError))
-        message = scrub(str(exc if known else translate_error(exc, "migrating")))
-        raise CommandError(visible(message)) from exc
-
-
-def _schema_of(context: EnvironmentContext) -> str:
-    schema = context.config.attributes.get("schema")
-    if schema is None:
-        schema = context.get_x_argument(as_dictionary=True).get("schema", "public")
-    return validate_schema_name(schema)
-
-
-def _url_of(context: EnvironmentContext) -> str:
-    x_args = context.get_x_argument(as_dictionary=True)
-    url = x_args.get("url") or os.environ.get(URL_ENV) or _ini_url(context.config)
-    if not url:
-        raise MigrationError(f"no database URL: pass -x url=postgresql://... or set ${URL_ENV}")
-    return url
-
-
-def _ini_url(config: Config) -> str | None:
-    """``sqlalchemy.url`` from the ini file. A percent-encoded password (``%40``) is not
-    configparser interpolation: a value that does not interpolate is taken as written,
-    since configparser's error would quote it, password and all."""
-    try:
-        return config.get_main_option("sqlalchemy.url")
-    except configparser.Error:
-        return config.file_config.get(config.config_ini_section, "sqlalchemy.url", raw=True)
-
-
-def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
-    connection = kwargs.get("connection")
-    # Autogenerate calls the engine's default schema None.
-    default = None if connection is None else connection.dialect.default_schema_name
-    compared = None if schema == default else schema
-
-    def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
-        """Compare only the cluster's schema and its own tables."""
-        if type_ == "schema":
-            return name == compared
-        if type_ == "table":
-            return name is not None and name != VERSION_TABLE and name in metadata.tables
-        return True
-
-    context.configure(
-        target_metadata=_in_schema(schema),
-        version_table=VERSION_TABLE,
-        version_table_schema=schema,
-        include_schemas=True,
-        include_name=include_name,
-        compare_type=True,
-        transaction_per_migration=False,
-        # Every downgrade checks for a live leader before its first step, in the run's
-        # transaction (:mod:`cronoq_store._downgrade_guard`).
-        fn=downgrade_guard.guarded(context, schema, connection),
-        **kwargs,
-    )
-
-
-def _in_schema(schema: str) -> MetaData:
-    """The tables in ``schema``, for ``alembic check``: with the schema off ``search_path``,
-    autogenerate compares schema-qualified tables."""
-    copy = MetaData(naming_convention=metadata.naming_convention)
-    for table_ in metadata.tables.values():
-        table_.to_metadata(copy, schema=schema)
-    return copy
-
-
-def _lock(schema: str) -> Any:
-    return select(func.pg_advisory_xact_lock(LOCK_NS_MIGRATE, func.hashtext(schema)))
-
-
-def _run_offline(context: EnvironmentContext, schema: str) -> None:
-    """Print a script a DBA can review; it takes the same lock and search path, and stops
-    before any DDL if the schema belongs to a role other than the one running it that is not
-    a superuser (:data:`~cronoq_store._statements.refuse_foreign_owner`; the online check of
-    every object in the schema is not in the script)."""
-    _configure(context, schema, dialect_name="postgresql", literal_binds=True)
-    with context.begin_transaction():
-        context.execute(st.local_search_path)
-        context.execute(_lock(schema))
-        context.execute(CreateSchema(schema, if_not_exists=True))
-        context.execute(st.checked_schema(schema))
-        context.execute(st.refuse_foreign_owner)
-        context.run_migrations()
-
-
-def _run_online(context: EnvironmentContext, schema: str) -> None:
-    bind = context.config.attributes.get("connection")
-    if bind is None:
-        url = _url_of(context)
-        dialled, tls = engine_arguments(url)
-        engine = create_async_engine(
-            dialled,
-            poolclass=NullPool,
-            connect_args={
-                "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"search_path": st.SEARCH_PATH},
-                **tls,
-            },
-        )
-        try:
-            _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
-        except _ConnectFailed as failed:
-            # The command line's one line names the server it could not reach, masked; no
-            # colon after the URL, which a ?password=*** would run into when scrubbed.
-            reason = translate_error(failed.__cause__ or failed, "connecting")
-            raise MigrationError(f"cannot connect to {redact(url)} ({reason})") from failed
-    elif isinstance(bind, AsyncEngine):
-        _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
-    elif isinstance(bind, Connection):
-        _migrate(context, schema, bind)
-    elif isinstance(bind, Engine):
-        with bind.connect() as conn:
-            _migrate(context, schema, conn)
-            conn.commit()
-    else:
-        raise TypeError(
-            "config.attributes['connection'] must be a Connection (use "
-            "AsyncConnection.run_sync), an AsyncEngine or an Engine, "
-            f"not {type(bind).__name__}"
-        )
-
-
-async def _run_async(
-    context: EnvironmentContext, schema: str, engine: AsyncEngine, *, dispose: bool
-) -> None:
-    try:
-        try:
-            conn = await engine.connect()
-        except Exception as exc:
-            if not dispose:
-                raise  # the application's engine: its caller translates the error
-            raise _ConnectFailed from exc
-        try:
-            await conn.run_sync(lambda sync_conn: _migrate(context, schema, sync_conn))
-            await conn.commit()
-        finally:
-            await conn.close()
-    finally:
-        if dispose:
-            await engine.dispose()
-
-
-class _ConnectFailed(Exception):
-    """The engine made from a URL could not connect (the cause says why)."""
-
-
-def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run a coroutine to completion from sync code, even inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(make())
-        return
-    # A host application's loop is running in this thread: asyncio.run would refuse, so the
-    # migration gets a loop of its own in a worker thread.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(lambda: asyncio.run(make())).result()
-
-
-def clusters_elsewhere(conn: Connection, schema: str) -> list[str]:
-    """The schemas that hold a cluster, when ``schema`` holds none and others do; else
-    empty. For a schema nobody named (the ``public`` default) that means the operator most
-    likely forgot to name one: ``cronoq-store`` and Alembic's env both refuse it then,
-    rather than show, or create, an empty cluster beside the real ones."""
-    found = list(conn.execute(st.cluster_schemas).scalars())
-    return found if found and schema not in found else []
-
-
-def _schema_named(context: EnvironmentContext) -> bool:
-    return context.config.attributes.get(
-        "schema"
-    ) is not None or "schema" in context.get_x_argument(as_dictionary=True)
-
-
-def _refuse_defaulted_schema(context: EnvironmentContext, schema: str, conn: Connection) -> None:
-    """The CLI's rule (:func:`clusters_elsewhere`), worded for Alembic's command line."""
-    if _schema_named(context):
-        return
-    elsewhere = clusters_elsewhere(conn, schema)
-    if elsewhere:
-        raise MigrationError(
-            f"no -x schema=NAME given and schema {schema!r} holds no cronoq cluster; the "
-            f"clusters in this database are in: {', '.join(elsewhere)}; pass -x schema=NAME "
-            f"(-x schema={schema} to use {schema!r} anyway)"
-        )
-
-
-def _command_name(context: EnvironmentContext) -> str:
-    """The Alembic command this run is (``current``, ``downgrade``...), or ``""`` when
-    called from code."""
-    command_line = getattr(context.config.cmd_opts, "cmd", None)
-    return "" if command_line is None else getattr(command_line[0], "__name__", "")
-
-
-def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
-    _configure(context, schema, connection=conn)
-    with context.begin_transaction():
-        conn.execute(st.local_search_path)
-        conn.execute(_lock(schema))
-        _refuse_defaulted_schema(context, schema, conn)
-        command = _command_name(context)
-        if command in ("current", "downgrade") and not revision_status(conn, schema).current:
-            # `current` would print nothing and a downgrade do nothing (both creating the
-            # schema) and exit 0: say why instead; a downgrade of a typo fails.
-            said = f"schema {schema!r} holds no cronoq cluster (not migrated)"
-            if command == "downgrade":
-                raise MigrationError(f"{said}: nothing to downgrade")
-            context.config.print_stdout(f"{said}: nothing to show")
-            return
-        # Created first (a no-op if it exists) and then checked: a schema that another role
-        # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
-        conn.execute(CreateSchema(schema, if_not_exists=True))
-        trusted = _trusted_of(context)
-        refuse_untrusted(conn, schema, trusted)
-        if _autogenerating(context) and schema == conn.dialect.default_schema_name:
-            # Autogenerate (`alembic check`) reflects the engine's default schema as "the
-            # tables visible on search_path"; it just passed the trust check above.
-            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
-        _adopt_legacy(context, conn, schema)
-        _refuse_newer(context, schema)
-        context.run_migrations()
-        # Again, in the same transaction: the tables just created may carry default privileges
-        # (ALTER DEFAULT PRIVILEGES ... GRANT ALL ON TABLES) that let another role plant a
-        # trigger; a refusal here rolls the whole migration back.
-        refuse_untrusted(conn, schema, trusted)
-
-
-def _trusted_of(context: EnvironmentContext) -> frozenset[str]:
-    """The trusted triggers: ``attributes["trusted_triggers"]`` or ``-x trusted_triggers=a,b``."""
-    trusted = context.config.attributes.get(_TRUSTED_TRIGGERS)
-    if trusted is None:
-        given = context.get_x_argument(as_dictionary=True).get(_TRUSTED_TRIGGERS, "")
-        trusted = [name.strip() for name in given.split(",") if name.strip()]
-    return trusted_trigger_names(trusted)
-
-
-def _autogenerating(context: EnvironmentContext) -> bool:
-    """Whether this run compares the database with the model (``alembic check``)."""
-    environment = context.get_context().environment_context
-    return environment is not None and "revision_context" in environment.context_opts
-
-
-def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) -> None:
-    """Stamp a schema made by the hand-rolled versioning at the revision it matches."""
-    migration = context.get_context()
-    if migration.get_current_heads():
-        return
-
-    def exists(name: str) -> bool:
-        found = conn.execute(st.relation_exists, {"schema": schema, "name": name})
-        return bool(found.scalar_one())
-
-    if not exists(_LEGACY_TABLE):
-        if exists("cronoq_tasks"):
-            raise MigrationError(
-                "the schema holds cronoq tables but no version table: it was not created by "
-                "cronoq-store's migrations; move the tables aside or stamp the revision they "
-                "match with `alembic stamp`"
-            )
-        return
-    legacy = table(_LEGACY_TABLE, column("id"), column("version"), schema=schema)
-    version = conn.execute(select(legacy.c.version).where(legacy.c.id == 1)).scalar_one_or_none()
-    if version is None or version == 0:
-        return  # the legacy run never committed a migration: nothing to adopt
-    revision = LEGACY_REVISIONS.get(version)
-    if revision is None:
-        raise MigrationError(
-            f"{_LEGACY_TABLE} records version {version}, newer than this build knows "
-            f"(1..{max(LEGACY_REVISIONS)})"
-        )
-    assert context.script is not None
-    migration.stamp(context.script, revision)
-
-
-def _refuse_newer(context: EnvironmentContext, schema: str) -> None:
-    assert context.script is not None
-    unknown = _unknown_revisions(context.script, context.get_context().get_current_heads())
-    if unknown:
-        raise MigrationError(_newer_message(schema, unknown))

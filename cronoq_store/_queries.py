@@ -9,7 +9,6 @@ there is one loop that takes the leader row lock before every batch.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -19,6 +18,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from . import _catalog as catalog
 from . import _statements as st
 from ._domain import (
     I64_MAX as I64_MAX,
@@ -41,6 +41,7 @@ from ._domain import (
 from ._domain import (
     TaskStatus as TaskStatus,
 )
+from ._domain import check_seconds as check_seconds
 from ._domain import (
     check_task_id as check_task_id,
 )
@@ -161,17 +162,7 @@ async def load_output(conn: AsyncConnection, id: TaskId) -> bytes | None:
 def prune_age_ns(older_than: float) -> int:
     """``older_than`` seconds in ns; ``ValueError`` for a bad age (before anything
     connects)."""
-    if (
-        isinstance(older_than, bool)
-        or not isinstance(older_than, (int, float))
-        or not math.isfinite(older_than)
-        or not 0 <= older_than <= MAX_PRUNE_AGE
-    ):
-        raise ValueError(
-            f"older_than: must be a number of seconds in 0..{MAX_PRUNE_AGE} (100 years), "
-            f"got {older_than!r}"
-        )
-    return round(older_than * 1e9)
+    return round(check_seconds("older_than:", older_than, most=MAX_PRUNE_AGE) * 1e9)
 
 
 def prune_cutoff(older_than: float) -> int:
@@ -186,7 +177,7 @@ async def server_prune_cutoff(conn: AsyncConnection, older_than: float) -> int:
     that prunes one cluster agrees, whatever its own clock says (a host whose clock runs
     days ahead must not delete tasks that finished an hour ago)."""
     age = prune_age_ns(older_than)
-    now = (await conn.execute(st.server_now)).scalar_one()
+    now = (await conn.execute(catalog.server_now)).scalar_one()
     return (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - age
 
 
@@ -267,17 +258,17 @@ async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> Cluster
     ``cronoq-store health`` report. One statement; a holder that is not a store instance is
     read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
     keys = lock_keys(lock)
-    facts = facts_of((await conn.execute(st.health_facts, keys)).one())
+    facts = facts_of((await conn.execute(catalog.health_facts, keys)).one())
     if facts.holder is None or facts.holder.store_instance:
         return facts
     await asyncio.sleep(TAKEOVER_GRACE)
-    await conn.execute(st.clear_stats_snapshot)
-    return facts_of((await conn.execute(st.health_facts, keys)).one())
+    await conn.execute(catalog.clear_stats_snapshot)
+    return facts_of((await conn.execute(catalog.health_facts, keys)).one())
 
 
 async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:
     """Who holds the leader lock ``lock`` where the schema has no leader row to read (not
     migrated, or its tables dropped under a running leader): without the row nobody can
     be told a store instance, so none is."""
-    row = (await conn.execute(st.leader_lock_holder, lock_keys(lock))).first()
+    row = (await conn.execute(catalog.leader_lock_holder, lock_keys(lock))).first()
     return None if row is None else holder_of(row, store_instance=False)

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from . import _statements as st
 from ._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from ._codec import engine_time as engine_time
+from ._codec import quarantine_reason as quarantine_reason
 from ._domain import (
     Recovered as Recovered,
 )
@@ -43,9 +44,9 @@ from ._domain import (
 from ._domain import (
     reading_stored as reading_stored,
 )
+from ._driver import CompiledStatement as CompiledStatement
 from ._rows import LiveTasks as LiveTasks
 from ._rows import recurring_schedule as recurring_schedule
-from ._writer import CompiledStatement as CompiledStatement
 
 __all__ = ["RECOVERY_PARTITION", "collector_paused", "next_id", "recover"]
 
@@ -53,8 +54,6 @@ logger = logging.getLogger("cronoq_store")
 
 #: Live task rows read and decoded at a time by :func:`recover`.
 RECOVERY_PARTITION = 10_000
-#: Longest reason kept in a quarantined row's message (the message column is stored text).
-_QUARANTINE_REASON_CHARS = 500
 
 
 async def recover(
@@ -98,7 +97,10 @@ async def _recover_tasks(
     retention: float,
     recovered: Recovered,
 ) -> int:
-    """Fills ``recovered``'s tasks; returns how many rows were quarantined."""
+    """Fills ``recovered``'s tasks; returns how many rows were quarantined.
+
+    Long for a reason: the cursor loop and the quarantine stay in one frame, on recovery's
+    per-row path."""
     corrupt_ids: list[int] = []
     corrupt_messages: list[str] = []
     decode = LiveTasks(base).decode
@@ -111,13 +113,13 @@ async def _recover_tasks(
     # 100,000 tasks).
     live = CompiledStatement.of(st.live_tasks, conn.dialect, schema)
     driver: Any = (await conn.get_raw_connection()).driver_connection
-    cursor = await driver.cursor(live.sql, *live.args({}))
+    cursor = await live.cursor(driver, {})
     while rows := await cursor.fetch(RECOVERY_PARTITION):
         for row in rows:
             try:
                 tasks.append(decode(*row))
             except Exception as exc:  # whatever the row holds; free when nothing raises
-                reason = _reason(exc)
+                reason = quarantine_reason(exc)
                 logger.error(
                     "quarantining undecodable task row",
                     extra={"task_id": row["id"], "error": reason},
@@ -175,7 +177,7 @@ async def _recover_recurring(conn: AsyncConnection, base: TimeBase, recovered: R
             # Left in place, so it can be repaired, but not scheduled.
             logger.error(
                 "skipping undecodable recurring schedule",
-                extra={"schedule": row.name, "error": _reason(exc)},
+                extra={"schedule": row.name, "error": quarantine_reason(exc)},
             )
 
 
@@ -199,15 +201,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _reason(exc: Exception) -> str:
-    """Why a row could not be decoded, as storable text: bounded and cleaned.
-
-    A ``ValueError`` (``DecodeError`` included) names the field; anything else is a failure
-    of this build on an odd value and says what it was.
-    """
-    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    if len(reason) > _QUARANTINE_REASON_CHARS:
-        reason = reason[: _QUARANTINE_REASON_CHARS - 1] + "…"
-    return clean_text(reason)

@@ -1,23 +1,27 @@
-"""The one retry policy: capped exponential backoff with jitter, for every retry loop.
+"""The one retry loop and the one timeout: how the store waits, in one module.
 
-Transient failures (``UnavailableError``) are retried after a pause that doubles from
-``initial`` up to ``cap``, with part of it drawn at random so that instances that failed
-together do not retry together. The group committer retries a failed batch with
-:data:`COMMIT_BACKOFF`; leader acquisition retries reaching the database with
-:func:`acquisition_backoff`. Changing how the store waits between attempts is a change to
-this module only. (A task's own retries, ``domain.RetryPolicy``, are the scheduler's.)
+:func:`retry` is the loop of every retry (the group committer's commit, leader
+acquisition): its policy is a :class:`Backoff`, capped exponential pauses with jitter, so
+that instances that failed together do not retry together; what is retried is a transient
+``StoreError`` (``is_transient``), and each caller says when to stop. The committer uses
+:data:`COMMIT_BACKOFF`, acquisition :func:`acquisition_backoff`. :func:`bounded` is the
+one timeout around a wait on the database. Changing how the store retries or waits is a
+change to this module only. (A task's own retries, ``domain.RetryPolicy``, are the
+scheduler's.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ._config import PgStoreConfig as PgStoreConfig
+from ._domain import check_seconds as check_seconds
+from ._errors import StoreError as StoreError
 
 __all__ = [
     "COMMIT_BACKOFF",
@@ -26,6 +30,7 @@ __all__ = [
     "acquisition_backoff",
     "bounded",
     "pause",
+    "retry",
 ]
 
 _T = TypeVar("_T")
@@ -56,13 +61,7 @@ class Backoff:
 
     def __post_init__(self) -> None:
         for name in ("initial", "cap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"backoff {name} must be a number of seconds, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(
-                    f"backoff {name} must be a positive number of seconds, got {value!r}"
-                )
+            value = check_seconds(f"backoff {name}", getattr(self, name))
             if value < MIN_PAUSE:
                 raise ValueError(
                     f"backoff {name} must be at least {MIN_PAUSE}s (a shorter pause is a busy "
@@ -106,11 +105,52 @@ def acquisition_backoff(config: PgStoreConfig) -> Backoff:
     return Backoff(initial=max(cap / 4, MIN_PAUSE), cap=cap, jitter=0.5)
 
 
+async def retry(
+    attempt: Callable[[], Awaitable[_T]],
+    backoff: Backoff,
+    *,
+    classify: Callable[[Exception], StoreError | None],
+    check: Callable[[StoreError, int], Awaitable[None]],
+    pausing: Callable[[StoreError, int, float], None],
+    wait: Callable[[float], Awaitable[bool]],
+    stopped: Callable[[StoreError], BaseException],
+) -> _T:
+    """``await attempt()`` until it succeeds: the store's one retry loop.
+
+    - Classification: ``classify`` maps a failure to the store's error (``None``: not the
+      store's, raised as it is); one that is not transient is raised (``from`` the failure
+      when it is a translation of it).
+    - Policy: the pauses of ``backoff``, a new run of them for each call.
+    - Stop: after each transient failure ``check`` is told the error and how many failed in
+      a row, and may raise to end the loop (a stuck batch, an abort); ``pausing`` is told
+      the pause about to be taken (to log and count it); ``wait`` takes the pause and says
+      whether to stop, which raises ``stopped(error)`` from the failure.
+    """
+    delays = backoff.delays()
+    failures = 0
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:
+            error = classify(exc)
+            if error is None or (error is exc and not error.is_transient):
+                raise
+            if not error.is_transient:
+                raise error from exc
+            failure = exc
+        failures += 1
+        await check(error, failures)
+        delay = next(delays)
+        pausing(error, failures, delay)
+        if await wait(delay):
+            raise stopped(error) from failure
+
+
 # ``asyncio.wait_for`` before Python 3.12 loses a cancellation that arrives as its awaitable
 # finishes (it returns that result or raises that error instead): a retry loop around it
 # then keeps retrying in a task its caller has cancelled and is waiting for. Seen here: a
 # cancelled ``acquire_leadership`` retried forever when a refused connect and the cancel
-# came together. These two never lose one.
+# came together. :func:`bounded` never loses one.
 
 
 async def bounded(
@@ -118,34 +158,59 @@ async def bounded(
     seconds: float,
     *,
     discard: Callable[[_T], Awaitable[object]] | None = None,
+    abort: Callable[[], object] | None = None,
+    grace: float = 0.0,
+    silent: str = "no answer",
 ) -> _T:
-    """``await work`` for at most ``seconds`` (``asyncio.TimeoutError`` after); a
-    cancellation of the caller cancels ``work`` and is raised, whatever ``work`` did.
+    """``await work`` for at most ``seconds`` (``asyncio.TimeoutError`` after, saying
+    ``silent``); a cancellation of the caller stops ``work`` and is raised, whatever
+    ``work`` did: the store's one timeout.
 
-    ``discard`` frees what ``work`` made when nobody gets it: a result that arrived in the
-    same loop turn as the caller's cancellation, or as the timeout's (a connection opened
-    just then would otherwise stay open, and checked out, for good).
+    ``work`` is stopped by cancelling it, or, with ``abort``, by calling ``abort`` (a lock
+    session drops its socket, where a cancel would send a request into the same silence)
+    and cancelling only if ``work`` has not ended ``grace`` seconds later. ``discard`` frees
+    what ``work`` made when nobody gets it: a result that arrived in the same loop turn as
+    the caller's cancellation, or as the timeout's (a connection opened just then would
+    otherwise stay open, and checked out, for good). With neither, no task is made (a
+    commit's few event-loop turns, on Python 3.11 and later).
     """
+    if discard is None and abort is None and sys.version_info >= (3, 11):
+        try:
+            async with asyncio.timeout(seconds) as scope:
+                return await work
+        except TimeoutError:
+            if scope.expired():
+                raise TimeoutError(f"{silent} within {seconds:g} s") from None
+            raise
     task = asyncio.ensure_future(work)
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
     except BaseException:
-        await _abandon(task, discard)
+        await _abandon(task, discard, abort, grace)
         raise
     if not done:
-        await _abandon(task, discard)
-        raise asyncio.TimeoutError(f"no answer within {seconds:g} s")
+        await _abandon(task, discard, abort, grace)
+        raise asyncio.TimeoutError(f"{silent} within {seconds:g} s")
     return task.result()
 
 
 async def _abandon(
-    task: asyncio.Future[_T], discard: Callable[[_T], Awaitable[object]] | None
+    task: asyncio.Future[_T],
+    discard: Callable[[_T], Awaitable[object]] | None,
+    abort: Callable[[], object] | None,
+    grace: float,
 ) -> None:
-    """Cancel ``task``, whose result nobody will get, and discard the result it had anyway."""
+    """Stop ``task``, whose result nobody will get, and discard the result it had anyway;
+    its error, the consequence of the stop, is not news."""
+    if not task.done() and abort is not None:
+        abort()
+        await asyncio.wait({task}, timeout=grace)
     if not task.done():
         task.cancel()
         await asyncio.wait({task})
-    if discard is not None and not task.cancelled() and task.exception() is None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    if discard is not None:
         await discard(task.result())
 
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import fields
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy import BigInteger, Boolean, Integer, Text
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.types import TypeEngine
 
 from ._codec import (
     clean_text as clean_text,
@@ -125,7 +127,9 @@ __all__ = [
     "RECURRING_COLUMNS",
     "SHARED_VALUES",
     "STATE_COLUMNS",
+    "UPDATE_PARAMS",
     "LiveTasks",
+    "StatusUpdates",
     "insert_row",
     "recurring_schedule",
     "same_task",
@@ -246,6 +250,49 @@ def transposed(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
     return dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
 
 
+# --- transitions of stored tasks ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StatusUpdates:
+    """The parameters of ``statements.update_status``, one element per task: the one
+    declaration of them. Each field is a bind name of the statement, an array with its
+    element's SQL type (``metadata["sql"]``); the statement's arrays
+    (:func:`update_param_types`), the fold's columns and the in-memory store's rule all
+    derive from it. ``levels`` is
+    :func:`~cronoq_store._domain.level` of each transition; ``message_levels`` and
+    ``message_ats`` the position of the transition that brought ``messages`` (``None``:
+    no message, the stored one stays)."""
+
+    ids: list[int] = field(default_factory=list, metadata={"sql": BigInteger()})
+    statuses: list[str] = field(default_factory=list, metadata={"sql": Text()})
+    terminals: list[bool] = field(default_factory=list, metadata={"sql": Boolean()})
+    attempts: list[int] = field(default_factory=list, metadata={"sql": Integer()})
+    updated: list[int] = field(default_factory=list, metadata={"sql": BigInteger()})
+    levels: list[int] = field(default_factory=list, metadata={"sql": BigInteger()})
+    messages: list[str | None] = field(default_factory=list, metadata={"sql": Text()})
+    message_levels: list[int | None] = field(default_factory=list, metadata={"sql": BigInteger()})
+    message_ats: list[int | None] = field(default_factory=list, metadata={"sql": BigInteger()})
+
+    def params(self) -> dict[str, list[Any]]:
+        """The statement's parameters, by bind name."""
+        return {name: getattr(self, name) for name in UPDATE_PARAMS}
+
+    @classmethod
+    def of(cls, params: Mapping[str, list[Any]]) -> StatusUpdates:
+        """The parameters :meth:`params` gave."""
+        return cls(*(params[name] for name in UPDATE_PARAMS))
+
+
+#: The bind names of ``update_status``, in :class:`StatusUpdates` order.
+UPDATE_PARAMS: tuple[str, ...] = tuple(f.name for f in fields(StatusUpdates))
+
+
+def update_param_types() -> list[tuple[str, TypeEngine[Any]]]:
+    """Each ``update_status`` parameter with its elements' SQL type."""
+    return [(f.name, f.metadata["sql"]) for f in fields(StatusUpdates)]
+
+
 # --- recovery -------------------------------------------------------------------------------
 
 
@@ -341,7 +388,9 @@ class LiveTasks:
     ) -> RecoveredTask:
         """A live task row (:data:`LIVE_COLUMNS`) as the scheduler's value; ``ValueError``
         names what is wrong. A row the domain would refuse as a submission (an empty pool,
-        a negative seq or id) is refused here too."""
+        a negative seq or id) is refused here too.
+
+        Long for a reason: recovery's per-row decoder, one frame with no call per column."""
         if status not in LIVE_STATUS_NAMES and TaskStatus.from_stored(status) is not None:
             # A finished status on a row marked live: which of the two is wrong cannot be
             # told. A name this build does not know is a newer build's live status: the task

@@ -11,7 +11,6 @@ serves a query the store runs; none is speculative.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sqlalchemy import (
@@ -31,23 +30,27 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, OID
 
+from ._config import validate_schema_name as validate_schema_name
+
 __all__ = [
     "LEADER_ROW_ID",
+    "LEGACY_VERSION_TABLE",
     "VERSION_TABLE",
     "leader",
     "metadata",
     "recurring",
     "schema_options",
     "tasks",
-    "validate_schema_name",
 ]
 
 #: Alembic's version table, per schema, named so it never collides with an application's own.
 VERSION_TABLE = "cronoq_alembic_version"
+#: The version table of builds before Alembic (versions 1 to 5), adopted and then dropped
+#: by revision 0006.
+LEGACY_VERSION_TABLE = "cronoq_schema_version"
 #: ``cronoq_leader`` holds exactly one row, with this id.
 LEADER_ROW_ID = 1
 
-_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 metadata = MetaData(
     naming_convention={
@@ -145,30 +148,6 @@ recurring = Table(
     # The occurrence a queued recurring schedule chains to.
     Column("last_task_id", BigInteger),
 )
-
-
-def validate_schema_name(schema: str) -> str:
-    """Return ``schema`` if it is a plain PostgreSQL identifier, else raise ``ValueError``.
-
-    Only ASCII letters, digits and ``_``, not starting with a digit, at most 63 characters
-    (PostgreSQL truncates longer names silently, which would merge two clusters). Checked
-    before the name reaches any statement, so quoting is never the only defence. The system's
-    schemas (``pg_*``, ``information_schema``, in any case) are refused: they are not ours to
-    fill, and ``pg_temp`` is a different schema in every session.
-    """
-    if not isinstance(schema, str):
-        raise ValueError(f"schema name must be a string, got {type(schema).__name__}")
-    if _SCHEMA_NAME.fullmatch(schema) is None:
-        raise ValueError(
-            f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
-            "not starting with a digit"
-        )
-    if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
-        raise ValueError(
-            f"invalid schema name {schema!r}: pg_* and information_schema are the system's "
-            "schemas; give the cluster a schema of its own"
-        )
-    return schema
 
 
 def schema_options(schema: str) -> dict[str, Any]:

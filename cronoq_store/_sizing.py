@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 from ._domain import (
     CronSchedule as CronSchedule,
 )
+from ._domain import IntervalSchedule as IntervalSchedule
 from ._domain import (
     Mutation as Mutation,
 )
@@ -44,8 +45,10 @@ from ._domain import (
 from ._domain import (
     TaskSpec as TaskSpec,
 )
+from ._domain import unhandled as unhandled
+from ._errors import BatchTooLargeError as BatchTooLargeError
 
-__all__ = ["MAX_COMMIT_BYTES", "batch_size", "mutation_size", "output_size"]
+__all__ = ["MAX_COMMIT_BYTES", "batch_size", "check_batch_size", "mutation_size", "output_size"]
 
 #: The largest batch ``PgStore.commit`` sends: half of PostgreSQL's 1 GiB - 1 limit on a
 #: protocol message and on any one value, so that neither the estimate's slack nor the
@@ -99,36 +102,41 @@ def _json_columns(spec: TaskSpec) -> int:
 
 def mutation_size(mutation: Mutation) -> int:
     """Upper bound of the bytes ``mutation`` adds to a commit."""
-    if isinstance(mutation, Submitted):
-        spec = mutation.spec
-        # Short text columns at 4 bytes per character: measuring them costs more than the
-        # slack does.
-        text = len(spec.kind) + len(spec.pool)
-        if spec.key is not None:
-            text += len(spec.key)
-        if spec.tenant is not None:
-            text += len(spec.tenant)
-        return _TASK_ROW + len(spec.payload) + 4 * text + _json_columns(spec)
-    if isinstance(mutation, StatusChanged):
-        return _TRANSITION_ROW + _text(mutation.message)
-    if isinstance(mutation, RecurringUpsert):
-        recurring = mutation.spec
-        template = recurring.template
-        # The template is stored as JSON (its payload in a column of its own), so its text
-        # fields count as JSON strings, and so do a cron schedule's.
-        strings = [template.kind, template.pool, template.key or "", template.tenant or ""]
-        if isinstance(recurring.schedule, CronSchedule):
-            strings += (recurring.schedule.expr, recurring.schedule.timezone)
-        return (
-            _RECURRING_ROW
-            + _text(recurring.name)
-            + len(template.payload)
-            + _json_strings(strings)
-            + _json_columns(template)
-        )
-    if isinstance(mutation, (RecurringRemove, RecurringNext)):
-        return _RECURRING_ROW + _text(mutation.name)
-    raise TypeError(f"not a mutation: {type(mutation).__name__}")
+    match mutation:
+        case Submitted(spec=spec):
+            # Short text columns at 4 bytes per character: measuring them costs more than
+            # the slack does.
+            text = len(spec.kind) + len(spec.pool)
+            if spec.key is not None:
+                text += len(spec.key)
+            if spec.tenant is not None:
+                text += len(spec.tenant)
+            return _TASK_ROW + len(spec.payload) + 4 * text + _json_columns(spec)
+        case StatusChanged(message=message):
+            return _TRANSITION_ROW + _text(message)
+        case RecurringUpsert(spec=recurring):
+            template = recurring.template
+            # The template is stored as JSON (its payload in a column of its own), so its
+            # text fields count as JSON strings, and so do a cron schedule's.
+            strings = [template.kind, template.pool, template.key or "", template.tenant or ""]
+            match recurring.schedule:
+                case CronSchedule(expr=expr, timezone=zone):
+                    strings += (expr, zone)
+                case IntervalSchedule():
+                    pass
+                case schedule:
+                    unhandled(schedule, "schedule")
+            return (
+                _RECURRING_ROW
+                + _text(recurring.name)
+                + len(template.payload)
+                + _json_strings(strings)
+                + _json_columns(template)
+            )
+        case RecurringRemove(name=name) | RecurringNext(name=name):
+            return _RECURRING_ROW + _text(name)
+        case _:
+            unhandled(mutation)
 
 
 def output_size(output: tuple[TaskId, bytes]) -> int:
@@ -139,3 +147,18 @@ def output_size(output: tuple[TaskId, bytes]) -> int:
 def batch_size(batch: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]]) -> int:
     """Upper bound of the bytes a commit of ``batch`` and ``outputs`` sends."""
     return sum(map(mutation_size, batch)) + sum(map(output_size, outputs))
+
+
+def check_batch_size(
+    batch: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]], limit: int
+) -> int:
+    """:func:`batch_size` of ``batch`` and ``outputs``; ``BatchTooLargeError``, before
+    anything is sent, when that is over ``limit`` bytes: the check of both stores."""
+    size = batch_size(batch, outputs)
+    if size > limit:
+        raise BatchTooLargeError(
+            f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
+            f"outputs take up to {size} bytes, over the {limit} bytes one commit may send "
+            "(PostgreSQL refuses a message over 1 GiB); commit them in smaller batches"
+        )
+    return size

@@ -1,4 +1,8 @@
-"""Every statement the store runs, as SQLAlchemy Core constructs built once at import.
+"""The store's own statements (commits, recovery, look-ups, pruning), as SQLAlchemy Core
+constructs built once at import. The others live beside their users: the leader lock
+session's in :mod:`cronoq_store._lock_statements`, the sessions' settings in
+:mod:`cronoq_store._session_statements`, the operators' catalog queries in
+:mod:`cronoq_store._catalog`, the migrations' in :mod:`cronoq_store._migration_statements`.
 
 The tables carry no schema name, so each construct compiles once and the compiled cache
 serves every cluster: the schema is applied at execution with ``schema_translate_map``.
@@ -13,11 +17,9 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
-    Column,
     ColumnElement,
     Integer,
     LargeBinary,
-    MetaData,
     Numeric,
     Table,
     Text,
@@ -28,31 +30,26 @@ from sqlalchemy import (
     cast,
     column,
     delete,
-    false,
     func,
-    literal,
     literal_column,
     not_,
     null,
     or_,
     select,
-    table,
-    text,
     true,
     tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.schema import DDL
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.types import TypeEngine
 
-from ._domain import EPOCH_MAX as EPOCH_MAX
+from ._domain import LIVE_RANKS as LIVE_RANKS
 from ._domain import QUEUED as QUEUED
+from ._domain import RANKS_PER_ATTEMPT as RANKS_PER_ATTEMPT
+from ._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
 from ._domain import TaskStatus as TaskStatus
-from ._folding import LIVE_RANKS as LIVE_RANKS
-from ._folding import TERMINAL_LEVEL as TERMINAL_LEVEL
 from ._rows import (
     IDENTITY_COLUMNS as IDENTITY_COLUMNS,
 )
@@ -71,11 +68,9 @@ from ._rows import (
 from ._rows import (
     RECURRING_COLUMNS as RECURRING_COLUMNS,
 )
+from ._rows import update_param_types as update_param_types
 from ._schema import (
     LEADER_ROW_ID as LEADER_ROW_ID,
-)
-from ._schema import (
-    VERSION_TABLE as VERSION_TABLE,
 )
 from ._schema import (
     leader as leader,
@@ -88,14 +83,8 @@ from ._schema import (
 )
 
 __all__ = [
-    "LOCK_NS_LEADER",
-    "LOCK_SESSION_SETTINGS",
-    "SEARCH_PATH",
     "accepts_writes",
     "advance_recurring",
-    "borrowed_transaction",
-    "bump_epoch",
-    "checked_schema",
     "colliding_ids",
     "epoch_for_share",
     "epoch_held_for_share",
@@ -106,105 +95,21 @@ __all__ = [
     "insert_tasks_fenced",
     "key_holders",
     "live_tasks",
-    "local_search_path",
-    "lock_session_settings",
-    "ping",
     "prune_batch",
     "quarantine",
     "recent_terminal",
     "record_max_id",
     "recurring_schedules",
-    "refuse_foreign_owner",
     "remove_recurring",
-    "schema_oid",
     "server_encoding",
-    "session_search_path",
-    "set_local_search_path",
     "store_outputs",
     "task_by_id",
     "task_by_key",
     "task_output",
-    "try_leader_lock",
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
 ]
-
-#: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
-LOCK_NS_LEADER = 0x63726F71
-#: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
-
-# --- leadership -----------------------------------------------------------------------------
-
-#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock.
-try_leader_lock = select(
-    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
-)
-
-_own_session = table(
-    "pg_stat_activity",
-    column("pid", Integer),
-    column("backend_start", postgresql.TIMESTAMP(timezone=True)),
-    column("usesysid", postgresql.OID),
-    schema="pg_catalog",
-)
-
-
-def _own(name: str) -> Any:
-    """A column of this session's own ``pg_stat_activity`` row (always visible to it)."""
-    return (
-        select(_own_session.c[name])
-        .where(_own_session.c.pid == func.pg_backend_pid())
-        .scalar_subquery()
-    )
-
-
-#: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
-#: did (pid, backend start, role): what tells the leader from a session that only holds the
-#: lock (:data:`health_facts`). Returns the new epoch.
-_next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
-bump_epoch = (
-    update(leader)
-    .where(leader.c.id == LEADER_ROW_ID)
-    .values(
-        epoch=_next_epoch,
-        holder_epoch=_next_epoch,
-        holder_pid=func.pg_backend_pid(),
-        holder_backend_start=_own("backend_start"),
-        holder_role=_own("usesysid"),
-    )
-    .returning(leader.c.epoch)
-)
-
-#: The lock session's liveness check.
-ping = select(1)
-
-#: What the lock session sets for itself once connected, when the connection comes from an
-#: application's pool creator (which ignores our connect arguments); each is a bind of the
-#: same name. ``set_config`` is schema-qualified: the creator may have set any search_path.
-LOCK_SESSION_SETTINGS = (
-    "search_path",
-    "application_name",
-    "tcp_keepalives_idle",
-    "tcp_keepalives_interval",
-    "tcp_keepalives_count",
-    "idle_session_timeout",
-    "synchronous_commit",
-    "default_transaction_read_only",
-)
-lock_session_settings = select(
-    *(
-        func.pg_catalog.set_config(literal(name, Text), bindparam(name, type_=Text), false())
-        for name in LOCK_SESSION_SETTINGS
-    )
-)
-
-#: The schema's OID, the second key of the leader lock (``pg_namespace`` is not translated).
-#: ``to_regnamespace`` parses an identifier, so the name is quoted first: ``Prod`` stays
-#: ``Prod`` instead of being folded to ``prod``.
-schema_oid = select(
-    func.to_regnamespace(func.quote_ident(bindparam("schema", type_=Text))).cast(Integer)
-)
 
 # --- commit: epoch check --------------------------------------------------------------------
 
@@ -246,22 +151,11 @@ def _unnest(name: str, *columns: tuple[str, TypeEngine[Any]]) -> TableValuedAlia
 
 # --- commit: one update per existing task ---------------------------------------------------
 
-_transition = _unnest(
-    "u",
-    ("ids", BigInteger()),
-    ("statuses", Text()),
-    ("terminals", Boolean()),
-    ("attempts", Integer()),
-    ("updated", BigInteger()),
-    ("levels", BigInteger()),
-    ("messages", Text()),
-    ("message_levels", BigInteger()),
-    ("message_ats", BigInteger()),
-)
+_transition = _unnest("u", *update_param_types())
 
 
 def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnElement[int]:
-    """:func:`cronoq_store._folding.level` in SQL, for the stored row and the transition; the
+    """:func:`cronoq_store._domain.level` in SQL, for the stored row and the transition; the
     constants are literals (ours, not input), so the statement has no parameters of its own."""
 
     def constant(value: int) -> ColumnElement[int]:
@@ -277,7 +171,7 @@ def _level(terminal: ColumnElement[bool], attempt: Any, status: Any) -> ColumnEl
     )
     return case(
         (terminal, constant(TERMINAL_LEVEL)),
-        else_=cast(attempt, BigInteger) * constant(4) + rank,
+        else_=cast(attempt, BigInteger) * constant(RANKS_PER_ATTEMPT) + rank,
     )
 
 
@@ -304,7 +198,7 @@ _transition_values = {
 #: Only forward, decided on the stored row in the statement itself, so a duplicate or late
 #: delivery (even one running concurrently) changes nothing: a terminal row is final, a live
 #: one moves when the transition's (level, at) is greater than its own. ``levels`` is
-#: :func:`cronoq_store._folding.level` of each transition, computed by the fold.
+#: :func:`cronoq_store._domain.level` of each transition, computed by the fold.
 _forward = (
     tasks.c.id == _u.ids,
     ~tasks.c.terminal,
@@ -655,161 +549,6 @@ _victims = (
 prune_batch = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
 
 
-# --- search path ----------------------------------------------------------------------------
-
-#: The only ``search_path`` the store's statements run under. PostgreSQL resolves a function
-#: or operator whose argument types match exactly from any schema on the path, even one after
-#: ``pg_catalog`` (CVE-2018-1058), so no schema another role can write is ever on it; our own
-#: objects are always schema-qualified, and ``pg_temp`` (private to the session) comes last.
-SEARCH_PATH = "pg_catalog, pg_temp"
-_SEARCH_PATH_NAME: ColumnElement[str] = literal_column("'search_path'")
-
-#: :data:`SEARCH_PATH` until the end of the current transaction, which then restores the
-#: session's own: how reads and migrations on a borrowed connection get it.
-local_search_path = select(
-    func.pg_catalog.set_config(_SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), true())
-)
-
-#: The session's own ``search_path``: without prepared statements (behind PgBouncer) the
-#: store cannot set it per session and checks that PgBouncer or the role did.
-session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
-
-#: A given ``search_path`` until the end of the current transaction.
-set_local_search_path = select(
-    func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
-)
-
-# --- transactions on sessions the store does not own ---------------------------------------
-# An application's pooled session, or whatever server connection a transaction-pooling
-# PgBouncer hands out, carries settings someone else chose (``SET synchronous_commit = off``,
-# ``SET ROLE``, ...). Every transaction of the store there starts with what its guarantees
-# need, for that transaction alone (docs/reliability.md, "Borrowed sessions"). All of it
-# travels in the message that opens the transaction: no round trip of its own.
-
-#: Read committed (the fencing argument: each statement sees the epoch committed before it),
-#: read-write whatever ``default_transaction_read_only`` says, never deferrable.
-_BORROWED_BEGIN = text("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE, NOT DEFERRABLE")
-
-#: The identity, durability and timeouts configured for the sessions (role, database,
-#: server, connect arguments), as the store's own pool would have them, not a ``SET`` of the
-#: session's: ``SET LOCAL ... TO DEFAULT`` takes the reset value, which no ``SET`` changes.
-#: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role;
-#: an application's short ``statement_timeout`` would fail every commit.
-_BORROWED_DEFAULTS = (
-    # First: each statement of the opening message is analysed after the one before ran,
-    # so no name below resolves through a path another client left on the session.
-    text(f"SET LOCAL search_path = {SEARCH_PATH}"),
-    text("SET LOCAL SESSION AUTHORIZATION DEFAULT"),
-    text("SET LOCAL role TO DEFAULT"),
-    text("SET LOCAL synchronous_commit TO DEFAULT"),
-    text("SET LOCAL statement_timeout TO DEFAULT"),
-    text("SET LOCAL lock_timeout TO DEFAULT"),
-)
-
-
-def _constant(value: str) -> ColumnElement[str]:
-    """A constant of this module as an SQL literal (no parameter: the opening message of a
-    transaction travels by the simple protocol)."""
-    if "'" in value or "\\" in value:
-        raise ValueError(f"not a plain constant: {value!r}")
-    return literal_column(f"'{value}'", Text)
-
-
-def _setting(name: str) -> ColumnElement[str]:
-    """The setting ``name`` now, NULL if the server has no such setting."""
-    return func.pg_catalog.current_setting(_constant(name), true(), type_=Text)
-
-
-def _equal(left: ColumnElement[str], right: ColumnElement[str]) -> ColumnElement[bool]:
-    """``left = right`` with pg_catalog's operator, whatever the session's search_path."""
-    return left.op("OPERATOR(pg_catalog.=)", is_comparison=True)(right)
-
-
-def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]:
-    """``name`` set to ``value`` until the end of the transaction."""
-    if isinstance(value, str):
-        value = _constant(value)
-    return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
-
-
-def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
-    """The statements that open a transaction of the store on a borrowed session, in order.
-
-    ``idle_in_transaction_ms`` is the store's own bound on a transaction left idle (its
-    pool's ``idle_in_transaction_session_timeout``), rendered as a literal: an integer only.
-    """
-    if type(idle_in_transaction_ms) is not int or idle_in_transaction_ms < 0:
-        raise ValueError(f"not a timeout in milliseconds: {idle_in_transaction_ms!r}")
-    settings = select(
-        # At least "on" (flushed, and confirmed by the synchronous standbys): a configured
-        # remote_apply, stronger, is kept; local, remote_write and off are not enough.
-        _set_local(
-            "synchronous_commit",
-            case(
-                (
-                    _equal(_setting("synchronous_commit"), _constant("remote_apply")),
-                    _constant("remote_apply"),
-                ),
-                else_=_constant("on"),
-            ),
-        ),
-        _set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)),
-        # asyncpg encodes and decodes text in the session's client_encoding.
-        _set_local("client_encoding", "UTF8"),
-        # "replica" skips triggers and foreign keys; only a superuser may set it, so only
-        # when it differs (a session that could set it can set it back).
-        case(
-            (
-                not_(_equal(_setting("session_replication_role"), _constant("origin"))),
-                _set_local("session_replication_role", "origin"),
-            )
-        ),
-    )
-    return (_BORROWED_BEGIN, *_BORROWED_DEFAULTS, settings)
-
-
-# --- offline migration script -------------------------------------------------------------
-
-
-#: Where the script's owner check finds the schema's name: a setting, so that the check
-#: itself is constant text (a ``DO`` block takes no parameters).
-_CHECKED_SCHEMA: ColumnElement[str] = literal_column("'cronoq_store._schema'")
-
-
-def checked_schema(schema: str) -> Select[tuple[str]]:
-    """Name ``schema`` to :data:`refuse_foreign_owner` until the end of the transaction (the
-    offline script renders the name as a literal)."""
-    return select(func.pg_catalog.set_config(_CHECKED_SCHEMA, literal(schema, Text), true()))
-
-
-#: What an offline (``--sql``) script runs right after ``CREATE SCHEMA IF NOT EXISTS``: stop,
-#: before any DDL, if a role other than the one running it, and not a superuser, owns the
-#: schema named by :func:`checked_schema` (it could have planted code the script would run
-#: as us). Only the owner: the online run's full check (``migrations.refuse_untrusted``)
-#: needs its answers in Python.
-refuse_foreign_owner = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
-    """DO $cronoq$
-DECLARE
-    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
-    owner_ pg_catalog.name;
-BEGIN
-    SELECT r.rolname INTO owner_
-    FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner
-    WHERE n.nspname = schema_ AND r.rolname <> current_user AND NOT r.rolsuper;
-    IF FOUND THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'insufficient_privilege',
-            MESSAGE = 'cronoq-store: schema ' || pg_catalog.quote_ident(schema_)
-                || ' is owned by ' || pg_catalog.quote_ident(owner_) || ', neither '
-                || pg_catalog.quote_ident(current_user) || ' nor a superuser: refusing to '
-                || 'migrate it (its owner could have planted code that would run as '
-                || pg_catalog.quote_ident(current_user) || '); run the script as its owner';
-    END IF;
-END
-$cronoq$"""
-)
-
-
 # --- health ---------------------------------------------------------------------------------
 
 #: Whether the server takes writes (a standby, or a demoted primary, answers false): what the
@@ -817,332 +556,3 @@ $cronoq$"""
 #: also runs outside a store transaction on a borrowed session, under the application's
 #: ``search_path`` (a ``pg_is_in_recovery`` planted before ``pg_catalog`` must not answer).
 accepts_writes = select(not_(func.pg_catalog.pg_is_in_recovery(type_=Boolean)))
-
-
-# --- catalogs and counts: what the operator's tool shows and migrations ask ---------------
-# Commits, recovery and look-ups never run these. Their names are added to __all__ here.
-
-__all__ += [
-    "finished_before_count",
-    "leader_lock_holder",
-    "leader_state",
-    "prunable_count",
-    "quarantined_count",
-    "relation_exists",
-    "schedule_summaries",
-    "server_now",
-    "server_version",
-    "task_counts",
-    "task_statuses",
-    "tasks_with_kind_or_message",
-]
-
-# Catalog tables carry their schema: ``schema_translate_map`` renames only schema-less ones.
-_catalog = MetaData(schema="pg_catalog")
-_pg_locks = Table(
-    "pg_locks",
-    _catalog,
-    Column("locktype", Text),
-    Column("database", postgresql.OID),
-    Column("classid", postgresql.OID),
-    Column("objid", postgresql.OID),
-    Column("objsubid", Integer),
-    Column("pid", Integer),
-    Column("granted", Boolean),
-    Column("relation", postgresql.OID),
-    Column("mode", Text),
-)
-_pg_stat_activity = Table(
-    "pg_stat_activity",
-    _catalog,
-    Column("pid", Integer),
-    Column("usesysid", postgresql.OID),
-    Column("usename", Text),
-    Column("application_name", Text),
-    Column("client_addr", postgresql.INET),
-    Column("backend_start", postgresql.TIMESTAMP(timezone=True)),
-)
-_pg_database = Table(
-    "pg_database", _catalog, Column("oid", postgresql.OID), Column("datname", Text)
-)
-
-#: Whether ``schema.name`` names a table (or any relation); ``format('%I')`` quotes on the
-#: server. What migrations ask of a schema made before Alembic's version table.
-relation_exists = select(
-    func.to_regclass(
-        func.format(
-            literal("%I.%I", Text), bindparam("schema", type_=Text), bindparam("name", type_=Text)
-        )
-    ).is_not(None)
-)
-
-#: The clock every operator's run agrees on: the server's, not the client machine's.
-server_now = select(func.now())
-#: The server's version, as ``SHOW server_version`` prints it.
-server_version = select(func.current_setting(literal("server_version", Text)))
-
-#: The leader row: the fencing epoch and the id high-water mark.
-leader_state = select(leader.c.epoch, leader.c.max_id).where(leader.c.id == LEADER_ROW_ID)
-
-#: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
-#: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
-#: objid = k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
-#: BIGINT. Advisory locks are per database, and so are schema OIDs.
-leader_lock_holder = (
-    select(
-        _pg_stat_activity.c.pid,
-        _pg_stat_activity.c.usesysid,
-        _pg_stat_activity.c.usename,
-        _pg_stat_activity.c.application_name,
-        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
-        _pg_stat_activity.c.backend_start,
-    )
-    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
-    .where(
-        _pg_locks.c.locktype == "advisory",
-        _pg_locks.c.database
-        == select(_pg_database.c.oid)
-        .where(_pg_database.c.datname == func.current_database())
-        .scalar_subquery(),
-        cast(_pg_locks.c.classid, BigInteger) == bindparam("k1", type_=BigInteger),
-        cast(_pg_locks.c.objid, BigInteger) == bindparam("k2", type_=BigInteger),
-        _pg_locks.c.objsubid == 2,
-        _pg_locks.c.granted,
-    )
-)
-
-#: Tasks by pool, live or finished, and status. A full scan: an operator's occasional look,
-#: not a probe.
-task_counts = (
-    select(tasks.c.pool, tasks.c.terminal, tasks.c.status, func.count().label("n"))
-    .group_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
-    .order_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
-)
-
-#: How many rows recovery quarantined: failed, with a message starting with ``prefix``
-#: (``codec.QUARANTINE_PREFIX``).
-quarantined_count = select(func.count()).where(
-    tasks.c.terminal,
-    tasks.c.status == TaskStatus.FAILED.value,
-    func.starts_with(tasks.c.message, bindparam("prefix", type_=Text)),
-)
-
-#: Every recurring schedule's name, schedule (its JSON as text: the dialect's ``json.loads``
-#: recurses on a hand-written value nested too deep), next run and last task.
-schedule_summaries = select(
-    recurring.c.name,
-    cast(recurring.c.spec["schedule"], Text).label("schedule"),
-    recurring.c.next_unix_ns,
-    recurring.c.last_task_id,
-).order_by(recurring.c.name)
-
-#: Finished tasks last updated before ``cutoff``, whether prunable or protected.
-finished_before_count = select(func.count()).where(
-    tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
-)
-
-_prune_where = prune_batch.whereclause
-assert _prune_where is not None, "the prune statement names its victims"
-#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
-#: clause, so a dry run never disagrees with it about what a live task depends on.
-prunable_count = select(func.count()).select_from(tasks).where(_prune_where)
-
-# --- the HA demo (``cronoq_store._demo``) reads back what it wrote ----------------------------
-
-#: Every task's id and status.
-task_statuses = select(tasks.c.id, tasks.c.status)
-
-#: How many tasks carry ``kind`` or ``message``: the marks of the demo zombie's writes.
-tasks_with_kind_or_message = select(func.count()).where(
-    or_(
-        tasks.c.kind == bindparam("kind", type_=Text),
-        tasks.c.message == bindparam("message", type_=Text),
-    )
-)
-
-# --- health (``PgStore.health``, ``cronoq-store health``) ----------------------------------
-
-__all__ += ["health_facts", "leader_holder_facts"]
-
-# Alembic's version table, schema-less like the store's tables so the cluster's schema is
-# applied at execution; only its one column is read.
-_versions = Table(VERSION_TABLE, MetaData(), Column("version_num", Text))
-_holder = leader_lock_holder.subquery("h")
-# The leader table's own OID (its ``tableoid``), to find locks on it in ``pg_locks``.
-_leader_oid = Table(leader.name, MetaData(), Column("tableoid", postgresql.OID))
-
-#: Whether the holder is the lock session the leader row records: the same pid and role,
-#: and the same backend start where the reader may see it (pg_read_all_stats). A holder
-#: that never moved the epoch (any role that can connect can take the lock) is not.
-_recorded = and_(
-    _holder.c.pid == leader.c.holder_pid,
-    _holder.c.usesysid == leader.c.holder_role,
-    or_(
-        _holder.c.backend_start.is_(None),
-        _holder.c.backend_start == leader.c.holder_backend_start,
-    ),
-)
-#: Whether the current epoch was taken by a build that does not record its holder (before
-#: revision 0007, mid rolling upgrade): the holder is then unknown, and not called foreign.
-#: Epoch 0 was never taken: a holder there is foreign. Only a writer of the row can move it.
-_unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
-#: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
-#: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
-#: the old leader's commits) and keeps until it commits, and its role may update the table.
-#: ``pg_locks`` shows every session's locks to every role.
-_leader_table = select(_leader_oid.c.tableoid).limit(1).scalar_subquery()
-_bumping = and_(
-    select(_pg_locks.c.pid)
-    .where(
-        _pg_locks.c.pid == _holder.c.pid,
-        _pg_locks.c.locktype == "relation",
-        _pg_locks.c.relation == _leader_table,
-        _pg_locks.c.mode == "RowExclusiveLock",
-        _pg_locks.c.granted,
-    )
-    .exists(),
-    # A statement takes that lock when parsed, its privileges are checked when it runs:
-    # `PREPARE ... AS UPDATE` in an open transaction holds it for any role with USAGE on
-    # the schema.
-    func.pg_catalog.has_table_privilege(
-        _holder.c.usesysid, _leader_table, literal("UPDATE", Text), type_=Boolean
-    ),
-)
-
-#: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
-#: holds it) and whether it is a store instance (the session the leader row records, or one
-#: bumping the epoch now): what a waiting standby's lock session reads, with no more
-#: privilege than it has (``SELECT`` on the leader row).
-leader_holder_facts = (
-    select(
-        leader.c.epoch,
-        _holder.c.pid,
-        _holder.c.usename,
-        _holder.c.application_name,
-        _holder.c.client_addr,
-        _holder.c.backend_start,
-        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
-    )
-    .select_from(leader.outerjoin(_holder, true()))
-    .where(leader.c.id == LEADER_ROW_ID)
-)
-
-#: In one round trip: :data:`leader_holder_facts` and the revisions the version table
-#: records.
-health_facts = leader_holder_facts.add_columns(
-    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
-    .scalar_subquery()
-    .label("revisions")
-)
-
-#: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),
-#: which stores refuse to lead in: what ``cronoq-store health`` can tell from any role.
-public_may_connect = select(
-    func.pg_catalog.has_database_privilege(
-        literal("public", Text), func.current_database(), literal("CONNECT", Text), type_=Boolean
-    )
-)
-
-__all__ += ["public_may_connect"]
-
-#: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
-#: the lock holder in the same transaction sees sessions as they are now.
-clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
-
-__all__ += ["clear_stats_snapshot"]
-
-# --- a forced handover (``cronoq-store handover``) ------------------------------------------
-
-__all__ += ["terminate_backend"]
-
-#: Ends the session ``pid`` (its transaction rolls back, its session locks are released);
-#: needs the ``pg_signal_backend`` role (or superuser, or the same role as that session).
-terminate_backend = select(
-    func.pg_catalog.pg_terminate_backend(bindparam("pid", type_=Integer), type_=Boolean)
-)
-
-# --- the CLI: where the clusters are ----------------------------------------------------------
-
-_pg_class = table(
-    "pg_class", column("relname"), column("relnamespace"), column("relkind"), schema="pg_catalog"
-)
-_pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
-
-#: The schemas holding a cluster (its Alembic version table), by name: what the CLI lists
-#: when no schema was named and ``public`` holds none. Catalogs only, schema-qualified: no
-#: cluster's schema is ever on ``search_path``.
-cluster_schemas = (
-    select(_pg_namespace.c.nspname)
-    .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
-    .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
-    .order_by(_pg_namespace.c.nspname)
-)
-
-__all__ += ["cluster_schemas"]
-
-# --- a downgrade, under the leader lock (``cronoq_store._downgrade_guard``) --------------------
-
-__all__ += [
-    "cluster_issued_ids",
-    "lock_cluster_tables",
-    "refuse_live_leader",
-    "try_leader_lock_for_transaction",
-]
-
-#: ``pg_try_advisory_xact_lock(k1, k2)``: true if this transaction now holds the leader lock,
-#: until it ends; a standby's ``pg_try_advisory_lock`` fails meanwhile.
-try_leader_lock_for_transaction = select(
-    func.pg_try_advisory_xact_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
-)
-
-#: Whether the cluster ever issued a task id: someone led (the epoch moved) or a task is stored.
-#: A cluster made again after a downgrade to base starts at epoch 0 and issues them again.
-cluster_issued_ids = select(
-    or_(
-        select(leader.c.id).where(leader.c.epoch > 0).exists(),
-        select(tasks.c.id).exists(),
-    )
-)
-
-
-def lock_cluster_tables(schema: str, dialect: Any) -> DDL:
-    """``LOCK TABLE`` of the cluster's tables in ``schema``, all in one statement before the
-    downgrade touches any: it waits for commits in flight, and later ones wait for it, in one
-    order (leader row first, as every commit takes it), so none can deadlock with its DDL."""
-    quote = dialect.identifier_preparer.quote
-    names = ", ".join(f"{quote(schema)}.{quote(t.name)}" for t in (leader, tasks, recurring))
-    return DDL(f"LOCK TABLE ONLY {names} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
-
-
-#: What an offline (``--sql``) downgrade script runs before its first revision: stop if a
-#: session holds the leader lock of the schema named by :func:`checked_schema`, else hold it
-#: until the script's COMMIT, as the online run does (``-x force=true`` leaves this out).
-#: The key is :data:`LOCK_NS_LEADER`, written out: the block is constant text.
-refuse_live_leader = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
-    """DO $cronoq$
-DECLARE
-    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
-    holder_ pg_catalog.text;
-BEGIN
-    IF NOT pg_catalog.pg_try_advisory_xact_lock(1668444017, pg_catalog.to_regnamespace(
-            pg_catalog.quote_ident(schema_))::pg_catalog.oid::pg_catalog.int4) THEN
-        SELECT 'pid ' || l.pid || ', role ' || pg_catalog.quote_nullable(a.usename)
-                || ', application ' || pg_catalog.quote_nullable(a.application_name)
-                || ', since ' || COALESCE(a.backend_start::pg_catalog.text, 'unknown')
-            INTO holder_
-        FROM pg_catalog.pg_locks l LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
-        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
-                WHERE d.datname = pg_catalog.current_database())
-            AND l.classid = 1668444017 AND l.objid = pg_catalog.to_regnamespace(
-                pg_catalog.quote_ident(schema_))::pg_catalog.oid;
-        RAISE EXCEPTION USING
-            ERRCODE = 'object_in_use',
-            MESSAGE = 'cronoq-store: an instance leads schema ' || pg_catalog.quote_ident(schema_)
-                || ' (it holds the leader lock: ' || COALESCE(holder_, 'let go since')
-                || '): refusing to downgrade under a live leader; stop every instance, or '
-                || 'generate the script with -x force=true';
-    END IF;
-END
-$cronoq$"""
-)

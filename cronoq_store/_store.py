@@ -6,7 +6,7 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._errors.translate_error`).
+:meth:`PgStore._translated` (:func:`cronoq_store._driver.translate_error`).
 """
 
 from __future__ import annotations
@@ -14,26 +14,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
 
-from sqlalchemy import event
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import Pool
 
+from . import _lock_statements as lock_st
 from . import _migrations as migrations
+from . import _pool as pool
 from . import _queries as queries
 from . import _recovery as recovery
+from . import _session_statements as session_st
 from . import _statements as st
+from . import _transactions as transactions
+from . import _trust as trust
 from ._config import PgStoreConfig as PgStoreConfig
-from ._config import keepalive_settings as keepalive_settings
 from ._domain import (
     Health as Health,
 )
@@ -61,6 +60,7 @@ from ._domain import (
 from ._domain import (
     check_task_id as check_task_id,
 )
+from ._driver import translate_error as translate_error
 from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
@@ -76,17 +76,13 @@ from ._errors import (
 from ._errors import (
     UnavailableError as UnavailableError,
 )
-from ._errors import (
-    translate_error as translate_error,
-)
 from ._folding import fold as fold
 from ._leadership import Leadership as Leadership
 from ._retry import bounded as bounded
 from ._schema import schema_options as schema_options
 from ._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
-from ._sizing import batch_size as batch_size
+from ._sizing import check_batch_size as check_batch_size
 from ._urls import async_url as async_url
-from ._urls import engine_arguments as engine_arguments
 from ._urls import redact as redact
 from ._writer import CommitPath as CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -124,7 +120,9 @@ class PgStore:
         pool_role: str | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
-        and read the schema's OID."""
+        and read the schema's OID.
+
+        Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
@@ -140,7 +138,7 @@ class PgStore:
             engine,
             config.schema,
             borrowed=(
-                st.borrowed_transaction(_idle_in_transaction_ms(config))
+                session_st.borrowed_transaction(pool.idle_in_transaction_ms(config))
                 if self._borrows_sessions
                 else None
             ),
@@ -151,23 +149,23 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leader_lock = (st.LOCK_NS_LEADER, schema_oid)
+        self._leader_lock = (lock_st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
             lock_url,
             config.schema,
             self._leader_lock,
             config,
             pool=lock_pool,
-            trust=migrations.TrustCheck(config.schema, config.trusted_triggers),
+            trust=trust.TrustCheck(config.schema, config.trusted_triggers),
             # The pool's role connects as the store does: trusted by its lock session too.
-            connect=migrations.ConnectCheck(
+            connect=trust.ConnectCheck(
                 config.trusted_roles | ({pool_role} if pool_role is not None else set())
             ),
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.
         lock_role = {lock_url.username} if lock_url.username else set()
-        self._connect_check = migrations.ConnectCheck(config.trusted_roles | lock_role)
+        self._connect_check = trust.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
@@ -202,18 +200,7 @@ class PgStore:
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
-        dialled, tls = engine_arguments(url)
-        engine = create_async_engine(
-            dialled,
-            pool_size=config.max_connections,
-            max_overflow=0,
-            # No store call waits for a connection longer than a commit may take.
-            pool_timeout=config.commit_timeout,
-            # Batches carry payloads; errors and logs must not.
-            hide_parameters=True,
-            connect_args={**_pool_connect_args(config), **tls},
-        )
-        event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
+        engine = pool.own_engine(url, config)
         try:
             return await cls._open(
                 engine,
@@ -277,9 +264,9 @@ class PgStore:
                 "lock cannot live on a pooled server connection"
             )
         where = redact(engine.url)
-        await _require_utf8(engine, where)
+        await pool.require_utf8(engine, where)
         if not config.prepared_statements:
-            await _require_search_path(engine, where)
+            await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
@@ -287,9 +274,9 @@ class PgStore:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
         try:
             async with engine.begin() as conn:
-                await conn.execute(st.local_search_path)
-                oid = (await conn.execute(st.schema_oid, {"schema": config.schema})).scalar()
-                pool_role = (await conn.execute(migrations.TrustCheck.current_user)).scalar_one()
+                await conn.execute(session_st.local_search_path)
+                oid = (await conn.execute(lock_st.schema_oid, {"schema": config.schema})).scalar()
+                pool_role = (await conn.execute(trust.TrustCheck.current_user)).scalar_one()
         except Exception as exc:
             raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
         if oid is None:
@@ -372,11 +359,11 @@ class PgStore:
         """Wait until this instance leads; returns the new fencing epoch.
 
         Once the lock is taken, and before the epoch is bumped, the lock session runs the
-        schema's trust check again (:class:`~cronoq_store._migrations.TrustCheck`): a trigger
+        schema's trust check again (:class:`~cronoq_store._trust.TrustCheck`): a trigger
         or grant added since the store opened makes this raise ``MigrationError``, with the
         lock released and no epoch taken. Before it waits for the lock, it refuses, with
         ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
-        has ``CONNECT`` (:class:`~cronoq_store._migrations.ConnectCheck`; unless
+        has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
         """
@@ -445,21 +432,14 @@ class PgStore:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
             raise FencedError("leadership was lost: this instance must not write any more")
-        size = batch_size(batch, outputs)
-        if size > self.max_commit_bytes:
-            raise BatchTooLargeError(
-                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
-                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
-                "one commit may send (PostgreSQL refuses a message over 1 GiB); commit "
-                "them in smaller batches"
-            )
+        size = check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         if record is not None:
             record.size, record.path = size, self._commits.writer.path(folded)
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
-                await _within(self._commits.commit(epoch, folded), timeout)
+                await bounded(self._commits.commit(epoch, folded), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
@@ -473,7 +453,7 @@ class PgStore:
         timeout = self._config.commit_timeout
         async with self._translated("pinging the database"):
             try:
-                await _within(self._ping(), timeout)
+                await bounded(self._ping(), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"pinging the database failed: no answer within commit_timeout ({timeout} s)"
@@ -502,54 +482,10 @@ class PgStore:
         self._leadership.mark_lost("schema_gone")
         await self._commits.release()
 
-    @asynccontextmanager
-    async def _session(self) -> AsyncIterator[AsyncConnection]:
-        """A pooled connection in a transaction, with the cluster's schema applied, under
-        the store's settings. A failure inside is raised as it is, never replaced by the
-        rollback's on a connection that is gone.
-
-        On a borrowed session the store opens the transaction itself, with the message that
-        sets them for it alone (:attr:`BatchWriter.borrowed_opening`: no more round trips
-        than SQLAlchemy's ``BEGIN``), and the driver adapter sends no ``BEGIN`` of its own
-        meanwhile (its DBAPI ``autocommit``; SQLAlchemy's isolation-level option would
-        leave the application's session reset to another level). A connection left in
-        doubt (a failed rollback, a cancellation) is discarded.
-        """
-        opening = self._commits.writer.borrowed_opening
-        if opening is None:
-            failure: BaseException | None = None
-            try:
-                async with self._db.begin() as conn:
-                    try:
-                        yield conn
-                    except BaseException as exc:
-                        failure = exc
-                        raise
-            except BaseException as exc:
-                if failure is None or exc is failure:
-                    raise
-                # The rollback failed too, on a connection that is gone (a crash): the
-                # first failure is what explains it.
-                raise failure from None
-            return
-        async with self._db.connect() as conn:
-            pooled = await conn.get_raw_connection()
-            adapter: Any = pooled.dbapi_connection
-            driver: Any = pooled.driver_connection
-            adapter.autocommit = True
-            try:
-                await driver.execute(opening)
-                yield conn
-                await driver.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await driver.execute("ROLLBACK")
-                if driver.is_closed() or driver.is_in_transaction():
-                    driver.terminate()
-                    await conn.invalidate()
-                raise
-            finally:
-                adapter.autocommit = False
+    def _session(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        """A pooled connection in a transaction under the store's settings
+        (:func:`~cronoq_store._transactions.transaction`)."""
+        return transactions.transaction(self._db, self._commits.writer.borrowed_opening)
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -712,118 +648,3 @@ class PgStore:
                 deleted = await queries.prune(self._session, cutoff, progress)
             pruned(deleted)
         return deleted
-
-
-if sys.version_info >= (3, 11):
-
-    async def _within(work: Awaitable[None], seconds: float) -> None:
-        """``work``, cancelled with ``TimeoutError`` after ``seconds``: ``asyncio.wait_for``
-        without the task it creates on 3.11 (a few event-loop turns per commit)."""
-        async with asyncio.timeout(seconds):
-            await work
-
-else:
-    _within = asyncio.wait_for  # pragma: no cover
-
-
-async def _require_utf8(engine: AsyncEngine, where: str) -> None:
-    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
-    string the domain accepts must be storable, and another encoding lacks most characters."""
-    try:
-        async with engine.connect() as conn:
-            encoding = (await conn.execute(st.server_encoding)).scalar_one()
-    except Exception as exc:
-        refused = _refused_setting(exc)
-        if refused is not None:
-            raise StoreError(
-                f"the server at {where} refused the store's session settings ({refused}): "
-                "a transaction-pooling PgBouncer does; open the store with "
-                "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
-                'server (docs/reliability.md, "PgBouncer")'
-            ) from exc
-        raise translate_error(exc, "reading the database's encoding") from exc
-    if encoding != "UTF8":
-        raise StoreError(
-            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
-            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
-        )
-
-
-def _refused_setting(exc: BaseException) -> str | None:
-    """What the peer said when it refused a startup parameter, as PgBouncer does with
-    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
-    orig = getattr(exc, "orig", exc)
-    found = re.search(r"unsupported startup parameter: \S+", str(orig))
-    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
-        return None
-    return found[0]
-
-
-async def _require_search_path(engine: AsyncEngine, where: str) -> None:
-    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
-    statements they come from a transaction-pooling PgBouncer, where the store cannot set
-    it per session, and a schema another role can write on it could capture an operator."""
-    try:
-        async with engine.connect() as conn:
-            path = (await conn.execute(st.session_search_path)).scalar_one()
-    except Exception as exc:
-        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
-    if [part.strip() for part in path.split(",")] != [
-        part.strip() for part in st.SEARCH_PATH.split(",")
-    ]:
-        raise StoreError(
-            f"the pooled sessions at {where} run with search_path {path!r}, not "
-            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
-            "per session; set it for the store's PgBouncer database entry (connect_query = "
-            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
-            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
-        )
-
-
-def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
-    """How the store's own pool connects: its server settings, or, without prepared
-    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
-    ``application_name``, the one such a PgBouncer accepts at connection start."""
-    if not config.prepared_statements:
-        return {
-            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
-            # before one Sync, so PgBouncer keeps them on one server connection).
-            "statement_cache_size": 0,
-            "prepared_statement_cache_size": 0,
-            "server_settings": {"application_name": config.application_name},
-        }
-    return {
-        "server_settings": {
-            "application_name": config.application_name,
-            # No schema another role can write is ever on the path (CVE-2018-1058).
-            "search_path": st.SEARCH_PATH,
-            # A leader frozen or cut off between two statements of a commit holds the
-            # leader row lock; the server ends such a session, so a takeover waits at most
-            # this long for it (the keeper has stepped down by then).
-            "idle_in_transaction_session_timeout": str(_idle_in_transaction_ms(config)),
-            # And one cut off while the server sends or waits on it (keepalive_settings).
-            **keepalive_settings(config),
-        }
-    }
-
-
-def _idle_in_transaction_ms(config: PgStoreConfig) -> int:
-    """How long the server lets a transaction of the store sit idle before it ends the
-    session: ``session_timeout``, so a takeover waits at most that long for a frozen
-    leader's row lock."""
-    return round(config.session_timeout * 1000)
-
-
-def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
-    """The pool's pre-ping, without a round trip: a pooled connection that the server
-    closed (restart, terminated backend, idle timeout) is replaced at checkout.
-
-    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
-    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
-    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
-    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
-    caller retries.
-    """
-    driver: Any = proxy.driver_connection
-    if driver.is_closed():
-        raise DisconnectionError("the server closed this pooled connection")

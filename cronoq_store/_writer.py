@@ -1,12 +1,15 @@
-"""Commits on the driver connection: the statements of :mod:`cronoq_store._statements`,
-compiled once per schema, run on the asyncpg connection under a pooled SQLAlchemy one.
+"""The commit path: which way a folded batch is written, on the driver connection (the
+statements of :mod:`cronoq_store._statements`, compiled once per schema and run through
+:mod:`cronoq_store._driver`), and what the writer found turned into errors.
 
 A commit is the store's hot path and mostly round trips and client CPU: SQLAlchemy's
 per-execution work (parameter processing, result wrapping, a greenlet switch per call)
 cost more than the server's at small batches. So the commit's statements, still Core
-constructs composed in :mod:`cronoq_store._statements`, are compiled here for the engine's
-dialect with the cluster's schema (``schema_translate_map``, rendered once), and executed
-with asyncpg's prepared-statement cache. Reads keep the SQLAlchemy path.
+constructs composed in :mod:`cronoq_store._statements`, are compiled for the engine's
+dialect with the cluster's schema (``schema_translate_map``, rendered once:
+:class:`~cronoq_store._driver.CompiledStatement`), and executed with asyncpg's
+prepared-statement cache, on a connection :mod:`cronoq_store._held_connection` checks out.
+Reads keep the SQLAlchemy path.
 
 A batch that only inserts new tasks (fewer than :data:`COPY_MIN_ROWS`), or only changes
 statuses, is one statement: the epoch check lives in a CTE of the write, so no BEGIN or
@@ -41,24 +44,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.pool import Pool, PoolProxiedConnection
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.util import greenlet_spawn
 
 from . import _statements as st
-from ._errors import (
-    CONNECTION_CLASSES as CONNECTION_CLASSES,
-)
+from ._driver import INSERT_REFUSALS as INSERT_REFUSALS
+from ._driver import UNIQUE_VIOLATION as UNIQUE_VIOLATION
+from ._driver import CompiledStatement as CompiledStatement
+from ._driver import Opening as Opening
+from ._driver import insert_refusal as insert_refusal
+from ._driver import keys_named as keys_named
+from ._driver import row_count as row_count
 from ._errors import (
     FencedError as FencedError,
 )
@@ -71,83 +72,17 @@ from ._errors import (
 from ._folding import FoldedBatch as FoldedBatch
 from ._folding import RecurringAction as RecurringAction
 from ._folding import taken_keys as taken_keys
+from ._held_connection import HeldConnection as HeldConnection
 from ._rows import INSERT_COLUMNS as INSERT_COLUMNS
 from ._schema import tasks as tasks
 
-__all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "CompiledStatement", "Opening", "Written"]
+__all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
 #: New tasks per batch from which they travel by COPY rather than as array parameters of
 #: one statement: the crossover measured on 2 cores (see docs/performance.md).
 COPY_MIN_ROWS = 32
-
-# The unique index on live keys (see :func:`_refused`).
-_LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
-# The server's detail for a violation of it: the key as text.
-_KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
-# A positional parameter of a compiled statement.
-_PARAMETER = re.compile(r"\$(\d+)")
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledStatement:
-    """A Core statement as the driver's SQL text, with its parameters in positional order."""
-
-    sql: str
-    names: tuple[str, ...]
-    #: Values the construct carries itself (literals such as the leader row's id).
-    defaults: Mapping[str, Any]
-
-    @classmethod
-    def of(cls, statement: ClauseElement, dialect: Dialect, schema: str) -> CompiledStatement:
-        """``statement`` as ``dialect`` renders it for the cluster in ``schema``."""
-        compiled = statement.compile(
-            dialect=dialect, schema_translate_map={None: schema}, render_schema_translate=True
-        )
-        if not isinstance(compiled, SQLCompiler):  # DDL: no parameters
-            return cls(compiled.string, (), {})
-        return cls(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
-
-    def args(self, values: Mapping[str, Any]) -> list[Any]:
-        """The positional arguments: ``values`` by name, the construct's own otherwise."""
-        return [values[n] if n in values else self.defaults[n] for n in self.names]
-
-
-@dataclass(frozen=True, slots=True)
-class Opening:
-    """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
-    check, as one simple-protocol message: one round trip instead of one per statement. The
-    simple protocol takes no parameters, so the check's (integers only: the epoch, the id
-    high-water mark, the leader row's id) are rendered as literals; any other value is
-    refused."""
-
-    template: str
-    check: CompiledStatement
-
-    @classmethod
-    def of(
-        cls, check: CompiledStatement, *before: CompiledStatement, begin: str = "BEGIN"
-    ) -> Opening:
-        if any(statement.names for statement in before):
-            raise ValueError("only the epoch check of an opening takes parameters")
-        if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
-            range(1, len(check.names) + 1)
-        ):
-            raise ValueError(f"not one placeholder per parameter: {check.sql}")
-        escaped = check.sql.replace("{", "{{").replace("}", "}}")
-        body = _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
-        return cls("; ".join([begin, *(statement.sql for statement in before), body]), check)
-
-    def sql(self, values: Mapping[str, Any]) -> str:
-        return self.template.format(*map(_integer, self.check.args(values)))
-
-
-def _integer(value: object) -> str:
-    """``value`` as an SQL literal, if it is an integer (a bool is not)."""
-    if type(value) is not int:
-        raise TypeError(f"only integers are rendered into SQL, not {type(value).__name__}")
-    return str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,12 +167,12 @@ class BatchWriter:
             # Optimistic: new tasks, as nearly every batch holds. A stored id or a taken
             # live key fails the COPY (and rolls back everything): the insert below, with
             # its conflict rule, then says which it was.
-            with contextlib.suppress(asyncpg.UniqueViolationError):
+            with contextlib.suppress(UNIQUE_VIOLATION):
                 return Written(await self._write(conn, epoch, batch, copy=True))
         try:
             return Written(await self._write(conn, epoch, batch, copy=False))
-        except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
-            if not _refused(exc):
+        except INSERT_REFUSALS as exc:
+            if not insert_refusal(exc):
                 raise
             refusal = exc
         # Ids held by other tasks win over held keys, whichever row met the server first.
@@ -250,16 +185,16 @@ class BatchWriter:
             # insert. A live key that still fails then is held by another task.
             try:
                 return Written(await self._write(conn, epoch, batch.resubmitted(), copy=False))
-            except (asyncpg.NotNullViolationError, asyncpg.UniqueViolationError) as exc:
-                if not _refused(exc):
+            except INSERT_REFUSALS as exc:
+                if not insert_refusal(exc):
                     raise
                 refusal = exc
             colliding = await self._colliding(conn, batch)
             if colliding:
                 return Written(None, colliding)
-        if isinstance(refusal, asyncpg.NotNullViolationError):
+        if not isinstance(refusal, UNIQUE_VIOLATION):
             return Written(None, colliding)  # the colliding task was gone when looked up
-        return Written(None, taken=await self._held_keys(conn, batch) or _keys_named(refusal))
+        return Written(None, taken=await self._held_keys(conn, batch) or keys_named(refusal))
 
     async def _held_keys(self, conn: Any, batch: FoldedBatch) -> list[str]:
         """The keys of ``batch`` that other live tasks hold (:func:`folding.taken_keys`)."""
@@ -273,10 +208,10 @@ class BatchWriter:
 
     async def _fetch(self, conn: Any, stmt: CompiledStatement, params: Mapping[str, Any]) -> Any:
         if self.borrowed_opening is None:
-            return await conn.fetch(stmt.sql, *stmt.args(params))
+            return await stmt.fetch(conn, params)
         try:
             await conn.execute(self.borrowed_opening)
-            return await conn.fetch(stmt.sql, *stmt.args(params))
+            return await stmt.fetch(conn, params)
         finally:
             # As in _write: a failed rollback must not replace the error being raised; the
             # caller discards a connection left in a transaction.
@@ -311,13 +246,11 @@ class BatchWriter:
             else:
                 stmt = self._insert_fenced
                 params = {**batch.inserts, **fenced}
-            current: int = await conn.fetchval(stmt.sql, *stmt.args(params))
+            current: int = await stmt.fetchval(conn, params)
             return current
         if path == "update":
             stmt = self._update_fenced
-            current, updated = await conn.fetchrow(
-                stmt.sql, *stmt.args({**batch.updates, "epoch": epoch})
-            )
+            current, updated = await stmt.fetchrow(conn, {**batch.updates, "epoch": epoch})
             if current == epoch:
                 _warn_unchanged(batch.update_count, updated)
             return current
@@ -325,11 +258,11 @@ class BatchWriter:
         opening = self._sharing if batch.max_id is None else self._issuing
         try:
             checked = await conn.execute(opening.sql({"issued": batch.max_id, "epoch": epoch}))
-            if _row_count(checked) != 1:
+            if row_count(checked) != 1:
                 # Another epoch: name it, write nothing. (Read by a later statement, it
                 # could only be ours again if it moved back meanwhile: fenced all the same.)
                 stmt = self._stored_epoch
-                stored: int | None = await conn.fetchval(stmt.sql, *stmt.args({}))
+                stored: int | None = await stmt.fetchval(conn, {})
                 await conn.execute("ROLLBACK")
                 return None if stored == epoch else stored
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
@@ -347,8 +280,8 @@ class BatchWriter:
         return epoch
 
     async def _write_updates(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
-        status = await conn.execute(self._update.sql, *self._update.args(batch.updates))
-        _warn_unchanged(batch.update_count, _row_count(status))
+        status = await self._update.execute(conn, batch.updates)
+        _warn_unchanged(batch.update_count, row_count(status))
 
     async def _write_inserts(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         if copy:
@@ -359,24 +292,24 @@ class BatchWriter:
                 schema_name=self._schema,
             )
         else:
-            await conn.execute(self._insert.sql, *self._insert.args(batch.inserts))
+            await self._insert.execute(conn, batch.inserts)
 
     async def _write_outputs(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
-        status = await conn.execute(self._outputs.sql, *self._outputs.args(batch.outputs))
-        _warn_unstored_outputs(batch.output_count, _row_count(status))
+        status = await self._outputs.execute(conn, batch.outputs)
+        _warn_unstored_outputs(batch.output_count, row_count(status))
 
     async def _write_recurring(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         for action, params in batch.recurring:
-            stmt = self._recurring[action]
-            await conn.execute(stmt.sql, *stmt.args(params))
+            await self._recurring[action].execute(conn, params)
 
     def _copied(self, batch: FoldedBatch) -> bool:
         return batch.insert_count >= self._copy_min_rows
 
 
 class CommitPath:
-    """The store's commits: a pooled connection's driver connection, the
-    :class:`BatchWriter` (``writer``), and what it found turned into errors.
+    """The store's commits: a pooled connection's driver connection (:attr:`connections`),
+    the :class:`BatchWriter` (``writer``) choosing the write path, and what it found turned
+    into errors.
 
     ``borrowed``: the sessions may carry settings that are not the store's (an application's
     engine, or a transaction-pooling PgBouncer): every commit opens its transaction with
@@ -384,14 +317,8 @@ class CommitPath:
     so nothing is left on the session either.
     ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
 
-    ``hold``: keep one pooled connection checked out between commits (the writer's, for the
-    term) instead of a checkout and a return per commit, which cost a greenlet switch each
-    and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
-    another as before. It is given up, never reused, when in doubt (as any connection of a
-    failed commit), when the server closed it, or when the pool it came from was disposed
-    (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
-    ``release_leadership``, fencing, the first commit refused after a lost term, and
-    ``acquire_leadership``: a standby holds none, a new term takes a fresh one).
+    ``hold``: keep one pooled connection checked out between commits
+    (:class:`~cronoq_store._held_connection.HeldConnection`).
     """
 
     def __init__(
@@ -403,20 +330,16 @@ class CommitPath:
         on_fenced: Callable[[], None],
         hold: bool = False,
     ) -> None:
-        self._engine = engine
         self._on_fenced = on_fenced
-        self._hold = hold
-        self._held: PoolProxiedConnection | None = None
-        self._held_from: Pool | None = None  # the pool it came from
-        self._held_busy = False
-        self._releases = 0  # a connection checked out before a release is not held
+        #: The pooled connections commits run on, one of them held with ``hold``.
+        self.connections = HeldConnection(engine, hold=hold)
         self.writer = BatchWriter(engine.dialect, schema, borrowed=borrowed)
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
         """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or
         ``FencedError`` if it wrote nothing because an id is another task's, a live key is
         another live task's or the stored epoch is another."""
-        async with self._driver_connection() as conn:
+        async with self.connections.driver_connection() as conn:
             written = await self.writer.write(conn, epoch, batch)
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
@@ -433,118 +356,8 @@ class CommitPath:
             raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
 
     async def release(self) -> None:
-        """Return the held connection to the pool (a commit using it returns it when done);
-        a later commit holds one again."""
-        held, busy = self._held, self._held_busy
-        self._held, self._held_busy = None, False
-        self._releases += 1
-        if held is not None and not busy:
-            if self._held_from is not self._engine.sync_engine.pool:
-                # Its pool was disposed (a demoted primary): it would stay open there.
-                _driver(held).terminate()
-                held.invalidate()
-            await greenlet_spawn(held.close)
-
-    async def _checkout(self) -> PoolProxiedConnection:
-        """The held connection if it is free and sound, else one from the pool."""
-        held = self._held
-        if held is None or self._held_busy:
-            return await self._engine.raw_connection()
-        if self._held_from is self._engine.sync_engine.pool and not _driver(held).is_closed():
-            self._held_busy = True
-            return held
-        # What the pool's checkout check would refuse, or a connection of a pool disposed
-        # since (a demoted primary): discarded, never reused.
-        self._held = None
-        _driver(held).terminate()
-        held.invalidate()
-        await greenlet_spawn(held.close)
-        return await self._engine.raw_connection()
-
-    @asynccontextmanager
-    async def _driver_connection(self) -> AsyncIterator[Any]:
-        """A pooled connection's asyncpg connection, for :class:`BatchWriter`.
-
-        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
-        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
-        invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back. With ``hold``, a sound connection is
-        kept as the held one when none is (and none was released meanwhile).
-        """
-        pool, releases = self._engine.sync_engine.pool, self._releases
-        pooled = await self._checkout()
-        driver = _driver(pooled)
-        sound = False
-        try:
-            yield driver
-            sound = True
-        except BaseException as exc:
-            clean = (
-                isinstance(exc, asyncpg.PostgresError)
-                and not exc.sqlstate.startswith(CONNECTION_CLASSES)
-                and not driver.is_closed()
-                and not driver.is_in_transaction()
-            )
-            if clean:
-                sound = True
-            else:
-                if pooled is self._held:
-                    self._held, self._held_busy = None, False
-                # Close the socket first: a graceful close waits for the operation in
-                # progress and fails ("another operation is in progress") after a timeout
-                # or cancellation, which would mask the error being raised.
-                driver.terminate()
-                pooled.invalidate()
-            raise
-        finally:
-            if pooled is self._held:
-                self._held_busy = False
-            elif sound and self._hold and self._held is None and self._releases == releases:
-                self._held, self._held_from = pooled, pool
-            else:
-                if sound and pool is not self._engine.sync_engine.pool:
-                    # Its pool was disposed meanwhile (close(), a demoted primary): returned
-                    # there, it would stay open, never handed out nor closed.
-                    driver.terminate()
-                    pooled.invalidate()
-                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
-                # the pool's reset-on-return may call the driver; it has nothing to roll back.
-                await greenlet_spawn(pooled.close)
-
-
-def _driver(pooled: PoolProxiedConnection) -> Any:
-    """The asyncpg connection under a pooled one."""
-    return pooled.driver_connection
-
-
-def _refused(exc: asyncpg.PostgresError) -> bool:
-    """Whether the insert's failure is one the writer explains (an id held by another task,
-    a live key held by another live task) rather than an error to raise: the insert's
-    signal (:func:`_taken`) or a violation of the unique index of live keys."""
-    if isinstance(exc, asyncpg.NotNullViolationError):
-        return _taken(exc)
-    constraint: str | None = exc.constraint_name
-    return constraint == _LIVE_KEY_INDEX
-
-
-def _keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:
-    """The key the server names in a live-key violation ("Key (key)=(k) already exists.")."""
-    detail: str | None = exc.detail
-    found = _KEY_DETAIL.fullmatch(detail or "")
-    return [] if found is None else [found.group(1)]
-
-
-def _taken(exc: asyncpg.NotNullViolationError) -> bool:
-    """Whether ``exc`` is the insert's signal that a stored row holds one of its ids
-    (``statements._insert_from``)."""
-    table: str | None = exc.table_name
-    column: str | None = exc.column_name
-    return table == tasks.name and column == "seq"
-
-
-def _row_count(status: str) -> int:
-    """The row count of a command tag such as ``UPDATE 12``."""
-    return int(status.rpartition(" ")[2])
+        """Return the held connection to the pool (:meth:`HeldConnection.release`)."""
+        await self.connections.release()
 
 
 def _warn_unstored_outputs(expected: int, stored: int) -> None:

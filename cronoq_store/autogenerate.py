@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._schema import LEGACY_VERSION_TABLE as LEGACY_VERSION_TABLE
 from ._schema import VERSION_TABLE as VERSION_TABLE
 from ._schema import metadata as metadata
 
@@ -28,7 +29,7 @@ __all__ = ["STORE_TABLES", "hiding_store", "include_name", "include_object"]
 
 #: The names of the store's tables in every cluster schema, version tables included (the
 #: legacy one is what builds before Alembic kept their version in; see ``migrations``).
-STORE_TABLES = frozenset({*metadata.tables, VERSION_TABLE, "cronoq_schema_version"})
+STORE_TABLES = frozenset({*metadata.tables, VERSION_TABLE, LEGACY_VERSION_TABLE})
 
 #: Alembic's ``include_name`` and ``include_object`` hooks (``alembic.runtime.environment``
 #: spells out their literal types; any callable of these arguments will do).

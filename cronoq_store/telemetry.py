@@ -19,8 +19,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ._committer_stats import CommitterStats as CommitterStats
+from ._config import PgStoreConfig as PgStoreConfig
 from ._errors import FencedError as FencedError
 from ._errors import StoreError as StoreError
 
@@ -34,11 +36,38 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import TracerProvider
 
-    from ._group_commit import GroupCommitter as GroupCommitter
-    from ._leadership import Leadership as Leadership
-    from ._store import PgStore as PgStore
 
 __all__ = ["DISABLED", "CommitRecord", "Telemetry", "instrument", "resolve"]
+
+
+class Leader(Protocol):
+    """What the leadership gauges read (a ``Leadership``): named here as a protocol so that
+    this module, which the store and its paths import, imports none of them."""
+
+    @property
+    def epoch(self) -> int | None: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+
+class Committer(Protocol):
+    """What the queue-depth gauge reads (a ``GroupCommitter``)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def stats(self) -> CommitterStats: ...
+
+
+class Instrumentable(Protocol):
+    """What :func:`instrument` needs of a store (a ``PgStore``)."""
+
+    @property
+    def config(self) -> PgStoreConfig: ...
+
+    def _use_telemetry(self, recorder: Telemetry) -> None: ...
+
 
 #: The instrumentation scope's name: one meter and one tracer of that name per provider.
 SCOPE = "cronoq_store"
@@ -103,10 +132,10 @@ class Telemetry:
         """Leadership held was given up or lost: ``session_lost``, ``fenced``,
         ``schema_gone``, ``released`` or ``closed``."""
 
-    def watch_leadership(self, leadership: Leadership) -> None:
+    def watch_leadership(self, leadership: Leader) -> None:
         """Report ``leadership`` in the is-leader and epoch gauges."""
 
-    def watch_committer(self, committer: GroupCommitter) -> None:
+    def watch_committer(self, committer: Committer) -> None:
         """Report ``committer``'s queue depth."""
 
     def batch_committed(self, mutations: int, ack_latencies: Iterable[float]) -> None:
@@ -132,6 +161,8 @@ class _Instruments:
     created twice under one name keeps only its first callbacks)."""
 
     def __init__(self, meter: Any) -> None:
+        """Every instrument, declared once. Long for a reason: a flat list of declarations
+        (name, unit, description), no logic."""
         hist = meter.create_histogram
         self.commit_duration = hist(
             "cronoq.commit.duration",
@@ -215,10 +246,10 @@ class _Instruments:
             explicit_bucket_boundaries_advisory=_SECONDS,
         )
         # Watched objects and their attributes, dropped when the object is gone.
-        self.leaderships: weakref.WeakKeyDictionary[Leadership, dict[str, str]] = (
+        self.leaderships: weakref.WeakKeyDictionary[Leader, dict[str, str]] = (
             weakref.WeakKeyDictionary()
         )
-        self.committers: weakref.WeakKeyDictionary[GroupCommitter, dict[str, str]] = (
+        self.committers: weakref.WeakKeyDictionary[Committer, dict[str, str]] = (
             weakref.WeakKeyDictionary()
         )
         meter.create_observable_gauge(
@@ -379,11 +410,11 @@ class _Recording(Telemetry):
         if self._m is not None:
             self._m.step_downs.add(1, {**self._attrs, "cronoq.step_down.reason": reason})
 
-    def watch_leadership(self, leadership: Leadership) -> None:
+    def watch_leadership(self, leadership: Leader) -> None:
         if self._m is not None:
             self._m.leaderships[leadership] = self._attrs
 
-    def watch_committer(self, committer: GroupCommitter) -> None:
+    def watch_committer(self, committer: Committer) -> None:
         if self._m is not None:
             self._m.committers[committer] = self._attrs
 
@@ -427,7 +458,7 @@ def resolve(
 
 
 def instrument(
-    store: PgStore,
+    store: Instrumentable,
     *,
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,

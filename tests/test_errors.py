@@ -19,9 +19,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 import cronoq_store
-from cronoq_store._errors import (
-    CONNECTION_CLASSES as CONNECTION_CLASSES,
-)
+from cronoq_store._driver import CONNECTION_CLASSES as CONNECTION_CLASSES
+from cronoq_store._driver import translate_error as translate_error
 from cronoq_store._errors import (
     FencedError as FencedError,
 )
@@ -33,9 +32,6 @@ from cronoq_store._errors import (
 )
 from cronoq_store._errors import (
     UnavailableError as UnavailableError,
-)
-from cronoq_store._errors import (
-    translate_error as translate_error,
 )
 from cronoq_store._urls import async_url as async_url
 

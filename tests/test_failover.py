@@ -58,7 +58,7 @@ from cronoq_store._domain import (
 from cronoq_store._errors import FencedError as FencedError
 from cronoq_store._errors import StoreError as StoreError
 from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._statements import LOCK_NS_LEADER as LOCK_NS_LEADER
+from cronoq_store._lock_statements import LOCK_NS_LEADER as LOCK_NS_LEADER
 from cronoq_store._store import PgStore as PgStore
 from cronoq_store.testing import find_bin_dir
 

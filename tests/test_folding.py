@@ -24,6 +24,7 @@ from cronoq_store._config import PgStoreConfig as PgStoreConfig
 from cronoq_store._domain import (
     QUEUED as QUEUED,
 )
+from cronoq_store._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
 from cronoq_store._domain import (
     CronSchedule as CronSchedule,
 )
@@ -69,10 +70,8 @@ from cronoq_store._domain import (
 from cronoq_store._domain import (
     TimeBase as TimeBase,
 )
+from cronoq_store._domain import level as level
 from cronoq_store._errors import IdCollisionError as IdCollisionError
-from cronoq_store._folding import (
-    TERMINAL_LEVEL as TERMINAL_LEVEL,
-)
 from cronoq_store._folding import (
     FoldedBatch as FoldedBatch,
 )
@@ -81,9 +80,6 @@ from cronoq_store._folding import (
 )
 from cronoq_store._folding import (
     fold as fold,
-)
-from cronoq_store._folding import (
-    level as level,
 )
 from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
 from cronoq_store._store import PgStore as PgStore

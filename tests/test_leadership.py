@@ -17,10 +17,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import EPOCH_MAX, PgStore
-from cronoq_store import _statements as st
+from cronoq_store import _lock_statements as lock_st
 from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._driver import translate_error as translate_error
 from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._errors import translate_error as translate_error
 from cronoq_store._leadership import Leadership as Leadership
 from cronoq_store._urls import async_url as async_url
 
@@ -53,8 +53,8 @@ def leader_app(schema: str, name: str) -> str:
 @pytest.fixture
 async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
     async with engine.connect() as conn:
-        oid = (await conn.execute(st.schema_oid, {"schema": migrated})).scalar_one()
-    return (st.LOCK_NS_LEADER, oid)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": migrated})).scalar_one()
+    return (lock_st.LOCK_NS_LEADER, oid)
 
 
 @pytest.fixture
@@ -398,7 +398,9 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
     caplog.set_level(logging.WARNING, logger="cronoq_store")
     await admin_execute(pg_url, f'CREATE SCHEMA "{schema}"')
     rows = await admin_execute(pg_url, "SELECT $1::regnamespace::oid::bigint", schema)
-    a = Leadership(async_url(pg_url), schema, (st.LOCK_NS_LEADER, rows[0][0]), config(schema, "a"))
+    a = Leadership(
+        async_url(pg_url), schema, (lock_st.LOCK_NS_LEADER, rows[0][0]), config(schema, "a")
+    )
     try:
         with pytest.raises(StoreError) as info:
             await asyncio.wait_for(a.acquire(), 5)

@@ -19,6 +19,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import validate_schema_name as validate_schema_name
 from cronoq_store._domain import TaskId as TaskId
 from cronoq_store._errors import MigrationError as MigrationError
 from cronoq_store._migrations import (
@@ -39,7 +40,6 @@ from cronoq_store._migrations import (
 from cronoq_store._migrations import (
     upgrade as upgrade,
 )
-from cronoq_store._schema import validate_schema_name as validate_schema_name
 from cronoq_store._store import PgStore as PgStore
 from cronoq_store._urls import async_url as async_url
 

@@ -65,7 +65,7 @@ from cronoq_store._errors import FencedError as FencedError
 from cronoq_store._errors import StoreError as StoreError
 from cronoq_store._group_commit import GroupCommitter as GroupCommitter
 from cronoq_store._retry import Backoff as Backoff
-from cronoq_store._statements import SEARCH_PATH as SEARCH_PATH
+from cronoq_store._session_statements import SEARCH_PATH as SEARCH_PATH
 from cronoq_store._store import PgStore as PgStore
 from cronoq_store._urls import async_url as async_url
 from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS

@@ -204,7 +204,7 @@ async def test_the_held_session_ended_by_idle_session_timeout(
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, BASE, [submitted(1)], [])
-        held = store._commits._held
+        held = store._commits.connections.held
         assert held is not None
         await held.driver_connection.execute("SET idle_session_timeout = '100ms'")  # type: ignore[union-attr]
         await asyncio.sleep(0.5)
@@ -276,14 +276,14 @@ async def test_the_server_restarted_under_a_held_connection(
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, BASE, [submitted(1)], [])
-        held = store._commits._held
+        held = store._commits.connections.held
         await asyncio.to_thread(restart, pg_server, "immediate")
         await asyncio.wait_for(store.leadership_lost(), 15)
         with pytest.raises(FencedError):
             await store.commit(epoch, BASE, [submitted(2)], [])
         epoch = await asyncio.wait_for(store.acquire_leadership(), 15)
         await store.commit(epoch, BASE, [submitted(2)], [])
-        assert store._commits._held is not held
+        assert store._commits.connections.held is not held
         assert checked_out(store) == 1
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
@@ -300,7 +300,7 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, BASE, [submitted(1, key="k")], [])
-        held = store._commits._held
+        held = store._commits.connections.held
         [pid] = await writers(pg_url, name)
         with pytest.raises(KeyTakenError):
             await store.commit(epoch, BASE, [changed(1, TaskStatus.RUNNING), submitted(2, "k")], [])
@@ -308,7 +308,7 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
             await store.commit(epoch, BASE, [submitted(1, payload=b"other")], [])
         rows = await admin_execute(pg_url, "SELECT state FROM pg_stat_activity WHERE pid = $1", pid)
         assert [r["state"] for r in rows] == ["idle"]
-        assert store._commits._held is held
+        assert store._commits.connections.held is held
         await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, "k")], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:

@@ -155,7 +155,7 @@ async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
     await store.commit(epoch, BASE, [submitted(1)], [])
     # The held session now behaves like one on a demoted primary: the commit fails, the
     # store disposes the pool, and the next commit must not run on that session again.
-    held = store._commits._held
+    held = store._commits.connections.held
     assert held is not None
     driver: Any = held.driver_connection
     await driver.execute("SET SESSION default_transaction_read_only = on")
@@ -163,7 +163,7 @@ async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
         await store.commit(epoch, BASE, [submitted(2)], [])
     assert caught.value.reconnect
     await store.commit(epoch, BASE, [submitted(2)], [])
-    assert store._commits._held is not held
+    assert store._commits.connections.held is not held
     assert await stored(pg_url, migrated) == [1, 2]
 
 

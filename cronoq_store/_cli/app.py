@@ -18,7 +18,7 @@ import click
 from click.core import ParameterSource
 
 from .._config import trusted_trigger_names as trusted_trigger_names
-from .._schema import validate_schema_name as validate_schema_name
+from .._config import validate_schema_name as validate_schema_name
 from .._terminal_safe import visible as visible
 from .._urls import URL_ENV as URL_ENV
 from .exits import EPILOG

@@ -16,9 +16,10 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .. import _statements as st
+from .. import _session_statements as session_st
+from .._alembic_env import clusters_elsewhere as clusters_elsewhere
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
 from .._migrations import (
     CONNECT_TIMEOUT as CONNECT_TIMEOUT,
 )
@@ -26,15 +27,10 @@ from .._migrations import (
     RevisionStatus as RevisionStatus,
 )
 from .._migrations import (
-    clusters_elsewhere as clusters_elsewhere,
-)
-from .._migrations import (
-    refuse_untrusted as refuse_untrusted,
-)
-from .._migrations import (
     revision_status as revision_status,
 )
 from .._schema import schema_options as schema_options
+from .._trust import refuse_untrusted as refuse_untrusted
 from .._urls import engine_arguments as engine_arguments
 from .._urls import redact as redact
 from .app import SCHEMA_ENV, Options
@@ -70,7 +66,7 @@ def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
                 "server_settings": {
                     "application_name": "cronoq-store cli",
                     # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
+                    "search_path": session_st.SEARCH_PATH,
                 },
                 **tls,
             },
@@ -87,7 +83,7 @@ async def database(
     options: Options, pooled: AsyncEngine | None = None
 ) -> AsyncIterator[AsyncConnection]:
     """One connection with the cluster's schema applied, after the trust check
-    (``migrations.refuse_untrusted``); failing to open it is exit code 3. From ``pooled``
+    (``trust.refuse_untrusted``); failing to open it is exit code 3. From ``pooled``
     when given (the caller's long-lived engine), else from an engine of its own."""
     url = options.database_url()
     made = engine(url) if pooled is None else pooled

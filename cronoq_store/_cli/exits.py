@@ -11,7 +11,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from .._errors import translate_error as translate_error
+from .._driver import translate_error as translate_error
 from .._terminal_safe import visible as visible
 from .._urls import scrub as scrub
 

@@ -13,8 +13,9 @@ from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._domain import I64_MAX as I64_MAX
 from .._domain import LockHolder as LockHolder
 from .._migrations import RevisionStatus as RevisionStatus
@@ -50,8 +51,8 @@ PUBLIC_CONNECT_WARNING = (
 
 async def leader_lock(conn: AsyncConnection, schema: str) -> tuple[int, int]:
     """The keys of ``schema``'s leader lock: the store's namespace and the schema's OID."""
-    oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
-    return (st.LOCK_NS_LEADER, oid)
+    oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
+    return (lock_st.LOCK_NS_LEADER, oid)
 
 
 def verdict(
@@ -95,7 +96,7 @@ async def read_health(conn: AsyncConnection, schema: str) -> Health:
     """Where ``schema`` stands, who holds its leader lock, and the verdict."""
     facts: ClusterFacts | None = None
     holder: LockHolder | None = None
-    public = bool((await conn.execute(st.public_may_connect)).scalar())
+    public = bool((await conn.execute(catalog.public_may_connect)).scalar())
     revision = await database.revision(conn, schema)
     if revision.exists:
         lock = await leader_lock(conn, schema)
@@ -143,7 +144,7 @@ async def end_leader_session(conn: AsyncConnection, lock: tuple[int, int], pid: 
     current = (await fresh_facts(conn, lock)).holder
     if current is None or current.pid != pid:
         raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
-    ended = (await conn.execute(st.terminate_backend, {"pid": pid})).scalar()
+    ended = (await conn.execute(catalog.terminate_backend, {"pid": pid})).scalar()
     await conn.rollback()
     if not ended:
         raise CliError(f"session pid {pid} could not be ended", ExitCode.FAILED)
@@ -188,9 +189,9 @@ async def plan_prune(conn: AsyncConnection, older_than: int) -> PrunePlan:
     """The dry run of a prune of finished tasks older than ``older_than`` seconds on the
     server's clock (what ``PgStore.prune`` counts from)."""
     cutoff_ns = await queries.server_prune_cutoff(conn, older_than)
-    old = (await conn.execute(st.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
+    old = (await conn.execute(catalog.finished_before_count, {"cutoff": cutoff_ns})).scalar_one()
     victims = (
-        await conn.execute(st.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
+        await conn.execute(catalog.prunable_count, {"cutoff": cutoff_ns, "batch": I64_MAX})
     ).scalar_one()
     await conn.rollback()
     return PrunePlan(cutoff_ns, victims, max(0, old - victims))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
+from .. import _catalog as catalog
+from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .. import _statements as st
 from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._domain import LockHolder as LockHolder
 from .._urls import redact as redact
@@ -29,6 +30,9 @@ def status(options: Options, as_json: bool) -> None:
 
 
 async def _status(options: Options, as_json: bool, console: Console) -> None:
+    """What ``cronoq-store status`` shows. Long for a reason: one read of each fact, then the
+    lines in the order the operator reads them; split into helpers, that order would be
+    spread over them."""
     async with database.database(options) as conn:
         revision = await database.revision(conn, options.schema)
         if not as_json:
@@ -40,18 +44,18 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
                 ("head", f"{revision.head} (this build)"),
             )
         database.refuse_unless_at_head(revision)
-        oid = (await conn.execute(st.schema_oid, {"schema": options.schema})).scalar_one()
-        lock = (st.LOCK_NS_LEADER, oid)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": options.schema})).scalar_one()
+        lock = (lock_st.LOCK_NS_LEADER, oid)
         facts = await queries.cluster_facts(conn, lock)
-        epoch, max_id = (await conn.execute(st.leader_state)).one()
-        counts = (await conn.execute(st.task_counts)).all()
+        epoch, max_id = (await conn.execute(catalog.leader_state)).one()
+        counts = (await conn.execute(catalog.task_counts)).all()
         quarantined = (
-            await conn.execute(st.quarantined_count, {"prefix": QUARANTINE_PREFIX})
+            await conn.execute(catalog.quarantined_count, {"prefix": QUARANTINE_PREFIX})
         ).scalar_one()
-        schedules = (await conn.execute(st.schedule_summaries)).all()
+        schedules = (await conn.execute(catalog.schedule_summaries)).all()
 
     # The store passes the OID as a signed int4; pg_locks shows it unsigned.
-    keys = (st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
+    keys = (lock_st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
     if as_json:
         output.emit_json(
             {

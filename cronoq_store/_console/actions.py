@@ -36,7 +36,7 @@ from .._cli.exits import ExitCode as ExitCode
 from .._cli.output import format_duration as format_duration
 from .._cli.output import holder_document as holder_document
 from .._cli.output import rfc3339 as rfc3339
-from .._errors import translate_error as translate_error
+from .._driver import translate_error as translate_error
 from .._terminal_safe import visible as visible
 from .._urls import scrub as scrub
 from .source import Source

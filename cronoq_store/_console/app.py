@@ -30,12 +30,12 @@ from .._cli.exits import CliError as CliError
 from .._cli.exits import ExitCode as ExitCode
 from .._cli.output import format_duration as format_duration
 from .._cli.prune import parse_duration as parse_duration
+from .._config import validate_schema_name as validate_schema_name
 from .._domain import I64_MAX as I64_MAX
 from .._domain import TaskId as TaskId
 from .._domain import clean_text as clean_text
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
-from .._schema import validate_schema_name as validate_schema_name
 from .._terminal_safe import visible as visible
 from .._terminal_safe import visible_block as visible_block
 from .._urls import scrub as scrub

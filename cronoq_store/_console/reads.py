@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _catalog as catalog
 from .. import _queries as queries
-from .. import _statements as st
 from .._cli import database as database
 from .._cli import operations as operations
 from .._cli import output as output
@@ -24,8 +24,8 @@ from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._domain import I64_MAX as I64_MAX
 from .._domain import TaskId as TaskId
 from .._domain import TaskStatus as TaskStatus
+from .._driver import translate_error as translate_error
 from .._errors import MigrationError as MigrationError
-from .._errors import translate_error as translate_error
 from .._migrations import RevisionStatus as RevisionStatus
 from .._migrations import head_revision as head_revision
 from .._urls import redact as redact
@@ -110,7 +110,7 @@ async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], 
     if not revision.at_head:
         # A schema this build cannot read: its tables may not be what the statements expect.
         return doc, []
-    epoch, max_id = (await conn.execute(st.leader_state)).one()
+    epoch, max_id = (await conn.execute(catalog.leader_state)).one()
     live = (await conn.execute(cs.live_counts, {"bound": cs.LIVE_SAMPLE})).all()
     finished = (
         await conn.execute(cs.finished_sample, {"sample": cs.SAMPLE, "prefix": QUARANTINE_PREFIX})

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .. import _statements as st
+from .. import _catalog as catalog
 from .._cli import database as database
 from .._cli.app import Options as Options
 
@@ -40,7 +40,7 @@ class Source:
     async def cluster_schemas(self) -> list[str]:
         """Every schema of the database holding a cluster (the CLI's own catalog query)."""
         async with self.engine.connect() as conn:
-            return list((await conn.execute(st.cluster_schemas)).scalars())
+            return list((await conn.execute(catalog.cluster_schemas)).scalars())
 
     async def known(self, schema: str) -> None:
         """``ClusterNotFound`` unless ``schema`` holds a cluster."""

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
-from .. import _statements as st
+from .. import _catalog as catalog
 from .._errors import StoreError as StoreError
 from .._migrations import upgrade as upgrade
 from .._schema import schema_options as schema_options
@@ -83,7 +83,7 @@ async def _run_on(
         await upgrade(engine, schema)
         try:
             async with engine.connect() as conn:
-                version = await conn.scalar(st.server_version)
+                version = await conn.scalar(catalog.server_version)
             where = f"{kind} " if kind else ""
             report = DemoReport(
                 server=f"{where}PostgreSQL {version} at {redact(url)}",
@@ -110,6 +110,8 @@ async def _play(
     seconds: float,
     console: Console,
 ) -> None:
+    """The demo, in order: lead, submit, kill the leader, take over, fence the zombie, check.
+    Long for a reason: the story is one sequence read top to bottom."""
     acks_path = workdir / "acks"
     recovered_path = workdir / "recovered"
     env = {**os.environ, URL_ENV: url.render_as_string(hide_password=False)}
@@ -228,10 +230,10 @@ async def _read_table(engine: AsyncEngine, schema: str) -> tuple[dict[int, str],
     """Every task's status, and how many rows carry a zombie's write."""
     db = engine.execution_options(**schema_options(schema))
     async with db.connect() as conn:
-        stored = {row.id: row.status for row in await conn.execute(st.task_statuses)}
+        stored = {row.id: row.status for row in await conn.execute(catalog.task_statuses)}
         landed = (
             await conn.execute(
-                st.tasks_with_kind_or_message, {"kind": ZOMBIE_KIND, "message": ZOMBIE_MESSAGE}
+                catalog.tasks_with_kind_or_message, {"kind": ZOMBIE_KIND, "message": ZOMBIE_MESSAGE}
             )
         ).scalar_one()
     return stored, landed

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any
 from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
 from .._codec import decode_deps as decode_deps
 from .._codec import engine_time as engine_time
+from .._codec import quarantine_reason as quarantine_reason
 from .._domain import (
     EPOCH_MAX as EPOCH_MAX,
 )
@@ -71,12 +71,14 @@ from .._domain import (
 from .._domain import (
     TimeBase as TimeBase,
 )
+from .._domain import check_seconds as check_seconds
 from .._domain import (
     check_task_id as check_task_id,
 )
 from .._domain import (
     clean_text as clean_text,
 )
+from .._domain import unhandled as unhandled
 from .._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
@@ -126,6 +128,7 @@ from .._rows import (
 from .._rows import (
     LiveTasks as LiveTasks,
 )
+from .._rows import StatusUpdates as StatusUpdates
 from .._rows import (
     recurring_schedule as recurring_schedule,
 )
@@ -139,14 +142,13 @@ from .._rows import (
     task_record as task_record,
 )
 from .._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
-from .._sizing import batch_size as batch_size
+from .._sizing import check_batch_size as check_batch_size
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]
 
 logger = logging.getLogger("cronoq_store")
 
 _SUCCEEDED = TaskStatus.SUCCEEDED.value
-_REASON_CHARS = 500
 
 
 #: Where each column sits in a stored row: a row is an insert row (``rows.INSERT_COLUMNS``
@@ -233,10 +235,10 @@ class InMemoryDatabase:
         if taken:
             raise KeyTakenError(taken)
         moved: list[tuple[list[Any], _State]] = []
-        updates = batch.resubmitted().updates
-        for id, *transition in zip(*(updates[name] for name in _UPDATE_PARAMS), strict=True):
+        updates = StatusUpdates.of(batch.resubmitted().updates)
+        for i, id in enumerate(updates.ids):
             stored = tasks.get(id)
-            state = None if stored is None else _update_status(stored, *transition)
+            state = None if stored is None else _update_status(stored, updates, i)
             if stored is not None and state is not None:  # else new, missing or not ahead
                 moved.append((stored, state))
         new = [row for row in batch.insert_rows if row[_ID] not in tasks]
@@ -257,15 +259,19 @@ class InMemoryDatabase:
         for action, params in batch.recurring:
             name = params["schedule"]
             kept = self._schedules.get(name)
-            if action is RecurringAction.UPSERT:
-                schedule = _Schedule(params["spec_json"], params["payload"])
-                if kept is not None:
-                    schedule.next, schedule.last = kept.next, kept.last
-                self._schedules[name] = schedule
-            elif action is RecurringAction.REMOVE:
-                self._schedules.pop(name, None)
-            elif kept is not None:
-                kept.next, kept.last = params["next"], params["last"]
+            match action:
+                case RecurringAction.UPSERT:
+                    schedule = _Schedule(params["spec_json"], params["payload"])
+                    if kept is not None:
+                        schedule.next, schedule.last = kept.next, kept.last
+                    self._schedules[name] = schedule
+                case RecurringAction.REMOVE:
+                    self._schedules.pop(name, None)
+                case RecurringAction.NEXT:
+                    if kept is not None:
+                        kept.next, kept.last = params["next"], params["last"]
+                case _:
+                    unhandled(action, "recurring action")
 
     def _quarantine(self, row: list[Any], reason: str, now: int) -> None:
         set_state(
@@ -290,13 +296,7 @@ class InMemoryStore:
     def __init__(
         self, database: InMemoryDatabase | None = None, *, retention: float = 3600.0
     ) -> None:
-        if (
-            isinstance(retention, bool)
-            or not isinstance(retention, (int, float))
-            or not math.isfinite(retention)
-            or retention <= 0
-        ):
-            raise ValueError(f"retention must be a positive number of seconds, got {retention!r}")
+        check_seconds("retention", retention)
         self._db = InMemoryDatabase() if database is None else database
         self._retention = retention
         self._epoch: int | None = None
@@ -414,13 +414,7 @@ class InMemoryStore:
         self._check_open("committing a batch")
         if self._fenced or (self._has_led and self._epoch is None):
             raise FencedError("leadership was lost: this instance must not write any more")
-        size = batch_size(batch, outputs)
-        if size > self.max_commit_bytes:
-            raise BatchTooLargeError(
-                f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
-                f"outputs take up to {size} bytes, over the {self.max_commit_bytes} bytes "
-                "one commit may send; commit them in smaller batches"
-            )
+        check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         await asyncio.sleep(0)  # a commit is a round trip: others run meanwhile
         current = self._db._epoch
@@ -449,7 +443,7 @@ class InMemoryStore:
             try:
                 recovered.tasks.append(decode(*(row[i] for i in _LIVE)))
             except ValueError as exc:
-                reason = clean_text(str(exc))[:_REASON_CHARS]
+                reason = quarantine_reason(exc)
                 logger.error(
                     "quarantining undecodable task row", extra={"task_id": id, "error": reason}
                 )
@@ -571,37 +565,24 @@ class InMemoryStore:
             raise StoreError(f"{action} failed: the store is closed")
 
 
-#: The ``update_status`` parameters: ``ids``, then those :func:`_update_status` takes, in order.
-_UPDATE_PARAMS = (
-    "ids", "statuses", "terminals", "attempts", "updated", "levels", "messages",
-    "message_levels", "message_ats",
-)  # fmt: skip
-
-
-def _update_status(
-    row: list[Any],
-    status: str,
-    terminal: bool,
-    attempt: int,
-    at: int,
-    lvl: int,
-    message: str | None,
-    message_level: int | None,
-    message_at: int | None,
-) -> _State | None:
-    """The state one transition of ``update_status`` gives a stored row, or ``None`` where
+def _update_status(row: list[Any], updates: StatusUpdates, i: int) -> _State | None:
+    """The state transition ``i`` of ``update_status`` gives a stored row, or ``None`` where
     it does not move it. Mirrors the SQL of :mod:`cronoq_store._statements`: ``_forward``
     (a terminal row is final, a live one moves when the transition's ``(level, at)`` is
-    greater than its own, ``_level`` in SQL being :func:`~cronoq_store._folding.level`) and
+    greater than its own, ``_level`` in SQL being :func:`~cronoq_store._domain.level`) and
     ``_transition_values``' message (none keeps the stored one, the moving transition's own
     comes with it, an earlier one's only if that transition is ahead of the stored row)."""
     if row[_TERMINAL]:
         return None
     stored = (level(row[_STATUS], False, row[_ATTEMPT]), row[_UPDATED])
-    if (lvl, at) <= stored:
+    at = updates.updated[i]
+    moved = (updates.levels[i], at)
+    if moved <= stored:
         return None
+    status, terminal, attempt = updates.statuses[i], updates.terminals[i], updates.attempts[i]
+    message_level, message_at = updates.message_levels[i], updates.message_ats[i]
     if message_level is None or message_at is None:
         return status, terminal, attempt, at, row[_MESSAGE]
     brought = (message_level, message_at)
-    kept = brought != (lvl, at) and brought <= stored
-    return status, terminal, attempt, at, row[_MESSAGE] if kept else message
+    kept = brought != moved and brought <= stored
+    return status, terminal, attempt, at, row[_MESSAGE] if kept else updates.messages[i]

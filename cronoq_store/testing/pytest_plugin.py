@@ -44,7 +44,7 @@ from sqlalchemy.schema import DropSchema
 
 from .._config import PgStoreConfig as PgStoreConfig
 from .._migrations import upgrade as upgrade
-from .._statements import SEARCH_PATH as SEARCH_PATH
+from .._session_statements import SEARCH_PATH as SEARCH_PATH
 from .._store import PgStore as PgStore
 from .._urls import async_url as async_url
 from ._server import TEST_URL_ENV as TEST_URL_ENV

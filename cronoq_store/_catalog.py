@@ -1,0 +1,295 @@
+"""The operators' catalog queries and counts: what ``cronoq-store`` (status, health,
+handover, prune's dry run), the console, the HA demo and the migrations read of a
+cluster and of the server's catalogs.
+
+Commits, recovery and look-ups never run these; they are kept apart from the store's own
+statements (:mod:`cronoq_store._statements`) so that the hot path reads on its own. Catalog
+tables carry their schema (``pg_catalog``): ``schema_translate_map`` renames only the
+cluster's schema-less tables.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    column,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    table,
+    true,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from ._domain import TaskStatus as TaskStatus
+from ._schema import LEADER_ROW_ID as LEADER_ROW_ID
+from ._schema import VERSION_TABLE as VERSION_TABLE
+from ._schema import leader as leader
+from ._schema import recurring as recurring
+from ._schema import tasks as tasks
+from ._statements import prune_batch as prune_batch
+
+__all__ = [
+    "clear_stats_snapshot",
+    "cluster_schemas",
+    "finished_before_count",
+    "health_facts",
+    "leader_holder_facts",
+    "leader_lock_holder",
+    "leader_state",
+    "prunable_count",
+    "public_may_connect",
+    "quarantined_count",
+    "relation_exists",
+    "schedule_summaries",
+    "server_now",
+    "server_version",
+    "task_counts",
+    "task_statuses",
+    "tasks_with_kind_or_message",
+    "terminate_backend",
+]
+
+_catalog = MetaData(schema="pg_catalog")
+_pg_locks = Table(
+    "pg_locks",
+    _catalog,
+    Column("locktype", Text),
+    Column("database", postgresql.OID),
+    Column("classid", postgresql.OID),
+    Column("objid", postgresql.OID),
+    Column("objsubid", Integer),
+    Column("pid", Integer),
+    Column("granted", Boolean),
+    Column("relation", postgresql.OID),
+    Column("mode", Text),
+)
+_pg_stat_activity = Table(
+    "pg_stat_activity",
+    _catalog,
+    Column("pid", Integer),
+    Column("usesysid", postgresql.OID),
+    Column("usename", Text),
+    Column("application_name", Text),
+    Column("client_addr", postgresql.INET),
+    Column("backend_start", postgresql.TIMESTAMP(timezone=True)),
+)
+_pg_database = Table(
+    "pg_database", _catalog, Column("oid", postgresql.OID), Column("datname", Text)
+)
+
+#: Whether ``schema.name`` names a table (or any relation); ``format('%I')`` quotes on the
+#: server. What migrations ask of a schema made before Alembic's version table.
+relation_exists = select(
+    func.to_regclass(
+        func.format(
+            literal("%I.%I", Text), bindparam("schema", type_=Text), bindparam("name", type_=Text)
+        )
+    ).is_not(None)
+)
+
+#: The clock every operator's run agrees on: the server's, not the client machine's.
+server_now = select(func.now())
+#: The server's version, as ``SHOW server_version`` prints it.
+server_version = select(func.current_setting(literal("server_version", Text)))
+
+#: The leader row: the fencing epoch and the id high-water mark.
+leader_state = select(leader.c.epoch, leader.c.max_id).where(leader.c.id == LEADER_ROW_ID)
+
+#: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
+#: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
+#: objid = k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
+#: BIGINT. Advisory locks are per database, and so are schema OIDs.
+leader_lock_holder = (
+    select(
+        _pg_stat_activity.c.pid,
+        _pg_stat_activity.c.usesysid,
+        _pg_stat_activity.c.usename,
+        _pg_stat_activity.c.application_name,
+        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+        _pg_stat_activity.c.backend_start,
+    )
+    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
+    .where(
+        _pg_locks.c.locktype == "advisory",
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        cast(_pg_locks.c.classid, BigInteger) == bindparam("k1", type_=BigInteger),
+        cast(_pg_locks.c.objid, BigInteger) == bindparam("k2", type_=BigInteger),
+        _pg_locks.c.objsubid == 2,
+        _pg_locks.c.granted,
+    )
+)
+
+#: Tasks by pool, live or finished, and status. A full scan: an operator's occasional look,
+#: not a probe.
+task_counts = (
+    select(tasks.c.pool, tasks.c.terminal, tasks.c.status, func.count().label("n"))
+    .group_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
+    .order_by(tasks.c.pool, tasks.c.terminal, tasks.c.status)
+)
+
+#: How many rows recovery quarantined: failed, with a message starting with ``prefix``
+#: (``codec.QUARANTINE_PREFIX``).
+quarantined_count = select(func.count()).where(
+    tasks.c.terminal,
+    tasks.c.status == TaskStatus.FAILED.value,
+    func.starts_with(tasks.c.message, bindparam("prefix", type_=Text)),
+)
+
+#: Every recurring schedule's name, schedule (its JSON as text: the dialect's ``json.loads``
+#: recurses on a hand-written value nested too deep), next run and last task.
+schedule_summaries = select(
+    recurring.c.name,
+    cast(recurring.c.spec["schedule"], Text).label("schedule"),
+    recurring.c.next_unix_ns,
+    recurring.c.last_task_id,
+).order_by(recurring.c.name)
+
+#: Finished tasks last updated before ``cutoff``, whether prunable or protected.
+finished_before_count = select(func.count()).where(
+    tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
+)
+
+_prune_where = prune_batch.whereclause
+assert _prune_where is not None, "the prune statement names its victims"
+#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
+#: clause, so a dry run never disagrees with it about what a live task depends on.
+prunable_count = select(func.count()).select_from(tasks).where(_prune_where)
+
+# --- the HA demo (``cronoq_store._demo``) reads back what it wrote ----------------------------
+
+#: Every task's id and status.
+task_statuses = select(tasks.c.id, tasks.c.status)
+
+#: How many tasks carry ``kind`` or ``message``: the marks of the demo zombie's writes.
+tasks_with_kind_or_message = select(func.count()).where(
+    or_(
+        tasks.c.kind == bindparam("kind", type_=Text),
+        tasks.c.message == bindparam("message", type_=Text),
+    )
+)
+
+# --- health (``PgStore.health``, ``cronoq-store health``) ----------------------------------
+
+# Alembic's version table, schema-less like the store's tables so the cluster's schema is
+# applied at execution; only its one column is read.
+_versions = Table(VERSION_TABLE, MetaData(), Column("version_num", Text))
+_holder = leader_lock_holder.subquery("h")
+# The leader table's own OID (its ``tableoid``), to find locks on it in ``pg_locks``.
+_leader_oid = Table(leader.name, MetaData(), Column("tableoid", postgresql.OID))
+
+#: Whether the holder is the lock session the leader row records: the same pid and role,
+#: and the same backend start where the reader may see it (pg_read_all_stats). A holder
+#: that never moved the epoch (any role that can connect can take the lock) is not.
+_recorded = and_(
+    _holder.c.pid == leader.c.holder_pid,
+    _holder.c.usesysid == leader.c.holder_role,
+    or_(
+        _holder.c.backend_start.is_(None),
+        _holder.c.backend_start == leader.c.holder_backend_start,
+    ),
+)
+#: Whether the current epoch was taken by a build that does not record its holder (before
+#: revision 0007, mid rolling upgrade): the holder is then unknown, and not called foreign.
+#: Epoch 0 was never taken: a holder there is foreign. Only a writer of the row can move it.
+_unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
+#: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
+#: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
+#: the old leader's commits) and keeps until it commits, and its role may update the table.
+#: ``pg_locks`` shows every session's locks to every role.
+_leader_table = select(_leader_oid.c.tableoid).limit(1).scalar_subquery()
+_bumping = and_(
+    select(_pg_locks.c.pid)
+    .where(
+        _pg_locks.c.pid == _holder.c.pid,
+        _pg_locks.c.locktype == "relation",
+        _pg_locks.c.relation == _leader_table,
+        _pg_locks.c.mode == "RowExclusiveLock",
+        _pg_locks.c.granted,
+    )
+    .exists(),
+    # A statement takes that lock when parsed, its privileges are checked when it runs:
+    # `PREPARE ... AS UPDATE` in an open transaction holds it for any role with USAGE on
+    # the schema.
+    func.pg_catalog.has_table_privilege(
+        _holder.c.usesysid, _leader_table, literal("UPDATE", Text), type_=Boolean
+    ),
+)
+
+#: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
+#: holds it) and whether it is a store instance (the session the leader row records, or one
+#: bumping the epoch now): what a waiting standby's lock session reads, with no more
+#: privilege than it has (``SELECT`` on the leader row).
+leader_holder_facts = (
+    select(
+        leader.c.epoch,
+        _holder.c.pid,
+        _holder.c.usename,
+        _holder.c.application_name,
+        _holder.c.client_addr,
+        _holder.c.backend_start,
+        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
+    )
+    .select_from(leader.outerjoin(_holder, true()))
+    .where(leader.c.id == LEADER_ROW_ID)
+)
+
+#: In one round trip: :data:`leader_holder_facts` and the revisions the version table
+#: records.
+health_facts = leader_holder_facts.add_columns(
+    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+    .scalar_subquery()
+    .label("revisions")
+)
+
+#: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),
+#: which stores refuse to lead in: what ``cronoq-store health`` can tell from any role.
+public_may_connect = select(
+    func.pg_catalog.has_database_privilege(
+        literal("public", Text), func.current_database(), literal("CONNECT", Text), type_=Boolean
+    )
+)
+
+#: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
+#: the lock holder in the same transaction sees sessions as they are now.
+clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
+
+# --- a forced handover (``cronoq-store handover``) ------------------------------------------
+
+#: Ends the session ``pid`` (its transaction rolls back, its session locks are released);
+#: needs the ``pg_signal_backend`` role (or superuser, or the same role as that session).
+terminate_backend = select(
+    func.pg_catalog.pg_terminate_backend(bindparam("pid", type_=Integer), type_=Boolean)
+)
+
+# --- the CLI: where the clusters are ----------------------------------------------------------
+
+_pg_class = table(
+    "pg_class", column("relname"), column("relnamespace"), column("relkind"), schema="pg_catalog"
+)
+_pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+
+#: The schemas holding a cluster (its Alembic version table), by name: what the CLI lists
+#: when no schema was named and ``public`` holds none. Catalogs only, schema-qualified: no
+#: cluster's schema is ever on ``search_path``.
+cluster_schemas = (
+    select(_pg_namespace.c.nspname)
+    .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
+    .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+    .order_by(_pg_namespace.c.nspname)
+)

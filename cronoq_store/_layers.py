@@ -1,0 +1,151 @@
+"""The package's layers, written once: each layer's modules and each module's one job.
+
+A module imports only from its own layer and the layers below it, and no import closes a
+circle (``tests/test_layers.py`` reads every import of the package with ``ast``, those under
+``TYPE_CHECKING`` and inside functions too). docs/architecture.md's table is
+:func:`markdown_table` of this declaration (``python -m cronoq_store._layers`` prints it,
+and the same test compares). A new module is declared here, in the lowest layer whose
+modules are all it needs, or the test fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LAYERS", "PUBLIC", "Layer", "layer_of", "markdown_table"]
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One layer: its name, what its modules have in common, and each module's one job.
+
+    Modules are named relative to ``cronoq_store`` (``"_writer"``); a subpackage stands for
+    every module in it (``"_cli"``); ``""`` is the package itself (its ``__init__``)."""
+
+    name: str
+    about: str
+    modules: dict[str, str]
+
+
+#: The layers, bottom first.
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        "values",
+        "plain values and rules; no SQL, no connection",
+        {
+            "_domain": "the scheduler's values (tasks, mutations, recovery), the state order, "
+            "BIGINT bounds, the text-cleaning rule",
+            "_errors": "every error type the store raises",
+            "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
+            "_codec": "JSON encodings of the JSONB columns; time and duration conversions",
+            "_retry": "the one retry loop (policy, what to retry, when to stop) and timeout",
+            "_urls": "database URLs: the asyncpg form, the one masking of secrets",
+            "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
+            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
+            "_committer_stats": "what a group committer counts, and its snapshot",
+            "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
+            "_layers": "this declaration of the layers",
+        },
+    ),
+    Layer(
+        "SQL",
+        "tables, rows and statements as SQLAlchemy Core, built once; nothing runs here",
+        {
+            "_schema": "the tables as one `MetaData`, without a schema name",
+            "_rows": "task and recurring rows to and from domain values, from one column list",
+            "_statements": "the store's own statements: commits, recovery, look-ups, pruning",
+            "_lock_statements": "the leader lock session's statements: the lock, the epoch bump",
+            "_session_statements": "the one `search_path`; transactions on borrowed sessions",
+            "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
+            "_migration_statements": "what an offline script checks; a downgrade's locks",
+        },
+    ),
+    Layer(
+        "door",
+        "the one way to the driver: compiled statements run, driver errors mapped",
+        {
+            "_driver": "statements compiled for asyncpg and run on its connection; every "
+            "driver error mapped to the store's errors",
+            "_held_connection": "the commit connection's life: checked out, held, given up",
+            "_transactions": "a read's transaction on a pooled session, own or borrowed",
+        },
+    ),
+    Layer(
+        "paths",
+        "what the store does, each on connections handed in",
+        {
+            "_folding": "a batch of mutations folded into column arrays, pure Python",
+            "_sizing": "the bytes a batch sends, estimated from above",
+            "_writer": "the commit path: which way a folded batch is written, what it found",
+            "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
+            "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
+            "_trust": "the trust checks: who may control the schema, who may connect",
+            "_pool": "the store's own pool, and the checks every pool passes at open",
+            "_leadership": "the leader lock session, its keeper, the epoch",
+            "_migration_lock": "one Alembic run at a time in the process",
+            "_downgrade_guard": "a downgrade never under a live leader",
+            "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision check",
+            "_alembic_env": "Alembic's environment, what `alembic/env.py` runs",
+        },
+    ),
+    Layer(
+        "facade",
+        "what applications call",
+        {
+            "": "the public names (`from cronoq_store import ...`)",
+            "_store": "`PgStore`: opens and closes, wires the paths, where errors leave the store",
+            "_group_commit": "`GroupCommitter`: many submitters, one transaction per batch",
+            "autogenerate": "filters that keep an application's autogenerate off our tables",
+        },
+    ),
+    Layer(
+        "apart",
+        "not the library: tools and helpers built on it",
+        {
+            "_cli": "the `cronoq-store` operator commands, one module per command",
+            "_console": "`cronoq-store console`, the read-mostly browser view",
+            "_demo": "the HA demo, imported only when `cronoq-store demo` runs",
+            "testing": "for applications' tests: `EmbeddedPostgres`, a pytest plugin, "
+            "`InMemoryStore`",
+        },
+    ),
+)
+
+#: The public modules; every other module has a private name (a ``_`` in its path).
+PUBLIC = frozenset(
+    {
+        "cronoq_store",
+        "cronoq_store.autogenerate",
+        "cronoq_store.telemetry",
+        "cronoq_store.testing",
+        "cronoq_store.testing.pytest_plugin",
+    }
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (dotted, ``cronoq_store.x.y``); a module
+    of a subpackage is in its subpackage's layer. ``KeyError`` for an undeclared one."""
+    parts = module.split(".")
+    if parts[0] != "cronoq_store":
+        raise KeyError(module)
+    for name in (".".join(parts[1:]), parts[1] if len(parts) > 1 else ""):
+        for index, layer in enumerate(LAYERS):
+            if name in layer.modules:
+                return index
+    raise KeyError(module)
+
+
+def markdown_table() -> str:
+    """The layers as docs/architecture.md shows them, bottom first."""
+    lines = ["| layer | module | its one job |", "|---|---|---|"]
+    for layer in LAYERS:
+        lines.append(f"| **{layer.name}** | | {layer.about} |")
+        for module, job in layer.modules.items():
+            name = f"cronoq_store.{module}" if module else "cronoq_store"
+            lines.append(f"| | `{name}` | {job} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

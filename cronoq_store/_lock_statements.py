@@ -1,0 +1,115 @@
+"""The leader lock session's statements: the advisory lock, the epoch bump, the session's
+own settings and liveness check, and the schema's OID that keys the lock.
+
+Run by :class:`~cronoq_store._leadership.Leadership` on its dedicated session, never on a
+commit's connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    Integer,
+    Text,
+    bindparam,
+    case,
+    column,
+    false,
+    func,
+    literal,
+    select,
+    table,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+
+from ._domain import EPOCH_MAX as EPOCH_MAX
+from ._schema import LEADER_ROW_ID as LEADER_ROW_ID
+from ._schema import leader as leader
+
+__all__ = [
+    "LOCK_NS_LEADER",
+    "LOCK_SESSION_SETTINGS",
+    "bump_epoch",
+    "lock_session_settings",
+    "ping",
+    "schema_oid",
+    "try_leader_lock",
+]
+
+#: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
+LOCK_NS_LEADER = 0x63726F71
+#: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
+
+# --- leadership -----------------------------------------------------------------------------
+
+#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock.
+try_leader_lock = select(
+    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
+)
+
+_own_session = table(
+    "pg_stat_activity",
+    column("pid", Integer),
+    column("backend_start", postgresql.TIMESTAMP(timezone=True)),
+    column("usesysid", postgresql.OID),
+    schema="pg_catalog",
+)
+
+
+def _own(name: str) -> Any:
+    """A column of this session's own ``pg_stat_activity`` row (always visible to it)."""
+    return (
+        select(_own_session.c[name])
+        .where(_own_session.c.pid == func.pg_backend_pid())
+        .scalar_subquery()
+    )
+
+
+#: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
+#: did (pid, backend start, role): what tells the leader from a session that only holds the
+#: lock (:data:`health_facts`). Returns the new epoch.
+_next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
+bump_epoch = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(
+        epoch=_next_epoch,
+        holder_epoch=_next_epoch,
+        holder_pid=func.pg_backend_pid(),
+        holder_backend_start=_own("backend_start"),
+        holder_role=_own("usesysid"),
+    )
+    .returning(leader.c.epoch)
+)
+
+#: The lock session's liveness check.
+ping = select(1)
+
+#: What the lock session sets for itself once connected, when the connection comes from an
+#: application's pool creator (which ignores our connect arguments); each is a bind of the
+#: same name. ``set_config`` is schema-qualified: the creator may have set any search_path.
+LOCK_SESSION_SETTINGS = (
+    "search_path",
+    "application_name",
+    "tcp_keepalives_idle",
+    "tcp_keepalives_interval",
+    "tcp_keepalives_count",
+    "idle_session_timeout",
+    "synchronous_commit",
+    "default_transaction_read_only",
+)
+lock_session_settings = select(
+    *(
+        func.pg_catalog.set_config(literal(name, Text), bindparam(name, type_=Text), false())
+        for name in LOCK_SESSION_SETTINGS
+    )
+)
+
+#: The schema's OID, the second key of the leader lock (``pg_namespace`` is not translated).
+#: ``to_regnamespace`` parses an identifier, so the name is quoted first: ``Prod`` stays
+#: ``Prod`` instead of being folded to ``prod``.
+schema_oid = select(
+    func.to_regnamespace(func.quote_ident(bindparam("schema", type_=Text))).cast(Integer)
+)

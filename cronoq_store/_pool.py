@@ -1,0 +1,126 @@
+"""The store's own pool (how it connects, what it checks at checkout) and the checks every
+pool the store opens on passes first (the database's encoding; behind PgBouncer, the
+sessions' ``search_path``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import URL, event
+from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import PoolProxiedConnection
+
+from . import _session_statements as session_st
+from . import _statements as st
+from ._config import PgStoreConfig, keepalive_settings
+from ._driver import translate_error, translate_open_error
+from ._errors import StoreError
+from ._urls import engine_arguments
+
+__all__ = ["idle_in_transaction_ms", "own_engine", "require_search_path", "require_utf8"]
+
+
+def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
+    """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
+    ``max_connections``, the store's session settings, closed connections replaced at
+    checkout."""
+    dialled, tls = engine_arguments(url)
+    engine = create_async_engine(
+        dialled,
+        pool_size=config.max_connections,
+        max_overflow=0,
+        # No store call waits for a connection longer than a commit may take.
+        pool_timeout=config.commit_timeout,
+        # Batches carry payloads; errors and logs must not.
+        hide_parameters=True,
+        connect_args={**_pool_connect_args(config), **tls},
+    )
+    event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
+    return engine
+
+
+async def require_utf8(engine: AsyncEngine, where: str) -> None:
+    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
+    string the domain accepts must be storable, and another encoding lacks most characters."""
+    try:
+        async with engine.connect() as conn:
+            encoding = (await conn.execute(st.server_encoding)).scalar_one()
+    except Exception as exc:
+        raise translate_open_error(exc, where, "reading the database's encoding") from exc
+    if encoding != "UTF8":
+        raise StoreError(
+            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
+async def require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(session_st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in session_st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+        )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": session_st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(idle_in_transaction_ms(config)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
+
+
+def idle_in_transaction_ms(config: PgStoreConfig) -> int:
+    """How long the server lets a transaction of the store sit idle before it ends the
+    session: ``session_timeout``, so a takeover waits at most that long for a frozen
+    leader's row lock."""
+    return round(config.session_timeout * 1000)
+
+
+def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
+    """The pool's pre-ping, without a round trip: a pooled connection that the server
+    closed (restart, terminated backend, idle timeout) is replaced at checkout.
+
+    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
+    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
+    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
+    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
+    caller retries.
+    """
+    driver: Any = proxy.driver_connection
+    if driver.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")

@@ -1,0 +1,262 @@
+"""Rules written once (issue 21): each test pins that every place applies the one rule."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+import cronoq_store.testing._memory as memory
+from cronoq_store import (
+    GroupCommitter,
+    PgStoreConfig,
+    StoreError,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+    UnavailableError,
+)
+from cronoq_store._codec import (
+    QUARANTINE_PREFIX,
+    TEMPLATE_MEMBERS,
+    _template_from_json,
+    _template_to_json,
+    check_template,
+    quarantine_reason,
+)
+from cronoq_store._errors import BatchTooLargeError
+from cronoq_store._queries import prune_age_ns
+from cronoq_store._retry import Backoff, bounded, retry
+from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
+from cronoq_store._sizing import batch_size
+from cronoq_store._statements import update_status
+from cronoq_store.testing import InMemoryStore
+
+BASE = TimeBase(0, 1_700_000_000 * 10**9)
+
+
+class _Store:
+    async def commit(self, *args: Any) -> None:
+        pass
+
+
+# --- a number of seconds --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [True, "1", None])
+def test_every_seconds_setting_refuses_a_non_number_alike(value: Any) -> None:
+    """Settings, the in-memory store's retention, the committer's timeout, backoff and
+    prune's age: one rule, one message, for a value that is not a number at all."""
+    with pytest.raises(ValueError, match=r"^retention must be a number of seconds"):
+        PgStoreConfig(retention=value)
+    with pytest.raises(ValueError, match=r"^retention must be a number of seconds"):
+        InMemoryStore(retention=value)
+    with pytest.raises(ValueError, match=r"^backoff initial must be a number of seconds"):
+        Backoff(initial=value, cap=1.0)
+    with pytest.raises(ValueError, match=r"^older_than: must be a number of seconds"):
+        prune_age_ns(value)
+
+
+async def test_the_committers_timeout_follows_the_same_rule() -> None:
+    committer = GroupCommitter(_Store(), 1, BASE)
+    with pytest.raises(ValueError, match=r"^timeout must be a number of seconds"):
+        await committer.close(timeout=True)
+    with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds"):
+        await committer.close(timeout=float("nan"))
+    await committer.close()
+
+
+# --- quarantine and batch size: the same from both stores -----------------------------------
+
+
+def test_a_quarantine_reason_is_cut_to_its_limit_with_an_ellipsis() -> None:
+    reason = quarantine_reason(ValueError("é" * 600 + "\0"))
+    assert len(reason) == 500
+    assert reason == "é" * 499 + "…"
+    assert quarantine_reason(KeyError("k")) == "KeyError: 'k'"
+    assert quarantine_reason(ValueError("a\0b")) == "a\ufffdb"
+
+
+async def test_the_in_memory_store_quarantines_with_the_same_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long decode error is cut as ``PgStore`` cuts it (it was cut bare, 500 characters)."""
+    store = InMemoryStore()
+    await store.acquire_leadership()
+    await store.commit(1, BASE, [Submitted(TaskId(7), 1, 0, TaskSpec(b""))], [])
+
+    class Refusing:
+        def __init__(self, base: TimeBase) -> None:
+            pass
+
+        def decode(self, *row: Any) -> Any:
+            raise ValueError("x" * 1000)
+
+    monkeypatch.setattr(memory, "LiveTasks", Refusing)
+    await store.recover(BASE)
+    record = await store.get_task(TaskId(7))
+    assert record is not None
+    assert record.message == f"{QUARANTINE_PREFIX} {'x' * 499}…"
+
+
+async def test_the_in_memory_store_refuses_a_large_batch_as_pgstore_does() -> None:
+    store = InMemoryStore()
+    await store.acquire_leadership()
+    store.max_commit_bytes = 1
+    batch = [Submitted(TaskId(7), 1, 0, TaskSpec(b""))]
+    with pytest.raises(BatchTooLargeError) as caught:
+        await store.commit(1, BASE, batch, [])
+    assert str(caught.value) == (
+        f"committing a batch failed: its 1 mutations and 0 outputs take up to "
+        f"{batch_size(batch, [])} bytes, over the 1 bytes one commit may send (PostgreSQL "
+        "refuses a message over 1 GiB); commit them in smaller batches"
+    )
+
+
+# --- the status-update columns ---------------------------------------------------------------
+
+
+def test_update_status_binds_exactly_the_declared_arrays() -> None:
+    compiled = update_status.compile()
+    assert set(compiled.binds) == set(UPDATE_PARAMS)
+    for f in dataclasses.fields(StatusUpdates):
+        bound = compiled.binds[f.name].type
+        assert type(bound.item_type) is type(f.metadata["sql"]), f.name  # type: ignore[attr-defined]
+
+
+# --- the recurring template -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Wider(TaskSpec):
+    region: str | None = None
+
+
+def test_the_template_check_refuses_a_taskspec_field_it_does_not_map() -> None:
+    with pytest.raises(RuntimeError, match=r"TaskSpec fields not mapped: \['region'\]"):
+        check_template(_Wider)
+
+
+def test_the_template_check_refuses_an_encoder_that_forgets_a_member() -> None:
+    def forgetful(to_unix: Any, spec: TaskSpec) -> dict[str, object]:
+        encoded = _template_to_json(to_unix, spec)
+        del encoded["tenant"]
+        return encoded
+
+    with pytest.raises(RuntimeError, match=r"the encoder does not write \['tenant'\]"):
+        check_template(encode=forgetful)
+
+
+def test_the_template_check_refuses_a_decoder_that_forgets_a_member() -> None:
+    def forgetful(base: TimeBase, value: Any, payload: bytes, path: str) -> TaskSpec:
+        spec = _template_from_json(base, value, payload, path)
+        value.read.discard("labels")
+        return spec
+
+    with pytest.raises(RuntimeError, match=r"the decoder does not read \['labels'\]"):
+        check_template(decode=forgetful)
+    assert TEMPLATE_MEMBERS["payload"] is None
+
+
+# --- the retry loop and the timeout -----------------------------------------------------------
+
+_FAST = Backoff(initial=0.001, cap=0.001)
+
+
+async def _go_on(error: StoreError, failures: int) -> None:
+    pass
+
+
+def _no_log(error: StoreError, failures: int, pause: float) -> None:
+    pass
+
+
+async def _never(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return False
+
+
+async def test_retry_retries_transient_errors_until_the_attempt_succeeds() -> None:
+    failures: list[int] = []
+    calls = 0
+
+    async def attempt() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise OSError("refused")
+        return "done"
+
+    async def check(error: StoreError, count: int) -> None:
+        failures.append(count)
+
+    def classify(exc: Exception) -> StoreError:
+        return UnavailableError(str(exc))
+
+    result = await retry(
+        attempt,
+        _FAST,
+        classify=classify,
+        check=check,
+        pausing=_no_log,
+        wait=_never,
+        stopped=lambda e: e,
+    )
+    assert result == "done"
+    assert failures == [1, 2]
+
+
+async def _refused() -> None:
+    raise OSError("refused")
+
+
+async def _stop(seconds: float) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    ("attempt", "error", "wait", "raised", "cause"),
+    [
+        (_refused, None, _never, OSError, None),  # not the store's: raised as it is
+        (_refused, StoreError("permanent"), _never, StoreError, OSError),
+        (_refused, UnavailableError("down"), _stop, RuntimeError, OSError),
+    ],
+    ids=["not-ours", "not-transient", "stopped"],
+)
+async def test_retry_raises_what_it_does_not_retry_and_stops_when_told(
+    attempt: Any, error: StoreError | None, wait: Any, raised: type[Exception], cause: Any
+) -> None:
+    with pytest.raises(raised) as caught:
+        await retry(
+            attempt,
+            _FAST,
+            classify=lambda exc: error,
+            check=_go_on,
+            pausing=_no_log,
+            wait=wait,
+            stopped=lambda e: RuntimeError(f"stopped after {e}"),
+        )
+    if cause is None:
+        assert caught.value.__cause__ is None
+    else:
+        assert isinstance(caught.value.__cause__, cause)
+
+
+async def test_bounded_aborts_then_cancels_work_that_stays_silent() -> None:
+    aborted: list[bool] = []
+    silent = asyncio.Event()
+
+    with pytest.raises(asyncio.TimeoutError, match=r"the session did not answer within 0\.01 s"):
+        await bounded(
+            silent.wait(),
+            0.01,
+            abort=lambda: aborted.append(True),
+            grace=0.01,
+            silent="the session did not answer",
+        )
+    assert aborted == [True]
+    with pytest.raises(asyncio.TimeoutError, match=r"no answer within 0\.01 s"):
+        await bounded(silent.wait(), 0.01)
