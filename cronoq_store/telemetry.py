@@ -37,7 +37,16 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 
-__all__ = ["DISABLED", "CommitRecord", "Telemetry", "instrument", "resolve"]
+__all__ = [
+    "DISABLED",
+    "CommitRecord",
+    "Committer",
+    "Instrumentable",
+    "Leader",
+    "Telemetry",
+    "instrument",
+    "resolve",
+]
 
 
 class Leader(Protocol):
@@ -45,26 +54,36 @@ class Leader(Protocol):
     this module, which the store and its paths import, imports none of them."""
 
     @property
-    def epoch(self) -> int | None: ...
+    def epoch(self) -> int | None:
+        """The fencing epoch held, or ``None`` before the first acquisition."""
+        ...
 
     @property
-    def is_leader(self) -> bool: ...
+    def is_leader(self) -> bool:
+        """Whether the instance leads now."""
+        ...
 
 
 class Committer(Protocol):
     """What the queue-depth gauge reads (a ``GroupCommitter``)."""
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """Whether the committer was closed (the gauge then forgets it)."""
+        ...
 
-    def stats(self) -> CommitterStats: ...
+    def stats(self) -> CommitterStats:
+        """The committer's counters, read at each collection."""
+        ...
 
 
 class Instrumentable(Protocol):
     """What :func:`instrument` needs of a store (a ``PgStore``)."""
 
     @property
-    def config(self) -> PgStoreConfig: ...
+    def config(self) -> PgStoreConfig:
+        """The store's configuration (its schema labels the instruments)."""
+        ...
 
     def _use_telemetry(self, recorder: Telemetry) -> None: ...
 

@@ -82,7 +82,16 @@ PUBLIC_NAMES = {
         "find_bin_dir",
     ],
     "cronoq_store.autogenerate": ["STORE_TABLES", "hiding_store", "include_name", "include_object"],
-    "cronoq_store.telemetry": ["DISABLED", "CommitRecord", "Telemetry", "instrument", "resolve"],
+    "cronoq_store.telemetry": [
+        "DISABLED",
+        "CommitRecord",
+        "Committer",
+        "Instrumentable",
+        "Leader",
+        "Telemetry",
+        "instrument",
+        "resolve",
+    ],
 }
 
 ALL_PUBLIC = [(module, name) for module, names in PUBLIC_NAMES.items() for name in names]
