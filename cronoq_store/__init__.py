@@ -135,6 +135,7 @@ from ._errors import (
 from ._errors import (
     UnavailableError as UnavailableError,
 )
+from ._errors import UnsupportedParameterError as UnsupportedParameterError
 from ._group_commit import GroupCommitter as GroupCommitter
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
@@ -143,7 +144,6 @@ from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
 from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
-from ._urls import UnsupportedParameterError as UnsupportedParameterError
 from ._urls import engine_arguments as engine_arguments
 from ._urls import scrub as scrub
 

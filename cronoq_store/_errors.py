@@ -7,6 +7,8 @@ misconfiguration. Which driver failure becomes which of these is decided in one 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ._domain import show as show
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "SchemaGoneError",
     "StoreError",
     "UnavailableError",
+    "UnsupportedParameterError",
 ]
 
 
@@ -108,3 +111,12 @@ class CommitterClosedError(StoreError):
     submitters that a close without draining (or a drain that timed out) abandons. The
     message says whether the submission may nonetheless have been committed.
     """
+
+
+class UnsupportedParameterError(ValueError):
+    """A URL parameter the store cannot honour (or a value it does not know), refused by
+    name before anything connects: a usage error. ``names`` are the parameters."""
+
+    def __init__(self, message: str, names: Iterable[str]) -> None:
+        super().__init__(message)
+        self.names = tuple(names)

@@ -21,6 +21,8 @@ from urllib.parse import urlencode
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
+from ._errors import UnsupportedParameterError as UnsupportedParameterError
+
 __all__ = [
     "MASK",
     "URL_ENV",
@@ -108,15 +110,6 @@ _KEYWORD_PARAMETER = re.compile(
     _SECRET_NAME + r"(?P<secret>" + _MASKED + r"|'(?:[^'\\]|\\.)*'|(?:[^\s'\"\\]|\\.)+)",
     re.IGNORECASE,
 )
-
-
-class UnsupportedParameterError(ValueError):
-    """A URL parameter the store cannot honour (or a value it does not know), refused by
-    name before anything connects: a usage error. ``names`` are the parameters."""
-
-    def __init__(self, message: str, names: Iterable[str]) -> None:
-        super().__init__(message)
-        self.names = tuple(names)
 
 
 def _is_secret(name: str) -> bool:

@@ -453,7 +453,8 @@ def test_a_driver_protocol_out_of_step_is_transient() -> None:
 
 
 def test_every_public_error_has_its_home_in_errors_and_derives_from_store_error() -> None:
-    """One root (callers catch ``StoreError``) and one module that defines them all."""
+    """One root (callers catch ``StoreError``) and one module that defines them all; a
+    usage error, refused before anything connects, is a ``ValueError`` as a bad setting is."""
     errors = [
         value
         for value in (getattr(cronoq_store, name) for name in cronoq_store.__all__)
@@ -461,7 +462,8 @@ def test_every_public_error_has_its_home_in_errors_and_derives_from_store_error(
     ]
     assert {e.__name__ for e in errors} >= {"StoreError", "CommitterClosedError"}
     for error in errors:
-        assert issubclass(error, StoreError), error
+        usage = error is cronoq_store.UnsupportedParameterError and issubclass(error, ValueError)
+        assert issubclass(error, StoreError) or usage, error
         assert error.__module__ == "cronoq_store._errors", error
 
 
