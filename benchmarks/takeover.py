@@ -46,7 +46,11 @@ _LOCK_DSN_ENV = "BENCH_LOCK_DSN"
 def _config(timing: tuple[float, float, float]) -> PgStoreConfig:
     keepalive, session_timeout, lock_poll = timing
     return PgStoreConfig(
-        schema=_SCHEMA, keepalive=keepalive, session_timeout=session_timeout, lock_poll=lock_poll
+        schema=_SCHEMA,
+        keepalive=keepalive,
+        session_timeout=session_timeout,
+        lock_poll=lock_poll,
+        trusted_roles=frozenset({_LOCK_ROLE}),
     )
 
 
@@ -106,6 +110,8 @@ async def _lock_role(url: URL, idle_timeout: float) -> URL:
         await conn.execute(
             f"ALTER ROLE {_LOCK_ROLE} SET idle_session_timeout = '{round(idle_timeout * 1000)}ms'"
         )
+        # The server revokes CONNECT from PUBLIC, as a store requires of its database.
+        await conn.execute(f'GRANT CONNECT ON DATABASE "{url.database}" TO {_LOCK_ROLE}')
         await conn.execute(f"GRANT USAGE ON SCHEMA {_SCHEMA} TO {_LOCK_ROLE}")
         await conn.execute(f"GRANT SELECT, UPDATE ON {_SCHEMA}.cronoq_leader TO {_LOCK_ROLE}")
     finally:
@@ -199,7 +205,11 @@ async def _lead(schema: str, keepalive: float, session_timeout: float, lock_poll
     # The step-down is reported on stdout; the store's own log of it would only be noise.
     logging.getLogger("cronoq_store").addHandler(logging.NullHandler())
     config = PgStoreConfig(
-        schema=schema, keepalive=keepalive, session_timeout=session_timeout, lock_poll=lock_poll
+        schema=schema,
+        keepalive=keepalive,
+        session_timeout=session_timeout,
+        lock_poll=lock_poll,
+        trusted_roles=frozenset({_LOCK_ROLE}),  # the leader's lock session's role
     )
     store = await PgStore.connect(
         make_url(os.environ[_DSN_ENV]), config, lock_url=make_url(os.environ[_LOCK_DSN_ENV])
