@@ -52,7 +52,7 @@ from .telemetry import DISABLED, Telemetry
 __all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter", "SupportsCommit"]
 
 #: Batches in flight at once by default: measured on 2 cores with WAL flushed at every
-#: commit (docs/performance.md, "Batches in flight").
+#: commit (docs/performance.md, "Batches in flight: the default").
 DEFAULT_BATCHES_IN_FLIGHT = 2
 
 logger = logging.getLogger("cronoq_store")
