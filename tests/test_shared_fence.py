@@ -101,42 +101,6 @@ async def test_a_commit_does_not_wait_for_a_commit_in_flight(
     assert rows[0][0] == 1 + sum(isinstance(m, Submitted) for m in batch)
 
 
-async def test_commits_in_flight_hold_the_leader_row_together(
-    store: PgStore, migrated: str, pg_url: URL
-) -> None:
-    """Many concurrent inserting commits: at some moment several hold the row at once, and
-    none ever waits on another's lock of it."""
-    await store.commit(0, BASE, [submitted(1)], [])
-    waits: list[int] = []
-    stop = asyncio.Event()
-
-    async def watch() -> None:
-        conn = await asyncpg.connect(asyncpg_dsn(pg_url))
-        try:
-            while not stop.is_set():
-                waits.append(
-                    await conn.fetchval(
-                        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
-                        "WHERE c.relname = 'cronoq_leader' AND NOT l.granted"
-                    )
-                )
-                await asyncio.sleep(0)
-        finally:
-            await conn.close()
-
-    watcher = asyncio.ensure_future(watch())
-
-    async def caller(k: int) -> None:
-        for n in range(20):
-            await store.commit(0, BASE, [submitted(10_000 + 100 * k + n)], [])
-
-    await asyncio.gather(*(caller(k) for k in range(8)))
-    stop.set()
-    await watcher
-    assert waits
-    assert max(waits) == 0
-
-
 async def takeover(engine: AsyncEngine, schema: str) -> tuple[PgStore, int, int]:
     """A new instance takes leadership and recovers: the store, its epoch, its first id
     (as the README issues them: ``max(next_id, task_id(epoch, 0))``)."""
