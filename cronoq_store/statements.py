@@ -611,9 +611,9 @@ prune_interlock = (
     select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(key_share=True)
 )
 
-_pruned = (
-    delete(tasks).where(tasks.c.id.in_(select(_victims.c.id))).returning(tasks.c.id).cte("pruned")
-)
+#: The deletion of a prune batch, without its record (see :data:`prune_batch`).
+_prune_delete = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+_pruned = _prune_delete.returning(tasks.c.id).cte("pruned")
 
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key, and record the largest id deleted in the leader
@@ -919,7 +919,7 @@ finished_before_count = select(func.count()).where(
     tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
 )
 
-_prune_where = prune_batch.whereclause
+_prune_where = _prune_delete.whereclause
 assert _prune_where is not None, "the prune statement names its victims"
 #: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
 #: clause, so a dry run never disagrees with it about what a live task depends on.
