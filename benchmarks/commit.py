@@ -86,7 +86,7 @@ class RawWriter:
     with the same epoch check, as the store sends it: a batch of new tasks, or of
     transitions, is one statement whose CTE checks the epoch (``insert_task_fenced`` for
     one task, ``insert_tasks_fenced``, ``update_status_fenced``); from ``COPY_MIN_ROWS``
-    new tasks on, ``BEGIN`` and the epoch check (``record_max_id``) travel in one message,
+    new tasks on, ``BEGIN`` and the epoch check (``epoch_held_for_share``) travel in one message,
     then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
     every size: the bound (it cannot skip rows that exist)."""
 
@@ -94,7 +94,7 @@ class RawWriter:
         self.conn = conn
         self.schema = schema
         self.epoch = epoch
-        self._opening = Opening.of(compile_for_asyncpg(st.record_max_id, schema))
+        self._opening = Opening.of(compile_for_asyncpg(st.epoch_held_for_share, schema))
         self._insert_one = compile_for_asyncpg(st.insert_task_fenced, schema)
         self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
@@ -115,17 +115,15 @@ class RawWriter:
         else:
             stmt = self._insert
             params = dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
-        params.update(issued=max(m.id for m in batch), epoch=self.epoch)
+        params.update(epoch=self.epoch)
         self._check(await self.conn.fetchval(stmt.sql, *stmt.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)
         rows = [insert_row(m, to_unix, now) for m in batch]
-        checked = await self.conn.execute(
-            self._opening.sql({"issued": max(m.id for m in batch), "epoch": self.epoch})
-        )
+        checked = await self.conn.execute(self._opening.sql({"epoch": self.epoch}))
         try:
-            if checked != "UPDATE 1":
+            if checked != "SELECT 1":
                 raise RuntimeError(f"fenced: the epoch is not {self.epoch}")
             await self.conn.copy_records_to_table(
                 "cronoq_tasks", records=rows, columns=INSERT_COLUMNS, schema_name=self.schema

@@ -605,6 +605,15 @@ def key_figures(results: dict[str, Any]) -> str:
         if "group_vs_batched" in group:
             figures["groupcommit_64_vs_batched"] = group["group_vs_batched"]["median"]
         figures["groupcommit_64_per_s"] = group["variants"]["group"]["median"]
+        figures["groupcommit_64_p99_ms"] = group["latency_p99_seconds"]["median"] * 1000
+    group = sections.get("group_commit", {}).get("256")
+    if group and "group_vs_batched" in group:
+        figures["groupcommit_256_vs_batched"] = group["group_vs_batched"]["median"]
+    callers = sections.get("callers")
+    if callers:
+        figures["commit_64_callers_vs_one"] = callers["callers_vs_one"]["median"]
+        figures["commit_64_callers_vs_raw_64"] = callers["callers_vs_raw"]["median"]
+        figures["commit_64_engine_callers_vs_raw_64"] = callers["engine_vs_raw"]["median"]
     recovery = _counts(sections.get("recovery", {}))
     for size, r in recovery.items():
         label = _label(int(size))

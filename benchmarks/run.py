@@ -26,7 +26,18 @@ from sqlalchemy.engine import URL
 
 from cronoq_store.testing import EmbeddedPostgres
 
-from . import commit, console, group_commit, indexes, prune, recovery, report, scale, takeover
+from . import (
+    callers,
+    commit,
+    console,
+    group_commit,
+    indexes,
+    prune,
+    recovery,
+    report,
+    scale,
+    takeover,
+)
 from .common import FULL, QUICK, SERVER_SETTINGS, Profile, dsn
 from .loops import LOOP_ENV, LOOPS, run_loop
 
@@ -48,6 +59,7 @@ Section = Callable[[URL, dict[str, URL], Profile], Awaitable[dict[str, Any]]]
 SECTIONS: dict[str, Section] = {
     "commit": commit.run,
     "group_commit": group_commit.run,
+    "callers": callers.run,
     "recovery": recovery.run,
     "takeover": takeover.run,
     "prune": prune.run,

@@ -39,7 +39,7 @@ from ._schema import VERSION_TABLE as VERSION_TABLE
 from ._schema import leader as leader
 from ._schema import recurring as recurring
 from ._schema import tasks as tasks
-from ._statements import prune_batch as prune_batch
+from ._statements import prune_delete as prune_delete
 
 __all__ = [
     "clear_stats_snapshot",
@@ -105,8 +105,12 @@ server_now = select(func.now())
 #: The server's version, as ``SHOW server_version`` prints it.
 server_version = select(func.current_setting(literal("server_version", Text)))
 
-#: The leader row: the fencing epoch and the id high-water mark.
-leader_state = select(leader.c.epoch, leader.c.max_id).where(leader.c.id == LEADER_ROW_ID)
+#: The leader row's fencing epoch and the largest id ever stored: the largest stored id or
+#: the largest prune deleted (``max_id``), whichever is greater.
+leader_state = select(
+    leader.c.epoch,
+    func.greatest(leader.c.max_id, select(func.max(tasks.c.id)).scalar_subquery()).label("max_id"),
+).where(leader.c.id == LEADER_ROW_ID)
 
 #: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
 #: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
@@ -165,7 +169,7 @@ finished_before_count = select(func.count()).where(
     tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
 )
 
-_prune_where = prune_batch.whereclause
+_prune_where = prune_delete.whereclause
 assert _prune_where is not None, "the prune statement names its victims"
 #: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
 #: clause, so a dry run never disagrees with it about what a live task depends on.

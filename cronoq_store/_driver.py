@@ -109,9 +109,8 @@ class CompiledStatement:
 class Opening:
     """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
     check, as one simple-protocol message: one round trip instead of one per statement. The
-    simple protocol takes no parameters, so the check's (integers only: the epoch, the id
-    high-water mark, the leader row's id) are rendered as literals; any other value is
-    refused."""
+    simple protocol takes no parameters, so the check's (integers only: the epoch, the
+    leader row's id) are rendered as literals; any other value is refused."""
 
     template: str
     check: CompiledStatement

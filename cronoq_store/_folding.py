@@ -129,8 +129,6 @@ class FoldedBatch:
     transaction writes them; :meth:`writes` names those that hold something, so that the
     writer's choices follow from the fields and a new kind of write cannot be skipped."""
 
-    #: Largest id inserted by the batch (the high-water mark to record), if any.
-    max_id: int | None
     #: ``update_status`` parameters: one row per task not submitted in the batch.
     updates: dict[str, list[Any]] = field(metadata=_WRITE)
     #: The same for tasks submitted in the batch that have transitions, whose insert rows
@@ -238,7 +236,6 @@ def fold(
         # columns are built directly, as the loop below would build them.
         last_output = dict(outputs)
         return FoldedBatch(
-            max_id=None,
             updates=_transition_params(distinct, to_unix),
             inserted_updates=_update_params({}),
             insert_rows=[],
@@ -313,7 +310,6 @@ def fold(
         set_state(rows[i], t.status, t.terminal, t.attempt, t.at, t.message)
     last_output = dict(outputs)
     return FoldedBatch(
-        max_id=max(inserted) if inserted else None,
         updates=_update_params(stored),
         inserted_updates=_update_params(resubmitted),
         insert_rows=rows,

@@ -4,8 +4,13 @@ A transaction costs about the same for one mutation as for a thousand (round tri
 dominate: see docs/performance.md), so the scheduler's submitters should share them.
 :class:`GroupCommitter` queues their submissions, and one writer task commits them in
 batches: while one commit is in flight the next batch accumulates, so batches grow with load
-and no timer adds latency when the system is idle. A submitter's ``await`` returns only once
-the transaction holding its mutations has committed.
+and no timer adds latency when the system is idle. Several batches are in flight at once,
+each on a connection of its own (``max_batches_in_flight``): commits share the fence (a share
+lock of the leader row, docs/reliability.md), so their WAL flushes overlap, and the next
+batch is cut and folded while earlier ones commit. A batch that must see an earlier one's
+rows (the same task, a key, a schedule: :mod:`cronoq_store._batch_order`) waits for it, so
+the rows are those of one batch at a time. A submitter's ``await`` returns only once the
+transaction holding its mutations has committed.
 
 Failures are sorted by who they belong to:
 
@@ -15,7 +20,8 @@ Failures are sorted by who they belong to:
   batch keeps failing: then the batch is at fault (a server that closes the connection on
   it, a statement timeout it always hits) and is treated as if the error were not transient.
 * ``FencedError`` belongs to this instance: another leader took over, so nothing may be
-  written again. Every pending submitter fails with it and the committer closes.
+  written again. Every pending submitter fails with it, in flight or queued, and the
+  committer closes; no batch is attempted again (each attempt checks the epoch itself).
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
 
@@ -34,6 +40,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Protocol, TypeAlias, TypeVar
 
+from ._batch_order import Footprint, footprint
 from ._committer_stats import CommitterStats as CommitterStats
 from ._committer_stats import Tally as Tally
 from ._domain import Mutation as Mutation
@@ -60,7 +67,11 @@ from ._sizing import mutation_size as mutation_size
 from ._sizing import output_size as output_size
 from .telemetry import DISABLED, Telemetry
 
-__all__ = ["GroupCommitter", "SupportsCommit"]
+__all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter", "SupportsCommit"]
+
+#: Batches in flight at once by default: measured on 2 cores with WAL flushed at every
+#: commit (docs/performance.md, "Batches in flight: the default").
+DEFAULT_BATCHES_IN_FLIGHT = 2
 
 logger = logging.getLogger("cronoq_store")
 
@@ -111,6 +122,17 @@ class _Submission:
         # Bytes on the wire, from above: the estimate PgStore.commit checks too.
         self.size = sum(map(mutation_size, mutations)) + sum(map(output_size, outputs))
         self.state = _State.QUEUED
+
+
+class _Flight:
+    """A batch in flight: its submissions, its footprint, the task committing it."""
+
+    __slots__ = ("footprint", "subs", "task")
+
+    def __init__(self, subs: list[_Submission], footprint: Footprint) -> None:
+        self.subs = subs
+        self.footprint = footprint
+        self.task: asyncio.Task[None] | None = None
 
 
 class _Stuck(Exception):
@@ -177,6 +199,10 @@ class GroupCommitter:
     is stuck: it is split in order (a single submission fails with its last error). A
     database that does not answer is an outage: the batch is retried as long as it lasts.
 
+    Up to ``max_batches_in_flight`` batches commit at once, each on a connection of the
+    store's pool (give the pool room for them); the next batch is cut when one settles,
+    and waits for the earlier ones it must follow (:mod:`cronoq_store._batch_order`).
+
     Use it as an async context manager, or call :meth:`close`; the writer task starts with
     the first submission.
     """
@@ -193,6 +219,7 @@ class GroupCommitter:
         stuck_after: int = 3,
         backoff: Backoff = COMMIT_BACKOFF,
         latency_window: int = 10_000,
+        max_batches_in_flight: int = DEFAULT_BATCHES_IN_FLIGHT,
     ) -> None:
         self._store = store
         self._epoch = epoch
@@ -201,6 +228,7 @@ class GroupCommitter:
         self._max_pending = _positive_int("max_pending_mutations", max_pending_mutations)
         self._max_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
         self._stuck_after = _positive_int("stuck_after", stuck_after)
+        self._max_flights = _positive_int("max_batches_in_flight", max_batches_in_flight)
         ping = getattr(store, "ping", None)
         self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
         if not isinstance(backoff, Backoff):
@@ -213,7 +241,8 @@ class GroupCommitter:
         self._telemetry.watch_committer(self)
 
         self._queue: deque[_Submission] = deque()
-        self._in_flight: list[_Submission] = []
+        self._flights: list[_Flight] = []
+        self._settled = asyncio.Event()  # a batch in flight settled (or an abort began)
         self._pending_count = 0
         self._pending_weight = 0
         # FIFO admission: a submitter waiting for room keeps its place in line, and none
@@ -426,10 +455,13 @@ class GroupCommitter:
             if sub.state is _State.QUEUED:
                 self._fail(sub, make_error())
 
-    def _fail_in_flight(self, make_error: Callable[[], BaseException]) -> None:
-        for sub in self._in_flight:
-            if sub.state is _State.TAKEN:
-                self._fail(sub, make_error())
+    def _fail_in_flight(
+        self, make_error: Callable[[], BaseException], flights: Sequence[_Flight] | None = None
+    ) -> None:
+        for flight in self._flights if flights is None else flights:
+            for sub in flight.subs:
+                if sub.state is _State.TAKEN:
+                    self._fail(sub, make_error())
 
     def _abort(self, reason: str) -> None:
         """Stop committing: queued submissions fail now (they were never sent); the writer
@@ -437,6 +469,7 @@ class GroupCommitter:
         self._aborting = True
         self._abort_event.set()
         self._wakeup.set()
+        self._settled.set()
         self._fail_queued(
             lambda: CommitterClosedError(
                 f"the group committer was closed ({reason}); this submission was not committed"
@@ -446,34 +479,34 @@ class GroupCommitter:
     # --- the writer -------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """The single writer: batches in submission order until closed, fenced or aborted."""
+        """The writer: batches in submission order until closed, fenced or aborted, up to
+        ``max_batches_in_flight`` at once, each after the earlier ones it must follow."""
         try:
-            while (batch := await self._next_batch()) is not None:
-                self._in_flight = batch
-                await self._commit_group(batch)
-                self._in_flight = []
-        except FencedError as exc:
-            self._on_fenced(exc)
-        except _Abandoned as exc:
-            cause = exc.last_error
-            self._fail_in_flight(
-                lambda: _chained(
-                    CommitterClosedError(
-                        "the group committer was closed while this submission's batch was "
-                        f"being retried (last error: {cause}); it may or may not have been "
-                        "committed"
-                    ),
-                    cause,
+            while await self._room_in_flight() and (batch := await self._next_batch()) is not None:
+                flight = _Flight(
+                    batch, footprint((m for sub in batch for m in sub.mutations), _outputs(batch))
                 )
-            )
+                await self._until_followed(flight)
+                if self._aborting:
+                    self._fail_unsent(batch)
+                    break
+                self._flights.append(flight)
+                flight.task = asyncio.get_running_loop().create_task(
+                    self._fly(flight), name=f"cronoq-group-commit-epoch-{self._epoch}-batch"
+                )
+            await self._landed()
         except asyncio.CancelledError as exc:
             self._on_writer_death(exc, "the group committer's writer task was cancelled")
+            for flight in self._flights:
+                if flight.task is not None:
+                    flight.task.cancel()
+            await self._landed()
             raise
         except Exception as exc:  # a bug: never leave a submitter waiting forever
             logger.exception("the group committer's writer failed", extra={"error": repr(exc)})
             self._on_writer_death(exc, f"the group committer's writer failed: {exc!r}")
+            await self._landed()
         finally:
-            self._in_flight = []
             self._closing = True
             self._aborting = True
             self._room.set()
@@ -482,6 +515,78 @@ class GroupCommitter:
                     "the group committer stopped; this submission was not committed"
                 )
             )
+
+    async def _room_in_flight(self) -> bool:
+        """Wait until fewer than ``max_batches_in_flight`` batches are in flight; ``False``
+        once the committer aborts."""
+        while len(self._flights) >= self._max_flights and not self._aborting:
+            self._settled.clear()
+            await self._settled.wait()
+        return not self._aborting
+
+    async def _until_followed(self, flight: _Flight) -> None:
+        """Wait until no batch in flight is one ``flight`` must follow (or an abort)."""
+        while not self._aborting and any(
+            flight.footprint.follows(earlier.footprint) for earlier in self._flights
+        ):
+            self._settled.clear()
+            await self._settled.wait()
+
+    def _fail_unsent(self, subs: list[_Submission]) -> None:
+        """Fail a batch that was cut but never sent: the committer aborted meanwhile."""
+        fenced = self._fenced
+        for sub in subs:
+            self._fail(
+                sub,
+                self._fenced_submission(fenced)
+                if fenced is not None
+                else CommitterClosedError(
+                    "the group committer stopped before this submission's batch was sent; "
+                    "it was not committed"
+                ),
+            )
+
+    async def _landed(self) -> None:
+        """Wait for every batch in flight to settle."""
+        tasks = [flight.task for flight in self._flights if flight.task is not None]
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def _fly(self, flight: _Flight) -> None:
+        """Commit one batch in flight and settle its submissions, whatever happens."""
+        try:
+            await self._commit_group(flight.subs)
+        except FencedError as exc:
+            if self._fenced is None:
+                self._on_fenced(exc)
+            else:
+                fenced_by = exc
+                self._fail_in_flight(lambda: self._fenced_submission(fenced_by), [flight])
+        except _Abandoned as exc:
+            cause = exc.last_error
+            fenced = self._fenced
+            if fenced is not None:  # another batch was fenced while this one was retried
+                self._fail_in_flight(lambda: self._fenced_submission(fenced), [flight])
+            self._fail_in_flight(
+                lambda: _chained(
+                    CommitterClosedError(
+                        "the group committer was closed while this submission's batch was "
+                        f"being retried (last error: {cause}); it may or may not have been "
+                        "committed"
+                    ),
+                    cause,
+                ),
+                [flight],
+            )
+        except asyncio.CancelledError as exc:
+            self._on_writer_death(exc, "the group committer's batch was cancelled")
+            raise
+        except Exception as exc:  # a bug: never leave a submitter waiting forever
+            logger.exception("the group committer's writer failed", extra={"error": repr(exc)})
+            self._on_writer_death(exc, f"the group committer's writer failed: {exc!r}")
+        finally:
+            self._flights.remove(flight)
+            self._settled.set()
 
     async def _next_batch(self) -> list[_Submission] | None:
         """Whole submissions in order, up to the cap; ``None`` once there is nothing left
@@ -647,17 +752,26 @@ class GroupCommitter:
             },
         )
 
-        def fenced() -> FencedError:
-            return _chained(
-                _fenced_error(f"fenced before this submission was confirmed durable: {exc}", exc),
-                exc,
-            )
+        self._abort_event.set()  # batches being retried stop at once
+        self._wakeup.set()
+        self._settled.set()
+        self._fail_in_flight(lambda: self._fenced_submission(exc))
+        self._fail_queued(lambda: self._fenced_submission(exc))
 
-        self._fail_in_flight(fenced)
-        self._fail_queued(fenced)
+    @staticmethod
+    def _fenced_submission(exc: FencedError) -> FencedError:
+        """The error of a submission not confirmed durable when ``exc`` fenced the committer."""
+        return _chained(
+            _fenced_error(f"fenced before this submission was confirmed durable: {exc}", exc),
+            exc,
+        )
 
     def _on_writer_death(self, exc: BaseException, message: str) -> None:
-        self._failure = exc
+        if self._failure is None:
+            self._failure = exc
+        self._aborting = True
+        self._abort_event.set()
+        self._settled.set()
 
         def closed() -> CommitterClosedError:
             return _chained(
@@ -667,3 +781,7 @@ class GroupCommitter:
 
         self._fail_in_flight(closed)
         self._fail_queued(closed)
+
+
+def _outputs(batch: list[_Submission]) -> list[Output]:
+    return [o for sub in batch for o in sub.outputs]

@@ -79,11 +79,14 @@ async def recover(
 
 
 def next_id(recorded_max: int, stored_max: int | None) -> int:
-    """One more than the largest id ever issued: ``recorded_max`` is the high-water mark
-    (``cronoq_leader.max_id``), ``stored_max`` the largest stored id (``None`` without tasks).
+    """One more than the largest id ever stored: ``recorded_max`` is the largest id prune
+    deleted (``cronoq_leader.max_id``, which prune records with each deletion; earlier
+    builds recorded there every id they issued), ``stored_max`` the largest stored id
+    (``None`` without tasks). A deletion and its record commit together, so the two, read
+    in one statement, cover every id ever stored.
 
-    The mark starts at 0, the column's default, which is also what a batch that issued only
-    id 0 records: the two cannot be told apart, so 0 counts as issued and ``next_id`` is at
+    The mark starts at 0, the column's default, which is also what pruning only id 0
+    records: the two cannot be told apart, so 0 counts as issued and ``next_id`` is at
     least 1. Reading 0 as "none" reissued a hand-issued id 0 once its task was pruned.
     """
     return max(recorded_max + 1, 0 if stored_max is None else stored_max + 1)

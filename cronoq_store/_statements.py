@@ -96,9 +96,10 @@ __all__ = [
     "key_holders",
     "live_tasks",
     "prune_batch",
+    "prune_delete",
+    "prune_interlock",
     "quarantine",
     "recent_terminal",
-    "record_max_id",
     "recurring_schedules",
     "remove_recurring",
     "server_encoding",
@@ -119,22 +120,13 @@ epoch_for_share = (
     select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(read=True)
 )
 
-_issued = bindparam("issued", type_=BigInteger)
 #: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
 
-#: The epoch check of a transaction that issues ids, sent with its ``BEGIN`` (its parameters
-#: are integers, rendered as literals by the writer): one row when the stored epoch is
-#: ``:epoch``, locked by the update, which records the id high-water mark so that pruning
-#: can never lead to an id being issued again; none (and nothing recorded) otherwise.
-record_max_id = (
-    update(leader)
-    .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch)
-    .values(max_id=func.greatest(leader.c.max_id, _issued))
-)
-
-#: The same for a transaction that issues no ids: one row, share-locked as by
-#: :data:`epoch_for_share`, when the stored epoch is ``:epoch``; none otherwise.
+#: The epoch check of a commit's transaction, sent with its ``BEGIN`` (its parameter is an
+#: integer, rendered as a literal by the writer): one row, share-locked as by
+#: :data:`epoch_for_share`, when the stored epoch is ``:epoch``; none otherwise. Commits
+#: share the lock, so none waits for another; a takeover's bump waits for all of them.
 epoch_held_for_share = (
     select(leader.c.epoch)
     .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch)
@@ -278,31 +270,18 @@ def _insert_from(rows: Select[Any]) -> postgresql.Insert:
 #: New tasks in one statement, inside a transaction that checked the epoch.
 insert_tasks = _insert_from(_new_rows)
 
-_issuing = (
-    update(leader)
-    .where(leader.c.id == LEADER_ROW_ID)
-    .values(
-        max_id=case(
-            (leader.c.epoch == _epoch, func.greatest(leader.c.max_id, _issued)),
-            else_=leader.c.max_id,
-        )
-    )
-    .returning(leader.c.epoch)
-    .cte("e")
-)
-
 #: A batch of new tasks only, as one statement, so one round trip without BEGIN and COMMIT:
-#: the epoch check under the leader row lock (as :data:`record_max_id`) and the insert.
-#: Unless the stored epoch is ``:epoch`` nothing is written, the high-water mark included.
-#: Returns the stored epoch, for the caller to raise ``FencedError``.
-insert_tasks_fenced = select(_issuing.c.epoch).add_cte(
-    _insert_from(_new_rows.where(_issuing.c.epoch == _epoch)).cte("ins")
+#: the epoch under a share lock (as :data:`epoch_for_share`) and the insert, which writes
+#: nothing unless the stored epoch is ``:epoch``. Returns the stored epoch, for the caller
+#: to raise ``FencedError``.
+insert_tasks_fenced = select(_sharing.c.epoch).add_cte(
+    _insert_from(_new_rows.where(_sharing.c.epoch == _epoch)).cte("ins")
 )
 
 #: One new task: the same as :data:`insert_tasks_fenced` with one scalar parameter per
 #: column. A batch of one is the commonest, and 25 one-element arrays cost the client (each
 #: encoded and checked) and the server (``unnest``) more than 25 values.
-insert_task_fenced = select(_issuing.c.epoch).add_cte(
+insert_task_fenced = select(_sharing.c.epoch).add_cte(
     _insert_from(
         select(
             *(
@@ -313,7 +292,7 @@ insert_task_fenced = select(_issuing.c.epoch).add_cte(
                 ).label(name)
                 for name in INSERT_COLUMNS
             )
-        ).where(_issuing.c.epoch == _epoch)
+        ).where(_sharing.c.epoch == _epoch)
     ).cte("ins")
 )
 
@@ -393,9 +372,11 @@ advance_recurring = (
 
 # --- recovery -------------------------------------------------------------------------------
 
-#: The id high-water marks: the recorded one (0, the column's default, until a batch issues
-#: an id) and the largest stored id (NULL for none: a stored id 0 counts). The caller adds
-#: one in Python: the largest id may be 2**63-1.
+#: The id high-water marks, read in one statement (one snapshot, so a prune batch counts
+#: either in both or in neither): the largest id prune deleted (0, the column's default,
+#: until one does; earlier builds recorded every id issued there) and the largest stored id
+#: (NULL for none: a stored id 0 counts). The caller adds one in Python: the largest id may
+#: be 2**63-1.
 high_water = select(
     select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery(),
     select(func.max(tasks.c.id)).scalar_subquery(),
@@ -544,9 +525,30 @@ _victims = (
     .cte("victims")
 )
 
+#: What a prune batch takes first: the leader row, in a mode that conflicts with the share
+#: lock every commit holds until it ends (``FOR NO KEY UPDATE``). The batch waits for the
+#: commits in flight, and its ``DELETE`` (a later statement, so a later snapshot) sees every
+#: dependency they added; a commit arriving meanwhile waits for the batch.
+prune_interlock = (
+    select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(key_share=True)
+)
+
+#: The deletion of a prune batch, without its record (see :data:`prune_batch`).
+prune_delete = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+_pruned = prune_delete.returning(tasks.c.id).cte("pruned")
+
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
-#: live task depends on, by id or by key.
-prune_batch = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+#: live task depends on, by id or by key, and record the largest id deleted in the leader
+#: row's ``max_id`` (``GREATEST`` skips the NULL of an empty batch), in the same statement:
+#: the deletion and its record commit together or not at all, on the primary and on every
+#: replica, so :func:`cronoq_store._recovery.next_id` never goes below an id once stored.
+#: Returns how many tasks were deleted.
+prune_batch = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(max_id=func.greatest(leader.c.max_id, select(func.max(_pruned.c.id)).scalar_subquery()))
+    .returning(select(func.count()).select_from(_pruned).scalar_subquery())
+)
 
 
 # --- health ---------------------------------------------------------------------------------

@@ -133,7 +133,6 @@ class BatchWriter:
         self.borrowed_opening = (
             None if borrowed is None else "; ".join(statement.sql for statement in opening)
         )
-        self._issuing = Opening.of(compiled(st.record_max_id), *settings, begin=begin.sql)
         self._sharing = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
         self._stored_epoch = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
@@ -239,7 +238,7 @@ class BatchWriter:
         writes = batch.writes()
         path = self._path(writes, copy)
         if path == "insert":
-            fenced = {"issued": batch.max_id, "epoch": epoch}
+            fenced = {"epoch": epoch}
             if batch.insert_count == 1:
                 stmt = self._insert_one_fenced
                 params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
@@ -254,10 +253,8 @@ class BatchWriter:
             if current == epoch:
                 _warn_unchanged(batch.update_count, updated)
             return current
-        # A batch that issues ids records the high-water mark while checking the epoch.
-        opening = self._sharing if batch.max_id is None else self._issuing
         try:
-            checked = await conn.execute(opening.sql({"issued": batch.max_id, "epoch": epoch}))
+            checked = await conn.execute(self._sharing.sql({"epoch": epoch}))
             if row_count(checked) != 1:
                 # Another epoch: name it, write nothing. (Read by a later statement, it
                 # could only be ours again if it moved back meanwhile: fenced all the same.)

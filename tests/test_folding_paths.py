@@ -54,7 +54,7 @@ def test_distinct_transitions_fold_as_in_any_other_batch(
     assert alone.updates == mixed.updates
     assert alone.outputs == mixed.outputs
     assert alone.inserted_updates == mixed.inserted_updates
-    assert (alone.insert_rows, alone.max_id, alone.recurring) == ([], None, [])
+    assert (alone.insert_rows, alone.recurring) == ([], [])
 
 
 def test_a_message_is_cleaned_on_the_shortcut_too() -> None:

@@ -442,7 +442,7 @@ async def test_cancelled_submitters_queued_are_dropped_in_flight_still_commit(
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE)
+        committer = GroupCommitter(store, epoch, BASE, max_batches_in_flight=1)
         async with LeaderRowHold(pg_url, schema) as hold:
             in_flight = asyncio.create_task(committer.submit([submitted(epoch, 1)]))
             await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
@@ -472,7 +472,9 @@ async def test_close_with_drain_commits_everything_pending(pg_url: URL, schema: 
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
+        committer = GroupCommitter(
+            store, epoch, BASE, max_batch_mutations=5, max_batches_in_flight=1
+        )
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
@@ -498,7 +500,9 @@ async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
+        committer = GroupCommitter(
+            store, epoch, BASE, max_batch_mutations=5, max_batches_in_flight=1
+        )
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)

@@ -48,12 +48,11 @@ def submitted(n: int) -> Submitted:
 
 
 def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -> None:
-    opening = Opening.of(compiled(st.record_max_id))
-    sql = opening.sql({"issued": 2**62 + 7, "epoch": 3})
-    assert sql.startswith("BEGIN; UPDATE s.cronoq_leader SET max_id=")
+    opening = Opening.of(compiled(st.epoch_held_for_share))
+    sql = opening.sql({"epoch": 2**30 + 7})
+    assert sql.startswith("BEGIN; SELECT s.cronoq_leader.epoch")
     assert "$" not in sql
-    assert f"greatest(s.cronoq_leader.max_id, {2**62 + 7}::BIGINT)" in sql
-    assert "s.cronoq_leader.epoch = 3::INTEGER" in sql
+    assert f"s.cronoq_leader.epoch = {2**30 + 7}::INTEGER" in sql
     assert "s.cronoq_leader.id = 1::SMALLINT" in sql  # the construct's own value
     begin, *settings = map(compiled, session_st.borrowed_transaction(5000))
     pinned = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
@@ -67,14 +66,14 @@ def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -
 
 @pytest.mark.parametrize("value", ["1; DROP TABLE x", 1.5, True, None])
 def test_the_opening_renders_nothing_but_integers(value: object) -> None:
-    opening = Opening.of(compiled(st.record_max_id))
+    opening = Opening.of(compiled(st.epoch_held_for_share))
     with pytest.raises(TypeError, match="only integers"):
-        opening.sql({"issued": value, "epoch": 1})
+        opening.sql({"epoch": value})
 
 
 def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:
     with pytest.raises(ValueError, match="only the epoch check"):
-        Opening.of(compiled(st.epoch_held_for_share), compiled(st.record_max_id))
+        Opening.of(compiled(st.epoch_held_for_share), compiled(st.epoch_held_for_share))
 
 
 def test_new_tasks_go_by_copy_from_the_threshold_on() -> None:

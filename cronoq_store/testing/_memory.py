@@ -184,7 +184,7 @@ class InMemoryDatabase:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= EPOCH_MAX:
             raise ValueError(f"epoch: must be an integer in 0..{EPOCH_MAX}, got {epoch!r}")
         self._epoch = epoch
-        self._max_id = 0  # as cronoq_leader.max_id: 0 until a batch records a larger one
+        self._max_id = 0  # as cronoq_leader.max_id: the largest id pruned, 0 until one is
         self._tasks: dict[int, list[Any]] = {}  # rows by id
         self._outputs: dict[int, bytes] = {}
         self._live_keys: dict[str, int] = {}  # the unique index on live keys
@@ -250,8 +250,6 @@ class InMemoryDatabase:
             tasks[row[_ID]] = row
             if row[_KEY] is not None and not row[_TERMINAL]:
                 self._live_keys[row[_KEY]] = row[_ID]
-        if batch.max_id is not None:
-            self._max_id = max(self._max_id, batch.max_id)
         for id, output in zip(batch.outputs["ids"], batch.outputs["outputs"], strict=True):
             done = tasks.get(id)
             if done is not None and done[_STATUS] == _SUCCEEDED:
@@ -548,6 +546,8 @@ class InMemoryStore:
             and id not in protected
             and (row[_KEY] is None or row[_KEY] not in protected)
         ]
+        # As ``statements.prune_batch``: the largest id deleted is recorded with the deletion.
+        db._max_id = max([db._max_id, *victims])
         for id in victims:
             del db._tasks[id]
             db._outputs.pop(id, None)

@@ -15,7 +15,8 @@ without it.
 
 Environment: ``CRONOQ_TORTURE_PROFILE`` (``short``, the default, or ``long``),
 ``CRONOQ_TORTURE_SEED`` (else a random seed, printed), ``CRONOQ_TORTURE_GUARDS``,
-``CRONOQ_TORTURE_DIR`` (keep journals, logs and ``report.json`` there).
+``CRONOQ_TORTURE_DIR`` (keep journals, logs and ``report.json`` there),
+``CRONOQ_TORTURE_BATCHES_IN_FLIGHT`` (each term's committer's ``max_batches_in_flight``).
 """
 
 from __future__ import annotations

@@ -63,13 +63,19 @@ from cronoq_store._domain import (
 from cronoq_store._errors import CommitterClosedError as CommitterClosedError
 from cronoq_store._errors import FencedError as FencedError
 from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+from cronoq_store._group_commit import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
 from cronoq_store._store import PgStore as PgStore
 
 from . import audit
 from .journal import Journal
 
 __all__ = ["WorkerConfig", "epoch_message", "main"]
+
+#: Batches each term's committer keeps in flight (``CRONOQ_TORTURE_BATCHES_IN_FLIGHT``,
+#: inherited from the orchestrator's environment).
+_BATCHES_IN_FLIGHT = int(
+    os.environ.get("CRONOQ_TORTURE_BATCHES_IN_FLIGHT", str(DEFAULT_BATCHES_IN_FLIGHT))
+)
 
 _T = TypeVar("_T")
 
@@ -300,7 +306,7 @@ class Worker:
             "recovered", e=epoch, seconds=time.monotonic() - started, live=len(recovered.tasks)
         )
         term = _Term(self.config, epoch, recovered, self.rng)
-        committer = GroupCommitter(store, epoch, base)
+        committer = GroupCommitter(store, epoch, base, max_batches_in_flight=_BATCHES_IN_FLIGHT)
         try:
             submitters = [
                 asyncio.ensure_future(self._submit(committer, term, i))

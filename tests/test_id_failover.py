@@ -1,0 +1,124 @@
+"""A failover to an asynchronous standby never brings back an id the standby saw stored.
+
+Commits no longer record an id high-water mark; prune records the largest id it deletes in
+the statement that deletes it. So the standby replays both or neither: a new leader there
+starts above every id the standby ever had, even when the newest tasks were pruned, the
+epoch wrapped, and the stream was held back before the primary crashed (what the standby
+never received is lost, as docs/reliability.md says, but nothing it had comes back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._domain import (
+    EPOCH_MAX as EPOCH_MAX,
+)
+from cronoq_store._domain import (
+    StatusChanged as StatusChanged,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._domain import (
+    TaskStatus as TaskStatus,
+)
+from cronoq_store._domain import (
+    TimeBase as TimeBase,
+)
+from cronoq_store._domain import (
+    task_id as task_id,
+)
+from cronoq_store._store import PgStore as PgStore
+from cronoq_store.testing import find_bin_dir
+
+from .pgharness import admin_execute
+from .replication import ReplicatedPostgres, multi_host_url
+from .tcpproxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = "id_failover"
+BASE = TimeBase.now()
+OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
+
+
+def config(name: str) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=SCHEMA,
+        lock_poll=0.1,
+        keepalive=0.2,
+        session_timeout=1.0,
+        commit_timeout=2.0,
+        application_name=f"id-failover-{name}",
+    )
+
+
+@pytest.fixture
+def binaries() -> None:
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        pytest.skip(f"failover tests build their own primary and standby: {exc}")
+
+
+async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
+    binaries: None,
+) -> None:
+    pair = ReplicatedPostgres(synchronous=False)
+    replication = await TcpProxy("127.0.0.1", pair.primary.port).start()
+    stores: list[PgStore] = []
+    try:
+        await asyncio.to_thread(pair.start, replication.port)
+        await pair.streaming()
+        url = multi_host_url(pair.primary, pair.standby)
+        a = await PgStore.connect(url, config("a"))
+        stores.append(a)
+        b = await PgStore.connect(url, config("b"))
+        stores.append(b)
+        await admin_execute(
+            pair.primary.url(), f'UPDATE "{SCHEMA}".cronoq_leader SET epoch = {EPOCH_MAX - 1}'
+        )
+        epoch = await a.acquire_leadership()
+        assert epoch == EPOCH_MAX
+        # The last term before the wrap: its ids are the largest, all finished and pruned.
+        ids = [TaskId(task_id(epoch, n)) for n in range(50)]
+        done = [
+            m
+            for i in ids
+            for m in (
+                Submitted(i, i & 0xFFFF, 1, TaskSpec(b"p")),
+                StatusChanged(i, TaskStatus.SUCCEEDED, 1, 2),
+            )
+        ]
+        await a.commit(epoch, OLD, done, [])
+        assert await a.prune(1) == len(ids)
+        await pair.replayed()
+
+        # The stream is held back; the primary goes on alone, then crashes.
+        replication.stall()
+        late = TaskId(task_id(epoch, 1000))
+        await a.commit(epoch, BASE, [Submitted(late, 1000, 1, TaskSpec(b"late"))], [])
+        await asyncio.to_thread(pair.primary.stop, "immediate")
+        await asyncio.to_thread(pair.promote)
+
+        wrapped = await asyncio.wait_for(b.acquire_leadership(), 20)
+        recovered = await b.recover(BASE)
+        assert wrapped == 1  # the wrap: the epoch prefix no longer keeps ids apart
+        assert await b.get_task(late) is None  # never received: lost, as documented
+        assert max(recovered.next_id, task_id(wrapped, 0)) == max(ids) + 1
+    finally:
+        for store in stores:
+            await store.close()
+        await replication.close()
+        await asyncio.to_thread(pair.destroy)

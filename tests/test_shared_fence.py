@@ -1,0 +1,262 @@
+"""Commits share the fence: each checks the epoch under ``FOR SHARE`` and none takes the
+leader row exclusively, so commits in flight never wait for one another; a takeover still
+waits for all of them. And without a high-water mark written by every commit, no id once
+stored is ever issued again: prune records the largest id it deletes with the deletion.
+
+Each way an id could come back is tried: a prune then a takeover, the epoch's wrap, a
+failed batch (a commit refused, a prune batch killed), and a failover to an asynchronous
+standby (``tests/test_id_failover.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._domain import (
+    EPOCH_MAX as EPOCH_MAX,
+)
+from cronoq_store._domain import (
+    Mutation as Mutation,
+)
+from cronoq_store._domain import (
+    StatusChanged as StatusChanged,
+)
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._domain import (
+    TaskStatus as TaskStatus,
+)
+from cronoq_store._domain import (
+    TimeBase as TimeBase,
+)
+from cronoq_store._domain import (
+    task_id as task_id,
+)
+from cronoq_store._errors import KeyTakenError as KeyTakenError
+from cronoq_store._errors import StoreError as StoreError
+from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+from cronoq_store._store import PgStore as PgStore
+from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+
+from .pgharness import admin_execute, asyncpg_dsn
+
+BASE = TimeBase.now()
+#: Updates 1000 s ago: old enough for ``prune(1)``.
+OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)
+
+
+def submitted(id: int, key: str | None = None) -> Submitted:
+    return Submitted(TaskId(id), seq=id & 0xFFFF, arrival=1, spec=TaskSpec(b"p", key=key))
+
+
+def finished(id: int) -> StatusChanged:
+    return StatusChanged(TaskId(id), TaskStatus.SUCCEEDED, 1, 2)
+
+
+@pytest.fixture(params=["connect", "from_engine"])
+async def store(
+    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> AsyncIterator[PgStore]:
+    """A store on its own pool (the one-statement paths), and one on an application's engine
+    (every commit a transaction)."""
+    config = PgStoreConfig(schema=migrated)
+    if request.param == "connect":
+        opening = PgStore.connect(pg_url, config)
+    else:
+        opening = PgStore.from_engine(engine, config)
+    async with await opening as s:
+        yield s
+
+
+#: Batches that insert tasks, one per write path: one statement for one task and for
+#: several, COPY, and a transaction (new tasks and a transition of a stored one).
+SHAPES: dict[str, Callable[[int], list[Mutation]]] = {
+    "one task": lambda n: [submitted(n)],
+    "several tasks": lambda n: [submitted(n + i) for i in range(3)],
+    "copy": lambda n: [submitted(n + i) for i in range(COPY_MIN_ROWS)],
+    "transaction": lambda n: [submitted(n), finished(1)],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+async def test_a_commit_does_not_wait_for_a_commit_in_flight(
+    store: PgStore, migrated: str, pg_url: URL, shape: str
+) -> None:
+    """Another commit in flight holds the leader row as every commit now does (FOR SHARE):
+    a commit that inserts tasks goes through meanwhile. (Each used to take the row
+    exclusively to record the id high-water mark, and queued behind the other.)"""
+    await store.commit(0, BASE, [submitted(1)], [])
+    in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        tx = in_flight.transaction()
+        await tx.start()
+        await in_flight.execute(
+            f'SELECT epoch FROM "{migrated}".cronoq_leader WHERE id = 1 FOR SHARE'
+        )
+        batch = SHAPES[shape](100)
+        await asyncio.wait_for(store.commit(0, BASE, batch, []), 2)
+        await tx.rollback()
+    finally:
+        await in_flight.close()
+    rows = await admin_execute(pg_url, f'SELECT count(*) FROM "{migrated}".cronoq_tasks')
+    assert rows[0][0] == 1 + sum(isinstance(m, Submitted) for m in batch)
+
+
+async def takeover(engine: AsyncEngine, schema: str) -> tuple[PgStore, int, int]:
+    """A new instance takes leadership and recovers: the store, its epoch, its first id
+    (as the README issues them: ``max(next_id, task_id(epoch, 0))``)."""
+    leader = await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
+    epoch = await leader.acquire_leadership()
+    recovered = await leader.recover(BASE)
+    return leader, epoch, max(recovered.next_id, task_id(epoch, 0))
+
+
+async def lead_at_the_wrap(engine: AsyncEngine, schema: str, pg_url: URL) -> tuple[PgStore, int]:
+    """The leader of the last epoch before the wrap (32767) and its first id. From the next
+    term on, the epoch prefix no longer keeps ids apart: only ``next_id`` does."""
+    await admin_execute(pg_url, f'UPDATE "{schema}".cronoq_leader SET epoch = {EPOCH_MAX - 1}')
+    leader, epoch, start = await takeover(engine, schema)
+    assert epoch == EPOCH_MAX
+    assert start == task_id(EPOCH_MAX, 0)
+    return leader, start
+
+
+def done(ids: list[int]) -> list[Mutation]:
+    return [m for i in ids for m in (submitted(i), finished(i))]
+
+
+async def test_prune_then_takeover_never_issues_a_pruned_id_again(
+    engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """Past the wrap, two leaders in turn issue ids that all finish and are pruned: the
+    third leader's first id is above every one of them."""
+    last, start = await lead_at_the_wrap(engine, migrated, pg_url)
+    issued = [start + n for n in range(3)]
+    await last.commit(EPOCH_MAX, OLD, done(issued), [])
+    await last.close()
+    wrapped, epoch, start = await takeover(engine, migrated)
+    assert epoch == 1
+    assert start == max(issued) + 1
+    issued += [start, start + 1]
+    await wrapped.commit(epoch, OLD, done(issued[-2:]), [])
+    assert await wrapped.prune(1) == 5
+    await wrapped.close()
+    third, epoch, start = await takeover(engine, migrated)
+    try:
+        assert epoch == 2
+        assert start == max(issued) + 1
+    finally:
+        await third.close()
+
+
+async def test_the_epoch_wrap_after_a_prune_never_issues_a_pruned_id_again(
+    engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """The first leader's ids stay stored; the leader of epoch 32767 issues the largest ids,
+    which are pruned; the next epoch wraps to 1 and continues above them all."""
+    first, epoch, start = await takeover(engine, migrated)
+    low = [start, start + 1]
+    await first.commit(epoch, OLD, [submitted(i) for i in low], [])
+    await first.close()
+    last, start = await lead_at_the_wrap(engine, migrated, pg_url)
+    high = [start + n for n in range(3)]
+    await last.commit(EPOCH_MAX, OLD, done(high), [])
+    assert await last.prune(1) == 3
+    await last.close()
+    wrapped, epoch, start = await takeover(engine, migrated)
+    try:
+        assert epoch == 1
+        assert start == max(high) + 1
+    finally:
+        await wrapped.close()
+
+
+async def test_a_failed_batch_leaves_every_stored_id_unissuable(
+    engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """At the wrap, a group commit's batch fails (a taken key) and is bisected; its innocent
+    half lands, finishes and is pruned with everything else; the next leader issues none of
+    the ids ever stored. The refused submissions' ids were never stored (nor acknowledged):
+    only those may be issued again."""
+    last, start = await lead_at_the_wrap(engine, migrated, pg_url)
+    holder, innocent, guilty = start, start + 1, start + 2
+    await last.commit(EPOCH_MAX, OLD, [submitted(holder, key="k")], [])
+    async with GroupCommitter(last, EPOCH_MAX, OLD) as committer:
+        results = await asyncio.gather(
+            committer.submit([submitted(innocent), finished(innocent), finished(holder)]),
+            committer.submit([submitted(guilty, key="k2"), submitted(guilty + 1, key="k2")]),
+            return_exceptions=True,
+        )
+    assert results[0] is None
+    assert isinstance(results[1], KeyTakenError)
+    assert await last.get_task(TaskId(guilty)) is None
+    assert await last.prune(1) == 2
+    await last.close()
+    wrapped, epoch, start = await takeover(engine, migrated)
+    try:
+        assert epoch == 1
+        assert start == innocent + 1
+    finally:
+        await wrapped.close()
+
+
+async def test_a_prune_batch_killed_mid_way_records_nothing_and_deletes_nothing(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    """A prune batch waits for a commit in flight (it takes the leader row in a mode that
+    conflicts with the commits' share lock); its session is killed there: nothing was
+    deleted, nothing recorded, and the next prune records what it deletes."""
+    high = TaskId(task_id(3, 41))
+    await store.commit(0, OLD, [submitted(high), finished(high)], [])
+    in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        tx = in_flight.transaction()
+        await tx.start()
+        await in_flight.execute(
+            f'SELECT epoch FROM "{migrated}".cronoq_leader WHERE id = 1 FOR SHARE'
+        )
+        pruning = asyncio.ensure_future(store.prune(1))
+        deadline = time.monotonic() + 10
+        while not (waiting := await _waiting_pids(pg_url)):
+            assert not pruning.done(), "the prune batch did not wait for the commit in flight"
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", waiting[0])
+        with pytest.raises(StoreError):
+            await pruning
+        await tx.rollback()
+    finally:
+        await in_flight.close()
+    marks: list[Any] = await admin_execute(
+        pg_url,
+        f'SELECT max_id, (SELECT count(*) FROM "{migrated}".cronoq_tasks) '
+        f'FROM "{migrated}".cronoq_leader',
+    )
+    assert tuple(marks[0]) == (0, 1)
+    assert await store.prune(1) == 1
+    assert (await store.recover(BASE)).next_id == high + 1
+
+
+async def _waiting_pids(url: URL) -> list[int]:
+    rows = await admin_execute(
+        url,
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query LIKE '%cronoq_leader%'",
+    )
+    return [r[0] for r in rows]
