@@ -323,7 +323,7 @@ class Leadership:
                     raise self._closed_error()
             if self._trust is not None:
                 await self._vet(session, self._trust, timeout)
-            epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
+            epoch = await self._bump(session, timeout)
             if epoch is None:
                 raise StoreError(
                     f"the leader row of schema {self._schema!r} is missing: run the migrations"
@@ -334,6 +334,17 @@ class Leadership:
         except BaseException:
             await session.close()  # releases the lock if this session took it
             raise
+
+    async def _bump(self, session: _Session, timeout: float) -> Any:
+        """Bump the epoch (``None``: no leader row) in a transaction that first takes
+        :data:`~cronoq_store.statements.leader_barrier`: the bump waits for the commits in
+        flight, and those that arrive meanwhile wait for it, so overlapping commits of a
+        deposed leader cannot starve the takeover (they would pass a waiting row lock)."""
+        await session.run(st.takeover_begin, None, timeout)
+        await session.run(st.leader_barrier, None, timeout)
+        epoch = (await session.run(st.bump_epoch, None, timeout)).scalar()
+        await session.run(st.takeover_commit, None, timeout)
+        return epoch
 
     async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its

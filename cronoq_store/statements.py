@@ -78,12 +78,12 @@ __all__ = [
     "insert_tasks",
     "insert_tasks_fenced",
     "key_holders",
+    "leader_barrier",
     "live_tasks",
     "local_search_path",
     "lock_session_settings",
     "ping",
     "prune_batch",
-    "prune_interlock",
     "quarantine",
     "recent_terminal",
     "recurring_schedules",
@@ -94,6 +94,8 @@ __all__ = [
     "session_search_path",
     "set_local_search_path",
     "store_outputs",
+    "takeover_begin",
+    "takeover_commit",
     "task_by_id",
     "task_by_key",
     "task_output",
@@ -189,6 +191,21 @@ epoch_for_share = (
 
 #: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
+
+#: What waits for every commit in flight and holds back the later ones, in a transaction
+#: (a takeover's bump, a prune batch): the leader table ``EXCLUSIVE``, which conflicts with
+#: the ``ROW SHARE`` that each commit's ``FOR SHARE`` takes on it. A row lock would not do:
+#: a ``FOR SHARE`` request passes a waiting ``UPDATE`` or ``FOR NO KEY UPDATE`` whenever
+#: another commit still holds the row (PostgreSQL lets share lockers join without queueing),
+#: so overlapping commits could starve it for ever; the table lock's queue is first come,
+#: first served.
+leader_barrier = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    "LOCK TABLE ONLY %(fullname)s IN EXCLUSIVE MODE"
+).against(leader)
+
+#: The transaction of a takeover on the lock session, which is in autocommit.
+takeover_begin = text("BEGIN")
+takeover_commit = text("COMMIT")
 
 #: The epoch check of a commit's transaction, sent with its ``BEGIN`` (its parameter is an
 #: integer, rendered as a literal by the writer): one row, share-locked as by
@@ -601,14 +618,6 @@ _victims = (
     .order_by(_old.c.updated_unix_ns, _old.c.id)
     .limit(bindparam("batch", type_=BigInteger))
     .cte("victims")
-)
-
-#: What a prune batch takes first: the leader row, in a mode that conflicts with the share
-#: lock every commit holds until it ends (``FOR NO KEY UPDATE``). The batch waits for the
-#: commits in flight, and its ``DELETE`` (a later statement, so a later snapshot) sees every
-#: dependency they added; a commit arriving meanwhile waits for the batch.
-prune_interlock = (
-    select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(key_share=True)
 )
 
 _pruned = (
