@@ -20,8 +20,9 @@ Failures are sorted by who they belong to:
   batch keeps failing: then the batch is at fault (a server that closes the connection on
   it, a statement timeout it always hits) and is treated as if the error were not transient.
 * ``FencedError`` belongs to this instance: another leader took over, so nothing may be
-  written again. Every pending submitter fails with it, in flight or queued, and the
-  committer closes; no batch is attempted again (each attempt checks the epoch itself).
+  written again. Every queued submitter fails with it and the committer closes; no batch
+  is attempted again. Each other batch in flight settles by its attempt under way (each
+  checks the epoch itself): one that landed before the takeover is acknowledged.
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
 
@@ -474,7 +475,11 @@ class GroupCommitter:
                 flight = _Flight(
                     batch, footprint((m for sub in batch for m in sub.mutations), _outputs(batch))
                 )
-                await self._until_followed(flight)
+                try:
+                    await self._until_followed(flight)
+                except asyncio.CancelledError:
+                    self._fail_unsent(batch)  # in no queue and in no flight: only here
+                    raise
                 if self._aborting:
                     self._fail_unsent(batch)
                     break
@@ -547,9 +552,8 @@ class GroupCommitter:
         except FencedError as exc:
             if self._fenced is None:
                 self._on_fenced(exc)
-            else:
-                fenced_by = exc
-                self._fail_in_flight(lambda: self._fenced_submission(fenced_by), [flight])
+            fenced_by = exc
+            self._fail_in_flight(lambda: self._fenced_submission(fenced_by), [flight])
         except _Abandoned as exc:
             cause = exc.last_error
             fenced = self._fenced
@@ -675,6 +679,8 @@ class GroupCommitter:
         delays = self._backoff.delays()
         answered = False  # the database answered a ping since the last failed attempt
         while True:
+            if self._fenced is not None:  # another batch was fenced: no attempt again
+                raise self._fenced
             try:
                 await self._store.commit(self._epoch, self._base, mutations, outputs)
                 return
@@ -742,7 +748,9 @@ class GroupCommitter:
         self._abort_event.set()  # batches being retried stop at once
         self._wakeup.set()
         self._settled.set()
-        self._fail_in_flight(lambda: self._fenced_submission(exc))
+        # The other batches in flight settle by their own attempt: one that passed its
+        # check before the takeover has landed (the bump waited for it) and is acknowledged;
+        # any other is fenced by its own check, or abandoned as fenced.
         self._fail_queued(lambda: self._fenced_submission(exc))
 
     @staticmethod

@@ -1,0 +1,124 @@
+"""Batches in flight, attacked: what each submitter is told once another batch is fenced,
+and what the writer leaves behind when it dies with a batch waiting for one in flight.
+
+A commit's reply can come back after a later batch's: here a store whose first commit's
+reply is held (the commit has landed) until the test lets it through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store.config import PgStoreConfig
+from cronoq_store.domain import (
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
+from cronoq_store.errors import CommitterClosedError, FencedError
+from cronoq_store.group_commit import GroupCommitter
+from cronoq_store.store import PgStore
+
+from .pgharness import admin_execute
+from .test_group_commit import LeaderRowHold, wait_until
+
+BASE = TimeBase.now()
+_ids = itertools.count(1)
+
+
+def new() -> Submitted:
+    id = next(_ids)
+    return Submitted(TaskId(id), id, 1, TaskSpec(b"p%d" % id))
+
+
+@pytest.fixture
+async def store(pg_url: URL, migrated: str) -> AsyncIterator[PgStore]:
+    async with await PgStore.connect(pg_url, PgStoreConfig(schema=migrated)) as s:
+        yield s
+
+
+class SlowFirstReply:
+    """A store whose first commit lands at once but whose reply waits for ``reply``."""
+
+    def __init__(self, store: PgStore) -> None:
+        self._store = store
+        self.landed = asyncio.Event()
+        self.reply = asyncio.Event()
+        self._first = True
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None:
+        first, self._first = self._first, False
+        await self._store.commit(epoch, base, batch, outputs)
+        if first:
+            self.landed.set()
+            await self.reply.wait()
+
+
+async def stored(url: URL, schema: str) -> list[int]:
+    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
+    return [r[0] for r in rows]
+
+
+async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    """The first batch commits under its epoch; a takeover follows; a second, independent
+    batch is fenced by its own check before the first one's reply is back. The first
+    batch's submitter is told it is durable (its rows are stored), not FencedError; the
+    second's is fenced, and nothing of it is stored."""
+    slow = SlowFirstReply(store)
+    committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=2)
+    first, second = new(), new()
+    one = asyncio.ensure_future(committer.submit([first]))
+    await asyncio.wait_for(slow.landed.wait(), 10)
+    await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
+    two = asyncio.ensure_future(committer.submit([second]))
+    await wait_until(lambda: committer.fenced, what="the second batch fenced")
+    slow.reply.set()
+    outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+    await committer.close()
+    assert await stored(pg_url, migrated) == [first.id]
+    assert outcomes[0] is None, outcomes[0]
+    assert isinstance(outcomes[1], FencedError)
+
+
+async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_it(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    """The second batch (a transition of the first batch's task) waits for the first, which
+    waits on a held leader row. The writer task is cancelled (a loop shutting down): every
+    submitter is told, the waiting batch's too, none is left waiting for ever."""
+    task = new()
+    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=2)
+    async with LeaderRowHold(pg_url, migrated) as hold:
+        one = asyncio.ensure_future(committer.submit([task]))
+        await asyncio.sleep(0.2)
+        two = asyncio.ensure_future(
+            committer.submit([StatusChanged(task.id, TaskStatus.RUNNING, 1, 5)])
+        )
+        await asyncio.sleep(0.2)
+        assert not one.done()
+        assert not two.done()
+        writers = [t for t in asyncio.all_tasks() if t.get_name() == "cronoq-group-commit-epoch-0"]
+        assert len(writers) == 1
+        writers[0].cancel()
+        await asyncio.wait({writers[0]}, timeout=10)
+        await hold.release()
+        outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+    await committer.close()
+    assert all(isinstance(o, CommitterClosedError) for o in outcomes), outcomes
