@@ -44,8 +44,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import DDL
+from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
+from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
 from .domain import EPOCH_MAX, QUEUED, TaskStatus
@@ -192,6 +197,23 @@ epoch_for_share = (
 #: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
 
+
+class _LockExclusive(Executable, ClauseElement):
+    """``LOCK TABLE ONLY <table> IN EXCLUSIVE MODE``, compiled once and cached as any Core
+    statement (SQLAlchemy's ``DDL`` is compiled again at every execution)."""
+
+    _traverse_internals = [("table", InternalTraversal.dp_clauseelement)]  # noqa: RUF012
+    inherit_cache = True
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+
+@compiles(_LockExclusive)
+def _lock_exclusive(element: _LockExclusive, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"LOCK TABLE ONLY {compiler.preparer.format_table(element.table)} IN EXCLUSIVE MODE"
+
+
 #: What waits for every commit in flight and holds back the later ones, in a transaction
 #: (a takeover's bump, a prune batch): the leader table ``EXCLUSIVE``, which conflicts with
 #: the ``ROW SHARE`` that each commit's ``FOR SHARE`` takes on it. A row lock would not do:
@@ -199,9 +221,7 @@ _epoch = bindparam("epoch", type_=Integer)
 #: another commit still holds the row (PostgreSQL lets share lockers join without queueing),
 #: so overlapping commits could starve it for ever; the table lock's queue is first come,
 #: first served.
-leader_barrier = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
-    "LOCK TABLE ONLY %(fullname)s IN EXCLUSIVE MODE"
-).against(leader)
+leader_barrier = _LockExclusive(leader)
 
 #: The transaction of a takeover on the lock session, which is in autocommit.
 takeover_begin = text("BEGIN")
@@ -620,9 +640,8 @@ _victims = (
     .cte("victims")
 )
 
-_pruned = (
-    delete(tasks).where(tasks.c.id.in_(select(_victims.c.id))).returning(tasks.c.id).cte("pruned")
-)
+_prune_delete = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+_pruned = _prune_delete.returning(tasks.c.id).cte("pruned")
 
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key, and record the largest id deleted in the leader
@@ -928,10 +947,11 @@ finished_before_count = select(func.count()).where(
     tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
 )
 
-_prune_where = prune_batch.whereclause
+_prune_where = _prune_delete.whereclause
 assert _prune_where is not None, "the prune statement names its victims"
-#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
-#: clause, so a dry run never disagrees with it about what a live task depends on.
+#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own
+#: ``DELETE``'s WHERE clause (not the leader row's update around it), so a dry run never
+#: disagrees with it about what a live task depends on.
 prunable_count = select(func.count()).select_from(tasks).where(_prune_where)
 
 # --- the HA demo (``cronoq_store.demo``) reads back what it wrote ----------------------------
