@@ -122,3 +122,52 @@ async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_i
         outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
     await committer.close()
     assert all(isinstance(o, CommitterClosedError) for o in outcomes), outcomes
+
+
+async def waiting_pids(url: URL, name: str) -> list[int]:
+    """The sessions of ``name`` whose commits wait on the held leader row."""
+    rows = await admin_execute(
+        url,
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 "
+        "AND wait_event_type = 'Lock' ORDER BY backend_start",
+        name,
+    )
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("then", ["release", "takeover"])
+async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced(
+    pg_url: URL, migrated: str, then: str
+) -> None:
+    """Three batches wait in flight on the held leader row; one's backend is terminated
+    there. With the row released, the killed batch is retried and every submission lands,
+    each once; with a takeover instead, every one (the retried batch's too) is fenced and
+    nothing is stored."""
+    name = f"kill-{migrated}"
+    config = PgStoreConfig(schema=migrated, application_name=name)
+    async with await PgStore.connect(pg_url, config) as store:
+        committer = GroupCommitter(store, 0, BASE, max_batch_mutations=1, max_batches_in_flight=3)
+        tasks = [new() for _ in range(5)]
+        async with LeaderRowHold(pg_url, migrated) as hold:
+            waiting = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
+
+            async def three() -> bool:
+                return len(await waiting_pids(pg_url, name)) == 3
+
+            await wait_until(three, what="three batches in flight")
+            killed = (await waiting_pids(pg_url, name))[1]
+            await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", killed)
+            await asyncio.sleep(0.3)  # the killed batch fails and is sent again
+            if then == "takeover":
+                await hold.execute(f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
+                await hold.release(commit=True)
+            else:
+                await hold.release()
+            outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 30)
+        await committer.close()
+    if then == "takeover":
+        assert all(isinstance(o, FencedError) for o in outcomes), outcomes
+        assert await stored(pg_url, migrated) == []
+    else:
+        assert outcomes == [None] * len(tasks)
+        assert await stored(pg_url, migrated) == [t.id for t in tasks]
