@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
@@ -27,6 +28,7 @@ from cronoq_store.domain import (
 from cronoq_store.errors import CommitterClosedError, FencedError
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.store import PgStore
+from cronoq_store.urls import async_url
 
 from .pgharness import admin_execute
 from .test_group_commit import LeaderRowHold, wait_until
@@ -171,3 +173,27 @@ async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced
     else:
         assert outcomes == [None] * len(tasks)
         assert await stored(pg_url, migrated) == [t.id for t in tasks]
+
+
+async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_prune(
+    pg_url: URL, migrated: str
+) -> None:
+    """An application's engine with one connection and no overflow; four batches in flight
+    and a prune share it. Nothing deadlocks: the flights take the connection in turn, the
+    prune takes its barrier between them, and every submission lands."""
+    app = create_async_engine(async_url(pg_url), pool_size=1, max_overflow=0)
+    try:
+        async with await PgStore.from_engine(app, PgStoreConfig(schema=migrated)) as store:
+            committer = GroupCommitter(
+                store, 0, BASE, max_batch_mutations=2, max_batches_in_flight=4
+            )
+            tasks = [new() for _ in range(40)]
+            submissions = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
+            pruned = asyncio.ensure_future(store.prune(1))
+            outcomes = await asyncio.wait_for(asyncio.gather(*submissions), 30)
+            assert await asyncio.wait_for(pruned, 30) == 0
+            await committer.close()
+    finally:
+        await app.dispose()
+    assert outcomes == [None] * len(tasks)
+    assert await stored(pg_url, migrated) == [t.id for t in tasks]
