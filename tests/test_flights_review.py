@@ -25,7 +25,7 @@ from cronoq_store.domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store.errors import CommitterClosedError, FencedError
+from cronoq_store.errors import CommitterClosedError, FencedError, IdCollisionError
 from cronoq_store.group_commit import GroupCommitter
 from cronoq_store.store import PgStore
 from cronoq_store.urls import async_url
@@ -197,3 +197,43 @@ async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_p
         await app.dispose()
     assert outcomes == [None] * len(tasks)
     assert await stored(pg_url, migrated) == [t.id for t in tasks]
+
+
+@pytest.mark.parametrize("follower", ["a transition of its task", "a task taking its key"])
+async def test_a_batch_waits_for_the_bisection_of_a_failed_batch_it_follows(
+    store: PgStore, migrated: str, pg_url: URL, follower: str
+) -> None:
+    """The first batch holds an innocent submission (a new task, or the finish of the
+    holder of key ``k``) and a guilty one (an id another task holds): it fails whole and is
+    bisected. The second batch follows the innocent one (a transition of that task, or a
+    new task with ``k``): it lands after the innocent half, as serially."""
+    other, holder = new(), Submitted(TaskId(next(_ids)), 1, 1, TaskSpec(b"h", key="k"))
+    await store.commit(0, BASE, [other, holder], [])
+    task = new()
+    if follower == "a transition of its task":
+        innocent: list[Mutation] = [task]
+        later: list[Mutation] = [StatusChanged(task.id, TaskStatus.RUNNING, 1, 5)]
+    else:
+        innocent = [StatusChanged(holder.id, TaskStatus.SUCCEEDED, 1, 5)]
+        later = [Submitted(task.id, 2, 1, TaskSpec(b"n", key="k"))]
+    guilty = Submitted(other.id, 9, 9, TaskSpec(b"not the same task"))
+    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    async with LeaderRowHold(pg_url, migrated) as hold:
+        one = asyncio.ensure_future(committer.submit(innocent))
+        bad = asyncio.ensure_future(committer.submit([guilty]))
+        await asyncio.sleep(0.2)  # one batch of both, in flight on the held row
+        two = asyncio.ensure_future(committer.submit(later))
+        await asyncio.sleep(0.2)
+        assert not two.done()
+        await hold.release()
+        outcomes = await asyncio.wait_for(asyncio.gather(one, bad, two, return_exceptions=True), 10)
+    await committer.close()
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], IdCollisionError)
+    assert outcomes[2] is None, outcomes[2]
+    record = await store.get_task(task.id)
+    assert record is not None
+    if follower == "a transition of its task":
+        assert record.status is TaskStatus.RUNNING
+    else:
+        assert record.key == "k"
