@@ -473,7 +473,12 @@ class GroupCommitter:
         try:
             while await self._room_in_flight() and (batch := await self._next_batch()) is not None:
                 flight = _Flight(
-                    batch, footprint((m for sub in batch for m in sub.mutations), _outputs(batch))
+                    batch,
+                    footprint(
+                        (m for sub in batch for m in sub.mutations),
+                        _outputs(batch),
+                        barrier=any(not sub.mutations and not sub.outputs for sub in batch),
+                    ),
                 )
                 try:
                     await self._until_followed(flight)

@@ -237,3 +237,22 @@ async def test_a_batch_waits_for_the_bisection_of_a_failed_batch_it_follows(
         assert record.status is TaskStatus.RUNNING
     else:
         assert record.key == "k"
+
+
+async def test_a_barrier_returns_only_once_everything_before_it_is_settled(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    """An empty submission is a barrier: it returns once everything submitted before it is
+    settled. The first batch has landed but its reply is slow; a barrier submitted after it
+    (a batch of its own, in flight beside it) does not return before it."""
+    slow = SlowFirstReply(store)
+    committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=4)
+    one = asyncio.ensure_future(committer.submit([new()]))
+    await asyncio.wait_for(slow.landed.wait(), 10)
+    barrier = asyncio.ensure_future(committer.submit([]))
+    await asyncio.sleep(0.3)
+    barrier_first = barrier.done()
+    slow.reply.set()
+    await asyncio.wait_for(asyncio.gather(one, barrier), 10)
+    await committer.close()
+    assert not barrier_first, "the barrier returned before the submission before it settled"
