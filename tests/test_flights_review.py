@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 
 import pytest
 from sqlalchemy.engine import URL
@@ -17,7 +18,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store.config import PgStoreConfig
 from cronoq_store.domain import (
+    IntervalSchedule,
     Mutation,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
     StatusChanged,
     Submitted,
     TaskId,
@@ -256,3 +261,23 @@ async def test_a_barrier_returns_only_once_everything_before_it_is_settled(
     await asyncio.wait_for(asyncio.gather(one, barrier), 10)
     await committer.close()
     assert not barrier_first, "the barrier returned before the submission before it settled"
+
+
+async def test_a_schedules_upsert_and_remove_in_batches_in_flight_land_in_order(
+    store: PgStore, migrated: str, pg_url: URL
+) -> None:
+    """A schedule is created in one batch (held in flight) and removed in the next: the
+    removal waits for the creation, so the schedule is gone at the end, as serially."""
+    spec = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
+    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    async with LeaderRowHold(pg_url, migrated) as hold:
+        one = asyncio.ensure_future(committer.submit([RecurringUpsert(spec)]))
+        await asyncio.sleep(0.2)
+        two = asyncio.ensure_future(committer.submit([RecurringRemove("r")]))
+        await asyncio.sleep(0.2)
+        assert not two.done()
+        await hold.release()
+        await asyncio.wait_for(asyncio.gather(one, two), 10)
+    await committer.close()
+    rows = await admin_execute(pg_url, f'SELECT count(*) FROM "{migrated}".cronoq_recurring')
+    assert rows[0][0] == 0
