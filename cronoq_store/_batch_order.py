@@ -8,6 +8,8 @@ A batch must wait for an earlier one still in flight when they share
 * a task: its mutations land in submission order (a ``StatusChanged`` whose ``Submitted``
   is in an earlier, uncommitted batch would find no row to move), and so do its outputs;
 * a recurring schedule: its changes apply in order;
+* anything, when it holds a barrier (an empty submission returns once everything
+  submitted before it is settled);
 * a key, as far as the committer can tell: a new task's key may be freed by a terminal
   transition of a task whose key the batch does not carry (a task of an earlier term), so
   a batch that gives a live task a key waits for every earlier batch that finishes a task
@@ -47,9 +49,13 @@ class Footprint:
     finishes: bool = False
     #: Recurring schedules it changes.
     schedules: set[str] = field(default_factory=set)
+    #: Whether it holds a barrier (an empty submission): it follows every earlier batch.
+    barrier: bool = False
 
     def follows(self, earlier: Footprint) -> bool:
         """Whether this batch must wait for ``earlier``, submitted before it, to settle."""
+        if self.barrier:
+            return True
         if not self.ids.isdisjoint(earlier.ids):
             return True
         if not self.schedules.isdisjoint(earlier.schedules):
@@ -60,10 +66,14 @@ class Footprint:
 
 
 def footprint(
-    mutations: Iterable[Mutation], outputs: Sequence[tuple[TaskId, bytes]] = ()
+    mutations: Iterable[Mutation],
+    outputs: Sequence[tuple[TaskId, bytes]] = (),
+    *,
+    barrier: bool = False,
 ) -> Footprint:
-    """The footprint of a batch of ``mutations`` and ``outputs``."""
-    found = Footprint()
+    """The footprint of a batch of ``mutations`` and ``outputs`` (``barrier``: it holds an
+    empty submission)."""
+    found = Footprint(barrier=barrier)
     ids = found.ids
     for mutation in mutations:
         match mutation:

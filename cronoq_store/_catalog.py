@@ -212,10 +212,11 @@ _recorded = and_(
 #: revision 0007, mid rolling upgrade): the holder is then unknown, and not called foreign.
 #: Epoch 0 was never taken: a holder there is foreign. Only a writer of the row can move it.
 _unrecorded_epoch = and_(leader.c.epoch > 0, leader.c.holder_epoch.is_distinct_from(leader.c.epoch))
-#: Whether the holder is moving the epoch now: it holds the row-exclusive lock of the leader
-#: table, which its ``UPDATE`` takes before waiting for the row (a takeover waits there for
-#: the old leader's commits) and keeps until it commits, and its role may update the table.
-#: ``pg_locks`` shows every session's locks to every role.
+#: Whether the holder is moving the epoch now: it holds or awaits the leader table
+#: ``EXCLUSIVE`` (the takeover's barrier, where it waits for the old leader's commits), or
+#: holds its row-exclusive lock (the bump's ``UPDATE``), and its role may update the table.
+#: ``LOCK TABLE`` checks privileges before it queues, and ``pg_locks`` shows every
+#: session's locks to every role.
 _leader_table = select(_leader_oid.c.tableoid).limit(1).scalar_subquery()
 _bumping = and_(
     select(_pg_locks.c.pid)
@@ -223,8 +224,10 @@ _bumping = and_(
         _pg_locks.c.pid == _holder.c.pid,
         _pg_locks.c.locktype == "relation",
         _pg_locks.c.relation == _leader_table,
-        _pg_locks.c.mode == "RowExclusiveLock",
-        _pg_locks.c.granted,
+        or_(
+            _pg_locks.c.mode == "ExclusiveLock",
+            and_(_pg_locks.c.mode == "RowExclusiveLock", _pg_locks.c.granted),
+        ),
     )
     .exists(),
     # A statement takes that lock when parsed, its privileges are checked when it runs:

@@ -20,8 +20,9 @@ Failures are sorted by who they belong to:
   batch keeps failing: then the batch is at fault (a server that closes the connection on
   it, a statement timeout it always hits) and is treated as if the error were not transient.
 * ``FencedError`` belongs to this instance: another leader took over, so nothing may be
-  written again. Every pending submitter fails with it, in flight or queued, and the
-  committer closes; no batch is attempted again (each attempt checks the epoch itself).
+  written again. Every queued submitter fails with it and the committer closes; no batch
+  is attempted again. Each other batch in flight settles by its attempt under way (each
+  checks the epoch itself): one that landed before the takeover is acknowledged.
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
 
@@ -484,9 +485,18 @@ class GroupCommitter:
         try:
             while await self._room_in_flight() and (batch := await self._next_batch()) is not None:
                 flight = _Flight(
-                    batch, footprint((m for sub in batch for m in sub.mutations), _outputs(batch))
+                    batch,
+                    footprint(
+                        (m for sub in batch for m in sub.mutations),
+                        _outputs(batch),
+                        barrier=any(not sub.mutations and not sub.outputs for sub in batch),
+                    ),
                 )
-                await self._until_followed(flight)
+                try:
+                    await self._until_followed(flight)
+                except asyncio.CancelledError:
+                    self._fail_unsent(batch)  # in no queue and in no flight: only here
+                    raise
                 if self._aborting:
                     self._fail_unsent(batch)
                     break
@@ -559,9 +569,8 @@ class GroupCommitter:
         except FencedError as exc:
             if self._fenced is None:
                 self._on_fenced(exc)
-            else:
-                fenced_by = exc
-                self._fail_in_flight(lambda: self._fenced_submission(fenced_by), [flight])
+            fenced_by = exc
+            self._fail_in_flight(lambda: self._fenced_submission(fenced_by), [flight])
         except _Abandoned as exc:
             cause = exc.last_error
             fenced = self._fenced
@@ -685,6 +694,11 @@ class GroupCommitter:
         an abort (``_Abandoned``), or until the batch is stuck (``_Stuck``)."""
         answered = False  # the database answered a ping since the last failed attempt
 
+        async def attempt() -> None:
+            if self._fenced is not None:  # another batch was fenced: no attempt again
+                raise self._fenced
+            await self._store.commit(self._epoch, self._base, mutations, outputs)
+
         async def check(last: StoreError, failures: int) -> None:
             nonlocal answered
             if self._aborting:
@@ -711,7 +725,7 @@ class GroupCommitter:
             )
 
         await retry(
-            lambda: self._store.commit(self._epoch, self._base, mutations, outputs),
+            attempt,
             self._backoff,
             classify=_store_error,
             check=check,
@@ -755,7 +769,9 @@ class GroupCommitter:
         self._abort_event.set()  # batches being retried stop at once
         self._wakeup.set()
         self._settled.set()
-        self._fail_in_flight(lambda: self._fenced_submission(exc))
+        # The other batches in flight settle by their own attempt: one that passed its
+        # check before the takeover has landed (the bump waited for it) and is acknowledged;
+        # any other is fenced by its own check, or abandoned as fenced.
         self._fail_queued(lambda: self._fenced_submission(exc))
 
     @staticmethod

@@ -74,7 +74,7 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_batch_order": "which batches in flight a new batch must follow (same task, key or schedule), pure Python",
+            "_batch_order": "which batches in flight a new batch follows (task, key, schedule)",
             "_folding": "a batch of mutations folded into column arrays, pure Python",
             "_sizing": "the bytes a batch sends, estimated from above",
             "_writer": "the commit path: which way a folded batch is written, what it found",

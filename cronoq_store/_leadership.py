@@ -32,6 +32,7 @@ from sqlalchemy.pool import NullPool, Pool
 from . import _catalog as catalog
 from . import _lock_statements as lock_st
 from . import _session_statements as session_st
+from . import _statements as st
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import LockHolder as LockHolder
 from ._driver import translate_error as translate_error
@@ -311,7 +312,7 @@ class Leadership:
                     raise self._closed_error()
             if self._trust is not None:
                 await self._vet(session, self._trust, timeout)
-            epoch = (await session.run(lock_st.bump_epoch, None, timeout)).scalar()
+            epoch = await self._bump(session, timeout)
             if epoch is None:
                 raise StoreError(
                     f"the leader row of schema {self._schema!r} is missing: run the migrations"
@@ -322,6 +323,17 @@ class Leadership:
         except BaseException:
             await session.close()  # releases the lock if this session took it
             raise
+
+    async def _bump(self, session: _Session, timeout: float) -> Any:
+        """Bump the epoch (``None``: no leader row) in a transaction that first takes
+        :data:`~cronoq_store._statements.leader_barrier`: the bump waits for the commits in
+        flight, and those that arrive meanwhile wait for it, so overlapping commits of a
+        deposed leader cannot starve the takeover (they would pass a waiting row lock)."""
+        await session.run(lock_st.takeover_begin, None, timeout)
+        await session.run(st.leader_barrier, None, timeout)
+        epoch = (await session.run(lock_st.bump_epoch, None, timeout)).scalar()
+        await session.run(lock_st.takeover_commit, None, timeout)
+        return epoch
 
     async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its

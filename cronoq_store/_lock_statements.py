@@ -20,6 +20,7 @@ from sqlalchemy import (
     literal,
     select,
     table,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -35,6 +36,8 @@ __all__ = [
     "lock_session_settings",
     "ping",
     "schema_oid",
+    "takeover_begin",
+    "takeover_commit",
     "try_leader_lock",
 ]
 
@@ -66,6 +69,11 @@ def _own(name: str) -> Any:
         .scalar_subquery()
     )
 
+
+#: The transaction of a takeover on the lock session, which is in autocommit: the bump runs
+#: behind :data:`cronoq_store._statements.leader_barrier`.
+takeover_begin = text("BEGIN")
+takeover_commit = text("COMMIT")
 
 #: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
 #: did (pid, backend start, role): what tells the leader from a session that only holds the

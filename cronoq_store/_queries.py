@@ -191,18 +191,18 @@ async def prune(
     returns how many were deleted, and calls ``progress`` with the running total after
     each batch.
 
-    Each batch first takes the leader row ``FOR NO KEY UPDATE``
-    (:data:`~cronoq_store._statements.prune_interlock`): every commit holds that row
-    ``FOR SHARE`` from its epoch check to its end, so the batch waits for the commits in
-    flight and its ``DELETE``, under a new snapshot, sees the dependencies they added;
-    commits arriving meanwhile wait for one batch. The batch records the largest id it
+    Each batch first takes :data:`~cronoq_store._statements.leader_barrier`: every commit
+    holds the leader row ``FOR SHARE`` (and so its table ``ROW SHARE``) from its epoch check
+    to its end, so the batch waits for the commits in flight and its ``DELETE``, under a new
+    snapshot, sees the dependencies they added; commits arriving meanwhile wait for one
+    batch, and cannot starve it. The batch records the largest id it
     deletes in the same statement (:data:`~cronoq_store._statements.prune_batch`).
     """
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
     total = 0
     while True:
         async with session() as conn:
-            await conn.execute(st.prune_interlock)
+            await conn.execute(st.leader_barrier)
             deleted: int = (await conn.execute(st.prune_batch, params)).scalar_one()
         total += deleted
         if progress is not None:

@@ -42,7 +42,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
+from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
 from ._domain import LIVE_RANKS as LIVE_RANKS
@@ -94,10 +99,10 @@ __all__ = [
     "insert_tasks",
     "insert_tasks_fenced",
     "key_holders",
+    "leader_barrier",
     "live_tasks",
     "prune_batch",
     "prune_delete",
-    "prune_interlock",
     "quarantine",
     "recent_terminal",
     "recurring_schedules",
@@ -122,6 +127,32 @@ epoch_for_share = (
 
 #: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
+
+
+class _LockExclusive(Executable, ClauseElement):
+    """``LOCK TABLE ONLY <table> IN EXCLUSIVE MODE``, compiled once and cached as any Core
+    statement (SQLAlchemy's ``DDL`` is compiled again at every execution)."""
+
+    _traverse_internals = [("table", InternalTraversal.dp_clauseelement)]  # noqa: RUF012
+    inherit_cache = True
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+
+@compiles(_LockExclusive)
+def _lock_exclusive(element: _LockExclusive, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"LOCK TABLE ONLY {compiler.preparer.format_table(element.table)} IN EXCLUSIVE MODE"
+
+
+#: What waits for every commit in flight and holds back the later ones, in a transaction
+#: (a takeover's bump, a prune batch): the leader table ``EXCLUSIVE``, which conflicts with
+#: the ``ROW SHARE`` that each commit's ``FOR SHARE`` takes on it. A row lock would not do:
+#: a ``FOR SHARE`` request passes a waiting ``UPDATE`` or ``FOR NO KEY UPDATE`` whenever
+#: another commit still holds the row (PostgreSQL lets share lockers join without queueing),
+#: so overlapping commits could starve it for ever; the table lock's queue is first come,
+#: first served.
+leader_barrier = _LockExclusive(leader)
 
 #: The epoch check of a commit's transaction, sent with its ``BEGIN`` (its parameter is an
 #: integer, rendered as a literal by the writer): one row, share-locked as by
@@ -523,14 +554,6 @@ _victims = (
     .order_by(_old.c.updated_unix_ns, _old.c.id)
     .limit(bindparam("batch", type_=BigInteger))
     .cte("victims")
-)
-
-#: What a prune batch takes first: the leader row, in a mode that conflicts with the share
-#: lock every commit holds until it ends (``FOR NO KEY UPDATE``). The batch waits for the
-#: commits in flight, and its ``DELETE`` (a later statement, so a later snapshot) sees every
-#: dependency they added; a commit arriving meanwhile waits for the batch.
-prune_interlock = (
-    select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(key_share=True)
 )
 
 #: The deletion of a prune batch, without its record (see :data:`prune_batch`).

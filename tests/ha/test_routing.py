@@ -83,7 +83,8 @@ async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_lead
 ) -> None:
     """A store whose URL names one node (no routing) meets the demotion itself: its lock
     session ends, it steps down, and every later attempt meets ``25006`` on the standby
-    (the epoch bump cannot write there) until the node is primary again."""
+    (the epoch bump's transaction cannot lock or write there) until the node is primary
+    again."""
     stack = two_node_stack
     first = await stack.wait_primary()
     config = PgStoreConfig(
@@ -96,7 +97,11 @@ async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_lead
         assert not store.is_leader
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(store.acquire_leadership(), 4)
-        refused = stack.server_log_lines("pin leader: ERROR:  cannot execute UPDATE in a read-only")
+        # The bump's transaction first locks the leader table, which a standby refuses.
+        refused = stack.server_log_lines(
+            "pin leader: ERROR:  cannot execute LOCK TABLE during recovery",
+            "pin leader: ERROR:  cannot execute UPDATE in a read-only",
+        )
         assert refused, "the store never tried to bump the epoch on the standby"
         assert all(line.startswith(f"{first}:") for line in refused)
         # Once Patroni moves the primary back, the same store leads again, with a new epoch.

@@ -1,0 +1,137 @@
+"""Commits share the fence, and what must wait for all of them still gets its turn.
+
+A takeover's bump and a prune batch wait for every commit in flight. Waiting on the leader
+row alone is not enough: PostgreSQL lets a ``FOR SHARE`` request join the share lockers of a
+row even while an ``UPDATE`` (or ``FOR NO KEY UPDATE``) waits for them, so commits that
+overlap, one taking the row before the last lets it go, hold it for as long as they keep
+coming. A deposed leader's commit load would then starve the next leader's takeover (and
+keep committing under its stale epoch), and a prune would never run under load. Both take
+the leader table ``EXCLUSIVE`` first: the lock manager queues the later commits behind it.
+
+The commits here are the store's own, on an application's engine (each a transaction:
+``BEGIN`` with the epoch check, the insert, ``COMMIT``), through a link of 10 ms each way,
+so that each holds the row across round trips, as on any network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._domain import (
+    Submitted as Submitted,
+)
+from cronoq_store._domain import (
+    TaskId as TaskId,
+)
+from cronoq_store._domain import (
+    TaskSpec as TaskSpec,
+)
+from cronoq_store._domain import (
+    TimeBase as TimeBase,
+)
+from cronoq_store._errors import FencedError as FencedError
+from cronoq_store._store import PgStore as PgStore
+from cronoq_store._urls import async_url as async_url
+
+from .pgharness import admin_execute
+from .tcpproxy import TcpProxy
+
+BASE = TimeBase.now()
+#: Concurrent callers of the deposed leader's ``commit``: enough that one always holds the
+#: row (each holds it about two thirds of its time).
+CALLERS = 12
+#: How long the takeover or the prune may take: the commits in flight end within a few
+#: round trips. (Starved, each waited for as long as the callers went on: 20 s and more.)
+WITHIN = 5.0
+
+
+@dataclass
+class Load:
+    """The deposed leader's callers: the ids committed, how many were fenced."""
+
+    committed: list[int] = field(default_factory=list)
+    fenced: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@pytest.fixture
+async def slow_engine(pg_url: URL) -> AsyncIterator[AsyncEngine]:
+    async with TcpProxy.to(pg_url) as proxy:
+        proxy.delay(0.01)
+        engine = create_async_engine(async_url(proxy.url(pg_url)), pool_size=CALLERS)
+        try:
+            yield engine
+        finally:
+            await engine.dispose()
+
+
+async def commit_load(store: PgStore, epoch: int, load: Load) -> list[asyncio.Task[None]]:
+    ids = itertools.count(1)
+
+    async def caller() -> None:
+        while not load.stop.is_set():
+            id = next(ids)
+            try:
+                await store.commit(epoch, BASE, [Submitted(TaskId(id), id, 1, TaskSpec(b"p"))], [])
+            except FencedError:
+                load.fenced += 1
+                return
+            load.committed.append(id)
+
+    tasks = [asyncio.ensure_future(caller()) for _ in range(CALLERS)]
+    await asyncio.sleep(0.5)  # in full swing
+    assert load.committed, "the load commits nothing"
+    return tasks
+
+
+async def test_a_deposed_leaders_overlapping_commits_do_not_starve_the_takeover(
+    slow_engine: AsyncEngine, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """The takeover's bump comes within a few round trips, every caller of the deposed
+    leader is fenced from then on, and every commit it was told of is stored."""
+    deposed = await PgStore.from_engine(slow_engine, PgStoreConfig(schema=migrated))
+    successor = await PgStore.from_engine(engine, PgStoreConfig(schema=migrated))
+    load = Load()
+    callers = await commit_load(deposed, 0, load)
+    try:
+        epoch = await asyncio.wait_for(successor.acquire_leadership(), WITHIN)
+        await asyncio.wait_for(asyncio.gather(*callers), WITHIN)
+    finally:
+        load.stop.set()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await successor.close()
+        await deposed.close()
+    assert epoch == 1
+    assert load.fenced == CALLERS
+    stored = await admin_execute(pg_url, f'SELECT count(*) FROM "{migrated}".cronoq_tasks')
+    assert stored[0][0] == len(load.committed)
+
+
+async def test_a_prune_batch_is_not_starved_by_overlapping_commits(
+    slow_engine: AsyncEngine, engine: AsyncEngine, migrated: str
+) -> None:
+    """A prune under the same commit load runs within a few round trips, the commits
+    going on around it."""
+    leader = await PgStore.from_engine(slow_engine, PgStoreConfig(schema=migrated))
+    pruner = await PgStore.from_engine(engine, PgStoreConfig(schema=migrated))
+    load = Load()
+    callers = await commit_load(leader, 0, load)
+    try:
+        assert await asyncio.wait_for(pruner.prune(1), WITHIN) == 0
+        before = len(load.committed)
+        await asyncio.sleep(0.3)
+        assert len(load.committed) > before, "the commits did not go on after the prune"
+    finally:
+        load.stop.set()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await pruner.close()
+        await leader.close()
+    assert load.fenced == 0
