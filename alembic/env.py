@@ -6,8 +6,8 @@ from typing import cast
 from alembic import context
 from alembic.runtime.environment import EnvironmentContext
 
-from cronoq_store._alembic_env import run_environment as run_environment
-from cronoq_store._migration_lock import resolve as resolve
+from cronoq_store._alembic_env import run_environment
+from cronoq_store._migration_lock import resolve
 
 # `alembic.context` is a module that proxies the EnvironmentContext of the latest run: the
 # one of this run, or a MigrationError if another thread's command replaced it meanwhile.

@@ -18,9 +18,8 @@ import time
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import PgStore, PgStoreConfig, StatusChanged, Submitted, TaskSpec, TimeBase
-from cronoq_store._domain import TaskId as TaskId
-from cronoq_store._domain import TaskStatus as TaskStatus
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._domain import TaskId, TaskStatus
+from cronoq_store._urls import async_url
 from cronoq_store.testing import EmbeddedPostgres
 
 BASE = TimeBase.now()

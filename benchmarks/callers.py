@@ -24,14 +24,12 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import Submitted
-from cronoq_store._codec import unix_converter as unix_converter
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
-from cronoq_store._rows import JSON_COLUMNS as JSON_COLUMNS
-from cronoq_store._rows import insert_row as insert_row
-from cronoq_store._schema import tasks as tasks
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._codec import unix_converter
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._rows import INSERT_COLUMNS, JSON_COLUMNS, insert_row
+from cronoq_store._schema import tasks
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .common import (
     Profile,

@@ -25,12 +25,11 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import StatusChanged, Submitted, TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store import _statements as st
-from cronoq_store._codec import unix_converter as unix_converter
-from cronoq_store._driver import Opening as Opening
-from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
-from cronoq_store._rows import insert_row as insert_row
-from cronoq_store._schema import tasks as tasks
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._codec import unix_converter
+from cronoq_store._driver import Opening
+from cronoq_store._rows import INSERT_COLUMNS, insert_row
+from cronoq_store._schema import tasks
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .common import (
     Profile,

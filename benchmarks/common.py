@@ -34,10 +34,10 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store._codec import clean_text as clean_text
-from cronoq_store._domain import level as level
-from cronoq_store._driver import CompiledStatement as CompiledStatement
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._codec import clean_text
+from cronoq_store._domain import level
+from cronoq_store._driver import CompiledStatement
+from cronoq_store._store import PgStore
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
 #: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a

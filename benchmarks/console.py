@@ -24,13 +24,12 @@ from sqlalchemy.engine import URL
 from sqlalchemy.sql import ClauseElement
 
 from cronoq_store import task_id
-from cronoq_store._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
+from cronoq_store._codec import QUARANTINE_PREFIX
 from cronoq_store._console import statements as cs
-from cronoq_store._console.app import console_app as console_app
-from cronoq_store._domain import I64_MAX as I64_MAX
-from cronoq_store._schema import recurring as recurring
-from cronoq_store._schema import tasks as tasks
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._console.app import console_app
+from cronoq_store._domain import I64_MAX
+from cronoq_store._schema import recurring, tasks
+from cronoq_store._store import PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, open_store, summarize
 from .history import HISTORY_EPOCH, seed

@@ -31,8 +31,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from cronoq_store import Priority, TaskStatus, task_id
-from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
-from cronoq_store._schema import tasks as tasks
+from cronoq_store._rows import INSERT_COLUMNS
+from cronoq_store._schema import tasks
 
 from .common import PAYLOAD, compile_for_asyncpg
 

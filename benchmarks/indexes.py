@@ -31,7 +31,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import StatusChanged, Submitted, TaskStatus, task_id
 from cronoq_store import _statements as st
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from .commit import SharedBatches
 from .common import (

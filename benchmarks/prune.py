@@ -41,24 +41,17 @@ from sqlalchemy.sql.dml import Insert
 
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import _statements as st
-from cronoq_store._codec import encode_deps as encode_deps
-from cronoq_store._codec import unix_converter as unix_converter
-from cronoq_store._driver import CompiledStatement as CompiledStatement
-from cronoq_store._queries import PRUNE_BATCH as PRUNE_BATCH
+from cronoq_store._codec import encode_deps, unix_converter
+from cronoq_store._driver import CompiledStatement
+from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._rows import (
-    INSERT_COLUMNS as INSERT_COLUMNS,
+    INSERT_COLUMNS,
+    INSERT_POSITION,
+    JSON_COLUMNS,
+    insert_row,
 )
-from cronoq_store._rows import (
-    INSERT_POSITION as INSERT_POSITION,
-)
-from cronoq_store._rows import (
-    JSON_COLUMNS as JSON_COLUMNS,
-)
-from cronoq_store._rows import (
-    insert_row as insert_row,
-)
-from cronoq_store._schema import tasks as tasks
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._schema import tasks
+from cronoq_store._store import PgStore
 
 from .common import (
     Profile,

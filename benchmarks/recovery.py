@@ -30,24 +30,16 @@ from cronoq_store import (
     task_id,
 )
 from cronoq_store import _statements as st
-from cronoq_store._codec import encode_deps as encode_deps
-from cronoq_store._codec import unix_converter as unix_converter
-from cronoq_store._domain import Dependency as Dependency
-from cronoq_store._domain import Submitted as Submitted
-from cronoq_store._recovery import next_id as next_id
+from cronoq_store._codec import encode_deps, unix_converter
+from cronoq_store._domain import Dependency, Submitted
+from cronoq_store._recovery import next_id
 from cronoq_store._rows import (
-    INSERT_COLUMNS as INSERT_COLUMNS,
+    INSERT_COLUMNS,
+    INSERT_POSITION,
+    LiveTasks,
+    insert_row,
 )
-from cronoq_store._rows import (
-    INSERT_POSITION as INSERT_POSITION,
-)
-from cronoq_store._rows import (
-    LiveTasks as LiveTasks,
-)
-from cronoq_store._rows import (
-    insert_row as insert_row,
-)
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, make_spec, paired, summarize
 

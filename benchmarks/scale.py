@@ -17,7 +17,7 @@ import asyncpg
 from sqlalchemy.engine import URL
 
 from cronoq_store import StatusChanged, Submitted, TimeBase, task_id
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from .commit import M, SharedBatches, trial_of
 from .common import (

@@ -30,7 +30,7 @@ import asyncpg
 from sqlalchemy.engine import URL, make_url
 
 from cronoq_store import PgStoreConfig
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from .common import Profile, dsn, summarize
 from .loops import run_loop

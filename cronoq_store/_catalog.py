@@ -33,13 +33,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from ._domain import TaskStatus as TaskStatus
-from ._schema import LEADER_ROW_ID as LEADER_ROW_ID
-from ._schema import VERSION_TABLE as VERSION_TABLE
-from ._schema import leader as leader
-from ._schema import recurring as recurring
-from ._schema import tasks as tasks
-from ._statements import prune_delete as prune_delete
+from ._domain import TaskStatus
+from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
+from ._statements import prune_delete
 
 __all__ = [
     "clear_stats_snapshot",

@@ -24,57 +24,25 @@ from functools import lru_cache
 from typing import TypeVar
 
 from ._domain import (
-    I64_MAX as I64_MAX,
+    I64_MAX,
+    I64_MIN,
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Priority,
+    RecurringSpec,
+    RetryPolicy,
+    Schedule,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+    clean_text,
+    show,
+    unhandled,
 )
-from ._domain import (
-    I64_MIN as I64_MIN,
-)
-from ._domain import (
-    CronSchedule as CronSchedule,
-)
-from ._domain import (
-    Dependency as Dependency,
-)
-from ._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from ._domain import (
-    FixedStart as FixedStart,
-)
-from ._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from ._domain import (
-    MissPolicy as MissPolicy,
-)
-from ._domain import (
-    Priority as Priority,
-)
-from ._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from ._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from ._domain import (
-    Schedule as Schedule,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskSpec as TaskSpec,
-)
-from ._domain import (
-    TimeBase as TimeBase,
-)
-from ._domain import (
-    clean_text as clean_text,
-)
-from ._domain import (
-    show as show,
-)
-from ._domain import unhandled as unhandled
 
 _orjson_dumps: Callable[[object], bytes] | None
 try:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ._domain import check_seconds as check_seconds
+from ._domain import check_seconds
 
 __all__ = [
     "PgStoreConfig",

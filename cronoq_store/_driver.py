@@ -30,10 +30,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ._errors import SchemaGoneError as SchemaGoneError
-from ._errors import StoreError as StoreError
-from ._errors import UnavailableError as UnavailableError
-from ._schema import tasks as tasks
+from ._errors import SchemaGoneError, StoreError, UnavailableError
+from ._schema import tasks
 
 __all__ = [
     "CONNECTION_CLASSES",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ._domain import show as show
+from ._domain import show
 
 __all__ = [
     "BatchTooLargeError",

@@ -38,51 +38,27 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._codec import clean_text as clean_text
-from ._codec import encode_recurring as encode_recurring
-from ._codec import unix_converter as unix_converter
+from ._codec import clean_text, encode_recurring, unix_converter
 from ._domain import (
-    Mutation as Mutation,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TimeBase,
+    level,
+    unhandled,
 )
-from ._domain import (
-    RecurringNext as RecurringNext,
-)
-from ._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from ._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from ._domain import (
-    StatusChanged as StatusChanged,
-)
-from ._domain import (
-    Submitted as Submitted,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TimeBase as TimeBase,
-)
-from ._domain import level as level
-from ._domain import unhandled as unhandled
-from ._errors import IdCollisionError as IdCollisionError
+from ._errors import IdCollisionError
 from ._rows import (
-    INSERT_POSITION as INSERT_POSITION,
-)
-from ._rows import StatusUpdates as StatusUpdates
-from ._rows import (
-    insert_row as insert_row,
-)
-from ._rows import (
-    same_task as same_task,
-)
-from ._rows import (
-    set_state as set_state,
-)
-from ._rows import (
-    transposed as transposed,
+    INSERT_POSITION,
+    StatusUpdates,
+    insert_row,
+    same_task,
+    set_state,
+    transposed,
 )
 
 __all__ = [

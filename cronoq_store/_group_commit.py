@@ -42,30 +42,16 @@ from types import TracebackType
 from typing import Protocol, TypeAlias, TypeVar
 
 from ._batch_order import Footprint, footprint
-from ._committer_stats import CommitterStats as CommitterStats
-from ._committer_stats import Tally as Tally
-from ._domain import Mutation as Mutation
-from ._domain import TaskId as TaskId
-from ._domain import TimeBase as TimeBase
-from ._domain import check_seconds as check_seconds
+from ._committer_stats import CommitterStats, Tally
+from ._domain import Mutation, TaskId, TimeBase, check_seconds
 from ._errors import (
-    CommitterClosedError as CommitterClosedError,
+    CommitterClosedError,
+    FencedError,
+    SchemaGoneError,
+    StoreError,
 )
-from ._errors import (
-    FencedError as FencedError,
-)
-from ._errors import (
-    SchemaGoneError as SchemaGoneError,
-)
-from ._errors import (
-    StoreError as StoreError,
-)
-from ._retry import COMMIT_BACKOFF as COMMIT_BACKOFF
-from ._retry import Backoff as Backoff
-from ._retry import pause as pause
-from ._retry import retry as retry
-from ._sizing import mutation_size as mutation_size
-from ._sizing import output_size as output_size
+from ._retry import COMMIT_BACKOFF, Backoff, pause, retry
+from ._sizing import mutation_size, output_size
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter", "SupportsCommit"]

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
-from ._driver import leaves_connection_sound as leaves_connection_sound
+from ._driver import leaves_connection_sound
 
 __all__ = ["HeldConnection"]
 

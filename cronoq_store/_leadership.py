@@ -33,21 +33,15 @@ from . import _catalog as catalog
 from . import _lock_statements as lock_st
 from . import _session_statements as session_st
 from . import _statements as st
-from ._config import PgStoreConfig as PgStoreConfig
-from ._domain import LockHolder as LockHolder
-from ._driver import translate_error as translate_error
-from ._errors import StoreError as StoreError
-from ._queries import holder_of as holder_of
-from ._queries import lock_keys as lock_keys
-from ._retry import acquisition_backoff as acquisition_backoff
-from ._retry import bounded as bounded
-from ._retry import pause as pause
-from ._retry import retry as retry
-from ._schema import schema_options as schema_options
-from ._trust import ConnectCheck as ConnectCheck
-from ._trust import TrustCheck as TrustCheck
-from ._urls import engine_arguments as engine_arguments
-from ._urls import redact as redact
+from ._config import PgStoreConfig
+from ._domain import LockHolder
+from ._driver import translate_error
+from ._errors import StoreError
+from ._queries import holder_of, lock_keys
+from ._retry import acquisition_backoff, bounded, pause, retry
+from ._schema import schema_options
+from ._trust import ConnectCheck, TrustCheck
+from ._urls import engine_arguments, redact
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["Leadership"]

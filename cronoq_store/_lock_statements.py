@@ -25,9 +25,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
-from ._domain import EPOCH_MAX as EPOCH_MAX
-from ._schema import LEADER_ROW_ID as LEADER_ROW_ID
-from ._schema import leader as leader
+from ._domain import EPOCH_MAX
+from ._schema import LEADER_ROW_ID, leader
 
 __all__ = [
     "LOCK_NS_LEADER",

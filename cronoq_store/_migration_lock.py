@@ -34,7 +34,7 @@ from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.util.concurrency import await_, in_greenlet
 
-from ._errors import MigrationError as MigrationError
+from ._errors import MigrationError
 
 __all__ = ["HELD", "held", "held_async", "held_for", "resolve"]
 

@@ -21,9 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.schema import DDL
 from sqlalchemy.sql.selectable import Select
 
-from ._schema import leader as leader
-from ._schema import recurring as recurring
-from ._schema import tasks as tasks
+from ._schema import leader, recurring, tasks
 
 __all__ = [
     "checked_schema",

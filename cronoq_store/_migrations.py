@@ -46,12 +46,11 @@ from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
-from ._config import trusted_trigger_names as trusted_trigger_names
-from ._config import validate_schema_name as validate_schema_name
-from ._driver import translate_error as translate_error
-from ._errors import MigrationError as MigrationError
-from ._schema import VERSION_TABLE as VERSION_TABLE
-from ._trust import refuse_untrusted as refuse_untrusted
+from ._config import trusted_trigger_names, validate_schema_name
+from ._driver import translate_error
+from ._errors import MigrationError
+from ._schema import VERSION_TABLE
+from ._trust import refuse_untrusted
 
 __all__ = [
     "CONNECT_TIMEOUT",

@@ -13,25 +13,13 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from ._domain import (
-    Mutation as Mutation,
-)
-from ._domain import (
-    Recovered as Recovered,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskRecord as TaskRecord,
-)
-from ._domain import (
-    TaskRef as TaskRef,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
-)
-from ._domain import (
-    TimeBase as TimeBase,
+    Mutation,
+    Recovered,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    TimeBase,
 )
 
 __all__ = ["Store", "StoreQueries"]

@@ -21,35 +21,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from . import _catalog as catalog
 from . import _statements as st
 from ._domain import (
-    I64_MAX as I64_MAX,
+    I64_MAX,
+    UNIX_EPOCH,
+    LockHolder,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    check_seconds,
+    check_task_id,
+    clean_text,
 )
-from ._domain import (
-    UNIX_EPOCH as UNIX_EPOCH,
-)
-from ._domain import (
-    LockHolder as LockHolder,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskRecord as TaskRecord,
-)
-from ._domain import (
-    TaskRef as TaskRef,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
-)
-from ._domain import check_seconds as check_seconds
-from ._domain import (
-    check_task_id as check_task_id,
-)
-from ._domain import (
-    clean_text as clean_text,
-)
-from ._rows import RECORD_COLUMNS as RECORD_COLUMNS
-from ._rows import task_record as task_record
+from ._rows import RECORD_COLUMNS, task_record
 
 __all__ = [
     "MAX_PRUNE_AGE",

@@ -20,33 +20,17 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import _statements as st
-from ._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
-from ._codec import engine_time as engine_time
-from ._codec import quarantine_reason as quarantine_reason
+from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import (
-    Recovered as Recovered,
+    Recovered,
+    RecoveredTerminal,
+    TaskId,
+    TaskStatus,
+    TimeBase,
+    reading_stored,
 )
-from ._domain import (
-    RecoveredTerminal as RecoveredTerminal,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
-)
-from ._domain import (
-    TimeBase as TimeBase,
-)
-from ._domain import (
-    clean_text as clean_text,
-)
-from ._domain import (
-    reading_stored as reading_stored,
-)
-from ._driver import CompiledStatement as CompiledStatement
-from ._rows import LiveTasks as LiveTasks
-from ._rows import recurring_schedule as recurring_schedule
+from ._driver import CompiledStatement
+from ._rows import LiveTasks, recurring_schedule
 
 __all__ = ["RECOVERY_PARTITION", "collector_paused", "next_id", "recover"]
 

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ._config import PgStoreConfig as PgStoreConfig
-from ._domain import check_seconds as check_seconds
-from ._errors import StoreError as StoreError
+from ._config import PgStoreConfig
+from ._domain import check_seconds
+from ._errors import StoreError
 
 __all__ = [
     "COMMIT_BACKOFF",

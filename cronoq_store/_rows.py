@@ -31,91 +31,38 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import TypeEngine
 
 from ._codec import (
-    clean_text as clean_text,
-)
-from ._codec import (
-    decode_deps as decode_deps,
-)
-from ._codec import (
-    decode_miss_policy as decode_miss_policy,
-)
-from ._codec import (
-    decode_recurring as decode_recurring,
-)
-from ._codec import (
-    decode_resources as decode_resources,
-)
-from ._codec import (
-    decode_retry as decode_retry,
-)
-from ._codec import (
-    decode_strings as decode_strings,
-)
-from ._codec import (
-    duration_to_ns as duration_to_ns,
-)
-from ._codec import (
-    encode_deps as encode_deps,
-)
-from ._codec import (
-    encode_miss_policy as encode_miss_policy,
-)
-from ._codec import (
-    encode_resources as encode_resources,
-)
-from ._codec import (
-    encode_retry as encode_retry,
-)
-from ._codec import (
-    encode_strings as encode_strings,
-)
-from ._codec import (
-    engine_time as engine_time,
-)
-from ._codec import (
-    ns_to_duration as ns_to_duration,
+    clean_text,
+    decode_deps,
+    decode_miss_policy,
+    decode_recurring,
+    decode_resources,
+    decode_retry,
+    decode_strings,
+    duration_to_ns,
+    encode_deps,
+    encode_miss_policy,
+    encode_resources,
+    encode_retry,
+    encode_strings,
+    engine_time,
+    ns_to_duration,
 )
 from ._domain import (
-    LIVE_STATUS_NAMES as LIVE_STATUS_NAMES,
+    LIVE_STATUS_NAMES,
+    QUEUED,
+    UNIX_EPOCH,
+    FixedStart,
+    Priority,
+    RecoveredRecurring,
+    RecoveredTask,
+    Submitted,
+    TaskId,
+    TaskRecord,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from ._domain import (
-    QUEUED as QUEUED,
-)
-from ._domain import (
-    UNIX_EPOCH as UNIX_EPOCH,
-)
-from ._domain import (
-    FixedStart as FixedStart,
-)
-from ._domain import (
-    Priority as Priority,
-)
-from ._domain import (
-    RecoveredRecurring as RecoveredRecurring,
-)
-from ._domain import (
-    RecoveredTask as RecoveredTask,
-)
-from ._domain import (
-    Submitted as Submitted,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskRecord as TaskRecord,
-)
-from ._domain import (
-    TaskSpec as TaskSpec,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
-)
-from ._domain import (
-    TimeBase as TimeBase,
-)
-from ._schema import recurring as recurring
-from ._schema import tasks as tasks
+from ._schema import recurring, tasks
 
 __all__ = [
     "IDENTITY_COLUMNS",

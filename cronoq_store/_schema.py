@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, OID
 
-from ._config import validate_schema_name as validate_schema_name
+from ._config import validate_schema_name
 
 __all__ = [
     "LEADER_ROW_ID",

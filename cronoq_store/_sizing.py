@@ -18,35 +18,19 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from ._domain import (
-    CronSchedule as CronSchedule,
+    CronSchedule,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    unhandled,
 )
-from ._domain import IntervalSchedule as IntervalSchedule
-from ._domain import (
-    Mutation as Mutation,
-)
-from ._domain import (
-    RecurringNext as RecurringNext,
-)
-from ._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from ._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from ._domain import (
-    StatusChanged as StatusChanged,
-)
-from ._domain import (
-    Submitted as Submitted,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskSpec as TaskSpec,
-)
-from ._domain import unhandled as unhandled
-from ._errors import BatchTooLargeError as BatchTooLargeError
+from ._errors import BatchTooLargeError
 
 __all__ = ["MAX_COMMIT_BYTES", "batch_size", "check_batch_size", "mutation_size", "output_size"]
 

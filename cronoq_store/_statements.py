@@ -50,41 +50,21 @@ from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
-from ._domain import LIVE_RANKS as LIVE_RANKS
-from ._domain import QUEUED as QUEUED
-from ._domain import RANKS_PER_ATTEMPT as RANKS_PER_ATTEMPT
-from ._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
-from ._domain import TaskStatus as TaskStatus
+from ._domain import LIVE_RANKS, QUEUED, RANKS_PER_ATTEMPT, TERMINAL_LEVEL, TaskStatus
 from ._rows import (
-    IDENTITY_COLUMNS as IDENTITY_COLUMNS,
-)
-from ._rows import (
-    INSERT_COLUMNS as INSERT_COLUMNS,
-)
-from ._rows import (
-    JSON_COLUMNS as JSON_COLUMNS,
-)
-from ._rows import (
-    LIVE_COLUMNS as LIVE_COLUMNS,
-)
-from ._rows import (
-    RECORD_COLUMNS as RECORD_COLUMNS,
-)
-from ._rows import (
-    RECURRING_COLUMNS as RECURRING_COLUMNS,
-)
-from ._rows import update_param_types as update_param_types
-from ._schema import (
-    LEADER_ROW_ID as LEADER_ROW_ID,
+    IDENTITY_COLUMNS,
+    INSERT_COLUMNS,
+    JSON_COLUMNS,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    RECURRING_COLUMNS,
+    update_param_types,
 )
 from ._schema import (
-    leader as leader,
-)
-from ._schema import (
-    recurring as recurring,
-)
-from ._schema import (
-    tasks as tasks,
+    LEADER_ROW_ID,
+    leader,
+    recurring,
+    tasks,
 )
 
 __all__ = [

@@ -32,59 +32,32 @@ from . import _session_statements as session_st
 from . import _statements as st
 from . import _transactions as transactions
 from . import _trust as trust
-from ._config import PgStoreConfig as PgStoreConfig
+from ._config import PgStoreConfig
 from ._domain import (
-    Health as Health,
+    Health,
+    Mutation,
+    Recovered,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    TimeBase,
+    check_task_id,
 )
-from ._domain import (
-    Mutation as Mutation,
-)
-from ._domain import (
-    Recovered as Recovered,
-)
-from ._domain import (
-    TaskId as TaskId,
-)
-from ._domain import (
-    TaskRecord as TaskRecord,
-)
-from ._domain import (
-    TaskRef as TaskRef,
-)
-from ._domain import (
-    TaskStatus as TaskStatus,
-)
-from ._domain import (
-    TimeBase as TimeBase,
-)
-from ._domain import (
-    check_task_id as check_task_id,
-)
-from ._driver import translate_error as translate_error
+from ._driver import translate_error
 from ._errors import (
-    BatchTooLargeError as BatchTooLargeError,
+    FencedError,
+    SchemaGoneError,
+    StoreError,
+    UnavailableError,
 )
-from ._errors import (
-    FencedError as FencedError,
-)
-from ._errors import (
-    SchemaGoneError as SchemaGoneError,
-)
-from ._errors import (
-    StoreError as StoreError,
-)
-from ._errors import (
-    UnavailableError as UnavailableError,
-)
-from ._folding import fold as fold
-from ._leadership import Leadership as Leadership
-from ._retry import bounded as bounded
-from ._schema import schema_options as schema_options
-from ._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
-from ._sizing import check_batch_size as check_batch_size
-from ._urls import async_url as async_url
-from ._urls import redact as redact
-from ._writer import CommitPath as CommitPath
+from ._folding import fold
+from ._leadership import Leadership
+from ._retry import bounded
+from ._schema import schema_options
+from ._sizing import MAX_COMMIT_BYTES, check_batch_size
+from ._urls import async_url, redact
+from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
 
 __all__ = ["PgStore"]

@@ -19,10 +19,8 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, Executable, Text, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from ._errors import MigrationError as MigrationError
-from ._schema import LEGACY_VERSION_TABLE as LEGACY_VERSION_TABLE
-from ._schema import VERSION_TABLE as VERSION_TABLE
-from ._schema import metadata as metadata
+from ._errors import MigrationError
+from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata
 
 __all__ = ["ConnectCheck", "TrustCheck", "refuse_untrusted"]
 

@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from ._errors import UnsupportedParameterError as UnsupportedParameterError
+from ._errors import UnsupportedParameterError
 
 __all__ = [
     "MASK",

@@ -53,28 +53,24 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import _statements as st
-from ._driver import INSERT_REFUSALS as INSERT_REFUSALS
-from ._driver import UNIQUE_VIOLATION as UNIQUE_VIOLATION
-from ._driver import CompiledStatement as CompiledStatement
-from ._driver import Opening as Opening
-from ._driver import insert_refusal as insert_refusal
-from ._driver import keys_named as keys_named
-from ._driver import row_count as row_count
-from ._errors import (
-    FencedError as FencedError,
+from ._driver import (
+    INSERT_REFUSALS,
+    UNIQUE_VIOLATION,
+    CompiledStatement,
+    Opening,
+    insert_refusal,
+    keys_named,
+    row_count,
 )
 from ._errors import (
-    IdCollisionError as IdCollisionError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
 )
-from ._errors import (
-    KeyTakenError as KeyTakenError,
-)
-from ._folding import FoldedBatch as FoldedBatch
-from ._folding import RecurringAction as RecurringAction
-from ._folding import taken_keys as taken_keys
-from ._held_connection import HeldConnection as HeldConnection
-from ._rows import INSERT_COLUMNS as INSERT_COLUMNS
-from ._schema import tasks as tasks
+from ._folding import FoldedBatch, RecurringAction, taken_keys
+from ._held_connection import HeldConnection
+from ._rows import INSERT_COLUMNS
+from ._schema import tasks
 
 __all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "Written"]
 

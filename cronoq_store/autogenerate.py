@@ -21,9 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._schema import LEGACY_VERSION_TABLE as LEGACY_VERSION_TABLE
-from ._schema import VERSION_TABLE as VERSION_TABLE
-from ._schema import metadata as metadata
+from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata
 
 __all__ = ["STORE_TABLES", "hiding_store", "include_name", "include_object"]
 

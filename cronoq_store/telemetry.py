@@ -21,10 +21,9 @@ from contextlib import contextmanager, nullcontext
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._committer_stats import CommitterStats as CommitterStats
-from ._config import PgStoreConfig as PgStoreConfig
-from ._errors import FencedError as FencedError
-from ._errors import StoreError as StoreError
+from ._committer_stats import CommitterStats
+from ._config import PgStoreConfig
+from ._errors import FencedError, StoreError
 
 try:
     from opentelemetry import metrics, trace

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._migrations import upgrade
+from cronoq_store._urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute, start_test_server
 

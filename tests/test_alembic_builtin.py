@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from cronoq_store._migrations import alembic_config as cronoq_alembic_config
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._urls import async_url
 
 from .pgharness import asyncpg_dsn
 

@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._schema import VERSION_TABLE as VERSION_TABLE
+from cronoq_store._migrations import head_revision
+from cronoq_store._schema import VERSION_TABLE
 
 from .pgharness import admin_execute, asyncpg_dsn
 

@@ -11,9 +11,8 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._migrations import head_revision, upgrade
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .test_alembic_cli import alembic

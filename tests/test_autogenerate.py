@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, Table
 from sqlalchemy.engine import URL
 
-from cronoq_store._schema import tasks as tasks
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._schema import tasks
+from cronoq_store._urls import async_url
 from cronoq_store.autogenerate import hiding_store
 
 from .pgharness import admin_execute

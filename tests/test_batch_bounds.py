@@ -17,33 +17,21 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Mutation as Mutation,
+    Mutation,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import BatchTooLargeError as BatchTooLargeError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._retry import Backoff as Backoff
-from cronoq_store._sizing import batch_size as batch_size
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._errors import BatchTooLargeError, StoreError, UnavailableError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._retry import Backoff
+from cronoq_store._sizing import batch_size
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute
 from .test_group_commit import bump_epoch, open_store, stored_ids, wait_until

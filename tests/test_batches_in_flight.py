@@ -23,33 +23,20 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Mutation as Mutation,
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._errors import FencedError, StoreError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._migrations import upgrade
+from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
 from .test_group_commit import LeaderRowHold, app_name, wait_until

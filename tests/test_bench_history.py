@@ -14,8 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from benchmarks.common import dsn
 from benchmarks.history import HISTORY_EPOCH, seed
 from cronoq_store import Dependency, TaskStatus, TimeBase, task_id
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._store import PgStore
 
 ROWS = 2_000
 

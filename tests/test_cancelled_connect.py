@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
 

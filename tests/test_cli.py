@@ -24,52 +24,26 @@ from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._cli import cli as cli
-from cronoq_store._cli import parse_duration as parse_duration
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._cli import ExitCode, cli, parse_duration
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Dependency as Dependency,
+    Dependency,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import URL_ENV as URL_ENV
+from cronoq_store._migrations import head_revision
+from cronoq_store._store import PgStore
+from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_prune_race import open_store, settles

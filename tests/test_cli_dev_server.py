@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._cli import ExitCode
+from cronoq_store._migrations import head_revision
 
 from .test_cli import run
 

@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cronoq_store._cli import cli as cli
+from cronoq_store._cli import cli
 
 
 def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -22,8 +22,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._cli import ExitCode
+from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute
 from .test_cli import BASE, changed, full, run, submitted

@@ -20,12 +20,11 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._cli.app import hoist_global_options as hoist_global_options
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._schema import VERSION_TABLE as VERSION_TABLE
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._cli import ExitCode
+from cronoq_store._cli.app import hoist_global_options
+from cronoq_store._migrations import head_revision, upgrade
+from cronoq_store._schema import VERSION_TABLE
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .test_cli import full, run

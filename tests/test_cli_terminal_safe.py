@@ -22,35 +22,20 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._cli import ExitCode
 from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
 )
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._terminal_safe import json_text as json_text
-from cronoq_store._terminal_safe import visible as visible
-from cronoq_store._urls import URL_ENV as URL_ENV
+from cronoq_store._store import PgStore
+from cronoq_store._terminal_safe import json_text, visible
+from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute
 from .test_cli import BASE, changed, full, run, store, submitted

@@ -8,10 +8,9 @@ import time
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._domain import Mutation as Mutation
-from cronoq_store._domain import TaskStatus as TaskStatus
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._cli import ExitCode
+from cronoq_store._domain import Mutation, TaskStatus
+from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
 from .test_cli import BASE, changed, full, run, store, submitted

@@ -13,94 +13,38 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cronoq_store._codec import (
-    DecodeError as DecodeError,
-)
-from cronoq_store._codec import (
-    clean_text as clean_text,
-)
-from cronoq_store._codec import (
-    decode_deps as decode_deps,
-)
-from cronoq_store._codec import (
-    decode_miss_policy as decode_miss_policy,
-)
-from cronoq_store._codec import (
-    decode_recurring as decode_recurring,
-)
-from cronoq_store._codec import (
-    decode_resources as decode_resources,
-)
-from cronoq_store._codec import (
-    decode_retry as decode_retry,
-)
-from cronoq_store._codec import (
-    decode_strings as decode_strings,
-)
-from cronoq_store._codec import (
-    duration_to_ns as duration_to_ns,
-)
-from cronoq_store._codec import (
-    encode_deps as encode_deps,
-)
-from cronoq_store._codec import (
-    encode_miss_policy as encode_miss_policy,
-)
-from cronoq_store._codec import (
-    encode_recurring as encode_recurring,
-)
-from cronoq_store._codec import (
-    encode_resources as encode_resources,
-)
-from cronoq_store._codec import (
-    encode_retry as encode_retry,
-)
-from cronoq_store._codec import (
-    encode_strings as encode_strings,
-)
-from cronoq_store._codec import (
-    ns_to_duration as ns_to_duration,
-)
-from cronoq_store._codec import (
-    unix_converter as unix_converter,
+    DecodeError,
+    clean_text,
+    decode_deps,
+    decode_miss_policy,
+    decode_recurring,
+    decode_resources,
+    decode_retry,
+    decode_strings,
+    duration_to_ns,
+    encode_deps,
+    encode_miss_policy,
+    encode_recurring,
+    encode_resources,
+    encode_retry,
+    encode_strings,
+    ns_to_duration,
+    unix_converter,
 )
 from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
-)
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Priority as Priority,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Priority,
+    RecurringSpec,
+    RetryPolicy,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+    task_id,
 )
 
 from .test_rows import SPEC

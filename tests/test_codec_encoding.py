@@ -9,19 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cronoq_store import _codec as codec
-from cronoq_store._codec import encode_deps as encode_deps
-from cronoq_store._codec import encode_resources as encode_resources
+from cronoq_store._codec import encode_deps, encode_resources
 from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    clean_text as clean_text,
+    Dependency,
+    DependencyCondition,
+    TaskId,
+    clean_text,
 )
 
 pytestmark = pytest.mark.skipif(codec._orjson_dumps is None, reason="orjson is not installed")

@@ -16,68 +16,31 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
+    CronSchedule,
+    Dependency,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Mutation,
+    Priority,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    Priority as Priority,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import KeyTakenError as KeyTakenError
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._folding import fold as fold
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
-from cronoq_store._writer import BatchWriter as BatchWriter
+from cronoq_store._errors import FencedError, KeyTakenError, UnavailableError
+from cronoq_store._folding import fold
+from cronoq_store._store import PgStore
+from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 

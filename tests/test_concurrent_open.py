@@ -21,15 +21,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._errors import MigrationError as MigrationError
-from cronoq_store._migration_lock import held_async as held_async
-from cronoq_store._migrations import alembic_config as alembic_config
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._migrations import run_command as run_command
-from cronoq_store._schema import VERSION_TABLE as VERSION_TABLE
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._errors import MigrationError
+from cronoq_store._migration_lock import held_async
+from cronoq_store._migrations import alembic_config, head_revision, run_command
+from cronoq_store._schema import VERSION_TABLE
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._demo import find_lost as find_lost
-from cronoq_store._demo import parse_acks as parse_acks
-from cronoq_store._urls import URL_ENV as URL_ENV
+from cronoq_store._cli import ExitCode
+from cronoq_store._demo import find_lost, parse_acks
+from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute
 

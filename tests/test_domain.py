@@ -13,76 +13,30 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cronoq_store._domain import (
-    EPOCH_MAX as EPOCH_MAX,
-)
-from cronoq_store._domain import (
-    EPOCH_MIN as EPOCH_MIN,
-)
-from cronoq_store._domain import (
-    ID_COUNTER_BITS as ID_COUNTER_BITS,
-)
-from cronoq_store._domain import (
-    LIVE_STATUS_NAMES as LIVE_STATUS_NAMES,
-)
-from cronoq_store._domain import (
-    QUEUED as QUEUED,
-)
-from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
-)
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Priority as Priority,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    epoch_of as epoch_of,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
+    EPOCH_MAX,
+    EPOCH_MIN,
+    ID_COUNTER_BITS,
+    LIVE_STATUS_NAMES,
+    QUEUED,
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Priority,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    epoch_of,
+    task_id,
 )
 
 COUNTER_MAX = 2**48 - 1

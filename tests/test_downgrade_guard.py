@@ -34,11 +34,9 @@ from cronoq_store import (
     TimeBase,
     task_id,
 )
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._lock_statements import LOCK_NS_LEADER as LOCK_NS_LEADER
-from cronoq_store._migrations import downgrade as downgrade
-from cronoq_store._migrations import head_revision as head_revision
-from cronoq_store._migrations import upgrade as upgrade
+from cronoq_store._cli import ExitCode
+from cronoq_store._lock_statements import LOCK_NS_LEADER
+from cronoq_store._migrations import downgrade, head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_group_commit import wait_until

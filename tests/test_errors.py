@@ -19,21 +19,14 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 import cronoq_store
-from cronoq_store._driver import CONNECTION_CLASSES as CONNECTION_CLASSES
-from cronoq_store._driver import translate_error as translate_error
+from cronoq_store._driver import CONNECTION_CLASSES, translate_error
 from cronoq_store._errors import (
-    FencedError as FencedError,
+    FencedError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
 )
-from cronoq_store._errors import (
-    KeyTakenError as KeyTakenError,
-)
-from cronoq_store._errors import (
-    StoreError as StoreError,
-)
-from cronoq_store._errors import (
-    UnavailableError as UnavailableError,
-)
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._urls import async_url
 
 from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, terminate_backend
 

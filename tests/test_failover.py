@@ -33,33 +33,20 @@ from dataclasses import replace
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._lock_statements import LOCK_NS_LEADER as LOCK_NS_LEADER
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._errors import FencedError, StoreError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._lock_statements import LOCK_NS_LEADER
+from cronoq_store._store import PgStore
 from cronoq_store.testing import find_bin_dir
 
 from .pgharness import admin_execute

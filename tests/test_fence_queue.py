@@ -24,22 +24,16 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Submitted as Submitted,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._errors import FencedError
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .tcpproxy import TcpProxy

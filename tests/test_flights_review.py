@@ -16,46 +16,24 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
+    IntervalSchedule,
+    Mutation,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import CommitterClosedError as CommitterClosedError
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import IdCollisionError as IdCollisionError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._errors import CommitterClosedError, FencedError, IdCollisionError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .test_group_commit import LeaderRowHold, wait_until

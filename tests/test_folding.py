@@ -20,71 +20,36 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import _statements as statements
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    QUEUED as QUEUED,
+    QUEUED,
+    TERMINAL_LEVEL,
+    CronSchedule,
+    Dependency,
+    FixedStart,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    level,
 )
-from cronoq_store._domain import TERMINAL_LEVEL as TERMINAL_LEVEL
-from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
-)
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import level as level
-from cronoq_store._errors import IdCollisionError as IdCollisionError
+from cronoq_store._errors import IdCollisionError
 from cronoq_store._folding import (
-    FoldedBatch as FoldedBatch,
+    FoldedBatch,
+    RecurringAction,
+    fold,
 )
-from cronoq_store._folding import (
-    RecurringAction as RecurringAction,
-)
-from cronoq_store._folding import (
-    fold as fold,
-)
-from cronoq_store._rows import INSERT_COLUMNS as INSERT_COLUMNS
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
-from cronoq_store._writer import BatchWriter as BatchWriter
+from cronoq_store._rows import INSERT_COLUMNS
+from cronoq_store._store import PgStore
+from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000

@@ -6,24 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._folding import fold as fold
+from cronoq_store._folding import fold
 
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000 * 10**9)
 NOW = 1_800_000_000 * 10**9

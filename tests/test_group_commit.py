@@ -19,53 +19,29 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._committer_stats import Tally as Tally
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._committer_stats import Tally
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
 from cronoq_store._errors import (
-    CommitterClosedError as CommitterClosedError,
+    CommitterClosedError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
 )
-from cronoq_store._errors import (
-    FencedError as FencedError,
-)
-from cronoq_store._errors import (
-    IdCollisionError as IdCollisionError,
-)
-from cronoq_store._errors import (
-    KeyTakenError as KeyTakenError,
-)
-from cronoq_store._errors import (
-    StoreError as StoreError,
-)
-from cronoq_store._errors import (
-    UnavailableError as UnavailableError,
-)
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._retry import Backoff as Backoff
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._retry import Backoff
+from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store import Health, PgStore, PgStoreConfig, StoreError, TimeBase
-from cronoq_store._migrations import head_revision as head_revision
+from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute
 

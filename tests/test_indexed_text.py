@@ -12,56 +12,26 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    INDEXED_TEXT_MAX_BYTES as INDEXED_TEXT_MAX_BYTES,
+    INDEXED_TEXT_MAX_BYTES,
+    Dependency,
+    DependencyCondition,
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    clean_text,
 )
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    clean_text as clean_text,
-)
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 EVERY = IntervalSchedule(every=timedelta(minutes=5))

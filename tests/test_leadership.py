@@ -18,11 +18,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import EPOCH_MAX, PgStore
 from cronoq_store import _lock_statements as lock_st
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._driver import translate_error as translate_error
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._leadership import Leadership as Leadership
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._driver import translate_error
+from cronoq_store._errors import StoreError
+from cronoq_store._leadership import Leadership
+from cronoq_store._urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
 from .tcpproxy import TcpProxy

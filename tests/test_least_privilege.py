@@ -27,47 +27,26 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
+    IntervalSchedule,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import MigrationError as MigrationError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._folding import fold as fold
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._errors import MigrationError, StoreError
+from cronoq_store._folding import fold
+from cronoq_store._migrations import upgrade
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 

@@ -22,10 +22,9 @@ from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._cli import cli as cli
-from cronoq_store._errors import MigrationError as MigrationError
-from cronoq_store._urls import URL_ENV as URL_ENV
+from cronoq_store._cli import ExitCode, cli
+from cronoq_store._errors import MigrationError
+from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn
 

@@ -18,30 +18,19 @@ from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._config import validate_schema_name as validate_schema_name
-from cronoq_store._domain import TaskId as TaskId
-from cronoq_store._errors import MigrationError as MigrationError
+from cronoq_store._config import PgStoreConfig, validate_schema_name
+from cronoq_store._domain import TaskId
+from cronoq_store._errors import MigrationError
 from cronoq_store._migrations import (
-    LEGACY_REVISIONS as LEGACY_REVISIONS,
+    LEGACY_REVISIONS,
+    LOCK_NS_MIGRATE,
+    alembic_config,
+    head_revision,
+    script_location,
+    upgrade,
 )
-from cronoq_store._migrations import (
-    LOCK_NS_MIGRATE as LOCK_NS_MIGRATE,
-)
-from cronoq_store._migrations import (
-    alembic_config as alembic_config,
-)
-from cronoq_store._migrations import (
-    head_revision as head_revision,
-)
-from cronoq_store._migrations import (
-    script_location as script_location,
-)
-from cronoq_store._migrations import (
-    upgrade as upgrade,
-)
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .legacy import create_legacy_schema
 from .pgharness import admin_execute, asyncpg_dsn

@@ -27,48 +27,27 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
+    IntervalSchedule,
+    Mutation,
+    RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._retry import Backoff as Backoff
-from cronoq_store._session_statements import SEARCH_PATH as SEARCH_PATH
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._errors import FencedError, StoreError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._retry import Backoff
+from cronoq_store._session_statements import SEARCH_PATH
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn

@@ -10,33 +10,19 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Dependency as Dependency,
+    Dependency,
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._queries import PRUNE_BATCH as PRUNE_BATCH
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._queries import PRUNE_BATCH
+from cronoq_store._store import PgStore
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)

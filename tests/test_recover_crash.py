@@ -15,23 +15,17 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import _recovery as recovery
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Submitted as Submitted,
+    Submitted,
+    TaskSpec,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._rows import LiveTasks as LiveTasks
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._errors import UnavailableError
+from cronoq_store._rows import LiveTasks
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import EmbeddedServer, ServerUnderTest
 

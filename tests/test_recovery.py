@@ -14,57 +14,27 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import _recovery as recovery
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
+    CronSchedule,
+    Dependency,
+    DependencyCondition,
+    FixedStart,
+    MissPolicy,
+    Priority,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Priority as Priority,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._errors import StoreError
+from cronoq_store._store import PgStore
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)

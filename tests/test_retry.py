@@ -9,26 +9,16 @@ from typing import Any
 
 import pytest
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._domain import TimeBase as TimeBase
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._domain import TimeBase
+from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._retry import (
-    COMMIT_BACKOFF as COMMIT_BACKOFF,
-)
-from cronoq_store._retry import (
-    MIN_PAUSE as MIN_PAUSE,
-)
-from cronoq_store._retry import (
-    Backoff as Backoff,
-)
-from cronoq_store._retry import (
-    acquisition_backoff as acquisition_backoff,
-)
-from cronoq_store._retry import (
-    bounded as bounded,
-)
-from cronoq_store._retry import (
-    pause as pause,
+    COMMIT_BACKOFF,
+    MIN_PAUSE,
+    Backoff,
+    acquisition_backoff,
+    bounded,
+    pause,
 )
 from cronoq_store.testing import InMemoryStore
 

@@ -12,23 +12,15 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._errors import (
-    FencedError as FencedError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
 )
-from cronoq_store._errors import (
-    IdCollisionError as IdCollisionError,
-)
-from cronoq_store._errors import (
-    KeyTakenError as KeyTakenError,
-)
-from cronoq_store._errors import (
-    StoreError as StoreError,
-)
-from cronoq_store._errors import (
-    UnavailableError as UnavailableError,
-)
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
 from .test_commit import BASE, changed, submitted
@@ -295,7 +287,7 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
 ) -> None:
     # A server's refusal (a live key, an id of another task) in a transaction path must
     # leave the held session out of any transaction, and it goes on serving commits.
-    from cronoq_store._domain import TaskStatus as TaskStatus
+    from cronoq_store._domain import TaskStatus
 
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
@@ -333,7 +325,7 @@ class _SlowStore:
 async def test_admission_under_cancellation_keeps_counters_order_and_bounds() -> None:
     import random
 
-    from cronoq_store._group_commit import GroupCommitter as GroupCommitter
+    from cronoq_store._group_commit import GroupCommitter
 
     rng = random.Random(7)
     store = _SlowStore(rng)

@@ -11,70 +11,32 @@ import pytest
 
 from cronoq_store import _rows as rows
 from cronoq_store import _statements as statements
-from cronoq_store._codec import encode_retry as encode_retry
-from cronoq_store._codec import unix_converter as unix_converter
+from cronoq_store._codec import encode_retry, unix_converter
 from cronoq_store._domain import (
-    QUEUED as QUEUED,
-)
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Priority as Priority,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
+    QUEUED,
+    Dependency,
+    FixedStart,
+    MissPolicy,
+    Priority,
+    RetryPolicy,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
 from cronoq_store._rows import (
-    INSERT_COLUMNS as INSERT_COLUMNS,
+    INSERT_COLUMNS,
+    INSERT_POSITION,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    RECURRING_COLUMNS,
+    LiveTasks,
+    _check_columns,
+    insert_row,
+    task_record,
 )
-from cronoq_store._rows import (
-    INSERT_POSITION as INSERT_POSITION,
-)
-from cronoq_store._rows import (
-    LIVE_COLUMNS as LIVE_COLUMNS,
-)
-from cronoq_store._rows import (
-    RECORD_COLUMNS as RECORD_COLUMNS,
-)
-from cronoq_store._rows import (
-    RECURRING_COLUMNS as RECURRING_COLUMNS,
-)
-from cronoq_store._rows import (
-    LiveTasks as LiveTasks,
-)
-from cronoq_store._rows import (
-    _check_columns as _check_columns,
-)
-from cronoq_store._rows import (
-    insert_row as insert_row,
-)
-from cronoq_store._rows import (
-    task_record as task_record,
-)
-from cronoq_store._schema import recurring as recurring
-from cronoq_store._schema import tasks as tasks
+from cronoq_store._schema import recurring, tasks
 
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000

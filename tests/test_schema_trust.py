@@ -23,32 +23,21 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._cli import cli as cli
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._cli import ExitCode, cli
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import MigrationError as MigrationError
-from cronoq_store._migrations import upgrade as upgrade
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import async_url as async_url
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._errors import MigrationError
+from cronoq_store._migrations import upgrade
+from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 

@@ -28,26 +28,17 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._cli import cli as cli
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._cli import cli
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Submitted as Submitted,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import URL_ENV as URL_ENV
-from cronoq_store._urls import redact as redact
-from cronoq_store._urls import scrub as scrub
+from cronoq_store._errors import StoreError, UnavailableError
+from cronoq_store._store import PgStore
+from cronoq_store._urls import URL_ENV, redact, scrub
 
 from .pgharness import admin_execute
 from .test_store_connect import unused_port

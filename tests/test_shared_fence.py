@@ -20,39 +20,22 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    EPOCH_MAX as EPOCH_MAX,
+    EPOCH_MAX,
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import KeyTakenError as KeyTakenError
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._errors import KeyTakenError, StoreError
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._store import PgStore
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
 

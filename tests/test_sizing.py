@@ -15,52 +15,24 @@ from typing import Any
 import pytest
 
 from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
+    CronSchedule,
+    Dependency,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._folding import fold as fold
-from cronoq_store._sizing import batch_size as batch_size
+from cronoq_store._folding import fold
+from cronoq_store._sizing import batch_size
 
 BASE = TimeBase.now()
 NASTY = ['"\\\x00\x01', "\ud800x", "\U0001f600" * 3, "é" * 5, "plain"]

@@ -11,24 +11,16 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Submitted as Submitted,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._protocols import Store as Store
-from cronoq_store._protocols import StoreQueries as StoreQueries
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._errors import StoreError, UnavailableError
+from cronoq_store._protocols import Store, StoreQueries
+from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute
 

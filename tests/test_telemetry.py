@@ -37,7 +37,7 @@ from cronoq_store import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._writer import COPY_MIN_ROWS
 from cronoq_store.telemetry import DISABLED, instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends

@@ -31,26 +31,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cronoq_store._cli import cli as cli
-from cronoq_store._cli.exits import ExitCode as ExitCode
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._cli import cli
+from cronoq_store._cli.exits import ExitCode
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Submitted as Submitted,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._errors import StoreError as StoreError
-from cronoq_store._store import PgStore as PgStore
-from cronoq_store._urls import URL_ENV as URL_ENV
-from cronoq_store._urls import UnsupportedParameterError as UnsupportedParameterError
-from cronoq_store._urls import engine_arguments as engine_arguments
+from cronoq_store._errors import StoreError
+from cronoq_store._store import PgStore
+from cronoq_store._urls import URL_ENV, UnsupportedParameterError, engine_arguments
 from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._unprivileged import system_user_entry
 

@@ -18,66 +18,30 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    CronSchedule as CronSchedule,
+    CronSchedule,
+    Dependency,
+    FixedStart,
+    IntervalSchedule,
+    MissPolicy,
+    Mutation,
+    RecoveredRecurring,
+    RecoveredTerminal,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    FixedStart as FixedStart,
-)
-from cronoq_store._domain import (
-    IntervalSchedule as IntervalSchedule,
-)
-from cronoq_store._domain import (
-    MissPolicy as MissPolicy,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    RecoveredRecurring as RecoveredRecurring,
-)
-from cronoq_store._domain import (
-    RecoveredTerminal as RecoveredTerminal,
-)
-from cronoq_store._domain import (
-    RecurringNext as RecurringNext,
-)
-from cronoq_store._domain import (
-    RecurringSpec as RecurringSpec,
-)
-from cronoq_store._domain import (
-    RecurringUpsert as RecurringUpsert,
-)
-from cronoq_store._domain import (
-    RetryPolicy as RetryPolicy,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._group_commit import GroupCommitter as GroupCommitter
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
 from .test_group_commit import (

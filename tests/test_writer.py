@@ -8,31 +8,18 @@ from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from cronoq_store import _session_statements as session_st
 from cronoq_store import _statements as st
 from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
 )
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._driver import CompiledStatement as CompiledStatement
-from cronoq_store._driver import Opening as Opening
-from cronoq_store._folding import fold as fold
+from cronoq_store._driver import CompiledStatement, Opening
+from cronoq_store._folding import fold
 from cronoq_store._writer import (
-    COPY_MIN_ROWS as COPY_MIN_ROWS,
-)
-from cronoq_store._writer import (
-    BatchWriter as BatchWriter,
+    COPY_MIN_ROWS,
+    BatchWriter,
 )
 
 DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]

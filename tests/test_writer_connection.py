@@ -12,13 +12,10 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
-from cronoq_store._domain import Submitted as Submitted
-from cronoq_store._domain import TaskId as TaskId
-from cronoq_store._domain import TaskSpec as TaskSpec
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import UnavailableError as UnavailableError
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._domain import Submitted, TaskId, TaskSpec
+from cronoq_store._errors import FencedError, UnavailableError
+from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 from .test_commit import BASE, submitted

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from cronoq_store._migrations import cluster_schema as cluster_schema
+from cronoq_store._migrations import cluster_schema
 
 revision: str = "0001_base"
 down_revision: str | Sequence[str] | None = None

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from cronoq_store._migrations import cluster_schema as cluster_schema
+from cronoq_store._migrations import cluster_schema
 
 revision: str = "0004_task_labels"
 down_revision: str | Sequence[str] | None = "0003_recurring_last_task_id"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from cronoq_store._migrations import cluster_schema as cluster_schema
+from cronoq_store._migrations import cluster_schema
 
 revision: str = "0005_task_tenant"
 down_revision: str | Sequence[str] | None = "0004_task_labels"

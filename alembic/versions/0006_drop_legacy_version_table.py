@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from alembic import op
 
-from cronoq_store._migrations import cluster_schema as cluster_schema
+from cronoq_store._migrations import cluster_schema
 
 revision: str = "0006_drop_legacy_version_table"
 down_revision: str | Sequence[str] | None = "0005_task_tenant"

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-from cronoq_store._migrations import cluster_schema as cluster_schema
+from cronoq_store._migrations import cluster_schema
 
 revision: str = "0007_leader_holder"
 down_revision: str | Sequence[str] | None = "0006_drop_legacy_version_table"

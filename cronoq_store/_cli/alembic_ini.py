@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .._migrations import alembic_ini as alembic_ini
+from .._migrations import alembic_ini
 
 __all__ = ["alembic_ini_command"]
 

@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from .._config import trusted_trigger_names as trusted_trigger_names
-from .._config import validate_schema_name as validate_schema_name
-from .._terminal_safe import visible as visible
-from .._urls import URL_ENV as URL_ENV
+from .._config import trusted_trigger_names, validate_schema_name
+from .._terminal_safe import visible
+from .._urls import URL_ENV
 from .exits import EPILOG
 
 __all__ = ["SCHEMA_ENV", "Options", "cli", "number_option"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from .._urls import redact as redact
+from .._urls import redact
 from .app import Options, number_option
 from .exits import CliError, ExitCode
 
@@ -36,10 +36,8 @@ def console(options: Options, host: str, port: int, refresh: int, allow_actions:
     try:
         import uvicorn
 
-        from .._console.app import console_app as console_app
-        from .._console.security import TOKEN_ENV as TOKEN_ENV
-        from .._console.security import credentials_from as credentials_from
-        from .._console.security import is_loopback as is_loopback
+        from .._console.app import console_app
+        from .._console.security import TOKEN_ENV, credentials_from, is_loopback
     except ImportError as exc:
         raise CliError(
             f"the console needs the console extra ({exc.name} is missing): "

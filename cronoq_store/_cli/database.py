@@ -17,22 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from .. import _session_statements as session_st
-from .._alembic_env import clusters_elsewhere as clusters_elsewhere
-from .._driver import translate_error as translate_error
-from .._errors import MigrationError as MigrationError
+from .._alembic_env import clusters_elsewhere
+from .._driver import translate_error
+from .._errors import MigrationError
 from .._migrations import (
-    CONNECT_TIMEOUT as CONNECT_TIMEOUT,
+    CONNECT_TIMEOUT,
+    RevisionStatus,
+    revision_status,
 )
-from .._migrations import (
-    RevisionStatus as RevisionStatus,
-)
-from .._migrations import (
-    revision_status as revision_status,
-)
-from .._schema import schema_options as schema_options
-from .._trust import refuse_untrusted as refuse_untrusted
-from .._urls import engine_arguments as engine_arguments
-from .._urls import redact as redact
+from .._schema import schema_options
+from .._trust import refuse_untrusted
+from .._urls import engine_arguments, redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 

@@ -14,7 +14,7 @@ from .app import Options, number_option
 from .exits import CliError, ExitCode, run
 
 if TYPE_CHECKING:
-    from .._demo import DemoReport as DemoReport
+    from .._demo import DemoReport
 
 __all__ = ["demo"]
 
@@ -56,8 +56,7 @@ def demo(ctx: click.Context, submitters: int, seconds: float) -> None:
 
 
 async def _demo(url: str | None, submitters: int, seconds: float, console: Console) -> DemoReport:
-    from .._demo import DemoError as DemoError
-    from .._demo import run_demo as run_demo
+    from .._demo import DemoError, run_demo
 
     if url is not None:
         # A wrong URL or password is exit code 3 here as everywhere.

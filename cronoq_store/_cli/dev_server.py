@@ -15,7 +15,7 @@ from types import FrameType
 
 import click
 
-from .._urls import URL_ENV as URL_ENV
+from .._urls import URL_ENV
 from .exits import CliError, ExitCode
 
 __all__ = ["dev_server"]
@@ -30,7 +30,7 @@ EXAMPLE_SCHEMA = "cluster_a"
 def dev_server() -> None:
     """Run a throwaway PostgreSQL and print its URL; Ctrl-C (or SIGTERM) stops it and deletes
     everything it stored. Needs cronoq-store[embedded]."""
-    from ..testing._server import EmbeddedPostgres as EmbeddedPostgres
+    from ..testing._server import EmbeddedPostgres
 
     stopping = threading.Event()
 

@@ -16,9 +16,8 @@ import click
 from alembic import command
 from rich.console import Console
 
-from .._errors import MigrationError as MigrationError
-from .._migrations import downgrade as downgrade
-from .._migrations import downgrade_steps as downgrade_steps
+from .._errors import MigrationError
+from .._migrations import downgrade, downgrade_steps
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run

@@ -11,9 +11,9 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from .._driver import translate_error as translate_error
-from .._terminal_safe import visible as visible
-from .._urls import scrub as scrub
+from .._driver import translate_error
+from .._terminal_safe import visible
+from .._urls import scrub
 
 __all__ = ["EPILOG", "CliError", "ExitCode", "run"]
 

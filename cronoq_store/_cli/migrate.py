@@ -10,19 +10,13 @@ from alembic import command
 from alembic.util import CommandError
 from rich.console import Console
 
-from .._downgrade_guard import FORCE as FORCE
-from .._errors import MigrationError as MigrationError
+from .._downgrade_guard import FORCE
+from .._errors import MigrationError
 from .._migrations import (
-    alembic_config as alembic_config,
-)
-from .._migrations import (
-    downgrade_steps as downgrade_steps,
-)
-from .._migrations import (
-    run_command as run_command,
-)
-from .._migrations import (
-    upgrade as upgrade,
+    alembic_config,
+    downgrade_steps,
+    run_command,
+    upgrade,
 )
 from . import database, output
 from .app import Options

@@ -16,10 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .. import _catalog as catalog
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._domain import I64_MAX as I64_MAX
-from .._domain import LockHolder as LockHolder
-from .._migrations import RevisionStatus as RevisionStatus
-from .._queries import ClusterFacts as ClusterFacts
+from .._domain import I64_MAX, LockHolder
+from .._migrations import RevisionStatus
+from .._queries import ClusterFacts
 from . import database, output
 from .exits import CliError, ExitCode
 

@@ -29,28 +29,15 @@ from rich.table import Table
 from rich.text import Text
 
 from .._domain import (
-    I64_MAX as I64_MAX,
+    I64_MAX,
+    ID_COUNTER_BITS,
+    UNIX_EPOCH,
+    LockHolder,
+    TaskId,
+    TaskRecord,
+    epoch_of,
 )
-from .._domain import (
-    ID_COUNTER_BITS as ID_COUNTER_BITS,
-)
-from .._domain import (
-    UNIX_EPOCH as UNIX_EPOCH,
-)
-from .._domain import (
-    LockHolder as LockHolder,
-)
-from .._domain import (
-    TaskId as TaskId,
-)
-from .._domain import (
-    TaskRecord as TaskRecord,
-)
-from .._domain import (
-    epoch_of as epoch_of,
-)
-from .._terminal_safe import json_text as json_text
-from .._terminal_safe import visible as visible
+from .._terminal_safe import json_text, visible
 
 __all__ = [
     "ago",

@@ -9,9 +9,9 @@ from rich.console import Console
 from .. import _catalog as catalog
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
-from .._domain import LockHolder as LockHolder
-from .._urls import redact as redact
+from .._codec import QUARANTINE_PREFIX
+from .._domain import LockHolder
+from .._urls import redact
 from . import database, output
 from .app import Options
 from .exits import run

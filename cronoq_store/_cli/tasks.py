@@ -11,16 +11,10 @@ from rich.console import Console
 
 from .. import _queries as queries
 from .._domain import (
-    I64_MAX as I64_MAX,
-)
-from .._domain import (
-    TaskId as TaskId,
-)
-from .._domain import (
-    TaskRecord as TaskRecord,
-)
-from .._domain import (
-    TaskStatus as TaskStatus,
+    I64_MAX,
+    TaskId,
+    TaskRecord,
+    TaskStatus,
 )
 from . import database, output
 from .app import Options

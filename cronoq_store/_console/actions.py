@@ -29,16 +29,12 @@ from typing import Any
 from starlette.requests import Request
 
 from .. import _queries as queries
-from .._cli import database as database
-from .._cli import operations as operations
-from .._cli.exits import CliError as CliError
-from .._cli.exits import ExitCode as ExitCode
-from .._cli.output import format_duration as format_duration
-from .._cli.output import holder_document as holder_document
-from .._cli.output import rfc3339 as rfc3339
-from .._driver import translate_error as translate_error
-from .._terminal_safe import visible as visible
-from .._urls import scrub as scrub
+from .._cli import database, operations
+from .._cli.exits import CliError, ExitCode
+from .._cli.output import format_duration, holder_document, rfc3339
+from .._driver import translate_error
+from .._terminal_safe import visible
+from .._urls import scrub
 from .source import Source
 
 __all__ = [

@@ -26,19 +26,15 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .._cli.exits import CliError as CliError
-from .._cli.exits import ExitCode as ExitCode
-from .._cli.output import format_duration as format_duration
-from .._cli.prune import parse_duration as parse_duration
-from .._config import validate_schema_name as validate_schema_name
-from .._domain import I64_MAX as I64_MAX
-from .._domain import TaskId as TaskId
-from .._domain import clean_text as clean_text
-from .._driver import translate_error as translate_error
-from .._errors import MigrationError as MigrationError
-from .._terminal_safe import visible as visible
-from .._terminal_safe import visible_block as visible_block
-from .._urls import scrub as scrub
+from .._cli.exits import CliError, ExitCode
+from .._cli.output import format_duration
+from .._cli.prune import parse_duration
+from .._config import validate_schema_name
+from .._domain import I64_MAX, TaskId, clean_text
+from .._driver import translate_error
+from .._errors import MigrationError
+from .._terminal_safe import visible, visible_block
+from .._urls import scrub
 from . import actions, reads
 from .security import Credentials, Guard
 from .source import ClusterNotFound, Source

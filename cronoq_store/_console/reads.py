@@ -16,20 +16,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
 from .. import _queries as queries
-from .._cli import database as database
-from .._cli import operations as operations
-from .._cli import output as output
-from .._cli.exits import CliError as CliError
-from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
-from .._domain import I64_MAX as I64_MAX
-from .._domain import TaskId as TaskId
-from .._domain import TaskStatus as TaskStatus
-from .._driver import translate_error as translate_error
-from .._errors import MigrationError as MigrationError
-from .._migrations import RevisionStatus as RevisionStatus
-from .._migrations import head_revision as head_revision
-from .._urls import redact as redact
-from .._urls import scrub as scrub
+from .._cli import database, operations, output
+from .._cli.exits import CliError
+from .._codec import QUARANTINE_PREFIX
+from .._domain import I64_MAX, TaskId, TaskStatus
+from .._driver import translate_error
+from .._errors import MigrationError
+from .._migrations import RevisionStatus, head_revision
+from .._urls import redact, scrub
 from . import statements as cs
 from .source import ClusterNotFound, Source
 

@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
-from .._cli import database as database
-from .._cli.app import Options as Options
+from .._cli import database
+from .._cli.app import Options
 
 __all__ = ["POOL_SIZE", "ClusterNotFound", "Source"]
 

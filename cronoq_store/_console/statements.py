@@ -34,10 +34,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import OID
 
-from .._domain import TaskStatus as TaskStatus
-from .._rows import RECORD_COLUMNS as RECORD_COLUMNS
-from .._schema import recurring as recurring
-from .._schema import tasks as tasks
+from .._domain import TaskStatus
+from .._rows import RECORD_COLUMNS
+from .._schema import recurring, tasks
 
 __all__ = [
     "LIVE_SAMPLE",

@@ -27,12 +27,11 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
 from .. import _catalog as catalog
-from .._errors import StoreError as StoreError
-from .._migrations import upgrade as upgrade
-from .._schema import schema_options as schema_options
-from .._terminal_safe import visible as visible
-from .._urls import engine_arguments as engine_arguments
-from .._urls import redact as redact
+from .._errors import StoreError
+from .._migrations import upgrade
+from .._schema import schema_options
+from .._terminal_safe import visible
+from .._urls import engine_arguments, redact
 from .roles import URL_ENV, ZOMBIE_KIND, ZOMBIE_MESSAGE
 from .verdict import DemoReport, find_lost, judge, parse_acks, render
 
@@ -54,7 +53,7 @@ async def run_demo(
     if url is not None:
         parsed = make_url(url) if isinstance(url, str) else url
         return await _run_on(parsed, None, submitters, seconds, console)
-    from ..testing._server import EmbeddedPostgres as EmbeddedPostgres
+    from ..testing._server import EmbeddedPostgres
 
     try:
         server = EmbeddedPostgres()

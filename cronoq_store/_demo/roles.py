@@ -22,28 +22,18 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from .._config import PgStoreConfig as PgStoreConfig
+from .._config import PgStoreConfig
 from .._domain import (
-    StatusChanged as StatusChanged,
+    StatusChanged,
+    Submitted,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from .._domain import (
-    Submitted as Submitted,
-)
-from .._domain import (
-    TaskSpec as TaskSpec,
-)
-from .._domain import (
-    TaskStatus as TaskStatus,
-)
-from .._domain import (
-    TimeBase as TimeBase,
-)
-from .._domain import (
-    task_id as task_id,
-)
-from .._errors import FencedError as FencedError
-from .._group_commit import GroupCommitter as GroupCommitter
-from .._store import PgStore as PgStore
+from .._errors import FencedError
+from .._group_commit import GroupCommitter
+from .._store import PgStore
 
 __all__ = ["URL_ENV", "ZOMBIE_KIND", "ZOMBIE_MESSAGE", "main"]
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .._terminal_safe import visible as visible
+from .._terminal_safe import visible
 
 __all__ = ["DemoReport", "find_lost", "judge", "parse_acks", "render"]
 

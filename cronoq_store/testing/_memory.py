@@ -37,112 +37,50 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from .._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
-from .._codec import decode_deps as decode_deps
-from .._codec import engine_time as engine_time
-from .._codec import quarantine_reason as quarantine_reason
+from .._codec import QUARANTINE_PREFIX, decode_deps, engine_time, quarantine_reason
 from .._domain import (
-    EPOCH_MAX as EPOCH_MAX,
-)
-from .._domain import (
-    EPOCH_MIN as EPOCH_MIN,
-)
-from .._domain import (
-    Mutation as Mutation,
-)
-from .._domain import (
-    Recovered as Recovered,
-)
-from .._domain import (
-    RecoveredTerminal as RecoveredTerminal,
-)
-from .._domain import (
-    TaskId as TaskId,
-)
-from .._domain import (
-    TaskRecord as TaskRecord,
-)
-from .._domain import (
-    TaskRef as TaskRef,
-)
-from .._domain import (
-    TaskStatus as TaskStatus,
-)
-from .._domain import (
-    TimeBase as TimeBase,
-)
-from .._domain import check_seconds as check_seconds
-from .._domain import (
-    check_task_id as check_task_id,
-)
-from .._domain import (
-    clean_text as clean_text,
-)
-from .._domain import unhandled as unhandled
-from .._errors import (
-    BatchTooLargeError as BatchTooLargeError,
+    EPOCH_MAX,
+    EPOCH_MIN,
+    Mutation,
+    Recovered,
+    RecoveredTerminal,
+    TaskId,
+    TaskRecord,
+    TaskRef,
+    TaskStatus,
+    TimeBase,
+    check_seconds,
+    check_task_id,
+    level,
+    unhandled,
 )
 from .._errors import (
-    FencedError as FencedError,
-)
-from .._errors import (
-    IdCollisionError as IdCollisionError,
-)
-from .._errors import (
-    KeyTakenError as KeyTakenError,
-)
-from .._errors import (
-    StoreError as StoreError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
 )
 from .._folding import (
-    FoldedBatch as FoldedBatch,
+    FoldedBatch,
+    RecurringAction,
+    fold,
+    taken_keys,
 )
-from .._folding import (
-    RecurringAction as RecurringAction,
-)
-from .._folding import (
-    fold as fold,
-)
-from .._folding import (
-    level as level,
-)
-from .._folding import (
-    taken_keys as taken_keys,
-)
-from .._queries import finished_params as finished_params
-from .._queries import lookup_params as lookup_params
-from .._queries import prune_cutoff as prune_cutoff
-from .._recovery import next_id as next_id
+from .._queries import finished_params, lookup_params, prune_cutoff
+from .._recovery import next_id
 from .._rows import (
-    INSERT_POSITION as INSERT_POSITION,
+    INSERT_POSITION,
+    LIVE_COLUMNS,
+    RECORD_COLUMNS,
+    STATE_COLUMNS,
+    LiveTasks,
+    StatusUpdates,
+    recurring_schedule,
+    same_task,
+    set_state,
+    task_record,
 )
-from .._rows import (
-    LIVE_COLUMNS as LIVE_COLUMNS,
-)
-from .._rows import (
-    RECORD_COLUMNS as RECORD_COLUMNS,
-)
-from .._rows import (
-    STATE_COLUMNS as STATE_COLUMNS,
-)
-from .._rows import (
-    LiveTasks as LiveTasks,
-)
-from .._rows import StatusUpdates as StatusUpdates
-from .._rows import (
-    recurring_schedule as recurring_schedule,
-)
-from .._rows import (
-    same_task as same_task,
-)
-from .._rows import (
-    set_state as set_state,
-)
-from .._rows import (
-    task_record as task_record,
-)
-from .._sizing import MAX_COMMIT_BYTES as MAX_COMMIT_BYTES
-from .._sizing import check_batch_size as check_batch_size
+from .._sizing import MAX_COMMIT_BYTES, check_batch_size
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]
 

@@ -42,13 +42,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
-from .._config import PgStoreConfig as PgStoreConfig
-from .._migrations import upgrade as upgrade
-from .._session_statements import SEARCH_PATH as SEARCH_PATH
-from .._store import PgStore as PgStore
-from .._urls import async_url as async_url
-from ._server import TEST_URL_ENV as TEST_URL_ENV
-from ._server import EmbeddedPostgres as EmbeddedPostgres
+from .._config import PgStoreConfig
+from .._migrations import upgrade
+from .._session_statements import SEARCH_PATH
+from .._store import PgStore
+from .._urls import async_url
+from ._server import TEST_URL_ENV, EmbeddedPostgres
 
 __all__ = ["cronoq_config", "cronoq_database_url", "cronoq_schema", "cronoq_store"]
 

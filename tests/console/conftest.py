@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store._urls import URL_ENV as URL_ENV
+from cronoq_store._urls import URL_ENV
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

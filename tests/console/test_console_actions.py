@@ -21,21 +21,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore
-from cronoq_store._cli import ExitCode as ExitCode
+from cronoq_store._cli import ExitCode
 from cronoq_store._domain import (
-    Dependency as Dependency,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
+    Dependency,
+    Mutation,
+    Submitted,
+    TaskId,
+    TaskSpec,
 )
 
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted

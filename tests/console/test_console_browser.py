@@ -25,24 +25,14 @@ from sqlalchemy.engine import URL
 from cronoq_store import PgStore, PgStoreConfig
 from cronoq_store._console import statements as cs
 from cronoq_store._domain import (
-    Dependency as Dependency,
+    Dependency,
+    DependencyCondition,
+    Mutation,
+    Submitted,
+    TaskId,
+    TaskSpec,
 )
-from cronoq_store._domain import (
-    DependencyCondition as DependencyCondition,
-)
-from cronoq_store._domain import (
-    Mutation as Mutation,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._terminal_safe import visible as visible
+from cronoq_store._terminal_safe import visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
 from .conftest import Console, fetch

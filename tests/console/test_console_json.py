@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore
-from cronoq_store._domain import TaskId as TaskId
+from cronoq_store._domain import TaskId
 
 from ..test_cli import BASE, FAILED, SUCCEEDED, changed, submitted
 from ..test_cli_json import command, environment, ha_config

@@ -12,9 +12,9 @@ from sqlalchemy.sql import ClauseElement
 
 from benchmarks import console as console_benchmark
 from benchmarks.console import plan_nodes
-from cronoq_store._codec import QUARANTINE_PREFIX as QUARANTINE_PREFIX
+from cronoq_store._codec import QUARANTINE_PREFIX
 from cronoq_store._console import statements as cs
-from cronoq_store._domain import I64_MAX as I64_MAX
+from cronoq_store._domain import I64_MAX
 
 from .conftest import Console, fetch
 

@@ -20,10 +20,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore
-from cronoq_store._cli import ExitCode as ExitCode
-from cronoq_store._console.security import PASSWORD_ENV as PASSWORD_ENV
-from cronoq_store._console.security import TOKEN_ENV as TOKEN_ENV
-from cronoq_store._console.security import USER_ENV as USER_ENV
+from cronoq_store._cli import ExitCode
+from cronoq_store._console.security import PASSWORD_ENV, TOKEN_ENV, USER_ENV
 
 from ..pgharness import admin_execute
 from ..test_cli import BASE, FAILED, changed, submitted

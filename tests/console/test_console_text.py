@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cronoq_store._terminal_safe import visible as visible
-from cronoq_store._terminal_safe import visible_block as visible_block
+from cronoq_store._terminal_safe import visible, visible_block
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ from cronoq_store import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store._domain import UNIX_EPOCH as UNIX_EPOCH
+from cronoq_store._domain import UNIX_EPOCH
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends

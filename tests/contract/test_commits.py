@@ -26,7 +26,7 @@ from cronoq_store import (
     TaskId,
     TaskSpec,
 )
-from cronoq_store._writer import COPY_MIN_ROWS as COPY_MIN_ROWS
+from cronoq_store._writer import COPY_MIN_ROWS
 
 from .support import (
     BASE,

@@ -60,8 +60,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from cronoq_store import _migrations as migrations
-from cronoq_store._retry import COMMIT_BACKOFF as COMMIT_BACKOFF
-from cronoq_store._urls import async_url as async_url
+from cronoq_store._retry import COMMIT_BACKOFF
+from cronoq_store._urls import async_url
 
 from ..pgbouncer import PgBouncer, store_connect_query, store_settings
 from ..pgharness import admin_execute, asyncpg_dsn

@@ -26,7 +26,7 @@ from datetime import datetime
 
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import validate_schema_name as validate_schema_name
+from cronoq_store._config import validate_schema_name
 
 from ..pgharness import admin_execute
 

@@ -27,8 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cronoq_store._domain import TaskId as TaskId
-from cronoq_store._domain import epoch_of as epoch_of
+from cronoq_store._domain import TaskId, epoch_of
 
 from .audit import AuditWrite, EpochTake
 from .faults import Fault, Timing

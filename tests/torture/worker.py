@@ -32,39 +32,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from cronoq_store._config import PgStoreConfig as PgStoreConfig
+from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
-    Mutation as Mutation,
+    Mutation,
+    Recovered,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
 )
-from cronoq_store._domain import (
-    Recovered as Recovered,
-)
-from cronoq_store._domain import (
-    StatusChanged as StatusChanged,
-)
-from cronoq_store._domain import (
-    Submitted as Submitted,
-)
-from cronoq_store._domain import (
-    TaskId as TaskId,
-)
-from cronoq_store._domain import (
-    TaskSpec as TaskSpec,
-)
-from cronoq_store._domain import (
-    TaskStatus as TaskStatus,
-)
-from cronoq_store._domain import (
-    TimeBase as TimeBase,
-)
-from cronoq_store._domain import (
-    task_id as task_id,
-)
-from cronoq_store._errors import CommitterClosedError as CommitterClosedError
-from cronoq_store._errors import FencedError as FencedError
-from cronoq_store._errors import StoreError as StoreError
+from cronoq_store._errors import CommitterClosedError, FencedError, StoreError
 from cronoq_store._group_commit import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
-from cronoq_store._store import PgStore as PgStore
+from cronoq_store._store import PgStore
 
 from . import audit
 from .journal import Journal
