@@ -31,46 +31,16 @@ from ._domain import (
     FixedStart as FixedStart,
 )
 from ._domain import (
-    Health as Health,
-)
-from ._domain import (
     IntervalSchedule as IntervalSchedule,
-)
-from ._domain import (
-    LockHolder as LockHolder,
 )
 from ._domain import (
     MissPolicy as MissPolicy,
 )
 from ._domain import (
-    Mutation as Mutation,
-)
-from ._domain import (
     Priority as Priority,
 )
 from ._domain import (
-    Recovered as Recovered,
-)
-from ._domain import (
-    RecoveredRecurring as RecoveredRecurring,
-)
-from ._domain import (
-    RecoveredTask as RecoveredTask,
-)
-from ._domain import (
-    RecoveredTerminal as RecoveredTerminal,
-)
-from ._domain import (
-    RecurringNext as RecurringNext,
-)
-from ._domain import (
-    RecurringRemove as RecurringRemove,
-)
-from ._domain import (
     RecurringSpec as RecurringSpec,
-)
-from ._domain import (
-    RecurringUpsert as RecurringUpsert,
 )
 from ._domain import (
     RetryPolicy as RetryPolicy,
@@ -79,16 +49,7 @@ from ._domain import (
     Schedule as Schedule,
 )
 from ._domain import (
-    StatusChanged as StatusChanged,
-)
-from ._domain import (
-    Submitted as Submitted,
-)
-from ._domain import (
     TaskId as TaskId,
-)
-from ._domain import (
-    TaskRecord as TaskRecord,
 )
 from ._domain import (
     TaskRef as TaskRef,
@@ -140,10 +101,23 @@ from ._group_commit import GroupCommitter as GroupCommitter
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
 from ._migrations import upgrade as upgrade
+from ._mutations import Mutation as Mutation
+from ._mutations import RecurringNext as RecurringNext
+from ._mutations import RecurringRemove as RecurringRemove
+from ._mutations import RecurringUpsert as RecurringUpsert
+from ._mutations import StatusChanged as StatusChanged
+from ._mutations import Submitted as Submitted
 from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
 from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
+from ._stored_values import Health as Health
+from ._stored_values import LockHolder as LockHolder
+from ._stored_values import Recovered as Recovered
+from ._stored_values import RecoveredRecurring as RecoveredRecurring
+from ._stored_values import RecoveredTask as RecoveredTask
+from ._stored_values import RecoveredTerminal as RecoveredTerminal
+from ._stored_values import TaskRecord as TaskRecord
 from ._urls import engine_arguments as engine_arguments
 from ._urls import scrub as scrub
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ._domain import (
+from ._domain import TaskId
+from ._mutations import (
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
-    TaskId,
 )
 
 __all__ = ["Footprint", "footprint"]

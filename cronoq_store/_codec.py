@@ -1,4 +1,4 @@
-"""JSON encodings of the JSONB columns, and the conversions every stored value needs.
+"""JSON encodings of the task columns, and the conversions every stored value needs.
 
 The shapes written here are the storage format (docs/storage-format.md): rows outlive the
 build that wrote them and may be written by hand, so decoding is strict about the members
@@ -11,13 +11,13 @@ JSON decodes or raises ``DecodeError``: nesting too deep for the parser included
 Pure functions without SQLAlchemy, so they can be tested and reused without a database.
 Units in JSON: times are Unix nanoseconds (``*_unix_ns``), durations integer nanoseconds
 (``*_ns``); the domain's engine times are converted through a :class:`TimeBase`.
+The recurring spec's JSON, built from these helpers, is :mod:`cronoq_store._template_codec`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import fields
 from datetime import timedelta
 from enum import Enum
 from functools import lru_cache
@@ -26,22 +26,14 @@ from typing import TypeVar
 from ._domain import (
     I64_MAX,
     I64_MIN,
-    CronSchedule,
     Dependency,
     DependencyCondition,
-    FixedStart,
-    IntervalSchedule,
     MissPolicy,
-    Priority,
-    RecurringSpec,
     RetryPolicy,
-    Schedule,
     TaskId,
-    TaskSpec,
     TimeBase,
     clean_text,
     show,
-    unhandled,
 )
 
 _orjson_dumps: Callable[[object], bytes] | None
@@ -53,20 +45,16 @@ except ImportError:  # pragma: no cover - the optional "json" extra
 __all__ = [
     "QUARANTINE_PREFIX",
     "QUARANTINE_REASON_CHARS",
-    "TEMPLATE_MEMBERS",
     "DecodeError",
-    "check_template",
     "clean_text",
     "decode_deps",
     "decode_miss_policy",
-    "decode_recurring",
     "decode_resources",
     "decode_retry",
     "decode_strings",
     "duration_to_ns",
     "encode_deps",
     "encode_miss_policy",
-    "encode_recurring",
     "encode_resources",
     "encode_retry",
     "encode_strings",
@@ -90,8 +78,6 @@ _SHOWN_DEPTH = 3
 """Levels of a bad JSON value rendered in a message; deeper ones show as ``[…]``."""
 
 _DEFAULT_RETRY = RetryPolicy()
-_DEFAULT_SPEC = TaskSpec(b"")
-_DEFAULT_FIXED = FixedStart(0)
 _DEFAULT_CONDITION = Dependency(TaskId(0)).condition
 _MISS_POLICIES = {p.value: p for p in MissPolicy}
 
@@ -241,37 +227,6 @@ def decode_strings(text: str, field: str) -> tuple[str, ...]:
     return _strings_from_json(_loads(text, field), field)
 
 
-def encode_recurring(base: TimeBase, spec: RecurringSpec) -> str:
-    """JSON for ``cronoq_recurring.spec``: the schedule and the template without its payload.
-
-    The name and the template's payload have columns of their own. Engine times in the
-    template are stored as Unix ns through ``base`` (``ValueError`` if one leaves BIGINT).
-    """
-    return _dumps(
-        {
-            "schedule": _schedule_to_json(spec.schedule),
-            "template": _template_to_json(unix_converter(base), spec.template),
-        }
-    )
-
-
-def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> RecurringSpec:
-    """Rebuild a recurring spec from its ``name``, ``spec`` and ``template_payload`` columns.
-
-    Unix times in the template become engine times (ns) through ``base``. Also raises
-    ``DecodeError`` for a name that is not a valid schedule name.
-    """
-    obj = _as_object(_loads(text, "spec"), "spec")
-    schedule = _schedule_from_json(_required(obj, "schedule", "spec"), "spec.schedule")
-    template = _template_from_json(
-        base, _required(obj, "template", "spec"), payload, "spec.template"
-    )
-    try:
-        return RecurringSpec(name, schedule, template)
-    except ValueError as exc:  # the name, which is a column of its own
-        raise DecodeError(str(exc)) from exc
-
-
 # Encoding helpers. Every string is cleaned: a NUL would reach jsonb as "\u0000", and a
 # lone surrogate cannot be sent as UTF-8 at all.
 
@@ -315,44 +270,6 @@ def _dep_to_json(dep: Dependency) -> dict[str, object]:
 
 def _resources_to_json(resources: Mapping[str, int]) -> dict[str, int]:
     return {clean_text(name): amount for name, amount in resources.items()}
-
-
-def _schedule_to_json(schedule: Schedule) -> dict[str, object]:
-    match schedule:
-        case CronSchedule(expr=expr, timezone=zone):
-            return {"type": "cron", "expr": clean_text(expr), "timezone": clean_text(zone)}
-        case IntervalSchedule(every=every):
-            return {"type": "interval", "every_ns": duration_to_ns(every)}
-        case _:
-            unhandled(schedule, "schedule")
-
-
-def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dict[str, object]:
-    fixed = spec.fixed_start
-    return {
-        "kind": clean_text(spec.kind),
-        "pool": clean_text(spec.pool),
-        "priority": int(spec.priority),
-        "key": None if spec.key is None else clean_text(spec.key),
-        "deadline_unix_ns": None
-        if spec.deadline is None
-        else to_unix(spec.deadline, "template.deadline"),
-        "fixed_start": None
-        if fixed is None
-        else {
-            "at_unix_ns": to_unix(fixed.at, "template.fixed_start.at"),
-            "tolerance_ns": duration_to_ns(fixed.tolerance),
-            "on_miss": encode_miss_policy(fixed.on_miss),
-        },
-        "duration_hint_ns": _optional_ns(spec.duration_hint),
-        "timeout_ns": _optional_ns(spec.timeout),
-        "retry": None if spec.retry is None else _retry_to_json(spec.retry),
-        "deps": [_dep_to_json(d) for d in spec.deps],
-        "resources": _resources_to_json(spec.resources),
-        "tags": [clean_text(s) for s in spec.tags],
-        "labels": [clean_text(s) for s in spec.labels],
-        "tenant": None if spec.tenant is None else clean_text(spec.tenant),
-    }
 
 
 # Decoding helpers. Each takes the value and its path (such as "deps[2].id") for messages.
@@ -551,150 +468,3 @@ def _resources_from_json(value: object, path: str) -> dict[str, int]:
 def _strings_from_json(value: object, path: str) -> tuple[str, ...]:
     items = _as_array(value, path)
     return tuple(_as_str(item, f"{path}[{i}]") for i, item in enumerate(items))
-
-
-def _schedule_from_json(value: object, path: str) -> Schedule:
-    obj = _as_object(value, path)
-    kind = _required(obj, "type", path)
-    try:
-        if kind == "cron":
-            expr = _as_str(_required(obj, "expr", path), f"{path}.expr")
-            if "timezone" not in obj:
-                return CronSchedule(expr)
-            return CronSchedule(expr, _as_str(obj["timezone"], f"{path}.timezone"))
-        if kind == "interval":
-            return IntervalSchedule(_as_ns(_required(obj, "every_ns", path), f"{path}.every_ns"))
-    except DecodeError:
-        raise
-    except ValueError as exc:
-        raise _rejected(path, exc) from exc
-    raise _mismatch(f"{path}.type", 'one of "cron", "interval"', kind)
-
-
-def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedStart:
-    obj = _as_object(value, path)
-    at = _as_bigint(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
-    d = _DEFAULT_FIXED
-    return FixedStart(
-        at=engine_time(base, at),
-        tolerance=_member(obj, "tolerance_ns", path, _as_ns, d.tolerance),
-        on_miss=_member(obj, "on_miss", path, _miss_policy_from_json, d.on_miss),
-    )
-
-
-def _miss_policy_from_json(value: object, path: str) -> MissPolicy:
-    return _as_name(MissPolicy, value, path, _DEFAULT_FIXED.on_miss)
-
-
-def _priority_from_json(value: object, path: str) -> Priority:
-    return Priority.from_stored(_as_int(value, path))
-
-
-def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str) -> TaskSpec:
-    obj = _as_object(value, path)
-    d = _DEFAULT_SPEC
-    deadline = _nullable(obj, "deadline_unix_ns", path, _as_bigint)
-    try:
-        return TaskSpec(
-            payload,
-            kind=_member(obj, "kind", path, _as_str, d.kind),
-            pool=_member(obj, "pool", path, _as_str, d.pool),
-            priority=_member(obj, "priority", path, _priority_from_json, d.priority),
-            key=_nullable(obj, "key", path, _as_str),
-            deadline=None if deadline is None else engine_time(base, deadline),
-            fixed_start=_nullable(
-                obj, "fixed_start", path, lambda v, p: _fixed_start_from_json(base, v, p)
-            ),
-            duration_hint=_nullable(obj, "duration_hint_ns", path, _as_ns),
-            timeout=_nullable(obj, "timeout_ns", path, _as_ns),
-            retry=_nullable(obj, "retry", path, _retry_from_json),
-            deps=_member(obj, "deps", path, _deps_from_json, ()),
-            resources=_member(obj, "resources", path, _resources_from_json, {}),
-            tags=_member(obj, "tags", path, _strings_from_json, ()),
-            labels=_member(obj, "labels", path, _strings_from_json, ()),
-            tenant=_nullable(obj, "tenant", path, _as_str),
-        )
-    except DecodeError:
-        raise
-    except ValueError as exc:
-        raise _rejected(path, exc) from exc
-
-
-#: The template's JSON member of each ``TaskSpec`` field (``None``: not in the JSON; the
-#: payload has a column of its own). :func:`check_template` holds TaskSpec's fields, what
-#: the encoder writes and what the decoder reads to it at import, as ``_rows`` holds the
-#: columns: a field added to ``TaskSpec`` fails the import until it is mapped here and in
-#: both directions.
-TEMPLATE_MEMBERS: dict[str, str | None] = {
-    "payload": None,
-    "kind": "kind",
-    "pool": "pool",
-    "priority": "priority",
-    "key": "key",
-    "deadline": "deadline_unix_ns",
-    "fixed_start": "fixed_start",
-    "duration_hint": "duration_hint_ns",
-    "timeout": "timeout_ns",
-    "retry": "retry",
-    "deps": "deps",
-    "resources": "resources",
-    "tags": "tags",
-    "labels": "labels",
-    "tenant": "tenant",
-}
-
-
-class _ReadMembers(dict[str, object]):
-    """A JSON object that records which members a decoder looks at."""
-
-    def __init__(self, members: dict[str, object]) -> None:
-        super().__init__(members)
-        self.read: set[str] = set()
-
-    def __contains__(self, name: object) -> bool:
-        self.read.add(str(name))
-        return super().__contains__(name)
-
-    def __getitem__(self, name: str) -> object:
-        self.read.add(name)
-        return super().__getitem__(name)
-
-    def get(self, name: str, default: object = None) -> object:
-        self.read.add(name)
-        return super().get(name, default)
-
-
-def check_template(
-    spec_type: type[TaskSpec] = TaskSpec,
-    encode: Callable[[Callable[[int, str], int], TaskSpec], dict[str, object]] = _template_to_json,
-    decode: Callable[[TimeBase, object, bytes, str], TaskSpec] = _template_from_json,
-) -> None:
-    """``RuntimeError`` unless :data:`TEMPLATE_MEMBERS` maps every field of ``spec_type``
-    and only those, ``encode`` writes every mapped member and only those, and ``decode``
-    reads each of them: run at import, so a forgotten codec entry is an import error."""
-    names = [f.name for f in fields(spec_type)]
-    members = {m for m in TEMPLATE_MEMBERS.values() if m is not None}
-    problems = []
-    if set(names) != set(TEMPLATE_MEMBERS):
-        problems.append(
-            f"TaskSpec fields not mapped: {sorted(set(names) - set(TEMPLATE_MEMBERS))}, "
-            f"mapped but not fields: {sorted(set(TEMPLATE_MEMBERS) - set(names))}"
-        )
-    written = json.loads(json.dumps(encode(lambda t, _: t, spec_type(b""))))
-    if set(written) != members:
-        problems.append(
-            f"the encoder does not write {sorted(members - set(written))} and writes "
-            f"unmapped {sorted(set(written) - members)}"
-        )
-    read = _ReadMembers(written)
-    decode(TimeBase(0, 0), read, b"", "template")
-    if not members <= read.read:
-        problems.append(f"the decoder does not read {sorted(members - read.read)}")
-    if problems:
-        raise RuntimeError(
-            "cronoq_store._codec: the recurring template's JSON and TaskSpec disagree: "
-            + "; ".join(problems)
-        )
-
-
-check_template()

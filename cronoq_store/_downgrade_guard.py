@@ -34,9 +34,9 @@ from . import _catalog as catalog
 from . import _lock_statements as lock_st
 from . import _migration_statements as migration_st
 from . import _queries as queries
-from ._domain import LockHolder
 from ._errors import MigrationError
 from ._schema import schema_options
+from ._stored_values import LockHolder
 
 __all__ = ["FORCE", "forced", "guarded"]
 

@@ -38,20 +38,18 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._codec import clean_text, encode_recurring, unix_converter
-from ._domain import (
+from ._codec import clean_text, unix_converter
+from ._domain import TaskId, TimeBase, level
+from ._errors import IdCollisionError
+from ._mutations import (
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
-    TaskId,
-    TimeBase,
-    level,
     unhandled,
 )
-from ._errors import IdCollisionError
 from ._rows import (
     INSERT_POSITION,
     StatusUpdates,
@@ -60,6 +58,7 @@ from ._rows import (
     set_state,
     transposed,
 )
+from ._template_codec import encode_recurring
 
 __all__ = [
     "FoldedBatch",

@@ -43,13 +43,14 @@ from typing import Protocol, TypeAlias, TypeVar
 
 from ._batch_order import Footprint, footprint
 from ._committer_stats import CommitterStats, Tally
-from ._domain import Mutation, TaskId, TimeBase, check_seconds
+from ._domain import TaskId, TimeBase, check_seconds
 from ._errors import (
     CommitterClosedError,
     FencedError,
     SchemaGoneError,
     StoreError,
 )
+from ._mutations import Mutation
 from ._retry import COMMIT_BACKOFF, Backoff, pause, retry
 from ._sizing import mutation_size, output_size
 from .telemetry import DISABLED, Telemetry

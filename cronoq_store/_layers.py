@@ -33,11 +33,14 @@ LAYERS: tuple[Layer, ...] = (
         "values",
         "plain values and rules; no SQL, no connection",
         {
-            "_domain": "the scheduler's values (tasks, mutations, recovery), the state order, "
-            "BIGINT bounds, the text-cleaning rule",
+            "_domain": "the scheduler's task and schedule values, ids and time, the state "
+            "order, BIGINT bounds, the text-cleaning rule",
+            "_mutations": "the mutations a batch commits, and `unhandled` ending each `match`",
+            "_stored_values": "what the store hands back: recovered values, records, health",
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
-            "_codec": "JSON encodings of the JSONB columns; time and duration conversions",
+            "_codec": "JSON encodings of the task columns; time and duration conversions",
+            "_template_codec": "the recurring spec's JSON, checked against `TaskSpec` at import",
             "_retry": "the one retry loop (policy, what to retry, when to stop) and timeout",
             "_urls": "database URLs: the asyncpg form, the one masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",

@@ -34,12 +34,12 @@ from . import _lock_statements as lock_st
 from . import _session_statements as session_st
 from . import _statements as st
 from ._config import PgStoreConfig
-from ._domain import LockHolder
 from ._driver import translate_error
 from ._errors import StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import acquisition_backoff, bounded, pause, retry
 from ._schema import schema_options
+from ._stored_values import LockHolder
 from ._trust import ConnectCheck, TrustCheck
 from ._urls import engine_arguments, redact
 from .telemetry import DISABLED, Telemetry

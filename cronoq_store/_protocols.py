@@ -12,15 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from ._domain import (
-    Mutation,
-    Recovered,
-    TaskId,
-    TaskRecord,
-    TaskRef,
-    TaskStatus,
-    TimeBase,
-)
+from ._domain import TaskId, TaskRef, TaskStatus, TimeBase
+from ._mutations import Mutation
+from ._stored_values import Recovered, TaskRecord
 
 __all__ = ["Store", "StoreQueries"]
 

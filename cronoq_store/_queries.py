@@ -23,9 +23,7 @@ from . import _statements as st
 from ._domain import (
     I64_MAX,
     UNIX_EPOCH,
-    LockHolder,
     TaskId,
-    TaskRecord,
     TaskRef,
     TaskStatus,
     check_seconds,
@@ -33,6 +31,7 @@ from ._domain import (
     clean_text,
 )
 from ._rows import RECORD_COLUMNS, task_record
+from ._stored_values import LockHolder, TaskRecord
 
 __all__ = [
     "MAX_PRUNE_AGE",

@@ -34,7 +34,6 @@ from ._codec import (
     clean_text,
     decode_deps,
     decode_miss_policy,
-    decode_recurring,
     decode_resources,
     decode_retry,
     decode_strings,
@@ -53,16 +52,15 @@ from ._domain import (
     UNIX_EPOCH,
     FixedStart,
     Priority,
-    RecoveredRecurring,
-    RecoveredTask,
-    Submitted,
     TaskId,
-    TaskRecord,
     TaskSpec,
     TaskStatus,
     TimeBase,
 )
+from ._mutations import Submitted
 from ._schema import recurring, tasks
+from ._stored_values import RecoveredRecurring, RecoveredTask, TaskRecord
+from ._template_codec import decode_recurring
 
 __all__ = [
     "IDENTITY_COLUMNS",

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from ._domain import (
-    CronSchedule,
-    IntervalSchedule,
+from ._domain import CronSchedule, IntervalSchedule, TaskId, TaskSpec
+from ._errors import BatchTooLargeError
+from ._mutations import (
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
-    TaskId,
-    TaskSpec,
     unhandled,
 )
-from ._errors import BatchTooLargeError
 
 __all__ = ["MAX_COMMIT_BYTES", "batch_size", "check_batch_size", "mutation_size", "output_size"]
 

@@ -33,17 +33,7 @@ from . import _statements as st
 from . import _transactions as transactions
 from . import _trust as trust
 from ._config import PgStoreConfig
-from ._domain import (
-    Health,
-    Mutation,
-    Recovered,
-    TaskId,
-    TaskRecord,
-    TaskRef,
-    TaskStatus,
-    TimeBase,
-    check_task_id,
-)
+from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._driver import translate_error
 from ._errors import (
     FencedError,
@@ -53,9 +43,11 @@ from ._errors import (
 )
 from ._folding import fold
 from ._leadership import Leadership
+from ._mutations import Mutation
 from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
+from ._stored_values import Health, Recovered, TaskRecord
 from ._urls import async_url, redact
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve

@@ -24,18 +24,11 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Mutation,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._errors import FencedError, StoreError
 from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._migrations import upgrade
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute

@@ -24,17 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Mutation,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import UnavailableError
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 

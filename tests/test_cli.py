@@ -29,12 +29,7 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     Dependency,
     IntervalSchedule,
-    Mutation,
-    RecurringNext,
     RecurringSpec,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -42,6 +37,13 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._migrations import head_revision
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV
 

@@ -21,10 +21,6 @@ from cronoq_store import (
 )
 from cronoq_store._codec import (
     QUARANTINE_PREFIX,
-    TEMPLATE_MEMBERS,
-    _template_from_json,
-    _template_to_json,
-    check_template,
     quarantine_reason,
 )
 from cronoq_store._errors import BatchTooLargeError
@@ -33,6 +29,12 @@ from cronoq_store._retry import Backoff, bounded, retry
 from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
 from cronoq_store._sizing import batch_size
 from cronoq_store._statements import update_status
+from cronoq_store._template_codec import (
+    TEMPLATE_MEMBERS,
+    _template_from_json,
+    _template_to_json,
+    check_template,
+)
 from cronoq_store.testing import InMemoryStore
 
 BASE = TimeBase(0, 1_700_000_000 * 10**9)

@@ -34,18 +34,11 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import FencedError, StoreError
 from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._lock_statements import LOCK_NS_LEADER
+from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store.testing import find_bin_dir
 

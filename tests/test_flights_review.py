@@ -19,12 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
-    Mutation,
-    RecurringRemove,
     RecurringSpec,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -32,6 +27,13 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import CommitterClosedError, FencedError, IdCollisionError
 from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 

@@ -27,14 +27,8 @@ from cronoq_store._domain import (
     CronSchedule,
     Dependency,
     FixedStart,
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
     RecurringSpec,
-    RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -46,6 +40,14 @@ from cronoq_store._folding import (
     FoldedBatch,
     RecurringAction,
     fold,
+)
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
 )
 from cronoq_store._rows import INSERT_COLUMNS
 from cronoq_store._store import PgStore

@@ -5,15 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cronoq_store._domain import (
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._folding import fold
+from cronoq_store._mutations import StatusChanged, Submitted
 
 BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000 * 10**9)
 NOW = 1_800_000_000 * 10**9

@@ -21,16 +21,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store._committer_stats import Tally
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Mutation,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
     CommitterClosedError,
     FencedError,
@@ -40,6 +31,7 @@ from cronoq_store._errors import (
     UnavailableError,
 )
 from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._retry import Backoff
 from cronoq_store._store import PgStore
 

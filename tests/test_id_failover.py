@@ -15,16 +15,8 @@ import time
 import pytest
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    EPOCH_MAX,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store.testing import find_bin_dir
 

@@ -30,11 +30,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
-    Mutation,
     RecurringSpec,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -43,6 +39,7 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import FencedError, StoreError
 from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._mutations import Mutation, RecurringUpsert, StatusChanged, Submitted
 from cronoq_store._retry import Backoff
 from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store._store import PgStore

@@ -20,16 +20,8 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Dependency,
-    Mutation,
-    StatusChanged,
-    Submitted,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import Dependency, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS
 

@@ -11,16 +11,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Dependency,
-    Mutation,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-)
+from cronoq_store._domain import Dependency, TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._store import PgStore
 

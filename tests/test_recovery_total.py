@@ -34,18 +34,20 @@ from cronoq_store._domain import (
     FixedStart,
     IntervalSchedule,
     MissPolicy,
-    Mutation,
     Priority,
-    RecurringNext,
     RecurringSpec,
-    RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
+)
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
 )
 from cronoq_store._store import PgStore
 

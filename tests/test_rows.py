@@ -19,12 +19,12 @@ from cronoq_store._domain import (
     MissPolicy,
     Priority,
     RetryPolicy,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
 )
+from cronoq_store._mutations import Submitted
 from cronoq_store._rows import (
     INSERT_COLUMNS,
     INSERT_POSITION,

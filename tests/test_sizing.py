@@ -17,14 +17,8 @@ import pytest
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
     RecurringSpec,
-    RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -32,6 +26,14 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._folding import fold
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._sizing import batch_size
 
 BASE = TimeBase.now()

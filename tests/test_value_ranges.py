@@ -25,15 +25,8 @@ from cronoq_store._domain import (
     FixedStart,
     IntervalSchedule,
     MissPolicy,
-    Mutation,
-    RecoveredRecurring,
-    RecoveredTerminal,
-    RecurringNext,
     RecurringSpec,
-    RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -41,7 +34,15 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
+from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
 from .test_group_commit import (

@@ -13,8 +13,9 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Submitted, TaskId, TaskSpec
+from cronoq_store._domain import TaskId, TaskSpec
 from cronoq_store._errors import FencedError, UnavailableError
+from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend

@@ -16,9 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .. import _catalog as catalog
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._domain import I64_MAX, LockHolder
+from .._domain import I64_MAX
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts
+from .._stored_values import LockHolder
 from . import database, output
 from .exits import CliError, ExitCode
 

@@ -28,15 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._domain import (
-    I64_MAX,
-    ID_COUNTER_BITS,
-    UNIX_EPOCH,
-    LockHolder,
-    TaskId,
-    TaskRecord,
-    epoch_of,
-)
+from .._domain import I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, TaskId, epoch_of
+from .._stored_values import LockHolder, TaskRecord
 from .._terminal_safe import json_text, visible
 
 __all__ = [

@@ -10,12 +10,8 @@ import click
 from rich.console import Console
 
 from .. import _queries as queries
-from .._domain import (
-    I64_MAX,
-    TaskId,
-    TaskRecord,
-    TaskStatus,
-)
+from .._domain import I64_MAX, TaskId, TaskStatus
+from .._stored_values import TaskRecord
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run

@@ -41,18 +41,13 @@ from .._codec import QUARANTINE_PREFIX, decode_deps, engine_time, quarantine_rea
 from .._domain import (
     EPOCH_MAX,
     EPOCH_MIN,
-    Mutation,
-    Recovered,
-    RecoveredTerminal,
     TaskId,
-    TaskRecord,
     TaskRef,
     TaskStatus,
     TimeBase,
     check_seconds,
     check_task_id,
     level,
-    unhandled,
 )
 from .._errors import (
     FencedError,
@@ -66,6 +61,7 @@ from .._folding import (
     fold,
     taken_keys,
 )
+from .._mutations import Mutation, unhandled
 from .._queries import finished_params, lookup_params, prune_cutoff
 from .._recovery import next_id
 from .._rows import (
@@ -81,6 +77,7 @@ from .._rows import (
     task_record,
 )
 from .._sizing import MAX_COMMIT_BYTES, check_batch_size
+from .._stored_values import Recovered, RecoveredTerminal, TaskRecord
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]
 

@@ -22,13 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore
 from cronoq_store._cli import ExitCode
-from cronoq_store._domain import (
-    Dependency,
-    Mutation,
-    Submitted,
-    TaskId,
-    TaskSpec,
-)
+from cronoq_store._domain import Dependency, TaskId, TaskSpec
+from cronoq_store._mutations import Mutation, Submitted
 
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config

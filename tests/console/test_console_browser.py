@@ -24,14 +24,8 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
 from cronoq_store._console import statements as cs
-from cronoq_store._domain import (
-    Dependency,
-    DependencyCondition,
-    Mutation,
-    Submitted,
-    TaskId,
-    TaskSpec,
-)
+from cronoq_store._domain import Dependency, DependencyCondition, TaskId, TaskSpec
+from cronoq_store._mutations import Mutation, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted

@@ -33,20 +33,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import (
-    Mutation,
-    Recovered,
-    StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
-    task_id,
-)
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import CommitterClosedError, FencedError, StoreError
 from cronoq_store._group_commit import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
+from cronoq_store._stored_values import Recovered
 
 from . import audit
 from .journal import Journal
