@@ -28,6 +28,10 @@ Failures are sorted by who they belong to:
 
 Batches are bounded by rows and by bytes (:mod:`cronoq_store._sizing`), far below what
 PostgreSQL accepts in one message.
+
+This module is the committer's admission and public API; its writer loop is
+:mod:`cronoq_store._commit_writer`, how its submissions settle :mod:`cronoq_store._settling`,
+and what they are :mod:`cronoq_store._submissions`.
 """
 
 from __future__ import annotations
@@ -36,15 +40,15 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 
 from ._commit_writer import CommitWriter
 from ._committer_stats import CommitterStats, Tally
 from ._domain import Mutation, TaskId, TimeBase, check_seconds
-from ._errors import CommitterClosedError, FencedError
+from ._errors import CommitterClosedError
 from ._retry import COMMIT_BACKOFF, Backoff
-from ._submissions import Flight, State, Submission, SupportsCommit, fenced_error
+from ._submissions import State, Submission, SupportsCommit, fenced_error
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter", "SupportsCommit"]
@@ -115,18 +119,18 @@ class GroupCommitter(CommitWriter):
         self._stuck_after = _positive_int("stuck_after", stuck_after)
         self._max_flights = _positive_int("max_batches_in_flight", max_batches_in_flight)
         ping = getattr(store, "ping", None)
-        self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
+        self._ping = ping if callable(ping) else None
         if not isinstance(backoff, Backoff):
             raise ValueError(f"backoff must be a retry.Backoff, got {backoff!r}")
         self._backoff = backoff
         self._tally = Tally(_positive_int("latency_window", latency_window))
         # A PgStore's telemetry (cronoq_store.telemetry), as of now; any other store's: none.
         recorder = getattr(store, "telemetry", DISABLED)
-        self._telemetry: Telemetry = recorder if isinstance(recorder, Telemetry) else DISABLED
+        self._telemetry = recorder if isinstance(recorder, Telemetry) else DISABLED
         self._telemetry.watch_committer(self)
 
-        self._queue: deque[Submission] = deque()
-        self._flights: list[Flight] = []
+        self._queue = deque()
+        self._flights = []
         self._settled = asyncio.Event()  # a batch in flight settled (or an abort began)
         self._pending_count = 0
         self._pending_weight = 0
@@ -141,8 +145,8 @@ class GroupCommitter(CommitWriter):
 
         self._closing = False  # no new submissions
         self._aborting = False  # stop committing: fail what is left
-        self._fenced: FencedError | None = None
-        self._failure: BaseException | None = None  # the writer died of this
+        self._fenced = None
+        self._failure = None  # the writer died of this
 
     # --- public API -------------------------------------------------------------------------
 
