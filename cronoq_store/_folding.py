@@ -202,7 +202,7 @@ def fold(
     their update time. Engine times are converted to Unix ns through ``base``; one that
     leaves BIGINT raises ``ValueError`` naming the field (only its submission then fails).
 
-    Long on purpose: one ``match`` over the batch with each case inline, since a call per
+    Long for a reason: one ``match`` over the batch with each case inline, since a call per
     mutation costs the fold 5-10% (measured on 5000 transitions)."""
     to_unix = unix_converter(base)
     distinct = _distinct_transitions(batch)

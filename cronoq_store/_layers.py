@@ -78,6 +78,10 @@ LAYERS: tuple[Layer, ...] = (
         "what the store does, each on connections handed in",
         {
             "_batch_order": "which batches in flight a new batch follows (task, key, schedule)",
+            "_submissions": "a group commit's submission and its states, a batch in flight",
+            "_settling": "how a group commit's submissions settle: acknowledged, failed, fenced",
+            "_commit_writer": "the group committer's writer: batches cut, in flight, retried, "
+            "bisected",
             "_folding": "a batch of mutations folded into column arrays, pure Python",
             "_sizing": "the bytes a batch sends, estimated from above",
             "_writer": "the commit path: which way a folded batch is written, what it found",

@@ -5,6 +5,7 @@ sessions' ``search_path``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import URL, event
@@ -12,14 +13,27 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
 
+from . import _lock_statements as lock_st
 from . import _session_statements as session_st
 from . import _statements as st
 from ._config import PgStoreConfig, keepalive_settings
 from ._driver import translate_error, translate_open_error
 from ._errors import StoreError
-from ._urls import engine_arguments
+from ._retry import bounded
+from ._trust import TrustCheck
+from ._urls import engine_arguments, redact
 
-__all__ = ["idle_in_transaction_ms", "own_engine", "require_search_path", "require_utf8"]
+__all__ = [
+    "accepts_writes",
+    "demoted",
+    "idle_in_transaction_ms",
+    "own_engine",
+    "require_search_path",
+    "require_utf8",
+    "schema_oid_and_role",
+]
+
+logger = logging.getLogger("cronoq_store")
 
 
 def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
@@ -124,3 +138,44 @@ def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnect
     driver: Any = proxy.driver_connection
     if driver.is_closed():
         raise DisconnectionError("the server closed this pooled connection")
+
+
+async def schema_oid_and_role(engine: AsyncEngine, schema: str) -> tuple[int | None, str]:
+    """The OID of ``schema`` (``None`` if there is none) and the role the pool connects as,
+    read at open."""
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(session_st.local_search_path)
+            oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+            pool_role = (await conn.execute(TrustCheck.current_user)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, f"reading the OID of schema {schema!r}") from exc
+    return oid, pool_role
+
+
+async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
+    """Whether a read-only failure is evidence enough to drop the pool's connections:
+    always for the store's own pool (``owned``); for an application's, only if a session
+    it hands out is on a server in recovery (a standby)."""
+    if owned:
+        return True
+    try:
+        writable = await bounded(accepts_writes(db), timeout)
+    except Exception as exc:
+        logger.warning(
+            "a read-only failure on the application's pool, and the server cannot say "
+            "whether it is in recovery: its connections are left alone",
+            extra={
+                "url": redact(db.url),
+                "error": str(translate_error(exc, "checking recovery")),
+            },
+        )
+        return False
+    return writable is False
+
+
+async def accepts_writes(db: AsyncEngine) -> bool | None:
+    """Whether the server a pooled session reaches takes writes (not in recovery)."""
+    async with db.connect() as conn:
+        writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+    return writable

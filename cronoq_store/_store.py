@@ -29,7 +29,6 @@ from . import _pool as pool
 from . import _queries as queries
 from . import _recovery as recovery
 from . import _session_statements as session_st
-from . import _statements as st
 from . import _transactions as transactions
 from . import _trust as trust
 from ._config import PgStoreConfig
@@ -237,13 +236,7 @@ class PgStore:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
         else:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
-        try:
-            async with engine.begin() as conn:
-                await conn.execute(session_st.local_search_path)
-                oid = (await conn.execute(lock_st.schema_oid, {"schema": config.schema})).scalar()
-                pool_role = (await conn.execute(trust.TrustCheck.current_user)).scalar_one()
-        except Exception as exc:
-            raise translate_error(exc, f"reading the OID of schema {config.schema!r}") from exc
+        oid, pool_role = await pool.schema_oid_and_role(engine, config.schema)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
         return cls(
@@ -425,7 +418,7 @@ class PgStore:
                 ) from exc
 
     async def _ping(self) -> None:
-        if not await self._accepts_writes():
+        if not await pool.accepts_writes(self._db):
             raise UnavailableError(
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
@@ -484,29 +477,11 @@ class PgStore:
             raise error from exc
 
     async def _demoted(self) -> bool:
-        """Whether a read-only failure is evidence enough to drop the pool's connections:
-        always for the store's own pool; for an application's, only if a session it hands
-        out is on a server in recovery (a standby)."""
-        if self._owns_engine:
-            return True
-        try:
-            writable = await bounded(self._accepts_writes(), self._config.commit_timeout)
-        except Exception as exc:
-            logger.warning(
-                "a read-only failure on the application's pool, and the server cannot say "
-                "whether it is in recovery: its connections are left alone",
-                extra={
-                    "url": redact(self._engine.url),
-                    "error": str(translate_error(exc, "checking recovery")),
-                },
-            )
-            return False
-        return writable is False
-
-    async def _accepts_writes(self) -> bool | None:
-        async with self._db.connect() as conn:
-            writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
-        return writable
+        """Whether a read-only failure is evidence enough to drop the pool's connections
+        (:func:`~cronoq_store._pool.demoted`)."""
+        return await pool.demoted(
+            self._db, owned=self._owns_engine, timeout=self._config.commit_timeout
+        )
 
     # --- recovery ---------------------------------------------------------------------------
 

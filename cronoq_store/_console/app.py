@@ -195,6 +195,193 @@ def _query(items: list[tuple[str, str]]) -> str:
     return "?" + urlencode(items)
 
 
+class _Console:
+    """The console's route handlers, on what they share: its templates, its CSRF tokens,
+    the database and the prunes it started."""
+
+    def __init__(
+        self,
+        url: str,
+        templates: Environment,
+        csrf: actions.Csrf,
+        source: Source,
+        pruning: actions.Pruning,
+    ) -> None:
+        self._url = url
+        self._templates = templates
+        self._csrf = csrf
+        self._source = source
+        self._pruning = pruning
+
+    def _respond(
+        self, request: Request, template: str, doc: dict[str, Any], status: int = 200
+    ) -> Response:
+        if request.query_params.get("format") == "json":
+            # ASCII-escaped: valid JSON whatever a value holds, safe in any viewer.
+            return Response(
+                json.dumps(doc, ensure_ascii=True, indent=2),
+                status,
+                media_type="application/json",
+            )
+        body = self._templates.get_template(template).render(doc=doc, request=request)
+        return HTMLResponse(body, status)
+
+    async def _guarded(self, request: Request, template: str, work: Any) -> Response:
+        try:
+            done = await work()
+            return done if isinstance(done, Response) else self._respond(request, template, done)
+        except (ClusterNotFound, reads.TaskNotFound, actions.PruneNotFound) as exc:
+            what = {
+                ClusterNotFound: "cluster",
+                reads.TaskNotFound: "task",
+                actions.PruneNotFound: "prune (this console keeps its last ones only)",
+            }[type(exc)]
+            return self._respond(
+                request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404
+            )
+        except _BadRequest as exc:
+            return self._respond(request, "error.html", {"error": str(exc)}, 400)
+        except actions.ActionRefused as exc:
+            # Made visible: a log line goes to the operator's terminal.
+            log.warning("refused %s %s: %s", request.method, visible(request.url.path), exc)
+            return self._respond(request, "error.html", {"error": str(exc)}, 403)
+        except MigrationError as exc:  # the trust check refused the schema
+            return self._respond(
+                request, "error.html", {"error": scrub(str(exc), [self._url])}, 409
+            )
+        except CliError as exc:  # cannot connect (503), or a schema not at this build's head
+            status = 503 if exc.code is ExitCode.UNREACHABLE else 409
+            return self._respond(
+                request, "error.html", {"error": scrub(str(exc), [self._url])}, status
+            )
+        except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
+            error = translate_error(exc, "reading the cluster")
+            log.warning(
+                "%s %s: %s",
+                request.method,
+                visible(request.url.path),
+                visible(scrub(str(error), [self._url])),
+            )
+            status = 503 if error.is_transient else 500
+            return self._respond(
+                request, "error.html", {"error": scrub(str(error), [self._url])}, status
+            )
+
+    async def overview(self, request: Request) -> Response:
+        return await self._guarded(request, "overview.html", lambda: reads.overview(self._source))
+
+    async def cluster(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema, filters = _schema(request), _filters(request)
+            after = request.query_params.get("schedules_after", "")
+            if len(after) > _MAX_VALUE_CHARS:
+                raise _BadRequest("schedules_after: too long")
+            doc = await reads.cluster(self._source, schema, filters, clean_text(after))
+            finished = doc.get("finished")
+            if finished is not None:
+                # The same filters, one page on; and back to the newest page.
+                items = request.query_params.multi_items()
+                kept = [(k, v) for k, v in items if k not in ("before", "schedules_after")]
+                name = doc["recurring_next"]
+                doc["recurring_next_url"] = (
+                    None if name is None else _query([*kept, ("schedules_after", name)])
+                )
+                kept = [(k, v) for k, v in items if k != "before"]
+                cursor = finished["next"]
+                finished["next_url"] = (
+                    None if cursor is None else _query([*kept, ("before", cursor)])
+                )
+                finished["first_url"] = _query(kept) if filters.before is not None else None
+            return doc
+
+        return await self._guarded(request, "cluster.html", work)
+
+    async def handover_page(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            await self._source.known(schema)
+            doc = await actions.handover_facts(self._source, schema)
+            doc["csrf"] = self._csrf.token(schema, "handover")
+            return doc
+
+        return await self._guarded(request, "handover.html", work)
+
+    async def _posted(
+        self, request: Request, action: Callable[[dict[str, str]], str]
+    ) -> tuple[str, dict[str, str], str]:
+        """A POST from the console's own page: its cluster, its form and who asked, once
+        its origin and its CSRF token (bound to the action ``action(form)`` names) pass."""
+        schema = _schema(request)
+        actions.check_origin(request)
+        form = await _form(request)
+        self._csrf.check(schema, action(form), form.get("csrf"))
+        await self._source.known(schema)
+        return schema, form, getattr(request.state, "who", None) or "unauthenticated"
+
+    async def handover(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema, form, who = await self._posted(request, lambda form: "handover")
+            pid = form.get("pid", "")
+            if _ID.fullmatch(pid) is None or int(pid) > 2**31 - 1:
+                raise _BadRequest("pid: not a backend pid")
+            return await actions.handover(self._source, schema, int(pid), who)
+
+        return await self._guarded(request, "handed_over.html", work)
+
+    async def prune_page(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            try:
+                older_than = parse_duration(request.query_params.get("older_than", "7d"))
+            except ValueError as exc:
+                raise _BadRequest(str(exc)) from None
+            await self._source.known(schema)
+            doc = await actions.prune_preview(self._source, schema, older_than)
+            # Bound to the dry run: the real run deletes before its cutoff, and its page
+            # counts against what the dry run counted.
+            doc["csrf"] = self._csrf.token(
+                schema, _prune_action(doc["cutoff_ns"], doc["would_delete"])
+            )
+            return doc
+
+        return await self._guarded(request, "prune.html", work)
+
+    async def prune(self, request: Request) -> Response:
+        async def work() -> Response:
+            schema, form, who = await self._posted(
+                request, lambda form: _prune_action(form.get("cutoff"), form.get("expected"))
+            )
+            cutoff, expected = form.get("cutoff", ""), form.get("expected", "")
+            if _CUTOFF.fullmatch(cutoff) is None or not -(2**63) <= int(cutoff) <= I64_MAX:
+                raise _BadRequest("cutoff: not one a dry run gave")
+            if _ID.fullmatch(expected) is None or int(expected) > I64_MAX:
+                raise _BadRequest("expected: not a count a dry run gave")
+            job = self._pruning.start(schema, int(cutoff), int(expected), who)
+            # See Other: the browser GETs the prune's page, which refreshes until it ends.
+            return RedirectResponse(f"/clusters/{schema}/prune/{job.id}", 303)
+
+        return await self._guarded(request, "self._pruning.html", work)
+
+    async def prune_progress(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            job = self._pruning.job(schema, request.path_params["job"])
+            if job is None:
+                raise actions.PruneNotFound(request.path_params["job"])
+            return job.document()
+
+        return await self._guarded(request, "self._pruning.html", work)
+
+    async def task(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema, ref = _schema(request), _ref(request)
+            doc = await reads.task(self._source, schema, ref)
+            doc["schema"] = schema
+            return doc
+
+        return await self._guarded(request, "task.html", work)
+
+
 def console_app(
     url: str,
     credentials: Credentials | None,
@@ -214,177 +401,22 @@ def console_app(
     csrf = actions.Csrf()
     source = Source(url, trusted_triggers)
     pruning = actions.Pruning(source)
-
-    def respond(
-        request: Request, template: str, doc: dict[str, Any], status: int = 200
-    ) -> Response:
-        if request.query_params.get("format") == "json":
-            # ASCII-escaped: valid JSON whatever a value holds, safe in any viewer.
-            return Response(
-                json.dumps(doc, ensure_ascii=True, indent=2),
-                status,
-                media_type="application/json",
-            )
-        body = templates.get_template(template).render(doc=doc, request=request)
-        return HTMLResponse(body, status)
-
-    async def guarded(request: Request, template: str, work: Any) -> Response:
-        try:
-            done = await work()
-            return done if isinstance(done, Response) else respond(request, template, done)
-        except (ClusterNotFound, reads.TaskNotFound, actions.PruneNotFound) as exc:
-            what = {
-                ClusterNotFound: "cluster",
-                reads.TaskNotFound: "task",
-                actions.PruneNotFound: "prune (this console keeps its last ones only)",
-            }[type(exc)]
-            return respond(request, "error.html", {"error": f"no {what} {exc.args[0]!r}"}, 404)
-        except _BadRequest as exc:
-            return respond(request, "error.html", {"error": str(exc)}, 400)
-        except actions.ActionRefused as exc:
-            # Made visible: a log line goes to the operator's terminal.
-            log.warning("refused %s %s: %s", request.method, visible(request.url.path), exc)
-            return respond(request, "error.html", {"error": str(exc)}, 403)
-        except MigrationError as exc:  # the trust check refused the schema
-            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, 409)
-        except CliError as exc:  # cannot connect (503), or a schema not at this build's head
-            status = 503 if exc.code is ExitCode.UNREACHABLE else 409
-            return respond(request, "error.html", {"error": scrub(str(exc), [url])}, status)
-        except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
-            error = translate_error(exc, "reading the cluster")
-            log.warning(
-                "%s %s: %s",
-                request.method,
-                visible(request.url.path),
-                visible(scrub(str(error), [url])),
-            )
-            status = 503 if error.is_transient else 500
-            return respond(request, "error.html", {"error": scrub(str(error), [url])}, status)
-
-    async def overview(request: Request) -> Response:
-        return await guarded(request, "overview.html", lambda: reads.overview(source))
-
-    async def cluster(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema, filters = _schema(request), _filters(request)
-            after = request.query_params.get("schedules_after", "")
-            if len(after) > _MAX_VALUE_CHARS:
-                raise _BadRequest("schedules_after: too long")
-            doc = await reads.cluster(source, schema, filters, clean_text(after))
-            finished = doc.get("finished")
-            if finished is not None:
-                # The same filters, one page on; and back to the newest page.
-                items = request.query_params.multi_items()
-                kept = [(k, v) for k, v in items if k not in ("before", "schedules_after")]
-                name = doc["recurring_next"]
-                doc["recurring_next_url"] = (
-                    None if name is None else _query([*kept, ("schedules_after", name)])
-                )
-                kept = [(k, v) for k, v in items if k != "before"]
-                cursor = finished["next"]
-                finished["next_url"] = (
-                    None if cursor is None else _query([*kept, ("before", cursor)])
-                )
-                finished["first_url"] = _query(kept) if filters.before is not None else None
-            return doc
-
-        return await guarded(request, "cluster.html", work)
-
-    async def handover_page(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema = _schema(request)
-            await source.known(schema)
-            doc = await actions.handover_facts(source, schema)
-            doc["csrf"] = csrf.token(schema, "handover")
-            return doc
-
-        return await guarded(request, "handover.html", work)
-
-    async def posted(
-        request: Request, action: Callable[[dict[str, str]], str]
-    ) -> tuple[str, dict[str, str], str]:
-        """A POST from the console's own page: its cluster, its form and who asked, once
-        its origin and its CSRF token (bound to the action ``action(form)`` names) pass."""
-        schema = _schema(request)
-        actions.check_origin(request)
-        form = await _form(request)
-        csrf.check(schema, action(form), form.get("csrf"))
-        await source.known(schema)
-        return schema, form, getattr(request.state, "who", None) or "unauthenticated"
-
-    async def handover(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema, form, who = await posted(request, lambda form: "handover")
-            pid = form.get("pid", "")
-            if _ID.fullmatch(pid) is None or int(pid) > 2**31 - 1:
-                raise _BadRequest("pid: not a backend pid")
-            return await actions.handover(source, schema, int(pid), who)
-
-        return await guarded(request, "handed_over.html", work)
-
-    async def prune_page(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema = _schema(request)
-            try:
-                older_than = parse_duration(request.query_params.get("older_than", "7d"))
-            except ValueError as exc:
-                raise _BadRequest(str(exc)) from None
-            await source.known(schema)
-            doc = await actions.prune_preview(source, schema, older_than)
-            # Bound to the dry run: the real run deletes before its cutoff, and its page
-            # counts against what the dry run counted.
-            doc["csrf"] = csrf.token(schema, _prune_action(doc["cutoff_ns"], doc["would_delete"]))
-            return doc
-
-        return await guarded(request, "prune.html", work)
-
-    async def prune(request: Request) -> Response:
-        async def work() -> Response:
-            schema, form, who = await posted(
-                request, lambda form: _prune_action(form.get("cutoff"), form.get("expected"))
-            )
-            cutoff, expected = form.get("cutoff", ""), form.get("expected", "")
-            if _CUTOFF.fullmatch(cutoff) is None or not -(2**63) <= int(cutoff) <= I64_MAX:
-                raise _BadRequest("cutoff: not one a dry run gave")
-            if _ID.fullmatch(expected) is None or int(expected) > I64_MAX:
-                raise _BadRequest("expected: not a count a dry run gave")
-            job = pruning.start(schema, int(cutoff), int(expected), who)
-            # See Other: the browser GETs the prune's page, which refreshes until it ends.
-            return RedirectResponse(f"/clusters/{schema}/prune/{job.id}", 303)
-
-        return await guarded(request, "pruning.html", work)
-
-    async def prune_progress(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema = _schema(request)
-            job = pruning.job(schema, request.path_params["job"])
-            if job is None:
-                raise actions.PruneNotFound(request.path_params["job"])
-            return job.document()
-
-        return await guarded(request, "pruning.html", work)
-
-    async def task(request: Request) -> Response:
-        async def work() -> dict[str, Any]:
-            schema, ref = _schema(request), _ref(request)
-            doc = await reads.task(source, schema, ref)
-            doc["schema"] = schema
-            return doc
-
-        return await guarded(request, "task.html", work)
+    console = _Console(url, templates, csrf, source, pruning)
 
     routes = [
-        Route("/", overview),
-        Route("/clusters/{schema}", cluster),
-        Route("/clusters/{schema}/task", task),
+        Route("/", console.overview),
+        Route("/clusters/{schema}", console.cluster),
+        Route("/clusters/{schema}/task", console.task),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     if allow_actions:
-        routes.append(Route("/clusters/{schema}/handover", handover_page, methods=["GET"]))
-        routes.append(Route("/clusters/{schema}/handover", handover, methods=["POST"]))
-        routes.append(Route("/clusters/{schema}/prune", prune_page, methods=["GET"]))
-        routes.append(Route("/clusters/{schema}/prune", prune, methods=["POST"]))
-        routes.append(Route("/clusters/{schema}/prune/{job}", prune_progress, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/handover", console.handover_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/handover", console.handover, methods=["POST"]))
+        routes.append(Route("/clusters/{schema}/prune", console.prune_page, methods=["GET"]))
+        routes.append(Route("/clusters/{schema}/prune", console.prune, methods=["POST"]))
+        routes.append(
+            Route("/clusters/{schema}/prune/{job}", console.prune_progress, methods=["GET"])
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -104,6 +104,13 @@ async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], 
     if not revision.at_head:
         # A schema this build cannot read: its tables may not be what the statements expect.
         return doc, []
+    counts, live = await _counts(conn, schema)
+    doc.update(counts)
+    return doc, live
+
+
+async def _counts(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], Sequence[Any]]:
+    """The summary's leader state and its live and finished counts (a cluster at head)."""
     epoch, max_id = (await conn.execute(catalog.leader_state)).one()
     live = (await conn.execute(cs.live_counts, {"bound": cs.LIVE_SAMPLE})).all()
     finished = (
@@ -125,7 +132,7 @@ async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], 
     # The store keeps no commit time: the newest update among what the counts examined is
     # the last change a commit recorded (or an earlier one, when the live counts stopped).
     newest = max((row.newest for row in (*live, *finished)), default=None)
-    doc.update(
+    return (
         {
             "epoch": epoch,
             "max_id": max_id,
@@ -145,9 +152,9 @@ async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], 
                 "at_least": examined >= cs.SAMPLE,
             },
             "quarantined": sum(row.quarantined for row in finished),
-        }
+        },
+        live,
     )
-    return doc, live
 
 
 def _age(unix_ns: int) -> float:
@@ -211,12 +218,7 @@ async def cluster(
         ).all()
         await conn.rollback()
     page = rows[:PAGE_SIZE]
-    if len(rows) > PAGE_SIZE:
-        last: tuple[int, int] | None = (page[-1].updated_unix_ns, page[-1].id)
-    elif boundary is not None:
-        last = (boundary.updated_unix_ns, boundary.id)
-    else:
-        last = None
+    last = _page_end(rows, boundary)
     return {
         "schema": schema,
         "summary": summary,
@@ -231,21 +233,34 @@ async def cluster(
             # At the bound, older tasks of the window were not examined: a minimum.
             "matching_at_least": examined >= cs.SAMPLE,
         },
-        "recurring": [
-            {
-                "name": r.name,
-                "schedule": output.describe_schedule(r.schedule),
-                "next_run": output.rfc3339(r.next_unix_ns),
-                "last_task_id": r.last_task_id,
-                "last_status": r.last_status,
-                "last_updated": output.rfc3339(r.last_updated),
-            }
-            for r in recurring[:SCHEDULES_SHOWN]
-        ],
+        "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
         if len(recurring) > SCHEDULES_SHOWN
         else None,
+    }
+
+
+def _page_end(rows: Sequence[Any], boundary: Any) -> tuple[int, int] | None:
+    """Where the next page of finished tasks starts: after the page's last task when more
+    matched, after the scan's bound when it stopped short, nowhere at the end."""
+    if len(rows) > PAGE_SIZE:
+        last = rows[PAGE_SIZE - 1]
+        return (last.updated_unix_ns, last.id)
+    if boundary is not None:
+        return (boundary.updated_unix_ns, boundary.id)
+    return None
+
+
+def _schedule_document(r: Any) -> dict[str, Any]:
+    """One recurring schedule's line of the cluster page."""
+    return {
+        "name": r.name,
+        "schedule": output.describe_schedule(r.schedule),
+        "next_run": output.rfc3339(r.next_unix_ns),
+        "last_task_id": r.last_task_id,
+        "last_status": r.last_status,
+        "last_updated": output.rfc3339(r.last_updated),
     }
 
 
