@@ -169,20 +169,20 @@ def encode_retry(retry: RetryPolicy | None) -> str | None:
 # JSON is made once (equal policies encode alike: the multiplier is always a float).
 @lru_cache(maxsize=1024)
 def _retry_json(retry: RetryPolicy) -> str:
-    return _dumps(_retry_to_json(retry))
+    return dumps(retry_to_json(retry))
 
 
 def decode_retry(text: str | None) -> RetryPolicy | None:
     """Decode the ``retry`` column; SQL NULL and JSON ``null`` both mean no policy."""
     if text is None:
         return None
-    value = _loads(text, "retry")
-    return None if value is None else _retry_from_json(value, "retry")
+    value = loads(text, "retry")
+    return None if value is None else retry_from_json(value, "retry")
 
 
 def encode_deps(deps: Iterable[Dependency]) -> str:
     """JSON for the ``deps`` column: an array of ``{"id"|"key": ..., "on": ...}``."""
-    items = [_dep_to_json(d) for d in deps]
+    items = [dep_to_json(d) for d in deps]
     return _dumps_plain(items) if items else "[]"
 
 
@@ -190,19 +190,19 @@ def decode_deps(text: str) -> tuple[Dependency, ...]:
     """Decode the ``deps`` column."""
     if text == "[]":  # by far the most common value
         return ()
-    return _deps_from_json(_loads(text, "deps"), "deps")
+    return deps_from_json(loads(text, "deps"), "deps")
 
 
 def encode_resources(resources: Mapping[str, int]) -> str:
     """JSON for the ``resources`` column: an object of name -> amount."""
-    return _dumps_plain(_resources_to_json(resources)) if resources else "{}"
+    return _dumps_plain(resources_to_json(resources)) if resources else "{}"
 
 
 def decode_resources(text: str) -> dict[str, int]:
     """Decode the ``resources`` column."""
     if text == "{}":
         return {}
-    return _resources_from_json(_loads(text, "resources"), "resources")
+    return resources_from_json(loads(text, "resources"), "resources")
 
 
 def encode_strings(values: Iterable[str]) -> str:
@@ -212,31 +212,31 @@ def encode_strings(values: Iterable[str]) -> str:
     if isinstance(values, tuple):  # what a TaskSpec holds
         return _strings_json(values)
     items = [clean_text(s) for s in values]
-    return _dumps(items) if items else "[]"
+    return dumps(items) if items else "[]"
 
 
 @lru_cache(maxsize=4096)
 def _strings_json(values: tuple[str, ...]) -> str:
-    return _dumps([clean_text(s) for s in values])
+    return dumps([clean_text(s) for s in values])
 
 
 def decode_strings(text: str, field: str) -> tuple[str, ...]:
     """Decode the ``tags`` or ``labels`` column; ``field`` names it in errors."""
     if text == "[]":
         return ()
-    return _strings_from_json(_loads(text, field), field)
+    return strings_from_json(loads(text, field), field)
 
 
 # Encoding helpers. Every string is cleaned: a NUL would reach jsonb as "\u0000", and a
 # lone surrogate cannot be sent as UTF-8 at all.
 
 
-def _dumps(value: object) -> str:
+def dumps(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _dumps_plain(value: object) -> str:
-    """:func:`_dumps` of strings, integers, lists and dicts (no floats: orjson writes NaN
+    """:func:`dumps` of strings, integers, lists and dicts (no floats: orjson writes NaN
     as null), with orjson when installed (the ``json`` extra): the same text, 5 to 20
     times faster for the small values of each row. An integer beyond 64 bits, which orjson
     refuses, goes through ``json`` as before."""
@@ -245,30 +245,30 @@ def _dumps_plain(value: object) -> str:
             return _orjson_dumps(value).decode()
         except TypeError:
             pass
-    return _dumps(value)
+    return dumps(value)
 
 
-def _optional_ns(td: timedelta | None) -> int | None:
+def optional_ns(td: timedelta | None) -> int | None:
     return None if td is None else duration_to_ns(td)
 
 
-def _retry_to_json(retry: RetryPolicy) -> dict[str, object]:
+def retry_to_json(retry: RetryPolicy) -> dict[str, object]:
     return {
         "max_attempts": retry.max_attempts,
         "backoff_ns": duration_to_ns(retry.backoff),
-        "max_backoff_ns": _optional_ns(retry.max_backoff),
+        "max_backoff_ns": optional_ns(retry.max_backoff),
         "multiplier": retry.multiplier,
     }
 
 
-def _dep_to_json(dep: Dependency) -> dict[str, object]:
+def dep_to_json(dep: Dependency) -> dict[str, object]:
     target = dep.target
     if isinstance(target, str):
         return {"key": clean_text(target), "on": dep.condition.value}
     return {"id": target, "on": dep.condition.value}
 
 
-def _resources_to_json(resources: Mapping[str, int]) -> dict[str, int]:
+def resources_to_json(resources: Mapping[str, int]) -> dict[str, int]:
     return {clean_text(name): amount for name, amount in resources.items()}
 
 
@@ -309,16 +309,16 @@ def _render(value: object, depth: int) -> str:
     return json.dumps(value)  # null, true, false or a float
 
 
-def _mismatch(path: str, expected: str, value: object) -> DecodeError:
+def mismatch(path: str, expected: str, value: object) -> DecodeError:
     return DecodeError(f"{path}: expected {expected}, got {_show(value)}")
 
 
-def _rejected(path: str, exc: ValueError) -> DecodeError:
+def rejected(path: str, exc: ValueError) -> DecodeError:
     # Domain messages start with the field name, so the path is the enclosing object's.
     return DecodeError(f"{path}.{exc}")
 
 
-def _loads(text: str, path: str) -> object:
+def loads(text: str, path: str) -> object:
     try:
         return json.loads(text)
     except ValueError as exc:  # also integers of more than 4300 digits
@@ -327,77 +327,77 @@ def _loads(text: str, path: str) -> object:
         raise DecodeError(f"{path}: JSON nested too deeply to decode") from None
 
 
-def _as_object(value: object, path: str) -> dict[str, object]:
+def as_object(value: object, path: str) -> dict[str, object]:
     if not isinstance(value, dict):
-        raise _mismatch(path, "an object", value)
+        raise mismatch(path, "an object", value)
     return value
 
 
 def _as_array(value: object, path: str) -> list[object]:
     if not isinstance(value, list):
-        raise _mismatch(path, "an array", value)
+        raise mismatch(path, "an array", value)
     return value
 
 
-def _as_int(value: object, path: str) -> int:
+def as_int(value: object, path: str) -> int:
     if type(value) is not int:  # JSON decoding makes exact ints; this also rejects bool
-        raise _mismatch(path, "an integer", value)
+        raise mismatch(path, "an integer", value)
     return value
 
 
-def _as_bigint(value: object, path: str) -> int:
+def as_bigint(value: object, path: str) -> int:
     if type(value) is not int or not I64_MIN <= value <= I64_MAX:
-        raise _mismatch(path, "an integer in -2**63..2**63-1", value)
+        raise mismatch(path, "an integer in -2**63..2**63-1", value)
     return value
 
 
-def _as_ns(value: object, path: str) -> timedelta:
+def as_ns(value: object, path: str) -> timedelta:
     if type(value) is not int or not 0 <= value <= I64_MAX:
-        raise _mismatch(path, "a non-negative integer of nanoseconds below 2**63", value)
+        raise mismatch(path, "a non-negative integer of nanoseconds below 2**63", value)
     return ns_to_duration(value)
 
 
 def _as_task_id(value: object, path: str) -> TaskId:
     if type(value) is not int or not 0 <= value <= I64_MAX:
-        raise _mismatch(path, "a task id (an integer in 0..2**63-1)", value)
+        raise mismatch(path, "a task id (an integer in 0..2**63-1)", value)
     return TaskId(value)
 
 
 def _as_number(value: object, path: str) -> float:
     if type(value) is not int and type(value) is not float:
-        raise _mismatch(path, "a number", value)
+        raise mismatch(path, "a number", value)
     return value
 
 
-def _as_str(value: object, path: str) -> str:
+def as_str(value: object, path: str) -> str:
     if not isinstance(value, str):
-        raise _mismatch(path, "a string", value)
+        raise mismatch(path, "a string", value)
     return value
 
 
 def _as_nonempty_str(value: object, path: str) -> str:
     if not isinstance(value, str) or not value:
-        raise _mismatch(path, "a non-empty string", value)
+        raise mismatch(path, "a non-empty string", value)
     return value
 
 
-def _as_name(enum: type[_E], value: object, path: str, default: _E) -> _E:
+def as_name(enum: type[_E], value: object, path: str, default: _E) -> _E:
     """A member of ``enum`` by its name; a name this build does not know is ``default``."""
     if not isinstance(value, str):
-        raise _mismatch(path, "a string", value)
+        raise mismatch(path, "a string", value)
     try:
         return enum(value)  # a dict lookup in the enum, not a walk over its members
     except ValueError:
         return default
 
 
-def _required(obj: dict[str, object], name: str, path: str) -> object:
+def required(obj: dict[str, object], name: str, path: str) -> object:
     if name not in obj:
         raise DecodeError(f"{path}.{name}: required member is missing")
     return obj[name]
 
 
-def _member(
+def member(
     obj: dict[str, object],
     name: str,
     path: str,
@@ -408,7 +408,7 @@ def _member(
     return decode(obj[name], f"{path}.{name}") if name in obj else default
 
 
-def _nullable(
+def nullable(
     obj: dict[str, object], name: str, path: str, decode: Callable[[object, str], _T]
 ) -> _T | None:
     """An optional value: absent and null both mean ``None``."""
@@ -416,55 +416,55 @@ def _nullable(
     return None if value is None else decode(value, f"{path}.{name}")
 
 
-def _retry_from_json(value: object, path: str) -> RetryPolicy:
-    obj = _as_object(value, path)
+def retry_from_json(value: object, path: str) -> RetryPolicy:
+    obj = as_object(value, path)
     d = _DEFAULT_RETRY
     try:
         return RetryPolicy(
-            max_attempts=_member(obj, "max_attempts", path, _as_int, d.max_attempts),
-            backoff=_member(obj, "backoff_ns", path, _as_ns, d.backoff),
-            max_backoff=_nullable(obj, "max_backoff_ns", path, _as_ns),
-            multiplier=_member(obj, "multiplier", path, _as_number, d.multiplier),
+            max_attempts=member(obj, "max_attempts", path, as_int, d.max_attempts),
+            backoff=member(obj, "backoff_ns", path, as_ns, d.backoff),
+            max_backoff=nullable(obj, "max_backoff_ns", path, as_ns),
+            multiplier=member(obj, "multiplier", path, _as_number, d.multiplier),
         )
     except DecodeError:
         raise
     except ValueError as exc:
-        raise _rejected(path, exc) from exc
+        raise rejected(path, exc) from exc
 
 
 def _dep_from_json(value: object, path: str) -> Dependency:
-    obj = _as_object(value, path)
+    obj = as_object(value, path)
     has_id, has_key = "id" in obj, "key" in obj
     if has_id == has_key:
         which = "both" if has_id else "neither"
         raise DecodeError(f'{path}: expected exactly one of "id" and "key", got {which}')
-    condition = _member(obj, "on", path, _condition_from_json, _DEFAULT_CONDITION)
+    condition = member(obj, "on", path, _condition_from_json, _DEFAULT_CONDITION)
     if has_id:
         return Dependency(_as_task_id(obj["id"], f"{path}.id"), condition)
     return Dependency(_as_nonempty_str(obj["key"], f"{path}.key"), condition)
 
 
 def _condition_from_json(value: object, path: str) -> DependencyCondition:
-    return _as_name(DependencyCondition, value, path, _DEFAULT_CONDITION)
+    return as_name(DependencyCondition, value, path, _DEFAULT_CONDITION)
 
 
-def _deps_from_json(value: object, path: str) -> tuple[Dependency, ...]:
+def deps_from_json(value: object, path: str) -> tuple[Dependency, ...]:
     items = _as_array(value, path)
     return tuple(_dep_from_json(item, f"{path}[{i}]") for i, item in enumerate(items))
 
 
-def _resources_from_json(value: object, path: str) -> dict[str, int]:
-    obj = _as_object(value, path)
+def resources_from_json(value: object, path: str) -> dict[str, int]:
+    obj = as_object(value, path)
     result: dict[str, int] = {}
     for name, amount in obj.items():
         if not name:
             raise DecodeError(f'{path}: expected non-empty resource names, got ""')
         if type(amount) is not int or not 0 <= amount <= I64_MAX:
-            raise _mismatch(f"{path}[{_show(name)}]", "an integer in 0..2**63-1", amount)
+            raise mismatch(f"{path}[{_show(name)}]", "an integer in 0..2**63-1", amount)
         result[name] = amount
     return result
 
 
-def _strings_from_json(value: object, path: str) -> tuple[str, ...]:
+def strings_from_json(value: object, path: str) -> tuple[str, ...]:
     items = _as_array(value, path)
-    return tuple(_as_str(item, f"{path}[{i}]") for i, item in enumerate(items))
+    return tuple(as_str(item, f"{path}[{i}]") for i, item in enumerate(items))

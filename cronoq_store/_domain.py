@@ -44,7 +44,7 @@ UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 """Where stored Unix nanoseconds count from, as an aware ``datetime``."""
 
 _COUNTER_MAX = (1 << ID_COUNTER_BITS) - 1
-_I32_MAX = (1 << 31) - 1
+I32_MAX = (1 << 31) - 1
 _ZERO = timedelta(0)
 _SHOWN_CHARS = 60
 _SHOWN_INT_BITS = 256
@@ -124,7 +124,7 @@ def show(value: object) -> str:
     return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 1] + "…"
 
 
-def _invalid(name: str, requirement: str, value: object) -> ValueError:
+def invalid(name: str, requirement: str, value: object) -> ValueError:
     return ValueError(f"{name}: must be {requirement}, got {show(value)}")
 
 
@@ -136,20 +136,20 @@ def _is_int(value: object) -> bool:
 # these (which also take int subclasses other than bool) only when that fast test fails.
 
 
-def _check_int(name: str, value: object, low: int, high: int, requirement: str) -> None:
+def check_int(name: str, value: object, low: int, high: int, requirement: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _invalid(name, requirement, value)
+        raise invalid(name, requirement, value)
 
 
 def check_task_id(name: str, value: object) -> None:
     """``ValueError`` naming ``name`` unless ``value`` is an int in BIGINT's range from 0."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= I64_MAX:
-        raise _invalid(name, "a task id in 0..2**63-1", value)
+        raise invalid(name, "a task id in 0..2**63-1", value)
 
 
-def _check_engine_time(name: str, value: object) -> None:
+def check_engine_time(name: str, value: object) -> None:
     # The store converts it to Unix ns at commit, where the result is checked again.
-    _check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
+    check_int(name, value, I64_MIN, I64_MAX, _ENGINE_TIME)
 
 
 def check_seconds(name: str, value: object, *, most: int | None = None) -> float:
@@ -169,7 +169,7 @@ def check_seconds(name: str, value: object, *, most: int | None = None) -> float
 
 def _check_duration(name: str, value: object) -> None:
     if not isinstance(value, timedelta) or value < _ZERO:
-        raise _invalid(name, "a non-negative timedelta", value)
+        raise invalid(name, "a non-negative timedelta", value)
 
 
 def task_id(epoch: int, n: int) -> TaskId:
@@ -181,9 +181,9 @@ def task_id(epoch: int, n: int) -> TaskId:
     ``max(recovered.next_id, task_id(epoch, 0))`` upward (see :class:`Recovered`).
     """
     if not EPOCH_MIN <= epoch <= EPOCH_MAX:
-        raise _invalid("epoch", f"in {EPOCH_MIN}..{EPOCH_MAX}", epoch)
+        raise invalid("epoch", f"in {EPOCH_MIN}..{EPOCH_MAX}", epoch)
     if not 0 <= n <= _COUNTER_MAX:
-        raise _invalid("n", f"in 0..2**{ID_COUNTER_BITS}-1", n)
+        raise invalid("n", f"in 0..2**{ID_COUNTER_BITS}-1", n)
     return TaskId((epoch << ID_COUNTER_BITS) | n)
 
 
@@ -283,10 +283,10 @@ class FixedStart:
     on_miss: MissPolicy = MissPolicy.SKIP
 
     def __post_init__(self) -> None:
-        _check_engine_time("at", self.at)
+        check_engine_time("at", self.at)
         _check_duration("tolerance", self.tolerance)
         if not isinstance(self.on_miss, MissPolicy):
-            raise _invalid("on_miss", "a MissPolicy", self.on_miss)
+            raise invalid("on_miss", "a MissPolicy", self.on_miss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,12 +304,12 @@ class RetryPolicy:
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:
-        _check_int("max_attempts", self.max_attempts, 1, _I32_MAX, "an integer in 1..2**31-1")
+        check_int("max_attempts", self.max_attempts, 1, I32_MAX, "an integer in 1..2**31-1")
         _check_duration("backoff", self.backoff)
         if self.max_backoff is not None:
             _check_duration("max_backoff", self.max_backoff)
             if self.max_backoff < self.backoff:
-                raise _invalid(
+                raise invalid(
                     "max_backoff", f"at least backoff ({self.backoff!r})", self.max_backoff
                 )
         m = self.multiplier
@@ -318,7 +318,7 @@ class RetryPolicy:
         except OverflowError:  # an int beyond every float
             f = math.inf
         if not math.isfinite(f) or f < 1:
-            raise _invalid("multiplier", "a finite number >= 1", m)
+            raise invalid("multiplier", "a finite number >= 1", m)
         # A float always, so that equal policies compare and encode the same way.
         object.__setattr__(self, "multiplier", f)
 
@@ -343,20 +343,20 @@ class Dependency:
         t = self.target
         if isinstance(t, str):
             if not t:
-                raise _invalid("target", "a task id or a non-empty key", t)
+                raise invalid("target", "a task id or a non-empty key", t)
         else:
             check_task_id("target", t)
         if not isinstance(self.condition, DependencyCondition):
-            raise _invalid("condition", "a DependencyCondition", self.condition)
+            raise invalid("condition", "a DependencyCondition", self.condition)
 
 
 def _string_tuple(name: str, values: Iterable[str]) -> tuple[str, ...]:
     if isinstance(values, str):  # a str is an iterable of strings, never what was meant
-        raise _invalid(name, "a sequence of strings", values)
+        raise invalid(name, "a sequence of strings", values)
     result = values if type(values) is tuple else tuple(values)
     for i, s in enumerate(result):
         if not isinstance(s, str):
-            raise _invalid(f"{name}[{i}]", "a string", s)
+            raise invalid(f"{name}[{i}]", "a string", s)
     return result
 
 
@@ -401,47 +401,47 @@ class TaskSpec:
                 raise ValueError(f"payload: must be bytes, got {type(payload).__name__}")
             setattr_(self, "payload", bytes(payload))
         if not isinstance(self.kind, str):
-            raise _invalid("kind", "a string", self.kind)
+            raise invalid("kind", "a string", self.kind)
         if not isinstance(self.pool, str) or not self.pool:
-            raise _invalid("pool", "a non-empty string", self.pool)
+            raise invalid("pool", "a non-empty string", self.pool)
         if type(self.priority) is not Priority:
             try:
                 setattr_(self, "priority", Priority(self.priority))
             except ValueError:
-                raise _invalid("priority", "a Priority", self.priority) from None
+                raise invalid("priority", "a Priority", self.priority) from None
         key = self.key
         if key is not None:
             if not isinstance(key, str) or not key:
-                raise _invalid("key", "None or a non-empty string", key)
+                raise invalid("key", "None or a non-empty string", key)
             if len(key) > _INDEXED_FAST_CHARS:
                 _check_indexed("key", key)
         if self.deadline is not None:
-            _check_engine_time("deadline", self.deadline)
+            check_engine_time("deadline", self.deadline)
         if self.fixed_start is not None and not isinstance(self.fixed_start, FixedStart):
-            raise _invalid("fixed_start", "None or a FixedStart", self.fixed_start)
+            raise invalid("fixed_start", "None or a FixedStart", self.fixed_start)
         if self.duration_hint is not None:
             _check_duration("duration_hint", self.duration_hint)
         if self.timeout is not None:
             _check_duration("timeout", self.timeout)
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
-            raise _invalid("retry", "None or a RetryPolicy", self.retry)
+            raise invalid("retry", "None or a RetryPolicy", self.retry)
         deps = self.deps
         if type(deps) is not tuple:
             deps = tuple(deps)
             setattr_(self, "deps", deps)
         for i, d in enumerate(deps):
             if not isinstance(d, Dependency):
-                raise _invalid(f"deps[{i}]", "a Dependency", d)
+                raise invalid(f"deps[{i}]", "a Dependency", d)
         resources = dict(self.resources)  # a private copy: the caller's may change
         merged = False
         for name, amount in resources.items():
             if not isinstance(name, str) or not name:
-                raise _invalid("resources", "keyed by non-empty strings", name)
+                raise invalid("resources", "keyed by non-empty strings", name)
             if type(amount) is not int or not 0 <= amount <= I64_MAX:
-                _check_int(f"resources[{show(name)}]", amount, 0, I64_MAX, _AMOUNT)
+                check_int(f"resources[{show(name)}]", amount, 0, I64_MAX, _AMOUNT)
             merged = merged or clean_text(name) is not name
         if merged and len({clean_text(name) for name in resources}) < len(resources):
-            raise _invalid(
+            raise invalid(
                 "resources", "keyed by names that stay distinct once stored", list(resources)
             )
         setattr_(self, "resources", resources)
@@ -450,7 +450,7 @@ class TaskSpec:
         if self.labels != ():
             setattr_(self, "labels", _string_tuple("labels", self.labels))
         if self.tenant is not None and not isinstance(self.tenant, str):
-            raise _invalid("tenant", "None or a string", self.tenant)
+            raise invalid("tenant", "None or a string", self.tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,13 +466,13 @@ class CronSchedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.expr, str) or len(self.expr.split()) not in (5, 6):
-            raise _invalid("expr", "a cron expression of 5 or 6 fields", self.expr)
+            raise invalid("expr", "a cron expression of 5 or 6 fields", self.expr)
         if not isinstance(self.timezone, str):
-            raise _invalid("timezone", "an IANA time zone name", self.timezone)
+            raise invalid("timezone", "an IANA time zone name", self.timezone)
         try:
             ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
-            raise _invalid("timezone", "an IANA time zone name", self.timezone) from None
+            raise invalid("timezone", "an IANA time zone name", self.timezone) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,7 +483,7 @@ class IntervalSchedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, timedelta) or self.every <= _ZERO:
-            raise _invalid("every", "a positive timedelta", self.every)
+            raise invalid("every", "a positive timedelta", self.every)
 
 
 #: When a recurring task runs: a cron expression or a fixed interval.
@@ -499,18 +499,18 @@ class RecurringSpec:
     template: TaskSpec
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        check_name(self.name)
         if len(self.name) > _INDEXED_FAST_CHARS:  # the primary key: only an upsert inserts it
             _check_indexed("name", self.name)
         if not isinstance(self.schedule, Schedule):  # every type of the alias
-            raise _invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
+            raise invalid("schedule", "a CronSchedule or an IntervalSchedule", self.schedule)
         if not isinstance(self.template, TaskSpec):
-            raise _invalid("template", "a TaskSpec", self.template)
+            raise invalid("template", "a TaskSpec", self.template)
 
 
-def _check_name(name: object) -> None:
+def check_name(name: object) -> None:
     if not isinstance(name, str) or not name:
-        raise _invalid("name", "a non-empty string", name)
+        raise invalid("name", "a non-empty string", name)
 
 
 @dataclass(frozen=True, slots=True)

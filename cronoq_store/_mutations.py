@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
 from ._domain import (
-    _I32_MAX,
+    I32_MAX,
     I64_MAX,
     I64_MIN,
     RecurringSpec,
     TaskId,
     TaskSpec,
     TaskStatus,
-    _check_engine_time,
-    _check_int,
-    _check_name,
-    _invalid,
+    check_engine_time,
+    check_int,
+    check_name,
     check_task_id,
+    invalid,
 )
 
 
@@ -40,11 +40,11 @@ class Submitted:
         if type(id_) is not int or not 0 <= id_ <= I64_MAX:
             check_task_id("id", id_)
         if type(seq) is not int or not 0 <= seq <= I64_MAX:
-            _check_int("seq", seq, 0, I64_MAX, "an integer in 0..2**63-1")
+            check_int("seq", seq, 0, I64_MAX, "an integer in 0..2**63-1")
         if type(arrival) is not int or not I64_MIN <= arrival <= I64_MAX:
-            _check_engine_time("arrival", arrival)
+            check_engine_time("arrival", arrival)
         if type(self.spec) is not TaskSpec and not isinstance(self.spec, TaskSpec):
-            raise _invalid("spec", "a TaskSpec", self.spec)
+            raise invalid("spec", "a TaskSpec", self.spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +66,13 @@ class StatusChanged:
         if type(id_) is not int or not 0 <= id_ <= I64_MAX:
             check_task_id("id", id_)
         if not isinstance(self.status, TaskStatus):
-            raise _invalid("status", "a TaskStatus", self.status)
-        if type(attempt) is not int or not 0 <= attempt <= _I32_MAX:
-            _check_int("attempt", attempt, 0, _I32_MAX, "an integer in 0..2**31-1")
+            raise invalid("status", "a TaskStatus", self.status)
+        if type(attempt) is not int or not 0 <= attempt <= I32_MAX:
+            check_int("attempt", attempt, 0, I32_MAX, "an integer in 0..2**31-1")
         if type(at) is not int or not I64_MIN <= at <= I64_MAX:
-            _check_engine_time("at", at)
+            check_engine_time("at", at)
         if message is not None and not isinstance(message, str):
-            raise _invalid("message", "None or a string", message)
+            raise invalid("message", "None or a string", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class RecurringRemove:
     name: str
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        check_name(self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +102,9 @@ class RecurringNext:
     last: TaskId | None
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        check_name(self.name)
         if self.next is not None:
-            _check_engine_time("next", self.next)
+            check_engine_time("next", self.next)
         if self.last is not None:
             check_task_id("last", self.last)
 

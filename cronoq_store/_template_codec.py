@@ -15,30 +15,30 @@ from dataclasses import fields
 
 from ._codec import (
     DecodeError,
-    _as_bigint,
-    _as_int,
-    _as_name,
-    _as_ns,
-    _as_object,
-    _as_str,
-    _dep_to_json,
-    _deps_from_json,
-    _dumps,
-    _loads,
-    _member,
-    _mismatch,
-    _nullable,
-    _optional_ns,
-    _rejected,
-    _required,
-    _resources_from_json,
-    _resources_to_json,
-    _retry_from_json,
-    _retry_to_json,
-    _strings_from_json,
+    as_bigint,
+    as_int,
+    as_name,
+    as_ns,
+    as_object,
+    as_str,
+    dep_to_json,
+    deps_from_json,
+    dumps,
     duration_to_ns,
     encode_miss_policy,
     engine_time,
+    loads,
+    member,
+    mismatch,
+    nullable,
+    optional_ns,
+    rejected,
+    required,
+    resources_from_json,
+    resources_to_json,
+    retry_from_json,
+    retry_to_json,
+    strings_from_json,
     unix_converter,
 )
 from ._domain import (
@@ -72,7 +72,7 @@ def encode_recurring(base: TimeBase, spec: RecurringSpec) -> str:
     The name and the template's payload have columns of their own. Engine times in the
     template are stored as Unix ns through ``base`` (``ValueError`` if one leaves BIGINT).
     """
-    return _dumps(
+    return dumps(
         {
             "schedule": _schedule_to_json(spec.schedule),
             "template": _template_to_json(unix_converter(base), spec.template),
@@ -86,10 +86,10 @@ def decode_recurring(base: TimeBase, name: str, text: str, payload: bytes) -> Re
     Unix times in the template become engine times (ns) through ``base``. Also raises
     ``DecodeError`` for a name that is not a valid schedule name.
     """
-    obj = _as_object(_loads(text, "spec"), "spec")
-    schedule = _schedule_from_json(_required(obj, "schedule", "spec"), "spec.schedule")
+    obj = as_object(loads(text, "spec"), "spec")
+    schedule = _schedule_from_json(required(obj, "schedule", "spec"), "spec.schedule")
     template = _template_from_json(
-        base, _required(obj, "template", "spec"), payload, "spec.template"
+        base, required(obj, "template", "spec"), payload, "spec.template"
     )
     try:
         return RecurringSpec(name, schedule, template)
@@ -124,11 +124,11 @@ def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dic
             "tolerance_ns": duration_to_ns(fixed.tolerance),
             "on_miss": encode_miss_policy(fixed.on_miss),
         },
-        "duration_hint_ns": _optional_ns(spec.duration_hint),
-        "timeout_ns": _optional_ns(spec.timeout),
-        "retry": None if spec.retry is None else _retry_to_json(spec.retry),
-        "deps": [_dep_to_json(d) for d in spec.deps],
-        "resources": _resources_to_json(spec.resources),
+        "duration_hint_ns": optional_ns(spec.duration_hint),
+        "timeout_ns": optional_ns(spec.timeout),
+        "retry": None if spec.retry is None else retry_to_json(spec.retry),
+        "deps": [dep_to_json(d) for d in spec.deps],
+        "resources": resources_to_json(spec.resources),
         "tags": [clean_text(s) for s in spec.tags],
         "labels": [clean_text(s) for s in spec.labels],
         "tenant": None if spec.tenant is None else clean_text(spec.tenant),
@@ -136,70 +136,70 @@ def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dic
 
 
 def _schedule_from_json(value: object, path: str) -> Schedule:
-    obj = _as_object(value, path)
-    kind = _required(obj, "type", path)
+    obj = as_object(value, path)
+    kind = required(obj, "type", path)
     try:
         if kind == "cron":
-            expr = _as_str(_required(obj, "expr", path), f"{path}.expr")
+            expr = as_str(required(obj, "expr", path), f"{path}.expr")
             if "timezone" not in obj:
                 return CronSchedule(expr)
-            return CronSchedule(expr, _as_str(obj["timezone"], f"{path}.timezone"))
+            return CronSchedule(expr, as_str(obj["timezone"], f"{path}.timezone"))
         if kind == "interval":
-            return IntervalSchedule(_as_ns(_required(obj, "every_ns", path), f"{path}.every_ns"))
+            return IntervalSchedule(as_ns(required(obj, "every_ns", path), f"{path}.every_ns"))
     except DecodeError:
         raise
     except ValueError as exc:
-        raise _rejected(path, exc) from exc
-    raise _mismatch(f"{path}.type", 'one of "cron", "interval"', kind)
+        raise rejected(path, exc) from exc
+    raise mismatch(f"{path}.type", 'one of "cron", "interval"', kind)
 
 
 def _fixed_start_from_json(base: TimeBase, value: object, path: str) -> FixedStart:
-    obj = _as_object(value, path)
-    at = _as_bigint(_required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
+    obj = as_object(value, path)
+    at = as_bigint(required(obj, "at_unix_ns", path), f"{path}.at_unix_ns")
     d = _DEFAULT_FIXED
     return FixedStart(
         at=engine_time(base, at),
-        tolerance=_member(obj, "tolerance_ns", path, _as_ns, d.tolerance),
-        on_miss=_member(obj, "on_miss", path, _miss_policy_from_json, d.on_miss),
+        tolerance=member(obj, "tolerance_ns", path, as_ns, d.tolerance),
+        on_miss=member(obj, "on_miss", path, _miss_policy_from_json, d.on_miss),
     )
 
 
 def _miss_policy_from_json(value: object, path: str) -> MissPolicy:
-    return _as_name(MissPolicy, value, path, _DEFAULT_FIXED.on_miss)
+    return as_name(MissPolicy, value, path, _DEFAULT_FIXED.on_miss)
 
 
 def _priority_from_json(value: object, path: str) -> Priority:
-    return Priority.from_stored(_as_int(value, path))
+    return Priority.from_stored(as_int(value, path))
 
 
 def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str) -> TaskSpec:
-    obj = _as_object(value, path)
+    obj = as_object(value, path)
     d = _DEFAULT_SPEC
-    deadline = _nullable(obj, "deadline_unix_ns", path, _as_bigint)
+    deadline = nullable(obj, "deadline_unix_ns", path, as_bigint)
     try:
         return TaskSpec(
             payload,
-            kind=_member(obj, "kind", path, _as_str, d.kind),
-            pool=_member(obj, "pool", path, _as_str, d.pool),
-            priority=_member(obj, "priority", path, _priority_from_json, d.priority),
-            key=_nullable(obj, "key", path, _as_str),
+            kind=member(obj, "kind", path, as_str, d.kind),
+            pool=member(obj, "pool", path, as_str, d.pool),
+            priority=member(obj, "priority", path, _priority_from_json, d.priority),
+            key=nullable(obj, "key", path, as_str),
             deadline=None if deadline is None else engine_time(base, deadline),
-            fixed_start=_nullable(
+            fixed_start=nullable(
                 obj, "fixed_start", path, lambda v, p: _fixed_start_from_json(base, v, p)
             ),
-            duration_hint=_nullable(obj, "duration_hint_ns", path, _as_ns),
-            timeout=_nullable(obj, "timeout_ns", path, _as_ns),
-            retry=_nullable(obj, "retry", path, _retry_from_json),
-            deps=_member(obj, "deps", path, _deps_from_json, ()),
-            resources=_member(obj, "resources", path, _resources_from_json, {}),
-            tags=_member(obj, "tags", path, _strings_from_json, ()),
-            labels=_member(obj, "labels", path, _strings_from_json, ()),
-            tenant=_nullable(obj, "tenant", path, _as_str),
+            duration_hint=nullable(obj, "duration_hint_ns", path, as_ns),
+            timeout=nullable(obj, "timeout_ns", path, as_ns),
+            retry=nullable(obj, "retry", path, retry_from_json),
+            deps=member(obj, "deps", path, deps_from_json, ()),
+            resources=member(obj, "resources", path, resources_from_json, {}),
+            tags=member(obj, "tags", path, strings_from_json, ()),
+            labels=member(obj, "labels", path, strings_from_json, ()),
+            tenant=nullable(obj, "tenant", path, as_str),
         )
     except DecodeError:
         raise
     except ValueError as exc:
-        raise _rejected(path, exc) from exc
+        raise rejected(path, exc) from exc
 
 
 #: The template's JSON member of each ``TaskSpec`` field (``None``: not in the JSON; the
