@@ -360,7 +360,7 @@ class _Console:
             # See Other: the browser GETs the prune's page, which refreshes until it ends.
             return RedirectResponse(f"/clusters/{schema}/prune/{job.id}", 303)
 
-        return await self._guarded(request, "self._pruning.html", work)
+        return await self._guarded(request, "pruning.html", work)
 
     async def prune_progress(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
@@ -370,7 +370,7 @@ class _Console:
                 raise actions.PruneNotFound(request.path_params["job"])
             return job.document()
 
-        return await self._guarded(request, "self._pruning.html", work)
+        return await self._guarded(request, "pruning.html", work)
 
     async def task(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
