@@ -18,15 +18,26 @@ import os
 import pwd
 import subprocess
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
+import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store.testing import EmbeddedPostgres
+from cronoq_store import PgStore, PgStoreConfig
+from cronoq_store.testing import EmbeddedPostgres, find_bin_dir
 from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
 from .pgharness import admin_execute
+from .tcpproxy import TcpProxy
 
-__all__ = ["STANDBY_NAME", "ReplicatedPostgres", "multi_host_url"]
+__all__ = [
+    "STANDBY_NAME",
+    "ReplicatedPostgres",
+    "multi_host_url",
+    "needs_binaries",
+    "stores_on_a_replicated_pair",
+]
 
 #: The standby's ``application_name``, as ``synchronous_standby_names`` names it.
 STANDBY_NAME = "standby1"
@@ -144,3 +155,34 @@ class ReplicatedPostgres:
         )
         if result.returncode != 0:
             raise RuntimeError(f"{program} failed ({result.returncode}): {result.stderr.strip()}")
+
+
+def needs_binaries() -> None:
+    """Skip a failover test where no PostgreSQL binaries can build its primary and standby."""
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        pytest.skip(f"failover tests build their own primary and standby: {exc}")
+
+
+@asynccontextmanager
+async def stores_on_a_replicated_pair(
+    config: Callable[[str], PgStoreConfig], *, synchronous: bool
+) -> AsyncIterator[tuple[ReplicatedPostgres, TcpProxy, PgStore, PgStore]]:
+    """A streaming pair whose replication runs through a proxy (to stall it), and two stores
+    ``a`` and ``b`` on the multi-host URL; everything is closed and destroyed afterwards."""
+    pair = ReplicatedPostgres(synchronous=synchronous)
+    replication = await TcpProxy("127.0.0.1", pair.primary.port).start()
+    stores: list[PgStore] = []
+    try:
+        await asyncio.to_thread(pair.start, replication.port)
+        await pair.streaming()
+        url = multi_host_url(pair.primary, pair.standby)
+        for name in ("a", "b"):
+            stores.append(await PgStore.connect(url, config(name)))
+        yield pair, replication, stores[0], stores[1]
+    finally:
+        for store in stores:
+            await store.close()
+        await replication.close()
+        await asyncio.to_thread(pair.destroy)

@@ -40,11 +40,14 @@ from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
-from cronoq_store.testing import find_bin_dir
 
 from .pgharness import admin_execute
-from .replication import ReplicatedPostgres, multi_host_url
-from .tcpproxy import TcpProxy
+from .replication import (
+    ReplicatedPostgres,
+    multi_host_url,
+    needs_binaries,
+    stores_on_a_replicated_pair,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -147,10 +150,7 @@ async def lock_holder(url: URL) -> list[str]:
 
 @pytest.fixture
 def binaries() -> None:
-    try:
-        find_bin_dir()
-    except RuntimeError as exc:
-        pytest.skip(f"failover tests build their own primary and standby: {exc}")
+    needs_binaries()
 
 
 async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(
@@ -204,18 +204,7 @@ async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(
 async def test_asynchronous_standby_loses_acks_it_had_not_received(
     binaries: None,
 ) -> None:
-    pair = ReplicatedPostgres(synchronous=False)
-    replication = await TcpProxy("127.0.0.1", pair.primary.port).start()
-    stores: list[PgStore] = []
-    try:
-        await asyncio.to_thread(pair.start, replication.port)
-        await pair.streaming()
-        url = multi_host_url(pair.primary, pair.standby)
-        a = await PgStore.connect(url, config("a"))
-        stores.append(a)
-        b = await PgStore.connect(url, config("b"))
-        stores.append(b)
-
+    async with stores_on_a_replicated_pair(config, synchronous=False) as (pair, replication, a, b):
         first_epoch = await a.acquire_leadership()
         replicated = Driver(a, first_epoch).start()
         await replicated.until(100)
@@ -246,11 +235,6 @@ async def test_asynchronous_standby_loses_acks_it_had_not_received(
         assert reissued == second_epoch
         assert recovered.next_id <= min(unreplicated.acked)
         assert task_id(reissued, 0) in unreplicated.acked
-    finally:
-        for store in stores:
-            await store.close()
-        await replication.close()
-        await asyncio.to_thread(pair.destroy)
 
 
 # --- a leader whose event loop is blocked ----------------------------------------------------

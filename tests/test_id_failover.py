@@ -17,12 +17,9 @@ import pytest
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._mutations import StatusChanged, Submitted
-from cronoq_store._store import PgStore
-from cronoq_store.testing import find_bin_dir
 
 from .pgharness import admin_execute
-from .replication import ReplicatedPostgres, multi_host_url
-from .tcpproxy import TcpProxy
+from .replication import needs_binaries, stores_on_a_replicated_pair
 
 pytestmark = pytest.mark.slow
 
@@ -44,26 +41,13 @@ def config(name: str) -> PgStoreConfig:
 
 @pytest.fixture
 def binaries() -> None:
-    try:
-        find_bin_dir()
-    except RuntimeError as exc:
-        pytest.skip(f"failover tests build their own primary and standby: {exc}")
+    needs_binaries()
 
 
 async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
     binaries: None,
 ) -> None:
-    pair = ReplicatedPostgres(synchronous=False)
-    replication = await TcpProxy("127.0.0.1", pair.primary.port).start()
-    stores: list[PgStore] = []
-    try:
-        await asyncio.to_thread(pair.start, replication.port)
-        await pair.streaming()
-        url = multi_host_url(pair.primary, pair.standby)
-        a = await PgStore.connect(url, config("a"))
-        stores.append(a)
-        b = await PgStore.connect(url, config("b"))
-        stores.append(b)
+    async with stores_on_a_replicated_pair(config, synchronous=False) as (pair, replication, a, b):
         await admin_execute(
             pair.primary.url(), f'UPDATE "{SCHEMA}".cronoq_leader SET epoch = {EPOCH_MAX - 1}'
         )
@@ -95,8 +79,3 @@ async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
         assert wrapped == 1  # the wrap: the epoch prefix no longer keeps ids apart
         assert await b.get_task(late) is None  # never received: lost, as documented
         assert max(recovered.next_id, task_id(wrapped, 0)) == max(ids) + 1
-    finally:
-        for store in stores:
-            await store.close()
-        await replication.close()
-        await asyncio.to_thread(pair.destroy)
