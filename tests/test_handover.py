@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 from unittest.mock import ANY
 
@@ -24,6 +25,7 @@ from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .test_cli import full, run
+from .test_lock_holders import create_role, drop_role
 
 #: A standby polls at the default pace, and a removed leader hears of its loss at once
 #: (its keeper's next ping): without a cool-down it competes again before the standby's
@@ -365,3 +367,33 @@ async def test_each_instance_shows_its_own_id_whatever_its_application_name(
             assert await instance_of(b) == ids[1]
     finally:
         await engine.dispose()
+
+
+async def test_a_role_that_cannot_see_the_instance_is_refused_before_anything_ends(
+    pg_url: URL, migrated: str
+) -> None:
+    """``pg_signal_backend`` without ``pg_read_all_stats``: the role could end the leader's
+    session but not see which instance leads afterwards, so it could not tell a handover
+    from a take-back. Refused, exit 1, the leader's session untouched."""
+    ops = await create_role(pg_url, f"{migrated}_ops")
+    try:
+        await admin_execute(pg_url, f"GRANT pg_signal_backend TO {ops.name}")
+        await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {migrated} TO {ops.name}")
+        await admin_execute(
+            pg_url, f"GRANT SELECT ON ALL TABLES IN SCHEMA {migrated} TO {ops.name}"
+        )
+        config = replace(twin(migrated), trusted_roles=frozenset({ops.name}))
+        async with await PgStore.connect(pg_url, config) as leader:
+            await leader.acquire_leadership()
+            before = await lock_holder(leader)
+            refused = await run("--url", full(ops.url), "--schema", migrated, "handover", "--yes")
+            assert refused.exit_code == ExitCode.FAILED, refused.output
+            assert refused.stderr == (
+                "Error: this role cannot see which instance holds the leader lock (session pid "
+                f"{before.pid}), so it could not tell whether another instance takes over: grant "
+                "it pg_read_all_stats; nothing was ended\n"
+            )
+            assert leader.is_leader
+            assert (await lock_holder(leader)).pid == before.pid
+    finally:
+        await drop_role(pg_url, ops.name)
