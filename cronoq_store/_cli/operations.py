@@ -253,7 +253,8 @@ def _outcome(ended: LockHolder, new: LockHolder) -> Outcome:
     ``ended`` was ended, is another instance."""
     if new.instance is not None:
         return Outcome.TAKEN_BACK if new.instance == ended.instance else Outcome.HANDED_OVER
-    # A session that is not a store instance (a foreign holder) has no instance to return.
+    # Without an id on the new leader, only an ended foreign holder (no instance at all)
+    # tells it apart: any store instance leading then is another one.
     return Outcome.UNTOLD if ended.store_instance else Outcome.HANDED_OVER
 
 
