@@ -36,7 +36,8 @@ LAYERS: tuple[Layer, ...] = (
             "_domain": "the scheduler's task and schedule values, ids and time, the state "
             "order, BIGINT bounds, the text-cleaning rule",
             "_mutations": "the mutations a batch commits, and `unhandled` ending each `match`",
-            "_stored_values": "what the store hands back: recovered values, records, health",
+            "_stored_values": "what the store hands back: recovered values, records, health, "
+            "lock holders and the instance id in a lock session's name",
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
             "_codec": "JSON encodings of the task columns; time and duration conversions",

@@ -16,12 +16,24 @@ partition the server gives up on the session only later (its TCP keepalives star
 stepped down before the lock can move. When the server ends the session first (a terminated
 backend), a standby may lead before the keeper notices; the epoch fences every commit of
 the old leader from then on.
+
+Each instance has an id, drawn when it opens, that its lock session shows the server at the
+end of its ``application_name`` (:func:`~cronoq_store._stored_values.lock_session_name`):
+one instance's successive sessions have new pids but the same id, so an operator (and
+``cronoq-store handover``) can tell whether leadership moved to another instance.
+
+An instance whose term ended waits :func:`cool_down` before it competes again, so that a
+waiting standby takes the lock first: a handover (the server ending the lock session, or
+the application releasing leadership) then hands over, instead of racing the instance it
+removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
 from typing import Any
 
 from sqlalchemy import Executable, Result
@@ -39,12 +51,12 @@ from ._errors import StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import acquisition_backoff, bounded, pause, retry
 from ._schema import schema_options
-from ._stored_values import LockHolder
+from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
 from ._urls import engine_arguments, redact
 from .telemetry import DISABLED, Telemetry
 
-__all__ = ["Leadership"]
+__all__ = ["Leadership", "cool_down"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -54,6 +66,23 @@ _CLOSE_TIMEOUT = 1.0
 _HOLDER_CHECK_POLLS = 10
 #: A standby warns about a foreign lock holder at most this often (seconds).
 _FOREIGN_WARNING_INTERVAL = 60.0
+#: What a cool-down adds to a standby's two polls: room for a poll that a loaded machine
+#: delays (the standby's process not scheduled, its statement queued on a busy server).
+_COOL_DOWN_SLACK = 1.0
+
+
+def cool_down(config: PgStoreConfig) -> float:
+    """How long an instance whose term ended waits before it polls the lock again:
+    ``2 * lock_poll + 1`` seconds (2 s with the defaults).
+
+    A waiting standby tries the lock every ``lock_poll`` (plus its round trips), so it
+    takes a freed lock within about one ``lock_poll``. The cool-down counts from when this
+    instance learned of its loss, never before the lock was freed, and allows a second
+    ``lock_poll`` and one more second for a standby that a loaded machine slows (its process
+    not scheduled, the server slow to answer). A lone instance pays it once: it leads again
+    about ``cool_down`` after it stepped down (plus a connect and one poll).
+    """
+    return 2 * config.lock_poll + _COOL_DOWN_SLACK
 
 
 class _Session:
@@ -113,13 +142,15 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
-def _session_settings(config: PgStoreConfig) -> dict[str, str]:
+def _session_settings(config: PgStoreConfig, instance: str) -> dict[str, str]:
     """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`)."""
     settings = {
         # Names resolve in pg_catalog only: no schema another role can write can capture
         # a function or operator the lock session calls.
         "search_path": session_st.SEARCH_PATH,
-        "application_name": f"{config.application_name} leader",
+        # Set after any the application's connect arguments give: the instance id must
+        # show, whole, whatever name the application chose.
+        "application_name": lock_session_name(config.application_name, instance),
         # The server drops the session (and the lock) once the client is gone.
         "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
         "tcp_keepalives_interval": "1",
@@ -155,7 +186,9 @@ class Leadership:
     may (``config.allow_untrusted_connect`` makes that a warning). A standby waiting behind a
     holder that is not a store instance logs it, at most every
     ``_FOREIGN_WARNING_INTERVAL``. The object can lead many times: after a loss,
-    :meth:`acquire` opens a new session and takes a new epoch.
+    :meth:`acquire` opens a new session and takes a new epoch, after :func:`cool_down`
+    when the last term ended. ``instance`` is this object's id, the same for each session
+    it opens.
     """
 
     def __init__(
@@ -177,7 +210,11 @@ class Leadership:
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._config = config
-        self._settings = _session_settings(config)
+        #: This instance's id, at the end of its lock session's ``application_name``.
+        self.instance = secrets.token_hex(4)
+        self._settings = _session_settings(config, self.instance)
+        # time.monotonic() when the last term ended: the cool-down counts from there.
+        self._ended_at: float | None = None
         self._backoff = acquisition_backoff(config)
         # With `pool`, sessions are made the way an application's engine makes its own (its
         # creator, TLS, connect_args), on a pool of their own, and the settings are applied
@@ -228,6 +265,7 @@ class Leadership:
         ``reason`` is the step-down's, counted when this instance was leading."""
         if self._epoch is not None:
             self.telemetry.step_down(reason)
+            self._ended_at = time.monotonic()
         self._epoch = None
         self._lost.set()
 
@@ -239,16 +277,22 @@ class Leadership:
         """Wait until this instance leads; returns the new epoch.
 
         A session already held is closed first: each acquisition is a new term with a new
-        epoch. While the database is unreachable, retries and logs each failure, pausing
-        as :func:`~cronoq_store._retry.acquisition_backoff` says: never longer than
+        epoch. When a term of this instance ended (lost, or released), it first waits what
+        is left of :func:`cool_down` since then, so that a waiting standby leads instead;
+        not when this instance still leads (it renews its own term). While the database is
+        unreachable, retries and logs each failure, pausing as
+        :func:`~cronoq_store._retry.acquisition_backoff` says: never longer than
         ``lock_poll``, so once the server is back this instance leads (if nobody else does)
-        within ``session_timeout + lock_poll``. Errors that retrying cannot fix are raised
-        as ``StoreError``.
+        within ``session_timeout + lock_poll``, or at the cool-down's end if that is later.
+        Errors that retrying cannot fix are raised as ``StoreError``.
         """
         async with self._acquiring:
             self._check_open()
+            renewing = self.is_leader
             if self._session is not None:
                 await self.release()
+            if not renewing:
+                await self._cool_down()
             session, epoch = await retry(
                 self._try_lead,
                 self._backoff,
@@ -262,7 +306,10 @@ class Leadership:
             self._lost.clear()
             self._session = session
             self._keeper = asyncio.ensure_future(self._keep(session, epoch))
-            logger.info("acquired leadership", extra={"epoch": epoch, "schema": self._schema})
+            logger.info(
+                "acquired leadership",
+                extra={"epoch": epoch, "schema": self._schema, "instance": self.instance},
+            )
             return epoch
 
     async def release(self) -> None:
@@ -279,6 +326,22 @@ class Leadership:
             await self._engine.dispose()
 
     # --- internals ------------------------------------------------------------------------
+
+    async def _cool_down(self) -> None:
+        """Wait what is left of :func:`cool_down` since the last term ended, if any."""
+        if self._ended_at is None:
+            return
+        left = self._ended_at + cool_down(self._config) - time.monotonic()
+        if left <= 0:
+            return
+        logger.info(
+            "waiting %.1f s before competing for leadership again, so that a waiting standby "
+            "leads first",
+            left,
+            extra={"schema": self._schema, "instance": self.instance},
+        )
+        if await self._closed_within(left):
+            raise self._closed_error()
 
     async def _try_lead(self) -> tuple[_Session, int]:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""

@@ -324,6 +324,9 @@ class PgStore:
         has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
+        After a term of this instance ended (lost, or released), it first waits the rest of
+        ``2 * lock_poll + 1`` seconds, so that a waiting standby leads instead
+        (docs/operations.md, "A forced handover").
         """
         # A standby holds no writer connection, and a new term takes a fresh one.
         await self._commits.release()
@@ -333,7 +336,9 @@ class PgStore:
         return epoch
 
     async def release_leadership(self) -> None:
-        """Release the leader lock; commits fail with ``FencedError`` from now on."""
+        """Release the leader lock; commits fail with ``FencedError`` from now on. A waiting
+        standby leads next: this instance's next ``acquire_leadership`` first waits
+        ``2 * lock_poll + 1`` seconds."""
         await self._leadership.release()
         await self._commits.release()
 

@@ -41,7 +41,7 @@ from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, without_instance
 from .replication import (
     ReplicatedPostgres,
     multi_host_url,
@@ -145,7 +145,7 @@ async def lock_holder(url: URL) -> list[str]:
         LOCK_NS_LEADER,
         SCHEMA,
     )
-    return [r[0] for r in rows]
+    return [without_instance(r[0]) for r in rows]
 
 
 @pytest.fixture

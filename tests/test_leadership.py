@@ -24,7 +24,13 @@ from cronoq_store._errors import StoreError
 from cronoq_store._leadership import Leadership
 from cronoq_store._urls import async_url
 
-from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
+from .pgharness import (
+    ServerUnderTest,
+    admin_execute,
+    asyncpg_dsn,
+    terminate_backends,
+    without_instance,
+)
 from .tcpproxy import TcpProxy
 from .test_store_connect import unused_port
 
@@ -75,7 +81,8 @@ async def make(pg_url: URL, migrated: str, lock_key: tuple[int, int]) -> AsyncIt
 
 
 async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
-    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``."""
+    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``, a lock
+    session's name without its instance id."""
     rows = await admin_execute(
         url,
         "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
@@ -85,7 +92,7 @@ async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
         key[0],
         key[1] & 0xFFFFFFFF,  # objid is an unsigned oid
     )
-    return [(r[0], r[1]) for r in rows]
+    return [(r[0], without_instance(r[1])) for r in rows]
 
 
 async def lead(leadership: Leadership) -> int:

@@ -31,6 +31,7 @@ class ExitCode(IntEnum):
     NEWER_DATABASE = 5
     NO_LEADER = 6
     FOREIGN_HOLDER = 7
+    NOT_HANDED_OVER = 8
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -44,9 +45,12 @@ Exit codes:
   {ExitCode.NOT_MIGRATED:d}  the schema is missing or not migrated to this build's head
      (run `cronoq-store migrate`)
   {ExitCode.NEWER_DATABASE:d}  the schema was migrated by a newer cronoq-store: upgrade it
-  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
+  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock; (handover)
+     none took it within --timeout
   {ExitCode.FOREIGN_HOLDER:d}  (health) a session that is not a store instance holds the
      leader lock: no instance can lead until it lets go
+  {ExitCode.NOT_HANDED_OVER:d}  (handover) the instance whose session it ended leads again,
+     or the new leader shows no instance id to tell
 """
 
 

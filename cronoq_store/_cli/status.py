@@ -149,10 +149,12 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
             ),
             ("", f"holds the {lock}"),
         ]
+    # The instance id tells instances apart; the pid changes with each of one's sessions.
+    instance = "" if holder.instance is None else f"instance {holder.instance}, "
     return [
         (
             "leader",
-            f"backend pid {holder.pid}, "
+            f"{instance}backend pid {holder.pid}, "
             f"{holder.application_name or '(no application_name)'!r}, "
             f"from {holder.client_addr or 'a local socket'}",
         ),
