@@ -43,9 +43,12 @@ from cronoq_store import (
 from cronoq_store._cli import ExitCode
 from cronoq_store._folding import fold
 from cronoq_store._migrations import upgrade
-from cronoq_store.testing import find_bin_dir
+from cronoq_store.testing import EmbeddedPostgres, find_bin_dir
+from cronoq_store.testing._server import _free_port
+from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .replication import needs_binaries
 from .test_downgrade_guard import cronoq
 from .test_group_commit import wait_until
 
@@ -99,6 +102,11 @@ async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
         return await lock_session_pids(url, name) == []
 
     await wait_until(let_go, WAIT, what=f"{name}'s lock session to close")
+
+
+@pytest.fixture
+def binaries() -> None:
+    needs_binaries()
 
 
 @pytest.fixture
@@ -438,3 +446,97 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             code, health = await health_of(pg_url, migrated)
             assert code == ExitCode.OK, health
             assert health["stored_epoch"] == epoch + 1
+
+
+# --- what keeps the cluster: pg_upgrade ----------------------------------------------------------
+
+
+def _pg_upgrade(old: EmbeddedPostgres, new: EmbeddedPostgres) -> None:
+    """``pg_upgrade`` from ``old``'s data directory into ``new``'s (both stopped), with the
+    same binaries: what a major upgrade does to the catalogs, without a second version."""
+    bin_dir = str(old.bin_dir)
+    result = subprocess.run(
+        [
+            *(str(old.bin_dir / "pg_upgrade"), "-b", bin_dir, "-B", bin_dir),
+            *("-d", str(old.data_dir), "-D", str(new.data_dir), "-U", "postgres"),
+            *("-s", str(new.socket_dir), "-p", str(_free_port()), "-P", str(_free_port())),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=new.base_dir,  # pg_upgrade writes in its working directory
+        **run_as(),
+    )
+    assert result.returncode == 0, f"pg_upgrade failed: {result.stdout}\n{result.stderr}"
+
+
+async def schema_oid(url: URL, schema: str) -> int:
+    return int((await admin_execute(url, "SELECT $1::regnamespace::oid::bigint", schema))[0][0])
+
+
+@pytest.mark.slow
+async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_store(
+    binaries: None,
+) -> None:
+    """``pg_upgrade`` keeps every table's OID (the incarnation) and gives the schema another
+    OID (the lock's second key). A store opened before the upgrade leads after it, and so
+    excludes a store opened after it: each acquisition reads the key again."""
+    schema = "upgraded"
+    old = EmbeddedPostgres()
+    new = EmbeddedPostgres(port=old.port)
+    new.password = old.password  # the same server to its clients: port and credentials
+    stores: list[PgStore] = []
+    try:
+        await asyncio.to_thread(old.start)
+        url = old.url()
+        a = await PgStore.connect(url, config(schema, "upgrade-a"))
+        stores.append(a)
+        epoch = await a.acquire_leadership()
+        first = submitted(epoch, 0)
+        await a.commit(epoch, BASE, [first], [])
+        key_before = await schema_oid(url, schema)
+
+        await asyncio.to_thread(old.stop)
+        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        await asyncio.to_thread(new._init)
+        await asyncio.to_thread(_pg_upgrade, old, new)
+        await asyncio.to_thread(new.start)
+        assert await schema_oid(url, schema) != key_before  # the reason to read it again
+        rows = await admin_execute(url, f'SELECT tableoid FROM "{schema}".cronoq_leader')
+        assert rows[0][0] == a.incarnation
+
+        assert await asyncio.wait_for(a.acquire_leadership(), WAIT) == epoch + 1
+        assert a.leader_lock[1] == await schema_oid(url, schema)
+        b = await PgStore.connect(url, config(schema, "upgrade-b"))
+        stores.append(b)
+        assert b.incarnation == a.incarnation
+        standby = asyncio.ensure_future(b.acquire_leadership())
+
+        async def polling() -> bool:
+            """Whether the standby tried the lock (or took it: then the leader is fenced)."""
+            if standby.done():
+                return True
+            rows = await admin_execute(
+                url,
+                "SELECT 1 FROM pg_stat_activity WHERE application_name = 'upgrade-b leader' "
+                "AND query LIKE '%pg_try_advisory_lock%'",
+            )
+            return bool(rows)
+
+        await wait_until(polling, WAIT, what="the standby to try the lock")
+        # The standby waits behind the same lock while the leader commits, term unbroken.
+        for n in range(20):
+            await a.commit(epoch + 1, BASE, [submitted(epoch + 1, n)], [])
+        assert not standby.done()
+        assert a.is_leader
+        await a.release_leadership()
+        assert await asyncio.wait_for(standby, WAIT) == epoch + 2
+        recovered = await b.recover(BASE)
+        assert [t.id for t in recovered.tasks][:2] == [first.id, task_id(epoch + 1, 0)]
+        assert len(recovered.tasks) == 21
+    finally:
+        for store in stores:
+            await store.close()
+        await asyncio.to_thread(new.destroy)
+        await asyncio.to_thread(old.destroy)
