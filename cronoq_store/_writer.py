@@ -289,8 +289,12 @@ class BatchWriter:
             await conn.execute(self._closing.sql(fenced))
         except CLUSTER_REPLACED as exc:
             await _roll_back(conn)
+            # Nothing was committed. Another cluster's incarnation is named as found; no
+            # leader row reads as no fence at all, never as this batch's.
             now = _FOUND_INCARNATION.search(str(exc))
-            return epoch, None if now is None or now[1] == "missing" else int(now[1])
+            if now is None or now[1] == "missing":
+                return _NO_FENCE
+            return epoch, int(now[1])
         except BaseException:
             await _roll_back(conn)
             raise

@@ -222,6 +222,31 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
             assert health["reasons"] == []
 
 
+async def test_a_lock_held_on_the_leader_table_for_long_does_not_depose_an_idle_leader(
+    pg_url: URL, migrated: str
+) -> None:
+    """A migration (or any DDL) may hold the leader table exclusively for longer than
+    ``session_timeout``. The keeper's read of the row waits for it at most a moment
+    (``lock_timeout``): the session answered, the term goes on."""
+    name = f"held-{migrated}"
+    async with await PgStore.connect(pg_url, config(migrated, name)) as a:
+        epoch = await a.acquire_leadership()
+        blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute(f'LOCK TABLE "{migrated}".cronoq_leader IN ACCESS EXCLUSIVE MODE')
+            with pytest.raises(asyncio.TimeoutError):  # three session timeouts, still leading
+                await asyncio.wait_for(
+                    asyncio.shield(a.leadership_lost()), 3 * a.config.session_timeout
+                )
+            await blocker.execute("ROLLBACK")
+        finally:
+            await blocker.close()
+        assert (a.is_leader, a.epoch) == (True, epoch)
+        await a.commit(epoch, BASE, [submitted(epoch, 0)], [])
+        assert len(await lock_session_pids(pg_url, name)) == 1
+
+
 # --- two schemas renamed into each other's place ---------------------------------------------
 
 
