@@ -432,7 +432,10 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
         epoch = await a.acquire_leadership()
         dumped = [submitted(epoch, n) for n in range(3)]
         await a.commit(
-            epoch, BASE, [*dumped, StatusChanged(dumped[2].id, TaskStatus.SUCCEEDED, 1, 9)], []
+            epoch,
+            BASE,
+            [*dumped, StatusChanged(dumped[2].id, TaskStatus.SUCCEEDED, 1, BASE.engine_ns + 9)],
+            [],
         )
         await asyncio.to_thread(
             _client,
