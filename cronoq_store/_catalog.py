@@ -34,7 +34,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ._domain import TaskStatus
-from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
+from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recurring, tasks
 from ._statements import prune_delete
 
 __all__ = [
@@ -236,11 +236,13 @@ _bumping = and_(
 
 #: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
 #: holds it) and whether it is a store instance (the session the leader row records, or one
-#: bumping the epoch now): what a waiting standby's lock session reads, with no more
-#: privilege than it has (``SELECT`` on the leader row).
+#: bumping the epoch now), and the cluster's incarnation (the leader table's OID): what a
+#: waiting standby's lock session reads, with no more privilege than it has (``SELECT`` on
+#: the leader row).
 leader_holder_facts = (
     select(
         leader.c.epoch,
+        leader_tableoid,
         _holder.c.pid,
         _holder.c.usename,
         _holder.c.application_name,

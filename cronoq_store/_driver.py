@@ -34,8 +34,10 @@ from ._errors import SchemaGoneError, StoreError, UnavailableError
 from ._schema import tasks
 
 __all__ = [
+    "CLUSTER_REPLACED",
     "CONNECTION_CLASSES",
     "INSERT_REFUSALS",
+    "LOCK_NOT_AVAILABLE",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "SCHEMA_GONE_CODES",
@@ -47,6 +49,7 @@ __all__ = [
     "insert_refusal",
     "keys_named",
     "leaves_connection_sound",
+    "lock_wait_ended",
     "row_count",
     "translate_error",
     "translate_open_error",
@@ -108,7 +111,8 @@ class Opening:
     """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
     check, as one simple-protocol message: one round trip instead of one per statement. The
     simple protocol takes no parameters, so the check's (integers only: the epoch, the
-    leader row's id) are rendered as literals; any other value is refused."""
+    incarnation, the leader row's id) are rendered as literals; any other value is refused.
+    :meth:`closing` is the same for the check that ends a transaction, before ``COMMIT``."""
 
     template: str
     check: CompiledStatement
@@ -119,16 +123,27 @@ class Opening:
     ) -> Opening:
         if any(statement.names for statement in before):
             raise ValueError("only the epoch check of an opening takes parameters")
-        if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
-            range(1, len(check.names) + 1)
-        ):
-            raise ValueError(f"not one placeholder per parameter: {check.sql}")
-        escaped = check.sql.replace("{", "{{").replace("}", "}}")
-        body = _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
+        body = _template(check)
         return cls("; ".join([begin, *(statement.sql for statement in before), body]), check)
+
+    @classmethod
+    def closing(cls, check: CompiledStatement) -> Opening:
+        """``check`` and ``COMMIT`` in one message: a check that fails leaves the
+        transaction aborted, and the server skips the ``COMMIT`` after it."""
+        return cls(f"{_template(check)}; COMMIT", check)
 
     def sql(self, values: Mapping[str, Any]) -> str:
         return self.template.format(*map(_integer, self.check.args(values)))
+
+
+def _template(check: CompiledStatement) -> str:
+    """``check``'s text with each ``$n`` a format field, for :meth:`Opening.sql`."""
+    if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
+        range(1, len(check.names) + 1)
+    ):
+        raise ValueError(f"not one placeholder per parameter: {check.sql}")
+    escaped = check.sql.replace("{", "{{").replace("}", "}}")
+    return _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
 
 
 def _integer(value: object) -> str:
@@ -146,9 +161,11 @@ CONNECTION_CLASSES = ("08", "57P")
 #: SQLSTATE classes of transient failures: the connection classes and 53, insufficient
 #: resources (too many connections, out of memory or disk).
 TRANSIENT_CLASSES = (*CONNECTION_CLASSES, "53")
+#: Lock not available: a ``lock_timeout`` ended a wait, or ``NOWAIT`` found a lock held.
+LOCK_NOT_AVAILABLE = "55P03"
 #: Transient SQLSTATE codes: 40001 serialization failure, 40P01 deadlock, 55P03 lock not
 #: available, 57014 query cancelled (statement timeout).
-TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
+TRANSIENT_CODES = frozenset({"40001", "40P01", LOCK_NOT_AVAILABLE, "57014"})
 #: Read-only transaction. A primary that was demoted to a standby answers this (and
 #: "cannot execute ... during recovery"): the connection is in the wrong place.
 READ_ONLY = "25006"
@@ -300,6 +317,13 @@ def _refused_setting(exc: BaseException) -> str | None:
     return found[0]
 
 
+# --- a commit's refusals ----------------------------------------------------------------
+
+#: What a commit transaction's closing check raises when the schema's name leads to another
+#: cluster than the store's (``statements.incarnation_kept``: 22P02, a text that is no
+#: integer). No other statement of the closing message can raise it.
+CLUSTER_REPLACED = asyncpg.InvalidTextRepresentationError
+
 # --- the insert's refusals --------------------------------------------------------------
 
 #: A unique index refused a row: a stored id or a taken live key (COPY, which has no
@@ -336,6 +360,12 @@ def _stored_id(exc: asyncpg.NotNullViolationError) -> bool:
     table: str | None = exc.table_name
     column: str | None = exc.column_name
     return table == tasks.name and column == "seq"
+
+
+def lock_wait_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` is only a wait for a lock that ``lock_timeout`` ended (55P03): the
+    session answered, and is sound."""
+    return LOCK_NOT_AVAILABLE in _sqlstates(exc)
 
 
 def leaves_connection_sound(exc: BaseException, driver: Any) -> bool:

@@ -20,17 +20,18 @@ from ._config import PgStoreConfig, keepalive_settings
 from ._driver import translate_error, translate_open_error
 from ._errors import StoreError
 from ._retry import bounded
+from ._schema import schema_options
 from ._trust import TrustCheck
 from ._urls import engine_arguments, redact
 
 __all__ = [
     "accepts_writes",
+    "cluster_identity",
     "demoted",
     "idle_in_transaction_ms",
     "own_engine",
     "require_search_path",
     "require_utf8",
-    "schema_oid_and_role",
 ]
 
 logger = logging.getLogger("cronoq_store")
@@ -140,17 +141,22 @@ def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnect
         raise DisconnectionError("the server closed this pooled connection")
 
 
-async def schema_oid_and_role(engine: AsyncEngine, schema: str) -> tuple[int | None, str]:
-    """The OID of ``schema`` (``None`` if there is none) and the role the pool connects as,
-    read at open."""
+async def cluster_identity(engine: AsyncEngine, schema: str) -> tuple[int | None, int | None, str]:
+    """Read at open: the OID of ``schema`` (``None`` if there is none), the cluster's
+    incarnation (its leader table's OID, ``None`` without a leader row) and the role the
+    pool connects as."""
     try:
         async with engine.begin() as conn:
             await conn.execute(session_st.local_search_path)
             oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+            incarnation = None
+            if oid is not None:
+                found = await conn.execute(st.incarnation, execution_options=schema_options(schema))
+                incarnation = found.scalar()
             pool_role = (await conn.execute(TrustCheck.current_user)).scalar_one()
     except Exception as exc:
-        raise translate_error(exc, f"reading the OID of schema {schema!r}") from exc
-    return oid, pool_role
+        raise translate_error(exc, f"reading the identity of schema {schema!r}") from exc
+    return oid, incarnation, pool_role
 
 
 async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:

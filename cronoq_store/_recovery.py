@@ -23,6 +23,7 @@ from . import _statements as st
 from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import TaskId, TaskStatus, TimeBase, reading_stored
 from ._driver import CompiledStatement
+from ._errors import ClusterReplacedError
 from ._rows import LiveTasks, recurring_schedule
 from ._stored_values import Recovered, RecoveredTerminal
 
@@ -40,16 +41,22 @@ async def recover(
     base: TimeBase,
     retention: float,
     quarantined: Callable[[int], None] | None = None,
+    *,
+    incarnation: int,
 ) -> Recovered:
     """Live tasks, finished ones updated within ``retention`` seconds or depended on by a
     live task, recurring schedules, and the next id to issue, read in ``conn``'s
     transaction on the cluster in ``schema`` (which quarantines undecodable live rows;
     ``quarantined``, if given, is told how many, for the store's telemetry). The caller
-    runs the transaction under :func:`collector_paused`."""
-    recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
+    runs the transaction under :func:`collector_paused`. ``ClusterReplacedError`` before
+    anything else is read where ``schema`` holds another cluster than ``incarnation``."""
+    recorded_max, stored_max, found = (await conn.execute(st.high_water)).one()
+    if found != incarnation:
+        raise ClusterReplacedError(schema, incarnation, found, "recovering")
+    recovered = Recovered(next_id=next_id(recorded_max, stored_max))
     now = time.time_ns()
     with reading_stored():  # what was stored is storable: no bound of this build refuses it
-        count = await _recover_tasks(conn, schema, base, now, retention, recovered)
+        count = await _recover_tasks(conn, schema, incarnation, base, now, retention, recovered)
         if quarantined is not None:
             quarantined(count)
         await _recover_recurring(conn, base, recovered)
@@ -73,6 +80,7 @@ def next_id(recorded_max: int, stored_max: int | None) -> int:
 async def _recover_tasks(
     conn: AsyncConnection,
     schema: str,
+    incarnation: int,
     base: TimeBase,
     now: int,
     retention: float,
@@ -115,6 +123,7 @@ async def _recover_tasks(
                 "messages": corrupt_messages,
                 "failed": TaskStatus.FAILED.value,
                 "now": now,
+                "incarnation": incarnation,
             },
         )
     dep_ids: set[int] = set()

@@ -35,6 +35,7 @@ from ._config import PgStoreConfig
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._driver import translate_error
 from ._errors import (
+    ClusterReplacedError,
     FencedError,
     SchemaGoneError,
     StoreError,
@@ -78,17 +79,19 @@ class PgStore:
         config: PgStoreConfig,
         *,
         schema_oid: int,
+        incarnation: int,
         owns_engine: bool,
         lock_url: URL,
         lock_pool: Pool | None = None,
         pool_role: str | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
-        and read the schema's OID.
+        and read the schema's OID and the cluster's incarnation.
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
         self._config = config
+        self._incarnation = incarnation
         self._owns_engine = owns_engine
         # Sessions that may carry settings that are not the store's: an application's (its
         # SETs), or any server connection a transaction-pooling PgBouncer hands out
@@ -101,6 +104,7 @@ class PgStore:
         self._commits = CommitPath(
             engine,
             config.schema,
+            incarnation=incarnation,
             borrowed=(
                 session_st.borrowed_transaction(pool.idle_in_transaction_ms(config))
                 if self._borrows_sessions
@@ -113,12 +117,12 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leader_lock = (lock_st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
             lock_url,
             config.schema,
-            self._leader_lock,
+            (lock_st.LOCK_NS_LEADER, schema_oid),
             config,
+            incarnation=incarnation,
             pool=lock_pool,
             trust=trust.TrustCheck(config.schema, config.trusted_triggers),
             # The pool's role connects as the store does: trusted by its lock session too.
@@ -236,13 +240,19 @@ class PgStore:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
         else:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
-        oid, pool_role = await pool.schema_oid_and_role(engine, config.schema)
+        oid, incarnation, pool_role = await pool.cluster_identity(engine, config.schema)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
+        if incarnation is None:
+            raise StoreError(
+                f"the leader row of schema {config.schema!r} at {where} is missing: run the "
+                "migrations"
+            )
         return cls(
             engine,
             config,
             schema_oid=oid,
+            incarnation=incarnation,
             owns_engine=owns_engine,
             pool_role=pool_role,
             lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
@@ -300,6 +310,16 @@ class PgStore:
         return self._engine
 
     @property
+    def incarnation(self) -> int:
+        """The cluster this store was opened on: the OID of its leader table, read at open.
+        The schema's name may come to hold another cluster (dropped and migrated again,
+        renamed, restored from a logical dump); this store then never writes there, and
+        raises ``ClusterReplacedError`` (docs/reliability.md, "The cluster's incarnation").
+        A physical copy of the server (a promoted replica, a point-in-time restore) and
+        ``pg_upgrade`` keep it."""
+        return self._incarnation
+
+    @property
     def telemetry(self) -> Telemetry:
         """Where this store records metrics and spans (:mod:`cronoq_store.telemetry`):
         the global OpenTelemetry providers configured when it opened, or those given to
@@ -327,6 +347,9 @@ class PgStore:
         After a term of this instance ended (lost, or released), it first waits the rest of
         ``2 * lock_poll + 1`` seconds, so that a waiting standby leads instead
         (docs/operations.md, "A forced handover").
+        It raises ``ClusterReplacedError`` where the schema no longer holds the cluster this
+        store was opened on (:attr:`incarnation`), and ``SchemaGoneError`` where the schema
+        is gone, with the lock released and no epoch taken: open a new store then.
         """
         # A standby holds no writer connection, and a new term takes a fresh one.
         await self._commits.release()
@@ -358,8 +381,10 @@ class PgStore:
 
     @property
     def leader_lock(self) -> tuple[int, int]:
-        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``)."""
-        return self._leader_lock
+        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``): the
+        second is the schema's OID, read again by each acquisition (``pg_upgrade`` gives a
+        schema another), so these are the last acquisition's, or those read at open."""
+        return self._leadership.lock_key
 
     # --- commits ----------------------------------------------------------------------------
 
@@ -373,11 +398,15 @@ class PgStore:
         """Write ``batch`` and ``outputs`` in one transaction; return once it committed.
 
         Idempotent: a batch that already landed changes nothing when committed again.
-        Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
-        lost and nothing is written) or leadership was lost before,
-        ``BatchTooLargeError`` (before sending anything) if the batch could exceed
-        :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
-        commit takes longer than ``commit_timeout``.
+        Raises ``FencedError`` if ``epoch`` is not the stored one, or leadership was lost
+        before; nothing is written then. Only a fence of this instance's current term ends
+        it (leadership is then marked lost): a late commit stamped with an earlier term's
+        epoch (or any epoch other than the current one) is refused, and the term goes on.
+        Raises ``ClusterReplacedError`` (a ``FencedError``; leadership is marked lost) if the
+        schema no longer holds the cluster this store was opened on, ``BatchTooLargeError``
+        (before sending anything) if the batch could exceed :attr:`max_commit_bytes`, and
+        ``UnavailableError`` if the database fails or the commit takes longer than
+        ``commit_timeout``.
         """
         if not self._telemetry.enabled:
             return await self._commit(epoch, base, batch, outputs, None)
@@ -394,7 +423,24 @@ class PgStore:
     ) -> None:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
+            replaced = self._leadership.replaced
+            if replaced is not None:
+                raise ClusterReplacedError(
+                    replaced.schema, replaced.incarnation, replaced.found, "committing a batch"
+                )
             raise FencedError("leadership was lost: this instance must not write any more")
+        current = self._leadership.epoch
+        if current is not None and epoch != current:
+            # Stamped with an earlier term's epoch (a retry from that term's committer):
+            # it can never pass the fence, and it is no news about the current term.
+            logger.warning(
+                "a commit stamped with another term's epoch was refused; the current term goes on",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+            raise FencedError(
+                f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
+                "was written, and the current term goes on"
+            )
         size = check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         if record is not None:
@@ -429,20 +475,35 @@ class PgStore:
                 reconnect=True,
             )
 
-    def _fenced_out(self) -> None:
-        """A commit found another epoch: this instance must not write any more."""
+    def _fenced_out(self, stored: int | None, replaced: ClusterReplacedError | None) -> bool:
+        """A commit found the epoch ``stored``, or another cluster (``replaced``): whether
+        that ends this instance's term, after which it must not write any more. Only a
+        fence of the current term ends it: a commit stamped with an earlier term's epoch,
+        in flight while a new term began, finds that new term's epoch stored."""
+        current = self._leadership.epoch
+        if replaced is None and current is not None and stored == current:
+            return False
         self._fenced = True
-        self._leadership.mark_lost("fenced")
+        if replaced is not None:
+            self._leadership.replaced = replaced
+        self._leadership.mark_lost("fenced" if replaced is None else "cluster_replaced")
+        return True
 
-    async def _schema_gone(self, error: SchemaGoneError) -> None:
-        """The cluster's tables or columns went away under this leader (a forced downgrade):
-        step down, releasing the lock, as when fenced; a new term needs a migrated schema."""
+    async def _cluster_gone(self, error: SchemaGoneError | ClusterReplacedError) -> None:
+        """The cluster went away under this leader (its tables or columns dropped by a
+        forced downgrade, or the schema holding another cluster): step down, releasing the
+        lock, as when fenced; a new term needs a migrated schema, or a new store."""
+        replaced = isinstance(error, ClusterReplacedError)
         logger.error(
-            "the cluster's schema lost what this build uses; stepping down",
+            "the schema no longer holds this store's cluster; stepping down"
+            if replaced
+            else "the cluster's schema lost what this build uses; stepping down",
             extra={"schema": self._config.schema, "epoch": self.epoch, "error": str(error)},
         )
         self._fenced = True
-        self._leadership.mark_lost("schema_gone")
+        if isinstance(error, ClusterReplacedError):
+            self._leadership.replaced = error
+        self._leadership.mark_lost("cluster_replaced" if replaced else "schema_gone")
         await self._commits.release()
 
     def _session(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
@@ -468,8 +529,11 @@ class PgStore:
             yield
         except Exception as exc:
             error = translate_error(exc, action)
-            if isinstance(error, SchemaGoneError) and self._leadership.is_leader:
-                await self._schema_gone(error)
+            if (
+                isinstance(error, (SchemaGoneError, ClusterReplacedError))
+                and self._leadership.is_leader
+            ):
+                await self._cluster_gone(error)
             if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
                 logger.warning(
                     "the database no longer accepts writes (demoted primary?); "
@@ -497,12 +561,19 @@ class PgStore:
         Total whatever the rows hold: an undecodable live row is quarantined (marked
         failed with the reason, once: it is an ordinary failed task afterwards) and reported
         as finished; an undecodable schedule is logged, skipped and left in the table.
+        Raises ``ClusterReplacedError`` where the schema no longer holds the cluster this
+        store was opened on (:attr:`incarnation`): nothing is read (or quarantined) there.
         """
         quarantined: list[int] = []
         with self._telemetry.recovery() as loaded, recovery.collector_paused():
             async with self._translated("recovering"), self._session() as conn:
                 found = await recovery.recover(
-                    conn, self._config.schema, base, self._config.retention, quarantined.append
+                    conn,
+                    self._config.schema,
+                    base,
+                    self._config.retention,
+                    quarantined.append,
+                    incarnation=self._incarnation,
                 )
             loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
         return found
@@ -525,18 +596,23 @@ class PgStore:
         read again after :data:`~cronoq_store._queries.TAKEOVER_GRACE` and reported in
         ``foreign_holder``, never as a leader. A schema whose tables are gone (never
         migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
-        with whoever holds its leader lock (not a store instance: nothing records one)."""
+        with whoever holds its leader lock (not a store instance: nothing records one).
+        ``incarnation`` is the cluster this instance was opened on, ``stored_incarnation``
+        the one the schema holds now: where they differ (``cluster_replaced``), this
+        instance never writes again. The holder is that of the lock the schema's OID keys
+        now."""
         check = self._connect_check
         try:
             async with self._translated("reading health"), self._session() as conn:
-                facts = await queries.cluster_facts(conn, self._leader_lock)
+                lock = await self._lock_now(conn)
+                facts = await queries.cluster_facts(conn, lock)
                 untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
             # epoch 0, as in a cluster not yet created.
             async with self._translated("reading health"), self._session() as conn:
-                holder = await queries.leader_lock_holder(conn, self._leader_lock)
+                holder = await queries.leader_lock_holder(conn, await self._lock_now(conn))
                 status = await conn.run_sync(migrations.revision_status, self._config.schema)
                 untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
             facts = queries.ClusterFacts(0, holder, status.current)
@@ -550,7 +626,15 @@ class PgStore:
             head=migrations.head_revision(),
             last_commit_age=None if last is None else time.monotonic() - last,
             untrusted_connect=tuple(untrusted),
+            incarnation=self._incarnation,
+            stored_incarnation=facts.incarnation,
         )
+
+    async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:
+        """The leader lock's keys as the schema's OID gives them now (the key of the last
+        acquisition, or of the open, when the schema is gone)."""
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": self._config.schema})).scalar()
+        return self.leader_lock if oid is None else (lock_st.LOCK_NS_LEADER, oid)
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
@@ -583,13 +667,20 @@ class PgStore:
         first, so locks stay short, and waits for commits in flight that may add
         dependencies (:func:`cronoq_store._queries.prune`). ``progress``, if given, is called
         with the running total of deleted rows after each batch (an operator's progress
-        bar); an exception it raises ends the prune, as a ``StoreError``.
+        bar); an exception it raises ends the prune, as a ``StoreError``. Raises
+        ``ClusterReplacedError``, having deleted nothing more, once the schema no longer
+        holds the cluster this store was opened on (:attr:`incarnation`).
         """
         queries.prune_age_ns(older_than)  # a bad age is a ValueError before connecting
         with self._telemetry.prune() as pruned:
             async with self._translated("pruning finished tasks"):
                 async with self._session() as conn:
                     cutoff = await queries.server_prune_cutoff(conn, older_than)
-                deleted = await queries.prune(self._session, cutoff, progress)
+                deleted = await queries.prune(
+                    self._session,
+                    cutoff,
+                    progress,
+                    cluster=(self._config.schema, self._incarnation),
+                )
             pruned(deleted)
         return deleted

@@ -177,11 +177,22 @@ class Health:
     #: hold the leader lock. While any is listed, instances refuse to lead (unless
     #: ``allow_untrusted_connect``).
     untrusted_connect: tuple[str, ...] = ()
+    #: The cluster this instance was opened on (``PgStore.incarnation``, its leader table's
+    #: OID), and the one the schema holds now (``None`` when its tables are gone).
+    incarnation: int | None = None
+    stored_incarnation: int | None = None
 
     @property
     def at_head(self) -> bool:
         """Whether the schema is at this build's head revision."""
         return self.revision == (self.head,)
+
+    @property
+    def cluster_replaced(self) -> bool:
+        """Whether the schema no longer holds the cluster this instance was opened on (it
+        was dropped, made again, renamed or restored from a dump, or its tables are gone):
+        this instance never writes there again; open a new store."""
+        return self.stored_incarnation != self.incarnation
 
     @property
     def has_leader(self) -> bool:

@@ -90,6 +90,7 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
             "head": head_revision(),
             "at_head": True,
             "stored_epoch": epoch,
+            "incarnation": leader.incarnation,
             "leader": {
                 "pid": row["pid"],
                 "instance": name.removeprefix("probe-a leader "),
@@ -151,6 +152,7 @@ async def test_status_json_masks_the_password_and_counts(pg_url: URL, store: PgS
         0,
         2,
     )
+    assert doc["incarnation"] == store.incarnation
     assert doc["leader"] is None
     assert doc["lock"] == [store.leader_lock[0], store.leader_lock[1] & 0xFFFFFFFF]
     assert doc["tasks"] == [

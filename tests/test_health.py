@@ -37,7 +37,10 @@ async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_ag
             revision=(head_revision(),),
             head=head_revision(),
             last_commit_age=None,
+            incarnation=b.incarnation,
+            stored_incarnation=b.incarnation,
         )
+        assert not before.cluster_replaced
         assert before.at_head
         assert not before.has_leader
 

@@ -64,13 +64,26 @@ async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
 
 
 @pytest.fixture
-async def make(pg_url: URL, migrated: str, lock_key: tuple[int, int]) -> AsyncIterator[Factory]:
+async def incarnation(pg_url: URL, migrated: str) -> int:
+    """The test cluster's incarnation: its leader table's OID."""
+    rows = await admin_execute(pg_url, f'SELECT tableoid FROM "{migrated}".cronoq_leader')
+    return int(rows[0][0])
+
+
+@pytest.fixture
+async def make(
+    pg_url: URL, migrated: str, lock_key: tuple[int, int], incarnation: int
+) -> AsyncIterator[Factory]:
     """Build Leadership instances on the test's schema; all are closed afterwards."""
     made: list[Leadership] = []
 
     def build(name: str = "a", url: URL | None = None, **settings: float) -> Leadership:
         leadership = Leadership(
-            async_url(url or pg_url), migrated, lock_key, config(migrated, name, **settings)
+            async_url(url or pg_url),
+            migrated,
+            lock_key,
+            config(migrated, name, **settings),
+            incarnation=incarnation,
         )
         made.append(leadership)
         return leadership
@@ -406,7 +419,11 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
     await admin_execute(pg_url, f'CREATE SCHEMA "{schema}"')
     rows = await admin_execute(pg_url, "SELECT $1::regnamespace::oid::bigint", schema)
     a = Leadership(
-        async_url(pg_url), schema, (lock_st.LOCK_NS_LEADER, rows[0][0]), config(schema, "a")
+        async_url(pg_url),
+        schema,
+        (lock_st.LOCK_NS_LEADER, rows[0][0]),
+        config(schema, "a"),
+        incarnation=0,  # no leader table: no cluster
     )
     try:
         with pytest.raises(StoreError) as info:
@@ -556,7 +573,11 @@ async def test_from_engine_lock_session_connects_like_the_engine(
 
 
 async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
-    pg_url: URL, migrated: str, lock_key: tuple[int, int], caplog: pytest.LogCaptureFixture
+    pg_url: URL,
+    migrated: str,
+    lock_key: tuple[int, int],
+    incarnation: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A port bound here and never listened on refuses every connection, and stays ours.
     closed = socket.socket()
@@ -569,6 +590,7 @@ async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
         migrated,
         lock_key,
         config(migrated, "a"),
+        incarnation=incarnation,
         pool=engine.sync_engine.pool.recreate(),
     )
     try:

@@ -38,6 +38,7 @@ __all__ = [
     "health_document",
     "leader_lock",
     "plan_prune",
+    "prune_cluster",
     "read_health",
     "verdict",
     "wait_for_new_leader",
@@ -128,6 +129,7 @@ def health_document(schema: str, health: Health) -> dict[str, Any]:
         "head": revision.head,
         "at_head": revision.at_head,
         "stored_epoch": None if facts is None else facts.stored_epoch,
+        "incarnation": None if facts is None else facts.incarnation,
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
         "reasons": health.reasons,
@@ -314,6 +316,15 @@ async def plan_prune(conn: AsyncConnection, older_than: int) -> PrunePlan:
     ).scalar_one()
     await conn.rollback()
     return PrunePlan(cutoff_ns, victims, max(0, old - victims))
+
+
+async def prune_cluster(conn: AsyncConnection, schema: str) -> tuple[str, int]:
+    """The cluster a prune of ``schema`` deletes in: its name and its incarnation now, read
+    before the first batch, so that no batch deletes in a cluster made again meanwhile
+    (``queries.prune``). The read's transaction is ended, for the batches' own."""
+    incarnation = await queries.incarnation(conn, schema)
+    await conn.rollback()
+    return schema, incarnation
 
 
 def batch_transactions(

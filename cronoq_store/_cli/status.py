@@ -64,6 +64,7 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
                 "revision": list(revision.current),
                 "head": revision.head,
                 "epoch": epoch,
+                "incarnation": facts.incarnation,
                 "max_id": max_id,
                 "lock": list(keys),
                 "leader": output.holder_document(output.leader_of(facts.holder)),
@@ -94,6 +95,10 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
     output.print_facts(
         console,
         ("epoch", f"{epoch}" + (" (no leader yet)" if epoch == 0 else "")),
+        (
+            "incarnation",
+            f"{facts.incarnation} (the leader table's OID: another after a re-creation)",
+        ),
         ("max id", output.task_id(max_id) if max_id else "0 (no task issued)"),
         *holder_facts(facts.holder, f"advisory lock ({keys[0]}, {keys[1]})"),
         ("quarantined", f"{quarantined:,} rows"),

@@ -216,8 +216,9 @@ class Pruning:
         try:
             async with self._source.connect(schema) as conn:
                 await database.require_head(conn, schema)
+                cluster = await operations.prune_cluster(conn, schema)
                 transactions = operations.batch_transactions(conn)
-                await queries.prune(transactions, job.cutoff, progress)
+                await queries.prune(transactions, job.cutoff, progress, cluster=cluster)
             log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
         except Exception as exc:  # said on the page and in the log, never a traceback
             error = exc if isinstance(exc, CliError) else translate_error(exc, "pruning")
