@@ -47,7 +47,7 @@ from cronoq_store.testing import EmbeddedPostgres, find_bin_dir
 from cronoq_store.testing._server import _free_port
 from cronoq_store.testing._unprivileged import run_as
 
-from .pgharness import admin_execute, asyncpg_dsn
+from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
 from .replication import needs_binaries
 from .test_downgrade_guard import cronoq
 from .test_group_commit import wait_until
@@ -76,7 +76,9 @@ def submitted(epoch: int, n: int) -> Submitted:
 async def lock_session_pids(url: URL, name: str) -> list[int]:
     """The sessions of instance ``name``'s lock session (its ``application_name``)."""
     rows = await admin_execute(
-        url, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", f"{name} leader"
+        url,
+        f"SELECT pid FROM pg_stat_activity WHERE {WITHOUT_INSTANCE} = $1",
+        f"{name} leader",
     )
     return [r[0] for r in rows]
 
@@ -159,7 +161,7 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
             assert code == ExitCode.OK, health
             leader = health["leader"]
             assert isinstance(leader, dict)
-            assert leader["application_name"] == f"{new_name} leader"
+            assert without_instance(leader["application_name"]) == f"{new_name} leader"
             assert health["lock_holder"] == leader
             mine = await b.health()
             assert (mine.incarnation, mine.stored_incarnation) == (b.incarnation, b.incarnation)
@@ -218,7 +220,7 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
             assert code == ExitCode.OK, health
             leader = health["leader"]
             assert isinstance(leader, dict)
-            assert leader["application_name"] == f"dgm-b-{migrated} leader"
+            assert without_instance(leader["application_name"]) == f"dgm-b-{migrated} leader"
             assert health["reasons"] == []
 
 
@@ -547,7 +549,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
                 return True
             rows = await admin_execute(
                 url,
-                "SELECT 1 FROM pg_stat_activity WHERE application_name = 'upgrade-b leader' "
+                f"SELECT 1 FROM pg_stat_activity WHERE {WITHOUT_INSTANCE} = 'upgrade-b leader' "
                 "AND query LIKE '%pg_try_advisory_lock%'",
             )
             return bool(rows)
