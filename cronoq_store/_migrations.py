@@ -46,6 +46,7 @@ from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
+from . import _transactions as transactions
 from ._config import trusted_trigger_names, validate_schema_name
 from ._driver import translate_error
 from ._errors import MigrationError
@@ -236,10 +237,11 @@ def run_command(
 async def _in_transaction(
     bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
 ) -> None:
+    """``run`` in one transaction: on an engine's pooled session, run again on a session
+    that had lost its prepared statements (:func:`~cronoq_store._transactions.run`); a
+    caller's connection as it is."""
     if isinstance(bind, AsyncEngine):
-        async with bind.connect() as conn:
-            await conn.run_sync(run)
-            await conn.commit()
+        await transactions.run(bind, None, lambda conn: conn.run_sync(run))
     else:
         await bind.run_sync(run)
 
@@ -351,8 +353,7 @@ async def require_head(
         return revision_status(sync_conn, schema)
 
     try:
-        async with engine.connect() as conn:
-            status = await conn.run_sync(read)
+        status = await transactions.run(engine, None, lambda conn: conn.run_sync(read))
     except Exception as exc:
         raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
     status.require_head(

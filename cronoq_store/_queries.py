@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta, timezone
 from typing import Any, NamedTuple
 
@@ -164,14 +163,15 @@ async def server_prune_cutoff(conn: AsyncConnection, older_than: float) -> int:
 
 
 async def prune(
-    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    in_transaction: Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]],
     cutoff: int,
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
-    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
-    returns how many were deleted, and calls ``progress`` with the running total after
-    each batch.
+    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of its own
+    (``in_transaction(batch)`` runs ``batch`` in one, and may run it again after a failure
+    that rolled it back); returns how many were deleted, and calls ``progress`` with the
+    running total after each batch.
 
     Each batch first takes :data:`~cronoq_store._statements.leader_barrier`: every commit
     holds the leader row ``FOR SHARE`` (and so its table ``ROW SHARE``) from its epoch check
@@ -181,11 +181,15 @@ async def prune(
     deletes in the same statement (:data:`~cronoq_store._statements.prune_batch`).
     """
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
+
+    async def batch(conn: AsyncConnection) -> int:
+        await conn.execute(st.leader_barrier)
+        deleted: int = (await conn.execute(st.prune_batch, params)).scalar_one()
+        return deleted
+
     total = 0
     while True:
-        async with session() as conn:
-            await conn.execute(st.leader_barrier)
-            deleted: int = (await conn.execute(st.prune_batch, params)).scalar_one()
+        deleted = await in_transaction(batch)
         total += deleted
         if progress is not None:
             progress(total)

@@ -332,8 +332,7 @@ class CommitPath:
         """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or
         ``FencedError`` if it wrote nothing because an id is another task's, a live key is
         another live task's or the stored epoch is another."""
-        async with self.connections.driver_connection() as conn:
-            written = await self.writer.write(conn, epoch, batch)
+        written = await self.connections.run(lambda conn: self.writer.write(conn, epoch, batch))
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
         if written.taken is not None:

@@ -1,10 +1,11 @@
-"""An application's session settings never reach the store's transactions.
+"""An application's session settings and resets never reach the store's transactions.
 
 With ``PgStore.from_engine`` the store's transactions run on the application's pooled
-sessions, whatever the application ``SET`` on them. The application's pool here has one
-connection, so the store's next transaction runs on exactly the session the application
-poisoned. What a store transaction runs under is read inside it, on the real server: a
-probe statement runs in the store's own transaction (the commit's, on the driver
+sessions, whatever the application ``SET`` on them, and whatever it reset (``DISCARD ALL``
+drops the prepared statements the driver and SQLAlchemy remember). The application's pool
+here has one connection, so the store's next transaction runs on exactly the session the
+application poisoned. What a store transaction runs under is read inside it, on the real
+server: a probe statement runs in the store's own transaction (the commit's, on the driver
 connection; a read's, on its SQLAlchemy connection) before the store's statements.
 """
 
@@ -14,6 +15,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -24,9 +26,24 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
-from cronoq_store._errors import UnavailableError
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._domain import (
+    IntervalSchedule,
+    RecurringSpec,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
@@ -420,3 +437,223 @@ async def test_a_function_on_the_applications_path_neither_fails_a_ping_nor_disp
         await store.close()
         async with app_engine.begin() as conn:
             await conn.exec_driver_sql(f'DROP SCHEMA "{shadow}" CASCADE')
+
+
+# --- sessions the application resets ---------------------------------------------------------
+
+RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
+EVERY_MINUTE = IntervalSchedule(timedelta(minutes=1))
+#: The rows each round of :func:`every_path` leaves: tasks 1, 2, 4, 5 and 40 copied ones.
+ROWS_PER_ROUND = 44
+
+
+async def reset(engine: AsyncEngine, *statements: str) -> None:
+    """What the application runs on its pooled session between the store's transactions,
+    outside any transaction (``DISCARD`` refuses to run in one), by the simple protocol."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        for statement in statements:
+            await driver.execute(statement)
+
+
+async def prepared_statements(engine: AsyncEngine) -> dict[str, str]:
+    """The statements prepared on the application's session, name by text (this query's
+    own left out)."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        # A text of its own each time: never a statement of the driver's cache, which the
+        # application's reset may have emptied on the server.
+        rows = await driver.fetch(
+            f"SELECT name, statement FROM pg_prepared_statements -- {uuid.uuid4()}"
+        )
+    return {
+        r["statement"]: r["name"] for r in rows if "pg_prepared_statements" not in r["statement"]
+    }
+
+
+async def every_path(
+    store: PgStore, epoch: int, round: int, engine: AsyncEngine | None, *, migrate: bool = False
+) -> None:
+    """Every statement the store runs on a pooled session, each with the outcome it must
+    have: commits on every write path (one statement, a transaction, COPY, an id
+    collision, a held key, a batch sent again), look-ups, a page, an output, recovery,
+    health, a ping, a prune, and opening a store on ``engine`` (checking the revision, and
+    migrating if ``migrate``). A migration runs DDL, after which SQLAlchemy prepares every
+    statement again: a reset right after it would meet no stale statement. Each round uses
+    ids of its own; it leaves :data:`ROWS_PER_ROUND` task rows."""
+
+    def id(n: int) -> TaskId:
+        return task_id(epoch, 100 * round + n)
+
+    key, held, now = f"key-{round}", f"held-{round}", BASE.engine_ns
+    await store.commit(epoch, BASE, batch(epoch, 100 * round + 1, key=key), [])
+    await store.commit(
+        epoch,
+        BASE,
+        [
+            StatusChanged(id(1), SUCCEEDED, 1, now),
+            RecurringUpsert(RecurringSpec(f"s{round}", EVERY_MINUTE, TaskSpec(b"t"))),
+            RecurringNext(f"s{round}", next=now, last=id(1)),
+            RecurringRemove(f"s{round - 1}"),
+        ],
+        [(id(1), b"out")],
+    )
+    await store.commit(
+        epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in range(10, 50)], []
+    )
+    await store.commit(epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in (4, 5)], [])
+    await store.commit(epoch, BASE, [StatusChanged(id(10), RUNNING, 1, now)], [])
+    sent = Submitted(id(2), 2, now, TaskSpec(b"p", key=held))
+    await store.commit(epoch, BASE, [sent], [])
+    # Sent again with its next transition: its insert finds it stored, so the batch is
+    # written again with the transition first.
+    await store.commit(epoch, BASE, [sent, StatusChanged(id(2), RUNNING, 1, now)], [])
+    with pytest.raises(IdCollisionError):
+        await store.commit(epoch, BASE, [Submitted(id(2), 2, now, TaskSpec(b"other"))], [])
+    with pytest.raises(KeyTakenError):
+        await store.commit(epoch, BASE, [Submitted(id(3), 3, now, TaskSpec(b"p", key=held))], [])
+
+    found = await store.get_task(id(1))
+    assert found is not None
+    assert found.status is SUCCEEDED
+    by_key = await store.get_task(key)
+    assert by_key is not None
+    assert by_key.id == id(1)
+    assert [t.id for t in await store.list_finished(after=id(0), limit=10)] == [id(1)]
+    assert await store.load_output(id(1)) == b"out"
+    recovered = await store.recover(BASE)
+    live = {t.id: t.attempt for t in recovered.tasks}
+    assert {n: live.get(id(n)) for n in (2, 3, 4, 10, 11)} == {2: 1, 3: None, 4: 0, 10: 1, 11: 0}
+    assert f"s{round}" in [r.spec.name for r in recovered.recurring]
+    assert f"s{round - 1}" not in [r.spec.name for r in recovered.recurring]
+    health = await store.health()
+    assert (health.is_leader, health.stored_epoch) == (True, epoch)
+    await store.ping()
+    assert await store.prune(3600) == 0
+    if engine is not None:
+        for migrating in (False, True) if migrate else (False,):
+            await (await PgStore.from_engine(engine, store.config, migrate=migrating)).close()
+
+
+async def stored_rows(pg_url: URL, schema: str) -> list[tuple[str, int, int]]:
+    """(status, attempt, rows) of the cluster's tasks: nothing lost, nothing doubled."""
+    rows = await admin_execute(
+        pg_url,
+        f'SELECT status, attempt, count(*) AS n FROM "{schema}".cronoq_tasks '
+        "GROUP BY status, attempt ORDER BY status, attempt",
+    )
+    return [(r["status"], r["attempt"], r["n"]) for r in rows]
+
+
+def rows_of(rounds: int) -> list[tuple[str, int, int]]:
+    """What :func:`stored_rows` reads after ``rounds`` rounds of :func:`every_path`."""
+    return [("queued", 0, 41 * rounds), ("running", 1, 2 * rounds), ("succeeded", 1, rounds)]
+
+
+@pytest.mark.parametrize(
+    "caches",
+    [{}, {"prepared_statement_cache_size": 0}],
+    ids=["asyncpg-and-sqlalchemy-caches", "asyncpg-cache-only"],
+)
+@pytest.mark.parametrize("statement", ["DISCARD ALL", "DEALLOCATE ALL"])
+async def test_a_session_that_lost_its_prepared_statements_still_serves_every_path(
+    pg_url: URL, migrated: str, statement: str, caches: dict[str, int]
+) -> None:
+    """The application resets its one pooled session: the statements asyncpg and
+    SQLAlchemy remember are gone from the server. Every path of the store makes them
+    again, and writes each batch once."""
+    engine = create_async_engine(
+        async_url(pg_url), pool_size=1, max_overflow=0, connect_args=caches
+    )
+    try:
+        store = await PgStore.from_engine(engine, config(migrated))
+        try:
+            epoch = await store.acquire_leadership()
+            await every_path(store, epoch, 0, engine, migrate=True)
+            await every_path(store, epoch, 1, engine)
+            assert await prepared_statements(engine) != {}
+            await reset(engine, statement)
+            assert await prepared_statements(engine) == {}
+            await every_path(store, epoch, 2, engine, migrate=True)
+        finally:
+            await store.close()
+        assert engine.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        await engine.dispose()
+    assert await stored_rows(pg_url, migrated) == rows_of(3)
+
+
+async def test_each_prepared_statement_lost_alone_is_made_again(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """``DEALLOCATE`` of one statement at a time, each of those the store made on the
+    session: whichever statement meets the loss (a commit's, recovery's cursor, a look-up's,
+    the migration's...), the store makes it again and the path's outcome is the same."""
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = await store.acquire_leadership()
+        await every_path(store, epoch, 0, app_engine, migrate=True)
+        await every_path(store, epoch, 1, app_engine)
+        texts = list(await prepared_statements(app_engine))
+        rounds, lost = 2, 0
+        for text in texts:
+            # Made again under another name: by the round after the store found one lost
+            # (which empties the session's caches); never, if nothing runs it again
+            # (SQLAlchemy's checks of a new connection).
+            name = (await prepared_statements(app_engine)).get(text)
+            if name is None:
+                await every_path(store, epoch, rounds, app_engine)
+                rounds += 1
+                name = (await prepared_statements(app_engine)).get(text)
+            if name is not None:
+                await reset(app_engine, f'DEALLOCATE "{name}"')
+                await every_path(store, epoch, rounds, app_engine)
+                rounds, lost = rounds + 1, lost + 1
+        assert lost > 30, texts
+    finally:
+        await store.close()
+    assert await stored_rows(pg_url, migrated) == rows_of(rounds)
+
+
+async def test_a_session_of_the_stores_own_pool_reset_through_its_engine(
+    pg_url: URL, migrated: str
+) -> None:
+    """``store.engine`` is public: an application that runs ``DISCARD ALL`` through it
+    resets the store's own sessions, where commits take the one-statement paths."""
+    one = dataclasses.replace(config(migrated), max_connections=1)
+    store = await PgStore.connect(pg_url, one)
+    try:
+        epoch = await store.acquire_leadership()
+        assert store._commits.writer.borrowed_opening is None  # the one-statement paths
+        await every_path(store, epoch, 0, None)
+        await reset(store.engine, "DISCARD ALL")
+        await every_path(store, epoch, 1, None)
+    finally:
+        await store.close()
+    assert await stored_rows(pg_url, migrated) == rows_of(2)
+
+
+async def test_a_session_reset_behind_a_session_pooling_pgbouncer_is_still_recovered(
+    pg_server: ServerUnderTest, pg_url: URL, migrated: str
+) -> None:
+    """Behind a proxy that keeps each client on one server session (PgBouncer's session
+    pooling), the backend is not the one the connection's startup named, and a reset is
+    still a reset: the server session under the connection never changes."""
+    if pg_server.url.password is None:
+        pytest.skip("PgBouncer here needs a server URL with a password")
+    with PgBouncer(pg_server.url, pool_size=1, settings={"pool_mode": "session"}) as bouncer:
+        engine = create_async_engine(async_url(bouncer.url()), pool_size=1, max_overflow=0)
+        try:
+            store = await PgStore.from_engine(engine, config(migrated), lock_url=pg_url)
+            try:
+                epoch = await store.acquire_leadership()
+                await every_path(store, epoch, 0, engine, migrate=True)
+                await every_path(store, epoch, 1, engine)
+                for round in (2, 3):  # the second loss on the connection too
+                    await reset(engine, "DISCARD ALL")
+                    await every_path(store, epoch, round, engine)
+            finally:
+                await store.close()
+        finally:
+            await engine.dispose()
+    assert await stored_rows(pg_url, migrated) == rows_of(4)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -199,12 +198,11 @@ async def plan_prune(conn: AsyncConnection, older_than: int) -> PrunePlan:
 
 def batch_transactions(
     conn: AsyncConnection,
-) -> Callable[[], AbstractAsyncContextManager[AsyncConnection]]:
+) -> Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]]:
     """``conn``, one transaction per prune batch, for the store's loop (``queries.prune``)."""
 
-    @asynccontextmanager
-    async def transaction() -> AsyncIterator[AsyncConnection]:
+    async def in_transaction(batch: Callable[[AsyncConnection], Awaitable[int]]) -> int:
         async with conn.begin():
-            yield conn
+            return await batch(conn)
 
-    return transaction
+    return in_transaction
