@@ -56,16 +56,17 @@ def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
     return engine
 
 
-async def require_utf8(engine: AsyncEngine, where: str) -> None:
+async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:
     """Refuse a database whose encoding is not UTF8, before anything is created in it: every
-    string the domain accepts must be storable, and another encoding lacks most characters."""
+    string the domain accepts must be storable, and another encoding lacks most characters.
+    Read in a transaction opened by ``opening`` (the store's settings)."""
 
     async def read(conn: AsyncConnection) -> str:
         encoding: str = (await conn.execute(st.server_encoding)).scalar_one()
         return encoding
 
     try:
-        encoding = await transactions.run(engine, None, read)
+        encoding = await transactions.run(engine, opening, read)
     except Exception as exc:
         raise translate_open_error(exc, where, "reading the database's encoding") from exc
     if encoding != "UTF8":
@@ -145,9 +146,12 @@ def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnect
         raise DisconnectionError("the server closed this pooled connection")
 
 
-async def schema_oid_and_role(engine: AsyncEngine, schema: str) -> tuple[int | None, str]:
+async def schema_oid_and_role(
+    engine: AsyncEngine, schema: str, opening: str
+) -> tuple[int | None, str]:
     """The OID of ``schema`` (``None`` if there is none) and the role the pool connects as,
-    read at open."""
+    read at open, in a transaction opened by ``opening`` (the store's settings: a role an
+    application left ``SET`` on a borrowed session is not the pool's)."""
 
     async def read(conn: AsyncConnection) -> tuple[int | None, str]:
         await conn.execute(session_st.local_search_path)
@@ -156,7 +160,7 @@ async def schema_oid_and_role(engine: AsyncEngine, schema: str) -> tuple[int | N
         return oid, pool_role
 
     try:
-        return await transactions.run(engine, None, read)
+        return await transactions.run(engine, opening, read)
     except Exception as exc:
         raise translate_error(exc, f"reading the OID of schema {schema!r}") from exc
 

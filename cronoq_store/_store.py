@@ -100,6 +100,10 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
+        #: The message that opens the store's reads, recovery and health checks: the
+        #: store's settings on a borrowed session, and an idle limit that is not
+        #: ``session_timeout`` (:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`).
+        self._read_opening = _reads_opening(engine, self._borrows_sessions)
         self._commits = CommitPath(
             engine,
             config.schema,
@@ -230,15 +234,20 @@ class PgStore:
                 "lock cannot live on a pooled server connection"
             )
         where = redact(engine.url)
-        await pool.require_utf8(engine, where)
+        # What the store reads at open runs under its own settings too: an application's
+        # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
+        opening = _reads_opening(engine, not owns_engine or not config.prepared_statements)
+        await pool.require_utf8(engine, where, opening)
         if not config.prepared_statements:
             await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
         else:
-            await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
-        oid, pool_role = await pool.schema_oid_and_role(engine, config.schema)
+            await migrations.require_head(
+                engine, config.schema, trusted_triggers=trusted, opening=opening
+            )
+        oid, pool_role = await pool.schema_oid_and_role(engine, config.schema, opening)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
         return cls(
@@ -444,7 +453,13 @@ class PgStore:
 
     def _read(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
         """``work`` in a transaction of its own under the store's settings, run again on a
-        session that had lost its prepared statements (:func:`~cronoq_store._transactions.run`)."""
+        session that had lost its prepared statements (:func:`~cronoq_store._transactions.run`);
+        for reads, recovery and health, which take no lock on the leader row."""
+        return transactions.run(self._db, self._read_opening, work)
+
+    def _locking(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """As :meth:`_read`, for a transaction that locks the leader row (a prune batch):
+        a takeover waits for it, so it keeps the commits' idle limit, ``session_timeout``."""
         return transactions.run(self._db, self._commits.writer.borrowed_opening, work)
 
     @asynccontextmanager
@@ -605,6 +620,13 @@ class PgStore:
                 cutoff = await self._read(
                     lambda conn: queries.server_prune_cutoff(conn, older_than)
                 )
-                deleted = await queries.prune(self._read, cutoff, progress)
+                deleted = await queries.prune(self._locking, cutoff, progress)
             pruned(deleted)
         return deleted
+
+
+def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
+    """The message that opens a store transaction that takes no lock on the leader row
+    (:func:`~cronoq_store._session_statements.store_transaction`)."""
+    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
+    return transactions.opening(statements, engine.dialect)

@@ -6,7 +6,8 @@ drops the prepared statements the driver and SQLAlchemy remember). The applicati
 here has one connection, so the store's next transaction runs on exactly the session the
 application poisoned. What a store transaction runs under is read inside it, on the real
 server: a probe statement runs in the store's own transaction (the commit's, on the driver
-connection; a read's, on its SQLAlchemy connection) before the store's statements.
+connection; a read's, on its SQLAlchemy connection; a migration's, in Alembic's run) before
+the store's statements.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -45,10 +46,11 @@ from cronoq_store._mutations import (
     Submitted,
 )
 from cronoq_store._store import PgStore
+from cronoq_store._trust import refuse_untrusted
 from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
-from .pgharness import ServerUnderTest, admin_execute
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
 
 BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
@@ -95,6 +97,10 @@ POISONS = [
     ("SET ROLE {role}", "current_user", "{user}"),
     ("SET SESSION AUTHORIZATION {role}", "session_user", "{user}"),
 ]
+
+#: Where a read needs another value than a commit: it takes no lock on the leader row, so
+#: its idle limit is the store's own, not session_timeout (_session_statements.IDLE_LIMIT_MS).
+READ_NEEDS = {"idle_timeout": "1min"}
 
 
 @pytest.fixture
@@ -206,7 +212,8 @@ async def test_a_store_transaction_runs_under_its_own_settings_on_a_poisoned_ses
         assert found is not None
         assert found.status is TaskStatus.RUNNING
         assert await store.prune(0) == 0
-        assert [c[column] for c in commits + reads] == [needed, needed]
+        assert [c[column] for c in commits] == [needed]
+        assert [r[column] for r in reads] == [READ_NEEDS.get(column, needed)]
         # For its transaction alone: the application's session keeps its own settings.
         assert await session_values(app_engine) == poisoned
         assert app_engine.sync_engine.pool is pool  # never disposed
@@ -304,6 +311,111 @@ async def test_a_read_only_error_alone_never_disposes_an_applications_pool(
         assert app_engine.sync_engine.pool is pool
     finally:
         await store.close()
+
+
+# --- migrating on a borrowed session ----------------------------------------------------
+
+
+def probing_migrations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Probe every migration's transaction, at its trust checks (before its revisions run,
+    and after)."""
+    seen: list[dict[str, Any]] = []
+
+    def probed(conn: Connection, schema: str, trusted: frozenset[str]) -> None:
+        seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
+        refuse_untrusted(conn, schema, trusted)
+
+    monkeypatch.setattr("cronoq_store._alembic_env.refuse_untrusted", probed)
+    return seen
+
+
+async def tables_of(pg_url: URL, schema: str) -> list[str]:
+    rows = await admin_execute(
+        pg_url,
+        "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = $1 ORDER BY 1",
+        schema,
+    )
+    return [r["tablename"] for r in rows]
+
+
+@pytest.mark.parametrize(("statement", "column", "needed"), POISONS, ids=[p[0] for p in POISONS])
+async def test_from_engine_migrates_under_the_stores_own_settings_on_a_poisoned_session(
+    app_engine: AsyncEngine,
+    schema: str,
+    pg_url: URL,
+    intruder_role: str,
+    monkeypatch: pytest.MonkeyPatch,
+    statement: str,
+    column: str,
+    needed: str,
+) -> None:
+    """``from_engine`` creates the cluster in a transaction opened as every other store
+    transaction on a borrowed session: a read-only session is no failover (a retry on a
+    pool of one would meet it for ever), a role left set would own the tables, an
+    asynchronous commit could lose the migration. The application's session keeps its
+    values."""
+    user = pg_url.username
+    statement, needed = statement.format(role=intruder_role), needed.format(user=user)
+    seen = probing_migrations(monkeypatch)
+    try:
+        await poison(app_engine, statement)
+        poisoned = await session_values(app_engine)
+        store = await PgStore.from_engine(app_engine, config(schema))
+        await store.close()
+        assert [s[column] for s in seen] == [READ_NEEDS.get(column, needed)] * 2
+        assert await session_values(app_engine) == poisoned
+    finally:
+        await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+    assert "cronoq_tasks" in await tables_of(pg_url, schema)
+    owners = await admin_execute(
+        pg_url, "SELECT DISTINCT tableowner FROM pg_catalog.pg_tables WHERE schemaname = $1", schema
+    )
+    assert [r["tableowner"] for r in owners] == [user]
+
+
+async def test_from_engine_migrates_on_a_session_whose_transactions_may_idle_a_millisecond(
+    app_engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """The server would end the session between two of the migration's statements: the
+    store's transaction sets its own idle limit first."""
+    # Outside a transaction, which would sit idle before its own COMMIT.
+    await reset(app_engine, "SET idle_in_transaction_session_timeout = 1")
+    store = await PgStore.from_engine(app_engine, config(schema))
+    await store.close()
+    assert "cronoq_tasks" in await tables_of(pg_url, schema)
+    async with app_engine.connect() as conn:  # outside a transaction: never idle in one
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        assert await driver.fetchval("SHOW idle_in_transaction_session_timeout") == "1ms"
+
+
+async def test_from_engine_migrates_on_a_session_that_waits_a_millisecond_for_a_lock(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """Another session holds a table the migration reads: the migration waits for it
+    (the store's lock_timeout, none here), not the millisecond the application set."""
+    await poison(app_engine, "SET lock_timeout = 1")
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute(
+            f'BEGIN; LOCK TABLE "{migrated}".cronoq_alembic_version IN ACCESS EXCLUSIVE MODE'
+        )
+        opening = asyncio.ensure_future(PgStore.from_engine(app_engine, config(migrated)))
+        waiting = (
+            "SELECT count(*) FROM pg_catalog.pg_locks WHERE NOT granted "
+            f"AND relation = '\"{migrated}\".cronoq_alembic_version'::regclass"
+        )
+        for _ in range(600):
+            if opening.done() or await holder.fetchval(waiting):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the migration never waited for the table held (30 s)")
+        await holder.execute("COMMIT")
+        store = await opening
+        await store.close()
+    finally:
+        await holder.close()
+    assert (await session_values(app_engine))["lock_timeout"] == "1ms"
 
 
 # --- through a transaction-pooling PgBouncer ---------------------------------------------
@@ -631,6 +743,68 @@ async def test_a_session_of_the_stores_own_pool_reset_through_its_engine(
     finally:
         await store.close()
     assert await stored_rows(pg_url, migrated) == rows_of(2)
+
+
+@pytest.fixture
+async def evil_path(pg_url: URL, migrated: str) -> AsyncIterator[str]:
+    """A schema anyone can write, holding an exact-match ``=`` for text that records who
+    called it: a session whose ``search_path`` puts it first must never run it."""
+    evil = f"{migrated}_evil"
+    for statement in (
+        f"CREATE SCHEMA {evil}",
+        f"CREATE TABLE {evil}.calls (who text)",
+        f"GRANT ALL ON SCHEMA {evil} TO PUBLIC",
+        f"GRANT ALL ON {evil}.calls TO PUBLIC",
+        f"CREATE FUNCTION {evil}.eq(a text, b text) RETURNS boolean LANGUAGE sql AS "
+        f"$$ INSERT INTO {evil}.calls VALUES (current_user) "
+        "RETURNING a OPERATOR(pg_catalog.=) b $$",
+        f"CREATE OPERATOR {evil}.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {evil}.eq)",
+    ):
+        await admin_execute(pg_url, statement)
+    yield evil
+    calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
+    await admin_execute(pg_url, f"DROP SCHEMA {evil} CASCADE")
+    assert calls[0]["n"] == 0
+
+
+#: Resets and settings an application may leave on its session, in the order the test
+#: below runs them: each stays in effect for the rounds after it, until ``DISCARD ALL``.
+OTHER_RESETS = [
+    "DISCARD PLANS",
+    "DISCARD TEMP",
+    "DISCARD SEQUENCES",
+    "RESET ALL",
+    "SET search_path = {evil}, pg_catalog",
+    'SET ROLE "{role}"',
+    'SET SESSION AUTHORIZATION "{role}"',
+    "DISCARD ALL",
+]
+
+
+async def test_every_reset_an_application_may_run_leaves_every_path_working(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL, intruder_role: str, evil_path: str
+) -> None:
+    """The application's own temporary objects and prepared statements on the session,
+    then each reset in turn: every path of the store works after each, the open included
+    (its revision check and schema look-up run as the pool's role, not a role left set)."""
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = await store.acquire_leadership()
+        await reset(
+            app_engine,
+            "CREATE TEMPORARY TABLE cronoq_tasks (id bigint)",
+            "CREATE TEMPORARY SEQUENCE app_sequence",
+            "SELECT nextval('app_sequence')",
+            "PREPARE app_statement AS SELECT 1",
+        )
+        await every_path(store, epoch, 0, app_engine)
+        for round, statement in enumerate(OTHER_RESETS, start=1):
+            await reset(app_engine, statement.format(evil=evil_path, role=intruder_role))
+            await every_path(store, epoch, round, app_engine, migrate=True)
+    finally:
+        await store.close()
+        await reset(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+    assert await stored_rows(pg_url, migrated) == rows_of(len(OTHER_RESETS) + 1)
 
 
 async def test_a_session_reset_behind_a_session_pooling_pgbouncer_is_still_recovered(
