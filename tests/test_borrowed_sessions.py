@@ -557,6 +557,10 @@ RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
 EVERY_MINUTE = IntervalSchedule(timedelta(minutes=1))
 #: The rows each round of :func:`every_path` leaves: tasks 1, 2, 4, 5 and 40 copied ones.
 ROWS_PER_ROUND = 44
+#: The epoch a new cluster stores. A store that never led commits under it (the epoch check
+#: still fences it), with no lock session whose keeper a long migration on a loaded machine
+#: could starve: these tests are about the pooled sessions.
+NO_LEADER = 0
 
 
 async def reset(engine: AsyncEngine, *statements: str) -> None:
@@ -595,10 +599,15 @@ async def every_path(
     ids of its own; it leaves :data:`ROWS_PER_ROUND` task rows."""
 
     def id(n: int) -> TaskId:
-        return task_id(epoch, 100 * round + n)
+        return TaskId(100 * round + n)
 
     key, held, now = f"key-{round}", f"held-{round}", BASE.engine_ns
-    await store.commit(epoch, BASE, batch(epoch, 100 * round + 1, key=key), [])
+    await store.commit(
+        epoch,
+        BASE,
+        [Submitted(id(1), 1, now, TaskSpec(b"p", key=key)), StatusChanged(id(1), RUNNING, 1, now)],
+        [],
+    )
     await store.commit(
         epoch,
         BASE,
@@ -639,7 +648,7 @@ async def every_path(
     assert f"s{round}" in [r.spec.name for r in recovered.recurring]
     assert f"s{round - 1}" not in [r.spec.name for r in recovered.recurring]
     health = await store.health()
-    assert (health.is_leader, health.stored_epoch) == (True, epoch)
+    assert (health.is_leader, health.stored_epoch) == (False, epoch)
     await store.ping()
     assert await store.prune(3600) == 0
     if engine is not None:
@@ -680,7 +689,7 @@ async def test_a_session_that_lost_its_prepared_statements_still_serves_every_pa
     try:
         store = await PgStore.from_engine(engine, config(migrated))
         try:
-            epoch = await store.acquire_leadership()
+            epoch = NO_LEADER
             await every_path(store, epoch, 0, engine, migrate=True)
             await every_path(store, epoch, 1, engine)
             assert await prepared_statements(engine) != {}
@@ -703,7 +712,7 @@ async def test_each_prepared_statement_lost_alone_is_made_again(
     the migration's...), the store makes it again and the path's outcome is the same."""
     store = await PgStore.from_engine(app_engine, config(migrated))
     try:
-        epoch = await store.acquire_leadership()
+        epoch = NO_LEADER
         await every_path(store, epoch, 0, app_engine, migrate=True)
         await every_path(store, epoch, 1, app_engine)
         texts = list(await prepared_statements(app_engine))
@@ -735,7 +744,7 @@ async def test_a_session_of_the_stores_own_pool_reset_through_its_engine(
     one = dataclasses.replace(config(migrated), max_connections=1)
     store = await PgStore.connect(pg_url, one)
     try:
-        epoch = await store.acquire_leadership()
+        epoch = NO_LEADER
         assert store._commits.writer.borrowed_opening is None  # the one-statement paths
         await every_path(store, epoch, 0, None)
         await reset(store.engine, "DISCARD ALL")
@@ -789,7 +798,7 @@ async def test_every_reset_an_application_may_run_leaves_every_path_working(
     (its revision check and schema look-up run as the pool's role, not a role left set)."""
     store = await PgStore.from_engine(app_engine, config(migrated))
     try:
-        epoch = await store.acquire_leadership()
+        epoch = NO_LEADER
         await reset(
             app_engine,
             "CREATE TEMPORARY TABLE cronoq_tasks (id bigint)",
@@ -820,7 +829,7 @@ async def test_a_session_reset_behind_a_session_pooling_pgbouncer_is_still_recov
         try:
             store = await PgStore.from_engine(engine, config(migrated), lock_url=pg_url)
             try:
-                epoch = await store.acquire_leadership()
+                epoch = NO_LEADER
                 await every_path(store, epoch, 0, engine, migrate=True)
                 await every_path(store, epoch, 1, engine)
                 for round in (2, 3):  # the second loss on the connection too
