@@ -71,7 +71,7 @@ LAYERS: tuple[Layer, ...] = (
             "_driver": "statements compiled for asyncpg and run on its connection; every "
             "driver error mapped to the store's errors",
             "_held_connection": "the commit connection's life: checked out, held, given up",
-            "_transactions": "a read's transaction on a pooled session, own or borrowed",
+            "_transactions": "a store transaction on a pooled session, own or borrowed",
         },
     ),
     Layer(

@@ -46,6 +46,7 @@ from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
+from . import _transactions as transactions
 from ._config import trusted_trigger_names, validate_schema_name
 from ._driver import translate_error
 from ._errors import MigrationError
@@ -236,10 +237,15 @@ def run_command(
 async def _in_transaction(
     bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
 ) -> None:
+    """``run`` in one transaction: on an engine's pooled session, one the store opens under
+    its own settings, whatever the session carries (an application's ``SET
+    default_transaction_read_only``, ``statement_timeout``, ``ROLE``, ... or a ``DISCARD
+    ALL``: :func:`~cronoq_store._transactions.run`), so that a retry never meets the same
+    refusal again; a caller's connection as it is (its transaction, its role on purpose)."""
     if isinstance(bind, AsyncEngine):
-        async with bind.connect() as conn:
-            await conn.run_sync(run)
-            await conn.commit()
+        statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
+        opening = transactions.opening(statements, bind.dialect)
+        await transactions.run(bind, opening, lambda conn: conn.run_sync(run))
     else:
         await bind.run_sync(run)
 
@@ -334,14 +340,19 @@ def newer_message(schema: str, unknown: Sequence[str]) -> str:
 
 
 async def require_head(
-    engine: AsyncEngine, schema: str, *, trusted_triggers: frozenset[str] = frozenset()
+    engine: AsyncEngine,
+    schema: str,
+    *,
+    trusted_triggers: frozenset[str] = frozenset(),
+    opening: str | None = None,
 ) -> None:
     """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
 
     What a store opened with ``migrate=False`` checks instead of migrating, after
     :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
     schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
-    the revisions named (:meth:`RevisionStatus.require_head`).
+    the revisions named (:meth:`RevisionStatus.require_head`). ``opening``: the message that
+    opens its transaction (:func:`~cronoq_store._transactions.run`), the store's settings.
     """
     validate_schema_name(schema)
 
@@ -351,8 +362,7 @@ async def require_head(
         return revision_status(sync_conn, schema)
 
     try:
-        async with engine.connect() as conn:
-            status = await conn.run_sync(read)
+        status = await transactions.run(engine, opening, lambda conn: conn.run_sync(read))
     except Exception as exc:
         raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
     status.require_head(

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta, timezone
 from typing import Any, NamedTuple
 
@@ -176,18 +175,19 @@ async def incarnation(conn: AsyncConnection, schema: str) -> int:
 
 
 async def prune(
-    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    in_transaction: Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]],
     cutoff: int,
     progress: Callable[[int], None] | None = None,
     *,
     cluster: tuple[str, int],
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
-    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
-    returns how many were deleted, and calls ``progress`` with the running total after
-    each batch. Only in ``cluster`` (the schema and the incarnation the store was opened
-    on): a batch that finds the schema holding another deletes nothing there and raises
-    ``ClusterReplacedError``.
+    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of its own
+    (``in_transaction(batch)`` runs ``batch`` in one, and may run it again after a failure
+    that rolled it back); returns how many were deleted, and calls ``progress`` with the
+    running total after each batch. Only in ``cluster`` (the schema and the incarnation the
+    store was opened on): a batch that finds the schema holding another deletes nothing
+    there and raises ``ClusterReplacedError``.
 
     Each batch first takes :data:`~cronoq_store._statements.leader_barrier`: every commit
     holds the leader row ``FOR SHARE`` (and so its table ``ROW SHARE``) from its epoch check
@@ -198,15 +198,19 @@ async def prune(
     """
     schema, incarnation = cluster
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH, "incarnation": incarnation}
+
+    async def batch(conn: AsyncConnection) -> int:
+        await conn.execute(st.leader_barrier)
+        recorded = (await conn.execute(st.prune_batch, params)).first()
+        if recorded is None:
+            found = (await conn.execute(st.incarnation)).scalar()
+            raise ClusterReplacedError(schema, incarnation, found, "pruning finished tasks")
+        deleted: int = recorded[0]
+        return deleted
+
     total = 0
     while True:
-        async with session() as conn:
-            await conn.execute(st.leader_barrier)
-            recorded = (await conn.execute(st.prune_batch, params)).first()
-            if recorded is None:
-                found = (await conn.execute(st.incarnation)).scalar()
-                raise ClusterReplacedError(schema, incarnation, found, "pruning finished tasks")
-        deleted: int = recorded[0]
+        deleted = await in_transaction(batch)
         total += deleted
         if progress is not None:
             progress(total)

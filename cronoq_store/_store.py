@@ -12,12 +12,12 @@ election lives in :mod:`cronoq_store._leadership`. Every failure leaves the stor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
+from typing import TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -55,6 +55,8 @@ from .telemetry import CommitRecord, Telemetry, resolve
 __all__ = ["PgStore"]
 
 logger = logging.getLogger("cronoq_store")
+
+_T = TypeVar("_T")
 
 
 class PgStore:
@@ -101,6 +103,10 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
+        #: The message that opens the store's reads, recovery and health checks: the
+        #: store's settings on a borrowed session, and an idle limit that is not
+        #: ``session_timeout`` (:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`).
+        self._read_opening = _reads_opening(engine, self._borrows_sessions)
         self._commits = CommitPath(
             engine,
             config.schema,
@@ -232,15 +238,20 @@ class PgStore:
                 "lock cannot live on a pooled server connection"
             )
         where = redact(engine.url)
-        await pool.require_utf8(engine, where)
+        # What the store reads at open runs under its own settings too: an application's
+        # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
+        opening = _reads_opening(engine, not owns_engine or not config.prepared_statements)
+        await pool.require_utf8(engine, where, opening)
         if not config.prepared_statements:
             await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
         else:
-            await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
-        oid, incarnation, pool_role = await pool.cluster_identity(engine, config.schema)
+            await migrations.require_head(
+                engine, config.schema, trusted_triggers=trusted, opening=opening
+            )
+        oid, incarnation, pool_role = await pool.cluster_identity(engine, config.schema, opening)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
         if incarnation is None:
@@ -469,7 +480,7 @@ class PgStore:
                 ) from exc
 
     async def _ping(self) -> None:
-        if not await pool.accepts_writes(self._db):
+        if not await self._read(pool.accepts_writes):
             raise UnavailableError(
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
@@ -506,10 +517,16 @@ class PgStore:
         self._leadership.mark_lost("cluster_replaced" if replaced else "schema_gone")
         await self._commits.release()
 
-    def _session(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
-        """A pooled connection in a transaction under the store's settings
-        (:func:`~cronoq_store._transactions.transaction`)."""
-        return transactions.transaction(self._db, self._commits.writer.borrowed_opening)
+    def _read(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """``work`` in a transaction of its own under the store's settings, run again on a
+        session that had lost its prepared statements (:func:`~cronoq_store._transactions.run`);
+        for reads, recovery and health, which take no lock on the leader row."""
+        return transactions.run(self._db, self._read_opening, work)
+
+    def _locking(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """As :meth:`_read`, for a transaction that locks the leader row (a prune batch):
+        a takeover waits for it, so it keeps the commits' idle limit, ``session_timeout``."""
+        return transactions.run(self._db, self._commits.writer.borrowed_opening, work)
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -565,24 +582,29 @@ class PgStore:
         store was opened on (:attr:`incarnation`): nothing is read (or quarantined) there.
         """
         quarantined: list[int] = []
+
+        def attempt(conn: AsyncConnection) -> Awaitable[Recovered]:
+            quarantined.clear()  # an attempt that failed quarantined nothing
+            return recovery.recover(
+                conn,
+                self._config.schema,
+                base,
+                self._config.retention,
+                quarantined.append,
+                incarnation=self._incarnation,
+            )
+
         with self._telemetry.recovery() as loaded, recovery.collector_paused():
-            async with self._translated("recovering"), self._session() as conn:
-                found = await recovery.recover(
-                    conn,
-                    self._config.schema,
-                    base,
-                    self._config.retention,
-                    quarantined.append,
-                    incarnation=self._incarnation,
-                )
+            async with self._translated("recovering"):
+                found = await self._read(attempt)
             loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
         return found
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
         check_task_id("id", id)
-        async with self._translated("loading an output"), self._session() as conn:
-            return await queries.load_output(conn, id)
+        async with self._translated("loading an output"):
+            return await self._read(lambda conn: queries.load_output(conn, id))
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -602,20 +624,31 @@ class PgStore:
         instance never writes again. The holder is that of the lock the schema's OID keys
         now."""
         check = self._connect_check
+
+        async def untrusted_roles(conn: AsyncConnection) -> Sequence[str]:
+            return (await conn.execute(check.statement, check.params)).scalars().all()
+
+        async def read(conn: AsyncConnection) -> tuple[queries.ClusterFacts, Sequence[str]]:
+            facts = await queries.cluster_facts(conn, await self._lock_now(conn))
+            return facts, await untrusted_roles(conn)
+
+        async def read_without_tables(
+            conn: AsyncConnection,
+        ) -> tuple[queries.ClusterFacts, Sequence[str]]:
+            holder = await queries.leader_lock_holder(conn, await self._lock_now(conn))
+            status = await conn.run_sync(migrations.revision_status, self._config.schema)
+            facts = queries.ClusterFacts(0, holder, status.current)
+            return facts, await untrusted_roles(conn)
+
         try:
-            async with self._translated("reading health"), self._session() as conn:
-                lock = await self._lock_now(conn)
-                facts = await queries.cluster_facts(conn, lock)
-                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+            async with self._translated("reading health"):
+                facts, untrusted = await self._read(read)
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
             # epoch 0, as in a cluster not yet created.
-            async with self._translated("reading health"), self._session() as conn:
-                holder = await queries.leader_lock_holder(conn, await self._lock_now(conn))
-                status = await conn.run_sync(migrations.revision_status, self._config.schema)
-                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
-            facts = queries.ClusterFacts(0, holder, status.current)
+            async with self._translated("reading health"):
+                facts, untrusted = await self._read(read_without_tables)
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,
@@ -639,8 +672,8 @@ class PgStore:
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
         params = queries.lookup_params(ref)
-        async with self._translated("looking up a task"), self._session() as conn:
-            return await queries.get_task(conn, params)
+        async with self._translated("looking up a task"):
+            return await self._read(lambda conn: queries.get_task(conn, params))
 
     async def list_finished(
         self,
@@ -653,8 +686,8 @@ class PgStore:
         one of ``pools`` (any if empty) with one of ``statuses`` (any if empty). Pass the
         last id of a page as ``after`` to get the next one."""
         params = queries.finished_params(pools, statuses, after, limit)
-        async with self._translated("listing finished tasks"), self._session() as conn:
-            return await queries.list_finished(conn, params)
+        async with self._translated("listing finished tasks"):
+            return await self._read(lambda conn: queries.list_finished(conn, params))
 
     async def prune(
         self, older_than: float, *, progress: Callable[[int], None] | None = None
@@ -674,13 +707,21 @@ class PgStore:
         queries.prune_age_ns(older_than)  # a bad age is a ValueError before connecting
         with self._telemetry.prune() as pruned:
             async with self._translated("pruning finished tasks"):
-                async with self._session() as conn:
-                    cutoff = await queries.server_prune_cutoff(conn, older_than)
+                cutoff = await self._read(
+                    lambda conn: queries.server_prune_cutoff(conn, older_than)
+                )
                 deleted = await queries.prune(
-                    self._session,
+                    self._locking,
                     cutoff,
                     progress,
                     cluster=(self._config.schema, self._incarnation),
                 )
             pruned(deleted)
         return deleted
+
+
+def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
+    """The message that opens a store transaction that takes no lock on the leader row
+    (:func:`~cronoq_store._session_statements.store_transaction`)."""
+    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
+    return transactions.opening(statements, engine.dialect)

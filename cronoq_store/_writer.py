@@ -369,8 +369,9 @@ class CommitPath:
         ``KeyTakenError``, ``ClusterReplacedError`` or ``FencedError`` if it wrote nothing
         because an id is another task's, a live key is another live task's, the schema
         holds another cluster or the stored epoch is another."""
-        async with self.connections.driver_connection() as conn:
-            written = await self.writer.write(conn, epoch, self._incarnation, batch)
+        written = await self.connections.run(
+            lambda conn: self.writer.write(conn, epoch, self._incarnation, batch)
+        )
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
         if written.taken is not None:

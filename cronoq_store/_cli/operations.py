@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -329,12 +328,11 @@ async def prune_cluster(conn: AsyncConnection, schema: str) -> tuple[str, int]:
 
 def batch_transactions(
     conn: AsyncConnection,
-) -> Callable[[], AbstractAsyncContextManager[AsyncConnection]]:
+) -> Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]]:
     """``conn``, one transaction per prune batch, for the store's loop (``queries.prune``)."""
 
-    @asynccontextmanager
-    async def transaction() -> AsyncIterator[AsyncConnection]:
+    async def in_transaction(batch: Callable[[AsyncConnection], Awaitable[int]]) -> int:
         async with conn.begin():
-            yield conn
+            return await batch(conn)
 
-    return transaction
+    return in_transaction
