@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from ._batch_order import footprint
+from ._batch_order import Merge, footprint, learn
 from ._domain import TimeBase
 from ._errors import CommitterClosedError, FencedError, StoreError
 from ._mutations import Mutation
@@ -47,6 +47,8 @@ class CommitWriter(Settling):
     _ping: Callable[[], Awaitable[object]] | None
     _backoff: Backoff
     _telemetry: Telemetry
+    #: The key of each task whose submission this committer committed (``learn``).
+    _known_keys: dict[int, str | None]
 
     async def _run(self) -> None:
         """The writer: batches in submission order until closed, fenced or aborted, up to
@@ -153,8 +155,9 @@ class CommitWriter(Settling):
             self._settled.set()
 
     async def _next_batch(self) -> list[Submission] | None:
-        """Whole submissions in order, up to the cap; ``None`` once there is nothing left
-        to commit (closed and drained, or aborted)."""
+        """Whole submissions in order, up to the cap and up to the first one that, merged
+        with them, would not get the answer of committing them one at a time (``Merge``);
+        ``None`` once there is nothing left to commit (closed and drained, or aborted)."""
         queue = self._queue
         while True:
             if self._aborting:
@@ -170,6 +173,7 @@ class CommitWriter(Settling):
         batch: list[Submission] = []
         rows = size = 0
         max_bytes = self._batch_bytes()
+        merge = Merge(self._known_keys)
         while queue:
             sub = queue[0]
             if sub.state is not State.QUEUED:
@@ -177,6 +181,8 @@ class CommitWriter(Settling):
                 continue
             if batch and (rows + sub.weight > self._max_batch or size + sub.size > max_bytes):
                 break
+            if not merge.take(sub.mutations, sub.outputs):
+                break  # it starts the next batch, which follows this one
             queue.popleft()
             sub.state = State.TAKEN
             batch.append(sub)
@@ -230,6 +236,7 @@ class CommitWriter(Settling):
             await self._commit_group(subs[middle:])
             return
         now = time.monotonic()
+        learn(self._known_keys, mutations)
         self._tally.commit(len(subs))
         if self._telemetry.enabled:
             self._telemetry.batch_committed(len(mutations), [now - sub.started for sub in subs])

@@ -7,9 +7,11 @@ batches: while one commit is in flight the next batch accumulates, so batches gr
 and no timer adds latency when the system is idle. Several batches are in flight at once,
 each on a connection of its own (``max_batches_in_flight``): commits share the fence (a share
 lock of the leader row, docs/reliability.md), so their WAL flushes overlap, and the next
-batch is cut and folded while earlier ones commit. A batch that must see an earlier one's
-rows (the same task, a key, a schedule: :mod:`cronoq_store._batch_order`) waits for it, so
-the rows are those of one batch at a time. A submitter's ``await`` returns only once the
+batch is cut and folded while earlier ones commit. A batch ends before a submission whose
+merged commit would answer otherwise than committing each alone, and a batch that must see
+an earlier one's rows (the same task, a key, a schedule) waits for it
+(:mod:`cronoq_store._batch_order`): every submission gets the answer of the submissions
+committed one at a time, in order. A submitter's ``await`` returns only once the
 transaction holding its mutations has committed.
 
 Failures are sorted by who they belong to:
@@ -71,7 +73,22 @@ class GroupCommitter(CommitWriter):
     """Turns many concurrent submitters into few transactions, each acked once durable.
 
     One committer serves one leadership term: ``epoch`` and ``base`` are passed to every
-    commit. Submissions are committed in the order they were accepted; a batch takes whole
+    commit.
+
+    The promise: each submission gets the answer, and the rows end as, committing the same
+    submissions one at a time, each alone with ``store.commit``, in the order they were
+    accepted (less those whose submitter cancelled before a batch took them). A submission
+    is acknowledged where that commit would return, and fails with the error it would
+    raise (``KeyTakenError``, ``IdCollisionError``, ...). So a key is free for a new task
+    only once a submission accepted before it finishes its holder. The rule of one
+    ``commit`` call (updates before inserts, so a batch may reuse a key it frees) applies
+    within a submission, never across two. To keep it, a batch merges only submissions
+    whose merged commit answers as the serial commits, and ends before any other
+    (:mod:`cronoq_store._batch_order`); a failing batch is bisected until only the
+    submissions that fail alone fail. Outside the promise: transient failures, fencing and
+    closing, which end submissions with their own errors (below).
+
+    Submissions are committed in the order they were accepted; a batch takes whole
     submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
     :func:`~cronoq_store._sizing.mutation_size` estimates them; a larger single submission
     goes alone, and fails at its first attempt if the store refuses its size), and never
@@ -132,6 +149,7 @@ class GroupCommitter(CommitWriter):
 
         self._queue = deque()
         self._flights = []
+        self._known_keys = {}
         self._settled = asyncio.Event()  # a batch in flight settled (or an abort began)
         self._pending_count = 0
         self._pending_weight = 0

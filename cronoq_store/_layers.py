@@ -78,7 +78,8 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_batch_order": "which batches in flight a new batch follows (task, key, schedule)",
+            "_batch_order": "where a batch ends, and which batches in flight it follows, so "
+            "that answers are those of serial commits",
             "_submissions": "a group commit's submission and its states, a batch in flight",
             "_settling": "how a group commit's submissions settle: acknowledged, failed, fenced",
             "_commit_writer": "the group committer's writer: batches cut, in flight, retried, "

@@ -1,21 +1,25 @@
-"""Several batches in flight: they commit at once on separate connections, yet end in the
-rows of the same history committed one submission at a time, in the order submitted.
+"""The group committer answers as serial commits: each submission gets the answer, and the
+rows end as, committing the same submissions one at a time in the order accepted, whatever
+batches it merges them into and however many batches are in flight at once.
 
 A commit is held in flight by an admin transaction that holds the leader row
 ``FOR UPDATE`` (every commit's share lock waits on it), so the test sees which batches were
-sent (``pg_stat_activity``). The property test draws concurrent submitters whose histories
-resubmit tasks, hand keys over and send a task's transitions before the previous one was
-acknowledged, with any number of batches in flight, and compares the rows and each
-submission's outcome with a serial replay in another schema.
+sent (``pg_stat_activity``). Chosen cases pin each way a merge or two batches in flight could
+change an answer; the property tests draw concurrent submitters sending any submissions
+over a few tasks, keys and schedules, with any number of batches in flight, and compare
+every answer, task, output and schedule with a serial replay in another schema (or
+another in-memory store).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Protocol, TypeAlias
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,12 +28,29 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._domain import (
+    UNIX_EPOCH,
+    IntervalSchedule,
+    RecurringSpec,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._group_commit import GroupCommitter, SupportsCommit
 from cronoq_store._migrations import upgrade
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
+from cronoq_store._stored_values import Recovered, TaskRecord
+from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
 from .test_group_commit import LeaderRowHold, app_name, wait_until
@@ -37,6 +58,9 @@ from .test_group_commit import LeaderRowHold, app_name, wait_until
 BASE = TimeBase.now()
 _ids = itertools.count(1)
 _clock = itertools.count(1)
+
+#: One submitter's call: its mutations and outputs.
+Submission: TypeAlias = tuple[list[Mutation], list[tuple[TaskId, bytes]]]
 
 
 def new(key: str | None = None) -> Submitted:
@@ -46,6 +70,49 @@ def new(key: str | None = None) -> Submitted:
 
 def moved(task: Submitted, status: TaskStatus, attempt: int = 1) -> StatusChanged:
     return StatusChanged(task.id, status, attempt, next(_clock), f"{status.value} {attempt}")
+
+
+#: What a submission is told: ``None`` (acknowledged), or its error's name and the ids or
+#: keys the error names.
+Answer: TypeAlias = tuple[str, object] | None
+
+
+def answer_of(error: BaseException | None) -> Answer:
+    if error is None:
+        return None
+    named = getattr(error, "ids", None) or getattr(error, "keys", None)
+    return type(error).__name__, named
+
+
+class Observed(Protocol):
+    """What both stores answer, through the API the scheduler uses."""
+
+    async def commit(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+    ) -> None: ...
+
+    async def get_task(self, ref: TaskId | str) -> TaskRecord | None: ...
+
+    async def load_output(self, id: TaskId) -> bytes | None: ...
+
+    async def recover(self, base: TimeBase) -> Recovered: ...
+
+
+async def one_at_a_time(store: Observed, submissions: Sequence[Submission]) -> list[Answer]:
+    """What committing each of ``submissions`` alone, in order, answers it."""
+    answers: list[Answer] = []
+    for mutations, outputs in submissions:
+        error: StoreError | None = None
+        try:
+            await store.commit(0, BASE, mutations, outputs)
+        except StoreError as exc:
+            error = exc
+        answers.append(answer_of(error))
+    return answers
 
 
 async def sent(url: URL, name: str) -> int:
@@ -64,6 +131,18 @@ async def store(pg_url: URL, migrated: str) -> AsyncIterator[PgStore]:
     config = PgStoreConfig(schema=migrated, application_name=app_name(migrated))
     async with await PgStore.connect(pg_url, config) as s:
         yield s
+
+
+@pytest.fixture
+async def serial_store(engine: AsyncEngine, migrated: str, pg_url: URL) -> AsyncIterator[PgStore]:
+    """Another schema, for the same submissions committed one at a time."""
+    schema = f"{migrated}_serial"
+    await upgrade(engine, schema)
+    try:
+        async with await PgStore.from_engine(engine, PgStoreConfig(schema=schema)) as s:
+            yield s
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def rows(url: URL, schema: str, ids: set[int] | None = None) -> list[tuple[Any, ...]]:
@@ -169,55 +248,115 @@ async def test_a_takeover_fences_every_batch_in_flight_and_queued(
     assert await rows(pg_url, migrated) == []
 
 
-# --- the property: any number of batches in flight, the rows of a serial history ----------
+# --- chosen cases: what a merge or two batches in flight could answer otherwise -----------
 
 
-@dataclass
-class Submitter:
-    """A scheduler's submitter: its tasks, the keys it holds, what it sent."""
+def _merge_hazard(case: str) -> tuple[list[Mutation], list[Mutation], list[Submission]]:
+    """What is stored before the committer starts, what the committer commits first, then
+    the submissions whose merged outcome would differ from their serial one if they shared
+    a batch (``case`` names the hazard)."""
+    if case == "a key claimed before its stored holder is finished":
+        holder = new("k")
+        return [holder], [], [([new("k")], []), ([moved(holder, TaskStatus.SUCCEEDED)], [])]
+    if case == "a key claimed before its holder, committed by the committer, is finished":
+        holder = new("k")
+        return [], [holder], [([new("k")], []), ([moved(holder, TaskStatus.SUCCEEDED)], [])]
+    if case == "a key claimed before a holder of the batch is finished":
+        holder = new("k")
+        finished = moved(holder, TaskStatus.FAILED)
+        return [], [], [([holder], []), ([new("k")], []), ([finished], [])]
+    if case == "a key claimed while held, by a task finished later":
+        holder, claimer = new("k"), new("k")
+        return [holder], [], [([claimer], []), ([moved(claimer, TaskStatus.CANCELLED)], [])]
+    if case == "a transition sent before its task's submission":
+        task = new()
+        return [], [], [([moved(task, TaskStatus.RUNNING)], []), ([task], [])]
+    assert case == "an output given before its task succeeds"
+    task = new()
+    return [task], [], [([], [(task.id, b"out")]), ([moved(task, TaskStatus.SUCCEEDED)], [])]
 
-    number: int
-    live: list[tuple[Submitted, int]] = field(default_factory=list)  # task, attempt
-    finished: list[Submitted] = field(default_factory=list)
-    free_keys: list[str] = field(default_factory=list)
 
-    def step(self, action: str, pick: int) -> list[Mutation]:
-        """The submission ``action`` makes, valid whatever was acknowledged so far."""
-        if action == "handover" and any(t.spec.key for t, _ in self.live):
-            keyed = [(i, t) for i, (t, _) in enumerate(self.live) if t.spec.key]
-            i, old = keyed[pick % len(keyed)]
-            del self.live[i]
-            self.finished.append(old)
-            task = new(old.spec.key)
-            self.live.append((task, 1))
-            return [moved(old, TaskStatus.SUCCEEDED), task]
-        if action == "advance" and self.live:
-            i = pick % len(self.live)
-            task, attempt = self.live[i]
-            status = [TaskStatus.RUNNING, TaskStatus.RETRYING, TaskStatus.FAILED][pick % 3]
-            if status is TaskStatus.RETRYING:
-                self.live[i] = (task, attempt + 1)
-            elif status.is_terminal:
-                del self.live[i]
-                self.finished.append(task)
-                if task.spec.key is not None:
-                    self.free_keys.append(task.spec.key)
-            return [moved(task, status, attempt)]
-        if action == "resubmit" and (self.live or self.finished):
-            known = [t for t, _ in self.live] + self.finished
-            return [known[pick % len(known)]]
-        key = None
-        if action == "keyed":
-            key = self.free_keys.pop() if self.free_keys else f"s{self.number}-k{pick}-{next(_ids)}"
-        task = new(key)
-        self.live.append((task, 1))
-        return [task]
+@pytest.mark.parametrize("in_flight", [1, 2, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "a key claimed before its stored holder is finished",
+        "a key claimed before its holder, committed by the committer, is finished",
+        "a key claimed before a holder of the batch is finished",
+        "a key claimed while held, by a task finished later",
+        "a transition sent before its task's submission",
+        "an output given before its task succeeds",
+    ],
+)
+async def test_submissions_queued_together_get_the_answers_of_serial_commits(
+    store: PgStore,
+    serial_store: PgStore,
+    migrated: str,
+    pg_url: URL,
+    case: str,
+    in_flight: int,
+) -> None:
+    """Submissions sent without waiting for one another are taken into one batch; each is
+    told what committing them one at a time, in order, tells it, and the rows are those."""
+    stored, first, submissions = _merge_hazard(case)
+    for each in (store, serial_store):
+        await each.commit(0, BASE, stored, [])
+    await serial_store.commit(0, BASE, first, [])
+    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=in_flight)
+    await committer.submit(first)
+    pending = [asyncio.ensure_future(committer.submit(m, o)) for m, o in submissions]
+    answers = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+    await committer.close()
+    assert [answer_of(a) for a in answers] == await one_at_a_time(serial_store, submissions)
+    assert await rows(pg_url, migrated) == await rows(pg_url, serial_store.config.schema)
+
+
+def _schedule(name: str) -> RecurringUpsert:
+    return RecurringUpsert(
+        RecurringSpec(name, IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
+    )
+
+
+@pytest.mark.parametrize("spelled", ["a key", "a schedule's name"])
+async def test_two_spellings_of_one_stored_name_are_one_for_batches_in_flight(
+    store: PgStore, serial_store: PgStore, migrated: str, pg_url: URL, spelled: str
+) -> None:
+    """NUL is stored as U+FFFD, so ``"s\\0"`` and ``"s\\ufffd"`` are one key (or one
+    schedule): a batch naming one spelling is not sent while a batch naming the other is
+    in flight, and both get the answers of serial commits."""
+    name = app_name(migrated)
+    if spelled == "a key":
+        first: list[Mutation] = [new("s\0")]
+        second: list[Mutation] = [new("s\ufffd")]
+    else:
+        first, second = [_schedule("r\0")], [RecurringRemove("r\ufffd")]
+    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    async with LeaderRowHold(pg_url, migrated) as hold:
+        one = asyncio.ensure_future(committer.submit(first))
+        await wait_until(lambda: _sent_is(pg_url, name, 1), what="the first batch in flight")
+        two = asyncio.ensure_future(committer.submit(second))
+        await asyncio.sleep(0.2)
+        assert await sent(pg_url, name) == 1, "the second batch was sent beside the first"
+        await hold.release()
+        answers = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+    await committer.close()
+    serial = await one_at_a_time(serial_store, [(first, []), (second, [])])
+    assert [answer_of(a) for a in answers] == serial
+    assert await rows(pg_url, migrated) == await rows(pg_url, serial_store.config.schema)
+    schedules = [
+        await admin_execute(pg_url, f'SELECT name FROM "{schema}".cronoq_recurring')
+        for schema in (migrated, serial_store.config.schema)
+    ]
+    assert [r[0] for r in schedules[0]] == [r[0] for r in schedules[1]]
+
+
+# --- the property: any submissions, any batches in flight, the answers of serial commits ---
 
 
 class Jittered:
     """A store whose commits each start after the next of ``delays`` (cycled)."""
 
-    def __init__(self, store: PgStore, delays: list[float]) -> None:
+    def __init__(self, store: SupportsCommit, delays: list[float]) -> None:
         self._store = store
         self._delays = itertools.cycle(delays)
 
@@ -232,93 +371,225 @@ class Jittered:
         await self._store.commit(epoch, base, batch, outputs)
 
 
-ACTIONS = ("new", "keyed", "advance", "handover", "resubmit")
-history_of = st.lists(
-    st.lists(
-        st.tuples(st.sampled_from(ACTIONS), st.integers(0, 11), st.booleans()),
-        min_size=1,
-        max_size=10,
-    ),
-    min_size=1,
-    max_size=6,
-)
+@dataclass
+class Scenario:
+    """Stored first (tasks of an earlier term, whose keys the committer never saw), then
+    what each concurrent submitter sends: a submission, and what it does before sending
+    the next (:data:`PACES`)."""
+
+    ids: list[TaskId]
+    names: list[str]
+    stored: list[Submission]
+    submitters: list[list[tuple[Submission, str]]]
 
 
-@pytest.fixture
-async def serial_store(engine: AsyncEngine, migrated: str, pg_url: URL) -> AsyncIterator[PgStore]:
-    schema = f"{migrated}_serial"
-    await upgrade(engine, schema)
-    try:
-        async with await PgStore.from_engine(engine, PgStoreConfig(schema=schema)) as s:
-            yield s
-    finally:
-        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+_examples = itertools.count(1)
+#: What a submitter does before sending its next submission: waits for the answer, lets
+#: the writer take the submission into a batch, or sends the next at once.
+PACES = ["answered", "taken", "taken", "at once", "at once"]
+LIVE = [TaskStatus.RUNNING, TaskStatus.RETRYING]
+FINISHED = [TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED]
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(
-    histories=history_of,
-    in_flight=st.integers(1, 6),
-    batch=st.integers(1, 6),
-    delays=st.lists(st.sampled_from([0.0, 0.0, 0.001, 0.004]), min_size=1, max_size=8),
-)
-async def test_any_batches_in_flight_end_in_the_rows_of_the_serial_history(
-    store: PgStore,
-    serial_store: PgStore,
-    migrated: str,
-    pg_url: URL,
-    histories: list[list[tuple[str, int, bool]]],
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    """Few tasks, keys and schedules, so that submissions meet: keys claimed while held and
+    before or after their holder is finished (stored or submitted beside them), transitions
+    before, with and after their task's submission, outputs before and after the success,
+    a task sent again, another task under a used id, schedules created, advanced and
+    removed, barriers. Most submissions are sent without waiting for the one before."""
+    n = next(_examples)
+    # Two spellings of one stored key and of one schedule's name (NUL is stored as U+FFFD).
+    keys = [None, f"e{n}a", f"e{n}a", f"e{n}b\0", f"e{n}b\ufffd"]
+    tasks = [new(draw(st.sampled_from(keys))) for _ in range(draw(st.integers(2, 3)))]
+    ids = [t.id for t in tasks]
+    names = [f"e{n}r1", f"e{n}r2\0", f"e{n}r2\ufffd"]
+    clock = st.integers(1, 30)  # few distinct times: ties and transitions that go backwards
+    # How often this example finishes tasks, gives outputs and reuses ids: each hazard shows
+    # only where the others leave room (a finish orders batches, a collision bisects them).
+    statuses = draw(st.sampled_from([LIVE, LIVE + FINISHED, FINISHED, [TaskStatus.SUCCEEDED]]))
+    outputs_per = draw(st.sampled_from([[0], [0, 1], [0, 1, 1]]))
+    collisions = draw(st.booleans())
+
+    def transition(task: Submitted) -> StatusChanged:
+        status = draw(st.sampled_from(statuses))
+        message = draw(st.sampled_from([None, "m", "boom"]))
+        return StatusChanged(task.id, status, draw(st.integers(0, 2)), draw(clock), message)
+
+    def mutation() -> Mutation:
+        kind = draw(st.integers(0, 19))
+        task = draw(st.sampled_from(tasks))
+        if kind < 7:
+            return task
+        if kind == 7 and collisions:  # another task under a used id
+            return Submitted(task.id, task.seq, 1, TaskSpec(b"x", key=draw(st.sampled_from(keys))))
+        if kind < 16:
+            return transition(task)
+        name = draw(st.sampled_from(names))
+        if kind < 18:
+            every = timedelta(seconds=draw(st.integers(1, 3)))
+            return RecurringUpsert(RecurringSpec(name, IntervalSchedule(every), TaskSpec(b"t")))
+        if kind == 18:
+            return RecurringRemove(name)
+        return RecurringNext(name, draw(clock), draw(st.sampled_from([None, *ids])))
+
+    def submission() -> Submission:
+        mutations = [mutation() for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3])))]
+        outputs = [
+            (TaskId(draw(st.sampled_from(ids))), b"o%d" % draw(st.integers(0, 9)))
+            for _ in range(draw(st.sampled_from(outputs_per)))
+        ]
+        return mutations, outputs
+
+    # Tasks of an earlier term: live (holding their keys) or moved on.
+    stored: list[Submission] = []
+    for task in tasks:
+        if draw(st.booleans()):
+            stored.append(([task, *(transition(task) for _ in range(draw(st.integers(0, 1))))], []))
+    paces = st.sampled_from(PACES)
+
+    def steps() -> list[tuple[Submission, str]]:
+        """One submission, or a pair sent together that a merge or two batches in flight
+        could answer otherwise than serial commits: a key claimed before its holder is
+        finished (the holder first committed by the committer, or not), a transition before
+        its task's submission, an output before its task's success, one key or schedule
+        spelled two ways."""
+        one = draw(st.sampled_from(tasks))
+        pair = draw(st.sampled_from(["none", "none", "claim", "transition", "output", "spelled"]))
+        if pair == "none":
+            return [(submission(), draw(paces))]
+        if pair == "spelled":  # one key, or one schedule, spelled two ways, likely two batches
+            if draw(st.booleans()):
+                first, second = new(f"e{n}s\0"), new(f"e{n}s\ufffd")
+                ids.extend((first.id, second.id))
+                return [(([first], []), "taken"), (([second], []), draw(paces))]
+            spellings = draw(st.permutations(names[1:]))
+            every = IntervalSchedule(timedelta(seconds=1))
+            created = RecurringUpsert(RecurringSpec(spellings[0], every, TaskSpec(b"t")))
+            removed = RecurringRemove(spellings[1])
+            return [(([created], []), "taken"), (([removed], []), draw(paces))]
+        if pair == "claim":
+            holder = draw(st.sampled_from([t for t in tasks if t.spec.key] or tasks))
+            claimer = new(holder.spec.key)  # a new task, under the key of another
+            ids.append(claimer.id)
+            found: list[tuple[Submission, str]] = []
+            if draw(st.booleans()):
+                found.append((([holder], []), "answered"))
+            status = draw(st.sampled_from(FINISHED))
+            finished = StatusChanged(holder.id, status, 1, draw(clock), None)
+            return [*found, (([claimer], []), "at once"), (([finished], []), draw(paces))]
+        if pair == "transition":
+            return [(([transition(one)], []), "at once"), (([one], []), draw(paces))]
+        succeeded = StatusChanged(one.id, TaskStatus.SUCCEEDED, 1, draw(clock), None)
+        return [(([], [(one.id, b"early")]), "at once"), (([succeeded], []), draw(paces))]
+
+    submitters = [
+        [step for _ in range(draw(st.integers(1, 6))) for step in steps()]
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    return Scenario(ids, names, stored, submitters)
+
+
+async def seen(store: Observed, scenario: Scenario) -> list[object]:
+    """Every task of ``scenario`` as the API shows it (a queued task's time is its
+    commit's, so it is left out), its output, and its schedules as recovered."""
+    found: list[object] = []
+    for id in scenario.ids:
+        record = await store.get_task(TaskId(id))
+        if record is not None and record.status is None:
+            record = replace(record, updated=UNIX_EPOCH)
+        found.append((record, await store.load_output(TaskId(id))))
+    recovered = await store.recover(BASE)
+    found.extend(r for r in recovered.recurring if r.spec.name in scenario.names)
+    return found
+
+
+async def committed_through_the_committer(
+    store: Observed,
+    serial: Observed,
+    scenario: Scenario,
     in_flight: int,
     batch: int,
     delays: list[float],
 ) -> None:
-    """Concurrent submitters send their histories through one committer (``in_flight``
-    batches at once, up to ``batch`` rows each); a submitter awaits a submission's
-    acknowledgement only where the draw says so, else it sends the next one at once. The
-    same submissions, committed one at a time in the order the committer accepted them,
-    give the same rows and the same outcome for every submission. Each commit starts after
-    the next of ``delays``, so that batches in flight overtake one another."""
-    order: list[list[Mutation]] = []
-    outcomes: dict[int, str | None] = {}
+    """Commit ``scenario`` through a committer on ``store`` (``in_flight`` batches at once,
+    up to ``batch`` rows each, each commit after the next of ``delays`` so that batches in
+    flight overtake one another); commit the same submissions one at a time on ``serial``,
+    in the order the committer accepted them; both answer every submission alike and end
+    alike."""
+    for mutations, outputs in scenario.stored:
+        for each in (store, serial):
+            with contextlib.suppress(StoreError):
+                await each.commit(0, BASE, mutations, outputs)
+    order: list[Submission] = []
+    answers: dict[int, Answer] = {}
     committer = GroupCommitter(
         Jittered(store, delays), 0, BASE, max_batches_in_flight=in_flight, max_batch_mutations=batch
     )
 
-    async def send(mutations: list[Mutation]) -> None:
+    async def send(sub: Submission) -> None:
         index = len(order)
-        order.append(mutations)  # accepted in this order: submit enqueues before it awaits
+        order.append(sub)  # accepted in this order: submit enqueues before it awaits
         try:
-            await committer.submit(mutations)
-            outcomes[index] = None
+            await committer.submit(*sub)
+            answers[index] = None
         except StoreError as exc:
-            outcomes[index] = type(exc).__name__
+            answers[index] = answer_of(exc)
 
-    async def submitter(number: int, steps: list[tuple[str, int, bool]]) -> None:
-        me = Submitter(number)
-        unacked: list[asyncio.Future[None]] = []
-        for action, pick, wait in steps:
-            pending = asyncio.ensure_future(send(me.step(action, pick)))
-            await asyncio.sleep(0)  # the submission is accepted before the next step
-            if wait:
+    async def submitter(steps: list[tuple[Submission, str]]) -> None:
+        unanswered: list[asyncio.Future[None]] = []
+        for sub, pace in steps:
+            # Tasks run in the order created, so submissions are accepted in this order.
+            pending = asyncio.ensure_future(send(sub))
+            if pace == "answered":
                 await pending
-            else:
-                unacked.append(pending)
-        await asyncio.gather(*unacked)
+                continue
+            unanswered.append(pending)
+            if pace == "taken":
+                for _ in range(3):  # the send, the writer's wake-up, its cut
+                    await asyncio.sleep(0)
+        await asyncio.gather(*unanswered)
 
-    await asyncio.gather(*(submitter(n, steps) for n, steps in enumerate(histories)))
+    await asyncio.wait_for(asyncio.gather(*map(submitter, scenario.submitters)), 60)
     await committer.close()
+    assert [answers[index] for index in range(len(order))] == await one_at_a_time(serial, order)
+    assert await seen(store, scenario) == await seen(serial, scenario)
 
-    serial: dict[int, str | None] = {}
-    for index, mutations in enumerate(order):
-        try:
-            await serial_store.commit(0, BASE, mutations, [])
-            serial[index] = None
-        except StoreError as exc:
-            serial[index] = type(exc).__name__
-    ids: set[int] = {m.id for mutations in order for m in mutations if isinstance(m, Submitted)}
-    assert outcomes == serial
-    assert await rows(pg_url, migrated, ids) == await rows(pg_url, serial_store.config.schema, ids)
+
+DRAWS = {
+    "scenario": scenarios(),
+    "in_flight": st.integers(1, 6),
+    "batch": st.integers(1, 8),
+    "delays": st.lists(st.sampled_from([0.0, 0.0, 0.001, 0.004]), min_size=1, max_size=8),
+}
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(**DRAWS)
+async def test_any_submissions_get_the_answers_of_serial_commits_on_a_server(
+    store: PgStore,
+    serial_store: PgStore,
+    scenario: Scenario,
+    in_flight: int,
+    batch: int,
+    delays: list[float],
+) -> None:
+    """Concurrent submitters send through one committer on a real server; the same
+    submissions committed one at a time, in the order accepted, answer each alike and
+    leave the same tasks, outputs and schedules."""
+    await committed_through_the_committer(store, serial_store, scenario, in_flight, batch, delays)
+
+
+@settings(max_examples=500, deadline=None)
+@given(**DRAWS)
+async def test_any_submissions_get_the_answers_of_serial_commits_in_memory(
+    scenario: Scenario, in_flight: int, batch: int, delays: list[float]
+) -> None:
+    """The same, on the in-memory store (the fold and key rules are the server's)."""
+    await committed_through_the_committer(
+        InMemoryStore(), InMemoryStore(), scenario, in_flight, batch, [d / 10 for d in delays]
+    )
