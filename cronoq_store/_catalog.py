@@ -10,10 +10,13 @@ cluster's schema-less tables.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    ColumnElement,
     Integer,
     MetaData,
     Table,
@@ -32,8 +35,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql.selectable import Select
 
 from ._domain import TaskStatus
+from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
 from ._statements import prune_delete
 
@@ -42,9 +47,12 @@ __all__ = [
     "cluster_schemas",
     "finished_before_count",
     "health_facts",
+    "health_facts_unrecorded",
+    "leader_columns",
     "leader_holder_facts",
     "leader_lock_holder",
     "leader_state",
+    "migration_lock_holder",
     "prunable_count",
     "public_may_connect",
     "quarantined_count",
@@ -108,31 +116,51 @@ leader_state = select(
     func.greatest(leader.c.max_id, select(func.max(tasks.c.id)).scalar_subquery()).label("max_id"),
 ).where(leader.c.id == LEADER_ROW_ID)
 
-#: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
-#: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
-#: objid = k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
-#: BIGINT. Advisory locks are per database, and so are schema OIDs.
-leader_lock_holder = (
-    select(
-        _pg_stat_activity.c.pid,
-        _pg_stat_activity.c.usesysid,
-        _pg_stat_activity.c.usename,
-        _pg_stat_activity.c.application_name,
-        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
-        _pg_stat_activity.c.backend_start,
+
+def _advisory_lock_holder(k1: ColumnElement[int], k2: ColumnElement[int]) -> Select[Any]:
+    """The session holding the advisory lock with keys ``k1``, ``k2`` in this database, with
+    what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1, objid =
+    k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
+    BIGINT. Advisory locks are per database."""
+    return (
+        select(
+            _pg_stat_activity.c.pid,
+            _pg_stat_activity.c.usesysid,
+            _pg_stat_activity.c.usename,
+            _pg_stat_activity.c.application_name,
+            func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+            _pg_stat_activity.c.backend_start,
+        )
+        .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
+        .where(
+            _pg_locks.c.locktype == "advisory",
+            _pg_locks.c.database
+            == select(_pg_database.c.oid)
+            .where(_pg_database.c.datname == func.current_database())
+            .scalar_subquery(),
+            cast(_pg_locks.c.classid, BigInteger) == k1,
+            cast(_pg_locks.c.objid, BigInteger) == k2,
+            _pg_locks.c.objsubid == 2,
+            _pg_locks.c.granted,
+        )
     )
-    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
-    .where(
-        _pg_locks.c.locktype == "advisory",
-        _pg_locks.c.database
-        == select(_pg_database.c.oid)
-        .where(_pg_database.c.datname == func.current_database())
-        .scalar_subquery(),
-        cast(_pg_locks.c.classid, BigInteger) == bindparam("k1", type_=BigInteger),
-        cast(_pg_locks.c.objid, BigInteger) == bindparam("k2", type_=BigInteger),
-        _pg_locks.c.objsubid == 2,
-        _pg_locks.c.granted,
-    )
+
+
+#: The session holding the leader's advisory lock (keys ``k1``, ``k2``; schema OIDs are per
+#: database, as advisory locks are).
+leader_lock_holder = _advisory_lock_holder(
+    bindparam("k1", type_=BigInteger), bindparam("k2", type_=BigInteger)
+)
+
+#: The session holding the migration lock of the schema named ``schema`` (keys
+#: ``0x63726f6d`` and ``hashtext(schema)``, shown unsigned), whether a migration holds it
+#: for its transaction or any session took it with ``pg_advisory_lock``: every migration of
+#: that schema waits for it.
+migration_lock_holder = _advisory_lock_holder(
+    literal(LOCK_NS_MIGRATE, BigInteger),
+    cast(func.hashtext(bindparam("schema", type_=Text)), BigInteger).op("&")(
+        literal(0xFFFFFFFF, BigInteger)
+    ),
 )
 
 #: Tasks by pool, live or finished, and status. A full scan: an operator's occasional look,
@@ -234,30 +262,72 @@ _bumping = and_(
     ),
 )
 
+
+def _holder_facts(store_instance: ColumnElement[bool]) -> Select[Any]:
+    """The stored epoch, the leader lock's holder (NULL columns when none holds it) and
+    ``store_instance``, whether it is one."""
+    return (
+        select(
+            leader.c.epoch,
+            _holder.c.pid,
+            _holder.c.usename,
+            _holder.c.application_name,
+            _holder.c.client_addr,
+            _holder.c.backend_start,
+            store_instance.label("store_instance"),
+        )
+        .select_from(leader.outerjoin(_holder, true()))
+        .where(leader.c.id == LEADER_ROW_ID)
+    )
+
+
 #: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
 #: holds it) and whether it is a store instance (the session the leader row records, or one
 #: bumping the epoch now): what a waiting standby's lock session reads, with no more
 #: privilege than it has (``SELECT`` on the leader row).
-leader_holder_facts = (
-    select(
-        leader.c.epoch,
-        _holder.c.pid,
-        _holder.c.usename,
-        _holder.c.application_name,
-        _holder.c.client_addr,
-        _holder.c.backend_start,
-        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
-    )
-    .select_from(leader.outerjoin(_holder, true()))
-    .where(leader.c.id == LEADER_ROW_ID)
+leader_holder_facts = _holder_facts(
+    or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch)
+)
+
+_revisions = (
+    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+    .scalar_subquery()
+    .label("revisions")
 )
 
 #: In one round trip: :data:`leader_holder_facts` and the revisions the version table
 #: records.
-health_facts = leader_holder_facts.add_columns(
-    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
-    .scalar_subquery()
-    .label("revisions")
+health_facts = leader_holder_facts.add_columns(_revisions)
+
+#: :data:`health_facts` of a leader table with no holder columns (a schema before revision
+#: 0007, mid rolling upgrade): no build that leads it records its lock session, so a
+#: holder is a store instance once anyone took an epoch (as :data:`_unrecorded_epoch`
+#: says), or while it bumps one.
+health_facts_unrecorded = _holder_facts(or_(_bumping, leader.c.epoch > 0)).add_columns(_revisions)
+
+_pg_attribute = table(
+    "pg_attribute",
+    column("attrelid"),
+    column("attname"),
+    column("attnum"),
+    column("attisdropped"),
+    schema="pg_catalog",
+)
+
+#: The names of the columns of ``<schema>.cronoq_leader`` (none when it has no such table):
+#: which of the facts statements a schema at any revision, older or newer than this
+#: build's, can answer. ``to_regclass`` takes a name it parses: quoted first.
+leader_columns = select(cast(_pg_attribute.c.attname, Text)).where(
+    _pg_attribute.c.attrelid
+    == func.to_regclass(
+        func.format(
+            literal("%I.%I", Text),
+            bindparam("schema", type_=Text),
+            literal(leader.name, Text),
+        )
+    ),
+    _pg_attribute.c.attnum > 0,
+    _pg_attribute.c.attisdropped.is_(false()),
 )
 
 #: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),

@@ -30,6 +30,7 @@ from ._schema import LEADER_ROW_ID, leader
 
 __all__ = [
     "LOCK_NS_LEADER",
+    "LOCK_NS_MIGRATE",
     "LOCK_SESSION_SETTINGS",
     "bump_epoch",
     "lock_session_settings",
@@ -42,6 +43,9 @@ __all__ = [
 
 #: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
 LOCK_NS_LEADER = 0x63726F71
+#: First key of the advisory lock that serializes migrations of one schema ("crom"); the
+#: second is ``hashtext(schema)``.
+LOCK_NS_MIGRATE = 0x63726F6D
 #: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
 
 # --- leadership -----------------------------------------------------------------------------

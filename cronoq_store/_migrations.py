@@ -49,6 +49,7 @@ from . import _session_statements as session_st
 from ._config import trusted_trigger_names, validate_schema_name
 from ._driver import translate_error
 from ._errors import MigrationError
+from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import VERSION_TABLE
 from ._trust import refuse_untrusted
 
@@ -69,8 +70,6 @@ __all__ = [
     "upgrade",
 ]
 
-#: First key of the advisory lock that serializes migrations of one schema ("crom").
-LOCK_NS_MIGRATE = 0x63726F6D
 #: The revision each version of the hand-rolled ``cronoq_schema_version`` table matches.
 LEGACY_REVISIONS = {
     1: "0001_base",

@@ -34,6 +34,7 @@ from ._rows import RECORD_COLUMNS, task_record
 from ._stored_values import LockHolder, TaskRecord
 
 __all__ = [
+    "HOLDER_COLUMNS",
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
     "TAKEOVER_GRACE",
@@ -45,6 +46,7 @@ __all__ = [
     "get_listed_task",
     "get_task",
     "holder_of",
+    "leader_columns",
     "leader_lock_holder",
     "list_finished",
     "list_listed_finished",
@@ -52,6 +54,7 @@ __all__ = [
     "load_output",
     "lock_keys",
     "lookup_params",
+    "migration_lock_holder",
     "prune",
     "prune_age_ns",
     "prune_cutoff",
@@ -236,18 +239,42 @@ def facts_of(row: Any) -> ClusterFacts:
     return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())))
 
 
-async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+async def cluster_facts(
+    conn: AsyncConnection, lock: tuple[int, int], *, recorded: bool = True
+) -> ClusterFacts:
     """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and whether
     it is a store instance, and the recorded revisions: what ``PgStore.health`` and
     ``cronoq-store health`` report. One statement; a holder that is not a store instance is
-    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
+    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is.
+    ``recorded=False`` for a leader table without the holder columns (:data:`HOLDER_COLUMNS`,
+    :func:`leader_columns`)."""
     keys = lock_keys(lock)
-    facts = facts_of((await conn.execute(catalog.health_facts, keys)).one())
+    statement = catalog.health_facts if recorded else catalog.health_facts_unrecorded
+    facts = facts_of((await conn.execute(statement, keys)).one())
     if facts.holder is None or facts.holder.store_instance:
         return facts
     await asyncio.sleep(TAKEOVER_GRACE)
     await conn.execute(catalog.clear_stats_snapshot)
-    return facts_of((await conn.execute(catalog.health_facts, keys)).one())
+    return facts_of((await conn.execute(statement, keys)).one())
+
+
+#: The leader table's columns that record the lock session of the current epoch (revision
+#: 0007): without them, :func:`cluster_facts` needs ``recorded=False``.
+HOLDER_COLUMNS = frozenset({"holder_pid", "holder_backend_start", "holder_role", "holder_epoch"})
+
+
+async def leader_columns(conn: AsyncConnection, schema: str) -> frozenset[str]:
+    """The columns of ``schema``'s leader table, empty when it has none: what a schema at
+    another revision than this build's head lets :func:`cluster_facts` read."""
+    return frozenset((await conn.execute(catalog.leader_columns, {"schema": schema})).scalars())
+
+
+async def migration_lock_holder(conn: AsyncConnection, schema: str) -> LockHolder | None:
+    """Who holds ``schema``'s migration lock (a migration in its transaction, or any session
+    that took it): every migration of the schema waits for it. Never a store instance as
+    the leader lock's holder can be: ``store_instance`` is ``False``."""
+    row = (await conn.execute(catalog.migration_lock_holder, {"schema": schema})).first()
+    return None if row is None else holder_of(row, store_instance=False)
 
 
 async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:

@@ -37,6 +37,7 @@ __all__ = [
     "console",
     "describe_foreign",
     "describe_schedule",
+    "describe_session",
     "emit_json",
     "format_duration",
     "holder_document",
@@ -45,6 +46,7 @@ __all__ = [
     "print_facts",
     "print_table",
     "rfc3339",
+    "session_document",
     "task_document",
     "task_id",
     "utc",
@@ -168,6 +170,29 @@ def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
     }
 
 
+def session_document(holder: LockHolder | None) -> dict[str, object] | None:
+    """A session holding a lock that no store instance owns as such (the migration lock):
+    :func:`holder_document` without ``store_instance``."""
+    document = holder_document(holder)
+    if document is not None:
+        del document["store_instance"]
+    return document
+
+
+def describe_session(holder: LockHolder) -> str:
+    """A session holding a lock, in words: pid, role, application name and since when."""
+    return (
+        f"backend pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
+        f"{holder.application_name or ''!r}, session {_since(holder)}"
+    )
+
+
+def _since(holder: LockHolder) -> str:
+    if holder.since is None:
+        return "since an unknown time"
+    return f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})"
+
+
 def leader_of(holder: LockHolder | None) -> LockHolder | None:
     """The holder when it is a store instance: a foreign holder is never shown as leader."""
     return holder if holder is not None and holder.store_instance else None
@@ -176,16 +201,10 @@ def leader_of(holder: LockHolder | None) -> LockHolder | None:
 def describe_foreign(holder: LockHolder) -> str:
     """A lock holder that is not a store instance, in words: pid, role, application name
     and since when (``health``, ``status``)."""
-    since = (
-        "since an unknown time"
-        if holder.since is None
-        else (f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})")
-    )
     return (
-        f"backend pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
-        f"{holder.application_name or ''!r}, session {since}, holds the leader lock but is "
-        "not a store instance (it never took the epoch): no instance can lead until it lets "
-        "go (`cronoq-store handover` ends it)"
+        f"{describe_session(holder)}, holds the leader lock but is not a store instance (it "
+        "never took the epoch): no instance can lead until it lets go (`cronoq-store "
+        "handover` ends it)"
     )
 
 
