@@ -44,6 +44,8 @@ logger = logging.getLogger("cronoq_store")
 
 #: ``Config.attributes`` key and ``-x`` argument (``-x force=true``) of a forced downgrade.
 FORCE = "force"
+#: The revision that adds the leader row's record of who bumped the epoch.
+HOLDER_REVISION = "0007_leader_holder"
 
 _MigrationFn = Callable[[Any, MigrationContext], Iterable[Any]]
 
@@ -72,7 +74,7 @@ def guarded(
         if undone:
             to_base = any(not s.to_revisions for s in undone)
             if conn is None:
-                _script(context, migration, schema, force)
+                _script(context, migration, schema, force, heads)
             else:
                 _check(conn, schema, force=force, to_base=to_base)
         return planned
@@ -104,7 +106,8 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
         )
         # Waits for its commits in flight; the bump fences every later one.
         conn.execute(migration_st.lock_cluster_tables(schema, conn.dialect))
-        conn.execute(lock_st.bump_epoch, execution_options=cluster)
+        columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
+        conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
         return
     if (
         to_base
@@ -119,8 +122,30 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
         )
 
 
+def _bump(records_holder: bool) -> Any:
+    """The epoch bump a forced downgrade fences with: a leader table from revision 0007 on
+    records who bumped; an older one has no columns for it."""
+    return lock_st.bump_epoch if records_holder else lock_st.bump_epoch_only
+
+
+def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
+    """Whether the schema a script starts from (``heads``) has the holder columns: whether
+    :data:`HOLDER_REVISION` is among its revisions."""
+    assert context.script is not None
+    start = tuple(heads or ())
+    if not start:
+        return False
+    return any(
+        r.revision == HOLDER_REVISION for r in context.script.iterate_revisions(start, "base")
+    )
+
+
 def _script(
-    context: EnvironmentContext, migration: MigrationContext, schema: str, force: bool
+    context: EnvironmentContext,
+    migration: MigrationContext,
+    schema: str,
+    force: bool,
+    heads: Any,
 ) -> None:
     """The same in an offline script: refuse a live leader and hold the lock, or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
@@ -128,9 +153,10 @@ def _script(
         context.execute(migration_st.refuse_live_leader)
         return
     context.execute(migration_st.lock_cluster_tables(schema, migration.dialect))
-    bump = lock_st.bump_epoch.compile(
+    bump = _bump(_records_holder(context, heads)).compile(
         dialect=migration.dialect,
         schema_translate_map={None: schema},
+        render_schema_translate=True,
         compile_kwargs={"literal_binds": True},
     )
     context.execute(text(str(bump)))

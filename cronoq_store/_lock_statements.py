@@ -33,6 +33,7 @@ __all__ = [
     "LOCK_NS_MIGRATE",
     "LOCK_SESSION_SETTINGS",
     "bump_epoch",
+    "bump_epoch_only",
     "lock_session_settings",
     "ping",
     "schema_oid",
@@ -92,6 +93,15 @@ bump_epoch = (
         holder_backend_start=_own("backend_start"),
         holder_role=_own("usesysid"),
     )
+    .returning(leader.c.epoch)
+)
+
+#: The epoch bump alone, for a leader table without the holder columns (a schema before
+#: revision 0007): what a forced downgrade of such a schema fences its leader with.
+bump_epoch_only = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(epoch=_next_epoch)
     .returning(leader.c.epoch)
 )
 

@@ -139,3 +139,45 @@ async def test_health_and_status_name_the_leader_of_an_older_schema(
         assert_said_plainly(status, ("status",))
     finally:
         await leader.close()
+
+
+def one_step_down() -> list[tuple[str, str]]:
+    """Every revision with the one below it, head included (``base`` below the first)."""
+    chain = [*older_revisions(), head_revision()]
+    return list(zip(chain, ["base", *chain[:-1]], strict=True))
+
+
+async def epoch_of(pg_url: URL, schema: str) -> int:
+    rows = await admin_execute(pg_url, f'SELECT epoch FROM "{schema}".cronoq_leader')
+    return int(rows[0]["epoch"])
+
+
+@pytest.mark.parametrize(("revision", "below"), one_step_down()[1:])
+async def test_a_forced_downgrade_fences_the_leader_of_any_revision(
+    engine: AsyncEngine, pg_url: URL, schema: str, revision: str, below: str
+) -> None:
+    """A rolling upgrade rolled back: the previous release leads, and the operator forces
+    the schema down one revision. The run fences that leader (the epoch moves) whatever
+    the leader row records, online and in its ``--sql`` script."""
+    for how in ("online", "script"):
+        await upgrade(engine, schema, revision)
+        leader = await take_epoch_as_an_older_build(pg_url, schema)
+        try:
+            before = await epoch_of(pg_url, schema)
+            if how == "online":
+                args = ("downgrade", below, "--yes", "--force")
+                result = await run("--url", full(pg_url), "--schema", schema, *args)
+                assert result.exit_code == 0, result.output
+            else:
+                args = ("downgrade", "--sql", f"{revision}:{below}", "--force")
+                script = await run("--url", full(pg_url), "--schema", schema, *args)
+                assert script.exit_code == 0, script.output
+                conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+                try:
+                    await conn.execute(script.stdout)  # the whole script, as psql runs it
+                finally:
+                    await conn.close()
+            assert await epoch_of(pg_url, schema) == before + 1, how
+        finally:
+            await leader.close()
+        await admin_execute(pg_url, f'DROP SCHEMA "{schema}" CASCADE')
