@@ -85,6 +85,9 @@ from ._errors import (
     KeyTakenError as KeyTakenError,
 )
 from ._errors import (
+    LockHeldError as LockHeldError,
+)
+from ._errors import (
     MigrationError as MigrationError,
 )
 from ._errors import (
@@ -138,6 +141,7 @@ __all__ = [
     "IdCollisionError",
     "IntervalSchedule",
     "KeyTakenError",
+    "LockHeldError",
     "LockHolder",
     "MigrationError",
     "MissPolicy",

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    any_,
     bindparam,
     cast,
     column,
@@ -43,6 +44,7 @@ from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
 from ._statements import prune_delete
 
 __all__ = [
+    "LOCK_MODES",
     "clear_stats_snapshot",
     "cluster_schemas",
     "finished_before_count",
@@ -60,6 +62,7 @@ __all__ = [
     "schedule_summaries",
     "server_now",
     "server_version",
+    "table_lock_holders",
     "task_counts",
     "task_statuses",
     "tasks_with_kind_or_message",
@@ -341,6 +344,61 @@ public_may_connect = select(
 #: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
 #: the lock holder in the same transaction sees sessions as they are now.
 clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
+
+# --- who holds a lock a wait gave up on (``cronoq_store._lock_waits``) -----------------------
+
+_pg_class_oids = table(
+    "pg_class", column("oid"), column("relname"), column("relnamespace"), schema="pg_catalog"
+)
+_pg_namespace_oids = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+
+#: The table lock modes as ``pg_locks`` names them, weakest first: ``ACCESS EXCLUSIVE``
+#: conflicts with every one, ``EXCLUSIVE`` with all but the first, ``ACCESS SHARE`` (a read)
+#: with the last only.
+LOCK_MODES = (
+    "AccessShareLock",
+    "RowShareLock",
+    "RowExclusiveLock",
+    "ShareUpdateExclusiveLock",
+    "ShareLock",
+    "ShareRowExclusiveLock",
+    "ExclusiveLock",
+    "AccessExclusiveLock",
+)
+
+#: The other sessions holding a lock on any of the tables ``tables`` of the schema
+#: ``schema`` in one of the ``modes`` (of :data:`LOCK_MODES`), one row per session, as
+#: :data:`leader_lock_holder` shows them. A row lock (``FOR SHARE``, an ``UPDATE``) comes
+#: with a lock on its table, so it is found too.
+table_lock_holders = (
+    select(
+        _pg_stat_activity.c.pid,
+        _pg_stat_activity.c.usesysid,
+        _pg_stat_activity.c.usename,
+        _pg_stat_activity.c.application_name,
+        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+        _pg_stat_activity.c.backend_start,
+    )
+    .distinct()
+    .select_from(
+        _pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid)
+        .join(_pg_class_oids, _pg_locks.c.relation == _pg_class_oids.c.oid)
+        .join(_pg_namespace_oids, _pg_class_oids.c.relnamespace == _pg_namespace_oids.c.oid)
+    )
+    .where(
+        _pg_locks.c.locktype == "relation",
+        _pg_locks.c.granted,
+        _pg_locks.c.pid != func.pg_backend_pid(),
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        _pg_namespace_oids.c.nspname == bindparam("schema", type_=Text),
+        _pg_class_oids.c.relname == any_(bindparam("tables", type_=ARRAY(Text))),
+        _pg_locks.c.mode == any_(bindparam("modes", type_=ARRAY(Text))),
+    )
+    .order_by(_pg_stat_activity.c.pid)
+)
 
 # --- a forced handover (``cronoq-store handover``) ------------------------------------------
 

@@ -32,9 +32,11 @@ from sqlalchemy import Connection, text
 
 from . import _catalog as catalog
 from . import _lock_statements as lock_st
+from . import _lock_waits as lock_waits
 from . import _migration_statements as migration_st
 from . import _queries as queries
 from ._errors import MigrationError
+from ._lock_waits import LockWait
 from ._schema import schema_options
 from ._stored_values import LockHolder
 
@@ -59,10 +61,11 @@ def forced(context: EnvironmentContext) -> bool:
 
 
 def guarded(
-    context: EnvironmentContext, schema: str, conn: Connection | None
+    context: EnvironmentContext, schema: str, conn: Connection | None, wait: LockWait | None
 ) -> _MigrationFn | None:
     """The command's migration function, checking its steps before the first one runs: on
-    ``conn`` online, in the script offline (``conn`` is ``None``); ``None`` if it has none."""
+    ``conn`` online, in the script offline (``conn`` is ``None``); ``None`` if it has none.
+    ``wait`` bounds a forced downgrade's wait for the cluster's tables (online)."""
     fn: _MigrationFn | None = context.context_opts.get("fn")
     if fn is None:
         return None
@@ -76,13 +79,14 @@ def guarded(
             if conn is None:
                 _script(context, migration, schema, force, heads)
             else:
-                _check(conn, schema, force=force, to_base=to_base)
+                assert wait is not None, "an online run always bounds its waits"
+                _check(conn, schema, force=force, to_base=to_base, wait=wait)
         return planned
 
     return steps
 
 
-def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None:
+def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: LockWait) -> None:
     oid = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar_one()
     lock = (lock_st.LOCK_NS_LEADER, oid)
     cluster = schema_options(schema)
@@ -104,8 +108,9 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
             "forced downgrade under a live leader: fencing it",
             extra={"schema": schema, "holder": holder},
         )
-        # Waits for its commits in flight; the bump fences every later one.
-        conn.execute(migration_st.lock_cluster_tables(schema, conn.dialect))
+        # Waits for its commits in flight (bounded, holders named); the bump fences every
+        # later one.
+        lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
         columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
         conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
         return

@@ -36,6 +36,7 @@ from ._schema import tasks
 __all__ = [
     "CONNECTION_CLASSES",
     "INSERT_REFUSALS",
+    "LOCK_NOT_AVAILABLE",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "SCHEMA_GONE_CODES",
@@ -47,6 +48,7 @@ __all__ = [
     "insert_refusal",
     "keys_named",
     "leaves_connection_sound",
+    "lock_not_available",
     "row_count",
     "translate_error",
     "translate_open_error",
@@ -146,9 +148,11 @@ CONNECTION_CLASSES = ("08", "57P")
 #: SQLSTATE classes of transient failures: the connection classes and 53, insufficient
 #: resources (too many connections, out of memory or disk).
 TRANSIENT_CLASSES = (*CONNECTION_CLASSES, "53")
+#: Lock not available: ``lock_timeout`` ran out (or ``NOWAIT`` found the lock held).
+LOCK_NOT_AVAILABLE = "55P03"
 #: Transient SQLSTATE codes: 40001 serialization failure, 40P01 deadlock, 55P03 lock not
 #: available, 57014 query cancelled (statement timeout).
-TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "57014"})
+TRANSIENT_CODES = frozenset({"40001", "40P01", LOCK_NOT_AVAILABLE, "57014"})
 #: Read-only transaction. A primary that was demoted to a standby answers this (and
 #: "cannot execute ... during recovery"): the connection is in the wrong place.
 READ_ONLY = "25006"
@@ -311,6 +315,13 @@ INSERT_REFUSALS = (asyncpg.NotNullViolationError, UNIQUE_VIOLATION)
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 # The server's detail for a violation of it: the key as text.
 _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
+
+
+def lock_not_available(exc: BaseException) -> bool:
+    """Whether ``exc`` (as SQLAlchemy or asyncpg raise it) is a lock wait that ran out of
+    ``lock_timeout``: the waiter then names who holds the lock
+    (:mod:`cronoq_store._lock_waits`)."""
+    return LOCK_NOT_AVAILABLE in _sqlstates(exc)
 
 
 def insert_refusal(exc: asyncpg.PostgresError) -> bool:

@@ -46,7 +46,8 @@ from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
-from ._config import trusted_trigger_names, validate_schema_name
+from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
+from ._domain import check_seconds
 from ._driver import translate_error
 from ._errors import MigrationError
 from ._lock_statements import LOCK_NS_MIGRATE
@@ -57,6 +58,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
+    "LOCK_TIMEOUT",
     "RevisionStatus",
     "alembic_config",
     "alembic_ini",
@@ -81,6 +83,9 @@ LEGACY_REVISIONS = {
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 TRUSTED_TRIGGERS = "trusted_triggers"
+#: ``Config.attributes`` key (and ``-x`` argument) of the seconds a run waits for the
+#: migration lock and the cluster's tables (:data:`MIGRATION_LOCK_TIMEOUT` if not given).
+LOCK_TIMEOUT = "lock_timeout"
 #: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
 #: commands: a firewall dropping packets must not hang them for asyncpg's minute.
 CONNECT_TIMEOUT = 10.0
@@ -133,6 +138,7 @@ async def upgrade(
     revision: str = "head",
     *,
     trusted_triggers: frozenset[str] = frozenset(),
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
 ) -> None:
     """Upgrade ``schema`` to ``revision`` in one transaction (idempotent, serialized).
 
@@ -140,8 +146,17 @@ async def upgrade(
     otherwise this commits. Errors are :class:`~cronoq_store.StoreError`. Runs in this
     process take turns (:mod:`cronoq_store._migration_lock`): any number of stores may open
     at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
+
+    To head, the schema's revision is read first, without a lock: a schema already at head
+    (after the trust check) needs nothing, whoever holds its migration lock. Otherwise the
+    run waits up to ``lock_timeout`` seconds for the migration lock and then the cluster's
+    tables, logging who holds them (:mod:`cronoq_store._lock_waits`), and reads the
+    revision again under the lock (an upgrade that ran meanwhile leaves nothing to do);
+    past the bound it raises :class:`~cronoq_store.LockHeldError` naming them.
     """
-    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision)
+    if revision == "head" and await _at_head(bind, schema, trusted_triggers):
+        return
+    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision, lock_timeout)
 
 
 async def downgrade(
@@ -151,15 +166,30 @@ async def downgrade(
     *,
     trusted_triggers: frozenset[str] = frozenset(),
     force: bool = False,
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
 ) -> None:
     """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
-    same transaction, lock and trust checks as :func:`upgrade`. What it undoes is lost,
-    rows and all: :func:`downgrade_steps` says which revisions that is.
+    same transaction, lock, lock wait and trust checks as :func:`upgrade`. What it undoes
+    is lost, rows and all: :func:`downgrade_steps` says which revisions that is.
 
     Refused (:class:`~cronoq_store.MigrationError`) while an instance holds the leader lock,
     and to base once the cluster issued task ids, unless ``force``; forced, a live leader is
     fenced (:mod:`cronoq_store._downgrade_guard`)."""
-    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision, force=force)
+    await _run_on(
+        bind, schema, trusted_triggers, command.downgrade, revision, lock_timeout, force=force
+    )
+
+
+async def _at_head(
+    bind: AsyncEngine | AsyncConnection, schema: str, trusted_triggers: frozenset[str]
+) -> bool:
+    """Whether ``schema`` is at this build's head, read without a lock after the trust
+    check; a schema a newer build migrated is refused here
+    (:class:`~cronoq_store.MigrationError`)."""
+    status = await _read_status(bind, schema, trusted_trigger_names(trusted_triggers))
+    if status.unknown:
+        raise MigrationError(newer_message(schema, status.unknown))
+    return status.at_head
 
 
 async def _run_on(
@@ -168,17 +198,20 @@ async def _run_on(
     trusted_triggers: frozenset[str],
     alembic_command: Callable[[Config, str], None],
     revision: str,
+    lock_timeout: float,
     *,
     force: bool = False,
 ) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
+    check_seconds("lock_timeout", lock_timeout)
 
     def run(sync_conn: Connection) -> None:
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
         cfg.attributes[TRUSTED_TRIGGERS] = trusted
         cfg.attributes[downgrade_guard.FORCE] = force
+        cfg.attributes[LOCK_TIMEOUT] = lock_timeout
         alembic_command(cfg, revision)
 
     try:
@@ -342,6 +375,18 @@ async def require_head(
     schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
     the revisions named (:meth:`RevisionStatus.require_head`).
     """
+    status = await _read_status(engine, schema, trusted_triggers)
+    status.require_head(
+        f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
+        "head`) with a role that owns the schema, or open the store with migrate=True"
+    )
+
+
+async def _read_status(
+    bind: AsyncEngine | AsyncConnection, schema: str, trusted_triggers: frozenset[str]
+) -> RevisionStatus:
+    """Where ``schema`` stands, after :func:`refuse_untrusted`; reads only, takes no lock
+    (on a connection of its own, or in ``bind``'s transaction)."""
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
@@ -350,14 +395,14 @@ async def require_head(
         return revision_status(sync_conn, schema)
 
     try:
-        async with engine.connect() as conn:
-            status = await conn.run_sync(read)
+        if isinstance(bind, AsyncConnection):
+            return await bind.run_sync(read)
+        async with bind.connect() as conn:
+            return await conn.run_sync(read)
+    except MigrationError:
+        raise
     except Exception as exc:
         raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
-    status.require_head(
-        f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
-        "head`) with a role that owns the schema, or open the store with migrate=True"
-    )
 
 
 def cluster_schema() -> str:

@@ -12,13 +12,14 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import timedelta, timezone
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import _catalog as catalog
+from . import _lock_waits as lock_waits
 from . import _statements as st
 from ._domain import (
     I64_MAX,
@@ -30,6 +31,7 @@ from ._domain import (
     check_task_id,
     clean_text,
 )
+from ._lock_waits import holder_of
 from ._rows import RECORD_COLUMNS, task_record
 from ._stored_values import LockHolder, TaskRecord
 
@@ -170,6 +172,10 @@ async def prune(
     session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
     cutoff: int,
     progress: Callable[[int], None] | None = None,
+    *,
+    schema: str,
+    lock_wait: float,
+    waiter: str,
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
     or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
@@ -182,12 +188,16 @@ async def prune(
     snapshot, sees the dependencies they added; commits arriving meanwhile wait for one
     batch, and cannot starve it. The batch records the largest id it
     deletes in the same statement (:data:`~cronoq_store._statements.prune_batch`).
+
+    The barrier waits at most ``lock_wait`` seconds for the leader table of ``schema``: a
+    session holding it longer (any session that may lock the leader row) is named in a
+    ``LockHeldError``; ``waiter`` names the call and where its bound is set.
     """
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
     total = 0
     while True:
         async with session() as conn:
-            await conn.execute(st.leader_barrier)
+            await lock_waits.leader_barrier(conn.execute, schema, lock_wait, waiter)
             deleted: int = (await conn.execute(st.prune_batch, params)).scalar_one()
         total += deleted
         if progress is not None:
@@ -215,23 +225,6 @@ def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
     """The parameters of :data:`~cronoq_store._statements.health_facts` for the store's
     keys: the store passes the schema OID as a signed int4; pg_locks shows it unsigned."""
     return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
-
-
-def holder_of(row: Any, *, store_instance: bool | None = None) -> LockHolder | None:
-    """The holder in a row of :data:`~cronoq_store._statements.leader_holder_facts` (or of
-    :data:`~cronoq_store._statements.health_facts`); ``store_instance`` where the row
-    cannot say (:func:`leader_lock_holder`)."""
-    if row.pid is None:
-        return None
-    since = row.backend_start
-    return LockHolder(
-        pid=row.pid,
-        application_name=row.application_name,
-        client_addr=row.client_addr,
-        since=None if since is None else since.astimezone(timezone.utc),
-        role=row.usename,
-        store_instance=bool(row.store_instance) if store_instance is None else store_instance,
-    )
 
 
 def facts_of(row: Any) -> ClusterFacts:

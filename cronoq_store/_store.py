@@ -233,7 +233,12 @@ class PgStore:
             await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
-            await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
+            await migrations.upgrade(
+                engine,
+                config.schema,
+                trusted_triggers=trusted,
+                lock_timeout=config.migration_lock_timeout,
+            )
         else:
             await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
         oid, pool_role = await pool.schema_oid_and_role(engine, config.schema)
@@ -257,7 +262,10 @@ class PgStore:
     async def migrate(self) -> None:
         """Apply pending migrations (idempotent, serialized); :meth:`connect` already did."""
         await migrations.upgrade(
-            self._engine, self._config.schema, trusted_triggers=self._config.trusted_triggers
+            self._engine,
+            self._config.schema,
+            trusted_triggers=self._config.trusted_triggers,
+            lock_timeout=self._config.migration_lock_timeout,
         )
 
     async def close(self) -> None:
@@ -518,22 +526,25 @@ class PgStore:
         head); only a database that cannot be read raises (``UnavailableError`` or
         ``StoreError``). A holder that is not a store instance (it never took the epoch) is
         read again after :data:`~cronoq_store._queries.TAKEOVER_GRACE` and reported in
-        ``foreign_holder``, never as a leader. A schema whose tables are gone (never
+        ``foreign_holder``, never as a leader; whoever holds the schema's migration lock is
+        in ``migration_lock``. A schema whose tables are gone (never
         migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
         with whoever holds its leader lock (not a store instance: nothing records one)."""
-        check = self._connect_check
+        check, schema = self._connect_check, self._config.schema
         try:
             async with self._translated("reading health"), self._session() as conn:
                 facts = await queries.cluster_facts(conn, self._leader_lock)
                 untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+                migrating = await queries.migration_lock_holder(conn, schema)
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
             # epoch 0, as in a cluster not yet created.
             async with self._translated("reading health"), self._session() as conn:
                 holder = await queries.leader_lock_holder(conn, self._leader_lock)
-                status = await conn.run_sync(migrations.revision_status, self._config.schema)
+                status = await conn.run_sync(migrations.revision_status, schema)
                 untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+                migrating = await queries.migration_lock_holder(conn, schema)
             facts = queries.ClusterFacts(0, holder, status.current)
         last = self._last_commit
         return Health(
@@ -545,6 +556,7 @@ class PgStore:
             head=migrations.head_revision(),
             last_commit_age=None if last is None else time.monotonic() - last,
             untrusted_connect=tuple(untrusted),
+            migration_lock=migrating,
         )
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
@@ -585,6 +597,14 @@ class PgStore:
             async with self._translated("pruning finished tasks"):
                 async with self._session() as conn:
                     cutoff = await queries.server_prune_cutoff(conn, older_than)
-                deleted = await queries.prune(self._session, cutoff, progress)
+                deleted = await queries.prune(
+                    self._session,
+                    cutoff,
+                    progress,
+                    schema=self._config.schema,
+                    # Commits in flight hold the leader row for at most this long.
+                    lock_wait=self._config.commit_timeout,
+                    waiter="pruning (its wait is commit_timeout)",
+                )
             pruned(deleted)
         return deleted

@@ -102,7 +102,7 @@ class LockHolder:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """What ``PgStore.health()`` reads in one round trip, for a readiness endpoint: facts,
+    """What ``PgStore.health()`` reads in one transaction, for a readiness endpoint: facts,
     never a verdict raised as an error."""
 
     #: Whether this instance holds the leader lock, and its epoch while it does.
@@ -122,6 +122,11 @@ class Health:
     #: hold the leader lock. While any is listed, instances refuse to lead (unless
     #: ``allow_untrusted_connect``).
     untrusted_connect: tuple[str, ...] = ()
+    #: The session holding the schema's migration lock, if one does: every migration of the
+    #: schema (an instance opening on a schema behind its head, ``cronoq-store migrate``,
+    #: Alembic) waits for it, and gives up after its bound. Its ``store_instance`` is
+    #: ``False``: the lock does not tell instances from other sessions.
+    migration_lock: LockHolder | None = None
 
     @property
     def at_head(self) -> bool:

@@ -34,6 +34,7 @@ PUBLIC_NAMES = {
         "IdCollisionError",
         "IntervalSchedule",
         "KeyTakenError",
+        "LockHeldError",
         "LockHolder",
         "MigrationError",
         "MissPolicy",

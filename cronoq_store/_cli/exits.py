@@ -12,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from .._driver import translate_error
+from .._errors import LockHeldError
 from .._terminal_safe import visible
 from .._urls import scrub
 
@@ -31,6 +32,7 @@ class ExitCode(IntEnum):
     NEWER_DATABASE = 5
     NO_LEADER = 6
     FOREIGN_HOLDER = 7
+    LOCK_HELD = 9
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -47,6 +49,8 @@ Exit codes:
   {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
   {ExitCode.FOREIGN_HOLDER:d}  (health) a session that is not a store instance holds the
      leader lock: no instance can lead until it lets go
+  {ExitCode.LOCK_HELD:d}  a lock the command needs stayed held by another session past its
+     bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
 """
 
 
@@ -75,4 +79,6 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     except Exception as exc:
         error = translate_error(exc, "the command")
         code = ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED
+        if isinstance(error, LockHeldError):
+            code = ExitCode.LOCK_HELD
         CliError(str(error), code).exit(url)

@@ -34,6 +34,7 @@ __all__ = [
     "leader_lock",
     "migration_lock_warning",
     "plan_prune",
+    "prune_batches",
     "read_health",
     "schema_facts",
     "verdict",
@@ -241,3 +242,19 @@ def batch_transactions(
             yield conn
 
     return transaction
+
+
+async def prune_batches(
+    conn: AsyncConnection, schema: str, cutoff_ns: int, progress: Callable[[int], None]
+) -> int:
+    """Prune on ``conn`` with the store's own loop, one transaction per batch, each waiting
+    at most :data:`~cronoq_store._cli.database.LOCK_WAIT` for the leader table; returns how
+    many were deleted."""
+    return await queries.prune(
+        batch_transactions(conn),
+        cutoff_ns,
+        progress,
+        schema=schema,
+        lock_wait=database.LOCK_WAIT,
+        waiter=f"pruning (a command waits {database.LOCK_WAIT:g} s at most)",
+    )

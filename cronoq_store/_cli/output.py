@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -47,6 +50,7 @@ __all__ = [
     "print_table",
     "rfc3339",
     "session_document",
+    "store_log_on_stderr",
     "task_document",
     "task_id",
     "utc",
@@ -85,6 +89,29 @@ def console(*, markup: bool = False) -> Console:
     return _SafeConsole(
         highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True
     )
+
+
+@contextmanager
+def store_log_on_stderr() -> Iterator[None]:
+    """While it lasts, the store's log lines from INFO up are printed on stderr, one line
+    each (through :func:`~cronoq_store._terminal_safe.visible`): a migration waiting for a
+    lock says whom it waits for, as it waits."""
+    store = logging.getLogger("cronoq_store")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_VisibleFormatter("%(message)s"))
+    level = store.level
+    store.addHandler(handler)
+    store.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        store.setLevel(level)
+        store.removeHandler(handler)
+
+
+class _VisibleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
 
 
 def print_facts(out: Console, *facts: tuple[str, str]) -> None:
