@@ -1,13 +1,16 @@
 """Alembic, one cluster schema at a time: upgrades and downgrades from code, the revision
 check; the environment ``env.py`` runs is :mod:`cronoq_store._alembic_env`.
 
-Every run for a schema happens in one transaction that first takes
-``pg_advisory_xact_lock(0x63726f6d, hashtext(schema))``: concurrent upgrades serialize (the
-second finds the schema at head) and a failed upgrade leaves nothing behind, the schema's
-creation included. The transaction runs under ``search_path = pg_catalog, pg_temp``: the
-cluster's schema is never on it (a role that can write there could plant an operator that a
-catalog lookup would run as us, CVE-2018-1058), so every operation in the revisions names
-its schema (:func:`cluster_schema`); the version table is ``<schema>.cronoq_alembic_version``.
+Every run for a schema happens in one transaction that first takes the schema's migration
+lock, ``pg_try_advisory_xact_lock(0x63726f6d, hashtext(schema))``, tried again while another
+session holds it, up to a bound (:mod:`cronoq_store._lock_waits`): concurrent upgrades
+serialize (the second finds the schema at head) and a failed upgrade leaves nothing behind,
+the schema's creation included. An upgrade to head reads the revision first and takes no
+lock on a schema already there. The transaction runs under ``search_path = pg_catalog,
+pg_temp``: the cluster's schema is never on it (a role that can write there could plant an
+operator that a catalog lookup would run as us, CVE-2018-1058), so every operation in the
+revisions names its schema (:func:`cluster_schema`); the version table is
+``<schema>.cronoq_alembic_version``.
 
 Before migrating, the run refuses what it cannot handle safely: a schema, or anything in it,
 that a role we cannot trust owns or may create in, or any trigger on our tables that the
@@ -154,6 +157,7 @@ async def upgrade(
     revision again under the lock (an upgrade that ran meanwhile leaves nothing to do);
     past the bound it raises :class:`~cronoq_store.LockHeldError` naming them.
     """
+    check_seconds("lock_timeout", lock_timeout)
     if revision == "head" and await _at_head(bind, schema, trusted_triggers):
         return
     await _run_on(bind, schema, trusted_triggers, command.upgrade, revision, lock_timeout)

@@ -109,10 +109,10 @@ def previous_commit() -> str:
         if found.returncode == 0:
             return found.stdout.strip()
     pytest.fail(
-        f"the previous release's build is not in this clone's history (tag {PREVIOUS_TAG}, "
-        f"commit {PREVIOUS_COMMIT[:7]}): the rolling-upgrade test runs that build; clone "
-        "with its history and tags (`git fetch --tags`, `git fetch --unshallow` for a "
-        "shallow clone)"
+        f"the previous release's build is not in this checkout's git history (tag "
+        f"{PREVIOUS_TAG}, commit {PREVIOUS_COMMIT[:7]}): the rolling-upgrade test runs that "
+        f"build; run the suite in a git clone of {ROOT.name} with its history and tags "
+        "(`git fetch --tags`; `git fetch --unshallow` for a shallow clone)"
     )
 
 
