@@ -73,6 +73,9 @@ from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
 from ._errors import (
+    ClusterReplacedError as ClusterReplacedError,
+)
+from ._errors import (
     CommitterClosedError as CommitterClosedError,
 )
 from ._errors import (
@@ -129,6 +132,7 @@ __all__ = [
     "EPOCH_MIN",
     "Backoff",
     "BatchTooLargeError",
+    "ClusterReplacedError",
     "CommitterClosedError",
     "CommitterStats",
     "CronSchedule",

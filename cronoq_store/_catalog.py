@@ -40,7 +40,7 @@ from sqlalchemy.sql.selectable import Select
 
 from ._domain import TaskStatus
 from ._lock_statements import LOCK_NS_MIGRATE
-from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, recurring, tasks
+from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recurring, tasks
 from ._statements import prune_delete
 
 __all__ = [
@@ -267,11 +267,13 @@ _bumping = and_(
 
 
 def _holder_facts(store_instance: ColumnElement[bool]) -> Select[Any]:
-    """The stored epoch, the leader lock's holder (NULL columns when none holds it) and
-    ``store_instance``, whether it is one."""
+    """The stored epoch, the cluster's incarnation (the leader table's OID), the leader
+    lock's holder (NULL columns when none holds it) and ``store_instance``, whether it is
+    one."""
     return (
         select(
             leader.c.epoch,
+            leader_tableoid,
             _holder.c.pid,
             _holder.c.usename,
             _holder.c.application_name,
@@ -286,8 +288,9 @@ def _holder_facts(store_instance: ColumnElement[bool]) -> Select[Any]:
 
 #: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
 #: holds it) and whether it is a store instance (the session the leader row records, or one
-#: bumping the epoch now): what a waiting standby's lock session reads, with no more
-#: privilege than it has (``SELECT`` on the leader row).
+#: bumping the epoch now), and the cluster's incarnation (the leader table's OID): what a
+#: waiting standby's lock session reads, with no more privilege than it has (``SELECT`` on
+#: the leader row).
 leader_holder_facts = _holder_facts(
     or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch)
 )

@@ -12,7 +12,8 @@ by SQLSTATE, not exception class (the asyncpg dialect delivers serialization fai
 deadlocks and shutdowns alike as a plain ``DBAPIError``): whether work is retried or
 abandoned is decided here. The few driver errors that mean something else than a failure
 are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_named`), a
-connection an error left usable (:func:`leaves_connection_sound`), and a startup setting a
+connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
+driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
 transaction-pooling PgBouncer refused (:func:`translate_open_error`).
 """
 
@@ -28,12 +29,14 @@ import asyncpg
 from sqlalchemy import ClauseElement
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from ._errors import SchemaGoneError, StoreError, UnavailableError
 from ._schema import tasks
 
 __all__ = [
+    "CLUSTER_REPLACED",
     "CONNECTION_CLASSES",
     "INSERT_REFUSALS",
     "LOCK_NOT_AVAILABLE",
@@ -45,6 +48,7 @@ __all__ = [
     "UNIQUE_VIOLATION",
     "CompiledStatement",
     "Opening",
+    "forget_lost_statements",
     "insert_refusal",
     "keys_named",
     "leaves_connection_sound",
@@ -110,7 +114,8 @@ class Opening:
     """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
     check, as one simple-protocol message: one round trip instead of one per statement. The
     simple protocol takes no parameters, so the check's (integers only: the epoch, the
-    leader row's id) are rendered as literals; any other value is refused."""
+    incarnation, the leader row's id) are rendered as literals; any other value is refused.
+    :meth:`closing` is the same for the check that ends a transaction, before ``COMMIT``."""
 
     template: str
     check: CompiledStatement
@@ -121,16 +126,27 @@ class Opening:
     ) -> Opening:
         if any(statement.names for statement in before):
             raise ValueError("only the epoch check of an opening takes parameters")
-        if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
-            range(1, len(check.names) + 1)
-        ):
-            raise ValueError(f"not one placeholder per parameter: {check.sql}")
-        escaped = check.sql.replace("{", "{{").replace("}", "}}")
-        body = _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
+        body = _template(check)
         return cls("; ".join([begin, *(statement.sql for statement in before), body]), check)
+
+    @classmethod
+    def closing(cls, check: CompiledStatement) -> Opening:
+        """``check`` and ``COMMIT`` in one message: a check that fails leaves the
+        transaction aborted, and the server skips the ``COMMIT`` after it."""
+        return cls(f"{_template(check)}; COMMIT", check)
 
     def sql(self, values: Mapping[str, Any]) -> str:
         return self.template.format(*map(_integer, self.check.args(values)))
+
+
+def _template(check: CompiledStatement) -> str:
+    """``check``'s text with each ``$n`` a format field, for :meth:`Opening.sql`."""
+    if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
+        range(1, len(check.names) + 1)
+    ):
+        raise ValueError(f"not one placeholder per parameter: {check.sql}")
+    escaped = check.sql.replace("{", "{{").replace("}", "}}")
+    return _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
 
 
 def _integer(value: object) -> str:
@@ -148,7 +164,7 @@ CONNECTION_CLASSES = ("08", "57P")
 #: SQLSTATE classes of transient failures: the connection classes and 53, insufficient
 #: resources (too many connections, out of memory or disk).
 TRANSIENT_CLASSES = (*CONNECTION_CLASSES, "53")
-#: Lock not available: ``lock_timeout`` ran out (or ``NOWAIT`` found the lock held).
+#: Lock not available: a ``lock_timeout`` ended a wait, or ``NOWAIT`` found a lock held.
 LOCK_NOT_AVAILABLE = "55P03"
 #: Transient SQLSTATE codes: 40001 serialization failure, 40P01 deadlock, 55P03 lock not
 #: available, 57014 query cancelled (statement timeout).
@@ -156,8 +172,9 @@ TRANSIENT_CODES = frozenset({"40001", "40P01", LOCK_NOT_AVAILABLE, "57014"})
 #: Read-only transaction. A primary that was demoted to a standby answers this (and
 #: "cannot execute ... during recovery"): the connection is in the wrong place.
 READ_ONLY = "25006"
-#: A named prepared statement missing (26000) or already defined (42P05) on the server:
-#: clients sharing server sessions behind a transaction-pooling PgBouncer before 1.21.
+#: A named prepared statement missing (26000) or already defined (42P05) on the server: the
+#: session was reset under the driver's statement caches (``DISCARD ALL``, ``DEALLOCATE``),
+#: or clients share server sessions (a transaction-pooling PgBouncer before 1.21).
 PREPARED_STATEMENT_CODES = frozenset({"26000", "42P05"})
 #: What this build reads and writes is gone: 42P01 undefined table, 42703 undefined column,
 #: 3F000 invalid schema name (a downgrade, or a schema dropped by hand, under the store).
@@ -240,8 +257,9 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     server ended (asyncpg's ``InternalClientError``). Everything else is a ``StoreError``,
     including driver misuse that merely looks like a connection problem (asyncpg's
     ``InterfaceError`` for a wrong argument count or a busy connection). A named prepared
-    statement missing or taken (26000, 42P05: a transaction-pooling PgBouncer) is a permanent
-    ``StoreError`` saying which settings avoid it. A table, column or schema missing (42P01,
+    statement missing or taken (26000, 42P05) reaches this only when it was not a reset of
+    the session (:func:`forget_lost_statements`): a permanent ``StoreError`` saying what
+    shares the session and which settings avoid it. A table, column or schema missing (42P01,
     42703, 3F000) is a :class:`SchemaGoneError`. Store errors pass through unchanged.
 
     Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
@@ -263,10 +281,13 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
         )
     if any(s in PREPARED_STATEMENT_CODES for s in states):
         return StoreError(
-            f"{message}; named prepared statements do not survive a transaction-pooling "
-            "PgBouncer before 1.21: open the store with PgStoreConfig(prepared_statements=False) "
-            'and, with from_engine, an engine with connect_args={"statement_cache_size": 0, '
-            '"prepared_statement_cache_size": 0} (docs/reliability.md, "PgBouncer")'
+            f"{message}; the connection's prepared statements vanish, and not by a reset of "
+            "its session (the server session under it changed, or they vanished again right "
+            "after the store made them anew): something hands its statements to more than "
+            "one server session. A transaction-pooling proxy (PgBouncer before 1.21 is one) "
+            "needs PgStoreConfig(prepared_statements=False) and, with from_engine, an engine "
+            'with connect_args={"statement_cache_size": 0, "prepared_statement_cache_size": 0} '
+            '(docs/reliability.md, "PgBouncer")'
         )
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return UnavailableError(message)
@@ -304,6 +325,13 @@ def _refused_setting(exc: BaseException) -> str | None:
     return found[0]
 
 
+# --- a commit's refusals ----------------------------------------------------------------
+
+#: What a commit transaction's closing check raises when the schema's name leads to another
+#: cluster than the store's (``statements.incarnation_kept``: 22P02, a text that is no
+#: integer). No other statement of the closing message can raise it.
+CLUSTER_REPLACED = asyncpg.InvalidTextRepresentationError
+
 # --- the insert's refusals --------------------------------------------------------------
 
 #: A unique index refused a row: a stored id or a taken live key (COPY, which has no
@@ -318,9 +346,9 @@ _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
 
 
 def lock_not_available(exc: BaseException) -> bool:
-    """Whether ``exc`` (as SQLAlchemy or asyncpg raise it) is a lock wait that ran out of
-    ``lock_timeout``: the waiter then names who holds the lock
-    (:mod:`cronoq_store._lock_waits`)."""
+    """Whether ``exc`` (as SQLAlchemy or asyncpg raise it) is only a lock wait that ran out
+    of ``lock_timeout`` (55P03): the session answered, and is sound; a waiter then names
+    who holds the lock (:mod:`cronoq_store._lock_waits`)."""
     return LOCK_NOT_AVAILABLE in _sqlstates(exc)
 
 
@@ -359,6 +387,55 @@ def leaves_connection_sound(exc: BaseException, driver: Any) -> bool:
         and not driver.is_closed()
         and not driver.is_in_transaction()
     )
+
+
+async def forget_lost_statements(exc: BaseException, pooled: PoolProxiedConnection) -> bool:
+    """Whether ``exc`` says that the session of ``pooled`` was reset under the driver's
+    prepared statements, on a connection otherwise sound (open, out of any transaction);
+    if so, the driver's and SQLAlchemy's statement caches of that connection are emptied,
+    so that every statement is prepared anew on its next use.
+
+    An application that shares its pool with the store may reset a session between two
+    checkouts (``DISCARD ALL``, ``DEALLOCATE``): both caches then name statements the server
+    no longer has (26000), or a name the session already holds (42P05). The server refused
+    the statement before running it, and the refusal failed the transaction it was in, so
+    the work that met it wrote nothing and may run again on the same connection.
+    SQLAlchemy's asyncpg adapter keeps its own cache (``prepared_statement_cache_size``);
+    it offers no call to empty it, so its attribute is read, where present.
+
+    A transaction-pooling proxy (PgBouncer before 1.21) loses statements too, by handing
+    each transaction to any of its server sessions, where another process's statement may
+    bear the same name. That is no reset, and is not recovered from: the server session
+    under the connection (its backend pid) is read at each loss, and one that changed
+    since the previous loss means ``False``.
+    """
+    driver: Any = pooled.driver_connection
+    if not any(s in PREPARED_STATEMENT_CODES for s in _sqlstates(exc)):
+        return False
+    if driver.is_closed() or driver.is_in_transaction():
+        return False
+    cache = getattr(pooled.dbapi_connection, "_prepared_statement_cache", None)
+    if cache is not None:
+        cache.clear()
+    # asyncpg's own cache (and its type cache, which is read again on demand).
+    await driver.reload_schema_state()
+    try:
+        # In a transaction: a transaction-pooling proxy keeps both of the query's messages
+        # (its statement made, then run) on one server session. The session's own timeout
+        # is the application's: not this question's.
+        async with driver.transaction():
+            await driver.execute("SET LOCAL statement_timeout TO DEFAULT")
+            backend: int = await driver.fetchval(_BACKEND_PID)
+    except Exception:
+        return False  # the session cannot say which it is: the loss is raised as it is
+    first: int = pooled.info.setdefault(_BACKEND_INFO, backend)
+    return first == backend
+
+
+# The server session's own backend pid, and where a connection keeps the one it had at its
+# first loss of prepared statements (SQLAlchemy's info of the DBAPI connection).
+_BACKEND_PID = "SELECT pg_catalog.pg_backend_pid()"
+_BACKEND_INFO = "cronoq_store.backend_pid"
 
 
 def row_count(status: str) -> int:

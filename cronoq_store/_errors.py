@@ -14,6 +14,7 @@ from ._stored_values import LockHolder
 
 __all__ = [
     "BatchTooLargeError",
+    "ClusterReplacedError",
     "CommitterClosedError",
     "FencedError",
     "IdCollisionError",
@@ -72,6 +73,36 @@ class SchemaGoneError(FencedError):
     a schema dropped by hand, while it ran): nothing of the failed call was written, and
     retrying cannot help. A leader steps down on it (``leadership_lost()`` returns); migrate
     the schema before any instance leads it again."""
+
+
+class ClusterReplacedError(SchemaGoneError):
+    """The schema no longer holds the cluster this store was opened on: its tables are gone,
+    or another cluster's stand in their place (the schema was dropped and made again,
+    renamed into another's place, or restored from a logical dump; docs/reliability.md,
+    "The cluster's incarnation"). Nothing of the failed call was written, and retrying
+    cannot help: a store never writes into a cluster it was not opened on. A leader steps
+    down on it (``leadership_lost()`` returns). Open a new store to work on the cluster that
+    stands there now.
+
+    ``schema`` is the schema's name; ``incarnation`` the OID of the leader table this store
+    was opened on; ``found`` the one found under the name now (``None``: its leader table or
+    row is gone)."""
+
+    def __init__(self, schema: str, incarnation: int, found: int | None, action: str) -> None:
+        if found is None:
+            now = f"no longer holds incarnation {incarnation} (its leader table or row is gone)"
+        else:
+            now = (
+                f"holds incarnation {found}, not incarnation {incarnation} (dropped and made "
+                "again, renamed, or restored from a dump)"
+            )
+        super().__init__(
+            f"{action} failed: schema {schema!r} {now}, the cluster this store was opened on: "
+            "this store must not write to it; open a new store"
+        )
+        self.schema = schema
+        self.incarnation = incarnation
+        self.found = found
 
 
 class MigrationError(StoreError):

@@ -4,22 +4,26 @@ between commits for the writer, and given up when in doubt.
 SQLAlchemy does not see what runs on the driver connection under a pooled one
 (:mod:`cronoq_store._driver`), so this module decides what the pool would: a connection
 left in doubt is invalidated instead of returned, and one of a disposed pool (a demoted
-primary) is closed instead of kept.
+primary) is closed instead of kept. A session that lost the driver's prepared statements
+(an application's ``DISCARD ALL`` on a shared pool) has its caches emptied and the commit
+runs again on it, once.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
-from ._driver import leaves_connection_sound
+from ._driver import forget_lost_statements, leaves_connection_sound
 
 __all__ = ["HeldConnection"]
+
+_T = TypeVar("_T")
 
 
 class HeldConnection:
@@ -77,9 +81,33 @@ class HeldConnection:
         await greenlet_spawn(held.close)
         return await self._engine.raw_connection()
 
+    async def run(self, work: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``work`` on a pooled connection's asyncpg connection (the commit path's
+        ``BatchWriter``), and once more on the same one if its session had lost prepared
+        statements the driver made on it (:func:`~cronoq_store._driver.forget_lost_statements`).
+
+        Running the commit again is safe: the statement the server did not find failed the
+        transaction it was in, or was the transaction, so the attempt wrote nothing; and
+        commits are idempotent besides (a batch that landed changes nothing the second
+        time). A second loss in a row is raised: the statements were just made anew, so
+        something else than a reset shares the session (a transaction pooler).
+        """
+        async with self._driver_connection() as pooled:
+            try:
+                return await work(_driver(pooled))
+            except Exception as exc:
+                if not await forget_lost_statements(exc, pooled):
+                    raise
+            try:
+                return await work(_driver(pooled))
+            except Exception as exc:
+                # Left with no stale statement either way.
+                await forget_lost_statements(exc, pooled)
+                raise
+
     @asynccontextmanager
-    async def driver_connection(self) -> AsyncIterator[Any]:
-        """A pooled connection's asyncpg connection, for the commit path's ``BatchWriter``.
+    async def _driver_connection(self) -> AsyncIterator[PoolProxiedConnection]:
+        """A pooled connection whose asyncpg connection the commit path uses.
 
         SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
         (closed, still in a transaction, or interrupted by a timeout or a driver error) is
@@ -92,7 +120,7 @@ class HeldConnection:
         driver = _driver(pooled)
         sound = False
         try:
-            yield driver
+            yield pooled
             sound = True
         except BaseException as exc:
             if leaves_connection_sound(exc, driver):

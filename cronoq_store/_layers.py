@@ -36,7 +36,8 @@ LAYERS: tuple[Layer, ...] = (
             "_domain": "the scheduler's task and schedule values, ids and time, the state "
             "order, BIGINT bounds, the text-cleaning rule",
             "_mutations": "the mutations a batch commits, and `unhandled` ending each `match`",
-            "_stored_values": "what the store hands back: recovered values, records, health",
+            "_stored_values": "what the store hands back: recovered values, records, health, "
+            "lock holders and the instance id in a lock session's name",
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
             "_codec": "JSON encodings of the task columns; time and duration conversions",
@@ -71,7 +72,7 @@ LAYERS: tuple[Layer, ...] = (
             "_driver": "statements compiled for asyncpg and run on its connection; every "
             "driver error mapped to the store's errors",
             "_held_connection": "the commit connection's life: checked out, held, given up",
-            "_transactions": "a read's transaction on a pooled session, own or borrowed",
+            "_transactions": "a store transaction on a pooled session, own or borrowed",
         },
     ),
     Layer(

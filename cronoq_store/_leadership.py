@@ -8,20 +8,39 @@ means closing it. On an application's engine it is made as that engine makes its
 durability and read-write mode (``_session_settings``). Taking the lock bumps the
 fencing epoch, which every commit checks in its own transaction.
 
-The keeper pings the session every ``keepalive``. If nothing has been heard from it for
-``session_timeout``, this instance steps down: the session is torn down without waiting on
-its socket, so a partition cannot keep a deposed leader believing it leads. Across a
-partition the server gives up on the session only later (its TCP keepalives start after
-``session_timeout`` idle, then probe three times, a second apart), so the old leader has
-stepped down before the lock can move. When the server ends the session first (a terminated
-backend), a standby may lead before the keeper notices; the epoch fences every commit of
-the old leader from then on.
+The keeper reads the leader row on the session every ``keepalive``. If nothing has been
+heard from it for ``session_timeout``, this instance steps down: the session is torn down
+without waiting on its socket, so a partition cannot keep a deposed leader believing it
+leads. Across a partition the server gives up on the session only later (its TCP keepalives
+start after ``session_timeout`` idle, then probe three times, a second apart), so the old
+leader has stepped down before the lock can move. When the server ends the session first (a
+terminated backend), a standby may lead before the keeper notices; the epoch fences every
+commit of the old leader from then on. The row it reads also steps this instance down at
+once when the epoch moved without it, or the schema no longer holds the cluster it was
+opened on (its incarnation, the leader table's OID: dropped, made again, renamed, restored):
+the lock it holds is then keyed on a schema that is gone, and excludes nobody.
+
+Each acquisition reads the lock's key (the schema's OID) again, on the lock session: a
+schema's OID is not kept by ``pg_upgrade``, and the lock must be the one that instances
+opened since take.
+
+Each instance has an id, drawn when it opens, that its lock session shows the server at the
+end of its ``application_name`` (:func:`~cronoq_store._stored_values.lock_session_name`):
+one instance's successive sessions have new pids but the same id, so an operator (and
+``cronoq-store handover``) can tell whether leadership moved to another instance.
+
+An instance whose term ended waits :func:`cool_down` before it competes again, so that a
+waiting standby takes the lock first: a handover (the server ending the lock session, or
+the application releasing leadership) then hands over, instead of racing the instance it
+removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
 from typing import Any
 
 from sqlalchemy import Executable, Result
@@ -34,17 +53,17 @@ from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
 from . import _session_statements as session_st
 from ._config import PgStoreConfig
-from ._driver import translate_error
-from ._errors import StoreError
+from ._driver import lock_not_available, translate_error
+from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import acquisition_backoff, bounded, pause, retry
 from ._schema import schema_options
-from ._stored_values import LockHolder
+from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
 from ._urls import engine_arguments, redact
 from .telemetry import DISABLED, Telemetry
 
-__all__ = ["Leadership"]
+__all__ = ["Leadership", "cool_down"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -57,6 +76,32 @@ _FOREIGN_WARNING_INTERVAL = 60.0
 #: A standby says which leader it waits behind when that changes, and again this often
 #: (seconds): at INFO, since waiting is a standby's purpose.
 _WAITING_INTERVAL = 600.0
+#: What a cool-down adds to a standby's two polls: room for a poll that a loaded machine
+#: delays (the standby's process not scheduled, its statement queued on a busy server).
+_COOL_DOWN_SLACK = 1.0
+
+
+def cool_down(config: PgStoreConfig) -> float:
+    """How long an instance whose term ended waits before it polls the lock again:
+    ``2 * lock_poll + 1`` seconds (2 s with the defaults).
+
+    A waiting standby tries the lock every ``lock_poll`` (plus its round trips), so it
+    takes a freed lock within about one ``lock_poll``. The cool-down counts from when this
+    instance learned of its loss, never before the lock was freed, and allows a second
+    ``lock_poll`` and one more second for a standby that a loaded machine slows (its process
+    not scheduled, the server slow to answer). A lone instance pays it once: it leads again
+    about ``cool_down`` after it stepped down (plus a connect and one poll).
+    """
+    return 2 * config.lock_poll + _COOL_DOWN_SLACK
+
+
+#: What the keeper logs when it ends a term, by step-down reason.
+_STEP_DOWNS = {
+    "session_lost": "leader lock session lost; stepping down",
+    "schema_gone": "the cluster's leader table or row is gone; stepping down",
+    "cluster_replaced": "the schema holds another cluster than this store's; stepping down",
+    "fenced": "the epoch moved without this instance; stepping down",
+}
 
 
 class _Session:
@@ -116,13 +161,15 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
-def _session_settings(config: PgStoreConfig) -> dict[str, str]:
+def _session_settings(config: PgStoreConfig, instance: str) -> dict[str, str]:
     """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`)."""
     settings = {
         # Names resolve in pg_catalog only: no schema another role can write can capture
         # a function or operator the lock session calls.
         "search_path": session_st.SEARCH_PATH,
-        "application_name": f"{config.application_name} leader",
+        # Set after any the application's connect arguments give: the instance id must
+        # show, whole, whatever name the application chose.
+        "application_name": lock_session_name(config.application_name, instance),
         # The server drops the session (and the lock) once the client is gone.
         "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
         "tcp_keepalives_interval": "1",
@@ -151,14 +198,19 @@ class Leadership:
     engine's pool ``recreate()``-d: its creator and connect arguments, none of its
     connections), sessions are made by that pool instead, and ``url`` only names the
     dialect and the server in logs; each session is discarded when it ends, never reused.
-    ``lock_key`` is the pair of advisory-lock keys. Given ``trust``, each acquisition runs
+    ``lock_key`` is the pair of advisory-lock keys as the store read them at open; each
+    acquisition reads the second (the schema's OID) again. ``incarnation`` is the cluster's
+    the store was opened on (its leader table's OID): an acquisition refuses any other, with
+    ``ClusterReplacedError``, before it takes an epoch. Given ``trust``, each acquisition runs
     that check on the lock session once the lock is taken, and refuses (releasing the lock,
     no epoch taken) a schema that fails it. Given ``connect``, each acquisition first checks
     who may connect to the database and refuses to wait for the lock where untrusted roles
     may (``config.allow_untrusted_connect`` makes that a warning). A standby waiting behind a
     holder that is not a store instance logs it, at most every
     ``_FOREIGN_WARNING_INTERVAL``. The object can lead many times: after a loss,
-    :meth:`acquire` opens a new session and takes a new epoch.
+    :meth:`acquire` opens a new session and takes a new epoch, after :func:`cool_down`
+    when the last term ended. ``instance`` is this object's id, the same for each session
+    it opens.
     """
 
     def __init__(
@@ -168,6 +220,7 @@ class Leadership:
         lock_key: tuple[int, int],
         config: PgStoreConfig,
         *,
+        incarnation: int,
         pool: Pool | None = None,
         trust: TrustCheck | None = None,
         connect: ConnectCheck | None = None,
@@ -182,8 +235,13 @@ class Leadership:
         self._said_waiting_at = 0.0
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
+        self._incarnation = incarnation
         self._config = config
-        self._settings = _session_settings(config)
+        #: This instance's id, at the end of its lock session's ``application_name``.
+        self.instance = secrets.token_hex(4)
+        self._settings = _session_settings(config, self.instance)
+        # time.monotonic() when the last term ended: the cool-down counts from there.
+        self._ended_at: float | None = None
         self._backoff = acquisition_backoff(config)
         # With `pool`, sessions are made the way an application's engine makes its own (its
         # creator, TLS, connect_args), on a pool of their own, and the settings are applied
@@ -217,6 +275,9 @@ class Leadership:
         self._acquiring = asyncio.Lock()
         self._session: _Session | None = None
         self._keeper: asyncio.Task[None] | None = None
+        #: Set once the schema was found holding another cluster than the store's (by the
+        #: keeper, an acquisition or the store): what every later write is refused with.
+        self.replaced: ClusterReplacedError | None = None
         #: Where step-downs are counted (``PgStore`` sets its own).
         self.telemetry: Telemetry = DISABLED
 
@@ -229,11 +290,17 @@ class Leadership:
     def is_leader(self) -> bool:
         return self._epoch is not None
 
+    @property
+    def lock_key(self) -> tuple[int, int]:
+        """The advisory lock's keys as the last acquisition read them (at open before one)."""
+        return self._key["k1"], self._key["k2"]
+
     def mark_lost(self, reason: str = "fenced") -> None:
         """Stop leading now (a commit found another epoch); the keeper closes the session.
         ``reason`` is the step-down's, counted when this instance was leading."""
         if self._epoch is not None:
             self.telemetry.step_down(reason)
+            self._ended_at = time.monotonic()
         self._epoch = None
         self._lost.set()
 
@@ -245,16 +312,22 @@ class Leadership:
         """Wait until this instance leads; returns the new epoch.
 
         A session already held is closed first: each acquisition is a new term with a new
-        epoch. While the database is unreachable, retries and logs each failure, pausing
-        as :func:`~cronoq_store._retry.acquisition_backoff` says: never longer than
+        epoch. When a term of this instance ended (lost, or released), it first waits what
+        is left of :func:`cool_down` since then, so that a waiting standby leads instead;
+        not when this instance still leads (it renews its own term). While the database is
+        unreachable, retries and logs each failure, pausing as
+        :func:`~cronoq_store._retry.acquisition_backoff` says: never longer than
         ``lock_poll``, so once the server is back this instance leads (if nobody else does)
-        within ``session_timeout + lock_poll``. Errors that retrying cannot fix are raised
-        as ``StoreError``.
+        within ``session_timeout + lock_poll``, or at the cool-down's end if that is later.
+        Errors that retrying cannot fix are raised as ``StoreError``.
         """
         async with self._acquiring:
             self._check_open()
+            renewing = self.is_leader
             if self._session is not None:
                 await self.release()
+            if not renewing:
+                await self._cool_down()
             session, epoch = await retry(
                 self._try_lead,
                 self._backoff,
@@ -268,7 +341,10 @@ class Leadership:
             self._lost.clear()
             self._session = session
             self._keeper = asyncio.ensure_future(self._keep(session, epoch))
-            logger.info("acquired leadership", extra={"epoch": epoch, "schema": self._schema})
+            logger.info(
+                "acquired leadership",
+                extra={"epoch": epoch, "schema": self._schema, "instance": self.instance},
+            )
             return epoch
 
     async def release(self) -> None:
@@ -285,6 +361,22 @@ class Leadership:
             await self._engine.dispose()
 
     # --- internals ------------------------------------------------------------------------
+
+    async def _cool_down(self) -> None:
+        """Wait what is left of :func:`cool_down` since the last term ended, if any."""
+        if self._ended_at is None:
+            return
+        left = self._ended_at + cool_down(self._config) - time.monotonic()
+        if left <= 0:
+            return
+        logger.info(
+            "waiting %.1f s before competing for leadership again, so that a waiting standby "
+            "leads first",
+            left,
+            extra={"schema": self._schema, "instance": self.instance},
+        )
+        if await self._closed_within(left):
+            raise self._closed_error()
 
     async def _try_lead(self) -> tuple[_Session, int]:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
@@ -303,6 +395,7 @@ class Leadership:
                 await session.run(lock_st.lock_session_settings, self._settings, timeout)
             if self._connect is not None:
                 await self._refuse_untrusted_connect(session, self._connect, timeout)
+            await self._read_key(session, timeout)
             polls, suspect = 0, None
             while not (await session.run(lock_st.try_leader_lock, self._key, timeout)).scalar():
                 if polls % _HOLDER_CHECK_POLLS == 0:
@@ -314,11 +407,12 @@ class Leadership:
                 await self._vet(session, self._trust, timeout)
             epoch = await self._bump(session, timeout)
             if epoch is None:
-                raise StoreError(
-                    f"the leader row of schema {self._schema!r} is missing: run the migrations"
-                )
-            # Prepared now, so that each of the keeper's checks is a single round trip.
-            await session.run(lock_st.ping, None, timeout)
+                await self._refuse_to_bump(session, timeout)
+            # The keeper's check waits for no lock for long, and is prepared now, so that
+            # each of its checks is a single round trip.
+            timeout_ms = str(_keeper_lock_timeout_ms(self._config))
+            await session.run(lock_st.keeper_lock_timeout, {"lock_timeout": timeout_ms}, timeout)
+            await session.run(lock_st.leader_now, None, timeout)
             return session, int(epoch)
         except BaseException:
             await session.close()  # releases the lock if this session took it
@@ -339,9 +433,36 @@ class Leadership:
             timeout / 2,
             "taking over leadership",
         )
-        epoch = (await session.run(lock_st.bump_epoch, None, timeout)).scalar()
+        bump = {"incarnation": self._incarnation}
+        epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
         await session.run(lock_st.takeover_commit, None, timeout)
         return epoch
+
+    async def _read_key(self, session: _Session, timeout: float) -> None:
+        """Read the lock's second key, the schema's OID, now: ``pg_upgrade`` gives a schema
+        another OID, and every instance opened since takes the lock with that one. A schema
+        that is gone is a cluster gone: ``SchemaGoneError``, no lock to wait for."""
+        oid = (await session.run(lock_st.schema_oid, {"schema": self._schema}, timeout)).scalar()
+        if oid is None:
+            raise SchemaGoneError(
+                f"acquiring leadership failed: schema {self._schema!r} does not exist (dropped "
+                "while this store was open): this store cannot lead it; once it is migrated "
+                "again, open a new store"
+            )
+        self._key["k2"] = oid
+
+    async def _refuse_to_bump(self, session: _Session, timeout: float) -> None:
+        """Raise why the bump found no leader row to move: none in the schema, or the row of
+        another cluster than the store's (``ClusterReplacedError``)."""
+        found = (await session.run(lock_st.leader_now, None, timeout)).first()
+        if found is None:
+            raise StoreError(
+                f"the leader row of schema {self._schema!r} is missing: run the migrations"
+            )
+        self.replaced = ClusterReplacedError(
+            self._schema, self._incarnation, found.tableoid, "acquiring leadership"
+        )
+        raise self.replaced
 
     async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its
@@ -413,10 +534,13 @@ class Leadership:
         return holder.pid
 
     async def _keep(self, session: _Session, epoch: int) -> None:
-        """Check the session every ``keepalive``; step down once it was silent too long.
+        """Read the leader row on the session every ``keepalive``; step down once the
+        session was silent too long, or at once when the row says this term is over.
 
         Silence is measured from the last answer, so the step-down comes at most
-        ``session_timeout`` after the session went silent, whatever the ping interval.
+        ``session_timeout`` after the session went silent, whatever the check interval. A
+        check that waited too long for a lock on the leader table (55P03, under the
+        ``lock_timeout`` set at acquisition) is an answer that tells nothing of the row.
         """
         loop = asyncio.get_running_loop()
         keepalive, limit = self._config.keepalive, self._config.session_timeout
@@ -424,23 +548,56 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    await session.run(lock_st.ping, None, last_answer + limit - loop.time())
+                    checked = await session.run(
+                        lock_st.leader_now, None, last_answer + limit - loop.time()
+                    )
                 except Exception as exc:
+                    error = translate_error(exc, "checking the leader lock session")
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    self.mark_lost("session_lost")
-                    logger.error(
-                        "leader lock session lost; stepping down",
-                        extra={
-                            "epoch": epoch,
-                            "schema": self._schema,
-                            "error": str(translate_error(exc, "checking the leader lock session")),
-                        },
-                    )
+                    if lock_not_available(exc):
+                        last_answer = loop.time()
+                        continue
+                    if isinstance(error, SchemaGoneError):
+                        # The leader table (or its schema) is gone: so is this cluster,
+                        # whatever stands under the name later.
+                        self.replaced = ClusterReplacedError(
+                            self._schema, self._incarnation, None, "checking the leader row"
+                        )
+                        self._step_down(epoch, "schema_gone", str(error))
+                    else:
+                        self._step_down(epoch, "session_lost", str(error))
                     return
                 last_answer = loop.time()
+                ended = self._term_ended(epoch, checked.first())
+                if ended is not None and self._epoch == epoch:
+                    self._step_down(epoch, *ended)
+                    return
         finally:
             await session.close()
+
+    def _term_ended(self, epoch: int, row: Any) -> tuple[str, str] | None:
+        """Why the leader row ``row`` (:data:`~cronoq_store._lock_statements.leader_now`)
+        ends the term of ``epoch`` (a step-down reason and words), or ``None`` if it does
+        not."""
+        if row is None:
+            return "schema_gone", f"schema {self._schema!r} has no leader row"
+        if row.tableoid != self._incarnation:
+            self.replaced = ClusterReplacedError(
+                self._schema, self._incarnation, row.tableoid, "checking the leader row"
+            )
+            return "cluster_replaced", str(self.replaced)
+        if row.epoch != epoch:
+            return "fenced", f"the stored epoch is {row.epoch}: another instance took over"
+        return None
+
+    def _step_down(self, epoch: int, reason: str, why: str) -> None:
+        """The keeper ends the term of ``epoch``; its caller then closes the session."""
+        self.mark_lost(reason)
+        logger.error(
+            _STEP_DOWNS[reason],
+            extra={"epoch": epoch, "schema": self._schema, "reason": reason, "error": why},
+        )
 
     async def _end_term(self) -> None:
         """Stop the keeper of the current or last term and close its session."""
@@ -478,6 +635,14 @@ class Leadership:
 
     def _closed_error(self) -> StoreError:
         return StoreError(f"leadership of schema {self._schema!r} is closed")
+
+
+def _keeper_lock_timeout_ms(config: PgStoreConfig) -> int:
+    """How long the keeper's check may wait for a lock on the leader table: at most a
+    ``keepalive``, and half of what is left of ``session_timeout`` after one, so the check
+    answers (with 55P03) well before its silence could read as a lost session."""
+    wait = min(config.keepalive, (config.session_timeout - config.keepalive) / 2)
+    return max(1, round(wait * 1000))
 
 
 def _acquisition_error(exc: Exception) -> StoreError:

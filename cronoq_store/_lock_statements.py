@@ -1,5 +1,5 @@
 """The leader lock session's statements: the advisory lock, the epoch bump, the session's
-own settings and liveness check, and the schema's OID that keys the lock.
+own settings, the keeper's check of the leader row, and the schema's OID that keys the lock.
 
 Run by :class:`~cronoq_store._leadership.Leadership` on its dedicated session, never on a
 commit's connection.
@@ -26,7 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from ._domain import EPOCH_MAX
-from ._schema import LEADER_ROW_ID, leader
+from ._schema import LEADER_ROW_ID, leader, leader_tableoid
 
 __all__ = [
     "LOCK_NS_LEADER",
@@ -34,9 +34,11 @@ __all__ = [
     "LOCK_SESSION_SETTINGS",
     "bump_epoch",
     "bump_epoch_only",
+    "keeper_lock_timeout",
+    "leader_now",
     "lock_session_settings",
-    "ping",
     "schema_oid",
+    "take_epoch",
     "takeover_begin",
     "takeover_commit",
     "try_leader_lock",
@@ -79,9 +81,10 @@ def _own(name: str) -> Any:
 takeover_begin = text("BEGIN")
 takeover_commit = text("COMMIT")
 
-#: Taking the lock bumps the epoch, wrapping 32767 -> 1, and records the lock session that
-#: did (pid, backend start, role): what tells the leader from a session that only holds the
-#: lock (:data:`health_facts`). Returns the new epoch.
+#: Bumps the epoch, wrapping 32767 -> 1, and records the session that did (pid, backend
+#: start, role): what tells the leader from a session that only holds the lock
+#: (:data:`health_facts`). Returns the new epoch. What a forced downgrade runs, in whatever
+#: cluster the schema holds.
 _next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
 bump_epoch = (
     update(leader)
@@ -105,8 +108,24 @@ bump_epoch_only = (
     .returning(leader.c.epoch)
 )
 
-#: The lock session's liveness check.
-ping = select(1)
+#: Taking the lock takes the next epoch (:data:`bump_epoch`), only in the cluster
+#: ``:incarnation`` (the leader table's OID) that the store was opened on: no row in another.
+take_epoch = bump_epoch.where(leader_tableoid == bindparam("incarnation", type_=postgresql.OID))
+
+#: The keeper's check of the lock session, one round trip: the stored epoch and the
+#: cluster's incarnation (the leader table's OID) under the schema's name now. An answer is
+#: a live session; another epoch or incarnation, or none, ends the term.
+leader_now = select(leader.c.epoch, leader_tableoid).where(leader.c.id == LEADER_ROW_ID)
+
+#: How long the keeper's check may wait for a lock on the leader table (a migration or a
+#: ``DROP`` holds it exclusively) before the server gives up with 55P03: the session has
+#: answered then, so the wait never reads as a silent session. Set once the epoch is
+#: taken: the takeover's own wait for commits in flight must not be bounded by it.
+keeper_lock_timeout = select(
+    func.pg_catalog.set_config(
+        literal("lock_timeout", Text), bindparam("lock_timeout", type_=Text), false()
+    )
+)
 
 #: What the lock session sets for itself once connected, when the connection comes from an
 #: application's pool creator (which ignores our connect arguments); each is a bind of the

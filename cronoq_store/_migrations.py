@@ -49,6 +49,7 @@ from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
+from . import _transactions as transactions
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
 from ._driver import translate_error
@@ -190,7 +191,8 @@ async def _at_head(
     """Whether ``schema`` is at this build's head, read without a lock after the trust
     check; a schema a newer build migrated is refused here
     (:class:`~cronoq_store.MigrationError`)."""
-    status = await _read_status(bind, schema, trusted_trigger_names(trusted_triggers))
+    opening = _opening(bind) if isinstance(bind, AsyncEngine) else None
+    status = await _read_status(bind, schema, trusted_trigger_names(trusted_triggers), opening)
     if status.unknown:
         raise MigrationError(newer_message(schema, status.unknown))
     return status.at_head
@@ -272,12 +274,22 @@ def run_command(
 async def _in_transaction(
     bind: AsyncEngine | AsyncConnection, run: Callable[[Connection], None]
 ) -> None:
+    """``run`` in one transaction: on an engine's pooled session, one the store opens under
+    its own settings, whatever the session carries (an application's ``SET
+    default_transaction_read_only``, ``statement_timeout``, ``ROLE``, ... or a ``DISCARD
+    ALL``: :func:`~cronoq_store._transactions.run`), so that a retry never meets the same
+    refusal again; a caller's connection as it is (its transaction, its role on purpose)."""
     if isinstance(bind, AsyncEngine):
-        async with bind.connect() as conn:
-            await conn.run_sync(run)
-            await conn.commit()
+        await transactions.run(bind, _opening(bind), lambda conn: conn.run_sync(run))
     else:
         await bind.run_sync(run)
+
+
+def _opening(engine: AsyncEngine) -> str:
+    """The message that opens a migration's transaction on ``engine``, or its read of the
+    revision, with the store's own settings (:func:`_in_transaction`)."""
+    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
+    return transactions.opening(statements, engine.dialect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,16 +382,21 @@ def newer_message(schema: str, unknown: Sequence[str]) -> str:
 
 
 async def require_head(
-    engine: AsyncEngine, schema: str, *, trusted_triggers: frozenset[str] = frozenset()
+    engine: AsyncEngine,
+    schema: str,
+    *,
+    trusted_triggers: frozenset[str] = frozenset(),
+    opening: str | None = None,
 ) -> None:
     """Raise :class:`~cronoq_store.MigrationError` unless ``schema`` is at this build's head.
 
     What a store opened with ``migrate=False`` checks instead of migrating, after
     :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
     schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
-    the revisions named (:meth:`RevisionStatus.require_head`).
+    the revisions named (:meth:`RevisionStatus.require_head`). ``opening``: the message that
+    opens its transaction (:func:`~cronoq_store._transactions.run`), the store's settings.
     """
-    status = await _read_status(engine, schema, trusted_triggers)
+    status = await _read_status(engine, schema, trusted_triggers, opening)
     status.require_head(
         f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
         "head`) with a role that owns the schema, or open the store with migrate=True"
@@ -387,10 +404,14 @@ async def require_head(
 
 
 async def _read_status(
-    bind: AsyncEngine | AsyncConnection, schema: str, trusted_triggers: frozenset[str]
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    opening: str | None,
 ) -> RevisionStatus:
     """Where ``schema`` stands, after :func:`refuse_untrusted`; reads only, takes no lock
-    (on a connection of its own, or in ``bind``'s transaction)."""
+    (in ``bind``'s transaction, or in a transaction of an engine's that ``opening`` opens:
+    :func:`~cronoq_store._transactions.run`)."""
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
@@ -401,8 +422,7 @@ async def _read_status(
     try:
         if isinstance(bind, AsyncConnection):
             return await bind.run_sync(read)
-        async with bind.connect() as conn:
-            return await conn.run_sync(read)
+        return await transactions.run(bind, opening, lambda conn: conn.run_sync(read))
     except MigrationError:
         raise
     except Exception as exc:

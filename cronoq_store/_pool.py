@@ -10,27 +10,29 @@ from typing import Any
 
 from sqlalchemy import URL, event
 from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
 
 from . import _lock_statements as lock_st
 from . import _session_statements as session_st
 from . import _statements as st
+from . import _transactions as transactions
 from ._config import PgStoreConfig, keepalive_settings
 from ._driver import translate_error, translate_open_error
 from ._errors import StoreError
 from ._retry import bounded
+from ._schema import schema_options
 from ._trust import TrustCheck
 from ._urls import engine_arguments, redact
 
 __all__ = [
     "accepts_writes",
+    "cluster_identity",
     "demoted",
     "idle_in_transaction_ms",
     "own_engine",
     "require_search_path",
     "require_utf8",
-    "schema_oid_and_role",
 ]
 
 logger = logging.getLogger("cronoq_store")
@@ -55,12 +57,17 @@ def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
     return engine
 
 
-async def require_utf8(engine: AsyncEngine, where: str) -> None:
+async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:
     """Refuse a database whose encoding is not UTF8, before anything is created in it: every
-    string the domain accepts must be storable, and another encoding lacks most characters."""
+    string the domain accepts must be storable, and another encoding lacks most characters.
+    Read in a transaction opened by ``opening`` (the store's settings)."""
+
+    async def read(conn: AsyncConnection) -> str:
+        encoding: str = (await conn.execute(st.server_encoding)).scalar_one()
+        return encoding
+
     try:
-        async with engine.connect() as conn:
-            encoding = (await conn.execute(st.server_encoding)).scalar_one()
+        encoding = await transactions.run(engine, opening, read)
     except Exception as exc:
         raise translate_open_error(exc, where, "reading the database's encoding") from exc
     if encoding != "UTF8":
@@ -140,17 +147,28 @@ def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnect
         raise DisconnectionError("the server closed this pooled connection")
 
 
-async def schema_oid_and_role(engine: AsyncEngine, schema: str) -> tuple[int | None, str]:
-    """The OID of ``schema`` (``None`` if there is none) and the role the pool connects as,
-    read at open."""
+async def cluster_identity(
+    engine: AsyncEngine, schema: str, opening: str
+) -> tuple[int | None, int | None, str]:
+    """Read at open: the OID of ``schema`` (``None`` if there is none), the cluster's
+    incarnation (its leader table's OID, ``None`` without a leader row) and the role the
+    pool connects as, in a transaction opened by ``opening`` (the store's settings: a role
+    an application left ``SET`` on a borrowed session is not the pool's)."""
+
+    async def read(conn: AsyncConnection) -> tuple[int | None, int | None, str]:
+        await conn.execute(session_st.local_search_path)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+        incarnation = None
+        if oid is not None:
+            found = await conn.execute(st.incarnation, execution_options=schema_options(schema))
+            incarnation = found.scalar()
+        pool_role = (await conn.execute(TrustCheck.current_user)).scalar_one()
+        return oid, incarnation, pool_role
+
     try:
-        async with engine.begin() as conn:
-            await conn.execute(session_st.local_search_path)
-            oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
-            pool_role = (await conn.execute(TrustCheck.current_user)).scalar_one()
+        return await transactions.run(engine, opening, read)
     except Exception as exc:
-        raise translate_error(exc, f"reading the OID of schema {schema!r}") from exc
-    return oid, pool_role
+        raise translate_error(exc, f"reading the identity of schema {schema!r}") from exc
 
 
 async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
@@ -160,7 +178,9 @@ async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
     if owned:
         return True
     try:
-        writable = await bounded(accepts_writes(db), timeout)
+        # In the session's own transaction: the store's opening is read-write, which a
+        # server in recovery refuses before anything could be asked.
+        writable = await bounded(transactions.run(db, None, accepts_writes), timeout)
     except Exception as exc:
         logger.warning(
             "a read-only failure on the application's pool, and the server cannot say "
@@ -174,8 +194,7 @@ async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
     return writable is False
 
 
-async def accepts_writes(db: AsyncEngine) -> bool | None:
-    """Whether the server a pooled session reaches takes writes (not in recovery)."""
-    async with db.connect() as conn:
-        writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+async def accepts_writes(conn: AsyncConnection) -> bool | None:
+    """Whether the server ``conn`` reaches takes writes (not in recovery)."""
+    writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
     return writable

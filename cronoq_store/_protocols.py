@@ -73,8 +73,10 @@ class Store(Protocol):
     ) -> None:
         """Write ``batch`` and ``outputs`` in one transaction; return only once committed.
 
-        Idempotent. Raises ``FencedError`` when ``epoch`` is no longer current and
-        ``UnavailableError`` when the database cannot be reached in time.
+        Idempotent. Raises ``FencedError`` when ``epoch`` is no longer current (only a
+        fence of this instance's current epoch ends its term: a late commit of an earlier
+        term is refused, and the term goes on) and ``UnavailableError`` when the database
+        cannot be reached in time.
         """
         ...
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from ._domain import (
     check_task_id,
     clean_text,
 )
+from ._errors import ClusterReplacedError, StoreError
 from ._lock_waits import holder_of
 from ._rows import RECORD_COLUMNS, task_record
 from ._stored_values import LockHolder, TaskRecord
@@ -48,6 +48,7 @@ __all__ = [
     "get_listed_task",
     "get_task",
     "holder_of",
+    "incarnation",
     "leader_columns",
     "leader_lock_holder",
     "list_finished",
@@ -168,19 +169,32 @@ async def server_prune_cutoff(conn: AsyncConnection, older_than: float) -> int:
     return (now - UNIX_EPOCH) // timedelta(microseconds=1) * 1000 - age
 
 
+async def incarnation(conn: AsyncConnection, schema: str) -> int:
+    """The cluster's incarnation in ``schema`` now (its leader table's OID), for an
+    operator's prune to stay in the cluster it started in; ``StoreError`` without a leader
+    row."""
+    found: int | None = (await conn.execute(st.incarnation)).scalar()
+    if found is None:
+        raise StoreError(f"the leader row of schema {schema!r} is missing: run the migrations")
+    return found
+
+
 async def prune(
-    session: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+    in_transaction: Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]],
     cutoff: int,
     progress: Callable[[int], None] | None = None,
     *,
-    schema: str,
+    cluster: tuple[str, int],
     lock_wait: float,
     waiter: str,
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
-    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of ``session()``;
-    returns how many were deleted, and calls ``progress`` with the running total after
-    each batch.
+    or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of its own
+    (``in_transaction(batch)`` runs ``batch`` in one, and may run it again after a failure
+    that rolled it back); returns how many were deleted, and calls ``progress`` with the
+    running total after each batch. Only in ``cluster`` (the schema and the incarnation the
+    store was opened on): a batch that finds the schema holding another deletes nothing
+    there and raises ``ClusterReplacedError``.
 
     Each batch first takes :data:`~cronoq_store._statements.leader_barrier`: every commit
     holds the leader row ``FOR SHARE`` (and so its table ``ROW SHARE``) from its epoch check
@@ -189,16 +203,25 @@ async def prune(
     batch, and cannot starve it. The batch records the largest id it
     deletes in the same statement (:data:`~cronoq_store._statements.prune_batch`).
 
-    The barrier waits at most ``lock_wait`` seconds for the leader table of ``schema``: a
+    The barrier waits at most ``lock_wait`` seconds for the leader table: a
     session holding it longer (any session that may lock the leader row) is named in a
     ``LockHeldError``; ``waiter`` names the call and where its bound is set.
     """
-    params = {"cutoff": cutoff, "batch": PRUNE_BATCH}
+    schema, incarnation = cluster
+    params = {"cutoff": cutoff, "batch": PRUNE_BATCH, "incarnation": incarnation}
+
+    async def batch(conn: AsyncConnection) -> int:
+        await lock_waits.leader_barrier(conn.execute, schema, lock_wait, waiter)
+        recorded = (await conn.execute(st.prune_batch, params)).first()
+        if recorded is None:
+            found = (await conn.execute(st.incarnation)).scalar()
+            raise ClusterReplacedError(schema, incarnation, found, "pruning finished tasks")
+        deleted: int = recorded[0]
+        return deleted
+
     total = 0
     while True:
-        async with session() as conn:
-            await lock_waits.leader_barrier(conn.execute, schema, lock_wait, waiter)
-            deleted: int = (await conn.execute(st.prune_batch, params)).scalar_one()
+        deleted = await in_transaction(batch)
         total += deleted
         if progress is not None:
             progress(total)
@@ -208,11 +231,13 @@ async def prune(
 
 class ClusterFacts(NamedTuple):
     """What any session can read of a cluster's leadership and revision
-    (:data:`~cronoq_store._statements.health_facts`)."""
+    (:data:`~cronoq_store._statements.health_facts`), and its incarnation (the leader
+    table's OID; ``None`` without a leader table)."""
 
     stored_epoch: int
     holder: LockHolder | None
     revision: tuple[str, ...]
+    incarnation: int | None = None
 
 
 #: How long a holder that is not (yet) a store instance gets before it is reported as
@@ -229,7 +254,7 @@ def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
 
 def facts_of(row: Any) -> ClusterFacts:
     """A row of :data:`~cronoq_store._statements.health_facts`, as facts."""
-    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())))
+    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())), row.tableoid)
 
 
 async def cluster_facts(

@@ -5,7 +5,11 @@ Live tasks are read through a server-side cursor on the driver connection and de
 quarantined (marked failed with the reason, once: it is an ordinary failed task
 afterwards) and reported as finished; an undecodable schedule is logged, skipped and left
 in the table. ``PgStore.recover`` runs :func:`recover` in one transaction and translates
-its failures.
+its failures. That transaction takes no lock that a commit or a takeover waits for until
+its last statement (the quarantine), so its idle limit is the store's own
+(:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`), not ``session_timeout``: how
+long a partition takes to decode depends on the rows and the machine, not on the lock
+session's timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from . import _statements as st
 from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import TaskId, TaskStatus, TimeBase, reading_stored
 from ._driver import CompiledStatement
+from ._errors import ClusterReplacedError
 from ._rows import LiveTasks, recurring_schedule
 from ._stored_values import Recovered, RecoveredTerminal
 
@@ -40,19 +45,27 @@ async def recover(
     base: TimeBase,
     retention: float,
     quarantined: Callable[[int], None] | None = None,
+    *,
+    incarnation: int,
 ) -> Recovered:
     """Live tasks, finished ones updated within ``retention`` seconds or depended on by a
     live task, recurring schedules, and the next id to issue, read in ``conn``'s
     transaction on the cluster in ``schema`` (which quarantines undecodable live rows;
     ``quarantined``, if given, is told how many, for the store's telemetry). The caller
-    runs the transaction under :func:`collector_paused`."""
-    recovered = Recovered(next_id=next_id(*(await conn.execute(st.high_water)).one()))
+    runs the transaction under :func:`collector_paused`. ``ClusterReplacedError`` before
+    anything else is read where ``schema`` holds another cluster than ``incarnation``."""
+    recorded_max, stored_max, found = (await conn.execute(st.high_water)).one()
+    if found != incarnation:
+        raise ClusterReplacedError(schema, incarnation, found, "recovering")
+    recovered = Recovered(next_id=next_id(recorded_max, stored_max))
     now = time.time_ns()
     with reading_stored():  # what was stored is storable: no bound of this build refuses it
-        count = await _recover_tasks(conn, schema, base, now, retention, recovered)
-        if quarantined is not None:
-            quarantined(count)
+        corrupt = await _recover_tasks(conn, schema, base, now, retention, recovered)
         await _recover_recurring(conn, base, recovered)
+    # Last: its row locks are then held only until the commit that follows.
+    await _quarantine(conn, corrupt, incarnation, base, now, recovered)
+    if quarantined is not None:
+        quarantined(len(corrupt))
     return recovered
 
 
@@ -70,6 +83,20 @@ def next_id(recorded_max: int, stored_max: int | None) -> int:
     return max(recorded_max + 1, 0 if stored_max is None else stored_max + 1)
 
 
+class _Corrupt:
+    """The live rows that could not be decoded: their ids, keys and quarantine messages."""
+
+    __slots__ = ("ids", "keys", "messages")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.keys: list[str | None] = []
+        self.messages: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 async def _recover_tasks(
     conn: AsyncConnection,
     schema: str,
@@ -77,21 +104,19 @@ async def _recover_tasks(
     now: int,
     retention: float,
     recovered: Recovered,
-) -> int:
-    """Fills ``recovered``'s tasks; returns how many rows were quarantined.
+) -> _Corrupt:
+    """Fills ``recovered``'s tasks and finished tasks; returns the rows to quarantine.
 
-    Long for a reason: the cursor loop and the quarantine stay in one frame, on recovery's
-    per-row path."""
-    corrupt_ids: list[int] = []
-    corrupt_messages: list[str] = []
+    Long for a reason: the cursor loop and the collection of corrupt rows stay in one
+    frame, on recovery's per-row path."""
+    corrupt = _Corrupt()
     decode = LiveTasks(base).decode
     tasks = recovered.tasks
     # A server-side cursor, read and decoded a partition at a time: rows are dropped as
     # they are decoded, and the transaction is never idle for longer than it takes to
-    # decode one partition (the pool's idle_in_transaction_session_timeout applies). It
-    # runs on the driver connection, in the session's transaction: SQLAlchemy's result
-    # rows cost more per row than the decoding they feed (1.4x faster without them, at
-    # 100,000 tasks).
+    # decode one partition (IDLE_LIMIT_MS bounds that). It runs on the driver connection,
+    # in the session's transaction: SQLAlchemy's result rows cost more per row than the
+    # decoding they feed (1.4x faster without them, at 100,000 tasks).
     live = CompiledStatement.of(st.live_tasks, conn.dialect, schema)
     driver: Any = (await conn.get_raw_connection()).driver_connection
     cursor = await live.cursor(driver, {})
@@ -105,18 +130,9 @@ async def _recover_tasks(
                     "quarantining undecodable task row",
                     extra={"task_id": row["id"], "error": reason},
                 )
-                corrupt_ids.append(row["id"])
-                corrupt_messages.append(f"{QUARANTINE_PREFIX} {reason}")
-    if corrupt_ids:
-        await conn.execute(
-            st.quarantine,
-            {
-                "ids": corrupt_ids,
-                "messages": corrupt_messages,
-                "failed": TaskStatus.FAILED.value,
-                "now": now,
-            },
-        )
+                corrupt.ids.append(row["id"])
+                corrupt.keys.append(row["key"])
+                corrupt.messages.append(f"{QUARANTINE_PREFIX} {reason}")
     dep_ids: set[int] = set()
     dep_keys: set[str] = set()
     for task in recovered.tasks:
@@ -125,7 +141,7 @@ async def _recover_tasks(
                 dep_keys.add(dep.target)
             else:
                 dep_ids.add(dep.target)
-    # Quarantined rows were just updated (to `now`): this query returns them too.
+    # Rows to quarantine are still live here: _quarantine reports them.
     cutoff = now - round(retention * 1e9)
     finished = await conn.execute(
         st.recent_terminal,
@@ -147,7 +163,37 @@ async def _recover_tasks(
                 at=engine_time(base, done.updated_unix_ns),
             )
         )
-    return len(corrupt_ids)
+    return corrupt
+
+
+async def _quarantine(
+    conn: AsyncConnection,
+    corrupt: _Corrupt,
+    incarnation: int,
+    base: TimeBase,
+    now: int,
+    recovered: Recovered,
+) -> None:
+    """Mark the undecodable live rows failed, updated ``now``, in the cluster of
+    ``incarnation`` only, and report them as finished (after the others: nothing finished
+    later)."""
+    if not corrupt:
+        return
+    await conn.execute(
+        st.quarantine,
+        {
+            "ids": corrupt.ids,
+            "messages": corrupt.messages,
+            "failed": TaskStatus.FAILED.value,
+            "now": now,
+            "incarnation": incarnation,
+        },
+    )
+    at = engine_time(base, now)
+    recovered.terminal.extend(
+        RecoveredTerminal(id=TaskId(id), key=key, status=TaskStatus.FAILED, at=at)
+        for id, key in zip(corrupt.ids, corrupt.keys, strict=True)
+    )
 
 
 async def _recover_recurring(conn: AsyncConnection, base: TimeBase, recovered: Recovered) -> None:
@@ -169,9 +215,8 @@ def collector_paused() -> Iterator[None]:
     Decoding builds millions of objects that all stay alive: with the collector on, it
     walked the growing heap again and again (11 full collections while a million tasks were
     read: 7 s of 25, most of them in the fetches between partitions). And a collection
-    inside the transaction leaves it idle: one that outlasts ``session_timeout`` gets the
-    session ended by the server (idle_in_transaction_session_timeout), as seen on a loaded
-    machine. So the pause spans the whole transaction, awaits included: other tasks of the
+    inside the transaction leaves it idle, for as long as the heap takes to walk. So the
+    pause spans the whole transaction, awaits included: other tasks of the
     process run meanwhile, and only their cyclic garbage waits for the collector (reference
     counting frees the rest). A collector that was off stays off.
     """

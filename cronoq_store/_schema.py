@@ -29,6 +29,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, OID
+from sqlalchemy.sql.expression import ColumnClause
 
 from ._config import validate_schema_name
 
@@ -37,6 +38,7 @@ __all__ = [
     "LEGACY_VERSION_TABLE",
     "VERSION_TABLE",
     "leader",
+    "leader_tableoid",
     "metadata",
     "recurring",
     "schema_options",
@@ -81,6 +83,14 @@ leader = Table(
     Column("holder_epoch", Integer),
     CheckConstraint("id = 1", name="single_row"),
 )
+
+#: The leader table's OID, read through the system column ``tableoid`` of its row: the
+#: cluster's incarnation (docs/reliability.md, "The cluster's incarnation"). A physical copy
+#: of the server (a replica, a point-in-time restore) and ``pg_upgrade`` keep it; a table
+#: made again (the schema dropped and migrated, renamed into another's place, restored
+#: from a logical dump) has another. Not a ``Column`` of the table: the migrations and
+#: their drift check must never see it.
+leader_tableoid = ColumnClause("tableoid", OID(), _selectable=leader)
 
 tasks = Table(
     "cronoq_tasks",

@@ -1,6 +1,7 @@
-"""What the store's transactions set on a session: the one ``search_path``, and the
-opening of a transaction on a session the store does not own (an application's engine, a
-transaction-pooling PgBouncer), which sets the store's settings for that transaction alone.
+"""What the store's transactions set on a session: the one ``search_path``, the opening of
+a transaction on a session the store does not own (an application's engine, a
+transaction-pooling PgBouncer), which sets the store's settings for that transaction alone,
+and how long a transaction may sit idle.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from sqlalchemy import (
 )
 
 __all__ = [
+    "IDLE_LIMIT_MS",
     "SEARCH_PATH",
     "borrowed_transaction",
     "local_search_path",
     "session_search_path",
     "set_local_search_path",
+    "store_transaction",
 ]
 
 # --- search path ----------------------------------------------------------------------------
@@ -69,13 +72,17 @@ _BORROWED_BEGIN = text("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE, NOT DE
 #: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role;
 #: an application's short ``statement_timeout`` would fail every commit.
 _BORROWED_DEFAULTS = (
-    # First: each statement of the opening message is analysed after the one before ran,
-    # so no name below resolves through a path another client left on the session.
+    # First, as each statement of the message runs under the limit the one before left: an
+    # application's limit of a millisecond would otherwise cancel the opening itself on a
+    # busy server. It names no object, so no path another client left can capture it.
+    text("SET LOCAL statement_timeout TO DEFAULT"),
+    # Then, before any statement that names an object: each statement of the opening
+    # message is analysed after the one before ran, so no name below resolves through a
+    # path another client left on the session.
     text(f"SET LOCAL search_path = {SEARCH_PATH}"),
     text("SET LOCAL SESSION AUTHORIZATION DEFAULT"),
     text("SET LOCAL role TO DEFAULT"),
     text("SET LOCAL synchronous_commit TO DEFAULT"),
-    text("SET LOCAL statement_timeout TO DEFAULT"),
     text("SET LOCAL lock_timeout TO DEFAULT"),
 )
 
@@ -105,14 +112,19 @@ def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]
     return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
 
 
+def _check_milliseconds(value: int) -> None:
+    """Refuse what is not a timeout in milliseconds (it is rendered as a literal)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"not a timeout in milliseconds: {value!r}")
+
+
 def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
     """The statements that open a transaction of the store on a borrowed session, in order.
 
     ``idle_in_transaction_ms`` is the store's own bound on a transaction left idle (its
     pool's ``idle_in_transaction_session_timeout``), rendered as a literal: an integer only.
     """
-    if type(idle_in_transaction_ms) is not int or idle_in_transaction_ms < 0:
-        raise ValueError(f"not a timeout in milliseconds: {idle_in_transaction_ms!r}")
+    _check_milliseconds(idle_in_transaction_ms)
     settings = select(
         # At least "on" (flushed, and confirmed by the synchronous standbys): a configured
         # remote_apply, stronger, is kept; local, remote_write and off are not enough.
@@ -139,3 +151,27 @@ def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
         ),
     )
     return (_BORROWED_BEGIN, *_BORROWED_DEFAULTS, settings)
+
+
+# --- idle transactions ---------------------------------------------------------------------
+
+#: How long the server lets a store transaction that takes no lock on the leader row sit
+#: idle (reads, recovery, migrations), in milliseconds. Their idle gaps are the client's own
+#: work: decoding a partition of recovery's cursor or a page of rows, Alembic loading its
+#: revisions, a health check's second look. That work grows with the rows and the machine's
+#: load, and must not fail because ``session_timeout`` is short. The leader row's lock
+#: (commits, prune batches) is what a takeover waits for: those transactions keep
+#: ``session_timeout`` (``_pool.idle_in_transaction_ms``). This bound is for a client that
+#: froze mid-transaction, whose snapshot and table locks would otherwise stay for ever.
+IDLE_LIMIT_MS = 60_000
+
+
+def store_transaction(idle_in_transaction_ms: int, *, borrowed: bool) -> tuple[Any, ...]:
+    """The statements that open a store transaction, ``BEGIN`` first: on a borrowed session
+    :func:`borrowed_transaction`, on the store's own only the idle limit (the session's
+    other settings are the store's)."""
+    if borrowed:
+        return borrowed_transaction(idle_in_transaction_ms)
+    _check_milliseconds(idle_in_transaction_ms)
+    idle = select(_set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)))
+    return (text("BEGIN"), idle)

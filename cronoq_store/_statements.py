@@ -41,7 +41,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -63,6 +63,7 @@ from ._rows import (
 from ._schema import (
     LEADER_ROW_ID,
     leader,
+    leader_tableoid,
     recurring,
     tasks,
 )
@@ -75,6 +76,8 @@ __all__ = [
     "epoch_held_for_share",
     "finished_page",
     "high_water",
+    "incarnation",
+    "incarnation_kept",
     "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
@@ -99,14 +102,19 @@ __all__ = [
 
 # --- commit: epoch check --------------------------------------------------------------------
 
-#: The epoch under a share lock: it waits for a takeover's uncommitted bump and then sees it,
-#: and a takeover waits for this commit, so a commit lands entirely before or after one.
+#: The epoch and the cluster's incarnation (the leader table's OID, ``tableoid``) under a
+#: share lock: it waits for a takeover's uncommitted bump and then sees it, and a takeover
+#: waits for this commit, so a commit lands entirely before or after one.
 epoch_for_share = (
-    select(leader.c.epoch).where(leader.c.id == LEADER_ROW_ID).with_for_update(read=True)
+    select(leader.c.epoch, leader_tableoid)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .with_for_update(read=True)
 )
 
 #: The epoch a commit expects.
 _epoch = bindparam("epoch", type_=Integer)
+#: The incarnation every write of a store expects: the leader table's OID when it opened.
+_incarnation = bindparam("incarnation", type_=OID)
 
 
 class _LockExclusive(Executable, ClauseElement):
@@ -134,15 +142,37 @@ def _lock_exclusive(element: _LockExclusive, compiler: SQLCompiler, **kw: Any) -
 #: first served.
 leader_barrier = _LockExclusive(leader)
 
-#: The epoch check of a commit's transaction, sent with its ``BEGIN`` (its parameter is an
-#: integer, rendered as a literal by the writer): one row, share-locked as by
-#: :data:`epoch_for_share`, when the stored epoch is ``:epoch``; none otherwise. Commits
-#: share the lock, so none waits for another; a takeover's bump waits for all of them.
+#: The epoch check of a commit's transaction, sent with its ``BEGIN`` (its parameters are
+#: integers, rendered as literals by the writer): one row, share-locked as by
+#: :data:`epoch_for_share`, when the stored epoch is ``:epoch`` and the leader table is
+#: ``:incarnation``; none otherwise. Commits share the lock, so none waits for another; a
+#: takeover's bump waits for all of them.
 epoch_held_for_share = (
     select(leader.c.epoch)
-    .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch)
+    .where(leader.c.id == LEADER_ROW_ID, leader.c.epoch == _epoch, leader_tableoid == _incarnation)
     .with_for_update(read=True)
 )
+
+#: The cluster's incarnation: the OID of the leader table the schema's name leads to now
+#: (no row without a leader row).
+incarnation = select(leader_tableoid).where(leader.c.id == LEADER_ROW_ID)
+_leader_now = incarnation.scalar_subquery()
+
+#: Sent with a commit transaction's ``COMMIT``, after its writes (its parameter rendered as
+#: a literal, as the opening's): it fails the transaction, with SQLSTATE 22P02 (a text that
+#: is no integer, so nothing is committed), unless the leader table the schema's name
+#: leads to now is still ``:incarnation``. The opening's check holds the leader row, so the
+#: epoch cannot move under a transaction; the name can (``ALTER SCHEMA ... RENAME`` takes no
+#: lock on the tables), and each later statement looks its tables up again. The cast is of
+#: a value read, not of a constant, so the planner cannot fold it (and fail) ahead of the
+#: ``WHERE``.
+incarnation_kept = select(
+    cast(
+        literal_column("'cronoq_store: the cluster was replaced, its leader table is now '")
+        + func.coalesce(cast(_leader_now, Text), literal_column("'missing'")),
+        Integer,
+    )
+).where(_leader_now.is_distinct_from(_incarnation))
 
 
 def _unnest(name: str, *columns: tuple[str, TypeEngine[Any]]) -> TableValuedAlias:
@@ -214,19 +244,23 @@ _forward = (
 update_status = update(tasks).where(*_forward).values(_transition_values)
 
 _sharing = epoch_for_share.cte("e")
+#: What a one-statement commit checks: the stored epoch and the cluster's incarnation.
+_fence_holds = and_(_sharing.c.epoch == _epoch, _sharing.c.tableoid == _incarnation)
 _transitioned = (
     update(tasks)
-    .where(*_forward, _sharing.c.epoch == _epoch)
+    .where(*_forward, _fence_holds)
     .values(_transition_values)
     .returning(tasks.c.id)
     .cte("upd")
 )
 
-#: A batch of status transitions only, as one statement: the epoch under a share lock (as
-#: :data:`epoch_for_share`) and the updates, which change nothing unless the stored epoch is
-#: ``:epoch``. Returns the stored epoch and the number of rows moved forward.
+#: A batch of status transitions only, as one statement: the epoch and incarnation under a
+#: share lock (as :data:`epoch_for_share`) and the updates, which change nothing unless the
+#: stored epoch is ``:epoch`` and the leader table ``:incarnation``. Returns the stored
+#: epoch, the incarnation and the number of rows moved forward.
 update_status_fenced = select(
     _sharing.c.epoch,
+    _sharing.c.tableoid,
     select(func.count()).select_from(_transitioned).scalar_subquery(),
 )
 
@@ -282,17 +316,18 @@ def _insert_from(rows: Select[Any]) -> postgresql.Insert:
 insert_tasks = _insert_from(_new_rows)
 
 #: A batch of new tasks only, as one statement, so one round trip without BEGIN and COMMIT:
-#: the epoch under a share lock (as :data:`epoch_for_share`) and the insert, which writes
-#: nothing unless the stored epoch is ``:epoch``. Returns the stored epoch, for the caller
-#: to raise ``FencedError``.
-insert_tasks_fenced = select(_sharing.c.epoch).add_cte(
-    _insert_from(_new_rows.where(_sharing.c.epoch == _epoch)).cte("ins")
+#: the epoch and incarnation under a share lock (as :data:`epoch_for_share`) and the insert,
+#: which writes nothing unless the stored epoch is ``:epoch`` and the leader table
+#: ``:incarnation``. Returns the stored epoch and incarnation, for the caller to raise
+#: ``FencedError`` or ``ClusterReplacedError``.
+insert_tasks_fenced = select(_sharing.c.epoch, _sharing.c.tableoid).add_cte(
+    _insert_from(_new_rows.where(_fence_holds)).cte("ins")
 )
 
 #: One new task: the same as :data:`insert_tasks_fenced` with one scalar parameter per
 #: column. A batch of one is the commonest, and 25 one-element arrays cost the client (each
 #: encoded and checked) and the server (``unnest``) more than 25 values.
-insert_task_fenced = select(_sharing.c.epoch).add_cte(
+insert_task_fenced = select(_sharing.c.epoch, _sharing.c.tableoid).add_cte(
     _insert_from(
         select(
             *(
@@ -303,7 +338,7 @@ insert_task_fenced = select(_sharing.c.epoch).add_cte(
                 ).label(name)
                 for name in INSERT_COLUMNS
             )
-        ).where(_sharing.c.epoch == _epoch)
+        ).where(_fence_holds)
     ).cte("ins")
 )
 
@@ -386,11 +421,13 @@ advance_recurring = (
 #: The id high-water marks, read in one statement (one snapshot, so a prune batch counts
 #: either in both or in neither): the largest id prune deleted (0, the column's default,
 #: until one does; earlier builds recorded every id issued there) and the largest stored id
-#: (NULL for none: a stored id 0 counts). The caller adds one in Python: the largest id may
+#: (NULL for none: a stored id 0 counts); and the cluster's incarnation, which recovery
+#: checks before it reads anything else. The caller adds one in Python: the largest id may
 #: be 2**63-1.
 high_water = select(
     select(leader.c.max_id).where(leader.c.id == LEADER_ROW_ID).scalar_subquery(),
     select(func.max(tasks.c.id)).scalar_subquery(),
+    _leader_now,
 )
 
 
@@ -409,10 +446,12 @@ live_tasks = select(*_columns(tasks, LIVE_COLUMNS)).where(~tasks.c.terminal).ord
 
 _corrupt = _unnest("u", ("ids", BigInteger()), ("messages", Text()))
 
-#: Mark undecodable live rows failed, each with the reason, so they never block recovery.
+#: Mark undecodable live rows failed, each with the reason, so they never block recovery;
+#: only in the cluster ``:incarnation`` (the leader table is looked up after the tasks
+#: table, so both are the same cluster's, even if the schema's name moved meanwhile).
 quarantine = (
     update(tasks)
-    .where(tasks.c.id == _corrupt.c.ids)
+    .where(tasks.c.id == _corrupt.c.ids, _leader_now == _incarnation)
     .values(
         status=bindparam("failed", type_=Text),
         terminal=true(),
@@ -538,17 +577,19 @@ _victims = (
 
 #: The deletion of a prune batch, without its record (see :data:`prune_batch`).
 prune_delete = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
-_pruned = prune_delete.returning(tasks.c.id).cte("pruned")
+_pruned = prune_delete.where(_leader_now == _incarnation).returning(tasks.c.id).cte("pruned")
 
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key, and record the largest id deleted in the leader
 #: row's ``max_id`` (``GREATEST`` skips the NULL of an empty batch), in the same statement:
 #: the deletion and its record commit together or not at all, on the primary and on every
 #: replica, so :func:`cronoq_store._recovery.next_id` never goes below an id once stored.
-#: Returns how many tasks were deleted.
+#: Only in the cluster ``:incarnation``: the deletion checks it after looking up the tasks
+#: table, the record on its own row. Returns how many tasks were deleted; no row when the
+#: leader row is not that cluster's.
 prune_batch = (
     update(leader)
-    .where(leader.c.id == LEADER_ROW_ID)
+    .where(leader.c.id == LEADER_ROW_ID, leader_tableoid == _incarnation)
     .values(max_id=func.greatest(leader.c.max_id, select(func.max(_pruned.c.id)).scalar_subquery()))
     .returning(select(func.count()).select_from(_pruned).scalar_subquery())
 )

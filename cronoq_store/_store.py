@@ -12,12 +12,12 @@ election lives in :mod:`cronoq_store._leadership`. Every failure leaves the stor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
+from typing import TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -35,6 +35,7 @@ from ._config import PgStoreConfig
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._driver import translate_error
 from ._errors import (
+    ClusterReplacedError,
     FencedError,
     SchemaGoneError,
     StoreError,
@@ -46,7 +47,7 @@ from ._mutations import Mutation
 from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
-from ._stored_values import Health, Recovered, TaskRecord
+from ._stored_values import Health, LockHolder, Recovered, TaskRecord
 from ._urls import async_url, redact
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -54,6 +55,8 @@ from .telemetry import CommitRecord, Telemetry, resolve
 __all__ = ["PgStore"]
 
 logger = logging.getLogger("cronoq_store")
+
+_T = TypeVar("_T")
 
 
 class PgStore:
@@ -78,17 +81,19 @@ class PgStore:
         config: PgStoreConfig,
         *,
         schema_oid: int,
+        incarnation: int,
         owns_engine: bool,
         lock_url: URL,
         lock_pool: Pool | None = None,
         pool_role: str | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
-        and read the schema's OID.
+        and read the schema's OID and the cluster's incarnation.
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
         self._config = config
+        self._incarnation = incarnation
         self._owns_engine = owns_engine
         # Sessions that may carry settings that are not the store's: an application's (its
         # SETs), or any server connection a transaction-pooling PgBouncer hands out
@@ -98,9 +103,14 @@ class PgStore:
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
+        #: The message that opens the store's reads, recovery and health checks: the
+        #: store's settings on a borrowed session, and an idle limit that is not
+        #: ``session_timeout`` (:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`).
+        self._read_opening = _reads_opening(engine, self._borrows_sessions)
         self._commits = CommitPath(
             engine,
             config.schema,
+            incarnation=incarnation,
             borrowed=(
                 session_st.borrowed_transaction(pool.idle_in_transaction_ms(config))
                 if self._borrows_sessions
@@ -113,12 +123,12 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leader_lock = (lock_st.LOCK_NS_LEADER, schema_oid)
         self._leadership = Leadership(
             lock_url,
             config.schema,
-            self._leader_lock,
+            (lock_st.LOCK_NS_LEADER, schema_oid),
             config,
+            incarnation=incarnation,
             pool=lock_pool,
             trust=trust.TrustCheck(config.schema, config.trusted_triggers),
             # The pool's role connects as the store does: trusted by its lock session too.
@@ -228,7 +238,10 @@ class PgStore:
                 "lock cannot live on a pooled server connection"
             )
         where = redact(engine.url)
-        await pool.require_utf8(engine, where)
+        # What the store reads at open runs under its own settings too: an application's
+        # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
+        opening = _reads_opening(engine, not owns_engine or not config.prepared_statements)
+        await pool.require_utf8(engine, where, opening)
         if not config.prepared_statements:
             await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
@@ -240,14 +253,22 @@ class PgStore:
                 lock_timeout=config.migration_lock_timeout,
             )
         else:
-            await migrations.require_head(engine, config.schema, trusted_triggers=trusted)
-        oid, pool_role = await pool.schema_oid_and_role(engine, config.schema)
+            await migrations.require_head(
+                engine, config.schema, trusted_triggers=trusted, opening=opening
+            )
+        oid, incarnation, pool_role = await pool.cluster_identity(engine, config.schema, opening)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
+        if incarnation is None:
+            raise StoreError(
+                f"the leader row of schema {config.schema!r} at {where} is missing: run the "
+                "migrations"
+            )
         return cls(
             engine,
             config,
             schema_oid=oid,
+            incarnation=incarnation,
             owns_engine=owns_engine,
             pool_role=pool_role,
             lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
@@ -308,6 +329,16 @@ class PgStore:
         return self._engine
 
     @property
+    def incarnation(self) -> int:
+        """The cluster this store was opened on: the OID of its leader table, read at open.
+        The schema's name may come to hold another cluster (dropped and migrated again,
+        renamed, restored from a logical dump); this store then never writes there, and
+        raises ``ClusterReplacedError`` (docs/reliability.md, "The cluster's incarnation").
+        A physical copy of the server (a promoted replica, a point-in-time restore) and
+        ``pg_upgrade`` keep it."""
+        return self._incarnation
+
+    @property
     def telemetry(self) -> Telemetry:
         """Where this store records metrics and spans (:mod:`cronoq_store.telemetry`):
         the global OpenTelemetry providers configured when it opened, or those given to
@@ -332,6 +363,12 @@ class PgStore:
         has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
+        After a term of this instance ended (lost, or released), it first waits the rest of
+        ``2 * lock_poll + 1`` seconds, so that a waiting standby leads instead
+        (docs/operations.md, "A forced handover").
+        It raises ``ClusterReplacedError`` where the schema no longer holds the cluster this
+        store was opened on (:attr:`incarnation`), and ``SchemaGoneError`` where the schema
+        is gone, with the lock released and no epoch taken: open a new store then.
         """
         # A standby holds no writer connection, and a new term takes a fresh one.
         await self._commits.release()
@@ -341,7 +378,9 @@ class PgStore:
         return epoch
 
     async def release_leadership(self) -> None:
-        """Release the leader lock; commits fail with ``FencedError`` from now on."""
+        """Release the leader lock; commits fail with ``FencedError`` from now on. A waiting
+        standby leads next: this instance's next ``acquire_leadership`` first waits
+        ``2 * lock_poll + 1`` seconds."""
         await self._leadership.release()
         await self._commits.release()
 
@@ -361,8 +400,10 @@ class PgStore:
 
     @property
     def leader_lock(self) -> tuple[int, int]:
-        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``)."""
-        return self._leader_lock
+        """The two keys of the leader's advisory lock (``pg_locks.classid``, ``objid``): the
+        second is the schema's OID, read again by each acquisition (``pg_upgrade`` gives a
+        schema another), so these are the last acquisition's, or those read at open."""
+        return self._leadership.lock_key
 
     # --- commits ----------------------------------------------------------------------------
 
@@ -376,11 +417,15 @@ class PgStore:
         """Write ``batch`` and ``outputs`` in one transaction; return once it committed.
 
         Idempotent: a batch that already landed changes nothing when committed again.
-        Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
-        lost and nothing is written) or leadership was lost before,
-        ``BatchTooLargeError`` (before sending anything) if the batch could exceed
-        :attr:`max_commit_bytes`, and ``UnavailableError`` if the database fails or the
-        commit takes longer than ``commit_timeout``.
+        Raises ``FencedError`` if ``epoch`` is not the stored one, or leadership was lost
+        before; nothing is written then. Only a fence of this instance's current term ends
+        it (leadership is then marked lost): a late commit stamped with an earlier term's
+        epoch (or any epoch other than the current one) is refused, and the term goes on.
+        Raises ``ClusterReplacedError`` (a ``FencedError``; leadership is marked lost) if the
+        schema no longer holds the cluster this store was opened on, ``BatchTooLargeError``
+        (before sending anything) if the batch could exceed :attr:`max_commit_bytes`, and
+        ``UnavailableError`` if the database fails or the commit takes longer than
+        ``commit_timeout``.
         """
         if not self._telemetry.enabled:
             return await self._commit(epoch, base, batch, outputs, None)
@@ -397,7 +442,24 @@ class PgStore:
     ) -> None:
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
+            replaced = self._leadership.replaced
+            if replaced is not None:
+                raise ClusterReplacedError(
+                    replaced.schema, replaced.incarnation, replaced.found, "committing a batch"
+                )
             raise FencedError("leadership was lost: this instance must not write any more")
+        current = self._leadership.epoch
+        if current is not None and epoch != current:
+            # Stamped with an earlier term's epoch (a retry from that term's committer):
+            # it can never pass the fence, and it is no news about the current term.
+            logger.warning(
+                "a commit stamped with another term's epoch was refused; the current term goes on",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+            raise FencedError(
+                f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
+                "was written, and the current term goes on"
+            )
         size = check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         if record is not None:
@@ -426,32 +488,53 @@ class PgStore:
                 ) from exc
 
     async def _ping(self) -> None:
-        if not await pool.accepts_writes(self._db):
+        if not await self._read(pool.accepts_writes):
             raise UnavailableError(
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
             )
 
-    def _fenced_out(self) -> None:
-        """A commit found another epoch: this instance must not write any more."""
+    def _fenced_out(self, stored: int | None, replaced: ClusterReplacedError | None) -> bool:
+        """A commit found the epoch ``stored``, or another cluster (``replaced``): whether
+        that ends this instance's term, after which it must not write any more. Only a
+        fence of the current term ends it: a commit stamped with an earlier term's epoch,
+        in flight while a new term began, finds that new term's epoch stored."""
+        current = self._leadership.epoch
+        if replaced is None and current is not None and stored == current:
+            return False
         self._fenced = True
-        self._leadership.mark_lost("fenced")
+        if replaced is not None:
+            self._leadership.replaced = replaced
+        self._leadership.mark_lost("fenced" if replaced is None else "cluster_replaced")
+        return True
 
-    async def _schema_gone(self, error: SchemaGoneError) -> None:
-        """The cluster's tables or columns went away under this leader (a forced downgrade):
-        step down, releasing the lock, as when fenced; a new term needs a migrated schema."""
+    async def _cluster_gone(self, error: SchemaGoneError | ClusterReplacedError) -> None:
+        """The cluster went away under this leader (its tables or columns dropped by a
+        forced downgrade, or the schema holding another cluster): step down, releasing the
+        lock, as when fenced; a new term needs a migrated schema, or a new store."""
+        replaced = isinstance(error, ClusterReplacedError)
         logger.error(
-            "the cluster's schema lost what this build uses; stepping down",
+            "the schema no longer holds this store's cluster; stepping down"
+            if replaced
+            else "the cluster's schema lost what this build uses; stepping down",
             extra={"schema": self._config.schema, "epoch": self.epoch, "error": str(error)},
         )
         self._fenced = True
-        self._leadership.mark_lost("schema_gone")
+        if isinstance(error, ClusterReplacedError):
+            self._leadership.replaced = error
+        self._leadership.mark_lost("cluster_replaced" if replaced else "schema_gone")
         await self._commits.release()
 
-    def _session(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
-        """A pooled connection in a transaction under the store's settings
-        (:func:`~cronoq_store._transactions.transaction`)."""
-        return transactions.transaction(self._db, self._commits.writer.borrowed_opening)
+    def _read(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """``work`` in a transaction of its own under the store's settings, run again on a
+        session that had lost its prepared statements (:func:`~cronoq_store._transactions.run`);
+        for reads, recovery and health, which take no lock on the leader row."""
+        return transactions.run(self._db, self._read_opening, work)
+
+    def _locking(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """As :meth:`_read`, for a transaction that locks the leader row (a prune batch):
+        a takeover waits for it, so it keeps the commits' idle limit, ``session_timeout``."""
+        return transactions.run(self._db, self._commits.writer.borrowed_opening, work)
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -471,8 +554,11 @@ class PgStore:
             yield
         except Exception as exc:
             error = translate_error(exc, action)
-            if isinstance(error, SchemaGoneError) and self._leadership.is_leader:
-                await self._schema_gone(error)
+            if (
+                isinstance(error, (SchemaGoneError, ClusterReplacedError))
+                and self._leadership.is_leader
+            ):
+                await self._cluster_gone(error)
             if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
                 logger.warning(
                     "the database no longer accepts writes (demoted primary?); "
@@ -500,21 +586,33 @@ class PgStore:
         Total whatever the rows hold: an undecodable live row is quarantined (marked
         failed with the reason, once: it is an ordinary failed task afterwards) and reported
         as finished; an undecodable schedule is logged, skipped and left in the table.
+        Raises ``ClusterReplacedError`` where the schema no longer holds the cluster this
+        store was opened on (:attr:`incarnation`): nothing is read (or quarantined) there.
         """
         quarantined: list[int] = []
+
+        def attempt(conn: AsyncConnection) -> Awaitable[Recovered]:
+            quarantined.clear()  # an attempt that failed quarantined nothing
+            return recovery.recover(
+                conn,
+                self._config.schema,
+                base,
+                self._config.retention,
+                quarantined.append,
+                incarnation=self._incarnation,
+            )
+
         with self._telemetry.recovery() as loaded, recovery.collector_paused():
-            async with self._translated("recovering"), self._session() as conn:
-                found = await recovery.recover(
-                    conn, self._config.schema, base, self._config.retention, quarantined.append
-                )
+            async with self._translated("recovering"):
+                found = await self._read(attempt)
             loaded(len(found.tasks), len(found.terminal), len(found.recurring), sum(quarantined))
         return found
 
     async def load_output(self, id: TaskId) -> bytes | None:
         """The output of task ``id`` if it succeeded, else ``None``."""
         check_task_id("id", id)
-        async with self._translated("loading an output"), self._session() as conn:
-            return await queries.load_output(conn, id)
+        async with self._translated("loading an output"):
+            return await self._read(lambda conn: queries.load_output(conn, id))
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -529,23 +627,40 @@ class PgStore:
         ``foreign_holder``, never as a leader; whoever holds the schema's migration lock is
         in ``migration_lock``. A schema whose tables are gone (never
         migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
-        with whoever holds its leader lock (not a store instance: nothing records one)."""
+        with whoever holds its leader lock (not a store instance: nothing records one).
+        ``incarnation`` is the cluster this instance was opened on, ``stored_incarnation``
+        the one the schema holds now: where they differ (``cluster_replaced``), this
+        instance never writes again. The holder is that of the lock the schema's OID keys
+        now."""
         check, schema = self._connect_check, self._config.schema
+
+        async def others(conn: AsyncConnection) -> tuple[Sequence[str], LockHolder | None]:
+            untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+            return untrusted, await queries.migration_lock_holder(conn, schema)
+
+        async def read(
+            conn: AsyncConnection,
+        ) -> tuple[queries.ClusterFacts, Sequence[str], LockHolder | None]:
+            facts = await queries.cluster_facts(conn, await self._lock_now(conn))
+            return facts, *await others(conn)
+
+        async def read_without_tables(
+            conn: AsyncConnection,
+        ) -> tuple[queries.ClusterFacts, Sequence[str], LockHolder | None]:
+            holder = await queries.leader_lock_holder(conn, await self._lock_now(conn))
+            status = await conn.run_sync(migrations.revision_status, schema)
+            facts = queries.ClusterFacts(0, holder, status.current)
+            return facts, *await others(conn)
+
         try:
-            async with self._translated("reading health"), self._session() as conn:
-                facts = await queries.cluster_facts(conn, self._leader_lock)
-                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
-                migrating = await queries.migration_lock_holder(conn, schema)
+            async with self._translated("reading health"):
+                facts, untrusted, migrating = await self._read(read)
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
             # epoch 0, as in a cluster not yet created.
-            async with self._translated("reading health"), self._session() as conn:
-                holder = await queries.leader_lock_holder(conn, self._leader_lock)
-                status = await conn.run_sync(migrations.revision_status, schema)
-                untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
-                migrating = await queries.migration_lock_holder(conn, schema)
-            facts = queries.ClusterFacts(0, holder, status.current)
+            async with self._translated("reading health"):
+                facts, untrusted, migrating = await self._read(read_without_tables)
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,
@@ -556,14 +671,22 @@ class PgStore:
             head=migrations.head_revision(),
             last_commit_age=None if last is None else time.monotonic() - last,
             untrusted_connect=tuple(untrusted),
+            incarnation=self._incarnation,
+            stored_incarnation=facts.incarnation,
             migration_lock=migrating,
         )
+
+    async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:
+        """The leader lock's keys as the schema's OID gives them now (the key of the last
+        acquisition, or of the open, when the schema is gone)."""
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": self._config.schema})).scalar()
+        return self.leader_lock if oid is None else (lock_st.LOCK_NS_LEADER, oid)
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
         params = queries.lookup_params(ref)
-        async with self._translated("looking up a task"), self._session() as conn:
-            return await queries.get_task(conn, params)
+        async with self._translated("looking up a task"):
+            return await self._read(lambda conn: queries.get_task(conn, params))
 
     async def list_finished(
         self,
@@ -576,8 +699,8 @@ class PgStore:
         one of ``pools`` (any if empty) with one of ``statuses`` (any if empty). Pass the
         last id of a page as ``after`` to get the next one."""
         params = queries.finished_params(pools, statuses, after, limit)
-        async with self._translated("listing finished tasks"), self._session() as conn:
-            return await queries.list_finished(conn, params)
+        async with self._translated("listing finished tasks"):
+            return await self._read(lambda conn: queries.list_finished(conn, params))
 
     async def prune(
         self, older_than: float, *, progress: Callable[[int], None] | None = None
@@ -590,21 +713,31 @@ class PgStore:
         first, so locks stay short, and waits for commits in flight that may add
         dependencies (:func:`cronoq_store._queries.prune`). ``progress``, if given, is called
         with the running total of deleted rows after each batch (an operator's progress
-        bar); an exception it raises ends the prune, as a ``StoreError``.
+        bar); an exception it raises ends the prune, as a ``StoreError``. Raises
+        ``ClusterReplacedError``, having deleted nothing more, once the schema no longer
+        holds the cluster this store was opened on (:attr:`incarnation`).
         """
         queries.prune_age_ns(older_than)  # a bad age is a ValueError before connecting
         with self._telemetry.prune() as pruned:
             async with self._translated("pruning finished tasks"):
-                async with self._session() as conn:
-                    cutoff = await queries.server_prune_cutoff(conn, older_than)
+                cutoff = await self._read(
+                    lambda conn: queries.server_prune_cutoff(conn, older_than)
+                )
                 deleted = await queries.prune(
-                    self._session,
+                    self._locking,
                     cutoff,
                     progress,
-                    schema=self._config.schema,
+                    cluster=(self._config.schema, self._incarnation),
                     # Commits in flight hold the leader row for at most this long.
                     lock_wait=self._config.commit_timeout,
                     waiter="pruning (its wait is commit_timeout)",
                 )
             pruned(deleted)
         return deleted
+
+
+def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
+    """The message that opens a store transaction that takes no lock on the leader row
+    (:func:`~cronoq_store._session_statements.store_transaction`)."""
+    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
+    return transactions.opening(statements, engine.dialect)

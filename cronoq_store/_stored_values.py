@@ -1,4 +1,5 @@
-"""What the store hands back: the values a new leader recovers, a task's record, health.
+"""What the store hands back: the values a new leader recovers, a task's record, health, and
+the name each instance's lock session shows the server (its instance id).
 
 The store builds these from rows it has already decoded and checked, so they carry no
 validation of their own (the values they hold are :mod:`cronoq_store._domain`'s).
@@ -6,6 +7,7 @@ validation of their own (the values they hold are :mod:`cronoq_store._domain`'s)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -99,6 +101,59 @@ class LockHolder:
     #: a leader (docs/reliability.md, "Who holds the lock").
     store_instance: bool = True
 
+    @property
+    def instance(self) -> str | None:
+        """The id of the store instance whose lock session this is, from its
+        ``application_name`` (:func:`lock_session_name`); ``None`` when that is hidden from
+        the reading role, or names no instance (a session that is not a store instance, or
+        an instance of a build before instance ids)."""
+        return instance_of(self.application_name)
+
+
+# --- who an instance is, as the server shows it ----------------------------------------------
+
+#: The most bytes of ``application_name`` the server keeps (NAMEDATALEN - 1): it cuts the rest.
+APPLICATION_NAME_BYTES = 63
+#: A lock session's name; its group is the instance id, 8 lowercase hex digits drawn at
+#: random when a store opens.
+_LOCK_SESSION = re.compile(r".* leader ([0-9a-f]{8})", re.S)
+
+
+def lock_session_name(application_name: str, instance: str) -> str:
+    """The ``application_name`` of instance ``instance``'s lock session:
+    ``"<application_name> leader <instance>"``, whole within the server's 63 bytes.
+
+    Every instance of a deployment usually shares one ``application_name``; the id is what
+    tells them apart (``cronoq-store handover`` compares it, never the pid, which changes
+    with every session of one instance). The server writes each byte outside printable
+    ASCII as ``\\xNN`` (PostgreSQL 16 and later) and then cuts the name to 63 bytes, which
+    could cut the id off: so the name is escaped that way here and the application's part
+    shortened, an escape never split, until the whole name fits.
+    """
+    suffix = f" leader {instance}"
+    room = APPLICATION_NAME_BYTES - len(suffix)
+    kept: list[str] = []
+    for char in application_name:
+        piece = (
+            char
+            if " " <= char <= "~"
+            else "".join(f"\\x{byte:02x}" for byte in char.encode("utf-8", "surrogatepass"))
+        )
+        if len(piece) > room:
+            break
+        kept.append(piece)
+        room -= len(piece)
+    return "".join(kept) + suffix
+
+
+def instance_of(application_name: str | None) -> str | None:
+    """The instance id in a lock session's ``application_name`` (:func:`lock_session_name`),
+    or ``None``."""
+    if application_name is None:
+        return None
+    found = _LOCK_SESSION.fullmatch(application_name)
+    return None if found is None else found.group(1)
+
 
 @dataclass(frozen=True, slots=True)
 class Health:
@@ -122,6 +177,10 @@ class Health:
     #: hold the leader lock. While any is listed, instances refuse to lead (unless
     #: ``allow_untrusted_connect``).
     untrusted_connect: tuple[str, ...] = ()
+    #: The cluster this instance was opened on (``PgStore.incarnation``, its leader table's
+    #: OID), and the one the schema holds now (``None`` when its tables are gone).
+    incarnation: int | None = None
+    stored_incarnation: int | None = None
     #: The session holding the schema's migration lock, if one does: every migration of the
     #: schema (an instance opening on a schema behind its head, ``cronoq-store migrate``,
     #: Alembic) waits for it, and gives up after its bound. Its ``store_instance`` is
@@ -132,6 +191,13 @@ class Health:
     def at_head(self) -> bool:
         """Whether the schema is at this build's head revision."""
         return self.revision == (self.head,)
+
+    @property
+    def cluster_replaced(self) -> bool:
+        """Whether the schema no longer holds the cluster this instance was opened on (it
+        was dropped, made again, renamed or restored from a dump, or its tables are gone):
+        this instance never writes there again; open a new store."""
+        return self.stored_incarnation != self.incarnation
 
     @property
     def has_leader(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Protocol, TypeAlias, TypeVar
 
 from ._batch_order import Footprint
 from ._domain import TaskId, TimeBase
-from ._errors import FencedError, SchemaGoneError, StoreError
+from ._errors import ClusterReplacedError, FencedError, SchemaGoneError, StoreError
 from ._mutations import Mutation
 from ._sizing import mutation_size, output_size
 
@@ -111,7 +111,14 @@ def store_error(exc: Exception) -> StoreError | None:
 
 def fenced_error(what: str, cause: FencedError) -> FencedError:
     """The error of a submitter after ``cause`` fenced the committer, of the same kind: a
-    :class:`SchemaGoneError` stays one (no other instance leads then; the tables are gone)."""
+    :class:`ClusterReplacedError` or a :class:`SchemaGoneError` stays one (no other
+    instance leads this store's cluster then; its tables are gone)."""
+    if isinstance(cause, ClusterReplacedError):
+        # Its message names what the cause found; `what` is the committer's story, which
+        # the cause chained to each submitter's error tells.
+        return ClusterReplacedError(
+            cause.schema, cause.incarnation, cause.found, "committing this submission"
+        )
     if isinstance(cause, SchemaGoneError):
         return SchemaGoneError(f"{what}; this instance must not write any more")
     return FencedError(f"{what}; another instance leads, so this instance must not write any more")

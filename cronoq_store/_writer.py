@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import _statements as st
 from ._driver import (
+    CLUSTER_REPLACED,
     INSERT_REFUSALS,
     UNIQUE_VIOLATION,
     CompiledStatement,
@@ -63,6 +65,7 @@ from ._driver import (
     row_count,
 )
 from ._errors import (
+    ClusterReplacedError,
     FencedError,
     IdCollisionError,
     KeyTakenError,
@@ -72,7 +75,7 @@ from ._held_connection import HeldConnection
 from ._rows import INSERT_COLUMNS
 from ._schema import tasks
 
-__all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "Written"]
+__all__ = ["COPY_MIN_ROWS", "BatchWriter", "CommitPath", "Fence", "Written"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -81,13 +84,23 @@ logger = logging.getLogger("cronoq_store")
 COPY_MIN_ROWS = 32
 
 
+#: The leader row as a commit found it: the stored epoch and the cluster's incarnation (the
+#: leader table's OID), each ``None`` without a leader row.
+Fence = tuple[int | None, int | None]
+_NO_FENCE: Fence = (None, None)
+
+# The incarnation a failed closing check names (statements.incarnation_kept): its own text,
+# which the server quotes in its message whatever the message's language.
+_FOUND_INCARNATION = re.compile(r"its leader table is now (\d+|missing)")
+
+
 @dataclass(frozen=True, slots=True)
 class Written:
-    """What ``BatchWriter.write`` found: the stored epoch (nothing was written unless it is
-    the batch's), or ids held by other tasks, or else live keys held by other live tasks
-    (nothing was written)."""
+    """What ``BatchWriter.write`` found: the stored epoch and incarnation (nothing was
+    written unless they are the batch's), or ids held by other tasks, or else live keys
+    held by other live tasks (nothing was written)."""
 
-    epoch: int | None
+    fence: Fence
     colliding: list[int] | None = None
     taken: list[str] | None = None
 
@@ -130,7 +143,8 @@ class BatchWriter:
             None if borrowed is None else "; ".join(statement.sql for statement in opening)
         )
         self._sharing = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
-        self._stored_epoch = compiled(st.epoch_for_share)
+        self._closing = Opening.closing(compiled(st.incarnation_kept))
+        self._stored_fence = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
         self._outputs = compiled(st.store_outputs)
@@ -155,17 +169,19 @@ class BatchWriter:
                 f"{sorted(FoldedBatch.WRITES)}"
             )
 
-    async def write(self, conn: Any, epoch: int, batch: FoldedBatch) -> Written:
+    async def write(self, conn: Any, epoch: int, incarnation: int, batch: FoldedBatch) -> Written:
         """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
-        epoch and none of its ids is held by another task, else write nothing."""
+        epoch, ``incarnation`` the cluster's, and none of its ids is held by another task,
+        else write nothing."""
+        fence = (epoch, incarnation)
         if self._copied(batch):
             # Optimistic: new tasks, as nearly every batch holds. A stored id or a taken
             # live key fails the COPY (and rolls back everything): the insert below, with
             # its conflict rule, then says which it was.
             with contextlib.suppress(UNIQUE_VIOLATION):
-                return Written(await self._write(conn, epoch, batch, copy=True))
+                return Written(await self._write(conn, fence, batch, copy=True))
         try:
-            return Written(await self._write(conn, epoch, batch, copy=False))
+            return Written(await self._write(conn, fence, batch, copy=False))
         except INSERT_REFUSALS as exc:
             if not insert_refusal(exc):
                 raise
@@ -173,23 +189,23 @@ class BatchWriter:
         # Ids held by other tasks win over held keys, whichever row met the server first.
         colliding = await self._colliding(conn, batch)
         if colliding:
-            return Written(None, colliding)
+            return Written(_NO_FENCE, colliding)
         if batch.inserted_updates["ids"]:
             # Tasks the batch submits may be stored already with its transitions moving
             # them: write the batch again, those transitions in the update, before the
             # insert. A live key that still fails then is held by another task.
             try:
-                return Written(await self._write(conn, epoch, batch.resubmitted(), copy=False))
+                return Written(await self._write(conn, fence, batch.resubmitted(), copy=False))
             except INSERT_REFUSALS as exc:
                 if not insert_refusal(exc):
                     raise
                 refusal = exc
             colliding = await self._colliding(conn, batch)
             if colliding:
-                return Written(None, colliding)
+                return Written(_NO_FENCE, colliding)
         if not isinstance(refusal, UNIQUE_VIOLATION):
-            return Written(None, colliding)  # the colliding task was gone when looked up
-        return Written(None, taken=await self._held_keys(conn, batch) or keys_named(refusal))
+            return Written(_NO_FENCE, colliding)  # the colliding task was gone when looked up
+        return Written(_NO_FENCE, taken=await self._held_keys(conn, batch) or keys_named(refusal))
 
     async def _held_keys(self, conn: Any, batch: FoldedBatch) -> list[str]:
         """The keys of ``batch`` that other live tasks hold (:func:`folding.taken_keys`)."""
@@ -208,10 +224,7 @@ class BatchWriter:
             await conn.execute(self.borrowed_opening)
             return await stmt.fetch(conn, params)
         finally:
-            # As in _write: a failed rollback must not replace the error being raised; the
-            # caller discards a connection left in a transaction.
-            with contextlib.suppress(Exception):
-                await conn.execute("ROLLBACK")
+            await _roll_back(conn)
 
     def path(self, batch: FoldedBatch) -> str:
         """The write path ``batch`` takes first (a batch written again after its insert
@@ -230,47 +243,62 @@ class BatchWriter:
             return "update"
         return "copy" if copy else "transaction"
 
-    async def _write(self, conn: Any, epoch: int, batch: FoldedBatch, *, copy: bool) -> int | None:
+    async def _write(self, conn: Any, fence: Fence, batch: FoldedBatch, *, copy: bool) -> Fence:
+        """Write ``batch`` under ``fence`` (epoch, incarnation); the fence found, which is
+        ``fence`` itself when the batch was written."""
+        epoch, incarnation = fence
+        fenced = {"epoch": epoch, "incarnation": incarnation}
         writes = batch.writes()
         path = self._path(writes, copy)
         if path == "insert":
-            fenced = {"epoch": epoch}
             if batch.insert_count == 1:
                 stmt = self._insert_one_fenced
                 params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
             else:
                 stmt = self._insert_fenced
                 params = {**batch.inserts, **fenced}
-            current: int = await stmt.fetchval(conn, params)
-            return current
+            found = await stmt.fetchrow(conn, params)
+            return _NO_FENCE if found is None else (found[0], found[1])
         if path == "update":
-            stmt = self._update_fenced
-            current, updated = await stmt.fetchrow(conn, {**batch.updates, "epoch": epoch})
-            if current == epoch:
-                _warn_unchanged(batch.update_count, updated)
-            return current
+            found = await self._update_fenced.fetchrow(conn, {**batch.updates, **fenced})
+            if found is None:
+                return _NO_FENCE
+            if (found[0], found[1]) == fence:
+                _warn_unchanged(batch.update_count, found[2])
+            return found[0], found[1]
         try:
-            checked = await conn.execute(self._sharing.sql({"epoch": epoch}))
+            checked = await conn.execute(self._sharing.sql(fenced))
             if row_count(checked) != 1:
-                # Another epoch: name it, write nothing. (Read by a later statement, it
-                # could only be ours again if it moved back meanwhile: fenced all the same.)
-                stmt = self._stored_epoch
-                stored: int | None = await stmt.fetchval(conn, {})
+                # Another epoch or cluster: name them, write nothing. (Read by a later
+                # statement, they could only be ours again if they moved back meanwhile:
+                # fenced all the same.)
+                stored = await self._stored_fence.fetchrow(conn, {})
                 await conn.execute("ROLLBACK")
-                return None if stored == epoch else stored
+                found_fence: Fence = _NO_FENCE if stored is None else (stored[0], stored[1])
+                return (None, found_fence[1]) if found_fence == fence else found_fence
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
             # reused by tasks inserted after them.
             for name in writes:
                 await self._writers[name](conn, batch, copy)
         except BaseException:
-            # On a connection that died or whose statement was cancelled, the rollback fails
-            # too ("another operation is in progress"); that must not replace the error that
-            # explains the failure. The caller discards a connection left in a transaction.
-            with contextlib.suppress(Exception):
-                await conn.execute("ROLLBACK")
+            await _roll_back(conn)
             raise
-        await conn.execute("COMMIT")
-        return epoch
+        try:
+            # The schema's name may lead to another cluster by now: each write looked its
+            # table up again. Checked after them, with the COMMIT, in one message.
+            await conn.execute(self._closing.sql(fenced))
+        except CLUSTER_REPLACED as exc:
+            await _roll_back(conn)
+            # Nothing was committed. Another cluster's incarnation is named as found; no
+            # leader row reads as no fence at all, never as this batch's.
+            now = _FOUND_INCARNATION.search(str(exc))
+            if now is None or now[1] == "missing":
+                return _NO_FENCE
+            return epoch, int(now[1])
+        except BaseException:
+            await _roll_back(conn)
+            raise
+        return fence
 
     async def _write_updates(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
         status = await self._update.execute(conn, batch.updates)
@@ -304,11 +332,16 @@ class CommitPath:
     the :class:`BatchWriter` (``writer``) choosing the write path, and what it found turned
     into errors.
 
+    ``incarnation`` is the cluster's the store was opened on (the leader table's OID): every
+    commit writes only there.
     ``borrowed``: the sessions may carry settings that are not the store's (an application's
     engine, or a transaction-pooling PgBouncer): every commit opens its transaction with
     these statements, which set the store's for that transaction alone (:class:`BatchWriter`),
     so nothing is left on the session either.
-    ``on_fenced`` runs when a commit finds another epoch, before ``FencedError`` is raised.
+    ``on_fenced`` runs when a commit finds another epoch (with the epoch found) or another
+    cluster (with the ``ClusterReplacedError`` to raise), before the error is raised; it
+    says whether that ends this instance's term (a late commit of an earlier term does not
+    end the current one).
 
     ``hold``: keep one pooled connection checked out between commits
     (:class:`~cronoq_store._held_connection.HeldConnection`).
@@ -319,38 +352,73 @@ class CommitPath:
         engine: AsyncEngine,
         schema: str,
         *,
+        incarnation: int,
         borrowed: Sequence[ClauseElement] | None,
-        on_fenced: Callable[[], None],
+        on_fenced: Callable[[int | None, ClusterReplacedError | None], bool],
         hold: bool = False,
     ) -> None:
+        self._schema = schema
+        self._incarnation = incarnation
         self._on_fenced = on_fenced
         #: The pooled connections commits run on, one of them held with ``hold``.
         self.connections = HeldConnection(engine, hold=hold)
         self.writer = BatchWriter(engine.dialect, schema, borrowed=borrowed)
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> None:
-        """Write ``batch`` under ``epoch``; ``IdCollisionError``, ``KeyTakenError`` or
-        ``FencedError`` if it wrote nothing because an id is another task's, a live key is
-        another live task's or the stored epoch is another."""
-        async with self.connections.driver_connection() as conn:
-            written = await self.writer.write(conn, epoch, batch)
+        """Write ``batch`` under ``epoch`` in the store's cluster; ``IdCollisionError``,
+        ``KeyTakenError``, ``ClusterReplacedError`` or ``FencedError`` if it wrote nothing
+        because an id is another task's, a live key is another live task's, the schema
+        holds another cluster or the stored epoch is another."""
+        written = await self.connections.run(
+            lambda conn: self.writer.write(conn, epoch, self._incarnation, batch)
+        )
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
         if written.taken is not None:
             raise KeyTakenError(written.taken)
-        current = written.epoch
-        if current != epoch:
+        current, found = written.fence
+        if found is not None and found != self._incarnation:
+            replaced = ClusterReplacedError(
+                self._schema, self._incarnation, found, "committing a batch"
+            )
+            self._on_fenced(current, replaced)
             await self.release()
-            self._on_fenced()
+            logger.error(
+                "commit refused: the schema holds another cluster; stepping down",
+                extra={
+                    "schema": self._schema,
+                    "incarnation": self._incarnation,
+                    "found_incarnation": found,
+                },
+            )
+            raise replaced
+        if current == epoch:
+            return
+        if self._on_fenced(current, None):
+            await self.release()
             logger.error(
                 "commit fenced: another instance took leadership",
                 extra={"epoch": epoch, "current_epoch": current},
             )
-            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+        else:
+            logger.warning(
+                "a commit of an earlier term was fenced; the current term goes on",
+                extra={"epoch": epoch, "current_epoch": current},
+            )
+        raise FencedError(f"fenced: the stored epoch is {current}, this commit's is {epoch}")
 
     async def release(self) -> None:
         """Return the held connection to the pool (:meth:`HeldConnection.release`)."""
         await self.connections.release()
+
+
+async def _roll_back(conn: Any) -> None:
+    """Roll back a failed commit's transaction. On a connection that died or whose statement
+    was cancelled, the rollback fails too ("another operation is in progress"); that must
+    not replace the error that explains the failure. The caller discards a connection left
+    in a transaction."""
+    with contextlib.suppress(Exception):
+        await conn.execute("ROLLBACK")
 
 
 def _warn_unstored_outputs(expected: int, stored: int) -> None:

@@ -148,7 +148,7 @@ class Telemetry:
 
     def step_down(self, reason: str) -> None:
         """Leadership held was given up or lost: ``session_lost``, ``fenced``,
-        ``schema_gone``, ``released`` or ``closed``."""
+        ``schema_gone``, ``cluster_replaced``, ``released`` or ``closed``."""
 
     def watch_leadership(self, leadership: Leader) -> None:
         """Report ``leadership`` in the is-leader and epoch gauges."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -183,12 +184,24 @@ async def admin_execute(url: URL, sql: str, *args: object) -> list[asyncpg.Recor
         await conn.close()
 
 
+#: A store's lock session is named ``"<application_name> leader <instance id>"``: this is
+#: ``pg_stat_activity.application_name`` without the id, to match the name a test knows.
+WITHOUT_INSTANCE = "regexp_replace(application_name, ' [0-9a-f]{8}$', '')"
+
+
+def without_instance(application_name: str) -> str:
+    """A lock session's ``application_name`` without its instance id (as
+    :data:`WITHOUT_INSTANCE`)."""
+    return re.sub(r" [0-9a-f]{8}\Z", "", application_name)
+
+
 async def terminate_backends(url: URL, application_name: str) -> int:
-    """``pg_terminate_backend`` every session with ``application_name``; returns how many."""
+    """``pg_terminate_backend`` every session with ``application_name`` (a lock session's
+    name without its instance id); returns how many."""
     rows = await admin_execute(
         url,
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE application_name = $1 AND pid <> pg_backend_pid()",
+        f"WHERE {WITHOUT_INSTANCE} = $1 AND pid <> pg_backend_pid()",
         application_name,
     )
     return sum(1 for r in rows if r[0])

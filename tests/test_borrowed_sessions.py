@@ -1,11 +1,13 @@
-"""An application's session settings never reach the store's transactions.
+"""An application's session settings and resets never reach the store's transactions.
 
 With ``PgStore.from_engine`` the store's transactions run on the application's pooled
-sessions, whatever the application ``SET`` on them. The application's pool here has one
-connection, so the store's next transaction runs on exactly the session the application
-poisoned. What a store transaction runs under is read inside it, on the real server: a
-probe statement runs in the store's own transaction (the commit's, on the driver
-connection; a read's, on its SQLAlchemy connection) before the store's statements.
+sessions, whatever the application ``SET`` on them, and whatever it reset (``DISCARD ALL``
+drops the prepared statements the driver and SQLAlchemy remember). The application's pool
+here has one connection, so the store's next transaction runs on exactly the session the
+application poisoned. What a store transaction runs under is read inside it, on the real
+server: a probe statement runs in the store's own transaction (the commit's, on the driver
+connection; a read's, on its SQLAlchemy connection; a migration's, in Alembic's run) before
+the store's statements.
 """
 
 from __future__ import annotations
@@ -14,24 +16,41 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
-from cronoq_store._errors import UnavailableError
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._domain import (
+    IntervalSchedule,
+    RecurringSpec,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
+from cronoq_store._mutations import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+)
 from cronoq_store._store import PgStore
+from cronoq_store._trust import refuse_untrusted
 from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
-from .pgharness import ServerUnderTest, admin_execute
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
 
 BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
@@ -78,6 +97,10 @@ POISONS = [
     ("SET ROLE {role}", "current_user", "{user}"),
     ("SET SESSION AUTHORIZATION {role}", "session_user", "{user}"),
 ]
+
+#: Where a read needs another value than a commit: it takes no lock on the leader row, so
+#: its idle limit is the store's own, not session_timeout (_session_statements.IDLE_LIMIT_MS).
+READ_NEEDS = {"idle_timeout": "1min"}
 
 
 @pytest.fixture
@@ -189,7 +212,8 @@ async def test_a_store_transaction_runs_under_its_own_settings_on_a_poisoned_ses
         assert found is not None
         assert found.status is TaskStatus.RUNNING
         assert await store.prune(0) == 0
-        assert [c[column] for c in commits + reads] == [needed, needed]
+        assert [c[column] for c in commits] == [needed]
+        assert [r[column] for r in reads] == [READ_NEEDS.get(column, needed)]
         # For its transaction alone: the application's session keeps its own settings.
         assert await session_values(app_engine) == poisoned
         assert app_engine.sync_engine.pool is pool  # never disposed
@@ -287,6 +311,111 @@ async def test_a_read_only_error_alone_never_disposes_an_applications_pool(
         assert app_engine.sync_engine.pool is pool
     finally:
         await store.close()
+
+
+# --- migrating on a borrowed session ----------------------------------------------------
+
+
+def probing_migrations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Probe every migration's transaction, at its trust checks (before its revisions run,
+    and after)."""
+    seen: list[dict[str, Any]] = []
+
+    def probed(conn: Connection, schema: str, trusted: frozenset[str]) -> None:
+        seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
+        refuse_untrusted(conn, schema, trusted)
+
+    monkeypatch.setattr("cronoq_store._alembic_env.refuse_untrusted", probed)
+    return seen
+
+
+async def tables_of(pg_url: URL, schema: str) -> list[str]:
+    rows = await admin_execute(
+        pg_url,
+        "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = $1 ORDER BY 1",
+        schema,
+    )
+    return [r["tablename"] for r in rows]
+
+
+@pytest.mark.parametrize(("statement", "column", "needed"), POISONS, ids=[p[0] for p in POISONS])
+async def test_from_engine_migrates_under_the_stores_own_settings_on_a_poisoned_session(
+    app_engine: AsyncEngine,
+    schema: str,
+    pg_url: URL,
+    intruder_role: str,
+    monkeypatch: pytest.MonkeyPatch,
+    statement: str,
+    column: str,
+    needed: str,
+) -> None:
+    """``from_engine`` creates the cluster in a transaction opened as every other store
+    transaction on a borrowed session: a read-only session is no failover (a retry on a
+    pool of one would meet it for ever), a role left set would own the tables, an
+    asynchronous commit could lose the migration. The application's session keeps its
+    values."""
+    user = pg_url.username
+    statement, needed = statement.format(role=intruder_role), needed.format(user=user)
+    seen = probing_migrations(monkeypatch)
+    try:
+        await poison(app_engine, statement)
+        poisoned = await session_values(app_engine)
+        store = await PgStore.from_engine(app_engine, config(schema))
+        await store.close()
+        assert [s[column] for s in seen] == [READ_NEEDS.get(column, needed)] * 2
+        assert await session_values(app_engine) == poisoned
+    finally:
+        await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+    assert "cronoq_tasks" in await tables_of(pg_url, schema)
+    owners = await admin_execute(
+        pg_url, "SELECT DISTINCT tableowner FROM pg_catalog.pg_tables WHERE schemaname = $1", schema
+    )
+    assert [r["tableowner"] for r in owners] == [user]
+
+
+async def test_from_engine_migrates_on_a_session_whose_transactions_may_idle_a_millisecond(
+    app_engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """The server would end the session between two of the migration's statements: the
+    store's transaction sets its own idle limit first."""
+    # Outside a transaction, which would sit idle before its own COMMIT.
+    await reset(app_engine, "SET idle_in_transaction_session_timeout = 1")
+    store = await PgStore.from_engine(app_engine, config(schema))
+    await store.close()
+    assert "cronoq_tasks" in await tables_of(pg_url, schema)
+    async with app_engine.connect() as conn:  # outside a transaction: never idle in one
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        assert await driver.fetchval("SHOW idle_in_transaction_session_timeout") == "1ms"
+
+
+async def test_from_engine_migrates_on_a_session_that_waits_a_millisecond_for_a_lock(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """Another session holds a table the migration reads: the migration waits for it
+    (the store's lock_timeout, none here), not the millisecond the application set."""
+    await poison(app_engine, "SET lock_timeout = 1")
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute(
+            f'BEGIN; LOCK TABLE "{migrated}".cronoq_alembic_version IN ACCESS EXCLUSIVE MODE'
+        )
+        opening = asyncio.ensure_future(PgStore.from_engine(app_engine, config(migrated)))
+        waiting = (
+            "SELECT count(*) FROM pg_catalog.pg_locks WHERE NOT granted "
+            f"AND relation = '\"{migrated}\".cronoq_alembic_version'::regclass"
+        )
+        for _ in range(600):
+            if opening.done() or await holder.fetchval(waiting):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the migration never waited for the table held (30 s)")
+        await holder.execute("COMMIT")
+        store = await opening
+        await store.close()
+    finally:
+        await holder.close()
+    assert (await session_values(app_engine))["lock_timeout"] == "1ms"
 
 
 # --- through a transaction-pooling PgBouncer ---------------------------------------------
@@ -420,3 +549,294 @@ async def test_a_function_on_the_applications_path_neither_fails_a_ping_nor_disp
         await store.close()
         async with app_engine.begin() as conn:
             await conn.exec_driver_sql(f'DROP SCHEMA "{shadow}" CASCADE')
+
+
+# --- sessions the application resets ---------------------------------------------------------
+
+RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
+EVERY_MINUTE = IntervalSchedule(timedelta(minutes=1))
+#: The rows each round of :func:`every_path` leaves: tasks 1, 2, 4, 5 and 40 copied ones.
+ROWS_PER_ROUND = 44
+#: The epoch a new cluster stores. A store that never led commits under it (the epoch check
+#: still fences it), with no lock session whose keeper a long migration on a loaded machine
+#: could starve: these tests are about the pooled sessions.
+NO_LEADER = 0
+
+
+async def reset(engine: AsyncEngine, *statements: str) -> None:
+    """What the application runs on its pooled session between the store's transactions,
+    outside any transaction (``DISCARD`` refuses to run in one), by the simple protocol."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        for statement in statements:
+            await driver.execute(statement)
+
+
+async def prepared_statements(engine: AsyncEngine) -> dict[str, str]:
+    """The statements prepared on the application's session, name by text (this query's
+    own left out)."""
+    async with engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        # A text of its own each time: never a statement of the driver's cache, which the
+        # application's reset may have emptied on the server.
+        rows = await driver.fetch(
+            f"SELECT name, statement FROM pg_prepared_statements -- {uuid.uuid4()}"
+        )
+    return {
+        r["statement"]: r["name"] for r in rows if "pg_prepared_statements" not in r["statement"]
+    }
+
+
+async def every_path(
+    store: PgStore, epoch: int, round: int, engine: AsyncEngine | None, *, migrate: bool = False
+) -> None:
+    """Every statement the store runs on a pooled session, each with the outcome it must
+    have: commits on every write path (one statement, a transaction, COPY, an id
+    collision, a held key, a batch sent again), look-ups, a page, an output, recovery,
+    health, a ping, a prune, and opening a store on ``engine`` (checking the revision, and
+    migrating if ``migrate``). A migration runs DDL, after which SQLAlchemy prepares every
+    statement again: a reset right after it would meet no stale statement. Each round uses
+    ids of its own; it leaves :data:`ROWS_PER_ROUND` task rows."""
+
+    def id(n: int) -> TaskId:
+        return TaskId(100 * round + n)
+
+    key, held, now = f"key-{round}", f"held-{round}", BASE.engine_ns
+    await store.commit(
+        epoch,
+        BASE,
+        [Submitted(id(1), 1, now, TaskSpec(b"p", key=key)), StatusChanged(id(1), RUNNING, 1, now)],
+        [],
+    )
+    await store.commit(
+        epoch,
+        BASE,
+        [
+            StatusChanged(id(1), SUCCEEDED, 1, now),
+            RecurringUpsert(RecurringSpec(f"s{round}", EVERY_MINUTE, TaskSpec(b"t"))),
+            RecurringNext(f"s{round}", next=now, last=id(1)),
+            RecurringRemove(f"s{round - 1}"),
+        ],
+        [(id(1), b"out")],
+    )
+    await store.commit(
+        epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in range(10, 50)], []
+    )
+    await store.commit(epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in (4, 5)], [])
+    await store.commit(epoch, BASE, [StatusChanged(id(10), RUNNING, 1, now)], [])
+    sent = Submitted(id(2), 2, now, TaskSpec(b"p", key=held))
+    await store.commit(epoch, BASE, [sent], [])
+    # Sent again with its next transition: its insert finds it stored, so the batch is
+    # written again with the transition first.
+    await store.commit(epoch, BASE, [sent, StatusChanged(id(2), RUNNING, 1, now)], [])
+    with pytest.raises(IdCollisionError):
+        await store.commit(epoch, BASE, [Submitted(id(2), 2, now, TaskSpec(b"other"))], [])
+    with pytest.raises(KeyTakenError):
+        await store.commit(epoch, BASE, [Submitted(id(3), 3, now, TaskSpec(b"p", key=held))], [])
+
+    found = await store.get_task(id(1))
+    assert found is not None
+    assert found.status is SUCCEEDED
+    by_key = await store.get_task(key)
+    assert by_key is not None
+    assert by_key.id == id(1)
+    assert [t.id for t in await store.list_finished(after=id(0), limit=10)] == [id(1)]
+    assert await store.load_output(id(1)) == b"out"
+    recovered = await store.recover(BASE)
+    live = {t.id: t.attempt for t in recovered.tasks}
+    assert {n: live.get(id(n)) for n in (2, 3, 4, 10, 11)} == {2: 1, 3: None, 4: 0, 10: 1, 11: 0}
+    assert f"s{round}" in [r.spec.name for r in recovered.recurring]
+    assert f"s{round - 1}" not in [r.spec.name for r in recovered.recurring]
+    health = await store.health()
+    assert (health.is_leader, health.stored_epoch) == (False, epoch)
+    await store.ping()
+    assert await store.prune(3600) == 0
+    if engine is not None:
+        for migrating in (False, True) if migrate else (False,):
+            await (await PgStore.from_engine(engine, store.config, migrate=migrating)).close()
+
+
+async def stored_rows(pg_url: URL, schema: str) -> list[tuple[str, int, int]]:
+    """(status, attempt, rows) of the cluster's tasks: nothing lost, nothing doubled."""
+    rows = await admin_execute(
+        pg_url,
+        f'SELECT status, attempt, count(*) AS n FROM "{schema}".cronoq_tasks '
+        "GROUP BY status, attempt ORDER BY status, attempt",
+    )
+    return [(r["status"], r["attempt"], r["n"]) for r in rows]
+
+
+def rows_of(rounds: int) -> list[tuple[str, int, int]]:
+    """What :func:`stored_rows` reads after ``rounds`` rounds of :func:`every_path`."""
+    return [("queued", 0, 41 * rounds), ("running", 1, 2 * rounds), ("succeeded", 1, rounds)]
+
+
+@pytest.mark.parametrize(
+    "caches",
+    [{}, {"prepared_statement_cache_size": 0}],
+    ids=["asyncpg-and-sqlalchemy-caches", "asyncpg-cache-only"],
+)
+@pytest.mark.parametrize("statement", ["DISCARD ALL", "DEALLOCATE ALL"])
+async def test_a_session_that_lost_its_prepared_statements_still_serves_every_path(
+    pg_url: URL, migrated: str, statement: str, caches: dict[str, int]
+) -> None:
+    """The application resets its one pooled session: the statements asyncpg and
+    SQLAlchemy remember are gone from the server. Every path of the store makes them
+    again, and writes each batch once."""
+    engine = create_async_engine(
+        async_url(pg_url), pool_size=1, max_overflow=0, connect_args=caches
+    )
+    try:
+        store = await PgStore.from_engine(engine, config(migrated))
+        try:
+            epoch = NO_LEADER
+            await every_path(store, epoch, 0, engine, migrate=True)
+            await every_path(store, epoch, 1, engine)
+            assert await prepared_statements(engine) != {}
+            await reset(engine, statement)
+            assert await prepared_statements(engine) == {}
+            await every_path(store, epoch, 2, engine, migrate=True)
+        finally:
+            await store.close()
+        assert engine.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        await engine.dispose()
+    assert await stored_rows(pg_url, migrated) == rows_of(3)
+
+
+async def test_each_prepared_statement_lost_alone_is_made_again(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL
+) -> None:
+    """``DEALLOCATE`` of one statement at a time, each of those the store made on the
+    session: whichever statement meets the loss (a commit's, recovery's cursor, a look-up's,
+    the migration's...), the store makes it again and the path's outcome is the same."""
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = NO_LEADER
+        await every_path(store, epoch, 0, app_engine, migrate=True)
+        await every_path(store, epoch, 1, app_engine)
+        texts = list(await prepared_statements(app_engine))
+        rounds, lost = 2, 0
+        for text in texts:
+            # Made again under another name: by the round after the store found one lost
+            # (which empties the session's caches); never, if nothing runs it again
+            # (SQLAlchemy's checks of a new connection).
+            name = (await prepared_statements(app_engine)).get(text)
+            if name is None:
+                await every_path(store, epoch, rounds, app_engine)
+                rounds += 1
+                name = (await prepared_statements(app_engine)).get(text)
+            if name is not None:
+                await reset(app_engine, f'DEALLOCATE "{name}"')
+                await every_path(store, epoch, rounds, app_engine)
+                rounds, lost = rounds + 1, lost + 1
+        assert lost > 30, texts
+    finally:
+        await store.close()
+    assert await stored_rows(pg_url, migrated) == rows_of(rounds)
+
+
+async def test_a_session_of_the_stores_own_pool_reset_through_its_engine(
+    pg_url: URL, migrated: str
+) -> None:
+    """``store.engine`` is public: an application that runs ``DISCARD ALL`` through it
+    resets the store's own sessions, where commits take the one-statement paths."""
+    one = dataclasses.replace(config(migrated), max_connections=1)
+    store = await PgStore.connect(pg_url, one)
+    try:
+        epoch = NO_LEADER
+        assert store._commits.writer.borrowed_opening is None  # the one-statement paths
+        await every_path(store, epoch, 0, None)
+        await reset(store.engine, "DISCARD ALL")
+        await every_path(store, epoch, 1, None)
+    finally:
+        await store.close()
+    assert await stored_rows(pg_url, migrated) == rows_of(2)
+
+
+@pytest.fixture
+async def evil_path(pg_url: URL, migrated: str) -> AsyncIterator[str]:
+    """A schema anyone can write, holding an exact-match ``=`` for text that records who
+    called it: a session whose ``search_path`` puts it first must never run it."""
+    evil = f"{migrated}_evil"
+    for statement in (
+        f"CREATE SCHEMA {evil}",
+        f"CREATE TABLE {evil}.calls (who text)",
+        f"GRANT ALL ON SCHEMA {evil} TO PUBLIC",
+        f"GRANT ALL ON {evil}.calls TO PUBLIC",
+        f"CREATE FUNCTION {evil}.eq(a text, b text) RETURNS boolean LANGUAGE sql AS "
+        f"$$ INSERT INTO {evil}.calls VALUES (current_user) "
+        "RETURNING a OPERATOR(pg_catalog.=) b $$",
+        f"CREATE OPERATOR {evil}.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {evil}.eq)",
+    ):
+        await admin_execute(pg_url, statement)
+    yield evil
+    calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
+    await admin_execute(pg_url, f"DROP SCHEMA {evil} CASCADE")
+    assert calls[0]["n"] == 0
+
+
+#: Resets and settings an application may leave on its session, in the order the test
+#: below runs them: each stays in effect for the rounds after it, until ``DISCARD ALL``.
+OTHER_RESETS = [
+    "DISCARD PLANS",
+    "DISCARD TEMP",
+    "DISCARD SEQUENCES",
+    "RESET ALL",
+    "SET search_path = {evil}, pg_catalog",
+    'SET ROLE "{role}"',
+    'SET SESSION AUTHORIZATION "{role}"',
+    "DISCARD ALL",
+]
+
+
+async def test_every_reset_an_application_may_run_leaves_every_path_working(
+    app_engine: AsyncEngine, migrated: str, pg_url: URL, intruder_role: str, evil_path: str
+) -> None:
+    """The application's own temporary objects and prepared statements on the session,
+    then each reset in turn: every path of the store works after each, the open included
+    (its revision check and schema look-up run as the pool's role, not a role left set)."""
+    store = await PgStore.from_engine(app_engine, config(migrated))
+    try:
+        epoch = NO_LEADER
+        await reset(
+            app_engine,
+            "CREATE TEMPORARY TABLE cronoq_tasks (id bigint)",
+            "CREATE TEMPORARY SEQUENCE app_sequence",
+            "SELECT nextval('app_sequence')",
+            "PREPARE app_statement AS SELECT 1",
+        )
+        await every_path(store, epoch, 0, app_engine)
+        for round, statement in enumerate(OTHER_RESETS, start=1):
+            await reset(app_engine, statement.format(evil=evil_path, role=intruder_role))
+            await every_path(store, epoch, round, app_engine, migrate=True)
+    finally:
+        await store.close()
+        await reset(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+    assert await stored_rows(pg_url, migrated) == rows_of(len(OTHER_RESETS) + 1)
+
+
+async def test_a_session_reset_behind_a_session_pooling_pgbouncer_is_still_recovered(
+    pg_server: ServerUnderTest, pg_url: URL, migrated: str
+) -> None:
+    """Behind a proxy that keeps each client on one server session (PgBouncer's session
+    pooling), the backend is not the one the connection's startup named, and a reset is
+    still a reset: the server session under the connection never changes."""
+    if pg_server.url.password is None:
+        pytest.skip("PgBouncer here needs a server URL with a password")
+    with PgBouncer(pg_server.url, pool_size=1, settings={"pool_mode": "session"}) as bouncer:
+        engine = create_async_engine(async_url(bouncer.url()), pool_size=1, max_overflow=0)
+        try:
+            store = await PgStore.from_engine(engine, config(migrated), lock_url=pg_url)
+            try:
+                epoch = NO_LEADER
+                await every_path(store, epoch, 0, engine, migrate=True)
+                await every_path(store, epoch, 1, engine)
+                for round in (2, 3):  # the second loss on the connection too
+                    await reset(engine, "DISCARD ALL")
+                    await every_path(store, epoch, round, engine)
+            finally:
+                await store.close()
+        finally:
+            await engine.dispose()
+    assert await stored_rows(pg_url, migrated) == rows_of(4)

@@ -19,15 +19,16 @@ from sqlalchemy.engine import URL
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._store import PgStore
 
-from .pgharness import admin_execute
+from .pgharness import WITHOUT_INSTANCE, admin_execute
 
 
 async def no_sessions_named(url: URL, name: str) -> None:
-    """No server session is named ``name`` (within the moment a closed one takes to end)."""
+    """No server session is named ``name`` (a lock session's name without its instance id),
+    within the moment a closed one takes to end."""
     deadline = asyncio.get_running_loop().time() + 5
     while True:
         rows = await admin_execute(
-            url, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", name
+            url, f"SELECT pid FROM pg_stat_activity WHERE {WITHOUT_INSTANCE} = $1", name
         )
         if not rows:
             return

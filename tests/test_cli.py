@@ -268,16 +268,21 @@ async def test_status_names_the_session_holding_the_leader_lock(pg_url: URL, mig
         await leader.acquire_leadership()
         (row,) = await admin_execute(
             pg_url,
-            "SELECT pid FROM pg_stat_activity WHERE application_name = 'cli-probe leader'",
+            "SELECT pid, application_name FROM pg_stat_activity "
+            "WHERE starts_with(application_name, 'cli-probe leader ')",
         )
         result = await run("--url", full(pg_url), "--schema", migrated, "status")
         assert result.exit_code == 0, result.output
         holder = re.search(
-            r"^leader\s+backend pid (\d+), 'cli-probe leader', from (\S+)\s*$", result.stdout, re.M
+            r"^leader\s+instance ([0-9a-f]{8}), backend pid (\d+), 'cli-probe leader \1', "
+            r"from (\S+)\s*$",
+            result.stdout,
+            re.M,
         )
         assert holder is not None, result.stdout
-        assert int(holder[1]) == row["pid"]
-        assert holder[2] == "127.0.0.1"
+        assert row["application_name"] == f"cli-probe leader {holder[1]}"
+        assert int(holder[2]) == row["pid"]
+        assert holder[3] == "127.0.0.1"
         assert f"holds the advisory lock ({leader.leader_lock[0]}, {leader.leader_lock[1]})" in (
             result.stdout
         )

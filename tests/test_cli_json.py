@@ -65,13 +65,16 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
     async with await PgStore.connect(pg_url, config) as leader:
         epoch = await leader.acquire_leadership()
         (row,) = await admin_execute(
-            pg_url, "SELECT pid FROM pg_stat_activity WHERE application_name = 'probe-a leader'"
+            pg_url,
+            "SELECT pid, application_name FROM pg_stat_activity "
+            "WHERE starts_with(application_name, 'probe-a leader ')",
         )
+        name = row["application_name"]
         plain = await run("--url", url, "--schema", migrated, "health")
         assert plain.exit_code == ExitCode.OK, plain.output
         assert plain.stdout == (
             f"healthy: schema {migrated} at {head_revision()}, leader's backend pid {row['pid']} "
-            f"(probe-a leader), epoch {epoch}\n"
+            f"({name}), epoch {epoch}\n"
         )
         probe = await run("--url", url, "--schema", migrated, "health", "--json")
         assert probe.exit_code == ExitCode.OK
@@ -88,9 +91,11 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
             "at_head": True,
             "revision_state": "up to date",
             "stored_epoch": epoch,
+            "incarnation": leader.incarnation,
             "leader": {
                 "pid": row["pid"],
-                "application_name": "probe-a leader",
+                "instance": name.removeprefix("probe-a leader "),
+                "application_name": name,
                 "client_addr": "127.0.0.1",
                 "role": pg_url.username,
                 "store_instance": True,
@@ -149,6 +154,7 @@ async def test_status_json_masks_the_password_and_counts(pg_url: URL, store: PgS
         0,
         2,
     )
+    assert doc["incarnation"] == store.incarnation
     assert doc["leader"] is None
     assert doc["lock"] == [store.leader_lock[0], store.leader_lock[1] & 0xFFFFFFFF]
     assert doc["tasks"] == [
@@ -335,7 +341,10 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
         epoch = await asyncio.wait_for(standby, 10)
         assert epoch == first + 1
         assert re.search(
-            r"^new leader: pid \d+ \(handover-b leader\), epoch (\d+)$", result.stdout, re.M
+            r"^new leader: instance ([0-9a-f]{8}), not [0-9a-f]{8}: backend pid \d+ "
+            r"\(handover-b leader \1\), epoch (\d+)$",
+            result.stdout,
+            re.M,
         )
         assert result.stdout.rstrip().endswith(f"epoch {epoch}")
         assert re.search(rf"^epoch\s+{first}\s*$", result.stdout, re.M)
@@ -345,7 +354,7 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
         # No standby now: the command ends the holder and gives up after --timeout.
         alone = await run("--url", url, "--schema", migrated, "handover", "--yes", "--timeout", "1")
         assert alone.exit_code == ExitCode.NO_LEADER
-        assert "no standby leads after 1 s" in alone.stderr
+        assert "no instance took the leader lock within 1 s" in alone.stderr
         await asyncio.wait_for(b.leadership_lost(), 10)
 
     nobody = await run("--url", url, "--schema", migrated, "handover", "--yes")
@@ -363,7 +372,7 @@ async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
         argv = command(pg_url, migrated, "handover", "--timeout", "10")
 
         declined = await asyncio.to_thread(in_a_terminal, argv, 100, b"n\n", ExitCode.FAILED)
-        assert "so that a standby leads? [y/N]" in declined
+        assert "so that another instance leads? [y/N]" in declined
         assert "handover cancelled" in declined
         assert a.is_leader
         assert not standby.done()
@@ -371,4 +380,4 @@ async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
         accepted = await asyncio.to_thread(in_a_terminal, argv, 100, b"y\n")
         epoch = await asyncio.wait_for(standby, 10)
         assert epoch == first + 1
-        assert f"(asked-b leader), epoch {epoch}" in accepted
+        assert re.search(rf"\(asked-b leader [0-9a-f]{{8}}\), epoch {epoch}", accepted)

@@ -41,7 +41,7 @@ from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, without_instance
 from .replication import (
     ReplicatedPostgres,
     multi_host_url,
@@ -145,7 +145,7 @@ async def lock_holder(url: URL) -> list[str]:
         LOCK_NS_LEADER,
         SCHEMA,
     )
-    return [r[0] for r in rows]
+    return [without_instance(r[0]) for r in rows]
 
 
 @pytest.fixture
@@ -235,6 +235,42 @@ async def test_asynchronous_standby_loses_acks_it_had_not_received(
         assert reissued == second_epoch
         assert recovered.next_id <= min(unreplicated.acked)
         assert task_id(reissued, 0) in unreplicated.acked
+
+
+async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_store(
+    binaries: None,
+) -> None:
+    """A physical replica is a copy of the cluster, its incarnation (the leader table's OID)
+    included: every store opened before the failover leads and commits after it, the
+    deposed leader too once it leads again; only the epoch moves."""
+    async with stores_on_a_replicated_pair(config, synchronous=True) as (pair, _, a, b):
+        assert a.incarnation == b.incarnation
+        epoch = await a.acquire_leadership()
+        first = Submitted(TaskId(task_id(epoch, 0)), 0, 0, TaskSpec(b"before"))
+        await a.commit(epoch, BASE, [first], [])
+
+        await asyncio.to_thread(pair.primary.stop, "fast")
+        await asyncio.wait_for(a.leadership_lost(), ELECTION_TIMEOUT)
+        await asyncio.to_thread(pair.promote)
+        new_primary = pair.standby.url()
+        rows = await admin_execute(new_primary, f'SELECT tableoid FROM "{SCHEMA}".cronoq_leader')
+        assert rows[0][0] == a.incarnation
+
+        assert await asyncio.wait_for(b.acquire_leadership(), ELECTION_TIMEOUT) == epoch + 1
+        assert [t.id for t in (await b.recover(BASE)).tasks] == [first.id]
+        second = Submitted(TaskId(task_id(epoch + 1, 0)), 1, 0, TaskSpec(b"after"))
+        await b.commit(epoch + 1, BASE, [second], [])
+        health = await b.health()
+        assert not health.cluster_replaced
+        assert health.has_leader
+        await b.release_leadership()
+
+        assert await asyncio.wait_for(a.acquire_leadership(), ELECTION_TIMEOUT) == epoch + 2
+        third = Submitted(TaskId(task_id(epoch + 2, 0)), 2, 0, TaskSpec(b"again"))
+        await a.commit(
+            epoch + 2, BASE, [third, StatusChanged(first.id, TaskStatus.RUNNING, 1, 5)], []
+        )
+        assert sorted(await stored_states(new_primary)) == [first.id, second.id, third.id]
 
 
 # --- a leader whose event loop is blocked ----------------------------------------------------

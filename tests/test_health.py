@@ -12,7 +12,7 @@ from sqlalchemy.engine import URL
 from cronoq_store import Health, PgStore, PgStoreConfig, StoreError, TimeBase
 from cronoq_store._migrations import head_revision
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, without_instance
 
 BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 
@@ -37,7 +37,10 @@ async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_ag
             revision=(head_revision(),),
             head=head_revision(),
             last_commit_age=None,
+            incarnation=b.incarnation,
+            stored_incarnation=b.incarnation,
         )
+        assert not before.cluster_replaced
         assert before.at_head
         assert not before.has_leader
 
@@ -46,8 +49,8 @@ async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_ag
         await a.commit(epoch, BASE, [], [])
         (row,) = await admin_execute(
             pg_url,
-            "SELECT pid, backend_start FROM pg_stat_activity "
-            "WHERE application_name = 'health-a leader'",
+            "SELECT pid, backend_start, application_name FROM pg_stat_activity "
+            "WHERE starts_with(application_name, 'health-a leader ')",
         )
         leader, standby = await a.health(), await b.health()
 
@@ -58,9 +61,10 @@ async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_ag
         assert holder is not None
         assert (holder.pid, holder.application_name, holder.client_addr) == (
             row["pid"],
-            "health-a leader",
+            row["application_name"],
             "127.0.0.1",
         )
+        assert holder.application_name == f"health-a leader {holder.instance}"
         assert holder.since == row["backend_start"]
         assert holder.since is not None
         assert holder.since.utcoffset() == timedelta(0)
@@ -109,7 +113,8 @@ async def test_tables_dropped_under_a_leader_report_the_holder_and_no_revision(
         await admin_execute(pg_url, f"DELETE FROM {migrated}.cronoq_alembic_version")
         seen = await standby.health()
         assert seen.holder is not None
-        assert seen.holder.application_name == "health-e leader"
+        assert seen.holder.application_name is not None
+        assert without_instance(seen.holder.application_name) == "health-e leader"
         assert (seen.revision, seen.stored_epoch, seen.at_head) == ((), 0, False)
         # Reported as the lock's holder, not as a leader: with its leader row gone nothing
         # records it as a store instance, and no instance can lead an unmigrated schema.

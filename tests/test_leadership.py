@@ -24,7 +24,13 @@ from cronoq_store._errors import StoreError
 from cronoq_store._leadership import Leadership
 from cronoq_store._urls import async_url
 
-from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
+from .pgharness import (
+    ServerUnderTest,
+    admin_execute,
+    asyncpg_dsn,
+    terminate_backends,
+    without_instance,
+)
 from .tcpproxy import TcpProxy
 from .test_store_connect import unused_port
 
@@ -58,13 +64,26 @@ async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
 
 
 @pytest.fixture
-async def make(pg_url: URL, migrated: str, lock_key: tuple[int, int]) -> AsyncIterator[Factory]:
+async def incarnation(pg_url: URL, migrated: str) -> int:
+    """The test cluster's incarnation: its leader table's OID."""
+    rows = await admin_execute(pg_url, f'SELECT tableoid FROM "{migrated}".cronoq_leader')
+    return int(rows[0][0])
+
+
+@pytest.fixture
+async def make(
+    pg_url: URL, migrated: str, lock_key: tuple[int, int], incarnation: int
+) -> AsyncIterator[Factory]:
     """Build Leadership instances on the test's schema; all are closed afterwards."""
     made: list[Leadership] = []
 
     def build(name: str = "a", url: URL | None = None, **settings: float) -> Leadership:
         leadership = Leadership(
-            async_url(url or pg_url), migrated, lock_key, config(migrated, name, **settings)
+            async_url(url or pg_url),
+            migrated,
+            lock_key,
+            config(migrated, name, **settings),
+            incarnation=incarnation,
         )
         made.append(leadership)
         return leadership
@@ -75,7 +94,8 @@ async def make(pg_url: URL, migrated: str, lock_key: tuple[int, int]) -> AsyncIt
 
 
 async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
-    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``."""
+    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``, a lock
+    session's name without its instance id."""
     rows = await admin_execute(
         url,
         "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
@@ -85,7 +105,7 @@ async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
         key[0],
         key[1] & 0xFFFFFFFF,  # objid is an unsigned oid
     )
-    return [(r[0], r[1]) for r in rows]
+    return [(r[0], without_instance(r[1])) for r in rows]
 
 
 async def lead(leadership: Leadership) -> int:
@@ -399,7 +419,11 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
     await admin_execute(pg_url, f'CREATE SCHEMA "{schema}"')
     rows = await admin_execute(pg_url, "SELECT $1::regnamespace::oid::bigint", schema)
     a = Leadership(
-        async_url(pg_url), schema, (lock_st.LOCK_NS_LEADER, rows[0][0]), config(schema, "a")
+        async_url(pg_url),
+        schema,
+        (lock_st.LOCK_NS_LEADER, rows[0][0]),
+        config(schema, "a"),
+        incarnation=0,  # no leader table: no cluster
     )
     try:
         with pytest.raises(StoreError) as info:
@@ -549,7 +573,11 @@ async def test_from_engine_lock_session_connects_like_the_engine(
 
 
 async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
-    pg_url: URL, migrated: str, lock_key: tuple[int, int], caplog: pytest.LogCaptureFixture
+    pg_url: URL,
+    migrated: str,
+    lock_key: tuple[int, int],
+    incarnation: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A port bound here and never listened on refuses every connection, and stays ours.
     closed = socket.socket()
@@ -562,6 +590,7 @@ async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
         migrated,
         lock_key,
         config(migrated, "a"),
+        incarnation=incarnation,
         pool=engine.sync_engine.pool.recreate(),
     )
     try:

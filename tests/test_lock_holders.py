@@ -9,6 +9,7 @@ A store refuses to lead where ``PUBLIC`` or a login role it does not trust has `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -183,12 +184,12 @@ async def test_a_genuine_leader_is_healthy_right_after_a_takeover(
             health = await store.health()
             assert health.has_leader
             assert health.holder is not None
-            assert health.holder.application_name == "holders-d leader"
+            assert health.holder.application_name == f"holders-d leader {health.holder.instance}"
             assert health.holder.store_instance
             assert health.foreign_holder is None
         result = await run_cli(pg_url, migrated, "health")
         assert result.exit_code == ExitCode.OK, result.output
-        assert "holders-d leader" in result.output
+        assert "holders-d leader " in result.output
 
 
 async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
@@ -216,7 +217,8 @@ async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
                 rows = await admin_execute(
                     pg_url,
                     "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
-                    "WHERE a.application_name = 'holders-f leader' AND NOT l.granted",
+                    "WHERE starts_with(a.application_name, 'holders-f leader ') "
+                    "AND NOT l.granted",
                 )
                 if rows:
                     break
@@ -410,3 +412,22 @@ async def test_a_role_that_may_not_write_the_leader_row_cannot_pass_for_a_takeov
             assert health.foreign_holder.pid == held.get_server_pid()
         finally:
             await held.close()
+
+
+async def test_health_names_a_foreign_holder_with_a_session_timeout_shorter_than_its_second_look(
+    pg_url: URL, migrated: str
+) -> None:
+    """``health`` reads a holder that is not a store instance again after TAKEOVER_GRACE
+    (0.5 s), in one transaction: a read, whose idle limit is the store's own, not a
+    ``session_timeout`` of 0.3 s."""
+    short = dataclasses.replace(
+        config(migrated, "health-short"), session_timeout=0.3, keepalive=0.1
+    )
+    async with await PgStore.connect(pg_url, short) as store:
+        holder = await take_lock(pg_url, store.leader_lock)
+        try:
+            foreign = (await store.health()).foreign_holder
+            assert foreign is not None
+            assert foreign.pid == await holder.fetchval("SELECT pg_backend_pid()")
+        finally:
+            await holder.close()

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from cronoq_store._migrations import (
     upgrade,
 )
 from cronoq_store._store import PgStore
+from cronoq_store._trust import refuse_untrusted
 from cronoq_store._urls import async_url
 
 from .legacy import create_legacy_schema
@@ -431,3 +433,27 @@ async def test_a_store_opened_without_migrating_needs_the_schema_at_head(
     await upgrade(engine, schema)
     async with await PgStore.from_engine(engine, config, migrate=False) as store:
         assert await store.get_task(TaskId(1)) is None
+
+
+async def test_a_migration_outlasts_session_timeout_between_two_statements(
+    pg_url: URL, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alembic's own work between two statements (loading revisions on a loaded machine)
+    may outlast ``session_timeout``, which bounds how long a takeover waits for a commit:
+    a migration's transaction keeps the store's own idle limit, on the store's own pool
+    too (whose sessions end a transaction idle for ``session_timeout``)."""
+    config = PgStoreConfig(schema=schema, session_timeout=0.3, keepalive=0.1, lock_poll=0.05)
+    busy = [3 * config.session_timeout]
+
+    def slow(conn: Connection, schema: str, trusted: frozenset[str]) -> None:
+        if busy:
+            time.sleep(busy.pop())  # the client's own work, inside the migration
+        refuse_untrusted(conn, schema, trusted)
+
+    monkeypatch.setattr("cronoq_store._alembic_env.refuse_untrusted", slow)
+    await (await PgStore.connect(pg_url, config)).close()
+    assert busy == []
+    tables = await admin_execute(
+        pg_url, "SELECT count(*) AS n FROM pg_catalog.pg_tables WHERE schemaname = $1", schema
+    )
+    assert tables[0]["n"] > 0

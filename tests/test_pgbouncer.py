@@ -392,8 +392,9 @@ async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
 
         rows = await admin_execute(
             pg_url,
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-            f"a-{schema} leader",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE starts_with(application_name, $1)",
+            f"a-{schema} leader ",
         )
         assert [r[0] for r in rows] == [True]
         new_epoch = await asyncio.wait_for(standby, 10)

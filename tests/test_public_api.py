@@ -22,6 +22,7 @@ PUBLIC_NAMES = {
         "EPOCH_MIN",
         "Backoff",
         "BatchTooLargeError",
+        "ClusterReplacedError",
         "CommitterClosedError",
         "CommitterStats",
         "CronSchedule",

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Dependency, TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
@@ -134,3 +136,31 @@ async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
 
     assert await store.prune(3600) == 1
     assert await stored_ids(store) == [8, 20, 21]
+
+
+#: A session_timeout shorter than the client's work between two statements of a read.
+SHORT = {"session_timeout": 0.3, "keepalive": 0.1, "lock_poll": 0.05}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_a_page_whose_rows_take_longer_than_session_timeout_to_read(
+    pg_url: URL, engine: AsyncEngine, migrated: str, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """The client holds the page's transaction open while it turns rows into records (a
+    loaded machine, a large ``limit``): the read takes no lock a takeover waits for, so
+    ``session_timeout`` does not bound it."""
+    config = PgStoreConfig(schema=migrated, **SHORT)  # type: ignore[arg-type]
+    opened = PgStore.from_engine(engine, config) if shared else PgStore.connect(pg_url, config)
+    async with await opened as store:
+        await store.commit(0, BASE, [submitted(i) for i in (1, 2, 3)], [])
+        await store.commit(0, BASE, [changed(i, SUCCEEDED) for i in (1, 2, 3)], [])
+        listed_task = queries.listed_task
+        busy = [3 * config.session_timeout]
+
+        def slow(row: Any) -> queries.ListedTask:
+            if busy:
+                time.sleep(busy.pop())  # the client's own work, between two statements
+            return listed_task(row)
+
+        monkeypatch.setattr(queries, "listed_task", slow)
+        assert [t.id for t in await store.list_finished()] == [1, 2, 3]

@@ -7,10 +7,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import _recovery as recovery
@@ -31,6 +33,7 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import StoreError
 from cronoq_store._mutations import RecurringNext, RecurringUpsert, StatusChanged, Submitted
+from cronoq_store._rows import LiveTasks
 from cronoq_store._store import PgStore
 
 NOW = time.time_ns()
@@ -280,3 +283,33 @@ async def test_a_reader_whose_wall_clock_is_near_1970_quarantines_no_valid_row(
     record = await store.get_task(TaskId(1))
     assert record is not None
     assert (record.status, record.message) == (None, None)  # still queued, not quarantined
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])
+async def test_recovery_outlasts_session_timeout_between_two_partitions(
+    pg_url: URL, engine: AsyncEngine, migrated: str, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """Decoding a partition may take longer than ``session_timeout`` (a loaded machine, wide
+    rows, 200,000 tasks): the cursor's transaction then sits idle that long. It takes no
+    lock a takeover waits for, so its idle limit is the store's own."""
+    config = PgStoreConfig(schema=migrated, session_timeout=0.3, keepalive=0.1, lock_poll=0.05)
+    monkeypatch.setattr(recovery, "RECOVERY_PARTITION", 100)
+    busy = [3 * config.session_timeout]
+
+    def slow(base: TimeBase) -> SimpleNamespace:
+        decode = LiveTasks(base).decode
+
+        def decoding(*row: Any) -> Any:
+            if busy and row[0] == 101:  # the first row of the second partition
+                time.sleep(busy.pop())  # the client's own work, between two fetches
+            return decode(*row)
+
+        return SimpleNamespace(decode=decoding)
+
+    monkeypatch.setattr(recovery, "LiveTasks", slow)
+    opened = PgStore.from_engine(engine, config) if shared else PgStore.connect(pg_url, config)
+    async with await opened as store:
+        await store.commit(0, BASE, [submitted(i) for i in range(1, 351)], [])
+        recovered = await store.recover(BASE)
+    assert busy == []
+    assert [t.id for t in recovered.tasks] == list(range(1, 351))

@@ -30,14 +30,15 @@ def submitted(n: int) -> Submitted:
 
 def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -> None:
     opening = Opening.of(compiled(st.epoch_held_for_share))
-    sql = opening.sql({"epoch": 2**30 + 7})
+    sql = opening.sql({"epoch": 2**30 + 7, "incarnation": 2**32 - 1})
     assert sql.startswith("BEGIN; SELECT s.cronoq_leader.epoch")
     assert "$" not in sql
     assert f"s.cronoq_leader.epoch = {2**30 + 7}::INTEGER" in sql
+    assert f"s.cronoq_leader.tableoid = {2**32 - 1}::OID" in sql
     assert "s.cronoq_leader.id = 1::SMALLINT" in sql  # the construct's own value
     begin, *settings = map(compiled, session_st.borrowed_transaction(5000))
     pinned = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
-    sql = pinned.sql({"epoch": 9})
+    sql = pinned.sql({"epoch": 9, "incarnation": 7})
     *sent, check = sql.split("; ")
     assert sent == [begin.sql, *(s.sql for s in settings)]
     assert begin.sql.startswith("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE")
@@ -49,7 +50,7 @@ def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -
 def test_the_opening_renders_nothing_but_integers(value: object) -> None:
     opening = Opening.of(compiled(st.epoch_held_for_share))
     with pytest.raises(TypeError, match="only integers"):
-        opening.sql({"epoch": value})
+        opening.sql({"epoch": value, "incarnation": 1})
 
 
 def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:

@@ -32,6 +32,7 @@ class ExitCode(IntEnum):
     NEWER_DATABASE = 5
     NO_LEADER = 6
     FOREIGN_HOLDER = 7
+    NOT_HANDED_OVER = 8
     LOCK_HELD = 9
 
 
@@ -46,9 +47,12 @@ Exit codes:
   {ExitCode.NOT_MIGRATED:d}  the schema is missing or not migrated to this build's head
      (run `cronoq-store migrate`)
   {ExitCode.NEWER_DATABASE:d}  the schema was migrated by a newer cronoq-store: upgrade it
-  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock
+  {ExitCode.NO_LEADER:d}  (health, handover) no instance holds the leader lock; (handover)
+     none took it within --timeout
   {ExitCode.FOREIGN_HOLDER:d}  (health) a session that is not a store instance holds the
      leader lock: no instance can lead until it lets go
+  {ExitCode.NOT_HANDED_OVER:d}  (handover) the instance whose session it ended leads again,
+     or the new leader shows no instance id to tell
   {ExitCode.LOCK_HELD:d}  a lock the command needs stayed held by another session past its
      bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
 """

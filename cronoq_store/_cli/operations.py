@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -18,6 +18,7 @@ from .. import _lock_statements as lock_st
 from .. import _queries as queries
 from .._domain import I64_MAX
 from .._migrations import RevisionStatus
+from .._mutations import unhandled
 from .._queries import ClusterFacts
 from .._stored_values import LockHolder
 from . import database, output
@@ -25,16 +26,20 @@ from .exits import CliError, ExitCode
 
 __all__ = [
     "PUBLIC_CONNECT_WARNING",
+    "Handover",
     "Health",
+    "Outcome",
     "PrunePlan",
     "batch_transactions",
     "end_leader_session",
     "fresh_facts",
+    "handover_document",
     "health_document",
     "leader_lock",
     "migration_lock_warning",
     "plan_prune",
     "prune_batches",
+    "prune_cluster",
     "read_health",
     "schema_facts",
     "verdict",
@@ -156,6 +161,7 @@ def health_document(schema: str, health: Health) -> dict[str, Any]:
         "at_head": revision.at_head,
         "revision_state": revision.describe(),
         "stored_epoch": None if facts is None else facts.stored_epoch,
+        "incarnation": None if facts is None else facts.incarnation,
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
         "migration_lock": output.session_document(health.migration_lock),
@@ -174,14 +180,117 @@ async def fresh_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFa
 
 async def end_leader_session(conn: AsyncConnection, lock: tuple[int, int], pid: int) -> None:
     """End session ``pid`` if it still holds the leader lock (a handover's one write);
-    exit 1 if the lock changed hands meanwhile or the session could not be ended."""
+    exit 1 if the lock changed hands meanwhile, if this role cannot see which instance
+    holds it (it could not tell whether another one takes over), or if the session could
+    not be ended."""
     current = (await fresh_facts(conn, lock)).holder
     if current is None or current.pid != pid:
         raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
+    if current.store_instance and current.since is None:
+        raise CliError(
+            f"this role cannot see which instance holds the leader lock (session pid {pid}), "
+            "so it could not tell whether another instance takes over: grant it "
+            "pg_read_all_stats; nothing was ended",
+            ExitCode.FAILED,
+        )
     ended = (await conn.execute(catalog.terminate_backend, {"pid": pid})).scalar()
     await conn.rollback()
     if not ended:
         raise CliError(f"session pid {pid} could not be ended", ExitCode.FAILED)
+
+
+class Outcome(Enum):
+    """Where the leader lock went after a handover ended its holder's session."""
+
+    #: Another store instance (another instance id) took a new epoch.
+    HANDED_OVER = "handed_over"
+    #: The instance whose session was ended took a new epoch again.
+    TAKEN_BACK = "taken_back"
+    #: A new epoch was taken by a session that shows no instance id (a build before them).
+    UNTOLD = "unknown"
+    #: No store instance took a new epoch within the timeout.
+    NO_LEADER = "no_leader"
+
+
+class Handover(NamedTuple):
+    """How a handover ended: the session it ended, the facts before and at the end, and
+    where the lock went, told by instance id (:attr:`LockHolder.instance`), never by pid:
+    one instance's next lock session has a new pid."""
+
+    outcome: Outcome
+    ended: LockHolder
+    before: ClusterFacts
+    after: ClusterFacts
+    timeout: float
+
+    @property
+    def code(self) -> ExitCode:
+        """The exit code: 0 only when another instance leads."""
+        match self.outcome:
+            case Outcome.HANDED_OVER:
+                return ExitCode.OK
+            case Outcome.NO_LEADER:
+                return ExitCode.NO_LEADER
+            case Outcome.TAKEN_BACK | Outcome.UNTOLD:
+                return ExitCode.NOT_HANDED_OVER
+            case _:
+                unhandled(self.outcome, "handover outcome")
+
+    def message(self) -> str:
+        """The outcome in one line, naming the instances compared."""
+        ended, new = _instance(self.ended), self.after.holder
+        epoch = self.after.stored_epoch
+        if self.outcome is Outcome.NO_LEADER or new is None:
+            waits = (
+                f", and {ended}, whose session was ended, waits 2 x lock_poll + 1 s before it "
+                "competes again"
+                if self.ended.store_instance
+                else ""
+            )
+            return (
+                f"no instance took the leader lock within {self.timeout:g} s (epoch "
+                f"{epoch}): no standby took over{waits}"
+            )
+        if self.outcome is Outcome.TAKEN_BACK:
+            return (
+                f"{ended}, whose session was ended, leads again at epoch {epoch} (backend pid "
+                f"{new.pid}): no other instance took the lock; is a standby running, and can "
+                "it reach the database?"
+            )
+        if self.outcome is Outcome.UNTOLD:
+            return (
+                f"backend pid {new.pid} leads at epoch {epoch} but shows no instance id (a "
+                f"build before instance ids): cannot tell whether it is {ended} again"
+            )
+        other = "" if self.ended.instance is None else f", not {self.ended.instance}"
+        return (
+            f"new leader: {_instance(new)}{other}: backend pid {new.pid} "
+            f"({new.application_name}), epoch {epoch}"
+        )
+
+    def check(self) -> ClusterFacts:
+        """The facts at the end when another instance leads; else the outcome as an error."""
+        if self.outcome is not Outcome.HANDED_OVER:
+            raise CliError(self.message(), self.code)
+        return self.after
+
+
+def _instance(holder: LockHolder) -> str:
+    """A lock holder as its instance (``instance 3f9a2c1b``), or its session when it shows
+    no instance id."""
+    if holder.instance is not None:
+        return f"instance {holder.instance}"
+    return f"the instance of session pid {holder.pid}"
+
+
+def _outcome(ended: LockHolder, new: LockHolder) -> Outcome:
+    """Whether ``new``, a store instance that took a new epoch after the session of
+    ``ended`` was ended, is another instance."""
+    if new.instance is not None:
+        return Outcome.TAKEN_BACK if new.instance == ended.instance else Outcome.HANDED_OVER
+    # Without an id on the new leader, only an ended foreign holder (no instance at all)
+    # tells it apart: any store instance leading then is another one.
+    return Outcome.UNTOLD if ended.store_instance else Outcome.HANDED_OVER
 
 
 async def wait_for_new_leader(
@@ -190,23 +299,34 @@ async def wait_for_new_leader(
     before: ClusterFacts,
     old: LockHolder,
     timeout: float,
-) -> ClusterFacts:
-    """Once another session holds the lock and the epoch moved (a leader bumps it after
-    taking the lock), the facts; exit 6 if that does not happen within ``timeout``."""
+) -> Handover:
+    """Wait, up to ``timeout``, until a store instance holds the lock and has moved the
+    epoch (a leader bumps it after taking the lock); then, or at the timeout, say where
+    the lock went."""
     deadline = time.monotonic() + timeout
     while True:
         facts = await fresh_facts(conn, lock)
         holder = facts.holder
         moved = facts.stored_epoch != before.stored_epoch
-        if holder is not None and holder.pid != old.pid and moved:
-            return facts
+        if holder is not None and holder.store_instance and holder.pid != old.pid and moved:
+            return Handover(_outcome(old, holder), old, before, facts, timeout)
         if time.monotonic() >= deadline:
-            raise CliError(
-                f"no standby leads after {timeout:g} s (epoch {facts.stored_epoch}): is one "
-                "running?",
-                ExitCode.NO_LEADER,
-            )
+            return Handover(Outcome.NO_LEADER, old, before, facts, timeout)
         await asyncio.sleep(_POLL)
+
+
+def handover_document(schema: str, handover: Handover) -> dict[str, Any]:
+    """``cronoq-store handover --json``'s document (keys in docs/operations.md)."""
+    return {
+        "handed_over": handover.outcome is Outcome.HANDED_OVER,
+        "outcome": handover.outcome.value,
+        "message": handover.message(),
+        "schema": schema,
+        "previous_epoch": handover.before.stored_epoch,
+        "stored_epoch": handover.after.stored_epoch,
+        "ended": output.holder_document(handover.ended),
+        "leader": output.holder_document(output.leader_of(handover.after.holder)),
+    }
 
 
 class PrunePlan(NamedTuple):
@@ -231,30 +351,42 @@ async def plan_prune(conn: AsyncConnection, older_than: int) -> PrunePlan:
     return PrunePlan(cutoff_ns, victims, max(0, old - victims))
 
 
+async def prune_cluster(conn: AsyncConnection, schema: str) -> tuple[str, int]:
+    """The cluster a prune of ``schema`` deletes in: its name and its incarnation now, read
+    before the first batch, so that no batch deletes in a cluster made again meanwhile
+    (``queries.prune``). The read's transaction is ended, for the batches' own."""
+    incarnation = await queries.incarnation(conn, schema)
+    await conn.rollback()
+    return schema, incarnation
+
+
 def batch_transactions(
     conn: AsyncConnection,
-) -> Callable[[], AbstractAsyncContextManager[AsyncConnection]]:
+) -> Callable[[Callable[[AsyncConnection], Awaitable[int]]], Awaitable[int]]:
     """``conn``, one transaction per prune batch, for the store's loop (``queries.prune``)."""
 
-    @asynccontextmanager
-    async def transaction() -> AsyncIterator[AsyncConnection]:
+    async def in_transaction(batch: Callable[[AsyncConnection], Awaitable[int]]) -> int:
         async with conn.begin():
-            yield conn
+            return await batch(conn)
 
-    return transaction
+    return in_transaction
 
 
 async def prune_batches(
-    conn: AsyncConnection, schema: str, cutoff_ns: int, progress: Callable[[int], None]
+    conn: AsyncConnection,
+    cluster: tuple[str, int],
+    cutoff_ns: int,
+    progress: Callable[[int], None],
 ) -> int:
-    """Prune on ``conn`` with the store's own loop, one transaction per batch, each waiting
-    at most :data:`~cronoq_store._cli.database.LOCK_WAIT` for the leader table; returns how
-    many were deleted."""
+    """Prune on ``conn`` with the store's own loop, one transaction per batch, only in
+    ``cluster`` (:func:`prune_cluster`), each batch waiting at most
+    :data:`~cronoq_store._cli.database.LOCK_WAIT` for the leader table; returns how many
+    were deleted."""
     return await queries.prune(
         batch_transactions(conn),
         cutoff_ns,
         progress,
-        schema=schema,
+        cluster=cluster,
         lock_wait=database.LOCK_WAIT,
         waiter=f"pruning (a command waits {database.LOCK_WAIT:g} s at most)",
     )

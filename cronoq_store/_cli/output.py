@@ -189,6 +189,7 @@ def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
         return None
     return {
         "pid": holder.pid,
+        "instance": holder.instance,
         "application_name": holder.application_name,
         "client_addr": holder.client_addr,
         "since": rfc3339(holder.since),

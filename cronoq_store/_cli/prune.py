@@ -74,8 +74,9 @@ async def _prune(options: Options, older_than: int, dry_run: bool, console: Cons
             console.print(f"would prune {victims:,} {what}")
             console.print(f"would keep {protected:,} of them that live tasks depend on")
             return
+        cluster = await operations.prune_cluster(conn, options.schema)
         with _progress_bar(victims) as progress:
-            deleted = await operations.prune_batches(conn, options.schema, cutoff_ns, progress)
+            deleted = await operations.prune_batches(conn, cluster, cutoff_ns, progress)
     console.print(f"pruned {deleted:,} {what}")
     console.print(f"kept {protected:,} of them that live tasks depend on")
 

@@ -83,6 +83,7 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
             "at_head": revision.at_head,
             "revision_state": revision.describe(),
             "epoch": epoch if contents is None else contents.epoch,
+            "incarnation": None if facts is None else facts.incarnation,
             "lock": None if keys is None else list(keys),
             "leader": output.holder_document(output.leader_of(holder)),
             "lock_holder": output.holder_document(holder),
@@ -108,6 +109,16 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         ("revision", f"{', '.join(revision.current) or '-'} ({revision.describe()})"),
         ("head", f"{revision.head} (this build)"),
         *epoch_line,
+        *(
+            []
+            if facts is None or facts.incarnation is None
+            else [
+                (
+                    "incarnation",
+                    f"{facts.incarnation} (the leader table's OID: another after a re-creation)",
+                )
+            ]
+        ),
         *(
             []
             if max_id is None
@@ -200,10 +211,12 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
             ),
             ("", f"holds the {lock}"),
         ]
+    # The instance id tells instances apart; the pid changes with each of one's sessions.
+    instance = "" if holder.instance is None else f"instance {holder.instance}, "
     return [
         (
             "leader",
-            f"backend pid {holder.pid}, "
+            f"{instance}backend pid {holder.pid}, "
             f"{holder.application_name or '(no application_name)'!r}, "
             f"from {holder.client_addr or 'a local socket'}",
         ),

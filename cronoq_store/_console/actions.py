@@ -102,7 +102,8 @@ async def handover_facts(source: Source, schema: str) -> dict[str, Any]:
 
 
 async def handover(source: Source, schema: str, pid: int, who: str) -> dict[str, Any]:
-    """End session ``pid`` if it still holds the leader lock, and wait for a standby."""
+    """End session ``pid`` if it still holds the leader lock, and wait until another instance
+    leads; where the lock went otherwise is raised as the error the page shows."""
     async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
         lock = await operations.leader_lock(conn, schema)
@@ -112,7 +113,8 @@ async def handover(source: Source, schema: str, pid: int, who: str) -> dict[str,
             raise CliError("the leader lock changed hands meanwhile: look again", ExitCode.FAILED)
         log.warning("handover of %s asked by %s: ending session pid %d", schema, who, pid)
         await operations.end_leader_session(conn, lock, pid)
-        after = await operations.wait_for_new_leader(conn, lock, before, holder, HANDOVER_WAIT)
+        result = await operations.wait_for_new_leader(conn, lock, before, holder, HANDOVER_WAIT)
+    after = result.check()  # another instance leads, or the page says where the lock went
     log.warning("handover of %s asked by %s: epoch %d", schema, who, after.stored_epoch)
     return {
         "schema": schema,
@@ -213,7 +215,8 @@ class Pruning:
         try:
             async with self._source.connect(schema) as conn:
                 await database.require_head(conn, schema)
-                await operations.prune_batches(conn, schema, job.cutoff, progress)
+                cluster = await operations.prune_cluster(conn, schema)
+                await operations.prune_batches(conn, cluster, job.cutoff, progress)
             log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
         except Exception as exc:  # said on the page and in the log, never a traceback
             error = exc if isinstance(exc, CliError) else translate_error(exc, "pruning")

@@ -337,8 +337,10 @@ class InMemoryStore:
     ) -> None:
         """Apply ``batch`` and ``outputs`` as one transaction would; idempotent.
 
-        Raises ``FencedError`` if ``epoch`` is not the stored one (leadership is then marked
-        lost and nothing is applied) or leadership was lost before, ``BatchTooLargeError``
+        Raises ``FencedError`` if ``epoch`` is not the stored one or leadership was lost
+        before, and applies nothing then; only a fence of this instance's current term
+        marks leadership lost (a late commit of an earlier term leaves the current one
+        going), as ``PgStore`` does. Raises ``BatchTooLargeError``
         over :attr:`max_commit_bytes`, ``IdCollisionError`` for a different task under a
         stored id or an id of the batch, ``KeyTakenError`` for a key a live task holds, and
         ``ValueError`` naming the field for an engine time that leaves BIGINT through
@@ -347,14 +349,20 @@ class InMemoryStore:
         self._check_open("committing a batch")
         if self._fenced or (self._has_led and self._epoch is None):
             raise FencedError("leadership was lost: this instance must not write any more")
+        if self._epoch is not None and epoch != self._epoch:
+            raise FencedError(
+                f"fenced: epoch {epoch} is not this instance's term (epoch {self._epoch}): "
+                "nothing was written, and the current term goes on"
+            )
         check_batch_size(batch, outputs, self.max_commit_bytes)
         folded = fold(batch, base, time.time_ns(), outputs)
         await asyncio.sleep(0)  # a commit is a round trip: others run meanwhile
         current = self._db._epoch
         if current != epoch:
-            self._fenced = True
-            self._step_down()  # PgStore's keeper then closes the lock session, if it has one
-            raise FencedError(f"fenced: the stored epoch is {current}, this instance's is {epoch}")
+            if self._epoch is None or current != self._epoch:  # the current term is over
+                self._fenced = True
+                self._step_down()  # PgStore's keeper then closes its lock session
+            raise FencedError(f"fenced: the stored epoch is {current}, this commit's is {epoch}")
         self._db._write(folded)
 
     async def recover(self, base: TimeBase) -> Recovered:

@@ -104,6 +104,11 @@ class Cluster(ABC):
         """End ``store``'s leader lock session from outside, as a crash or an admin would."""
 
     @abstractmethod
+    async def move_epoch(self) -> None:
+        """Move the stored epoch on by one behind the leader's back, as a leader elected
+        some other way would (a host process leading through its own liveness)."""
+
+    @abstractmethod
     async def start_at_epoch(self, epoch: int) -> None:
         """Set the stored epoch, before any instance is opened (a cluster that has seen
         that many leaders: 32766 of them take too long to elect)."""
@@ -182,6 +187,11 @@ class PgCluster(Cluster):
         name = f"{cast(PgStore, store).config.application_name} leader"
         assert await terminate_backends(self._url, name) == 1
 
+    async def move_epoch(self) -> None:
+        await admin_execute(
+            self._url, f'UPDATE "{self._schema}".cronoq_leader SET epoch = epoch + 1'
+        )
+
     async def start_at_epoch(self, epoch: int) -> None:
         assert not self._opened
         await admin_execute(self._url, f'UPDATE "{self._schema}".cronoq_leader SET epoch = {epoch}')
@@ -223,6 +233,9 @@ class MemoryCluster(Cluster):
 
     async def end_lock_session(self, store: ContractStore) -> None:
         cast(InMemoryStore, store).end_lock_session()
+
+    async def move_epoch(self) -> None:
+        self._database._epoch += 1
 
     async def start_at_epoch(self, epoch: int) -> None:
         assert not self._opened

@@ -152,16 +152,42 @@ async def test_the_epoch_wraps_from_32767_to_1_and_ids_stay_unique(cluster: Clus
     assert recovered.next_id == wrapped[-1] + 1
 
 
-async def test_a_leader_fenced_by_a_commit_steps_down_and_frees_the_lock(
+async def test_a_leader_whose_epoch_moved_on_is_fenced_steps_down_and_frees_the_lock(
     cluster: Cluster,
 ) -> None:
     a, b = await cluster.open(), await cluster.open()
     epoch = await lead(a)
     standby = asyncio.ensure_future(b.acquire_leadership())
     assert await still_waiting(standby)
-    with pytest.raises(FencedError, match=f"stored epoch is {epoch}"):
-        await a.commit(epoch + 5, BASE, [submitted(1)], [])  # an epoch it does not hold
+    await cluster.move_epoch()  # the term of `epoch` is over, whether `a` noticed or not
+    with pytest.raises(FencedError):
+        await a.commit(epoch, BASE, [submitted(1)], [])
+    await asyncio.wait_for(a.leadership_lost(), cluster.step_down_bound)
     assert not a.is_leader
-    await asyncio.wait_for(a.leadership_lost(), 1)
-    assert await asyncio.wait_for(standby, 10) == epoch + 1
+    assert await asyncio.wait_for(standby, 10) == epoch + 2
     assert await b.get_task(TaskId(1)) is None
+
+
+async def test_a_late_commit_of_an_earlier_term_never_ends_the_current_one(
+    cluster: Cluster,
+) -> None:
+    """Only a fence of the current epoch ends the current term: a commit stamped with an
+    earlier term's epoch (a retry from that term's committer), or with an epoch this
+    instance never held, is fenced and nothing of it is written, and the term goes on."""
+    a, b = await cluster.open(), await cluster.open()
+    earlier = await lead(a)
+    await a.release_leadership()
+    current = await lead(a)
+    standby = asyncio.ensure_future(b.acquire_leadership())
+    assert await still_waiting(standby)
+    lost = asyncio.ensure_future(a.leadership_lost())
+    with pytest.raises(FencedError):
+        await a.commit(earlier, BASE, [submitted(1)], [])
+    with pytest.raises(FencedError):
+        await a.commit(current + 5, BASE, [submitted(2)], [])
+    assert (a.is_leader, a.epoch) == (True, current)
+    await a.commit(current, BASE, [submitted(3)], [])
+    assert not lost.done()
+    assert await still_waiting(standby)
+    assert [await a.get_task(TaskId(i)) is not None for i in (1, 2, 3)] == [False, False, True]
+    lost.cancel()

@@ -92,6 +92,9 @@ async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_lead
     )
     async with await PgStore.connect(stack.node_url(first), config) as store:
         epoch = await store.acquire_leadership()
+        holder = (await store.health()).holder
+        assert holder is not None
+        name = holder.application_name  # "pin leader <instance id>": the server logs it
         await stack.switchover()
         await asyncio.wait_for(store.leadership_lost(), 10)
         assert not store.is_leader
@@ -99,8 +102,8 @@ async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_lead
             await asyncio.wait_for(store.acquire_leadership(), 4)
         # The bump's transaction first locks the leader table, which a standby refuses.
         refused = stack.server_log_lines(
-            "pin leader: ERROR:  cannot execute LOCK TABLE during recovery",
-            "pin leader: ERROR:  cannot execute UPDATE in a read-only",
+            f"{name}: ERROR:  cannot execute LOCK TABLE during recovery",
+            f"{name}: ERROR:  cannot execute UPDATE in a read-only",
         )
         assert refused, "the store never tried to bump the epoch on the standby"
         assert all(line.startswith(f"{first}:") for line in refused)

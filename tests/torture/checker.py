@@ -278,7 +278,8 @@ class _Timeline:
 
 
 def _worker_of(app: str) -> str:
-    return app.removesuffix(" leader")
+    # A lock session is named "<worker> leader <instance id>".
+    return re.sub(r" leader [0-9a-f]{8}\Z", "", app)
 
 
 def _writer(write: AuditWrite) -> tuple[int, str]:

@@ -62,7 +62,8 @@ LOCK_IDLE_FACTOR = 1.5
 
 
 def lock_app(worker: str) -> str:
-    """``application_name`` of a worker's leader-lock session (its pool's is its name)."""
+    """``application_name`` of a worker's leader-lock session without its instance id (its
+    pool's is its name)."""
     return f"{worker} leader"
 
 

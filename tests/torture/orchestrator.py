@@ -43,7 +43,7 @@ from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._urls import async_url
 from cronoq_store.testing import EmbeddedPostgres, StopMode
 
-from ..pgharness import admin_execute, terminate_backends
+from ..pgharness import admin_execute, terminate_backends, without_instance
 from . import audit
 from .checker import Report, check
 from .faults import FaultInjector, InstanceLinks, Timing, restart_server
@@ -254,7 +254,7 @@ class _Instances:
             )
         except Exception:  # the server may be down: nobody can tell
             return None
-        return rows[0][0].removesuffix(" leader") if rows else None
+        return without_instance(rows[0][0]).removesuffix(" leader") if rows else None
 
     async def terminate(self, application_name: str) -> int:
         try:
