@@ -341,7 +341,8 @@ async def test_a_standby_says_which_leader_it_waits_behind(
             (record,) = said
             assert record.levelno == logging.INFO
             assert f"the leader at epoch {epoch} is pid {health.holder.pid}" in record.getMessage()
-            assert "'waits-f leader'" in record.getMessage()
+            assert health.holder.instance is not None
+            assert f"'waits-f leader {health.holder.instance}'" in record.getMessage()
             await leader.release_leadership()
             assert await asyncio.wait_for(waiting, 30) == epoch + 1
         finally:

@@ -31,7 +31,7 @@ from cronoq_store import MigrationError, PgStore, PgStoreConfig, TimeBase, epoch
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, without_instance
 from .test_cli import full, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -295,7 +295,9 @@ async def test_a_rolling_upgrade_from_the_previous_release(
             assert {epoch_of(i) for i in acked} == {1}
             probe = await run("--url", full(pg_url), "--schema", schema, "health", "--json")
             assert probe.exit_code == ExitCode.OK, probe.output
-            assert json.loads(probe.stdout)["leader"]["application_name"] == "current leader"
+            leader = json.loads(probe.stdout)["leader"]
+            assert without_instance(leader["application_name"]) == "current leader"
+            assert leader["instance"] is not None
 
 
 async def test_this_release_waits_for_ops_to_migrate_a_schema_of_the_previous_one(
