@@ -88,6 +88,9 @@ from ._errors import (
     KeyTakenError as KeyTakenError,
 )
 from ._errors import (
+    LockHeldError as LockHeldError,
+)
+from ._errors import (
     MigrationError as MigrationError,
 )
 from ._errors import (
@@ -142,6 +145,7 @@ __all__ = [
     "IdCollisionError",
     "IntervalSchedule",
     "KeyTakenError",
+    "LockHeldError",
     "LockHolder",
     "MigrationError",
     "MissPolicy",

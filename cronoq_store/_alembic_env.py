@@ -14,11 +14,12 @@ import asyncio
 import concurrent.futures
 import configparser
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
+from alembic.runtime.migration import MigrationContext, RevisionStep
 from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
@@ -35,16 +36,20 @@ from sqlalchemy.schema import CreateSchema
 
 from . import _catalog as catalog
 from . import _downgrade_guard as downgrade_guard
+from . import _lock_waits as lock_waits
 from . import _migration_lock as migration_lock
 from . import _migration_statements as migration_st
 from . import _session_statements as session_st
-from ._config import trusted_trigger_names, validate_schema_name
+from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
+from ._domain import check_seconds
 from ._driver import translate_error
 from ._errors import MigrationError
+from ._lock_waits import LockWait
 from ._migrations import (
     CONNECT_TIMEOUT,
     LEGACY_REVISIONS,
     LOCK_NS_MIGRATE,
+    LOCK_TIMEOUT,
     TRUSTED_TRIGGERS,
     newer_message,
     revision_status,
@@ -60,7 +65,13 @@ from ._urls import (
     scrub,
 )
 
-__all__ = ["clusters_elsewhere", "run_environment"]
+__all__ = ["BOUND_SETTINGS", "clusters_elsewhere", "run_environment"]
+
+#: Where a migration's bound on its lock waits is set, for its log lines and errors.
+BOUND_SETTINGS = (
+    "the bound is PgStoreConfig.migration_lock_timeout, cronoq-store migrate --lock-timeout, "
+    "alembic -x lock_timeout="
+)
 
 
 def run_environment(context: EnvironmentContext) -> None:
@@ -126,7 +137,11 @@ def _ini_url(config: Config) -> str | None:
         return config.file_config.get(config.config_ini_section, "sqlalchemy.url", raw=True)
 
 
-def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
+def _configure(
+    context: EnvironmentContext, schema: str, wait: LockWait | None = None, **kwargs: Any
+) -> None:
+    """``wait``: the run's wait for locks (online only), which also bounds its wait for the
+    cluster's tables before the first revision's DDL."""
     connection = kwargs.get("connection")
     # Autogenerate calls the engine's default schema None.
     default = None if connection is None else connection.dialect.default_schema_name
@@ -149,10 +164,53 @@ def _configure(context: EnvironmentContext, schema: str, **kwargs: Any) -> None:
         compare_type=True,
         transaction_per_migration=False,
         # Every downgrade checks for a live leader before its first step, in the run's
-        # transaction (:mod:`cronoq_store._downgrade_guard`).
-        fn=downgrade_guard.guarded(context, schema, connection),
+        # transaction (:mod:`cronoq_store._downgrade_guard`); then a run with steps to take
+        # locks the tables, bounded.
+        fn=_locking_tables(
+            downgrade_guard.guarded(context, schema, connection, wait), connection, schema, wait
+        ),
         **kwargs,
     )
+
+
+def _locking_tables(
+    fn: Callable[[Any, MigrationContext], Iterable[Any]] | None,
+    conn: Connection | None,
+    schema: str,
+    wait: LockWait | None,
+) -> Callable[[Any, MigrationContext], Iterable[Any]] | None:
+    """The command's migration function, locking the cluster's tables (bounded, holders
+    named: :func:`~cronoq_store._lock_waits.lock_tables`) before the first step that runs a
+    revision: its DDL then never queues behind a transaction, with every commit queued
+    behind it. A run with nothing to do locks nothing."""
+    if fn is None or conn is None or wait is None:
+        return fn
+    checked = fn
+
+    def steps(heads: Any, migration: MigrationContext) -> list[Any]:
+        planned = list(checked(heads, migration))
+        if any(isinstance(step, RevisionStep) for step in planned):
+            lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+        return planned
+
+    return steps
+
+
+def _lock_wait(context: EnvironmentContext, schema: str) -> LockWait:
+    """The run's wait for the migration lock: ``attributes["lock_timeout"]`` or ``-x
+    lock_timeout=SECONDS`` seconds at most (:data:`MIGRATION_LOCK_TIMEOUT` if neither)."""
+    given = context.config.attributes.get(LOCK_TIMEOUT)
+    if given is None:
+        given = context.get_x_argument(as_dictionary=True).get(LOCK_TIMEOUT)
+    try:
+        bound = (
+            MIGRATION_LOCK_TIMEOUT if given is None else check_seconds(LOCK_TIMEOUT, float(given))
+        )
+    except ValueError:
+        raise MigrationError(
+            f"{LOCK_TIMEOUT} must be a positive number of seconds, got {given!r}"
+        ) from None
+    return LockWait(f"the migration lock of schema {schema!r}", bound, BOUND_SETTINGS)
 
 
 def _in_schema(schema: str) -> MetaData:
@@ -172,10 +230,13 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     """Print a script a DBA can review; it takes the same lock and search path, and stops
     before any DDL if the schema belongs to a role other than the one running it that is not
     a superuser (:data:`~cronoq_store._statements.refuse_foreign_owner`; the online check of
-    every object in the schema is not in the script)."""
+    every object in the schema is not in the script). Its waits for locks give up after the
+    run's bound (``-x lock_timeout``), as ``lock_timeout`` errors."""
+    bound = _lock_wait(context, schema).bound
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
         context.execute(session_st.local_search_path)
+        context.execute(migration_st.set_local_lock_timeout.params(ms=str(round(bound * 1000))))
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
         context.execute(migration_st.checked_schema(schema))
@@ -293,10 +354,11 @@ def _command_name(context: EnvironmentContext) -> str:
 
 
 def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None:
-    _configure(context, schema, connection=conn)
+    wait = _lock_wait(context, schema)
+    _configure(context, schema, wait, connection=conn)
     with context.begin_transaction():
         conn.execute(session_st.local_search_path)
-        conn.execute(_lock(schema))
+        lock_waits.take_migration_lock(conn, schema, wait)
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)
         if command in ("current", "downgrade") and not revision_status(conn, schema).current:

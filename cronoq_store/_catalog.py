@@ -10,15 +10,19 @@ cluster's schema-less tables.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    ColumnElement,
     Integer,
     MetaData,
     Table,
     Text,
     and_,
+    any_,
     bindparam,
     cast,
     column,
@@ -32,19 +36,25 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql.selectable import Select
 
 from ._domain import TaskStatus
+from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recurring, tasks
 from ._statements import prune_delete
 
 __all__ = [
+    "LOCK_MODES",
     "clear_stats_snapshot",
     "cluster_schemas",
     "finished_before_count",
     "health_facts",
+    "health_facts_unrecorded",
+    "leader_columns",
     "leader_holder_facts",
     "leader_lock_holder",
     "leader_state",
+    "migration_lock_holder",
     "prunable_count",
     "public_may_connect",
     "quarantined_count",
@@ -52,6 +62,7 @@ __all__ = [
     "schedule_summaries",
     "server_now",
     "server_version",
+    "table_lock_holders",
     "task_counts",
     "task_statuses",
     "tasks_with_kind_or_message",
@@ -108,31 +119,51 @@ leader_state = select(
     func.greatest(leader.c.max_id, select(func.max(tasks.c.id)).scalar_subquery()).label("max_id"),
 ).where(leader.c.id == LEADER_ROW_ID)
 
-#: The session holding the leader's advisory lock (keys ``k1``, ``k2``) in this database,
-#: with what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1,
-#: objid = k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
-#: BIGINT. Advisory locks are per database, and so are schema OIDs.
-leader_lock_holder = (
-    select(
-        _pg_stat_activity.c.pid,
-        _pg_stat_activity.c.usesysid,
-        _pg_stat_activity.c.usename,
-        _pg_stat_activity.c.application_name,
-        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
-        _pg_stat_activity.c.backend_start,
+
+def _advisory_lock_holder(k1: ColumnElement[int], k2: ColumnElement[int]) -> Select[Any]:
+    """The session holding the advisory lock with keys ``k1``, ``k2`` in this database, with
+    what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1, objid =
+    k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
+    BIGINT. Advisory locks are per database."""
+    return (
+        select(
+            _pg_stat_activity.c.pid,
+            _pg_stat_activity.c.usesysid,
+            _pg_stat_activity.c.usename,
+            _pg_stat_activity.c.application_name,
+            func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+            _pg_stat_activity.c.backend_start,
+        )
+        .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
+        .where(
+            _pg_locks.c.locktype == "advisory",
+            _pg_locks.c.database
+            == select(_pg_database.c.oid)
+            .where(_pg_database.c.datname == func.current_database())
+            .scalar_subquery(),
+            cast(_pg_locks.c.classid, BigInteger) == k1,
+            cast(_pg_locks.c.objid, BigInteger) == k2,
+            _pg_locks.c.objsubid == 2,
+            _pg_locks.c.granted,
+        )
     )
-    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
-    .where(
-        _pg_locks.c.locktype == "advisory",
-        _pg_locks.c.database
-        == select(_pg_database.c.oid)
-        .where(_pg_database.c.datname == func.current_database())
-        .scalar_subquery(),
-        cast(_pg_locks.c.classid, BigInteger) == bindparam("k1", type_=BigInteger),
-        cast(_pg_locks.c.objid, BigInteger) == bindparam("k2", type_=BigInteger),
-        _pg_locks.c.objsubid == 2,
-        _pg_locks.c.granted,
-    )
+
+
+#: The session holding the leader's advisory lock (keys ``k1``, ``k2``; schema OIDs are per
+#: database, as advisory locks are).
+leader_lock_holder = _advisory_lock_holder(
+    bindparam("k1", type_=BigInteger), bindparam("k2", type_=BigInteger)
+)
+
+#: The session holding the migration lock of the schema named ``schema`` (keys
+#: ``0x63726f6d`` and ``hashtext(schema)``, shown unsigned), whether a migration holds it
+#: for its transaction or any session took it with ``pg_advisory_lock``: every migration of
+#: that schema waits for it.
+migration_lock_holder = _advisory_lock_holder(
+    literal(LOCK_NS_MIGRATE, BigInteger),
+    cast(func.hashtext(bindparam("schema", type_=Text)), BigInteger).op("&")(
+        literal(0xFFFFFFFF, BigInteger)
+    ),
 )
 
 #: Tasks by pool, live or finished, and status. A full scan: an operator's occasional look,
@@ -234,32 +265,75 @@ _bumping = and_(
     ),
 )
 
+
+def _holder_facts(store_instance: ColumnElement[bool]) -> Select[Any]:
+    """The stored epoch, the cluster's incarnation (the leader table's OID), the leader
+    lock's holder (NULL columns when none holds it) and ``store_instance``, whether it is
+    one."""
+    return (
+        select(
+            leader.c.epoch,
+            leader_tableoid,
+            _holder.c.pid,
+            _holder.c.usename,
+            _holder.c.application_name,
+            _holder.c.client_addr,
+            _holder.c.backend_start,
+            store_instance.label("store_instance"),
+        )
+        .select_from(leader.outerjoin(_holder, true()))
+        .where(leader.c.id == LEADER_ROW_ID)
+    )
+
+
 #: The stored epoch, the leader lock's holder (keys ``k1``, ``k2``; NULL columns when none
 #: holds it) and whether it is a store instance (the session the leader row records, or one
 #: bumping the epoch now), and the cluster's incarnation (the leader table's OID): what a
 #: waiting standby's lock session reads, with no more privilege than it has (``SELECT`` on
 #: the leader row).
-leader_holder_facts = (
-    select(
-        leader.c.epoch,
-        leader_tableoid,
-        _holder.c.pid,
-        _holder.c.usename,
-        _holder.c.application_name,
-        _holder.c.client_addr,
-        _holder.c.backend_start,
-        or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch).label("store_instance"),
-    )
-    .select_from(leader.outerjoin(_holder, true()))
-    .where(leader.c.id == LEADER_ROW_ID)
+leader_holder_facts = _holder_facts(
+    or_(func.coalesce(_recorded, false()), _bumping, _unrecorded_epoch)
+)
+
+_revisions = (
+    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
+    .scalar_subquery()
+    .label("revisions")
 )
 
 #: In one round trip: :data:`leader_holder_facts` and the revisions the version table
 #: records.
-health_facts = leader_holder_facts.add_columns(
-    select(func.array_agg(_versions.c.version_num, type_=ARRAY(Text)))
-    .scalar_subquery()
-    .label("revisions")
+health_facts = leader_holder_facts.add_columns(_revisions)
+
+#: :data:`health_facts` of a leader table with no holder columns (a schema before revision
+#: 0007, mid rolling upgrade): no build that leads it records its lock session, so a
+#: holder is a store instance once anyone took an epoch (as :data:`_unrecorded_epoch`
+#: says), or while it bumps one.
+health_facts_unrecorded = _holder_facts(or_(_bumping, leader.c.epoch > 0)).add_columns(_revisions)
+
+_pg_attribute = table(
+    "pg_attribute",
+    column("attrelid"),
+    column("attname"),
+    column("attnum"),
+    column("attisdropped"),
+    schema="pg_catalog",
+)
+
+#: The names of the columns of ``<schema>.cronoq_leader`` (none when it has no such table):
+#: which of the facts statements a schema at any revision, older or newer than this
+#: build's, can answer. ``to_regclass`` takes a name it parses: quoted first.
+leader_columns = select(cast(_pg_attribute.c.attname, Text)).where(
+    _pg_attribute.c.attrelid
+    == func.to_regclass(
+        func.format(
+            literal("%I.%I", Text),
+            bindparam("schema", type_=Text),
+            literal(leader.name, Text),
+        )
+    ),
+    _pg_attribute.c.attnum > 0,
+    _pg_attribute.c.attisdropped.is_(false()),
 )
 
 #: Whether every role may connect to this database (``CONNECT`` granted to ``PUBLIC``),
@@ -273,6 +347,61 @@ public_may_connect = select(
 #: Drops this transaction's cached view of ``pg_stat_activity``, so that a second look at
 #: the lock holder in the same transaction sees sessions as they are now.
 clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
+
+# --- who holds a lock a wait gave up on (``cronoq_store._lock_waits``) -----------------------
+
+_pg_class_oids = table(
+    "pg_class", column("oid"), column("relname"), column("relnamespace"), schema="pg_catalog"
+)
+_pg_namespace_oids = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+
+#: The table lock modes as ``pg_locks`` names them, weakest first: ``ACCESS EXCLUSIVE``
+#: conflicts with every one, ``EXCLUSIVE`` with all but the first, ``ACCESS SHARE`` (a read)
+#: with the last only.
+LOCK_MODES = (
+    "AccessShareLock",
+    "RowShareLock",
+    "RowExclusiveLock",
+    "ShareUpdateExclusiveLock",
+    "ShareLock",
+    "ShareRowExclusiveLock",
+    "ExclusiveLock",
+    "AccessExclusiveLock",
+)
+
+#: The other sessions holding a lock on any of the tables ``tables`` of the schema
+#: ``schema`` in one of the ``modes`` (of :data:`LOCK_MODES`), one row per session, as
+#: :data:`leader_lock_holder` shows them. A row lock (``FOR SHARE``, an ``UPDATE``) comes
+#: with a lock on its table, so it is found too.
+table_lock_holders = (
+    select(
+        _pg_stat_activity.c.pid,
+        _pg_stat_activity.c.usesysid,
+        _pg_stat_activity.c.usename,
+        _pg_stat_activity.c.application_name,
+        func.host(_pg_stat_activity.c.client_addr).label("client_addr"),
+        _pg_stat_activity.c.backend_start,
+    )
+    .distinct()
+    .select_from(
+        _pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid)
+        .join(_pg_class_oids, _pg_locks.c.relation == _pg_class_oids.c.oid)
+        .join(_pg_namespace_oids, _pg_class_oids.c.relnamespace == _pg_namespace_oids.c.oid)
+    )
+    .where(
+        _pg_locks.c.locktype == "relation",
+        _pg_locks.c.granted,
+        _pg_locks.c.pid != func.pg_backend_pid(),
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        _pg_namespace_oids.c.nspname == bindparam("schema", type_=Text),
+        _pg_class_oids.c.relname == any_(bindparam("tables", type_=ARRAY(Text))),
+        _pg_locks.c.mode == any_(bindparam("modes", type_=ARRAY(Text))),
+    )
+    .order_by(_pg_stat_activity.c.pid)
+)
 
 # --- a forced handover (``cronoq-store handover``) ------------------------------------------
 

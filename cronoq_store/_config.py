@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ._domain import check_seconds
 
 __all__ = [
+    "MIGRATION_LOCK_TIMEOUT",
     "PgStoreConfig",
     "keepalive_settings",
     "trusted_role_names",
@@ -17,6 +18,13 @@ __all__ = [
 ]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+#: Seconds a migration waits for the schema's migration lock and its tables while other
+#: sessions hold them (:attr:`PgStoreConfig.migration_lock_timeout`, ``cronoq-store migrate
+#: --lock-timeout``, ``alembic -x lock_timeout=``): ten minutes, Kubernetes' default
+#: progress deadline for a rollout, time to wait behind another instance's upgrade of a
+#: large table.
+MIGRATION_LOCK_TIMEOUT = 600.0
 
 
 def validate_schema_name(schema: str) -> str:
@@ -129,6 +137,13 @@ class PgStoreConfig:
     #: the role (docs/reliability.md, "PgBouncer"). The leader lock session, direct
     #: through ``lock_url``, is not affected.
     prepared_statements: bool = True
+    #: How long opening the store (or ``migrate()``) waits, when the schema needs an
+    #: upgrade, for the schema's migration lock and its tables while other sessions hold
+    #: them, logging who does (another instance upgrading the same schema, ops running
+    #: ``cronoq-store migrate`` or Alembic, any session that took the lock); then it gives
+    #: up with ``LockHeldError`` naming them (:data:`MIGRATION_LOCK_TIMEOUT`). A schema
+    #: already at this build's head takes no lock.
+    migration_lock_timeout: float = MIGRATION_LOCK_TIMEOUT
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
@@ -138,7 +153,14 @@ class PgStoreConfig:
             raise ValueError(
                 f"allow_untrusted_connect must be a bool, got {self.allow_untrusted_connect!r}"
             )
-        for name in ("retention", "lock_poll", "keepalive", "session_timeout", "commit_timeout"):
+        for name in (
+            "retention",
+            "lock_poll",
+            "keepalive",
+            "session_timeout",
+            "commit_timeout",
+            "migration_lock_timeout",
+        ):
             check_seconds(name, getattr(self, name))
         if self.keepalive >= self.session_timeout:
             raise ValueError(

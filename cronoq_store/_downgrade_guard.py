@@ -32,9 +32,11 @@ from sqlalchemy import Connection, text
 
 from . import _catalog as catalog
 from . import _lock_statements as lock_st
+from . import _lock_waits as lock_waits
 from . import _migration_statements as migration_st
 from . import _queries as queries
 from ._errors import MigrationError
+from ._lock_waits import LockWait
 from ._schema import schema_options
 from ._stored_values import LockHolder
 
@@ -44,6 +46,8 @@ logger = logging.getLogger("cronoq_store")
 
 #: ``Config.attributes`` key and ``-x`` argument (``-x force=true``) of a forced downgrade.
 FORCE = "force"
+#: The revision that adds the leader row's record of who bumped the epoch.
+HOLDER_REVISION = "0007_leader_holder"
 
 _MigrationFn = Callable[[Any, MigrationContext], Iterable[Any]]
 
@@ -57,10 +61,11 @@ def forced(context: EnvironmentContext) -> bool:
 
 
 def guarded(
-    context: EnvironmentContext, schema: str, conn: Connection | None
+    context: EnvironmentContext, schema: str, conn: Connection | None, wait: LockWait | None
 ) -> _MigrationFn | None:
     """The command's migration function, checking its steps before the first one runs: on
-    ``conn`` online, in the script offline (``conn`` is ``None``); ``None`` if it has none."""
+    ``conn`` online, in the script offline (``conn`` is ``None``); ``None`` if it has none.
+    ``wait`` bounds a forced downgrade's wait for the cluster's tables (online)."""
     fn: _MigrationFn | None = context.context_opts.get("fn")
     if fn is None:
         return None
@@ -72,15 +77,16 @@ def guarded(
         if undone:
             to_base = any(not s.to_revisions for s in undone)
             if conn is None:
-                _script(context, migration, schema, force)
+                _script(context, migration, schema, force, heads)
             else:
-                _check(conn, schema, force=force, to_base=to_base)
+                assert wait is not None, "an online run always bounds its waits"
+                _check(conn, schema, force=force, to_base=to_base, wait=wait)
         return planned
 
     return steps
 
 
-def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None:
+def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: LockWait) -> None:
     oid = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar_one()
     lock = (lock_st.LOCK_NS_LEADER, oid)
     cluster = schema_options(schema)
@@ -102,9 +108,11 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
             "forced downgrade under a live leader: fencing it",
             extra={"schema": schema, "holder": holder},
         )
-        # Waits for its commits in flight; the bump fences every later one.
-        conn.execute(migration_st.lock_cluster_tables(schema, conn.dialect))
-        conn.execute(lock_st.bump_epoch, execution_options=cluster)
+        # Waits for its commits in flight (bounded, holders named); the bump fences every
+        # later one.
+        lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+        columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
+        conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
         return
     if (
         to_base
@@ -119,8 +127,30 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool) -> None
         )
 
 
+def _bump(records_holder: bool) -> Any:
+    """The epoch bump a forced downgrade fences with: a leader table from revision 0007 on
+    records who bumped; an older one has no columns for it."""
+    return lock_st.bump_epoch if records_holder else lock_st.bump_epoch_only
+
+
+def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
+    """Whether the schema a script starts from (``heads``) has the holder columns: whether
+    :data:`HOLDER_REVISION` is among its revisions."""
+    assert context.script is not None
+    start = tuple(heads or ())
+    if not start:
+        return False
+    return any(
+        r.revision == HOLDER_REVISION for r in context.script.iterate_revisions(start, "base")
+    )
+
+
 def _script(
-    context: EnvironmentContext, migration: MigrationContext, schema: str, force: bool
+    context: EnvironmentContext,
+    migration: MigrationContext,
+    schema: str,
+    force: bool,
+    heads: Any,
 ) -> None:
     """The same in an offline script: refuse a live leader and hold the lock, or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
@@ -128,9 +158,10 @@ def _script(
         context.execute(migration_st.refuse_live_leader)
         return
     context.execute(migration_st.lock_cluster_tables(schema, migration.dialect))
-    bump = lock_st.bump_epoch.compile(
+    bump = _bump(_records_holder(context, heads)).compile(
         dialect=migration.dialect,
         schema_translate_map={None: schema},
+        render_schema_translate=True,
         compile_kwargs={"literal_binds": True},
     )
     context.execute(text(str(bump)))

@@ -52,7 +52,7 @@ __all__ = [
     "insert_refusal",
     "keys_named",
     "leaves_connection_sound",
-    "lock_wait_ended",
+    "lock_not_available",
     "row_count",
     "translate_error",
     "translate_open_error",
@@ -345,6 +345,13 @@ _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
 
 
+def lock_not_available(exc: BaseException) -> bool:
+    """Whether ``exc`` (as SQLAlchemy or asyncpg raise it) is only a lock wait that ran out
+    of ``lock_timeout`` (55P03): the session answered, and is sound; a waiter then names
+    who holds the lock (:mod:`cronoq_store._lock_waits`)."""
+    return LOCK_NOT_AVAILABLE in _sqlstates(exc)
+
+
 def insert_refusal(exc: asyncpg.PostgresError) -> bool:
     """Whether the insert's failure is one the writer explains (an id held by another task,
     a live key held by another live task) rather than an error to raise: the insert's
@@ -368,12 +375,6 @@ def _stored_id(exc: asyncpg.NotNullViolationError) -> bool:
     table: str | None = exc.table_name
     column: str | None = exc.column_name
     return table == tasks.name and column == "seq"
-
-
-def lock_wait_ended(exc: BaseException) -> bool:
-    """Whether ``exc`` is only a wait for a lock that ``lock_timeout`` ended (55P03): the
-    session answered, and is sound."""
-    return LOCK_NOT_AVAILABLE in _sqlstates(exc)
 
 
 def leaves_connection_sound(exc: BaseException, driver: Any) -> bool:

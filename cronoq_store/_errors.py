@@ -7,9 +7,10 @@ misconfiguration. Which driver failure becomes which of these is decided in one 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ._domain import show
+from ._stored_values import LockHolder
 
 __all__ = [
     "BatchTooLargeError",
@@ -18,6 +19,7 @@ __all__ = [
     "FencedError",
     "IdCollisionError",
     "KeyTakenError",
+    "LockHeldError",
     "MigrationError",
     "SchemaGoneError",
     "StoreError",
@@ -46,6 +48,20 @@ class UnavailableError(StoreError):
         #: The pool's connections point at a server that can no longer take writes (a demoted
         #: primary); they should be dropped so new ones find the current primary.
         self.reconnect = reconnect
+
+
+class LockHeldError(UnavailableError):
+    """A lock the call needed stayed held by another session for longer than the call
+    waits: the migration lock or the cluster's tables while it opens or migrates
+    (``PgStoreConfig.migration_lock_timeout``), the leader table while it prunes
+    (``commit_timeout``). Nothing was changed. The message names the sessions that held it
+    when the call gave up (pid, role, application name, since when), and ``holders`` has
+    them as ``pg_stat_activity`` showed them (empty when they let go as it gave up).
+    Transient: the same call succeeds once they let go."""
+
+    def __init__(self, message: str, holders: Sequence[LockHolder] = ()) -> None:
+        super().__init__(message)
+        self.holders = tuple(holders)
 
 
 class FencedError(StoreError):

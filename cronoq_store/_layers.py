@@ -61,7 +61,8 @@ LAYERS: tuple[Layer, ...] = (
             "_lock_statements": "the leader lock session's statements: the lock, the epoch bump",
             "_session_statements": "the one `search_path`; transactions on borrowed sessions",
             "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
-            "_migration_statements": "what an offline script checks; a downgrade's locks",
+            "_migration_statements": "what an offline script checks; a downgrade's locks; "
+            "the statements of a bounded lock wait",
         },
     ),
     Layer(
@@ -89,6 +90,8 @@ LAYERS: tuple[Layer, ...] = (
             "_writer": "the commit path: which way a folded batch is written, what it found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
+            "_lock_waits": "waits for a lock another session holds: its holders named, the "
+            "wait bounded",
             "_trust": "the trust checks: who may control the schema, who may connect",
             "_pool": "the store's own pool, and the checks every pool passes at open",
             "_leadership": "the leader lock session, its keeper, the epoch",

@@ -50,10 +50,10 @@ from sqlalchemy.pool import NullPool, Pool
 
 from . import _catalog as catalog
 from . import _lock_statements as lock_st
+from . import _lock_waits as lock_waits
 from . import _session_statements as session_st
-from . import _statements as st
 from ._config import PgStoreConfig
-from ._driver import lock_wait_ended, translate_error
+from ._driver import lock_not_available, translate_error
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import acquisition_backoff, bounded, pause, retry
@@ -73,6 +73,9 @@ _CLOSE_TIMEOUT = 1.0
 _HOLDER_CHECK_POLLS = 10
 #: A standby warns about a foreign lock holder at most this often (seconds).
 _FOREIGN_WARNING_INTERVAL = 60.0
+#: A standby says which leader it waits behind when that changes, and again this often
+#: (seconds): at INFO, since waiting is a standby's purpose.
+_WAITING_INTERVAL = 600.0
 #: What a cool-down adds to a standby's two polls: room for a poll that a loaded machine
 #: delays (the standby's process not scheduled, its statement queued on a busy server).
 _COOL_DOWN_SLACK = 1.0
@@ -227,6 +230,9 @@ class Leadership:
         self._connect = connect
         # loop.time() of the last warning about a foreign lock holder.
         self._warned_at: float | None = None
+        # The leader a waiting standby last said it waits behind (pid, epoch), and when.
+        self._waiting_behind: tuple[int, int] | None = None
+        self._said_waiting_at = 0.0
         self._schema = schema
         self._key = {"k1": lock_key[0], "k2": lock_key[1]}
         self._incarnation = incarnation
@@ -416,9 +422,17 @@ class Leadership:
         """Bump the epoch (``None``: no leader row) in a transaction that first takes
         :data:`~cronoq_store._statements.leader_barrier`: the bump waits for the commits in
         flight, and those that arrive meanwhile wait for it, so overlapping commits of a
-        deposed leader cannot starve the takeover (they would pass a waiting row lock)."""
+        deposed leader cannot starve the takeover (they would pass a waiting row lock).
+        The server gives up waiting at half ``timeout``, before this session is taken for
+        silent: the ``LockHeldError`` names who holds the leader table, and the acquisition
+        logs it and tries again."""
         await session.run(lock_st.takeover_begin, None, timeout)
-        await session.run(st.leader_barrier, None, timeout)
+        await lock_waits.leader_barrier(
+            lambda statement, params: session.run(statement, params, timeout),
+            self._schema,
+            timeout / 2,
+            "taking over leadership",
+        )
         bump = {"incarnation": self._incarnation}
         epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
         await session.run(lock_st.takeover_commit, None, timeout)
@@ -480,15 +494,33 @@ class Leadership:
     async def _watch_holder(
         self, session: _Session, suspect: int | None, timeout: float
     ) -> int | None:
-        """Look at who holds the lock this standby waits for; warn (at most every
-        ``_FOREIGN_WARNING_INTERVAL``) about a holder that is not a store instance, once it
-        was seen twice, a check apart (a takeover is an instance before its epoch bump).
-        Returns the pid of a foreign holder seen now, for the next check."""
+        """Look at who holds the lock this standby waits for. A store instance: say so at
+        INFO when it changes (another pid or epoch), and every ``_WAITING_INTERVAL``. Not a
+        store instance: warn (at most every ``_FOREIGN_WARNING_INTERVAL``) once it was seen
+        twice, a check apart (a takeover is an instance before its epoch bump). Returns the
+        pid of a foreign holder seen now, for the next check."""
         keys = lock_keys((self._key["k1"], self._key["k2"]))
-        holder = holder_of((await session.run(catalog.leader_holder_facts, keys, timeout)).one())
-        if holder is None or holder.store_instance:
-            return None
+        row = (await session.run(catalog.leader_holder_facts, keys, timeout)).one()
+        holder = holder_of(row)
         now = asyncio.get_running_loop().time()
+        if holder is None:
+            return None
+        if holder.store_instance:
+            behind = (holder.pid, row.epoch)
+            if behind != self._waiting_behind or now - self._said_waiting_at >= _WAITING_INTERVAL:
+                self._waiting_behind, self._said_waiting_at = behind, now
+                logger.info(
+                    "waiting for the leader lock of schema %r: the leader at epoch %d is pid "
+                    "%d (role %r, application %r, session since %s)",
+                    self._schema,
+                    row.epoch,
+                    holder.pid,
+                    holder.role,
+                    holder.application_name,
+                    "an unknown time" if holder.since is None else holder.since.isoformat(),
+                    extra={"schema": self._schema, "epoch": row.epoch, **_holder_fields(holder)},
+                )
+            return None
         recent = self._warned_at is not None and now - self._warned_at < _FOREIGN_WARNING_INTERVAL
         if holder.pid == suspect and not recent:
             self._warned_at = now
@@ -523,7 +555,7 @@ class Leadership:
                     error = translate_error(exc, "checking the leader lock session")
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    if lock_wait_ended(exc):
+                    if lock_not_available(exc):
                         last_answer = loop.time()
                         continue
                     if isinstance(error, SchemaGoneError):

@@ -30,8 +30,10 @@ from ._schema import LEADER_ROW_ID, leader, leader_tableoid
 
 __all__ = [
     "LOCK_NS_LEADER",
+    "LOCK_NS_MIGRATE",
     "LOCK_SESSION_SETTINGS",
     "bump_epoch",
+    "bump_epoch_only",
     "keeper_lock_timeout",
     "leader_now",
     "lock_session_settings",
@@ -44,6 +46,9 @@ __all__ = [
 
 #: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
 LOCK_NS_LEADER = 0x63726F71
+#: First key of the advisory lock that serializes migrations of one schema ("crom"); the
+#: second is ``hashtext(schema)``.
+LOCK_NS_MIGRATE = 0x63726F6D
 #: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
 
 # --- leadership -----------------------------------------------------------------------------
@@ -91,6 +96,15 @@ bump_epoch = (
         holder_backend_start=_own("backend_start"),
         holder_role=_own("usesysid"),
     )
+    .returning(leader.c.epoch)
+)
+
+#: The epoch bump alone, for a leader table without the holder columns (a schema before
+#: revision 0007): what a forced downgrade of such a schema fences its leader with.
+bump_epoch_only = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(epoch=_next_epoch)
     .returning(leader.c.epoch)
 )
 

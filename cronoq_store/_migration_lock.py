@@ -22,6 +22,7 @@ refuses a run whose proxy another thread's raw ``alembic.command`` call replaced
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +43,10 @@ __all__ = ["HELD", "held", "held_async", "held_for", "resolve"]
 HELD = "cronoq_store.migration_lock_held"
 #: How often a waiting coroutine tries the lock again.
 _POLL = 0.01
+#: A coroutine still waiting says so this often (seconds).
+_REPORT_INTERVAL = 30.0
+
+logger = logging.getLogger("cronoq_store")
 
 _lock = threading.Lock()
 #: The loop whose coroutine holds the lock, if one does.
@@ -50,10 +55,20 @@ _owner: asyncio.AbstractEventLoop | None = None
 
 async def _acquire() -> None:
     global _owner
+    loop = asyncio.get_running_loop()
+    started = said = loop.time()
     # Polled: an asyncio primitive cannot be woken by a holder on another loop or thread.
-    while not _lock.acquire(blocking=False):  # noqa: ASYNC110
+    while not _lock.acquire(blocking=False):
         await asyncio.sleep(_POLL)
-    _owner = asyncio.get_running_loop()
+        if loop.time() - said >= _REPORT_INTERVAL:
+            said = loop.time()
+            # Each run's own waits are bounded and said: this one is only their sum.
+            logger.warning(
+                "a migration has waited %.0f s for another Alembic run in this process "
+                "(runs take turns: Alembic keeps the running command in module globals)",
+                said - started,
+            )
+    _owner = loop
 
 
 def _release() -> None:

@@ -1,5 +1,7 @@
 """The migrations' own statements: what an offline (``--sql``) script checks before its DDL,
-and what a downgrade runs under the leader lock (:mod:`cronoq_store._downgrade_guard`).
+what a downgrade runs under the leader lock (:mod:`cronoq_store._downgrade_guard`), and the
+bounded waits for a lock (:mod:`cronoq_store._lock_waits`): the migration lock tried, the
+tables locked an attempt at a time.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    Float,
     Integer,
     Text,
     bindparam,
@@ -16,20 +19,28 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     true,
 )
 from sqlalchemy.schema import DDL
 from sqlalchemy.sql.selectable import Select
 
+from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import leader, recurring, tasks
 
 __all__ = [
     "checked_schema",
     "cluster_issued_ids",
     "lock_cluster_tables",
+    "pause",
     "refuse_foreign_owner",
     "refuse_live_leader",
+    "release_savepoint",
+    "rollback_to_savepoint",
+    "savepoint",
+    "set_local_lock_timeout",
     "try_leader_lock_for_transaction",
+    "try_migration_lock",
 ]
 
 # --- offline migration script -------------------------------------------------------------
@@ -92,13 +103,49 @@ cluster_issued_ids = select(
 )
 
 
-def lock_cluster_tables(schema: str, dialect: Any) -> DDL:
-    """``LOCK TABLE`` of the cluster's tables in ``schema``, all in one statement before the
-    downgrade touches any: it waits for commits in flight, and later ones wait for it, in one
-    order (leader row first, as every commit takes it), so none can deadlock with its DDL."""
+#: The cluster's tables in the order a migration locks them: the leader row first, as every
+#: commit takes it, so no commit can deadlock with the migration's DDL.
+CLUSTER_TABLES = tuple(t.name for t in (leader, tasks, recurring))
+
+
+def lock_cluster_tables(schema: str, dialect: Any, names: tuple[str, ...] = CLUSTER_TABLES) -> DDL:
+    """``LOCK TABLE`` of the cluster's tables ``names`` in ``schema``, all in one statement
+    before a migration touches any: it waits for commits in flight, and later ones wait for
+    it, in :data:`CLUSTER_TABLES`' order, so none can deadlock with its DDL."""
     quote = dialect.identifier_preparer.quote
-    names = ", ".join(f"{quote(schema)}.{quote(t.name)}" for t in (leader, tasks, recurring))
-    return DDL(f"LOCK TABLE ONLY {names} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
+    ordered = [name for name in CLUSTER_TABLES if name in names]
+    listed = ", ".join(f"{quote(schema)}.{quote(name)}" for name in ordered)
+    return DDL(f"LOCK TABLE ONLY {listed} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
+
+
+# --- bounded lock waits (``cronoq_store._lock_waits``) ---------------------------------------
+
+#: ``pg_try_advisory_xact_lock`` of the migration lock of the schema named ``schema``: true
+#: if this transaction now holds it, until it ends. Tried, never waited on: the waiter
+#: looks at who holds it between tries, says so, and gives up after its bound.
+try_migration_lock = select(
+    func.pg_try_advisory_xact_lock(
+        literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
+    )
+)
+
+#: ``lock_timeout`` (``ms``, an integer as text) until the end of the transaction, or of
+#: the savepoint it is set in: how long the next lock wait may take before it fails with
+#: 55P03 instead of waiting on.
+set_local_lock_timeout = select(
+    func.pg_catalog.set_config(
+        literal("lock_timeout", Text), bindparam("ms", type_=Text), true(), type_=Text
+    )
+)
+
+#: A pause of ``seconds`` on the server: the same round trip on a greenlet's connection as on
+#: a plain one, where a client's sleep would block an event loop.
+pause = select(func.pg_catalog.pg_sleep(bindparam("seconds", type_=Float)))
+
+#: One attempt at a lock, inside the caller's transaction, that can fail without ending it.
+savepoint = text("SAVEPOINT cronoq_lock_wait")
+rollback_to_savepoint = text("ROLLBACK TO SAVEPOINT cronoq_lock_wait")
+release_savepoint = text("RELEASE SAVEPOINT cronoq_lock_wait")
 
 
 #: What an offline (``--sql``) downgrade script runs before its first revision: stop if a

@@ -1,13 +1,16 @@
 """Alembic, one cluster schema at a time: upgrades and downgrades from code, the revision
 check; the environment ``env.py`` runs is :mod:`cronoq_store._alembic_env`.
 
-Every run for a schema happens in one transaction that first takes
-``pg_advisory_xact_lock(0x63726f6d, hashtext(schema))``: concurrent upgrades serialize (the
-second finds the schema at head) and a failed upgrade leaves nothing behind, the schema's
-creation included. The transaction runs under ``search_path = pg_catalog, pg_temp``: the
-cluster's schema is never on it (a role that can write there could plant an operator that a
-catalog lookup would run as us, CVE-2018-1058), so every operation in the revisions names
-its schema (:func:`cluster_schema`); the version table is ``<schema>.cronoq_alembic_version``.
+Every run for a schema happens in one transaction that first takes the schema's migration
+lock, ``pg_try_advisory_xact_lock(0x63726f6d, hashtext(schema))``, tried again while another
+session holds it, up to a bound (:mod:`cronoq_store._lock_waits`): concurrent upgrades
+serialize (the second finds the schema at head) and a failed upgrade leaves nothing behind,
+the schema's creation included. An upgrade to head reads the revision first and takes no
+lock on a schema already there. The transaction runs under ``search_path = pg_catalog,
+pg_temp``: the cluster's schema is never on it (a role that can write there could plant an
+operator that a catalog lookup would run as us, CVE-2018-1058), so every operation in the
+revisions names its schema (:func:`cluster_schema`); the version table is
+``<schema>.cronoq_alembic_version``.
 
 Before migrating, the run refuses what it cannot handle safely: a schema, or anything in it,
 that a role we cannot trust owns or may create in, or any trigger on our tables that the
@@ -47,9 +50,11 @@ from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
 from . import _transactions as transactions
-from ._config import trusted_trigger_names, validate_schema_name
+from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
+from ._domain import check_seconds
 from ._driver import translate_error
 from ._errors import MigrationError
+from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import VERSION_TABLE
 from ._trust import refuse_untrusted
 
@@ -57,6 +62,7 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
+    "LOCK_TIMEOUT",
     "RevisionStatus",
     "alembic_config",
     "alembic_ini",
@@ -70,8 +76,6 @@ __all__ = [
     "upgrade",
 ]
 
-#: First key of the advisory lock that serializes migrations of one schema ("crom").
-LOCK_NS_MIGRATE = 0x63726F6D
 #: The revision each version of the hand-rolled ``cronoq_schema_version`` table matches.
 LEGACY_REVISIONS = {
     1: "0001_base",
@@ -83,6 +87,9 @@ LEGACY_REVISIONS = {
 #: The tables of ours whose triggers, rules and TRIGGER grants the trust check refuses.
 #: ``Config.attributes`` key (and ``-x`` argument, comma-separated) of the trusted triggers.
 TRUSTED_TRIGGERS = "trusted_triggers"
+#: ``Config.attributes`` key (and ``-x`` argument) of the seconds a run waits for the
+#: migration lock and the cluster's tables (:data:`MIGRATION_LOCK_TIMEOUT` if not given).
+LOCK_TIMEOUT = "lock_timeout"
 #: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
 #: commands: a firewall dropping packets must not hang them for asyncpg's minute.
 CONNECT_TIMEOUT = 10.0
@@ -135,6 +142,7 @@ async def upgrade(
     revision: str = "head",
     *,
     trusted_triggers: frozenset[str] = frozenset(),
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
 ) -> None:
     """Upgrade ``schema`` to ``revision`` in one transaction (idempotent, serialized).
 
@@ -142,8 +150,18 @@ async def upgrade(
     otherwise this commits. Errors are :class:`~cronoq_store.StoreError`. Runs in this
     process take turns (:mod:`cronoq_store._migration_lock`): any number of stores may open
     at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
+
+    To head, the schema's revision is read first, without a lock: a schema already at head
+    (after the trust check) needs nothing, whoever holds its migration lock. Otherwise the
+    run waits up to ``lock_timeout`` seconds for the migration lock and then the cluster's
+    tables, logging who holds them (:mod:`cronoq_store._lock_waits`), and reads the
+    revision again under the lock (an upgrade that ran meanwhile leaves nothing to do);
+    past the bound it raises :class:`~cronoq_store.LockHeldError` naming them.
     """
-    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision)
+    check_seconds("lock_timeout", lock_timeout)
+    if revision == "head" and await _at_head(bind, schema, trusted_triggers):
+        return
+    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision, lock_timeout)
 
 
 async def downgrade(
@@ -153,15 +171,31 @@ async def downgrade(
     *,
     trusted_triggers: frozenset[str] = frozenset(),
     force: bool = False,
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
 ) -> None:
     """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
-    same transaction, lock and trust checks as :func:`upgrade`. What it undoes is lost,
-    rows and all: :func:`downgrade_steps` says which revisions that is.
+    same transaction, lock, lock wait and trust checks as :func:`upgrade`. What it undoes
+    is lost, rows and all: :func:`downgrade_steps` says which revisions that is.
 
     Refused (:class:`~cronoq_store.MigrationError`) while an instance holds the leader lock,
     and to base once the cluster issued task ids, unless ``force``; forced, a live leader is
     fenced (:mod:`cronoq_store._downgrade_guard`)."""
-    await _run_on(bind, schema, trusted_triggers, command.downgrade, revision, force=force)
+    await _run_on(
+        bind, schema, trusted_triggers, command.downgrade, revision, lock_timeout, force=force
+    )
+
+
+async def _at_head(
+    bind: AsyncEngine | AsyncConnection, schema: str, trusted_triggers: frozenset[str]
+) -> bool:
+    """Whether ``schema`` is at this build's head, read without a lock after the trust
+    check; a schema a newer build migrated is refused here
+    (:class:`~cronoq_store.MigrationError`)."""
+    opening = _opening(bind) if isinstance(bind, AsyncEngine) else None
+    status = await _read_status(bind, schema, trusted_trigger_names(trusted_triggers), opening)
+    if status.unknown:
+        raise MigrationError(newer_message(schema, status.unknown))
+    return status.at_head
 
 
 async def _run_on(
@@ -170,17 +204,20 @@ async def _run_on(
     trusted_triggers: frozenset[str],
     alembic_command: Callable[[Config, str], None],
     revision: str,
+    lock_timeout: float,
     *,
     force: bool = False,
 ) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
+    check_seconds("lock_timeout", lock_timeout)
 
     def run(sync_conn: Connection) -> None:
         cfg = alembic_config(schema, sync_conn)
         cfg.attributes[migration_lock.HELD] = True
         cfg.attributes[TRUSTED_TRIGGERS] = trusted
         cfg.attributes[downgrade_guard.FORCE] = force
+        cfg.attributes[LOCK_TIMEOUT] = lock_timeout
         alembic_command(cfg, revision)
 
     try:
@@ -243,11 +280,16 @@ async def _in_transaction(
     ALL``: :func:`~cronoq_store._transactions.run`), so that a retry never meets the same
     refusal again; a caller's connection as it is (its transaction, its role on purpose)."""
     if isinstance(bind, AsyncEngine):
-        statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
-        opening = transactions.opening(statements, bind.dialect)
-        await transactions.run(bind, opening, lambda conn: conn.run_sync(run))
+        await transactions.run(bind, _opening(bind), lambda conn: conn.run_sync(run))
     else:
         await bind.run_sync(run)
+
+
+def _opening(engine: AsyncEngine) -> str:
+    """The message that opens a migration's transaction on ``engine``, or its read of the
+    revision, with the store's own settings (:func:`_in_transaction`)."""
+    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
+    return transactions.opening(statements, engine.dialect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +396,22 @@ async def require_head(
     the revisions named (:meth:`RevisionStatus.require_head`). ``opening``: the message that
     opens its transaction (:func:`~cronoq_store._transactions.run`), the store's settings.
     """
+    status = await _read_status(engine, schema, trusted_triggers, opening)
+    status.require_head(
+        f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
+        "head`) with a role that owns the schema, or open the store with migrate=True"
+    )
+
+
+async def _read_status(
+    bind: AsyncEngine | AsyncConnection,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    opening: str | None,
+) -> RevisionStatus:
+    """Where ``schema`` stands, after :func:`refuse_untrusted`; reads only, takes no lock
+    (in ``bind``'s transaction, or in a transaction of an engine's that ``opening`` opens:
+    :func:`~cronoq_store._transactions.run`)."""
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
@@ -362,13 +420,13 @@ async def require_head(
         return revision_status(sync_conn, schema)
 
     try:
-        status = await transactions.run(engine, opening, lambda conn: conn.run_sync(read))
+        if isinstance(bind, AsyncConnection):
+            return await bind.run_sync(read)
+        return await transactions.run(bind, opening, lambda conn: conn.run_sync(read))
+    except MigrationError:
+        raise
     except Exception as exc:
         raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
-    status.require_head(
-        f"run `cronoq-store --schema {schema} migrate` (or `alembic -x schema={schema} upgrade "
-        "head`) with a role that owns the schema, or open the store with migrate=True"
-    )
 
 
 def cluster_schema() -> str:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta, timezone
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import _catalog as catalog
+from . import _lock_waits as lock_waits
 from . import _statements as st
 from ._domain import (
     I64_MAX,
@@ -30,10 +31,12 @@ from ._domain import (
     clean_text,
 )
 from ._errors import ClusterReplacedError, StoreError
+from ._lock_waits import holder_of
 from ._rows import RECORD_COLUMNS, task_record
 from ._stored_values import LockHolder, TaskRecord
 
 __all__ = [
+    "HOLDER_COLUMNS",
     "MAX_PRUNE_AGE",
     "PRUNE_BATCH",
     "TAKEOVER_GRACE",
@@ -46,6 +49,7 @@ __all__ = [
     "get_task",
     "holder_of",
     "incarnation",
+    "leader_columns",
     "leader_lock_holder",
     "list_finished",
     "list_listed_finished",
@@ -53,6 +57,7 @@ __all__ = [
     "load_output",
     "lock_keys",
     "lookup_params",
+    "migration_lock_holder",
     "prune",
     "prune_age_ns",
     "prune_cutoff",
@@ -180,6 +185,8 @@ async def prune(
     progress: Callable[[int], None] | None = None,
     *,
     cluster: tuple[str, int],
+    lock_wait: float,
+    waiter: str,
 ) -> int:
     """Delete finished tasks updated before ``cutoff`` that no live task depends on, by id
     or key, :data:`PRUNE_BATCH` at a time, each batch in a transaction of its own
@@ -195,12 +202,16 @@ async def prune(
     snapshot, sees the dependencies they added; commits arriving meanwhile wait for one
     batch, and cannot starve it. The batch records the largest id it
     deletes in the same statement (:data:`~cronoq_store._statements.prune_batch`).
+
+    The barrier waits at most ``lock_wait`` seconds for the leader table: a
+    session holding it longer (any session that may lock the leader row) is named in a
+    ``LockHeldError``; ``waiter`` names the call and where its bound is set.
     """
     schema, incarnation = cluster
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH, "incarnation": incarnation}
 
     async def batch(conn: AsyncConnection) -> int:
-        await conn.execute(st.leader_barrier)
+        await lock_waits.leader_barrier(conn.execute, schema, lock_wait, waiter)
         recorded = (await conn.execute(st.prune_batch, params)).first()
         if recorded is None:
             found = (await conn.execute(st.incarnation)).scalar()
@@ -241,40 +252,47 @@ def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
     return {"k1": lock[0], "k2": lock[1] & 0xFFFFFFFF}
 
 
-def holder_of(row: Any, *, store_instance: bool | None = None) -> LockHolder | None:
-    """The holder in a row of :data:`~cronoq_store._statements.leader_holder_facts` (or of
-    :data:`~cronoq_store._statements.health_facts`); ``store_instance`` where the row
-    cannot say (:func:`leader_lock_holder`)."""
-    if row.pid is None:
-        return None
-    since = row.backend_start
-    return LockHolder(
-        pid=row.pid,
-        application_name=row.application_name,
-        client_addr=row.client_addr,
-        since=None if since is None else since.astimezone(timezone.utc),
-        role=row.usename,
-        store_instance=bool(row.store_instance) if store_instance is None else store_instance,
-    )
-
-
 def facts_of(row: Any) -> ClusterFacts:
     """A row of :data:`~cronoq_store._statements.health_facts`, as facts."""
     return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())), row.tableoid)
 
 
-async def cluster_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:
+async def cluster_facts(
+    conn: AsyncConnection, lock: tuple[int, int], *, recorded: bool = True
+) -> ClusterFacts:
     """The stored epoch, who holds the leader lock ``lock`` (the store's keys) and whether
     it is a store instance, and the recorded revisions: what ``PgStore.health`` and
     ``cronoq-store health`` report. One statement; a holder that is not a store instance is
-    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is."""
+    read again after :data:`TAKEOVER_GRACE`, and reported foreign only if it still is.
+    ``recorded=False`` for a leader table without the holder columns (:data:`HOLDER_COLUMNS`,
+    :func:`leader_columns`)."""
     keys = lock_keys(lock)
-    facts = facts_of((await conn.execute(catalog.health_facts, keys)).one())
+    statement = catalog.health_facts if recorded else catalog.health_facts_unrecorded
+    facts = facts_of((await conn.execute(statement, keys)).one())
     if facts.holder is None or facts.holder.store_instance:
         return facts
     await asyncio.sleep(TAKEOVER_GRACE)
     await conn.execute(catalog.clear_stats_snapshot)
-    return facts_of((await conn.execute(catalog.health_facts, keys)).one())
+    return facts_of((await conn.execute(statement, keys)).one())
+
+
+#: The leader table's columns that record the lock session of the current epoch (revision
+#: 0007): without them, :func:`cluster_facts` needs ``recorded=False``.
+HOLDER_COLUMNS = frozenset({"holder_pid", "holder_backend_start", "holder_role", "holder_epoch"})
+
+
+async def leader_columns(conn: AsyncConnection, schema: str) -> frozenset[str]:
+    """The columns of ``schema``'s leader table, empty when it has none: what a schema at
+    another revision than this build's head lets :func:`cluster_facts` read."""
+    return frozenset((await conn.execute(catalog.leader_columns, {"schema": schema})).scalars())
+
+
+async def migration_lock_holder(conn: AsyncConnection, schema: str) -> LockHolder | None:
+    """Who holds ``schema``'s migration lock (a migration in its transaction, or any session
+    that took it): every migration of the schema waits for it. Never a store instance as
+    the leader lock's holder can be: ``store_instance`` is ``False``."""
+    row = (await conn.execute(catalog.migration_lock_holder, {"schema": schema})).first()
+    return None if row is None else holder_of(row, store_instance=False)
 
 
 async def leader_lock_holder(conn: AsyncConnection, lock: tuple[int, int]) -> LockHolder | None:

@@ -47,7 +47,7 @@ from ._mutations import Mutation
 from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
-from ._stored_values import Health, Recovered, TaskRecord
+from ._stored_values import Health, LockHolder, Recovered, TaskRecord
 from ._urls import async_url, redact
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -246,7 +246,12 @@ class PgStore:
             await pool.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
-            await migrations.upgrade(engine, config.schema, trusted_triggers=trusted)
+            await migrations.upgrade(
+                engine,
+                config.schema,
+                trusted_triggers=trusted,
+                lock_timeout=config.migration_lock_timeout,
+            )
         else:
             await migrations.require_head(
                 engine, config.schema, trusted_triggers=trusted, opening=opening
@@ -278,7 +283,10 @@ class PgStore:
     async def migrate(self) -> None:
         """Apply pending migrations (idempotent, serialized); :meth:`connect` already did."""
         await migrations.upgrade(
-            self._engine, self._config.schema, trusted_triggers=self._config.trusted_triggers
+            self._engine,
+            self._config.schema,
+            trusted_triggers=self._config.trusted_triggers,
+            lock_timeout=self._config.migration_lock_timeout,
         )
 
     async def close(self) -> None:
@@ -616,39 +624,43 @@ class PgStore:
         head); only a database that cannot be read raises (``UnavailableError`` or
         ``StoreError``). A holder that is not a store instance (it never took the epoch) is
         read again after :data:`~cronoq_store._queries.TAKEOVER_GRACE` and reported in
-        ``foreign_holder``, never as a leader. A schema whose tables are gone (never
+        ``foreign_holder``, never as a leader; whoever holds the schema's migration lock is
+        in ``migration_lock``. A schema whose tables are gone (never
         migrated, or downgraded under a leader) reads as no revision and stored epoch 0,
         with whoever holds its leader lock (not a store instance: nothing records one).
         ``incarnation`` is the cluster this instance was opened on, ``stored_incarnation``
         the one the schema holds now: where they differ (``cluster_replaced``), this
         instance never writes again. The holder is that of the lock the schema's OID keys
         now."""
-        check = self._connect_check
+        check, schema = self._connect_check, self._config.schema
 
-        async def untrusted_roles(conn: AsyncConnection) -> Sequence[str]:
-            return (await conn.execute(check.statement, check.params)).scalars().all()
+        async def others(conn: AsyncConnection) -> tuple[Sequence[str], LockHolder | None]:
+            untrusted = (await conn.execute(check.statement, check.params)).scalars().all()
+            return untrusted, await queries.migration_lock_holder(conn, schema)
 
-        async def read(conn: AsyncConnection) -> tuple[queries.ClusterFacts, Sequence[str]]:
+        async def read(
+            conn: AsyncConnection,
+        ) -> tuple[queries.ClusterFacts, Sequence[str], LockHolder | None]:
             facts = await queries.cluster_facts(conn, await self._lock_now(conn))
-            return facts, await untrusted_roles(conn)
+            return facts, *await others(conn)
 
         async def read_without_tables(
             conn: AsyncConnection,
-        ) -> tuple[queries.ClusterFacts, Sequence[str]]:
+        ) -> tuple[queries.ClusterFacts, Sequence[str], LockHolder | None]:
             holder = await queries.leader_lock_holder(conn, await self._lock_now(conn))
-            status = await conn.run_sync(migrations.revision_status, self._config.schema)
+            status = await conn.run_sync(migrations.revision_status, schema)
             facts = queries.ClusterFacts(0, holder, status.current)
-            return facts, await untrusted_roles(conn)
+            return facts, *await others(conn)
 
         try:
             async with self._translated("reading health"):
-                facts, untrusted = await self._read(read)
+                facts, untrusted, migrating = await self._read(read)
         except SchemaGoneError:
             # No leader table to read (not migrated, or dropped under a leader): what is
             # known is who holds the lock and what the version table (if any) records;
             # epoch 0, as in a cluster not yet created.
             async with self._translated("reading health"):
-                facts, untrusted = await self._read(read_without_tables)
+                facts, untrusted, migrating = await self._read(read_without_tables)
         last = self._last_commit
         return Health(
             is_leader=self.is_leader,
@@ -661,6 +673,7 @@ class PgStore:
             untrusted_connect=tuple(untrusted),
             incarnation=self._incarnation,
             stored_incarnation=facts.incarnation,
+            migration_lock=migrating,
         )
 
     async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:
@@ -715,6 +728,9 @@ class PgStore:
                     cutoff,
                     progress,
                     cluster=(self._config.schema, self._incarnation),
+                    # Commits in flight hold the leader row for at most this long.
+                    lock_wait=self._config.commit_timeout,
+                    waiter="pruning (its wait is commit_timeout)",
                 )
             pruned(deleted)
         return deleted

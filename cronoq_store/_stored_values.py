@@ -157,7 +157,7 @@ def instance_of(application_name: str | None) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """What ``PgStore.health()`` reads in one round trip, for a readiness endpoint: facts,
+    """What ``PgStore.health()`` reads in one transaction, for a readiness endpoint: facts,
     never a verdict raised as an error."""
 
     #: Whether this instance holds the leader lock, and its epoch while it does.
@@ -181,6 +181,11 @@ class Health:
     #: OID), and the one the schema holds now (``None`` when its tables are gone).
     incarnation: int | None = None
     stored_incarnation: int | None = None
+    #: The session holding the schema's migration lock, if one does: every migration of the
+    #: schema (an instance opening on a schema behind its head, ``cronoq-store migrate``,
+    #: Alembic) waits for it, and gives up after its bound. Its ``store_instance`` is
+    #: ``False``: the lock does not tell instances from other sessions.
+    migration_lock: LockHolder | None = None
 
     @property
     def at_head(self) -> bool:

@@ -38,7 +38,7 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import MigrationError, StoreError
 from cronoq_store._folding import fold
-from cronoq_store._migrations import upgrade
+from cronoq_store._migrations import downgrade, upgrade
 from cronoq_store._mutations import (
     RecurringNext,
     RecurringRemove,
@@ -113,7 +113,7 @@ def config(schema: str) -> PgStoreConfig:
     return PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
 
 
-async def test_migrations_belong_to_the_owner_and_connect_as_runtime_is_refused(
+async def test_migrations_belong_to_the_owner_and_migrating_as_runtime_is_refused(
     roles: Roles, schema: str
 ) -> None:
     rows = await admin_execute(
@@ -124,7 +124,17 @@ async def test_migrations_belong_to_the_owner_and_connect_as_runtime_is_refused(
         schema,
     )
     assert [(r[0], r[1]) for r in rows] == [(roles.owner.username, [roles.owner.username])]
-    # connect() migrates first, which the runtime role may not do: a clear, final error.
+    # At head, connect() has nothing to migrate: it reads the revision, as migrate=False
+    # does, and needs no DDL right.
+    async with await PgStore.connect(roles.runtime, config(schema)) as store:
+        assert (await store.health()).at_head
+    # Behind head, connect() migrates first, which the runtime role may not do: a clear,
+    # final error.
+    owner = create_async_engine(async_url(roles.owner))
+    try:
+        await downgrade(owner, schema, "-1")
+    finally:
+        await owner.dispose()
     with pytest.raises(StoreError) as info:
         await PgStore.connect(roles.runtime, config(schema))
     assert not info.value.is_transient

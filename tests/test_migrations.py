@@ -171,7 +171,9 @@ async def test_two_schemas_migrate_independently(engine: AsyncEngine, pg_url: UR
 async def test_concurrent_migrations_of_one_schema_serialize(
     pg_url: URL, schema: str, engine: AsyncEngine
 ) -> None:
-    """Two processes migrate at once: one waits for the other's lock, both succeed."""
+    """Two processes migrate at once: one waits for the other's lock, both succeed. A
+    migration tries the lock again and again rather than queue on it (it looks at the
+    holder and pauses on the server between tries): both are seen pausing."""
     script = (
         "import asyncio, sys\n"
         "from sqlalchemy.ext.asyncio import create_async_engine\n"
@@ -201,17 +203,20 @@ async def test_concurrent_migrations_of_one_schema_serialize(
             )
             for _ in range(2)
         ]
-        for _ in range(200):
+        blocker_pid = (await blocker.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        waiting: set[int] = set()
+        for _ in range(400):
             rows = await admin_execute(
                 pg_url,
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                "AND classid = $1",
-                LOCK_NS_MIGRATE,
+                "SELECT pid FROM pg_stat_activity WHERE pid NOT IN ($1, pg_backend_pid()) "
+                "AND (query LIKE '%pg_try_advisory_xact_lock(%' OR query LIKE '%pg_sleep(%')",
+                blocker_pid,
             )
-            if rows[0][0] == 2:
+            waiting |= {row["pid"] for row in rows}
+            if len(waiting) == 2:
                 break
             await asyncio.sleep(0.05)
-        assert rows[0][0] == 2, "both migrations should be waiting for the lock"
+        assert len(waiting) == 2, "both migrations should be waiting for the lock"
         assert await tables(engine, schema) == set()
         await blocker.rollback()
     results = [await asyncio.wait_for(p.communicate(), 60) for p in procs]

@@ -35,6 +35,7 @@ PUBLIC_NAMES = {
         "IdCollisionError",
         "IntervalSchedule",
         "KeyTakenError",
+        "LockHeldError",
         "LockHolder",
         "MigrationError",
         "MissPolicy",

@@ -4,7 +4,9 @@ One pool-less engine per command, the cluster's schema applied at execution as t
 does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for objects an
 untrusted role controls before any command reads it. A URL that is not a PostgreSQL URL is
 a usage error (2), failing to connect is exit code 3; a schema that is not at this build's
-head is 4, one that a newer build migrated 5.
+head is 4, one that a newer build migrated 5. No statement waits longer than
+:data:`LOCK_WAIT` for a lock another session holds (a migration's, or any session's lock on
+the cluster's tables): the command then exits 9 naming who held it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from .. import _catalog as catalog
 from .. import _session_statements as session_st
 from .._alembic_env import clusters_elsewhere
-from .._driver import translate_error
-from .._errors import MigrationError
+from .._driver import lock_not_available, translate_error
+from .._errors import LockHeldError, MigrationError
+from .._lock_waits import describe_holders, holder_of
+from .._migration_statements import CLUSTER_TABLES
 from .._migrations import (
     CONNECT_TIMEOUT,
     RevisionStatus,
@@ -31,8 +36,14 @@ from .._urls import engine_arguments, redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 
+#: Seconds a command other than ``migrate`` and ``downgrade`` waits for a lock another
+#: session holds (a migration holds the cluster's tables for its whole transaction); past
+#: it the command exits 9, naming the holders. The same as a commit's default bound.
+LOCK_WAIT = 30.0
+
 __all__ = [
     "CONNECT_TIMEOUT",
+    "LOCK_WAIT",
     "database",
     "engine",
     "refuse_unless_at_head",
@@ -62,6 +73,7 @@ def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
                     "application_name": "cronoq-store cli",
                     # No schema another role can write is ever on the path (CVE-2018-1058).
                     "search_path": session_st.SEARCH_PATH,
+                    "lock_timeout": str(round(LOCK_WAIT * 1000)),
                 },
                 **tls,
             },
@@ -95,12 +107,43 @@ async def database(
                 await _refuse_defaulted_schema(conn, options.schema)
             await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
             await conn.rollback()
-            yield conn
+            try:
+                yield conn
+            except LockHeldError:
+                raise
+            except Exception as exc:
+                if not lock_not_available(exc):
+                    raise
+                raise await _lock_held(conn, options.schema) from None
         finally:
             await conn.close()
     finally:
         if pooled is None:
             await made.dispose()
+
+
+async def _lock_held(conn: AsyncConnection, schema: str) -> CliError:
+    """Exit 9 for a statement that waited :data:`LOCK_WAIT` for the cluster's tables,
+    naming the sessions that hold them exclusively (a migration's DDL, a ``LOCK TABLE``)."""
+    await conn.rollback()
+    rows = (
+        await conn.execute(
+            catalog.table_lock_holders,
+            {
+                "schema": schema,
+                "tables": list(CLUSTER_TABLES),
+                # What a read (ACCESS SHARE) waits for.
+                "modes": list(catalog.LOCK_MODES[-1:]),
+            },
+        )
+    ).all()
+    await conn.rollback()
+    holders = [h for h in (holder_of(row, store_instance=False) for row in rows) if h]
+    return CliError(
+        f"gave up after {LOCK_WAIT:g} s waiting for a lock on the tables of schema "
+        f"{schema!r}, held by {describe_holders(holders)}",
+        ExitCode.LOCK_HELD,
+    )
 
 
 async def _refuse_defaulted_schema(conn: AsyncConnection, schema: str) -> None:

@@ -21,7 +21,7 @@ from .._migrations import downgrade, downgrade_steps
 from . import database, output
 from .app import Options
 from .exits import CliError, ExitCode, run
-from .migrate import print_script
+from .migrate import lock_timeout_option, print_script
 
 __all__ = ["downgrade_command"]
 
@@ -38,8 +38,11 @@ __all__ = ["downgrade_command"]
 @click.option(
     "--sql", is_flag=True, help="Print the downgrade script instead of running it (FROM:TO)."
 )
+@lock_timeout_option
 @click.pass_obj
-def downgrade_command(options: Options, revision: str, sql: bool, yes: bool, force: bool) -> None:
+def downgrade_command(
+    options: Options, revision: str, sql: bool, yes: bool, force: bool, lock_timeout: float
+) -> None:
     """Downgrade the schema to REVISION (base removes the cluster), in one serialized
     transaction; what the undone revisions hold is lost.
 
@@ -51,7 +54,9 @@ def downgrade_command(options: Options, revision: str, sql: bool, yes: bool, for
     instance leads when it runs (with --force: fences it).
     """
     if sql:
-        print_script(command.downgrade, options.schema, revision, force=force)
+        print_script(
+            command.downgrade, options.schema, revision, force=force, lock_timeout=lock_timeout
+        )
         return
     current, undone = run(options.url, _plan(options, revision))
     question = (
@@ -63,7 +68,11 @@ def downgrade_command(options: Options, revision: str, sql: bool, yes: bool, for
             CliError(f"{question} Pass --yes to confirm.", ExitCode.USAGE).exit(options.url)
         if not click.confirm(question, default=False):
             CliError("downgrade cancelled: nothing changed", ExitCode.FAILED).exit(options.url)
-    run(options.url, _downgrade(options, revision, current, force, output.console()))
+    with output.store_log_on_stderr():
+        run(
+            options.url,
+            _downgrade(options, revision, current, force, lock_timeout, output.console()),
+        )
 
 
 async def _plan(options: Options, revision: str) -> tuple[str, tuple[str, ...]]:
@@ -84,13 +93,23 @@ async def _plan(options: Options, revision: str) -> tuple[str, tuple[str, ...]]:
 
 
 async def _downgrade(
-    options: Options, revision: str, current: str, force: bool, console: Console
+    options: Options,
+    revision: str,
+    current: str,
+    force: bool,
+    lock_timeout: float,
+    console: Console,
 ) -> None:
     schema = options.schema
     engine = database.engine(options.database_url())
     try:
         await downgrade(
-            engine, schema, revision, trusted_triggers=options.trusted_triggers, force=force
+            engine,
+            schema,
+            revision,
+            trusted_triggers=options.trusted_triggers,
+            force=force,
+            lock_timeout=lock_timeout,
         )
     except MigrationError as exc:
         raise CliError(str(exc), ExitCode.FAILED) from None

@@ -12,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from .._driver import translate_error
+from .._errors import LockHeldError
 from .._terminal_safe import visible
 from .._urls import scrub
 
@@ -32,6 +33,7 @@ class ExitCode(IntEnum):
     NO_LEADER = 6
     FOREIGN_HOLDER = 7
     NOT_HANDED_OVER = 8
+    LOCK_HELD = 9
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -51,6 +53,8 @@ Exit codes:
      leader lock: no instance can lead until it lets go
   {ExitCode.NOT_HANDED_OVER:d}  (handover) the instance whose session it ended leads again,
      or the new leader shows no instance id to tell
+  {ExitCode.LOCK_HELD:d}  a lock the command needs stayed held by another session past its
+     bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
 """
 
 
@@ -79,4 +83,6 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     except Exception as exc:
         error = translate_error(exc, "the command")
         code = ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED
+        if isinstance(error, LockHeldError):
+            code = ExitCode.LOCK_HELD
         CliError(str(error), code).exit(url)

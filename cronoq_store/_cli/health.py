@@ -43,6 +43,6 @@ async def _health(options: Options, as_json: bool, console: Console) -> ExitCode
     else:
         for reason in health.reasons:
             console.print(f"unhealthy: {reason}")
-    if health.public_connect:
-        console.print(f"warning: {operations.PUBLIC_CONNECT_WARNING}")
+    for warning in health.warnings:
+        console.print(f"warning: {warning}")
     return code

@@ -10,26 +10,39 @@ from alembic import command
 from alembic.util import CommandError
 from rich.console import Console
 
+from .._config import MIGRATION_LOCK_TIMEOUT
 from .._downgrade_guard import FORCE
 from .._errors import MigrationError
 from .._migrations import (
+    LOCK_TIMEOUT,
     alembic_config,
     downgrade_steps,
     run_command,
     upgrade,
 )
 from . import database, output
-from .app import Options
+from .app import Options, number_option
 from .exits import CliError, ExitCode, run
 
-__all__ = ["migrate", "print_script"]
+__all__ = ["lock_timeout_option", "migrate", "print_script"]
+
+
+#: The ``--lock-timeout`` of ``migrate`` and ``downgrade``.
+lock_timeout_option = number_option(
+    "--lock-timeout",
+    click.FloatRange(min=0, min_open=True),
+    MIGRATION_LOCK_TIMEOUT,
+    "Seconds to wait for the schema's migration lock and its tables while other sessions "
+    "hold them (who holds them is printed on stderr meanwhile); then exit 9, naming them.",
+)
 
 
 @click.command()
 @click.argument("revision", default="head")
 @click.option("--sql", is_flag=True, help="Print the upgrade script instead of running it.")
+@lock_timeout_option
 @click.pass_obj
-def migrate(options: Options, revision: str, sql: bool) -> None:
+def migrate(options: Options, revision: str, sql: bool, lock_timeout: float) -> None:
     """Upgrade the schema to REVISION (default: head), in one serialized transaction.
 
     With --sql, print the script for review without connecting (REVISION may then be a
@@ -37,20 +50,27 @@ def migrate(options: Options, revision: str, sql: bool) -> None:
     command (cronoq-store downgrade --help).
     """
     if sql:
-        print_script(command.upgrade, options.schema, revision)
+        print_script(command.upgrade, options.schema, revision, lock_timeout=lock_timeout)
         return
-    run(options.url, _migrate(options, revision, output.console()))
+    with output.store_log_on_stderr():
+        run(options.url, _migrate(options, revision, lock_timeout, output.console()))
 
 
 def print_script(
-    alembic_command: Callable[..., None], schema: str, revision: str, *, force: bool = False
+    alembic_command: Callable[..., None],
+    schema: str,
+    revision: str,
+    *,
+    force: bool = False,
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
 ) -> None:
     """Print Alembic's offline script for ``schema`` without connecting (``force``: a
-    downgrade's script does not stop under a live leader, it fences it). Nothing but the
-    arguments can make it fail (a revision or range Alembic refuses, ``downgrade`` without
-    ``FROM:TO``): a usage error."""
+    downgrade's script does not stop under a live leader, it fences it; ``lock_timeout``:
+    its lock waits give up after that long). Nothing but the arguments can make it fail (a
+    revision or range Alembic refuses, ``downgrade`` without ``FROM:TO``): a usage error."""
     cfg = alembic_config(schema)
     cfg.attributes[FORCE] = force
+    cfg.attributes[LOCK_TIMEOUT] = lock_timeout
     script = io.StringIO()
     cfg.output_buffer = script
     try:
@@ -60,7 +80,7 @@ def print_script(
     click.echo(script.getvalue(), nl=False)
 
 
-async def _migrate(options: Options, revision: str, console: Console) -> None:
+async def _migrate(options: Options, revision: str, lock_timeout: float, console: Console) -> None:
     async with database.database(options) as conn:
         before = await database.revision(conn, options.schema)
     if before.unknown:
@@ -75,7 +95,13 @@ async def _migrate(options: Options, revision: str, console: Console) -> None:
         )
     engine = database.engine(options.database_url())
     try:
-        await upgrade(engine, options.schema, revision, trusted_triggers=options.trusted_triggers)
+        await upgrade(
+            engine,
+            options.schema,
+            revision,
+            trusted_triggers=options.trusted_triggers,
+            lock_timeout=lock_timeout,
+        )
     except MigrationError as exc:
         raise CliError(str(exc), ExitCode.FAILED) from None
     finally:

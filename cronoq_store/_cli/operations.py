@@ -36,9 +36,12 @@ __all__ = [
     "handover_document",
     "health_document",
     "leader_lock",
+    "migration_lock_warning",
     "plan_prune",
+    "prune_batches",
     "prune_cluster",
     "read_health",
+    "schema_facts",
     "verdict",
     "wait_for_new_leader",
 ]
@@ -95,27 +98,56 @@ class Health(NamedTuple):
     public_connect: bool
     code: ExitCode
     reasons: list[str]
+    #: Who holds the schema's migration lock, if a session does.
+    migration_lock: LockHolder | None = None
+
+    @property
+    def warnings(self) -> list[str]:
+        """What ``health`` says whatever its exit code: facts that do not make the cluster
+        unhealthy now, but stop something later."""
+        said = [] if self.migration_lock is None else [migration_lock_warning(self.migration_lock)]
+        return said + ([PUBLIC_CONNECT_WARNING] if self.public_connect else [])
+
+
+def migration_lock_warning(holder: LockHolder) -> str:
+    """A held migration lock, in words (``health``, ``status``)."""
+    return (
+        f"the migration lock is held by {output.describe_session(holder)}: every migration "
+        "of this schema (`cronoq-store migrate`, Alembic, an instance opening on a schema "
+        "behind its head) waits for it"
+    )
+
+
+async def schema_facts(
+    conn: AsyncConnection, revision: RevisionStatus
+) -> tuple[ClusterFacts | None, LockHolder | None]:
+    """The leadership facts a schema at any revision holds (``None`` without a leader
+    table), and the leader lock's holder. Read by the leader table's columns, not by the
+    revision, so that a schema older or newer than this build's head reads as well as it
+    can."""
+    if not revision.exists:
+        return None, None
+    lock = await leader_lock(conn, revision.schema)
+    columns = await queries.leader_columns(conn, revision.schema)
+    if "epoch" not in columns:
+        # No leader row, but a leader may still hold the lock (its tables were dropped
+        # under it): say so rather than "no instance holds the lock".
+        return None, await queries.leader_lock_holder(conn, lock)
+    recorded = columns >= queries.HOLDER_COLUMNS
+    facts = await queries.cluster_facts(conn, lock, recorded=recorded)
+    return facts, facts.holder
 
 
 async def read_health(conn: AsyncConnection, schema: str) -> Health:
-    """Where ``schema`` stands, who holds its leader lock, and the verdict."""
-    facts: ClusterFacts | None = None
-    holder: LockHolder | None = None
+    """Where ``schema`` stands, who holds its leader lock and its migration lock, and the
+    verdict."""
     public = bool((await conn.execute(catalog.public_may_connect)).scalar())
     revision = await database.revision(conn, schema)
-    if revision.exists:
-        lock = await leader_lock(conn, schema)
-        if revision.current:
-            # Migrated at some revision: the leader row and the lock are there to read.
-            facts = await queries.cluster_facts(conn, lock)
-            holder = facts.holder
-        else:
-            # No leader row, but a leader may still hold the lock (its tables were
-            # dropped under it): say so rather than "no instance holds the lock".
-            holder = await queries.leader_lock_holder(conn, lock)
+    facts, holder = await schema_facts(conn, revision)
+    migrating = await queries.migration_lock_holder(conn, schema)
     await conn.rollback()
     code, reasons = verdict(revision, facts, holder)
-    return Health(revision, facts, holder, public, code, reasons)
+    return Health(revision, facts, holder, public, code, reasons, migrating)
 
 
 def health_document(schema: str, health: Health) -> dict[str, Any]:
@@ -127,12 +159,14 @@ def health_document(schema: str, health: Health) -> dict[str, Any]:
         "revision": list(revision.current),
         "head": revision.head,
         "at_head": revision.at_head,
+        "revision_state": revision.describe(),
         "stored_epoch": None if facts is None else facts.stored_epoch,
         "incarnation": None if facts is None else facts.incarnation,
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
+        "migration_lock": output.session_document(health.migration_lock),
         "reasons": health.reasons,
-        "warnings": [PUBLIC_CONNECT_WARNING] if health.public_connect else [],
+        "warnings": health.warnings,
     }
 
 
@@ -336,3 +370,23 @@ def batch_transactions(
             return await batch(conn)
 
     return in_transaction
+
+
+async def prune_batches(
+    conn: AsyncConnection,
+    cluster: tuple[str, int],
+    cutoff_ns: int,
+    progress: Callable[[int], None],
+) -> int:
+    """Prune on ``conn`` with the store's own loop, one transaction per batch, only in
+    ``cluster`` (:func:`prune_cluster`), each batch waiting at most
+    :data:`~cronoq_store._cli.database.LOCK_WAIT` for the leader table; returns how many
+    were deleted."""
+    return await queries.prune(
+        batch_transactions(conn),
+        cutoff_ns,
+        progress,
+        cluster=cluster,
+        lock_wait=database.LOCK_WAIT,
+        waiter=f"pruning (a command waits {database.LOCK_WAIT:g} s at most)",
+    )

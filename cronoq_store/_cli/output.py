@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -37,6 +40,7 @@ __all__ = [
     "console",
     "describe_foreign",
     "describe_schedule",
+    "describe_session",
     "emit_json",
     "format_duration",
     "holder_document",
@@ -45,6 +49,8 @@ __all__ = [
     "print_facts",
     "print_table",
     "rfc3339",
+    "session_document",
+    "store_log_on_stderr",
     "task_document",
     "task_id",
     "utc",
@@ -83,6 +89,29 @@ def console(*, markup: bool = False) -> Console:
     return _SafeConsole(
         highlight=False, markup=markup, emoji=False, width=_PIPE_WIDTH, soft_wrap=True
     )
+
+
+@contextmanager
+def store_log_on_stderr() -> Iterator[None]:
+    """While it lasts, the store's log lines from INFO up are printed on stderr, one line
+    each (through :func:`~cronoq_store._terminal_safe.visible`): a migration waiting for a
+    lock says whom it waits for, as it waits."""
+    store = logging.getLogger("cronoq_store")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_VisibleFormatter("%(message)s"))
+    level = store.level
+    store.addHandler(handler)
+    store.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        store.setLevel(level)
+        store.removeHandler(handler)
+
+
+class _VisibleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
 
 
 def print_facts(out: Console, *facts: tuple[str, str]) -> None:
@@ -169,6 +198,29 @@ def holder_document(holder: LockHolder | None) -> dict[str, object] | None:
     }
 
 
+def session_document(holder: LockHolder | None) -> dict[str, object] | None:
+    """A session holding a lock that no store instance owns as such (the migration lock):
+    :func:`holder_document` without ``store_instance``."""
+    document = holder_document(holder)
+    if document is not None:
+        del document["store_instance"]
+    return document
+
+
+def describe_session(holder: LockHolder) -> str:
+    """A session holding a lock, in words: pid, role, application name and since when."""
+    return (
+        f"backend pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
+        f"{holder.application_name or ''!r}, session {_since(holder)}"
+    )
+
+
+def _since(holder: LockHolder) -> str:
+    if holder.since is None:
+        return "since an unknown time"
+    return f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})"
+
+
 def leader_of(holder: LockHolder | None) -> LockHolder | None:
     """The holder when it is a store instance: a foreign holder is never shown as leader."""
     return holder if holder is not None and holder.store_instance else None
@@ -177,16 +229,10 @@ def leader_of(holder: LockHolder | None) -> LockHolder | None:
 def describe_foreign(holder: LockHolder) -> str:
     """A lock holder that is not a store instance, in words: pid, role, application name
     and since when (``health``, ``status``)."""
-    since = (
-        "since an unknown time"
-        if holder.since is None
-        else (f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})")
-    )
     return (
-        f"backend pid {holder.pid}, role {holder.role or '(unknown)'!r}, application_name "
-        f"{holder.application_name or ''!r}, session {since}, holds the leader lock but is "
-        "not a store instance (it never took the epoch): no instance can lead until it lets "
-        "go (`cronoq-store handover` ends it)"
+        f"{describe_session(holder)}, holds the leader lock but is not a store instance (it "
+        "never took the epoch): no instance can lead until it lets go (`cronoq-store "
+        "handover` ends it)"
     )
 
 

@@ -76,9 +76,7 @@ async def _prune(options: Options, older_than: int, dry_run: bool, console: Cons
             return
         cluster = await operations.prune_cluster(conn, options.schema)
         with _progress_bar(victims) as progress:
-            deleted = await queries.prune(
-                operations.batch_transactions(conn), cutoff_ns, progress, cluster=cluster
-            )
+            deleted = await operations.prune_batches(conn, cluster, cutoff_ns, progress)
     console.print(f"pruned {deleted:,} {what}")
     console.print(f"kept {protected:,} of them that live tasks depend on")
 

@@ -3,8 +3,12 @@ rows and recurring schedules, in one look."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
 import click
 from rich.console import Console
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
 from .. import _lock_statements as lock_st
@@ -12,7 +16,7 @@ from .. import _queries as queries
 from .._codec import QUARANTINE_PREFIX
 from .._stored_values import LockHolder
 from .._urls import redact
-from . import database, output
+from . import database, operations, output
 from .app import Options
 from .exits import run
 
@@ -29,94 +33,121 @@ def status(options: Options, as_json: bool) -> None:
     run(options.url, _status(options, as_json, output.console()))
 
 
+class _Contents(NamedTuple):
+    """What only a schema at this build's head can be asked: its tables as this build
+    reads them."""
+
+    epoch: int
+    max_id: int
+    counts: Sequence[Any]
+    quarantined: int
+    schedules: Sequence[Any]
+
+
+async def _contents(conn: AsyncConnection) -> _Contents:
+    epoch, max_id = (await conn.execute(catalog.leader_state)).one()
+    counts = (await conn.execute(catalog.task_counts)).all()
+    quarantined = (
+        await conn.execute(catalog.quarantined_count, {"prefix": QUARANTINE_PREFIX})
+    ).scalar_one()
+    schedules = (await conn.execute(catalog.schedule_summaries)).all()
+    return _Contents(epoch, max_id, counts, quarantined, schedules)
+
+
 async def _status(options: Options, as_json: bool, console: Console) -> None:
     """What ``cronoq-store status`` shows. Long for a reason: one read of each fact, then the
     lines in the order the operator reads them; split into helpers, that order would be
-    spread over them."""
+    spread over them.
+
+    A schema not at this build's head is no failure to read: what every revision holds (the
+    revision, the epoch, the leader lock and its holder, the migration lock) is shown, then
+    the command exits 4 (behind, missing) or 5 (newer), naming the fix."""
+    schema = options.schema
     async with database.database(options) as conn:
-        revision = await database.revision(conn, options.schema)
-        if not as_json:
-            output.print_facts(
-                console,
-                ("database", redact(options.database_url())),
-                ("schema", options.schema),
-                ("revision", f"{', '.join(revision.current) or '-'} ({revision.describe()})"),
-                ("head", f"{revision.head} (this build)"),
-            )
-        database.refuse_unless_at_head(revision)
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": options.schema})).scalar_one()
-        lock = (lock_st.LOCK_NS_LEADER, oid)
-        facts = await queries.cluster_facts(conn, lock)
-        epoch, max_id = (await conn.execute(catalog.leader_state)).one()
-        counts = (await conn.execute(catalog.task_counts)).all()
-        quarantined = (
-            await conn.execute(catalog.quarantined_count, {"prefix": QUARANTINE_PREFIX})
-        ).scalar_one()
-        schedules = (await conn.execute(catalog.schedule_summaries)).all()
+        revision = await database.revision(conn, schema)
+        facts, holder = await operations.schema_facts(conn, revision)
+        migrating = await queries.migration_lock_holder(conn, schema)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
+        contents = await _contents(conn) if revision.at_head else None
+        await conn.rollback()
 
     # The store passes the OID as a signed int4; pg_locks shows it unsigned.
-    keys = (lock_st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
+    keys = None if oid is None else (lock_st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
+    epoch = None if facts is None else facts.stored_epoch
     if as_json:
-        output.emit_json(
-            {
-                "database": redact(options.database_url()),
-                "schema": options.schema,
-                "revision": list(revision.current),
-                "head": revision.head,
-                "epoch": epoch,
-                "incarnation": facts.incarnation,
-                "max_id": max_id,
-                "lock": list(keys),
-                "leader": output.holder_document(output.leader_of(facts.holder)),
-                "lock_holder": output.holder_document(facts.holder),
-                "quarantined": quarantined,
-                "tasks": [
-                    {
-                        "pool": row.pool,
-                        "state": "finished" if row.terminal else "live",
-                        "status": row.status,
-                        "count": row.n,
-                    }
-                    for row in counts
-                ],
-                "recurring": [
-                    {
-                        "name": row.name,
-                        "schedule": output.describe_schedule(row.schedule),
-                        "next_run": output.rfc3339(row.next_unix_ns),
-                        "last_task_id": row.last_task_id,
-                    }
-                    for row in schedules
-                ],
-            }
-        )
+        document: dict[str, object] = {
+            "database": redact(options.database_url()),
+            "schema": schema,
+            "revision": list(revision.current),
+            "head": revision.head,
+            "at_head": revision.at_head,
+            "revision_state": revision.describe(),
+            "epoch": epoch if contents is None else contents.epoch,
+            "incarnation": None if facts is None else facts.incarnation,
+            "lock": None if keys is None else list(keys),
+            "leader": output.holder_document(output.leader_of(holder)),
+            "lock_holder": output.holder_document(holder),
+            "migration_lock": output.session_document(migrating),
+        }
+        if contents is not None:
+            document.update(_contents_document(contents))
+        output.emit_json(document)
+        database.refuse_unless_at_head(revision)
         return
 
+    lock = "advisory lock" if keys is None else f"advisory lock ({keys[0]}, {keys[1]})"
+    if contents is not None:
+        epoch = contents.epoch
+    epoch_line = [] if epoch is None else [("epoch", str(epoch))]
+    if epoch == 0:
+        epoch_line = [("epoch", "0 (no leader yet)")]
+    max_id = None if contents is None else contents.max_id
     output.print_facts(
         console,
-        ("epoch", f"{epoch}" + (" (no leader yet)" if epoch == 0 else "")),
-        (
-            "incarnation",
-            f"{facts.incarnation} (the leader table's OID: another after a re-creation)",
+        ("database", redact(options.database_url())),
+        ("schema", schema),
+        ("revision", f"{', '.join(revision.current) or '-'} ({revision.describe()})"),
+        ("head", f"{revision.head} (this build)"),
+        *epoch_line,
+        *(
+            []
+            if facts is None or facts.incarnation is None
+            else [
+                (
+                    "incarnation",
+                    f"{facts.incarnation} (the leader table's OID: another after a re-creation)",
+                )
+            ]
         ),
-        ("max id", output.task_id(max_id) if max_id else "0 (no task issued)"),
-        *holder_facts(facts.holder, f"advisory lock ({keys[0]}, {keys[1]})"),
-        ("quarantined", f"{quarantined:,} rows"),
+        *(
+            []
+            if max_id is None
+            else [("max id", output.task_id(max_id) if max_id else "0 (no task issued)")]
+        ),
+        *(holder_facts(holder, lock) if revision.exists else []),
+        *(
+            []
+            if migrating is None
+            else [("migrations", operations.migration_lock_warning(migrating))]
+        ),
+        *([] if contents is None else [("quarantined", f"{contents.quarantined:,} rows")]),
     )
-    if counts:
+    database.refuse_unless_at_head(revision)
+    assert contents is not None
+    if contents.counts:
         output.print_table(
             console,
             "tasks by pool and status",
             ("pool", "state", "status", "count"),
             (
                 (row.pool, "finished" if row.terminal else "live", row.status, f"{row.n:,}")
-                for row in counts
+                for row in contents.counts
             ),
             right=("count",),
         )
     else:
         console.print("no tasks")
-    if schedules:
+    if contents.schedules:
         output.print_table(
             console,
             "recurring schedules",
@@ -128,12 +159,38 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
                     "-" if row.next_unix_ns is None else output.utc(row.next_unix_ns),
                     "-" if row.last_task_id is None else str(row.last_task_id),
                 )
-                for row in schedules
+                for row in contents.schedules
             ),
             wrap="schedule",
         )
     else:
         console.print("no recurring schedules")
+
+
+def _contents_document(contents: _Contents) -> dict[str, object]:
+    """The keys of ``status --json`` that only a schema at head has."""
+    return {
+        "max_id": contents.max_id,
+        "quarantined": contents.quarantined,
+        "tasks": [
+            {
+                "pool": row.pool,
+                "state": "finished" if row.terminal else "live",
+                "status": row.status,
+                "count": row.n,
+            }
+            for row in contents.counts
+        ],
+        "recurring": [
+            {
+                "name": row.name,
+                "schedule": output.describe_schedule(row.schedule),
+                "next_run": output.rfc3339(row.next_unix_ns),
+                "last_task_id": row.last_task_id,
+            }
+            for row in contents.schedules
+        ],
+    }
 
 
 def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:

@@ -28,7 +28,6 @@ from typing import Any
 
 from starlette.requests import Request
 
-from .. import _queries as queries
 from .._cli import database, operations
 from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration, holder_document, rfc3339
@@ -217,8 +216,7 @@ class Pruning:
             async with self._source.connect(schema) as conn:
                 await database.require_head(conn, schema)
                 cluster = await operations.prune_cluster(conn, schema)
-                transactions = operations.batch_transactions(conn)
-                await queries.prune(transactions, job.cutoff, progress, cluster=cluster)
+                await operations.prune_batches(conn, cluster, job.cutoff, progress)
             log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
         except Exception as exc:  # said on the page and in the log, never a traceback
             error = exc if isinstance(exc, CliError) else translate_error(exc, "pruning")

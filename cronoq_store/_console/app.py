@@ -249,8 +249,9 @@ class _Console:
             return self._respond(
                 request, "error.html", {"error": scrub(str(exc), [self._url])}, 409
             )
-        except CliError as exc:  # cannot connect (503), or a schema not at this build's head
-            status = 503 if exc.code is ExitCode.UNREACHABLE else 409
+        except CliError as exc:  # cannot connect or a lock held too long (503), or a schema
+            # not at this build's head (409)
+            status = 503 if exc.code in (ExitCode.UNREACHABLE, ExitCode.LOCK_HELD) else 409
             return self._respond(
                 request, "error.html", {"error": scrub(str(exc), [self._url])}, status
             )

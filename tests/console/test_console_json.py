@@ -8,15 +8,20 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import uuid
 from typing import Any
 
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore
 from cronoq_store._domain import TaskId
+from cronoq_store._migrations import head_revision, upgrade
 
+from ..pgharness import admin_execute
 from ..test_cli import BASE, FAILED, SUCCEEDED, changed, submitted
 from ..test_cli_json import command, environment, ha_config
+from ..test_schema_revisions import older_revisions
 from .conftest import Console, fetch
 
 #: What a task's page adds to ``tasks show --json``.
@@ -78,3 +83,36 @@ async def test_every_page_holds_the_clis_documents(
     (cluster,) = [c for c in overview["clusters"] if c["schema"] == migrated]
     assert cluster["health"] == await cli_json(pg_url, migrated, "health", code=6)
     assert cluster["health_exit_code"] == 6
+
+
+async def test_a_schema_at_every_older_revision_shows_its_verdict(
+    engine: AsyncEngine, pg_url: URL, console_at: Console
+) -> None:
+    """Mid rolling upgrade the schema is behind this build: the overview and the cluster's
+    page show its revision and ``health``'s verdict (exit 4), its task page refuses with
+    the reason (409); none is a 500."""
+    schemas = {f"{revision[:4]}_{uuid.uuid4().hex[:8]}": revision for revision in older_revisions()}
+    try:
+        for schema, revision in schemas.items():
+            await upgrade(engine, f"r{schema}", revision)
+        overview = await fetch(console_at.base + "/?format=json")
+        assert overview.status == 200, overview.text()
+        shown = {c["schema"]: c for c in overview.json()["clusters"]}
+        for schema, revision in schemas.items():
+            cluster = shown[f"r{schema}"]
+            assert "refused" not in cluster, cluster
+            assert cluster["revision"] == [revision]
+            assert cluster["health_exit_code"] == 4
+            assert cluster["health"] == await cli_json(pg_url, f"r{schema}", "health", code=4)
+
+            base = f"{console_at.base}/clusters/r{schema}"
+            page = await fetch(base)
+            assert page.status == 200, page.text()
+            assert "unhealthy (exit 4)" in page.text()
+            task = await fetch(base + "/task?id=1&format=json")
+            assert task.status == 409, task.text()
+            assert f"behind this build's head {head_revision()}" in task.json()["error"]
+        assert (await fetch(console_at.base + "/")).status == 200
+    finally:
+        for schema in schemas:
+            await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "r{schema}" CASCADE')

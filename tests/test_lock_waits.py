@@ -1,0 +1,350 @@
+"""A held lock is named, and no wait is silent: against a real server, with real sessions
+holding the locks the store waits for.
+
+Any role that may connect can take a schema's migration lock (``pg_advisory_lock(0x63726f6d,
+hashtext(schema))``) or hold the cluster's tables or leader row in an open transaction.
+Opening a store on a schema at head takes no lock at all. A wait that is not the call's
+purpose (opening a store on a schema behind head, migrating, pruning, a command) says whom it
+waits for and gives up after its bound with ``LockHeldError`` (exit 9) naming them; a wait
+that is (a standby's, a takeover's) goes on, saying why. ``health`` and ``status`` name the
+migration lock's holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import LockHeldError, PgStore, PgStoreConfig
+from cronoq_store._cli import ExitCode
+from cronoq_store._lock_statements import LOCK_NS_MIGRATE
+from cronoq_store._migrations import head_revision, upgrade
+
+from .pgharness import admin_execute, asyncpg_dsn
+from .test_lock_holders import Role, intruder, run_cli
+from .test_schema_revisions import older_revisions
+
+__all__ = ["intruder"]  # the fixture, shared with test_lock_holders
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A revision below head whose upgrade changes the cluster's tables.
+BEHIND = list(older_revisions())[-1]
+APP = "cronoq-intruder"
+
+
+def config(schema: str, name: str, **settings: object) -> PgStoreConfig:
+    return PgStoreConfig(
+        schema=schema,
+        application_name=name,
+        lock_poll=0.05,
+        keepalive=0.2,
+        session_timeout=2.0,
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+@asynccontextmanager
+async def session_of(role: Role) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(asyncpg_dsn(role.url), server_settings={"application_name": APP})
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def hold_migration_lock(conn: asyncpg.Connection, schema: str) -> None:
+    """What any role that may connect can do, for as long as its session lasts."""
+    await conn.execute("SELECT pg_advisory_lock($1, hashtext($2))", LOCK_NS_MIGRATE, schema)
+
+
+async def revision_of(pg_url: URL, schema: str) -> str:
+    rows = await admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
+    return str(rows[0][0])
+
+
+async def process(*args: str, url: URL, timeout: float = 90) -> tuple[int, str, str]:
+    """A command line in a process of its own; killed if it outlives ``timeout``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
+    env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{args} still waiting after {timeout} s") from None
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+# --- the migration lock ----------------------------------------------------------------------
+
+
+async def test_a_schema_at_head_opens_whoever_holds_its_migration_lock_and_health_names_them(
+    pg_url: URL, migrated: str, intruder: Role
+) -> None:
+    async with session_of(intruder) as held:
+        await hold_migration_lock(held, migrated)
+        pid = held.get_server_pid()
+        opening = PgStore.connect(pg_url, config(migrated, "waits-a"))
+        async with await asyncio.wait_for(opening, 60) as store:
+            await asyncio.wait_for(store.migrate(), 60)
+            seen = (await store.health()).migration_lock
+            assert seen is not None
+            assert (seen.pid, seen.role, seen.application_name) == (pid, intruder.name, APP)
+
+        health = await run_cli(pg_url, migrated, "health")
+        assert health.exit_code == ExitCode.NO_LEADER, health.output
+        assert f"warning: the migration lock is held by backend pid {pid}, role " in health.stdout
+        assert f"application_name {APP!r}" in health.stdout
+        document = json.loads((await run_cli(pg_url, migrated, "health", "--json")).stdout)
+        assert document["migration_lock"]["pid"] == pid
+        assert document["migration_lock"]["role"] == intruder.name
+        assert any("migration lock" in w for w in document["warnings"])
+
+        status = await run_cli(pg_url, migrated, "status")
+        assert status.exit_code == 0, status.output
+        assert f"the migration lock is held by backend pid {pid}" in status.stdout
+        status_doc = json.loads((await run_cli(pg_url, migrated, "status", "--json")).stdout)
+        assert status_doc["migration_lock"]["application_name"] == APP
+
+        migrate = await run_cli(pg_url, migrated, "migrate")
+        assert migrate.exit_code == 0, migrate.output
+        assert "already at" in migrate.stdout
+
+
+async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_up(
+    engine: AsyncEngine,
+    pg_url: URL,
+    schema: str,
+    intruder: Role,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await upgrade(engine, schema, BEHIND)
+    async with session_of(intruder) as held:
+        await hold_migration_lock(held, schema)
+        pid = held.get_server_pid()
+        bounded = config(schema, "waits-b", migration_lock_timeout=2.0)
+        with (
+            caplog.at_level(logging.INFO, logger="cronoq_store"),
+            pytest.raises(LockHeldError) as refused,
+        ):
+            await asyncio.wait_for(PgStore.connect(pg_url, bounded), 60)
+        message = str(refused.value)
+        assert f"the migration lock of schema {schema!r} after 2 s" in message
+        assert f"pid {pid} (role {intruder.name!r}, application {APP!r}" in message
+        assert refused.value.is_transient
+        assert [h.pid for h in refused.value.holders] == [pid]
+        said = [r for r in caplog.records if r.getMessage().startswith("waiting for the migr")]
+        assert said, [r.getMessage() for r in caplog.records]
+        assert f"pid {pid} (role {intruder.name!r}" in said[0].getMessage()
+        assert await revision_of(pg_url, schema) == BEHIND  # nothing changed
+
+        command = await run_cli(pg_url, schema, "migrate", "--lock-timeout", "2")
+        assert command.exit_code == ExitCode.LOCK_HELD, command.output
+        assert int(ExitCode.LOCK_HELD) == 9  # documented
+        first, *_, last = command.stderr.splitlines()
+        assert first.startswith(f"waiting for the migration lock of schema {schema!r}, held by")
+        assert last.startswith("Error: gave up waiting for the migration lock")
+        assert f"pid {pid} (role {intruder.name!r}" in last
+
+        code, out, err = await process(
+            "-m",
+            "alembic",
+            "-x",
+            f"schema={schema}",
+            "-x",
+            "lock_timeout=2",
+            "upgrade",
+            "head",
+            url=pg_url,
+        )
+        assert code != 0
+        assert f"[cronoq_store] waiting for the migration lock of schema {schema!r}" in err
+        assert f"FAILED: gave up waiting for the migration lock of schema {schema!r}" in out
+        assert await revision_of(pg_url, schema) == BEHIND
+
+    # Let go: the same calls migrate.
+    async with await PgStore.connect(pg_url, config(schema, "waits-b")) as store:
+        assert (await store.health()).at_head
+
+
+async def test_two_instances_opening_behind_head_at_once_take_turns(
+    engine: AsyncEngine, pg_url: URL, schema: str, intruder: Role
+) -> None:
+    """A rolling upgrade: two instances of the new build open at once on the old schema;
+    the second waits for the first's upgrade (held here a while, as a large table's would
+    be) and finds the schema at head."""
+    await upgrade(engine, schema, BEHIND)
+    async with session_of(intruder) as held:
+        await hold_migration_lock(held, schema)
+        opening = [
+            asyncio.ensure_future(PgStore.connect(pg_url, config(schema, f"waits-c{n}")))
+            for n in range(2)
+        ]
+        await asyncio.sleep(1.0)
+        assert not any(task.done() for task in opening)
+    stores = await asyncio.wait_for(asyncio.gather(*opening), 60)
+    for store in stores:
+        await store.close()
+    assert await revision_of(pg_url, schema) == head_revision()
+
+
+# --- the cluster's tables, during a migration --------------------------------------------------
+
+
+async def test_a_migration_behind_a_long_transaction_never_stops_reads_and_names_it(
+    engine: AsyncEngine, pg_url: URL, schema: str, intruder: Role
+) -> None:
+    """A migration's DDL queued behind a long transaction would queue every commit behind
+    it. It waits an attempt at a time instead: a read with a 5 s lock_timeout passes while
+    it waits; past its bound it names the transaction; once that ends it migrates."""
+    await upgrade(engine, schema, BEHIND)
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {intruder.name}")
+    await admin_execute(pg_url, f"GRANT SELECT ON {schema}.cronoq_leader TO {intruder.name}")
+    async with session_of(intruder) as reading:
+        transaction = reading.transaction()
+        await transaction.start()
+        await reading.execute(f"SELECT epoch FROM {schema}.cronoq_leader")
+        pid = reading.get_server_pid()
+        migrating = asyncio.ensure_future(upgrade(engine, schema, lock_timeout=6.0))
+        reader = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"lock_timeout": "5s"})
+        try:
+            for _ in range(6):
+                await reader.fetchval(f'SELECT epoch FROM "{schema}".cronoq_leader')
+                await asyncio.sleep(0.5)
+        finally:
+            await reader.close()
+        with pytest.raises(LockHeldError) as refused:
+            await asyncio.wait_for(migrating, 60)
+        assert f"the tables of schema {schema!r}" in str(refused.value)
+        assert f"pid {pid} (role {intruder.name!r}, application {APP!r}" in str(refused.value)
+        await transaction.rollback()
+    assert await revision_of(pg_url, schema) == BEHIND
+    await asyncio.wait_for(upgrade(engine, schema), 60)
+    assert await revision_of(pg_url, schema) == head_revision()
+
+
+# --- the leader table, for a prune and a takeover ------------------------------------------------
+
+
+async def lock_leader_row(pg_url: URL, schema: str) -> asyncpg.Connection:
+    """A session holding the leader row in an open transaction, as any role that may
+    update it can."""
+    conn = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"application_name": APP})
+    await conn.execute("BEGIN")
+    await conn.execute(f'SELECT epoch FROM "{schema}".cronoq_leader WHERE id = 1 FOR UPDATE')
+    return conn
+
+
+async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
+    pg_url: URL, migrated: str
+) -> None:
+    async with await PgStore.connect(pg_url, config(migrated, "waits-d", commit_timeout=2.0)) as s:
+        held = await lock_leader_row(pg_url, migrated)
+        try:
+            with pytest.raises(LockHeldError) as refused:
+                await asyncio.wait_for(s.prune(0), 60)
+            message = str(refused.value)
+            assert f"waiting for the leader table of schema {migrated!r}" in message
+            assert f"pid {held.get_server_pid()} (role {pg_url.username!r}, application" in message
+        finally:
+            await held.close()
+        assert await asyncio.wait_for(s.prune(0), 60) == 0
+
+
+async def test_a_command_behind_a_table_lock_exits_9_naming_it(pg_url: URL, migrated: str) -> None:
+    """``status`` reads the cluster's tables: behind a session holding them exclusively
+    (a migration's DDL, a hand's ``LOCK TABLE``), it gives up after 30 s, naming it."""
+    held = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"application_name": APP})
+    try:
+        await held.execute("BEGIN")
+        await held.execute(f'LOCK TABLE "{migrated}".cronoq_tasks IN ACCESS EXCLUSIVE MODE')
+        status = asyncio.ensure_future(run_cli(pg_url, migrated, "status"))
+        done, _ = await asyncio.wait({status}, timeout=90)
+        assert done, "status still waiting after 90 s"
+        result = status.result()
+        assert result.exit_code == ExitCode.LOCK_HELD, result.output
+        assert f"waiting for a lock on the tables of schema {migrated!r}" in result.stderr
+        assert f"pid {held.get_server_pid()} (role" in result.stderr
+    finally:
+        await held.close()
+        if not status.done():
+            await status
+
+
+async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_it(
+    pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taking over is the call's purpose: it never gives up, and says why it waits."""
+    async with await PgStore.connect(pg_url, config(migrated, "waits-e")) as store:
+        held = await lock_leader_row(pg_url, migrated)
+        pid = held.get_server_pid()
+        taking = asyncio.ensure_future(store.acquire_leadership())
+        try:
+            with caplog.at_level(logging.INFO, logger="cronoq_store"):
+                for _ in range(300):
+                    said = [r for r in caplog.records if f"pid {pid} (role" in str(vars(r))]
+                    if said:
+                        break
+                    await asyncio.sleep(0.1)
+            assert said, [r.getMessage() for r in caplog.records]
+            assert "taking over leadership gave up after 1 s waiting for the leader" in str(
+                vars(said[0])
+            )
+            assert not taking.done()
+            await held.close()
+            assert await asyncio.wait_for(taking, 30) == 1
+        finally:
+            await held.close()
+            taking.cancel()
+            await asyncio.gather(taking, return_exceptions=True)
+
+
+async def test_a_standby_says_which_leader_it_waits_behind(
+    pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        await PgStore.connect(pg_url, config(migrated, "waits-f")) as leader,
+        await PgStore.connect(pg_url, config(migrated, "waits-g")) as standby,
+    ):
+        epoch = await leader.acquire_leadership()
+        health = await leader.health()
+        assert health.holder is not None
+        waiting = asyncio.ensure_future(standby.acquire_leadership())
+        try:
+            with caplog.at_level(logging.INFO, logger="cronoq_store"):
+                for _ in range(200):
+                    said = [r for r in caplog.records if "the leader at epoch" in r.getMessage()]
+                    if said:
+                        break
+                    await asyncio.sleep(0.05)
+            assert said, [r.getMessage() for r in caplog.records]
+            (record,) = said
+            assert record.levelno == logging.INFO
+            assert f"the leader at epoch {epoch} is pid {health.holder.pid}" in record.getMessage()
+            assert health.holder.instance is not None
+            assert f"'waits-f leader {health.holder.instance}'" in record.getMessage()
+            await leader.release_leadership()
+            assert await asyncio.wait_for(waiting, 30) == epoch + 1
+        finally:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
