@@ -123,10 +123,8 @@ def test_a_data_block_parses(block: Block) -> None:
         )
 
 
-@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.name)
-async def test_a_python_block_runs_and_prints_what_the_text_says(
-    block: Block, pg_url: URL, schema: str
-) -> None:
+async def run_block(block: Block, pg_url: URL, schema: str) -> subprocess.CompletedProcess[str]:
+    """``block`` run in a fresh interpreter against the suite's server and ``schema``."""
     url = pg_url.render_as_string(hide_password=False)
     code = block.code.replace(
         f'"{DOC_ASYNC_URL}"', repr(url.replace("postgresql://", "postgresql+asyncpg://", 1))
@@ -141,6 +139,14 @@ async def test_a_python_block_runs_and_prints_what_the_text_says(
         timeout=120,
     )
     assert ran.returncode == 0, f"{block.name}:\n{ran.stderr}"
+    return ran
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.name)
+async def test_a_python_block_runs_and_prints_what_the_text_says(
+    block: Block, pg_url: URL, schema: str
+) -> None:
+    ran = await run_block(block, pg_url, schema)
     expected = expected_lines(block)
     if expected is not None:
         assert ran.stdout.splitlines() == expected
@@ -163,3 +169,20 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     nox = command.strip().split(" && ")[-1]
     last = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert last == nox
+
+
+async def test_the_readme_program_run_again_prints_what_the_text_says(
+    pg_url: URL, schema: str
+) -> None:
+    """Run a second time on the same schema, the README's program prints the one line the
+    README says, and no log line nor traceback: its refusal is the caller's answer."""
+    (program,) = [b for b in PYTHON if b.path.name == "README.md"]
+    said = re.search(
+        r"Run it again on the same schema and it prints only `([^`]+)`",
+        " ".join((REPO / "README.md").read_text().split()),
+    )
+    assert said is not None, "the README says what a second run prints"
+    first = await run_block(program, pg_url, schema)
+    assert first.stderr == ""
+    second = await run_block(program, pg_url, schema)
+    assert (second.stdout.splitlines(), second.stderr) == ([said.group(1)], "")
