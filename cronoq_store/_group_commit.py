@@ -83,8 +83,8 @@ class GroupCommitter(CommitWriter):
     only once a submission accepted before it finishes its holder. The rule of one
     ``commit`` call (updates before inserts, so a batch may reuse a key it frees) applies
     within a submission, never across two. To keep it, a batch merges only submissions
-    whose merged commit answers as the serial commits, and ends before any other
-    (:mod:`cronoq_store._batch_order`); a failing batch is bisected until only the
+    whose merged commit answers as the serial commits, and ends before any other; a
+    failing batch is bisected until only the
     submissions that fail alone fail. Outside the promise: transient failures, fencing and
     closing, which end submissions with their own errors (below).
 
@@ -108,7 +108,7 @@ class GroupCommitter(CommitWriter):
 
     Up to ``max_batches_in_flight`` batches commit at once, each on a connection of the
     store's pool (give the pool room for them); the next batch is cut when one settles,
-    and waits for the earlier ones it must follow (:mod:`cronoq_store._batch_order`).
+    and waits for the earlier ones it must follow.
 
     Use it as an async context manager, or call :meth:`close`; the writer task starts with
     the first submission.

@@ -706,13 +706,12 @@ class PgStore:
         self, older_than: float, *, progress: Callable[[int], None] | None = None
     ) -> int:
         """Delete finished tasks last updated more than ``older_than`` seconds ago, on the
-        database server's clock (:func:`cronoq_store._queries.server_prune_cutoff`), except
-        those a live task depends on (by id or key); returns how many were deleted.
+        database server's clock (``now()``, read once), except those a live task depends on
+        (by id or key); returns how many were deleted.
 
-        Deletes :data:`~cronoq_store._queries.PRUNE_BATCH` rows per transaction, oldest
-        first, so locks stay short, and waits for commits in flight that may add
-        dependencies (:func:`cronoq_store._queries.prune`). ``progress``, if given, is called
-        with the running total of deleted rows after each batch (an operator's progress
+        Deletes at most 1,000 rows per transaction, oldest first, so locks stay short, and
+        waits for commits in flight that may add dependencies. ``progress``, if given, is
+        called with the running total of deleted rows after each batch (an operator's progress
         bar); an exception it raises ends the prune, as a ``StoreError``. Raises
         ``ClusterReplacedError``, having deleted nothing more, once the schema no longer
         holds the cluster this store was opened on (:attr:`incarnation`).
