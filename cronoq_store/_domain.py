@@ -385,7 +385,7 @@ class TaskSpec:
     as tuples, ``resources`` as a private dict, so a spec cannot change after it was built;
     ``resources`` is left out of the hash (a dict has none) but not out of equality.
     Amounts are in 0..2**63-1, and no two resource names may be stored as the same name
-    (see :func:`clean_text`).
+    (a NUL is stored as U+FFFD, so ``"a\\0"`` and ``"a\\ufffd"`` are one name).
     """
 
     payload: bytes = field(kw_only=False)

@@ -89,8 +89,8 @@ class GroupCommitter(CommitWriter):
     closing, which end submissions with their own errors (below).
 
     Submissions are committed in the order they were accepted; a batch takes whole
-    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
-    :func:`~cronoq_store._sizing.mutation_size` estimates them; a larger single submission
+    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as the
+    store estimates them before sending; a larger single submission
     goes alone, and fails at its first attempt if the store refuses its size), and never
     more bytes than the store's ``max_commit_bytes`` (``PgStore``, ``InMemoryStore``) as it
     is when the batch is built: a store's limit lowered at run time is the committer's at

@@ -135,9 +135,17 @@ def _signature(
 
 
 def _bases(app: Any, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
-    """No "Bases: object": every class has that base, so it tells a reader nothing (the
-    line left empty is dropped by :func:`_publicly_named`)."""
-    bases[:] = [base for base in bases if base is not object]
+    """Only bases a reader can use: not ``object`` (every class has it), nor a private class
+    of the package (``GroupCommitter``'s writer). A line left empty is dropped by
+    :func:`_publicly_named`."""
+
+    def shown(base: Any) -> bool:
+        home = f"{getattr(base, '__module__', '')}.{getattr(base, '__qualname__', '')}"
+        return base is not object and (
+            not home.startswith("cronoq_store.") or home in _HOMES or not _PRIVATE_PATH.match(home)
+        )
+
+    bases[:] = [base for base in bases if shown(base)]
 
 
 def _private_home(target: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import html
 import importlib
+import inspect
 import pkgutil
 import re
 import subprocess
@@ -198,6 +199,45 @@ def test_every_enum_lists_its_members(site: Path) -> None:
     assert {"TaskStatus", "Priority", "MissPolicy", "DependencyCondition", "StopMode"} <= set(
         checked
     )
+
+
+def _private_objects() -> set[str]:
+    """Classes and functions of the package's private modules that no public module
+    exports: the reference may describe what they do, never send a reader to them."""
+    exported = {name for _, name in ALL_PUBLIC}
+    # A public class's own methods (``PgStore.recover()``) are not the private namesakes.
+    public_members = {
+        f"{member}()"
+        for module, name in ALL_PUBLIC
+        for member in dir(getattr(importlib.import_module(module), name))
+    }
+    found = set()
+    for info in pkgutil.walk_packages(cronoq_store.__path__, "cronoq_store."):
+        private = any(part.startswith("_") for part in info.name.split(".")[1:])
+        if not private or info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            defined_here = getattr(value, "__module__", None) == info.name
+            if defined_here and not name.startswith("_") and name not in exported:
+                if inspect.isclass(value):
+                    found.add(name)
+                elif inspect.isfunction(value):
+                    found.add(f"{name}()")
+    return found - public_members
+
+
+def test_no_page_sends_a_reader_to_a_private_class_or_function(site: Path) -> None:
+    private = _private_objects()
+    named = {}
+    for page in sorted(site.rglob("*.html")):
+        if page.name in CONTRIBUTORS_PAGES:
+            continue
+        code = re.findall(r"<code[^>]*>(.*?)</code>", page.read_text(), re.S)
+        found = sorted({visible_text(c).strip() for c in code} & private)
+        if found:
+            named[page.name] = found
+    assert named == {}
 
 
 def test_no_page_names_a_private_module(site: Path) -> None:
