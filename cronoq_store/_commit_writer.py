@@ -11,7 +11,13 @@ from collections.abc import Awaitable, Callable
 
 from ._batch_order import Merge, footprint, learn
 from ._domain import TimeBase
-from ._errors import CommitterClosedError, FencedError, StoreError
+from ._errors import (
+    CommitterClosedError,
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+)
 from ._mutations import Mutation
 from ._retry import Backoff, pause, retry
 from ._settling import Settling
@@ -32,6 +38,11 @@ from .telemetry import Telemetry
 __all__ = ["CommitWriter"]
 
 logger = logging.getLogger("cronoq_store")
+
+#: Refusals that are the submitter's own outcome (a key another live task holds, an id
+#: another task has): the submitter gets the error and decides, so the log says it at
+#: debug level. A failure of the database's, or a bug, stays a warning.
+CALLERS_OWN = (KeyTakenError, IdCollisionError)
 
 
 class CommitWriter(Settling):
@@ -213,8 +224,10 @@ class CommitWriter(Settling):
             if isinstance(caught, Stuck):
                 self._tally.stuck += 1
                 exc = caught.last_error
+            level = logging.DEBUG if isinstance(exc, CALLERS_OWN) else logging.WARNING
             if len(subs) == 1:
-                logger.warning(
+                logger.log(
+                    level,
                     "a submission failed to commit",
                     extra={"error": str(exc), "batch_mutations": len(mutations)},
                 )
@@ -223,7 +236,8 @@ class CommitWriter(Settling):
             self._tally.splits += 1
             if self._telemetry.enabled:
                 self._telemetry.split()
-            logger.warning(
+            logger.log(
+                level,
                 "a batch failed to commit; committing its halves separately",
                 extra={
                     "error": str(exc),

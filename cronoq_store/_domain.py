@@ -200,9 +200,13 @@ class Priority(IntEnum):
     """Scheduling priority; stored as a SMALLINT holding the value."""
 
     LOW = 0
+    """Runs after every other priority."""
     NORMAL = 1
+    """The default."""
     HIGH = 2
+    """Runs before normal and low."""
     CRITICAL = 3
+    """Runs first."""
 
     @classmethod
     def from_stored(cls, value: int) -> Priority:
@@ -217,12 +221,20 @@ class TaskStatus(Enum):
     """Outcome of a task's latest transition; the value is the name stored in ``status``."""
 
     RUNNING = "running"
+    """An attempt has started (live)."""
     RETRYING = "retrying"
+    """An attempt failed and another one follows after the backoff (live)."""
     SUCCEEDED = "succeeded"
+    """Finished: an attempt succeeded; only such a task keeps an output."""
     FAILED = "failed"
+    """Finished: its last attempt failed, or the scheduler failed it (a dependency that did
+    not succeed, a missed fixed start under :attr:`MissPolicy.FAIL`)."""
     CANCELLED = "cancelled"
+    """Finished: cancelled before it succeeded."""
     SKIPPED = "skipped"
+    """Finished without running (a missed fixed start under :attr:`MissPolicy.SKIP`)."""
     EXPIRED = "expired"
+    """Finished without succeeding: its deadline passed."""
 
     @property
     def is_terminal(self) -> bool:
@@ -266,8 +278,11 @@ class MissPolicy(Enum):
     """What to do with a fixed-start task whose start window has passed."""
 
     SKIP = "skip"
+    """Do not run it: it finishes as :attr:`TaskStatus.SKIPPED`."""
     RUN = "run"
+    """Run it anyway, late."""
     FAIL = "fail"
+    """Do not run it: it finishes as :attr:`TaskStatus.FAILED`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +385,7 @@ class TaskSpec:
     as tuples, ``resources`` as a private dict, so a spec cannot change after it was built;
     ``resources`` is left out of the hash (a dict has none) but not out of equality.
     Amounts are in 0..2**63-1, and no two resource names may be stored as the same name
-    (see :func:`clean_text`).
+    (a NUL is stored as U+FFFD, so ``"a\\0"`` and ``"a\\ufffd"`` are one name).
     """
 
     payload: bytes = field(kw_only=False)

@@ -83,14 +83,14 @@ class GroupCommitter(CommitWriter):
     only once a submission accepted before it finishes its holder. The rule of one
     ``commit`` call (updates before inserts, so a batch may reuse a key it frees) applies
     within a submission, never across two. To keep it, a batch merges only submissions
-    whose merged commit answers as the serial commits, and ends before any other
-    (:mod:`cronoq_store._batch_order`); a failing batch is bisected until only the
+    whose merged commit answers as the serial commits, and ends before any other; a
+    failing batch is bisected until only the
     submissions that fail alone fail. Outside the promise: transient failures, fencing and
     closing, which end submissions with their own errors (below).
 
     Submissions are committed in the order they were accepted; a batch takes whole
-    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as
-    :func:`~cronoq_store._sizing.mutation_size` estimates them; a larger single submission
+    submissions up to ``max_batch_mutations`` rows and ``max_batch_bytes`` bytes (as the
+    store estimates them before sending; a larger single submission
     goes alone, and fails at its first attempt if the store refuses its size), and never
     more bytes than the store's ``max_commit_bytes`` (``PgStore``, ``InMemoryStore``) as it
     is when the batch is built: a store's limit lowered at run time is the committer's at
@@ -108,7 +108,7 @@ class GroupCommitter(CommitWriter):
 
     Up to ``max_batches_in_flight`` batches commit at once, each on a connection of the
     store's pool (give the pool room for them); the next batch is cut when one settles,
-    and waits for the earlier ones it must follow (:mod:`cronoq_store._batch_order`).
+    and waits for the earlier ones it must follow.
 
     Use it as an async context manager, or call :meth:`close`; the writer task starts with
     the first submission.

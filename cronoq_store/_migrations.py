@@ -148,13 +148,14 @@ async def upgrade(
 
     Given an ``AsyncConnection`` that is already in a transaction, the caller commits;
     otherwise this commits. Errors are :class:`~cronoq_store.StoreError`. Runs in this
-    process take turns (:mod:`cronoq_store._migration_lock`): any number of stores may open
-    at once, on one loop or on several. ``trusted_triggers``: see :func:`refuse_untrusted`.
+    process take turns: any number of stores may open
+    at once, on one loop or on several. ``trusted_triggers`` names the triggers allowed on
+    the cluster's tables, as ``PgStoreConfig.trusted_triggers`` does.
 
     To head, the schema's revision is read first, without a lock: a schema already at head
     (after the trust check) needs nothing, whoever holds its migration lock. Otherwise the
     run waits up to ``lock_timeout`` seconds for the migration lock and then the cluster's
-    tables, logging who holds them (:mod:`cronoq_store._lock_waits`), and reads the
+    tables, logging who holds them, and reads the
     revision again under the lock (an upgrade that ran meanwhile leaves nothing to do);
     past the bound it raises :class:`~cronoq_store.LockHeldError` naming them.
     """
@@ -175,11 +176,11 @@ async def downgrade(
 ) -> None:
     """Downgrade ``schema`` to ``revision`` (``base`` removes the cluster's tables): the
     same transaction, lock, lock wait and trust checks as :func:`upgrade`. What it undoes
-    is lost, rows and all: :func:`downgrade_steps` says which revisions that is.
+    is lost, rows and all: ``cronoq-store downgrade`` says which revisions that is.
 
     Refused (:class:`~cronoq_store.MigrationError`) while an instance holds the leader lock,
     and to base once the cluster issued task ids, unless ``force``; forced, a live leader is
-    fenced (:mod:`cronoq_store._downgrade_guard`)."""
+    fenced."""
     await _run_on(
         bind, schema, trusted_triggers, command.downgrade, revision, lock_timeout, force=force
     )

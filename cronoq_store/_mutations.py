@@ -111,8 +111,8 @@ class RecurringNext:
 
 #: One change a batch commits: a submission, a transition or a schedule change.
 Mutation: TypeAlias = Submitted | StatusChanged | RecurringUpsert | RecurringRemove | RecurringNext
-"""Every mutation type. Each site that dispatches on it is a ``match`` ending in
-:func:`unhandled`, so ``mypy --strict`` names every site a new type must be handled in."""
+"""Every mutation type. Dispatch on it with a ``match`` ending in ``typing.assert_never``:
+then ``mypy --strict`` names every site a new type must be handled in."""
 
 
 def unhandled(value: NoReturn, kind: str = "mutation") -> NoReturn:

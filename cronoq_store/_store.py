@@ -64,14 +64,14 @@ class PgStore:
 
     Build it with :meth:`connect` (the store owns its engine) or :meth:`from_engine` (it
     shares an application's engine and pool). Use it as an async context manager, or call
-    :meth:`close`. The leader lock never rides on the pool: :class:`Leadership` holds it on
-    a dedicated session, opened from ``lock_url`` when given; else a store on an
+    :meth:`close`. The leader lock never rides on the pool: it is held on a dedicated
+    session, opened from ``lock_url`` when given; else a store on an
     application's engine opens it the way that engine connects (its creator, TLS and
     connect arguments, on a pool of its own), and a store with its own engine from the URL.
     """
 
-    #: The largest batch :meth:`commit` sends, as :func:`~cronoq_store._sizing.batch_size`
-    #: estimates it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
+    #: The largest batch :meth:`commit` sends, as the store estimates its size before
+    #: sending it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
     #: keep commits smaller; raising it risks batches the server refuses.
     max_commit_bytes: int = MAX_COMMIT_BYTES
 
@@ -356,11 +356,10 @@ class PgStore:
         """Wait until this instance leads; returns the new fencing epoch.
 
         Once the lock is taken, and before the epoch is bumped, the lock session runs the
-        schema's trust check again (:class:`~cronoq_store._trust.TrustCheck`): a trigger
-        or grant added since the store opened makes this raise ``MigrationError``, with the
-        lock released and no epoch taken. Before it waits for the lock, it refuses, with
-        ``MigrationError``, a database where ``PUBLIC`` or a login role it does not trust
-        has ``CONNECT`` (:class:`~cronoq_store._trust.ConnectCheck`; unless
+        schema's trust check again: a trigger or grant added since the store opened makes
+        this raise ``MigrationError``, with the lock released and no epoch taken. Before it
+        waits for the lock, it refuses, with ``MigrationError``, a database where ``PUBLIC``
+        or a login role it does not trust has ``CONNECT`` (unless
         ``allow_untrusted_connect``): any such role could hold the lock forever. While it
         waits behind a holder that is not a store instance, it logs a warning naming it.
         After a term of this instance ended (lost, or released), it first waits the rest of
@@ -706,13 +705,12 @@ class PgStore:
         self, older_than: float, *, progress: Callable[[int], None] | None = None
     ) -> int:
         """Delete finished tasks last updated more than ``older_than`` seconds ago, on the
-        database server's clock (:func:`cronoq_store._queries.server_prune_cutoff`), except
-        those a live task depends on (by id or key); returns how many were deleted.
+        database server's clock (``now()``, read once), except those a live task depends on
+        (by id or key); returns how many were deleted.
 
-        Deletes :data:`~cronoq_store._queries.PRUNE_BATCH` rows per transaction, oldest
-        first, so locks stay short, and waits for commits in flight that may add
-        dependencies (:func:`cronoq_store._queries.prune`). ``progress``, if given, is called
-        with the running total of deleted rows after each batch (an operator's progress
+        Deletes at most 1,000 rows per transaction, oldest first, so locks stay short, and
+        waits for commits in flight that may add dependencies. ``progress``, if given, is
+        called with the running total of deleted rows after each batch (an operator's progress
         bar); an exception it raises ends the prune, as a ``StoreError``. Raises
         ``ClusterReplacedError``, having deleted nothing more, once the schema no longer
         holds the cluster this store was opened on (:attr:`incarnation`).

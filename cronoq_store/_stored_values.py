@@ -104,9 +104,9 @@ class LockHolder:
     @property
     def instance(self) -> str | None:
         """The id of the store instance whose lock session this is, from its
-        ``application_name`` (:func:`lock_session_name`); ``None`` when that is hidden from
-        the reading role, or names no instance (a session that is not a store instance, or
-        an instance of a build before instance ids)."""
+        ``application_name`` (``"<application_name> leader <instance>"``); ``None`` when
+        that is hidden from the reading role, or names no instance (a session that is not a
+        store instance, or an instance of a build before instance ids)."""
         return instance_of(self.application_name)
 
 

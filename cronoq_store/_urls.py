@@ -128,7 +128,7 @@ def _parse(url: str | URL) -> URL | None:
 def scrub(text: str, urls: Iterable[str | URL | None] = ()) -> str:
     """``text`` with every secret masked where it stands, and nothing else changed.
 
-    Each of ``urls`` written in ``text`` as typed is replaced with its :func:`redact` form
+    Each of ``urls`` written in ``text`` as typed is replaced with its masked form
     (a password with characters no pattern can delimit, ``p@ss w/rd``, is still masked
     whole); then every URL user-info password and every secret-named parameter written in
     ``text`` is masked by its position. A known password is never searched for as a bare

@@ -49,7 +49,7 @@ __all__ = [
 
 
 class Leader(Protocol):
-    """What the leadership gauges read (a ``Leadership``): named here as a protocol so that
+    """What the leadership gauges read (the store's leader lock): named here as a protocol so that
     this module, which the store and its paths import, imports none of them."""
 
     @property
@@ -116,7 +116,7 @@ class CommitRecord:
 
     def __init__(self, mutations: int) -> None:
         self.mutations = mutations
-        #: Bytes as ``sizing.batch_size`` estimates them; the write path ``BatchWriter`` takes.
+        #: Bytes as the store estimates them before sending; the write path it takes.
         self.size: int | None = None
         self.path: str | None = None
 

@@ -1,12 +1,15 @@
 """Sphinx configuration: the API reference from the docstrings, and the markdown docs.
 
 ``nox -s docs`` builds it with ``-W`` (every warning an error) and ``nitpicky``, so every
-public name is documented and every cross-reference resolves.
+public name is documented and every cross-reference resolves. The theme is Furo: the look
+of the pip, attrs and urllib3 docs, a sidebar that keeps the tutorial, how-to guides,
+reference and explanations apart by caption, and no JavaScript framework.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -30,8 +33,11 @@ nitpicky = True
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options = {"members": True, "show-inheritance": True}
-html_theme = "alabaster"
+html_theme = "furo"
+html_title = f"cronoq-store {release}"
 html_static_path: list[str] = []
+html_copy_source = False
+html_show_sourcelink = False
 
 # Without a network there is no intersphinx inventory: names from other projects (the
 # standard library's included) stay as text instead of failing the build. Only those.
@@ -42,6 +48,8 @@ nitpick_ignore_regex = [
     ("py:.*", r"(Exception|BaseException|ValueError|TypeError|NotImplementedError)"),
     # OpenTelemetry's providers, named under TYPE_CHECKING in cronoq_store.telemetry.
     ("py:class", r"(MeterProvider|TracerProvider)"),
+    # A generic function's type variables (run_command's), shown by their names.
+    ("py:class", r"[PRT](\.args|\.kwargs)?"),
 ]
 
 
@@ -56,6 +64,88 @@ PUBLIC_MODULES = {
     "cronoq_store.telemetry",
 }
 _TOP = set(cronoq_store.__all__)
+
+
+def _public_homes() -> dict[str, str]:
+    """Where each exported class, function or alias is defined (``cronoq_store._domain.
+    TaskSpec``) mapped to the public name a reader imports (``cronoq_store.TaskSpec``)."""
+    homes = {}
+    for module_name in sorted(PUBLIC_MODULES):
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            home = getattr(value, "__module__", None)
+            qualname = getattr(value, "__qualname__", None)
+            if isinstance(home, str) and isinstance(qualname, str) and home != module_name:
+                homes[f"{home}.{qualname}"] = f"{module_name}.{name}"
+    return homes
+
+
+_HOMES = _public_homes()
+#: A dotted path through a private module of the package (``cronoq_store._x.Name.member``).
+_PRIVATE_PATH = re.compile(r"~?cronoq_store(?:\.\w+)*\._\w+(?:\.\w+)*")
+
+
+def _public_path(path: str) -> str:
+    """``path`` through its public home where its head is exported, else ``path``."""
+    parts = path.lstrip("~").split(".")
+    for end in range(len(parts), 1, -1):
+        public = _HOMES.get(".".join(parts[:end]))
+        if public is not None:
+            return ".".join([public, *parts[end:]])
+    return path
+
+
+def _publicly_named(app: Any, doctree: Any) -> None:
+    """Every type, base class and value autodoc wrote as a private module's path (it writes
+    where a name is defined) names the public home instead, in text and in links alike."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    for xref in doctree.findall(addnodes.pending_xref):
+        target = xref.get("reftarget", "")
+        if _PRIVATE_PATH.fullmatch(target):
+            xref["reftarget"] = _public_path(target)
+    for text in list(doctree.findall(nodes.Text)):
+        rewritten = _PRIVATE_PATH.sub(lambda m: _public_path(m.group(0)), str(text))
+        if rewritten != str(text):
+            text.parent.replace(text, nodes.Text(rewritten))
+    for paragraph in list(doctree.findall(nodes.paragraph)):
+        if paragraph.astext().strip() == "Bases:":
+            paragraph.parent.remove(paragraph)
+
+
+#: Classes that an application never builds itself: their constructor's arguments are the
+#: package's wiring, not API (``PgStore.connect`` and ``PgStore.from_engine`` build one).
+_NOT_BUILT_DIRECTLY = {"cronoq_store.PgStore"}
+
+
+def _signature(
+    app: Any, what: str, name: str, obj: Any, options: Any, signature: Any, annotation: Any
+) -> Any:
+    """No signature for a class built only by the package; type variables by their names."""
+    if what == "class" and name in _NOT_BUILT_DIRECTLY:
+        return "", None
+    if signature is None:
+        return None
+    return (
+        re.sub(r"~?cronoq_store\.\w+\._([PRT])\b", r"\1", signature),
+        annotation and re.sub(r"~?cronoq_store\.\w+\._([PRT])\b", r"\1", annotation),
+    )
+
+
+def _bases(app: Any, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
+    """Only bases a reader can use: not ``object`` (every class has it), nor a private class
+    of the package (``GroupCommitter``'s writer). A line left empty is dropped by
+    :func:`_publicly_named`."""
+
+    def shown(base: Any) -> bool:
+        home = f"{getattr(base, '__module__', '')}.{getattr(base, '__qualname__', '')}"
+        return base is not object and (
+            not home.startswith("cronoq_store.") or home in _HOMES or not _PRIVATE_PATH.match(home)
+        )
+
+    bases[:] = [base for base in bases if shown(base)]
 
 
 def _private_home(target: str) -> bool:
@@ -162,3 +252,6 @@ def setup(app: Any) -> None:
     app.connect("missing-reference", _to_public)
     app.connect("autodoc-skip-member", _undocumented)
     app.connect("autodoc-process-docstring", _data_doc)
+    app.connect("autodoc-process-signature", _signature)
+    app.connect("autodoc-process-bases", _bases)
+    app.connect("doctree-read", _publicly_named)

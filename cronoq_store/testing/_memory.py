@@ -369,7 +369,7 @@ class InMemoryStore:
         """Live tasks, finished ones within ``retention`` or depended on by a live task,
         schedules, and the next id to issue, engine times through ``base``.
 
-        A live row that :class:`cronoq_store._rows.LiveTasks` refuses (a stored time outside
+        A live row that the store's decoding refuses (a stored time outside
         64 bits through ``base``) is quarantined (marked failed with the reason) and
         reported as finished, as ``PgStore`` does with any row it cannot decode.
         """
