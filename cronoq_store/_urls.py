@@ -1,8 +1,10 @@
-"""Database URLs: accept what users type, hand SQLAlchemy what it needs, never print secrets.
+"""Database URLs: read as libpq reads them, dialled as read, never printed with a secret.
 
-libpq's TLS parameters (``sslmode``, ``sslrootcert``...) ride in the URL's query, the form
-operators write; :func:`engine_arguments` hands them to asyncpg, which implements their
-libpq meaning, for every engine the store makes from a URL.
+:func:`resolve` reads a URL the way libpq 18 does (the URI, then the service file, then the
+``PG*`` environment, then the defaults) into one :class:`ConnectParameters`, refusing by
+name each parameter asyncpg cannot honour. :func:`engine_arguments` makes an engine dial
+every session from those parameters, so that SQLAlchemy's own URL-to-keywords translation
+cannot drop one; every engine the store makes from a URL is made that way.
 
 A URL can carry a password in its user info (``user:secret@host``, percent-encoded or not),
 in query parameters (``?password=``, the libpq form SQLAlchemy and asyncpg accept, and other
@@ -1034,11 +1036,15 @@ def engine_arguments(
     ``url``: ``create_async_engine(dialled, connect_args={**arguments, ...})``.
 
     Every engine the store makes from a URL (its pool, the lock session, the CLI's,
-    Alembic's) is made from these. ``url`` is read once (:func:`resolve`: the URL, its
-    service, the environment); every session is dialled from what was read, through
-    ``async_creator_fn``, so that nothing SQLAlchemy makes of a URL can drop a parameter.
-    Further ``connect_args`` (``server_settings``, ``timeout``, ``statement_cache_size``...)
-    reach ``asyncpg.connect()`` too. Raises as :func:`resolve` does."""
+    Alembic's) is made from these. ``url`` is read once, as libpq 18 reads it: the URL, then
+    its service's file, then the ``PG*`` environment, then the defaults. Every session is
+    dialled from what was read (the asyncpg adapter's ``async_creator_fn``), so nothing
+    SQLAlchemy makes of a URL can drop a parameter. Further ``connect_args``
+    (``server_settings``, ``timeout``, ``statement_cache_size``...) reach
+    ``asyncpg.connect()`` too; the URL's ``application_name`` and ``connect_timeout`` win
+    over theirs. Raises ``ValueError`` for what is not a PostgreSQL URL or names a service
+    no file defines, and ``UnsupportedParameterError`` naming each parameter asyncpg cannot
+    honour (docs/cli.md lists every parameter)."""
     parameters = url if isinstance(url, ConnectParameters) else resolve(url)
     arguments: dict[str, Any] = {"async_creator_fn": Dialer(parameters)}
     if parameters.prepared_statement_cache_size is not None:

@@ -8,6 +8,7 @@ dials from a URL: ``PgStore.connect`` (its pool and its lock session), a ``lock_
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import socket
 import subprocess
@@ -34,6 +35,7 @@ from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV, engine_arguments, resolve
 from cronoq_store.testing import EmbeddedPostgres
+from cronoq_store.testing._server import find_bin_dir
 
 from .pgharness import WITHOUT_INSTANCE, ServerUnderTest, admin_execute
 
@@ -501,3 +503,123 @@ async def test_from_engine_refuses_an_engine_that_would_ignore_its_service(
         assert server.password not in str(refused.value)
     finally:
         await engine.dispose()
+
+
+# --- the same reading as libpq's own ---------------------------------------------------------
+
+
+class _Option(ctypes.Structure):
+    _fields_ = [
+        ("keyword", ctypes.c_char_p),
+        ("envvar", ctypes.c_char_p),
+        ("compiled", ctypes.c_char_p),
+        ("val", ctypes.c_char_p),
+        ("label", ctypes.c_char_p),
+        ("dispchar", ctypes.c_char_p),
+        ("dispsize", ctypes.c_int),
+    ]
+
+
+@pytest.fixture(scope="module")
+def libpq() -> Any:
+    """The libpq 18 of the embedded server's build: the reference for reading a URL."""
+    path = find_bin_dir().parent / "lib" / "libpq.so.5"
+    lib = ctypes.CDLL(str(path))
+    lib.PQconnectStart.restype = ctypes.c_void_p
+    lib.PQconnectStart.argtypes = [ctypes.c_char_p]
+    lib.PQconninfo.restype = ctypes.POINTER(_Option)
+    lib.PQconninfo.argtypes = [ctypes.c_void_p]
+    lib.PQfinish.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def read_by_libpq(lib: Any, url: str) -> dict[str, str]:
+    """The options libpq resolved for ``url`` (the URL, the service, the environment), as
+    its connection object holds them; it dials nowhere that exists."""
+    conn = lib.PQconnectStart(url.encode())
+    try:
+        options = lib.PQconninfo(conn)
+        values, i = {}, 0
+        while options and options[i].keyword:
+            if options[i].val is not None:
+                values[options[i].keyword.decode()] = options[i].val.decode()
+            i += 1
+        return values
+    finally:
+        lib.PQfinish(conn)
+
+
+LIBPQ_CASES: list[tuple[str, dict[str, str], dict[str, str]]] = [
+    # (url, environment, {file under tmp_path: content})
+    ("postgresql://u@%2Fnone%2Fa:5433/db?options=-c%20a%3Db", {}, {}),
+    ("postgresql://u@%2Fnone%2Fa:1,%2Fnone%2Fb/db", {}, {}),
+    ("postgresql://u@%2Fnone%2Fa/db?host=/none/b&port=3", {}, {}),
+    (
+        "postgresql://",
+        {
+            "PGHOST": "/none/e",
+            "PGPORT": "9",
+            "PGUSER": "eu",
+            "PGDATABASE": "ed",
+            "PGAPPNAME": "ea",
+            "PGOPTIONS": "-c geqo=off",
+        },
+        {},
+    ),
+    (
+        "postgresql://over@/?service=a&port=1",
+        {"PGSERVICEFILE": "{tmp}/s.conf", "PGUSER": "ignored", "PGAPPNAME": "ignored"},
+        {"s.conf": "[a]\nhost=/none/s\nport=7\nuser=su\napplication_name=sa\noptions=-c x=y\n"},
+    ),
+    (
+        "postgresql:///db",
+        {"PGSERVICE": "b", "PGSERVICEFILE": "{tmp}/s.conf"},
+        {"s.conf": "[a]\nhost=/none/wrong\n[b]\n# in b\nhost=/none/b\nuser=bu\n"},
+    ),
+    (
+        "postgresql://?service=c",
+        {"PGSYSCONFDIR": "{tmp}/sys"},
+        {
+            "home/.pg_service.conf": "[other]\nhost=/none/h\n",
+            "sys/pg_service.conf": "[c]\nhost=/none/sys\nport=11\ndbname=sd\n",
+        },
+    ),
+    (
+        "postgresql://?service=c",
+        {"PGSYSCONFDIR": "{tmp}/sys"},
+        {
+            "home/.pg_service.conf": "[c]\nhost=/none/home\n",
+            "sys/pg_service.conf": "[c]\nhost=/none/sys\nport=11\n",
+        },
+    ),
+    ("postgresql://u@/db?application_name=&fallback_application_name=fb", {}, {}),
+    ("postgres://u%40x@%2Fnone%2Fa/d%2Fb?dbname=q", {}, {}),
+]
+
+
+@pytest.mark.parametrize(("url", "environ", "files"), LIBPQ_CASES)
+def test_a_url_is_read_as_libpq_reads_it(
+    libpq: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    url: str,
+    environ: dict[str, str],
+    files: dict[str, str],
+) -> None:
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    theirs = read_by_libpq(libpq, url)
+    ours = resolve(url)
+    hosts = theirs["host"].split(",") if "host" in theirs else []
+    ports = [int(p or 5432) for p in theirs.get("port", "5432").split(",")]
+    assert list(ours.hosts) == hosts
+    assert list(ours.ports) == (ports * len(hosts) if len(ports) == 1 else ports)[: len(hosts)]
+    assert ours.user == theirs["user"]
+    assert ours.database == theirs["dbname"]
+    assert ours.session_name("") == (
+        theirs.get("application_name") or theirs.get("fallback_application_name") or ""
+    )
+    assert dict(ours.settings).get("options", "") == theirs.get("options", "")
