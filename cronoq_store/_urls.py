@@ -426,7 +426,8 @@ class ConnectParameters:
     """One URL read the way libpq reads it (the URL, then the service's, then the
     environment's, then the defaults), as typed values asyncpg takes as they are.
 
-    ``password`` never shows in the repr; :attr:`shown` is the URL masked, for messages."""
+    ``password`` and the TLS parameters never show in the repr; :attr:`shown` is the URL
+    masked, for messages."""
 
     shown: str
     hosts: tuple[str, ...]
@@ -434,8 +435,9 @@ class ConnectParameters:
     user: str
     database: str
     password: str | None = field(repr=False)
-    #: libpq's TLS parameters, with libpq's meaning in asyncpg's DSN.
-    tls: tuple[tuple[str, str], ...] = ()
+    #: libpq's TLS parameters, with libpq's meaning in asyncpg's DSN (``sslpassword`` among
+    #: them: not in the repr).
+    tls: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     #: Settings sent at connection start (``options``, ``$PGTZ``...).
     settings: tuple[tuple[str, str], ...] = ()
     application_name: str | None = None

@@ -623,3 +623,18 @@ def test_a_url_is_read_as_libpq_reads_it(
         theirs.get("application_name") or theirs.get("fallback_application_name") or ""
     )
     assert dict(ours.settings).get("options", "") == theirs.get("options", "")
+
+
+def test_no_password_of_the_url_or_its_service_shows_in_what_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.conf"
+    path.write_text("[cq]\nhost=h\npassword=ServicePw1\nsslpassword=ServiceKeyPw1\n")
+    monkeypatch.setenv("PGSERVICEFILE", str(path))
+    read = resolve("postgresql://u:UrlPw1@/db?service=cq&sslmode=require")
+    assert read.password == "UrlPw1"
+    assert dict(read.tls)["sslpassword"] == "ServiceKeyPw1"
+    dialled, arguments = engine_arguments(read)
+    shown = repr(read) + repr(arguments) + str(dialled) + repr(dialled)
+    for secret in ("UrlPw1", "ServicePw1", "ServiceKeyPw1"):
+        assert secret not in shown
