@@ -87,8 +87,6 @@ _PASSED_PARAMETERS = frozenset(
         "user",
         "database",
         "passfile",
-        "service",
-        "servicefile",
         "target_session_attrs",
         "krbsrvname",
         "gsslib",
@@ -188,7 +186,11 @@ def redact(url: str | URL) -> str:
 
 
 def async_url(url: str | URL) -> URL:
-    """The ``postgresql+asyncpg`` form of ``url``.
+    """The ``postgresql+asyncpg`` form of ``url``, for an engine SQLAlchemy dials from it.
+
+    Only the parameters SQLAlchemy hands to asyncpg with their libpq meaning are accepted:
+    a service, for one, is refused (asyncpg ignores it there); :func:`engine_arguments`
+    reads every parameter.
 
     Accepts ``postgres://``, ``postgresql://`` and ``postgresql+asyncpg://`` URLs, including
     unix-socket ones (``postgresql:///db?host=/run/postgresql``). A ``?password=`` parameter
