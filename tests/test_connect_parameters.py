@@ -358,6 +358,38 @@ async def test_a_host_list_in_the_url_is_tried_in_order(
         await lead_once(store)
 
 
+async def test_every_value_honoured_as_libpq_would_connects(
+    server: EmbeddedPostgres, schema_name: str
+) -> None:
+    """The values asyncpg implements as libpq does, all at once, against the server; none is
+    refused and the sessions work."""
+    query = (
+        "client_encoding=UTF8&gssencmode=disable&channel_binding=disable&sslcompression=0"
+        "&sslcertmode=allow&sslsni=1&sslmode=disable&min_protocol_version=3.0"
+        "&max_protocol_version=latest&replication=false&gssdelegation=0&krbsrvname=postgres"
+        "&target_session_attrs=read-write&load_balance_hosts=random"
+        "&fallback_application_name=honoured-all"
+    )
+    url = f"postgresql://postgres:{server.password}@127.0.0.1:{server.port}/postgres?{query}"
+    async with await PgStore.connect(url, PgStoreConfig(schema=schema_name)) as store:
+        await lead_once(store)
+        assert f"honoured-all leader {instance_of(store)}" in await sessions(server, "honoured")
+    code, out = await asyncio.to_thread(run_cli, url, "--schema", schema_name, "status")
+    assert code == ExitCode.OK, out
+
+
+def test_load_balance_hosts_random_shuffles_the_hosts_for_each_connection() -> None:
+    hosts = ",".join(f"%2Fnone%2F{i}" for i in range(4))
+    read = resolve(f"postgresql://u@{hosts}/db?load_balance_hosts=random")
+    orders = {tuple(read.asyncpg_arguments()["host"]) for _ in range(200)}
+    assert len(orders) > 1
+    assert all(sorted(order) == [f"/none/{i}" for i in range(4)] for order in orders)
+    fixed = resolve(f"postgresql://u@{hosts}/db")
+    assert {tuple(fixed.asyncpg_arguments()["host"]) for _ in range(20)} == {
+        tuple(f"/none/{i}" for i in range(4))
+    }
+
+
 # --- application_name and the lock session ---------------------------------------------------
 
 
