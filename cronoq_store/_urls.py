@@ -15,6 +15,7 @@ secret-bearing ones such as ``sslpassword``), and a libpq keyword DSN in ``key=v
 from __future__ import annotations
 
 import asyncio
+import getpass
 import locale
 import logging
 import os
@@ -839,8 +840,12 @@ def _typed(
 
 
 def _os_user() -> str:
-    """libpq's default user: the effective user's name (not ``$USER``)."""
-    return pwd.getpwuid(os.geteuid()).pw_name
+    """libpq's default user: the effective user's name (not ``$USER``); for a user id the
+    system does not name (a container's), asyncpg's (``$LOGNAME``, ``$USER``...)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return getpass.getuser()
 
 
 def _password_from_file(
