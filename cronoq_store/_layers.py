@@ -43,7 +43,8 @@ LAYERS: tuple[Layer, ...] = (
             "_codec": "JSON encodings of the task columns; time and duration conversions",
             "_template_codec": "the recurring spec's JSON, checked against `TaskSpec` at import",
             "_retry": "the one retry loop (policy, what to retry, when to stop) and timeout",
-            "_urls": "database URLs: the asyncpg form, the one masking of secrets",
+            "_urls": "database URLs read as libpq reads them and dialled as read; the one "
+            "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
             "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
             "_committer_stats": "what a group committer counts, and its snapshot",
