@@ -8,6 +8,7 @@ itself runs as a subprocess where only a real process can show the exit status a
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import subprocess
@@ -332,7 +333,7 @@ async def test_status_counts_tasks_quarantined_rows_and_schedules(
     assert ("digest", "every 5m", f"{expected_next:%Y-%m-%d %H:%M:%S} UTC", "3") in rows
     assert re.search(r"^quarantined\s+1 rows\s*$", result.stdout, re.M)
     assert re.search(r"^epoch\s+0 \(no leader yet\)\s*$", result.stdout, re.M)
-    assert re.search(r"^max id\s+5 \(epoch 0, #5\)\s*$", result.stdout, re.M)
+    assert re.search(r"^max id\s+5 \(0/5\)\s*$", result.stdout, re.M)
 
 
 async def test_status_shows_schedules_nothing_can_decode(pg_url: URL, store: PgStore) -> None:
@@ -379,7 +380,7 @@ async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore
         for line in by_id.stdout.splitlines()
         if line.strip()
     )
-    assert shown["id"] == "7 (epoch 0, #7)"
+    assert shown["id"] == "7 (0/7)"
     assert (shown["key"], shown["pool"], shown["kind"], shown["tenant"]) == (
         "nightly",
         "etl",
@@ -403,6 +404,54 @@ async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore
     assert "no task with id '42'" in missing.stderr
     too_big = await run("--url", url, "--schema", schema, "tasks", "show", str(2**63))
     assert too_big.exit_code == ExitCode.USAGE
+
+
+async def test_tasks_show_takes_the_short_id_and_lists_a_number_of_several_epochs(
+    pg_url: URL, store: PgStore
+) -> None:
+    one, other, alone = task_id(1, 42), task_id(3, 42), task_id(2, 7)
+    batch: list[Mutation] = [
+        submitted(one, key="first"),
+        submitted(other, key="second"),
+        submitted(alone, key="seventh"),
+    ]
+    await store.commit(0, BASE, batch, [])
+    args = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "show")
+
+    def facts(stdout: str) -> dict[str, str]:
+        return dict(line.strip().split(None, 1) for line in stdout.splitlines() if line.strip())
+
+    short = await run(*args, "3/42")
+    assert short.exit_code == 0, short.output
+    assert facts(short.stdout)["id"] == f"{other} (3/42)"
+    assert facts(short.stdout)["key"] == "second"
+    whole = await run(*args, str(alone))
+    assert facts(whole.stdout)["id"] == f"{alone} (2/7)"
+    # A number one epoch holds names that task.
+    assert facts((await run(*args, "7")).stdout)["key"] == "seventh"
+
+    several = await run(*args, "42")
+    assert several.exit_code == ExitCode.AMBIGUOUS == 10
+    assert "42 names 2 tasks of different epochs: give one as EPOCH/N" in several.stderr
+    listed = [line.split("\t") for line in several.stdout.splitlines()[1:]]
+    assert [(row[0], row[1], row[2]) for row in listed] == [
+        (str(one), "1/42", "first"),
+        (str(other), "3/42", "second"),
+    ]
+    as_json = await run(*args, "42", "--json")
+    assert as_json.exit_code == ExitCode.AMBIGUOUS
+    doc = json.loads(as_json.stdout)
+    assert (doc["ambiguous"], doc["more"]) == ("42", False)
+    assert [(t["id"], t["short_id"]) for t in doc["matches"]] == [(one, "1/42"), (other, "3/42")]
+
+    assert "no task with id '4/42'" in (await run(*args, "4/42")).stderr
+    assert (await run(*args, "32768/1")).exit_code == ExitCode.USAGE
+    assert (await run(*args, f"1/{2**48}")).exit_code == ExitCode.USAGE
+    # --key reads the same text as a key.
+    assert (await run(*args, "--key", "3/42")).exit_code == ExitCode.FAILED
+    help_text = (await run("tasks", "show", "--help")).stdout
+    assert "EPOCH/N" in help_text
+    assert "1/42 is task #42 of epoch 1" in help_text
 
 
 async def test_tasks_finished_pages_with_a_cursor_and_filters(pg_url: URL, store: PgStore) -> None:

@@ -205,6 +205,7 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
     assert updated == record.updated
     assert doc == {
         "id": WIDE,
+        "short_id": "32767/281474976710655",
         "epoch": 32767,
         "key": "nightly",
         "pool": "etl",

@@ -19,12 +19,13 @@ from .. import _queries as queries
 from .._domain import I64_MAX
 from .._migrations import RevisionStatus
 from .._mutations import unhandled
-from .._queries import ClusterFacts
+from .._queries import ClusterFacts, ListedTask
 from .._stored_values import LockHolder
 from . import database, output
 from .exits import CliError, ExitCode
 
 __all__ = [
+    "MATCHES_SHOWN",
     "PUBLIC_CONNECT_WARNING",
     "Handover",
     "Health",
@@ -32,6 +33,7 @@ __all__ = [
     "PrunePlan",
     "batch_transactions",
     "end_leader_session",
+    "find_tasks",
     "fresh_facts",
     "handover_document",
     "health_document",
@@ -61,6 +63,21 @@ async def leader_lock(conn: AsyncConnection, schema: str) -> tuple[int, int]:
     """The keys of ``schema``'s leader lock: the store's namespace and the schema's OID."""
     oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
     return (lock_st.LOCK_NS_LEADER, oid)
+
+
+#: The tasks a bare number lists at most when it names tasks of several epochs.
+MATCHES_SHOWN = 100
+
+
+async def find_tasks(conn: AsyncConnection, ref: output.IdRef | str) -> list[ListedTask]:
+    """What ``tasks show`` and the console's task look-up find for ``ref``: the newest task
+    with a key, the task with an id, or every task (in id order, :data:`MATCHES_SHOWN` and
+    one more at most) a bare number names in any epoch, for the caller to list rather than
+    guess."""
+    if isinstance(ref, str):
+        found = await queries.get_listed_task(conn, queries.lookup_params(ref))
+        return [] if found is None else [found]
+    return await queries.get_listed_tasks(conn, ref.ids, MATCHES_SHOWN + 1)
 
 
 def verdict(

@@ -3,16 +3,17 @@ by :mod:`cronoq_store._rows` through :mod:`cronoq_store._queries`, as the store'
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
+from typing import NoReturn
 
 import click
 from rich.console import Console
 
 from .. import _queries as queries
 from .._domain import I64_MAX, TaskId, TaskStatus
+from .._queries import ListedTask
 from .._stored_values import TaskRecord
-from . import database, output
+from . import database, operations, output
 from .app import Options
 from .exits import CliError, ExitCode, run
 
@@ -31,27 +32,37 @@ def tasks() -> None:
     """Look tasks up."""
 
 
-@tasks.command("show")
+@tasks.command("show", epilog=f"REF: {output.ID_FORMS}; anything else is a key.")
 @click.argument("ref")
-@click.option("--key", "as_key", is_flag=True, help="Treat REF as a key even if it is numeric.")
+@click.option(
+    "--key", "as_key", is_flag=True, help="Treat REF as a key even if it looks like an id."
+)
 @_json_option
 @click.pass_obj
 def show(options: Options, ref: str, as_key: bool, as_json: bool) -> None:
-    """Show one task: REF is an id (digits) or a key (the newest task holding it)."""
-    by_id = not as_key and re.fullmatch(r"[0-9]+", ref) is not None
-    if by_id and int(ref) > I64_MAX:
-        raise click.BadParameter(f"{ref} is not a task id (ids fit a signed 64-bit integer)")
-    run(options.url, _show(options, TaskId(int(ref)) if by_id else ref, as_json, output.console()))
+    """Show one task: REF is an id, its short form EPOCH/N, a bare number N, or a key (the
+    newest task holding it).
+
+    A bare N that names tasks of several epochs lists them and exits 10: give EPOCH/N."""
+    try:
+        parsed = None if as_key else output.parse_id(ref)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    run(options.url, _show(options, ref if parsed is None else parsed, as_json, output.console()))
 
 
-async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Console) -> None:
+async def _show(options: Options, ref: output.IdRef | str, as_json: bool, console: Console) -> None:
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
-        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
-    if listed is None:
+        found = await operations.find_tasks(conn, ref)
+    if not found:
         kind = "key" if isinstance(ref, str) else "id"
-        raise CliError(f"no task with {kind} '{ref}'", ExitCode.FAILED)
-    record, status = listed
+        text = ref if isinstance(ref, str) else ref.text
+        raise CliError(f"no task with {kind} '{text}'", ExitCode.FAILED)
+    if len(found) > 1:
+        assert isinstance(ref, output.IdRef)
+        _ambiguous(ref, found, as_json, console)
+    record, status = found[0]
     if as_json:
         output.emit_json(output.task_document(record, status))
         return
@@ -68,6 +79,38 @@ async def _show(options: Options, ref: TaskId | str, as_json: bool, console: Con
         ("updated", _updated(record)),
         ("message", record.message or "-"),
         ("output", output.preview(record.output)),
+    )
+
+
+def _ambiguous(
+    ref: output.IdRef, found: Sequence[ListedTask], as_json: bool, console: Console
+) -> NoReturn:
+    """List the tasks a bare number names in several epochs, and exit 10."""
+    shown = found[: operations.MATCHES_SHOWN]
+    more = len(found) > len(shown)
+    if as_json:
+        output.emit_json(
+            {
+                "ambiguous": ref.text,
+                "matches": [output.task_document(*listed) for listed in shown],
+                "more": more,
+            }
+        )
+    else:
+        output.print_table(
+            console,
+            f"tasks numbered {ref.text}",
+            ("id", "short", "key", "pool", "status", "updated"),
+            (
+                (str(r.id), output.short_id(r.id) or "-", r.key or "-", r.pool, status, _updated(r))
+                for r, status in shown
+            ),
+            right=("id",),
+        )
+    count = f"more than {len(shown)}" if more else str(len(shown))
+    raise CliError(
+        f"{ref.text} names {count} tasks of different epochs: give one as EPOCH/N",
+        ExitCode.AMBIGUOUS,
     )
 
 

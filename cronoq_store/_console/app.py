@@ -26,11 +26,12 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from .._cli import output
 from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
-from .._domain import I64_MAX, TaskId, clean_text
+from .._domain import I64_MAX, clean_text
 from .._driver import translate_error
 from .._errors import MigrationError
 from .._terminal_safe import visible, visible_block
@@ -162,14 +163,18 @@ def _schema(request: Request) -> str:
         raise ClusterNotFound(request.path_params["schema"]) from None
 
 
-def _ref(request: Request) -> TaskId | str:
+def _ref(request: Request) -> output.IdRef | str:
     by_id, by_key = request.query_params.get("id"), request.query_params.get("key")
     if (by_id is None) == (by_key is None):
         raise _BadRequest("give one of id= and key=")
     if by_id is not None:
-        if _ID.fullmatch(by_id) is None or int(by_id) > I64_MAX:
-            raise _BadRequest(f"id: not a task id: {by_id[:40]!r}")
-        return TaskId(int(by_id))
+        try:
+            parsed = output.parse_id(by_id.strip()[:40])
+        except ValueError as exc:
+            raise _BadRequest(f"id: {exc}") from None
+        if parsed is None:
+            raise _BadRequest(f"id: not a task id ({output.ID_FORMS}): {by_id[:40]!r}")
+        return parsed
     assert by_key is not None
     if len(by_key) > _MAX_VALUE_CHARS * 10:
         raise _BadRequest("key: too long")
@@ -374,9 +379,13 @@ class _Console:
         return await self._guarded(request, "pruning.html", work)
 
     async def task(self, request: Request) -> Response:
-        async def work() -> dict[str, Any]:
+        async def work() -> Response | dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
-            doc = await reads.task(self._source, schema, ref)
+            try:
+                doc = await reads.task(self._source, schema, ref)
+            except reads.TaskAmbiguous as exc:
+                # 300 Multiple Choices: the page lists them, as `tasks show` does.
+                return self._respond(request, "ambiguous.html", exc.document(schema), 300)
             doc["schema"] = schema
             return doc
 

@@ -32,6 +32,7 @@ __all__ = [
     "PAGE_SIZE",
     "ClusterNotFound",
     "FinishedFilters",
+    "TaskAmbiguous",
     "TaskNotFound",
     "cluster",
     "overview",
@@ -50,6 +51,24 @@ FINISHED_STATUSES = tuple(s.value for s in TaskStatus if s.is_terminal)
 
 class TaskNotFound(LookupError):
     """No task with that id or key: a 404."""
+
+
+class TaskAmbiguous(LookupError):
+    """A bare number that names tasks of several epochs: the page lists them."""
+
+    def __init__(self, ref: output.IdRef, found: Sequence[queries.ListedTask]) -> None:
+        super().__init__(ref.text)
+        self.ref = ref
+        self.found = found
+
+    def document(self, schema: str) -> dict[str, Any]:
+        shown = self.found[: operations.MATCHES_SHOWN]
+        return {
+            "schema": schema,
+            "ambiguous": self.ref.text,
+            "matches": [output.task_document(*listed) for listed in shown],
+            "more": len(self.found) > len(shown),
+        }
 
 
 @dataclass(frozen=True)
@@ -274,15 +293,20 @@ def _json_or_text(text: str | None) -> Any:
         return {"undecodable": text}
 
 
-async def task(source: Source, schema: str, ref: TaskId | str) -> dict[str, Any]:
+async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str, Any]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
-    dependency with its target's state."""
+    dependency with its target's state; :class:`TaskAmbiguous` for a bare number that names
+    tasks of several epochs."""
     await source.known(schema)
     async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
-        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
-        if listed is None:
-            raise TaskNotFound(str(ref))
+        found = await operations.find_tasks(conn, ref)
+        if not found:
+            raise TaskNotFound(ref if isinstance(ref, str) else ref.text)
+        if len(found) > 1:
+            assert isinstance(ref, output.IdRef)
+            raise TaskAmbiguous(ref, found)
+        listed = found[0]
         record = listed.record
         spec = (await conn.execute(cs.task_spec, {"id": record.id})).one()
         deps = _json_or_text(spec.deps)

@@ -24,7 +24,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
 from cronoq_store._console import statements as cs
-from cronoq_store._domain import Dependency, DependencyCondition, TaskId, TaskSpec
+from cronoq_store._domain import Dependency, DependencyCondition, TaskId, TaskSpec, task_id
 from cronoq_store._mutations import Mutation, Submitted
 from cronoq_store._terminal_safe import visible
 
@@ -134,7 +134,7 @@ async def test_overview_to_cluster_to_task_and_back(
             browser.find_element(By.ID, "lookup-key").send_keys("invoice-7")
             browser.find_element(By.CSS_SELECTOR, "form.lookup button").click()
             wait_for(browser, "#task-id")
-            assert text_of(browser, "#task-id") == "2 (epoch 0)"
+            assert text_of(browser, "#task-id") == "2 (0/2)"
             assert text_of(browser, "#task-status") == "queued"
             assert json.loads(text_of(browser, "#task-resources")) == {"cpu": 2}
             assert json.loads(text_of(browser, "#task-labels")) == ["team:finance"]
@@ -160,6 +160,46 @@ async def test_overview_to_cluster_to_task_and_back(
             no_alert(browser)
 
         await asyncio.to_thread(walk)
+
+
+async def test_the_lookup_takes_a_short_id_and_lists_a_number_of_several_epochs(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome
+) -> None:
+    one, other = task_id(1, 42), task_id(3, 42)
+    await store.commit(0, BASE, [submitted(one, key="first"), submitted(other, key="second")], [])
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+
+    def look_up(text: str) -> None:
+        browser.get(cluster)
+        wait_for(browser, "#lookup-id")
+        browser.find_element(By.ID, "lookup-id").send_keys(text)
+        browser.find_element(By.ID, "lookup-id").submit()
+
+    def walk() -> None:
+        look_up("3/42")
+        wait_for(browser, "#task-id")
+        assert text_of(browser, "#task-id") == f"{other} (3/42)"
+        assert text_of(browser, "#task-key") == "second"
+
+        look_up("42")
+        wait_for(browser, "#matches")
+        assert "42 names a task in each of these epochs" in text_of(browser, "#ambiguous")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#matches tbody tr")
+        assert [r.text.split()[:3] for r in rows] == [
+            [str(one), "1/42", "first"],
+            [str(other), "3/42", "second"],
+        ]
+        rows[0].find_element(By.CSS_SELECTOR, "a.task-link").click()
+        wait_for(browser, "#task-key")
+        assert text_of(browser, "#task-key") == "first"
+        no_alert(browser)
+
+    await asyncio.to_thread(walk)
+    listed = await fetch(f"{cluster}/task?id=42&format=json")
+    assert listed.status == 300
+    assert [t["short_id"] for t in listed.json()["matches"]] == ["1/42", "3/42"]
+    assert (await fetch(f"{cluster}/task?id=4/42")).status == 404
+    assert (await fetch(f"{cluster}/task?id=32768/1")).status == 400
 
 
 async def test_filters_and_keyset_pages(
