@@ -431,7 +431,8 @@ async def test_tasks_show_takes_the_short_id_and_lists_a_number_of_several_epoch
     assert facts((await run(*args, "7")).stdout)["key"] == "seventh"
 
     several = await run(*args, "42")
-    assert several.exit_code == ExitCode.AMBIGUOUS == 10
+    assert several.exit_code == ExitCode.AMBIGUOUS
+    assert int(ExitCode.AMBIGUOUS) == 10  # documented
     assert "42 names 2 tasks of different epochs: give one as EPOCH/N" in several.stderr
     listed = [line.split("\t") for line in several.stdout.splitlines()[1:]]
     assert [(row[0], row[1], row[2]) for row in listed] == [
