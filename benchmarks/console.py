@@ -23,9 +23,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.sql import ClauseElement
 
+from cronoq_store import _listing_statements as cs
 from cronoq_store import task_id
 from cronoq_store._codec import QUARANTINE_PREFIX
-from cronoq_store._console import statements as cs
 from cronoq_store._console.app import console_app
 from cronoq_store._domain import I64_MAX
 from cronoq_store._schema import recurring, tasks
@@ -106,8 +106,8 @@ async def request(app: Any, target: str) -> tuple[int, bytes]:
 
 
 def statements(rows: int) -> dict[str, tuple[ClauseElement, dict[str, Any]]]:
-    """Every statement of :mod:`cronoq_store._console.statements` with the pages' parameters."""
-    every: dict[str, Any] = {"pools": [], "statuses": [], "kinds": [], "tenants": []}
+    """Every statement of :mod:`cronoq_store._listing_statements` with the pages' parameters."""
+    every: dict[str, Any] = {"pools": [], "statuses": [], "kinds": [], "tenants": [], "keys": []}
     window = {"since": -(2**63), "until": I64_MAX}
     filtered = {**every, **window, "pools": ["email"], "statuses": ["failed"]}
     nobody = {**every, **window, "tenants": ["nobody"]}
@@ -139,6 +139,12 @@ def statements(rows: int) -> dict[str, tuple[ClauseElement, dict[str, Any]]]:
             {**window, "scan": cs.SCAN, "before_updated": I64_MAX, "before_id": I64_MAX},
         ),
         "bounded count": (cs.finished_count, {**filtered, "bound": cs.SAMPLE}),
+        "live page, filtered": (
+            cs.live_page,
+            {**filtered, "statuses": ["queued"], "after": -1, "limit": 51, "scan": cs.SCAN},
+        ),
+        "live scan boundary": (cs.live_scan_boundary, {"after": -1, "scan": cs.SCAN}),
+        "live count": (cs.live_count, {**filtered, "bound": cs.LIVE_SAMPLE}),
         "task spec": (cs.task_spec, {"id": task_id(HISTORY_EPOCH, rows // 2)}),
         "schedules": (cs.schedules, {"limit": 101, "after": ""}),
     }

@@ -39,6 +39,7 @@ from .._terminal_safe import json_text, visible
 __all__ = [
     "ID_FORMS",
     "IdRef",
+    "age_words",
     "ago",
     "console",
     "describe_foreign",
@@ -271,6 +272,17 @@ def utc(unix_ns: int) -> str:
 def ago(moment: datetime) -> str:
     seconds = max(0, int((datetime.now(timezone.utc) - moment).total_seconds()))
     return f"{format_duration(seconds)} ago" if seconds else "just now"
+
+
+def age_words(seconds: float) -> str:
+    """A live task's age, to two units: ``12s``, ``4m 10s``, ``3h 5m``, ``2d 3h``."""
+    whole = max(0, int(seconds))
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    for i, (unit, size) in enumerate(units[:-1]):
+        if whole >= size:
+            smaller, small_size = units[i + 1]
+            return f"{whole // size}{unit} {whole % size // small_size}{smaller}"
+    return f"{whole}s"
 
 
 def format_duration(seconds: int) -> str:

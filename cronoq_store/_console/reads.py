@@ -8,33 +8,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
+from .. import _listing_statements as cs
 from .. import _queries as queries
 from .._cli import database, operations, output
 from .._cli.exits import CliError
 from .._codec import QUARANTINE_PREFIX
-from .._domain import I64_MAX, TaskId, TaskStatus
+from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus
 from .._driver import translate_error
 from .._errors import MigrationError
 from .._migrations import RevisionStatus, head_revision
 from .._urls import redact, scrub
-from . import statements as cs
 from .source import ClusterNotFound, Source
 
 __all__ = [
     "FINISHED_STATUSES",
+    "LIVE_STATUSES",
     "PAGE_SIZE",
     "ClusterNotFound",
-    "FinishedFilters",
     "TaskAmbiguous",
     "TaskNotFound",
     "cluster",
+    "live",
     "overview",
     "task",
 ]
@@ -47,6 +47,7 @@ SCHEDULES_SHOWN = 100
 #: Dependencies whose targets a task's page looks up at most.
 DEPS_SHOWN = 100
 FINISHED_STATUSES = tuple(s.value for s in TaskStatus if s.is_terminal)
+LIVE_STATUSES = tuple(sorted(LIVE_STATUS_NAMES))
 
 
 class TaskNotFound(LookupError):
@@ -68,31 +69,6 @@ class TaskAmbiguous(LookupError):
             "ambiguous": self.ref.text,
             "matches": [output.task_document(*listed) for listed in shown],
             "more": len(self.found) > len(shown),
-        }
-
-
-@dataclass(frozen=True)
-class FinishedFilters:
-    """The cluster page's filters over finished tasks, checked by the page's parser; empty
-    tuples mean any."""
-
-    pools: tuple[str, ...] = ()
-    statuses: tuple[str, ...] = ()
-    kinds: tuple[str, ...] = ()
-    tenants: tuple[str, ...] = ()
-    since_ns: int | None = None
-    until_ns: int | None = None
-    #: The keyset cursor: strictly older than ``(updated_unix_ns, id)``.
-    before: tuple[int, int] | None = None
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "pools": list(self.pools),
-            "statuses": list(self.statuses),
-            "kinds": list(self.kinds),
-            "tenants": list(self.tenants),
-            "since": -(2**63) if self.since_ns is None else self.since_ns,
-            "until": I64_MAX if self.until_ns is None else self.until_ns,
         }
 
 
@@ -203,55 +179,32 @@ async def overview(source: Source) -> dict[str, Any]:
 
 
 async def cluster(
-    source: Source, schema: str, filters: FinishedFilters, schedules_after: str = ""
+    source: Source,
+    schema: str,
+    filters: operations.TaskFilters,
+    before: tuple[int, int] | None = None,
+    schedules_after: str = "",
 ) -> dict[str, Any]:
     """A cluster's page: its summary, live tasks by pool and status, a page of finished
-    tasks (newest first) and a page of its recurring schedules (by name, after
-    ``schedules_after``)."""
+    tasks (newest first, strictly older than the cursor ``before``) and a page of its
+    recurring schedules (by name, after ``schedules_after``)."""
     await source.known(schema)
     async with source.connect(schema) as conn:
         summary, live = await _summary(conn, schema)
         if not summary["at_head"]:
             return {"schema": schema, "summary": summary}
-        params = filters.params()
-        page_params = {**params, "limit": PAGE_SIZE + 1, "scan": cs.SCAN}
-        before = (I64_MAX, I64_MAX) if filters.before is None else filters.before
-        cursor = {"before_updated": before[0], "before_id": before[1]}
-        if filters.before is None:
-            rows = (await conn.execute(cs.finished_first_page, page_params)).all()
-        else:
-            rows = (await conn.execute(cs.finished_next_page, {**page_params, **cursor})).all()
-        boundary = None
-        if len(rows) <= PAGE_SIZE:
-            # Fewer matches than a page: the end of the window, or the scan's bound.
-            boundary = (
-                await conn.execute(cs.scan_boundary, {**params, **cursor, "scan": cs.SCAN})
-            ).first()
-        examined, matching = (
-            await conn.execute(cs.finished_count, {**params, "bound": cs.SAMPLE})
-        ).one()
+        finished = await operations.finished_page(conn, filters, before, PAGE_SIZE)
         recurring = (
             await conn.execute(
                 cs.schedules, {"limit": SCHEDULES_SHOWN + 1, "after": schedules_after}
             )
         ).all()
         await conn.rollback()
-    page = rows[:PAGE_SIZE]
-    last = _page_end(rows, boundary)
     return {
         "schema": schema,
         "summary": summary,
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
-        "finished": {
-            "tasks": [output.task_document(*queries.listed_task(row)) for row in page],
-            "next": None if last is None else f"{last[0]}.{last[1]}",
-            # The page examined its bound of tasks without filling up: older ones may match.
-            "scan_stopped": len(rows) <= PAGE_SIZE and boundary is not None,
-            "scan": cs.SCAN,
-            "matching": matching,
-            # At the bound, older tasks of the window were not examined: a minimum.
-            "matching_at_least": examined >= cs.SAMPLE,
-        },
+        "finished": finished,
         "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
@@ -260,15 +213,16 @@ async def cluster(
     }
 
 
-def _page_end(rows: Sequence[Any], boundary: Any) -> tuple[int, int] | None:
-    """Where the next page of finished tasks starts: after the page's last task when more
-    matched, after the scan's bound when it stopped short, nowhere at the end."""
-    if len(rows) > PAGE_SIZE:
-        last = rows[PAGE_SIZE - 1]
-        return (last.updated_unix_ns, last.id)
-    if boundary is not None:
-        return (boundary.updated_unix_ns, boundary.id)
-    return None
+async def live(
+    source: Source, schema: str, filters: operations.TaskFilters, after: int | None = None
+) -> dict[str, Any]:
+    """A cluster's live tasks: a page of them, oldest first, after the id ``after``; the
+    document ``tasks live --json`` prints, with the schema."""
+    await source.known(schema)
+    async with source.connect(schema) as conn:
+        await database.require_head(conn, schema)
+        page = await operations.live_page(conn, filters, after, PAGE_SIZE)
+    return {"schema": schema, "live": page}
 
 
 def _schedule_document(r: Any) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from sqlalchemy.sql import ClauseElement
 
 from benchmarks import console as console_benchmark
 from benchmarks.console import plan_nodes
+from cronoq_store import _listing_statements as cs
 from cronoq_store._codec import QUARANTINE_PREFIX
-from cronoq_store._console import statements as cs
 from cronoq_store._domain import I64_MAX
 
 from .conftest import Console, fetch
@@ -28,6 +28,7 @@ FILTERS = {
     "statuses": ["failed"],
     "kinds": [],
     "tenants": ["acme"],
+    "keys": [],
     "since": -(2**63),
     "until": I64_MAX,
 }
@@ -82,6 +83,22 @@ CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
         {**FILTERS, "bound": cs.SAMPLE},
         "ix_cronoq_tasks_finished_updated",
     ),
+    "live page, filtered": (
+        cs.live_page,
+        {**FILTERS, "statuses": ["queued"], "after": -1, "limit": 51, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live page, matching nothing, halfway": (
+        cs.live_page,
+        {**NOBODY, "after": TASKS // 2, "limit": 51, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live scan boundary": (
+        cs.live_scan_boundary,
+        {"after": -1, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live count": (cs.live_count, {**FILTERS, "bound": cs.LIVE_SAMPLE}, "ix_cronoq_tasks_live"),
     "task spec": (cs.task_spec, {"id": 12345}, "pk_cronoq_tasks"),
     "schedules": (cs.schedules, {"limit": 101, "after": ""}, "pk_cronoq_tasks"),
 }
