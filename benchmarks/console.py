@@ -32,7 +32,7 @@ from cronoq_store._schema import recurring, tasks
 from cronoq_store._store import PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, open_store, summarize
-from .history import HISTORY_EPOCH, seed
+from .history import HISTORY_EPOCH, LIVE_FRACTION, seed
 
 SCHEMA = "bench_console"
 #: Every page within this, server-side (issue 23).
@@ -48,12 +48,18 @@ def pages(rows: int, key_prefix: str, deep_cursor: str) -> dict[str, str]:
     the keyset cursor of the task halfway down."""
     base = f"/clusters/{SCHEMA}"
     middle = rows // 2
+    live_middle = rows - int(rows * LIVE_FRACTION) // 2
     return {
         "overview": "/",
         "cluster": base,
         "finished: pool and status": f"{base}?pool=email&status=failed",
         "finished: a tenant that matches nothing": f"{base}?tenant=nobody",
         "finished: a deep keyset page": f"{base}?before={deep_cursor}",
+        "live: oldest first": f"{base}/live",
+        "live: pool and status": f"{base}/live?pool=email&status=running",
+        "live: a tenant that matches nothing": f"{base}/live?tenant=nobody",
+        # Halfway down the live tasks (the newest LIVE_FRACTION of the history).
+        "live: a deep keyset page": f"{base}/live?after={task_id(HISTORY_EPOCH, live_middle)}",
         "task by id": f"{base}/task?id={task_id(HISTORY_EPOCH, middle)}",
         "task by key": f"{base}/task?key={key_prefix}{middle - middle % 2}",
     }
