@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .. import _listing_statements as ls
 from .._domain import I64_MAX, LIVE_STATUS_NAMES, UNIX_EPOCH, TaskStatus, clean_text
 from .._queries import ListedTask
 from .._stored_values import TaskRecord
@@ -200,7 +201,14 @@ def _unix_ns(moment: datetime | None) -> int | None:
     return (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
 
 
-@tasks.command("finished")
+@tasks.command(
+    "finished",
+    help=f"""List finished tasks, newest first (by last update), a page at a time.
+
+    A page examines at most {ls.SCAN:,} finished tasks; when its filters match fewer than a
+    page there, it says so and prints the cursor that looks further. The count of matches
+    stops at the newest {ls.SAMPLE:,} of the window and then says "at least".""",
+)
 @_filter_options(_FINISHED)
 @click.option("--since", type=click.DateTime(_UTC_FORMATS), help="Updated at or after (UTC).")
 @click.option("--until", type=click.DateTime(_UTC_FORMATS), help="Updated at or before (UTC).")
@@ -224,11 +232,7 @@ def finished(
     full: bool,
     as_json: bool,
 ) -> None:
-    """List finished tasks, newest first (by last update), a page at a time.
-
-    A page examines at most 50,000 finished tasks; when its filters match fewer than a page
-    there, it says so and prints the cursor that looks further. The count of matches stops
-    at the newest 10,000 of the window and then says "at least"."""
+    """``--help`` says what it does (its count's bounds written once, in the statements)."""
     before = None
     if cursor is not None:
         match = _CURSOR.fullmatch(cursor)
@@ -245,7 +249,15 @@ def finished(
     )
 
 
-@tasks.command("live")
+@tasks.command(
+    "live",
+    help=f"""List live tasks (queued, running, retrying), oldest first (in id order, the order
+    they were issued), each with its age (since it arrived), a page at a time.
+
+    A page examines at most {ls.SCAN:,} live tasks; when its filters match fewer than a page
+    there, it says so and prints the cursor that looks further. The count of matches stops
+    at the oldest {ls.LIVE_SAMPLE:,} live tasks and then says "at least".""",
+)
 @_filter_options(_LIVE)
 @click.option(
     "--cursor",
@@ -265,12 +277,7 @@ def live(
     full: bool,
     as_json: bool,
 ) -> None:
-    """List live tasks (queued, running, retrying), oldest first (in id order, the order
-    they were issued), each with its age (since it arrived), a page at a time.
-
-    A page examines at most 50,000 live tasks; when its filters match fewer than a page
-    there, it says so and prints the cursor that looks further. The count of matches stops
-    at the oldest 50,000 live tasks and then says "at least"."""
+    """``--help`` says what it does (its count's bounds written once, in the statements)."""
     filters = _filters(pools, statuses, kinds, tenants, keys)
     page = _ListPage("live", "oldest first", "newer", full, as_json)
     run(
