@@ -62,6 +62,8 @@ LAYERS: tuple[Layer, ...] = (
             "_lock_statements": "the leader lock session's statements: the lock, the epoch bump",
             "_session_statements": "the one `search_path`; transactions on borrowed sessions",
             "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
+            "_listing_statements": "the operators' bounded reads of tasks (CLI and console): "
+            "pages of live and finished tasks, counts that stop at a bound, a task's spec",
             "_migration_statements": "what an offline script checks; a downgrade's locks; "
             "the statements of a bounded lock wait",
         },
