@@ -14,7 +14,8 @@
   (:mod:`cronoq_store.testing._unprivileged`). ``synchronous_mode`` is on by default.
 - **HAProxy** (Debian ``haproxy``) with one TCP frontend routed to whichever node answers
   Patroni's REST health check ``GET /primary`` with 200; sessions to a node marked down are
-  shut (``on-marked-down shutdown-sessions``).
+  shut (``on-marked-down shutdown-sessions``). A check fails on an answer, not on a slow
+  one (:data:`_CHECK_TIMEOUT`).
 - The **multi-host URL** lists every node with ``target_session_attrs=read-write``.
 
 Timing (:data:`DCS`): Patroni refuses a ``ttl`` under 20 s and a ``retry_timeout`` under
@@ -92,6 +93,11 @@ Sync = Literal["off", "on", "strict"]
 #: Patroni's timing (seconds), at the minimums it accepts for ttl and retry_timeout.
 DCS = {"ttl": 20, "loop_wait": 1, "retry_timeout": 4}
 
+#: How long HAProxy waits for Patroni's answer to a check. Every fault here answers at once
+#: (a refused connection, or 503 from a demoted node's Patroni); a Patroni slow to answer on
+#: a busy machine is no sign of a fault, and marking its primary down would shut every
+#: session to it.
+_CHECK_TIMEOUT = "5s"
 #: HAProxy ends the sessions of a node that fails the check (a demoted primary's clients).
 _ON_DOWN = "on-marked-down shutdown-sessions"
 #: How long (seconds) the stack may show no progress before a wait for it fails. On a quiet
@@ -762,7 +768,7 @@ defaults
     timeout connect 2s
     timeout client 30m
     timeout server 30m
-    timeout check 1s
+    timeout check {_CHECK_TIMEOUT}
 
 listen primary
     bind 127.0.0.1:{self.haproxy_port}
