@@ -51,7 +51,11 @@ from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
 from .waits import bounded, holds_for, until_value
 
 BASE = TimeBase.now()
-SESSION_TIMEOUT = 2.0
+#: The store's default: the idle limits it scales (PgBouncer's ``idle_transaction_timeout``,
+#: the server's ``idle_in_transaction_session_timeout``) end a migration whose transaction
+#: idles between statements while Python works, which on a busy machine can take seconds.
+#: No test here waits for a limit to pass.
+SESSION_TIMEOUT = 10.0
 #: What the store's PgBouncer database entry runs on each server connection it opens.
 STORE_ENTRY = store_connect_query(SESSION_TIMEOUT)
 PGBOUNCER_SETTINGS = store_settings(SESSION_TIMEOUT)
@@ -75,7 +79,6 @@ def behind(schema: str, name: str = "pgb", **settings: Any) -> PgStoreConfig:
         lock_poll=0.1,
         keepalive=0.2,
         session_timeout=SESSION_TIMEOUT,
-        commit_timeout=5.0,
         application_name=f"{name}-{schema}",
         **settings,
     )
