@@ -107,8 +107,10 @@ _USERINFO = re.compile(
     r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:[/?\s]|$))(?!@[^\s?]*@|@[^\s?]*\?[^=&\s]*@)"
 )
 # The user info of a URL as typed, when its parts cannot be told apart (an unencoded "@" or
-# space in the password): the password runs to the URL's last "@".
-_TYPED_USERINFO = re.compile(r"\A(?P<head>[\w+.-]+://[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S)
+# space in the password, or no scheme at all): the password runs to the URL's last "@".
+_TYPED_USERINFO = re.compile(
+    r"\A(?P<head>(?:[\w+.-]+:)?(?://)?[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S
+)
 # A URL whose user info has another "@" after its first one, before the query or in the
 # query's first parameter name (which never holds one).
 _SPLIT_USERINFO = re.compile(r"[^:/@]*://[^@/?]*@(?:[^?]*@|[^?]*\?[^=&]*@)")

@@ -269,6 +269,10 @@ async def test_no_surface_shows_a_password(
         "postgresql://ops:{secret}@evil.example/{secret}@db.example/app",
         "postgresql://ops:{secret}@evil.example?{secret}@db.example/app",
         "postgresql://ops:{secret}@db.example:99999/app",
+        # No scheme at all: user info typed as in a URL, still a password.
+        "ops:{secret}@db.example/app",
+        "//ops:{secret}@db.example/app",
+        "ops:{secret}@db.example:5432",
     ],
 )
 async def test_refused_url_forms_show_no_password(url: str, records: Records) -> None:
