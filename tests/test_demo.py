@@ -60,7 +60,6 @@ async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
-    assert elapsed < 45
 
     lines = account(result.stdout)
     assert lines["epochs"] == "A led epoch 1, B took over with epoch 2"
@@ -72,7 +71,9 @@ async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url
     assert acked is not None, lines["acknowledged"]
     tasks = int(acked[1].replace(",", ""))
     assert tasks > 100
-    assert 1.5 < float(acked[3]) < 10
+    # Traffic for about --seconds, within the run.
+    window = float(acked[3])
+    assert 1.5 < window < elapsed
     recovered = re.match(
         r"([\d,]+) tasks \(([\d,]+) committed, not yet acked\)", lines["recovered"]
     )
@@ -80,7 +81,10 @@ async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url
     assert int(recovered[1].replace(",", "")) == tasks + int(recovered[2].replace(",", ""))
     takeover = re.match(r"([\d.]+) s from SIGKILL", lines["takeover"])
     assert takeover is not None
-    assert float(takeover[1]) < 10
+    # The takeover (B's next lock poll and its recovery) is a small part of the run, which
+    # also starts three processes and carries the traffic: a takeover waiting for a stale
+    # session or a timeout would be most of it. A ratio holds on a machine of any speed.
+    assert float(takeover[1]) < (elapsed - window) / 2, (takeover[1], elapsed, window)
     assert re.match(r"[\d,]+ acks/s", lines["throughput"])
     assert "OK: every acknowledged write survived the crash" in result.stdout
     assert "SIGKILL A mid-stream" in result.stdout
