@@ -38,7 +38,7 @@ NAME = "handover-twin"
 #: A lone instance's poll in the test of a handover nobody takes: its cool-down (2 x
 #: lock_poll + 1 s) outlasts the command's 1 s wait by seconds, so the command's last look,
 #: however late a loaded machine runs it, comes before the instance competes again.
-LONE_POLL = 2.0
+LONE_POLL, LONE_SESSION_TIMEOUT = 2.0, 5.0
 
 Terms = list[tuple[str, int]]
 
@@ -166,8 +166,9 @@ async def test_handover_without_a_standby_says_that_none_took_it(
     pg_url: URL, migrated: str
 ) -> None:
     url, terms = full(pg_url), Terms()
+    lone = replace(twin(migrated), lock_poll=LONE_POLL, session_timeout=LONE_SESSION_TIMEOUT)
     async with (
-        await PgStore.connect(pg_url, replace(twin(migrated), lock_poll=LONE_POLL)) as alone,
+        await PgStore.connect(pg_url, lone) as alone,
         looping(lead_until_lost(alone, "alone", terms)),
     ):
         await until(lambda: alone.is_leader, "the lone instance leading")
@@ -193,7 +194,7 @@ async def test_handover_without_a_standby_says_that_none_took_it(
         await until(
             lambda: alone.is_leader,
             "the lone instance leading again after its cool-down",
-            within=cool_down + SESSION_TIMEOUT + PATIENCE,
+            within=cool_down + LONE_SESSION_TIMEOUT + PATIENCE,
         )
         print(f"lone instance led again {time.monotonic() - gave_up:.2f} s after the command")
         assert terms == [("alone", first), ("alone", first + 1)]
