@@ -34,7 +34,7 @@ from cronoq_store._migrations import head_revision, upgrade
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_lock_holders import Role, intruder, run_cli
 from .test_schema_revisions import older_revisions
-from .waits import bounded, holds_for, until_value
+from .waits import PATIENCE, bounded, holds_for, until_value
 
 __all__ = ["intruder"]  # the fixture, shared with test_lock_holders
 
@@ -353,3 +353,40 @@ async def test_a_standby_says_which_leader_it_waits_behind(
         finally:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
+    pg_url: URL, migrated: str
+) -> None:
+    """A prune batch queues ``LOCK TABLE ... EXCLUSIVE`` on the leader table behind a
+    session holding the leader row; ``health`` (the store's and the command's) reads
+    without a lock that conflicts with it, so it answers while the prune still waits, not
+    once the prune gives up."""
+    patient = config(migrated, "waits-h", commit_timeout=PATIENCE)
+    async with await PgStore.connect(pg_url, patient) as store:
+        epoch = await store.acquire_leadership()
+        held = await lock_leader_row(pg_url, migrated)
+        pruning = asyncio.ensure_future(store.prune(0))
+        try:
+            await until_value(
+                lambda: admin_execute(
+                    pg_url,
+                    "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                    "WHERE a.application_name = 'waits-h' AND NOT l.granted "
+                    "AND l.relation = $1::regclass",
+                    f'"{migrated}".cronoq_leader',
+                ),
+                lambda rows: [r["mode"] for r in rows] == ["ExclusiveLock"],
+                "the prune queued for the leader table",
+            )
+            health = await bounded(store.health(), "health beside the queued prune")
+            assert not pruning.done(), "the prune stopped waiting before health answered"
+            assert (health.has_leader, health.stored_epoch) == (True, epoch)
+            command = await bounded(
+                run_cli(pg_url, migrated, "health"), "the health command beside the queued prune"
+            )
+            assert command.exit_code == ExitCode.OK, command.output
+            assert not pruning.done(), "the prune stopped waiting before the command answered"
+        finally:
+            await held.close()
+        assert await bounded(pruning, "the prune once the row is free") == 0
