@@ -19,6 +19,11 @@ from cronoq_store._demo import find_lost, parse_acks
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute
+from .waits import PATIENCE
+
+#: How long a command of this file may run before it counts as hung: a demo starts three
+#: processes and, by default, an embedded server (initdb), each slower on a loaded machine.
+HUNG = 10 * PATIENCE
 
 
 def cronoq_store(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -28,7 +33,7 @@ def cronoq_store(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
         [script, *args],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=HUNG,
         check=False,
         env={**os.environ, "COLUMNS": "120", **(env or {})},
     )
@@ -70,7 +75,7 @@ async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url
     )
     assert acked is not None, lines["acknowledged"]
     tasks = int(acked[1].replace(",", ""))
-    assert tasks > 100
+    assert tasks > 0  # A was killed mid-stream, with writes acknowledged: how many is speed
     # Traffic for about --seconds, within the run.
     window = float(acked[3])
     assert 1.5 < window < elapsed
