@@ -20,20 +20,19 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._store import PgStore
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute
+from .waits import bounded, until_value
 
 
 async def no_sessions_named(url: URL, name: str) -> None:
     """No server session is named ``name`` (a lock session's name without its instance id),
-    within the moment a closed one takes to end."""
-    deadline = asyncio.get_running_loop().time() + 5
-    while True:
-        rows = await admin_execute(
+    once a closed one had the moment it takes to end."""
+    await until_value(
+        lambda: admin_execute(
             url, f"SELECT pid FROM pg_stat_activity WHERE {WITHOUT_INSTANCE} = $1", name
-        )
-        if not rows:
-            return
-        assert asyncio.get_running_loop().time() < deadline, f"sessions left open: {rows}"
-        await asyncio.sleep(0.05)
+        ),
+        lambda rows: not rows,
+        f"no session named {name!r} left open",
+    )
 
 
 async def test_a_lock_session_connected_as_the_acquisition_is_cancelled_is_not_leaked(
@@ -58,7 +57,7 @@ async def test_a_lock_session_connected_as_the_acquisition_is_cancelled_is_not_l
         # No lock session was left open (the store's lock pool keeps none idle).
         await no_sessions_named(pg_url, f"cancel-{migrated} leader")
         # The store still leads on a later attempt, on that connection or another.
-        assert await store.acquire_leadership() >= 1
+        assert await bounded(store.acquire_leadership(), "a later acquisition") >= 1
     finally:
         await store.close()
     await no_sessions_named(pg_url, f"cancel-{migrated} leader")

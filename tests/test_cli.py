@@ -51,6 +51,7 @@ from cronoq_store._urls import URL_ENV
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_prune_race import open_store, settles
 from .test_prune_race import submitted as submitted_in
+from .waits import bounded
 
 NOW = time.time_ns()
 BASE = TimeBase(engine_ns=0, unix_ns=NOW)
@@ -562,7 +563,9 @@ async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
     assert await every_page(*base, "--tenant", "acme", "--key", "k3") == [[3]]
     assert (await run(*base, "--status", "succeeded")).exit_code == ExitCode.USAGE
 
+    before = time.time_ns()
     doc = json.loads((await run(*base, "--limit", "1", "--json")).stdout)
+    after = time.time_ns()
     assert set(doc) == {
         "tasks",
         "next",
@@ -580,9 +583,10 @@ async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
         "queued",
         "etl",
     )
-    # Its age is since it arrived: two hours before BASE, which the module took at import.
-    expected = (time.time_ns() - (NOW - 2 * hour)) / 1e9
-    assert expected - 60 < task["age_seconds"] <= expected
+    # Its age is since it arrived: two hours before BASE, which the module took at import;
+    # read while the command ran (a second either side for the age's rounding).
+    arrived = NOW - 2 * hour
+    assert (before - arrived) / 1e9 - 1 <= task["age_seconds"] <= (after - arrived) / 1e9 + 1
     assert rfc3339_ns(task["arrival"]) // 10**9 == (NOW - 2 * hour) // 10**9
 
 
@@ -701,8 +705,8 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, sche
             await settles(pg_url, "cronoq-store cli", prune)
             waited = not prune.done()
             await tx.rollback()
-            await asyncio.wait_for(commit, 10)
-            pruned = await asyncio.wait_for(prune, 30)
+            await bounded(commit, "the commit once the blocker rolled back")
+            pruned = await bounded(prune, "the CLI's prune once the commit is done")
         finally:
             await blocker.close()
     assert pruned.exit_code == 0, pruned.output

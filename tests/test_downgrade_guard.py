@@ -39,7 +39,7 @@ from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._migrations import downgrade, head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .waits import until
+from .waits import bounded, holds_for, until
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = TimeBase.now()
@@ -129,7 +129,7 @@ async def test_downgrade_refuses_under_a_live_leader_naming_it_and_forced_fences
         # The leader was fenced by the downgrade's epoch bump: its next commit lands nowhere.
         with pytest.raises(FencedError):
             await leader.commit(epoch, BASE, [submitted(epoch, 3)], [])
-        await asyncio.wait_for(leader.leadership_lost(), 5)
+        await bounded(leader.leadership_lost(), "the leader stepping down")
         assert await task_rows(pg_url, migrated) == 2
 
 
@@ -144,7 +144,7 @@ async def test_alembic_force_downgrades_under_a_leader(pg_url: URL, migrated: st
         with pytest.raises(SchemaGoneError):
             await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
         assert not leader.is_leader
-        await asyncio.wait_for(leader.leadership_lost(), 5)
+        await bounded(leader.leadership_lost(), "the leader stepping down")
 
 
 async def test_base_refuses_a_cluster_that_issued_ids_and_a_partial_one_runs_unled(
@@ -178,13 +178,12 @@ async def test_a_standby_waits_behind_a_downgrade_and_never_leads_the_void(
             await downgrade(conn, migrated, "base")
             downgrading = (await conn.execute(select(func.pg_backend_pid()))).scalar_one()
             acquiring = asyncio.ensure_future(standby.acquire_leadership())
-            await asyncio.sleep(1.0)
             # The downgrade's transaction holds the leader lock: the standby polls behind it.
-            assert not acquiring.done()
+            await holds_for(lambda: not acquiring.done(), "the standby waiting", 1.0)
             assert await leader_lock_pids(pg_url, migrated) == [downgrading]
             await conn.commit()
         with pytest.raises(SchemaGoneError, match="run `cronoq-store migrate`"):
-            await asyncio.wait_for(acquiring, 10)
+            await bounded(acquiring, "the standby's acquisition ending")
         assert not standby.is_leader
         assert await leader_lock_pids(pg_url, migrated) == []
 
@@ -239,8 +238,10 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
                 )
                 assert ran.returncode == 0, ran.stderr
             dropped = time.monotonic()
-            errors = await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 10)
-            await asyncio.wait_for(leader.leadership_lost(), 5)
+            errors = await bounded(
+                asyncio.gather(*running, return_exceptions=True), "the submitters failing"
+            )
+            await bounded(leader.leadership_lost(), "the leader stepping down")
         finally:
             for task in running:
                 task.cancel()
@@ -257,8 +258,11 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
         await until(unlocked, "the lock session to close")
         # A schema migrated again gets nothing from the old leader.
         await upgrade(leader.engine, migrated)
-        await asyncio.sleep(0.2)
-        assert await task_rows(pg_url, migrated) == 0
+
+        async def empty() -> bool:
+            return await task_rows(pg_url, migrated) == 0
+
+        await holds_for(empty, "the migrated schema without tasks", 0.5)
         with pytest.raises(FencedError):
             await leader.commit(epoch, BASE, [submitted(epoch, 10**6)], [])
 
@@ -299,7 +303,7 @@ async def test_health_names_the_holder_of_a_schema_downgraded_under_it(
             "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
         )
         assert forced.returncode == 0, forced.stderr
-        await asyncio.wait_for(leader.leadership_lost(), 10)
+        await bounded(leader.leadership_lost(), "the leader stepping down")
 
         async def let_go() -> bool:
             return await leader_lock_pids(pg_url, migrated) == []

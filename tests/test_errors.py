@@ -29,10 +29,15 @@ from cronoq_store._errors import (
 from cronoq_store._urls import async_url
 
 from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, terminate_backend
+from .waits import bounded, until
 
 #: Put into every statement and parameter below: none of it may reach a message.
 SECRET_SQL = "/* sql-text-marker */"
 SECRET_PARAM = "param-value-marker"
+
+#: A query that outlasts any wait for it: what a test does to it (a stop, a kill, a cancel,
+#: a timeout) ends it, else the test's bound fails.
+LONG_SLEEP = 600
 
 
 @pytest.fixture
@@ -123,8 +128,24 @@ async def backend_pid(conn: AsyncConnection) -> int:
     return int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
 
 
-async def after(seconds: float, action: Callable[[], Awaitable[Any]]) -> Any:
-    await asyncio.sleep(seconds)
+async def sleeping(pg_url: URL, pid: int) -> None:
+    """Return once backend ``pid`` runs its ``pg_sleep``: what a test then does to the query
+    happens during it, however long the query took to reach the server."""
+
+    async def running() -> bool:
+        rows = await admin_execute(
+            pg_url,
+            "SELECT 1 FROM pg_stat_activity"
+            " WHERE pid = $1 AND state = 'active' AND query LIKE '%pg_sleep%'",
+            pid,
+        )
+        return bool(rows)
+
+    await until(running, f"backend {pid} running its pg_sleep")
+
+
+async def during(pg_url: URL, pid: int, action: Callable[[], Awaitable[Any]]) -> Any:
+    await sleeping(pg_url, pid)
     return await action()
 
 
@@ -132,12 +153,14 @@ async def after(seconds: float, action: Callable[[], Awaitable[Any]]) -> Any:
 
 
 async def test_server_stop_during_a_query(
-    engine: AsyncEngine, stoppable: ServerUnderTest, password: str
+    engine: AsyncEngine, pg_url: URL, stoppable: ServerUnderTest, password: str
 ) -> None:
     async with engine.connect() as conn:
-        await query(conn, "SELECT 1")  # connected before the stop
-        stop = asyncio.ensure_future(after(0.3, lambda: asyncio.to_thread(stoppable.stop)))
-        error, original = await failure(query(conn, "SELECT pg_sleep(10)"))
+        pid = await backend_pid(conn)  # connected before the stop
+        stop = asyncio.ensure_future(during(pg_url, pid, lambda: asyncio.to_thread(stoppable.stop)))
+        error, original = await bounded(
+            failure(query(conn, f"SELECT pg_sleep({LONG_SLEEP})")), "the query cut by the stop"
+        )
         await stop
         assert sqlstate(original) == "08003"  # 57P01 admin shutdown as its cause
         codes = {getattr(e, "sqlstate", None) for e in causes(original)} - {None}
@@ -184,8 +207,10 @@ async def test_backend_terminated_during_a_query_and_while_idle(
 ) -> None:
     async with engine.connect() as conn:
         pid = await backend_pid(conn)
-        kill = asyncio.ensure_future(after(0.2, lambda: terminate_backend(pg_url, pid)))
-        error, original = await failure(query(conn, "SELECT pg_sleep(10)"))
+        kill = asyncio.ensure_future(during(pg_url, pid, lambda: terminate_backend(pg_url, pid)))
+        error, original = await bounded(
+            failure(query(conn, f"SELECT pg_sleep({LONG_SLEEP})")), "the query cut by the kill"
+        )
         assert await kill
         assert sqlstate(original) == "08003"
         assert_unavailable(error, original, password)
@@ -194,8 +219,10 @@ async def test_backend_terminated_during_a_query_and_while_idle(
     async with engine.connect() as conn:
         pid = await backend_pid(conn)
         await conn.commit()
+        driver = (await conn.get_raw_connection()).driver_connection
+        assert isinstance(driver, asyncpg.Connection)
         assert await terminate_backend(pg_url, pid)
-        await asyncio.sleep(0.2)
+        await until(driver.is_closed, "the client seeing its idle backend gone")
         error, original = await failure(query(conn, "SELECT 1"))
         assert sqlstate(original) is None
         assert "closed" in str(original.__cause__)
@@ -253,7 +280,8 @@ async def test_deadlock(engine: AsyncEngine, table: str, password: str) -> None:
         await query(second, f"UPDATE {table} SET v = 'x' WHERE id = 2")
         results = await asyncio.gather(
             query(first, f"UPDATE {table} SET v = 'y' WHERE id = 2"),
-            after(0.1, lambda: query(second, f"UPDATE {table} SET v = 'y' WHERE id = 1")),
+            # Either order closes the cycle: whichever waits second sees it.
+            query(second, f"UPDATE {table} SET v = 'y' WHERE id = 1"),
             return_exceptions=True,
         )
         victims = [r for r in results if isinstance(r, BaseException)]
@@ -316,9 +344,18 @@ async def test_read_only_transaction_asks_for_reconnect(
 # --- timeouts and cancellation --------------------------------------------------------------
 
 
-async def test_asyncio_timeout_during_a_query(engine: AsyncEngine, password: str) -> None:
+async def test_asyncio_timeout_during_a_query(
+    engine: AsyncEngine, pg_url: URL, password: str
+) -> None:
     async with engine.connect() as conn:
-        error, original = await failure(asyncio.wait_for(query(conn, "SELECT pg_sleep(5)"), 0.2))
+        pid = await backend_pid(conn)
+
+        running = asyncio.ensure_future(query(conn, f"SELECT pg_sleep({LONG_SLEEP})"))
+        try:
+            await sleeping(pg_url, pid)
+        finally:
+            # A timeout of 0 expires at once: the wait times out during the running query.
+            error, original = await failure(asyncio.wait_for(running, 0))
         assert isinstance(original, asyncio.TimeoutError)
         assert_unavailable(error, original, password)
         assert conn.invalidated  # the connection was closed under the query
@@ -330,22 +367,28 @@ async def test_server_side_cancel(engine: AsyncEngine, pg_url: URL, password: st
     async with engine.connect() as conn:
         pid = await backend_pid(conn)
         cancel = asyncio.ensure_future(
-            after(0.2, lambda: admin_execute(pg_url, "SELECT pg_cancel_backend($1)", pid))
+            during(pg_url, pid, lambda: admin_execute(pg_url, "SELECT pg_cancel_backend($1)", pid))
         )
-        error, original = await failure(query(conn, "SELECT pg_sleep(5)"))
+        error, original = await bounded(
+            failure(query(conn, f"SELECT pg_sleep({LONG_SLEEP})")), "the query cut by the cancel"
+        )
         await cancel
         assert sqlstate(original) == "57014"
         assert_unavailable(error, original, password)
         await conn.rollback()
 
 
-async def test_task_cancellation_propagates_untranslated(engine: AsyncEngine) -> None:
+async def test_task_cancellation_propagates_untranslated(engine: AsyncEngine, pg_url: URL) -> None:
+    pids: list[int] = []
+
     async def work() -> None:
         async with engine.begin() as conn:
-            await query(conn, "SELECT pg_sleep(5)")
+            pids.append(await backend_pid(conn))
+            await query(conn, f"SELECT pg_sleep({LONG_SLEEP})")
 
     task = asyncio.ensure_future(work())
-    await asyncio.sleep(0.2)
+    await until(lambda: bool(pids) or task.done(), "the task's connection")
+    await sleeping(pg_url, pids[0])
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

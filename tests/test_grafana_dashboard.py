@@ -23,7 +23,8 @@ from cronoq_store import GroupCommitter, PgStore, StoreError, TaskStatus
 from cronoq_store.telemetry import instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends
-from .test_telemetry import BASE, changed, config, submitted
+from .test_telemetry import BASE, changed, config, lock_waited, submitted
+from .waits import bounded, until
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "cronoq-store.json"
 _METRIC = re.compile(r"\bcronoq_[a-z0-9_]+")
@@ -51,6 +52,15 @@ def panel_queries() -> list[tuple[str, str]]:
         for target in panel.get("targets", []):
             found.append((panel["title"], target["expr"]))
     return found
+
+
+async def standby_polling(url: URL) -> bool:
+    """The instance named "standby" has its lock session open, polling for the lock."""
+    rows = await admin_execute(
+        url,
+        "SELECT 1 FROM pg_stat_activity WHERE starts_with(application_name, 'standby leader ')",
+    )
+    return bool(rows)
 
 
 async def test_every_panel_names_what_a_real_export_holds(
@@ -81,21 +91,21 @@ async def test_every_panel_names_what_a_real_export_holds(
                 await blocker.execute("BEGIN")
                 await blocker.execute(f'LOCK TABLE "{schema}".cronoq_tasks IN EXCLUSIVE MODE')
                 waiting = asyncio.ensure_future(committer.submit([submitted(8)]))
-                await asyncio.sleep(0.3)
+                await lock_waited(pg_url, first.config.application_name)
                 assert await terminate_backends(pg_url, first.config.application_name) >= 1
-                await asyncio.sleep(0.3)
+                await until(lambda: committer.stats().retries >= 1, "the commit retried")
             finally:
                 await blocker.close()
-            await asyncio.wait_for(waiting, 10)
+            await bounded(waiting, "the retried submission")
             assert committer.stats().retries >= 1
         await first.commit(epoch, BASE, [changed(2, TaskStatus.FAILED)], [])
         assert await first.prune(0) >= 1
         # The leader's lock session dies: the other takes over and recovers.
         taking = asyncio.ensure_future(second.acquire_leadership())
-        await asyncio.sleep(0.2)
+        await until(lambda: standby_polling(pg_url), "the standby polling for the lock")
         assert await terminate_backends(pg_url, f"{first.config.application_name} leader") == 1
-        await asyncio.wait_for(taking, 10)
-        await asyncio.wait_for(first.leadership_lost(), 10)
+        await bounded(taking, "the standby's takeover")
+        await bounded(first.leadership_lost(), "the leader stepping down")
         await admin_execute(pg_url, f"UPDATE \"{schema}\".cronoq_tasks SET pool = '' WHERE id = 3")
         await second.recover(BASE)
         async with GroupCommitter(second, second.epoch or 0, BASE):

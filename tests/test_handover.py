@@ -26,6 +26,7 @@ from cronoq_store._urls import async_url
 from .pgharness import admin_execute
 from .test_cli import full, run
 from .test_lock_holders import create_role, drop_role
+from .waits import PATIENCE, bounded, until
 
 #: A standby polls at the default pace, and a removed leader hears of its loss at once
 #: (its keeper's next ping): without a cool-down it competes again before the standby's
@@ -34,11 +35,10 @@ LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.5, 0.1, 2.0
 #: One instance's name, shared by every instance as a deployment's are: only their ids
 #: tell them apart.
 NAME = "handover-twin"
-#: How long a removed instance waits before it competes again: 2 x lock_poll + 1 s, as
-#: docs/operations.md says.
-COOL_DOWN = 2 * LOCK_POLL + 1
-#: Generous bound on any state a test waits for.
-WAIT = 20.0
+#: A lone instance's poll in the test of a handover nobody takes: its cool-down (2 x
+#: lock_poll + 1 s) outlasts the command's 1 s wait by seconds, so the command's last look,
+#: however late a loaded machine runs it, comes before the instance competes again.
+LONE_POLL, LONE_SESSION_TIMEOUT = 2.0, 5.0
 
 Terms = list[tuple[str, int]]
 
@@ -53,19 +53,8 @@ def twin(schema: str, name: str = NAME) -> PgStoreConfig:
     )
 
 
-async def until(
-    check: Callable[[], bool] | Callable[[], Awaitable[bool]], what: str, within: float = WAIT
-) -> None:
-    """Wait until ``check()`` holds; fail, saying what was waited for, after ``within``."""
-    deadline = time.monotonic() + within
-    while True:
-        done = check()
-        if not isinstance(done, bool):
-            done = await done
-        if done:
-            return
-        assert time.monotonic() < deadline, f"waited {within:g} s for {what}"
-        await asyncio.sleep(0.05)
+def leads(store: PgStore) -> Callable[[], bool]:
+    return lambda: store.is_leader
 
 
 async def lead_until_lost(store: PgStore, name: str, terms: Terms) -> None:
@@ -155,7 +144,7 @@ async def test_handover_moves_leadership_to_the_waiting_standby_every_time(
                 result = await run("--url", url, "--schema", migrated, "handover", "--yes")
                 standby = stores[waiting]
                 await until(
-                    lambda standby=standby: standby.is_leader,
+                    leads(standby),
                     f"the standby {waiting} leading after handover {turn} (terms: {terms})",
                 )
                 assert result.exit_code == ExitCode.OK, result.output
@@ -177,8 +166,9 @@ async def test_handover_without_a_standby_says_that_none_took_it(
     pg_url: URL, migrated: str
 ) -> None:
     url, terms = full(pg_url), Terms()
+    lone = replace(twin(migrated), lock_poll=LONE_POLL, session_timeout=LONE_SESSION_TIMEOUT)
     async with (
-        await PgStore.connect(pg_url, twin(migrated)) as alone,
+        await PgStore.connect(pg_url, lone) as alone,
         looping(lead_until_lost(alone, "alone", terms)),
     ):
         await until(lambda: alone.is_leader, "the lone instance leading")
@@ -186,7 +176,8 @@ async def test_handover_without_a_standby_says_that_none_took_it(
         assert first is not None
 
         # The command waits less than the cool-down: nobody can lead before it gives up.
-        assert COOL_DOWN > 1
+        cool_down = 2 * LONE_POLL + 1
+        assert cool_down > 1
         nobody = await run(
             "--url", url, "--schema", migrated, "handover", "--yes", "--timeout", "1"
         )
@@ -203,7 +194,7 @@ async def test_handover_without_a_standby_says_that_none_took_it(
         await until(
             lambda: alone.is_leader,
             "the lone instance leading again after its cool-down",
-            within=COOL_DOWN + SESSION_TIMEOUT + WAIT,
+            within=cool_down + LONE_SESSION_TIMEOUT + PATIENCE,
         )
         print(f"lone instance led again {time.monotonic() - gave_up:.2f} s after the command")
         assert terms == [("alone", first), ("alone", first + 1)]
@@ -310,7 +301,7 @@ async def test_a_released_leader_lets_the_waiting_standby_lead(pg_url: URL, migr
                 # The leader releases and competes again at once, as its loop is written.
                 asked[leading].set()
                 await until(
-                    lambda waiting=waiting: stores[waiting].is_leader,
+                    leads(stores[waiting]),
                     f"the standby {waiting} leading after {leading} released (terms: {terms})",
                 )
     names = [name for name, _ in terms]
@@ -363,7 +354,7 @@ async def test_each_instance_shows_its_own_id_whatever_its_application_name(
             assert f"instance {ids[0]}, backend pid " in plain.stdout
 
             await a.release_leadership()
-            await asyncio.wait_for(standby, WAIT)
+            await bounded(standby, "the standby leading once the first let go")
             assert await instance_of(b) == ids[1]
     finally:
         await engine.dispose()

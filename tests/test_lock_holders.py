@@ -16,6 +16,7 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import pytest
@@ -28,6 +29,7 @@ from cronoq_store._errors import MigrationError
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .waits import bounded, holds_for, until, until_value
 
 FORGED = "cronoq-store leader"
 
@@ -138,7 +140,7 @@ async def test_a_role_with_only_connect_holding_the_lock_is_named_never_a_leader
         finally:
             await held.close()
         # Once it lets go, an instance leads and is reported healthy.
-        epoch = await asyncio.wait_for(store.acquire_leadership(), 10)
+        epoch = await bounded(store.acquire_leadership(), "leadership once the holder let go")
         health = await store.health()
         assert health.has_leader
         assert health.holder is not None
@@ -175,11 +177,10 @@ async def test_a_genuine_leader_is_healthy_right_after_a_takeover(
     ):
         first = await a.acquire_leadership()
         standby = asyncio.ensure_future(b.acquire_leadership())
-        await asyncio.sleep(0.3)
-        assert not standby.done()
+        await holds_for(lambda: not standby.done(), "b waiting while a leads", 0.3)
         assert (await b.health()).has_leader  # a leads; b waits without warning
         await a.release_leadership()
-        assert await asyncio.wait_for(standby, 10) == first + 1
+        assert await bounded(standby, "b's takeover") == first + 1
         for store in (a, b):
             health = await store.health()
             assert health.has_leader
@@ -212,18 +213,16 @@ async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
             )
             await a.release_leadership()
             taking_over = asyncio.ensure_future(b.acquire_leadership())
-            rows: list[asyncpg.Record] = []
-            for _ in range(100):
-                rows = await admin_execute(
+            rows = await until_value(
+                lambda: admin_execute(
                     pg_url,
                     "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
                     "WHERE starts_with(a.application_name, 'holders-f leader ') "
                     "AND NOT l.granted",
-                )
-                if rows:
-                    break
-                await asyncio.sleep(0.05)
-            assert rows, "the takeover never waited for the leader row"
+                ),
+                bool,
+                "the takeover waiting for the leader row",
+            )
             health = await a.health()
             assert health.holder is not None
             assert health.holder.pid == rows[0][0]
@@ -235,7 +234,7 @@ async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
             await transaction.rollback()
         finally:
             await in_flight.close()
-        assert await asyncio.wait_for(taking_over, 10) == first + 1
+        assert await bounded(taking_over, "the takeover once the row is free") == first + 1
 
 
 async def test_a_standby_behind_a_foreign_holder_warns_once_naming_it(
@@ -257,11 +256,20 @@ async def standby_warns_once(
 ) -> None:
     trusting = config(migrated, "holders-g", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting, lock_url=lock.url) as store:
+        looks = 0
+        look = store._leadership._watch_holder
+
+        async def counted(*args: Any) -> int | None:
+            nonlocal looks
+            looks += 1
+            return await look(*args)
+
+        store._leadership._watch_holder = counted  # type: ignore[method-assign,assignment]
         held = await take_lock(intruder.url, store.leader_lock)
         try:
             with caplog.at_level(logging.WARNING, logger="cronoq_store"):
                 waiting = asyncio.ensure_future(store.acquire_leadership())
-                await asyncio.sleep(3.0)  # 60 polls, six looks at the holder
+                await until(lambda: looks >= 6 or waiting.done(), "six looks at the holder")
                 assert not waiting.done()
             warnings = [r for r in caplog.records if "not a store instance" in r.getMessage()]
             assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
@@ -273,7 +281,7 @@ async def standby_warns_once(
             assert vars(warning)["holder_application_name"] == FORGED
         finally:
             await held.close()
-        assert await asyncio.wait_for(waiting, 10) == 1
+        assert await bounded(waiting, "leadership once the holder let go") == 1
 
 
 # --- what the store requires of the database ---------------------------------------------
@@ -285,7 +293,7 @@ async def test_leading_is_refused_while_public_may_connect(pg_url: URL, migrated
     try:
         async with await PgStore.connect(pg_url, config(migrated, "holders-h")) as store:
             with pytest.raises(MigrationError) as info:
-                await asyncio.wait_for(store.acquire_leadership(), 10)
+                await bounded(store.acquire_leadership(), "the acquisition")
             assert not info.value.is_transient
             message = str(info.value)
             assert "CONNECT is granted to PUBLIC" in message
@@ -310,13 +318,13 @@ async def test_leading_is_refused_while_an_untrusted_login_role_may_connect(
 ) -> None:
     async with await PgStore.connect(pg_url, config(migrated, "holders-i")) as store:
         with pytest.raises(MigrationError, match=f"CONNECT is granted to {intruder.name}\\."):
-            await asyncio.wait_for(store.acquire_leadership(), 10)
+            await bounded(store.acquire_leadership(), "the acquisition")
         health = await store.health()
         assert (health.stored_epoch, health.untrusted_connect) == (0, (intruder.name,))
     # Named by the operator, it is trusted to connect.
     trusting = config(migrated, "holders-j", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting) as store:
-        assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+        assert await bounded(store.acquire_leadership(), "the acquisition") == 1
         assert (await store.health()).untrusted_connect == ()
 
 
@@ -329,13 +337,13 @@ async def test_connect_through_a_group_role_counts_and_nologin_roles_do_not(
         await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {group}')
         async with await PgStore.connect(pg_url, config(migrated, "holders-k")) as store:
             # A role that cannot log in cannot hold a lock.
-            assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+            assert await bounded(store.acquire_leadership(), "the acquisition") == 1
             await store.release_leadership()
             await create_role(pg_url, member, connect=False)
             try:
                 await admin_execute(pg_url, f"GRANT {group} TO {member}")
                 with pytest.raises(MigrationError, match=f"CONNECT is granted to {member}\\."):
-                    await asyncio.wait_for(store.acquire_leadership(), 10)
+                    await bounded(store.acquire_leadership(), "the acquisition")
             finally:
                 await drop_role(pg_url, member)
     finally:
@@ -348,7 +356,7 @@ async def test_allow_untrusted_connect_leads_and_says_so(
     lax = config(migrated, "holders-l", allow_untrusted_connect=True)
     async with await PgStore.connect(pg_url, lax) as store:
         with caplog.at_level(logging.WARNING, logger="cronoq_store"):
-            assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+            assert await bounded(store.acquire_leadership(), "the acquisition") == 1
     (warning,) = [r for r in caplog.records if "allow_untrusted_connect" in r.getMessage()]
     assert vars(warning)["roles"] == [intruder.name]
 

@@ -34,6 +34,7 @@ from cronoq_store._migrations import head_revision, upgrade
 from .pgharness import admin_execute, asyncpg_dsn
 from .test_lock_holders import Role, intruder, run_cli
 from .test_schema_revisions import older_revisions
+from .waits import PATIENCE, bounded, holds_for, until_value
 
 __all__ = ["intruder"]  # the fixture, shared with test_lock_holders
 
@@ -105,8 +106,8 @@ async def test_a_schema_at_head_opens_whoever_holds_its_migration_lock_and_healt
         await hold_migration_lock(held, migrated)
         pid = held.get_server_pid()
         opening = PgStore.connect(pg_url, config(migrated, "waits-a"))
-        async with await asyncio.wait_for(opening, 60) as store:
-            await asyncio.wait_for(store.migrate(), 60)
+        async with await bounded(opening, "opening beside a held migration lock") as store:
+            await bounded(store.migrate(), "migrating beside a held migration lock")
             seen = (await store.health()).migration_lock
             assert seen is not None
             assert (seen.pid, seen.role, seen.application_name) == (pid, intruder.name, APP)
@@ -142,12 +143,12 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
     async with session_of(intruder) as held:
         await hold_migration_lock(held, schema)
         pid = held.get_server_pid()
-        bounded = config(schema, "waits-b", migration_lock_timeout=2.0)
+        limited = config(schema, "waits-b", migration_lock_timeout=2.0)
         with (
             caplog.at_level(logging.INFO, logger="cronoq_store"),
             pytest.raises(LockHeldError) as refused,
         ):
-            await asyncio.wait_for(PgStore.connect(pg_url, bounded), 60)
+            await bounded(PgStore.connect(pg_url, limited), "opening giving up")
         message = str(refused.value)
         assert f"the migration lock of schema {schema!r} after 2 s" in message
         assert f"pid {pid} (role {intruder.name!r}, application {APP!r}" in message
@@ -200,9 +201,12 @@ async def test_two_instances_opening_behind_head_at_once_take_turns(
             asyncio.ensure_future(PgStore.connect(pg_url, config(schema, f"waits-c{n}")))
             for n in range(2)
         ]
-        await asyncio.sleep(1.0)
-        assert not any(task.done() for task in opening)
-    stores = await asyncio.wait_for(asyncio.gather(*opening), 60)
+        await holds_for(
+            lambda: not any(task.done() for task in opening),
+            "both openings waiting for the held lock",
+            1.0,
+        )
+    stores = await bounded(asyncio.gather(*opening), "both openings once the lock is free")
     for store in stores:
         await store.close()
     assert await revision_of(pg_url, schema) == head_revision()
@@ -227,19 +231,22 @@ async def test_a_migration_behind_a_long_transaction_never_stops_reads_and_names
         pid = reading.get_server_pid()
         migrating = asyncio.ensure_future(upgrade(engine, schema, lock_timeout=6.0))
         reader = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"lock_timeout": "5s"})
+        reads = 0
         try:
-            for _ in range(6):
+            # Reads all through the migration's wait, until it gives up.
+            while not migrating.done() or reads == 0:
                 await reader.fetchval(f'SELECT epoch FROM "{schema}".cronoq_leader')
+                reads += 1
                 await asyncio.sleep(0.5)
         finally:
             await reader.close()
         with pytest.raises(LockHeldError) as refused:
-            await asyncio.wait_for(migrating, 60)
+            await bounded(migrating, "the migration giving up")
         assert f"the tables of schema {schema!r}" in str(refused.value)
         assert f"pid {pid} (role {intruder.name!r}, application {APP!r}" in str(refused.value)
         await transaction.rollback()
     assert await revision_of(pg_url, schema) == BEHIND
-    await asyncio.wait_for(upgrade(engine, schema), 60)
+    await bounded(upgrade(engine, schema), "the migration once the transaction ended")
     assert await revision_of(pg_url, schema) == head_revision()
 
 
@@ -262,13 +269,13 @@ async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
         held = await lock_leader_row(pg_url, migrated)
         try:
             with pytest.raises(LockHeldError) as refused:
-                await asyncio.wait_for(s.prune(0), 60)
+                await bounded(s.prune(0), "the prune giving up")
             message = str(refused.value)
             assert f"waiting for the leader table of schema {migrated!r}" in message
             assert f"pid {held.get_server_pid()} (role {pg_url.username!r}, application" in message
         finally:
             await held.close()
-        assert await asyncio.wait_for(s.prune(0), 60) == 0
+        assert await bounded(s.prune(0), "the prune once the row is free") == 0
 
 
 async def test_a_command_behind_a_table_lock_exits_9_naming_it(pg_url: URL, migrated: str) -> None:
@@ -301,18 +308,17 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
         taking = asyncio.ensure_future(store.acquire_leadership())
         try:
             with caplog.at_level(logging.INFO, logger="cronoq_store"):
-                for _ in range(300):
-                    said = [r for r in caplog.records if f"pid {pid} (role" in str(vars(r))]
-                    if said:
-                        break
-                    await asyncio.sleep(0.1)
-            assert said, [r.getMessage() for r in caplog.records]
+                said = await until_value(
+                    lambda: [r for r in caplog.records if f"pid {pid} (role" in str(vars(r))],
+                    bool,
+                    "the takeover naming the row's holder",
+                )
             assert "taking over leadership gave up after 1 s waiting for the leader" in str(
                 vars(said[0])
             )
             assert not taking.done()
             await held.close()
-            assert await asyncio.wait_for(taking, 30) == 1
+            assert await bounded(taking, "the takeover once the row is free") == 1
         finally:
             await held.close()
             taking.cancel()
@@ -332,19 +338,55 @@ async def test_a_standby_says_which_leader_it_waits_behind(
         waiting = asyncio.ensure_future(standby.acquire_leadership())
         try:
             with caplog.at_level(logging.INFO, logger="cronoq_store"):
-                for _ in range(200):
-                    said = [r for r in caplog.records if "the leader at epoch" in r.getMessage()]
-                    if said:
-                        break
-                    await asyncio.sleep(0.05)
-            assert said, [r.getMessage() for r in caplog.records]
+                said = await until_value(
+                    lambda: [r for r in caplog.records if "the leader at epoch" in r.getMessage()],
+                    bool,
+                    "the standby naming the leader",
+                )
             (record,) = said
             assert record.levelno == logging.INFO
             assert f"the leader at epoch {epoch} is pid {health.holder.pid}" in record.getMessage()
             assert health.holder.instance is not None
             assert f"'waits-f leader {health.holder.instance}'" in record.getMessage()
             await leader.release_leadership()
-            assert await asyncio.wait_for(waiting, 30) == epoch + 1
+            assert await bounded(waiting, "the standby's takeover") == epoch + 1
         finally:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
+    pg_url: URL, migrated: str
+) -> None:
+    """A prune batch queues ``LOCK TABLE ... EXCLUSIVE`` on the leader table behind a
+    session holding the leader row; ``health`` (the store's and the command's) reads
+    without a lock that conflicts with it, so it answers while the prune still waits, not
+    once the prune gives up."""
+    patient = config(migrated, "waits-h", commit_timeout=PATIENCE)
+    async with await PgStore.connect(pg_url, patient) as store:
+        epoch = await store.acquire_leadership()
+        held = await lock_leader_row(pg_url, migrated)
+        pruning = asyncio.ensure_future(store.prune(0))
+        try:
+            await until_value(
+                lambda: admin_execute(
+                    pg_url,
+                    "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                    "WHERE a.application_name = 'waits-h' AND NOT l.granted "
+                    "AND l.relation = $1::regclass",
+                    f'"{migrated}".cronoq_leader',
+                ),
+                lambda rows: [r["mode"] for r in rows] == ["ExclusiveLock"],
+                "the prune queued for the leader table",
+            )
+            health = await bounded(store.health(), "health beside the queued prune")
+            assert not pruning.done(), "the prune stopped waiting before health answered"
+            assert (health.has_leader, health.stored_epoch) == (True, epoch)
+            command = await bounded(
+                run_cli(pg_url, migrated, "health"), "the health command beside the queued prune"
+            )
+            assert command.exit_code == ExitCode.OK, command.output
+            assert not pruning.done(), "the prune stopped waiting before the command answered"
+        finally:
+            await held.close()
+        assert await bounded(pruning, "the prune once the row is free") == 0

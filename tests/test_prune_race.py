@@ -26,6 +26,7 @@ from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .waits import bounded, until
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -57,13 +58,13 @@ async def waiting_on_lock(url: URL, application_name: str) -> bool:
     return int(rows[0][0]) > 0
 
 
-async def settles(url: URL, name: str, task: asyncio.Task[object], timeout: float = 10) -> None:
+async def settles(url: URL, name: str, task: asyncio.Task[object]) -> None:
     """Until the sessions of ``name`` wait on a lock, or ``task`` is done (it did not wait)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not task.done() and not await waiting_on_lock(url, name):
-        assert loop.time() < deadline, f"{name} neither waited nor finished"
-        await asyncio.sleep(0.01)
+
+    async def settled() -> bool:
+        return task.done() or await waiting_on_lock(url, name)
+
+    await until(settled, f"{name} waiting on a lock or finished", every=0.01)
 
 
 @pytest.mark.parametrize(
@@ -122,8 +123,8 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(
             await settles(pg_url, pruner, prune)
             waited = not prune.done()
             await tx.rollback()
-            await asyncio.wait_for(commit, 10)
-            pruned = await asyncio.wait_for(prune, 10)
+            await bounded(commit, "the commit once the blocker rolled back")
+            pruned = await bounded(prune, "the prune once the commit is done")
         finally:
             await blocker.close()
 

@@ -33,6 +33,7 @@ from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute, without_instance
 from .test_cli import full, run
+from .waits import PATIENCE, bounded, holds_for
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The previous release: its tag, and its commit should the tag be missing.
@@ -169,7 +170,7 @@ class OldInstance:
     def said(self, key: str) -> list[dict[str, Any]]:
         return [e for e in self.events if key in e]
 
-    async def until(self, what: str, test: Any, timeout: float = 60) -> None:
+    async def until(self, what: str, test: Any, timeout: float = PATIENCE) -> None:
         deadline = time.monotonic() + timeout
         while not test(self):
             if self.process.returncode is not None and not test(self):
@@ -278,8 +279,7 @@ async def test_a_rolling_upgrade_from_the_previous_release(
                     assert (
                         "which this build does not know" in restarted.said("refused")[0]["refused"]
                     )
-            await asyncio.sleep(0.5)
-            assert not taking_over.done()
+            await holds_for(lambda: not taking_over.done(), "this build's standby waiting", 0.5)
 
             # 4. The previous release's leader stops last; this build takes over with
             # everything it acknowledged.
@@ -287,7 +287,7 @@ async def test_a_rolling_upgrade_from_the_previous_release(
             assert old.process.stdin is not None
             old.process.stdin.close()
             await old.until("its release", lambda o: o.said("released"))
-            epoch = await asyncio.wait_for(taking_over, 60)
+            epoch = await bounded(taking_over, "this build's takeover")
             assert epoch == 2
             recovered = await standby.recover(TimeBase.now())
             live = {task.id for task in recovered.tasks}

@@ -41,6 +41,8 @@ from cronoq_store._writer import COPY_MIN_ROWS
 from cronoq_store.telemetry import DISABLED, instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends
+from .test_prune_race import waiting_on_lock
+from .waits import bounded, holds_for, until
 
 BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 PAYLOAD = b"secret-payload-bytes"
@@ -258,6 +260,12 @@ async def test_a_fenced_commit_records_outcome_fenced_and_a_step_down(
     assert failed.attributes["error.type"] == "FencedError"
 
 
+async def lock_waited(url: URL, application_name: str) -> None:
+    """Until a session named ``application_name`` waits on a lock: what ends it then ends
+    a statement that waits, not one still on its way."""
+    await until(lambda: waiting_on_lock(url, application_name), f"{application_name} waiting")
+
+
 async def test_a_failed_and_a_transient_commit_are_told_apart(
     store: PgStore, otel: Otel, pg_url: URL, schema: str
 ) -> None:
@@ -271,7 +279,7 @@ async def test_a_failed_and_a_transient_commit_are_told_apart(
         await blocker.execute("BEGIN")
         await blocker.execute(f'LOCK TABLE "{schema}".cronoq_leader IN ACCESS EXCLUSIVE MODE')
         commit = asyncio.ensure_future(store.commit(0, BASE, [submitted(3)], []))
-        await asyncio.sleep(0.3)
+        await lock_waited(pg_url, store.config.application_name)
         assert await terminate_backends(pg_url, store.config.application_name) >= 1
         with pytest.raises(StoreError) as caught:
             await commit
@@ -297,18 +305,21 @@ async def test_a_takeover_moves_the_epoch_gauge_and_counts_the_step_down(
         assert first.value("cronoq.leadership.epoch") == epoch
         assert first.value("cronoq.leadership.is_leader") == 1
         taking = asyncio.ensure_future(standby.acquire_leadership())
-        await asyncio.sleep(0.3)
-        assert second.value("cronoq.leadership.is_leader") == 0
+        await holds_for(
+            lambda: second.value("cronoq.leadership.is_leader") == 0 and not taking.done(),
+            "the standby not leading",
+            0.3,
+        )
         # The leader's lock session dies: the standby takes over with the next epoch.
         assert await terminate_backends(pg_url, "cronoq-store leader") == 1
-        new_epoch = await asyncio.wait_for(taking, 10)
+        new_epoch = await bounded(taking, "the standby's takeover")
         assert new_epoch == epoch + 1
         assert second.value("cronoq.leadership.epoch") == new_epoch
         assert second.value("cronoq.leadership.is_leader") == 1
         count, waited = second.value("cronoq.leadership.acquisition.duration")
         assert count == 1
         assert waited >= 0.3
-        await asyncio.wait_for(leader.leadership_lost(), 5)
+        await bounded(leader.leadership_lost(), "the leader stepping down")
         assert first.value("cronoq.leadership.is_leader") == 0
         assert (
             first.value("cronoq.leadership.step_downs", {"cronoq.step_down.reason": "session_lost"})

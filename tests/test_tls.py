@@ -44,6 +44,7 @@ from cronoq_store.testing._unprivileged import system_user_entry
 
 from .pgharness import without_instance
 from .test_secrets import texts_of
+from .waits import until_value
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Debian's PostgreSQL 15, built with OpenSSL (.ci/run installs it).
@@ -248,11 +249,12 @@ class TlsServer:
         for source, target in zip(self.files.server[name], self.files.presented, strict=True):
             target.write_bytes(source.read_bytes())  # keeps the owner and the mode
         await self.admin("SELECT pg_reload_conf()")
-        for _ in range(200):  # new backends fork from the postmaster once it reloaded
-            if (await self.admin("SELECT pg_conf_load_time()"))[0][0] > before:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the server did not reload its certificate {name!r}")
+        # New backends fork from the postmaster once it reloaded.
+        await until_value(
+            lambda: self.admin("SELECT pg_conf_load_time()"),
+            lambda rows: rows[0][0] > before,
+            f"the server reloading its certificate {name!r}",
+        )
 
 
 def _require_pg15() -> None:

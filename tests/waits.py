@@ -14,7 +14,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -41,19 +41,40 @@ async def until(check: Check, what: str, within: float = PATIENCE, every: float 
         await asyncio.sleep(every)
 
 
+@overload
 async def until_value(
-    read: Callable[[], T | Awaitable[T]],
+    read: Callable[[], Awaitable[T]],
     accept: Callable[[T], bool],
     what: str,
     within: float = PATIENCE,
     every: float = 0.02,
-) -> T:
-    """Poll ``read()`` until ``accept`` takes its value; return it, or fail showing the last."""
+) -> T: ...
+
+
+@overload
+async def until_value(
+    read: Callable[[], T],
+    accept: Callable[[T], bool],
+    what: str,
+    within: float = PATIENCE,
+    every: float = 0.02,
+) -> T: ...
+
+
+async def until_value(
+    read: Callable[[], Any],
+    accept: Callable[[Any], bool],
+    what: str,
+    within: float = PATIENCE,
+    every: float = 0.02,
+) -> Any:
+    """Poll ``read()`` (sync or async) until ``accept`` takes its value; return it, or fail
+    showing the last. The overloads give the value's type: an async ``read`` is awaited."""
     deadline = time.monotonic() + within
     while True:
         value = await _value(read)
-        if accept(value):  # type: ignore[arg-type]
-            return value  # type: ignore[return-value]
+        if accept(value):
+            return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"waited {within:g} s for {what}; last seen: {value!r}")
         await asyncio.sleep(every)

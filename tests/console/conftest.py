@@ -28,6 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from cronoq_store import PgStore, PgStoreConfig
 from cronoq_store._urls import URL_ENV
 
+from ..waits import PATIENCE
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 #: The flags chromium needs as root in a container, and those that keep it off the network.
@@ -121,7 +123,7 @@ def start_console(
             env=environment,
         )
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"console exited {process.returncode}: {log.read_text()}")

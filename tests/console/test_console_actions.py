@@ -27,6 +27,7 @@ from cronoq_store._mutations import Mutation, Submitted
 
 from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
 from ..test_cli_json import ha_config
+from ..waits import PATIENCE, bounded, holds_for
 from .conftest import Console, fetch, start_console, stop_console
 from .test_console_browser import shots, text_of
 from .test_console_security import basic, environment, refused_start
@@ -74,7 +75,7 @@ async def test_without_the_flag_there_is_no_action(
 
     def look() -> None:
         browser.get(cluster)
-        WebDriverWait(browser, 10).until(lambda b: b.find_elements(By.ID, "live-tasks"))
+        WebDriverWait(browser, PATIENCE).until(lambda b: b.find_elements(By.ID, "live-tasks"))
         assert browser.find_elements(By.ID, "handover") == []
 
     await asyncio.to_thread(look)
@@ -97,21 +98,23 @@ async def test_a_handover_through_the_page_shows_the_new_epoch(
 
         def hand_over() -> None:
             browser.get(credentialed(acting.base) + f"/clusters/{schema}")
-            WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "handover"))
+            WebDriverWait(browser, PATIENCE).until(lambda d: d.find_elements(By.ID, "handover"))
             browser.find_element(By.ID, "handover").click()
-            WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "confirm-handover"))
+            WebDriverWait(browser, PATIENCE).until(
+                lambda d: d.find_elements(By.ID, "confirm-handover")
+            )
             assert "handover-a" in browser.find_element(By.ID, "handover-holder").text
             assert browser.find_element(By.ID, "handover-epoch").text == str(first)
             browser.save_screenshot(str(shots(tmp_path) / "handover.png"))
             browser.find_element(By.ID, "confirm-handover").click()
-            WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.ID, "new-epoch"))
+            WebDriverWait(browser, PATIENCE).until(lambda d: d.find_elements(By.ID, "new-epoch"))
             assert browser.find_element(By.ID, "new-epoch").text == str(first + 1)
             assert "handover-b" in browser.find_element(By.ID, "new-leader").text
             browser.save_screenshot(str(shots(tmp_path) / "handed-over.png"))
 
         await asyncio.to_thread(hand_over)
-        assert await asyncio.wait_for(standby, 10) == first + 1
-        await asyncio.wait_for(leader.leadership_lost(), 10)
+        assert await bounded(standby, "the standby's takeover") == first + 1
+        await bounded(leader.leadership_lost(), "the leader stepping down")
     assert f"handover of {schema} asked by ops: ending session pid" in acting.stderr()
     assert f"handover of {schema} asked by ops: epoch {first + 1}" in acting.stderr()
     assert PASSWORD not in acting.stderr()
@@ -176,10 +179,10 @@ async def test_a_post_without_the_token_or_from_another_site_is_refused(
         def lured() -> str:
             # The browser holds the console's credentials, as an operator's would.
             browser.get(credentialed(acting.base) + f"/clusters/{schema}")
-            WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "handover"))
+            WebDriverWait(browser, PATIENCE).until(lambda d: d.find_elements(By.ID, "handover"))
             browser.get(elsewhere)
             browser.find_element(By.ID, "go").click()
-            WebDriverWait(browser, 10).until(lambda d: d.current_url.startswith(acting.base))
+            WebDriverWait(browser, PATIENCE).until(lambda d: d.current_url.startswith(acting.base))
             text: str = browser.find_element(By.TAG_NAME, "body").text
             return text
 
@@ -188,9 +191,11 @@ async def test_a_post_without_the_token_or_from_another_site_is_refused(
         server.shutdown()
         server.server_close()
     assert "refused" in shown or "authentication required" in shown, shown
-    await asyncio.sleep(0.5)
-    assert leader.is_leader
-    assert "ending session" not in acting.stderr()
+    await holds_for(
+        lambda: leader.is_leader and "ending session" not in acting.stderr(),
+        "the leader untouched by the lured request",
+        0.5,
+    )
 
 
 def _post(url: str, headers: dict[str, str], body: str) -> int:
@@ -223,20 +228,20 @@ async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counte
 
     def prune() -> None:
         browser.get(credentialed(acting.base) + f"/clusters/{schema}")
-        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "prune"))
+        WebDriverWait(browser, PATIENCE).until(lambda d: d.find_elements(By.ID, "prune"))
         browser.find_element(By.ID, "prune").click()
-        WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "older-than"))
+        WebDriverWait(browser, PATIENCE).until(lambda d: d.find_elements(By.ID, "older-than"))
         field = browser.find_element(By.ID, "older-than")
         field.clear()
         field.send_keys("1d")
         browser.find_element(By.ID, "count").click()
-        WebDriverWait(browser, 10).until(lambda d: "older_than=1d" in d.current_url)
+        WebDriverWait(browser, PATIENCE).until(lambda d: "older_than=1d" in d.current_url)
         assert browser.find_element(By.ID, "would-delete").text == "29"
         assert browser.find_element(By.ID, "would-keep").text.startswith("1 ")
         browser.save_screenshot(str(shots(tmp_path) / "prune.png"))
         browser.find_element(By.ID, "confirm-prune").click()
-        WebDriverWait(browser, 20).until(lambda d: "/prune/" in d.current_url)
-        WebDriverWait(browser, 20).until(lambda d: text_of(d, "#prune-state") == "done")
+        WebDriverWait(browser, PATIENCE).until(lambda d: "/prune/" in d.current_url)
+        WebDriverWait(browser, PATIENCE).until(lambda d: text_of(d, "#prune-state") == "done")
         assert text_of(browser, "#deleted") == "29"
         assert text_of(browser, "#asked-by").startswith("ops, ")
         browser.save_screenshot(str(shots(tmp_path) / "pruning.png"))
@@ -284,27 +289,35 @@ async def test_a_prune_page_shows_its_progress_live_until_it_ends(
 
         def start() -> str:
             browser.get(credentialed(acting.base) + f"/clusters/{schema}/prune?older_than=1d")
-            WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "confirm-prune"))
+            WebDriverWait(browser, PATIENCE).until(
+                lambda d: d.find_elements(By.ID, "confirm-prune")
+            )
             browser.find_element(By.ID, "confirm-prune").click()
-            WebDriverWait(browser, 10).until(lambda d: "/prune/" in d.current_url)
+            WebDriverWait(browser, PATIENCE).until(lambda d: "/prune/" in d.current_url)
             assert text_of(browser, "#prune-state") == "running"
             assert text_of(browser, "#deleted") == "0"
             url: str = browser.current_url
             return url
 
         progress = await asyncio.to_thread(start)
-        await asyncio.sleep(1.5)  # a refresh or two, still blocked
         path = urllib.parse.urlsplit(progress).path
-        running = (await fetch(f"{acting.base}{path}?format=json", AUTH)).json()
-        assert (running["done"], running["deleted"], running["asked_by"]) == (False, 0, "ops")
+
+        async def still_blocked() -> bool:
+            running = (await fetch(f"{acting.base}{path}?format=json", AUTH)).json()
+            return (running["done"], running["deleted"], running["asked_by"]) == (False, 0, "ops")
+
+        # A refresh or two, still blocked.
+        await holds_for(still_blocked, "the prune blocked", 1.5, every=0.25)
         await blocker.rollback()
 
     def finish() -> None:
-        WebDriverWait(browser, 20).until(lambda d: text_of(d, "#prune-state") == "done")
+        WebDriverWait(browser, PATIENCE).until(lambda d: text_of(d, "#prune-state") == "done")
         assert browser.current_url == progress  # refreshed in place, not reloaded
         assert text_of(browser, "#deleted") == "2,500"
         assert text_of(browser, "#batches").startswith("3 ")
-        WebDriverWait(browser, 5).until(lambda d: text_of(d, "#refreshed").startswith("final "))
+        WebDriverWait(browser, PATIENCE).until(
+            lambda d: text_of(d, "#refreshed").startswith("final ")
+        )
 
     await asyncio.to_thread(finish)
     log = acting.stderr()

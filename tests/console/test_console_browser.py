@@ -37,6 +37,7 @@ from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
+from ..waits import PATIENCE
 from .conftest import Console, fetch
 
 HOSTILE_KEY = "<img src=x onerror=alert(1)>"
@@ -62,7 +63,7 @@ def no_alert(browser: webdriver.Chrome) -> None:
         _ = browser.switch_to.alert.text
 
 
-def wait_for(browser: webdriver.Chrome, css: str, timeout: float = 10) -> None:
+def wait_for(browser: webdriver.Chrome, css: str, timeout: float = PATIENCE) -> None:
     WebDriverWait(browser, timeout).until(
         lambda b: b.find_elements(By.CSS_SELECTOR, css), f"no {css}"
     )
@@ -360,7 +361,7 @@ async def test_the_overview_refreshes_after_a_commit(
 
     await store.commit(0, BASE, [submitted(2), submitted(3), changed(3, SUCCEEDED)], [])
     await asyncio.to_thread(
-        WebDriverWait(browser, 10).until, lambda b: text_of(b, live) == "queued 2"
+        WebDriverWait(browser, PATIENCE).until, lambda b: text_of(b, live) == "queued 2"
     )
     finished = f"#cluster-{store.config.schema} .finished"
     assert text_of(browser, finished) == "succeeded 1"

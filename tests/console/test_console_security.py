@@ -26,6 +26,7 @@ from cronoq_store._mutations import Mutation
 
 from ..pgharness import admin_execute
 from ..test_cli import BASE, FAILED, changed, submitted
+from ..waits import PATIENCE
 from .conftest import Console, console_command, fetch, start_console, stop_console
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,7 @@ async def test_with_credentials_every_request_must_carry_them(
 
         def look() -> None:
             browser.get(f"http://ops:{'pa55-' + TOKEN}@127.0.0.1:{port}/")
-            WebDriverWait(browser, 10).until(
+            WebDriverWait(browser, PATIENCE).until(
                 lambda b: b.find_element(By.ID, "refreshed").text.startswith("refreshed ")
             )
             assert browser.find_element(By.CSS_SELECTOR, f"#cluster-{migrated}")
