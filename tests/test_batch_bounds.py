@@ -17,10 +17,10 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store._errors import BatchTooLargeError, StoreError, UnavailableError
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import Mutation, Submitted
 from cronoq_store._retry import Backoff
 from cronoq_store._sizing import batch_size

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store._committer import GroupCommitter, SupportsCommit
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     UNIX_EPOCH,
@@ -38,7 +39,6 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._group_commit import GroupCommitter, SupportsCommit
 from cronoq_store._migrations import upgrade
 from cronoq_store._mutations import (
     Mutation,

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
@@ -26,7 +27,6 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._errors import CommitterClosedError, FencedError, IdCollisionError
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import (
     Mutation,
     RecurringRemove,

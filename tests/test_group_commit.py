@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._committer_stats import Tally
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
@@ -31,7 +32,6 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._retry import Backoff
 from cronoq_store._store import PgStore

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TimeBase
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._retry import (
     COMMIT_BACKOFF,
     MIN_PAUSE,

@@ -328,7 +328,7 @@ async def test_admission_under_cancellation_keeps_counters_order_and_bounds(in_f
     share no task commute, so only the bounds and the counters are checked."""
     import random
 
-    from cronoq_store._group_commit import GroupCommitter
+    from cronoq_store._committer import GroupCommitter
 
     rng = random.Random(7)
     store = _SlowStore(rng)
@@ -356,8 +356,8 @@ async def test_admission_under_cancellation_keeps_counters_order_and_bounds(in_f
             await asyncio.sleep(0)
         if rng.random() < 0.15:
             rng.choice(tasks).cancel()
-        weight = committer._pending_weight
-        if committer._pending_count > 1 and weight > limit:
+        weight = committer._admission.rows
+        if committer._admission.pending > 1 and weight > limit:
             over.append(weight)
         admitted.append(n)
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
@@ -33,7 +34,6 @@ from cronoq_store._domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
