@@ -23,16 +23,16 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.sql import ClauseElement
 
+from cronoq_store import _listing_statements as cs
 from cronoq_store import task_id
 from cronoq_store._codec import QUARANTINE_PREFIX
-from cronoq_store._console import statements as cs
 from cronoq_store._console.app import console_app
 from cronoq_store._domain import I64_MAX
 from cronoq_store._schema import recurring, tasks
 from cronoq_store._store import PgStore
 
 from .common import Profile, compile_for_asyncpg, dsn, open_store, summarize
-from .history import HISTORY_EPOCH, seed
+from .history import HISTORY_EPOCH, LIVE_FRACTION, seed
 
 SCHEMA = "bench_console"
 #: Every page within this, server-side (issue 23).
@@ -48,12 +48,18 @@ def pages(rows: int, key_prefix: str, deep_cursor: str) -> dict[str, str]:
     the keyset cursor of the task halfway down."""
     base = f"/clusters/{SCHEMA}"
     middle = rows // 2
+    live_middle = rows - int(rows * LIVE_FRACTION) // 2
     return {
         "overview": "/",
         "cluster": base,
         "finished: pool and status": f"{base}?pool=email&status=failed",
         "finished: a tenant that matches nothing": f"{base}?tenant=nobody",
         "finished: a deep keyset page": f"{base}?before={deep_cursor}",
+        "live: oldest first": f"{base}/live",
+        "live: pool and status": f"{base}/live?pool=email&status=running",
+        "live: a tenant that matches nothing": f"{base}/live?tenant=nobody",
+        # Halfway down the live tasks (the newest LIVE_FRACTION of the history).
+        "live: a deep keyset page": f"{base}/live?after={task_id(HISTORY_EPOCH, live_middle)}",
         "task by id": f"{base}/task?id={task_id(HISTORY_EPOCH, middle)}",
         "task by key": f"{base}/task?key={key_prefix}{middle - middle % 2}",
     }
@@ -106,8 +112,8 @@ async def request(app: Any, target: str) -> tuple[int, bytes]:
 
 
 def statements(rows: int) -> dict[str, tuple[ClauseElement, dict[str, Any]]]:
-    """Every statement of :mod:`cronoq_store._console.statements` with the pages' parameters."""
-    every: dict[str, Any] = {"pools": [], "statuses": [], "kinds": [], "tenants": []}
+    """Every statement of :mod:`cronoq_store._listing_statements` with the pages' parameters."""
+    every: dict[str, Any] = {"pools": [], "statuses": [], "kinds": [], "tenants": [], "keys": []}
     window = {"since": -(2**63), "until": I64_MAX}
     filtered = {**every, **window, "pools": ["email"], "statuses": ["failed"]}
     nobody = {**every, **window, "tenants": ["nobody"]}
@@ -139,6 +145,12 @@ def statements(rows: int) -> dict[str, tuple[ClauseElement, dict[str, Any]]]:
             {**window, "scan": cs.SCAN, "before_updated": I64_MAX, "before_id": I64_MAX},
         ),
         "bounded count": (cs.finished_count, {**filtered, "bound": cs.SAMPLE}),
+        "live page, filtered": (
+            cs.live_page,
+            {**filtered, "statuses": ["queued"], "after": -1, "limit": 51, "scan": cs.SCAN},
+        ),
+        "live scan boundary": (cs.live_scan_boundary, {"after": -1, "scan": cs.SCAN}),
+        "live count": (cs.live_count, {**filtered, "bound": cs.LIVE_SAMPLE}),
         "task spec": (cs.task_spec, {"id": task_id(HISTORY_EPOCH, rows // 2)}),
         "schedules": (cs.schedules, {"limit": 101, "after": ""}),
     }

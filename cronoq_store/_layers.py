@@ -44,7 +44,8 @@ LAYERS: tuple[Layer, ...] = (
             "_template_codec": "the recurring spec's JSON, checked against `TaskSpec` at import",
             "_retry": "the retry policy and its loop (what to retry, the pauses, stops by "
             "exception), and the one timeout",
-            "_urls": "database URLs: the asyncpg form, the one masking of secrets",
+            "_urls": "database URLs read as libpq reads them and dialled as read; the one "
+            "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
             "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
             "_committer_stats": "what a group committer counts, and its snapshot",
@@ -62,6 +63,8 @@ LAYERS: tuple[Layer, ...] = (
             "_lock_statements": "the leader lock session's statements: the lock, the epoch bump",
             "_session_statements": "the one `search_path`; transactions on borrowed sessions",
             "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
+            "_listing_statements": "the operators' bounded reads of tasks (CLI and console): "
+            "pages of live and finished tasks, counts that stop at a bound, a task's spec",
             "_migration_statements": "what an offline script checks; a downgrade's locks; "
             "the statements of a bounded lock wait",
         },

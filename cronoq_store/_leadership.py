@@ -60,7 +60,7 @@ from ._retry import Retry, acquisition_backoff, bounded, pause
 from ._schema import schema_options
 from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
-from ._urls import engine_arguments, redact
+from ._urls import engine_arguments, redact, resolve
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["Leadership", "cool_down"]
@@ -161,15 +161,16 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
-def _session_settings(config: PgStoreConfig, instance: str) -> dict[str, str]:
-    """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`)."""
+def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[str, str]:
+    """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`),
+    named ``name`` (the application's) followed by the instance id."""
     settings = {
         # Names resolve in pg_catalog only: no schema another role can write can capture
         # a function or operator the lock session calls.
         "search_path": session_st.SEARCH_PATH,
         # Set after any the application's connect arguments give: the instance id must
         # show, whole, whatever name the application chose.
-        "application_name": lock_session_name(config.application_name, instance),
+        "application_name": lock_session_name(name, instance),
         # The server drops the session (and the lock) once the client is gone.
         "tcp_keepalives_idle": str(max(1, int(config.session_timeout))),
         "tcp_keepalives_interval": "1",
@@ -215,7 +216,7 @@ class Leadership:
 
     def __init__(
         self,
-        url: URL,
+        url: str | URL,
         schema: str,
         lock_key: tuple[int, int],
         config: PgStoreConfig,
@@ -239,7 +240,16 @@ class Leadership:
         self._config = config
         #: This instance's id, at the end of its lock session's ``application_name``.
         self.instance = secrets.token_hex(4)
-        self._settings = _session_settings(config, self.instance)
+        # Dialled from a URL, the URL's application_name (or $PGAPPNAME) is the name's
+        # prefix, as it names the store's other sessions; the id always ends it.
+        parameters = None if pool is not None else resolve(url)
+        self._settings = _session_settings(
+            config,
+            self.instance,
+            config.application_name
+            if parameters is None
+            else parameters.session_name(config.application_name),
+        )
         # time.monotonic() when the last term ended: the cool-down counts from there.
         self._ended_at: float | None = None
         self._backoff = acquisition_backoff(config)
@@ -252,7 +262,10 @@ class Leadership:
                 url, pool=pool, isolation_level="AUTOCOMMIT"
             )
         else:
-            dialled, tls = engine_arguments(url)
+            assert parameters is not None
+            dialled, arguments = engine_arguments(
+                parameters.with_application_name(self._settings["application_name"])
+            )
             self._engine = create_async_engine(
                 dialled,
                 poolclass=NullPool,
@@ -261,7 +274,7 @@ class Leadership:
                     # asyncpg's bound on opening a connection (a silent server never refuses).
                     "timeout": config.session_timeout,
                     "server_settings": self._settings,
-                    **tls,
+                    **arguments,
                 },
             )
         self._apply_settings = pool is not None

@@ -42,7 +42,7 @@ def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
     """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
     ``max_connections``, the store's session settings, closed connections replaced at
     checkout."""
-    dialled, tls = engine_arguments(url)
+    dialled, arguments = engine_arguments(url)
     engine = create_async_engine(
         dialled,
         pool_size=config.max_connections,
@@ -51,7 +51,8 @@ def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
         pool_timeout=config.commit_timeout,
         # Batches carry payloads; errors and logs must not.
         hide_parameters=True,
-        connect_args={**_pool_connect_args(config), **tls},
+        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
+        connect_args={**arguments, **_pool_connect_args(config)},
     )
     event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
     return engine

@@ -46,6 +46,7 @@ __all__ = [
     "facts_of",
     "finished_params",
     "get_listed_task",
+    "get_listed_tasks",
     "get_task",
     "holder_of",
     "incarnation",
@@ -103,6 +104,17 @@ async def get_listed_task(conn: AsyncConnection, params: dict[str, object]) -> L
     stmt: Executable = st.task_by_key if "key" in params else st.task_by_id
     row = (await conn.execute(stmt, params)).first()
     return None if row is None else listed_task(row)
+
+
+async def get_listed_tasks(
+    conn: AsyncConnection, ids: Sequence[TaskId], limit: int
+) -> list[ListedTask]:
+    """The tasks among ``ids`` (in id order, ``limit`` at most), with their stored statuses:
+    what a short id names, in whichever epochs hold it."""
+    for id_ in ids:
+        check_task_id("ids", id_)
+    rows = (await conn.execute(st.tasks_by_ids, {"ids": list(ids), "limit": limit})).all()
+    return [listed_task(row) for row in rows]
 
 
 async def get_task(conn: AsyncConnection, params: dict[str, object]) -> TaskRecord | None:

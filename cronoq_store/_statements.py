@@ -95,6 +95,7 @@ __all__ = [
     "task_by_id",
     "task_by_key",
     "task_output",
+    "tasks_by_ids",
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
@@ -485,6 +486,14 @@ _record = select(*_columns(tasks, RECORD_COLUMNS))
 
 #: One task by id.
 task_by_id = _record.where(tasks.c.id == bindparam("id", type_=BigInteger))
+
+#: The tasks among the ``ids`` (their order), ``limit`` of them: the tasks a short id may
+#: name, one primary-key probe each.
+tasks_by_ids = (
+    _record.where(tasks.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .order_by(tasks.c.id)
+    .limit(bindparam("limit", type_=BigInteger))
+)
 
 #: The newest task with a key (a key names at most one live task, but many finished ones).
 task_by_key = (

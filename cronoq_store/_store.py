@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from ._errors import (
     SchemaGoneError,
     StoreError,
     UnavailableError,
+    UnsupportedParameterError,
 )
 from ._folding import fold
 from ._leadership import Leadership
@@ -48,7 +50,8 @@ from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
 from ._stored_values import Health, LockHolder, Recovered, TaskRecord
-from ._urls import async_url, redact
+from ._urls import dialled_by_store, redact
+from ._urls import resolve as resolve_url
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
 
@@ -83,7 +86,7 @@ class PgStore:
         schema_oid: int,
         incarnation: int,
         owns_engine: bool,
-        lock_url: URL,
+        lock_url: str | URL,
         lock_pool: Pool | None = None,
         pool_role: str | None = None,
     ) -> None:
@@ -138,7 +141,12 @@ class PgStore:
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.
-        lock_role = {lock_url.username} if lock_url.username else set()
+        lock_user = (
+            lock_url.username
+            if isinstance(lock_url, URL) and lock_pool
+            else resolve_url(lock_url).user
+        )
+        lock_role = {lock_user} if lock_user else set()
         self._connect_check = trust.ConnectCheck(config.trusted_roles | lock_role)
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
@@ -182,7 +190,7 @@ class PgStore:
                 owns_engine=True,
                 lock_url=lock_url,
                 migrate=migrate,
-                url=async_url(url),
+                url=url,
             )
         except BaseException:
             await engine.dispose()
@@ -227,16 +235,20 @@ class PgStore:
         owns_engine: bool,
         lock_url: str | URL | None,
         migrate: bool,
-        url: URL | None = None,
+        url: str | URL | None = None,
     ) -> PgStore:
-        """``url``: the one the store's own engine was made from, TLS parameters included
-        (``engine.url`` has lost them), for the lock session."""
+        """``url``: the one the store's own engine was made from, as given (``engine.url``
+        names the first host only), for the lock session."""
         if not config.prepared_statements and lock_url is None:
             raise ValueError(
                 "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
                 "needs lock_url=, a direct URL to the server: the leader's session advisory "
                 "lock cannot live on a pooled server connection"
             )
+        if lock_url is not None:
+            resolve_url(lock_url)  # refuse what cannot be honoured before anything connects
+        elif not owns_engine:
+            await _refuse_ignored_parameters(engine)
         where = redact(engine.url)
         # What the store reads at open runs under its own settings too: an application's
         # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
@@ -271,7 +283,7 @@ class PgStore:
             incarnation=incarnation,
             owns_engine=owns_engine,
             pool_role=pool_role,
-            lock_url=(url or engine.url) if lock_url is None else async_url(lock_url),
+            lock_url=(url or engine.url) if lock_url is None else lock_url,
             # An application's engine may connect through a creator, TLS or connect_args
             # its URL does not show: a pool made like its own (Pool.recreate) makes the
             # lock session the same way, and hands out none of the application's sessions.
@@ -739,3 +751,32 @@ def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
     (:func:`~cronoq_store._session_statements.store_transaction`)."""
     statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
     return transactions.opening(statements, engine.dialect)
+
+
+async def _refuse_ignored_parameters(engine: AsyncEngine) -> None:
+    """Refuse, by name, an application's engine that dials somewhere its URL does not say.
+
+    SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
+    ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
+    the store would lead a cluster in another database. An engine made from
+    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
+    names = [name for name in ("service", "servicefile") if name in engine.url.query]
+    if "PGSERVICE" in os.environ:
+        names.append("$PGSERVICE")
+    if not names:
+        return
+    try:
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            if dialled_by_store(raw.driver_connection):
+                return
+    except Exception:
+        # Opening the store goes on, and says why it cannot connect.
+        return
+    raise UnsupportedParameterError(
+        f"engine {redact(engine.url)}: cronoq-store cannot honour the parameter"
+        f"{'s' if len(names) > 1 else ''} {', '.join(names)}: SQLAlchemy hands it to asyncpg, "
+        "which ignores it and dials the default server; make the engine from "
+        "cronoq_store.engine_arguments(url)",
+        [name.lstrip("$") for name in names],
+    )

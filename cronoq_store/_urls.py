@@ -1,8 +1,10 @@
-"""Database URLs: accept what users type, hand SQLAlchemy what it needs, never print secrets.
+"""Database URLs: read as libpq reads them, dialled as read, never printed with a secret.
 
-libpq's TLS parameters (``sslmode``, ``sslrootcert``...) ride in the URL's query, the form
-operators write; :func:`engine_arguments` hands them to asyncpg, which implements their
-libpq meaning, for every engine the store makes from a URL.
+:func:`resolve` reads a URL the way libpq 18 does (the URI, then the service file, then the
+``PG*`` environment, then the defaults) into one :class:`ConnectParameters`, refusing by
+name each parameter asyncpg cannot honour. :func:`engine_arguments` makes an engine dial
+every session from those parameters, so that SQLAlchemy's own URL-to-keywords translation
+cannot drop one; every engine the store makes from a URL is made that way.
 
 A URL can carry a password in its user info (``user:secret@host``, percent-encoded or not),
 in query parameters (``?password=``, the libpq form SQLAlchemy and asyncpg accept, and other
@@ -12,11 +14,21 @@ secret-bearing ones such as ``sslpassword``), and a libpq keyword DSN in ``key=v
 
 from __future__ import annotations
 
+import asyncio
+import getpass
+import locale
+import logging
 import os
+import pwd
+import random
 import re
-from collections.abc import Iterable
+import socket
+import stat
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote, urlencode
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -26,12 +38,18 @@ from ._errors import UnsupportedParameterError
 __all__ = [
     "MASK",
     "URL_ENV",
+    "ConnectParameters",
+    "Dialer",
     "UnsupportedParameterError",
     "async_url",
+    "dialled_by_store",
     "engine_arguments",
     "redact",
+    "resolve",
     "scrub",
 ]
+
+logger = logging.getLogger("cronoq_store")
 
 #: What a secret is replaced with.
 MASK = "***"
@@ -70,8 +88,6 @@ _PASSED_PARAMETERS = frozenset(
         "user",
         "database",
         "passfile",
-        "service",
-        "servicefile",
         "target_session_attrs",
         "krbsrvname",
         "gsslib",
@@ -91,8 +107,10 @@ _USERINFO = re.compile(
     r"(?P<head>://[^:/@\s]*:)(?P<secret>\S*?)(?=@[^@\s/?]*(?:[/?\s]|$))(?!@[^\s?]*@|@[^\s?]*\?[^=&\s]*@)"
 )
 # The user info of a URL as typed, when its parts cannot be told apart (an unencoded "@" or
-# space in the password): the password runs to the URL's last "@".
-_TYPED_USERINFO = re.compile(r"\A(?P<head>[\w+.-]+://[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S)
+# space in the password, or no scheme at all): the password runs to the URL's last "@".
+_TYPED_USERINFO = re.compile(
+    r"\A(?P<head>(?:[\w+.-]+:)?(?://)?[^:/@\s]*:)(?P<secret>.*)(?=@[^@]*\Z)", re.S
+)
 # A URL whose user info has another "@" after its first one, before the query or in the
 # query's first parameter name (which never holds one).
 _SPLIT_USERINFO = re.compile(r"[^:/@]*://[^@/?]*@(?:[^?]*@|[^?]*\?[^=&]*@)")
@@ -171,7 +189,11 @@ def redact(url: str | URL) -> str:
 
 
 def async_url(url: str | URL) -> URL:
-    """The ``postgresql+asyncpg`` form of ``url``.
+    """The ``postgresql+asyncpg`` form of ``url``, for an engine SQLAlchemy dials from it.
+
+    Only the parameters SQLAlchemy hands to asyncpg with their libpq meaning are accepted:
+    a service, for one, is refused (asyncpg ignores it there); :func:`engine_arguments`
+    reads every parameter.
 
     Accepts ``postgres://``, ``postgresql://`` and ``postgresql+asyncpg://`` URLs, including
     unix-socket ones (``postgresql:///db?host=/run/postgresql``). A ``?password=`` parameter
@@ -259,7 +281,7 @@ def _refuse_unsupported(url: URL) -> None:
         )
 
 
-def _refuse_missing_files(url: URL, tls: dict[str, str | None]) -> None:
+def _refuse_missing_files(shown: str, tls: Mapping[str, str | None]) -> None:
     """Refuse, naming it, a certificate, key or CRL file that is not there: asyncpg would
     fail every connect with a ``FileNotFoundError`` that names no file, and libpq in
     ``require`` mode would skip the verification the operator asked for."""
@@ -267,7 +289,7 @@ def _refuse_missing_files(url: URL, tls: dict[str, str | None]) -> None:
         path = tls.get(name)
         if path and not os.path.isfile(path):
             raise UnsupportedParameterError(
-                f"database URL {redact(url)}: {name} {path!r} is not a file (a relative path "
+                f"database URL {shown}: {name} {path!r} is not a file (a relative path "
                 f"is read from the working directory, {os.getcwd()!r}, and '~' is not "
                 "expanded, as in libpq)",
                 [name],
@@ -279,18 +301,763 @@ def _last(value: str | tuple[str, ...] | None) -> str | None:
     return value if value is None or isinstance(value, str) else value[-1]
 
 
-def engine_arguments(url: str | URL) -> tuple[URL, dict[str, Any]]:
-    """The URL an engine dials and the asyncpg connect arguments that go with it.
+# --- reading a URL the way libpq does --------------------------------------------------------
+
+#: libpq's keywords (PostgreSQL 18) and the environment variable each falls back to.
+LIBPQ_KEYWORDS: dict[str, str | None] = {
+    "service": "PGSERVICE",
+    "servicefile": "PGSERVICEFILE",
+    "user": "PGUSER",
+    "password": "PGPASSWORD",
+    "passfile": "PGPASSFILE",
+    "channel_binding": "PGCHANNELBINDING",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+    "dbname": "PGDATABASE",
+    "host": "PGHOST",
+    "hostaddr": "PGHOSTADDR",
+    "port": "PGPORT",
+    "client_encoding": "PGCLIENTENCODING",
+    "options": "PGOPTIONS",
+    "application_name": "PGAPPNAME",
+    "fallback_application_name": None,
+    "keepalives": None,
+    "keepalives_idle": None,
+    "keepalives_interval": None,
+    "keepalives_count": None,
+    "tcp_user_timeout": None,
+    "sslmode": "PGSSLMODE",
+    "sslnegotiation": "PGSSLNEGOTIATION",
+    "sslcompression": "PGSSLCOMPRESSION",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "sslcertmode": "PGSSLCERTMODE",
+    "sslpassword": None,
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcrl": "PGSSLCRL",
+    "sslcrldir": "PGSSLCRLDIR",
+    "sslsni": "PGSSLSNI",
+    "sslkeylogfile": None,
+    "requirepeer": "PGREQUIREPEER",
+    "require_auth": "PGREQUIREAUTH",
+    "min_protocol_version": "PGMINPROTOCOLVERSION",
+    "max_protocol_version": "PGMAXPROTOCOLVERSION",
+    "ssl_min_protocol_version": "PGSSLMINPROTOCOLVERSION",
+    "ssl_max_protocol_version": "PGSSLMAXPROTOCOLVERSION",
+    "gssencmode": "PGGSSENCMODE",
+    "krbsrvname": "PGKRBSRVNAME",
+    "gsslib": "PGGSSLIB",
+    "gssdelegation": "PGGSSDELEGATION",
+    "replication": None,
+    "target_session_attrs": "PGTARGETSESSIONATTRS",
+    "load_balance_hosts": "PGLOADBALANCEHOSTS",
+    "scram_client_key": None,
+    "scram_server_key": None,
+    "oauth_issuer": None,
+    "oauth_client_id": None,
+    "oauth_client_secret": None,
+    "oauth_scope": None,
+}
+
+#: Why each parameter asyncpg cannot implement is refused, whatever its value.
+REFUSED: dict[str, str] = {
+    "hostaddr": "asyncpg dials the host it verifies and matches in the password file; it "
+    "cannot dial one address under another name",
+    "require_auth": "asyncpg cannot restrict the authentication methods a server may ask for",
+    "requirepeer": "asyncpg cannot check the server process's user before authenticating",
+    "sslcrldir": "asyncpg reads a CRL file (sslcrl), not a directory of them",
+    "sslkeylogfile": "asyncpg writes TLS keys only where $SSLKEYLOGFILE says",
+    "scram_client_key": "asyncpg authenticates with the password only",
+    "scram_server_key": "asyncpg authenticates with the password only",
+    "oauth_issuer": "asyncpg does not implement OAuth authentication",
+    "oauth_client_id": "asyncpg does not implement OAuth authentication",
+    "oauth_client_secret": "asyncpg does not implement OAuth authentication",
+    "oauth_scope": "asyncpg does not implement OAuth authentication",
+}
+
+#: Parameters honoured for only some values: the values, and why the others are refused.
+LIMITED: dict[str, tuple[tuple[str, ...], str]] = {
+    "channel_binding": (("disable",), "asyncpg's SCRAM never uses channel binding"),
+    "gssencmode": (("disable",), "asyncpg does not implement GSSAPI encryption"),
+    "gssdelegation": (("0",), "asyncpg does not delegate GSSAPI credentials"),
+    "sslcompression": (("0",), "asyncpg never compresses TLS"),
+    "sslcertmode": (
+        ("allow",),
+        "asyncpg sends a client certificate whenever one is configured, as allow does",
+    ),
+    "sslsni": (("1",), "asyncpg always sends the host name as SNI"),
+    "sslmode": (_SSLMODES, "libpq knows no other mode"),
+    "sslnegotiation": (("postgres", "direct"), "libpq knows no other"),
+    "ssl_min_protocol_version": (_TLS_VERSIONS, "libpq knows no other"),
+    "ssl_max_protocol_version": (_TLS_VERSIONS, "libpq knows no other"),
+    "min_protocol_version": (("3.0",), "asyncpg speaks protocol 3.0 only"),
+    "max_protocol_version": (
+        ("3.0", "3.2", "latest"),
+        "libpq knows no other (asyncpg speaks 3.0, inside every range)",
+    ),
+    "replication": (
+        ("0", "off", "false", "no"),
+        "asyncpg does not speak the replication protocol",
+    ),
+    "target_session_attrs": (
+        ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+        "libpq knows no other",
+    ),
+    "load_balance_hosts": (("disable", "random"), "libpq knows no other"),
+    "gsslib": (("gssapi",), "sspi exists on Windows only"),
+}
+
+#: Query parameters that are not libpq's but that SQLAlchemy's and asyncpg's URLs take:
+#: ``database`` (libpq's ``dbname``), ``ssl`` (asyncpg's name for ``sslmode``; libpq reads
+#: ``ssl=true`` as ``sslmode=require``) and the dialect's ``prepared_statement_cache_size``.
+EXTRA_PARAMETERS = ("database", "ssl", "prepared_statement_cache_size")
+
+#: Environment variables libpq reads that are not a keyword's fallback: settings sent at
+#: connection start (``"default"`` sends nothing), the deprecated ``$PGREQUIRESSL`` and
+#: where the system-wide service file lives.
+STARTUP_ENVIRONMENT = {"PGDATESTYLE": "datestyle", "PGTZ": "timezone", "PGGEQO": "geqo"}
+#: Where ``pg_service.conf`` is when ``$PGSYSCONFDIR`` is unset (Debian's libpq).
+DEFAULT_SYSCONFDIR = "/etc/postgresql-common"
+#: The socket directory libpq matches as ``localhost`` in a password file (Debian's libpq).
+DEFAULT_SOCKET_DIR = "/var/run/postgresql"
+#: What asyncpg dials when no host is given: the socket directories of common builds, then
+#: ``localhost``.
+DEFAULT_HOSTS = ("/run/postgresql", "/var/run/postgresql", "/tmp", "localhost")
+_UTF8_NAMES = ("UTF8", "UNICODE")
+_FALSE = ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class ConnectParameters:
+    """One URL read the way libpq reads it (the URL, then the service's, then the
+    environment's, then the defaults), as typed values asyncpg takes as they are.
+
+    ``password`` and the TLS parameters never show in the repr; :attr:`shown` is the URL
+    masked, for messages."""
+
+    shown: str
+    hosts: tuple[str, ...]
+    ports: tuple[int, ...]
+    user: str
+    database: str
+    password: str | None = field(repr=False)
+    #: libpq's TLS parameters, with libpq's meaning in asyncpg's DSN (``sslpassword`` among
+    #: them: not in the repr).
+    tls: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    #: Settings sent at connection start (``options``, ``$PGTZ``...).
+    settings: tuple[tuple[str, str], ...] = ()
+    application_name: str | None = None
+    fallback_application_name: str | None = None
+    #: Seconds per host, or ``None`` for no bound; ``connect_timeout_given`` tells whether the
+    #: URL (or its service, or ``$PGCONNECT_TIMEOUT``) said anything.
+    connect_timeout: float | None = None
+    connect_timeout_given: bool = False
+    target_session_attrs: str = "any"
+    krbsrvname: str | None = None
+    gsslib: str | None = None
+    load_balance: bool = False
+    keepalives: bool = True
+    keepalives_idle: int = 0
+    keepalives_interval: int = 0
+    keepalives_count: int = 0
+    tcp_user_timeout: int = 0
+    prepared_statement_cache_size: int | None = None
+
+    def url(self) -> URL:
+        """A URL naming the first host, for ``engine.url``: what messages show (SQLAlchemy
+        masks its password); every session is dialled from the parameters themselves."""
+        host = self.hosts[0] if self.hosts else None
+        socket_dir = host is not None and host.startswith("/")
+        return URL.create(
+            "postgresql+asyncpg",
+            username=self.user,
+            password=self.password,
+            host=None if socket_dir else host,
+            port=self.ports[0] if self.ports else None,
+            database=self.database,
+            query={"host": host} if socket_dir and host else {},
+        )
+
+    def with_application_name(self, name: str) -> ConnectParameters:
+        """These parameters, naming their sessions ``name`` whatever the URL says."""
+        return replace(self, application_name=name)
+
+    def session_name(self, fallback: str) -> str:
+        """The ``application_name`` the sessions get: the URL's (or ``$PGAPPNAME``), else its
+        ``fallback_application_name``, else the caller's ``fallback``."""
+        return self.application_name or self.fallback_application_name or fallback
+
+    def asyncpg_arguments(self) -> dict[str, Any]:
+        """``asyncpg.connect()``'s keywords for these parameters (no ``server_settings`` and
+        no ``timeout``: the dialler merges those with the caller's)."""
+        hosts: list[str] | None = list(self.hosts) or None
+        ports: list[int] | None = list(self.ports) or None
+        if self.load_balance and hosts is not None and ports is not None:
+            pairs = list(zip(hosts, ports, strict=True))
+            random.shuffle(pairs)
+            hosts, ports = [h for h, _ in pairs], [p for _, p in pairs]
+        arguments: dict[str, Any] = {
+            "host": hosts if hosts is None or len(hosts) > 1 else hosts[0],
+            "port": ports if ports is None or len(ports) > 1 else ports[0],
+            "user": self.user,
+            "database": self.database,
+            "password": self.password,
+            # A file that cannot exist: the password (or its absence) was read here, as
+            # libpq reads it.
+            "passfile": os.path.join(os.devnull, "none"),
+            "target_session_attrs": self.target_session_attrs,
+            "krbsrvname": self.krbsrvname,
+            "gsslib": self.gsslib or "gssapi",
+        }
+        if self.tls:
+            arguments["dsn"] = "postgresql://?" + urlencode(self.tls)
+        return arguments
+
+
+def resolve(url: str | URL, environ: Mapping[str, str] | None = None) -> ConnectParameters:
+    """``url`` read as libpq reads it, with ``environ`` (``os.environ``) for the environment.
+
+    Raises ``ValueError`` for a URL that is not one (password masked) and
+    :class:`UnsupportedParameterError` naming each parameter asyncpg cannot honour, wherever
+    it came from (the URL, the service file or the environment)."""
+    env = os.environ if environ is None else environ
+    typed = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
+    shown = redact(url)
+    values, sources = _read_uri(typed, shown)
+    service = values.get("service") or env.get("PGSERVICE")
+    if service:
+        _read_service(service, values, sources, env, shown)
+    for name, variable in LIBPQ_KEYWORDS.items():
+        if name not in values and variable is not None and variable in env:
+            values[name] = env[variable]
+            sources[name] = f"${variable}"
+    if "sslmode" not in values and env.get("PGREQUIRESSL", "").startswith("1"):
+        values["sslmode"] = "require"
+        sources["sslmode"] = "$PGREQUIRESSL"
+    _refuse(values, sources, shown)
+    return _typed(values, sources, env, shown)
+
+
+def _refusal(shown: str, name: str, source: str, why: str) -> UnsupportedParameterError:
+    where = "" if source == "the URL" else f" (from {source})"
+    return UnsupportedParameterError(
+        f"database URL {shown}: cronoq-store cannot honour the parameter {name}{where}: {why}",
+        [name],
+    )
+
+
+def _read_uri(typed: str, shown: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A libpq URI's keywords (percent-decoded; query parameters override the URI's parts)
+    and where each came from."""
+    match = re.match(r"(?P<scheme>[A-Za-z][\w+.-]*)://", typed)
+    if match is None:
+        raise ValueError(f"invalid database URL {shown}: expected postgresql://user@host/db")
+    if match["scheme"] not in _PLAIN_DRIVERS:
+        raise ValueError(
+            f"unsupported database URL {shown}: cronoq-store speaks PostgreSQL through "
+            "asyncpg (postgresql:// or postgresql+asyncpg://)"
+        )
+    rest = typed[match.end() :]
+    end = min([i for i in (rest.find("/"), rest.find("?")) if i >= 0], default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    values: dict[str, str] = {}
+    userinfo, at, hostlist = authority.rpartition("@")
+    if at and (_SPLIT_USERINFO.match(typed) or "@" in userinfo):
+        raise ValueError(
+            f"invalid database URL {shown}: an '@' in the password must be percent-encoded (%40)"
+        )
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            values["user"] = _decoded(user, shown)
+        if colon:
+            values["password"] = _decoded(password, shown)
+    if hostlist:
+        hosts, ports = [], []
+        for spec in hostlist.split(","):
+            bracketed = re.fullmatch(r"\[(?P<host>[^\]]*)\](?::(?P<port>.*))?", spec)
+            if bracketed:
+                host, port = bracketed["host"], bracketed["port"] or ""
+            else:
+                host, _, port = spec.partition(":")
+            hosts.append(_decoded(host, shown))
+            ports.append(_decoded(port, shown))
+        if any(hosts):
+            values["host"] = ",".join(hosts)
+        if any(ports):
+            values["port"] = ",".join(ports)
+    path, _, query = tail.partition("?")
+    if path.lstrip("/"):
+        values["dbname"] = _decoded(path[1:], shown)
+    sources = dict.fromkeys(values, "the URL")
+    pairs = query.split("&") if query else []
+    if {"ssl", "sslmode"} <= {pair.partition("=")[0] for pair in pairs}:
+        raise UnsupportedParameterError(
+            f"database URL {shown}: give sslmode or asyncpg's ssl, not both", ["ssl", "sslmode"]
+        )
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals:
+            raise ValueError(f"invalid database URL {shown}: {name!r} has no '=' and no value")
+        name, value = _decoded(name, shown), _decoded(value, shown)
+        if name == "database":
+            name = "dbname"
+        elif name == "ssl":
+            # libpq reads ssl=true as sslmode=require; asyncpg's ssl is a mode.
+            name, value = "sslmode", "require" if value == "true" else value
+        elif name not in LIBPQ_KEYWORDS and name not in EXTRA_PARAMETERS:
+            raise UnsupportedParameterError(
+                f"database URL {shown}: cronoq-store cannot honour the parameter {name} "
+                "(neither libpq nor asyncpg knows it)",
+                [name],
+            )
+        values[name] = value
+        sources[name] = "the URL"
+    _read_sqlalchemy_hosts([pair for pair in pairs if pair.startswith("host=")], values, shown)
+    return values, sources
+
+
+def _read_sqlalchemy_hosts(pairs: list[str], values: dict[str, str], shown: str) -> None:
+    """SQLAlchemy's multi-host form, ``?host=h1:5432&host=h2:5433`` (libpq would take the last
+    ``host`` and dial a host named ``h2:5433``): hosts and their ports, as SQLAlchemy reads
+    them. A single ``host`` without a port is libpq's (a name, a list, a socket directory)."""
+    given = [_decoded(pair.partition("=")[2], shown) for pair in pairs]
+    split = [re.fullmatch(r"(\[[^\]]*\]|[^/:,][^:,]*):(\d*)", host) for host in given]
+    if len(given) < 2 and not any(split):
+        return
+    hosts, ports = [], []
+    for host, match in zip(given, split, strict=True):
+        if match is None:
+            hosts.append(host)
+            ports.append("")
+        else:
+            hosts.append(match[1].strip("[]"))
+            ports.append(match[2])
+    values["host"] = ",".join(hosts)
+    if any(ports):
+        values["port"] = ",".join(ports)
+
+
+def _decoded(text: str, shown: str) -> str:
+    decoded = unquote(text, errors="strict")
+    if "\x00" in decoded:
+        raise ValueError(f"invalid database URL {shown}: a percent-encoded NUL (%00)")
+    return decoded
+
+
+def _service_files(values: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """Where libpq looks for a service, in order: ``servicefile`` (else
+    ``$PGSERVICEFILE``, else ``~/.pg_service.conf``), then ``pg_service.conf`` in
+    ``$PGSYSCONFDIR`` (else Debian's system directory)."""
+    files: list[str] = []
+    if "servicefile" in values:
+        files.append(values["servicefile"])
+    elif "PGSERVICEFILE" in env:
+        files.append(env["PGSERVICEFILE"])
+    else:
+        home = env.get("HOME") or _home_of_user()
+        if home:
+            files.append(os.path.join(home, ".pg_service.conf"))
+    files.append(os.path.join(env.get("PGSYSCONFDIR", DEFAULT_SYSCONFDIR), "pg_service.conf"))
+    return files
+
+
+def _home_of_user() -> str | None:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        return None
+
+
+def _read_service(
+    service: str,
+    values: dict[str, str],
+    sources: dict[str, str],
+    env: Mapping[str, str],
+    shown: str,
+) -> None:
+    """Fill what the URL left unset from ``service``'s group in the first service file
+    that has one, as libpq's ``parseServiceFile`` does (``key=value`` lines, no spaces
+    around ``=``, ``#`` comments; a nested service or an unknown keyword is an error)."""
+    for path in _service_files(values, env):
+        if not os.path.isfile(path):
+            continue
+        found = False
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:
+            for number, raw in enumerate(file, 1):
+                line = raw.strip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.startswith("["):
+                    if found:
+                        break
+                    found = line.startswith(f"[{service}]")
+                    continue
+                if not found:
+                    continue
+                key, equals, value = line.partition("=")
+                if not equals or key not in LIBPQ_KEYWORDS or key in ("service", "servicefile"):
+                    raise ValueError(
+                        f"database URL {shown}: syntax error in service file {path!r}, line "
+                        f"{number} (key=value with a libpq keyword, no nested service)"
+                    )
+                if key not in values:
+                    values[key] = value
+                    sources[key] = f"service {service!r} in {path}"
+        if found:
+            return
+    raise ValueError(
+        f"database URL {shown}: definition of service {service!r} not found (looked in "
+        f"{', '.join(_service_files(values, env))})"
+    )
+
+
+def _refuse(values: Mapping[str, str], sources: Mapping[str, str], shown: str) -> None:
+    """Refuse, by name, each parameter set to something asyncpg cannot do."""
+    for name, value in values.items():
+        if name in REFUSED and value != "":
+            raise _refusal(shown, name, sources[name], REFUSED[name])
+        if name in LIMITED and value != "":
+            allowed, why = LIMITED[name]
+            if value not in allowed:
+                raise _refusal(
+                    shown,
+                    name,
+                    sources[name],
+                    f"{name}={value!r} is not supported (expected {' or '.join(allowed)}: {why})",
+                )
+    if values.get("sslrootcert") == "system":
+        raise _refusal(
+            shown,
+            "sslrootcert",
+            sources["sslrootcert"],
+            "sslrootcert=system (libpq 16's system CA store) is not supported; give the CA "
+            "certificate file",
+        )
+    if values.get("sslnegotiation") == "direct" and values.get("sslmode") not in (
+        "require",
+        "verify-ca",
+        "verify-full",
+    ):
+        raise _refusal(
+            shown,
+            "sslnegotiation",
+            sources["sslnegotiation"],
+            "direct needs sslmode=require, verify-ca or verify-full",
+        )
+    encoding = values.get("client_encoding")
+    if encoding:
+        name = encoding.upper().replace("-", "").replace("_", "")
+        if name == "AUTO":
+            name = locale.getpreferredencoding(False).upper().replace("-", "")
+        if name not in _UTF8_NAMES:
+            raise _refusal(
+                shown,
+                "client_encoding",
+                sources["client_encoding"],
+                f"client_encoding={encoding!r}: asyncpg speaks UTF8 only",
+            )
+    for host in values.get("host", "").split(","):
+        if host.startswith("@"):
+            raise _refusal(
+                shown, "host", sources["host"], f"{host!r}: asyncpg does not dial abstract sockets"
+            )
+
+
+def _integer(values: Mapping[str, str], name: str, shown: str) -> int:
+    text = values.get(name, "").strip()
+    if not text:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"database URL {shown}: invalid integer value {text!r} for {name}"
+        ) from None
+
+
+def _typed(
+    values: Mapping[str, str], sources: Mapping[str, str], env: Mapping[str, str], shown: str
+) -> ConnectParameters:
+    hosts = [h for h in values.get("host", "").split(",")] if values.get("host") else []
+    port_texts = values.get("port", "").split(",") if values.get("port") else []
+    if hosts and len(port_texts) > 1 and len(port_texts) != len(hosts):
+        raise ValueError(
+            f"database URL {shown}: could not match {len(port_texts)} port numbers to "
+            f"{len(hosts)} hosts"
+        )
+    count = max(len(hosts), 1)
+    if len(port_texts) <= 1:
+        port_texts = (port_texts or [""]) * count
+    ports = []
+    for text in port_texts:
+        try:
+            port = int(text) if text.strip() else 5432
+        except ValueError:
+            raise ValueError(f"database URL {shown}: invalid port number {text!r}") from None
+        if not 0 < port <= 0xFFFF:
+            raise ValueError(f"database URL {shown}: port {port} is not in 1 to 65535")
+        ports.append(port)
+    # An empty entry of a host list is the default socket directory.
+    dialled = [h or DEFAULT_SOCKET_DIR for h in hosts]
+    user = values.get("user") or _os_user()
+    database = values.get("dbname") or user
+    password = values.get("password") or None
+    if password is None:
+        password = _password_from_file(values, env, dialled, ports, database, user, shown)
+    tls = {name: values[name] for name in sorted(_TLS_PARAMETERS) if values.get(name)}
+    _refuse_missing_files(shown, tls)
+    settings: dict[str, str] = {}
+    for variable, setting in STARTUP_ENVIRONMENT.items():
+        value = env.get(variable)
+        if value is not None and value.lower() != "default":
+            settings[setting] = value
+    if values.get("options"):
+        settings["options"] = values["options"]
+    timeout = _integer(values, "connect_timeout", shown)
+    cache = values.get("prepared_statement_cache_size")
+    return ConnectParameters(
+        shown=shown,
+        hosts=tuple(dialled),
+        ports=tuple(ports) if hosts else (ports[0],) if values.get("port") else (),
+        user=user,
+        database=database,
+        password=password,
+        tls=tuple(tls.items()),
+        settings=tuple(settings.items()),
+        application_name=values.get("application_name") or None,
+        fallback_application_name=values.get("fallback_application_name") or None,
+        connect_timeout=float(max(timeout, 2)) if timeout > 0 else None,
+        connect_timeout_given="connect_timeout" in values,
+        target_session_attrs=values.get("target_session_attrs") or "any",
+        krbsrvname=values.get("krbsrvname") or None,
+        gsslib=values.get("gsslib") or None,
+        load_balance=values.get("load_balance_hosts") == "random",
+        keepalives=_integer(values, "keepalives", shown) != 0 if values.get("keepalives") else True,
+        keepalives_idle=_integer(values, "keepalives_idle", shown),
+        keepalives_interval=_integer(values, "keepalives_interval", shown),
+        keepalives_count=_integer(values, "keepalives_count", shown),
+        tcp_user_timeout=_integer(values, "tcp_user_timeout", shown),
+        prepared_statement_cache_size=int(cache) if cache else None,
+    )
+
+
+def _os_user() -> str:
+    """libpq's default user: the effective user's name (not ``$USER``); for a user id the
+    system does not name (a container's), asyncpg's (``$LOGNAME``, ``$USER``...)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return getpass.getuser()
+
+
+def _password_from_file(
+    values: Mapping[str, str],
+    env: Mapping[str, str],
+    hosts: list[str],
+    ports: list[int],
+    database: str,
+    user: str,
+    shown: str,
+) -> str | None:
+    """The password file's password for these hosts, as libpq's ``passwordFromFile`` reads
+    it: the first matching line; a socket in the default directory (or no host) matches
+    as ``localhost``; a file with group or world access, or not a plain file, is skipped."""
+    path = values.get("passfile")
+    if not path:
+        home = env.get("HOME") or _home_of_user()
+        if not home:
+            return None
+        path = os.path.join(home, ".pgpass")
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("password file %r ignored: not a plain file of mode 0600 or less", path)
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:
+            lines = [line.rstrip("\r\n") for line in file]
+    except OSError:
+        return None
+    found: set[str | None] = set()
+    for host, port in zip(hosts or ["localhost"], ports or [5432], strict=False):
+        name = "localhost" if host == DEFAULT_SOCKET_DIR else host
+        found.add(_match_password(lines, name, str(port), database, user))
+    if len(found) > 1:
+        raise _refusal(
+            shown,
+            "passfile",
+            "the URL" if "passfile" in values else "the password file",
+            "its lines give the URL's hosts different passwords; asyncpg sends one password "
+            "to every host",
+        )
+    return found.pop()
+
+
+def _match_password(lines: list[str], *fields: str) -> str | None:
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        rest = line
+        for wanted in fields:
+            matched = _match_field(rest, wanted)
+            if matched is None:
+                break
+            rest = matched
+        else:
+            password, escaped = [], False
+            for char in rest:
+                if escaped:
+                    password.append(char)
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == ":":
+                    break
+                else:
+                    password.append(char)
+            return "".join(password)
+    return None
+
+
+def _match_field(line: str, wanted: str) -> str | None:
+    """The rest of ``line`` after its first field, if that field is ``*`` or ``wanted``."""
+    if line.startswith("*:"):
+        return line[2:]
+    i = 0
+    for char in wanted:
+        if i < len(line) and line[i] == "\\" and i + 1 < len(line):
+            i += 1
+        if i >= len(line) or line[i] != char:
+            return None
+        i += 1
+    if i < len(line) and line[i] == ":":
+        return line[i + 1 :]
+    return None
+
+
+#: asyncpg connections made by a :class:`Dialer` (``from_engine`` tells an engine made from
+#: :func:`engine_arguments` from one SQLAlchemy dials from its URL).
+_DIALLED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class Dialer:
+    """SQLAlchemy's asyncpg connection factory for one :class:`ConnectParameters`.
+
+    SQLAlchemy calls it with the keywords it made from ``engine.url`` (ignored: the
+    parameters say where to go) and the engine's ``connect_args`` (the caller's
+    ``server_settings``, ``timeout``, statement cache...). The URL's settings go first and
+    the caller's over them (the store's own ``search_path`` wins over ``options``); the
+    URL's ``application_name`` names the session over the caller's, which is a fallback;
+    the URL's ``connect_timeout`` replaces the caller's bound."""
+
+    def __init__(self, parameters: ConnectParameters) -> None:
+        self.parameters = parameters
+
+    def __repr__(self) -> str:
+        return f"Dialer({self.parameters.shown})"
+
+    async def __call__(self, *_args: Any, **given: Any) -> Any:
+        p = self.parameters
+        for name in ("dsn", "host", "port", "user", "password", "database", "passfile"):
+            given.pop(name, None)
+        caller = dict(given.pop("server_settings", None) or {})
+        settings = {**dict(p.settings), **caller}
+        settings["application_name"] = p.session_name(caller.get("application_name", ""))
+        if not settings["application_name"]:
+            del settings["application_name"]
+        bound = given.pop("timeout", 60.0)
+        # libpq's connect_timeout bounds each host; without one, the caller's bound covers
+        # the whole attempt.
+        connection = await asyncio.wait_for(
+            self._dial(settings, given), None if p.connect_timeout_given else bound
+        )
+        _tune_socket(connection, p)
+        _DIALLED.add(connection)
+        return connection
+
+    async def _dial(self, settings: dict[str, str], given: dict[str, Any]) -> Any:
+        """Each host in turn, as libpq tries them: the first that connects and has the
+        ``target_session_attrs`` asked for (``prefer-standby``: a standby, else any)."""
+        import asyncpg
+
+        p = self.parameters
+        arguments = p.asyncpg_arguments()
+        hosts, ports = arguments.pop("host"), arguments.pop("port")
+        attrs = arguments.pop("target_session_attrs")
+        if not isinstance(hosts, list):
+            return await asyncpg.connect(
+                host=hosts,
+                port=ports,
+                target_session_attrs=attrs,
+                server_settings=settings,
+                timeout=p.connect_timeout,
+                **arguments,
+                **given,
+            )
+        passes = ["standby", "any"] if attrs == "prefer-standby" else [attrs]
+        failure: Exception | None = None
+        for wanted in passes:
+            for host, port in zip(hosts, ports, strict=True):
+                try:
+                    return await asyncpg.connect(
+                        host=host,
+                        port=port,
+                        target_session_attrs=wanted,
+                        server_settings=settings,
+                        timeout=p.connect_timeout,
+                        **arguments,
+                        **given,
+                    )
+                except Exception as exc:  # libpq tries the next host after any failure
+                    failure = exc
+        assert failure is not None
+        raise failure
+
+
+def _tune_socket(connection: Any, p: ConnectParameters) -> None:
+    """libpq's TCP settings on the connection's socket (a unix socket has none)."""
+    transport = getattr(connection, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(p.keepalives))
+    if p.keepalives:
+        for option, value in (
+            ("TCP_KEEPIDLE", p.keepalives_idle),
+            ("TCP_KEEPINTVL", p.keepalives_interval),
+            ("TCP_KEEPCNT", p.keepalives_count),
+        ):
+            if value > 0 and hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if p.tcp_user_timeout > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, p.tcp_user_timeout)
+
+
+def dialled_by_store(driver_connection: Any) -> bool:
+    """Whether ``driver_connection`` was made by a :class:`Dialer`."""
+    return driver_connection in _DIALLED
+
+
+def engine_arguments(
+    url: str | URL | ConnectParameters,
+) -> tuple[URL, dict[str, Any]]:
+    """The URL and the ``connect_args`` of an engine that connects as libpq would with
+    ``url``: ``create_async_engine(dialled, connect_args={**arguments, ...})``.
 
     Every engine the store makes from a URL (its pool, the lock session, the CLI's,
-    Alembic's) is made from these, so that each session uses TLS as the URL asks. libpq's
-    TLS parameters leave the URL and reach asyncpg as a DSN holding only them, which it
-    parses with libpq's meaning; host, user and the rest still come from SQLAlchemy.
-    """
-    target = async_url(url)
-    tls = {name: _last(target.query[name]) for name in _TLS_PARAMETERS if name in target.query}
-    _refuse_missing_files(target, tls)
-    dialled = target.difference_update_query([*_TLS_PARAMETERS, "sslsni"])
-    if not tls:
-        return dialled, {}
-    return dialled, {"dsn": "postgresql://?" + urlencode(sorted(tls.items()))}
+    Alembic's) is made from these. ``url`` is read once, as libpq 18 reads it: the URL, then
+    its service's file, then the ``PG*`` environment, then the defaults. Every session is
+    dialled from what was read (the asyncpg adapter's ``async_creator_fn``), so nothing
+    SQLAlchemy makes of a URL can drop a parameter. Further ``connect_args``
+    (``server_settings``, ``timeout``, ``statement_cache_size``...) reach
+    ``asyncpg.connect()`` too; the URL's ``application_name`` and ``connect_timeout`` win
+    over theirs. Raises ``ValueError`` for what is not a PostgreSQL URL or names a service
+    no file defines, and ``UnsupportedParameterError`` naming each parameter asyncpg cannot
+    honour (docs/cli.md lists every parameter)."""
+    parameters = url if isinstance(url, ConnectParameters) else resolve(url)
+    arguments: dict[str, Any] = {"async_creator_fn": Dialer(parameters)}
+    if parameters.prepared_statement_cache_size is not None:
+        arguments["prepared_statement_cache_size"] = parameters.prepared_statement_cache_size
+    return parameters.url(), arguments

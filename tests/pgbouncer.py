@@ -33,11 +33,15 @@ from sqlalchemy.engine import URL
 from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
+from .waits import PATIENCE
+
 __all__ = ["PgBouncer", "require_pgbouncer", "store_connect_query", "store_settings"]
 
 #: Where Debian puts the binary (``/usr/sbin`` is not on every user's PATH).
 _CANDIDATES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer")
-_START_TIMEOUT = 15.0
+#: How long :meth:`PgBouncer.start` waits for the process to listen: the suite's patience,
+#: a bound on failing, far beyond the milliseconds it takes.
+_START_TIMEOUT = PATIENCE
 
 StopMode = Literal["term", "kill"]
 
@@ -161,7 +165,10 @@ class PgBouncer:
                     return self
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"PgBouncer did not listen:\n{self.log_tail()}") from None
+                    raise RuntimeError(
+                        f"PgBouncer did not listen on port {self.port} within "
+                        f"{_START_TIMEOUT:g} s:\n{self.log_tail()}"
+                    ) from None
                 time.sleep(0.05)
 
     def stop(self, mode: StopMode = "term") -> None:

@@ -17,7 +17,6 @@ import asyncio
 import os
 import pwd
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -30,6 +29,7 @@ from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
 from .pgharness import admin_execute
 from .tcpproxy import TcpProxy
+from .waits import until_value
 
 __all__ = [
     "STANDBY_NAME",
@@ -42,8 +42,9 @@ __all__ = [
 #: The standby's ``application_name``, as ``synchronous_standby_names`` names it.
 STANDBY_NAME = "standby1"
 _SUPERUSER = "postgres"
-#: Bound on waiting for the standby to stream (and, when synchronous, to be the sync one).
-_STREAMING_TIMEOUT = 30.0
+#: Bound on one run of ``pg_basebackup`` or ``pg_ctl promote`` (seconds): how long a test
+#: may take to fail, far beyond what either takes on a copy of an empty cluster.
+_PROGRAM_BOUND = 300
 
 
 def multi_host_url(*servers: EmbeddedPostgres) -> URL:
@@ -108,35 +109,56 @@ class ReplicatedPostgres:
         """Wait until the primary sees the standby streaming (as its synchronous standby,
         if synchronous)."""
         wanted = ("streaming", "sync" if self.synchronous else "async")
-        deadline = time.monotonic() + _STREAMING_TIMEOUT
-        while True:
+
+        async def replication() -> list[tuple[object, ...]]:
             rows = await admin_execute(
                 self.primary.url(),
                 "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = $1",
                 STANDBY_NAME,
             )
-            if rows and tuple(rows[0]) == wanted:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the standby is not streaming ({rows}):\n{self.standby.log_tail()}"
-                )
-            await asyncio.sleep(0.1)
+            return [tuple(r) for r in rows]
+
+        def as_wanted(rows: list[tuple[object, ...]]) -> bool:
+            return wanted in rows
+
+        try:
+            await until_value(
+                replication,
+                as_wanted,
+                f"the standby to stream as {wanted} (pg_stat_replication)",
+                every=0.1,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe standby's log:\n{self.standby.log_tail()}") from None
 
     async def replayed(self) -> None:
         """Wait until the standby has replayed everything the primary has written so far."""
         rows = await admin_execute(self.primary.url(), "SELECT pg_current_wal_lsn()::text")
         target = rows[0][0]
-        deadline = time.monotonic() + _STREAMING_TIMEOUT
-        sql = "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn"
-        while not (await admin_execute(self.standby.url(), sql, target))[0][0]:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the standby did not catch up with the primary")
-            await asyncio.sleep(0.05)
+
+        async def replay_lsn() -> tuple[str, bool]:
+            sql = (
+                "SELECT pg_last_wal_replay_lsn()::text, "
+                "pg_last_wal_replay_lsn() >= $1::text::pg_lsn"
+            )
+            row = (await admin_execute(self.standby.url(), sql, target))[0]
+            return str(row[0]), bool(row[1])
+
+        def caught_up(seen: tuple[str, bool]) -> bool:
+            return seen[1]
+
+        await until_value(
+            replay_lsn,
+            caught_up,
+            f"the standby to replay the primary's WAL up to {target} (its replay LSN, caught up)",
+            every=0.05,
+        )
 
     def promote(self) -> None:
         """``pg_ctl promote -w``: the standby leaves recovery and accepts writes. Blocking."""
-        self._run("pg_ctl", "-D", str(self.standby.data_dir), "promote", "-w", "-t", "60")
+        self._run(
+            "pg_ctl", "-D", str(self.standby.data_dir), "promote", "-w", "-t", str(_PROGRAM_BOUND)
+        )
 
     def destroy(self) -> None:
         """Stop both servers and delete their files. Blocking."""
@@ -149,7 +171,7 @@ class ReplicatedPostgres:
             capture_output=True,
             text=True,
             check=False,
-            timeout=120,
+            timeout=_PROGRAM_BOUND + 10,
             **run_as(),
             env={**os.environ, **(env or {})},
         )

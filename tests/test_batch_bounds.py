@@ -28,7 +28,8 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute
-from .test_group_commit import bump_epoch, open_store, stored_ids, wait_until
+from .test_group_commit import bump_epoch, open_store, stored_ids
+from .waits import until
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -224,9 +225,7 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
                     asyncio.create_task(committer.submit([submitted(epoch, n)]))
                     for n in range(1, 21)
                 ]
-                await wait_until(
-                    lambda: committer.stats().unanswered_pings >= 3, what="unanswered pings"
-                )
+                await until(lambda: committer.stats().unanswered_pings >= 3, "unanswered pings")
             finally:
                 await asyncio.to_thread(pg_server.start)
             outcomes = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 60)
@@ -256,7 +255,7 @@ async def test_a_store_without_ping_keeps_retrying() -> None:
     store = Failing()
     committer = GroupCommitter(store, 1, BASE, stuck_after=1, backoff=Backoff(0.01, 0.01))
     task = asyncio.create_task(committer.submit([submitted(1, 1)]))
-    await wait_until(lambda: store.attempts >= 20, what="20 attempts")
+    await until(lambda: store.attempts >= 20, "20 attempts")
     assert not task.done()
     assert committer.stats().stuck_batches == 0
     await committer.close(drain=False)

@@ -53,7 +53,8 @@ from cronoq_store._stored_values import Recovered, TaskRecord
 from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
-from .test_group_commit import LeaderRowHold, app_name, wait_until
+from .test_group_commit import LeaderRowHold, app_name
+from .waits import bounded, holds_for, until
 
 BASE = TimeBase.now()
 _ids = itertools.count(1)
@@ -162,11 +163,12 @@ async def test_independent_batches_are_in_flight_at_once(
     async with LeaderRowHold(pg_url, migrated) as hold:
         tasks = [new() for _ in range(5)]
         waiting = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
-        await wait_until(lambda: _sent_is(pg_url, name, 3), what="three batches in flight")
-        await asyncio.sleep(0.1)
-        assert await sent(pg_url, name) == 3  # the bound: the other two wait for a slot
+        await until(lambda: _sent_is(pg_url, name, 3), "three batches in flight")
+        await holds_for(  # the bound: the other two wait for a slot
+            lambda: _sent_is(pg_url, name, 3), "three batches in flight, no more", 0.1
+        )
         await hold.release()
-        await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        await bounded(asyncio.gather(*waiting), "every submission once the row is free")
     await committer.close()
     assert [r[0] for r in await rows(pg_url, migrated)] == [t.id for t in tasks]
 
@@ -207,13 +209,14 @@ async def test_a_batch_waits_for_the_batch_in_flight_it_must_follow(
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(first))
-        await wait_until(lambda: _sent_is(pg_url, name, 1), what="the first batch in flight")
+        await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
         two = asyncio.ensure_future(committer.submit(follower, outputs))
-        await asyncio.sleep(0.2)
+        await holds_for(
+            lambda: _sent_is(pg_url, name, 1), "the second batch held back behind the first", 0.2
+        )
         assert not two.done()
-        assert await sent(pg_url, name) == 1
         await hold.release()
-        await asyncio.wait_for(asyncio.gather(one, two), 10)
+        await bounded(asyncio.gather(one, two), "both batches once the row is free")
         await committer.submit([independent])
     await committer.close()
     replay: list[tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = [
@@ -238,10 +241,12 @@ async def test_a_takeover_fences_every_batch_in_flight_and_queued(
     committer = GroupCommitter(store, 0, BASE, max_batch_mutations=1, max_batches_in_flight=3)
     async with LeaderRowHold(pg_url, migrated) as hold:
         waiting = [asyncio.ensure_future(committer.submit([new()])) for _ in range(6)]
-        await wait_until(lambda: _sent_is(pg_url, name, 3), what="three batches in flight")
+        await until(lambda: _sent_is(pg_url, name, 3), "three batches in flight")
         await hold.execute(f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
         await hold.release(commit=True)
-        outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 10)
+        outcomes = await bounded(
+            asyncio.gather(*waiting, return_exceptions=True), "every submission to be fenced"
+        )
     await committer.close()
     assert all(isinstance(o, FencedError) for o in outcomes), outcomes
     assert committer.fenced
@@ -305,7 +310,7 @@ async def test_submissions_queued_together_get_the_answers_of_serial_commits(
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=in_flight)
     await committer.submit(first)
     pending = [asyncio.ensure_future(committer.submit(m, o)) for m, o in submissions]
-    answers = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+    answers = await bounded(asyncio.gather(*pending, return_exceptions=True), "every answer")
     await committer.close()
     assert [answer_of(a) for a in answers] == await one_at_a_time(serial_store, submissions)
     assert await rows(pg_url, migrated) == await rows(pg_url, serial_store.config.schema)
@@ -333,12 +338,15 @@ async def test_two_spellings_of_one_stored_name_are_one_for_batches_in_flight(
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(first))
-        await wait_until(lambda: _sent_is(pg_url, name, 1), what="the first batch in flight")
+        await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
         two = asyncio.ensure_future(committer.submit(second))
-        await asyncio.sleep(0.2)
-        assert await sent(pg_url, name) == 1, "the second batch was sent beside the first"
+        await holds_for(
+            lambda: _sent_is(pg_url, name, 1), "the second batch held back behind the first", 0.2
+        )
         await hold.release()
-        answers = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+        answers = await bounded(
+            asyncio.gather(one, two, return_exceptions=True), "both answers once the row is free"
+        )
     await committer.close()
     serial = await one_at_a_time(serial_store, [(first, []), (second, [])])
     assert [answer_of(a) for a in answers] == serial
@@ -550,7 +558,7 @@ async def committed_through_the_committer(
                     await asyncio.sleep(0)
         await asyncio.gather(*unanswered)
 
-    await asyncio.wait_for(asyncio.gather(*map(submitter, scenario.submitters)), 60)
+    await bounded(asyncio.gather(*map(submitter, scenario.submitters)), "every submitter")
     await committer.close()
     assert [answers[index] for index in range(len(order))] == await one_at_a_time(serial, order)
     assert await seen(store, scenario) == await seen(serial, scenario)

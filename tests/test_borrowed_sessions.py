@@ -51,6 +51,7 @@ from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
+from .waits import bounded, until
 
 BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
@@ -142,6 +143,14 @@ async def poison(engine: AsyncEngine, *statements: str) -> None:
         for statement in statements:
             await conn.exec_driver_sql(statement)
         await conn.commit()
+
+
+async def discard_session(engine: AsyncEngine) -> None:
+    """Close the application's pooled session rather than reset it: a reset would run
+    under whatever the test left set there, a statement timeout of a millisecond included,
+    and the pool opens a clean session for whoever comes next."""
+    async with engine.connect() as conn:
+        await conn.invalidate()
 
 
 async def session_values(engine: AsyncEngine) -> dict[str, Any]:
@@ -244,12 +253,13 @@ async def test_every_setting_at_once_and_every_store_transaction(
     try:
         epoch = await store.acquire_leadership()
         pool = app_engine.sync_engine.pool
-        await poison(
+        await reset(
             app_engine,
             *(p[0].format(role=intruder_role) for p in POISONS if "ROLE" not in p[0]),
             f"SET search_path = {evil}, pg_catalog",
-            "SET statement_timeout = 1",
             f'SET ROLE "{intruder_role}"',
+            # Last, outside a transaction: no statement of the test's own runs under it.
+            "SET statement_timeout = 1",
         )
         commits = probing_commits(store)
         # One task, many, by COPY; then transitions alone; a key outside LATIN1.
@@ -275,7 +285,7 @@ async def test_every_setting_at_once_and_every_store_transaction(
         assert app_engine.sync_engine.pool is pool
     finally:
         await store.close()
-        await poison(app_engine, "RESET SESSION AUTHORIZATION", "RESET ALL")
+        await discard_session(app_engine)
     rows = await admin_execute(pg_url, f'SELECT key FROM "{migrated}".cronoq_tasks')
     assert [r["key"] for r in rows] == ["k-\N{EURO SIGN}-\u6771"]
     calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
@@ -413,12 +423,10 @@ async def test_from_engine_migrates_on_a_session_that_waits_a_millisecond_for_a_
             "SELECT count(*) FROM pg_catalog.pg_locks WHERE NOT granted "
             f"AND relation = '\"{migrated}\".cronoq_alembic_version'::regclass"
         )
-        for _ in range(600):
-            if opening.done() or await holder.fetchval(waiting):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the migration never waited for the table held (30 s)")
+        await until(
+            lambda: opening.done() or holder.fetchval(waiting),
+            "the opening's migration to wait for the table held",
+        )
         await holder.execute("COMMIT")
         store = await opening
         await store.close()
@@ -509,7 +517,7 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
     try:
         store = await PgStore.from_engine(engine, config(migrated), migrate=False)
         try:
-            epoch = await asyncio.wait_for(store.acquire_leadership(), 10)
+            epoch = await bounded(store.acquire_leadership(), "the leadership of an idle cluster")
             lock_session: Any = store._leadership._session
             assert lock_session is not None
             seen = dict(await lock_session.driver.fetchrow(PROBE))

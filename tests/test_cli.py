@@ -8,6 +8,7 @@ itself runs as a subprocess where only a real process can show the exit status a
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import subprocess
@@ -332,7 +333,7 @@ async def test_status_counts_tasks_quarantined_rows_and_schedules(
     assert ("digest", "every 5m", f"{expected_next:%Y-%m-%d %H:%M:%S} UTC", "3") in rows
     assert re.search(r"^quarantined\s+1 rows\s*$", result.stdout, re.M)
     assert re.search(r"^epoch\s+0 \(no leader yet\)\s*$", result.stdout, re.M)
-    assert re.search(r"^max id\s+5 \(epoch 0, #5\)\s*$", result.stdout, re.M)
+    assert re.search(r"^max id\s+5 \(0/5\)\s*$", result.stdout, re.M)
 
 
 async def test_status_shows_schedules_nothing_can_decode(pg_url: URL, store: PgStore) -> None:
@@ -379,7 +380,7 @@ async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore
         for line in by_id.stdout.splitlines()
         if line.strip()
     )
-    assert shown["id"] == "7 (epoch 0, #7)"
+    assert shown["id"] == "7 (0/7)"
     assert (shown["key"], shown["pool"], shown["kind"], shown["tenant"]) == (
         "nightly",
         "etl",
@@ -405,36 +406,231 @@ async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore
     assert too_big.exit_code == ExitCode.USAGE
 
 
-async def test_tasks_finished_pages_with_a_cursor_and_filters(pg_url: URL, store: PgStore) -> None:
-    batch: list[Mutation] = []
-    for id in range(1, 8):
-        batch += [
-            submitted(id, pool="a" if id % 2 else "b"),
-            changed(id, [SUCCEEDED, FAILED][id % 2]),
-        ]
-    batch += [submitted(9, pool="a")]  # live: never listed
+async def test_tasks_show_takes_the_short_id_and_lists_a_number_of_several_epochs(
+    pg_url: URL, store: PgStore
+) -> None:
+    one, other, alone = task_id(1, 42), task_id(3, 42), task_id(2, 7)
+    batch: list[Mutation] = [
+        submitted(one, key="first"),
+        submitted(other, key="second"),
+        submitted(alone, key="seventh"),
+    ]
     await store.commit(0, BASE, batch, [])
-    url, schema = full(pg_url), store.config.schema
+    args = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "show")
 
+    def facts(stdout: str) -> dict[str, str]:
+        return dict(line.strip().split(None, 1) for line in stdout.splitlines() if line.strip())
+
+    short = await run(*args, "3/42")
+    assert short.exit_code == 0, short.output
+    assert facts(short.stdout)["id"] == f"{other} (3/42)"
+    assert facts(short.stdout)["key"] == "second"
+    whole = await run(*args, str(alone))
+    assert facts(whole.stdout)["id"] == f"{alone} (2/7)"
+    # A number one epoch holds names that task.
+    assert facts((await run(*args, "7")).stdout)["key"] == "seventh"
+
+    several = await run(*args, "42")
+    assert several.exit_code == ExitCode.AMBIGUOUS
+    assert int(ExitCode.AMBIGUOUS) == 10  # documented
+    assert "42 names 2 tasks of different epochs: give one as EPOCH/N" in several.stderr
+    listed = [line.split("\t") for line in several.stdout.splitlines()[1:]]
+    assert [(row[0], row[1], row[2]) for row in listed] == [
+        (str(one), "1/42", "first"),
+        (str(other), "3/42", "second"),
+    ]
+    as_json = await run(*args, "42", "--json")
+    assert as_json.exit_code == ExitCode.AMBIGUOUS
+    doc = json.loads(as_json.stdout)
+    assert (doc["ambiguous"], doc["more"]) == ("42", False)
+    assert [(t["id"], t["short_id"]) for t in doc["matches"]] == [(one, "1/42"), (other, "3/42")]
+
+    assert "no task with id '4/42'" in (await run(*args, "4/42")).stderr
+    assert (await run(*args, "32768/1")).exit_code == ExitCode.USAGE
+    assert (await run(*args, f"1/{2**48}")).exit_code == ExitCode.USAGE
+    # --key reads the same text as a key.
+    assert (await run(*args, "--key", "3/42")).exit_code == ExitCode.FAILED
+    help_text = (await run("tasks", "show", "--help")).stdout
+    assert "EPOCH/N" in help_text
+    assert "1/42 is task #42 of epoch 1" in help_text
+
+
+def cursor_of(stdout: str) -> str | None:
+    """The cursor a page printed for the next one, if any."""
+    found = re.search(r"--cursor (\S+)", stdout)
+    return None if found is None else found[1]
+
+
+async def every_page(*args: str) -> list[list[int]]:
+    """The ids of each page a listing prints, following its cursors to the end."""
     pages: list[list[int]] = []
-    args = ["tasks", "finished", "--limit", "3"]
+    cursor: str | None = None
     while True:
-        result = await run("--url", url, "--schema", schema, *args)
+        result = await run(*args, *(() if cursor is None else ("--cursor", cursor)))
         assert result.exit_code == 0, result.output
         pages.append(first_cells(result.stdout))
-        cursor = re.search(r"^next page: --after (\d+)$", result.stdout, re.M)
+        cursor = cursor_of(result.stdout)
         if cursor is None:
-            assert "end of list" in result.stdout
-            break
-        args = ["tasks", "finished", "--limit", "3", "--after", cursor[1]]
-    assert pages == [[1, 2, 3], [4, 5, 6], [7]]
+            assert result.stdout.rstrip().endswith("end of list"), result.stdout
+            return pages
 
-    filtered = await run(
-        "--url", url, "--schema", schema, "tasks", "finished", "--pool", "a", "--status", "FAILED"
-    )
-    assert first_cells(filtered.stdout) == [1, 3, 5, 7]
-    live = await run("--url", url, "--schema", schema, "tasks", "finished", "--status", "running")
+
+async def test_tasks_finished_newest_first_with_the_consoles_filters(
+    pg_url: URL, store: PgStore
+) -> None:
+    batch: list[Mutation] = []
+    for id in range(1, 8):  # task n was updated n minutes ago: 1 is the newest
+        batch += [
+            submitted(id, pool="a" if id % 2 else "b", kind=f"k{id % 3}", tenant=f"t{id % 2}"),
+            changed(id, [SUCCEEDED, FAILED][id % 2], ago=id * 60 * 10**9),
+        ]
+    batch += [submitted(8, key="nightly"), changed(8, CANCELLED, ago=DAY, message="m" * 100)]
+    batch += [submitted(9, pool="a")]  # live: never listed
+    await store.commit(0, BASE, batch, [])
+    base = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "finished")
+
+    assert await every_page(*base, "--limit", "3") == [[1, 2, 3], [4, 5, 6], [7, 8]]
+    first = await run(*base, "--limit", "3")
+    assert "8 matching, newest first" in first.stdout
+    assert re.search(r"^next page \(older\): --cursor -?\d+\.\d+$", first.stdout, re.M)
+
+    assert await every_page(*base, "--pool", "a", "--status", "FAILED") == [[1, 3, 5, 7]]
+    assert await every_page(*base, "--kind", "k0", "--kind", "k2") == [[2, 3, 5, 6]]
+    assert await every_page(*base, "--tenant", "t0") == [[2, 4, 6]]
+    assert await every_page(*base, "--key", "nightly") == [[8]]
+    since = datetime.fromtimestamp(NOW / 1e9, timezone.utc) - timedelta(minutes=4, seconds=30)
+    window = await every_page(*base, "--since", since.strftime("%Y-%m-%dT%H:%M:%S"))
+    assert window == [[1, 2, 3, 4]]
+    assert await every_page(*base, "--pool", "none") == [[]]
+
+    # A table cuts a message to its first 60 characters, marked; --full-messages does not.
+    cut = await run(*base, "--key", "nightly")
+    assert cut.stdout.splitlines()[1].endswith("\t" + "m" * 59 + "…")
+    whole = await run(*base, "--key", "nightly", "--full-messages")
+    assert whole.stdout.splitlines()[1].endswith("\t" + "m" * 100)
+
+    live = await run(*base, "--status", "running")
     assert live.exit_code == ExitCode.USAGE
+    assert (await run(*base, "--cursor", "12")).exit_code == ExitCode.USAGE
+
+
+async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
+    pg_url: URL, store: PgStore
+) -> None:
+    hour = 3600 * 10**9
+    batch: list[Mutation] = [
+        Submitted(TaskId(1), seq=1, arrival=-2 * hour, spec=TaskSpec(b"p", pool="etl")),
+        Submitted(TaskId(2), seq=2, arrival=-hour, spec=TaskSpec(b"p", kind="report")),
+        submitted(3, pool="etl", tenant="acme", key="k3"),
+        submitted(4, pool="web"),
+        submitted(5, pool="etl"),
+        submitted(6),
+    ]
+    batch += [
+        StatusChanged(TaskId(3), TaskStatus.RUNNING, attempt=1, at=0),
+        StatusChanged(TaskId(4), TaskStatus.RETRYING, attempt=1, at=0, message="x" * 80),
+        changed(6, SUCCEEDED),  # finished: never listed
+    ]
+    await store.commit(0, BASE, batch, [])
+    base = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "live")
+
+    assert await every_page(*base, "--limit", "2") == [[1, 2], [3, 4], [5]]
+    first = await run(*base)
+    assert "5 matching, oldest first" in first.stdout
+    header, *rows = first.stdout.splitlines()[:6]
+    columns = header.split("\t")
+    assert columns[:9] == [
+        "id",
+        "short",
+        "key",
+        "pool",
+        "kind",
+        "tenant",
+        "status",
+        "attempt",
+        "age",
+    ]
+    cells = [dict(zip(columns, row.split("\t"), strict=True)) for row in rows]
+    assert [c["status"] for c in cells] == ["queued", "queued", "running", "retrying", "queued"]
+    assert cells[0]["age"].startswith("2h ")
+    assert cells[1]["age"].startswith("1h ")
+    assert cells[3]["message"] == "x" * 59 + "…"
+
+    assert await every_page(*base, "--pool", "etl") == [[1, 3, 5]]
+    assert await every_page(*base, "--status", "running", "--status", "RETRYING") == [[3, 4]]
+    assert await every_page(*base, "--kind", "report") == [[2]]
+    assert await every_page(*base, "--tenant", "acme", "--key", "k3") == [[3]]
+    assert (await run(*base, "--status", "succeeded")).exit_code == ExitCode.USAGE
+
+    doc = json.loads((await run(*base, "--limit", "1", "--json")).stdout)
+    assert set(doc) == {
+        "tasks",
+        "next",
+        "scan_stopped",
+        "scan",
+        "matching",
+        "matching_at_least",
+        "counted",
+    }
+    assert (doc["next"], doc["matching"], doc["matching_at_least"]) == ("1", 5, False)
+    (task,) = doc["tasks"]
+    assert (task["id"], task["short_id"], task["status"], task["pool"]) == (
+        1,
+        "0/1",
+        "queued",
+        "etl",
+    )
+    # Its age is since it arrived: two hours before BASE, which the module took at import.
+    expected = (time.time_ns() - (NOW - 2 * hour)) / 1e9
+    assert expected - 60 < task["age_seconds"] <= expected
+    assert rfc3339_ns(task["arrival"]) // 10**9 == (NOW - 2 * hour) // 10**9
+
+
+def rfc3339_ns(text: str) -> int:
+    moment = datetime.fromisoformat(text.removesuffix("Z") + "+00:00")
+    return int(moment.timestamp()) * 10**9 + moment.microsecond * 1000
+
+
+async def test_listings_stop_at_their_bound_and_say_at_least(pg_url: URL, store: PgStore) -> None:
+    """Past the bound a page has examined, it says how far it looked and offers a cursor;
+    past the count's bound, the count says "at least"."""
+    from cronoq_store import _listing_statements as ls
+
+    schema = store.config.schema
+    many = ls.SCAN + 10
+    await admin_execute(
+        pg_url,
+        f"""
+        INSERT INTO "{schema}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind, priority,
+            payload, status, terminal, attempt, updated_unix_ns)
+        SELECT n, n, {NOW}, CASE WHEN n IN (10, {2 * many}) THEN 'rare' ELSE 'bulk' END, '', 0,
+               '\\x00'::bytea, CASE WHEN n % 2 = 0 THEN 'queued' ELSE 'succeeded' END,
+               n % 2 = 1, 0, {NOW} - n * 1000
+        FROM generate_series(1, {2 * many}) AS n
+        """,
+    )
+    base = ("--url", full(pg_url), "--schema", schema, "tasks")
+
+    live = await run(*base, "live", "--pool", "rare")
+    assert first_cells(live.stdout) == [10]
+    assert (
+        f"at least 1 matching (counted among the oldest {ls.LIVE_SAMPLE:,} live tasks)"
+        in live.stdout
+    )
+    assert f"looked at {ls.SCAN:,} live tasks from here and found only these" in live.stdout
+    further = await run(*base, "live", "--pool", "rare", "--cursor", str(cursor_of(live.stdout)))
+    assert first_cells(further.stdout) == [2 * many]
+    assert "end of list" in further.stdout
+
+    # Finished: odd ids, newest first (the smaller the id, the newer); none of them is rare.
+    finished = await run(*base, "finished", "--pool", "bulk", "--limit", "2")
+    assert first_cells(finished.stdout) == [1, 3]
+    assert f"at least {ls.SAMPLE:,} matching (counted among the newest" in finished.stdout
+    nothing = await run(*base, "finished", "--pool", "rare", "--json")
+    doc = json.loads(nothing.stdout)
+    assert (doc["tasks"], doc["scan_stopped"], doc["matching"]) == ([], True, 0)
+    assert doc["matching_at_least"] is True
+    assert doc["next"] is not None
 
 
 # --- prune ---------------------------------------------------------------------------------

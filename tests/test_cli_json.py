@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
 from cronoq_store._cli import ExitCode
+from cronoq_store._cli.output import short_id
 from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute
@@ -205,6 +206,7 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
     assert updated == record.updated
     assert doc == {
         "id": WIDE,
+        "short_id": "32767/281474976710655",
         "epoch": 32767,
         "key": "nightly",
         "pool": "etl",
@@ -218,12 +220,17 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
         "output_base64": "AHBkZg==",
     }
 
+    # Newest first: the big id finished after task 5.
     first = document((await run(*args, "finished", "--limit", "1", "--json")).stdout)
-    assert [t["id"] for t in first["tasks"]] == [5]
-    assert first["next_after"] == 5
-    rest = document((await run(*args, "finished", "--after", "5", "--json")).stdout)
-    assert [t["id"] for t in rest["tasks"]] == [WIDE]
-    assert rest["next_after"] is None
+    assert [t["id"] for t in first["tasks"]] == [WIDE]
+    assert (first["matching"], first["matching_at_least"], first["scan_stopped"]) == (
+        2,
+        False,
+        False,
+    )
+    rest = document((await run(*args, "finished", "--cursor", first["next"], "--json")).stdout)
+    assert [t["id"] for t in rest["tasks"]] == [5]
+    assert rest["next"] is None
 
     missing = await run(*args, "show", "77", "--json")
     assert (missing.exit_code, missing.stdout) == (ExitCode.FAILED, "")
@@ -294,7 +301,7 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
         assert max(len(line) for line in shown.splitlines()) <= columns, shown
     wide = await asyncio.to_thread(in_a_terminal, argv, 300)
     assert "┃ key" in wide  # a table where one fits
-    assert re.search(rf"^│ +{ids[0]} │ {key} │", wide, re.M), wide
+    assert re.search(rf"^│ +{ids[0]} │ {short_id(ids[0])} │ {key} │", wide, re.M), wide
 
     piped = await asyncio.to_thread(
         subprocess.run, argv, capture_output=True, text=True, timeout=60, env=environment()
@@ -302,12 +309,18 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
     assert piped.returncode == 0, piped.stderr
     lines = piped.stdout.splitlines()
     assert lines[0].split("\t") == [
-        "id", "key", "pool", "kind", "status", "attempt", "updated", "message"
+        "id", "short", "key", "pool", "kind", "tenant", "status", "attempt", "updated", "message"
     ]  # fmt: skip
-    assert [line.split("\t")[:2] for line in lines[1:3]] == [[str(ids[0]), key], [str(ids[1]), "-"]]
-    assert lines[1].split("\t")[7] == "m" * 60  # messages are shortened, never ids or keys
-    assert lines[2].split("\t")[7] == "a\\tb\\nc\\\\"  # one line, its tab a field's end
-    assert lines[3] == "end of list"
+    # Updated in one commit: newest first, then the larger id first.
+    assert [line.split("\t")[:3] for line in lines[1:3]] == [
+        [str(ids[1]), short_id(ids[1]), "-"],
+        [str(ids[0]), short_id(ids[0]), key],
+    ]
+    # Messages are shortened, the cut marked (--full-messages prints them whole); never ids
+    # or keys.
+    assert lines[2].split("\t")[9] == "m" * 59 + "…"
+    assert lines[1].split("\t")[9] == "a\\tb\\nc\\\\"  # one line, its tab a field's end
+    assert lines[3:] == ["2 matching, newest first", "end of list"]
 
 
 # --- handover -------------------------------------------------------------------------------

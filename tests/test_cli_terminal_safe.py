@@ -146,10 +146,11 @@ async def test_tasks_finished_and_status_tables_piped_keep_one_row_per_line(
     assert listed.exit_code == 0, listed.output
     assert unsafe_characters(listed.stdout) == []
     rows = [line.split("\t") for line in listed.stdout.splitlines() if "\t" in line]
-    assert [row[0] for row in rows] == ["id", "1", "2", "3"]
-    assert all(len(row) == 8 for row in rows)
-    assert rows[1][1:5] == [visible(KEY), visible(POOL), visible(KIND), "failed"]
-    assert rows[1][7] == visible(MESSAGE[:60])
+    # Newest first: recovery quarantined task 3 last; 1 and 2 finished in one commit.
+    assert [row[0] for row in rows] == ["id", "3", "2", "1"]
+    assert all(len(row) == 10 for row in rows)
+    assert rows[3][2:7] == [visible(KEY), visible(POOL), visible(KIND), visible(TENANT), "failed"]
+    assert rows[3][9] == visible(MESSAGE[:59]) + "…"
 
     status = await run("--url", url, "--schema", schema, "status")
     assert status.exit_code == 0, status.output
@@ -291,4 +292,4 @@ async def test_a_status_this_build_does_not_know_is_shown_as_stored(
     assert json.loads(done.stdout)["status"] == "archived"
     listed = await run("--url", url, "--schema", schema, "tasks", "finished")
     row = listed.stdout.splitlines()[1].split("\t")
-    assert row[:5] == ["2", "b", "default", "-", "archived"]
+    assert row[:7] == ["2", "0/2", "b", "default", "-", "-", "archived"]

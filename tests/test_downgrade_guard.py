@@ -39,7 +39,7 @@ from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._migrations import downgrade, head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .test_group_commit import wait_until
+from .waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = TimeBase.now()
@@ -222,7 +222,7 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
         committer = GroupCommitter(leader, epoch, BASE)
         running = [asyncio.ensure_future(submitter(committer)) for _ in range(16)]
         try:
-            await wait_until(lambda: len(acks) >= 200, what="acks before the drop")
+            await until(lambda: len(acks) >= 200, "acks before the drop")
             if drop == "by hand":
                 conn = await asyncpg.connect(asyncpg_dsn(pg_url))
                 try:
@@ -254,7 +254,7 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
         async def unlocked() -> bool:
             return await leader_lock_pids(pg_url, migrated) == []
 
-        await wait_until(unlocked, 5, what="the lock session to close")
+        await until(unlocked, "the lock session to close")
         # A schema migrated again gets nothing from the old leader.
         await upgrade(leader.engine, migrated)
         await asyncio.sleep(0.2)
@@ -304,7 +304,7 @@ async def test_health_names_the_holder_of_a_schema_downgraded_under_it(
         async def let_go() -> bool:
             return await leader_lock_pids(pg_url, migrated) == []
 
-        await wait_until(let_go, 10, what="the old leader to let the lock go")
+        await until(let_go, "the old leader to let the lock go")
         health = await cronoq("--schema", migrated, "health", url=pg_url)
         assert health.returncode == ExitCode.NOT_MIGRATED, health.stdout
         assert "no instance holds the leader lock" in health.stdout

@@ -48,13 +48,12 @@ from .replication import (
     needs_binaries,
     stores_on_a_replicated_pair,
 )
+from .waits import PATIENCE, bounded, until_value
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = "failover"
 LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.1, 0.2, 1.0
-#: The standby's acquisition retries while nothing is writable, then waits for the promotion.
-ELECTION_TIMEOUT = 20.0
 BASE = TimeBase.now()
 RANK = {"queued": 0, "succeeded": 1}
 
@@ -106,15 +105,15 @@ class Driver:
                 self.acked[done] = "succeeded"
 
     async def until(self, acked: int) -> None:
-        deadline = time.monotonic() + 30
-        while len(self.acked) < acked:
-            assert time.monotonic() < deadline, f"only {len(self.acked)} tasks acknowledged"
-            await asyncio.sleep(0.02)
+        await until_value(
+            lambda: len(self.acked), lambda n: n >= acked, f"{acked} acknowledged tasks"
+        )
 
-    async def finished(self, timeout: float) -> None:
+    async def finished(self) -> None:
         """Wait for every submitter to give up on its own (fenced or closed)."""
-        _, pending = await asyncio.wait(self._submitters, timeout=timeout)
-        assert not pending, "the deposed leader's submitters kept going"
+        await bounded(
+            asyncio.gather(*self._submitters), "the deposed leader's submitters to give up"
+        )
         await self.committer.close(drain=False)
 
     async def stop(self) -> None:
@@ -173,13 +172,13 @@ async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(
 
         # The primary crashes while commits are in flight.
         await asyncio.to_thread(pair.primary.stop, "immediate")
-        await asyncio.wait_for(a.leadership_lost(), SESSION_TIMEOUT + 2)
+        await bounded(a.leadership_lost(), "the leader to step down after its primary crashed")
         assert not a.is_leader
-        await driver.finished(SESSION_TIMEOUT + 5)
+        await driver.finished()
         assert not election.done(), "nothing writable to lead on before the promotion"
 
         await asyncio.to_thread(pair.promote)
-        assert await asyncio.wait_for(election, ELECTION_TIMEOUT) == epoch + 1
+        assert await bounded(election, "the standby's election on the promoted one") == epoch + 1
         new_primary = pair.standby.url()
         assert (await admin_execute(new_primary, "SELECT pg_is_in_recovery()"))[0][0] is False
         assert await lock_holder(new_primary) == ["failover-b leader"]
@@ -223,7 +222,7 @@ async def test_asynchronous_standby_loses_acks_it_had_not_received(
 
         await asyncio.to_thread(pair.primary.stop, "immediate")
         await asyncio.to_thread(pair.promote)
-        reissued = await asyncio.wait_for(b.acquire_leadership(), ELECTION_TIMEOUT)
+        reissued = await bounded(b.acquire_leadership(), "b to lead on the promoted standby")
         recovered = await b.recover(TimeBase.now())
         stored = await stored_states(pair.standby.url())
 
@@ -250,13 +249,13 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
         await a.commit(epoch, BASE, [first], [])
 
         await asyncio.to_thread(pair.primary.stop, "fast")
-        await asyncio.wait_for(a.leadership_lost(), ELECTION_TIMEOUT)
+        await bounded(a.leadership_lost(), "a to step down after its primary stopped")
         await asyncio.to_thread(pair.promote)
         new_primary = pair.standby.url()
         rows = await admin_execute(new_primary, f'SELECT tableoid FROM "{SCHEMA}".cronoq_leader')
         assert rows[0][0] == a.incarnation
 
-        assert await asyncio.wait_for(b.acquire_leadership(), ELECTION_TIMEOUT) == epoch + 1
+        assert await bounded(b.acquire_leadership(), "b to lead on the promoted one") == epoch + 1
         assert [t.id for t in (await b.recover(BASE)).tasks] == [first.id]
         second = Submitted(TaskId(task_id(epoch + 1, 0)), 1, 0, TaskSpec(b"after"))
         await b.commit(epoch + 1, BASE, [second], [])
@@ -265,7 +264,7 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
         assert health.has_leader
         await b.release_leadership()
 
-        assert await asyncio.wait_for(a.acquire_leadership(), ELECTION_TIMEOUT) == epoch + 2
+        assert await bounded(a.acquire_leadership(), "a to lead again") == epoch + 2
         third = Submitted(TaskId(task_id(epoch + 2, 0)), 2, 0, TaskSpec(b"again"))
         await a.commit(
             epoch + 2, BASE, [third, StatusChanged(first.id, TaskStatus.RUNNING, 1, 5)], []
@@ -277,23 +276,25 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
 
 
 async def _blocked_leader(
-    url: URL, config: PgStoreConfig, leading: threading.Event, block: float
+    url: URL, config: PgStoreConfig, leading: threading.Event, taken_over: threading.Event
 ) -> tuple[int, FencedError | None]:
-    """Lead, commit, then block this thread's event loop with ``time.sleep(block)`` (no
-    keeper, no ping, no reaction of any kind), and commit again the moment it wakes.
-    Returns the epoch and the error of that second commit."""
+    """Lead, commit, then block this thread's event loop (no keeper, no ping, no reaction
+    of any kind) until ``taken_over`` is set, and commit again the moment it wakes. Returns
+    the epoch and the error of that commit."""
     store = await PgStore.connect(url, config)
     try:
         epoch = await store.acquire_leadership()
         await store.commit(epoch, BASE, [Submitted(task_id(epoch, 0), 0, 0, TaskSpec(b"a"))], [])
         leading.set()
-        time.sleep(block)  # noqa: ASYNC251 (the point: the loop is stuck)
+        # The point: the loop is stuck, for as long as the takeover takes (bounded, so that a
+        # takeover that never comes fails the test instead of hanging it).
+        taken_over.wait(PATIENCE)
         try:
             await store.commit(
                 epoch, BASE, [Submitted(task_id(epoch, 1), 1, 0, TaskSpec(b"b"))], []
             )
         except FencedError as exc:
-            await asyncio.wait_for(store.leadership_lost(), 1)
+            await bounded(store.leadership_lost(), "the fenced leader to step down")
             return epoch, exc
         return epoch, None
     finally:
@@ -306,32 +307,35 @@ async def test_a_leader_blocked_past_session_timeout_is_replaced_and_fenced(
     """The server sees nothing wrong with a blocked process (its kernel still answers TCP),
     so only a server-side limit can take the lock from it: the store's lock session asks
     the server to end it once idle for 1.5 x ``session_timeout`` (the leader pings every
-    ``keepalive``, so a live leader is never idle that long)."""
-    block = 3 * SESSION_TIMEOUT
-    leading = threading.Event()
+    ``keepalive``, so a live leader is never idle that long). The leader stays blocked
+    until the standby has taken over, however long the machine takes."""
+    leading, taken_over = threading.Event(), threading.Event()
     leader = asyncio.ensure_future(
         asyncio.to_thread(
             asyncio.run,
-            _blocked_leader(pg_url, replace(config("old"), schema=migrated), leading, block),
+            _blocked_leader(pg_url, replace(config("old"), schema=migrated), leading, taken_over),
         )
     )
     standby: PgStore | None = None
     try:
-        assert await asyncio.to_thread(leading.wait, 10), "the first instance did not lead"
-        blocked_at = time.monotonic()
+        assert await bounded(
+            asyncio.to_thread(leading.wait, PATIENCE), "the first instance to lead"
+        ), "the first instance did not lead"
         standby = await PgStore.connect(pg_url, replace(config("new"), schema=migrated))
-        new_epoch = await asyncio.wait_for(standby.acquire_leadership(), block)
-        took_over = time.monotonic() - blocked_at
-        assert took_over < 1.5 * SESSION_TIMEOUT + LOCK_POLL + 1.0
-        assert not leader.done(), "the standby took over while the old leader was still blocked"
+        new_epoch = await bounded(
+            standby.acquire_leadership(), "the standby to take over from the blocked leader"
+        )
+        assert not leader.done(), "the blocked leader woke before the takeover"
+        taken_over.set()
 
-        old_epoch, fenced = await asyncio.wait_for(leader, block + 10)
+        old_epoch, fenced = await bounded(leader, "the woken leader's commit")
         assert new_epoch == old_epoch + 1
         assert fenced is not None, "the old leader's first commit after waking was not fenced"
         assert "stored epoch" in str(fenced), "fenced by the epoch check in the database"
         rows = await admin_execute(pg_url, f'SELECT id FROM "{migrated}".cronoq_tasks')
         assert [r[0] for r in rows] == [task_id(old_epoch, 0)]
     finally:
+        taken_over.set()
         if standby is not None:
             await standby.close()
-        await asyncio.wait({leader}, timeout=block + 10)
+        await asyncio.wait({leader}, timeout=PATIENCE)

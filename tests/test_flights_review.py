@@ -38,7 +38,8 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .test_group_commit import LeaderRowHold, wait_until
+from .test_group_commit import LeaderRowHold
+from .waits import until
 
 BASE = TimeBase.now()
 _ids = itertools.count(1)
@@ -97,7 +98,7 @@ async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced
     await asyncio.wait_for(slow.landed.wait(), 10)
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
     two = asyncio.ensure_future(committer.submit([second]))
-    await wait_until(lambda: committer.fenced, what="the second batch fenced")
+    await until(lambda: committer.fenced, "the second batch fenced")
     slow.reply.set()
     outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
     await committer.close()
@@ -163,7 +164,7 @@ async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced
             async def three() -> bool:
                 return len(await waiting_pids(pg_url, name)) == 3
 
-            await wait_until(three, what="three batches in flight")
+            await until(three, "three batches in flight")
             killed = (await waiting_pids(pg_url, name))[1]
             await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", killed)
             await asyncio.sleep(0.3)  # the killed batch fails and is sent again

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Sized
+from collections.abc import AsyncIterator, Coroutine, Sequence, Sized
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,10 +33,11 @@ from cronoq_store._errors import (
     UnavailableError,
 )
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
-from cronoq_store._retry import Backoff
+from cronoq_store._retry import MIN_PAUSE, Backoff
 from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
+from .waits import bounded, holds_for, until, until_value
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -113,26 +114,22 @@ class LeaderRowHold:
         await self.release()
 
 
-async def wait_until(
-    condition: Callable[[], Awaitable[bool]] | Callable[[], bool],
-    timeout: float = 10.0,
-    what: str = "condition",
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-async def grows_to(items: Sized, size: int, what: str, timeout: float = 10.0) -> None:
+async def grows_to(items: Sized, size: int, what: str) -> None:
     """Wait until ``items`` holds at least ``size`` elements (acks flowing again)."""
-    await wait_until(lambda: len(items) >= size, timeout=timeout, what=what)
+    await until_value(lambda: len(items), lambda n: n >= size, what)
+
+
+def refusal_without_waiting(call: Coroutine[Any, Any, object]) -> BaseException:
+    """What ``call`` raises before its first pause: a refusal "at once" waits for nothing,
+    whatever the machine's speed."""
+    try:
+        call.send(None)
+    except StopIteration:
+        raise AssertionError("the call was accepted, not refused") from None
+    except BaseException as exc:
+        return exc
+    call.close()
+    raise AssertionError("the call waited instead of refusing at once")
 
 
 async def commit_waiting_on_lock(url: URL, application_name: str) -> bool:
@@ -239,21 +236,23 @@ async def test_acknowledged_means_durable_across_database_crashes(
         )
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(64)]
         try:
-            await grows_to(acked, 300, what="acks before the first crash")
+            await grows_to(acked, 300, "acks before the first crash")
             try:
                 await asyncio.to_thread(pg_server.stop, "immediate")
                 acked_at_crash = len(acked)
-                await asyncio.sleep(0.3)
+                await until(
+                    lambda: committer.stats().retries >= 1, "a retry while the server is down"
+                )
             finally:
                 await asyncio.to_thread(pg_server.start)
-            await grows_to(acked, acked_at_crash + 300, what="acks after the restart")
+            await grows_to(acked, acked_at_crash + 300, "acks after the restart")
             assert committer.stats().retries >= 1
             try:
                 await asyncio.to_thread(pg_server.stop, "immediate")
-                await asyncio.wait_for(committer.close(drain=False), 10)
+                await bounded(committer.close(drain=False), "close() with the server down")
             finally:
                 await asyncio.to_thread(pg_server.start)
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await bounded(asyncio.gather(*tasks), "every submitter to end")
         finally:
             for t in tasks:
                 t.cancel()
@@ -286,15 +285,13 @@ async def test_unavailable_is_retried_until_the_batch_commits(pg_url: URL, schem
         committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(0.01, 0.05))
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
-            await grows_to(acked, 100, what="first acks")
+            await grows_to(acked, 100, "first acks")
             for _ in range(3):
                 # Terminate the backend while its commit waits: the attempt fails for sure.
                 async with LeaderRowHold(pg_url, schema):
-                    await wait_until(
-                        lambda: commit_waiting_on_lock(pg_url, name), what="a blocked commit"
-                    )
+                    await until(lambda: commit_waiting_on_lock(pg_url, name), "a blocked commit")
                     assert await terminate_backends(pg_url, name) >= 1
-                await grows_to(acked, len(acked) + 50, what="acks after terminating")
+                await grows_to(acked, len(acked) + 50, "acks after terminating")
         finally:
             running_flag = False
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -320,14 +317,19 @@ async def test_backpressure_holds_submitters_while_the_queue_is_full(
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(30)
             ]
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="a slow commit")
-            await asyncio.sleep(0.2)  # let every submitter try
-            stats = committer.stats()
-            assert stats.submissions == stats.pending_submissions == 10
-            assert stats.pending_mutations == 10
-            assert sum(t.done() for t in tasks) == 0
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "a slow commit")
+            await until(lambda: committer.stats().submissions == 10, "ten submissions accepted")
+
+            def held_back() -> bool:
+                stats = committer.stats()
+                return (
+                    stats.submissions == stats.pending_submissions == stats.pending_mutations == 10
+                    and not any(t.done() for t in tasks)
+                )
+
+            await holds_for(held_back, "the full queue holding the other twenty back", 0.2)
             await hold.release()
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await bounded(asyncio.gather(*tasks), "every submitter once the row is free")
         await committer.close()
 
         stats = committer.stats()
@@ -349,20 +351,20 @@ async def test_fenced_fails_everything_pending_and_closes(pg_url: URL, schema: s
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(10, 30)
             ]
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             assert committer.stats().pending_submissions == 20  # one batch in flight, 3 queued
             # A takeover: the new leader bumps the epoch while the old one's commit waits.
             await hold.execute(f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
             await hold.release(commit=True)
-            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+            results = await bounded(
+                asyncio.gather(*tasks, return_exceptions=True), "every submitter to be fenced"
+            )
 
         assert all(isinstance(r, FencedError) for r in results), results
         assert committer.fenced
         assert committer.closed
-        started = time.monotonic()
-        with pytest.raises(FencedError):
-            await committer.submit([submitted(epoch, 99)])
-        assert time.monotonic() - started < 0.1
+        refusal = refusal_without_waiting(committer.submit([submitted(epoch, 99)]))
+        assert isinstance(refusal, FencedError), refusal
         await committer.close()
         stats = committer.stats()
         assert stats.failed_submissions == 20
@@ -377,7 +379,7 @@ async def test_a_failing_submission_is_isolated_from_its_batch(pg_url: URL, sche
         committer = GroupCommitter(store, epoch, BASE)
         async with LeaderRowHold(pg_url, schema) as hold:
             first = asyncio.create_task(committer.submit([submitted(epoch, 0)]))
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             # These ten queue up behind it and form the next batch; 4 and 7 share a live key.
             batch = [
                 asyncio.create_task(
@@ -385,11 +387,16 @@ async def test_a_failing_submission_is_isolated_from_its_batch(pg_url: URL, sche
                 )
                 for n in range(1, 11)
             ]
-            await asyncio.sleep(0.05)
-            assert committer.stats().pending_submissions == 11
+            await until_value(
+                lambda: committer.stats().pending_submissions,
+                lambda n: n == 11,
+                "the ten queued behind the one in flight",
+            )
             await hold.release()
-            await asyncio.wait_for(first, 10)
-            results = await asyncio.wait_for(asyncio.gather(*batch, return_exceptions=True), 10)
+            await bounded(first, "the first submission once the row is free")
+            results = await bounded(
+                asyncio.gather(*batch, return_exceptions=True), "the batch of ten"
+            )
         await committer.close()
 
         failures = {n: r for n, r in zip(range(1, 11), results, strict=True) if r is not None}
@@ -414,16 +421,21 @@ async def test_cancelled_submitters_queued_are_dropped_in_flight_still_commit(
         committer = GroupCommitter(store, epoch, BASE, max_batches_in_flight=1)
         async with LeaderRowHold(pg_url, schema) as hold:
             in_flight = asyncio.create_task(committer.submit([submitted(epoch, 1)]))
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             queued = asyncio.create_task(committer.submit([submitted(epoch, 2)]))
             kept = asyncio.create_task(committer.submit([submitted(epoch, 3)]))
-            await asyncio.sleep(0.05)
+            await until(
+                lambda: committer.stats().pending_submissions == 3, "two submissions queued"
+            )
             in_flight.cancel()
             queued.cancel()
-            await asyncio.sleep(0.05)
-            assert committer.stats().pending_submissions == 2  # the queued one left at once
+            await until_value(  # the queued one leaves; the one in flight stays in flight
+                lambda: committer.stats().pending_submissions,
+                lambda n: n == 2,
+                "the cancelled queued submission to leave the queue",
+            )
             await hold.release()
-            await asyncio.wait_for(kept, 10)
+            await bounded(kept, "the kept submission once the row is free")
         await committer.close()
 
         assert in_flight.cancelled()
@@ -448,14 +460,15 @@ async def test_close_with_drain_commits_everything_pending(pg_url: URL, schema: 
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
             ]
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             closing = asyncio.create_task(committer.close(drain=True))
-            await asyncio.sleep(0.05)
-            assert not closing.done()
+            await holds_for(
+                lambda: not closing.done(), "a draining close() waiting for the batch held", 0.05
+            )
             with pytest.raises(CommitterClosedError):
                 await committer.submit([submitted(epoch, 99)])
             await hold.release()
-            await asyncio.wait_for(closing, 10)
+            await bounded(closing, "the draining close() once the row is free")
 
         assert all(t.done() for t in tasks)
         assert [t.result() for t in tasks] == [None] * 20
@@ -476,13 +489,17 @@ async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
             tasks = [
                 asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
             ]
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             closing = asyncio.create_task(committer.close(drain=False))
-            await asyncio.sleep(0.05)
             # Queued submissions fail at once; the attempt in flight may still finish.
-            assert sum(t.done() for t in tasks) == 15
+            done = await until_value(
+                lambda: sum(t.done() for t in tasks),
+                lambda n: n >= 15,
+                "the fifteen queued submissions to fail",
+            )
+            assert done == 15
             await hold.release()
-            await asyncio.wait_for(closing, 10)
+            await bounded(closing, "close() once the row is free")
 
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         acked = {n for n, r in enumerate(outcomes) if r is None}
@@ -552,13 +569,16 @@ async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() ->
     store = ScriptedStore([UnavailableError("connection refused")], forever=True)
     committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.01, 0.04))
     task = asyncio.create_task(committer.submit([submitted(1, 1)]))
-    await asyncio.sleep(0.5)
-    attempts = len(store.attempts)
-    # Delays are drawn from [0, min(0.04, 0.01 * 2**n)]: about 0.02 s on average once capped.
-    assert 8 <= attempts <= 200
-    assert committer.stats().retries == attempts
+    await until_value(lambda: len(store.attempts), lambda n: n >= 9, "nine attempts")
+    at = store.attempted_at
+    # Delays are drawn from [MIN_PAUSE, min(0.04, 0.01 * 2**n)]: the retries keep coming,
+    # each after a pause (a machine's slowness only lengthens them).
+    assert all(b - a >= MIN_PAUSE * 0.9 for a, b in itertools.pairwise(at)), at
+    await until(
+        lambda: committer.stats().retries == len(store.attempts), "each attempt counted a retry"
+    )
     assert not task.done()
-    await committer.close(drain=True, timeout=0.2)
+    await bounded(committer.close(drain=True, timeout=0.2), "a drain that gives up after 0.2 s")
     with pytest.raises(CommitterClosedError, match="may or may not have been committed") as err:
         await task
     assert isinstance(err.value.__cause__, UnavailableError)
@@ -566,7 +586,10 @@ async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() ->
         await committer.submit([submitted(1, 2)])
 
 
-async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh() -> None:
+async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="cronoq_store")
     outage = [UnavailableError("connection refused")] * 5
     store = ScriptedStore(outage)
     committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.04, 0.16, jitter=0.0))
@@ -579,10 +602,13 @@ async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh() 
     # Five failures of the first batch: 0.04, 0.08, then the cap; its sixth attempt commits.
     # The second batch fails twice and pauses from the initial delay again, not at the cap.
     expected = [0.04, 0.08, 0.16, 0.16, 0.16, None, 0.04, 0.08]
+    chosen = [getattr(r, "delay") for r in caplog.records if hasattr(r, "delay")]  # noqa: B009
+    assert chosen == [p for p in expected if p is not None]
+    # Each pause chosen is taken (a busy machine only lengthens it).
     assert len(gaps) == len(expected)
     for gap, pause in zip(gaps, expected, strict=True):
         if pause is not None:
-            assert pause <= gap < pause + 0.1, gaps
+            assert gap >= pause - MIN_PAUSE, gaps
     assert committer.stats().retries == 7
 
 
@@ -602,15 +628,16 @@ async def test_close_refuses_submitters_still_waiting_for_room() -> None:
     committer = GroupCommitter(store, 1, BASE, max_batch_mutations=2, max_pending_mutations=2)
     accepted = [asyncio.create_task(committer.submit([submitted(1, n)])) for n in range(2)]
     waiting = asyncio.create_task(committer.submit([submitted(1, 2)]))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(store.attempts) == 1, "the first batch in flight")
     assert committer.stats().submissions == 2
     assert not waiting.done()
     closing = asyncio.create_task(committer.close(drain=True))
     with pytest.raises(CommitterClosedError, match="closed"):
-        await asyncio.wait_for(waiting, 1)  # refused at once: it was never accepted
+        # Refused while the drain still waits for the batch in flight: never accepted.
+        await bounded(waiting, "the refusal of the submitter waiting for room")
     assert not closing.done()
     store.gate.set()
-    await asyncio.wait_for(closing, 1)
+    await bounded(closing, "the drain once the batch commits")
     assert [t.result() for t in accepted] == [None, None]
     assert [len(c) for c in store.commits] == [2]
 
@@ -643,11 +670,11 @@ async def test_through_the_committer_an_id_collision_still_wins_over_taken_keys(
         keys: list[Mutation] = [submitted(epoch, 4, key="k1"), submitted(epoch, 6, key="k2")]
         fine: list[Mutation] = [submitted(epoch, 5, key="k2")]
         async with GroupCommitter(store, epoch, BASE) as committer:
-            outcomes = await asyncio.wait_for(
+            outcomes = await bounded(
                 asyncio.gather(
                     *(committer.submit(s) for s in (both, keys, fine)), return_exceptions=True
                 ),
-                30,
+                "the three submissions",
             )
         collision, taken, ok = outcomes
         assert isinstance(collision, IdCollisionError)
@@ -675,12 +702,12 @@ async def test_a_refusal_of_the_callers_own_is_logged_at_debug_a_bug_at_warning(
                     await committer.submit([submitted(epoch, 2, key="k1")])
                 with pytest.raises(IdCollisionError):
                     await committer.submit([other])
-                outcomes = await asyncio.wait_for(
+                outcomes = await bounded(
                     asyncio.gather(
                         *(committer.submit([submitted(epoch, n, key="k1")]) for n in (3, 4)),
                         return_exceptions=True,
                     ),
-                    30,
+                    "the two submissions of a taken key",
                 )
         assert [type(o) for o in outcomes] == [KeyTakenError, KeyTakenError]
     records = [r for r in caplog.records if r.name == "cronoq_store"]

@@ -20,6 +20,7 @@ from cronoq_store._mutations import StatusChanged, Submitted
 
 from .pgharness import admin_execute
 from .replication import needs_binaries, stores_on_a_replicated_pair
+from .waits import bounded
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
         await asyncio.to_thread(pair.primary.stop, "immediate")
         await asyncio.to_thread(pair.promote)
 
-        wrapped = await asyncio.wait_for(b.acquire_leadership(), 20)
+        wrapped = await bounded(b.acquire_leadership(), "b to lead on the promoted standby")
         recovered = await b.recover(BASE)
         assert wrapped == 1  # the wrap: the epoch prefix no longer keeps ids apart
         assert await b.get_task(late) is None  # never received: lost, as documented

@@ -50,7 +50,7 @@ from cronoq_store.testing._unprivileged import run_as
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
 from .replication import needs_binaries
 from .test_downgrade_guard import cronoq
-from .test_group_commit import wait_until
+from .waits import until
 
 BASE = TimeBase.now()
 _seq = itertools.count(1)
@@ -103,7 +103,7 @@ async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
     async def let_go() -> bool:
         return await lock_session_pids(url, name) == []
 
-    await wait_until(let_go, WAIT, what=f"{name}'s lock session to close")
+    await until(let_go, f"{name}'s lock session to close")
 
 
 @pytest.fixture
@@ -331,7 +331,7 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
                 )
                 return bool(rows)
 
-            await wait_until(waiting_on_the_row, WAIT, what="the commit to wait on the row")
+            await until(waiting_on_the_row, "the commit to wait on the row")
             await swap(pg_url, migrated, other_schema)
             await blocker.execute("ROLLBACK")
         finally:
@@ -554,7 +554,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
             )
             return bool(rows)
 
-        await wait_until(polling, WAIT, what="the standby to try the lock")
+        await until(polling, "the standby to try the lock")
         # The standby waits behind the same lock while the leader commits, term unbroken.
         for n in range(20):
             await a.commit(epoch + 1, BASE, [submitted(epoch + 1, n)], [])

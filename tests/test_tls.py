@@ -511,7 +511,7 @@ async def test_alembic_speaks_tls_from_the_url(tls: TlsServer) -> None:
         ("sslsni=0", "sslsni"),
         ("sslmode=verify_full", "sslmode"),
         ("ssl_min_protocol_version=SSLv3", "ssl_min_protocol_version"),
-        ("application_name=mine", "application_name"),
+        ("sslmode=require&hostaddr=127.0.0.1", "hostaddr"),
         ("ssl=require&sslmode=verify-full", "sslmode"),
         ("sslmode=verify-full&sslrootcert=system", "sslrootcert"),
         # A file that is not there is named (asyncpg's FileNotFoundError names none).

@@ -52,8 +52,8 @@ from .test_group_commit import (
     commit_waiting_on_lock,
     open_store,
     stored_ids,
-    wait_until,
 )
+from .waits import until
 
 I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 # Engine time is Unix time here, so engine times at the edge are stored at the edge.
@@ -190,7 +190,7 @@ async def test_a_value_beyond_bigint_fails_only_its_own_submission(
         committer = GroupCommitter(store, epoch, NOW)
         async with LeaderRowHold(pg_url, schema) as hold:
             first = asyncio.create_task(committer.submit(submission(0)))
-            await wait_until(lambda: commit_waiting_on_lock(pg_url, name), what="in flight")
+            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
             queued = [asyncio.create_task(committer.submit(submission(n))) for n in range(1, 11)]
             await asyncio.sleep(0.05)
             assert committer.stats().pending_submissions == 11

@@ -20,6 +20,7 @@ from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 from .test_commit import BASE, submitted
+from .waits import until, until_value
 
 
 @pytest.fixture
@@ -78,8 +79,13 @@ async def test_a_held_connection_the_server_closed_is_replaced_before_the_commit
     store, epoch = leader
     await store.commit(epoch, BASE, [submitted(1)], [])
     [pid] = await writers(pg_url, name)
+    held = store._commits.connections.held
+    assert held is not None
     assert await terminate_backend(pg_url, pid)
-    await asyncio.sleep(0.2)  # the event loop reads the closed socket
+    await until(
+        lambda: held.driver_connection.is_closed(),  # type: ignore[union-attr]
+        "the event loop to read the held connection's closed socket",
+    )
     await store.commit(epoch, BASE, [submitted(2)], [])  # no error: a new connection
     assert pid not in await writers(pg_url, name)
     assert checked_out(store) == 1
@@ -123,8 +129,10 @@ async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
         commits = [
             asyncio.ensure_future(store.commit(epoch, BASE, [submitted(n)], [])) for n in (2, 3, 4)
         ]
-        await asyncio.sleep(0.3)
-        assert checked_out(store) == 3  # all three wait on the leader row, each on its own
+        # All three wait on the leader row, each on its own connection.
+        await until_value(
+            lambda: checked_out(store), lambda n: n == 3, "three commits waiting on the row"
+        )
         await lock.rollback()
     finally:
         await blocker.close()

@@ -34,6 +34,7 @@ class ExitCode(IntEnum):
     FOREIGN_HOLDER = 7
     NOT_HANDED_OVER = 8
     LOCK_HELD = 9
+    AMBIGUOUS = 10
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -55,6 +56,8 @@ Exit codes:
      or the new leader shows no instance id to tell
   {ExitCode.LOCK_HELD:d}  a lock the command needs stayed held by another session past its
      bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
+  {ExitCode.AMBIGUOUS:d}  (tasks show) a bare number names tasks of several epochs: they
+     are listed; give EPOCH/N
 """
 
 

@@ -8,34 +8,42 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
+from .. import _listing_statements as ls
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
 from .._domain import I64_MAX
 from .._migrations import RevisionStatus
 from .._mutations import unhandled
-from .._queries import ClusterFacts
+from .._queries import ClusterFacts, ListedTask
 from .._stored_values import LockHolder
 from . import database, output
 from .exits import CliError, ExitCode
 
 __all__ = [
+    "MATCHES_SHOWN",
     "PUBLIC_CONNECT_WARNING",
     "Handover",
     "Health",
     "Outcome",
     "PrunePlan",
+    "TaskFilters",
     "batch_transactions",
     "end_leader_session",
+    "find_tasks",
+    "finished_page",
     "fresh_facts",
     "handover_document",
     "health_document",
     "leader_lock",
+    "live_page",
     "migration_lock_warning",
     "plan_prune",
     "prune_batches",
@@ -61,6 +69,134 @@ async def leader_lock(conn: AsyncConnection, schema: str) -> tuple[int, int]:
     """The keys of ``schema``'s leader lock: the store's namespace and the schema's OID."""
     oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
     return (lock_st.LOCK_NS_LEADER, oid)
+
+
+@dataclass(frozen=True)
+class TaskFilters:
+    """The filters of a list of tasks (``tasks finished``, ``tasks live``, the console's
+    pages); empty tuples mean any. The time window (on ``updated``) narrows finished tasks
+    only: it is a range of their index."""
+
+    pools: tuple[str, ...] = ()
+    statuses: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    since_ns: int | None = None
+    until_ns: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "pools": list(self.pools),
+            "statuses": list(self.statuses),
+            "kinds": list(self.kinds),
+            "tenants": list(self.tenants),
+            "keys": list(self.keys),
+            "since": -(2**63) if self.since_ns is None else self.since_ns,
+            "until": I64_MAX if self.until_ns is None else self.until_ns,
+        }
+
+
+def _bounded(found: int, matching: int, bound: int, counted: str) -> dict[str, Any]:
+    """A page's count: exact, or "at least" when the count stopped at its bound."""
+    return {
+        "matching": matching,
+        # At the bound, further tasks were not examined: a minimum.
+        "matching_at_least": found >= bound,
+        "counted": counted,
+    }
+
+
+async def finished_page(
+    conn: AsyncConnection, filters: TaskFilters, before: tuple[int, int] | None, limit: int
+) -> dict[str, Any]:
+    """A page of finished tasks, newest first, strictly older than the cursor ``before``
+    (``(updated_unix_ns, id)``), and how many match: the console's list and ``tasks
+    finished``. Examines at most :data:`~cronoq_store._listing_statements.SCAN` tasks; when
+    the filters match fewer than a page there, ``scan_stopped`` says so and ``next`` looks
+    on from the last one examined. Ends its transaction."""
+    params = filters.params()
+    page_params = {**params, "limit": limit + 1, "scan": ls.SCAN}
+    top = (I64_MAX, I64_MAX) if before is None else before
+    cursor = {"before_updated": top[0], "before_id": top[1]}
+    if before is None:
+        rows = (await conn.execute(ls.finished_first_page, page_params)).all()
+    else:
+        rows = (await conn.execute(ls.finished_next_page, {**page_params, **cursor})).all()
+    boundary = None
+    if len(rows) <= limit:
+        # Fewer matches than a page: the end of the window, or the scan's bound.
+        boundary = (
+            await conn.execute(ls.scan_boundary, {**params, **cursor, "scan": ls.SCAN})
+        ).first()
+    examined, matching = (
+        await conn.execute(ls.finished_count, {**params, "bound": ls.SAMPLE})
+    ).one()
+    await conn.rollback()
+    last = None
+    if len(rows) > limit:
+        last = (rows[limit - 1].updated_unix_ns, rows[limit - 1].id)
+    elif boundary is not None:
+        last = (boundary.updated_unix_ns, boundary.id)
+    return {
+        "tasks": [output.task_document(*queries.listed_task(row)) for row in rows[:limit]],
+        "next": None if last is None else f"{last[0]}.{last[1]}",
+        # The page examined its bound of tasks without filling up: older ones may match.
+        "scan_stopped": len(rows) <= limit and boundary is not None,
+        "scan": ls.SCAN,
+        **_bounded(examined, matching, ls.SAMPLE, f"the newest {ls.SAMPLE:,} of the window"),
+    }
+
+
+async def live_page(
+    conn: AsyncConnection, filters: TaskFilters, after: int | None, limit: int
+) -> dict[str, Any]:
+    """A page of live tasks, oldest first (in id order), after the id ``after``, each with
+    its age, and how many match: the console's live page and ``tasks live``. Bounded as
+    :func:`finished_page` is. Ends its transaction."""
+    params = {**filters.params(), "after": -1 if after is None else after}
+    rows = (await conn.execute(ls.live_page, {**params, "limit": limit + 1, "scan": ls.SCAN})).all()
+    boundary = None
+    if len(rows) <= limit:
+        boundary = (await conn.execute(ls.live_scan_boundary, {**params, "scan": ls.SCAN})).first()
+    examined, matching = (
+        await conn.execute(ls.live_count, {**params, "bound": ls.LIVE_SAMPLE})
+    ).one()
+    await conn.rollback()
+    last = None
+    if len(rows) > limit:
+        last = rows[limit - 1].id
+    elif boundary is not None:
+        last = boundary.id
+    now = datetime.now(timezone.utc).timestamp()
+    tasks = []
+    for row in rows[:limit]:
+        doc = output.task_document(*queries.listed_task(row[:-1]))
+        doc["arrival"] = output.rfc3339(row.arrival)
+        doc["age_seconds"] = max(0.0, round(now - row.arrival / 1e9, 3))
+        tasks.append(doc)
+    return {
+        "tasks": tasks,
+        "next": None if last is None else str(last),
+        "scan_stopped": len(rows) <= limit and boundary is not None,
+        "scan": ls.SCAN,
+        **_bounded(examined, matching, ls.LIVE_SAMPLE, f"the oldest {ls.LIVE_SAMPLE:,} live tasks"),
+    }
+
+
+#: The tasks a bare number lists at most when it names tasks of several epochs.
+MATCHES_SHOWN = 100
+
+
+async def find_tasks(conn: AsyncConnection, ref: output.IdRef | str) -> list[ListedTask]:
+    """What ``tasks show`` and the console's task look-up find for ``ref``: the newest task
+    with a key, the task with an id, or every task (in id order, :data:`MATCHES_SHOWN` and
+    one more at most) a bare number names in any epoch, for the caller to list rather than
+    guess."""
+    if isinstance(ref, str):
+        found = await queries.get_listed_task(conn, queries.lookup_params(ref))
+        return [] if found is None else [found]
+    return await queries.get_listed_tasks(conn, ref.ids, MATCHES_SHOWN + 1)
 
 
 def verdict(

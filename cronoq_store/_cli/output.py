@@ -19,11 +19,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 from rich.cells import cell_len
@@ -31,11 +32,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._domain import I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, TaskId, epoch_of
+from .._domain import EPOCH_MAX, I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, TaskId, epoch_of
 from .._stored_values import LockHolder, TaskRecord
 from .._terminal_safe import json_text, visible
 
 __all__ = [
+    "ID_FORMS",
+    "IdRef",
+    "age_words",
     "ago",
     "console",
     "describe_foreign",
@@ -45,11 +49,13 @@ __all__ = [
     "format_duration",
     "holder_document",
     "leader_of",
+    "parse_id",
     "preview",
     "print_facts",
     "print_table",
     "rfc3339",
     "session_document",
+    "short_id",
     "store_log_on_stderr",
     "task_document",
     "task_id",
@@ -242,6 +248,7 @@ def task_document(record: TaskRecord, status: str) -> dict[str, object]:
     out = record.output
     return {
         "id": record.id,
+        "short_id": short_id(record.id),
         "epoch": epoch_of(record.id) if 0 <= record.id <= I64_MAX else None,
         "key": record.key,
         "pool": record.pool,
@@ -267,6 +274,17 @@ def ago(moment: datetime) -> str:
     return f"{format_duration(seconds)} ago" if seconds else "just now"
 
 
+def age_words(seconds: float) -> str:
+    """A live task's age, to two units: ``12s``, ``4m 10s``, ``3h 5m``, ``2d 3h``."""
+    whole = max(0, int(seconds))
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    for i, (unit, size) in enumerate(units[:-1]):
+        if whole >= size:
+            smaller, small_size = units[i + 1]
+            return f"{whole // size}{unit} {whole % size // small_size}{smaller}"
+    return f"{whole}s"
+
+
 def format_duration(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size and seconds % size == 0:
@@ -274,12 +292,63 @@ def format_duration(seconds: int) -> str:
     return f"{seconds}s"
 
 
-def task_id(value: int) -> str:
-    """An id with what it encodes: the epoch that issued it and its number in that epoch."""
+#: What ``tasks show`` and the console's look-up take for an id: the id itself, its short
+#: form ``EPOCH/N`` (the epoch that issued it and its number in that epoch, as
+#: :func:`short_id` prints it), or a bare ``N``, which may name a task of any epoch.
+ID_FORMS = "an id, EPOCH/N (as printed beside an id: 1/42 is task #42 of epoch 1), or N"
+
+_SHORT = re.compile(r"([0-9]{1,5})/([0-9]{1,15})")
+_DIGITS = re.compile(r"[0-9]+")
+_COUNTER_MASK = (1 << ID_COUNTER_BITS) - 1
+
+
+class IdRef(NamedTuple):
+    """An id as an operator typed it, and the ids it may name: one for a whole id or a short
+    one, one per epoch for a bare number that fits an epoch's counter."""
+
+    text: str
+    ids: tuple[TaskId, ...]
+
+    @property
+    def bare(self) -> bool:
+        """Whether the number may name tasks of several epochs."""
+        return len(self.ids) > 1
+
+
+def short_id(value: int) -> str | None:
+    """An id's short form, ``EPOCH/N``; ``None`` for a number no id can be."""
     if not 0 <= value <= I64_MAX:
-        return str(value)
-    counter = value & ((1 << ID_COUNTER_BITS) - 1)
-    return f"{value} (epoch {epoch_of(TaskId(value))}, #{counter})"
+        return None
+    return f"{epoch_of(TaskId(value))}/{value & _COUNTER_MASK}"
+
+
+def task_id(value: int) -> str:
+    """An id with its short form beside it: ``281474976710698 (1/42)``."""
+    short = short_id(value)
+    return str(value) if short is None else f"{value} ({short})"
+
+
+def parse_id(text: str) -> IdRef | None:
+    """``text`` as an id in one of :data:`ID_FORMS`; ``None`` when it is in none of them (a
+    key, then); ``ValueError`` for one of those forms that no task can have."""
+    short = _SHORT.fullmatch(text)
+    if short is not None:
+        epoch, n = int(short[1]), int(short[2])
+        if epoch > EPOCH_MAX or n > _COUNTER_MASK:
+            raise ValueError(
+                f"{text} is not a task id (the epoch is at most {EPOCH_MAX}, the number "
+                f"below 2**{ID_COUNTER_BITS})"
+            )
+        return IdRef(text, (TaskId((epoch << ID_COUNTER_BITS) | n),))
+    if _DIGITS.fullmatch(text) is None:
+        return None
+    value = int(text)
+    if value > I64_MAX:
+        raise ValueError(f"{text} is not a task id (ids fit a signed 64-bit integer)")
+    if value > _COUNTER_MASK:
+        return IdRef(text, (TaskId(value),))
+    # Epoch 0 too: the whole id is then the number itself.
+    return IdRef(text, tuple(TaskId((e << ID_COUNTER_BITS) | value) for e in range(EPOCH_MAX + 1)))
 
 
 def describe_schedule(stored: str | None) -> str:

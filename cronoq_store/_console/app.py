@@ -26,19 +26,20 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from .._cli import operations, output
 from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
-from .._domain import I64_MAX, TaskId, clean_text
+from .._domain import I64_MAX, clean_text
 from .._driver import translate_error
 from .._errors import MigrationError
+from .._listing_statements import SAMPLE
 from .._terminal_safe import visible, visible_block
 from .._urls import scrub
 from . import actions, reads
 from .security import Credentials, Guard
 from .source import ClusterNotFound, Source
-from .statements import SAMPLE
 
 __all__ = ["console_app"]
 
@@ -93,9 +94,11 @@ def _environment(refresh_seconds: int) -> Environment:
     # Escaped here (Markup), so that finalize leaves its tabs and newlines alone.
     env.filters["block"] = lambda text: escape(visible_block(text))
     env.filters["age"] = _age
+    env.filters["duration"] = output.age_words
     env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
     env.globals["refresh_seconds"] = refresh_seconds
     env.globals["statuses"] = reads.FINISHED_STATUSES
+    env.globals["live_statuses"] = reads.LIVE_STATUSES
     env.globals["sample"] = SAMPLE
     return env
 
@@ -130,29 +133,50 @@ def _moment(request: Request, name: str) -> int | None:
     return ns
 
 
-def _filters(request: Request) -> reads.FinishedFilters:
+def _filters(request: Request, statuses_known: tuple[str, ...]) -> operations.TaskFilters:
     statuses = tuple(s.lower() for s in _values(request, "status"))
     for status in statuses:
-        if status not in reads.FINISHED_STATUSES:
-            raise _BadRequest(
-                f"status: {status[:40]!r} is not one of {', '.join(reads.FINISHED_STATUSES)}"
-            )
-    before = None
-    cursor = request.query_params.get("before", "")
-    if cursor:
-        match = _CURSOR.fullmatch(cursor)
-        if match is None or not all(-(2**63) <= int(g) <= I64_MAX for g in match.groups()):
-            raise _BadRequest("before: not a cursor this page gave")
-        before = (int(match.group(1)), int(match.group(2)))
-    return reads.FinishedFilters(
+        if status not in statuses_known:
+            raise _BadRequest(f"status: {status[:40]!r} is not one of {', '.join(statuses_known)}")
+    return operations.TaskFilters(
         pools=_values(request, "pool"),
         statuses=statuses,
         kinds=_values(request, "kind"),
         tenants=_values(request, "tenant"),
+        keys=_values(request, "key"),
         since_ns=_moment(request, "since"),
         until_ns=_moment(request, "until"),
-        before=before,
     )
+
+
+def _before(request: Request) -> tuple[int, int] | None:
+    """The finished list's keyset cursor: strictly older than ``(updated_unix_ns, id)``."""
+    cursor = request.query_params.get("before", "")
+    if not cursor:
+        return None
+    match = _CURSOR.fullmatch(cursor)
+    if match is None or not all(-(2**63) <= int(g) <= I64_MAX for g in match.groups()):
+        raise _BadRequest("before: not a cursor this page gave")
+    return (int(match.group(1)), int(match.group(2)))
+
+
+def _after(request: Request) -> int | None:
+    """The live list's keyset cursor: after this id."""
+    cursor = request.query_params.get("after", "")
+    if not cursor:
+        return None
+    if _ID.fullmatch(cursor) is None or int(cursor) > I64_MAX:
+        raise _BadRequest("after: not a cursor this page gave")
+    return int(cursor)
+
+
+def _paged(doc: dict[str, Any], request: Request, cursor: str, dropped: tuple[str, ...]) -> None:
+    """A list's links: the same filters one page on (``cursor`` set to the page's ``next``),
+    and back to the first page when this one is not it."""
+    items = [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
+    kept = [(k, v) for k, v in items if k != cursor]
+    doc["next_url"] = None if doc["next"] is None else _query([*kept, (cursor, doc["next"])])
+    doc["first_url"] = _query(kept) if request.query_params.get(cursor) else None
 
 
 def _schema(request: Request) -> str:
@@ -162,14 +186,18 @@ def _schema(request: Request) -> str:
         raise ClusterNotFound(request.path_params["schema"]) from None
 
 
-def _ref(request: Request) -> TaskId | str:
+def _ref(request: Request) -> output.IdRef | str:
     by_id, by_key = request.query_params.get("id"), request.query_params.get("key")
     if (by_id is None) == (by_key is None):
         raise _BadRequest("give one of id= and key=")
     if by_id is not None:
-        if _ID.fullmatch(by_id) is None or int(by_id) > I64_MAX:
-            raise _BadRequest(f"id: not a task id: {by_id[:40]!r}")
-        return TaskId(int(by_id))
+        try:
+            parsed = output.parse_id(by_id.strip()[:40])
+        except ValueError as exc:
+            raise _BadRequest(f"id: {exc}") from None
+        if parsed is None:
+            raise _BadRequest(f"id: not a task id ({output.ID_FORMS}): {by_id[:40]!r}")
+        return parsed
     assert by_key is not None
     if len(by_key) > _MAX_VALUE_CHARS * 10:
         raise _BadRequest("key: too long")
@@ -273,11 +301,12 @@ class _Console:
 
     async def cluster(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
-            schema, filters = _schema(request), _filters(request)
+            schema = _schema(request)
+            filters, before = _filters(request, reads.FINISHED_STATUSES), _before(request)
             after = request.query_params.get("schedules_after", "")
             if len(after) > _MAX_VALUE_CHARS:
                 raise _BadRequest("schedules_after: too long")
-            doc = await reads.cluster(self._source, schema, filters, clean_text(after))
+            doc = await reads.cluster(self._source, schema, filters, before, clean_text(after))
             finished = doc.get("finished")
             if finished is not None:
                 # The same filters, one page on; and back to the newest page.
@@ -287,15 +316,22 @@ class _Console:
                 doc["recurring_next_url"] = (
                     None if name is None else _query([*kept, ("schedules_after", name)])
                 )
-                kept = [(k, v) for k, v in items if k != "before"]
-                cursor = finished["next"]
-                finished["next_url"] = (
-                    None if cursor is None else _query([*kept, ("before", cursor)])
-                )
-                finished["first_url"] = _query(kept) if filters.before is not None else None
+                _paged(finished, request, "before", ())
             return doc
 
         return await self._guarded(request, "cluster.html", work)
+
+    async def live(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            filters, after = _filters(request, reads.LIVE_STATUSES), _after(request)
+            if filters.since_ns is not None or filters.until_ns is not None:
+                raise _BadRequest("since, until: the live list has no time window")
+            doc = await reads.live(self._source, schema, filters, after)
+            _paged(doc["live"], request, "after", ())
+            return doc
+
+        return await self._guarded(request, "live.html", work)
 
     async def handover_page(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
@@ -374,9 +410,13 @@ class _Console:
         return await self._guarded(request, "pruning.html", work)
 
     async def task(self, request: Request) -> Response:
-        async def work() -> dict[str, Any]:
+        async def work() -> Response | dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
-            doc = await reads.task(self._source, schema, ref)
+            try:
+                doc = await reads.task(self._source, schema, ref)
+            except reads.TaskAmbiguous as exc:
+                # 300 Multiple Choices: the page lists them, as `tasks show` does.
+                return self._respond(request, "ambiguous.html", exc.document(schema), 300)
             doc["schema"] = schema
             return doc
 
@@ -408,6 +448,7 @@ def console_app(
         Route("/", console.overview),
         Route("/clusters/{schema}", console.cluster),
         Route("/clusters/{schema}/task", console.task),
+        Route("/clusters/{schema}/live", console.live),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     if allow_actions:

@@ -8,32 +8,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
+from .. import _listing_statements as cs
 from .. import _queries as queries
 from .._cli import database, operations, output
 from .._cli.exits import CliError
 from .._codec import QUARANTINE_PREFIX
-from .._domain import I64_MAX, TaskId, TaskStatus
+from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus
 from .._driver import translate_error
 from .._errors import MigrationError
 from .._migrations import RevisionStatus, head_revision
 from .._urls import redact, scrub
-from . import statements as cs
 from .source import ClusterNotFound, Source
 
 __all__ = [
     "FINISHED_STATUSES",
+    "LIVE_STATUSES",
     "PAGE_SIZE",
     "ClusterNotFound",
-    "FinishedFilters",
+    "TaskAmbiguous",
     "TaskNotFound",
     "cluster",
+    "live",
     "overview",
     "task",
 ]
@@ -46,34 +47,28 @@ SCHEDULES_SHOWN = 100
 #: Dependencies whose targets a task's page looks up at most.
 DEPS_SHOWN = 100
 FINISHED_STATUSES = tuple(s.value for s in TaskStatus if s.is_terminal)
+LIVE_STATUSES = tuple(sorted(LIVE_STATUS_NAMES))
 
 
 class TaskNotFound(LookupError):
     """No task with that id or key: a 404."""
 
 
-@dataclass(frozen=True)
-class FinishedFilters:
-    """The cluster page's filters over finished tasks, checked by the page's parser; empty
-    tuples mean any."""
+class TaskAmbiguous(LookupError):
+    """A bare number that names tasks of several epochs: the page lists them."""
 
-    pools: tuple[str, ...] = ()
-    statuses: tuple[str, ...] = ()
-    kinds: tuple[str, ...] = ()
-    tenants: tuple[str, ...] = ()
-    since_ns: int | None = None
-    until_ns: int | None = None
-    #: The keyset cursor: strictly older than ``(updated_unix_ns, id)``.
-    before: tuple[int, int] | None = None
+    def __init__(self, ref: output.IdRef, found: Sequence[queries.ListedTask]) -> None:
+        super().__init__(ref.text)
+        self.ref = ref
+        self.found = found
 
-    def params(self) -> dict[str, Any]:
+    def document(self, schema: str) -> dict[str, Any]:
+        shown = self.found[: operations.MATCHES_SHOWN]
         return {
-            "pools": list(self.pools),
-            "statuses": list(self.statuses),
-            "kinds": list(self.kinds),
-            "tenants": list(self.tenants),
-            "since": -(2**63) if self.since_ns is None else self.since_ns,
-            "until": I64_MAX if self.until_ns is None else self.until_ns,
+            "schema": schema,
+            "ambiguous": self.ref.text,
+            "matches": [output.task_document(*listed) for listed in shown],
+            "more": len(self.found) > len(shown),
         }
 
 
@@ -184,55 +179,32 @@ async def overview(source: Source) -> dict[str, Any]:
 
 
 async def cluster(
-    source: Source, schema: str, filters: FinishedFilters, schedules_after: str = ""
+    source: Source,
+    schema: str,
+    filters: operations.TaskFilters,
+    before: tuple[int, int] | None = None,
+    schedules_after: str = "",
 ) -> dict[str, Any]:
     """A cluster's page: its summary, live tasks by pool and status, a page of finished
-    tasks (newest first) and a page of its recurring schedules (by name, after
-    ``schedules_after``)."""
+    tasks (newest first, strictly older than the cursor ``before``) and a page of its
+    recurring schedules (by name, after ``schedules_after``)."""
     await source.known(schema)
     async with source.connect(schema) as conn:
         summary, live = await _summary(conn, schema)
         if not summary["at_head"]:
             return {"schema": schema, "summary": summary}
-        params = filters.params()
-        page_params = {**params, "limit": PAGE_SIZE + 1, "scan": cs.SCAN}
-        before = (I64_MAX, I64_MAX) if filters.before is None else filters.before
-        cursor = {"before_updated": before[0], "before_id": before[1]}
-        if filters.before is None:
-            rows = (await conn.execute(cs.finished_first_page, page_params)).all()
-        else:
-            rows = (await conn.execute(cs.finished_next_page, {**page_params, **cursor})).all()
-        boundary = None
-        if len(rows) <= PAGE_SIZE:
-            # Fewer matches than a page: the end of the window, or the scan's bound.
-            boundary = (
-                await conn.execute(cs.scan_boundary, {**params, **cursor, "scan": cs.SCAN})
-            ).first()
-        examined, matching = (
-            await conn.execute(cs.finished_count, {**params, "bound": cs.SAMPLE})
-        ).one()
+        finished = await operations.finished_page(conn, filters, before, PAGE_SIZE)
         recurring = (
             await conn.execute(
                 cs.schedules, {"limit": SCHEDULES_SHOWN + 1, "after": schedules_after}
             )
         ).all()
         await conn.rollback()
-    page = rows[:PAGE_SIZE]
-    last = _page_end(rows, boundary)
     return {
         "schema": schema,
         "summary": summary,
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
-        "finished": {
-            "tasks": [output.task_document(*queries.listed_task(row)) for row in page],
-            "next": None if last is None else f"{last[0]}.{last[1]}",
-            # The page examined its bound of tasks without filling up: older ones may match.
-            "scan_stopped": len(rows) <= PAGE_SIZE and boundary is not None,
-            "scan": cs.SCAN,
-            "matching": matching,
-            # At the bound, older tasks of the window were not examined: a minimum.
-            "matching_at_least": examined >= cs.SAMPLE,
-        },
+        "finished": finished,
         "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
@@ -241,15 +213,16 @@ async def cluster(
     }
 
 
-def _page_end(rows: Sequence[Any], boundary: Any) -> tuple[int, int] | None:
-    """Where the next page of finished tasks starts: after the page's last task when more
-    matched, after the scan's bound when it stopped short, nowhere at the end."""
-    if len(rows) > PAGE_SIZE:
-        last = rows[PAGE_SIZE - 1]
-        return (last.updated_unix_ns, last.id)
-    if boundary is not None:
-        return (boundary.updated_unix_ns, boundary.id)
-    return None
+async def live(
+    source: Source, schema: str, filters: operations.TaskFilters, after: int | None = None
+) -> dict[str, Any]:
+    """A cluster's live tasks: a page of them, oldest first, after the id ``after``; the
+    document ``tasks live --json`` prints, with the schema."""
+    await source.known(schema)
+    async with source.connect(schema) as conn:
+        await database.require_head(conn, schema)
+        page = await operations.live_page(conn, filters, after, PAGE_SIZE)
+    return {"schema": schema, "live": page}
 
 
 def _schedule_document(r: Any) -> dict[str, Any]:
@@ -274,15 +247,20 @@ def _json_or_text(text: str | None) -> Any:
         return {"undecodable": text}
 
 
-async def task(source: Source, schema: str, ref: TaskId | str) -> dict[str, Any]:
+async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str, Any]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
-    dependency with its target's state."""
+    dependency with its target's state; :class:`TaskAmbiguous` for a bare number that names
+    tasks of several epochs."""
     await source.known(schema)
     async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
-        listed = await queries.get_listed_task(conn, queries.lookup_params(ref))
-        if listed is None:
-            raise TaskNotFound(str(ref))
+        found = await operations.find_tasks(conn, ref)
+        if not found:
+            raise TaskNotFound(ref if isinstance(ref, str) else ref.text)
+        if len(found) > 1:
+            assert isinstance(ref, output.IdRef)
+            raise TaskAmbiguous(ref, found)
+        listed = found[0]
         record = listed.record
         spec = (await conn.execute(cs.task_spec, {"id": record.id})).one()
         deps = _json_or_text(spec.deps)

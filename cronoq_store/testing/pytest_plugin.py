@@ -46,7 +46,7 @@ from .._config import PgStoreConfig
 from .._migrations import upgrade
 from .._session_statements import SEARCH_PATH
 from .._store import PgStore
-from .._urls import async_url
+from .._urls import engine_arguments
 from ._server import TEST_URL_ENV, EmbeddedPostgres
 
 __all__ = ["cronoq_config", "cronoq_database_url", "cronoq_schema", "cronoq_store"]
@@ -78,10 +78,12 @@ async def _drop(url: str, schema: str) -> None:
 
 
 def _engine(url: str) -> AsyncEngine:
+    """An engine that dials ``url`` as the store does (a service, the ``PG*`` environment)."""
+    dialled, arguments = engine_arguments(url)
     return create_async_engine(
-        async_url(url),
+        dialled,
         poolclass=NullPool,
-        connect_args={"server_settings": {"search_path": SEARCH_PATH}},
+        connect_args={**arguments, "server_settings": {"search_path": SEARCH_PATH}},
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,16 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store._console import statements as cs
-from cronoq_store._domain import Dependency, DependencyCondition, TaskId, TaskSpec
-from cronoq_store._mutations import Mutation, Submitted
+from cronoq_store import _listing_statements as cs
+from cronoq_store._domain import (
+    Dependency,
+    DependencyCondition,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    task_id,
+)
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
@@ -134,7 +142,7 @@ async def test_overview_to_cluster_to_task_and_back(
             browser.find_element(By.ID, "lookup-key").send_keys("invoice-7")
             browser.find_element(By.CSS_SELECTOR, "form.lookup button").click()
             wait_for(browser, "#task-id")
-            assert text_of(browser, "#task-id") == "2 (epoch 0)"
+            assert text_of(browser, "#task-id") == "2 (0/2)"
             assert text_of(browser, "#task-status") == "queued"
             assert json.loads(text_of(browser, "#task-resources")) == {"cpu": 2}
             assert json.loads(text_of(browser, "#task-labels")) == ["team:finance"]
@@ -160,6 +168,120 @@ async def test_overview_to_cluster_to_task_and_back(
             no_alert(browser)
 
         await asyncio.to_thread(walk)
+
+
+async def test_the_lookup_takes_a_short_id_and_lists_a_number_of_several_epochs(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome
+) -> None:
+    one, other = task_id(1, 42), task_id(3, 42)
+    await store.commit(0, BASE, [submitted(one, key="first"), submitted(other, key="second")], [])
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+
+    def look_up(text: str) -> None:
+        browser.get(cluster)
+        wait_for(browser, "#lookup-id")
+        browser.find_element(By.ID, "lookup-id").send_keys(text)
+        browser.find_element(By.ID, "lookup-id").submit()
+
+    def walk() -> None:
+        look_up("3/42")
+        wait_for(browser, "#task-id")
+        assert text_of(browser, "#task-id") == f"{other} (3/42)"
+        assert text_of(browser, "#task-key") == "second"
+
+        look_up("42")
+        wait_for(browser, "#matches")
+        assert "42 names a task in each of these epochs" in text_of(browser, "#ambiguous")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#matches tbody tr")
+        assert [r.text.split()[:3] for r in rows] == [
+            [str(one), "1/42", "first"],
+            [str(other), "3/42", "second"],
+        ]
+        rows[0].find_element(By.CSS_SELECTOR, "a.task-link").click()
+        wait_for(browser, "#task-key")
+        assert text_of(browser, "#task-key") == "first"
+        no_alert(browser)
+
+    await asyncio.to_thread(walk)
+    listed = await fetch(f"{cluster}/task?id=42&format=json")
+    assert listed.status == 300
+    assert [t["short_id"] for t in listed.json()["matches"]] == ["1/42", "3/42"]
+    assert (await fetch(f"{cluster}/task?id=4/42")).status == 404
+    assert (await fetch(f"{cluster}/task?id=32768/1")).status == 400
+
+
+def seconds(age: str) -> int:
+    """An age as the pages print it (``1h 5m``, ``12s``) in seconds."""
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    return sum(int(part[:-1]) * units[part[-1]] for part in age.split())
+
+
+async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    minute = 60 * 10**9
+    batch: list[Mutation] = [
+        Submitted(
+            TaskId(n),
+            seq=n,
+            arrival=-(61 - n) * minute,  # task 1 arrived an hour ago, task 60 a minute ago
+            spec=TaskSpec(b"p", pool="etl" if n % 2 else "web", kind=f"k{n % 3}", key=f"key-{n}"),
+        )
+        for n in range(1, 61)
+    ]
+    batch += [StatusChanged(TaskId(n), TaskStatus.RUNNING, attempt=1, at=0) for n in (3, 6)]
+    batch += [submitted(61), changed(61, SUCCEEDED)]  # finished: not listed
+    await store.commit(0, BASE, batch, [])
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+    where = shots(tmp_path)
+
+    def ids() -> list[int]:
+        cells = browser.find_elements(By.CSS_SELECTOR, "#live-list tbody a.task-link")
+        return [int(c.text) for c in cells]
+
+    def walk() -> None:
+        browser.get(cluster)
+        wait_for(browser, "#live-link")
+        browser.find_element(By.ID, "live-link").click()
+        wait_for(browser, "#live-list")
+        assert text_of(browser, "#matching") == "60 matching, oldest first"
+        assert ids() == list(range(1, 51))
+        shown = browser.find_elements(By.CSS_SELECTOR, "#live-list td.age")
+        ages = [seconds(a.text) for a in shown]
+        assert ages == sorted(ages, reverse=True)
+        # Since it arrived: task n arrived 61 - n minutes before BASE (taken at import).
+        for n in (1, 50):
+            expected = (time.time_ns() - (BASE.unix_ns - (61 - n) * minute)) / 1e9
+            assert expected - 120 < ages[n - 1] <= expected, (n, shown[n - 1].text)
+        browser.save_screenshot(str(where / "live.png"))
+        browser.find_element(By.ID, "next-page").click()
+        wait_for(browser, "#end")
+        assert ids() == list(range(51, 61))
+        assert text_of(browser, "#end") == "end of list"
+        browser.find_element(By.ID, "first-page").click()
+        wait_for(browser, "#filters")
+        assert ids()[0] == 1
+
+        browser.find_element(By.NAME, "pool").send_keys("etl")
+        Select(browser.find_element(By.NAME, "status")).select_by_visible_text("running")
+        browser.find_element(By.ID, "apply").click()
+        wait_for(browser, "#matching")
+        assert ids() == [3]
+        assert text_of(browser, "#matching") == "1 matching, oldest first"
+        browser.get(f"{cluster}/live?key=key-7&kind=k1")
+        wait_for(browser, "#live-list")
+        assert ids() == [7]
+        no_alert(browser)
+
+    await asyncio.to_thread(walk)
+    doc = (await fetch(f"{cluster}/live?format=json&status=running")).json()
+    assert doc["schema"] == store.config.schema
+    page = doc["live"]
+    assert [(t["id"], t["status"]) for t in page["tasks"]] == [(3, "running"), (6, "running")]
+    assert (page["matching"], page["matching_at_least"], page["scan_stopped"]) == (2, False, False)
+    assert (page["next"], page["next_url"], page["first_url"]) == (None, None, None)
+    assert (await fetch(f"{cluster}/live?status=succeeded")).status == 400
+    assert (await fetch(f"{cluster}/live?after=x")).status == 400
 
 
 async def test_filters_and_keyset_pages(
@@ -220,6 +342,7 @@ async def test_filters_and_keyset_pages(
         "first_url": "?format=json",
         "matching": 130,
         "matching_at_least": False,
+        "counted": f"the newest {cs.SAMPLE:,} of the window",
         "scan": cs.SCAN,
         "scan_stopped": False,
     }

@@ -12,8 +12,8 @@ from sqlalchemy.sql import ClauseElement
 
 from benchmarks import console as console_benchmark
 from benchmarks.console import plan_nodes
+from cronoq_store import _listing_statements as cs
 from cronoq_store._codec import QUARANTINE_PREFIX
-from cronoq_store._console import statements as cs
 from cronoq_store._domain import I64_MAX
 
 from .conftest import Console, fetch
@@ -28,6 +28,7 @@ FILTERS = {
     "statuses": ["failed"],
     "kinds": [],
     "tenants": ["acme"],
+    "keys": [],
     "since": -(2**63),
     "until": I64_MAX,
 }
@@ -82,6 +83,22 @@ CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
         {**FILTERS, "bound": cs.SAMPLE},
         "ix_cronoq_tasks_finished_updated",
     ),
+    "live page, filtered": (
+        cs.live_page,
+        {**FILTERS, "statuses": ["queued"], "after": -1, "limit": 51, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live page, matching nothing, halfway": (
+        cs.live_page,
+        {**NOBODY, "after": TASKS // 2, "limit": 51, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live scan boundary": (
+        cs.live_scan_boundary,
+        {"after": -1, "scan": cs.SCAN},
+        "ix_cronoq_tasks_live",
+    ),
+    "live count": (cs.live_count, {**FILTERS, "bound": cs.LIVE_SAMPLE}, "ix_cronoq_tasks_live"),
     "task spec": (cs.task_spec, {"id": 12345}, "pk_cronoq_tasks"),
     "schedules": (cs.schedules, {"limit": 101, "after": ""}, "pk_cronoq_tasks"),
 }
@@ -199,3 +216,49 @@ async def test_a_filter_that_matches_little_is_searched_a_bound_at_a_time(
         further = (await fetch(cluster + first["next_url"])).json()["finished"]
         assert [t["id"] for t in further["tasks"]] == beyond, tenant
         assert (further["scan_stopped"], further["next"]) == (False, None)
+
+
+async def test_a_live_page_deep_in_the_id_order_starts_at_its_cursor(
+    engine: AsyncEngine, seeded: str
+) -> None:
+    """A live page after a cursor halfway down reads the live index from there: its id is
+    a scalar bound of the index scan, so the page's cost does not grow with its depth."""
+    params = {**ANY, "after": TASKS // 2, "limit": 51, "scan": cs.SCAN}
+    async with engine.connect() as conn:
+        plan = await explain(conn, cs.live_page, params, seeded, analyze=True)
+        await conn.rollback()
+    assert plan["Actual Rows"] == 51
+    scans = [n for n in plan_nodes(plan) if n.get("Index Name") == "ix_cronoq_tasks_live"]
+    assert [n["Actual Rows"] for n in scans] == [51]
+
+
+async def test_the_live_page_says_at_least_past_its_bound_and_looks_further(
+    engine: AsyncEngine, migrated: str, console_at: Console
+) -> None:
+    """More live tasks than a page examines or the count looks at: the page says "at least"
+    and how far it looked, and "look further" finds the match beyond."""
+    many = cs.SCAN + 10
+    async with engine.begin() as conn:
+        await conn.exec_driver_sql(
+            f"""
+            INSERT INTO "{migrated}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind,
+                priority, payload, status, terminal, attempt, updated_unix_ns)
+            SELECT n, n, n, CASE WHEN n IN (5, {many}) THEN 'rare' ELSE 'bulk' END, '', 0,
+                   '\\x00'::bytea, 'queued', false, 0, n
+            FROM generate_series(1, {many}) AS n
+            """
+        )
+    live = f"{console_at.base}/clusters/{migrated}/live"
+    first = (await fetch(f"{live}?pool=rare&format=json")).json()["live"]
+    assert [t["id"] for t in first["tasks"]] == [5]
+    assert (first["scan_stopped"], first["matching"], first["matching_at_least"]) == (True, 1, True)
+    html = (await fetch(f"{live}?pool=rare")).text()
+    assert f"at least 1 matching (counted among the oldest {cs.LIVE_SAMPLE:,} live tasks)" in html
+    assert f"looked at {cs.SCAN:,} live tasks from here and found only these" in html
+    assert "look further" in html
+    further = (await fetch(live + first["next_url"])).json()["live"]
+    assert [t["id"] for t in further["tasks"]] == [many]
+    assert (further["scan_stopped"], further["next"]) == (False, None)
+    every = (await fetch(f"{live}?format=json")).json()["live"]
+    assert len(every["tasks"]) == 50
+    assert (every["matching"], every["matching_at_least"]) == (cs.LIVE_SAMPLE, True)

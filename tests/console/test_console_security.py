@@ -19,9 +19,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy.engine import URL
 
-from cronoq_store import PgStore
+from cronoq_store import PgStore, task_id
 from cronoq_store._cli import ExitCode
 from cronoq_store._console.security import PASSWORD_ENV, TOKEN_ENV, USER_ENV
+from cronoq_store._mutations import Mutation
 
 from ..pgharness import admin_execute
 from ..test_cli import BASE, FAILED, changed, submitted
@@ -178,7 +179,9 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
     pg_url: URL, store: PgStore, console_at: Console
 ) -> None:
     schema = store.config.schema
-    await store.commit(0, BASE, [submitted(1, key="k"), changed(1, FAILED, message="m")], [])
+    batch: list[Mutation] = [submitted(1, key="k"), changed(1, FAILED, message="m")]
+    batch += [submitted(task_id(1, 5)), submitted(task_id(2, 5))]  # #5 of two epochs
+    await store.commit(0, BASE, batch, [])
     pages = {
         "/": 200,
         f"/clusters/{schema}": 200,
@@ -190,6 +193,15 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
         f"/clusters/{schema}?before=x": 400,
         f"/clusters/{schema}?since=yesterday": 400,
         f"/clusters/{schema}/task?id=99999999999999999999": 400,
+        f"/clusters/{schema}/task?id=0/1": 200,
+        f"/clusters/{schema}/task?id=5": 300,
+        f"/clusters/{schema}/task?id=1/1": 404,
+        f"/clusters/{schema}/live": 200,
+        f"/clusters/{schema}/live?pool=default&status=queued&key=k": 200,
+        f"/clusters/{schema}/live?status=failed": 400,
+        f"/clusters/{schema}/live?after=x": 400,
+        f"/clusters/{schema}/live?since=2026-01-01T00:00": 400,
+        f"/clusters/{schema}x/live": 404,
         "/clusters/pg_catalog": 404,
         "/clusters/information_schema": 404,
         "/clusters/public": 404,  # exists, holds no cluster
@@ -265,6 +277,8 @@ async def test_a_role_that_can_only_read_sees_every_page(
             assert [t["key"] for t in page["finished"]["tasks"]] == ["k"]
             task = await fetch(f"{console.base}/clusters/{schema}/task?key=k&format=json")
             assert task.json()["message"] == "m"
+            live = (await fetch(f"{console.base}/clusters/{schema}/live?format=json")).json()
+            assert live["live"]["tasks"] == []
             assert password not in console.stderr()
         finally:
             stop_console(console)

@@ -47,6 +47,7 @@ from cronoq_store._domain import UNIX_EPOCH
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends
+from ..waits import bounded, until_value
 
 #: Engine time 0 is "now" when the module is imported; every test commits through it.
 BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
@@ -94,7 +95,7 @@ class Cluster(ABC):
 
     async def close(self) -> None:
         for store in self._opened:
-            await asyncio.wait_for(store.close(), 10)
+            await bounded(store.close(), "close() of a store")
 
     @abstractmethod
     async def _open(self, retention: float) -> ContractStore: ...
@@ -170,18 +171,21 @@ class PgCluster(Cluster):
             pool: Any = cast(PgStore, store).engine.sync_engine.pool
             assert pool.checkedout() == 0, f"{pool.checkedout()} connection(s) left checked out"
         prefix = f"contract-{self._schema}-"
-        deadline = asyncio.get_running_loop().time() + 5
-        while True:
-            left = await admin_execute(
+
+        async def left_open() -> list[dict[str, Any]]:
+            rows = await admin_execute(
                 self._url,
                 "SELECT pid, application_name, state FROM pg_stat_activity "
                 "WHERE starts_with(application_name, $1)",
                 prefix,
             )
-            if not left or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        assert not left, f"server sessions left open: {[dict(r) for r in left]}"
+            return [dict(r) for r in rows]
+
+        # The server ends a closed session asynchronously.
+        left: list[dict[str, Any]] = await until_value(
+            left_open, lambda rows: not rows, "the server to end every session"
+        )
+        assert not left
 
     async def end_lock_session(self, store: ContractStore) -> None:
         name = f"{cast(PgStore, store).config.application_name} leader"

@@ -18,17 +18,19 @@ from cronoq_store import (
     task_id,
 )
 
+from ..waits import bounded, holds_for
 from .support import BASE, RUNNING, Cluster, ContractStore, observe, step, submitted
 
 
 async def lead(store: ContractStore) -> int:
     """``acquire_leadership()``, bounded: a store that cannot lead fails the test."""
-    return await asyncio.wait_for(store.acquire_leadership(), 10)
+    return await bounded(store.acquire_leadership(), "the leadership")
 
 
 async def still_waiting(acquisition: asyncio.Future[int]) -> bool:
-    await asyncio.sleep(0.3)
-    return not acquisition.done()
+    """Whether ``acquisition`` stays pending for a while (a negative claim, watched 0.3 s)."""
+    await holds_for(lambda: not acquisition.done(), "the standby's acquisition pending", 0.3)
+    return True
 
 
 async def test_a_standby_waits_and_takes_over_with_the_next_epoch_on_release(
@@ -44,8 +46,8 @@ async def test_a_standby_waits_and_takes_over_with_the_next_epoch_on_release(
 
     await a.release_leadership()
     assert (a.is_leader, a.epoch) == (False, None)
-    await asyncio.wait_for(a.leadership_lost(), 1)
-    assert await asyncio.wait_for(standby, 10) == 2
+    await bounded(a.leadership_lost(), "leadership_lost() after the release")
+    assert await bounded(standby, "the standby's takeover after the release") == 2
     assert (b.is_leader, b.epoch) == (True, 2)
     with pytest.raises(FencedError, match="leadership was lost"):
         await a.commit(1, BASE, [step(1, RUNNING)], [])
@@ -83,7 +85,7 @@ async def test_a_leader_whose_lock_session_ends_steps_down_and_a_standby_takes_o
     await cluster.end_lock_session(a)
     await asyncio.wait_for(a.leadership_lost(), cluster.step_down_bound)
     assert not a.is_leader
-    assert await asyncio.wait_for(standby, 10) == epoch + 1
+    assert await bounded(standby, "the standby's takeover") == epoch + 1
     with pytest.raises(FencedError):
         await a.commit(epoch, BASE, [submitted(2)], [])
     recovered = await b.recover(BASE)
@@ -94,13 +96,11 @@ async def test_a_leader_whose_lock_session_ends_steps_down_and_a_standby_takes_o
 async def test_leadership_lost_waits_until_leadership_held_is_lost(cluster: Cluster) -> None:
     a = await cluster.open()
     lost = asyncio.ensure_future(a.leadership_lost())
-    await asyncio.sleep(0.1)
-    assert not lost.done(), "nothing was held, so nothing was lost"
+    await holds_for(lambda: not lost.done(), "leadership_lost() pending with nothing held", 0.1)
     await lead(a)
-    await asyncio.sleep(0.3)
-    assert not lost.done()
+    await holds_for(lambda: not lost.done(), "leadership_lost() pending while leading", 0.3)
     await a.release_leadership()
-    await asyncio.wait_for(lost, 1)
+    await bounded(lost, "leadership_lost() after the release")
 
 
 async def test_each_acquisition_is_a_new_term_with_a_new_epoch(cluster: Cluster) -> None:
@@ -118,10 +118,10 @@ async def test_closing_frees_the_lock_and_stops_a_pending_acquisition(cluster: C
     await lead(a)
     pending = asyncio.ensure_future(b.acquire_leadership())
     assert await still_waiting(pending)
-    await asyncio.wait_for(b.close(), 10)
+    await bounded(b.close(), "close() of the store acquiring")
     with pytest.raises(StoreError):
-        await asyncio.wait_for(pending, 10)
-    await asyncio.wait_for(a.close(), 10)
+        await bounded(pending, "the closed store's acquisition to end")
+    await bounded(a.close(), "close() of the leader")
     assert await lead(c) == 2
 
 
@@ -164,7 +164,7 @@ async def test_a_leader_whose_epoch_moved_on_is_fenced_steps_down_and_frees_the_
         await a.commit(epoch, BASE, [submitted(1)], [])
     await asyncio.wait_for(a.leadership_lost(), cluster.step_down_bound)
     assert not a.is_leader
-    assert await asyncio.wait_for(standby, 10) == epoch + 2
+    assert await bounded(standby, "the standby's takeover") == epoch + 2
     assert await b.get_task(TaskId(1)) is None
 
 

@@ -3,13 +3,12 @@ to stage what ``PgStore`` meets in production (a partitioned leader, a cluster's
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from cronoq_store import EPOCH_MAX, FencedError, Store, StoreError, StoreQueries, TaskId
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
+from ..waits import bounded
 from .support import BASE, submitted
 
 
@@ -29,10 +28,10 @@ async def test_a_leader_that_has_not_noticed_its_lock_session_ended_is_fenced_by
     a.end_lock_session(noticed=False)
     assert a.is_leader  # partitioned: it believes it leads
     await a.commit(1, BASE, [submitted(1)], [])  # nobody took over yet: this lands
-    assert await asyncio.wait_for(b.acquire_leadership(), 1) == 2
+    assert await bounded(b.acquire_leadership(), "the takeover") == 2
     with pytest.raises(FencedError, match="stored epoch is 2"):
         await a.commit(1, BASE, [submitted(2)], [])
-    await asyncio.wait_for(a.leadership_lost(), 1)
+    await bounded(a.leadership_lost(), "leadership_lost() after the fence")
     assert [t.id for t in (await b.recover(BASE)).tasks] == [1]
 
 

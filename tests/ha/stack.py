@@ -14,7 +14,8 @@
   (:mod:`cronoq_store.testing._unprivileged`). ``synchronous_mode`` is on by default.
 - **HAProxy** (Debian ``haproxy``) with one TCP frontend routed to whichever node answers
   Patroni's REST health check ``GET /primary`` with 200; sessions to a node marked down are
-  shut (``on-marked-down shutdown-sessions``).
+  shut (``on-marked-down shutdown-sessions``). A check fails on an answer, not on a slow
+  one (:data:`_CHECK_TIMEOUT`).
 - The **multi-host URL** lists every node with ``target_session_attrs=read-write``.
 
 Timing (:data:`DCS`): Patroni refuses a ``ttl`` under 20 s and a ``retry_timeout`` under
@@ -23,6 +24,11 @@ expire); ``loop_wait`` 1 s makes every node notice a change within a second;
 ``retry_timeout`` 4 s is how long the leader retries the DCS before it demotes itself
 (``loop_wait + 2 * retry_timeout <= ttl``, so it has demoted before another can take the key).
 
+Waits are for states, never for durations: a wait goes on while the stack makes progress (a
+member changes role, state or timeline, a node being cloned or recovering grows its data
+directory) and fails only after :data:`STALL` seconds without any, or after
+:data:`GIVE_UP` seconds in all, saying what it waited for and Patroni's last ``/cluster``.
+
 Nothing here listens anywhere but 127.0.0.1; every process is ended by :meth:`HaStack.close`,
 which reports any that outlived it (:meth:`HaStack.leftovers`).
 """
@@ -30,8 +36,10 @@ which reports any that outlived it (:meth:`HaStack.leftovers`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import secrets
@@ -45,7 +53,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -85,13 +93,30 @@ Sync = Literal["off", "on", "strict"]
 #: Patroni's timing (seconds), at the minimums it accepts for ttl and retry_timeout.
 DCS = {"ttl": 20, "loop_wait": 1, "retry_timeout": 4}
 
+#: How long HAProxy waits for Patroni's answer to a check. Every fault here answers at once
+#: (a refused connection, or 503 from a demoted node's Patroni); a Patroni slow to answer on
+#: a busy machine is no sign of a fault, and marking its primary down would shut every
+#: session to it.
+_CHECK_TIMEOUT = "5s"
 #: HAProxy ends the sessions of a node that fails the check (a demoted primary's clients).
 _ON_DOWN = "on-marked-down shutdown-sessions"
-#: Attempts at a switchover that Patroni refuses (a candidate not ready yet).
-_SWITCHOVER_TRIES = 10
-#: Bounds on waiting for the stack (seconds).
-_BOOT = 90.0
-_STOP = 30.0
+#: How long (seconds) the stack may show no progress before a wait for it fails. On a quiet
+#: machine Patroni acts within ``loop_wait``, a dead leader's key expires after ``ttl`` and a
+#: leader cut off from etcd demotes after ``retry_timeout``, so no step of a failover stands
+#: still longer than ``ttl + loop_wait + 2 * retry_timeout``; three times that leaves a
+#: machine whose cores are busy elsewhere room to be three times slower.
+STALL = 3.0 * (DCS["ttl"] + DCS["loop_wait"] + 2 * DCS["retry_timeout"])
+#: How long any wait for the stack lasts however much progress it sees: a bound on how long
+#: a test may take to fail, not on how long Patroni may take.
+GIVE_UP = 900.0
+#: Member states in which nothing is under way (anything else, ``starting``, ``creating
+#: replica``, ``crash recovery``, ``restarting``, is progress to wait for).
+_STEADY = frozenset({"running", "streaming"})
+#: How often a wait looks at Patroni's ``/cluster`` and the data directories (seconds).
+_LOOK_EVERY = 1.0
+#: How long :meth:`HaStack.close` lets Patroni stop its PostgreSQL before it kills both:
+#: teardown, whose outcome no test asserts (:meth:`HaStack.leftovers` checks what survived).
+_TEARDOWN = 30.0
 
 
 def missing() -> str | None:
@@ -135,11 +160,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-async def _http_json(url: str, method: str = "GET", timeout: float = 2.0) -> tuple[int, Any]:
-    """``(status, parsed body)`` of one request; ``(0, None)`` when nothing answers."""
+async def _http_json(
+    url: str, method: str = "GET", timeout: float = 2.0, data: Any = None
+) -> tuple[int, Any]:
+    """``(status, parsed body)`` of one request (``data`` sent as JSON); ``(0, None)`` when
+    nothing answers."""
 
     def call() -> tuple[int, Any]:
-        request = urllib.request.Request(url, method=method)
+        body = None if data is None else json.dumps(data).encode()
+        request = urllib.request.Request(url, data=body, method=method)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, json.loads(response.read() or b"null")
@@ -194,6 +223,24 @@ class Node:
     @property
     def patroni_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+async def _truth(check: Callable[[], object]) -> bool:
+    """``check()``'s result as a bool, awaited if it is awaitable."""
+    result = check()
+    if inspect.isawaitable(result):
+        result = await result
+    return bool(result)
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes in the files under ``path`` (0 if it is not there)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def _import_roots() -> list[Path]:
@@ -279,13 +326,13 @@ class HaStack:
         try:
             self._prepare_dirs()
             self._start_etcd()
-            await self._wait(self._etcd_healthy, _BOOT, "etcd to answer")
+            await self.wait_for(self._etcd_healthy, "etcd to answer")
             for node in self.nodes:
                 await node.etcd_link.start()
                 self._write_config(node)
             # The first node bootstraps the cluster; the others clone it.
             self.spawn(self.nodes[0])
-            await self._wait(lambda: self._role_is(self.nodes[0], "primary"), _BOOT, "n1 to lead")
+            await self.wait_for(lambda: self._role_is(self.nodes[0], "primary"), "n1 to lead")
             # As the store requires (docs/reliability.md, "Who holds the lock"): Patroni's
             # replicator is a login role, and must not be able to connect to the database.
             await admin_execute(
@@ -295,7 +342,7 @@ class HaStack:
                 self.spawn(node)
             await self.wait_healthy()
             self._start_haproxy()
-            await self._wait(self._haproxy_routes, _BOOT, "HAProxy to route to the primary")
+            await self.wait_for(self._haproxy_routes, "HAProxy to route to the primary")
         except BaseException:
             await self.close()
             raise
@@ -312,7 +359,7 @@ class HaStack:
         remove its files; :meth:`leftovers` then says whether anything survived."""
         for node in self.nodes:
             self._signal_patroni(node, signal.SIGTERM)
-        deadline = time.monotonic() + _STOP
+        deadline = time.monotonic() + _TEARDOWN
         for node in self.nodes:
             if node.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -394,7 +441,7 @@ class HaStack:
         the synchronous modes a synchronous standby among them."""
         wanted = len(self.nodes) - 1 if standbys is None else standbys
         members = await self.cluster()
-        leaders = [m for m in members if m.get("role") == "leader" and m["state"] == "running"]
+        leaders = [m for m in members if m.get("role") == "leader" and m.get("state") == "running"]
         streaming = [m for m in members if m.get("state") == "streaming"]
         if len(leaders) != 1 or len(streaming) < wanted:
             return False
@@ -402,14 +449,16 @@ class HaStack:
             return False
         return await self.primary() == str(leaders[0]["name"])
 
-    async def wait_healthy(self, *, standbys: int | None = None, timeout: float = _BOOT) -> None:
-        await self._wait(
+    async def wait_healthy(self, *, standbys: int | None = None) -> None:
+        """Wait for :meth:`healthy` (a clone or a rewind under way is progress)."""
+        wanted = "every other node" if standbys is None else f"{standbys}"
+        sync = "" if self.sync == "off" else ", a synchronous standby among them"
+        await self.wait_for(
             lambda: self.healthy(standbys=standbys),
-            timeout,
-            f"a primary with {standbys or 'every other node'} streaming",
+            f"a primary with {wanted} streaming{sync}",
         )
 
-    async def wait_primary(self, *, other_than: str | None = None, timeout: float = _BOOT) -> str:
+    async def wait_primary(self, *, other_than: str | None = None) -> str:
         """Wait for a primary (other than ``other_than``); returns its name."""
         found: list[str] = []
 
@@ -420,7 +469,9 @@ class HaStack:
             found.append(name)
             return True
 
-        await self._wait(ready, timeout, f"a primary other than {other_than}")
+        await self.wait_for(
+            ready, "a primary" + (f" other than {other_than}" if other_than else "")
+        )
         return found[-1]
 
     # --- faults ---------------------------------------------------------------------------
@@ -446,11 +497,47 @@ class HaStack:
     async def switchover(self) -> tuple[str, str]:
         """``patronictl switchover --force`` (Patroni picks the candidate: in synchronous
         mode the synchronous standby); returns ``(old, new)`` primary once the new one
-        passes ``/primary``. Waits for a standby to switch to first; patronictl exits 0
-        when Patroni refuses (no healthy candidate yet), so a refusal is retried."""
-        for _ in range(_SWITCHOVER_TRIES):
+        passes ``/primary``. Waits for a standby to switch to first.
+
+        What patronictl prints is not the outcome: it exits 0 when Patroni refuses (no
+        healthy candidate yet), and its REST call gives up polling after a fixed number of
+        seconds ("status unknown") while the switchover may still happen. So the outcome is
+        read from the stack: a new primary, or the failover key gone from etcd with the old
+        primary still leading (a refusal, tried again while the stack makes progress)."""
+        started = time.monotonic()
+        while True:
             await self.wait_healthy(standbys=1)
             old = await self.wait_primary()
+            said = await self._patronictl_switchover(old)
+            new = await self._switched_to(old, said)
+            if new is not None:
+                return old, new
+            if time.monotonic() - started > STALL:
+                raise RuntimeError(
+                    f"Patroni refused every switchover away from {old} for "
+                    f"{time.monotonic() - started:.0f} s; patronictl last said: {said}; "
+                    f"/cluster: {json.dumps(await self.cluster())}"
+                )
+            await asyncio.sleep(DCS["loop_wait"])
+
+    async def _switched_to(self, old: str, said: str) -> str | None:
+        """Wait for the switchover away from ``old`` to end: the new primary, or ``None``
+        once Patroni has refused it (no failover key, ``old`` still primary)."""
+        outcome: list[str] = []
+
+        async def settled() -> bool:
+            primary = await self.primary()
+            if primary is not None and primary != old:
+                outcome.append(primary)
+                return True
+            return primary == old and not await self._failover_pending()
+
+        await self.wait_for(settled, f"the switchover away from {old} to end ({said!r})")
+        return outcome[-1] if outcome else None
+
+    async def _patronictl_switchover(self, old: str) -> str:
+        """Ask Patroni to switch over from ``old``; returns what patronictl printed."""
+        try:
             result = await asyncio.to_thread(
                 subprocess.run,
                 [
@@ -467,15 +554,25 @@ class HaStack:
                 ],
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=GIVE_UP,
                 check=False,
             )
-            if result.returncode != 0:
-                raise RuntimeError(f"patronictl switchover failed: {result.stdout}{result.stderr}")
-            if "failed" not in result.stdout.lower():
-                return old, await self.wait_primary(other_than=old)
-            await asyncio.sleep(1)
-        raise RuntimeError(f"Patroni refused every switchover: {result.stdout}")
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"patronictl switchover did not return in {GIVE_UP:.0f} s") from exc
+        if result.returncode != 0:
+            raise RuntimeError(f"patronictl switchover failed: {result.stdout}{result.stderr}")
+        return result.stdout.strip()
+
+    async def _failover_pending(self) -> bool:
+        """Whether etcd holds the cluster's failover key (a switchover asked for and not yet
+        carried out or refused by the leader)."""
+        key = base64.b64encode(f"/service/{self.scope}/failover".encode()).decode()
+        status, body = await _http_json(
+            f"http://127.0.0.1:{self.etcd_port}/v3/kv/range", method="POST", data={"key": key}
+        )
+        if status != 200 or not isinstance(body, dict):
+            return True  # unknown: not settled
+        return bool(body.get("kvs"))
 
     def kill_postmaster(self, name: str) -> int:
         """SIGKILL the postmaster of ``name`` (Patroni lives on); returns its pid."""
@@ -496,9 +593,11 @@ class HaStack:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            await self._wait_gone([pid], 10)
+            await self.wait_for(lambda: self._gone(pid), f"{name}'s postmaster {pid} to die")
         # Orphaned backends die with their postmaster; make sure none holds the port.
-        await self._wait_port_free(node.pg_port, 10)
+        await self.wait_for(
+            lambda: self._port_free(node.pg_port), f"{name}'s port {node.pg_port} to be free"
+        )
 
     def _signal_patroni(self, node: Node, sig: signal.Signals) -> None:
         if node.process is not None and node.process.poll() is None:
@@ -509,12 +608,11 @@ class HaStack:
         """Stop ``name``'s Patroni cleanly (it stops its PostgreSQL and, as primary,
         releases the leader key)."""
         node = self.node(name)
-        self._signal_patroni(node, signal.SIGTERM)
-        if node.process is not None:
-            await asyncio.to_thread(node.process.wait, _STOP)
         pid = node.postmaster_pid()
+        self._signal_patroni(node, signal.SIGTERM)
+        await self.wait_for(lambda: self._stopped(node), f"{name}'s Patroni to exit")
         if pid is not None:
-            await self._wait_gone([pid], _STOP)
+            await self.wait_for(lambda: self._gone(pid), f"{name}'s postmaster {pid} to exit")
 
     def cut_from_etcd(self, name: str) -> None:
         """Cut ``name``'s Patroni off from etcd (resets every connection, refuses new ones)."""
@@ -670,7 +768,7 @@ defaults
     timeout connect 2s
     timeout client 30m
     timeout server 30m
-    timeout check 1s
+    timeout check {_CHECK_TIMEOUT}
 
 listen primary
     bind 127.0.0.1:{self.haproxy_port}
@@ -711,14 +809,59 @@ listen primary
         finally:
             await conn.close()
 
-    async def _wait(self, ready: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await ready():
-                return
+    async def wait_for(self, ready: Callable[[], object], what: str, *, every: float = 0.2) -> None:
+        """Poll ``ready()`` (sync or async) every ``every`` seconds until it is true. Give
+        up only after :data:`STALL` seconds in which the stack made no progress
+        (:meth:`_progress`), or :data:`GIVE_UP` in all; the error says what was waited for,
+        how long, and Patroni's last view of the members."""
+        started = time.monotonic()
+        changed = started
+        look = started
+        seen: object = None
+        members: list[dict[str, Any]] = []
+        while not await _truth(ready):
             self._check_processes()
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"waited {timeout:.0f} s for {what}\n{self.diagnostics()}")
+            now = time.monotonic()
+            if now >= look:
+                members = await self.cluster()
+                progress = await asyncio.to_thread(self._progress, members)
+                if progress != seen:
+                    seen, changed = progress, time.monotonic()
+                look = now + _LOOK_EVERY
+            now = time.monotonic()
+            if now - changed > STALL or now - started > GIVE_UP:
+                raise TimeoutError(
+                    f"waited {now - started:.0f} s for {what}, the last {now - changed:.0f} s "
+                    f"without progress (bound {STALL:.0f} s without progress, {GIVE_UP:.0f} s "
+                    f"in all); Patroni's /cluster last said: {json.dumps(members)}\n"
+                    f"{self.diagnostics()}"
+                )
+            await asyncio.sleep(every)
+
+    def _progress(self, members: list[dict[str, Any]]) -> object:
+        """What changes while the stack moves: each member's role, state and timeline, and
+        the size of the data directory of every node not steadily running or streaming (a
+        clone by ``pg_basebackup``, a rewind or crash recovery shows no other sign)."""
+        view = sorted(
+            (str(m.get("name")), str(m.get("role")), str(m.get("state")), str(m.get("timeline")))
+            for m in members
+        )
+        steady = {str(m.get("name")) for m in members if m.get("state") in _STEADY}
+        sizes = [(n.name, _tree_size(n.data_dir)) for n in self.nodes if n.name not in steady]
+        return view, sizes
+
+    @staticmethod
+    def _stopped(node: Node) -> bool:
+        return not node.patroni_running
+
+    @staticmethod
+    def _gone(pid: int) -> bool:
+        return not _alive(pid)
+
+    @staticmethod
+    def _port_free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            return s.connect_ex(("127.0.0.1", port)) != 0
 
     def _check_processes(self) -> None:
         if self._etcd is not None and self._etcd.poll() is not None:
@@ -731,14 +874,6 @@ listen primary
     async def _wait_gone(self, pids: Sequence[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-    async def _wait_port_free(self, port: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                if s.connect_ex(("127.0.0.1", port)) != 0:
-                    return
             await asyncio.sleep(0.05)
 
     def server_log_lines(self, *needles: str) -> list[str]:

@@ -23,6 +23,7 @@ from cronoq_store import (
 )
 
 from ..pgharness import admin_execute
+from ..waits import bounded, until_value
 from .stack import HaStack
 
 pytestmark = pytest.mark.slow
@@ -96,19 +97,29 @@ async def test_a_leader_on_a_node_that_patroni_demotes_steps_down_and_never_lead
         assert holder is not None
         name = holder.application_name  # "pin leader <instance id>": the server logs it
         await stack.switchover()
-        await asyncio.wait_for(store.leadership_lost(), 10)
+        await bounded(store.leadership_lost(), "the store to step down from the demoted node")
         assert not store.is_leader
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(store.acquire_leadership(), 4)
-        # The bump's transaction first locks the leader table, which a standby refuses.
-        refused = stack.server_log_lines(
-            f"{name}: ERROR:  cannot execute LOCK TABLE during recovery",
-            f"{name}: ERROR:  cannot execute UPDATE in a read-only",
-        )
-        assert refused, "the store never tried to bump the epoch on the standby"
+        attempt = asyncio.ensure_future(store.acquire_leadership())
+        try:
+            # The bump's transaction first locks the leader table, which a standby refuses.
+            refused = await until_value(
+                lambda: stack.server_log_lines(
+                    f"{name}: ERROR:  cannot execute LOCK TABLE during recovery",
+                    f"{name}: ERROR:  cannot execute UPDATE in a read-only",
+                ),
+                bool,
+                "the store's attempt to bump the epoch on the standby to be refused",
+                every=0.2,
+            )
+            if attempt.done():
+                raise AssertionError(f"the attempt to lead on a standby ended: {attempt!r}")
+        finally:
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
         assert all(line.startswith(f"{first}:") for line in refused)
         # Once Patroni moves the primary back, the same store leads again, with a new epoch.
         await stack.switchover()
         assert await stack.wait_primary() == first
-        assert await asyncio.wait_for(store.acquire_leadership(), 15) == epoch + 1
+        again = await bounded(store.acquire_leadership(), "the store to lead on the primary again")
+        assert again == epoch + 1
         await store.release_leadership()

@@ -1,14 +1,17 @@
-"""The console's statements, composed with SQLAlchemy Core over the schema-less tables (the
-cluster's schema applied at execution, as everywhere): read-only, and each one bounded by an
-index or by a ``LIMIT`` on the rows it examines, so a page stays fast on a big cluster.
+"""The operators' reads of tasks, for the console's pages and the ``tasks`` commands alike,
+composed with SQLAlchemy Core over the schema-less tables (the cluster's schema applied at
+execution, as everywhere): read-only, and each one bounded by an index or by a ``LIMIT`` on
+the rows it examines, so a page stays fast on a big cluster.
 
 Finished tasks are read through ``ix_cronoq_tasks_finished_updated`` (``updated_unix_ns,
 id`` where ``terminal``), newest first; live tasks through ``ix_cronoq_tasks_live`` (``id``
-where ``NOT terminal``), newest first. Nothing walks a whole index: counts look at the
-newest :data:`SAMPLE` finished or :data:`LIVE_SAMPLE` live tasks and say "at least" when
-they stop (the live total is then the planner's estimate, and said to be one); a page of
-finished tasks examines at most :data:`SCAN` of them and, when its filters match fewer than
-a page there, says how far it looked and offers to look further from there.
+where ``NOT terminal``): newest first for the counts, oldest first (in id order, the order
+they were issued) for the list. Nothing walks a whole index: counts look at the newest
+:data:`SAMPLE` finished or :data:`LIVE_SAMPLE` live tasks (the list's count: the oldest
+:data:`LIVE_SAMPLE`) and say "at least" when they stop (the live total is then the
+planner's estimate, and said to be one); a page examines at most :data:`SCAN` tasks and,
+when its filters match fewer than a page there, says how far it looked and offers to look
+further from there.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import OID
 
-from .._domain import TaskStatus
-from .._rows import RECORD_COLUMNS
-from .._schema import recurring, tasks
+from ._domain import TaskStatus
+from ._rows import RECORD_COLUMNS
+from ._schema import recurring, tasks
 
 __all__ = [
     "LIVE_SAMPLE",
@@ -46,8 +49,11 @@ __all__ = [
     "finished_first_page",
     "finished_next_page",
     "finished_sample",
+    "live_count",
     "live_counts",
     "live_estimate",
+    "live_page",
+    "live_scan_boundary",
     "scan_boundary",
     "schedules",
     "task_spec",
@@ -134,6 +140,7 @@ _pools = bindparam("pools", type_=ARRAY(Text))
 _statuses = bindparam("statuses", type_=ARRAY(Text))
 _kinds = bindparam("kinds", type_=ARRAY(Text))
 _tenants = bindparam("tenants", type_=ARRAY(Text))
+_keys = bindparam("keys", type_=ARRAY(Text))
 
 
 def _window(table: Any) -> list[Any]:
@@ -153,6 +160,7 @@ def _chosen(table: Any) -> list[Any]:
         or_(func.cardinality(_statuses) == 0, table.c.status == func.any(_statuses)),
         or_(func.cardinality(_kinds) == 0, table.c.kind == func.any(_kinds)),
         or_(func.cardinality(_tenants) == 0, table.c.tenant == func.any(_tenants)),
+        or_(func.cardinality(_keys) == 0, table.c.key == func.any(_keys)),
     ]
 
 
@@ -217,7 +225,7 @@ scan_boundary = (
 )
 
 _examined = (
-    select(tasks.c.pool, tasks.c.status, tasks.c.kind, tasks.c.tenant)
+    select(tasks.c.pool, tasks.c.status, tasks.c.kind, tasks.c.tenant, tasks.c.key)
     .where(*_window(tasks))
     .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
     .limit(bindparam("bound", type_=BigInteger))
@@ -231,6 +239,52 @@ finished_count = select(
     func.count().label("examined"),
     func.count().filter(and_(*_chosen(_examined))).label("matching"),
 )
+#: Live tasks after the cursor ``after`` (an id; -1 for the first page), oldest first: one
+#: range of ``ix_cronoq_tasks_live``, the id a scalar bound that starts the scan there.
+_live_after = [~tasks.c.terminal, tasks.c.id > bindparam("after", type_=BigInteger)]
+
+_live_examined = (
+    select(*_page_columns, tasks.c.arrival_unix_ns.label("arrival"))
+    .where(*_live_after)
+    .order_by(tasks.c.id)
+    .limit(bindparam("scan", type_=BigInteger))
+    .subquery("examined")
+)
+
+#: The oldest ``limit`` live tasks after ``after`` that pass the filters among the ``scan``
+#: oldest there: the record's columns, then ``arrival`` (Unix ns) for the task's age.
+live_page = (
+    select(*(_live_examined.c[name] for name in RECORD_COLUMNS), _live_examined.c.arrival)
+    .where(*_chosen(_live_examined))
+    .order_by(_live_examined.c.id)
+    .limit(bindparam("limit", type_=BigInteger))
+)
+
+#: The id of the last live task a page examined when it stopped at ``scan`` rows (none if
+#: the live tasks end sooner): where the next page looks on from. The index alone answers.
+live_scan_boundary = (
+    select(tasks.c.id)
+    .where(*_live_after)
+    .order_by(tasks.c.id)
+    .offset(bindparam("scan", type_=BigInteger) - 1)
+    .limit(1)
+)
+
+_live_counted = (
+    select(tasks.c.pool, tasks.c.status, tasks.c.kind, tasks.c.tenant, tasks.c.key)
+    .where(~tasks.c.terminal)
+    .order_by(tasks.c.id)
+    .limit(bindparam("bound", type_=BigInteger))
+    .subquery("examined")
+)
+
+#: Among the oldest ``bound`` live tasks: how many were examined, and how many of them pass
+#: the filters (bounded by the rows it reads, as :data:`finished_count` is).
+live_count = select(
+    func.count().label("examined"),
+    func.count().filter(and_(*_chosen(_live_counted))).label("matching"),
+)
+
 #: What a task's page shows beyond its record: its spec's columns, JSON ones as text (shown
 #: as stored, even when a hand-written row holds something no decoder accepts), and sizes.
 task_spec = select(
