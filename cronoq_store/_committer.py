@@ -20,7 +20,10 @@ The committer is four objects, each owning its own state:
 * :class:`Settling`, how submissions end: acknowledged, failed, or failed together when the
   committer is closed, fenced or broken; it owns that fate (closing, aborting, fenced);
 * :class:`GroupCommitter`, the public API and the loop that cuts batches (:class:`Merge`),
-  commits each through the retry policy (:class:`CommitRetry`) and bisects a failing one.
+  commits each through its retry policy (:class:`CommitRetry`) and bisects a failing one.
+
+What it needs of a store is :class:`~cronoq_store._protocols.Committable`: ``commit``,
+``ping``, ``telemetry`` and ``max_commit_bytes``; ``PgStore`` and ``InMemoryStore`` are one.
 
 Failures are sorted by who they belong to:
 
@@ -98,7 +101,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 from ._committer_stats import CommitterStats, Tally
 from ._domain import TaskId, TaskStatus, TimeBase, check_seconds, clean_text
@@ -119,19 +122,12 @@ from ._mutations import (
     StatusChanged,
     Submitted,
 )
+from ._protocols import Committable
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause
 from ._sizing import mutation_size, output_size
-from .telemetry import DISABLED, Telemetry
+from .telemetry import Telemetry
 
-__all__ = [
-    "DEFAULT_BATCHES_IN_FLIGHT",
-    "Footprint",
-    "GroupCommitter",
-    "Merge",
-    "SupportsCommit",
-    "footprint",
-    "learn",
-]
+__all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter"]
 
 #: Batches in flight at once by default: measured on 2 cores with WAL flushed at every
 #: commit (docs/performance.md, "Batches in flight: the default").
@@ -147,21 +143,6 @@ logger = logging.getLogger("cronoq_store")
 Output: TypeAlias = tuple[TaskId, bytes]
 
 _E = TypeVar("_E", bound=BaseException)
-
-
-class SupportsCommit(Protocol):
-    """All the committer needs of a store: ``PgStore`` and any ``Store`` qualify."""
-
-    async def commit(
-        self,
-        epoch: int,
-        base: TimeBase,
-        batch: Sequence[Mutation],
-        outputs: Sequence[tuple[TaskId, bytes]],
-    ) -> None:
-        """Write ``batch`` and ``outputs`` in one idempotent transaction; return once it
-        committed. ``FencedError``: stop writing; transient ``StoreError``: retry."""
-        ...
 
 
 # --- where a batch ends, and which batches in flight it follows -----------------------------
@@ -716,7 +697,7 @@ class CommitRetry(Retry):
         backoff: Backoff,
         *,
         settling: Settling,
-        ping: Callable[[], Awaitable[object]] | None,
+        ping: Callable[[], Awaitable[object]],
         stuck_after: int,
         tally: Tally,
         telemetry: Telemetry,
@@ -735,10 +716,10 @@ class CommitRetry(Retry):
     async def next_pause(self, error: StoreError, failures: int) -> float:
         if self._settling.aborting:
             raise Abandoned(error)
-        if failures >= self._stuck_after and self._ping is not None:
+        if failures >= self._stuck_after:
             # Answered before and after the attempt that just failed: the batch's fault.
             before = self._answered
-            self._answered = await self._answers(self._ping)
+            self._answered = await self._answers()
             if self._answered and before:
                 raise Stuck(error)
         delay = await super().next_pause(error, failures)
@@ -761,10 +742,10 @@ class CommitRetry(Retry):
         if settling.aborting or await pause(seconds, settling.abort_event):
             raise Abandoned(error)
 
-    async def _answers(self, ping: Callable[[], Awaitable[object]]) -> bool:
+    async def _answers(self) -> bool:
         """Whether the store's ``ping()`` says the database answers."""
         try:
-            await ping()
+            await self._ping()
         except StoreError as exc:
             self._tally.unanswered_pings += 1
             logger.warning(
@@ -810,8 +791,8 @@ class GroupCommitter:
     bounds. Transient failures are retried after the pauses of ``backoff`` (by default
     :data:`~cronoq_store._retry.COMMIT_BACKOFF`), each run of failures of one batch starting
     from its initial pause. From ``stuck_after`` consecutive
-    transient failures of one batch on, the committer asks the store's ``ping()``, if it has
-    one, whether the database answers; a batch that fails again between two answered pings
+    transient failures of one batch on, the committer asks the store's ``ping()`` whether
+    the database answers; a batch that fails again between two answered pings
     is stuck: it is split in order (a single submission fails with its last error). A
     database that does not answer is an outage: the batch is retried as long as it lasts.
 
@@ -825,7 +806,7 @@ class GroupCommitter:
 
     def __init__(
         self,
-        store: SupportsCommit,
+        store: Committable,
         epoch: int,
         base: TimeBase,
         *,
@@ -845,15 +826,12 @@ class GroupCommitter:
         self._max_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
         self._stuck_after = _positive_int("stuck_after", stuck_after)
         max_flights = _positive_int("max_batches_in_flight", max_batches_in_flight)
-        ping = getattr(store, "ping", None)
-        self._ping: Callable[[], Awaitable[object]] | None = ping if callable(ping) else None
         if not isinstance(backoff, Backoff):
             raise ValueError(f"backoff must be a retry.Backoff, got {backoff!r}")
         self._backoff = backoff
         self._tally = Tally(_positive_int("latency_window", latency_window))
-        # A PgStore's telemetry (cronoq_store.telemetry), as of now; any other store's: none.
-        recorder = getattr(store, "telemetry", DISABLED)
-        self._telemetry: Telemetry = recorder if isinstance(recorder, Telemetry) else DISABLED
+        #: The store's telemetry as it is now (``instrument`` later does not reach this one).
+        self._telemetry: Telemetry = store.telemetry
         self._admission = Admission(max_pending, self._tally)
         self._flights = Flights(max_flights)
         self._settling = Settling(epoch, self._admission, self._flights, self._tally)
@@ -1051,10 +1029,7 @@ class GroupCommitter:
     def _batch_bytes(self) -> int:
         """The byte bound of the next batch: ``max_batch_bytes``, or the store's
         ``max_commit_bytes`` where that is lower (read now: the store's is the one truth)."""
-        store_limit = getattr(self._store, "max_commit_bytes", None)
-        if isinstance(store_limit, int) and not isinstance(store_limit, bool):
-            return min(self._max_bytes, store_limit)
-        return self._max_bytes
+        return min(self._max_bytes, self._store.max_commit_bytes)
 
     async def _fly(self, flight: Flight) -> None:
         """Commit one batch in flight and settle its submissions, whatever happens."""
@@ -1087,7 +1062,7 @@ class GroupCommitter:
             retry = CommitRetry(
                 self._backoff,
                 settling=self._settling,
-                ping=self._ping,
+                ping=self._store.ping,
                 stuck_after=self._stuck_after,
                 tally=self._tally,
                 telemetry=self._telemetry,

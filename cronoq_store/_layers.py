@@ -47,7 +47,8 @@ LAYERS: tuple[Layer, ...] = (
             "_urls": "database URLs read as libpq reads them and dialled as read; the one "
             "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
-            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
+            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs "
+            "against; `Committable`, what the group committer needs of a store",
             "_committer_stats": "what a group committer counts, and its snapshot",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",

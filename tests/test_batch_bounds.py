@@ -23,9 +23,10 @@ from cronoq_store._domain import TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store._errors import BatchTooLargeError, StoreError, UnavailableError
 from cronoq_store._mutations import Mutation, Submitted
 from cronoq_store._retry import Backoff
-from cronoq_store._sizing import batch_size
+from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
+from cronoq_store.telemetry import DISABLED, Telemetry
 
 from .pgharness import ServerUnderTest, admin_execute
 from .test_group_commit import bump_epoch, open_store, stored_ids
@@ -51,6 +52,13 @@ class Recording:
     @property
     def max_commit_bytes(self) -> int:
         return self.store.max_commit_bytes
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.store.telemetry
+
+    async def ping(self) -> None:
+        await self.store.ping()
 
     async def commit(
         self,
@@ -236,11 +244,17 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
     assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(21)}
 
 
-async def test_a_store_without_ping_keeps_retrying() -> None:
-    """Only a store that can say whether the database answers gets batches split."""
+async def test_a_batch_is_retried_as_long_as_the_database_does_not_answer() -> None:
+    """A batch is split only once the database answers pings while it fails: a ping that
+    fails means an outage, retried through."""
 
     class Failing:
         attempts = 0
+        max_commit_bytes = MAX_COMMIT_BYTES
+        telemetry = DISABLED
+
+        async def ping(self) -> None:
+            raise UnavailableError("connection refused")
 
         async def commit(
             self,
@@ -258,6 +272,7 @@ async def test_a_store_without_ping_keeps_retrying() -> None:
     await until(lambda: store.attempts >= 20, "20 attempts")
     assert not task.done()
     assert committer.stats().stuck_batches == 0
+    assert committer.stats().unanswered_pings >= 19
     await committer.close(drain=False)
     with pytest.raises(StoreError):
         await task

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._committer import GroupCommitter, SupportsCommit
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     UNIX_EPOCH,
@@ -48,8 +48,10 @@ from cronoq_store._mutations import (
     StatusChanged,
     Submitted,
 )
+from cronoq_store._protocols import Committable
 from cronoq_store._store import PgStore
 from cronoq_store._stored_values import Recovered, TaskRecord
+from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
@@ -85,16 +87,8 @@ def answer_of(error: BaseException | None) -> Answer:
     return type(error).__name__, named
 
 
-class Observed(Protocol):
-    """What both stores answer, through the API the scheduler uses."""
-
-    async def commit(
-        self,
-        epoch: int,
-        base: TimeBase,
-        batch: Sequence[Mutation],
-        outputs: Sequence[tuple[TaskId, bytes]],
-    ) -> None: ...
+class Observed(Committable, Protocol):
+    """What both stores answer, through the API the scheduler and the committer use."""
 
     async def get_task(self, ref: TaskId | str) -> TaskRecord | None: ...
 
@@ -364,9 +358,20 @@ async def test_two_spellings_of_one_stored_name_are_one_for_batches_in_flight(
 class Jittered:
     """A store whose commits each start after the next of ``delays`` (cycled)."""
 
-    def __init__(self, store: SupportsCommit, delays: list[float]) -> None:
+    def __init__(self, store: Committable, delays: list[float]) -> None:
         self._store = store
         self._delays = itertools.cycle(delays)
+
+    @property
+    def max_commit_bytes(self) -> int:
+        return self._store.max_commit_bytes
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self._store.telemetry
+
+    async def ping(self) -> None:
+        await self._store.ping()
 
     async def commit(
         self,

@@ -27,7 +27,7 @@ from cronoq_store._errors import BatchTooLargeError
 from cronoq_store._queries import prune_age_ns
 from cronoq_store._retry import Backoff, bounded, retry
 from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
-from cronoq_store._sizing import batch_size
+from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._statements import update_status
 from cronoq_store._template_codec import (
     TEMPLATE_MEMBERS,
@@ -35,13 +35,20 @@ from cronoq_store._template_codec import (
     _template_to_json,
     check_template,
 )
+from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
 BASE = TimeBase(0, 1_700_000_000 * 10**9)
 
 
 class _Store:
+    max_commit_bytes = MAX_COMMIT_BYTES
+    telemetry = DISABLED
+
     async def commit(self, *args: Any) -> None:
+        pass
+
+    async def ping(self) -> None:
         pass
 
 

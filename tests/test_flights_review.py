@@ -36,6 +36,7 @@ from cronoq_store._mutations import (
 )
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
+from cronoq_store.telemetry import Telemetry
 
 from .pgharness import admin_execute
 from .test_group_commit import LeaderRowHold
@@ -64,6 +65,17 @@ class SlowFirstReply:
         self.landed = asyncio.Event()
         self.reply = asyncio.Event()
         self._first = True
+
+    @property
+    def max_commit_bytes(self) -> int:
+        return self._store.max_commit_bytes
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self._store.telemetry
+
+    async def ping(self) -> None:
+        await self._store.ping()
 
     async def commit(
         self,

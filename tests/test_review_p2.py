@@ -20,7 +20,9 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
+from cronoq_store._sizing import MAX_COMMIT_BYTES
 from cronoq_store._store import PgStore
+from cronoq_store.telemetry import DISABLED
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
 from .test_commit import BASE, changed, submitted
@@ -344,6 +346,9 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
 class _SlowStore:
     """Commits after a random short pause; records what committed, in order."""
 
+    max_commit_bytes = MAX_COMMIT_BYTES
+    telemetry = DISABLED
+
     def __init__(self, rng: Any) -> None:
         self.rng = rng
         self.committed: list[int] = []
@@ -351,6 +356,9 @@ class _SlowStore:
     async def commit(self, epoch: int, base: Any, batch: Any, outputs: Any) -> None:
         await asyncio.sleep(self.rng.random() * 0.002)
         self.committed.extend(m.id for m in batch)
+
+    async def ping(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("in_flight", [1, 3])
