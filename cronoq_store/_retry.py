@@ -32,7 +32,6 @@ __all__ = [
     "acquisition_backoff",
     "bounded",
     "pause",
-    "retry",
 ]
 
 _T = TypeVar("_T")
@@ -161,52 +160,11 @@ class Retry:
             await self.wait(await self.next_pause(error, failures), error)
 
 
-async def retry(
-    attempt: Callable[[], Awaitable[_T]],
-    backoff: Backoff,
-    *,
-    classify: Callable[[Exception], StoreError | None],
-    check: Callable[[StoreError, int], Awaitable[None]],
-    pausing: Callable[[StoreError, int, float], None],
-    wait: Callable[[float], Awaitable[bool]],
-    stopped: Callable[[StoreError], BaseException],
-) -> _T:
-    """``await attempt()`` until it succeeds: the store's one retry loop.
-
-    - Classification: ``classify`` maps a failure to the store's error (``None``: not the
-      store's, raised as it is); one that is not transient is raised (``from`` the failure
-      when it is a translation of it).
-    - Policy: the pauses of ``backoff``, a new run of them for each call.
-    - Stop: after each transient failure ``check`` is told the error and how many failed in
-      a row, and may raise to end the loop (a stuck batch, an abort); ``pausing`` is told
-      the pause about to be taken (to log and count it); ``wait`` takes the pause and says
-      whether to stop, which raises ``stopped(error)`` from the failure.
-    """
-    delays = backoff.delays()
-    failures = 0
-    while True:
-        try:
-            return await attempt()
-        except Exception as exc:
-            error = classify(exc)
-            if error is None or (error is exc and not error.is_transient):
-                raise
-            if not error.is_transient:
-                raise error from exc
-            failure = exc
-        failures += 1
-        await check(error, failures)
-        delay = next(delays)
-        pausing(error, failures, delay)
-        if await wait(delay):
-            raise stopped(error) from failure
-
-
 # ``asyncio.wait_for`` before Python 3.12 loses a cancellation that arrives as its awaitable
 # finishes (it returns that result or raises that error instead): a retry loop around it
-# then keeps retrying in a task its caller has cancelled and is waiting for. Seen here: a
-# cancelled ``acquire_leadership`` retried forever when a refused connect and the cancel
-# came together. :func:`bounded` never loses one.
+# then keeps retrying in a task its caller has cancelled and is waiting for (a cancelled
+# ``acquire_leadership`` whose connect is refused in the same loop turn would retry for
+# ever). :func:`bounded` never loses one.
 
 
 async def bounded(
