@@ -45,7 +45,7 @@ from cronoq_store._store import PgStore
 from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
-from .test_group_commit import (
+from .test_committer import (
     LeaderRowHold,
     app_name,
     bump_epoch,
