@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from cronoq_store import Mutation
-from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._store import PgStore
 
 from .common import Profile, Trial, Workload, interleave, open_store, paired, summarize

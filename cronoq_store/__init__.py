@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import get_args
 
+from ._committer import GroupCommitter as GroupCommitter
 from ._committer_stats import CommitterStats as CommitterStats
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import (
@@ -103,7 +104,6 @@ from ._errors import (
     UnavailableError as UnavailableError,
 )
 from ._errors import UnsupportedParameterError as UnsupportedParameterError
-from ._group_commit import GroupCommitter as GroupCommitter
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
 from ._migrations import upgrade as upgrade

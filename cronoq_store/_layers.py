@@ -42,11 +42,13 @@ LAYERS: tuple[Layer, ...] = (
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
             "_codec": "JSON encodings of the task columns; time and duration conversions",
             "_template_codec": "the recurring spec's JSON, checked against `TaskSpec` at import",
-            "_retry": "the one retry loop (policy, what to retry, when to stop) and timeout",
+            "_retry": "the retry policy and its loop (what to retry, the pauses, stops by "
+            "exception), and the one timeout",
             "_urls": "database URLs read as libpq reads them and dialled as read; the one "
             "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
-            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs against",
+            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs "
+            "against; `Committable`, what the group committer needs of a store",
             "_committer_stats": "what a group committer counts, and its snapshot",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",
@@ -82,12 +84,6 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_batch_order": "where a batch ends, and which batches in flight it follows, so "
-            "that answers are those of serial commits",
-            "_submissions": "a group commit's submission and its states, a batch in flight",
-            "_settling": "how a group commit's submissions settle: acknowledged, failed, fenced",
-            "_commit_writer": "the group committer's writer: batches cut, in flight, retried, "
-            "bisected",
             "_folding": "a batch of mutations folded into column arrays, pure Python",
             "_sizing": "the bytes a batch sends, estimated from above",
             "_writer": "the commit path: which way a folded batch is written, what it found",
@@ -110,7 +106,8 @@ LAYERS: tuple[Layer, ...] = (
         {
             "": "the public names (`from cronoq_store import ...`)",
             "_store": "`PgStore`: opens and closes, wires the paths, where errors leave the store",
-            "_group_commit": "`GroupCommitter`: many submitters, one transaction per batch",
+            "_committer": "`GroupCommitter`: many submitters, one transaction per batch; its "
+            "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
         },
     ),

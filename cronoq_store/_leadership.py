@@ -56,7 +56,7 @@ from ._config import PgStoreConfig
 from ._driver import lock_not_available, translate_error
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
-from ._retry import acquisition_backoff, bounded, pause, retry
+from ._retry import Retry, acquisition_backoff, bounded, pause
 from ._schema import schema_options
 from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
@@ -341,15 +341,7 @@ class Leadership:
                 await self.release()
             if not renewing:
                 await self._cool_down()
-            session, epoch = await retry(
-                self._try_lead,
-                self._backoff,
-                classify=_acquisition_error,
-                check=_go_on,
-                pausing=self._log_retry,
-                wait=self._closed_within,
-                stopped=lambda _: self._closed_error(),
-            )
+            session, epoch = await _AcquisitionRetry(self).run(self._try_lead)
             self._epoch = epoch
             self._lost.clear()
             self._session = session
@@ -658,12 +650,25 @@ def _keeper_lock_timeout_ms(config: PgStoreConfig) -> int:
     return max(1, round(wait * 1000))
 
 
-def _acquisition_error(exc: Exception) -> StoreError:
-    return translate_error(exc, "acquiring leadership")
+class _AcquisitionRetry(Retry):
+    """Acquisition's retry policy: every failure translated, the transient ones retried
+    (each logged) until the leadership is closed, however many fail in a row."""
 
+    def __init__(self, leadership: Leadership) -> None:
+        super().__init__(leadership._backoff)
+        self._leadership = leadership
 
-async def _go_on(error: StoreError, failures: int) -> None:
-    """Acquisition retries as long as the failures are transient (and it is not closed)."""
+    def classify(self, exc: Exception) -> StoreError:
+        return translate_error(exc, "acquiring leadership")
+
+    async def next_pause(self, error: StoreError, failures: int) -> float:
+        delay = await super().next_pause(error, failures)
+        self._leadership._log_retry(error, failures, delay)
+        return delay
+
+    async def wait(self, seconds: float, error: StoreError) -> None:
+        if await self._leadership._closed_within(seconds):
+            raise self._leadership._closed_error() from error
 
 
 def _holder_fields(holder: LockHolder) -> dict[str, object]:

@@ -1,10 +1,12 @@
-"""What the scheduler programs against: the store as two ``typing.Protocol``s.
+"""What the store is to its callers, as ``typing.Protocol``s.
 
 The scheduler's engine needs :class:`Store` (leadership, write-ahead commits, recovery);
 tools that only look at tasks need :class:`StoreQueries`. Keeping them apart lets such tools
-run against any instance, leader or not. :class:`~cronoq_store._store.PgStore` implements
-both; so does :class:`cronoq_store.testing.InMemoryStore`, for applications' unit tests,
-and tests/contract runs one suite against the two.
+run against any instance, leader or not. The group committer needs :class:`Committable`.
+``commit`` is declared once, in :class:`SupportsCommit`, which both extend.
+:class:`~cronoq_store._store.PgStore` implements all three; so does
+:class:`cronoq_store.testing.InMemoryStore`, for applications' unit tests, and
+tests/contract runs one suite against the two.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Protocol, runtime_checkable
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase
 from ._mutations import Mutation
 from ._stored_values import Recovered, TaskRecord
+from .telemetry import Telemetry
 
-__all__ = ["Store", "StoreQueries"]
+__all__ = ["Committable", "Store", "StoreQueries", "SupportsCommit"]
 
 
 @runtime_checkable
@@ -52,17 +55,9 @@ class StoreQueries(Protocol):
         ...
 
 
-@runtime_checkable
-class Store(Protocol):
-    """The scheduler engine's persistence: one leader writes, every commit is fenced."""
-
-    async def acquire_leadership(self) -> int:
-        """Wait until this instance leads; returns the new fencing epoch."""
-        ...
-
-    async def release_leadership(self) -> None:
-        """Give leadership up, so a standby can take over at once."""
-        ...
+class SupportsCommit(Protocol):
+    """Write-ahead commits: the one declaration of ``commit``, which the scheduler's engine
+    calls through :class:`Store` and the group committer through :class:`Committable`."""
 
     async def commit(
         self,
@@ -78,6 +73,45 @@ class Store(Protocol):
         term is refused, and the term goes on) and ``UnavailableError`` when the database
         cannot be reached in time.
         """
+        ...
+
+
+class Committable(SupportsCommit, Protocol):
+    """What the group committer needs of a store (``PgStore`` and ``InMemoryStore`` both
+    are one): its commits, the largest batch it accepts, where it records, and whether the
+    database answers.
+
+    ``max_commit_bytes`` is read for every batch, so a limit lowered at run time holds for
+    the next one. ``ping`` tells an outage (it fails) from a batch at fault (it answers
+    while the batch keeps failing transiently)."""
+
+    @property
+    def max_commit_bytes(self) -> int:
+        """The largest batch ``commit`` accepts, in bytes as ``_sizing.batch_size``
+        estimates them; a larger one fails with ``BatchTooLargeError`` before anything is
+        sent."""
+        ...
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where the committer records its batches, retries and queue depth."""
+        ...
+
+    async def ping(self) -> None:
+        """Return once the database answers; raise ``StoreError`` if it does not."""
+        ...
+
+
+@runtime_checkable
+class Store(SupportsCommit, Protocol):
+    """The scheduler engine's persistence: one leader writes, every commit is fenced."""
+
+    async def acquire_leadership(self) -> int:
+        """Wait until this instance leads; returns the new fencing epoch."""
+        ...
+
+    async def release_leadership(self) -> None:
+        """Give leadership up, so a standby can take over at once."""
         ...
 
     async def recover(self, base: TimeBase) -> Recovered:

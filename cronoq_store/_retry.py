@@ -1,13 +1,14 @@
-"""The one retry loop and the one timeout: how the store waits, in one module.
+"""How the store retries and waits, in one module: the pauses, the retry policy and its
+loop, the one timeout.
 
-:func:`retry` is the loop of every retry (the group committer's commit, leader
-acquisition): its policy is a :class:`Backoff`, capped exponential pauses with jitter, so
-that instances that failed together do not retry together; what is retried is a transient
-``StoreError`` (``is_transient``), and each caller says when to stop. The committer uses
-:data:`COMMIT_BACKOFF`, acquisition :func:`acquisition_backoff`. :func:`bounded` is the
-one timeout around a wait on the database. Changing how the store retries or waits is a
-change to this module only. (A task's own retries, ``domain.RetryPolicy``, are the
-scheduler's.)
+:class:`Retry` is the policy of every retry (the group committer's commit, leader
+acquisition) with its loop: what is retried is a transient ``StoreError``
+(``is_transient``), the pauses are a :class:`Backoff`'s, capped exponential with jitter so
+that instances that failed together do not retry together, and the loop stops by an
+exception that the attempt or the policy raises. The committer uses
+:data:`COMMIT_BACKOFF`, acquisition :func:`acquisition_backoff`. :func:`bounded` is the one
+timeout around a wait on the database. Changing how the store retries or waits is a change
+to this module only. (A task's own retries, ``domain.RetryPolicy``, are the scheduler's.)
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ __all__ = [
     "COMMIT_BACKOFF",
     "MIN_PAUSE",
     "Backoff",
+    "Retry",
     "acquisition_backoff",
     "bounded",
     "pause",
-    "retry",
 ]
 
 _T = TypeVar("_T")
@@ -105,52 +106,65 @@ def acquisition_backoff(config: PgStoreConfig) -> Backoff:
     return Backoff(initial=max(cap / 4, MIN_PAUSE), cap=cap, jitter=0.5)
 
 
-async def retry(
-    attempt: Callable[[], Awaitable[_T]],
-    backoff: Backoff,
-    *,
-    classify: Callable[[Exception], StoreError | None],
-    check: Callable[[StoreError, int], Awaitable[None]],
-    pausing: Callable[[StoreError, int, float], None],
-    wait: Callable[[float], Awaitable[bool]],
-    stopped: Callable[[StoreError], BaseException],
-) -> _T:
-    """``await attempt()`` until it succeeds: the store's one retry loop.
+class Retry:
+    """A retry policy and its loop: :meth:`run` awaits an attempt until one succeeds, and
+    stops only by an exception, raised by the attempt or by the policy.
 
-    - Classification: ``classify`` maps a failure to the store's error (``None``: not the
-      store's, raised as it is); one that is not transient is raised (``from`` the failure
-      when it is a translation of it).
-    - Policy: the pauses of ``backoff``, a new run of them for each call.
-    - Stop: after each transient failure ``check`` is told the error and how many failed in
-      a row, and may raise to end the loop (a stuck batch, an abort); ``pausing`` is told
-      the pause about to be taken (to log and count it); ``wait`` takes the pause and says
-      whether to stop, which raises ``stopped(error)`` from the failure.
+    - What is retried: :meth:`classify` maps a failure to the store's error (``None``: not
+      the store's, raised as it is); a transient one is retried, any other raised (``from``
+      the failure when it is a translation of it).
+    - The pauses: the ``backoff``'s, one run of them per policy object, so make one for
+      each operation to retry.
+    - When to stop: after each transient failure :meth:`next_pause` gives the pause to take
+      or raises (a stuck batch, an abort); :meth:`wait` takes it or raises (closed while
+      pausing). The stop's exception names the last error as its cause.
+
+    Each caller subclasses it with its own classification, accounting and stop: the
+    group committer's commit (``_committer.CommitRetry``), leader acquisition
+    (``_leadership``).
     """
-    delays = backoff.delays()
-    failures = 0
-    while True:
-        try:
-            return await attempt()
-        except Exception as exc:
-            error = classify(exc)
-            if error is None or (error is exc and not error.is_transient):
-                raise
-            if not error.is_transient:
-                raise error from exc
-            failure = exc
-        failures += 1
-        await check(error, failures)
-        delay = next(delays)
-        pausing(error, failures, delay)
-        if await wait(delay):
-            raise stopped(error) from failure
+
+    __slots__ = ("_delays",)
+
+    def __init__(self, backoff: Backoff) -> None:
+        self._delays = backoff.delays()
+
+    def classify(self, exc: Exception) -> StoreError | None:
+        """The store's error that ``exc`` is or translates to; ``None`` for any other."""
+        return exc if isinstance(exc, StoreError) else None
+
+    async def next_pause(self, error: StoreError, failures: int) -> float:
+        """The pause before the next attempt, ``failures`` transient failures in a row
+        having ended with ``error``; raise to stop instead."""
+        return next(self._delays)
+
+    async def wait(self, seconds: float, error: StoreError) -> None:
+        """Pause ``seconds`` before the next attempt; raise to stop instead."""
+        await asyncio.sleep(seconds)
+
+    async def run(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """``await attempt()`` until it succeeds, or until the policy stops the loop."""
+        failures = 0
+        while True:
+            try:
+                return await attempt()
+            except Exception as exc:
+                error = self.classify(exc)
+                if error is None or (error is exc and not error.is_transient):
+                    raise
+                if not error.is_transient:
+                    raise error from exc
+                if error is not exc:
+                    error.__cause__ = exc  # a translation names what it translates
+            failures += 1
+            await self.wait(await self.next_pause(error, failures), error)
 
 
 # ``asyncio.wait_for`` before Python 3.12 loses a cancellation that arrives as its awaitable
 # finishes (it returns that result or raises that error instead): a retry loop around it
-# then keeps retrying in a task its caller has cancelled and is waiting for. Seen here: a
-# cancelled ``acquire_leadership`` retried forever when a refused connect and the cancel
-# came together. :func:`bounded` never loses one.
+# then keeps retrying in a task its caller has cancelled and is waiting for (a cancelled
+# ``acquire_leadership`` whose connect is refused in the same loop turn would retry for
+# ever). :func:`bounded` never loses one.
 
 
 async def bounded(

@@ -136,8 +136,8 @@ def _signature(
 
 def _bases(app: Any, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
     """Only bases a reader can use: not ``object`` (every class has it), nor a private class
-    of the package (``GroupCommitter``'s writer). A line left empty is dropped by
-    :func:`_publicly_named`."""
+    of the package (``Store``'s ``SupportsCommit``, whose ``commit`` the page shows as
+    ``Store``'s own). A line left empty is dropped by :func:`_publicly_named`."""
 
     def shown(base: Any) -> bool:
         home = f"{getattr(base, '__module__', '')}.{getattr(base, '__qualname__', '')}"

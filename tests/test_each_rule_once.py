@@ -12,12 +12,10 @@ import cronoq_store.testing._memory as memory
 from cronoq_store import (
     GroupCommitter,
     PgStoreConfig,
-    StoreError,
     Submitted,
     TaskId,
     TaskSpec,
     TimeBase,
-    UnavailableError,
 )
 from cronoq_store._codec import (
     QUARANTINE_PREFIX,
@@ -25,9 +23,9 @@ from cronoq_store._codec import (
 )
 from cronoq_store._errors import BatchTooLargeError
 from cronoq_store._queries import prune_age_ns
-from cronoq_store._retry import Backoff, bounded, retry
+from cronoq_store._retry import Backoff, bounded
 from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
-from cronoq_store._sizing import batch_size
+from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._statements import update_status
 from cronoq_store._template_codec import (
     TEMPLATE_MEMBERS,
@@ -35,13 +33,20 @@ from cronoq_store._template_codec import (
     _template_to_json,
     check_template,
 )
+from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
 BASE = TimeBase(0, 1_700_000_000 * 10**9)
 
 
 class _Store:
+    max_commit_bytes = MAX_COMMIT_BYTES
+    telemetry = DISABLED
+
     async def commit(self, *args: Any) -> None:
+        pass
+
+    async def ping(self) -> None:
         pass
 
 
@@ -163,88 +168,7 @@ def test_the_template_check_refuses_a_decoder_that_forgets_a_member() -> None:
     assert TEMPLATE_MEMBERS["payload"] is None
 
 
-# --- the retry loop and the timeout -----------------------------------------------------------
-
-_FAST = Backoff(initial=0.001, cap=0.001)
-
-
-async def _go_on(error: StoreError, failures: int) -> None:
-    pass
-
-
-def _no_log(error: StoreError, failures: int, pause: float) -> None:
-    pass
-
-
-async def _never(seconds: float) -> bool:
-    await asyncio.sleep(seconds)
-    return False
-
-
-async def test_retry_retries_transient_errors_until_the_attempt_succeeds() -> None:
-    failures: list[int] = []
-    calls = 0
-
-    async def attempt() -> str:
-        nonlocal calls
-        calls += 1
-        if calls < 3:
-            raise OSError("refused")
-        return "done"
-
-    async def check(error: StoreError, count: int) -> None:
-        failures.append(count)
-
-    def classify(exc: Exception) -> StoreError:
-        return UnavailableError(str(exc))
-
-    result = await retry(
-        attempt,
-        _FAST,
-        classify=classify,
-        check=check,
-        pausing=_no_log,
-        wait=_never,
-        stopped=lambda e: e,
-    )
-    assert result == "done"
-    assert failures == [1, 2]
-
-
-async def _refused() -> None:
-    raise OSError("refused")
-
-
-async def _stop(seconds: float) -> bool:
-    return True
-
-
-@pytest.mark.parametrize(
-    ("attempt", "error", "wait", "raised", "cause"),
-    [
-        (_refused, None, _never, OSError, None),  # not the store's: raised as it is
-        (_refused, StoreError("permanent"), _never, StoreError, OSError),
-        (_refused, UnavailableError("down"), _stop, RuntimeError, OSError),
-    ],
-    ids=["not-ours", "not-transient", "stopped"],
-)
-async def test_retry_raises_what_it_does_not_retry_and_stops_when_told(
-    attempt: Any, error: StoreError | None, wait: Any, raised: type[Exception], cause: Any
-) -> None:
-    with pytest.raises(raised) as caught:
-        await retry(
-            attempt,
-            _FAST,
-            classify=lambda exc: error,
-            check=_go_on,
-            pausing=_no_log,
-            wait=wait,
-            stopped=lambda e: RuntimeError(f"stopped after {e}"),
-        )
-    if cause is None:
-        assert caught.value.__cause__ is None
-    else:
-        assert isinstance(caught.value.__cause__, cause)
+# --- the one timeout -------------------------------------------------------------------
 
 
 async def test_bounded_aborts_then_cancels_work_that_stays_silent() -> None:

@@ -27,6 +27,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
@@ -38,7 +39,6 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import Mutation, RecurringUpsert, StatusChanged, Submitted
 from cronoq_store._retry import Backoff
 from cronoq_store._session_statements import SEARCH_PATH

@@ -1,4 +1,5 @@
-"""The one retry policy: each pause within its bounds, growing to the cap, reproducible."""
+"""The retry policy: each pause within its bounds, growing to the cap, reproducible; its
+loop retries what is transient and stops by exception; the one timeout and pause."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from typing import Any
 
 import pytest
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TimeBase
-from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._errors import StoreError, UnavailableError
 from cronoq_store._retry import (
     COMMIT_BACKOFF,
     MIN_PAUSE,
     Backoff,
+    Retry,
     acquisition_backoff,
     bounded,
     pause,
@@ -158,3 +161,73 @@ async def test_a_pause_woken_as_it_is_cancelled_raises_the_cancellation() -> Non
         await sleeper
     assert await pause(5, event)  # set: returns at once
     assert not await pause(0.01, asyncio.Event())
+
+
+# --- the retry policy and its loop --------------------------------------------------------------
+
+_FAST = Backoff(initial=0.001, cap=0.001)
+
+
+class _Told(Retry):
+    """A policy that maps every failure to ``error`` (``None``: not the store's), records
+    each run of failures it is told of, and stops while pausing when ``stop`` is set."""
+
+    def __init__(self, error: StoreError | None, *, stop: bool = False) -> None:
+        super().__init__(_FAST)
+        self.error = error
+        self.stop = stop
+        self.failures: list[int] = []
+
+    def classify(self, exc: Exception) -> StoreError | None:
+        return self.error
+
+    async def next_pause(self, error: StoreError, failures: int) -> float:
+        self.failures.append(failures)
+        return await super().next_pause(error, failures)
+
+    async def wait(self, seconds: float, error: StoreError) -> None:
+        if self.stop:
+            raise RuntimeError(f"stopped after {error}") from error
+        await super().wait(seconds, error)
+
+
+async def test_retry_retries_transient_errors_until_the_attempt_succeeds() -> None:
+    calls = 0
+
+    async def attempt() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise OSError("refused")
+        return "done"
+
+    policy = _Told(UnavailableError("refused"))
+    assert await policy.run(attempt) == "done"
+    assert policy.failures == [1, 2]
+
+
+async def _refused() -> None:
+    raise OSError("refused")
+
+
+@pytest.mark.parametrize(
+    ("error", "stop", "raised", "cause"),
+    [
+        (None, False, OSError, None),  # not the store's: raised as it is
+        (StoreError("permanent"), False, StoreError, OSError),
+        (UnavailableError("down"), True, RuntimeError, UnavailableError),
+    ],
+    ids=["not-ours", "not-transient", "stopped"],
+)
+async def test_retry_raises_what_it_does_not_retry_and_stops_when_the_policy_raises(
+    error: StoreError | None, stop: bool, raised: type[Exception], cause: Any
+) -> None:
+    with pytest.raises(raised) as caught:
+        await _Told(error, stop=stop).run(_refused)
+    if cause is None:
+        assert caught.value.__cause__ is None
+    else:
+        assert isinstance(caught.value.__cause__, cause)
+    if stop:  # the stop names the last error, which names the failure it translates
+        assert caught.value.__cause__ is not None
+        assert isinstance(caught.value.__cause__.__cause__, OSError)

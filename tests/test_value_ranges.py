@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
@@ -33,7 +34,6 @@ from cronoq_store._domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
@@ -45,7 +45,7 @@ from cronoq_store._store import PgStore
 from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
-from .test_group_commit import (
+from .test_committer import (
     LeaderRowHold,
     app_name,
     bump_epoch,

@@ -1,5 +1,6 @@
 """The writer connection a store holds for its term (``CommitPath(hold=True)``): reused by
-one commit at a time, never when in doubt, returned at step-down, fencing and close."""
+one commit at a time, never when in doubt, returned at step-down, fencing and close; and
+what holding it must not change about the store's pool, leadership terms and failures."""
 
 from __future__ import annotations
 
@@ -14,13 +15,20 @@ from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec
-from cronoq_store._errors import FencedError, UnavailableError
+from cronoq_store._errors import (
+    FencedError,
+    IdCollisionError,
+    KeyTakenError,
+    StoreError,
+    UnavailableError,
+)
 from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 
-from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
-from .test_commit import BASE, submitted
-from .waits import until, until_value
+from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
+from .test_commit import BASE, changed, submitted
+from .test_leadership import lock_holders
+from .waits import bounded, holds_for, until, until_value
 
 
 @pytest.fixture
@@ -184,3 +192,328 @@ async def test_a_store_with_one_connection_holds_none(
         await store.commit(epoch, BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
         assert checked_out(store) == 0
         assert await store.get_task(TaskId(1)) is not None
+
+
+# --- what the held connection must not change: the pool, terms, failures --------------
+
+
+async def backends(pg_url: URL, name: str) -> set[int]:
+    rows = await admin_execute(
+        pg_url, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", name
+    )
+    return {r["pid"] for r in rows}
+
+
+async def gone(pg_url: URL, name: str, pid: int) -> bool:
+    """Whether the server session ``pid`` has ended (the server ends it asynchronously)."""
+    return pid not in await backends(pg_url, name)
+
+
+class RowLock:
+    """A session that can hold the leader row ``FOR UPDATE``: commits and prunes wait."""
+
+    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+        self._conn, self._schema = conn, schema
+        self._tx: Any = None
+
+    async def lock(self) -> None:
+        self._tx = self._conn.transaction()
+        await self._tx.start()
+        await self._conn.execute(f'SELECT 1 FROM "{self._schema}".cronoq_leader FOR UPDATE')
+
+    async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
+        """Wait until a session waits for the lock held here (``work`` ending first fails)."""
+
+        async def blocked() -> bool:
+            rows = await self._conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                self._conn.get_server_pid(),
+            )
+            return work.done() or bool(rows)
+
+        await until(blocked, what)
+        assert not work.done(), f"{what}: it ended without waiting ({work})"
+
+    async def release(self) -> None:
+        if self._tx is not None:
+            tx, self._tx = self._tx, None
+            await tx.rollback()
+
+
+@pytest.fixture
+async def row_lock(pg_url: URL, migrated: str) -> AsyncIterator[RowLock]:
+    conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+    lock = RowLock(conn, migrated)
+    try:
+        yield lock
+    finally:
+        await lock.release()
+        await conn.close()
+
+
+async def open_leader(
+    pg_url: URL, migrated: str, name: str, max_connections: int, timeout: float = 30.0
+) -> tuple[PgStore, int]:
+    """A leader whose commits, prunes and pool checkouts wait up to ``timeout``: what a test
+    holds up is still waiting when the test looks, however slow the machine, and a wait
+    that should not happen at all fails the test after it."""
+    config = PgStoreConfig(
+        schema=migrated,
+        max_connections=max_connections,
+        application_name=name,
+        commit_timeout=timeout,
+    )
+    store = await PgStore.connect(pg_url, config)
+    return store, await store.acquire_leadership()
+
+
+# --- the pool: the held connection takes a slot from reads ----------------------------------
+
+
+@pytest.mark.parametrize("connections", [2, 3])
+async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_another(
+    pg_url: URL, migrated: str, name: str, row_lock: RowLock, connections: int
+) -> None:
+    # Were the writer to hold one of two connections for the whole term, idle between
+    # commits, a read waiting on a lock (a prune behind a commit) would take the other, and
+    # health() would wait pool_timeout (commit_timeout) and fail although nothing commits:
+    # so a writer holds a connection only from max_connections=3 on.
+    store, epoch = await open_leader(
+        pg_url, migrated, name, max_connections=connections, timeout=1.0
+    )
+    await store.commit(epoch, BASE, [submitted(1)], [])
+    await row_lock.lock()
+    prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
+    try:
+        await asyncio.sleep(0.3)
+        assert not prune.done()
+        health = await store.health()  # must not need the idle writer's connection
+        assert health.is_leader
+    finally:
+        await row_lock.release()
+        assert await prune == 0
+        await store.close()
+
+
+# --- leadership terms ----------------------------------------------------------------------
+
+
+async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    # A leader that lost its lock (its lock session killed) and goes back to
+    # acquire_leadership() without committing gives the previous term's writer connection
+    # back: it holds none while it waits as a standby, and takes none into its next term
+    # (a refused commit, a fencing, release_leadership and close are not the only ways back).
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    other = await PgStore.connect(
+        pg_url, PgStoreConfig(schema=migrated, application_name=f"{name}-other")
+    )
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        assert checked_out(store) == 1
+        [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
+        assert await terminate_backend(pg_url, pid)
+        await bounded(store.leadership_lost(), "the step-down after the lock session ended")
+        await bounded(other.acquire_leadership(), "the other's takeover")
+        waiting = asyncio.ensure_future(store.acquire_leadership())
+        await holds_for(lambda: not waiting.done(), "the standby waiting", 0.5)
+        # A standby's pool is all for reads: the last term's writer connection is given back.
+        await until(lambda: checked_out(store) == 0, "the waiting standby to hold no connection")
+        assert not waiting.done()
+        await other.release_leadership()
+        new_epoch = await bounded(waiting, "the standby's takeover after the release")
+        await store.commit(new_epoch, BASE, [submitted(2)], [])
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await other.close()
+        await store.close()
+
+
+# --- what held ------------------------------------------------------------------------------
+
+
+async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
+    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        await row_lock.lock()
+        [pid] = await writers(pg_url, name)
+        commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+        await row_lock.waited_on(commit, "the commit to wait on the leader row")
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        assert checked_out(store) == 0
+        await row_lock.release()
+        await until(
+            lambda: gone(pg_url, name, pid), "the server to end the cancelled commit's session"
+        )
+        await store.commit(epoch, BASE, [submitted(2)], [])
+        assert checked_out(store) == 1
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_the_held_session_terminated_during_a_commit(
+    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        await row_lock.lock()
+        [pid] = await writers(pg_url, name)
+        commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+        await row_lock.waited_on(commit, "the commit to wait on the leader row")
+        assert await terminate_backend(pg_url, pid)
+        with pytest.raises(UnavailableError):
+            await commit
+        assert checked_out(store) == 0
+        await row_lock.release()
+        await store.commit(epoch, BASE, [submitted(2)], [])
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_the_held_session_ended_by_idle_session_timeout(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        held = store._commits.connections.held
+        assert held is not None
+        await held.driver_connection.execute("SET idle_session_timeout = '100ms'")  # type: ignore[union-attr]
+        await until(
+            lambda: held.driver_connection.is_closed(),  # type: ignore[union-attr]
+            "the server to end the idle held session, and the event loop to read it",
+        )
+        await store.commit(epoch, BASE, [submitted(2)], [])
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_close_while_a_commit_runs_on_the_held_connection_leaves_no_session(
+    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    await store.commit(epoch, BASE, [submitted(1)], [])
+    await row_lock.lock()
+    commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+    await row_lock.waited_on(commit, "the commit to wait on the leader row")
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0.3)
+    await row_lock.release()
+    # The commit in flight lands after close() disposed the pool: its connection must not
+    # go back to the disposed pool, whose server session would then stay open (even after
+    # a garbage collection).
+    await bounded(asyncio.gather(commit, closing), "the commit and close() once the row is free")
+    left: set[int] = await until_value(
+        lambda: backends(pg_url, name), lambda pids: not pids, "the store's sessions to end"
+    )
+    assert left == set()
+    with pytest.raises(StoreError):
+        await store.commit(epoch, BASE, [submitted(3)], [])
+
+
+async def test_a_deposed_leader_cannot_write_through_its_held_connection(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    other = await PgStore.connect(
+        pg_url, PgStoreConfig(schema=migrated, application_name=f"{name}-other")
+    )
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
+        assert await terminate_backend(pg_url, pid)
+        await bounded(other.acquire_leadership(), "the other's takeover")
+        # Whether or not the keeper noticed yet, the held connection must not write.
+        with pytest.raises(FencedError):
+            await store.commit(epoch, BASE, [submitted(2)], [])
+        assert checked_out(store) == 0
+        assert await stored(pg_url, migrated) == [1]
+    finally:
+        await other.close()
+        await store.close()
+
+
+async def test_concurrent_commits_with_three_connections(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await asyncio.gather(*(store.commit(epoch, BASE, [submitted(n)], []) for n in range(1, 9)))
+        assert checked_out(store) == 1
+        assert await store.get_task(submitted(1).id) is not None
+        assert await stored(pg_url, migrated) == list(range(1, 9))
+    finally:
+        await store.close()
+
+
+async def test_the_server_restarted_under_a_held_connection(
+    pg_server: ServerUnderTest, pg_url: URL, migrated: str, name: str
+) -> None:
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        held = store._commits.connections.held
+        await asyncio.to_thread(restart, pg_server, "immediate")
+        await bounded(store.leadership_lost(), "the step-down after the restart")
+        with pytest.raises(FencedError):
+            await store.commit(epoch, BASE, [submitted(2)], [])
+        epoch = await bounded(store.acquire_leadership(), "the leadership after the restart")
+        await store.commit(epoch, BASE, [submitted(2)], [])
+        assert store._commits.connections.held is not held
+        assert checked_out(store) == 1
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    # A server's refusal (a live key, an id of another task) in a transaction path must
+    # leave the held session out of any transaction, and it goes on serving commits.
+    from cronoq_store._domain import TaskStatus
+
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1, key="k")], [])
+        held = store._commits.connections.held
+        [pid] = await writers(pg_url, name)
+        with pytest.raises(KeyTakenError):
+            await store.commit(epoch, BASE, [changed(1, TaskStatus.RUNNING), submitted(2, "k")], [])
+        with pytest.raises(IdCollisionError):
+            await store.commit(epoch, BASE, [submitted(1, payload=b"other")], [])
+        rows = await admin_execute(pg_url, "SELECT state FROM pg_stat_activity WHERE pid = $1", pid)
+        assert [r["state"] for r in rows] == ["idle"]
+        assert store._commits.connections.held is held
+        await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, "k")], [])
+        assert await stored(pg_url, migrated) == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_a_held_connection_of_a_disposed_pool_is_closed_at_step_down(
+    pg_url: URL, migrated: str, name: str
+) -> None:
+    # The pool is disposed while the writer holds a connection (as _translated does for a
+    # demoted primary, after a read or ping): release_leadership() closes the held
+    # connection instead of returning it to the disposed pool, where its session would
+    # stay open.
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
+    try:
+        await store.commit(epoch, BASE, [submitted(1)], [])
+        [pid] = await writers(pg_url, name)
+        await store.engine.dispose()
+        await store.release_leadership()
+        await until(lambda: gone(pg_url, name, pid), "the server to end the released session")
+    finally:
+        await store.close()

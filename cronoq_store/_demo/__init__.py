@@ -6,7 +6,7 @@ real process (:mod:`cronoq_store._demo.roles`), so the crash is a real ``SIGKILL
 :mod:`cronoq_store._demo.orchestrator`) plays the operator:
 
 1. Instance A leads, recovers, and acknowledges submissions from many concurrent submitter
-   coroutines through :class:`~cronoq_store._group_commit.GroupCommitter`. Each submitter
+   coroutines through :class:`~cronoq_store._committer.GroupCommitter`. Each submitter
    appends every acknowledged write to a file the moment its ``await`` returns, outside the
    database: that file is what clients were promised.
 2. B waits as standby; a zombie process holds A's epoch, as a partitioned copy of A would.

@@ -22,10 +22,10 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from .._committer import GroupCommitter
 from .._config import PgStoreConfig
 from .._domain import TaskSpec, TaskStatus, TimeBase, task_id
 from .._errors import FencedError
-from .._group_commit import GroupCommitter
 from .._mutations import StatusChanged, Submitted
 from .._store import PgStore
 

@@ -78,6 +78,7 @@ from .._rows import (
 )
 from .._sizing import MAX_COMMIT_BYTES, check_batch_size
 from .._stored_values import Recovered, RecoveredTerminal, TaskRecord
+from ..telemetry import DISABLED, Telemetry
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]
 
@@ -243,6 +244,15 @@ class InMemoryStore:
     def database(self) -> InMemoryDatabase:
         """The state this instance shares with the others of its cluster."""
         return self._db
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """As ``PgStore.telemetry``: an in-memory store records nowhere (``DISABLED``)."""
+        return DISABLED
+
+    async def ping(self) -> None:
+        """As ``PgStore.ping``: the database always answers while the store is open."""
+        self._check_open("pinging the database")
 
     async def close(self) -> None:
         """Give up leadership and stop any acquisition in progress; the data stays in the

@@ -44,6 +44,7 @@ from cronoq_store import (
     TimeBase,
 )
 from cronoq_store._domain import UNIX_EPOCH
+from cronoq_store._protocols import Committable
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends
@@ -64,9 +65,9 @@ class Capability(Enum):
     """The state outlives the process that wrote it: another process recovers it."""
 
 
-class ContractStore(Store, StoreQueries, Protocol):
-    """What every store under contract offers: both protocols, its epoch, its bound on a
-    batch's bytes, and close()."""
+class ContractStore(Store, StoreQueries, Committable, Protocol):
+    """What every store under contract offers: the scheduler's two protocols and the group
+    committer's, its epoch, its bound on a batch's bytes (settable), and close()."""
 
     max_commit_bytes: int
 

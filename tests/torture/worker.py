@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.torture.worker CONFIG.json``. The instance competes for leadership
 of the cluster's schema; while it leads, submitters commit new tasks and status transitions
-through a :class:`~cronoq_store._group_commit.GroupCommitter`, continuously, and every
+through a :class:`~cronoq_store._committer.GroupCommitter`, continuously, and every
 acknowledged submission is recorded in the instance's journal *after* the ack (so a journal
 never claims more than the store acknowledged). Each transition's message names the epoch
 and the instance that committed it (``e<epoch> <name>``), so the checker can tell, row by
@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from cronoq_store._committer import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import CommitterClosedError, FencedError, StoreError
-from cronoq_store._group_commit import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._stored_values import Recovered

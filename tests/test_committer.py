@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._committer_stats import Tally
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
@@ -31,10 +32,11 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._group_commit import GroupCommitter
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._retry import MIN_PAUSE, Backoff
+from cronoq_store._sizing import MAX_COMMIT_BYTES
 from cronoq_store._store import PgStore
+from cronoq_store.telemetry import DISABLED
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
 from .waits import bounded, holds_for, until, until_value
@@ -517,7 +519,11 @@ async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
 
 
 class ScriptedStore:
-    """Records every commit; fails each attempt with the next scripted error, if any."""
+    """Records every commit; fails each attempt with the next scripted error, if any. While
+    failures are scripted, the database does not answer a ping either (an outage)."""
+
+    max_commit_bytes = MAX_COMMIT_BYTES
+    telemetry = DISABLED
 
     def __init__(self, failures: Sequence[BaseException] = (), forever: bool = False) -> None:
         self.failures = list(failures)
@@ -543,6 +549,10 @@ class ScriptedStore:
         if self.failures:
             raise self.failures.pop(0)
         self.commits.append(list(batch))
+
+    async def ping(self) -> None:
+        if self.forever or self.failures:
+            raise UnavailableError("the scripted outage goes on")
 
 
 async def test_batches_keep_submission_order_and_respect_the_cap() -> None:

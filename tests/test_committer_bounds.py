@@ -5,6 +5,9 @@ The 1 GiB message limit of PostgreSQL is not allocated here: the committer's and
 store's byte bounds are parameters, lowered to a few hundred KiB. A batch that fails
 "transiently" every time is made on the server: a trigger that ends its own session, or
 sleeps past a statement timeout, whenever a poisoned payload is inserted.
+
+Admission too: the bound on rows accepted and not yet settled, first come first served,
+under submitters that cancel.
 """
 
 from __future__ import annotations
@@ -12,23 +15,30 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TimeBase, task_id
-from cronoq_store._errors import BatchTooLargeError, StoreError, UnavailableError
-from cronoq_store._group_commit import GroupCommitter
+from cronoq_store._errors import (
+    BatchTooLargeError,
+    StoreError,
+    UnavailableError,
+)
 from cronoq_store._mutations import Mutation, Submitted
 from cronoq_store._retry import Backoff
-from cronoq_store._sizing import batch_size
+from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
+from cronoq_store.telemetry import DISABLED, Telemetry
 
+from . import test_commit
 from .pgharness import ServerUnderTest, admin_execute
-from .test_group_commit import bump_epoch, open_store, stored_ids
+from .test_committer import bump_epoch, open_store, stored_ids
 from .waits import until
 
 BASE = TimeBase.now()
@@ -51,6 +61,13 @@ class Recording:
     @property
     def max_commit_bytes(self) -> int:
         return self.store.max_commit_bytes
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.store.telemetry
+
+    async def ping(self) -> None:
+        await self.store.ping()
 
     async def commit(
         self,
@@ -236,11 +253,17 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
     assert await stored_ids(pg_url, schema) == {task_id(epoch, n) for n in range(21)}
 
 
-async def test_a_store_without_ping_keeps_retrying() -> None:
-    """Only a store that can say whether the database answers gets batches split."""
+async def test_a_batch_is_retried_as_long_as_the_database_does_not_answer() -> None:
+    """A batch is split only once the database answers pings while it fails: a ping that
+    fails means an outage, retried through."""
 
     class Failing:
         attempts = 0
+        max_commit_bytes = MAX_COMMIT_BYTES
+        telemetry = DISABLED
+
+        async def ping(self) -> None:
+            raise UnavailableError("connection refused")
 
         async def commit(
             self,
@@ -258,6 +281,79 @@ async def test_a_store_without_ping_keeps_retrying() -> None:
     await until(lambda: store.attempts >= 20, "20 attempts")
     assert not task.done()
     assert committer.stats().stuck_batches == 0
+    assert committer.stats().unanswered_pings >= 19
     await committer.close(drain=False)
     with pytest.raises(StoreError):
         await task
+
+
+# --- admission: the bound on pending rows, under cancellation ---------------------------
+
+
+class _SlowStore:
+    """Commits after a random short pause; records what committed, in order."""
+
+    max_commit_bytes = MAX_COMMIT_BYTES
+    telemetry = DISABLED
+
+    def __init__(self, rng: Any) -> None:
+        self.rng = rng
+        self.committed: list[int] = []
+
+    async def commit(self, epoch: int, base: Any, batch: Any, outputs: Any) -> None:
+        await asyncio.sleep(self.rng.random() * 0.002)
+        self.committed.extend(m.id for m in batch)
+
+    async def ping(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+async def test_admission_under_cancellation_keeps_counters_order_and_bounds(in_flight: int) -> None:
+    """With one batch in flight, submitters keep their order; with several, batches that
+    share no task commute, so only the bounds and the counters are checked."""
+    import random
+
+    from cronoq_store._committer import GroupCommitter
+
+    rng = random.Random(7)
+    store = _SlowStore(rng)
+    limit = 10
+    committer = GroupCommitter(
+        store,
+        1,
+        BASE,
+        max_pending_mutations=limit,
+        max_batch_mutations=4,
+        max_batches_in_flight=in_flight,
+    )
+    admitted: list[int] = []
+    over: list[int] = []
+
+    async def one(n: int, size: int) -> None:
+        batch = [test_commit.submitted(n * 100 + i) for i in range(size)]
+        await committer.submit(batch)
+
+    tasks = []
+    for n in range(1, 400):
+        size = rng.randint(1, 6)
+        tasks.append(asyncio.ensure_future(one(n, size)))
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+        if rng.random() < 0.15:
+            rng.choice(tasks).cancel()
+        weight = committer._admission.rows
+        if committer._admission.pending > 1 and weight > limit:
+            over.append(weight)
+        admitted.append(n)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await committer.close()
+    s = committer.stats()
+    assert over == []
+    assert (s.pending_submissions, s.pending_mutations) == (0, 0)
+    assert s.submissions == s.acknowledged + s.failed_submissions + s.dropped
+    assert s.mutations == len(store.committed)
+    assert len(set(store.committed)) == len(store.committed)
+    if in_flight == 1:
+        # Submitters keep their order: the tasks committed in submission order.
+        assert store.committed == sorted(store.committed)
