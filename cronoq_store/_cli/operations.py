@@ -6,6 +6,7 @@ checks, or count a different prune."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ __all__ = [
     "fresh_facts",
     "handover_document",
     "health_document",
+    "json_or_text",
     "leader_lock",
     "live_page",
     "migration_lock_warning",
@@ -49,6 +51,7 @@ __all__ = [
     "prune_batches",
     "prune_cluster",
     "read_health",
+    "read_spec",
     "schema_facts",
     "verdict",
     "wait_for_new_leader",
@@ -197,6 +200,43 @@ async def find_tasks(conn: AsyncConnection, ref: output.IdRef | str) -> list[Lis
         found = await queries.get_listed_task(conn, queries.lookup_params(ref))
         return [] if found is None else [found]
     return await queries.get_listed_tasks(conn, ref.ids, MATCHES_SHOWN + 1)
+
+
+def json_or_text(text: str | None) -> Any:
+    """A JSON column as its value, or as the stored text when it does not decode."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return {"undecodable": text}
+
+
+async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[dict[str, Any], Any]:
+    """A task's spec as ``tasks show --json`` and the console's task page show it (times
+    as RFC 3339, durations in ns, JSON columns decoded), and its dependencies as stored."""
+    spec = (await conn.execute(ls.task_spec, {"id": task_id})).one()
+    document = {
+        "seq": spec.seq,
+        "arrival": output.rfc3339(spec.arrival_unix_ns),
+        "finished": spec.terminal,
+        "deadline": output.rfc3339(spec.deadline_unix_ns),
+        "fixed_start": None
+        if spec.fixed_at_unix_ns is None
+        else {
+            "at": output.rfc3339(spec.fixed_at_unix_ns),
+            "tolerance_ns": spec.fixed_tolerance_ns,
+            "on_miss": spec.fixed_on_miss,
+        },
+        "duration_hint_ns": spec.duration_hint_ns,
+        "timeout_ns": spec.timeout_ns,
+        "retry": json_or_text(spec.retry),
+        "resources": json_or_text(spec.resources),
+        "tags": json_or_text(spec.tags),
+        "labels": json_or_text(spec.labels),
+        "payload_size": spec.payload_size,
+    }
+    return document, json_or_text(spec.deps)
 
 
 def verdict(

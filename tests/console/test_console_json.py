@@ -25,7 +25,7 @@ from ..test_schema_revisions import older_revisions
 from .conftest import Console, fetch
 
 #: What a task's page adds to ``tasks show --json``.
-TASK_PAGE_EXTRAS = {"schema", "spec", "deps", "deps_total", "deps_raw"}
+TASK_PAGE_EXTRAS = {"schema", "deps", "deps_total", "deps_raw"}
 
 
 async def cli_json(pg_url: URL, schema: str, *args: str, code: int = 0) -> Any:
