@@ -58,7 +58,7 @@ def test_cli_takes_url_from_x_argument(pg_url: URL, schema: str) -> None:
     url = pg_url.render_as_string(hide_password=False)
     up = alembic("-x", f"schema={schema}", "-x", f"url={url}", "upgrade", "head")
     assert up.returncode == 0, up.stderr
-    assert f"Running upgrade 0006_drop_legacy_version_table -> {head_revision()}" in up.stderr
+    assert f"-> {head_revision()}" in up.stderr
 
 
 def test_offline_sql_is_a_reviewable_script() -> None:

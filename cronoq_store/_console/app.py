@@ -112,6 +112,8 @@ def _environment(refresh_seconds: int) -> Environment:
     env.filters["when"] = output.moment_words
     env.filters["retry_words"] = output.retry_words
     env.filters["status"] = _status
+    env.filters["seconds"] = lambda seconds: output.duration_words(round(seconds * 1e9))
+    env.filters["leaderless"] = operations.leaderless_words
     env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
     env.globals["refresh_seconds"] = refresh_seconds
     env.globals["statuses"] = reads.FINISHED_STATUSES

@@ -191,8 +191,10 @@ async def cluster(
     async with source.connect(schema) as conn:
         summary, live = await _summary(conn, schema)
         if not summary["at_head"]:
-            return {"schema": schema, "summary": summary}
+            # Its history may not exist yet (a rolling upgrade before the migration).
+            return {"schema": schema, "summary": summary, "leadership_history": None}
         finished = await operations.finished_page(conn, filters, before, PAGE_SIZE)
+        rows = (await conn.execute(cs.recent_terms, {"limit": operations.TERMS_SHOWN + 1})).all()
         recurring = (
             await conn.execute(
                 cs.schedules, {"limit": SCHEDULES_SHOWN + 1, "after": schedules_after}
@@ -205,6 +207,7 @@ async def cluster(
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
         "finished": finished,
         "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
+        "leadership_history": operations.terms_document(rows, operations.TERMS_SHOWN),
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
         if len(recurring) > SCHEDULES_SHOWN

@@ -477,6 +477,43 @@ async def test_the_task_page_speaks_in_durations_words_and_coloured_statuses(
     await asyncio.to_thread(look)
 
 
+async def test_the_cluster_page_shows_the_leadership_timeline(
+    pg_url: URL, migrated: str, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """Three real takeovers, each by an instance of its own: the timeline lists the terms
+    newest first, with who took each and how long the cluster had no leader before it."""
+    for name in ("billing-a", "billing-b", "billing-c"):
+        config = PgStoreConfig(schema=migrated, application_name=name)
+        async with await PgStore.connect(pg_url, config) as store:
+            await store.acquire_leadership()
+    cluster = f"{console_at.base}/clusters/{migrated}"
+
+    def look() -> None:
+        logs(browser)
+        browser.get(cluster)
+        wait_for(browser, "#timeline")
+        terms = browser.find_elements(By.CSS_SELECTOR, "#timeline li.term")
+        assert [t.text.split(" began")[0] for t in terms] == ["epoch 3", "epoch 2", "epoch 1"]
+        assert "leading" in terms[0].text
+        assert "lasted at most" in terms[1].text
+        holders = [t.find_element(By.CSS_SELECTOR, ".term-holder").text for t in terms]
+        for holder, name in zip(holders, ("billing-c", "billing-b", "billing-a"), strict=True):
+            assert f", {name} leader" in holder, holder
+        gaps = [g.text for g in browser.find_elements(By.CSS_SELECTOR, "#timeline li.gap")]
+        assert gaps[-1] == (
+            "no leader before it: unknown (the lock was free at its first try); "
+            "the epoch before is not recorded"
+        )
+        browser.execute_script("document.getElementById('timeline').scrollIntoView()")
+        browser.save_screenshot(str(shots(tmp_path) / "timeline.png"))
+        errors = [e for e in logs(browser) if e["level"] == "SEVERE"]
+        assert errors == [], errors
+
+    await asyncio.to_thread(look)
+    doc = (await fetch(cluster + "?format=json")).json()
+    assert [t["epoch"] for t in doc["leadership_history"]] == [3, 2, 1]
+
+
 async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:
     """More finished tasks than a count examines: the overview says "at least"."""
     many = cs.SAMPLE + 5
