@@ -199,7 +199,9 @@ async def test_the_history_migration_grants_it_to_whoever_may_bump_the_epoch(
 ) -> None:
     """A deployment granted before revision 0008 goes on taking over after the owner
     migrates: the migration gives the runtime role the history's rows, as it has the
-    leader row's; the owner grants nothing new."""
+    leader row's, and a reader of the leader row (here PUBLIC, as a console's reader) may
+    read it; the owner grants nothing new."""
+    await admin_execute(roles.owner, f'GRANT SELECT ON "{schema}".cronoq_leader TO PUBLIC')
     owner = create_async_engine(async_url(roles.owner))
     try:
         await downgrade(owner, schema, "0007_leader_holder")
@@ -219,6 +221,13 @@ async def test_the_history_migration_grants_it_to_whoever_may_bump_the_epoch(
         f'"{schema}".cronoq_leader_history',
     )
     assert tuple(trigger[0]) == (False, True)
+    public = await admin_execute(
+        roles.owner,
+        "SELECT a.privilege_type FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a "
+        "WHERE c.oid = $1::regclass AND a.grantee = 0",
+        f'"{schema}".cronoq_leader_history',
+    )
+    assert [r[0] for r in public] == ["SELECT"]
 
 
 async def test_the_runtime_role_cannot_change_the_schema(roles: Roles, schema: str) -> None:

@@ -8,8 +8,9 @@ row here (during a rolling upgrade): the timeline then skips those epochs.
 
 Whoever may bump the epoch (``UPDATE`` on ``cronoq_leader``) must be able to record the
 term, or its next takeover fails: the upgrade grants each such role (not the owner) the
-rows of this table too, so that a deployment of least-privilege roles (docs/reliability.md)
-goes on taking over after the migration without a grant of its own. In SQL, server side,
+rows of this table too, and each role that may read the leader row (the console's reader)
+may read these, so that a deployment of least-privilege roles (docs/reliability.md, and
+docs/console.md) goes on after the migration without a grant of its own. In SQL, server side,
 so that ``--sql`` prints it as it runs.
 
 Revision ID: 0008_leader_history
@@ -56,23 +57,33 @@ def upgrade() -> None:
     _grant_as_leader(schema)
 
 
-#: Each role that may write the leader row may write the history rows.
+#: Each role that may write the leader row may write the history rows; each that may read
+#: it (the console's reader, an ops role running ``status``) may read them.
 _GRANT_AS_LEADER = """
 DO $grant$
 DECLARE
     grantee text;
+    privilege text;
 BEGIN
-    FOR grantee IN
-        SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+    FOR grantee, privilege IN
+        SELECT DISTINCT
+            CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END,
+            a.privilege_type
         FROM pg_catalog.pg_class c
         CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) a
         LEFT JOIN pg_catalog.pg_roles r ON r.oid = a.grantee
         WHERE c.oid = {leader}::regclass
-          AND a.privilege_type = 'UPDATE'
+          AND a.privilege_type IN ('SELECT', 'UPDATE')
           AND a.grantee <> c.relowner
     LOOP
         EXECUTE format(
-            'GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s', {history}::regclass, grantee
+            'GRANT %s ON %s TO %s',
+            CASE privilege
+                WHEN 'UPDATE' THEN 'SELECT, INSERT, UPDATE, DELETE'
+                ELSE 'SELECT'
+            END,
+            {history}::regclass,
+            grantee
         );
     END LOOP;
 END
