@@ -11,7 +11,8 @@ term, or its next takeover fails: the upgrade grants each such role (not the own
 rows of this table too, and each role that may read the leader row (the console's reader)
 may read these, so that a deployment of least-privilege roles (docs/reliability.md, and
 docs/console.md) goes on after the migration without a grant of its own. In SQL, server side,
-so that ``--sql`` prints it as it runs.
+so that ``--sql`` prints it as it runs (without ``%``, which the printed SQL would
+double).
 
 Revision ID: 0008_leader_history
 Revises: 0007_leader_holder
@@ -76,15 +77,12 @@ BEGIN
           AND a.privilege_type IN ('SELECT', 'UPDATE')
           AND a.grantee <> c.relowner
     LOOP
-        EXECUTE format(
-            'GRANT %s ON %s TO %s',
-            CASE privilege
+        EXECUTE 'GRANT '
+            || CASE privilege
                 WHEN 'UPDATE' THEN 'SELECT, INSERT, UPDATE, DELETE'
                 ELSE 'SELECT'
-            END,
-            {history}::regclass,
-            grantee
-        );
+            END
+            || ' ON ' || {history}::regclass::text || ' TO ' || grantee;
     END LOOP;
 END
 $grant$
