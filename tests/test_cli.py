@@ -229,7 +229,7 @@ async def test_migrate_to_a_revision_then_to_head(pg_url: URL, schema: str) -> N
 
     behind = await run("--url", url, "--schema", schema, "status")
     assert behind.exit_code == ExitCode.NOT_MIGRATED
-    assert "(4 revision(s) behind: 0004_task_labels, 0005_task_tenant, 0006_" in behind.stdout
+    assert "(5 revision(s) behind: 0004_task_labels, 0005_task_tenant, 0006_" in behind.stdout
     assert f"behind this build's head {head_revision()}" in behind.stderr
 
     second = await run("--url", url, "--schema", schema, "migrate")
