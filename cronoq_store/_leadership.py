@@ -41,6 +41,7 @@ import asyncio
 import logging
 import secrets
 import time
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Executable, Result
@@ -401,8 +402,14 @@ class Leadership:
             if self._connect is not None:
                 await self._refuse_untrusted_connect(session, self._connect, timeout)
             await self._read_key(session, timeout)
-            polls, suspect = 0, None
-            while not (await session.run(lock_st.try_leader_lock, self._key, timeout)).scalar():
+            polls, suspect, seen_held = 0, None, None
+            while True:
+                attempt: Any = (
+                    await session.run(lock_st.try_leader_lock, self._key, timeout)
+                ).one()
+                if attempt[0]:
+                    break
+                seen_held = attempt[1]
                 if polls % _HOLDER_CHECK_POLLS == 0:
                     suspect = await self._watch_holder(session, suspect, timeout)
                 polls += 1
@@ -410,7 +417,7 @@ class Leadership:
                     raise self._closed_error()
             if self._trust is not None:
                 await self._vet(session, self._trust, timeout)
-            epoch = await self._bump(session, timeout)
+            epoch = await self._bump(session, timeout, seen_held)
             if epoch is None:
                 await self._refuse_to_bump(session, timeout)
             # The keeper's check waits for no lock for long, and is prepared now, so that
@@ -423,7 +430,7 @@ class Leadership:
             await session.close()  # releases the lock if this session took it
             raise
 
-    async def _bump(self, session: _Session, timeout: float) -> Any:
+    async def _bump(self, session: _Session, timeout: float, seen_held: datetime | None) -> Any:
         """Bump the epoch (``None``: no leader row) in a transaction that first takes
         :data:`~cronoq_store._statements.leader_barrier`: the bump waits for the commits in
         flight, and those that arrive meanwhile wait for it, so overlapping commits of a
@@ -440,6 +447,10 @@ class Leadership:
         )
         bump = {"incarnation": self._incarnation}
         epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
+        if epoch is not None:
+            term = {"epoch": epoch, "lock_seen_held_at": seen_held}
+            await session.run(lock_st.record_term, term, timeout)
+            await session.run(lock_st.prune_terms, None, timeout)
         await session.run(lock_st.takeover_commit, None, timeout)
         return epoch
 

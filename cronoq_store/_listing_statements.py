@@ -39,7 +39,7 @@ from sqlalchemy.dialects.postgresql import OID
 
 from ._domain import TaskStatus
 from ._rows import RECORD_COLUMNS
-from ._schema import recurring, tasks
+from ._schema import leader_history, recurring, tasks
 
 __all__ = [
     "LIVE_SAMPLE",
@@ -54,6 +54,7 @@ __all__ = [
     "live_estimate",
     "live_page",
     "live_scan_boundary",
+    "recent_terms",
     "scan_boundary",
     "schedules",
     "task_spec",
@@ -321,5 +322,22 @@ schedules = (
     .select_from(recurring.outerjoin(_last, _last.c.id == recurring.c.last_task_id))
     .where(recurring.c.name > bindparam("after", type_=Text))
     .order_by(recurring.c.name)
+    .limit(bindparam("limit", type_=BigInteger))
+)
+
+
+#: The newest ``:limit`` terms of the leadership history, newest first (its index on
+#: ``began_at``, backwards).
+recent_terms = (
+    select(
+        leader_history.c.epoch,
+        leader_history.c.began_at,
+        leader_history.c.lock_seen_held_at,
+        leader_history.c.pid,
+        leader_history.c.role,
+        leader_history.c.application_name,
+        leader_history.c.client_addr,
+    )
+    .order_by(leader_history.c.began_at.desc())
     .limit(bindparam("limit", type_=BigInteger))
 )

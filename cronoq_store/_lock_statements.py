@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    DateTime,
     Integer,
     Text,
     bindparam,
     case,
+    cast,
     column,
+    delete,
     false,
     func,
     literal,
@@ -26,17 +29,20 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from ._domain import EPOCH_MAX
-from ._schema import LEADER_ROW_ID, leader, leader_tableoid
+from ._schema import LEADER_ROW_ID, leader, leader_history, leader_tableoid
 
 __all__ = [
     "LOCK_NS_LEADER",
     "LOCK_NS_MIGRATE",
     "LOCK_SESSION_SETTINGS",
+    "TERMS_KEPT",
     "bump_epoch",
     "bump_epoch_only",
     "keeper_lock_timeout",
     "leader_now",
     "lock_session_settings",
+    "prune_terms",
+    "record_term",
     "schema_oid",
     "take_epoch",
     "takeover_begin",
@@ -53,9 +59,12 @@ LOCK_NS_MIGRATE = 0x63726F6D
 
 # --- leadership -----------------------------------------------------------------------------
 
-#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock.
+#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock; and
+#: the server's time of the attempt, which the history records of the last attempt that
+#: found the lock held (the server's clock, like the time the takeover records).
 try_leader_lock = select(
-    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
+    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer)),
+    func.clock_timestamp(),
 )
 
 _own_session = table(
@@ -107,6 +116,42 @@ bump_epoch_only = (
     .values(epoch=_next_epoch)
     .returning(leader.c.epoch)
 )
+
+#: How many takeovers ``cronoq_leader_history`` keeps: each takeover prunes past it.
+TERMS_KEPT = 1_000
+
+_history = leader_history
+_recorded = {
+    "began_at": func.clock_timestamp(),
+    "lock_seen_held_at": bindparam("lock_seen_held_at", type_=DateTime(timezone=True)),
+    "pid": func.pg_backend_pid(),
+    "role": func.session_user(),
+    "application_name": func.current_setting("application_name"),
+    "client_addr": cast(func.host(func.inet_client_addr()), Text),
+}
+
+#: The takeover's row in the leadership history, in the transaction of its bump: the new
+#: epoch, when, and the lock session that took it. An epoch met again (the counter wraps
+#: at 32767, far beyond what is kept) replaces its row.
+record_term = (
+    postgresql.insert(_history)
+    .values(epoch=bindparam("epoch", type_=Integer), **_recorded)
+    .on_conflict_do_update(
+        index_elements=[_history.c.epoch],
+        set_={name: postgresql.insert(_history).excluded[name] for name in _recorded},
+    )
+)
+
+_kept_from = (
+    select(_history.c.began_at)
+    .order_by(_history.c.began_at.desc())
+    .offset(TERMS_KEPT - 1)
+    .limit(1)
+    .scalar_subquery()
+)
+#: The takeover's prune of the history past the newest :data:`TERMS_KEPT` rows: one
+#: index range, whatever the table holds.
+prune_terms = delete(_history).where(_history.c.began_at < _kept_from)
 
 #: Taking the lock takes the next epoch (:data:`bump_epoch`), only in the cluster
 #: ``:incarnation`` (the leader table's OID) that the store was opened on: no row in another.

@@ -38,6 +38,7 @@ __all__ = [
     "LEGACY_VERSION_TABLE",
     "VERSION_TABLE",
     "leader",
+    "leader_history",
     "leader_tableoid",
     "metadata",
     "recurring",
@@ -82,6 +83,25 @@ leader = Table(
     # column, mid rolling upgrade) leaves the record stale, and the holder unknown.
     Column("holder_epoch", Integer),
     CheckConstraint("id = 1", name="single_row"),
+)
+
+#: A row for each epoch taken (the last ``TERMS_KEPT``, pruned by the takeover that writes
+#: one): when it began and the lock session that took it, its role, application name and
+#: address as text (a role or address may be gone when the row is read).
+#: ``lock_seen_held_at``: the taker's last poll that found the lock still held, when it
+#: waited for it; the lock was free for at most the time from then to ``began_at``.
+leader_history = Table(
+    "cronoq_leader_history",
+    metadata,
+    Column("epoch", Integer, primary_key=True, autoincrement=False),
+    Column("began_at", DateTime(timezone=True), nullable=False),
+    Column("lock_seen_held_at", DateTime(timezone=True)),
+    Column("pid", Integer, nullable=False),
+    Column("role", Text),
+    Column("application_name", Text),
+    Column("client_addr", Text),
+    # The newest terms first, and the prune's cut.
+    Index("ix_cronoq_leader_history_began_at", "began_at"),
 )
 
 #: The leader table's OID, read through the system column ``tableoid`` of its row: the

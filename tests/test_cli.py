@@ -29,8 +29,10 @@ from cronoq_store._cli import ExitCode, cli, parse_duration
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     Dependency,
+    FixedStart,
     IntervalSchedule,
     RecurringSpec,
+    RetryPolicy,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -228,7 +230,7 @@ async def test_migrate_to_a_revision_then_to_head(pg_url: URL, schema: str) -> N
 
     behind = await run("--url", url, "--schema", schema, "status")
     assert behind.exit_code == ExitCode.NOT_MIGRATED
-    assert "(4 revision(s) behind: 0004_task_labels, 0005_task_tenant, 0006_" in behind.stdout
+    assert "(5 revision(s) behind: 0004_task_labels, 0005_task_tenant, 0006_" in behind.stdout
     assert f"behind this build's head {head_revision()}" in behind.stderr
 
     second = await run("--url", url, "--schema", schema, "migrate")
@@ -361,6 +363,60 @@ async def test_status_shows_schedules_nothing_can_decode(pg_url: URL, store: PgS
 # --- tasks ---------------------------------------------------------------------------------
 
 
+def without_ages(text: str) -> str:
+    """Printed text less how long ago each time was, which moves between two runs."""
+    return re.sub(r" \((?:[^()]* ago|just now|in [^()]*)\)", "", text)
+
+
+async def test_tasks_show_prints_durations_the_retry_policy_and_times_in_words(
+    pg_url: URL, store: PgStore
+) -> None:
+    fixed_at = 3 * 60 * 10**9
+    await store.commit(
+        0,
+        BASE,
+        [
+            submitted(
+                5,
+                key="weekly",
+                timeout=timedelta(seconds=30),
+                duration_hint=timedelta(minutes=2, seconds=5),
+                retry=RetryPolicy(5, timedelta(seconds=10), timedelta(minutes=5), 3.0),
+                fixed_start=FixedStart(fixed_at, timedelta(milliseconds=250)),
+                tags=["weekly"],
+            )
+        ],
+        [],
+    )
+    url, schema = full(pg_url), store.config.schema
+    shown = await run("--url", url, "--schema", schema, "tasks", "show", "weekly")
+    assert shown.exit_code == 0, shown.output
+    lines = dict(
+        [*re.split(r"\s{2,}", line.rstrip(), maxsplit=1), ""][:2]
+        for line in shown.stdout.splitlines()
+        if line.strip()
+    )
+    assert lines["timeout"] == "30 s"
+    assert lines["duration hint"] == "2 min 5 s"
+    assert lines["retry"] == (
+        "up to 5 attempts; waits 10 s after the first failure, multiplied by 3 after each "
+        "failure after it, at most 5 min"
+    )
+    at = datetime.fromtimestamp((BASE.unix_ns + fixed_at) // 10**9, timezone.utc)
+    assert re.fullmatch(
+        rf"{at:%Y-%m-%d %H:%M:%S} UTC \([^()]+\), tolerance 250 ms, on miss skip",
+        lines["fixed start"],
+    ), lines["fixed start"]
+    assert lines["tags"] == '["weekly"]'
+    assert "ns" not in shown.stdout.replace("ms", "")
+
+    as_json = json.loads(
+        (await run("--url", url, "--schema", schema, "tasks", "show", "--json", "weekly")).stdout
+    )
+    assert as_json["spec"]["timeout_ns"] == 30 * 10**9
+    assert as_json["spec"]["retry"]["max_attempts"] == 5
+
+
 async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore) -> None:
     await store.commit(
         0,
@@ -394,9 +450,11 @@ async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore
         "normal",
     )
     assert shown["output"] == "10 bytes: b'report.pdf'"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(.+ ago\)", shown["updated"])
+    assert (shown["timeout"], shown["retry"]) == ("-", "no retry: the first failure is final")
 
     by_key = await run("--url", url, "--schema", schema, "tasks", "show", "nightly")
-    assert by_key.stdout == by_id.stdout
+    assert without_ages(by_key.stdout) == without_ages(by_id.stdout)
     numeric_key = await run("--url", url, "--schema", schema, "tasks", "show", "--key", "42")
     assert re.search(r"^status\s+queued\s*$", numeric_key.stdout, re.M), numeric_key.output
 

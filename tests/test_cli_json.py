@@ -201,6 +201,8 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
     assert shown.exit_code == 0, shown.output
     doc = document(shown.stdout)
     updated = rfc3339(doc.pop("updated"))
+    spec = doc.pop("spec")
+    assert (spec["payload_size"], spec["timeout_ns"], spec["retry"]) == (len(b"p"), None, None)
     record = await store.get_task(big)
     assert record is not None
     assert updated == record.updated

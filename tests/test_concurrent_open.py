@@ -32,7 +32,13 @@ from cronoq_store._urls import async_url
 from .pgharness import admin_execute
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLES = {"cronoq_leader", "cronoq_tasks", "cronoq_recurring", VERSION_TABLE}
+TABLES = {
+    "cronoq_leader",
+    "cronoq_leader_history",
+    "cronoq_tasks",
+    "cronoq_recurring",
+    VERSION_TABLE,
+}
 
 
 @pytest.fixture

@@ -227,7 +227,7 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
                 try:
                     await conn.execute(
                         f'DROP TABLE "{migrated}".cronoq_leader, "{migrated}".cronoq_tasks, '
-                        f'"{migrated}".cronoq_recurring'
+                        f'"{migrated}".cronoq_recurring, "{migrated}".cronoq_leader_history'
                     )
                     await conn.execute(f'DELETE FROM "{migrated}".cronoq_alembic_version')
                 finally:

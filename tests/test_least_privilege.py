@@ -68,6 +68,7 @@ def runtime_grants(schema: str, role: str) -> list[str]:
         f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{schema}".cronoq_tasks, '
         f'"{schema}".cronoq_recurring TO {role}',
         f'GRANT SELECT, UPDATE ON "{schema}".cronoq_leader TO {role}',
+        f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{schema}".cronoq_leader_history TO {role}',
         # Read by connect(migrate=False), which checks the revision instead of migrating.
         f'GRANT SELECT ON "{schema}".cronoq_alembic_version TO {role}',
     ]
@@ -191,6 +192,42 @@ async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, sch
         assert await store.acquire_leadership() == epoch + 1
     finally:
         await store.close()
+
+
+async def test_the_history_migration_grants_it_to_whoever_may_bump_the_epoch(
+    roles: Roles, schema: str
+) -> None:
+    """A deployment granted before revision 0008 goes on taking over after the owner
+    migrates: the migration gives the runtime role the history's rows, as it has the
+    leader row's, and a reader of the leader row (here PUBLIC, as a console's reader) may
+    read it; the owner grants nothing new."""
+    await admin_execute(roles.owner, f'GRANT SELECT ON "{schema}".cronoq_leader TO PUBLIC')
+    owner = create_async_engine(async_url(roles.owner))
+    try:
+        await downgrade(owner, schema, "0007_leader_holder")
+        await upgrade(owner, schema)
+    finally:
+        await owner.dispose()
+    async with await PgStore.connect(roles.runtime, config(schema), migrate=False) as store:
+        epoch = await store.acquire_leadership()
+    rows = await admin_execute(
+        roles.owner, f'SELECT epoch, role FROM "{schema}".cronoq_leader_history'
+    )
+    assert [(r[0], r[1]) for r in rows] == [(epoch, roles.runtime.username)]
+    trigger = await admin_execute(
+        roles.owner,
+        "SELECT has_table_privilege($1, $2, 'TRIGGER'), has_table_privilege($1, $2, 'DELETE')",
+        roles.runtime.username,
+        f'"{schema}".cronoq_leader_history',
+    )
+    assert tuple(trigger[0]) == (False, True)
+    public = await admin_execute(
+        roles.owner,
+        "SELECT a.privilege_type FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a "
+        "WHERE c.oid = $1::regclass AND a.grantee = 0",
+        f'"{schema}".cronoq_leader_history',
+    )
+    assert [r[0] for r in public] == ["SELECT"]
 
 
 async def test_the_runtime_role_cannot_change_the_schema(roles: Roles, schema: str) -> None:

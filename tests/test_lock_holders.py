@@ -241,9 +241,14 @@ async def test_a_standby_behind_a_foreign_holder_warns_once_naming_it(
     pg_url: URL, migrated: str, intruder: Role, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The standby's lock session runs as a lock role with the least it needs (``SELECT,
-    UPDATE`` on the leader row): looking at the holder needs no more."""
+    UPDATE`` on the leader row, the rows of the leadership history): looking at the holder
+    needs no more."""
     lock = await create_role(pg_url, f"{migrated}_lock")
-    for grant in (f"USAGE ON SCHEMA {migrated}", f"SELECT, UPDATE ON {migrated}.cronoq_leader"):
+    for grant in (
+        f"USAGE ON SCHEMA {migrated}",
+        f"SELECT, UPDATE ON {migrated}.cronoq_leader",
+        f"SELECT, INSERT, UPDATE, DELETE ON {migrated}.cronoq_leader_history",
+    ):
         await admin_execute(pg_url, f"GRANT {grant} TO {lock.name}")
     try:
         await standby_warns_once(pg_url, migrated, intruder, lock, caplog)

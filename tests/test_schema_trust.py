@@ -679,7 +679,11 @@ async def test_the_lock_session_checks_as_its_own_role(
     await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {lock}')
     try:
         async with await PgStore.connect(owner.url, config(schema)):  # the owner migrates
-            for grant in [f"USAGE ON SCHEMA {schema}", f"SELECT, UPDATE ON {schema}.cronoq_leader"]:
+            for grant in [
+                f"USAGE ON SCHEMA {schema}",
+                f"SELECT, UPDATE ON {schema}.cronoq_leader",
+                f"SELECT, INSERT, UPDATE, DELETE ON {schema}.cronoq_leader_history",
+            ]:
                 await admin_execute(owner.url, f"GRANT {grant} TO {lock}")
         lock_url = pg_url.set(username=lock, password=password)
         async with await PgStore.connect(owner.url, config(schema), lock_url=lock_url) as store:

@@ -6,8 +6,9 @@ checks, or count a different prune."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
@@ -19,7 +20,7 @@ from .. import _catalog as catalog
 from .. import _listing_statements as ls
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._domain import I64_MAX
+from .._domain import EPOCH_MAX, I64_MAX
 from .._migrations import RevisionStatus
 from .._mutations import unhandled
 from .._queries import ClusterFacts, ListedTask
@@ -30,6 +31,7 @@ from .exits import CliError, ExitCode
 __all__ = [
     "MATCHES_SHOWN",
     "PUBLIC_CONNECT_WARNING",
+    "TERMS_SHOWN",
     "Handover",
     "Health",
     "Outcome",
@@ -42,14 +44,19 @@ __all__ = [
     "fresh_facts",
     "handover_document",
     "health_document",
+    "json_or_text",
     "leader_lock",
+    "leaderless_words",
     "live_page",
     "migration_lock_warning",
     "plan_prune",
     "prune_batches",
     "prune_cluster",
     "read_health",
+    "read_spec",
+    "recent_terms",
     "schema_facts",
+    "terms_document",
     "verdict",
     "wait_for_new_leader",
 ]
@@ -197,6 +204,104 @@ async def find_tasks(conn: AsyncConnection, ref: output.IdRef | str) -> list[Lis
         found = await queries.get_listed_task(conn, queries.lookup_params(ref))
         return [] if found is None else [found]
     return await queries.get_listed_tasks(conn, ref.ids, MATCHES_SHOWN + 1)
+
+
+def json_or_text(text: str | None) -> Any:
+    """A JSON column as its value, or as the stored text when it does not decode."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return {"undecodable": text}
+
+
+async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[dict[str, Any], Any]:
+    """A task's spec as ``tasks show --json`` and the console's task page show it (times
+    as RFC 3339, durations in ns, JSON columns decoded), and its dependencies as stored."""
+    spec = (await conn.execute(ls.task_spec, {"id": task_id})).one()
+    document = {
+        "seq": spec.seq,
+        "arrival": output.rfc3339(spec.arrival_unix_ns),
+        "finished": spec.terminal,
+        "deadline": output.rfc3339(spec.deadline_unix_ns),
+        "fixed_start": None
+        if spec.fixed_at_unix_ns is None
+        else {
+            "at": output.rfc3339(spec.fixed_at_unix_ns),
+            "tolerance_ns": spec.fixed_tolerance_ns,
+            "on_miss": spec.fixed_on_miss,
+        },
+        "duration_hint_ns": spec.duration_hint_ns,
+        "timeout_ns": spec.timeout_ns,
+        "retry": json_or_text(spec.retry),
+        "resources": json_or_text(spec.resources),
+        "tags": json_or_text(spec.tags),
+        "labels": json_or_text(spec.labels),
+        "payload_size": spec.payload_size,
+    }
+    return document, json_or_text(spec.deps)
+
+
+#: How many terms of the leadership history ``status`` and the console's cluster page show.
+TERMS_SHOWN = 10
+
+
+async def recent_terms(
+    conn: AsyncConnection, revision: RevisionStatus, limit: int = TERMS_SHOWN
+) -> list[dict[str, Any]] | None:
+    """The newest ``limit`` terms of the leadership history, newest first
+    (:func:`terms_document`); ``None`` for a schema not at this build's head, whose history
+    may not exist yet (a rolling upgrade before the migration)."""
+    if not revision.at_head:
+        return None
+    rows = (await conn.execute(ls.recent_terms, {"limit": limit + 1})).all()
+    return terms_document(rows, limit)
+
+
+def terms_document(rows: Sequence[Any], limit: int) -> list[dict[str, Any]]:
+    """Terms newest first, each with how long it lasted at most (until the next began) and
+    how long the cluster had no leader before it at most: from the taker's last look at a
+    lock still held to the moment it took the epoch. Unknown (``None``) when the taker got
+    the lock at its first try, so never saw it held. ``previous_recorded`` is false where
+    the epoch before is missing (taken by a build that kept no history, or pruned)."""
+    terms = []
+    for i, row in enumerate(rows[:limit]):
+        newer = rows[i - 1] if i > 0 else None
+        older = rows[i + 1] if i + 1 < len(rows) else None
+        held = row.lock_seen_held_at
+        terms.append(
+            {
+                "epoch": row.epoch,
+                "began_at": output.rfc3339(row.began_at),
+                "pid": row.pid,
+                "role": row.role,
+                "application_name": row.application_name,
+                "client_addr": row.client_addr,
+                "lock_seen_held_at": output.rfc3339(held),
+                "leaderless_at_most_s": None
+                if held is None
+                else max(0.0, round((row.began_at - held).total_seconds(), 3)),
+                "lasted_at_most_s": None
+                if newer is None
+                else round((newer.began_at - row.began_at).total_seconds(), 3),
+                "previous_recorded": older is not None and _follows(older.epoch, row.epoch),
+            }
+        )
+    return terms
+
+
+def _follows(before: int, epoch: int) -> bool:
+    """Whether ``epoch`` is the one taken right after ``before`` (it wraps to 1)."""
+    return epoch == before + 1 or (epoch == 1 and before == EPOCH_MAX)
+
+
+def leaderless_words(term: dict[str, Any]) -> str:
+    """How long the cluster had no leader before a term, in words."""
+    seconds = term["leaderless_at_most_s"]
+    if seconds is None:
+        return "unknown (the lock was free at its first try)"
+    return f"at most {output.duration_words(round(seconds * 1e9))}"
 
 
 def verdict(

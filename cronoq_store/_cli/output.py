@@ -45,15 +45,20 @@ __all__ = [
     "describe_foreign",
     "describe_schedule",
     "describe_session",
+    "duration_words",
     "emit_json",
     "format_duration",
     "holder_document",
     "leader_of",
+    "moment_words",
     "parse_id",
     "preview",
     "print_facts",
     "print_table",
+    "relative_words",
+    "retry_words",
     "rfc3339",
+    "seconds_words",
     "session_document",
     "short_id",
     "store_log_on_stderr",
@@ -290,6 +295,82 @@ def format_duration(seconds: int) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+_WORD_UNITS = (("d", 86_400), ("h", 3_600), ("min", 60), ("s", 1))
+
+
+def duration_words(ns: int | None) -> str:
+    """A stored duration as an operator reads it: ``30 s``, ``2 min 5 s``, ``1 h 3 min``,
+    ``250 ms``; the two largest units, a zero second one left out. ``-`` for none."""
+    if ns is None:
+        return "-"
+    sign, ns = ("-", -ns) if ns < 0 else ("", ns)
+    if ns < 1_000:
+        return f"{sign}{ns} ns"
+    if ns < 1_000_000:
+        return f"{sign}{ns / 1_000:.4g} µs"
+    if ns < 1_000_000_000:
+        return f"{sign}{ns / 1_000_000:.4g} ms"
+    if ns < 60_000_000_000 and ns % 1_000_000_000:
+        return f"{sign}{ns / 1_000_000_000:.4g} s"
+    return sign + seconds_words(ns // 1_000_000_000)
+
+
+def seconds_words(seconds: int) -> str:
+    """Whole seconds in the largest two units: ``30 s``, ``2 min 5 s``, ``3 d 4 h``."""
+    for i, (unit, size) in enumerate(_WORD_UNITS):
+        if seconds >= size or size == 1:
+            words = f"{seconds // size} {unit}"
+            if size > 1:
+                smaller, small_size = _WORD_UNITS[i + 1]
+                rest = seconds % size // small_size
+                if rest:
+                    words += f" {rest} {smaller}"
+            return words
+    raise AssertionError("the last unit is one second")
+
+
+def relative_words(seconds: float) -> str:
+    """How long ago (or, negative, how far ahead) a moment is: ``3 min ago``, ``in 5 s``."""
+    whole = int(seconds)
+    if whole == 0:
+        return "just now"
+    largest = seconds_words(abs(whole)).split(" ")[:2]
+    return f"{' '.join(largest)} ago" if whole > 0 else f"in {' '.join(largest)}"
+
+
+def moment_words(moment: datetime | str | None) -> str:
+    """A time to the second in UTC with how long ago it was:
+    ``2026-12-02 11:47:48 UTC (3 min ago)``; ``-`` for none."""
+    if moment is None:
+        return "-"
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment.removesuffix("Z") + "+00:00")
+    seconds = (datetime.now(timezone.utc) - moment).total_seconds()
+    return f"{moment.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC ({relative_words(seconds)})"
+
+
+def retry_words(retry: object) -> str:
+    """A stored retry policy (its JSON, decoded) in words: how many attempts, the first
+    wait, how it grows and its cap. A value of another shape is shown as JSON."""
+    if retry is None:
+        return "no retry: the first failure is final"
+    fields = ("max_attempts", "backoff_ns", "max_backoff_ns", "multiplier")
+    if not isinstance(retry, dict) or not set(fields) <= retry.keys():
+        return json.dumps(retry, ensure_ascii=False)
+    attempts, backoff, cap, multiplier = (retry[f] for f in fields)
+    if not isinstance(attempts, int) or not isinstance(backoff, int):
+        return json.dumps(retry, ensure_ascii=False)
+    if attempts <= 1:
+        return "a single attempt: the first failure is final"
+    words = f"up to {attempts:,} attempts; waits {duration_words(backoff)} after the first failure"
+    if isinstance(multiplier, (int, float)) and multiplier != 1:
+        words += f", multiplied by {multiplier:g} after each failure after it"
+        words += f", at most {duration_words(cap)}" if isinstance(cap, int) else ", without a cap"
+    elif isinstance(multiplier, (int, float)):
+        words += ", the same after each failure after it"
+    return words
 
 
 #: What ``tasks show`` and the console's look-up take for an id: the id itself, its short

@@ -69,6 +69,7 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         migrating = await queries.migration_lock_holder(conn, schema)
         oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
         contents = await _contents(conn) if revision.at_head else None
+        terms = await operations.recent_terms(conn, revision)
         await conn.rollback()
 
     # The store passes the OID as a signed int4; pg_locks shows it unsigned.
@@ -88,6 +89,7 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
             "leader": output.holder_document(output.leader_of(holder)),
             "lock_holder": output.holder_document(holder),
             "migration_lock": output.session_document(migrating),
+            "leadership_history": terms,
         }
         if contents is not None:
             document.update(_contents_document(contents))
@@ -132,6 +134,8 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         ),
         *([] if contents is None else [("quarantined", f"{contents.quarantined:,} rows")]),
     )
+    if revision.exists:
+        _print_terms(console, terms)
     database.refuse_unless_at_head(revision)
     assert contents is not None
     if contents.counts:
@@ -165,6 +169,42 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         )
     else:
         console.print("no recurring schedules")
+
+
+def _print_terms(console: Console, terms: list[dict[str, Any]] | None) -> None:
+    """The leadership history as a timeline, newest term first, with how long the cluster
+    had no leader before each."""
+    if terms is None:
+        console.print(
+            "leadership history: no history recorded (the schema is not at this build's "
+            "head: it is kept from revision 0008_leader_history on)"
+        )
+        return
+    if not terms:
+        console.print("leadership history: no takeover recorded yet")
+        return
+    output.print_table(
+        console,
+        f"leadership history (the last {len(terms)} terms, newest first)",
+        ("epoch", "began", "instance", "lasted", "no leader before it"),
+        (
+            (
+                str(term["epoch"]),
+                output.moment_words(term["began_at"]),
+                f"pid {term['pid']}, role {term['role'] or '-'}, "
+                f"{term['application_name'] or '(no application_name)'!r}, "
+                f"from {term['client_addr'] or 'a local socket'}",
+                "leading"
+                if term["lasted_at_most_s"] is None
+                else f"at most {output.duration_words(round(term['lasted_at_most_s'] * 1e9))}",
+                operations.leaderless_words(term)
+                + ("" if term["previous_recorded"] else "; the epoch before is not recorded"),
+            )
+            for term in terms
+        ),
+        right=("epoch",),
+        wrap="instance",
+    )
 
 
 def _contents_document(contents: _Contents) -> dict[str, object]:

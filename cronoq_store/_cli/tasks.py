@@ -4,6 +4,7 @@ by :mod:`cronoq_store._rows` through :mod:`cronoq_store._queries`, as the store'
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
@@ -60,6 +61,7 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
     async with database.database(options) as conn:
         await database.require_head(conn, options.schema)
         found = await operations.find_tasks(conn, ref)
+        spec = await operations.read_spec(conn, found[0].record.id) if len(found) == 1 else None
     if not found:
         kind = "key" if isinstance(ref, str) else "id"
         text = ref if isinstance(ref, str) else ref.text
@@ -68,9 +70,12 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         assert isinstance(ref, output.IdRef)
         _ambiguous(ref, found, as_json, console)
     record, status = found[0]
+    assert spec is not None
+    document, deps = spec
     if as_json:
-        output.emit_json(output.task_document(record, status))
+        output.emit_json({**output.task_document(record, status), "spec": document})
         return
+    fixed = document["fixed_start"]
     output.print_facts(
         console,
         ("id", output.task_id(record.id)),
@@ -81,10 +86,32 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         ("tenant", record.tenant or "-"),
         ("status", status),
         ("attempt", str(record.attempt)),
-        ("updated", _updated(record)),
+        ("updated", output.moment_words(record.updated)),
         ("message", record.message or "-"),
         ("output", output.preview(record.output)),
+        ("payload", f"{document['payload_size']:,} bytes"),
+        ("arrival", output.moment_words(document["arrival"])),
+        ("deadline", output.moment_words(document["deadline"])),
+        (
+            "fixed start",
+            "-"
+            if fixed is None
+            else f"{output.moment_words(fixed['at'])}, tolerance "
+            f"{output.duration_words(fixed['tolerance_ns'])}, on miss {fixed['on_miss']}",
+        ),
+        ("duration hint", output.duration_words(document["duration_hint_ns"])),
+        ("timeout", output.duration_words(document["timeout_ns"])),
+        ("retry", output.retry_words(document["retry"])),
+        ("deps", _json_value(deps)),
+        ("resources", _json_value(document["resources"])),
+        ("tags", _json_value(document["tags"])),
+        ("labels", _json_value(document["labels"])),
     )
+
+
+def _json_value(value: object) -> str:
+    """A decoded JSON column on one line; ``-`` for none or an empty one."""
+    return json.dumps(value, ensure_ascii=False) if value else "-"
 
 
 def _ambiguous(

@@ -31,7 +31,7 @@ from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
-from .._domain import I64_MAX, clean_text
+from .._domain import I64_MAX, QUEUED, TaskStatus, clean_text
 from .._driver import translate_error
 from .._errors import MigrationError
 from .._listing_statements import SAMPLE
@@ -76,6 +76,19 @@ def _age(moment: str | None) -> str:
     return "just now" if seconds == 0 else f"{_coarse(seconds)} ago"
 
 
+#: The statuses a badge colours; any other name (a newer build's) is shown uncoloured.
+_COLOURED = frozenset([QUEUED, *(s.value for s in TaskStatus)])
+
+
+def _status(name: str | None) -> Markup:
+    """A status as a coloured badge that keeps its name as text, for readers who do not
+    tell the colours apart; the colour is a class, since the policy forbids inline style."""
+    if name is None:
+        return Markup("-")
+    kind = name if name in _COLOURED else "other"
+    return Markup('<span class="status status-{}">{}</span>').format(kind, visible(name))
+
+
 def _coarse(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
@@ -95,6 +108,12 @@ def _environment(refresh_seconds: int) -> Environment:
     env.filters["block"] = lambda text: escape(visible_block(text))
     env.filters["age"] = _age
     env.filters["duration"] = output.age_words
+    env.filters["ns"] = output.duration_words
+    env.filters["when"] = output.moment_words
+    env.filters["retry_words"] = output.retry_words
+    env.filters["status"] = _status
+    env.filters["seconds"] = lambda seconds: output.duration_words(round(seconds * 1e9))
+    env.filters["leaderless"] = operations.leaderless_words
     env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
     env.globals["refresh_seconds"] = refresh_seconds
     env.globals["statuses"] = reads.FINISHED_STATUSES

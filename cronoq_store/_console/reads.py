@@ -6,7 +6,6 @@ holder documents (``cli.output``)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -192,8 +191,10 @@ async def cluster(
     async with source.connect(schema) as conn:
         summary, live = await _summary(conn, schema)
         if not summary["at_head"]:
-            return {"schema": schema, "summary": summary}
+            # Its history may not exist yet (a rolling upgrade before the migration).
+            return {"schema": schema, "summary": summary, "leadership_history": None}
         finished = await operations.finished_page(conn, filters, before, PAGE_SIZE)
+        rows = (await conn.execute(cs.recent_terms, {"limit": operations.TERMS_SHOWN + 1})).all()
         recurring = (
             await conn.execute(
                 cs.schedules, {"limit": SCHEDULES_SHOWN + 1, "after": schedules_after}
@@ -206,6 +207,7 @@ async def cluster(
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
         "finished": finished,
         "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
+        "leadership_history": operations.terms_document(rows, operations.TERMS_SHOWN),
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
         if len(recurring) > SCHEDULES_SHOWN
@@ -237,16 +239,6 @@ def _schedule_document(r: Any) -> dict[str, Any]:
     }
 
 
-def _json_or_text(text: str | None) -> Any:
-    """A JSON column as its value, or as the stored text when it does not decode."""
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return {"undecodable": text}
-
-
 async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str, Any]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
     dependency with its target's state; :class:`TaskAmbiguous` for a bare number that names
@@ -262,33 +254,13 @@ async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str
             raise TaskAmbiguous(ref, found)
         listed = found[0]
         record = listed.record
-        spec = (await conn.execute(cs.task_spec, {"id": record.id})).one()
-        deps = _json_or_text(spec.deps)
+        spec, deps = await operations.read_spec(conn, record.id)
         targets = []
         for dep in deps[:DEPS_SHOWN] if isinstance(deps, list) else []:
             targets.append(await _target(conn, dep))
         await conn.rollback()
     doc = output.task_document(*listed)
-    doc["spec"] = {
-        "seq": spec.seq,
-        "arrival": output.rfc3339(spec.arrival_unix_ns),
-        "finished": spec.terminal,
-        "deadline": output.rfc3339(spec.deadline_unix_ns),
-        "fixed_start": None
-        if spec.fixed_at_unix_ns is None
-        else {
-            "at": output.rfc3339(spec.fixed_at_unix_ns),
-            "tolerance_ns": spec.fixed_tolerance_ns,
-            "on_miss": spec.fixed_on_miss,
-        },
-        "duration_hint_ns": spec.duration_hint_ns,
-        "timeout_ns": spec.timeout_ns,
-        "retry": _json_or_text(spec.retry),
-        "resources": _json_or_text(spec.resources),
-        "tags": _json_or_text(spec.tags),
-        "labels": _json_or_text(spec.labels),
-        "payload_size": spec.payload_size,
-    }
+    doc["spec"] = spec
     doc["deps"] = targets
     doc["deps_total"] = len(deps) if isinstance(deps, list) else None
     doc["deps_raw"] = None if isinstance(deps, list) else deps

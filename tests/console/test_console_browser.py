@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -28,6 +29,7 @@ from cronoq_store import _listing_statements as cs
 from cronoq_store._domain import (
     Dependency,
     DependencyCondition,
+    RetryPolicy,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -418,6 +420,99 @@ async def test_hostile_text_is_shown_as_text(
     await asyncio.to_thread(look)
     doc = (await fetch(f"{cluster}/task?id=1&format=json")).json()
     assert (doc["key"], doc["pool"], doc["message"]) == (HOSTILE_KEY, HOSTILE_POOL, HOSTILE_MESSAGE)
+
+
+async def test_the_task_page_speaks_in_durations_words_and_coloured_statuses(
+    store: PgStore, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    await store.commit(
+        0,
+        BASE,
+        [
+            spec_of(
+                1,
+                key="weekly",
+                timeout=timedelta(seconds=30),
+                duration_hint=timedelta(minutes=2, seconds=5),
+                retry=RetryPolicy(5, timedelta(seconds=10), timedelta(minutes=5), 3.0),
+                deps=[Dependency(TaskId(2)), Dependency(TaskId(3))],
+            ),
+            submitted(2),
+            changed(2, FAILED),
+            submitted(3),
+            changed(3, SUCCEEDED),
+        ],
+        [],
+    )
+    cluster = f"{console_at.base}/clusters/{store.config.schema}"
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((\d+ (s|min|h|d) ago|just now)\)"
+
+    def look() -> None:
+        logs(browser)
+        browser.get(f"{cluster}/task?key=weekly")
+        wait_for(browser, "#task-timeout")
+        assert text_of(browser, "#task-timeout") == "30 s"
+        assert text_of(browser, "#task-duration-hint") == "2 min 5 s"
+        assert text_of(browser, "#task-retry").startswith(
+            "up to 5 attempts; waits 10 s after the first failure, multiplied by 3 after each "
+            "failure after it, at most 5 min"
+        )
+        assert re.fullmatch(stamp, text_of(browser, "#task-updated"))
+        assert " ns" not in text_of(browser, "#task")
+        colours = {}
+        for badge in browser.find_elements(By.CSS_SELECTOR, ".status"):
+            colours[badge.text] = badge.value_of_css_property("background-color")
+        # Each status keeps its name as text, and the three differ in colour.
+        assert set(colours) == {"queued", "failed", "succeeded"}
+        assert len(set(colours.values())) == 3
+        assert "rgba(0, 0, 0, 0)" not in colours.values()
+        browser.save_screenshot(str(shots(tmp_path) / "task-words.png"))
+        browser.get(cluster)
+        wait_for(browser, "#finished-tasks")
+        finished = browser.find_elements(By.CSS_SELECTOR, "#finished-tasks .status")
+        assert [b.text for b in finished] == ["succeeded", "failed"]
+        assert "style" not in browser.page_source.replace("stylesheet", "")
+        errors = [e for e in logs(browser) if e["level"] == "SEVERE"]
+        assert errors == [], errors  # no policy violation
+
+    await asyncio.to_thread(look)
+
+
+async def test_the_cluster_page_shows_the_leadership_timeline(
+    pg_url: URL, migrated: str, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """Three real takeovers, each by an instance of its own: the timeline lists the terms
+    newest first, with who took each and how long the cluster had no leader before it."""
+    for name in ("billing-a", "billing-b", "billing-c"):
+        config = PgStoreConfig(schema=migrated, application_name=name)
+        async with await PgStore.connect(pg_url, config) as store:
+            await store.acquire_leadership()
+    cluster = f"{console_at.base}/clusters/{migrated}"
+
+    def look() -> None:
+        logs(browser)
+        browser.get(cluster)
+        wait_for(browser, "#timeline")
+        terms = browser.find_elements(By.CSS_SELECTOR, "#timeline li.term")
+        assert [t.text.split(" began")[0] for t in terms] == ["epoch 3", "epoch 2", "epoch 1"]
+        assert "leading" in terms[0].text
+        assert "lasted at most" in terms[1].text
+        holders = [t.find_element(By.CSS_SELECTOR, ".term-holder").text for t in terms]
+        for holder, name in zip(holders, ("billing-c", "billing-b", "billing-a"), strict=True):
+            assert f", {name} leader" in holder, holder
+        gaps = [g.text for g in browser.find_elements(By.CSS_SELECTOR, "#timeline li.gap")]
+        assert gaps[-1] == (
+            "no leader before it: unknown (the lock was free at its first try); "
+            "the epoch before is not recorded"
+        )
+        browser.execute_script("document.getElementById('timeline').scrollIntoView()")
+        browser.save_screenshot(str(shots(tmp_path) / "timeline.png"))
+        errors = [e for e in logs(browser) if e["level"] == "SEVERE"]
+        assert errors == [], errors
+
+    await asyncio.to_thread(look)
+    doc = (await fetch(cluster + "?format=json")).json()
+    assert [t["epoch"] for t in doc["leadership_history"]] == [3, 2, 1]
 
 
 async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:

@@ -25,7 +25,7 @@ from ..test_schema_revisions import older_revisions
 from .conftest import Console, fetch
 
 #: What a task's page adds to ``tasks show --json``.
-TASK_PAGE_EXTRAS = {"schema", "spec", "deps", "deps_total", "deps_raw"}
+TASK_PAGE_EXTRAS = {"schema", "deps", "deps_total", "deps_raw"}
 
 
 async def cli_json(pg_url: URL, schema: str, *args: str, code: int = 0) -> Any:
@@ -109,6 +109,9 @@ async def test_a_schema_at_every_older_revision_shows_its_verdict(
             page = await fetch(base)
             assert page.status == 200, page.text()
             assert "unhealthy (exit 4)" in page.text()
+            assert "no history recorded" in page.text()
+            as_json = await fetch(base + "?format=json")
+            assert as_json.json()["leadership_history"] is None
             task = await fetch(base + "/task?id=1&format=json")
             assert task.status == 409, task.text()
             assert f"behind this build's head {head_revision()}" in task.json()["error"]

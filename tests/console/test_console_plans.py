@@ -15,6 +15,7 @@ from benchmarks.console import plan_nodes
 from cronoq_store import _listing_statements as cs
 from cronoq_store._codec import QUARANTINE_PREFIX
 from cronoq_store._domain import I64_MAX
+from cronoq_store._lock_statements import TERMS_KEPT
 
 from .conftest import Console, fetch
 
@@ -101,6 +102,12 @@ CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
     "live count": (cs.live_count, {**FILTERS, "bound": cs.LIVE_SAMPLE}, "ix_cronoq_tasks_live"),
     "task spec": (cs.task_spec, {"id": 12345}, "pk_cronoq_tasks"),
     "schedules": (cs.schedules, {"limit": 101, "after": ""}, "pk_cronoq_tasks"),
+    # The history at its bound: the newest terms by its index, never a sort of all of them.
+    "leadership history": (
+        cs.recent_terms,
+        {"limit": 11},
+        "ix_cronoq_leader_history_began_at",
+    ),
 }
 #: Statements that read no task: the planner's estimate of the live tasks, from pg_class.
 CATALOG_ONLY = {"live_estimate"}
@@ -158,8 +165,16 @@ async def seeded(engine: AsyncEngine, migrated: str) -> str:
             FROM generate_series(1, {SCHEDULES}) AS n
             """
         )
+        await raw.execute(
+            f"""
+            INSERT INTO {s}.cronoq_leader_history (epoch, began_at, pid)
+            SELECT n, now() - make_interval(mins => {TERMS_KEPT} - n), n
+            FROM generate_series(1, {TERMS_KEPT}) AS n
+            """
+        )
         await raw.execute(f"ANALYZE {s}.cronoq_tasks")
         await raw.execute(f"ANALYZE {s}.cronoq_recurring")
+        await raw.execute(f"ANALYZE {s}.cronoq_leader_history")
     return migrated
 
 

@@ -325,6 +325,7 @@ async def _prepare(admin: URL, profile: Profile) -> tuple[str, int]:
         f'GRANT CONNECT ON DATABASE "{admin.database or "postgres"}" TO {LOCK_ROLE}',
         f'GRANT USAGE ON SCHEMA "{SCHEMA}" TO {LOCK_ROLE}',
         f'GRANT SELECT, UPDATE ON "{SCHEMA}".cronoq_leader TO {LOCK_ROLE}',
+        f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{SCHEMA}".cronoq_leader_history TO {LOCK_ROLE}',
     ]
     if profile.guards:
         statements.append(
