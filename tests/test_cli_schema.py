@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store._cli import ExitCode
 from cronoq_store._cli.app import hoist_global_options
-from cronoq_store._migrations import head_revision, upgrade
+from cronoq_store._migrations import head_revision, script_location, upgrade
 from cronoq_store._schema import VERSION_TABLE
 from cronoq_store._urls import async_url
 
@@ -151,14 +152,19 @@ async def test_migrate_below_the_current_revision_refuses_with_the_downgrade_com
     assert "downgrade base`" in base.stderr
 
 
+def undone_above(revision: str) -> str:
+    """The revisions a downgrade to ``revision`` undoes, newest first, as the CLI names them."""
+    newest_first = [s.revision for s in ScriptDirectory(str(script_location())).walk_revisions()]
+    return ", ".join(newest_first[: newest_first.index(revision)])
+
+
 async def test_downgrade_asks_then_undoes_the_revisions_named(pg_url: URL, migrated: str) -> None:
     url = full(pg_url)
     unconfirmed = await run("--url", url, "--schema", migrated, "downgrade", "0004")
     assert unconfirmed.exit_code == ExitCode.USAGE, unconfirmed.output
-    assert (
-        f"undoing {head_revision()}, 0006_drop_legacy_version_table, 0005_task_tenant? What "
-        "they hold is lost. Pass --yes" in unconfirmed.stderr
-    )
+    undone = undone_above("0004_task_labels")
+    assert f"undoing {undone}? What they hold is lost. Pass --yes" in unconfirmed.stderr
+    assert undone.startswith(f"{head_revision()}, ")
     assert await versions(pg_url, migrated) == [head_revision()]
 
     done = await run("--url", url, "downgrade", "0004", "--yes", "--schema", migrated)
@@ -256,7 +262,8 @@ async def test_downgrade_on_a_terminal_asks_and_a_no_changes_nothing(
     args = ("--url", url, "--schema", migrated, "downgrade", "0006_drop_legacy_version_table")
     code, shown = await asyncio.to_thread(on_a_terminal, "n", *args)
     assert code == ExitCode.FAILED, shown
-    assert f"undoing {head_revision()}? What they hold is lost. [y/N]" in shown
+    undone = undone_above("0006_drop_legacy_version_table")
+    assert f"undoing {undone}? What they hold is lost. [y/N]" in shown
     assert await versions(pg_url, migrated) == [head_revision()]
     code, shown = await asyncio.to_thread(on_a_terminal, "y", *args)
     assert code == 0, shown
