@@ -665,12 +665,14 @@ async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced
     committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=2)
     first, second = new(), new()
     one = asyncio.ensure_future(committer.submit([first]))
-    await asyncio.wait_for(slow.landed.wait(), 10)
+    await bounded(slow.landed.wait(), "the submissions to settle")
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
     two = asyncio.ensure_future(committer.submit([second]))
     await until(lambda: committer.fenced, "the second batch fenced")
     slow.reply.set()
-    outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+    outcomes = await bounded(
+        asyncio.gather(one, two, return_exceptions=True), "the submissions to settle"
+    )
     await committer.close()
     assert await stored(pg_url, migrated) == [first.id]
     assert outcomes[0] is None, outcomes[0]
@@ -683,15 +685,18 @@ async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_i
     """The second batch (a transition of the first batch's task) waits for the first, which
     waits on a held leader row. The writer task is cancelled (a loop shutting down): every
     submitter is told, the waiting batch's too, none is left waiting for ever."""
+    name = app_name(migrated)
     task = new()
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=2)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit([task]))
-        await asyncio.sleep(0.2)
+        await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
         two = asyncio.ensure_future(
             committer.submit([StatusChanged(task.id, TaskStatus.RUNNING, 1, 5)])
         )
-        await asyncio.sleep(0.2)
+        await holds_for(
+            lambda: _sent_is(pg_url, name, 1), "the second batch held back behind the first", 0.2
+        )
         assert not one.done()
         assert not two.done()
         writers = [t for t in asyncio.all_tasks() if t.get_name() == "cronoq-group-commit-epoch-0"]
@@ -699,7 +704,9 @@ async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_i
         writers[0].cancel()
         await asyncio.wait({writers[0]}, timeout=10)
         await hold.release()
-        outcomes = await asyncio.wait_for(asyncio.gather(one, two, return_exceptions=True), 10)
+        outcomes = await bounded(
+            asyncio.gather(one, two, return_exceptions=True), "the submissions to settle"
+        )
     await committer.close()
     assert all(isinstance(o, CommitterClosedError) for o in outcomes), outcomes
 
@@ -737,13 +744,20 @@ async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced
             await until(three, "three batches in flight")
             killed = (await waiting_pids(pg_url, name))[1]
             await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", killed)
-            await asyncio.sleep(0.3)  # the killed batch fails and is sent again
+
+            async def sent_again() -> bool:
+                pids = await waiting_pids(pg_url, name)
+                return len(pids) == 3 and killed not in pids
+
+            await until(sent_again, "the killed batch sent again, three in flight")
             if then == "takeover":
                 await hold.execute(f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
                 await hold.release(commit=True)
             else:
                 await hold.release()
-            outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 30)
+            outcomes = await bounded(
+                asyncio.gather(*waiting, return_exceptions=True), "the submissions to settle"
+            )
         await committer.close()
     if then == "takeover":
         assert all(isinstance(o, FencedError) for o in outcomes), outcomes
@@ -768,7 +782,7 @@ async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_p
             tasks = [new() for _ in range(40)]
             submissions = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
             pruned = asyncio.ensure_future(store.prune(1))
-            outcomes = await asyncio.wait_for(asyncio.gather(*submissions), 30)
+            outcomes = await bounded(asyncio.gather(*submissions), "the submissions to settle")
             assert await asyncio.wait_for(pruned, 30) == 0
             await committer.close()
     finally:
@@ -795,16 +809,21 @@ async def test_a_batch_waits_for_the_bisection_of_a_failed_batch_it_follows(
         innocent = [StatusChanged(holder.id, TaskStatus.SUCCEEDED, 1, 5)]
         later = [Submitted(task.id, 2, 1, TaskSpec(b"n", key="k"))]
     guilty = Submitted(other.id, 9, 9, TaskSpec(b"not the same task"))
+    name = app_name(migrated)
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(innocent))
         bad = asyncio.ensure_future(committer.submit([guilty]))
-        await asyncio.sleep(0.2)  # one batch of both, in flight on the held row
+        await until(lambda: _sent_is(pg_url, name, 1), "one batch of both in flight")
         two = asyncio.ensure_future(committer.submit(later))
-        await asyncio.sleep(0.2)
+        await holds_for(
+            lambda: _sent_is(pg_url, name, 1), "the second batch held back behind the first", 0.2
+        )
         assert not two.done()
         await hold.release()
-        outcomes = await asyncio.wait_for(asyncio.gather(one, bad, two, return_exceptions=True), 10)
+        outcomes = await bounded(
+            asyncio.gather(one, bad, two, return_exceptions=True), "the submissions to settle"
+        )
     await committer.close()
     assert outcomes[0] is None
     assert isinstance(outcomes[1], IdCollisionError)
@@ -826,14 +845,12 @@ async def test_a_barrier_returns_only_once_everything_before_it_is_settled(
     slow = SlowFirstReply(store)
     committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=4)
     one = asyncio.ensure_future(committer.submit([new()]))
-    await asyncio.wait_for(slow.landed.wait(), 10)
+    await bounded(slow.landed.wait(), "the submissions to settle")
     barrier = asyncio.ensure_future(committer.submit([]))
-    await asyncio.sleep(0.3)
-    barrier_first = barrier.done()
+    await holds_for(lambda: not barrier.done(), "the barrier waiting for the slow reply", 0.3)
     slow.reply.set()
-    await asyncio.wait_for(asyncio.gather(one, barrier), 10)
+    await bounded(asyncio.gather(one, barrier), "the submission and the barrier")
     await committer.close()
-    assert not barrier_first, "the barrier returned before the submission before it settled"
 
 
 async def test_a_schedules_upsert_and_remove_in_batches_in_flight_land_in_order(
@@ -842,15 +859,18 @@ async def test_a_schedules_upsert_and_remove_in_batches_in_flight_land_in_order(
     """A schedule is created in one batch (held in flight) and removed in the next: the
     removal waits for the creation, so the schedule is gone at the end, as serially."""
     spec = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
+    name = app_name(migrated)
     committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit([RecurringUpsert(spec)]))
-        await asyncio.sleep(0.2)
+        await until(lambda: _sent_is(pg_url, name, 1), "the creation in flight")
         two = asyncio.ensure_future(committer.submit([RecurringRemove("r")]))
-        await asyncio.sleep(0.2)
+        await holds_for(
+            lambda: _sent_is(pg_url, name, 1), "the removal held back behind the creation", 0.2
+        )
         assert not two.done()
         await hold.release()
-        await asyncio.wait_for(asyncio.gather(one, two), 10)
+        await bounded(asyncio.gather(one, two), "the submissions to settle")
     await committer.close()
     rows = await admin_execute(pg_url, f'SELECT count(*) FROM "{migrated}".cronoq_recurring')
     assert rows[0][0] == 0

@@ -19,7 +19,7 @@ from cronoq_store._migrations import upgrade
 from .pgharness import admin_execute, terminate_backends
 from .test_cli import full, run
 from .test_leadership import Factory, incarnation, lead, leader_app, lock_key, make
-from .waits import bounded
+from .waits import bounded, until
 
 __all__ = ["incarnation", "lock_key", "make"]  # fixtures, used by name
 
@@ -29,6 +29,17 @@ async def history(url: URL, schema: str) -> list[dict[str, object]]:
         url, f'SELECT * FROM "{schema}".cronoq_leader_history ORDER BY began_at'
     )
     return [dict(r) for r in rows]
+
+
+async def saw_the_lock_held(url: URL, schema: str, name: str) -> bool:
+    """Whether standby ``name`` has polled the lock and found it held: its lock session is
+    idle after a try (or after the look at the holder that follows a failed one)."""
+    rows = await admin_execute(
+        url,
+        "SELECT query FROM pg_stat_activity WHERE application_name LIKE $1 AND state = 'idle'",
+        leader_app(schema, name) + "%",
+    )
+    return any("pg_try_advisory_lock" in r[0] or "pg_locks" in r[0] for r in rows)
 
 
 async def test_each_takeover_records_its_epoch_and_the_session_that_took_it(
@@ -44,7 +55,7 @@ async def test_each_takeover_records_its_epoch_and_the_session_that_took_it(
         )
     )[0][0]
     standby = asyncio.ensure_future(b.acquire())
-    await asyncio.sleep(0.3)  # b polls and finds the lock held
+    await until(lambda: saw_the_lock_held(pg_url, migrated, "b"), "b to find the lock held")
     assert await terminate_backends(pg_url, leader_app(migrated, "a")) == 1
     assert await bounded(standby, "the standby's takeover") == 2
 
@@ -95,7 +106,7 @@ async def test_status_shows_the_timeline_in_text_and_json(
     a, b = make("a"), make("b")
     assert await lead(a) == 1
     standby = asyncio.ensure_future(b.acquire())
-    await asyncio.sleep(0.3)
+    await until(lambda: saw_the_lock_held(pg_url, migrated, "b"), "b to find the lock held")
     await a.release()
     assert await bounded(standby, "the standby's takeover") == 2
 

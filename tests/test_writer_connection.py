@@ -225,6 +225,10 @@ class RowLock:
         """Wait until a session waits for the lock held here (``work`` ending first fails)."""
 
         async def blocked() -> bool:
+            # This session's transaction holds the lock, and the server reads
+            # pg_stat_activity once per transaction: without a fresh look, every check
+            # would see the sessions as they were at the first.
+            await self._conn.execute("SELECT pg_stat_clear_snapshot()")
             rows = await self._conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
                 self._conn.get_server_pid(),
@@ -274,24 +278,23 @@ async def open_leader(
 async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_another(
     pg_url: URL, migrated: str, name: str, row_lock: RowLock, connections: int
 ) -> None:
-    # Were the writer to hold one of two connections for the whole term, idle between
-    # commits, a read waiting on a lock (a prune behind a commit) would take the other, and
-    # health() would wait pool_timeout (commit_timeout) and fail although nothing commits:
-    # so a writer holds a connection only from max_connections=3 on.
-    store, epoch = await open_leader(
-        pg_url, migrated, name, max_connections=connections, timeout=1.0
-    )
+    """Were the writer to hold one of two connections for the whole term, idle between
+    commits, a read waiting on a lock (a prune behind a commit) would take the other, and
+    health() would wait for a connection until the prune gave up: so a writer holds a
+    connection only from max_connections=3 on. Told by order, not by a clock: health
+    answers while the prune still waits."""
+    store, epoch = await open_leader(pg_url, migrated, name, max_connections=connections)
     await store.commit(epoch, BASE, [submitted(1)], [])
     await row_lock.lock()
-    prune = asyncio.ensure_future(store.prune(0))  # waits on the leader row
+    prune = asyncio.ensure_future(store.prune(0))
     try:
-        await asyncio.sleep(0.3)
-        assert not prune.done()
-        health = await store.health()  # must not need the idle writer's connection
+        await row_lock.waited_on(prune, "the prune to wait on the leader row")
+        health = await bounded(store.health(), "health beside the waiting prune")
         assert health.is_leader
+        assert not prune.done(), "health answered only once the prune gave its connection up"
     finally:
         await row_lock.release()
-        assert await prune == 0
+        assert await bounded(prune, "the prune once the row is free") == 0
         await store.close()
 
 
