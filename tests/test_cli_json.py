@@ -28,6 +28,7 @@ from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute
 from .test_cli import BASE, changed, full, run, submitted
+from .waits import bounded
 
 REPO = Path(__file__).resolve().parent.parent
 #: The largest id an epoch can issue: 19 digits, the widest an id gets.
@@ -353,7 +354,7 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
 
         result = await run("--url", url, "--schema", migrated, "handover", "--yes")
         assert result.exit_code == 0, result.output
-        epoch = await asyncio.wait_for(standby, 10)
+        epoch = await bounded(standby, "the standby to take over")
         assert epoch == first + 1
         assert re.search(
             r"^new leader: instance ([0-9a-f]{8}), not [0-9a-f]{8}: backend pid \d+ "
@@ -363,14 +364,14 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
         )
         assert result.stdout.rstrip().endswith(f"epoch {epoch}")
         assert re.search(rf"^epoch\s+{first}\s*$", result.stdout, re.M)
-        await asyncio.wait_for(a.leadership_lost(), 10)
+        await bounded(a.leadership_lost(), "a to step down")
         assert not a.is_leader
 
         # No standby now: the command ends the holder and gives up after --timeout.
         alone = await run("--url", url, "--schema", migrated, "handover", "--yes", "--timeout", "1")
         assert alone.exit_code == ExitCode.NO_LEADER
         assert "no instance took the leader lock within 1 s" in alone.stderr
-        await asyncio.wait_for(b.leadership_lost(), 10)
+        await bounded(b.leadership_lost(), "b to step down")
 
     nobody = await run("--url", url, "--schema", migrated, "handover", "--yes")
     assert nobody.exit_code == ExitCode.NO_LEADER
@@ -393,6 +394,6 @@ async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
         assert not standby.done()
 
         accepted = await asyncio.to_thread(in_a_terminal, argv, 100, b"y\n")
-        epoch = await asyncio.wait_for(standby, 10)
+        epoch = await bounded(standby, "the standby to take over")
         assert epoch == first + 1
         assert re.search(rf"\(asked-b leader [0-9a-f]{{8}}\), epoch {epoch}", accepted)

@@ -284,12 +284,13 @@ async def test_connect_timeout_bounds_each_entry_point(silent_server: int) -> No
                 pass
     finally:
         await engine.dispose()
-    # libpq's bound (at least two seconds), not asyncpg's default of 60.
-    assert 1.5 < time.monotonic() - started < 10
+    # libpq's bound (at least two seconds), not asyncpg's default of 60 s; the upper
+    # bound leaves a loaded machine room and still tells the two apart.
+    assert 1.5 < time.monotonic() - started < 30
     started = time.monotonic()
     code, out = await asyncio.to_thread(run_cli, url, "status")
     assert code == ExitCode.UNREACHABLE, out
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30
 
 
 async def test_keepalives_and_tcp_user_timeout_are_set_on_the_socket(

@@ -34,6 +34,7 @@ from cronoq_store._urls import async_url
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
+from .waits import bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = TimeBase.now()
@@ -563,7 +564,7 @@ async def test_a_trigger_planted_while_the_store_runs_is_refused_at_the_next_ter
         assert not store.is_leader
         await admin_execute(pg_url, f"DROP TRIGGER planted ON {schema}.cronoq_leader")
         # The lock was released and no epoch taken: this store leads again at once.
-        assert await asyncio.wait_for(store.acquire_leadership(), 10) == first + 1
+        assert await bounded(store.acquire_leadership(), "leadership") == first + 1
 
 
 async def test_a_named_trigger_with_a_trusted_function_is_accepted(
@@ -692,7 +693,7 @@ async def test_the_lock_session_checks_as_its_own_role(
             assert f"schema {schema} owned by {owner.name}" in str(info.value)
             assert f"Only '{lock}'" in str(info.value)
             await admin_execute(pg_url, f"GRANT {lock} TO {owner.name}")
-            assert await asyncio.wait_for(store.acquire_leadership(), 10) == 1
+            assert await bounded(store.acquire_leadership(), "leadership") == 1
     finally:
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin_execute(pg_url, f"DROP OWNED BY {lock}")

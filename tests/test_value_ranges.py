@@ -53,7 +53,7 @@ from .test_committer import (
     open_store,
     stored_ids,
 )
-from .waits import until
+from .waits import bounded, until
 
 I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 # Engine time is Unix time here, so engine times at the edge are stored at the edge.
@@ -195,8 +195,10 @@ async def test_a_value_beyond_bigint_fails_only_its_own_submission(
             await asyncio.sleep(0.05)
             assert committer.stats().pending_submissions == 11
             await hold.release()
-            await asyncio.wait_for(first, 10)
-            results = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), 10)
+            await bounded(first, "the first submission")
+            results = await bounded(
+                asyncio.gather(*queued, return_exceptions=True), "the queued submissions"
+            )
         await committer.close()
 
         failures = {n: r for n, r in zip(range(1, 11), results, strict=True) if r is not None}
