@@ -189,8 +189,9 @@ def test_alembic_commands_in_threads_through_run_command_take_turns(
     pg_url: URL, rounds: list[list[str]]
 ) -> None:
     """Alembic called from code in several threads, while stores open in others: every
-    schema ends with its own tables (raw calls used to return normally having migrated
-    one schema several times and the others never)."""
+    schema ends with its own tables. Alembic's module-global context is one for every
+    thread: calls not serialized by run_command could otherwise return normally having
+    migrated one schema several times and the others never."""
     for schemas in rounds:
         a, b, c, d, e = schemas
         upgrades = [alembic_upgrade(pg_url, s, raw=False) for s in (a, b, c, d)]

@@ -73,9 +73,9 @@ SHAPES: dict[str, Callable[[int], list[Mutation]]] = {
 async def test_a_commit_does_not_wait_for_a_commit_in_flight(
     store: PgStore, migrated: str, pg_url: URL, shape: str
 ) -> None:
-    """Another commit in flight holds the leader row as every commit now does (FOR SHARE):
-    a commit that inserts tasks goes through meanwhile. (Each used to take the row
-    exclusively to record the id high-water mark, and queued behind the other.)"""
+    """Another commit in flight holds the leader row as every commit does (FOR SHARE): a
+    commit that inserts tasks goes through meanwhile. Were a commit to take the row
+    exclusively (to record the id high-water mark there, say), it would queue behind."""
     await store.commit(0, BASE, [submitted(1)], [])
     in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:

@@ -46,6 +46,9 @@ HOSTILE_KEY = "<img src=x onerror=alert(1)>"
 HOSTILE_POOL = "<script>alert(2)</script>\u202eloop"
 HOSTILE_MESSAGE = "\x1b]0;owned\x07\x1b[2J\x9bstatus  succeeded\n<b onmouseover=alert(3)>x</b>"
 
+#: A time as the pages show it: to the second in UTC, with how long ago.
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((\d+ (s|min|h|d) ago|just now)\)"
+
 
 def shots(tmp_path: Path) -> Path:
     where = os.environ.get("CRONOQ_CONSOLE_SCREENSHOTS")
@@ -256,6 +259,10 @@ async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
         for n in (1, 50):
             expected = (time.time_ns() - (BASE.unix_ns - (61 - n) * minute)) / 1e9
             assert expected - 120 < ages[n - 1] <= expected, (n, shown[n - 1].text)
+        # Times to the second, with how long ago: as on the task page.
+        updated = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#live-list td.when")]
+        assert len(updated) == 50
+        assert all(re.fullmatch(STAMP, u) for u in updated), updated[:3]
         browser.save_screenshot(str(where / "live.png"))
         browser.find_element(By.ID, "next-page").click()
         wait_for(browser, "#end")
@@ -445,7 +452,6 @@ async def test_the_task_page_speaks_in_durations_words_and_coloured_statuses(
         [],
     )
     cluster = f"{console_at.base}/clusters/{store.config.schema}"
-    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((\d+ (s|min|h|d) ago|just now)\)"
 
     def look() -> None:
         logs(browser)
@@ -457,7 +463,7 @@ async def test_the_task_page_speaks_in_durations_words_and_coloured_statuses(
             "up to 5 attempts; waits 10 s after the first failure, multiplied by 3 after each "
             "failure after it, at most 5 min"
         )
-        assert re.fullmatch(stamp, text_of(browser, "#task-updated"))
+        assert re.fullmatch(STAMP, text_of(browser, "#task-updated"))
         assert " ns" not in text_of(browser, "#task")
         colours = {}
         for badge in browser.find_elements(By.CSS_SELECTOR, ".status"):
