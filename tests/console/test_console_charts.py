@@ -204,3 +204,111 @@ async def test_a_schema_that_is_no_cluster_or_behind_this_build_is_not_charted(
     reply = await fetch(f"{base}/clusters/{migrated}/charts?format=json")
     assert reply.status == 409, reply.text()
     assert "this build" in reply.json()["error"]
+
+
+def _history() -> list[Mutation]:
+    """Tasks finished over the day before ``END``: a few a minute in the last hour, a
+    slower, varying stream before it (ids from 100), with a status mix."""
+    batch: list[Mutation] = []
+    statuses = [
+        FAILED if n % 7 == 0 else CANCELLED if n % 13 == 0 else SUCCEEDED for n in range(400)
+    ]
+    id = 100
+    for minute in range(60):
+        for k in range(3 + (minute * 7) % 5):
+            batch += [arrived(id), finished(id, statuses[id % 400], minute * 60 + 5 + k * 7)]
+            id += 1
+    for quarter in range(4, 96):
+        for k in range(2 + quarter % 6):
+            ago = quarter * 900 + 30 + k * 97
+            status = SKIPPED if k == 5 else statuses[id % 400]
+            batch += [arrived(id, ago + 60), finished(id, status, ago)]
+            id += 1
+    return batch
+
+
+async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
+    store: PgStore, refreshing: Console, browser: Any, tmp_path: Any
+) -> None:
+    """The page's script fetches the JSON document and draws it with the vendored uPlot:
+    a canvas of non-zero size per chart, lines in the badges' colours, the data the plots
+    hold the document's, the backlog gaining a point each time the page reads it; and the
+    browser logs nothing (a policy violation would be logged as an error)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+    from .test_console_browser import logs, shots
+
+    schema = store.config.schema
+    epoch = await store.acquire_leadership()
+    batch = _history()
+    for start in range(0, len(batch), 400):
+        await store.commit(epoch, BASE, batch[start : start + 400], [])
+    await store.commit(epoch, BASE, [arrived(n, 1800 - n * 60) for n in range(1, 6)], [])
+    url = charts_url(refreshing, schema)
+    expected = await charts_json(refreshing, schema)
+
+    logs(browser)
+    browser.set_window_size(1280, 1500)
+    try:
+        browser.get(url)
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+            "the charts never read their document",
+        )
+        state = browser.execute_script(
+            "var s = window.cronoqCharts; return {doc: s.doc, error: s.error,"
+            " hour: s.plots.hour.data, day: s.plots.day.data};"
+        )
+        assert state["error"] is None
+        assert state["doc"]["hour"] == expected["hour"]
+        assert state["doc"]["day"] == expected["day"]
+        for window in ("hour", "day"):
+            buckets = expected[window]["buckets"]
+            assert state[window][0] == [b["start_unix_s"] for b in buckets]
+            for i, status in enumerate(expected["statuses"]):
+                drawn = state[window][i + 1]
+                assert drawn == [b["per_minute"].get(status, 0) for b in buckets], status
+        for chart in ("hour", "day", "backlog"):
+            canvas = browser.find_element(By.CSS_SELECTOR, f"#chart-{chart} canvas")
+            assert canvas.size["width"] > 300, chart
+            assert canvas.size["height"] > 100, chart
+        # The succeeded line is drawn, in the succeeded badge's colour.
+        badge = browser.execute_script(
+            "var e = document.createElement('span'); e.className = 'status status-succeeded';"
+            " document.body.appendChild(e); var c = getComputedStyle(e).color; e.remove();"
+            " return c;"
+        )
+        painted = browser.execute_script(
+            "var c = document.querySelector('#chart-hour canvas');"
+            " var d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+            " var rgb = arguments[0].match(/[0-9]+/g).map(Number), n = 0;"
+            " for (var i = 0; i < d.length; i += 4) {"
+            "  if (d[i] === rgb[0] && d[i + 1] === rgb[1] && d[i + 2] === rgb[2]) { n++; } }"
+            " return n;",
+            badge,
+        )
+        assert painted > 100, (badge, painted)
+        legend = browser.find_element(By.CSS_SELECTOR, "#chart-hour").text
+        for status in ("succeeded", "failed", "cancelled"):
+            assert status in legend
+
+        # New live tasks: the backlog's line gains points as the page reads again.
+        await store.commit(epoch, BASE, [arrived(n, 30) for n in range(6, 9)], [])
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return window.cronoqCharts.backlog[1].slice(-1)[0]") == 8,
+            "the backlog chart never showed the new tasks",
+        )
+        await store.commit(epoch, BASE, [arrived(n, 20) for n in range(9, 12)], [])
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return window.cronoqCharts.backlog[1].slice(-1)[0]") == 11,
+            "the backlog chart never showed the new tasks",
+        )
+        points = browser.execute_script("return window.cronoqCharts.plots.backlog.data[1]")
+        assert points[0] == 5
+        assert points[-1] == 11
+        browser.save_screenshot(str(shots(tmp_path) / "charts.png"))
+        assert [e for e in logs(browser) if e["level"] in ("SEVERE", "WARNING")] == []
+    finally:
+        browser.set_window_size(1280, 900)
