@@ -305,6 +305,12 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
             lambda b: b.execute_script("return window.cronoqCharts.backlog[1].slice(-1)[0]") == 11,
             "the backlog chart never showed the new tasks",
         )
+        # The backlog's text follows the charts, its badges those the server renders.
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.find_element(By.ID, "backlog").text == "11 live tasks · queued 11",
+            "the backlog's text never followed",
+        )
+        assert browser.find_elements(By.CSS_SELECTOR, "#backlog .status.status-queued")
         points = browser.execute_script("return window.cronoqCharts.plots.backlog.data[1]")
         assert points[0] == 5
         assert points[-1] == 11

@@ -25,6 +25,20 @@
     return found;
   }
   function utc(ts) { return uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"); }
+  // Times as the rest of the console writes them: UTC, 24-hour, ISO dates.
+  function iso(ts) { return new Date(ts * 1e3).toISOString(); }
+  function ticks(seconds) {
+    return function (u, splits) {
+      return splits.map(function (s) {
+        var text = iso(s);
+        if (seconds) { return text.slice(11, 19); }
+        return text.slice(11, 16) === "00:00" ? text.slice(0, 10) : text.slice(11, 16);
+      });
+    };
+  }
+  var moment = { label: "UTC", value: function (u, v) {
+    return v == null ? "-" : iso(v).slice(0, 19).replace("T", " ");
+  } };
   function width(id) { return Math.max(document.getElementById(id).clientWidth, 300); }
 
   function finishedData(doc, window_) {
@@ -36,23 +50,60 @@
     return data;
   }
   function finishedOptions(doc, id) {
-    var series = [{}];
+    var series = [moment];
     doc.statuses.forEach(function (s) {
       series.push({ label: s, stroke: colour(s), width: 2, points: { show: false },
         value: function (u, v) { return v == null ? "-" : v.toFixed(1) + "/min"; } });
     });
     return { width: width(id), height: HEIGHT, tzDate: utc, series: series,
       scales: { y: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } } },
-      axes: [{}, { label: "tasks per minute", size: 60 }] };
+      axes: [{ values: ticks(false) }, { label: "tasks per minute", size: 60 }] };
   }
   function backlogOptions(id) {
     return { width: width(id), height: HEIGHT, tzDate: utc,
-      series: [{}, { label: "live tasks", stroke: colour("queued"), width: 2, scale: "n" },
+      series: [moment, { label: "live tasks", stroke: colour("queued"), width: 2, scale: "n" },
         { label: "oldest's age (s)", stroke: colour("retrying"), width: 2, scale: "s", dash: [6, 4] }],
       scales: { n: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } },
         s: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } } },
-      axes: [{}, { scale: "n", label: "live tasks", size: 60 },
+      axes: [{ values: ticks(true), incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600] },
+        { scale: "n", label: "live tasks", size: 60 },
         { scale: "s", side: 1, label: "age, s", size: 60, grid: { show: false } }] };
+  }
+  // The backlog's text, as the page rendered it, kept in step with the charts.
+  function ageWords(seconds) {
+    var whole = Math.max(0, Math.floor(seconds));
+    var units = [["d", 86400], ["h", 3600], ["m", 60], ["s", 1]];
+    for (var i = 0; i < units.length - 1; i++) {
+      if (whole >= units[i][1]) {
+        return Math.floor(whole / units[i][1]) + units[i][0] + " " +
+          Math.floor(whole % units[i][1] / units[i + 1][1]) + units[i + 1][0];
+      }
+    }
+    return whole + "s";
+  }
+  function thousands(n) { return n.toLocaleString("en-US"); }
+  function backlogText(doc) {
+    var b = doc.backlog, line = document.getElementById("backlog");
+    var oldest = document.getElementById("oldest");
+    if (!line || !oldest) { return; }
+    var parts = [b.at_least
+      ? "at least " + thousands(b.live) + " live tasks (counted among the newest " +
+        thousands(b.sample) + (b.estimate === null ? "" : "; about " + thousands(b.estimate) +
+        " by the planner's estimate") + ")"
+      : thousands(b.live) + " live task" + (b.live === 1 ? "" : "s")];
+    line.replaceChildren(parts[0]);
+    b.by_status.forEach(function (r) {
+      var badge = document.createElement("span");
+      badge.className = "status status-" + (COLOURED.indexOf(r.status) >= 0 ? r.status : "other");
+      badge.textContent = r.status;
+      line.append(" · ", badge, " " + thousands(r.count));
+    });
+    if (b.oldest === null) { oldest.replaceChildren("no live task"); return; }
+    var link = document.createElement("a");
+    link.href = "/clusters/" + encodeURIComponent(doc.schema) + "/task?id=" + b.oldest.id;
+    link.textContent = String(b.oldest.id);
+    oldest.replaceChildren("oldest live task: ", link, ", arrived " + b.oldest.arrival + ", " +
+      ageWords(b.oldest.age_seconds) + " ago");
   }
   function draw(id, key, options, data) {
     var plot = state.plots[key];
@@ -77,6 +128,7 @@
       draw("chart-hour", "hour", finishedOptions(doc, "chart-hour"), finishedData(doc, "hour"));
       draw("chart-day", "day", finishedOptions(doc, "chart-day"), finishedData(doc, "day"));
       draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog);
+      backlogText(doc);
       state.doc = doc;
       state.reads += 1;
       state.error = null;
