@@ -343,7 +343,7 @@ def test_the_wheel_ships_the_templates_and_static_files(tmp_path: Path) -> None:
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith("METADATA"))).decode()
     console = ROOT / "cronoq_store/_console"
-    shipped = {p.relative_to(ROOT).as_posix() for p in console.rglob("*.*")}
+    shipped = {p.relative_to(ROOT).as_posix() for p in console.rglob("*") if p.is_file()}
     shipped = {p for p in shipped if "__pycache__" not in p}
     # The directory read is the console's: its templates, its script and the vendored
     # chart library with its licence are among what must ship.
