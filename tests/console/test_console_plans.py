@@ -302,6 +302,11 @@ async def test_the_charts_read_at_most_their_bound_of_each_bucket(
     ]
     # Rows per loop, averaged: 300 each, since none may exceed its LIMIT of 300.
     assert (scan["Actual Loops"], scan["Actual Rows"]) == (60, 300)
+    # Newest first in each bucket, one loop a bucket of generate_series.
+    assert scan["Scan Direction"] == "Backward"
+    loops = [n for n in plan_nodes(plan) if n["Node Type"] == "Nested Loop"]
+    assert len(loops) == 1
+    assert [n["Node Type"] for n in loops[0]["Plans"]] == ["Function Scan", "Limit"]
     async with engine.connect() as conn:
         rows = (
             await conn.execute(
