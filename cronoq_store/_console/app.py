@@ -356,7 +356,10 @@ class _Console:
     async def charts(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema = _schema(request)
-            doc = await reads.charts(self._source, schema, _moment(request, "end"))
+            end = _moment(request, "end")
+            if end is not None and end - reads.DAY.span_ns < -(2**63):
+                raise _BadRequest("end: the day before it is out of range")
+            doc = await reads.charts(self._source, schema, end)
             # Where the page's script reads the same document from.
             kept = [(k, v) for k, v in request.query_params.multi_items() if k != "format"]
             doc["json_url"] = f"/clusters/{schema}/charts" + _query([*kept, ("format", "json")])

@@ -66,6 +66,10 @@ class Window:
     bucket_seconds: int
     cap: int
 
+    @property
+    def span_ns(self) -> int:
+        return self.buckets * self.bucket_seconds * _NS
+
 
 #: The last hour a minute at a time. 60 buckets of 500: 30,000 finished tasks at most.
 HOUR = Window("hour", 60, 60, 500)

@@ -210,6 +210,8 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
         f"/clusters/{schema}/charts": 200,
         f"/clusters/{schema}/charts?end=2026-01-01T00:00": 200,
         f"/clusters/{schema}/charts?end=soon": 400,
+        # Within the range of a time, but not the day before it.
+        f"/clusters/{schema}/charts?end=1677-09-21T12:00": 400,
         f"/clusters/{schema}x/charts": 404,
         "/clusters/pg_catalog": 404,
         "/clusters/information_schema": 404,
