@@ -68,6 +68,7 @@ class Window:
 
     @property
     def span_ns(self) -> int:
+        """The whole window, in ns."""
         return self.buckets * self.bucket_seconds * _NS
 
 
@@ -140,14 +141,7 @@ async def _counts(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], S
     finished = (
         await conn.execute(cs.finished_sample, {"sample": cs.SAMPLE, "prefix": QUARANTINE_PREFIX})
     ).all()
-    live_examined = sum(row.n for row in live)
-    # At the bound, older live tasks were not looked at: counts are minimums, and the
-    # total is the planner's estimate.
-    live_at_least = live_examined >= cs.LIVE_SAMPLE
-    estimate = None
-    if live_at_least:
-        found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
-        estimate = None if found is None or found < 0 else round(found)
+    live_examined, live_at_least, estimate = await _live_total(conn, schema, live)
     await conn.rollback()
     by_status: dict[str, int] = {}
     for row in live:
@@ -179,6 +173,21 @@ async def _counts(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], S
         },
         live,
     )
+
+
+async def _live_total(
+    conn: AsyncConnection, schema: str, live: Sequence[Any]
+) -> tuple[int, bool, int | None]:
+    """How many live tasks the live counts examined, whether they stopped at their bound,
+    and then the planner's estimate of the total (``None`` when it has none): at the
+    bound, older live tasks were not looked at, so the counts are minimums."""
+    examined = sum(row.n for row in live)
+    at_least = examined >= cs.LIVE_SAMPLE
+    estimate = None
+    if at_least:
+        found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
+        estimate = None if found is None or found < 0 else round(found)
+    return examined, at_least, estimate
 
 
 def _age(unix_ns: int) -> float:
@@ -350,20 +359,15 @@ async def charts(source: Source, schema: str, end_ns: int | None = None) -> dict
         windows = {w.name: await _window(conn, w, end) for w in (HOUR, DAY)}
         live = (await conn.execute(cs.live_counts, {"bound": cs.LIVE_SAMPLE})).all()
         oldest = (await conn.execute(cs.oldest_live)).first()
-        examined = sum(row.n for row in live)
-        at_least = examined >= cs.LIVE_SAMPLE
-        estimate = None
-        if at_least:
-            found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
-            estimate = None if found is None or found < 0 else round(found)
+        examined, at_least, estimate = await _live_total(conn, schema, live)
         await conn.rollback()
     by_status: dict[str, int] = {}
     for row in live:
         by_status[row.status] = by_status.get(row.status, 0) + row.n
     # The finished statuses in their usual order, then any other name a bucket holds (a
     # newer build's), so that every task counted is drawn.
-    found = {s for w in windows.values() for b in w["buckets"] for s in b["counts"]}
-    statuses = [*FINISHED_STATUSES, *sorted(found - {*FINISHED_STATUSES})]
+    named = {s for w in windows.values() for b in w["buckets"] for s in b["counts"]}
+    statuses = [*FINISHED_STATUSES, *sorted(named - {*FINISHED_STATUSES})]
     return {
         "schema": schema,
         "now": output.rfc3339(now_ns),
@@ -391,7 +395,7 @@ async def _window(conn: AsyncConnection, window: Window, end: int) -> dict[str, 
     """One chart's buckets, oldest first, each with its exact counts among the tasks it
     examined and its tasks per minute (exact, or estimated past the cap)."""
     width = window.bucket_seconds * _NS
-    start = end - window.buckets * width
+    start = end - window.span_ns
     rows = (
         await conn.execute(
             cs.finished_per_bucket,
@@ -428,7 +432,7 @@ async def _window(conn: AsyncConnection, window: Window, end: int) -> dict[str, 
         )
     return {
         "bucket_seconds": window.bucket_seconds,
-        "buckets_count": window.buckets,
+        "bucket_count": window.buckets,
         "cap": window.cap,
         "start": output.rfc3339(start),
         "end": output.rfc3339(end),
