@@ -250,7 +250,7 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
     expected = await charts_json(refreshing, schema)
 
     logs(browser)
-    browser.set_window_size(1280, 1500)
+    browser.set_window_size(1280, 1600)
     try:
         browser.get(url)
         WebDriverWait(browser, PATIENCE).until(

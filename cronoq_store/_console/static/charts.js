@@ -62,12 +62,14 @@
   function backlogOptions(id) {
     return { width: width(id), height: HEIGHT, tzDate: utc,
       series: [moment, { label: "live tasks", stroke: colour("queued"), width: 2, scale: "n" },
-        { label: "oldest's age (s)", stroke: colour("retrying"), width: 2, scale: "s", dash: [6, 4] }],
+        { label: "oldest's age", stroke: colour("retrying"), width: 2, scale: "s", dash: [6, 4],
+          value: function (u, v) { return v == null ? "-" : ageWords(v); } }],
       scales: { n: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } },
         s: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } } },
       axes: [{ values: ticks(true), incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600] },
         { scale: "n", label: "live tasks", size: 60 },
-        { scale: "s", side: 1, label: "age, s", size: 60, grid: { show: false } }] };
+        { scale: "s", side: 1, label: "oldest's age", size: 70, grid: { show: false },
+          values: function (u, splits) { return splits.map(ageWords); } }] };
   }
   // The backlog's text, as the page rendered it, kept in step with the charts.
   function ageWords(seconds) {
@@ -105,10 +107,19 @@
     oldest.replaceChildren("oldest live task: ", link, ", arrived " + b.oldest.arrival + ", " +
       ageWords(b.oldest.age_seconds) + " ago");
   }
+  // The legend shows the newest point's values, and the hovered one's while hovering.
+  function newest(u) {
+    var n = u.data[0].length;
+    if (n) { u.setLegend({ idx: n - 1 }, false); }
+  }
+  var keepNewest = { setCursor: [function (u) { if (u.cursor.left < 0) { newest(u); } }] };
   function draw(id, key, options, data) {
     var plot = state.plots[key];
-    if (plot) { plot.setData(data); return; }
-    state.plots[key] = new uPlot(options, data, document.getElementById(id));
+    if (plot) { plot.setData(data); } else {
+      options.hooks = keepNewest;
+      plot = state.plots[key] = new uPlot(options, data, document.getElementById(id));
+    }
+    newest(plot);
   }
   function show(text, stale) {
     if (!stamp) { return; }
