@@ -165,6 +165,49 @@ async def test_a_bucket_past_its_bound_says_so_and_estimates_its_rate(
     assert "≈ 1,200.0" in html
 
 
+async def test_a_bucket_past_its_bound_is_marked_in_chromium(
+    engine: AsyncEngine, migrated: str, console_at: Console, browser: Any, tmp_path: Any
+) -> None:
+    """The estimated bucket is the one the page's script marks, in both charts, and the
+    estimate is what it draws there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+    from .test_console_browser import shots
+
+    minute_start = END - 10 * MINUTE
+    async with engine.begin() as conn:
+        await conn.exec_driver_sql(
+            f"""
+            INSERT INTO "{migrated}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind,
+                priority, payload, status, terminal, attempt, updated_unix_ns)
+            SELECT n, n, {minute_start}, 'default', '', 0, '\\x00'::bytea, 'succeeded',
+                   true, 1, {minute_start} + (n - 1) * 50000000::bigint
+            FROM generate_series(1, 1200) AS n
+            """
+        )
+    expected = await charts_json(console_at, migrated)
+    (day_index,) = [i for i, b in enumerate(expected["day"]["buckets"]) if b["examined"]]
+    browser.get(charts_url(console_at, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    state = browser.execute_script(
+        "var s = window.cronoqCharts; return {estimated: s.estimated,"
+        " hour: s.plots.hour.data[1][50], error: s.error};"
+    )
+    assert state == {"estimated": {"hour": [50], "day": [day_index]}, "hour": 1200, "error": None}
+    browser.set_window_size(1280, 1500)
+    try:
+        browser.find_element(By.CSS_SELECTOR, "#hour-numbers summary").click()  # its table
+        browser.execute_script("window.scrollTo(0, 0)")
+        browser.save_screenshot(str(shots(tmp_path) / "charts-estimated.png"))
+    finally:
+        browser.set_window_size(1280, 900)
+
+
 async def test_a_cluster_with_no_task_charts_nothing(migrated: str, console_at: Console) -> None:
     doc = await charts_json(console_at, migrated, time.time_ns())
     assert all(b["counts"] == {} and b["complete"] for b in doc["hour"]["buckets"])

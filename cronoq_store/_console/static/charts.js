@@ -11,7 +11,8 @@
   var every = Number(section.dataset.every || 0);
   var stamp = document.getElementById("refreshed");
   var HEIGHT = 220;
-  var state = { doc: null, plots: {}, backlog: [[], [], []], reads: 0, error: null };
+  var state = { doc: null, plots: {}, backlog: [[], [], []], reads: 0, error: null,
+    estimated: { hour: [], day: [] } };
   window.cronoqCharts = state;
 
   var COLOURED = ["succeeded", "failed", "cancelled", "skipped", "expired", "running", "retrying", "queued"];
@@ -49,26 +50,43 @@
     });
     return data;
   }
-  function finishedOptions(doc, id) {
+  // A bucket that reached its bound is drawn at its estimated rate, with a point on it.
+  function estimatedIn(doc, window_) {
+    var found = [];
+    doc[window_].buckets.forEach(function (b, i) { if (!b.complete) { found.push(i); } });
+    return found;
+  }
+  function finishedOptions(doc, id, window_) {
     var series = [moment];
+    // On the lines of the statuses the bucket holds, not on every line's zero.
+    var marked = function (u, seriesIdx) {
+      var found = state.estimated[window_].filter(function (i) { return u.data[seriesIdx][i] > 0; });
+      return found.length ? found : null;
+    };
     doc.statuses.forEach(function (s) {
-      series.push({ label: s, stroke: colour(s), width: 2, points: { show: false },
+      series.push({ label: s, stroke: colour(s), width: 2,
+        points: { show: false, filter: marked, size: 7 },
         value: function (u, v) { return v == null ? "-" : v.toFixed(1) + "/min"; } });
     });
     return { width: width(id), height: HEIGHT, tzDate: utc, series: series,
       scales: { y: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } } },
       axes: [{ values: ticks(false) }, { label: "tasks per minute", size: 60 }] };
   }
+  // Whole tasks and whole seconds on the backlog's axes.
+  var COUNTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
+    5e5, 1e6, 2e6, 5e6, 1e7, 2e7, 5e7, 1e8];
+  var SECONDS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600,
+    43200, 86400, 172800, 604800, 2592000, 31536000];
   function backlogOptions(id) {
     return { width: width(id), height: HEIGHT, tzDate: utc,
       series: [moment, { label: "live tasks", stroke: colour("queued"), width: 2, scale: "n" },
         { label: "oldest's age", stroke: colour("retrying"), width: 2, scale: "s", dash: [6, 4],
           value: function (u, v) { return v == null ? "-" : ageWords(v); } }],
       scales: { n: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } },
-        s: { range: function (u, min, max) { return [0, Math.max(max, 1)]; } } },
+        s: { range: function (u, min, max) { return [0, Math.max(max, 60)]; } } },
       axes: [{ values: ticks(true), incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600] },
-        { scale: "n", label: "live tasks", size: 60 },
-        { scale: "s", side: 1, label: "oldest's age", size: 70, grid: { show: false },
+        { scale: "n", label: "live tasks", size: 60, incrs: COUNTS },
+        { scale: "s", side: 1, label: "oldest's age", size: 70, grid: { show: false }, incrs: SECONDS,
           values: function (u, splits) { return splits.map(ageWords); } }] };
   }
   // The backlog's text, as the page rendered it, kept in step with the charts.
@@ -136,8 +154,9 @@
       state.backlog[0].push(Date.parse(doc.now) / 1e3);
       state.backlog[1].push(backlog.at_least && backlog.estimate !== null ? backlog.estimate : backlog.live);
       state.backlog[2].push(backlog.oldest === null ? null : backlog.oldest.age_seconds);
-      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour"), finishedData(doc, "hour"));
-      draw("chart-day", "day", finishedOptions(doc, "chart-day"), finishedData(doc, "day"));
+      state.estimated = { hour: estimatedIn(doc, "hour"), day: estimatedIn(doc, "day") };
+      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"));
+      draw("chart-day", "day", finishedOptions(doc, "chart-day", "day"), finishedData(doc, "day"));
       draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog);
       backlogText(doc);
       state.doc = doc;
