@@ -23,6 +23,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Float,
+    Integer,
     MetaData,
     Select,
     Table,
@@ -33,6 +34,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    true,
     tuple_,
 )
 from sqlalchemy.dialects.postgresql import OID
@@ -48,12 +50,14 @@ __all__ = [
     "finished_count",
     "finished_first_page",
     "finished_next_page",
+    "finished_per_bucket",
     "finished_sample",
     "live_count",
     "live_counts",
     "live_estimate",
     "live_page",
     "live_scan_boundary",
+    "oldest_live",
     "recent_terms",
     "scan_boundary",
     "schedules",
@@ -340,4 +344,52 @@ recent_terms = (
     )
     .order_by(leader_history.c.began_at.desc())
     .limit(bindparam("limit", type_=BigInteger))
+)
+
+
+_bucket = (
+    func.generate_series(0, bindparam("buckets", type_=Integer) - 1)
+    .table_valued("i")
+    .render_derived(name="bucket")
+)
+_bucket_start = bindparam("start", type_=BigInteger) + _bucket.c.i * bindparam(
+    "width", type_=BigInteger
+)
+_in_bucket = (
+    select(tasks.c.status, tasks.c.updated_unix_ns)
+    .where(
+        tasks.c.terminal,
+        tasks.c.updated_unix_ns >= _bucket_start,
+        tasks.c.updated_unix_ns < _bucket_start + bindparam("width", type_=BigInteger),
+    )
+    .order_by(tasks.c.updated_unix_ns.desc(), tasks.c.id.desc())
+    .limit(bindparam("cap", type_=BigInteger))
+    .lateral("examined")
+)
+
+#: Finished tasks in each of ``buckets`` consecutive ranges of ``width`` ns of
+#: ``updated_unix_ns`` from ``start`` (bucket ``i`` from ``start + i * width``): for each
+#: bucket and status, how many among the newest ``cap`` finished tasks of the bucket, and
+#: the oldest update among them. One range of ``ix_cronoq_tasks_finished_updated`` per
+#: bucket, read backwards and stopped at ``cap``: ``buckets * cap`` rows at most, however
+#: many tasks a bucket holds. A bucket with ``cap`` tasks examined may hold more.
+finished_per_bucket = (
+    select(
+        _bucket.c.i.label("bucket"),
+        _in_bucket.c.status,
+        func.count().label("n"),
+        func.min(_in_bucket.c.updated_unix_ns).label("oldest"),
+    )
+    .select_from(_bucket.join(_in_bucket, true()))
+    .group_by(_bucket.c.i, _in_bucket.c.status)
+    .order_by(_bucket.c.i, _in_bucket.c.status)
+)
+
+#: The live task issued first (the lowest id, as the live list is ordered) and when it
+#: arrived: the first entry of ``ix_cronoq_tasks_live``.
+oldest_live = (
+    select(tasks.c.id, tasks.c.arrival_unix_ns)
+    .where(~tasks.c.terminal)
+    .order_by(tasks.c.id)
+    .limit(1)
 )

@@ -1,4 +1,4 @@
-"""The console as a Starlette application: three pages, each beside its JSON document
+"""The console as a Starlette application: its pages, each beside its JSON document
 (``?format=json``), read-only, behind :class:`~cronoq_store._console.security.Guard`.
 
 Templates are Jinja2 with autoescaping on, and every value goes through
@@ -115,6 +115,7 @@ def _environment(refresh_seconds: int) -> Environment:
     env.filters["seconds"] = lambda seconds: output.duration_words(round(seconds * 1e9))
     env.filters["leaderless"] = operations.leaderless_words
     env.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False)
+    env.filters["thousands"] = lambda n: f"{n:,}"
     env.globals["refresh_seconds"] = refresh_seconds
     env.globals["statuses"] = reads.FINISHED_STATUSES
     env.globals["live_statuses"] = reads.LIVE_STATUSES
@@ -352,6 +353,20 @@ class _Console:
 
         return await self._guarded(request, "live.html", work)
 
+    async def charts(self, request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            schema = _schema(request)
+            end = _moment(request, "end")
+            if end is not None and end - reads.DAY.span_ns < -(2**63):
+                raise _BadRequest("end: the day before it is out of range")
+            doc = await reads.charts(self._source, schema, end)
+            # Where the page's script reads the same document from.
+            kept = [(k, v) for k, v in request.query_params.multi_items() if k != "format"]
+            doc["json_url"] = f"/clusters/{schema}/charts" + _query([*kept, ("format", "json")])
+            return doc
+
+        return await self._guarded(request, "charts.html", work)
+
     async def handover_page(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
             schema = _schema(request)
@@ -468,6 +483,7 @@ def console_app(
         Route("/clusters/{schema}", console.cluster),
         Route("/clusters/{schema}/task", console.task),
         Route("/clusters/{schema}/live", console.live),
+        Route("/clusters/{schema}/charts", console.charts),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     if allow_actions:

@@ -6,7 +6,9 @@ holder documents (``cli.output``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = [
     "ClusterNotFound",
     "TaskAmbiguous",
     "TaskNotFound",
+    "charts",
     "cluster",
     "live",
     "overview",
@@ -47,6 +50,34 @@ SCHEDULES_SHOWN = 100
 DEPS_SHOWN = 100
 FINISHED_STATUSES = tuple(s.value for s in TaskStatus if s.is_terminal)
 LIVE_STATUSES = tuple(sorted(LIVE_STATUS_NAMES))
+
+
+_NS = 10**9
+_MINUTE_NS = 60 * _NS
+
+
+@dataclass(frozen=True)
+class Window:
+    """A chart's span: ``buckets`` of ``bucket_seconds`` each, ending where the charts end,
+    and how many finished tasks of each bucket are examined at most (``cap``)."""
+
+    name: str
+    buckets: int
+    bucket_seconds: int
+    cap: int
+
+    @property
+    def span_ns(self) -> int:
+        """The whole window, in ns."""
+        return self.buckets * self.bucket_seconds * _NS
+
+
+#: The last hour a minute at a time. 60 buckets of 500: 30,000 finished tasks at most.
+HOUR = Window("hour", 60, 60, 500)
+#: The last day a quarter of an hour at a time: 96 points draw a day's shape, where 1,440
+#: minutes would cost 1,440 index descents and leave each minute a sample too small to
+#: split by status. 96 buckets of 300: 28,800 finished tasks at most.
+DAY = Window("day", 96, 900, 300)
 
 
 class TaskNotFound(LookupError):
@@ -110,14 +141,7 @@ async def _counts(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], S
     finished = (
         await conn.execute(cs.finished_sample, {"sample": cs.SAMPLE, "prefix": QUARANTINE_PREFIX})
     ).all()
-    live_examined = sum(row.n for row in live)
-    # At the bound, older live tasks were not looked at: counts are minimums, and the
-    # total is the planner's estimate.
-    live_at_least = live_examined >= cs.LIVE_SAMPLE
-    estimate = None
-    if live_at_least:
-        found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
-        estimate = None if found is None or found < 0 else round(found)
+    live_examined, live_at_least, estimate = await _live_total(conn, schema, live)
     await conn.rollback()
     by_status: dict[str, int] = {}
     for row in live:
@@ -149,6 +173,21 @@ async def _counts(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], S
         },
         live,
     )
+
+
+async def _live_total(
+    conn: AsyncConnection, schema: str, live: Sequence[Any]
+) -> tuple[int, bool, int | None]:
+    """How many live tasks the live counts examined, whether they stopped at their bound,
+    and then the planner's estimate of the total (``None`` when it has none): at the
+    bound, older live tasks were not looked at, so the counts are minimums."""
+    examined = sum(row.n for row in live)
+    at_least = examined >= cs.LIVE_SAMPLE
+    estimate = None
+    if at_least:
+        found = (await conn.execute(cs.live_estimate, {"schema": schema})).scalar()
+        estimate = None if found is None or found < 0 else round(found)
+    return examined, at_least, estimate
 
 
 def _age(unix_ns: int) -> float:
@@ -295,3 +334,108 @@ async def _target(conn: AsyncConnection, dep: Any) -> dict[str, Any]:
             "updated": output.rfc3339(found.updated),
         }
     return shown
+
+
+async def charts(source: Source, schema: str, end_ns: int | None = None) -> dict[str, Any]:
+    """A cluster's charts: finished tasks per minute by status over the hour and the day
+    that end at ``end_ns`` (floored to the minute; by default the current minute, which is
+    not yet over, is left out), and the live backlog now with the age of its oldest task.
+
+    Each bucket examines at most its window's ``cap`` newest finished tasks. A bucket that
+    holds fewer is counted exactly; one that reaches the cap is *estimated*: its examined
+    tasks span the time from the oldest of them to the bucket's end, and the bucket is
+    taken to go on at that rate (statuses in the examined proportions). The examined
+    counts stay in the document as the lower bound they are.
+
+    The backlog is not drawn over the past: the backlog at a past moment is the tasks that
+    had arrived by then and were not finished yet, and counting those means reading every
+    task finished since, with no index on arrival to bound it. The page plots what it reads
+    each time it refreshes instead."""
+    now_ns = time.time_ns()
+    end = (now_ns if end_ns is None else end_ns) // _MINUTE_NS * _MINUTE_NS
+    await source.known(schema)
+    async with source.connect(schema) as conn:
+        await database.require_head(conn, schema)
+        windows = {w.name: await _window(conn, w, end) for w in (HOUR, DAY)}
+        live = (await conn.execute(cs.live_counts, {"bound": cs.LIVE_SAMPLE})).all()
+        oldest = (await conn.execute(cs.oldest_live)).first()
+        examined, at_least, estimate = await _live_total(conn, schema, live)
+        await conn.rollback()
+    by_status: dict[str, int] = {}
+    for row in live:
+        by_status[row.status] = by_status.get(row.status, 0) + row.n
+    # The finished statuses in their usual order, then any other name a bucket holds (a
+    # newer build's), so that every task counted is drawn.
+    named = {s for w in windows.values() for b in w["buckets"] for s in b["counts"]}
+    statuses = [*FINISHED_STATUSES, *sorted(named - {*FINISHED_STATUSES})]
+    return {
+        "schema": schema,
+        "now": output.rfc3339(now_ns),
+        "end": output.rfc3339(end),
+        "statuses": statuses,
+        **windows,
+        "backlog": {
+            "live": examined,
+            "at_least": at_least,
+            "sample": cs.LIVE_SAMPLE,
+            "estimate": estimate,
+            "by_status": [{"status": s, "count": n} for s, n in sorted(by_status.items())],
+            "oldest": None
+            if oldest is None
+            else {
+                "id": oldest.id,
+                "arrival": output.rfc3339(oldest.arrival_unix_ns),
+                "age_seconds": max(0.0, round((now_ns - oldest.arrival_unix_ns) / _NS, 3)),
+            },
+        },
+    }
+
+
+async def _window(conn: AsyncConnection, window: Window, end: int) -> dict[str, Any]:
+    """One chart's buckets, oldest first, each with its exact counts among the tasks it
+    examined and its tasks per minute (exact, or estimated past the cap)."""
+    width = window.bucket_seconds * _NS
+    start = end - window.span_ns
+    rows = (
+        await conn.execute(
+            cs.finished_per_bucket,
+            {"buckets": window.buckets, "width": width, "start": start, "cap": window.cap},
+        )
+    ).all()
+    counts: list[dict[str, int]] = [{} for _ in range(window.buckets)]
+    oldest: list[int | None] = [None] * window.buckets
+    for row in rows:
+        counts[row.bucket][row.status] = row.n
+        seen = oldest[row.bucket]
+        oldest[row.bucket] = row.oldest if seen is None else min(seen, row.oldest)
+    minutes = window.bucket_seconds / 60
+    buckets = []
+    for i, found in enumerate(counts):
+        bucket_start = start + i * width
+        examined = sum(found.values())
+        complete = examined < window.cap
+        scale = 1.0
+        first = oldest[i]
+        if not complete and first is not None:
+            # The examined tasks cover [first, bucket end); the bucket goes on at that rate.
+            covered = max(bucket_start + width - first, 1)
+            scale = width / covered
+        buckets.append(
+            {
+                "start": output.rfc3339(bucket_start),
+                "start_unix_s": bucket_start // _NS,
+                "examined": examined,
+                "complete": complete,
+                "counts": found,
+                "per_minute": {s: round(n * scale / minutes, 2) for s, n in found.items()},
+            }
+        )
+    return {
+        "bucket_seconds": window.bucket_seconds,
+        "bucket_count": window.buckets,
+        "cap": window.cap,
+        "start": output.rfc3339(start),
+        "end": output.rfc3339(end),
+        "estimated": sum(not b["complete"] for b in buckets),
+        "buckets": buckets,
+    }

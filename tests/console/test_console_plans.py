@@ -102,6 +102,14 @@ CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
     "live count": (cs.live_count, {**FILTERS, "bound": cs.LIVE_SAMPLE}, "ix_cronoq_tasks_live"),
     "task spec": (cs.task_spec, {"id": 12345}, "pk_cronoq_tasks"),
     "schedules": (cs.schedules, {"limit": 101, "after": ""}, "pk_cronoq_tasks"),
+    # The charts: one bounded range of the index per bucket (the day's 96 of 900 s, over
+    # the seeded tasks' first 86,400 s), and the first live task.
+    "finished per bucket": (
+        cs.finished_per_bucket,
+        {"buckets": 96, "width": 900 * 10**9, "start": 0, "cap": 300},
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "oldest live": (cs.oldest_live, {}, "ix_cronoq_tasks_live"),
     # The history at its bound: the newest terms by its index, never a sort of all of them.
     "leadership history": (
         cs.recent_terms,
@@ -277,3 +285,41 @@ async def test_the_live_page_says_at_least_past_its_bound_and_looks_further(
     every = (await fetch(f"{live}?format=json")).json()["live"]
     assert len(every["tasks"]) == 50
     assert (every["matching"], every["matching_at_least"]) == (cs.LIVE_SAMPLE, True)
+
+
+async def test_the_charts_read_at_most_their_bound_of_each_bucket(
+    engine: AsyncEngine, seeded: str
+) -> None:
+    """Each bucket's index range is read backwards and stopped at its cap: 60 quarter hours
+    of 900 seeded tasks each (18 of them live, which the partial index leaves out) yield
+    their newest 300 apiece, and the index scan reads no more in any of its 60 loops."""
+    params = {"buckets": 60, "width": 900 * 10**9, "start": 0, "cap": 300}
+    async with engine.connect() as conn:
+        plan = await explain(conn, cs.finished_per_bucket, params, seeded, analyze=True)
+        await conn.rollback()
+    (scan,) = [
+        n for n in plan_nodes(plan) if n.get("Index Name") == "ix_cronoq_tasks_finished_updated"
+    ]
+    # Rows per loop, averaged: 300 each, since none may exceed its LIMIT of 300.
+    assert (scan["Actual Loops"], scan["Actual Rows"]) == (60, 300)
+    # Newest first in each bucket, one loop a bucket of generate_series.
+    assert scan["Scan Direction"] == "Backward"
+    loops = [n for n in plan_nodes(plan) if n["Node Type"] == "Nested Loop"]
+    assert len(loops) == 1
+    assert [n["Node Type"] for n in loops[0]["Plans"]] == ["Function Scan", "Limit"]
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                cs.finished_per_bucket,
+                params,
+                execution_options={"schema_translate_map": {None: seeded}},
+            )
+        ).all()
+        await conn.rollback()
+    per_bucket: dict[int, int] = {}
+    for row in rows:
+        per_bucket[row.bucket] = per_bucket.get(row.bucket, 0) + row.n
+    assert per_bucket == dict.fromkeys(range(60), 300)
+    # The newest 300 finished of the last bucket (tasks 53,100 to 53,999, updated at their
+    # number of seconds): 53,694 to 53,999, less the six live ones among them.
+    assert min(row.oldest for row in rows if row.bucket == 59) == 53_694 * 10**9

@@ -31,6 +31,10 @@ from .conftest import Console, console_command, fetch, start_console, stop_conso
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "t0ken-" + uuid.uuid4().hex
+POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
 
 
 def refused_start(url: URL, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -203,6 +207,12 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
         f"/clusters/{schema}/live?after=x": 400,
         f"/clusters/{schema}/live?since=2026-01-01T00:00": 400,
         f"/clusters/{schema}x/live": 404,
+        f"/clusters/{schema}/charts": 200,
+        f"/clusters/{schema}/charts?end=2026-01-01T00:00": 200,
+        f"/clusters/{schema}/charts?end=soon": 400,
+        # Within the range of a time, but not the day before it.
+        f"/clusters/{schema}/charts?end=1677-09-21T12:00": 400,
+        f"/clusters/{schema}x/charts": 404,
         "/clusters/pg_catalog": 404,
         "/clusters/information_schema": 404,
         "/clusters/public": 404,  # exists, holds no cluster
@@ -214,6 +224,8 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
         reply = await fetch(console_at.base + path)
         assert reply.status == status, (path, reply.text())
         policy = reply.headers["content-security-policy"]
+        # Written out: the charts' library needs no exception to it, and gets none.
+        assert policy == POLICY, path
         assert "script-src 'self'" in policy
         assert "unsafe-inline" not in policy
         assert "frame-ancestors 'none'" in policy
@@ -252,6 +264,7 @@ async def test_a_schema_behind_this_build_is_shown_not_read(
     assert cluster["health_exit_code"] == ExitCode.NEWER_DATABASE
     assert "live" not in cluster
     assert (await fetch(f"{console_at.base}/clusters/{schema}/task?id=1")).status == 409
+    assert (await fetch(f"{console_at.base}/clusters/{schema}/charts")).status == 409
 
 
 async def test_a_role_that_can_only_read_sees_every_page(
@@ -280,6 +293,9 @@ async def test_a_role_that_can_only_read_sees_every_page(
             assert task.json()["message"] == "m"
             live = (await fetch(f"{console.base}/clusters/{schema}/live?format=json")).json()
             assert live["live"]["tasks"] == []
+            charts = await fetch(f"{console.base}/clusters/{schema}/charts?format=json")
+            assert charts.status == 200, charts.text()
+            assert charts.json()["backlog"]["live"] == 0
             assert password not in console.stderr()
         finally:
             stop_console(console)
@@ -328,7 +344,19 @@ def test_the_wheel_ships_the_templates_and_static_files(tmp_path: Path) -> None:
     with zipfile.ZipFile(next(dist.glob("cronoq_store-*.whl"))) as archive:
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith("METADATA"))).decode()
-    shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / "cronoq_store/console").rglob("*.*")}
-    missing = {p for p in shipped if "__pycache__" not in p} - names
-    assert missing == set()
+    console = ROOT / "cronoq_store/_console"
+    shipped = {p.relative_to(ROOT).as_posix() for p in console.rglob("*") if p.is_file()}
+    shipped = {p for p in shipped if "__pycache__" not in p}
+    # The directory read is the console's: its templates, its script and the vendored
+    # chart library with its licence are among what must ship.
+    vendored = "cronoq_store/_console/static/vendor/uplot-1.6.32/"
+    for needed in (
+        "cronoq_store/_console/templates/charts.html",
+        "cronoq_store/_console/static/charts.js",
+        vendored + "uPlot.iife.min.js",
+        vendored + "uPlot.min.css",
+        vendored + "LICENSE",
+    ):
+        assert needed in shipped, needed
+    assert shipped - names == set()
     assert "Provides-Extra: console" in metadata

@@ -1,0 +1,363 @@
+"""The charts page and its JSON document against rows committed through the store at known
+times: each bucket's counts, the window's edges, the bound on the tasks a bucket examines
+(and the estimate past it), the backlog and its oldest task; a cluster with no task, a
+schema that holds none, one behind this build."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import PgStore, TaskStatus
+from cronoq_store import _listing_statements as cs
+from cronoq_store._cli import output
+from cronoq_store._console import reads
+from cronoq_store._domain import TaskId, TaskSpec, TimeBase
+from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+
+from ..pgharness import admin_execute
+from .conftest import Console, fetch
+
+S = 10**9
+MINUTE = 60 * S
+#: Where the charts end: a minute boundary an hour ago, so no bucket is the minute under way.
+END = (time.time_ns() // MINUTE - 60) * MINUTE
+BASE = TimeBase(engine_ns=0, unix_ns=END)
+SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
+CANCELLED, SKIPPED = TaskStatus.CANCELLED, TaskStatus.SKIPPED
+
+
+def arrived(id: int, seconds_before_end: int = 7200) -> Submitted:
+    return Submitted(TaskId(id), seq=id, arrival=-seconds_before_end * S, spec=TaskSpec(b"p"))
+
+
+def finished(id: int, status: TaskStatus, seconds_before_end: float) -> StatusChanged:
+    return StatusChanged(TaskId(id), status, attempt=1, at=-round(seconds_before_end * S))
+
+
+def charts_url(console: Console, schema: str, end: int = END) -> str:
+    return f"{console.base}/clusters/{schema}/charts?end={output.rfc3339(end)}"
+
+
+async def charts_json(console: Console, schema: str, end: int = END) -> Any:
+    reply = await fetch(charts_url(console, schema, end) + "&format=json")
+    assert reply.status == 200, reply.text()
+    return reply.json()
+
+
+def non_empty(window: dict[str, Any]) -> dict[int, dict[str, int]]:
+    """The counts of each bucket that holds any, by its index."""
+    return {i: b["counts"] for i, b in enumerate(window["buckets"]) if b["counts"]}
+
+
+async def test_each_bucket_counts_the_tasks_that_finished_in_it(
+    store: PgStore, console_at: Console
+) -> None:
+    """A bucket holds the tasks updated from its start (included) to the next one's
+    (excluded); the hour's buckets are minutes, the day's quarter hours."""
+    schema = store.config.schema
+    epoch = await store.acquire_leadership()
+    done = {
+        1: (SUCCEEDED, 30),  # the hour's last minute
+        2: (SUCCEEDED, 60),  # its start: the same minute
+        3: (FAILED, 61),  # the minute before
+        4: (CANCELLED, 90),
+        5: (SKIPPED, 3599),  # the hour's first minute
+        6: (SUCCEEDED, 3601),  # before the hour: the day only
+        7: (SUCCEEDED, 0),  # the end itself: after the window
+        8: (FAILED, 86400),  # the day's first moment
+        9: (FAILED, 86401),  # before the day
+    }
+    batch: list[Mutation] = []
+    for id, (status, ago) in done.items():
+        batch += [arrived(id), finished(id, status, ago)]
+    batch += [arrived(10, seconds_before_end=600), arrived(11, seconds_before_end=60)]
+    batch += [arrived(12, 30), finished(12, TaskStatus.RUNNING, 20)]
+    await store.commit(epoch, BASE, batch, [])
+
+    doc = await charts_json(console_at, schema)
+    assert doc["end"] == output.rfc3339(END)
+    assert doc["statuses"] == list(reads.FINISHED_STATUSES)
+    hour, day = doc["hour"], doc["day"]
+    assert (hour["bucket_seconds"], len(hour["buckets"])) == (60, 60)
+    assert (day["bucket_seconds"], len(day["buckets"])) == (900, 96)
+    assert hour["start"] == output.rfc3339(END - 60 * MINUTE)
+    assert day["start"] == output.rfc3339(END - 1440 * MINUTE)
+    assert hour["buckets"][59]["start_unix_s"] == (END - MINUTE) // S
+    assert non_empty(hour) == {
+        59: {"succeeded": 2},
+        58: {"failed": 1, "cancelled": 1},
+        0: {"skipped": 1},
+    }
+    assert hour["buckets"][59]["per_minute"] == {"succeeded": 2.0}
+    # The last quarter hour holds 1 to 4; the fourth from last runs from 3,600 s before the
+    # end (5 finished 3,599 s before), the fifth from last up to it (6, 3,601 s before);
+    # 86,400 s before the end is the first quarter hour's start.
+    assert non_empty(day) == {
+        95: {"succeeded": 2, "failed": 1, "cancelled": 1},
+        92: {"skipped": 1},
+        91: {"succeeded": 1},
+        0: {"failed": 1},
+    }
+    assert day["buckets"][95]["per_minute"] == {
+        "succeeded": round(2 / 15, 2),
+        "failed": round(1 / 15, 2),
+        "cancelled": round(1 / 15, 2),
+    }
+    assert all(b["complete"] for b in [*hour["buckets"], *day["buckets"]])
+    assert (hour["estimated"], day["estimated"]) == (0, 0)
+
+    backlog = doc["backlog"]
+    assert backlog["live"] == 3
+    assert backlog["by_status"] == [
+        {"status": "queued", "count": 2},
+        {"status": "running", "count": 1},
+    ]
+    assert backlog["at_least"] is False
+    # The live task issued first (id 10), arrived 600 s before the end.
+    assert backlog["oldest"]["id"] == 10
+    assert backlog["oldest"]["arrival"] == output.rfc3339(END - 600 * S)
+    age = (time.time_ns() - (END - 600 * S)) / S
+    assert age - 60 <= backlog["oldest"]["age_seconds"] <= age
+
+    # The page shows the same numbers as text.
+    html = (await fetch(charts_url(console_at, schema))).text()
+    assert "3 live tasks" in html
+    assert 'href="/clusters/' + schema + '/task?id=10"' in html
+    assert "the numbers: 5 finished" in html  # the hour
+    assert "the numbers: 7 finished" in html  # the day
+    assert f'data-source="/clusters/{schema}/charts?end=' in html
+
+
+async def test_a_bucket_past_its_bound_says_so_and_estimates_its_rate(
+    engine: AsyncEngine, migrated: str, console_at: Console
+) -> None:
+    """1,200 tasks finished in one minute, 50 ms apart: the bucket examines its newest
+    500 (a lower bound, said to be one) and estimates 1,200 from the 25 s they span."""
+    cap = reads.HOUR.cap
+    minute_start = END - 10 * MINUTE
+    async with engine.begin() as conn:
+        await conn.exec_driver_sql(
+            f"""
+            INSERT INTO "{migrated}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind,
+                priority, payload, status, terminal, attempt, updated_unix_ns)
+            SELECT n, n, {minute_start}, 'default', '', 0, '\\x00'::bytea,
+                   CASE WHEN n % 4 = 0 THEN 'failed' ELSE 'succeeded' END, true, 1,
+                   {minute_start} + (n - 1) * 50000000::bigint
+            FROM generate_series(1, 1200) AS n
+            """
+        )
+    doc = await charts_json(console_at, migrated)
+    bucket = doc["hour"]["buckets"][50]
+    assert bucket["start_unix_s"] == minute_start // S
+    assert (bucket["examined"], bucket["complete"]) == (cap, False)
+    assert bucket["counts"] == {"succeeded": 375, "failed": 125}
+    assert bucket["per_minute"] == {"succeeded": 900.0, "failed": 300.0}
+    assert doc["hour"]["estimated"] == 1
+    # The day's quarter hour holds the same tasks, examined up to its own bound of 300.
+    (quarter,) = [b for b in doc["day"]["buckets"] if b["examined"]]
+    assert (quarter["examined"], quarter["complete"]) == (reads.DAY.cap, False)
+    html = (await fetch(charts_url(console_at, migrated))).text()
+    assert "the numbers: at least 500 finished, 1 of 60 buckets estimated" in html
+    assert "≥ 375" in html
+    assert "≈ 1,200.0" in html
+
+
+async def test_a_bucket_past_its_bound_is_marked_in_chromium(
+    engine: AsyncEngine, migrated: str, console_at: Console, browser: Any, tmp_path: Any
+) -> None:
+    """The estimated bucket is the one the page's script marks, in both charts, and the
+    estimate is what it draws there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+    from .test_console_browser import shots
+
+    minute_start = END - 10 * MINUTE
+    async with engine.begin() as conn:
+        await conn.exec_driver_sql(
+            f"""
+            INSERT INTO "{migrated}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind,
+                priority, payload, status, terminal, attempt, updated_unix_ns)
+            SELECT n, n, {minute_start}, 'default', '', 0, '\\x00'::bytea, 'succeeded',
+                   true, 1, {minute_start} + (n - 1) * 50000000::bigint
+            FROM generate_series(1, 1200) AS n
+            """
+        )
+    expected = await charts_json(console_at, migrated)
+    (day_index,) = [i for i, b in enumerate(expected["day"]["buckets"]) if b["examined"]]
+    browser.get(charts_url(console_at, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    state = browser.execute_script(
+        "var s = window.cronoqCharts; return {estimated: s.estimated,"
+        " hour: s.plots.hour.data[1][50], error: s.error};"
+    )
+    assert state == {"estimated": {"hour": [50], "day": [day_index]}, "hour": 1200, "error": None}
+    browser.set_window_size(1280, 1500)
+    try:
+        browser.find_element(By.CSS_SELECTOR, "#hour-numbers summary").click()  # its table
+        browser.execute_script("window.scrollTo(0, 0)")
+        browser.save_screenshot(str(shots(tmp_path) / "charts-estimated.png"))
+    finally:
+        browser.set_window_size(1280, 900)
+
+
+async def test_a_cluster_with_no_task_charts_nothing(migrated: str, console_at: Console) -> None:
+    doc = await charts_json(console_at, migrated, time.time_ns())
+    assert all(b["counts"] == {} and b["complete"] for b in doc["hour"]["buckets"])
+    assert all(b["counts"] == {} for b in doc["day"]["buckets"])
+    assert doc["backlog"] == {
+        "live": 0,
+        "at_least": False,
+        "sample": cs.LIVE_SAMPLE,
+        "estimate": None,
+        "by_status": [],
+        "oldest": None,
+    }
+    # By default the charts end at the current minute's start.
+    now = await fetch(f"{console_at.base}/clusters/{migrated}/charts?format=json")
+    end = now.json()["end"]
+    assert end.endswith(":00.000000Z")
+    html = (await fetch(f"{console_at.base}/clusters/{migrated}/charts")).text()
+    assert "0 live tasks" in html
+    assert "no live task" in html
+    assert "the numbers: 0 finished" in html
+
+
+async def test_a_schema_that_is_no_cluster_or_behind_this_build_is_not_charted(
+    pg_url: Any, migrated: str, console_at: Console
+) -> None:
+    base = console_at.base
+    for path, status in (
+        (f"/clusters/{migrated}x/charts", 404),
+        ("/clusters/public/charts", 404),
+        (f"/clusters/{migrated}/charts?end=yesterday", 400),
+    ):
+        reply = await fetch(base + path)
+        assert reply.status == status, (path, reply.text())
+    await admin_execute(
+        pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '0003_x'"
+    )
+    reply = await fetch(f"{base}/clusters/{migrated}/charts?format=json")
+    assert reply.status == 409, reply.text()
+    assert "this build" in reply.json()["error"]
+
+
+def _history() -> list[Mutation]:
+    """Tasks finished over the day before ``END``: a few a minute in the last hour, a
+    slower, varying stream before it (ids from 100), with a status mix."""
+    batch: list[Mutation] = []
+    statuses = [
+        FAILED if n % 7 == 0 else CANCELLED if n % 13 == 0 else SUCCEEDED for n in range(400)
+    ]
+    id = 100
+    for minute in range(60):
+        for k in range(3 + (minute * 7) % 5):
+            batch += [arrived(id), finished(id, statuses[id % 400], minute * 60 + 5 + k * 7)]
+            id += 1
+    for quarter in range(4, 96):
+        for k in range(2 + quarter % 6):
+            ago = quarter * 900 + 30 + k * 97
+            status = SKIPPED if k == 5 else statuses[id % 400]
+            batch += [arrived(id, ago + 60), finished(id, status, ago)]
+            id += 1
+    return batch
+
+
+async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
+    store: PgStore, refreshing: Console, browser: Any, tmp_path: Any
+) -> None:
+    """The page's script fetches the JSON document and draws it with the vendored uPlot:
+    a canvas of non-zero size per chart, lines in the badges' colours, the data the plots
+    hold the document's, the backlog gaining a point each time the page reads it; and the
+    browser logs nothing (a policy violation would be logged as an error)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+    from .test_console_browser import logs, shots
+
+    schema = store.config.schema
+    epoch = await store.acquire_leadership()
+    batch = _history()
+    for start in range(0, len(batch), 400):
+        await store.commit(epoch, BASE, batch[start : start + 400], [])
+    await store.commit(epoch, BASE, [arrived(n, 1800 - n * 60) for n in range(1, 6)], [])
+    url = charts_url(refreshing, schema)
+    expected = await charts_json(refreshing, schema)
+
+    logs(browser)
+    browser.set_window_size(1280, 1600)
+    try:
+        browser.get(url)
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+            "the charts never read their document",
+        )
+        state = browser.execute_script(
+            "var s = window.cronoqCharts; return {doc: s.doc, error: s.error,"
+            " hour: s.plots.hour.data, day: s.plots.day.data};"
+        )
+        assert state["error"] is None
+        assert state["doc"]["hour"] == expected["hour"]
+        assert state["doc"]["day"] == expected["day"]
+        for window in ("hour", "day"):
+            buckets = expected[window]["buckets"]
+            assert state[window][0] == [b["start_unix_s"] for b in buckets]
+            for i, status in enumerate(expected["statuses"]):
+                drawn = state[window][i + 1]
+                assert drawn == [b["per_minute"].get(status, 0) for b in buckets], status
+        for chart in ("hour", "day", "backlog"):
+            canvas = browser.find_element(By.CSS_SELECTOR, f"#chart-{chart} canvas")
+            assert canvas.size["width"] > 300, chart
+            assert canvas.size["height"] > 100, chart
+        # The succeeded line is drawn, in the succeeded badge's colour.
+        badge = browser.execute_script(
+            "var e = document.createElement('span'); e.className = 'status status-succeeded';"
+            " document.body.appendChild(e); var c = getComputedStyle(e).color; e.remove();"
+            " return c;"
+        )
+        painted = browser.execute_script(
+            "var c = document.querySelector('#chart-hour canvas');"
+            " var d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+            " var rgb = arguments[0].match(/[0-9]+/g).map(Number), n = 0;"
+            " for (var i = 0; i < d.length; i += 4) {"
+            "  if (d[i] === rgb[0] && d[i + 1] === rgb[1] && d[i + 2] === rgb[2]) { n++; } }"
+            " return n;",
+            badge,
+        )
+        assert painted > 100, (badge, painted)
+        legend = browser.find_element(By.CSS_SELECTOR, "#chart-hour").text
+        for status in ("succeeded", "failed", "cancelled"):
+            assert status in legend
+
+        # New live tasks: the backlog's line gains points as the page reads again.
+        await store.commit(epoch, BASE, [arrived(n, 30) for n in range(6, 9)], [])
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return window.cronoqCharts.backlog[1].slice(-1)[0]") == 8,
+            "the backlog chart never showed the new tasks",
+        )
+        await store.commit(epoch, BASE, [arrived(n, 20) for n in range(9, 12)], [])
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.execute_script("return window.cronoqCharts.backlog[1].slice(-1)[0]") == 11,
+            "the backlog chart never showed the new tasks",
+        )
+        # The backlog's text follows the charts, its badges those the server renders.
+        WebDriverWait(browser, PATIENCE).until(
+            lambda b: b.find_element(By.ID, "backlog").text == "11 live tasks · queued 11",
+            "the backlog's text never followed",
+        )
+        assert browser.find_elements(By.CSS_SELECTOR, "#backlog .status.status-queued")
+        points = browser.execute_script("return window.cronoqCharts.plots.backlog.data[1]")
+        assert points[0] == 5
+        assert points[-1] == 11
+        browser.save_screenshot(str(shots(tmp_path) / "charts.png"))
+        assert [e for e in logs(browser) if e["level"] in ("SEVERE", "WARNING")] == []
+    finally:
+        browser.set_window_size(1280, 900)
