@@ -28,7 +28,6 @@ from starlette.staticfiles import StaticFiles
 
 from .._cli import operations, output
 from .._cli.exits import CliError, ExitCode
-from .._cli.output import format_duration
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
 from .._domain import I64_MAX, QUEUED, TaskStatus, clean_text
@@ -65,17 +64,6 @@ def _finalize(value: Any) -> Any:
     return value
 
 
-def _age(moment: str | None) -> str:
-    """An RFC 3339 time as "5m ago" (to the second)."""
-    if moment is None:
-        return "-"
-    then = datetime.fromisoformat(moment.removesuffix("Z") + "+00:00")
-    seconds = int((datetime.now(timezone.utc) - then).total_seconds())
-    if seconds < 0:
-        return f"in {format_duration(-seconds)}"
-    return "just now" if seconds == 0 else f"{_coarse(seconds)} ago"
-
-
 #: The statuses a badge colours; any other name (a newer build's) is shown uncoloured.
 _COLOURED = frozenset([QUEUED, *(s.value for s in TaskStatus)])
 
@@ -89,13 +77,6 @@ def _status(name: str | None) -> Markup:
     return Markup('<span class="status status-{}">{}</span>').format(kind, visible(name))
 
 
-def _coarse(seconds: int) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
 def _environment(refresh_seconds: int) -> Environment:
     env = Environment(
         loader=FileSystemLoader(_HERE / "templates"),
@@ -106,7 +87,6 @@ def _environment(refresh_seconds: int) -> Environment:
     )
     # Escaped here (Markup), so that finalize leaves its tabs and newlines alone.
     env.filters["block"] = lambda text: escape(visible_block(text))
-    env.filters["age"] = _age
     env.filters["duration"] = output.age_words
     env.filters["ns"] = output.duration_words
     env.filters["when"] = output.moment_words

@@ -133,6 +133,9 @@ async def test_overview_to_cluster_to_task_and_back(
             assert "unhealthy" not in summary
             assert f"epoch\n{epoch}" in summary
             assert "billing-worker" in summary  # the leader's application_name
+            # Times as the task page gives them (the leader's, the newest change), none raw.
+            assert len(re.findall(STAMP, summary)) == 2, summary
+            assert not re.search(r"\d{4}-\d\d-\d\dT", summary), summary
             assert "queued 2" in text_of(browser, f"{section} .live")
             assert text_of(browser, f"{section} .finished") == "failed 1 · succeeded 1"
             browser.save_screenshot(str(where / "overview.png"))

@@ -5,6 +5,7 @@ schema that holds none, one behind this build."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -354,6 +355,11 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
             "the backlog's text never followed",
         )
         assert browser.find_elements(By.CSS_SELECTOR, "#backlog .status.status-queued")
+        # The oldest task's arrival as the other pages give times: to the second, in UTC.
+        assert re.fullmatch(
+            r"oldest live task: 1, arrived \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, waiting .+",
+            browser.find_element(By.ID, "oldest").text,
+        ), browser.find_element(By.ID, "oldest").text
         points = browser.execute_script("return window.cronoqCharts.plots.backlog.data[1]")
         assert points[0] == 5
         assert points[-1] == 11

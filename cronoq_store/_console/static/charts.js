@@ -122,8 +122,9 @@
     var link = document.createElement("a");
     link.href = "/clusters/" + encodeURIComponent(doc.schema) + "/task?id=" + b.oldest.id;
     link.textContent = String(b.oldest.id);
-    oldest.replaceChildren("oldest live task: ", link, ", arrived " + b.oldest.arrival + ", " +
-      ageWords(b.oldest.age_seconds) + " ago");
+    oldest.replaceChildren("oldest live task: ", link, ", arrived " +
+      b.oldest.arrival.slice(0, 19).replace("T", " ") + " UTC, waiting " +
+      ageWords(b.oldest.age_seconds));
   }
   // The legend shows the newest point's values, and the hovered one's while hovering.
   function newest(u) {
