@@ -277,6 +277,8 @@ async def test_status_names_the_session_holding_the_leader_lock(pg_url: URL, mig
         )
         result = await run("--url", full(pg_url), "--schema", migrated, "status")
         assert result.exit_code == 0, result.output
+        # Piped: no line padded after its value.
+        assert [line for line in result.stdout.splitlines() if line.endswith(" ")] == []
         holder = re.search(
             r"^leader\s+instance ([0-9a-f]{8}), backend pid (\d+), 'cli-probe leader \1', "
             r"from (\S+)\s*$",
@@ -729,6 +731,50 @@ async def test_prune_dry_run_counts_what_prune_then_deletes(pg_url: URL, store: 
     assert "would prune 1 finished tasks" in wider.stdout  # 7; 6 stays protected
 
 
+async def test_prune_json_says_what_it_counted_kept_and_deleted(
+    pg_url: URL, store: PgStore
+) -> None:
+    """One JSON document on stdout, nothing on stderr (no progress bar), in a dry run and a
+    real one; weeks are a unit."""
+    batch: list[Mutation] = []
+    for id in range(1, 4):  # three weeks old, unprotected
+        batch += [submitted(id), changed(id, SUCCEEDED, ago=21 * DAY)]
+    batch += [submitted(4, key="base"), changed(4, FAILED, ago=21 * DAY)]  # protected
+    batch += [submitted(5, deps=[Dependency("base")])]
+    batch += [submitted(6), changed(6, SUCCEEDED, ago=DAY)]  # recent
+    await store.commit(0, BASE, batch, [])
+    url, schema = full(pg_url), store.config.schema
+    command = ("--url", url, "--schema", schema, "prune", "--older-than", "2w", "--json")
+
+    dry = await run(*command, "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert dry.stderr == ""
+    counted = json.loads(dry.stdout)
+    cutoff = datetime.fromisoformat(counted.pop("cutoff").replace("Z", "+00:00"))
+    assert abs(cutoff - (datetime.now(timezone.utc) - timedelta(weeks=2))) < timedelta(minutes=5)
+    assert counted == {
+        "schema": schema,
+        "dry_run": True,
+        "older_than_s": 14 * 86400,
+        "prunable": 3,
+        "protected": 1,
+        "deleted": None,
+    }
+
+    real = await run(*command)
+    assert real.exit_code == 0, real.output
+    assert real.stderr == ""
+    done = json.loads(real.stdout)
+    assert (done["dry_run"], done["prunable"], done["protected"], done["deleted"]) == (
+        False,
+        3,
+        1,
+        3,
+    )
+    rows = await admin_execute(pg_url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
+    assert [r["id"] for r in rows] == [4, 5, 6]
+
+
 async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, schema: str) -> None:
     """As the store's prune does (tests/test_prune_race.py): a batch waits for a commit in
     flight, so a dependency that commit adds protects its target."""
@@ -775,18 +821,21 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, sche
 
 
 def test_durations_parse_whole_units() -> None:
-    assert [parse_duration(d) for d in ("30s", "15m", "12h", "7d", " 0s ")] == [
+    assert [parse_duration(d) for d in ("30s", "15m", "12h", "7d", "2w", " 0s ")] == [
         30,
         900,
         43200,
         604800,
+        1209600,
         0,
     ]
 
 
-@pytest.mark.parametrize("text", ["7", "7x", "1.5h", "-1d", "", "d", "7 days", "36501d"])
+@pytest.mark.parametrize(
+    "text", ["7", "7x", "1.5h", "-1d", "", "d", "7 days", "1y", "36501d", "5215w"]
+)
 async def test_bad_durations_are_usage_errors(text: str) -> None:
     result = await run("--url", "postgresql://x@127.0.0.1:1/db", "prune", "--older-than", text)
     assert result.exit_code == ExitCode.USAGE
     assert "Invalid value for '--older-than'" in result.stderr
-    assert ("too long" if text == "36501d" else "is not a duration") in result.stderr
+    assert ("too long" if text in ("36501d", "5215w") else "is not a duration") in result.stderr

@@ -126,7 +126,14 @@ class _VisibleFormatter(logging.Formatter):
 
 
 def print_facts(out: Console, *facts: tuple[str, str]) -> None:
-    """Label and value lines, aligned; long values wrap under their value column."""
+    """Label and value lines, aligned; on a terminal long values wrap under their value
+    column. Piped: one line per fact, whole, with no padding after the value (a script's
+    ``cut`` or ``grep`` would otherwise meet trailing spaces)."""
+    if not out.is_terminal:
+        width = max([11, *(len(label) for label, _ in facts)])
+        for label, value in facts:
+            out.print(f"{label:<{width}}  {value}", soft_wrap=True, highlight=False, markup=False)
+        return
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", min_width=11)
     grid.add_column()
