@@ -40,7 +40,6 @@ __all__ = [
     "ID_FORMS",
     "IdRef",
     "age_words",
-    "ago",
     "console",
     "describe_foreign",
     "describe_schedule",
@@ -236,7 +235,7 @@ def describe_session(holder: LockHolder) -> str:
 def _since(holder: LockHolder) -> str:
     if holder.since is None:
         return "since an unknown time"
-    return f"since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({ago(holder.since)})"
+    return f"since {moment_words(holder.since)}"
 
 
 def leader_of(holder: LockHolder | None) -> LockHolder | None:
@@ -279,11 +278,6 @@ def task_document(record: TaskRecord, status: str) -> dict[str, object]:
 def utc(unix_ns: int) -> str:
     moment = UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def ago(moment: datetime) -> str:
-    seconds = max(0, int((datetime.now(timezone.utc) - moment).total_seconds()))
-    return f"{format_duration(seconds)} ago" if seconds else "just now"
 
 
 def age_words(seconds: float) -> str:

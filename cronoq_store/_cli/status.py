@@ -260,6 +260,6 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
             f"{holder.application_name or '(no application_name)'!r}, "
             f"from {holder.client_addr or 'a local socket'}",
         ),
-        ("", f"session since {holder.since:%Y-%m-%d %H:%M:%S} UTC ({output.ago(holder.since)})"),
+        ("", f"session since {output.moment_words(holder.since)}"),
         ("", f"holds the {lock}"),
     ]
