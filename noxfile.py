@@ -39,7 +39,8 @@ def tests(session: nox.Session) -> None:
         )
         rest_failed = False
         try:
-            session.run("pytest", "--ignore=tests/ha")
+            # The slowest tests named in every run's log: where the suite's time goes.
+            session.run("pytest", "--ignore=tests/ha", "--durations=30")
         except nox.command.CommandFailed:
             rest_failed = True
         finally:
