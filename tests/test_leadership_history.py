@@ -133,6 +133,19 @@ async def test_status_shows_the_timeline_in_text_and_json(
     assert 0 <= terms[0]["leaderless_at_most_s"] < 10
     assert terms[1]["leaderless_at_most_s"] is None
     assert terms[1]["lasted_at_most_s"] >= 0
+    assert [t["leading"] for t in terms] == [True, False]
+
+    # b lets go and nobody takes over: its term ended, at a time the history does not hold.
+    await b.release()
+    text = await run("--url", full(pg_url), "--schema", migrated, "status")
+    lines = text.stdout.splitlines()
+    newest = lines[lines.index("epoch\tbegan\tinstance\tlasted\tno leader before it") + 1]
+    assert newest.split("\t")[3] == "ended (when is not recorded; no leader now)"
+    as_json = await run("--url", full(pg_url), "--schema", migrated, "status", "--json")
+    assert [t["leading"] for t in json.loads(as_json.stdout)["leadership_history"]] == [
+        False,
+        False,
+    ]
 
 
 async def test_a_schema_before_the_history_shows_none_recorded(

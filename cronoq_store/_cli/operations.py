@@ -248,7 +248,7 @@ TERMS_SHOWN = 10
 
 
 async def recent_terms(
-    conn: AsyncConnection, revision: RevisionStatus, limit: int = TERMS_SHOWN
+    conn: AsyncConnection, revision: RevisionStatus, led: bool, limit: int = TERMS_SHOWN
 ) -> list[dict[str, Any]] | None:
     """The newest ``limit`` terms of the leadership history, newest first
     (:func:`terms_document`); ``None`` for a schema not at this build's head, whose history
@@ -256,15 +256,19 @@ async def recent_terms(
     if not revision.at_head:
         return None
     rows = (await conn.execute(ls.recent_terms, {"limit": limit + 1})).all()
-    return terms_document(rows, limit)
+    return terms_document(rows, limit, led)
 
 
-def terms_document(rows: Sequence[Any], limit: int) -> list[dict[str, Any]]:
+def terms_document(rows: Sequence[Any], limit: int, led: bool) -> list[dict[str, Any]]:
     """Terms newest first, each with how long it lasted at most (until the next began) and
     how long the cluster had no leader before it at most: from the taker's last look at a
     lock still held to the moment it took the epoch. Unknown (``None``) when the taker got
     the lock at its first try, so never saw it held. ``previous_recorded`` is false where
-    the epoch before is missing (taken by a build that kept no history, or pruned)."""
+    the epoch before is missing (taken by a build that kept no history, or pruned).
+
+    ``led``: whether a store instance holds the leader lock now. The newest term is
+    ``leading`` only then: a term that ended with no successor (its instance released the
+    lock or died, none took over) has no recorded end, and is not shown as going on."""
     terms = []
     for i, row in enumerate(rows[:limit]):
         newer = rows[i - 1] if i > 0 else None
@@ -285,6 +289,7 @@ def terms_document(rows: Sequence[Any], limit: int) -> list[dict[str, Any]]:
                 "lasted_at_most_s": None
                 if newer is None
                 else round((newer.began_at - row.began_at).total_seconds(), 3),
+                "leading": newer is None and led,
                 "previous_recorded": older is not None and _follows(older.epoch, row.epoch),
             }
         )

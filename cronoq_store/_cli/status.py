@@ -69,7 +69,8 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         migrating = await queries.migration_lock_holder(conn, schema)
         oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
         contents = await _contents(conn) if revision.at_head else None
-        terms = await operations.recent_terms(conn, revision)
+        led = output.leader_of(holder) is not None
+        terms = await operations.recent_terms(conn, revision, led)
         await conn.rollback()
 
     # The store passes the OID as a signed int4; pg_locks shows it unsigned.
@@ -194,9 +195,7 @@ def _print_terms(console: Console, terms: list[dict[str, Any]] | None) -> None:
                 f"pid {term['pid']}, role {term['role'] or '-'}, "
                 f"{term['application_name'] or '(no application_name)'!r}, "
                 f"from {term['client_addr'] or 'a local socket'}",
-                "leading"
-                if term["lasted_at_most_s"] is None
-                else f"at most {output.duration_words(round(term['lasted_at_most_s'] * 1e9))}",
+                _lasted(term),
                 operations.leaderless_words(term)
                 + ("" if term["previous_recorded"] else "; the epoch before is not recorded"),
             )
@@ -263,3 +262,11 @@ def holder_facts(holder: LockHolder | None, lock: str) -> list[tuple[str, str]]:
         ("", f"session since {output.moment_words(holder.since)}"),
         ("", f"holds the {lock}"),
     ]
+
+
+def _lasted(term: dict[str, Any]) -> str:
+    """How long a term lasted: at most until the next began; the newest is ``leading``, or,
+    with no leader now, ended at a time the history does not hold."""
+    if term["lasted_at_most_s"] is not None:
+        return f"at most {output.duration_words(round(term['lasted_at_most_s'] * 1e9))}"
+    return "leading" if term["leading"] else "ended (when is not recorded; no leader now)"

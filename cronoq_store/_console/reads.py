@@ -246,7 +246,9 @@ async def cluster(
         "live": [{"pool": r.pool, "status": r.status, "count": r.n} for r in live],
         "finished": finished,
         "recurring": [_schedule_document(r) for r in recurring[:SCHEDULES_SHOWN]],
-        "leadership_history": operations.terms_document(rows, operations.TERMS_SHOWN),
+        "leadership_history": operations.terms_document(
+            rows, operations.TERMS_SHOWN, summary["leader"] is not None
+        ),
         # The name the next page of schedules starts after.
         "recurring_next": recurring[SCHEDULES_SHOWN - 1].name
         if len(recurring) > SCHEDULES_SHOWN

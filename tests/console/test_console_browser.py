@@ -491,11 +491,15 @@ async def test_the_cluster_page_shows_the_leadership_timeline(
     pg_url: URL, migrated: str, console_at: Console, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
     """Three real takeovers, each by an instance of its own: the timeline lists the terms
-    newest first, with who took each and how long the cluster had no leader before it."""
-    for name in ("billing-a", "billing-b", "billing-c"):
+    newest first, with who took each and how long the cluster had no leader before it; the
+    newest leads while its instance does, and reads as ended once it let go."""
+    for name in ("billing-a", "billing-b"):
         config = PgStoreConfig(schema=migrated, application_name=name)
         async with await PgStore.connect(pg_url, config) as store:
             await store.acquire_leadership()
+    config = PgStoreConfig(schema=migrated, application_name="billing-c")
+    leader = await PgStore.connect(pg_url, config)
+    await leader.acquire_leadership()
     cluster = f"{console_at.base}/clusters/{migrated}"
 
     def look() -> None:
@@ -519,9 +523,18 @@ async def test_the_cluster_page_shows_the_leadership_timeline(
         errors = [e for e in logs(browser) if e["level"] == "SEVERE"]
         assert errors == [], errors
 
-    await asyncio.to_thread(look)
+    try:
+        await asyncio.to_thread(look)
+        doc = (await fetch(cluster + "?format=json")).json()
+        assert [t["epoch"] for t in doc["leadership_history"]] == [3, 2, 1]
+        assert [t["leading"] for t in doc["leadership_history"]] == [True, False, False]
+    finally:
+        await leader.close()
     doc = (await fetch(cluster + "?format=json")).json()
-    assert [t["epoch"] for t in doc["leadership_history"]] == [3, 2, 1]
+    assert [t["leading"] for t in doc["leadership_history"]] == [False, False, False]
+    page = (await fetch(cluster)).text()
+    assert "epoch 3</span> began" in page
+    assert "ended (when is not recorded; no leader now)" in page
 
 
 async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_at: Console) -> None:
