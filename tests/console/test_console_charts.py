@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -367,3 +368,50 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
         assert [e for e in logs(browser) if e["level"] in ("SEVERE", "WARNING")] == []
     finally:
         browser.set_window_size(1280, 900)
+
+
+async def test_an_end_at_either_edge_of_a_time_is_charted_or_refused_never_failed(
+    pg_url: Any, store: PgStore, console_at: Console
+) -> None:
+    """Ends as far as the stored times reach, either way, with tasks finished at the very
+    first and last nanoseconds a BIGINT holds: each is a chart or a 400 that says why, never
+    a failed statement. The charts end on a minute: an end whose day before is in range may
+    not be once floored to its minute."""
+    schema = store.config.schema
+    for id, at in ((1, -(2**63)), (2, 2**63 - 1)):
+        await admin_execute(
+            pg_url,
+            f'INSERT INTO "{schema}".cronoq_tasks (id, seq, pool, kind, priority,'
+            " arrival_unix_ns, payload, status, terminal, attempt, updated_unix_ns, tenant)"
+            f" VALUES ({id}, {id}, 'default', '', 0, 0, 'p', 'succeeded', true, 1, {at}, '')",
+        )
+    day_ns = reads.DAY.span_ns
+    first_day = output.rfc3339(-(2**63) + day_ns + 1_000)  # floors to before the range
+    for end, status in (
+        ("2262-04-11T23:47:16.854775", 200),  # the last microsecond a BIGINT of ns holds
+        ("2262-04-11T23:47:16.854776", 400),
+        ("9999-12-31T23:59:59", 400),
+        ("2262-04-11T23:47:16.854775+00:01", 200),
+        ("1677-09-21T00:12:43.145225Z", 400),  # the first; the day before is out of range
+        (first_day, 400),
+        (output.rfc3339(-(2**63) + day_ns + 2 * MINUTE), 200),
+        ("0001-01-01T00:00", 400),
+        ("1970-01-01T00:00-00:01", 200),
+        ("2026-13-01T00:00", 400),
+        ("\0", 400),
+        ("x" * 100_000, 400),
+    ):
+        query = urlencode({"format": "json", "end": end})
+        reply = await fetch(f"{console_at.base}/clusters/{schema}/charts?{query}")
+        assert reply.status == status, (end, reply.text())
+        if status == 400:
+            assert "end:" in reply.json()["error"], end
+    latest = await charts_json(console_at, schema, 2**63 - 1)
+    assert latest["hour"]["buckets"][-1]["counts"] == {}  # the end itself is after the window
+    assert latest["end"] == output.rfc3339((2**63 - 1) // MINUTE * MINUTE)
+    earliest = await charts_json(console_at, schema, -(2**63) + day_ns + 2 * MINUTE)
+    # The first nanosecond is before any whole minute's day: no bucket reaches it.
+    assert earliest["day"]["start"] == output.rfc3339(
+        reads.chart_end(-(2**63) + day_ns + 2 * MINUTE) - day_ns
+    )
+    assert all(b["counts"] == {} for b in earliest["day"]["buckets"])
