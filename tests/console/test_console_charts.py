@@ -415,3 +415,106 @@ async def test_an_end_at_either_edge_of_a_time_is_charted_or_refused_never_faile
         reads.chart_end(-(2**63) + day_ns + 2 * MINUTE) - day_ns
     )
     assert all(b["counts"] == {} for b in earliest["day"]["buckets"])
+
+
+def _finished_as(schema: str, id: int, status: str, at: int) -> str:
+    return (
+        f'INSERT INTO "{schema}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind, priority,'
+        f" payload, status, terminal, attempt, updated_unix_ns) VALUES ({id}, {id}, {at},"
+        f" 'default', '', 0, '\\x00'::bytea, '{status}', true, 1, {at})"
+    )
+
+
+def _drawn(browser: Any) -> Any:
+    return browser.execute_script(
+        "var s = window.cronoqCharts; return {doc: s.doc, error: s.error, reads: s.reads,"
+        " labels: s.plots.hour.series.slice(1).map(function (x) { return x.label; }),"
+        " hour: s.plots.hour.data.slice(1).map(function (line) {"
+        "   return line.map(function (v) { return typeof v === 'number' ? v : String(v); }); })};"
+    )
+
+
+def _expected_lines(doc: Any) -> list[list[float]]:
+    return [[b["per_minute"].get(s, 0) for b in doc["hour"]["buckets"]] for s in doc["statuses"]]
+
+
+async def test_statuses_a_newer_build_wrote_are_drawn_under_their_own_names_in_chromium(
+    pg_url: Any, migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """Status names the page's script meets only as keys of the document: names an object
+    already has (``constructor``, ``__proto__``) count only where a bucket holds them, markup
+    stays text, and a name that appears while the page is open gets a line of its own
+    instead of shifting the others under the wrong names."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    for id, status, minutes in (
+        (1, "constructor", 10),
+        (2, "__proto__", 20),
+        (3, "<b>bold</b>", 30),
+        (4, "succeeded", 40),
+    ):
+        await admin_execute(pg_url, _finished_as(migrated, id, status, END - minutes * MINUTE))
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # As the server wrote it (a WebDriver copy of the browser's loses a "__proto__" key).
+    expected = await charts_json(refreshing, migrated)
+    state = _drawn(browser)
+    assert state["error"] is None
+    assert state["labels"] == expected["statuses"]
+    assert {"constructor", "__proto__", "<b>bold</b>"} <= set(state["labels"])
+    assert state["hour"] == _expected_lines(expected)
+    legend = browser.find_element(By.CSS_SELECTOR, "#chart-hour").text
+    assert "<b>bold</b>" in legend
+    assert browser.find_elements(By.CSS_SELECTOR, "#charts b") == []
+
+    # A name sorted between the others appears while the page is open.
+    await admin_execute(pg_url, _finished_as(migrated, 5, "a_newer", END - 5 * MINUTE))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: "a_newer" in (_drawn(b)["doc"]["statuses"]),
+        "the page never read the new status",
+    )
+    expected = await charts_json(refreshing, migrated)
+    state = _drawn(browser)
+    assert state["error"] is None
+    assert state["labels"] == expected["statuses"]
+    assert state["hour"] == _expected_lines(expected)
+
+
+async def test_a_slow_read_is_never_overlapped_by_the_next_in_chromium(
+    migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """Reads slower than the page's refresh (1 s here): the page waits for each read to end
+    before it starts the next, so one open tab never piles requests up on the server."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # Every later read takes 3 s longer than the server does.
+    browser.execute_script(
+        "var real = window.fetch, seen = window.reading = {open: 0, most: 0, started: 0};"
+        " window.fetch = function () {"
+        "   var args = arguments; seen.open += 1; seen.started += 1;"
+        "   seen.most = Math.max(seen.most, seen.open);"
+        "   return new Promise(function (done) { setTimeout(done, 3000); })"
+        "     .then(function () { return real.apply(window, args); })"
+        "     .finally(function () { seen.open -= 1; }); };"
+    )
+    reads_before = browser.execute_script("return window.cronoqCharts.reads")
+    WebDriverWait(browser, PATIENCE + 10).until(
+        lambda b: b.execute_script("return window.cronoqCharts.reads") >= reads_before + 2,
+        "the slow reads never ended",
+    )
+    seen = browser.execute_script("return window.reading")
+    assert seen["most"] == 1, seen
+    assert browser.execute_script("return window.cronoqCharts.error") is None

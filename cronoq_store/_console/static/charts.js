@@ -1,5 +1,6 @@
 // Draws a cluster's charts (charts.html) with the vendored uPlot, from the JSON document
-// the page names in data-source, and reads it again every data-every seconds. Each status
+// the page names in data-source, and reads it again data-every seconds after each read ends
+// (one read at a time, however slow the server: a tab never piles requests up). Each status
 // is drawn in the colour of its badge (read from console.css, so the two cannot drift).
 // The page's numbers are also in its tables, which work without this script.
 // window.cronoqCharts holds the last document read and the plots, for the browser tests.
@@ -42,11 +43,13 @@
   } };
   function width(id) { return Math.max(document.getElementById(id).clientWidth, 300); }
 
+  var OWN = Object.prototype.hasOwnProperty;
   function finishedData(doc, window_) {
     var buckets = doc[window_].buckets;
     var data = [buckets.map(function (b) { return b.start_unix_s; })];
+    // Own keys only: a status a newer build wrote may be named "constructor" or "__proto__".
     doc.statuses.forEach(function (s) {
-      data.push(buckets.map(function (b) { return b.per_minute[s] || 0; }));
+      data.push(buckets.map(function (b) { return OWN.call(b.per_minute, s) ? b.per_minute[s] : 0; }));
     });
     return data;
   }
@@ -132,11 +135,17 @@
     if (n) { u.setLegend({ idx: n - 1 }, false); }
   }
   var keepNewest = { setCursor: [function (u) { if (u.cursor.left < 0) { newest(u); } }] };
-  function draw(id, key, options, data) {
+  // A plot's series are fixed when it is made: when the statuses change (a newer build's
+  // name appears, or leaves the window), the plot is made again, so that no line is drawn
+  // under another status's name.
+  var drawn = {};
+  function draw(id, key, options, data, series) {
     var plot = state.plots[key];
-    if (plot) { plot.setData(data); } else {
+    if (plot && drawn[key] === series) { plot.setData(data); } else {
+      if (plot) { plot.destroy(); }
       options.hooks = keepNewest;
       plot = state.plots[key] = new uPlot(options, data, document.getElementById(id));
+      drawn[key] = series;
     }
     newest(plot);
   }
@@ -146,9 +155,15 @@
     stamp.classList.toggle("stale", stale);
   }
 
+  // A read that has not ended after this long is given up (a connection gone quiet), so
+  // that the next one can start.
+  var PATIENCE_MS = Math.max(60, 2 * every) * 1000;
   async function load() {
+    var abort = new AbortController();
+    var timer = window.setTimeout(function () { abort.abort(); }, PATIENCE_MS);
     try {
-      var response = await fetch(source, { credentials: "same-origin", cache: "no-store" });
+      var response = await fetch(source, { credentials: "same-origin", cache: "no-store",
+        signal: abort.signal });
       if (!response.ok) { throw new Error("HTTP " + response.status); }
       var doc = await response.json();
       var backlog = doc.backlog;
@@ -156,9 +171,10 @@
       state.backlog[1].push(backlog.at_least && backlog.estimate !== null ? backlog.estimate : backlog.live);
       state.backlog[2].push(backlog.oldest === null ? null : backlog.oldest.age_seconds);
       state.estimated = { hour: estimatedIn(doc, "hour"), day: estimatedIn(doc, "day") };
-      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"));
-      draw("chart-day", "day", finishedOptions(doc, "chart-day", "day"), finishedData(doc, "day"));
-      draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog);
+      var statuses = JSON.stringify(doc.statuses);
+      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"), statuses);
+      draw("chart-day", "day", finishedOptions(doc, "chart-day", "day"), finishedData(doc, "day"), statuses);
+      draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog, "");
       backlogText(doc);
       state.doc = doc;
       state.reads += 1;
@@ -167,7 +183,13 @@
     } catch (err) {
       state.error = String(err.message || err);
       show("charts not read: " + state.error, true);
+    } finally {
+      window.clearTimeout(timer);
     }
+  }
+  async function keepReading() {
+    await load();
+    if (every) { window.setTimeout(keepReading, every * 1000); }
   }
   window.addEventListener("resize", function () {
     Object.keys(state.plots).forEach(function (key) {
@@ -175,6 +197,5 @@
       plot.setSize({ width: width("chart-" + key), height: HEIGHT });
     });
   });
-  load();
-  if (every) { window.setInterval(load, every * 1000); }
+  keepReading();
 }());
