@@ -542,3 +542,30 @@ async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_a
     page = (await fetch(console_at.base + "/")).text()
     assert f"succeeded ≥ {cs.SAMPLE:,}" in page
     assert "(at least: among the newest" in page
+
+
+async def test_a_slow_refresh_is_never_overlapped_by_the_next(
+    store: PgStore, refreshing: Console, browser: webdriver.Chrome
+) -> None:
+    """Refreshes slower than the page's period (1 s here): the page waits for each to end
+    before it starts the next, so one open tab never piles requests up on the server (the
+    overview of many clusters can take longer than its period)."""
+    await store.commit(0, BASE, [submitted(1)], [])
+    browser.get(refreshing.base + "/")
+    wait_for(browser, f"#cluster-{store.config.schema} .live")
+    # Every refresh from now on takes 3 s longer than the server does.
+    browser.execute_script(
+        "var real = window.fetch, seen = window.reading = {open: 0, most: 0, ended: 0};"
+        " window.fetch = function () {"
+        "   var args = arguments; seen.open += 1; seen.most = Math.max(seen.most, seen.open);"
+        "   return new Promise(function (done) { setTimeout(done, 3000); })"
+        "     .then(function () { return real.apply(window, args); })"
+        "     .finally(function () { seen.open -= 1; seen.ended += 1; }); };"
+    )
+    await asyncio.to_thread(
+        WebDriverWait(browser, PATIENCE + 10).until,
+        lambda b: b.execute_script("return window.reading.ended") >= 2,
+    )
+    seen = browser.execute_script("return window.reading")
+    assert seen["most"] == 1, seen
+    assert text_of(browser, "#refreshed").startswith("refreshed ")
