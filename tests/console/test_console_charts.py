@@ -518,3 +518,38 @@ async def test_a_slow_read_is_never_overlapped_by_the_next_in_chromium(
     seen = browser.execute_script("return window.reading")
     assert seen["most"] == 1, seen
     assert browser.execute_script("return window.cronoqCharts.error") is None
+
+
+async def test_the_backlog_a_tab_keeps_is_bounded_in_chromium(
+    migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """A tab left open keeps its latest 10,000 reads of the backlog, not every read since
+    it opened: the oldest points go as new ones come."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # As if the tab had been open for 15,000 reads.
+    reads_before = browser.execute_script(
+        "var s = window.cronoqCharts, t0 = s.backlog[0][0] - 15000;"
+        " s.backlog = [[], [], []];"
+        " for (var i = 0; i < 15000; i++) { s.backlog[0].push(t0 + i); s.backlog[1].push(i);"
+        "  s.backlog[2].push(null); }"
+        " return s.reads;"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return window.cronoqCharts.reads") > reads_before,
+        "the charts never read again",
+    )
+    kept = browser.execute_script(
+        "var s = window.cronoqCharts; return {lengths: s.backlog.map(function (l) {"
+        " return l.length; }), first: s.backlog[1][0], error: s.error};"
+    )
+    assert kept["error"] is None
+    assert kept["lengths"] == [10_000] * 3
+    assert 5_000 <= kept["first"] <= 5_010  # the oldest gone, whatever reads came meanwhile

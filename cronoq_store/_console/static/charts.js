@@ -12,6 +12,9 @@
   var every = Number(section.dataset.every || 0);
   var stamp = document.getElementById("refreshed");
   var HEIGHT = 220;
+  // The backlog's points kept: a tab left open for weeks draws its latest reads (about
+  // 14 hours of them at the default 5 s) instead of growing without end.
+  var BACKLOG_POINTS = 10000;
   var state = { doc: null, plots: {}, backlog: [[], [], []], reads: 0, error: null,
     estimated: { hour: [], day: [] } };
   window.cronoqCharts = state;
@@ -170,6 +173,7 @@
       state.backlog[0].push(Date.parse(doc.now) / 1e3);
       state.backlog[1].push(backlog.at_least && backlog.estimate !== null ? backlog.estimate : backlog.live);
       state.backlog[2].push(backlog.oldest === null ? null : backlog.oldest.age_seconds);
+      state.backlog.forEach(function (line) { line.splice(0, line.length - BACKLOG_POINTS); });
       state.estimated = { hour: estimatedIn(doc, "hour"), day: estimatedIn(doc, "day") };
       var statuses = JSON.stringify(doc.statuses);
       draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"), statuses);
