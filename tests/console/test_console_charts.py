@@ -553,3 +553,49 @@ async def test_the_backlog_a_tab_keeps_is_bounded_in_chromium(
     assert kept["error"] is None
     assert kept["lengths"] == [10_000] * 3
     assert 5_000 <= kept["first"] <= 5_010  # the oldest gone, whatever reads came meanwhile
+
+
+async def test_a_refused_read_says_why_in_chromium(
+    pg_url: Any, migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """A read the server refuses after the page opened shows the reason its error document
+    gives, controls and bidi characters as escapes, and the charts drawn before stay."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    await admin_execute(
+        pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '0003_x'"
+    )
+
+    def stamp(b: Any) -> str:
+        return str(b.find_element(By.ID, "refreshed").text)
+
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b).startswith("charts not read: HTTP 409: "), "no reason shown"
+    )
+    assert f"schema '{migrated}' is at revision 0003_x" in stamp(browser)
+    assert browser.execute_script("return window.cronoqCharts.plots.hour.data.length") > 1
+    # An error document holding what a terminal or a reader would act on.
+    browser.execute_script(
+        "window.fetch = function () { return Promise.resolve(new Response("
+        " JSON.stringify({error: 'a\\u202eb\\u001b[2Jc\\nd\\\\e'}), {status: 500})); };"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b).startswith("charts not read: HTTP 500: "), "no reason shown"
+    )
+    assert stamp(browser) == "charts not read: HTTP 500: a\\u202eb\\u001b[2Jc\\u000ad\\\\e"
+    # A page that is not the console's document (a proxy's): the status alone.
+    browser.execute_script(
+        "window.fetch = function () { return Promise.resolve(new Response("
+        " '<html>Bad gateway</html>', {status: 502})); };"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b) == "charts not read: HTTP 502", "no status shown"
+    )

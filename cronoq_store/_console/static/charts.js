@@ -158,6 +158,21 @@
     stamp.classList.toggle("stale", stale);
   }
 
+  // Why the server refused a read, from its error document (the schema migrated since the
+  // page opened, a role without SELECT, ...): what the page would say on a reload. Controls
+  // and bidi or format characters as escapes, as the server writes them in its pages.
+  var HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}\\]/gu;
+  async function reason(response) {
+    try {
+      var error = (await response.json()).error;
+      if (typeof error !== "string") { return ""; }
+      return ": " + error.slice(0, 500).replace(HIDDEN, function (c) {
+        return c === "\\" ? "\\\\" : "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0");
+      });
+    } catch (err) {
+      return "";  // not the console's document (a proxy's page)
+    }
+  }
   // A read that has not ended after this long is given up (a connection gone quiet), so
   // that the next one can start.
   var PATIENCE_MS = Math.max(60, 2 * every) * 1000;
@@ -167,7 +182,7 @@
     try {
       var response = await fetch(source, { credentials: "same-origin", cache: "no-store",
         signal: abort.signal });
-      if (!response.ok) { throw new Error("HTTP " + response.status); }
+      if (!response.ok) { throw new Error("HTTP " + response.status + (await reason(response))); }
       var doc = await response.json();
       var backlog = doc.backlog;
       state.backlog[0].push(Date.parse(doc.now) / 1e3);
