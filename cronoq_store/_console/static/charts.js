@@ -19,6 +19,21 @@
     estimated: { hour: [], day: [] } };
   window.cronoqCharts = state;
 
+  // Text from the document as the server writes it in its pages (its terminal-safe rule):
+  // controls, format characters (bidi, zero-width), line and paragraph separators and lone
+  // surrogates as escapes, a backslash doubled. A status name a newer build wrote cannot
+  // reorder or hide a legend.
+  var HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}\\]/gu;
+  var NAMED = { "\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r" };
+  function hex(code, digits) { return code.toString(16).padStart(digits, "0"); }
+  function visible(text) {
+    return String(text).replace(HIDDEN, function (c) {
+      if (Object.prototype.hasOwnProperty.call(NAMED, c)) { return NAMED[c]; }
+      var code = c.codePointAt(0);
+      if (code <= 0xff) { return "\\x" + hex(code, 2); }
+      return code <= 0xffff ? "\\u" + hex(code, 4) : "\\U" + hex(code, 8);
+    });
+  }
   var COLOURED = ["succeeded", "failed", "cancelled", "skipped", "expired", "running", "retrying", "queued"];
   function colour(status) {
     var probe = document.createElement("span");
@@ -70,7 +85,7 @@
       return found.length ? found : null;
     };
     doc.statuses.forEach(function (s) {
-      series.push({ label: s, stroke: colour(s), width: 2,
+      series.push({ label: visible(s), stroke: colour(s), width: 2,
         points: { show: false, filter: marked, size: 7 },
         value: function (u, v) { return v == null ? "-" : v.toFixed(1) + "/min"; } });
     });
@@ -121,7 +136,7 @@
     b.by_status.forEach(function (r) {
       var badge = document.createElement("span");
       badge.className = "status status-" + (COLOURED.indexOf(r.status) >= 0 ? r.status : "other");
-      badge.textContent = r.status;
+      badge.textContent = visible(r.status);
       line.append(" · ", badge, " " + thousands(r.count));
     });
     if (b.oldest === null) { oldest.replaceChildren("no live task"); return; }
@@ -159,16 +174,12 @@
   }
 
   // Why the server refused a read, from its error document (the schema migrated since the
-  // page opened, a role without SELECT, ...): what the page would say on a reload. Controls
-  // and bidi or format characters as escapes, as the server writes them in its pages.
-  var HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}\\]/gu;
+  // page opened, a role without SELECT, ...): what the page would say on a reload.
   async function reason(response) {
     try {
       var error = (await response.json()).error;
       if (typeof error !== "string") { return ""; }
-      return ": " + error.slice(0, 500).replace(HIDDEN, function (c) {
-        return c === "\\" ? "\\\\" : "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0");
-      });
+      return ": " + visible(error.slice(0, 500));
     } catch (err) {
       return "";  // not the console's document (a proxy's page)
     }
