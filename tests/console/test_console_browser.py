@@ -38,6 +38,7 @@ from cronoq_store._domain import (
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
+from ..pgharness import admin_execute
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
 from ..waits import PATIENCE
 from .conftest import Console, fetch
@@ -569,3 +570,23 @@ async def test_a_slow_refresh_is_never_overlapped_by_the_next(
     seen = browser.execute_script("return window.reading")
     assert seen["most"] == 1, seen
     assert text_of(browser, "#refreshed").startswith("refreshed ")
+
+
+async def test_a_refused_refresh_says_why(
+    pg_url: URL, store: PgStore, refreshing: Console, browser: webdriver.Chrome
+) -> None:
+    """A refresh the server refuses after the page opened shows the reason its error page
+    gives (as that page writes it), and the content shown before stays."""
+    schema = store.config.schema
+    await store.commit(0, BASE, [submitted(1)], [])
+    browser.get(f"{refreshing.base}/clusters/{schema}/live")
+    wait_for(browser, "#live-list")
+    await admin_execute(
+        pg_url, f"UPDATE \"{schema}\".cronoq_alembic_version SET version_num = '0003_x'"
+    )
+    await asyncio.to_thread(
+        WebDriverWait(browser, PATIENCE).until,
+        lambda b: text_of(b, "#refreshed").startswith("not refreshed: HTTP 409: "),
+    )
+    assert f"schema '{schema}' is at revision 0003_x" in text_of(browser, "#refreshed")
+    assert browser.find_elements(By.CSS_SELECTOR, "#live-list")

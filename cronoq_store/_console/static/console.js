@@ -27,8 +27,14 @@
     try {
       var response = await fetch(window.location.href, { credentials: "same-origin",
         cache: "no-store", signal: abort.signal });
-      if (!response.ok) { throw new Error("HTTP " + response.status); }
       var page = new DOMParser().parseFromString(await response.text(), "text/html");
+      if (!response.ok) {
+        // The reason the console's error page gives (already written safe by the server),
+        // or the status alone for any other page (a proxy's).
+        var reason = page.getElementById("error");
+        throw new Error("HTTP " + response.status +
+          (reason ? ": " + reason.textContent.slice(0, 500) : ""));
+      }
       var fresh = page.getElementById("live");
       if (fresh && !busy()) {
         document.getElementById("live").replaceChildren(...Array.from(fresh.childNodes).map(function (n) { return document.importNode(n, true); }));
