@@ -775,6 +775,31 @@ async def test_prune_json_says_what_it_counted_kept_and_deleted(
     assert [r["id"] for r in rows] == [4, 5, 6]
 
 
+async def test_prune_json_that_fails_prints_nothing_on_stdout(pg_url: URL, migrated: str) -> None:
+    """A script reading ``prune --json`` gets one document or nothing: a failure is one line
+    on stderr, the password masked, with its exit code."""
+    url = full(pg_url)
+    wrong = full(pg_url.set(password="wrong-password-123"))
+    await admin_execute(
+        pg_url,
+        f'UPDATE "{migrated}".cronoq_alembic_version'
+        " SET version_num = '0003_recurring_last_task_id'",
+    )
+    for given, schema, code in (
+        (url, migrated, ExitCode.NOT_MIGRATED),  # behind this build
+        (url, "public", ExitCode.NOT_MIGRATED),  # holds no cluster
+        (url, f"{migrated}_none", ExitCode.NOT_MIGRATED),
+        (wrong, migrated, ExitCode.UNREACHABLE),
+        ("postgresql://x:sekrit-123@127.0.0.1:1/db", migrated, ExitCode.UNREACHABLE),
+    ):
+        command = ("--url", given, "--schema", schema, "prune", "--older-than", "2w", "--json")
+        result = await run(*command)
+        assert (result.exit_code, result.stdout) == (code, ""), (schema, result.output)
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        for secret in ("wrong-password-123", "sekrit-123", pg_url.password or ""):
+            assert secret not in result.stderr
+
+
 async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, schema: str) -> None:
     """As the store's prune does (tests/test_prune_race.py): a batch waits for a commit in
     flight, so a dependency that commit adds protects its target."""
@@ -832,10 +857,13 @@ def test_durations_parse_whole_units() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["7", "7x", "1.5h", "-1d", "", "d", "7 days", "1y", "36501d", "5215w"]
+    "text", ["7", "7x", "1.5h", "-1d", "", "d", "7 days", "1y", "36501d", "5215w", "9" * 5000 + "s"]
 )
 async def test_bad_durations_are_usage_errors(text: str) -> None:
     result = await run("--url", "postgresql://x@127.0.0.1:1/db", "prune", "--older-than", text)
     assert result.exit_code == ExitCode.USAGE
     assert "Invalid value for '--older-than'" in result.stderr
-    assert ("too long" if text in ("36501d", "5215w") else "is not a duration") in result.stderr
+    too_long = text in ("36501d", "5215w") or len(text) > 100
+    assert ("too long" if too_long else "is not a duration") in result.stderr
+    assert "sys." not in result.stderr  # the interpreter's own limits are not the reason
+    assert len(result.stderr) < 500  # the text quoted to a bound

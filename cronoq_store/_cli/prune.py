@@ -24,14 +24,19 @@ def parse_duration(text: str) -> int:
     """Seconds in a whole number of seconds, minutes, hours, days or weeks: ``30s``,
     ``15m``, ``12h``, ``7d``, ``2w``; ``ValueError`` says what is accepted."""
     match = re.fullmatch(r"\s*([0-9]+)\s*([smhdw])\s*", text)
+    # Quoted to a bound: the text may come from a console page's query string.
+    quoted = repr(text[:40]) + ("..." if len(text) > 40 else "")
     if match is None:
         raise ValueError(
-            f"{text!r} is not a duration: use a whole number and a unit, "
+            f"{quoted} is not a duration: use a whole number and a unit, "
             "like 30s, 15m, 12h, 7d or 2w"
         )
-    seconds = int(match[1]) * _DURATION_UNITS[match[2]]
-    if seconds > queries.MAX_PRUNE_AGE:
-        raise ValueError(f"{text!r} is too long: at most 36500d")
+    # Any number of more digits is too long; int() would refuse thousands of them with a
+    # message about the interpreter's own limit.
+    digits = match[1].lstrip("0") or "0"
+    seconds = int(digits) * _DURATION_UNITS[match[2]] if len(digits) <= 12 else None
+    if seconds is None or seconds > queries.MAX_PRUNE_AGE:
+        raise ValueError(f"{quoted} is too long: at most 36500d")
     return seconds
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "ClusterNotFound",
     "TaskAmbiguous",
     "TaskNotFound",
+    "chart_end",
     "charts",
     "cluster",
     "live",
@@ -354,7 +355,7 @@ async def charts(source: Source, schema: str, end_ns: int | None = None) -> dict
     task finished since, with no index on arrival to bound it. The page plots what it reads
     each time it refreshes instead."""
     now_ns = time.time_ns()
-    end = (now_ns if end_ns is None else end_ns) // _MINUTE_NS * _MINUTE_NS
+    end = chart_end(now_ns if end_ns is None else end_ns)
     await source.known(schema)
     async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
@@ -391,6 +392,12 @@ async def charts(source: Source, schema: str, end_ns: int | None = None) -> dict
             },
         },
     }
+
+
+def chart_end(unix_ns: int) -> int:
+    """Where charts asked to end at ``unix_ns`` end: the start of its minute, so that a
+    bucket is a whole minute (or quarter hour) and the minute under way is left out."""
+    return unix_ns // _MINUTE_NS * _MINUTE_NS
 
 
 async def _window(conn: AsyncConnection, window: Window, end: int) -> dict[str, Any]:

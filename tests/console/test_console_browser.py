@@ -38,6 +38,7 @@ from cronoq_store._domain import (
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
+from ..pgharness import admin_execute
 from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
 from ..waits import PATIENCE
 from .conftest import Console, fetch
@@ -555,3 +556,50 @@ async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_a
     page = (await fetch(console_at.base + "/")).text()
     assert f"succeeded ≥ {cs.SAMPLE:,}" in page
     assert "(at least: among the newest" in page
+
+
+async def test_a_slow_refresh_is_never_overlapped_by_the_next(
+    store: PgStore, refreshing: Console, browser: webdriver.Chrome
+) -> None:
+    """Refreshes slower than the page's period (1 s here): the page waits for each to end
+    before it starts the next, so one open tab never piles requests up on the server (the
+    overview of many clusters can take longer than its period)."""
+    await store.commit(0, BASE, [submitted(1)], [])
+    browser.get(refreshing.base + "/")
+    wait_for(browser, f"#cluster-{store.config.schema} .live")
+    # Every refresh from now on takes 3 s longer than the server does.
+    browser.execute_script(
+        "var real = window.fetch, seen = window.reading = {open: 0, most: 0, ended: 0};"
+        " window.fetch = function () {"
+        "   var args = arguments; seen.open += 1; seen.most = Math.max(seen.most, seen.open);"
+        "   return new Promise(function (done) { setTimeout(done, 3000); })"
+        "     .then(function () { return real.apply(window, args); })"
+        "     .finally(function () { seen.open -= 1; seen.ended += 1; }); };"
+    )
+    await asyncio.to_thread(
+        WebDriverWait(browser, PATIENCE + 10).until,
+        lambda b: b.execute_script("return window.reading.ended") >= 2,
+    )
+    seen = browser.execute_script("return window.reading")
+    assert seen["most"] == 1, seen
+    assert text_of(browser, "#refreshed").startswith("refreshed ")
+
+
+async def test_a_refused_refresh_says_why(
+    pg_url: URL, store: PgStore, refreshing: Console, browser: webdriver.Chrome
+) -> None:
+    """A refresh the server refuses after the page opened shows the reason its error page
+    gives (as that page writes it), and the content shown before stays."""
+    schema = store.config.schema
+    await store.commit(0, BASE, [submitted(1)], [])
+    browser.get(f"{refreshing.base}/clusters/{schema}/live")
+    wait_for(browser, "#live-list")
+    await admin_execute(
+        pg_url, f"UPDATE \"{schema}\".cronoq_alembic_version SET version_num = '0003_x'"
+    )
+    await asyncio.to_thread(
+        WebDriverWait(browser, PATIENCE).until,
+        lambda b: text_of(b, "#refreshed").startswith("not refreshed: HTTP 409: "),
+    )
+    assert f"schema '{schema}' is at revision 0003_x" in text_of(browser, "#refreshed")
+    assert browser.find_elements(By.CSS_SELECTOR, "#live-list")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -17,6 +18,7 @@ from cronoq_store._cli import output
 from cronoq_store._console import reads
 from cronoq_store._domain import TaskId, TaskSpec, TimeBase
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._terminal_safe import visible
 
 from ..pgharness import admin_execute
 from .conftest import Console, fetch
@@ -367,3 +369,239 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
         assert [e for e in logs(browser) if e["level"] in ("SEVERE", "WARNING")] == []
     finally:
         browser.set_window_size(1280, 900)
+
+
+async def test_an_end_at_either_edge_of_a_time_is_charted_or_refused_never_failed(
+    pg_url: Any, store: PgStore, console_at: Console
+) -> None:
+    """Ends as far as the stored times reach, either way, with tasks finished at the very
+    first and last nanoseconds a BIGINT holds: each is a chart or a 400 that says why, never
+    a failed statement. The charts end on a minute: an end whose day before is in range may
+    not be once floored to its minute."""
+    schema = store.config.schema
+    for id, at in ((1, -(2**63)), (2, 2**63 - 1)):
+        await admin_execute(
+            pg_url,
+            f'INSERT INTO "{schema}".cronoq_tasks (id, seq, pool, kind, priority,'
+            " arrival_unix_ns, payload, status, terminal, attempt, updated_unix_ns, tenant)"
+            f" VALUES ({id}, {id}, 'default', '', 0, 0, 'p', 'succeeded', true, 1, {at}, '')",
+        )
+    day_ns = reads.DAY.span_ns
+    first_day = output.rfc3339(-(2**63) + day_ns + 1_000)  # floors to before the range
+    for end, status in (
+        ("2262-04-11T23:47:16.854775", 200),  # the last microsecond a BIGINT of ns holds
+        ("2262-04-11T23:47:16.854776", 400),
+        ("9999-12-31T23:59:59", 400),
+        ("2262-04-11T23:47:16.854775+00:01", 200),
+        ("1677-09-21T00:12:43.145225Z", 400),  # the first; the day before is out of range
+        (first_day, 400),
+        (output.rfc3339(-(2**63) + day_ns + 2 * MINUTE), 200),
+        ("0001-01-01T00:00", 400),
+        ("1970-01-01T00:00-00:01", 200),
+        ("2026-13-01T00:00", 400),
+        ("\0", 400),
+        ("x" * 100_000, 400),
+    ):
+        query = urlencode({"format": "json", "end": end})
+        reply = await fetch(f"{console_at.base}/clusters/{schema}/charts?{query}")
+        assert reply.status == status, (end, reply.text())
+        if status == 400:
+            assert "end:" in reply.json()["error"], end
+    latest = await charts_json(console_at, schema, 2**63 - 1)
+    assert latest["hour"]["buckets"][-1]["counts"] == {}  # the end itself is after the window
+    assert latest["end"] == output.rfc3339((2**63 - 1) // MINUTE * MINUTE)
+    earliest = await charts_json(console_at, schema, -(2**63) + day_ns + 2 * MINUTE)
+    # The first nanosecond is before any whole minute's day: no bucket reaches it.
+    assert earliest["day"]["start"] == output.rfc3339(
+        reads.chart_end(-(2**63) + day_ns + 2 * MINUTE) - day_ns
+    )
+    assert all(b["counts"] == {} for b in earliest["day"]["buckets"])
+
+
+def _finished_as(schema: str, id: int, status: str, at: int) -> str:
+    return (
+        f'INSERT INTO "{schema}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind, priority,'
+        f" payload, status, terminal, attempt, updated_unix_ns) VALUES ({id}, {id}, {at},"
+        f" 'default', '', 0, '\\x00'::bytea, '{status}', true, 1, {at})"
+    )
+
+
+def _drawn(browser: Any) -> Any:
+    return browser.execute_script(
+        "var s = window.cronoqCharts; return {doc: s.doc, error: s.error, reads: s.reads,"
+        " labels: s.plots.hour.series.slice(1).map(function (x) { return x.label; }),"
+        " hour: s.plots.hour.data.slice(1).map(function (line) {"
+        "   return line.map(function (v) { return typeof v === 'number' ? v : String(v); }); })};"
+    )
+
+
+def _expected_lines(doc: Any) -> list[list[float]]:
+    return [[b["per_minute"].get(s, 0) for b in doc["hour"]["buckets"]] for s in doc["statuses"]]
+
+
+async def test_statuses_a_newer_build_wrote_are_drawn_under_their_own_names_in_chromium(
+    pg_url: Any, migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """Status names the page's script meets only as keys of the document: names an object
+    already has (``constructor``, ``__proto__``) count only where a bucket holds them, markup
+    stays text, and a name that appears while the page is open gets a line of its own
+    instead of shifting the others under the wrong names."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    for id, status, minutes in (
+        (1, "constructor", 10),
+        (2, "__proto__", 20),
+        (3, "<b>bold</b>", 30),
+        (6, "x\u202ey\u200bz", 35),
+        (4, "succeeded", 40),
+    ):
+        await admin_execute(pg_url, _finished_as(migrated, id, status, END - minutes * MINUTE))
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # As the server wrote it (a WebDriver copy of the browser's loses a "__proto__" key).
+    expected = await charts_json(refreshing, migrated)
+    state = _drawn(browser)
+    assert state["error"] is None
+    assert state["labels"] == [visible(s) for s in expected["statuses"]]
+    assert {"constructor", "__proto__", "<b>bold</b>"} <= set(state["labels"])
+    assert state["hour"] == _expected_lines(expected)
+    legend = browser.find_element(By.CSS_SELECTOR, "#chart-hour").text
+    assert "<b>bold</b>" in legend
+    # As the page's table and every other page write it: the bidi override and the
+    # zero-width space as escapes, not reordering the legend.
+    assert "x\\u202ey\\u200bz" in legend
+    assert "\u202e" not in legend
+    assert browser.find_elements(By.CSS_SELECTOR, "#charts b") == []
+
+    # A name sorted between the others appears while the page is open.
+    await admin_execute(pg_url, _finished_as(migrated, 5, "a_newer", END - 5 * MINUTE))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: "a_newer" in (_drawn(b)["doc"]["statuses"]),
+        "the page never read the new status",
+    )
+    expected = await charts_json(refreshing, migrated)
+    state = _drawn(browser)
+    assert state["error"] is None
+    assert state["labels"] == [visible(s) for s in expected["statuses"]]
+    assert state["hour"] == _expected_lines(expected)
+
+
+async def test_a_slow_read_is_never_overlapped_by_the_next_in_chromium(
+    migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """Reads slower than the page's refresh (1 s here): the page waits for each read to end
+    before it starts the next, so one open tab never piles requests up on the server."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # Every later read takes 3 s longer than the server does.
+    browser.execute_script(
+        "var real = window.fetch, seen = window.reading = {open: 0, most: 0, started: 0};"
+        " window.fetch = function () {"
+        "   var args = arguments; seen.open += 1; seen.started += 1;"
+        "   seen.most = Math.max(seen.most, seen.open);"
+        "   return new Promise(function (done) { setTimeout(done, 3000); })"
+        "     .then(function () { return real.apply(window, args); })"
+        "     .finally(function () { seen.open -= 1; }); };"
+    )
+    reads_before = browser.execute_script("return window.cronoqCharts.reads")
+    WebDriverWait(browser, PATIENCE + 10).until(
+        lambda b: b.execute_script("return window.cronoqCharts.reads") >= reads_before + 2,
+        "the slow reads never ended",
+    )
+    seen = browser.execute_script("return window.reading")
+    assert seen["most"] == 1, seen
+    assert browser.execute_script("return window.cronoqCharts.error") is None
+
+
+async def test_the_backlog_a_tab_keeps_is_bounded_in_chromium(
+    migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """A tab left open keeps its latest 10,000 reads of the backlog, not every read since
+    it opened: the oldest points go as new ones come."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    # As if the tab had been open for 15,000 reads.
+    reads_before = browser.execute_script(
+        "var s = window.cronoqCharts, t0 = s.backlog[0][0] - 15000;"
+        " s.backlog = [[], [], []];"
+        " for (var i = 0; i < 15000; i++) { s.backlog[0].push(t0 + i); s.backlog[1].push(i);"
+        "  s.backlog[2].push(null); }"
+        " return s.reads;"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return window.cronoqCharts.reads") > reads_before,
+        "the charts never read again",
+    )
+    kept = browser.execute_script(
+        "var s = window.cronoqCharts; return {lengths: s.backlog.map(function (l) {"
+        " return l.length; }), first: s.backlog[1][0], error: s.error};"
+    )
+    assert kept["error"] is None
+    assert kept["lengths"] == [10_000] * 3
+    assert 5_000 <= kept["first"] <= 5_010  # the oldest gone, whatever reads came meanwhile
+
+
+async def test_a_refused_read_says_why_in_chromium(
+    pg_url: Any, migrated: str, refreshing: Console, browser: Any
+) -> None:
+    """A read the server refuses after the page opened shows the reason its error document
+    gives, controls and bidi characters as escapes, and the charts drawn before stay."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(charts_url(refreshing, migrated))
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+    await admin_execute(
+        pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '0003_x'"
+    )
+
+    def stamp(b: Any) -> str:
+        return str(b.find_element(By.ID, "refreshed").text)
+
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b).startswith("charts not read: HTTP 409: "), "no reason shown"
+    )
+    assert f"schema '{migrated}' is at revision 0003_x" in stamp(browser)
+    assert browser.execute_script("return window.cronoqCharts.plots.hour.data.length") > 1
+    # An error document holding what a terminal or a reader would act on.
+    browser.execute_script(
+        "window.fetch = function () { return Promise.resolve(new Response("
+        " JSON.stringify({error: 'a\\u202eb\\u001b[2Jc\\nd\\\\e'}), {status: 500})); };"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b).startswith("charts not read: HTTP 500: "), "no reason shown"
+    )
+    assert stamp(browser) == "charts not read: HTTP 500: a\\u202eb\\x1b[2Jc\\nd\\\\e"
+    # A page that is not the console's document (a proxy's): the status alone.
+    browser.execute_script(
+        "window.fetch = function () { return Promise.resolve(new Response("
+        " '<html>Bad gateway</html>', {status: 502})); };"
+    )
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: stamp(b) == "charts not read: HTTP 502", "no status shown"
+    )

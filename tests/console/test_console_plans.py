@@ -109,6 +109,23 @@ CASES: dict[str, tuple[ClauseElement, dict[str, Any], str]] = {
         {"buckets": 96, "width": 900 * 10**9, "start": 0, "cap": 300},
         "ix_cronoq_tasks_finished_updated",
     ),
+    # Days that overlap no task, at either end of what a BIGINT of ns holds: the same
+    # ranges, however few rows the planner expects in them.
+    "finished per bucket, the last day a time holds": (
+        cs.finished_per_bucket,
+        {
+            "buckets": 96,
+            "width": 900 * 10**9,
+            "start": I64_MAX // (60 * 10**9) * (60 * 10**9) - 86_400 * 10**9,
+            "cap": 300,
+        },
+        "ix_cronoq_tasks_finished_updated",
+    ),
+    "finished per bucket, the first day a time holds": (
+        cs.finished_per_bucket,
+        {"buckets": 96, "width": 900 * 10**9, "start": -(2**63) + 60 * 10**9, "cap": 300},
+        "ix_cronoq_tasks_finished_updated",
+    ),
     "oldest live": (cs.oldest_live, {}, "ix_cronoq_tasks_live"),
     # The history at its bound: the newest terms by its index, never a sort of all of them.
     "leadership history": (

@@ -1,5 +1,6 @@
 // Draws a cluster's charts (charts.html) with the vendored uPlot, from the JSON document
-// the page names in data-source, and reads it again every data-every seconds. Each status
+// the page names in data-source, and reads it again data-every seconds after each read ends
+// (one read at a time, however slow the server: a tab never piles requests up). Each status
 // is drawn in the colour of its badge (read from console.css, so the two cannot drift).
 // The page's numbers are also in its tables, which work without this script.
 // window.cronoqCharts holds the last document read and the plots, for the browser tests.
@@ -11,10 +12,28 @@
   var every = Number(section.dataset.every || 0);
   var stamp = document.getElementById("refreshed");
   var HEIGHT = 220;
+  // The backlog's points kept: a tab left open for weeks draws its latest reads (about
+  // 14 hours of them at the default 5 s) instead of growing without end.
+  var BACKLOG_POINTS = 10000;
   var state = { doc: null, plots: {}, backlog: [[], [], []], reads: 0, error: null,
     estimated: { hour: [], day: [] } };
   window.cronoqCharts = state;
 
+  // Text from the document as the server writes it in its pages (its terminal-safe rule):
+  // controls, format characters (bidi, zero-width), line and paragraph separators and lone
+  // surrogates as escapes, a backslash doubled. A status name a newer build wrote cannot
+  // reorder or hide a legend.
+  var HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}\\]/gu;
+  var NAMED = { "\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r" };
+  function hex(code, digits) { return code.toString(16).padStart(digits, "0"); }
+  function visible(text) {
+    return String(text).replace(HIDDEN, function (c) {
+      if (Object.prototype.hasOwnProperty.call(NAMED, c)) { return NAMED[c]; }
+      var code = c.codePointAt(0);
+      if (code <= 0xff) { return "\\x" + hex(code, 2); }
+      return code <= 0xffff ? "\\u" + hex(code, 4) : "\\U" + hex(code, 8);
+    });
+  }
   var COLOURED = ["succeeded", "failed", "cancelled", "skipped", "expired", "running", "retrying", "queued"];
   function colour(status) {
     var probe = document.createElement("span");
@@ -42,11 +61,13 @@
   } };
   function width(id) { return Math.max(document.getElementById(id).clientWidth, 300); }
 
+  var OWN = Object.prototype.hasOwnProperty;
   function finishedData(doc, window_) {
     var buckets = doc[window_].buckets;
     var data = [buckets.map(function (b) { return b.start_unix_s; })];
+    // Own keys only: a status a newer build wrote may be named "constructor" or "__proto__".
     doc.statuses.forEach(function (s) {
-      data.push(buckets.map(function (b) { return b.per_minute[s] || 0; }));
+      data.push(buckets.map(function (b) { return OWN.call(b.per_minute, s) ? b.per_minute[s] : 0; }));
     });
     return data;
   }
@@ -64,7 +85,7 @@
       return found.length ? found : null;
     };
     doc.statuses.forEach(function (s) {
-      series.push({ label: s, stroke: colour(s), width: 2,
+      series.push({ label: visible(s), stroke: colour(s), width: 2,
         points: { show: false, filter: marked, size: 7 },
         value: function (u, v) { return v == null ? "-" : v.toFixed(1) + "/min"; } });
     });
@@ -115,7 +136,7 @@
     b.by_status.forEach(function (r) {
       var badge = document.createElement("span");
       badge.className = "status status-" + (COLOURED.indexOf(r.status) >= 0 ? r.status : "other");
-      badge.textContent = r.status;
+      badge.textContent = visible(r.status);
       line.append(" · ", badge, " " + thousands(r.count));
     });
     if (b.oldest === null) { oldest.replaceChildren("no live task"); return; }
@@ -132,11 +153,17 @@
     if (n) { u.setLegend({ idx: n - 1 }, false); }
   }
   var keepNewest = { setCursor: [function (u) { if (u.cursor.left < 0) { newest(u); } }] };
-  function draw(id, key, options, data) {
+  // A plot's series are fixed when it is made: when the statuses change (a newer build's
+  // name appears, or leaves the window), the plot is made again, so that no line is drawn
+  // under another status's name.
+  var drawn = {};
+  function draw(id, key, options, data, series) {
     var plot = state.plots[key];
-    if (plot) { plot.setData(data); } else {
+    if (plot && drawn[key] === series) { plot.setData(data); } else {
+      if (plot) { plot.destroy(); }
       options.hooks = keepNewest;
       plot = state.plots[key] = new uPlot(options, data, document.getElementById(id));
+      drawn[key] = series;
     }
     newest(plot);
   }
@@ -146,19 +173,38 @@
     stamp.classList.toggle("stale", stale);
   }
 
-  async function load() {
+  // Why the server refused a read, from its error document (the schema migrated since the
+  // page opened, a role without SELECT, ...): what the page would say on a reload.
+  async function reason(response) {
     try {
-      var response = await fetch(source, { credentials: "same-origin", cache: "no-store" });
-      if (!response.ok) { throw new Error("HTTP " + response.status); }
+      var error = (await response.json()).error;
+      if (typeof error !== "string") { return ""; }
+      return ": " + visible(error.slice(0, 500));
+    } catch (err) {
+      return "";  // not the console's document (a proxy's page)
+    }
+  }
+  // A read that has not ended after this long is given up (a connection gone quiet), so
+  // that the next one can start.
+  var PATIENCE_MS = Math.max(60, 2 * every) * 1000;
+  async function load() {
+    var abort = new AbortController();
+    var timer = window.setTimeout(function () { abort.abort(); }, PATIENCE_MS);
+    try {
+      var response = await fetch(source, { credentials: "same-origin", cache: "no-store",
+        signal: abort.signal });
+      if (!response.ok) { throw new Error("HTTP " + response.status + (await reason(response))); }
       var doc = await response.json();
       var backlog = doc.backlog;
       state.backlog[0].push(Date.parse(doc.now) / 1e3);
       state.backlog[1].push(backlog.at_least && backlog.estimate !== null ? backlog.estimate : backlog.live);
       state.backlog[2].push(backlog.oldest === null ? null : backlog.oldest.age_seconds);
+      state.backlog.forEach(function (line) { line.splice(0, line.length - BACKLOG_POINTS); });
       state.estimated = { hour: estimatedIn(doc, "hour"), day: estimatedIn(doc, "day") };
-      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"));
-      draw("chart-day", "day", finishedOptions(doc, "chart-day", "day"), finishedData(doc, "day"));
-      draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog);
+      var statuses = JSON.stringify(doc.statuses);
+      draw("chart-hour", "hour", finishedOptions(doc, "chart-hour", "hour"), finishedData(doc, "hour"), statuses);
+      draw("chart-day", "day", finishedOptions(doc, "chart-day", "day"), finishedData(doc, "day"), statuses);
+      draw("chart-backlog", "backlog", backlogOptions("chart-backlog"), state.backlog, "");
       backlogText(doc);
       state.doc = doc;
       state.reads += 1;
@@ -167,7 +213,13 @@
     } catch (err) {
       state.error = String(err.message || err);
       show("charts not read: " + state.error, true);
+    } finally {
+      window.clearTimeout(timer);
     }
+  }
+  async function keepReading() {
+    await load();
+    if (every) { window.setTimeout(keepReading, every * 1000); }
   }
   window.addEventListener("resize", function () {
     Object.keys(state.plots).forEach(function (key) {
@@ -175,6 +227,5 @@
       plot.setSize({ width: width("chart-" + key), height: HEIGHT });
     });
   });
-  load();
-  if (every) { window.setInterval(load, every * 1000); }
+  keepReading();
 }());
