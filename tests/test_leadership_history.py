@@ -139,8 +139,8 @@ async def test_status_shows_the_timeline_in_text_and_json(
     await b.release()
     text = await run("--url", full(pg_url), "--schema", migrated, "status")
     lines = text.stdout.splitlines()
-    newest = lines[lines.index("epoch\tbegan\tinstance\tlasted\tno leader before it") + 1]
-    assert newest.split("\t")[3] == "ended (when is not recorded; no leader now)"
+    top = lines[lines.index("epoch\tbegan\tinstance\tlasted\tno leader before it") + 1]
+    assert top.split("\t")[3] == "ended (when is not recorded; no leader now)"
     as_json = await run("--url", full(pg_url), "--schema", migrated, "status", "--json")
     assert [t["leading"] for t in json.loads(as_json.stdout)["leadership_history"]] == [
         False,
