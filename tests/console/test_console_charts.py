@@ -32,6 +32,19 @@ SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
 CANCELLED, SKIPPED = TaskStatus.CANCELLED, TaskStatus.SKIPPED
 
 
+def first_read(browser: Any, url: str) -> None:
+    """Open the charts page at ``url`` and wait until its script has read its document."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ..waits import PATIENCE
+
+    browser.get(url)
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
+        "the charts never read their document",
+    )
+
+
 def arrived(id: int, seconds_before_end: int = 7200) -> Submitted:
     return Submitted(TaskId(id), seq=id, arrival=-seconds_before_end * S, spec=TaskSpec(b"p"))
 
@@ -174,9 +187,7 @@ async def test_a_bucket_past_its_bound_is_marked_in_chromium(
     """The estimated bucket is the one the page's script marks, in both charts, and the
     estimate is what it draws there."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    from ..waits import PATIENCE
     from .test_console_browser import shots
 
     minute_start = END - 10 * MINUTE
@@ -192,11 +203,7 @@ async def test_a_bucket_past_its_bound_is_marked_in_chromium(
         )
     expected = await charts_json(console_at, migrated)
     (day_index,) = [i for i, b in enumerate(expected["day"]["buckets"]) if b["examined"]]
-    browser.get(charts_url(console_at, migrated))
-    WebDriverWait(browser, PATIENCE).until(
-        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-        "the charts never read their document",
-    )
+    first_read(browser, charts_url(console_at, migrated))
     state = browser.execute_script(
         "var s = window.cronoqCharts; return {estimated: s.estimated,"
         " hour: s.plots.hour.data[1][50], error: s.error};"
@@ -298,11 +305,7 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
     logs(browser)
     browser.set_window_size(1280, 1600)
     try:
-        browser.get(url)
-        WebDriverWait(browser, PATIENCE).until(
-            lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-            "the charts never read their document",
-        )
+        first_read(browser, url)
         state = browser.execute_script(
             "var s = window.cronoqCharts; return {doc: s.doc, error: s.error,"
             " hour: s.plots.hour.data, day: s.plots.day.data};"
@@ -459,11 +462,7 @@ async def test_statuses_a_newer_build_wrote_are_drawn_under_their_own_names_in_c
         (4, "succeeded", 40),
     ):
         await admin_execute(pg_url, _finished_as(migrated, id, status, END - minutes * MINUTE))
-    browser.get(charts_url(refreshing, migrated))
-    WebDriverWait(browser, PATIENCE).until(
-        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-        "the charts never read their document",
-    )
+    first_read(browser, charts_url(refreshing, migrated))
     # As the server wrote it (a WebDriver copy of the browser's loses a "__proto__" key).
     expected = await charts_json(refreshing, migrated)
     state = _drawn(browser)
@@ -501,11 +500,7 @@ async def test_a_slow_read_is_never_overlapped_by_the_next_in_chromium(
 
     from ..waits import PATIENCE
 
-    browser.get(charts_url(refreshing, migrated))
-    WebDriverWait(browser, PATIENCE).until(
-        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-        "the charts never read their document",
-    )
+    first_read(browser, charts_url(refreshing, migrated))
     # Every later read takes 3 s longer than the server does.
     browser.execute_script(
         "var real = window.fetch, seen = window.reading = {open: 0, most: 0, started: 0};"
@@ -535,11 +530,7 @@ async def test_the_backlog_a_tab_keeps_is_bounded_in_chromium(
 
     from ..waits import PATIENCE
 
-    browser.get(charts_url(refreshing, migrated))
-    WebDriverWait(browser, PATIENCE).until(
-        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-        "the charts never read their document",
-    )
+    first_read(browser, charts_url(refreshing, migrated))
     # As if the tab had been open for 15,000 reads.
     reads_before = browser.execute_script(
         "var s = window.cronoqCharts, t0 = s.backlog[0][0] - 15000;"
@@ -571,11 +562,7 @@ async def test_a_refused_read_says_why_in_chromium(
 
     from ..waits import PATIENCE
 
-    browser.get(charts_url(refreshing, migrated))
-    WebDriverWait(browser, PATIENCE).until(
-        lambda b: b.execute_script("return (window.cronoqCharts || {}).reads || 0") >= 1,
-        "the charts never read their document",
-    )
+    first_read(browser, charts_url(refreshing, migrated))
     await admin_execute(
         pg_url, f"UPDATE \"{migrated}\".cronoq_alembic_version SET version_num = '0003_x'"
     )
