@@ -34,9 +34,10 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._listing_statements import task_spec
-from cronoq_store._mutations import Submitted
+from cronoq_store._mutations import RecurringUpsert, Submitted
 from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
 from cronoq_store._schema import tasks
+from cronoq_store._sizing import mutation_size
 from cronoq_store._template_codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring
 
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
@@ -56,6 +57,17 @@ EXAMPLES: dict[SpecKind, Any] = {
     SpecKind.DEPS: (Dependency(TaskId(5)), Dependency("other", DependencyCondition.FINISHED)),
     SpecKind.RESOURCES: {"gpu": 2},
     SpecKind.STRINGS: ("a", "b"),
+}
+
+_LONG = "é\0" * 300  # 1,500 bytes stored: beyond the allowance, within an index entry
+#: A value of each kind that takes many bytes, where a kind's size can grow.
+LARGE: dict[SpecKind, Any] = {
+    SpecKind.BYTES: b"x" * 20_000,
+    SpecKind.TEXT: _LONG,
+    SpecKind.OPTIONAL_TEXT: _LONG,
+    SpecKind.DEPS: tuple(Dependency(f"{_LONG}{i}") for i in range(3)),
+    SpecKind.RESOURCES: {f"{_LONG}{i}": i for i in range(3)},
+    SpecKind.STRINGS: tuple(f"{_LONG}{i}" for i in range(3)),
 }
 
 _FIELDS = pytest.mark.parametrize("f", SPEC_FIELDS, ids=[f.name for f in SPEC_FIELDS])
@@ -183,3 +195,21 @@ def test_a_kind_stored_in_other_columns_than_declared_is_refused_at_import(
     monkeypatch.setattr(rows, "SPEC_FIELDS", (fixed,))
     with pytest.raises(RuntimeError, match=r"stored in 3 columns, SPEC_FIELDS declares"):
         rows._spec_columns()
+
+
+def _stored_bytes(value: object) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    return len(value) if isinstance(value, bytes) else 8
+
+
+@_FIELDS
+def test_a_commits_size_estimate_counts_the_field(f: SpecField) -> None:
+    """The estimate bounds what a commit sends (``_sizing``): a field of a kind whose size
+    can grow must be measured there, or a batch could exceed what PostgreSQL takes."""
+    spec = dataclasses.replace(DEFAULT, **{f.name: LARGE.get(f.kind, EXAMPLES[f.kind])})
+    row = _row(spec)
+    assert mutation_size(Submitted(TaskId(7), 8, 9, spec)) >= sum(map(_stored_bytes, row.values()))
+    recurring = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), spec)
+    stored = len(encode_recurring(BASE, recurring).encode()) + len(spec.payload)
+    assert mutation_size(RecurringUpsert(recurring)) >= stored
