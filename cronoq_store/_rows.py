@@ -8,11 +8,12 @@ insert by them (:mod:`cronoq_store._statements`), the fold encodes with
 
 Decoders take one parameter per column, named after it, and are called with the row
 unpacked (``LiveTasks(base).decode(*row)``): the statement selects the columns in the order of
-those parameters (:data:`LIVE_COLUMNS` is read from the signature), so every value is
-matched by name, for the cost of one call. A look-up by attribute per column cost about 30%
-of recovery at a million rows. The encoder builds one list literal in :data:`INSERT_COLUMNS`
-order, each value commented with its column (the fold's hot path): the names of that order
-are checked at import, the values column by column in ``tests/test_rows.py``.
+those parameters (:data:`LIVE_COLUMNS`: the task's own, read from the signature, then the
+:data:`SPEC_COLUMNS`), so every value is matched by name, for the cost of one call. A
+look-up by attribute per column cost about 30% of recovery at a million rows. The spec's
+part of both directions is derived from :data:`~cronoq_store._domain.SPEC_FIELDS`, each
+field by its kind, and compiled once at import: the encoder is one list literal in
+:data:`INSERT_COLUMNS` order (the fold's hot path), the spec decoder one ``TaskSpec`` call.
 :func:`_check_columns` refuses, at import, a column list that the schema and these
 functions do not agree on, so a column added to the schema fails here until it is mapped.
 """
