@@ -468,6 +468,100 @@ class TaskSpec:
             raise invalid("tenant", "None or a string", self.tenant)
 
 
+class SpecKind(Enum):
+    """How a :class:`TaskSpec` field is stored, encoded in the recurring template and shown:
+    every layer that maps fields handles each kind once (``match`` with ``assert_never``),
+    so a field of a kind that exists needs nothing beyond its :data:`SPEC_FIELDS` row."""
+
+    BYTES = "bytes"
+    """``bytes`` in a BYTEA column, shown as its size; not in the template's JSON."""
+    TEXT = "text"
+    """``str`` in a TEXT column, cleaned (:func:`clean_text`)."""
+    OPTIONAL_TEXT = "optional text"
+    """``str | None`` in a nullable TEXT column, cleaned."""
+    PRIORITY = "priority"
+    """A :class:`Priority` as its value (SMALLINT, a JSON integer)."""
+    ENGINE_TIME = "engine time"
+    """``int | None`` engine ns, stored as Unix ns (BIGINT ``*_unix_ns``)."""
+    DURATION = "duration"
+    """``timedelta | None``, stored as integer ns (BIGINT ``*_ns``)."""
+    FIXED_START = "fixed start"
+    """``FixedStart | None`` in three columns (at, tolerance, miss policy), an object in
+    the template."""
+    RETRY = "retry"
+    """``RetryPolicy | None`` as a JSON object."""
+    DEPS = "deps"
+    """A tuple of :class:`Dependency` as a JSON array."""
+    RESOURCES = "resources"
+    """Amounts by resource name as a JSON object."""
+    STRINGS = "strings"
+    """A tuple of ``str`` as a JSON array."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpecField:
+    """Where one :class:`TaskSpec` field lives outside the domain: the one declaration the
+    row mapping (``_rows``), the recurring template's JSON (``_template_codec``), the
+    operators' read of a task (``_listing_statements``) and its display (``tasks show``,
+    the console's task page) are derived from."""
+
+    name: str
+    """The ``TaskSpec`` attribute."""
+    kind: SpecKind
+    columns: tuple[str, ...]
+    """Its columns of ``cronoq_tasks``, one per value the kind stores."""
+    member: str | None
+    """Its member in the recurring template's JSON; ``None``: a column of its own there."""
+    label: str | None
+    """What a task's page calls it among the spec's facts; ``None`` for the fields the
+    task's record shows (``TaskRecord``: what listings show and filter on)."""
+    repeats: bool = True
+    """Whether values repeat from task to task, so recovery decodes each stored value once
+    and shares it; ``False`` for a value unique to its task, which a cache would only slow."""
+
+
+#: Every :class:`TaskSpec` field in declaration order, with where it lives (checked at
+#: import). Adding a field: the field and its row here, its column (``_schema``), an
+#: Alembic revision and docs/storage-format.md.
+SPEC_FIELDS: tuple[SpecField, ...] = (
+    SpecField("payload", SpecKind.BYTES, ("payload",), None, "payload"),
+    SpecField("kind", SpecKind.TEXT, ("kind",), "kind", None),
+    SpecField("pool", SpecKind.TEXT, ("pool",), "pool", None),
+    SpecField("priority", SpecKind.PRIORITY, ("priority",), "priority", None),
+    SpecField("key", SpecKind.OPTIONAL_TEXT, ("key",), "key", None, repeats=False),
+    SpecField(
+        "deadline", SpecKind.ENGINE_TIME, ("deadline_unix_ns",), "deadline_unix_ns", "deadline"
+    ),
+    SpecField(
+        "fixed_start",
+        SpecKind.FIXED_START,
+        ("fixed_at_unix_ns", "fixed_tolerance_ns", "fixed_on_miss"),
+        "fixed_start",
+        "fixed start",
+    ),
+    SpecField(
+        "duration_hint",
+        SpecKind.DURATION,
+        ("duration_hint_ns",),
+        "duration_hint_ns",
+        "duration hint",
+    ),
+    SpecField("timeout", SpecKind.DURATION, ("timeout_ns",), "timeout_ns", "timeout"),
+    SpecField("retry", SpecKind.RETRY, ("retry",), "retry", "retry"),
+    SpecField("deps", SpecKind.DEPS, ("deps",), "deps", "deps"),
+    SpecField("resources", SpecKind.RESOURCES, ("resources",), "resources", "resources"),
+    SpecField("tags", SpecKind.STRINGS, ("tags",), "tags", "tags"),
+    SpecField("labels", SpecKind.STRINGS, ("labels",), "labels", "labels"),
+    SpecField("tenant", SpecKind.OPTIONAL_TEXT, ("tenant",), "tenant", None),
+)
+
+if [f.name for f in SPEC_FIELDS] != list(TaskSpec.__dataclass_fields__):
+    raise RuntimeError(
+        "cronoq_store._domain: SPEC_FIELDS must name every TaskSpec field, in order: "
+        f"{[f.name for f in SPEC_FIELDS]} != {list(TaskSpec.__dataclass_fields__)}"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class CronSchedule:
     """Fire at the times a cron expression names, read in ``timezone`` (an IANA name).

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Column,
     Float,
     Integer,
+    LargeBinary,
     MetaData,
     Select,
     Table,
@@ -37,9 +38,9 @@ from sqlalchemy import (
     true,
     tuple_,
 )
-from sqlalchemy.dialects.postgresql import OID
+from sqlalchemy.dialects.postgresql import JSONB, OID
 
-from ._domain import TaskStatus
+from ._domain import SPEC_FIELDS, TaskStatus
 from ._rows import RECORD_COLUMNS
 from ._schema import leader_history, recurring, tasks
 
@@ -290,24 +291,25 @@ live_count = select(
     func.count().filter(and_(*_chosen(_live_counted))).label("matching"),
 )
 
-#: What a task's page shows beyond its record: its spec's columns, JSON ones as text (shown
-#: as stored, even when a hand-written row holds something no decoder accepts), and sizes.
+
+def _as_shown(name: str) -> Any:
+    """A spec column as a task's page reads it: JSON as its text (shown as stored, even when
+    a hand-written row holds something no decoder accepts), bytes as their size."""
+    column = tasks.c[name]
+    if isinstance(column.type, JSONB):
+        return cast(column, Text).label(name)
+    if isinstance(column.type, LargeBinary):
+        return func.octet_length(column).label(f"{name}_size")
+    return column
+
+
+#: What a task's page shows beyond its record: when it arrived, whether it finished, and the
+#: columns of every spec field shown apart from the record (``SPEC_FIELDS``' labels).
 task_spec = select(
     tasks.c.seq,
     tasks.c.arrival_unix_ns,
     tasks.c.terminal,
-    tasks.c.deadline_unix_ns,
-    tasks.c.fixed_at_unix_ns,
-    tasks.c.fixed_tolerance_ns,
-    tasks.c.fixed_on_miss,
-    tasks.c.duration_hint_ns,
-    tasks.c.timeout_ns,
-    cast(tasks.c.retry, Text).label("retry"),
-    cast(tasks.c.deps, Text).label("deps"),
-    cast(tasks.c.resources, Text).label("resources"),
-    cast(tasks.c.tags, Text).label("tags"),
-    cast(tasks.c.labels, Text).label("labels"),
-    func.octet_length(tasks.c.payload).label("payload_size"),
+    *(_as_shown(c) for f in SPEC_FIELDS if f.label is not None for c in f.columns),
 ).where(tasks.c.id == bindparam("id", type_=BigInteger))
 
 _last = tasks.alias("last")

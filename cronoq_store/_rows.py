@@ -8,11 +8,12 @@ insert by them (:mod:`cronoq_store._statements`), the fold encodes with
 
 Decoders take one parameter per column, named after it, and are called with the row
 unpacked (``LiveTasks(base).decode(*row)``): the statement selects the columns in the order of
-those parameters (:data:`LIVE_COLUMNS` is read from the signature), so every value is
-matched by name, for the cost of one call. A look-up by attribute per column cost about 30%
-of recovery at a million rows. The encoder builds one list literal in :data:`INSERT_COLUMNS`
-order, each value commented with its column (the fold's hot path): the names of that order
-are checked at import, the values column by column in ``tests/test_rows.py``.
+those parameters (:data:`LIVE_COLUMNS`: the task's own, read from the signature, then the
+:data:`SPEC_COLUMNS`), so every value is matched by name, for the cost of one call. A
+look-up by attribute per column cost about 30% of recovery at a million rows. The spec's
+part of both directions is derived from :data:`~cronoq_store._domain.SPEC_FIELDS`, each
+field by its kind, and compiled once at import: the encoder is one list literal in
+:data:`INSERT_COLUMNS` order (the fold's hot path), the spec decoder one ``TaskSpec`` call.
 :func:`_check_columns` refuses, at import, a column list that the schema and these
 functions do not agree on, so a column added to the schema fails here until it is mapped.
 """
@@ -49,15 +50,18 @@ from ._codec import (
 from ._domain import (
     LIVE_STATUS_NAMES,
     QUEUED,
+    SPEC_FIELDS,
     UNIX_EPOCH,
     FixedStart,
     Priority,
+    SpecField,
+    SpecKind,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
 )
-from ._mutations import Submitted
+from ._mutations import Submitted, unhandled
 from ._schema import recurring, tasks
 from ._stored_values import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._template_codec import decode_recurring
@@ -116,53 +120,112 @@ _NOT_RECOVERED = frozenset({"terminal", "updated_unix_ns", "message"})
 # --- new tasks ------------------------------------------------------------------------------
 
 
-def insert_row(m: Submitted, to_unix: Callable[[int, str], int], now_unix_ns: int) -> list[Any]:
-    """``m`` as an insert row (:data:`INSERT_COLUMNS` order), queued at ``now_unix_ns``.
-
-    Engine times go through ``to_unix`` (:func:`~cronoq_store._codec.unix_converter`), every
-    string through ``clean_text``. One list literal: assigning 25 positions by name costs
-    the fold 12% (measured); the order is checked against :data:`INSERT_COLUMNS` at import
-    and by ``tests/test_rows.py`` value by value.
-    """
-    s = m.spec
-    fixed, key, tenant = s.fixed_start, s.key, s.tenant
-    deadline, hint, timeout = s.deadline, s.duration_hint, s.timeout
-    return [
-        m.id,  # id
-        m.seq,  # seq
-        to_unix(m.arrival, "arrival"),  # arrival_unix_ns
-        clean_text(s.pool),  # pool
-        clean_text(s.kind),  # kind
-        int(s.priority),  # priority
-        None if key is None else clean_text(key),  # key
-        s.payload,  # payload
-        None if deadline is None else to_unix(deadline, "deadline"),  # deadline_unix_ns
-        None if fixed is None else to_unix(fixed.at, "fixed_start.at"),  # fixed_at_unix_ns
-        None if fixed is None else duration_to_ns(fixed.tolerance),  # fixed_tolerance_ns
-        None if fixed is None else encode_miss_policy(fixed.on_miss),  # fixed_on_miss
-        None if hint is None else duration_to_ns(hint),  # duration_hint_ns
-        None if timeout is None else duration_to_ns(timeout),  # timeout_ns
-        encode_retry(s.retry),  # retry
-        encode_deps(s.deps),  # deps
-        encode_resources(s.resources),  # resources
-        encode_strings(s.tags),  # tags
-        QUEUED,  # status
-        False,  # terminal
-        0,  # attempt
-        now_unix_ns,  # updated_unix_ns
-        None,  # message
-        encode_strings(s.labels),  # labels
-        None if tenant is None else clean_text(tenant),  # tenant
-    ]
+#: The insert row's columns that are not a spec field's, each with its value in
+#: :func:`insert_row`: what the task is besides its spec, and its first state.
+_TASK_VALUES: dict[str, str] = {
+    "id": "m.id",
+    "seq": "m.seq",
+    "arrival_unix_ns": 'to_unix(m.arrival, "arrival")',
+    "status": "QUEUED",
+    "terminal": "False",
+    "attempt": "0",
+    "updated_unix_ns": "now_unix_ns",
+    "message": "None",
+}
 
 
-#: The column of each value :func:`insert_row` writes, in its order (checked at import).
-_INSERT_ROW_ORDER = (
-    "id", "seq", "arrival_unix_ns", "pool", "kind", "priority", "key", "payload",
-    "deadline_unix_ns", "fixed_at_unix_ns", "fixed_tolerance_ns", "fixed_on_miss",
-    "duration_hint_ns", "timeout_ns", "retry", "deps", "resources", "tags", "status",
-    "terminal", "attempt", "updated_unix_ns", "message", "labels", "tenant",
-)  # fmt: skip
+def _encoded(f: SpecField, v: str) -> tuple[str, ...]:
+    """The expressions that encode ``f``, the value of expression ``v``, into its columns."""
+    name = f.name
+    match f.kind:
+        case SpecKind.BYTES:
+            return (v,)
+        case SpecKind.TEXT:
+            return (f"clean_text({v})",)
+        case SpecKind.OPTIONAL_TEXT:
+            return (f"None if {v} is None else clean_text({v})",)
+        case SpecKind.PRIORITY:
+            return (f"int({v})",)
+        case SpecKind.ENGINE_TIME:
+            return (f"None if {v} is None else to_unix({v}, {name!r})",)
+        case SpecKind.DURATION:
+            return (f"None if {v} is None else duration_to_ns({v})",)
+        case SpecKind.FIXED_START:
+            return (
+                f"None if {v} is None else to_unix({v}.at, {name + '.at'!r})",
+                f"None if {v} is None else duration_to_ns({v}.tolerance)",
+                f"None if {v} is None else encode_miss_policy({v}.on_miss)",
+            )
+        case SpecKind.RETRY:
+            return (f"encode_retry({v})",)
+        case SpecKind.DEPS:
+            return (f"encode_deps({v})",)
+        case SpecKind.RESOURCES:
+            return (f"encode_resources({v})",)
+        case SpecKind.STRINGS:
+            return (f"encode_strings({v})",)
+        case _:
+            unhandled(f.kind, "spec kind")
+
+
+def _spec_columns() -> tuple[list[str], dict[str, str]]:
+    """What :func:`insert_row` does with the spec ``s``: the statements that bind a field
+    used more than once to a local, and each spec column with its expression. Refuses a
+    field whose kind stores another number of values than it declares columns."""
+    bound: list[str] = []
+    by_column: dict[str, str] = {}
+    for f in SPEC_FIELDS:
+        expressions = _encoded(f, f"s.{f.name}")
+        if sum(e.count(f"s.{f.name}") for e in expressions) > 1:
+            bound.append(f"{f.name}_ = s.{f.name}")
+            expressions = _encoded(f, f"{f.name}_")
+        if len(expressions) != len(f.columns):
+            raise RuntimeError(
+                f"cronoq_store._rows: TaskSpec.{f.name} ({f.kind.value}) is stored in "
+                f"{len(expressions)} columns, SPEC_FIELDS declares {list(f.columns)}"
+            )
+        by_column.update(zip(f.columns, expressions, strict=True))
+    return bound, by_column
+
+
+def _compiled(source: str, name: str, **namespace: Any) -> Any:
+    """The function ``name`` that ``source`` defines with the names of ``namespace``,
+    compiled once at import (as ``dataclasses`` builds ``__init__``): the row mapping is
+    derived from :data:`~cronoq_store._domain.SPEC_FIELDS` at no cost per row, with no
+    loop over the fields nor a look-up by name for each value."""
+    defined: dict[str, Any] = {}
+    exec(compile(source, f"<cronoq_store._rows.{name}>", "exec"), namespace, defined)
+    return defined[name]
+
+
+_BOUND, _SPEC_VALUES = _spec_columns()
+_INSERT_VALUES = {**_TASK_VALUES, **_SPEC_VALUES}
+_INSERT_SOURCE = (
+    "def insert_row(m, to_unix, now_unix_ns):\n"
+    "    s = m.spec\n"
+    + "".join(f"    {statement}\n" for statement in _BOUND)
+    + "    return [\n"
+    + "".join(f"        {_INSERT_VALUES.get(name)},  # {name}\n" for name in INSERT_COLUMNS)
+    + "    ]\n"
+)
+#: ``insert_row(m, to_unix, now_unix_ns)``: ``m`` as an insert row (:data:`INSERT_COLUMNS`
+#: order), queued at ``now_unix_ns``. Engine times go through ``to_unix``
+#: (:func:`~cronoq_store._codec.unix_converter`), every string through ``clean_text``. One
+#: list literal (``_INSERT_SOURCE``), each value from :data:`_TASK_VALUES` or its spec
+#: field's kind: assigning 25 positions by name costs the fold 12% (measured), a call per
+#: column as much.
+insert_row: Callable[[Submitted, Callable[[int, str], int], int], list[Any]] = _compiled(
+    _INSERT_SOURCE,
+    "insert_row",
+    QUEUED=QUEUED,
+    clean_text=clean_text,
+    duration_to_ns=duration_to_ns,
+    encode_deps=encode_deps,
+    encode_miss_policy=encode_miss_policy,
+    encode_resources=encode_resources,
+    encode_retry=encode_retry,
+    encode_strings=encode_strings,
+)
 
 
 def set_state(
@@ -269,6 +332,83 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _decoded(f: SpecField) -> str:
+    """The expression that decodes ``f`` from its columns (parameters named after them), with
+    the caches of :data:`_CACHES` for values that repeat."""
+    c = f.columns[0]
+    match f.kind:
+        case SpecKind.BYTES:
+            return c
+        case SpecKind.TEXT:
+            return f"shared_text[{c}]" if f.repeats else c
+        case SpecKind.OPTIONAL_TEXT:
+            return f"None if {c} is None else shared_text[{c}]" if f.repeats else c
+        case SpecKind.PRIORITY:
+            return f"shared_priorities[{c}]"
+        case SpecKind.ENGINE_TIME:
+            return f"None if {c} is None else engine_time(base, {c})"
+        case SpecKind.DURATION:
+            return f"None if {c} is None else shared_durations[{c}]"
+        case SpecKind.FIXED_START:
+            at, tolerance, on_miss = f.columns
+            tolerance = (
+                f"shared_durations[{tolerance}] if {tolerance} is not None else _DEFAULT_TOLERANCE"
+            )
+            return (
+                f"None if {at} is None else FixedStart(at=engine_time(base, {at}), "
+                f"tolerance={tolerance}, on_miss=decode_miss_policy({on_miss}))"
+            )
+        case SpecKind.RETRY:
+            return f"None if {c} is None else shared_retries[{c}]"
+        case SpecKind.DEPS:
+            return f"shared_deps[{c}]"
+        case SpecKind.RESOURCES:
+            return f"shared_resources[{c}]"
+        case SpecKind.STRINGS:
+            return f"shared_{f.name}[{c}]"
+        case _:
+            unhandled(f.kind, "spec kind")
+
+
+def _strings_of(name: str) -> Callable[[str], tuple[str, ...]]:
+    return lambda text: decode_strings(text, name)
+
+
+#: The decoder of each cache a :class:`LiveTasks` keeps, by the name :func:`_decoded` uses
+#: (``shared_``, apart from every column name): one per kind, and one per list of strings
+#: (its errors name the field).
+_CACHES: dict[str, Callable[[Any], Any]] = {
+    "shared_text": _same,
+    "shared_priorities": Priority.from_stored,
+    "shared_durations": ns_to_duration,
+    "shared_retries": decode_retry,
+    "shared_deps": decode_deps,
+    "shared_resources": decode_resources,
+    **{f"shared_{f.name}": _strings_of(f.name) for f in SPEC_FIELDS if f.kind is SpecKind.STRINGS},
+}
+#: The spec's columns, in the order the spec decoder takes them (declaration order).
+SPEC_COLUMNS: tuple[str, ...] = tuple(c for f in SPEC_FIELDS for c in f.columns)
+_SPEC_SOURCE = (
+    f"def spec_decoder(base, {', '.join(_CACHES)}):\n"
+    f"    def spec({', '.join(SPEC_COLUMNS)}):\n"
+    "        return TaskSpec(\n"
+    + "".join(f"            {f.name}={_decoded(f)},\n" for f in SPEC_FIELDS)
+    + "        )\n"
+    "    return spec\n"
+)
+#: ``spec_decoder(base, **caches)``: a function that takes a row's :data:`SPEC_COLUMNS`
+#: and returns its ``TaskSpec`` (``_SPEC_SOURCE``): one frame, one expression per field.
+_spec_decoder: Callable[..., Callable[..., TaskSpec]] = _compiled(
+    _SPEC_SOURCE,
+    "spec_decoder",
+    FixedStart=FixedStart,
+    TaskSpec=TaskSpec,
+    _DEFAULT_TOLERANCE=_DEFAULT_TOLERANCE,
+    decode_miss_policy=decode_miss_policy,
+    engine_time=engine_time,
+)
+
+
 class LiveTasks:
     """Decodes the live task rows of one recovery: ``LiveTasks(base).decode(*row)``.
 
@@ -283,93 +423,26 @@ class LiveTasks:
     is never cached).
     """
 
-    __slots__ = (
-        "_base",
-        "_deps",
-        "_durations",
-        "_labels",
-        "_priorities",
-        "_resources",
-        "_retries",
-        "_strings",
-        "_tags",
-    )
+    __slots__ = ("_base", "_spec")
 
     def __init__(self, base: TimeBase) -> None:
         self._base = base
-        self._strings = _Shared(_same)
-        self._durations = _Shared(ns_to_duration)
-        self._priorities = _Shared(Priority.from_stored)
-        self._retries = _Shared(decode_retry)
-        self._deps = _Shared(decode_deps)
-        self._resources = _Shared(decode_resources)
-        self._tags = _Shared(lambda text: decode_strings(text, "tags"))
-        self._labels = _Shared(lambda text: decode_strings(text, "labels"))
+        self._spec = _spec_decoder(
+            base, **{name: _Shared(decode) for name, decode in _CACHES.items()}
+        )
 
     def decode(
-        self,
-        id: int,
-        seq: int,
-        arrival_unix_ns: int,
-        pool: str,
-        kind: str,
-        priority: int,
-        key: str | None,
-        payload: bytes,
-        deadline_unix_ns: int | None,
-        fixed_at_unix_ns: int | None,
-        fixed_tolerance_ns: int | None,
-        fixed_on_miss: str | None,
-        duration_hint_ns: int | None,
-        timeout_ns: int | None,
-        retry: str | None,
-        deps: str,
-        resources: str,
-        tags: str,
-        status: str,
-        attempt: int,
-        labels: str,
-        tenant: str | None,
+        self, id: int, seq: int, arrival_unix_ns: int, status: str, attempt: int, *spec: Any
     ) -> RecoveredTask:
-        """A live task row (:data:`LIVE_COLUMNS`) as the scheduler's value; ``ValueError``
-        names what is wrong. A row the domain would refuse as a submission (an empty pool,
-        a negative seq or id) is refused here too.
-
-        Long for a reason: recovery's per-row decoder, one frame with no call per column."""
+        """A live task row (:data:`LIVE_COLUMNS`: these, then the :data:`SPEC_COLUMNS`) as
+        the scheduler's value; ``ValueError`` names what is wrong. A row the domain would
+        refuse as a submission (an empty pool, a negative seq or id) is refused here too."""
         if status not in LIVE_STATUS_NAMES and TaskStatus.from_stored(status) is not None:
             # A finished status on a row marked live: which of the two is wrong cannot be
             # told. A name this build does not know is a newer build's live status: the task
             # stays live.
             raise ValueError(f"status: {status!r} is the status of a finished task, on a live row")
-        base, strings, durations = self._base, self._strings, self._durations
-        fixed = None
-        if fixed_at_unix_ns is not None:
-            fixed = FixedStart(
-                at=engine_time(base, fixed_at_unix_ns),
-                tolerance=(
-                    _DEFAULT_TOLERANCE
-                    if fixed_tolerance_ns is None
-                    else durations[fixed_tolerance_ns]
-                ),
-                on_miss=decode_miss_policy(fixed_on_miss),
-            )
-        spec = TaskSpec(
-            payload,
-            kind=strings[kind],
-            pool=strings[pool],
-            priority=self._priorities[priority],
-            key=key,
-            deadline=(None if deadline_unix_ns is None else engine_time(base, deadline_unix_ns)),
-            fixed_start=fixed,
-            duration_hint=None if duration_hint_ns is None else durations[duration_hint_ns],
-            timeout=None if timeout_ns is None else durations[timeout_ns],
-            retry=None if retry is None else self._retries[retry],
-            deps=self._deps[deps],
-            resources=self._resources[resources],
-            tags=self._tags[tags],
-            labels=self._labels[labels],
-            tenant=None if tenant is None else strings[tenant],
-        )
+        spec_ = self._spec(*spec)
         if seq < 0:
             raise ValueError(f"seq: must be an integer in 0..2**63-1, got {seq}")
         if id < 0:
@@ -377,8 +450,8 @@ class LiveTasks:
         return RecoveredTask(
             id=TaskId(id),
             seq=seq,
-            arrival=engine_time(base, arrival_unix_ns),
-            spec=spec,
+            arrival=engine_time(self._base, arrival_unix_ns),
+            spec=spec_,
             attempt=max(attempt, 0),
         )
 
@@ -439,17 +512,16 @@ def task_record(
 
 
 def _parameters(decoder: Callable[..., object], skip: int = 0) -> tuple[str, ...]:
-    """The column names a decoder takes, in order (after ``skip`` leading arguments)."""
-    return tuple(inspect.signature(decoder).parameters)[skip:]
+    """The column names a decoder takes by name, in order (after ``skip`` leading
+    arguments; a ``*spec`` is :data:`SPEC_COLUMNS`, named by the spec decoder)."""
+    named = inspect.signature(decoder).parameters.values()
+    return tuple(p.name for p in named if p.kind is not p.VAR_POSITIONAL)[skip:]
 
 
-def _check_columns(
-    what: str, mapped: Sequence[str], expected: Iterable[str], *, ordered: bool = False
-) -> None:
-    """Refuse, at import, columns that this module and the schema do not agree on: the same
-    names, in the same order too where ``ordered`` (a positional row)."""
+def _check_columns(what: str, mapped: Sequence[str], expected: Iterable[str]) -> None:
+    """Refuse, at import, columns that this module and the schema do not agree on."""
     expected = tuple(expected)
-    if tuple(mapped) == expected if ordered else set(mapped) == set(expected):
+    if set(mapped) == set(expected):
         return
     missing = sorted(set(expected) - set(mapped))
     unknown = sorted(set(mapped) - set(expected))
@@ -460,13 +532,13 @@ def _check_columns(
 
 
 #: What recovery reads of a live task, in the order :meth:`LiveTasks.decode` takes it.
-LIVE_COLUMNS: tuple[str, ...] = _parameters(LiveTasks.decode, skip=1)
+LIVE_COLUMNS: tuple[str, ...] = _parameters(LiveTasks.decode, skip=1) + SPEC_COLUMNS
 #: What a ``TaskRecord`` is made of, in the order :func:`task_record` takes it.
 RECORD_COLUMNS: tuple[str, ...] = _parameters(task_record)
 #: A recurring schedule row, in the order :func:`recurring_schedule` takes it.
 RECURRING_COLUMNS: tuple[str, ...] = _parameters(recurring_schedule, skip=1)
 
-_check_columns("insert_row", _INSERT_ROW_ORDER, INSERT_COLUMNS, ordered=True)
+_check_columns("insert_row", tuple(_INSERT_VALUES), INSERT_COLUMNS)
 _check_columns(
     "LiveTasks.decode", LIVE_COLUMNS, (n for n in INSERT_COLUMNS if n not in _NOT_RECOVERED)
 )

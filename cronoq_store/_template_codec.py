@@ -1,17 +1,16 @@
-"""The recurring schedule's codec: ``cronoq_recurring.spec`` as JSON, and its import check.
+"""The recurring schedule's codec: ``cronoq_recurring.spec`` as JSON.
 
 The spec column holds the schedule and the task template without its payload, in the
 storage format's shapes (docs/storage-format.md), decoded as strictly as the task columns
-(:mod:`cronoq_store._codec`). :func:`check_template` holds ``TaskSpec``'s fields, the
-encoder and the decoder to :data:`TEMPLATE_MEMBERS` at import, so a ``TaskSpec`` field
-forgotten here is an import error.
+(:mod:`cronoq_store._codec`). The template's members are derived from
+:data:`~cronoq_store._domain.SPEC_FIELDS`, each encoded and decoded by its field's kind, so
+a ``TaskSpec`` field is in the template as soon as it is declared.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import fields
+from typing import Any
 
 from ._codec import (
     DecodeError,
@@ -42,6 +41,7 @@ from ._codec import (
     unix_converter,
 )
 from ._domain import (
+    SPEC_FIELDS,
     CronSchedule,
     FixedStart,
     IntervalSchedule,
@@ -49,6 +49,8 @@ from ._domain import (
     Priority,
     RecurringSpec,
     Schedule,
+    SpecField,
+    SpecKind,
     TaskSpec,
     TimeBase,
     clean_text,
@@ -57,7 +59,6 @@ from ._mutations import unhandled
 
 __all__ = [
     "TEMPLATE_MEMBERS",
-    "check_template",
     "decode_recurring",
     "encode_recurring",
 ]
@@ -107,31 +108,54 @@ def _schedule_to_json(schedule: Schedule) -> dict[str, object]:
             unhandled(schedule, "schedule")
 
 
+#: The template's JSON member of each ``TaskSpec`` field that has one (the payload has a
+#: column of its own), in declaration order.
+TEMPLATE_MEMBERS: dict[str, str] = {f.name: f.member for f in SPEC_FIELDS if f.member is not None}
+_IN_TEMPLATE = tuple(
+    (f, TEMPLATE_MEMBERS[f.name]) for f in SPEC_FIELDS if f.name in TEMPLATE_MEMBERS
+)
+
+
 def _template_to_json(to_unix: Callable[[int, str], int], spec: TaskSpec) -> dict[str, object]:
-    fixed = spec.fixed_start
+    return {name: _to_json(f, getattr(spec, f.name), to_unix) for f, name in _IN_TEMPLATE}
+
+
+def _to_json(f: SpecField, value: Any, to_unix: Callable[[int, str], int]) -> object:
+    """One field's member, by its kind (every string cleaned)."""
+    match f.kind:
+        case SpecKind.TEXT:
+            return clean_text(value)
+        case SpecKind.OPTIONAL_TEXT:
+            return None if value is None else clean_text(value)
+        case SpecKind.PRIORITY:
+            return int(value)
+        case SpecKind.ENGINE_TIME:
+            return None if value is None else to_unix(value, f"template.{f.name}")
+        case SpecKind.DURATION:
+            return optional_ns(value)
+        case SpecKind.FIXED_START:
+            return None if value is None else _fixed_start_to_json(f.name, value, to_unix)
+        case SpecKind.RETRY:
+            return None if value is None else retry_to_json(value)
+        case SpecKind.DEPS:
+            return [dep_to_json(d) for d in value]
+        case SpecKind.RESOURCES:
+            return resources_to_json(value)
+        case SpecKind.STRINGS:
+            return [clean_text(s) for s in value]
+        case SpecKind.BYTES:
+            raise TypeError(f"template.{f.name}: bytes have no JSON member")
+        case _:
+            unhandled(f.kind, "spec kind")
+
+
+def _fixed_start_to_json(
+    name: str, fixed: FixedStart, to_unix: Callable[[int, str], int]
+) -> dict[str, object]:
     return {
-        "kind": clean_text(spec.kind),
-        "pool": clean_text(spec.pool),
-        "priority": int(spec.priority),
-        "key": None if spec.key is None else clean_text(spec.key),
-        "deadline_unix_ns": None
-        if spec.deadline is None
-        else to_unix(spec.deadline, "template.deadline"),
-        "fixed_start": None
-        if fixed is None
-        else {
-            "at_unix_ns": to_unix(fixed.at, "template.fixed_start.at"),
-            "tolerance_ns": duration_to_ns(fixed.tolerance),
-            "on_miss": encode_miss_policy(fixed.on_miss),
-        },
-        "duration_hint_ns": optional_ns(spec.duration_hint),
-        "timeout_ns": optional_ns(spec.timeout),
-        "retry": None if spec.retry is None else retry_to_json(spec.retry),
-        "deps": [dep_to_json(d) for d in spec.deps],
-        "resources": resources_to_json(spec.resources),
-        "tags": [clean_text(s) for s in spec.tags],
-        "labels": [clean_text(s) for s in spec.labels],
-        "tenant": None if spec.tenant is None else clean_text(spec.tenant),
+        "at_unix_ns": to_unix(fixed.at, f"template.{name}.at"),
+        "tolerance_ns": duration_to_ns(fixed.tolerance),
+        "on_miss": encode_miss_policy(fixed.on_miss),
     }
 
 
@@ -174,109 +198,44 @@ def _priority_from_json(value: object, path: str) -> Priority:
 
 def _template_from_json(base: TimeBase, value: object, payload: bytes, path: str) -> TaskSpec:
     obj = as_object(value, path)
-    d = _DEFAULT_SPEC
-    deadline = nullable(obj, "deadline_unix_ns", path, as_bigint)
     try:
-        return TaskSpec(
-            payload,
-            kind=member(obj, "kind", path, as_str, d.kind),
-            pool=member(obj, "pool", path, as_str, d.pool),
-            priority=member(obj, "priority", path, _priority_from_json, d.priority),
-            key=nullable(obj, "key", path, as_str),
-            deadline=None if deadline is None else engine_time(base, deadline),
-            fixed_start=nullable(
-                obj, "fixed_start", path, lambda v, p: _fixed_start_from_json(base, v, p)
-            ),
-            duration_hint=nullable(obj, "duration_hint_ns", path, as_ns),
-            timeout=nullable(obj, "timeout_ns", path, as_ns),
-            retry=nullable(obj, "retry", path, retry_from_json),
-            deps=member(obj, "deps", path, deps_from_json, ()),
-            resources=member(obj, "resources", path, resources_from_json, {}),
-            tags=member(obj, "tags", path, strings_from_json, ()),
-            labels=member(obj, "labels", path, strings_from_json, ()),
-            tenant=nullable(obj, "tenant", path, as_str),
-        )
+        members = {f.name: _from_json(base, f, obj, name, path) for f, name in _IN_TEMPLATE}
+        return TaskSpec(payload, **members)  # type: ignore[arg-type]
     except DecodeError:
         raise
     except ValueError as exc:
         raise rejected(path, exc) from exc
 
 
-#: The template's JSON member of each ``TaskSpec`` field (``None``: not in the JSON; the
-#: payload has a column of its own). :func:`check_template` holds TaskSpec's fields, what
-#: the encoder writes and what the decoder reads to it at import, as ``_rows`` holds the
-#: columns: a field added to ``TaskSpec`` fails the import until it is mapped here and in
-#: both directions.
-TEMPLATE_MEMBERS: dict[str, str | None] = {
-    "payload": None,
-    "kind": "kind",
-    "pool": "pool",
-    "priority": "priority",
-    "key": "key",
-    "deadline": "deadline_unix_ns",
-    "fixed_start": "fixed_start",
-    "duration_hint": "duration_hint_ns",
-    "timeout": "timeout_ns",
-    "retry": "retry",
-    "deps": "deps",
-    "resources": "resources",
-    "tags": "tags",
-    "labels": "labels",
-    "tenant": "tenant",
-}
-
-
-class _ReadMembers(dict[str, object]):
-    """A JSON object that records which members a decoder looks at."""
-
-    def __init__(self, members: dict[str, object]) -> None:
-        super().__init__(members)
-        self.read: set[str] = set()
-
-    def __contains__(self, name: object) -> bool:
-        self.read.add(str(name))
-        return super().__contains__(name)
-
-    def __getitem__(self, name: str) -> object:
-        self.read.add(name)
-        return super().__getitem__(name)
-
-    def get(self, name: str, default: object = None) -> object:
-        self.read.add(name)
-        return super().get(name, default)
-
-
-def check_template(
-    spec_type: type[TaskSpec] = TaskSpec,
-    encode: Callable[[Callable[[int, str], int], TaskSpec], dict[str, object]] = _template_to_json,
-    decode: Callable[[TimeBase, object, bytes, str], TaskSpec] = _template_from_json,
-) -> None:
-    """``RuntimeError`` unless :data:`TEMPLATE_MEMBERS` maps every field of ``spec_type``
-    and only those, ``encode`` writes every mapped member and only those, and ``decode``
-    reads each of them: run at import, so a forgotten codec entry is an import error."""
-    names = [f.name for f in fields(spec_type)]
-    members = {m for m in TEMPLATE_MEMBERS.values() if m is not None}
-    problems = []
-    if set(names) != set(TEMPLATE_MEMBERS):
-        problems.append(
-            f"TaskSpec fields not mapped: {sorted(set(names) - set(TEMPLATE_MEMBERS))}, "
-            f"mapped but not fields: {sorted(set(TEMPLATE_MEMBERS) - set(names))}"
-        )
-    written = json.loads(json.dumps(encode(lambda t, _: t, spec_type(b""))))
-    if set(written) != members:
-        problems.append(
-            f"the encoder does not write {sorted(members - set(written))} and writes "
-            f"unmapped {sorted(set(written) - members)}"
-        )
-    read = _ReadMembers(written)
-    decode(TimeBase(0, 0), read, b"", "template")
-    if not members <= read.read:
-        problems.append(f"the decoder does not read {sorted(members - read.read)}")
-    if problems:
-        raise RuntimeError(
-            "cronoq_store._template_codec: the recurring template's JSON and TaskSpec disagree: "
-            + "; ".join(problems)
-        )
-
-
-check_template()
+def _from_json(
+    base: TimeBase, f: SpecField, obj: dict[str, object], name: str, path: str
+) -> object:
+    """One field from its member, by its kind: an absent member is the domain default; a
+    ``null`` one is ``None`` where the field may be ``None``, else refused."""
+    default = getattr(_DEFAULT_SPEC, f.name)
+    match f.kind:
+        case SpecKind.TEXT:
+            return member(obj, name, path, as_str, default)
+        case SpecKind.OPTIONAL_TEXT:
+            return nullable(obj, name, path, as_str)
+        case SpecKind.PRIORITY:
+            return member(obj, name, path, _priority_from_json, default)
+        case SpecKind.ENGINE_TIME:
+            at = nullable(obj, name, path, as_bigint)
+            return None if at is None else engine_time(base, at)
+        case SpecKind.DURATION:
+            return nullable(obj, name, path, as_ns)
+        case SpecKind.FIXED_START:
+            return nullable(obj, name, path, lambda v, p: _fixed_start_from_json(base, v, p))
+        case SpecKind.RETRY:
+            return nullable(obj, name, path, retry_from_json)
+        case SpecKind.DEPS:
+            return member(obj, name, path, deps_from_json, default)
+        case SpecKind.RESOURCES:
+            return member(obj, name, path, resources_from_json, default)
+        case SpecKind.STRINGS:
+            return member(obj, name, path, strings_from_json, default)
+        case SpecKind.BYTES:
+            raise TypeError(f"{path}.{name}: bytes have no JSON member")
+        case _:
+            unhandled(f.kind, "spec kind")

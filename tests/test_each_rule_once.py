@@ -27,12 +27,6 @@ from cronoq_store._retry import Backoff, bounded
 from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
 from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._statements import update_status
-from cronoq_store._template_codec import (
-    TEMPLATE_MEMBERS,
-    _template_from_json,
-    _template_to_json,
-    check_template,
-)
 from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
@@ -132,40 +126,6 @@ def test_update_status_binds_exactly_the_declared_arrays() -> None:
     for f in dataclasses.fields(StatusUpdates):
         bound = compiled.binds[f.name].type
         assert type(bound.item_type) is type(f.metadata["sql"]), f.name  # type: ignore[attr-defined]
-
-
-# --- the recurring template -----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Wider(TaskSpec):
-    region: str | None = None
-
-
-def test_the_template_check_refuses_a_taskspec_field_it_does_not_map() -> None:
-    with pytest.raises(RuntimeError, match=r"TaskSpec fields not mapped: \['region'\]"):
-        check_template(_Wider)
-
-
-def test_the_template_check_refuses_an_encoder_that_forgets_a_member() -> None:
-    def forgetful(to_unix: Any, spec: TaskSpec) -> dict[str, object]:
-        encoded = _template_to_json(to_unix, spec)
-        del encoded["tenant"]
-        return encoded
-
-    with pytest.raises(RuntimeError, match=r"the encoder does not write \['tenant'\]"):
-        check_template(encode=forgetful)
-
-
-def test_the_template_check_refuses_a_decoder_that_forgets_a_member() -> None:
-    def forgetful(base: TimeBase, value: Any, payload: bytes, path: str) -> TaskSpec:
-        spec = _template_from_json(base, value, payload, path)
-        value.read.discard("labels")
-        return spec
-
-    with pytest.raises(RuntimeError, match=r"the decoder does not read \['labels'\]"):
-        check_template(decode=forgetful)
-    assert TEMPLATE_MEMBERS["payload"] is None
 
 
 # --- the one timeout -------------------------------------------------------------------

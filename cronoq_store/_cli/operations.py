@@ -20,7 +20,7 @@ from .. import _catalog as catalog
 from .. import _listing_statements as ls
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._domain import EPOCH_MAX, I64_MAX
+from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, SpecKind
 from .._migrations import RevisionStatus
 from .._mutations import unhandled
 from .._queries import ClusterFacts, ListedTask
@@ -36,6 +36,8 @@ __all__ = [
     "Health",
     "Outcome",
     "PrunePlan",
+    "SpecDocument",
+    "SpecFact",
     "TaskFilters",
     "batch_transactions",
     "end_leader_session",
@@ -216,31 +218,114 @@ def json_or_text(text: str | None) -> Any:
         return {"undecodable": text}
 
 
-async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[dict[str, Any], Any]:
+@dataclass(frozen=True, slots=True)
+class SpecFact:
+    """One line of what ``tasks show`` and the console's task page show of a task's spec."""
+
+    label: str
+    words: str
+    """The line as ``tasks show`` prints it."""
+    style: str
+    """How the console's page draws it (``task.html``): ``words``; ``arrival`` (with the
+    seq); ``retry`` (the words and the stored JSON); ``json`` (the stored JSON, ``value``);
+    ``deps`` (a table of its own)."""
+    value: Any = None
+
+    @property
+    def slug(self) -> str:
+        """Its element's id on the console's page, after ``task-``."""
+        return self.label.replace(" ", "-")
+
+
+class SpecDocument(dict[str, Any]):
+    """A task's spec as ``tasks show --json`` and the console's ``?format=json`` give it,
+    and, beside the JSON rather than in it, the :attr:`facts` both pages show."""
+
+    __slots__ = ("facts",)
+
+    def __init__(self, document: dict[str, Any], facts: list[SpecFact]) -> None:
+        super().__init__(document)
+        self.facts = facts
+
+
+def _json_words(value: object) -> str:
+    """A decoded JSON column on one line; ``-`` for none or an empty one."""
+    return json.dumps(value, ensure_ascii=False) if value else "-"
+
+
+def _shown(f: SpecField, row: Any) -> tuple[str, object, SpecFact]:
+    """A spec field of a ``task_spec`` row: its member of the document, its value there,
+    and its line on a task's page."""
+    assert f.label is not None
+    name, column, label = f.name, f.columns[0], f.label
+    if f.kind is SpecKind.BYTES:  # read as its size (``_listing_statements.task_spec``)
+        size = row[f"{column}_size"]
+        return f"{column}_size", size, SpecFact(label, f"{size:,} bytes", "words")
+    value: Any = row[column]
+    match f.kind:
+        case SpecKind.TEXT | SpecKind.OPTIONAL_TEXT:
+            return name, value, SpecFact(label, value or "-", "words")
+        case SpecKind.PRIORITY:
+            shown = Priority.from_stored(value).name.lower()
+            return name, shown, SpecFact(label, shown, "words")
+        case SpecKind.ENGINE_TIME:
+            moment = output.rfc3339(value)
+            return name, moment, SpecFact(label, output.moment_words(moment), "words")
+        case SpecKind.DURATION:
+            return column, value, SpecFact(label, output.duration_words(value), "words")
+        case SpecKind.FIXED_START:
+            at, tolerance, on_miss = (row[c] for c in f.columns)
+            if at is None:
+                return name, None, SpecFact(label, "-", "words")
+            fixed = {"at": output.rfc3339(at), "tolerance_ns": tolerance, "on_miss": on_miss}
+            words = (
+                f"{output.moment_words(fixed['at'])}, tolerance "
+                f"{output.duration_words(tolerance)}, on miss {on_miss}"
+            )
+            return name, fixed, SpecFact(label, words, "words")
+        case SpecKind.RETRY:
+            retry = json_or_text(value)
+            return column, retry, SpecFact(label, output.retry_words(retry), "retry", retry)
+        case SpecKind.DEPS:
+            deps = json_or_text(value)
+            return column, deps, SpecFact(label, _json_words(deps), "deps", deps)
+        case SpecKind.RESOURCES | SpecKind.STRINGS:
+            stored = json_or_text(value)
+            return column, stored, SpecFact(label, _json_words(stored), "json", stored)
+        case SpecKind.BYTES:
+            raise AssertionError("read as its size, above")
+        case _:
+            unhandled(f.kind, "spec kind")
+
+
+#: The spec fields a task's page shows apart from its record, in declaration order.
+_SHOWN = tuple(f for f in SPEC_FIELDS if f.label is not None)
+
+
+async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[SpecDocument, Any]:
     """A task's spec as ``tasks show --json`` and the console's task page show it (times
-    as RFC 3339, durations in ns, JSON columns decoded), and its dependencies as stored."""
-    spec = (await conn.execute(ls.task_spec, {"id": task_id})).one()
-    document = {
-        "seq": spec.seq,
-        "arrival": output.rfc3339(spec.arrival_unix_ns),
-        "finished": spec.terminal,
-        "deadline": output.rfc3339(spec.deadline_unix_ns),
-        "fixed_start": None
-        if spec.fixed_at_unix_ns is None
-        else {
-            "at": output.rfc3339(spec.fixed_at_unix_ns),
-            "tolerance_ns": spec.fixed_tolerance_ns,
-            "on_miss": spec.fixed_on_miss,
-        },
-        "duration_hint_ns": spec.duration_hint_ns,
-        "timeout_ns": spec.timeout_ns,
-        "retry": json_or_text(spec.retry),
-        "resources": json_or_text(spec.resources),
-        "tags": json_or_text(spec.tags),
-        "labels": json_or_text(spec.labels),
-        "payload_size": spec.payload_size,
-    }
-    return document, json_or_text(spec.deps)
+    as RFC 3339, durations in ns, JSON columns decoded), and its dependencies as stored.
+
+    Derived from ``SPEC_FIELDS``: each field shown apart from the record, in declaration
+    order, with the sizes of bytes last in the document, and the task's arrival after the
+    payload (TaskSpec's first field) among the facts, where the pages have always put them.
+    The dependencies are returned apart, for the console's table of their targets."""
+    row = (await conn.execute(ls.task_spec, {"id": task_id})).one()._mapping
+    arrival = output.rfc3339(row["arrival_unix_ns"])
+    members: dict[str, Any] = {}
+    sizes: dict[str, Any] = {}
+    facts: list[SpecFact] = []
+    deps: Any = None
+    for f in _SHOWN:
+        member, value, fact = _shown(f, row)
+        if f.kind is SpecKind.DEPS:
+            deps = value
+        else:
+            (sizes if f.kind is SpecKind.BYTES else members)[member] = value
+        facts.append(fact)
+    facts.insert(1, SpecFact("arrival", output.moment_words(arrival), "arrival"))
+    document = {"seq": row["seq"], "arrival": arrival, "finished": row["terminal"]}
+    return SpecDocument({**document, **members, **sizes}, facts), deps
 
 
 #: How many terms of the leadership history ``status`` and the console's cluster page show.

@@ -4,7 +4,6 @@ by :mod:`cronoq_store._rows` through :mod:`cronoq_store._queries`, as the store'
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
@@ -71,11 +70,10 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         _ambiguous(ref, found, as_json, console)
     record, status = found[0]
     assert spec is not None
-    document, deps = spec
+    document = spec[0]
     if as_json:
         output.emit_json({**output.task_document(record, status), "spec": document})
         return
-    fixed = document["fixed_start"]
     output.print_facts(
         console,
         ("id", output.task_id(record.id)),
@@ -89,29 +87,8 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         ("updated", output.moment_words(record.updated)),
         ("message", record.message or "-"),
         ("output", output.preview(record.output)),
-        ("payload", f"{document['payload_size']:,} bytes"),
-        ("arrival", output.moment_words(document["arrival"])),
-        ("deadline", output.moment_words(document["deadline"])),
-        (
-            "fixed start",
-            "-"
-            if fixed is None
-            else f"{output.moment_words(fixed['at'])}, tolerance "
-            f"{output.duration_words(fixed['tolerance_ns'])}, on miss {fixed['on_miss']}",
-        ),
-        ("duration hint", output.duration_words(document["duration_hint_ns"])),
-        ("timeout", output.duration_words(document["timeout_ns"])),
-        ("retry", output.retry_words(document["retry"])),
-        ("deps", _json_value(deps)),
-        ("resources", _json_value(document["resources"])),
-        ("tags", _json_value(document["tags"])),
-        ("labels", _json_value(document["labels"])),
+        *((fact.label, fact.words) for fact in document.facts),
     )
-
-
-def _json_value(value: object) -> str:
-    """A decoded JSON column on one line; ``-`` for none or an empty one."""
-    return json.dumps(value, ensure_ascii=False) if value else "-"
 
 
 def _ambiguous(
