@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,7 +39,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._mutations import (
     Mutation,
@@ -51,8 +49,8 @@ from cronoq_store._mutations import (
 )
 from cronoq_store._store import PgStore
 
-NOW = time.time_ns()
-BASE = TimeBase(engine_ns=0, unix_ns=NOW)  # engine time 0 is now
+from .support import START_BASE
+
 I64_MIN, I64_MAX, I32_MIN, I32_MAX = -(2**63), 2**63 - 1, -(2**31), 2**31 - 1
 MAX_MESSAGE = 600
 
@@ -346,7 +344,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
     batch += [t.transition for t in all_tasks if t.transition is not None]
     batch += [RecurringUpsert(s) for s in schedules]
     batch += [RecurringNext(s.name, 1000 * i, TaskId(i)) for i, s in enumerate(schedules)]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
 
     live = [t for t in all_tasks if t.live]
     task_damage: dict[int, list[Corruption]] = {}
@@ -374,7 +372,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
 
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        first = await store.recover(BASE)
+        first = await store.recover(START_BASE)
     quarantine_logs = [r.task_id for r in caplog.records if hasattr(r, "task_id")]
 
     recovered = {t.id: t for t in first.tasks}
@@ -436,7 +434,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
     tasks_after_first = await snapshot(store, "cronoq_tasks", "id")
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        second = await store.recover(BASE)
+        second = await store.recover(START_BASE)
     assert [r for r in caplog.records if r.name == "cronoq_store" and hasattr(r, "task_id")] == []
     assert second.tasks == first.tasks
     assert second.recurring == first.recurring
