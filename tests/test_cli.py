@@ -615,8 +615,8 @@ async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
         "queued",
         "etl",
     )
-    # Its age is since it arrived: two hours before START_BASE, which the module took at import;
-    # read while the command ran (a second either side for the age's rounding).
+    # Its age is since it arrived: two hours before START_BASE (taken when the suite was
+    # imported); read while the command ran (a second either side for the age's rounding).
     arrived = START_BASE.unix_ns - 2 * hour
     assert (before - arrived) / 1e9 - 1 <= task["age_seconds"] <= (after - arrived) / 1e9 + 1
     assert rfc3339_ns(task["arrival"]) // 10**9 == (START_BASE.unix_ns - 2 * hour) // 10**9

@@ -35,7 +35,6 @@ from cronoq_store._folding import fold
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
-    RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
@@ -116,31 +115,7 @@ async def test_outputs_are_stored_and_missing_tasks_are_logged(
     assert "outputs" in warnings[1].getMessage()
 
 
-async def test_recurring_changes_apply_in_batch_order(store: PgStore) -> None:
-    await store.commit(
-        0,
-        START_BASE,
-        [
-            RecurringUpsert(recurring("a", every=10)),
-            RecurringNext("a", 1_000, TaskId(7)),
-            RecurringRemove("a"),
-            RecurringUpsert(recurring("a", every=20)),  # a new schedule: nothing carried over
-            RecurringUpsert(recurring("b", every=30)),
-            RecurringNext("b", 2_000, None),
-            RecurringUpsert(recurring("b", every=40)),  # a replaced one keeps its progress
-            RecurringRemove("c"),  # removing what is not there is fine
-        ],
-        [],
-    )
-    recovered = await store.recover(START_BASE)
-    got = {r.spec.name: (r.spec.schedule, r.next, r.last) for r in recovered.recurring}
-    assert got == {
-        "a": (IntervalSchedule(timedelta(seconds=20)), None, None),
-        "b": (IntervalSchedule(timedelta(seconds=40)), 2_000, None),
-    }
-
-
-async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgStore) -> None:
+async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgStore) -> None:
     nul = "x\0y"
     spec = TaskSpec(
         b"\0",
@@ -168,24 +143,9 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
         [],
     )
     await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=nul)], [])
+    # What the store answers is the contract suite's (tests/contract/test_commits.py); here,
+    # what the columns hold: text and JSON with no NUL and no escaped one.
     clean = "x\ufffdy"
-
-    recovered = await store.recover(START_BASE)
-    task = {t.id: t for t in recovered.tasks}[TaskId(1)]
-    s = task.spec
-    assert (s.kind, s.pool, s.key, s.tenant) == (clean, clean, clean, clean)
-    assert (s.tags, s.labels, s.deps, s.resources) == (
-        (clean,),
-        (clean,),
-        (Dependency(clean),),
-        {clean: 2},
-    )
-    assert s.payload == b"\0"
-    [schedule] = recovered.recurring
-    assert schedule.spec.name == clean
-    assert schedule.spec.template.key == clean
-    assert schedule.next == 9
-
     rows = await fetch(
         store,
         "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
@@ -541,12 +501,11 @@ async def states(store: PgStore) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
-@pytest.mark.parametrize("path", ["arrays", "copy"])
-async def test_a_submission_sent_again_with_a_later_transition_stores_the_transition(
-    store: PgStore, path: str
+async def test_a_submission_sent_again_with_a_later_transition_stores_it_through_copy(
+    store: PgStore,
 ) -> None:
-    if path == "copy":
-        copying_everything(store)
+    """The contract suite's rule (tests/contract/test_commits.py), on the COPY path."""
+    copying_everything(store)
     await store.commit(0, START_BASE, [submitted(1)], [])
     # [[S1], [S1, Succeeded1]] must end where [[S1], [S1], [Succeeded1]] ends.
     await store.commit(
@@ -635,12 +594,11 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     assert await snapshot(store) == landed
 
 
-@pytest.mark.parametrize("path", ["arrays", "copy"])
-async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
-    store: PgStore, path: str
+async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded_through_copy(
+    store: PgStore,
 ) -> None:
-    if path == "copy":
-        copying_everything(store)
+    """The contract suite's rule (tests/contract/test_commits.py), on the COPY path."""
+    copying_everything(store)
     cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
     await store.commit(0, START_BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [

@@ -51,34 +51,6 @@ STEP_DOWN_BOUND = SESSION_TIMEOUT + 2 * KEEPALIVE
 STALLED_WITHIN = 10.0
 
 
-async def test_standby_waits_and_takes_over_on_release(make_leadership: LeadershipFactory) -> None:
-    a, b = make_leadership("a"), make_leadership("b")
-    assert await lead(a) == 1
-    assert (a.is_leader, a.epoch) == (True, 1)
-    standby = asyncio.ensure_future(b.acquire())
-    await asyncio.sleep(10 * LOCK_POLL)
-    assert not standby.done()
-    assert (b.is_leader, b.epoch) == (False, None)
-
-    await a.release()
-    assert (a.is_leader, a.epoch) == (False, None)
-    await bounded(a.wait_lost(), "wait_lost() after the release")
-    assert await bounded(standby, "the standby's takeover after the release") == 2
-    assert (b.is_leader, b.epoch) == (True, 2)
-
-
-async def test_wait_lost_waits_until_leadership_held_is_lost(
-    make_leadership: LeadershipFactory,
-) -> None:
-    a = make_leadership()
-    waiter = asyncio.ensure_future(a.wait_lost())
-    await holds_for(lambda: not waiter.done(), "wait_lost() pending with nothing held", 0.1)
-    await lead(a)
-    await holds_for(lambda: not waiter.done(), "wait_lost() pending while leading", 3 * KEEPALIVE)
-    await a.release()
-    await bounded(waiter, "wait_lost() after the release")
-
-
 async def test_lock_shows_in_pg_locks_on_the_leader_session(
     make_leadership: LeadershipFactory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
 ) -> None:

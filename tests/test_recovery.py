@@ -57,17 +57,6 @@ async def execute(store: PgStore, sql: str) -> list[Any]:
         return list(result.all()) if result.returns_rows else []
 
 
-async def test_next_id_is_one_for_an_empty_store(store: PgStore) -> None:
-    """The high-water mark starts at 0, which is also what issuing id 0 records."""
-    recovered = await store.recover(START_BASE)
-    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (1, [], [])
-
-
-async def test_next_id_is_above_a_stored_id_zero(store: PgStore) -> None:
-    await store.commit(0, START_BASE, [submitted(0)], [])
-    assert (await store.recover(START_BASE)).next_id == 1
-
-
 CORRUPTIONS = {
     # task id: (column assignment, what the quarantine message must say)
     2: ('deps = \'[{"id": "seven"}]\'', "deps[0].id: expected a task id"),
