@@ -4,14 +4,13 @@ commits and reads back, one byte more is refused when built, and stored rows sta
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     INDEXED_TEXT_MAX_BYTES,
     Dependency,
@@ -71,12 +70,6 @@ def largest(shape: str) -> str:
         value += "k" * (INDEXED_TEXT_MAX_BYTES - stored_size(value))
     assert stored_size(value) == INDEXED_TEXT_MAX_BYTES
     return value
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

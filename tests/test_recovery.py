@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -41,13 +40,6 @@ from .support import FAILED, START_BASE
 
 def submitted(id: int, **spec: Any) -> Submitted:
     return Submitted(TaskId(id), seq=id, arrival=-id, spec=TaskSpec(b"p%d" % id, **spec))
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    config = PgStoreConfig(schema=migrated, retention=3600.0)
-    async with await PgStore.from_engine(engine, config) as s:
-        yield s
 
 
 async def execute(store: PgStore, sql: str) -> list[Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -23,9 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
@@ -265,13 +262,6 @@ schedule_specs = st.builds(
     | st.builds(IntervalSchedule, durations.filter(bool)),
     template=specs(None),
 )
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    config = PgStoreConfig(schema=migrated, retention=3600.0)
-    async with await PgStore.from_engine(engine, config) as s:
-        yield s
 
 
 async def execute(store: PgStore, sql: str, **params: Any) -> list[Any]:
