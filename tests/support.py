@@ -391,6 +391,7 @@ async def cronoq(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
     return await python_run("-m", "cronoq_store._cli", *args, url=url)
 
 
+#: The public modules and the names each exports, pinned.
 PUBLIC_NAMES = {
     "cronoq_store": [
         "EPOCH_MAX",
@@ -475,8 +476,8 @@ PUBLIC_NAMES = {
 ALL_PUBLIC = [(module, name) for module, names in PUBLIC_NAMES.items() for name in names]
 
 
-# Every field differs from every other one, so a value under the wrong column shows.
-#: A spec with every field set, none to its default.
+#: A spec with every field set, none to its default, each differing from every other, so a
+#: value under the wrong column shows.
 FULL_SPEC = TaskSpec(
     b"payload",
     kind="kind",
