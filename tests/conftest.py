@@ -3,6 +3,9 @@
 Each test owns a schema of its own; isolation between schemas is a product feature, so the
 suite relies on it instead of recreating databases. After every test, the engine must have
 no connection checked out: a leak fails the test that caused it.
+
+The fixtures many modules share are here too (a store on the test's schema, a role granted
+nothing, Leadership instances); the plain values and helpers they share are in support.py.
 """
 
 from __future__ import annotations
