@@ -3,6 +3,9 @@
 Each test owns a schema of its own; isolation between schemas is a product feature, so the
 suite relies on it instead of recreating databases. After every test, the engine must have
 no connection checked out: a leak fails the test that caused it.
+
+The fixtures many modules share are here too (a store on the test's schema, a role granted
+nothing, Leadership instances); the plain values and helpers they share are in support.py.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from cronoq_store import PgStore, PgStoreConfig
+from cronoq_store import _lock_statements as lock_st
+from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import upgrade
 from cronoq_store._urls import async_url
 
 from .pgharness import ServerUnderTest, admin_execute, start_test_server
+from .support import LeadershipFactory, Role, create_role, drop_role, instance_config
+from .waits import bounded
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +67,73 @@ async def migrated(engine: AsyncEngine, schema: str) -> str:
     """``schema``, migrated to head."""
     await upgrade(engine, schema)
     return schema
+
+
+@pytest.fixture
+async def intruder(pg_url: URL, schema: str) -> AsyncIterator[Role]:
+    """A login role granted nothing but CONNECT on the database."""
+    role = await create_role(pg_url, f"{schema}_intruder")
+    try:
+        yield role
+    finally:
+        await drop_role(pg_url, role.name)
+
+
+@pytest.fixture
+async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
+    async with engine.connect() as conn:
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": migrated})).scalar_one()
+    return (lock_st.LOCK_NS_LEADER, oid)
+
+
+@pytest.fixture
+async def incarnation(pg_url: URL, migrated: str) -> int:
+    """The test cluster's incarnation: its leader table's OID."""
+    rows = await admin_execute(pg_url, f'SELECT tableoid FROM "{migrated}".cronoq_leader')
+    return int(rows[0][0])
+
+
+@pytest.fixture
+async def make_leadership(
+    pg_url: URL, migrated: str, lock_key: tuple[int, int], incarnation: int
+) -> AsyncIterator[LeadershipFactory]:
+    """Build Leadership instances on the test's schema; all are closed afterwards."""
+    made: list[Leadership] = []
+
+    def build(name: str = "a", url: URL | None = None, **settings: float) -> Leadership:
+        leadership = Leadership(
+            async_url(url or pg_url),
+            migrated,
+            lock_key,
+            instance_config(migrated, name, **settings),
+            incarnation=incarnation,
+        )
+        made.append(leadership)
+        return leadership
+
+    yield build
+    for leadership in made:
+        await bounded(leadership.close(), "close() of a leadership")
+
+
+@pytest.fixture
+async def store(
+    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
+) -> AsyncIterator[PgStore]:
+    """A store on the test's migrated schema, on an application's engine (every commit a
+    transaction); a module that sets ``STORE_OPENINGS`` gets each test once per opening
+    named there, ``"connect"`` being a store on its own pool (the one-statement paths)."""
+    config = PgStoreConfig(schema=migrated)
+    opening = getattr(request, "param", "from_engine")
+    if opening == "connect":
+        made = PgStore.connect(pg_url, config)
+    else:
+        made = PgStore.from_engine(engine, config)
+    async with await made as s:
+        yield s
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    openings = getattr(metafunc.module, "STORE_OPENINGS", None)
+    if openings and "store" in metafunc.fixturenames:
+        metafunc.parametrize("store", openings, indirect=True)

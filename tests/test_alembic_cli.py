@@ -19,26 +19,7 @@ from cronoq_store._migrations import head_revision
 from cronoq_store._schema import VERSION_TABLE
 
 from .pgharness import admin_execute, asyncpg_dsn
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def alembic(
-    *args: str, url: URL | None = None, cwd: Path = ROOT
-) -> subprocess.CompletedProcess[str]:
-    """Run Alembic's command line from the checkout (it exits non-zero on ``FAILED:``)."""
-    env = {k: v for k, v in os.environ.items() if k != "CRONOQ_DATABASE_URL"}
-    if url is not None:
-        env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
-    return subprocess.run(
-        [sys.executable, "-m", "alembic", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+from .support import ROOT, alembic
 
 
 def test_cli_upgrade_check_downgrade(pg_url: URL, schema: str) -> None:

@@ -15,7 +15,7 @@ from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .test_alembic_cli import alembic
+from .support import alembic
 
 
 @pytest.fixture

@@ -23,8 +23,7 @@ from cronoq_store._urls import async_url
 from cronoq_store.autogenerate import hiding_store
 
 from .pgharness import admin_execute
-
-REPO = Path(__file__).resolve().parent.parent
+from .support import ROOT
 
 ENV_PY = '''
 import asyncio
@@ -89,7 +88,7 @@ async def _check(
 ) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": str(ROOT),
         "APP_URL": async_url(url).render_as_string(hide_password=False),
         "APP_SCHEMA": app_schema,
         "APP_SEES": sees,

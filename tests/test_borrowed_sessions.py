@@ -33,7 +33,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
@@ -51,9 +50,9 @@ from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
+from .support import PROCESS_BASE, RUNNING, SUCCEEDED
 from .waits import bounded, until
 
-BASE = TimeBase.now()
 SESSION_TIMEOUT = 2.0
 
 #: What a store transaction runs under, read inside it.
@@ -189,8 +188,8 @@ def probing_reads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def batch(epoch: int, n: int, key: str | None = None) -> list[Mutation]:
     """A submission and a transition: a transaction with inserts on every path."""
     return [
-        Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"p", key=key)),
-        StatusChanged(task_id(epoch, n), TaskStatus.RUNNING, 1, BASE.engine_ns),
+        Submitted(task_id(epoch, n), n, PROCESS_BASE.engine_ns, TaskSpec(b"p", key=key)),
+        StatusChanged(task_id(epoch, n), TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns),
     ]
 
 
@@ -216,7 +215,7 @@ async def test_a_store_transaction_runs_under_its_own_settings_on_a_poisoned_ses
         poisoned = await session_values(app_engine)
         assert poisoned != before  # the application's SET took
         commits, reads = probing_commits(store), probing_reads(monkeypatch)
-        await store.commit(epoch, BASE, batch(epoch, 1), [])
+        await store.commit(epoch, PROCESS_BASE, batch(epoch, 1), [])
         found = await store.get_task(task_id(epoch, 1))
         assert found is not None
         assert found.status is TaskStatus.RUNNING
@@ -263,22 +262,23 @@ async def test_every_setting_at_once_and_every_store_transaction(
         )
         commits = probing_commits(store)
         # One task, many, by COPY; then transitions alone; a key outside LATIN1.
-        await store.commit(epoch, BASE, batch(epoch, 1, key="k-\N{EURO SIGN}-\u6771"), [])
+        await store.commit(epoch, PROCESS_BASE, batch(epoch, 1, key="k-\N{EURO SIGN}-\u6771"), [])
         many = [
-            Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"p")) for n in range(2, 50)
+            Submitted(task_id(epoch, n), n, PROCESS_BASE.engine_ns, TaskSpec(b"p"))
+            for n in range(2, 50)
         ]
-        await store.commit(epoch, BASE, many, [])
+        await store.commit(epoch, PROCESS_BASE, many, [])
         finish = [
             StatusChanged(task_id(epoch, n), TaskStatus.SUCCEEDED, 1, 1) for n in range(2, 50)
         ]
-        await store.commit(epoch, BASE, finish, [(task_id(epoch, 2), b"out")])
+        await store.commit(epoch, PROCESS_BASE, finish, [(task_id(epoch, 2), b"out")])
         assert len(commits) == 2
         assert all(c["current_user"] == pg_url.username for c in commits)
         found = await store.get_task("k-\N{EURO SIGN}-\u6771")
         assert found is not None
         assert found.id == task_id(epoch, 1)
         assert await store.load_output(task_id(epoch, 2)) == b"out"
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks] == [task_id(epoch, 1)]
         assert (await store.health()).is_leader
         assert await store.prune(0) == 48
@@ -480,7 +480,7 @@ async def test_settings_another_client_left_on_a_pgbouncer_server_connection_nev
                 await other.close()
             pool = store.engine.sync_engine.pool
             commits = probing_commits(store)
-            await store.commit(epoch, BASE, batch(epoch, 1), [])
+            await store.commit(epoch, PROCESS_BASE, batch(epoch, 1), [])
             assert await store.prune(0) == 0
             assert [
                 (c["synchronous_commit"], c["transaction_read_only"], c["lock_timeout"])
@@ -529,7 +529,7 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
                 == "off"
             )
             commits = probing_commits(store)
-            await store.commit(epoch, BASE, batch(epoch, 1), [])
+            await store.commit(epoch, PROCESS_BASE, batch(epoch, 1), [])
             assert [
                 (c["synchronous_commit"], c["transaction_read_only"], c["statement_timeout"])
                 for c in commits
@@ -570,7 +570,6 @@ async def test_a_function_on_the_applications_path_neither_fails_a_ping_nor_disp
 
 # --- sessions the application resets ---------------------------------------------------------
 
-RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
 EVERY_MINUTE = IntervalSchedule(timedelta(minutes=1))
 #: The rows each round of :func:`every_path` leaves: tasks 1, 2, 4, 5 and 40 copied ones.
 ROWS_PER_ROUND = 44
@@ -618,16 +617,16 @@ async def every_path(
     def id(n: int) -> TaskId:
         return TaskId(100 * round + n)
 
-    key, held, now = f"key-{round}", f"held-{round}", BASE.engine_ns
+    key, held, now = f"key-{round}", f"held-{round}", PROCESS_BASE.engine_ns
     await store.commit(
         epoch,
-        BASE,
+        PROCESS_BASE,
         [Submitted(id(1), 1, now, TaskSpec(b"p", key=key)), StatusChanged(id(1), RUNNING, 1, now)],
         [],
     )
     await store.commit(
         epoch,
-        BASE,
+        PROCESS_BASE,
         [
             StatusChanged(id(1), SUCCEEDED, 1, now),
             RecurringUpsert(RecurringSpec(f"s{round}", EVERY_MINUTE, TaskSpec(b"t"))),
@@ -637,19 +636,23 @@ async def every_path(
         [(id(1), b"out")],
     )
     await store.commit(
-        epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in range(10, 50)], []
+        epoch, PROCESS_BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in range(10, 50)], []
     )
-    await store.commit(epoch, BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in (4, 5)], [])
-    await store.commit(epoch, BASE, [StatusChanged(id(10), RUNNING, 1, now)], [])
+    await store.commit(
+        epoch, PROCESS_BASE, [Submitted(id(n), n, now, TaskSpec(b"p")) for n in (4, 5)], []
+    )
+    await store.commit(epoch, PROCESS_BASE, [StatusChanged(id(10), RUNNING, 1, now)], [])
     sent = Submitted(id(2), 2, now, TaskSpec(b"p", key=held))
-    await store.commit(epoch, BASE, [sent], [])
+    await store.commit(epoch, PROCESS_BASE, [sent], [])
     # Sent again with its next transition: its insert finds it stored, so the batch is
     # written again with the transition first.
-    await store.commit(epoch, BASE, [sent, StatusChanged(id(2), RUNNING, 1, now)], [])
+    await store.commit(epoch, PROCESS_BASE, [sent, StatusChanged(id(2), RUNNING, 1, now)], [])
     with pytest.raises(IdCollisionError):
-        await store.commit(epoch, BASE, [Submitted(id(2), 2, now, TaskSpec(b"other"))], [])
+        await store.commit(epoch, PROCESS_BASE, [Submitted(id(2), 2, now, TaskSpec(b"other"))], [])
     with pytest.raises(KeyTakenError):
-        await store.commit(epoch, BASE, [Submitted(id(3), 3, now, TaskSpec(b"p", key=held))], [])
+        await store.commit(
+            epoch, PROCESS_BASE, [Submitted(id(3), 3, now, TaskSpec(b"p", key=held))], []
+        )
 
     found = await store.get_task(id(1))
     assert found is not None
@@ -659,7 +662,7 @@ async def every_path(
     assert by_key.id == id(1)
     assert [t.id for t in await store.list_finished(after=id(0), limit=10)] == [id(1)]
     assert await store.load_output(id(1)) == b"out"
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(PROCESS_BASE)
     live = {t.id: t.attempt for t in recovered.tasks}
     assert {n: live.get(id(n)) for n in (2, 3, 4, 10, 11)} == {2: 1, 3: None, 4: 0, 10: 1, 11: 0}
     assert f"s{round}" in [r.spec.name for r in recovered.recurring]

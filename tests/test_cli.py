@@ -14,18 +14,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import pytest
-from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._cli import ExitCode, cli, parse_duration
+from cronoq_store._cli import ExitCode, parse_duration
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     Dependency,
@@ -36,7 +32,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._migrations import head_revision
@@ -51,47 +46,27 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .test_prune_race import open_store, settles
-from .test_prune_race import submitted as submitted_in
+from .support import (
+    CANCELLED,
+    DAY,
+    FAILED,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    full,
+    open_store,
+    run,
+    settles,
+    submitted,
+    submitted_in,
+    without_ages,
+)
 from .waits import bounded
-
-NOW = time.time_ns()
-BASE = TimeBase(engine_ns=0, unix_ns=NOW)
-DAY = 86400 * 10**9
-SUCCEEDED, FAILED, CANCELLED = TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED
-
-
-async def run(*args: str, env: dict[str, str | None] | None = None) -> Result:
-    """Invoke the CLI as a user would, on a wide terminal so tables do not wrap."""
-    environment: dict[str, str | None] = {URL_ENV: None, "COLUMNS": "250"}
-    environment.update(env or {})
-    runner = CliRunner()
-    return await asyncio.to_thread(
-        runner.invoke, cli, list(args), env=environment, catch_exceptions=False
-    )
-
-
-def full(url: URL) -> str:
-    return url.render_as_string(hide_password=False)
-
-
-def submitted(id: int, **spec: Any) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=0, spec=TaskSpec(b"p", **spec))
-
-
-def changed(id: int, status: TaskStatus, ago: int = 0, message: str | None = None) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=1, at=-ago, message=message)
 
 
 def first_cells(output: str) -> list[int]:
     """The ids in the first column of a piped (tab-separated) table."""
     return [int(m) for m in re.findall(r"^(\d+)\t", output, flags=re.MULTILINE)]
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
 
 
 # --- usage, connection and URL errors ---------------------------------------------------------
@@ -304,7 +279,7 @@ async def test_status_counts_tasks_quarantined_rows_and_schedules(
 ) -> None:
     schema = store.config.schema
     every = IntervalSchedule(every=timedelta(minutes=5))
-    next_run = NOW + 3 * DAY
+    next_run = START_BASE.unix_ns + 3 * DAY
     batch: list[Mutation] = [
         submitted(1, pool="mail"),
         submitted(2, pool="mail"),
@@ -315,14 +290,14 @@ async def test_status_counts_tasks_quarantined_rows_and_schedules(
         changed(4, FAILED),
         submitted(5, pool="batch"),
         RecurringUpsert(RecurringSpec("digest", every, TaskSpec(b"t"))),
-        RecurringNext("digest", next=next_run - NOW, last=TaskId(3)),
+        RecurringNext("digest", next=next_run - START_BASE.unix_ns, last=TaskId(3)),
     ]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     # An undecodable live row: recovery quarantines it as failed.
     await admin_execute(
         pg_url, f"UPDATE \"{schema}\".cronoq_tasks SET deps = '[{{}}]' WHERE id = 5"
     )
-    await store.recover(BASE)
+    await store.recover(START_BASE)
 
     result = await run("--url", full(pg_url), "--schema", schema, "status")
     assert result.exit_code == 0, result.output
@@ -365,18 +340,13 @@ async def test_status_shows_schedules_nothing_can_decode(pg_url: URL, store: PgS
 # --- tasks ---------------------------------------------------------------------------------
 
 
-def without_ages(text: str) -> str:
-    """Printed text less how long ago each time was, which moves between two runs."""
-    return re.sub(r" \((?:[^()]* ago|just now|in [^()]*)\)", "", text)
-
-
 async def test_tasks_show_prints_durations_the_retry_policy_and_times_in_words(
     pg_url: URL, store: PgStore
 ) -> None:
     fixed_at = 3 * 60 * 10**9
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(
                 5,
@@ -404,7 +374,7 @@ async def test_tasks_show_prints_durations_the_retry_policy_and_times_in_words(
         "up to 5 attempts; waits 10 s after the first failure, multiplied by 3 after each "
         "failure after it, at most 5 min"
     )
-    at = datetime.fromtimestamp((BASE.unix_ns + fixed_at) // 10**9, timezone.utc)
+    at = datetime.fromtimestamp((START_BASE.unix_ns + fixed_at) // 10**9, timezone.utc)
     assert re.fullmatch(
         rf"{at:%Y-%m-%d %H:%M:%S} UTC \([^()]+\), tolerance 250 ms, on miss skip",
         lines["fixed start"],
@@ -422,7 +392,7 @@ async def test_tasks_show_prints_durations_the_retry_policy_and_times_in_words(
 async def test_tasks_show_by_id_by_key_and_not_found(pg_url: URL, store: PgStore) -> None:
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(7, key="nightly", pool="etl", kind="report", tenant="acme"),
             changed(7, SUCCEEDED, message="all [/bold] good :fire:"),
@@ -476,7 +446,7 @@ async def test_tasks_show_takes_the_short_id_and_lists_a_number_of_several_epoch
         submitted(other, key="second"),
         submitted(alone, key="seventh"),
     ]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     args = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "show")
 
     def facts(stdout: str) -> dict[str, str]:
@@ -543,11 +513,11 @@ async def test_tasks_finished_newest_first_with_the_consoles_filters(
     for id in range(1, 8):  # task n was updated n minutes ago: 1 is the newest
         batch += [
             submitted(id, pool="a" if id % 2 else "b", kind=f"k{id % 3}", tenant=f"t{id % 2}"),
-            changed(id, [SUCCEEDED, FAILED][id % 2], ago=id * 60 * 10**9),
+            changed(id, [SUCCEEDED, FAILED][id % 2], at=-id * 60 * 10**9),
         ]
-    batch += [submitted(8, key="nightly"), changed(8, CANCELLED, ago=DAY, message="m" * 100)]
+    batch += [submitted(8, key="nightly"), changed(8, CANCELLED, at=-DAY, message="m" * 100)]
     batch += [submitted(9, pool="a")]  # live: never listed
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     base = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "finished")
 
     assert await every_page(*base, "--limit", "3") == [[1, 2, 3], [4, 5, 6], [7, 8]]
@@ -559,7 +529,9 @@ async def test_tasks_finished_newest_first_with_the_consoles_filters(
     assert await every_page(*base, "--kind", "k0", "--kind", "k2") == [[2, 3, 5, 6]]
     assert await every_page(*base, "--tenant", "t0") == [[2, 4, 6]]
     assert await every_page(*base, "--key", "nightly") == [[8]]
-    since = datetime.fromtimestamp(NOW / 1e9, timezone.utc) - timedelta(minutes=4, seconds=30)
+    since = datetime.fromtimestamp(START_BASE.unix_ns / 1e9, timezone.utc) - timedelta(
+        minutes=4, seconds=30
+    )
     window = await every_page(*base, "--since", since.strftime("%Y-%m-%dT%H:%M:%S"))
     assert window == [[1, 2, 3, 4]]
     assert await every_page(*base, "--pool", "none") == [[]]
@@ -592,7 +564,7 @@ async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
         StatusChanged(TaskId(4), TaskStatus.RETRYING, attempt=1, at=0, message="x" * 80),
         changed(6, SUCCEEDED),  # finished: never listed
     ]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     base = ("--url", full(pg_url), "--schema", store.config.schema, "tasks", "live")
 
     assert await every_page(*base, "--limit", "2") == [[1, 2], [3, 4], [5]]
@@ -643,11 +615,11 @@ async def test_tasks_live_oldest_first_with_filters_ages_and_pages(
         "queued",
         "etl",
     )
-    # Its age is since it arrived: two hours before BASE, which the module took at import;
-    # read while the command ran (a second either side for the age's rounding).
-    arrived = NOW - 2 * hour
+    # Its age is since it arrived: two hours before START_BASE (taken when the suite was
+    # imported); read while the command ran (a second either side for the age's rounding).
+    arrived = START_BASE.unix_ns - 2 * hour
     assert (before - arrived) / 1e9 - 1 <= task["age_seconds"] <= (after - arrived) / 1e9 + 1
-    assert rfc3339_ns(task["arrival"]) // 10**9 == (NOW - 2 * hour) // 10**9
+    assert rfc3339_ns(task["arrival"]) // 10**9 == (START_BASE.unix_ns - 2 * hour) // 10**9
 
 
 def rfc3339_ns(text: str) -> int:
@@ -662,14 +634,15 @@ async def test_listings_stop_at_their_bound_and_say_at_least(pg_url: URL, store:
 
     schema = store.config.schema
     many = ls.SCAN + 10
+    now = START_BASE.unix_ns
     await admin_execute(
         pg_url,
         f"""
         INSERT INTO "{schema}".cronoq_tasks (id, seq, arrival_unix_ns, pool, kind, priority,
             payload, status, terminal, attempt, updated_unix_ns)
-        SELECT n, n, {NOW}, CASE WHEN n IN (10, {2 * many}) THEN 'rare' ELSE 'bulk' END, '', 0,
+        SELECT n, n, {now}, CASE WHEN n IN (10, {2 * many}) THEN 'rare' ELSE 'bulk' END, '', 0,
                '\\x00'::bytea, CASE WHEN n % 2 = 0 THEN 'queued' ELSE 'succeeded' END,
-               n % 2 = 1, 0, {NOW} - n * 1000
+               n % 2 = 1, 0, {now} - n * 1000
         FROM generate_series(1, {2 * many}) AS n
         """,
     )
@@ -703,11 +676,11 @@ async def test_listings_stop_at_their_bound_and_say_at_least(pg_url: URL, store:
 async def test_prune_dry_run_counts_what_prune_then_deletes(pg_url: URL, store: PgStore) -> None:
     batch: list[Mutation] = []
     for id in range(1, 6):  # old and unprotected: prunable
-        batch += [submitted(id), changed(id, SUCCEEDED, ago=2 * DAY)]
-    batch += [submitted(6, key="base"), changed(6, CANCELLED, ago=3 * DAY)]  # old, protected
-    batch += [submitted(7), changed(7, FAILED, ago=DAY // 2)]  # recent
+        batch += [submitted(id), changed(id, SUCCEEDED, at=-2 * DAY)]
+    batch += [submitted(6, key="base"), changed(6, CANCELLED, at=-3 * DAY)]  # old, protected
+    batch += [submitted(7), changed(7, FAILED, at=-DAY // 2)]  # recent
     batch += [submitted(8, deps=[Dependency("base")])]  # live, depends on 6 by key
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     url, schema = full(pg_url), store.config.schema
 
     async def ids() -> list[int]:
@@ -738,11 +711,11 @@ async def test_prune_json_says_what_it_counted_kept_and_deleted(
     real one; weeks are a unit."""
     batch: list[Mutation] = []
     for id in range(1, 4):  # three weeks old, unprotected
-        batch += [submitted(id), changed(id, SUCCEEDED, ago=21 * DAY)]
-    batch += [submitted(4, key="base"), changed(4, FAILED, ago=21 * DAY)]  # protected
+        batch += [submitted(id), changed(id, SUCCEEDED, at=-21 * DAY)]
+    batch += [submitted(4, key="base"), changed(4, FAILED, at=-21 * DAY)]  # protected
     batch += [submitted(5, deps=[Dependency("base")])]
-    batch += [submitted(6), changed(6, SUCCEEDED, ago=DAY)]  # recent
-    await store.commit(0, BASE, batch, [])
+    batch += [submitted(6), changed(6, SUCCEEDED, at=-DAY)]  # recent
+    await store.commit(0, START_BASE, batch, [])
     url, schema = full(pg_url), store.config.schema
     command = ("--url", url, "--schema", schema, "prune", "--older-than", "2w", "--json")
 
@@ -803,13 +776,13 @@ async def test_prune_json_that_fails_prints_nothing_on_stdout(pg_url: URL, migra
 async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, schema: str) -> None:
     """As the store's prune does (tests/test_prune_race.py): a batch waits for a commit in
     flight, so a dependency that commit adds protects its target."""
-    async with open_store(pg_url, schema, f"c-{schema}") as store:
+    async with open_store(pg_url, schema, application_name=f"c-{schema}") as store:
         epoch = await store.acquire_leadership()
         done, dependent = task_id(epoch, 1), task_id(epoch, 3)
         await store.commit(
             epoch,
-            BASE,
-            [submitted_in(epoch, 1), StatusChanged(done, SUCCEEDED, 1, BASE.engine_ns)],
+            START_BASE,
+            [submitted_in(epoch, 1), StatusChanged(done, SUCCEEDED, 1, START_BASE.engine_ns)],
             [],
         )
         batch: list[Mutation] = [submitted_in(epoch, 3, deps=[Dependency(done)])]
@@ -824,7 +797,7 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(pg_url: URL, sche
                 f"UPDATE copy SET id = {dependent}, key = NULL; "
                 f'INSERT INTO "{schema}".cronoq_tasks SELECT * FROM copy'
             )
-            commit = asyncio.create_task(store.commit(epoch, BASE, batch, []))
+            commit = asyncio.create_task(store.commit(epoch, START_BASE, batch, []))
             await settles(pg_url, f"c-{schema}", commit)
             assert not commit.done(), "the commit was not held open"
             url = full(pg_url)

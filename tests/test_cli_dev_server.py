@@ -16,9 +16,7 @@ import pytest
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 
-from .test_cli import run
-
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT, run
 
 
 def start_dev_server() -> tuple[subprocess.Popen[str], dict[str, str]]:

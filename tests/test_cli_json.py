@@ -10,16 +10,11 @@ import os
 import pty
 import re
 import subprocess
-import sys
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
 
-import pytest
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import Mutation, PgStore, PgStoreConfig, TaskId, TaskStatus, task_id
 from cronoq_store._cli import ExitCode
@@ -27,18 +22,20 @@ from cronoq_store._cli.output import short_id
 from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute
-from .test_cli import BASE, changed, full, run, submitted
+from .support import (
+    START_BASE,
+    changed,
+    cli_command,
+    cli_environment,
+    full,
+    ha_config,
+    run,
+    submitted,
+)
 from .waits import bounded
 
-REPO = Path(__file__).resolve().parent.parent
 #: The largest id an epoch can issue: 19 digits, the widest an id gets.
 WIDE = task_id(32767, (1 << 48) - 1)
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
 
 
 def document(stdout: str) -> Any:
@@ -143,7 +140,9 @@ async def test_health_of_a_missing_schema_exits_4_and_unreachable_3(
 
 async def test_status_json_masks_the_password_and_counts(pg_url: URL, store: PgStore) -> None:
     schema = store.config.schema
-    await store.commit(0, BASE, [submitted(1), submitted(2), changed(2, TaskStatus.FAILED)], [])
+    await store.commit(
+        0, START_BASE, [submitted(1), submitted(2), changed(2, TaskStatus.FAILED)], []
+    )
     result = await run("--url", full(pg_url), "--schema", schema, "status", "--json")
     assert result.exit_code == 0, result.output
     doc = document(result.stdout)
@@ -188,7 +187,7 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
     big = TaskId(WIDE)
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(big, key="nightly", pool="etl", kind="report"),
             changed(big, TaskStatus.SUCCEEDED, message="done"),
@@ -243,30 +242,11 @@ async def test_tasks_show_and_finished_json(pg_url: URL, store: PgStore) -> None
 # --- widths ---------------------------------------------------------------------------------
 
 
-def command(url: URL, schema: str, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "cronoq_store._cli",
-        "--url",
-        full(url),
-        "--schema",
-        schema,
-        *args,
-    ]
-
-
-def environment(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env.update(PYTHONPATH=str(REPO), TERM="xterm", **extra)
-    return env
-
-
 def in_a_terminal(argv: list[str], columns: int, typed: bytes = b"", expect: int = 0) -> str:
     """What ``argv`` shows on a real terminal ``columns`` wide, ``typed`` typed into it."""
     main, child = pty.openpty()
     with subprocess.Popen(
-        argv, stdin=child, stdout=child, stderr=child, env=environment(COLUMNS=str(columns))
+        argv, stdin=child, stdout=child, stderr=child, env=cli_environment(COLUMNS=str(columns))
     ) as process:
         os.close(child)
         os.write(main, typed)
@@ -294,8 +274,8 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
         changed(ids[0], TaskStatus.CANCELLED, message="m" * 70),
     ]
     batch += [submitted(ids[1]), changed(ids[1], TaskStatus.SUCCEEDED, message="a\tb\nc\\")]
-    await store.commit(0, BASE, batch, [])
-    argv = command(pg_url, store.config.schema, "tasks", "finished")
+    await store.commit(0, START_BASE, batch, [])
+    argv = cli_command(pg_url, store.config.schema, "tasks", "finished")
 
     for columns in (40, 80, 120):
         shown = await asyncio.to_thread(in_a_terminal, argv, columns)
@@ -307,7 +287,7 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
     assert re.search(rf"^│ +{ids[0]} │ {short_id(ids[0])} │ {key} │", wide, re.M), wide
 
     piped = await asyncio.to_thread(
-        subprocess.run, argv, capture_output=True, text=True, timeout=60, env=environment()
+        subprocess.run, argv, capture_output=True, text=True, timeout=60, env=cli_environment()
     )
     assert piped.returncode == 0, piped.stderr
     lines = piped.stdout.splitlines()
@@ -327,12 +307,6 @@ async def test_ids_are_whole_on_a_narrow_terminal_and_piped(pg_url: URL, store: 
 
 
 # --- handover -------------------------------------------------------------------------------
-
-
-def ha_config(schema: str, name: str) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema, application_name=name, lock_poll=0.05, keepalive=0.2, session_timeout=1.0
-    )
 
 
 async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
@@ -385,7 +359,7 @@ async def test_handover_asks_on_a_terminal(pg_url: URL, migrated: str) -> None:
     ):
         first = await a.acquire_leadership()
         standby = asyncio.create_task(b.acquire_leadership())
-        argv = command(pg_url, migrated, "handover", "--timeout", "10")
+        argv = cli_command(pg_url, migrated, "handover", "--timeout", "10")
 
         declined = await asyncio.to_thread(in_a_terminal, argv, 100, b"n\n", ExitCode.FAILED)
         assert "so that another instance leads? [y/N]" in declined

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from alembic.script import ScriptDirectory
@@ -28,9 +27,7 @@ from cronoq_store._schema import VERSION_TABLE
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .test_cli import full, run
-
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT, full, run
 
 
 def schema_line(output: str) -> str:

@@ -30,9 +30,7 @@ from cronoq_store._terminal_safe import json_text, visible
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute
-from .test_cli import BASE, changed, full, run, store, submitted
-
-__all__ = ["store"]  # the fixture, shared with test_cli
+from .support import START_BASE, changed, full, run, submitted
 
 #: What a hostile neighbour writes: each drives a terminal, hides or reorders text, or forges
 #: a line, if printed raw.
@@ -84,7 +82,7 @@ async def hostile(store: PgStore, pg_url: URL) -> PgStore:
         RecurringUpsert(RecurringSpec(RECURRING, every, TaskSpec(b"t"))),
         RecurringNext(RECURRING, next=DAY_NS, last=TaskId(1)),
     ]
-    await store.commit(0, BASE, batch, [(TaskId(2), b"\x1b]52;c;cHduZWQ=\x07")])
+    await store.commit(0, START_BASE, batch, [(TaskId(2), b"\x1b]52;c;cHduZWQ=\x07")])
     schema = store.config.schema
     # A live row recovery cannot decode: its quarantine reason quotes the stored value.
     await admin_execute(
@@ -92,7 +90,7 @@ async def hostile(store: PgStore, pg_url: URL) -> PgStore:
         f'UPDATE "{schema}".cronoq_tasks SET deps = $1::jsonb WHERE id = 3',
         json.dumps([{"\x1b]0;owned\x07": CR_OVERWRITE}]),
     )
-    await store.recover(BASE)
+    await store.recover(START_BASE)
     return store
 
 
@@ -274,7 +272,7 @@ async def test_a_status_this_build_does_not_know_is_shown_as_stored(
     """A newer build's status names, live and finished, are neither ``queued`` nor lost."""
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [submitted(1, key="a"), submitted(2, key="b"), changed(2, TaskStatus.SUCCEEDED)],
         [],
     )

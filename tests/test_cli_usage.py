@@ -14,11 +14,7 @@ from cronoq_store._mutations import Mutation
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
-from .test_cli import BASE, changed, full, run, store, submitted, without_ages
-
-__all__ = ["store"]  # the fixture, shared with test_cli
-
-HOUR = 3600 * 10**9
+from .support import HOUR, START_BASE, changed, full, run, submitted, without_ages
 
 
 @pytest.mark.parametrize(
@@ -38,7 +34,7 @@ async def test_an_offline_script_alembic_refuses_is_a_usage_error(args: list[str
 
 
 async def test_url_schema_and_triggers_may_follow_the_command(pg_url: URL, store: PgStore) -> None:
-    await store.commit(0, BASE, [submitted(1, key="k"), changed(1, TaskStatus.SUCCEEDED)], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k"), changed(1, TaskStatus.SUCCEEDED)], [])
     url, schema = full(pg_url), store.config.schema
     before = await run("--url", url, "--schema", schema, "tasks", "show", "1")
     assert before.exit_code == 0, before.output
@@ -62,9 +58,9 @@ async def test_both_prunes_count_from_the_servers_clock(
     (nor one behind keep what is old): the server's clock is the one every pruner shares."""
     batch: list[Mutation] = []
     for id in (1, 2):  # finished an hour ago
-        batch += [submitted(id), changed(id, TaskStatus.SUCCEEDED, ago=HOUR)]
-    batch += [submitted(3), changed(3, TaskStatus.FAILED, ago=30 * HOUR)]  # old
-    await store.commit(0, BASE, batch, [])
+        batch += [submitted(id), changed(id, TaskStatus.SUCCEEDED, at=-HOUR)]
+    batch += [submitted(3), changed(3, TaskStatus.FAILED, at=-30 * HOUR)]  # old
+    await store.commit(0, START_BASE, batch, [])
     schema = store.config.schema
     real = time.time_ns
     monkeypatch.setattr(time, "time_ns", lambda: real() + 48 * HOUR)

@@ -46,10 +46,9 @@ from cronoq_store._domain import (
 )
 from cronoq_store._template_codec import decode_recurring, encode_recurring
 
-from .test_rows import SPEC
+from .support import FIXED_BASE, FULL_SPEC
 
 I64_MAX = 2**63 - 1
-BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
 
 # Strategies. Text may hold NUL, which the store writes as U+FFFD, so decoded values are
 # compared against `cleaned(...)` of what was encoded.
@@ -225,7 +224,7 @@ def test_unknown_miss_policy_reads_as_the_default(name: str) -> None:
     """A newer build's policy name is not corruption: it reads as the default, skip."""
     assert decode_miss_policy(name) is MissPolicy.SKIP
     spec = decode_template(f'{{"fixed_start":{{"at_unix_ns":0,"on_miss":"{name}"}}}}')
-    assert spec.template.fixed_start == FixedStart(BASE.from_unix(0), on_miss=MissPolicy.SKIP)
+    assert spec.template.fixed_start == FixedStart(FIXED_BASE.from_unix(0), on_miss=MissPolicy.SKIP)
 
 
 def test_unknown_dependency_condition_reads_as_the_default() -> None:
@@ -290,7 +289,7 @@ def test_recurring_shapes() -> None:
         tenant="acme",
     )
     cron = RecurringSpec("daily", CronSchedule("0 6 * * MON-FRI", "Europe/Paris"), template)
-    assert json.loads(encode_recurring(BASE, cron)) == {
+    assert json.loads(encode_recurring(FIXED_BASE, cron)) == {
         "schedule": {"type": "cron", "expr": "0 6 * * MON-FRI", "timezone": "Europe/Paris"},
         "template": {
             "kind": "report",
@@ -319,7 +318,7 @@ def test_recurring_shapes() -> None:
         },
     }
     interval = RecurringSpec("tick", IntervalSchedule(timedelta(seconds=30)), TaskSpec(b""))
-    assert encode_recurring(BASE, interval) == (
+    assert encode_recurring(FIXED_BASE, interval) == (
         '{"schedule":{"type":"interval","every_ns":30000000000},'
         '"template":{"kind":"","pool":"default","priority":1,"key":null,'
         '"deadline_unix_ns":null,"fixed_start":null,"duration_hint_ns":null,'
@@ -376,12 +375,12 @@ def test_recurring_round_trip(spec: RecurringSpec, base: TimeBase) -> None:
 
 def test_a_template_keeps_every_field_of_its_task_spec() -> None:
     """A TaskSpec field the template's JSON left out would be lost by every occurrence."""
-    template = SPEC  # every field set, each to a value of its own
+    template = FULL_SPEC  # every field set, each to a value of its own
     default = TaskSpec(b"")
     fields = dataclasses.fields(TaskSpec)
     assert [f.name for f in fields if getattr(template, f.name) == getattr(default, f.name)] == []
     spec = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), template)
-    assert decode_recurring(BASE, "r", encode_recurring(BASE, spec), b"payload") == spec
+    assert decode_recurring(FIXED_BASE, "r", encode_recurring(FIXED_BASE, spec), b"payload") == spec
 
 
 @settings(max_examples=50)
@@ -413,11 +412,11 @@ def test_unknown_members_are_ignored() -> None:
         '{"schedule":{"type":"interval","every_ns":1000,"anchor":0},"owner":"ops",'
         '"template":{"pool":"p","fixed_start":{"at_unix_ns":0,"grace":1},"new":[1]}}'
     )
-    decoded = decode_recurring(BASE, "r", text, b"x")
+    decoded = decode_recurring(FIXED_BASE, "r", text, b"x")
     assert decoded == RecurringSpec(
         "r",
         IntervalSchedule(timedelta(microseconds=1)),
-        TaskSpec(b"x", pool="p", fixed_start=FixedStart(BASE.from_unix(0))),
+        TaskSpec(b"x", pool="p", fixed_start=FixedStart(FIXED_BASE.from_unix(0))),
     )
 
 
@@ -427,14 +426,14 @@ def test_absent_members_take_domain_defaults() -> None:
     assert decode_retry(None) is None
     assert decode_deps('[{"key":"k"}]') == (Dependency("k"),)
     decoded = decode_recurring(
-        BASE, "r", '{"schedule":{"type":"cron","expr":"* * * * *"},"template":{}}', b""
+        FIXED_BASE, "r", '{"schedule":{"type":"cron","expr":"* * * * *"},"template":{}}', b""
     )
     assert decoded == RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b""))
 
 
 def test_unknown_stored_priority_decodes_as_normal() -> None:
     text = '{"schedule":{"type":"interval","every_ns":1000},"template":{"priority":9}}'
-    assert decode_recurring(BASE, "r", text, b"").template.priority is Priority.NORMAL
+    assert decode_recurring(FIXED_BASE, "r", text, b"").template.priority is Priority.NORMAL
 
 
 # Strictness: malformed values raise DecodeError naming the member.
@@ -445,11 +444,11 @@ def recurring(schedule: str = '{"type":"interval","every_ns":1000}', template: s
 
 
 def decode_template(template: str) -> RecurringSpec:
-    return decode_recurring(BASE, "r", recurring(template=template), b"")
+    return decode_recurring(FIXED_BASE, "r", recurring(template=template), b"")
 
 
 def decode_schedule(schedule: str) -> object:
-    return decode_recurring(BASE, "r", recurring(schedule=schedule), b"")
+    return decode_recurring(FIXED_BASE, "r", recurring(schedule=schedule), b"")
 
 
 MALFORMED: list[tuple[str, Callable[[], object], str]] = [
@@ -593,29 +592,29 @@ MALFORMED: list[tuple[str, Callable[[], object], str]] = [
     ),
     (
         "recurring invalid json",
-        lambda: decode_recurring(BASE, "r", "nope", b""),
+        lambda: decode_recurring(FIXED_BASE, "r", "nope", b""),
         "spec: invalid JSON (",
     ),
     (
         "recurring not an object",
-        lambda: decode_recurring(BASE, "r", "[]", b""),
+        lambda: decode_recurring(FIXED_BASE, "r", "[]", b""),
         "spec: expected an object, got []",
     ),
     (
         "recurring no schedule",
-        lambda: decode_recurring(BASE, "r", '{"template":{}}', b""),
+        lambda: decode_recurring(FIXED_BASE, "r", '{"template":{}}', b""),
         "spec.schedule: required member is missing",
     ),
     (
         "recurring no template",
         lambda: decode_recurring(
-            BASE, "r", '{"schedule":{"type":"interval","every_ns":1000}}', b""
+            FIXED_BASE, "r", '{"schedule":{"type":"interval","every_ns":1000}}', b""
         ),
         "spec.template: required member is missing",
     ),
     (
         "recurring empty name",
-        lambda: decode_recurring(BASE, "", recurring(), b""),
+        lambda: decode_recurring(FIXED_BASE, "", recurring(), b""),
         "name: must be a non-empty string, got ''",
     ),
     (
@@ -785,7 +784,7 @@ DEEP = 100_000
         (lambda: decode_resources(f'{{"a":{nested(DEEP)}}}'), "resources"),
         (lambda: decode_strings(nested(DEEP), "tags"), "tags"),
         (lambda: decode_retry(f'{{"max_attempts":{nested(DEEP)}}}'), "retry"),
-        (lambda: decode_recurring(BASE, "r", nested(DEEP), b""), "spec"),
+        (lambda: decode_recurring(FIXED_BASE, "r", nested(DEEP), b""), "spec"),
     ],
 )
 def test_json_nested_too_deep_to_parse_is_a_decode_error(

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +35,6 @@ from cronoq_store._folding import fold
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
-    RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
@@ -45,33 +43,11 @@ from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
+from .support import RUNNING, START_BASE, SUCCEEDED, changed, submitted
 from .waits import bounded, until, until_value
 
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
-RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
-
-
-def submitted(id: int, key: str | None = None, payload: bytes = b"p") -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=id, spec=TaskSpec(payload, key=key))
-
-
-def changed(id: int, status: TaskStatus, message: str | None = None) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=1, at=100, message=message)
-
-
-@pytest.fixture(params=["from_engine", "connect"])
-async def store(
-    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
-) -> AsyncIterator[PgStore]:
-    """A store on an application's engine (every commit a transaction that pins the
-    search_path), and one on its own pool (the one-statement paths)."""
-    config = PgStoreConfig(schema=migrated)
-    if request.param == "connect":
-        opening = PgStore.connect(pg_url, config)
-    else:
-        opening = PgStore.from_engine(engine, config)
-    async with await opening as s:
-        yield s
+#: Each test runs on a store on an application's engine and on one on its own pool.
+STORE_OPENINGS = ("from_engine", "connect")
 
 
 async def fetch(store: PgStore, sql: str, **params: Any) -> list[Any]:
@@ -96,30 +72,30 @@ def recurring(name: str, every: int = 60, **template: Any) -> RecurringSpec:
 
 
 async def test_a_landed_batch_committed_again_changes_nothing(store: PgStore) -> None:
-    await store.commit(0, BASE, [submitted(1), submitted(2)], [])
+    await store.commit(0, START_BASE, [submitted(1), submitted(2)], [])
     batch: list[Mutation] = [
-        changed(1, RUNNING, "started"),
-        changed(1, SUCCEEDED),
+        changed(1, RUNNING, 100, message="started"),
+        changed(1, SUCCEEDED, 100),
         submitted(3),
-        changed(3, RUNNING, "also started"),
+        changed(3, RUNNING, 100, message="also started"),
         submitted(4),
         RecurringUpsert(recurring("r")),
         RecurringNext("r", 500, TaskId(3)),
     ]
     outputs = [(TaskId(1), b"out")]
-    await store.commit(0, BASE, batch, outputs)
+    await store.commit(0, START_BASE, batch, outputs)
     landed = await snapshot(store)
     assert len(landed[0]) == 4
     assert len(landed[1]) == 1
-    await store.commit(0, BASE, batch, outputs)
+    await store.commit(0, START_BASE, batch, outputs)
     assert await snapshot(store) == landed
 
 
 async def test_updates_run_before_inserts_so_a_released_key_is_reused(store: PgStore) -> None:
-    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k")], [])
     # One batch: the old holder of "k" finishes and a new task takes the key. Inserting
     # first would break the unique index on live keys and fail the whole batch.
-    await store.commit(0, BASE, [changed(1, SUCCEEDED), submitted(2, key="k")], [])
+    await store.commit(0, START_BASE, [changed(1, SUCCEEDED, 100), submitted(2, key="k")], [])
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
 
@@ -127,41 +103,19 @@ async def test_updates_run_before_inserts_so_a_released_key_is_reused(store: PgS
 async def test_outputs_are_stored_and_missing_tasks_are_logged(
     store: PgStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED)], [(TaskId(1), b"\0out")])
+    await store.commit(
+        0, START_BASE, [submitted(1), changed(1, SUCCEEDED, 100)], [(TaskId(1), b"\0out")]
+    )
     assert await store.load_output(TaskId(1)) == b"\0out"
     with caplog.at_level(logging.WARNING, logger="cronoq_store"):
-        await store.commit(0, BASE, [changed(9, SUCCEEDED)], [(TaskId(9), b"lost")])
+        await store.commit(0, START_BASE, [changed(9, SUCCEEDED, 100)], [(TaskId(9), b"lost")])
     warnings = [r for r in caplog.records if r.name == "cronoq_store"]
     assert [(r.expected, r.matched) for r in warnings] == [(1, 0), (1, 0)]  # type: ignore[attr-defined]
     assert "status updates" in warnings[0].getMessage()
     assert "outputs" in warnings[1].getMessage()
 
 
-async def test_recurring_changes_apply_in_batch_order(store: PgStore) -> None:
-    await store.commit(
-        0,
-        BASE,
-        [
-            RecurringUpsert(recurring("a", every=10)),
-            RecurringNext("a", 1_000, TaskId(7)),
-            RecurringRemove("a"),
-            RecurringUpsert(recurring("a", every=20)),  # a new schedule: nothing carried over
-            RecurringUpsert(recurring("b", every=30)),
-            RecurringNext("b", 2_000, None),
-            RecurringUpsert(recurring("b", every=40)),  # a replaced one keeps its progress
-            RecurringRemove("c"),  # removing what is not there is fine
-        ],
-        [],
-    )
-    recovered = await store.recover(BASE)
-    got = {r.spec.name: (r.spec.schedule, r.next, r.last) for r in recovered.recurring}
-    assert got == {
-        "a": (IntervalSchedule(timedelta(seconds=20)), None, None),
-        "b": (IntervalSchedule(timedelta(seconds=40)), 2_000, None),
-    }
-
-
-async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgStore) -> None:
+async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgStore) -> None:
     nul = "x\0y"
     spec = TaskSpec(
         b"\0",
@@ -178,35 +132,20 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
     )
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             Submitted(TaskId(1), 1, 0, spec),
             Submitted(TaskId(2), 2, 0, TaskSpec(b"")),
-            changed(2, RUNNING, nul),
+            changed(2, RUNNING, 100, message=nul),
             RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
             RecurringNext(nul, 9, TaskId(1)),
         ],
         [],
     )
-    await store.commit(0, BASE, [changed(1, RUNNING, nul)], [])
+    await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=nul)], [])
+    # What the store answers is the contract suite's (tests/contract/test_commits.py); here,
+    # what the columns hold: text and JSON with no NUL and no escaped one.
     clean = "x\ufffdy"
-
-    recovered = await store.recover(BASE)
-    task = {t.id: t for t in recovered.tasks}[TaskId(1)]
-    s = task.spec
-    assert (s.kind, s.pool, s.key, s.tenant) == (clean, clean, clean, clean)
-    assert (s.tags, s.labels, s.deps, s.resources) == (
-        (clean,),
-        (clean,),
-        (Dependency(clean),),
-        {clean: 2},
-    )
-    assert s.payload == b"\0"
-    [schedule] = recovered.recurring
-    assert schedule.spec.name == clean
-    assert schedule.spec.template.key == clean
-    assert schedule.next == 9
-
     rows = await fetch(
         store,
         "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
@@ -228,18 +167,18 @@ async def test_nul_in_every_string_is_stored_as_replacement_character(store: PgS
 # of a batch that only inserts, or only updates.
 FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
     "transaction-record-max-id": (
-        [changed(1, RUNNING), RecurringUpsert(recurring("r")), submitted(2)],
+        [changed(1, RUNNING, 100), RecurringUpsert(recurring("r")), submitted(2)],
         [(TaskId(1), b"o")],
     ),
     "transaction-for-share": (
-        [changed(1, RUNNING), RecurringUpsert(recurring("r"))],
+        [changed(1, RUNNING, 100), RecurringUpsert(recurring("r"))],
         [(TaskId(1), b"o")],
     ),
     "one-statement-insert": ([submitted(2), submitted(3)], []),
-    "one-statement-update": ([changed(1, RUNNING)], []),
+    "one-statement-update": ([changed(1, RUNNING, 100)], []),
     "copy-insert": ([submitted(i) for i in range(2, 2 + COPY_MIN_ROWS)], []),
     "copy-transaction": (
-        [changed(1, RUNNING), *(submitted(i) for i in range(2, 2 + COPY_MIN_ROWS))],
+        [changed(1, RUNNING, 100), *(submitted(i) for i in range(2, 2 + COPY_MIN_ROWS))],
         [(TaskId(1), b"o")],
     ),
 }
@@ -249,18 +188,18 @@ FENCED_BATCHES: dict[str, tuple[list[Mutation], list[tuple[TaskId, bytes]]]] = {
 async def test_a_changed_epoch_fences_the_commit_and_nothing_is_written(
     store: PgStore, shape: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     async with store.engine.begin() as conn:
         await conn.execute(text(f'UPDATE "{store.config.schema}".cronoq_leader SET epoch = 7'))
     before = await snapshot(store)
     batch, outputs = FENCED_BATCHES[shape]
     with caplog.at_level(logging.ERROR, logger="cronoq_store"), pytest.raises(FencedError):
-        await store.commit(0, BASE, batch, outputs)
+        await store.commit(0, START_BASE, batch, outputs)
     assert await snapshot(store) == before  # not even the high-water mark moved
     assert [getattr(r, "current_epoch", None) for r in caplog.records] == [7]
     # Once fenced, the store refuses at once, even an epoch the database would accept.
     with pytest.raises(FencedError, match="leadership was lost"):
-        await store.commit(7, BASE, batch, [])
+        await store.commit(7, START_BASE, batch, [])
     assert await snapshot(store) == before
 
 
@@ -270,12 +209,12 @@ async def test_commits_after_leadership_is_lost_are_fenced_before_any_sql(
     epoch = await store.acquire_leadership()
     assert store.is_leader
     assert store.epoch == epoch
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
 
     # A takeover: another instance bumps the epoch; the next commit finds out.
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
     with pytest.raises(FencedError):
-        await store.commit(epoch, BASE, [changed(1, RUNNING)], [])
+        await store.commit(epoch, START_BASE, [changed(1, RUNNING, 100)], [])
     await bounded(store.leadership_lost(), "leadership_lost() after the fenced commit")
     assert not store.is_leader
     assert store.epoch is None
@@ -284,18 +223,18 @@ async def test_commits_after_leadership_is_lost_are_fenced_before_any_sql(
     # would pass the check, but this instance must never write again.
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = {epoch}')
     with pytest.raises(FencedError, match="leadership was lost"):
-        await store.commit(epoch, BASE, [changed(1, RUNNING)], [])
+        await store.commit(epoch, START_BASE, [changed(1, RUNNING, 100)], [])
     rows = await fetch(store, "SELECT status FROM {s}.cronoq_tasks")
     assert [r.status for r in rows] == ["queued"]
 
 
 async def test_release_fences_later_commits(store: PgStore) -> None:
     epoch = await store.acquire_leadership()
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     await store.release_leadership()
     await bounded(store.leadership_lost(), "leadership_lost() after the release")
     with pytest.raises(FencedError):
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert [r.id for r in await fetch(store, "SELECT id FROM {s}.cronoq_tasks")] == [1]
 
 
@@ -304,7 +243,7 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
 ) -> None:
     config = PgStoreConfig(schema=migrated, commit_timeout=0.3)
     async with await PgStore.from_engine(engine, config) as store:
-        await store.commit(0, BASE, [submitted(1)], [])
+        await store.commit(0, START_BASE, [submitted(1)], [])
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
             tx = blocker.transaction()
@@ -314,13 +253,15 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
             with pytest.raises(UnavailableError, match="commit_timeout"):
                 # Refused while the row is still held, which it is for ever without the
                 # timeout: the bound is how long the test takes to say so.
-                await bounded(store.commit(0, BASE, [submitted(2)], []), "the commit's timeout")
+                await bounded(
+                    store.commit(0, START_BASE, [submitted(2)], []), "the commit's timeout"
+                )
             assert time.monotonic() - started >= config.commit_timeout * 0.9
             await tx.rollback()
         finally:
             await blocker.close()
         # Retrying is the caller's job, and works once the database answers again.
-        await store.commit(0, BASE, [submitted(2)], [])
+        await store.commit(0, START_BASE, [submitted(2)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
         assert [r.id for r in rows] == [1, 2]
 
@@ -328,11 +269,11 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
 async def test_ids_stay_above_the_high_water_mark_after_pruning(store: PgStore) -> None:
     old = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
     high = TaskId((3 << 48) | 41)
-    await store.commit(0, old, [submitted(high), changed(high, SUCCEEDED)], [])
-    await store.commit(0, old, [submitted(5), changed(5, SUCCEEDED)], [])  # a lower id
+    await store.commit(0, old, [submitted(high), changed(high, SUCCEEDED, 100)], [])
+    await store.commit(0, old, [submitted(5), changed(5, SUCCEEDED, 100)], [])  # a lower id
     assert await store.prune(1) == 2
     assert await fetch(store, "SELECT id FROM {s}.cronoq_tasks") == []
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert recovered.next_id == high + 1
 
 
@@ -345,10 +286,10 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
         async with store.engine.begin() as conn:
             await conn.execute(text("SET SESSION default_transaction_read_only = on"))
         with pytest.raises(UnavailableError) as caught:
-            await store.commit(0, BASE, [submitted(1)], [])
+            await store.commit(0, START_BASE, [submitted(1)], [])
         assert caught.value.reconnect
         assert "read-only" in str(caught.value)
-        await store.commit(0, BASE, [submitted(1)], [])
+        await store.commit(0, START_BASE, [submitted(1)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks")
         assert [r.id for r in rows] == [1]
 
@@ -357,7 +298,7 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
 async def test_a_commit_waits_for_a_takeover_in_flight_and_is_fenced(
     store: PgStore, migrated: str, pg_url: URL, shape: str
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     before = await snapshot(store)
     takeover = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
@@ -365,7 +306,7 @@ async def test_a_commit_waits_for_a_takeover_in_flight_and_is_fenced(
         await bump.start()
         await takeover.execute(f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
         batch, outputs = FENCED_BATCHES[shape]
-        commit = asyncio.ensure_future(store.commit(0, BASE, batch, outputs))
+        commit = asyncio.ensure_future(store.commit(0, START_BASE, batch, outputs))
         await until(
             lambda: commit.done() or blocked_by(pg_url, takeover.get_server_pid()),
             "the commit to wait on the leader row the takeover holds",
@@ -414,23 +355,23 @@ async def test_a_failed_commit_leaves_its_pooled_connection_clean_and_in_use(
     name = f"cronoq-test-{migrated}"
     config = PgStoreConfig(schema=migrated, max_connections=1, application_name=name)
     async with await PgStore.connect(pg_url, config) as store:
-        await store.commit(0, BASE, [submitted(1, key="k")], [])
+        await store.commit(0, START_BASE, [submitted(1, key="k")], [])
         [(pid, _)] = await session_states(pg_url, name)
         # A second live task with key "k": in a transaction, as one statement, by COPY.
         batches: list[list[Mutation]] = [
-            [changed(1, RUNNING), submitted(2, key="k")],
+            [changed(1, RUNNING, 100), submitted(2, key="k")],
             [submitted(3, key="k")],
             # By COPY, which fails, rolls back and is written again by the insert.
             [submitted(n, key="k" if n == 3 else None) for n in range(3, 3 + COPY_MIN_ROWS)],
         ]
         for batch in batches:
             with pytest.raises(KeyTakenError, match="nothing of the batch") as caught:
-                await store.commit(0, BASE, batch, [])
+                await store.commit(0, START_BASE, batch, [])
             assert caught.value.keys == ["k"]
             assert not caught.value.is_transient
             # The server's error left the session usable: it stays in the pool, idle.
             assert await session_states(pg_url, name) == [(pid, "idle")]
-        await store.commit(0, BASE, [changed(1, SUCCEEDED), submitted(2, key="k")], [])
+        await store.commit(0, START_BASE, [changed(1, SUCCEEDED, 100), submitted(2, key="k")], [])
     rows = await fetch_all(pg_url, migrated)
     assert [(r["id"], r["status"]) for r in rows] == [(1, "succeeded"), (2, "queued")]
 
@@ -441,12 +382,12 @@ async def test_a_pooled_connection_the_server_closed_is_replaced_at_checkout(
     name = f"cronoq-test-{migrated}"
     config = PgStoreConfig(schema=migrated, max_connections=1, application_name=name)
     async with await PgStore.connect(pg_url, config) as store:
-        await store.commit(0, BASE, [submitted(1)], [])
+        await store.commit(0, START_BASE, [submitted(1)], [])
         [(pid, _)] = await session_states(pg_url, name)
         assert await terminate_backend(pg_url, pid)
         await until(lambda: pooled_closed(store), "the event loop to read the closed socket")
         # No error: the dead connection is swapped for a new one before the commit runs.
-        await store.commit(0, BASE, [submitted(2)], [])
+        await store.commit(0, START_BASE, [submitted(2)], [])
         [(new_pid, _)] = await session_states(pg_url, name)
         assert new_pid != pid
     assert [r["id"] for r in await fetch_all(pg_url, migrated)] == [1, 2]
@@ -487,15 +428,15 @@ async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
     specs = {TaskId(n): varied_spec(n) for n in range(1, count + 1)}
     small: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i <= 10]
     large: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i > 10]
-    large.append(changed(count, RUNNING, "patched in the copied row"))
-    await store.commit(0, BASE, small, [])  # one statement, arrays
-    assert store._commits.writer.path(fold(large, BASE, 0)) == "copy"
-    await store.commit(0, BASE, large, [])  # a transaction, COPY into the table
+    large.append(changed(count, RUNNING, 100, message="patched in the copied row"))
+    await store.commit(0, START_BASE, small, [])  # one statement, arrays
+    assert store._commits.writer.path(fold(large, START_BASE, 0)) == "copy"
+    await store.commit(0, START_BASE, large, [])  # a transaction, COPY into the table
     landed = await snapshot(store)
-    await store.commit(0, BASE, large, [])  # a retry that already landed changes nothing
+    await store.commit(0, START_BASE, large, [])  # a retry that already landed changes nothing
     assert await snapshot(store) == landed
 
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert {t.id: t.spec for t in recovered.tasks} == {i: varied_spec(i, "\ufffd") for i in specs}
     assert recovered.next_id == count + 1  # the high-water mark was recorded
     [row] = await fetch(
@@ -507,14 +448,14 @@ async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
 async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_works(
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
         hold = blocker.transaction()
         await hold.start()
         await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_tasks WHERE id = 1 FOR UPDATE')
-        batch: list[Mutation] = [changed(1, RUNNING), submitted(2)]  # a transaction
-        commit = asyncio.ensure_future(store.commit(0, BASE, batch, []))
+        batch: list[Mutation] = [changed(1, RUNNING, 100), submitted(2)]  # a transaction
+        commit = asyncio.ensure_future(store.commit(0, START_BASE, batch, []))
         waiting: list[Any] = await until_value(
             lambda: admin_execute(
                 pg_url,
@@ -532,7 +473,7 @@ async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_wor
         await hold.rollback()
     finally:
         await blocker.close()
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     rows = await fetch(store, "SELECT id, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "running"), (2, "queued")]
 
@@ -560,16 +501,17 @@ async def states(store: PgStore) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
-@pytest.mark.parametrize("path", ["arrays", "copy"])
-async def test_a_submission_sent_again_with_a_later_transition_stores_the_transition(
-    store: PgStore, path: str
+async def test_a_submission_sent_again_with_a_later_transition_stores_it_through_copy(
+    store: PgStore,
 ) -> None:
-    if path == "copy":
-        copying_everything(store)
-    await store.commit(0, BASE, [submitted(1)], [])
+    """The contract suite's rule (tests/contract/test_commits.py), on the COPY path."""
+    copying_everything(store)
+    await store.commit(0, START_BASE, [submitted(1)], [])
     # [[S1], [S1, Succeeded1]] must end where [[S1], [S1], [Succeeded1]] ends.
-    await store.commit(0, BASE, [submitted(1), changed(1, SUCCEEDED, "done")], [])
-    assert await states(store) == [(1, "succeeded", 1, BASE.to_unix(100), "done")]
+    await store.commit(
+        0, START_BASE, [submitted(1), changed(1, SUCCEEDED, 100, message="done")], []
+    )
+    assert await states(store) == [(1, "succeeded", 1, START_BASE.to_unix(100), "done")]
 
 
 async def test_batches_delivered_again_late_never_move_a_task_backwards(store: PgStore) -> None:
@@ -582,40 +524,43 @@ async def test_batches_delivered_again_late_never_move_a_task_backwards(store: P
         step(2, RUNNING, 2, 30),
     ]
     for batch in (first, second, third):
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, START_BASE, batch, [])
     landed = await states(store)
     assert landed == [
-        (1, "succeeded", 1, BASE.to_unix(20), "started"),
-        (2, "running", 2, BASE.to_unix(30), "lost"),
+        (1, "succeeded", 1, START_BASE.to_unix(20), "started"),
+        (2, "running", 2, START_BASE.to_unix(30), "lost"),
     ]
     for late in (second, first, mixed, third, [step(2, TaskStatus.RETRYING, 1, 20, "x")]):
-        await store.commit(0, BASE, late, [])
+        await store.commit(0, START_BASE, late, [])
         assert await states(store) == landed
 
 
 async def test_a_copied_batch_sent_again_applies_forward_only_at_volume(store: PgStore) -> None:
     count = COPY_MIN_ROWS + 22
     ids = range(1, count + 1)
-    await store.commit(0, BASE, [submitted(i) for i in ids], [])
+    await store.commit(0, START_BASE, [submitted(i) for i in ids], [])
     again: list[Mutation] = [submitted(i) for i in ids]
     again += [step(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 1, 50, f"m{i}") for i in ids]
-    await store.commit(0, BASE, again, [])  # COPY fails: every id is stored already
+    await store.commit(0, START_BASE, again, [])  # COPY fails: every id is stored already
     landed = await states(store)
     assert landed == [
-        (i, "succeeded" if i % 2 else "failed", 1, BASE.to_unix(50), f"m{i}") for i in ids
+        (i, "succeeded" if i % 2 else "failed", 1, START_BASE.to_unix(50), f"m{i}") for i in ids
     ]
     late: list[Mutation] = [submitted(i) for i in ids]
     late += [step(i, RUNNING, 1, 40, "late") for i in ids]
-    await store.commit(0, BASE, late, [])
+    await store.commit(0, START_BASE, late, [])
     assert await states(store) == landed
 
 
 async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
     store: PgStore,
 ) -> None:
-    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k")], [])
     await store.commit(
-        0, BASE, [submitted(1, key="k"), changed(1, SUCCEEDED), submitted(2, key="k")], []
+        0,
+        START_BASE,
+        [submitted(1, key="k"), changed(1, SUCCEEDED, 100), submitted(2, key="k")],
+        [],
     )
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
@@ -627,7 +572,7 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
 ) -> None:
     if path == "copy":
         copying_everything(store)
-    await store.commit(0, BASE, [submitted(1, key="a"), submitted(3)], [])
+    await store.commit(0, START_BASE, [submitted(1, key="a"), submitted(3)], [])
     # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
     # S2's row reaches the live key index while S1 still holds the key in the store.
     batch: list[Mutation] = [
@@ -637,26 +582,25 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     ]
     if path != "one-statement":
         batch.append(step(3, RUNNING, 1, 50))  # a stored task's update: a transaction
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     third = "queued" if path == "one-statement" else "running"
     assert [tuple(r) for r in rows] == [(1, "a", "succeeded"), (2, "a", "queued"), (3, None, third)]
     # Writing such a batch again does not hide a key really held: 2 holds "a", live.
     landed = await snapshot(store)
     with pytest.raises(KeyTakenError) as caught:
-        await store.commit(0, BASE, [*batch, submitted(4, key="a")], [])
+        await store.commit(0, START_BASE, [*batch, submitted(4, key="a")], [])
     assert caught.value.keys == ["a"]
     assert await snapshot(store) == landed
 
 
-@pytest.mark.parametrize("path", ["arrays", "copy"])
-async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
-    store: PgStore, path: str
+async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded_through_copy(
+    store: PgStore,
 ) -> None:
-    if path == "copy":
-        copying_everything(store)
+    """The contract suite's rule (tests/contract/test_commits.py), on the COPY path."""
+    copying_everything(store)
     cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
-    await store.commit(0, BASE, [submitted(1), submitted(5)], [])
+    await store.commit(0, START_BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [
         step(1, cancelled, 1, 10),  # stored: an update, cancelled first, so final
         step(1, SUCCEEDED, 1, 20),
@@ -670,7 +614,7 @@ async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded(
         step(5, cancelled, 1, 10),
         step(5, SUCCEEDED, 1, 20),
     ]
-    await store.commit(0, BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 6)])
+    await store.commit(0, START_BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 6)])
     records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
     assert [None if r is None else (r.status, r.output) for r in records] == [
         (cancelled, None),
@@ -710,9 +654,9 @@ async def test_an_audit_trigger_sees_each_copied_row_once_and_nothing_of_a_faile
         first = [submitted(n) for n in range(1, 1 + COPY_MIN_ROWS)]
         second = [submitted(n) for n in range(1000, 1000 + COPY_MIN_ROWS)] + first[-1:]
         async with await PgStore.connect(pg_url, config) as store:
-            await store.commit(0, BASE, first, [])  # by COPY
-            await store.commit(0, BASE, first, [])  # COPY fails at once; nothing new
-            await store.commit(0, BASE, second, [])  # COPY fails after the new rows
+            await store.commit(0, START_BASE, first, [])  # by COPY
+            await store.commit(0, START_BASE, first, [])  # COPY fails at once; nothing new
+            await store.commit(0, START_BASE, second, [])  # COPY fails after the new rows
         seen = await admin_execute(pg_url, f"SELECT id, op FROM {audit}.seen ORDER BY id")
         assert [tuple(r) for r in seen] == [(m.id, "INSERT") for m in first + second[:-1]]
     finally:
@@ -748,7 +692,7 @@ async def test_a_task_committed_alone_is_stored_as_in_a_batch(store: PgStore) ->
         ],
     }
     for batch in batches.values():
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, START_BASE, batch, [])
     rows = {
         r.id: r._mapping
         for r in await fetch(store, "SELECT * FROM {s}.cronoq_tasks WHERE id IN (1, 2, 100)")

@@ -12,18 +12,15 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence, Sized
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine, Sequence, Sized
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._committer_stats import Tally
-from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import TaskId, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
     CommitterClosedError,
     FencedError,
@@ -32,88 +29,24 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._mutations import Mutation, StatusChanged
 from cronoq_store._retry import MIN_PAUSE, Backoff
 from cronoq_store._sizing import MAX_COMMIT_BYTES
-from cronoq_store._store import PgStore
 from cronoq_store.telemetry import DISABLED
 
-from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, terminate_backends
+from .pgharness import ServerUnderTest, admin_execute, terminate_backends
+from .support import (
+    PROCESS_BASE,
+    LeaderRowHold,
+    app_name,
+    bump_epoch,
+    changed_in,
+    open_store,
+    stored_ids,
+    submitted_in,
+    waiting_on_lock,
+)
 from .waits import bounded, holds_for, until, until_value
-
-BASE = TimeBase.now()
-_seq = itertools.count(1)
-
-
-def submitted(epoch: int, n: int, key: str | None = None) -> Submitted:
-    return Submitted(
-        task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"payload %d" % n, key=key)
-    )
-
-
-def running(epoch: int, n: int) -> StatusChanged:
-    return StatusChanged(task_id(epoch, n), TaskStatus.RUNNING, 1, BASE.engine_ns)
-
-
-async def stored_ids(url: URL, schema: str) -> set[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
-    return {r["id"] for r in rows}
-
-
-async def bump_epoch(url: URL, schema: str) -> int:
-    """What a new leader does to the leader row: the old epoch is fenced from now on."""
-    rows = await admin_execute(
-        url, f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch'
-    )
-    return int(rows[0]["epoch"])
-
-
-@asynccontextmanager
-async def open_store(url: URL, schema: str, **config: Any) -> AsyncIterator[PgStore]:
-    store = await PgStore.connect(url, PgStoreConfig(schema=schema, **config))
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-class LeaderRowHold:
-    """An admin transaction holding the leader row ``FOR UPDATE``: commits wait behind it."""
-
-    def __init__(self, url: URL, schema: str) -> None:
-        self.url = url
-        self.schema = schema
-        self.conn: asyncpg.Connection | None = None
-        self.tx: Any = None
-
-    async def __aenter__(self) -> LeaderRowHold:
-        self.conn = await asyncpg.connect(asyncpg_dsn(self.url))
-        self.tx = self.conn.transaction()
-        await self.tx.start()
-        await self.conn.execute(
-            f'SELECT 1 FROM "{self.schema}".cronoq_leader WHERE id = 1 FOR UPDATE'
-        )
-        return self
-
-    async def execute(self, sql: str) -> None:
-        assert self.conn is not None
-        await self.conn.execute(sql)
-
-    async def release(self, commit: bool = False) -> None:
-        """End the transaction (once); waiting commits proceed."""
-        if self.conn is None:
-            return
-        try:
-            if commit:
-                await self.tx.commit()
-            else:
-                await self.tx.rollback()
-        finally:
-            await self.conn.close()
-            self.conn = None
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
 
 
 async def grows_to(items: Sized, size: int, what: str) -> None:
@@ -134,21 +67,6 @@ def refusal_without_waiting(call: Coroutine[Any, Any, object]) -> BaseException:
     raise AssertionError("the call waited instead of refusing at once")
 
 
-async def commit_waiting_on_lock(url: URL, application_name: str) -> bool:
-    rows = await admin_execute(
-        url,
-        "SELECT count(*) FROM pg_stat_activity "
-        "WHERE application_name = $1 AND wait_event_type = 'Lock'",
-        application_name,
-    )
-    return int(rows[0][0]) > 0
-
-
-def app_name(schema: str) -> str:
-    """A name of the test's own, so terminating backends hits no other test's sessions."""
-    return f"gc-{schema}"
-
-
 # --- concurrency ----------------------------------------------------------------------------
 
 
@@ -163,15 +81,20 @@ async def test_concurrent_submitters_share_few_transactions(pg_url: URL, schema:
             for _ in range(per_submitter):
                 n = next(counter)
                 tid = task_id(epoch, n)
-                batch: list[Mutation] = [submitted(epoch, n), running(epoch, n)]
+                batch: list[Mutation] = [
+                    submitted_in(epoch, n),
+                    changed_in(epoch, n, TaskStatus.RUNNING),
+                ]
                 outputs: list[tuple[TaskId, bytes]] = []
                 if n % 2:
-                    batch.append(StatusChanged(tid, TaskStatus.SUCCEEDED, 1, BASE.engine_ns))
+                    batch.append(
+                        StatusChanged(tid, TaskStatus.SUCCEEDED, 1, PROCESS_BASE.engine_ns)
+                    )
                     outputs.append((tid, b"out %d" % n))
                 await committer.submit(batch, outputs)
                 acked.append(n)
 
-        async with GroupCommitter(store, epoch, BASE) as committer:
+        async with GroupCommitter(store, epoch, PROCESS_BASE) as committer:
             await asyncio.gather(*(submitter(committer) for _ in range(submitters)))
             stats = committer.stats()
 
@@ -224,7 +147,9 @@ async def test_acknowledged_means_durable_across_database_crashes(
             while True:
                 n = next(counter)
                 try:
-                    await committer.submit([submitted(epoch, n), running(epoch, n)])
+                    await committer.submit(
+                        [submitted_in(epoch, n), changed_in(epoch, n, TaskStatus.RUNNING)]
+                    )
                 except CommitterClosedError as exc:
                     abandoned.append(exc)
                     return
@@ -234,7 +159,7 @@ async def test_acknowledged_means_durable_across_database_crashes(
                 acked.add(task_id(epoch, n))
 
         committer = GroupCommitter(
-            store, epoch, BASE, max_batch_mutations=200, backoff=Backoff(0.05, 0.2)
+            store, epoch, PROCESS_BASE, max_batch_mutations=200, backoff=Backoff(0.05, 0.2)
         )
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(64)]
         try:
@@ -281,17 +206,17 @@ async def test_unavailable_is_retried_until_the_batch_commits(pg_url: URL, schem
         async def submitter(committer: GroupCommitter) -> None:
             while running_flag:
                 n = next(counter)
-                await committer.submit([submitted(epoch, n)])
+                await committer.submit([submitted_in(epoch, n)])
                 acked.add(task_id(epoch, n))
 
-        committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(0.01, 0.05))
+        committer = GroupCommitter(store, epoch, PROCESS_BASE, backoff=Backoff(0.01, 0.05))
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
             await grows_to(acked, 100, "first acks")
             for _ in range(3):
                 # Terminate the backend while its commit waits: the attempt fails for sure.
                 async with LeaderRowHold(pg_url, schema):
-                    await until(lambda: commit_waiting_on_lock(pg_url, name), "a blocked commit")
+                    await until(lambda: waiting_on_lock(pg_url, name), "a blocked commit")
                     assert await terminate_backends(pg_url, name) >= 1
                 await grows_to(acked, len(acked) + 50, "acks after terminating")
         finally:
@@ -313,13 +238,13 @@ async def test_backpressure_holds_submitters_while_the_queue_is_full(
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
         committer = GroupCommitter(
-            store, epoch, BASE, max_batch_mutations=4, max_pending_mutations=10
+            store, epoch, PROCESS_BASE, max_batch_mutations=4, max_pending_mutations=10
         )
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
-                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(30)
+                asyncio.create_task(committer.submit([submitted_in(epoch, n)])) for n in range(30)
             ]
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "a slow commit")
+            await until(lambda: waiting_on_lock(pg_url, name), "a slow commit")
             await until(lambda: committer.stats().submissions == 10, "ten submissions accepted")
 
             def held_back() -> bool:
@@ -344,16 +269,17 @@ async def test_fenced_fails_everything_pending_and_closes(pg_url: URL, schema: s
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE, max_batch_mutations=5)
-        await asyncio.gather(*(committer.submit([submitted(epoch, n)]) for n in range(10)))
+        committer = GroupCommitter(store, epoch, PROCESS_BASE, max_batch_mutations=5)
+        await asyncio.gather(*(committer.submit([submitted_in(epoch, n)]) for n in range(10)))
         before = await stored_ids(pg_url, schema)
         assert before == {task_id(epoch, n) for n in range(10)}
 
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
-                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(10, 30)
+                asyncio.create_task(committer.submit([submitted_in(epoch, n)]))
+                for n in range(10, 30)
             ]
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
             assert committer.stats().pending_submissions == 20  # one batch in flight, 3 queued
             # A takeover: the new leader bumps the epoch while the old one's commit waits.
             await hold.execute(f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
@@ -365,7 +291,7 @@ async def test_fenced_fails_everything_pending_and_closes(pg_url: URL, schema: s
         assert all(isinstance(r, FencedError) for r in results), results
         assert committer.fenced
         assert committer.closed
-        refusal = refusal_without_waiting(committer.submit([submitted(epoch, 99)]))
+        refusal = refusal_without_waiting(committer.submit([submitted_in(epoch, 99)]))
         assert isinstance(refusal, FencedError), refusal
         await committer.close()
         stats = committer.stats()
@@ -378,14 +304,16 @@ async def test_a_failing_submission_is_isolated_from_its_batch(pg_url: URL, sche
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE)
+        committer = GroupCommitter(store, epoch, PROCESS_BASE)
         async with LeaderRowHold(pg_url, schema) as hold:
-            first = asyncio.create_task(committer.submit([submitted(epoch, 0)]))
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
+            first = asyncio.create_task(committer.submit([submitted_in(epoch, 0)]))
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
             # These ten queue up behind it and form the next batch; 4 and 7 share a live key.
             batch = [
                 asyncio.create_task(
-                    committer.submit([submitted(epoch, n, key="dup" if n in (4, 7) else f"k{n}")])
+                    committer.submit(
+                        [submitted_in(epoch, n, key="dup" if n in (4, 7) else f"k{n}")]
+                    )
                 )
                 for n in range(1, 11)
             ]
@@ -420,12 +348,12 @@ async def test_cancelled_submitters_queued_are_dropped_in_flight_still_commit(
     name = app_name(schema)
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE, max_batches_in_flight=1)
+        committer = GroupCommitter(store, epoch, PROCESS_BASE, max_batches_in_flight=1)
         async with LeaderRowHold(pg_url, schema) as hold:
-            in_flight = asyncio.create_task(committer.submit([submitted(epoch, 1)]))
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
-            queued = asyncio.create_task(committer.submit([submitted(epoch, 2)]))
-            kept = asyncio.create_task(committer.submit([submitted(epoch, 3)]))
+            in_flight = asyncio.create_task(committer.submit([submitted_in(epoch, 1)]))
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
+            queued = asyncio.create_task(committer.submit([submitted_in(epoch, 2)]))
+            kept = asyncio.create_task(committer.submit([submitted_in(epoch, 3)]))
             await until(
                 lambda: committer.stats().pending_submissions == 3, "two submissions queued"
             )
@@ -456,19 +384,19 @@ async def test_close_with_drain_commits_everything_pending(pg_url: URL, schema: 
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
         committer = GroupCommitter(
-            store, epoch, BASE, max_batch_mutations=5, max_batches_in_flight=1
+            store, epoch, PROCESS_BASE, max_batch_mutations=5, max_batches_in_flight=1
         )
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
-                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
+                asyncio.create_task(committer.submit([submitted_in(epoch, n)])) for n in range(20)
             ]
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
             closing = asyncio.create_task(committer.close(drain=True))
             await holds_for(
                 lambda: not closing.done(), "a draining close() waiting for the batch held", 0.05
             )
             with pytest.raises(CommitterClosedError):
-                await committer.submit([submitted(epoch, 99)])
+                await committer.submit([submitted_in(epoch, 99)])
             await hold.release()
             await bounded(closing, "the draining close() once the row is free")
 
@@ -485,13 +413,13 @@ async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
     async with open_store(pg_url, schema, application_name=name) as store:
         epoch = await bump_epoch(pg_url, schema)
         committer = GroupCommitter(
-            store, epoch, BASE, max_batch_mutations=5, max_batches_in_flight=1
+            store, epoch, PROCESS_BASE, max_batch_mutations=5, max_batches_in_flight=1
         )
         async with LeaderRowHold(pg_url, schema) as hold:
             tasks = [
-                asyncio.create_task(committer.submit([submitted(epoch, n)])) for n in range(20)
+                asyncio.create_task(committer.submit([submitted_in(epoch, n)])) for n in range(20)
             ]
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
             closing = asyncio.create_task(committer.close(drain=False))
             # Queued submissions fail at once; the attempt in flight may still finish.
             done = await until_value(
@@ -558,10 +486,10 @@ class ScriptedStore:
 async def test_batches_keep_submission_order_and_respect_the_cap() -> None:
     store = ScriptedStore()
     store.gate.clear()
-    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=10)
+    committer = GroupCommitter(store, 1, PROCESS_BASE, max_batch_mutations=10)
     sizes = [3, 4, 5, 25, 1, 9, 2, 2, 2, 2, 2]
     counter = itertools.count()
-    subs = [[submitted(1, next(counter)) for _ in range(size)] for size in sizes]
+    subs = [[submitted_in(1, next(counter)) for _ in range(size)] for size in sizes]
     tasks = [asyncio.create_task(committer.submit(s)) for s in subs]
     await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -577,8 +505,8 @@ async def test_batches_keep_submission_order_and_respect_the_cap() -> None:
 
 async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() -> None:
     store = ScriptedStore([UnavailableError("connection refused")], forever=True)
-    committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.01, 0.04))
-    task = asyncio.create_task(committer.submit([submitted(1, 1)]))
+    committer = GroupCommitter(store, 1, PROCESS_BASE, backoff=Backoff(0.01, 0.04))
+    task = asyncio.create_task(committer.submit([submitted_in(1, 1)]))
     await until_value(lambda: len(store.attempts), lambda n: n >= 9, "nine attempts")
     at = store.attempted_at
     # Delays are drawn from [MIN_PAUSE, min(0.04, 0.01 * 2**n)]: the retries keep coming,
@@ -593,7 +521,7 @@ async def test_retries_back_off_with_jitter_and_close_abandons_them_clearly() ->
         await task
     assert isinstance(err.value.__cause__, UnavailableError)
     with pytest.raises(CommitterClosedError):
-        await committer.submit([submitted(1, 2)])
+        await committer.submit([submitted_in(1, 2)])
 
 
 async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh(
@@ -602,11 +530,11 @@ async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh(
     caplog.set_level(logging.WARNING, logger="cronoq_store")
     outage = [UnavailableError("connection refused")] * 5
     store = ScriptedStore(outage)
-    committer = GroupCommitter(store, 1, BASE, backoff=Backoff(0.04, 0.16, jitter=0.0))
+    committer = GroupCommitter(store, 1, PROCESS_BASE, backoff=Backoff(0.04, 0.16, jitter=0.0))
     async with committer:
-        await committer.submit([submitted(1, 1)])
+        await committer.submit([submitted_in(1, 1)])
         store.failures += outage[:2]
-        await committer.submit([submitted(1, 2)])
+        await committer.submit([submitted_in(1, 2)])
     at = store.attempted_at
     gaps = [b - a for a, b in itertools.pairwise(at)]
     # Five failures of the first batch: 0.04, 0.08, then the cap; its sixth attempt commits.
@@ -624,8 +552,10 @@ async def test_retries_pause_as_the_backoff_says_and_each_batch_starts_afresh(
 
 async def test_a_single_submission_larger_than_the_bounds_goes_alone() -> None:
     store = ScriptedStore()
-    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=3, max_pending_mutations=4)
-    big = [submitted(1, n) for n in range(10)]
+    committer = GroupCommitter(
+        store, 1, PROCESS_BASE, max_batch_mutations=3, max_pending_mutations=4
+    )
+    big = [submitted_in(1, n) for n in range(10)]
     async with committer:
         await committer.submit(big)
         await committer.submit([])  # a barrier: an empty submission is still committed
@@ -635,9 +565,11 @@ async def test_a_single_submission_larger_than_the_bounds_goes_alone() -> None:
 async def test_close_refuses_submitters_still_waiting_for_room() -> None:
     store = ScriptedStore()
     store.gate.clear()  # the first batch stays in flight
-    committer = GroupCommitter(store, 1, BASE, max_batch_mutations=2, max_pending_mutations=2)
-    accepted = [asyncio.create_task(committer.submit([submitted(1, n)])) for n in range(2)]
-    waiting = asyncio.create_task(committer.submit([submitted(1, 2)]))
+    committer = GroupCommitter(
+        store, 1, PROCESS_BASE, max_batch_mutations=2, max_pending_mutations=2
+    )
+    accepted = [asyncio.create_task(committer.submit([submitted_in(1, n)])) for n in range(2)]
+    waiting = asyncio.create_task(committer.submit([submitted_in(1, 2)]))
     await until(lambda: len(store.attempts) == 1, "the first batch in flight")
     assert committer.stats().submissions == 2
     assert not waiting.done()
@@ -674,12 +606,14 @@ async def test_through_the_committer_an_id_collision_still_wins_over_taken_keys(
     first) gets ``IdCollisionError``, the one with a taken key only ``KeyTakenError``."""
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
-        await store.commit(epoch, BASE, [submitted(epoch, 1, key="k1"), submitted(epoch, 2)], [])
-        other = Submitted(task_id(epoch, 2), next(_seq), BASE.engine_ns, TaskSpec(b"other"))
-        both: list[Mutation] = [submitted(epoch, 3, key="k1"), other]
-        keys: list[Mutation] = [submitted(epoch, 4, key="k1"), submitted(epoch, 6, key="k2")]
-        fine: list[Mutation] = [submitted(epoch, 5, key="k2")]
-        async with GroupCommitter(store, epoch, BASE) as committer:
+        await store.commit(
+            epoch, PROCESS_BASE, [submitted_in(epoch, 1, key="k1"), submitted_in(epoch, 2)], []
+        )
+        other = submitted_in(epoch, 2, b"other")
+        both: list[Mutation] = [submitted_in(epoch, 3, key="k1"), other]
+        keys: list[Mutation] = [submitted_in(epoch, 4, key="k1"), submitted_in(epoch, 6, key="k2")]
+        fine: list[Mutation] = [submitted_in(epoch, 5, key="k2")]
+        async with GroupCommitter(store, epoch, PROCESS_BASE) as committer:
             outcomes = await bounded(
                 asyncio.gather(
                     *(committer.submit(s) for s in (both, keys, fine)), return_exceptions=True
@@ -704,17 +638,17 @@ async def test_a_refusal_of_the_callers_own_is_logged_at_debug_a_bug_at_warning(
     a warning."""
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
-        await store.commit(epoch, BASE, [submitted(epoch, 1, key="k1")], [])
-        other = Submitted(task_id(epoch, 1), next(_seq), BASE.engine_ns, TaskSpec(b"other"))
+        await store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1, key="k1")], [])
+        other = submitted_in(epoch, 1, b"other")
         with caplog.at_level(logging.DEBUG, logger="cronoq_store"):
-            async with GroupCommitter(store, epoch, BASE) as committer:
+            async with GroupCommitter(store, epoch, PROCESS_BASE) as committer:
                 with pytest.raises(KeyTakenError):
-                    await committer.submit([submitted(epoch, 2, key="k1")])
+                    await committer.submit([submitted_in(epoch, 2, key="k1")])
                 with pytest.raises(IdCollisionError):
                     await committer.submit([other])
                 outcomes = await bounded(
                     asyncio.gather(
-                        *(committer.submit([submitted(epoch, n, key="k1")]) for n in (3, 4)),
+                        *(committer.submit([submitted_in(epoch, n, key="k1")]) for n in (3, 4)),
                         return_exceptions=True,
                     ),
                     "the two submissions of a taken key",
@@ -727,8 +661,8 @@ async def test_a_refusal_of_the_callers_own_is_logged_at_debug_a_bug_at_warning(
 
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="cronoq_store"):
-        async with GroupCommitter(ScriptedStore([StoreError("bug")]), 1, BASE) as committer:
+        async with GroupCommitter(ScriptedStore([StoreError("bug")]), 1, PROCESS_BASE) as committer:
             with pytest.raises(StoreError, match="bug"):
-                await committer.submit([submitted(1, 1)])
+                await committer.submit([submitted_in(1, 1)])
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warned == ["a submission failed to commit"]

@@ -13,7 +13,6 @@ under submitters that cancel.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,32 +22,24 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase, task_id
+from cronoq_store._domain import TaskId, TimeBase, task_id
 from cronoq_store._errors import (
     BatchTooLargeError,
     StoreError,
     UnavailableError,
 )
-from cronoq_store._mutations import Mutation, Submitted
+from cronoq_store._mutations import Mutation
 from cronoq_store._retry import Backoff
 from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 from cronoq_store.telemetry import DISABLED, Telemetry
 
-from . import test_commit
 from .pgharness import ServerUnderTest, admin_execute
-from .test_committer import bump_epoch, open_store, stored_ids
+from .support import PROCESS_BASE, bump_epoch, open_store, stored_ids, submitted, submitted_in
 from .waits import until
 
-BASE = TimeBase.now()
-_seq = itertools.count(1)
 POISON = b"poison"
-
-
-def submitted(epoch: int, n: int, payload: bytes | None = None) -> Submitted:
-    spec = TaskSpec(b"payload %d" % n if payload is None else payload)
-    return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, spec)
 
 
 class Recording:
@@ -89,8 +80,10 @@ async def test_concurrent_large_submissions_are_batched_under_the_byte_bound(
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
         recording = Recording(store)
-        subs = [[submitted(epoch, n, bytes(256 * 1024))] for n in range(17)]
-        async with GroupCommitter(recording, epoch, BASE, max_batch_bytes=bound) as committer:
+        subs = [[submitted_in(epoch, n, bytes(256 * 1024))] for n in range(17)]
+        async with GroupCommitter(
+            recording, epoch, PROCESS_BASE, max_batch_bytes=bound
+        ) as committer:
             await asyncio.wait_for(asyncio.gather(*(committer.submit(s) for s in subs)), 60)
         assert await stored_ids(pg_url, schema) == {s[0].id for s in subs}
         assert max(recording.sizes) <= bound
@@ -103,14 +96,14 @@ async def test_a_batch_too_large_for_the_server_is_refused_before_it_is_sent(
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
         store.max_commit_bytes = 2**20
-        big = submitted(epoch, 1, bytes(2**20))
+        big = submitted_in(epoch, 1, bytes(2**20))
         with pytest.raises(BatchTooLargeError, match="over the 1048576 bytes") as refused:
-            await store.commit(epoch, BASE, [big], [])
+            await store.commit(epoch, PROCESS_BASE, [big], [])
         assert not refused.value.is_transient
         # Outputs count too: a task's output of 1 MiB cannot ride on a 1 MiB commit.
-        small = submitted(epoch, 2)
+        small = submitted_in(epoch, 2)
         with pytest.raises(BatchTooLargeError):
-            await store.commit(epoch, BASE, [small], [(small.id, bytes(2**20))])
+            await store.commit(epoch, PROCESS_BASE, [small], [(small.id, bytes(2**20))])
         assert await stored_ids(pg_url, schema) == set()
 
 
@@ -123,10 +116,10 @@ async def test_a_store_limit_lowered_at_run_time_bounds_the_next_batches(
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
         recording = Recording(store)
-        async with GroupCommitter(recording, epoch, BASE) as committer:
-            await committer.submit([submitted(epoch, 0)])  # running, at the default limit
+        async with GroupCommitter(recording, epoch, PROCESS_BASE) as committer:
+            await committer.submit([submitted_in(epoch, 0)])  # running, at the default limit
             store.max_commit_bytes = 2**20
-            subs = [[submitted(epoch, n, bytes(200 * 1024))] for n in range(1, 18)]
+            subs = [[submitted_in(epoch, n, bytes(200 * 1024))] for n in range(1, 18)]
             await asyncio.wait_for(asyncio.gather(*(committer.submit(s) for s in subs)), 60)
         stats = committer.stats()
         assert (stats.splits, stats.failed_submissions) == (0, 0)
@@ -140,9 +133,9 @@ async def test_a_submission_too_large_to_commit_fails_at_once_and_alone(
     async with open_store(pg_url, schema) as store:
         epoch = await store.acquire_leadership()
         store.max_commit_bytes = 2**20
-        subs = [[submitted(epoch, n)] for n in range(10)]
-        subs[4] = [submitted(epoch, 4, bytes(2**20))]
-        committer = GroupCommitter(store, epoch, BASE, max_batch_bytes=2**19)
+        subs = [[submitted_in(epoch, n)] for n in range(10)]
+        subs[4] = [submitted_in(epoch, 4, bytes(2**20))]
+        committer = GroupCommitter(store, epoch, PROCESS_BASE, max_batch_bytes=2**19)
         async with committer:
             outcomes = await asyncio.wait_for(
                 asyncio.gather(*(committer.submit(s) for s in subs), return_exceptions=True), 30
@@ -197,9 +190,9 @@ async def test_a_batch_that_keeps_failing_while_the_database_answers_is_split(
             epoch = await store.acquire_leadership()
             # Planted mid-term: the trust check at the next acquisition would refuse it.
             await plant_poison(pg_url, schema, action)
-            subs = [[submitted(epoch, n)] for n in range(8)]
-            subs[5] = [submitted(epoch, 5, POISON)]
-            committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(0.01, 0.05))
+            subs = [[submitted_in(epoch, n)] for n in range(8)]
+            subs[5] = [submitted_in(epoch, 5, POISON)]
+            committer = GroupCommitter(store, epoch, PROCESS_BASE, backoff=Backoff(0.01, 0.05))
             async with committer:
                 outcomes = await asyncio.wait_for(
                     asyncio.gather(*(committer.submit(s) for s in subs), return_exceptions=True),
@@ -233,13 +226,15 @@ async def test_an_outage_is_retried_for_as_long_as_it_lasts(
         # The epoch without a lock session: the restart would end that session, and its
         # keeper, if it pinged before the batches landed, would step down (fencing them).
         epoch = await bump_epoch(pg_url, schema)
-        committer = GroupCommitter(store, epoch, BASE, stuck_after=1, backoff=Backoff(0.01, 0.1))
+        committer = GroupCommitter(
+            store, epoch, PROCESS_BASE, stuck_after=1, backoff=Backoff(0.01, 0.1)
+        )
         async with committer:
-            await committer.submit([submitted(epoch, 0)])
+            await committer.submit([submitted_in(epoch, 0)])
             await asyncio.to_thread(pg_server.stop, "immediate")
             try:
                 pending = [
-                    asyncio.create_task(committer.submit([submitted(epoch, n)]))
+                    asyncio.create_task(committer.submit([submitted_in(epoch, n)]))
                     for n in range(1, 21)
                 ]
                 await until(lambda: committer.stats().unanswered_pings >= 3, "unanswered pings")
@@ -276,8 +271,8 @@ async def test_a_batch_is_retried_as_long_as_the_database_does_not_answer() -> N
             raise UnavailableError("connection refused")
 
     store = Failing()
-    committer = GroupCommitter(store, 1, BASE, stuck_after=1, backoff=Backoff(0.01, 0.01))
-    task = asyncio.create_task(committer.submit([submitted(1, 1)]))
+    committer = GroupCommitter(store, 1, PROCESS_BASE, stuck_after=1, backoff=Backoff(0.01, 0.01))
+    task = asyncio.create_task(committer.submit([submitted_in(1, 1)]))
     await until(lambda: store.attempts >= 20, "20 attempts")
     assert not task.done()
     assert committer.stats().stuck_batches == 0
@@ -322,7 +317,7 @@ async def test_admission_under_cancellation_keeps_counters_order_and_bounds(in_f
     committer = GroupCommitter(
         store,
         1,
-        BASE,
+        PROCESS_BASE,
         max_pending_mutations=limit,
         max_batch_mutations=4,
         max_batches_in_flight=in_flight,
@@ -331,7 +326,7 @@ async def test_admission_under_cancellation_keeps_counters_order_and_bounds(in_f
     over: list[int] = []
 
     async def one(n: int, size: int) -> None:
-        batch = [test_commit.submitted(n * 100 + i) for i in range(size)]
+        batch = [submitted(n * 100 + i) for i in range(size)]
         await committer.submit(batch)
 
     tasks = []

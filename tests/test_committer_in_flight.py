@@ -56,10 +56,9 @@ from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
-from .test_committer import LeaderRowHold, app_name
+from .support import PROCESS_BASE, LeaderRowHold, app_name
 from .waits import bounded, holds_for, until
 
-BASE = TimeBase.now()
 _ids = itertools.count(1)
 _clock = itertools.count(1)
 
@@ -104,7 +103,7 @@ async def one_at_a_time(store: Observed, submissions: Sequence[Submission]) -> l
     for mutations, outputs in submissions:
         error: StoreError | None = None
         try:
-            await store.commit(0, BASE, mutations, outputs)
+            await store.commit(0, PROCESS_BASE, mutations, outputs)
         except StoreError as exc:
             error = exc
         answers.append(answer_of(error))
@@ -124,6 +123,7 @@ async def sent(url: URL, name: str) -> int:
 
 @pytest.fixture
 async def store(pg_url: URL, migrated: str) -> AsyncIterator[PgStore]:
+    """A store on its own pool whose sessions carry the test's own name (see app_name)."""
     config = PgStoreConfig(schema=migrated, application_name=app_name(migrated))
     async with await PgStore.connect(pg_url, config) as s:
         yield s
@@ -154,7 +154,9 @@ async def test_independent_batches_are_in_flight_at_once(
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
     name = app_name(migrated)
-    committer = GroupCommitter(store, 0, BASE, max_batch_mutations=1, max_batches_in_flight=3)
+    committer = GroupCommitter(
+        store, 0, PROCESS_BASE, max_batch_mutations=1, max_batches_in_flight=3
+    )
     async with LeaderRowHold(pg_url, migrated) as hold:
         tasks = [new() for _ in range(5)]
         waiting = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
@@ -200,8 +202,8 @@ async def test_a_batch_waits_for_the_batch_in_flight_it_must_follow(
     else:
         follower = [moved(holder, TaskStatus.FAILED)]
     independent = new()
-    await store.commit(0, BASE, [holder], [])
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    await store.commit(0, PROCESS_BASE, [holder], [])
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(first))
         await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
@@ -221,7 +223,7 @@ async def test_a_batch_waits_for_the_batch_in_flight_it_must_follow(
         ([independent], []),
     ]
     for mutations, extra in replay:
-        await serial_store.commit(0, BASE, mutations, extra)
+        await serial_store.commit(0, PROCESS_BASE, mutations, extra)
     if second == "an output of the task":
         assert await store.load_output(task.id) == b"out"
     assert await rows(pg_url, migrated) == await rows(pg_url, serial_store.config.schema)
@@ -233,7 +235,9 @@ async def test_a_takeover_fences_every_batch_in_flight_and_queued(
     """Three batches wait in flight on the leader row; a takeover bumps the epoch there:
     every pending submission fails with FencedError and nothing of any batch lands."""
     name = app_name(migrated)
-    committer = GroupCommitter(store, 0, BASE, max_batch_mutations=1, max_batches_in_flight=3)
+    committer = GroupCommitter(
+        store, 0, PROCESS_BASE, max_batch_mutations=1, max_batches_in_flight=3
+    )
     async with LeaderRowHold(pg_url, migrated) as hold:
         waiting = [asyncio.ensure_future(committer.submit([new()])) for _ in range(6)]
         await until(lambda: _sent_is(pg_url, name, 3), "three batches in flight")
@@ -300,9 +304,9 @@ async def test_submissions_queued_together_get_the_answers_of_serial_commits(
     told what committing them one at a time, in order, tells it, and the rows are those."""
     stored, first, submissions = _merge_hazard(case)
     for each in (store, serial_store):
-        await each.commit(0, BASE, stored, [])
-    await serial_store.commit(0, BASE, first, [])
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=in_flight)
+        await each.commit(0, PROCESS_BASE, stored, [])
+    await serial_store.commit(0, PROCESS_BASE, first, [])
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=in_flight)
     await committer.submit(first)
     pending = [asyncio.ensure_future(committer.submit(m, o)) for m, o in submissions]
     answers = await bounded(asyncio.gather(*pending, return_exceptions=True), "every answer")
@@ -330,7 +334,7 @@ async def test_two_spellings_of_one_stored_name_are_one_for_batches_in_flight(
         second: list[Mutation] = [new("s\ufffd")]
     else:
         first, second = [_schedule("r\0")], [RecurringRemove("r\ufffd")]
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(first))
         await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
@@ -513,7 +517,7 @@ async def seen(store: Observed, scenario: Scenario) -> list[object]:
         if record is not None and record.status is None:
             record = replace(record, updated=UNIX_EPOCH)
         found.append((record, await store.load_output(TaskId(id))))
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(PROCESS_BASE)
     found.extend(r for r in recovered.recurring if r.spec.name in scenario.names)
     return found
 
@@ -534,11 +538,15 @@ async def committed_through_the_committer(
     for mutations, outputs in scenario.stored:
         for each in (store, serial):
             with contextlib.suppress(StoreError):
-                await each.commit(0, BASE, mutations, outputs)
+                await each.commit(0, PROCESS_BASE, mutations, outputs)
     order: list[Submission] = []
     answers: dict[int, Answer] = {}
     committer = GroupCommitter(
-        Jittered(store, delays), 0, BASE, max_batches_in_flight=in_flight, max_batch_mutations=batch
+        Jittered(store, delays),
+        0,
+        PROCESS_BASE,
+        max_batches_in_flight=in_flight,
+        max_batch_mutations=batch,
     )
 
     async def send(sub: Submission) -> None:
@@ -662,7 +670,7 @@ async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced
     batch's submitter is told it is durable (its rows are stored), not FencedError; the
     second's is fenced, and nothing of it is stored."""
     slow = SlowFirstReply(store)
-    committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=2)
+    committer = GroupCommitter(slow, 0, PROCESS_BASE, max_batches_in_flight=2)
     first, second = new(), new()
     one = asyncio.ensure_future(committer.submit([first]))
     await bounded(slow.landed.wait(), "the submissions to settle")
@@ -687,7 +695,7 @@ async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_i
     submitter is told, the waiting batch's too, none is left waiting for ever."""
     name = app_name(migrated)
     task = new()
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=2)
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=2)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit([task]))
         await until(lambda: _sent_is(pg_url, name, 1), "the first batch in flight")
@@ -733,7 +741,9 @@ async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced
     name = f"kill-{migrated}"
     config = PgStoreConfig(schema=migrated, application_name=name)
     async with await PgStore.connect(pg_url, config) as store:
-        committer = GroupCommitter(store, 0, BASE, max_batch_mutations=1, max_batches_in_flight=3)
+        committer = GroupCommitter(
+            store, 0, PROCESS_BASE, max_batch_mutations=1, max_batches_in_flight=3
+        )
         tasks = [new() for _ in range(5)]
         async with LeaderRowHold(pg_url, migrated) as hold:
             waiting = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
@@ -777,7 +787,7 @@ async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_p
     try:
         async with await PgStore.from_engine(app, PgStoreConfig(schema=migrated)) as store:
             committer = GroupCommitter(
-                store, 0, BASE, max_batch_mutations=2, max_batches_in_flight=4
+                store, 0, PROCESS_BASE, max_batch_mutations=2, max_batches_in_flight=4
             )
             tasks = [new() for _ in range(40)]
             submissions = [asyncio.ensure_future(committer.submit([t])) for t in tasks]
@@ -800,7 +810,7 @@ async def test_a_batch_waits_for_the_bisection_of_a_failed_batch_it_follows(
     bisected. The second batch follows the innocent one (a transition of that task, or a
     new task with ``k``): it lands after the innocent half, as serially."""
     other, holder = new(), Submitted(TaskId(next(_ids)), 1, 1, TaskSpec(b"h", key="k"))
-    await store.commit(0, BASE, [other, holder], [])
+    await store.commit(0, PROCESS_BASE, [other, holder], [])
     task = new()
     if follower == "a transition of its task":
         innocent: list[Mutation] = [task]
@@ -810,7 +820,7 @@ async def test_a_batch_waits_for_the_bisection_of_a_failed_batch_it_follows(
         later = [Submitted(task.id, 2, 1, TaskSpec(b"n", key="k"))]
     guilty = Submitted(other.id, 9, 9, TaskSpec(b"not the same task"))
     name = app_name(migrated)
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit(innocent))
         bad = asyncio.ensure_future(committer.submit([guilty]))
@@ -843,7 +853,7 @@ async def test_a_barrier_returns_only_once_everything_before_it_is_settled(
     settled. The first batch has landed but its reply is slow; a barrier submitted after it
     (a batch of its own, in flight beside it) does not return before it."""
     slow = SlowFirstReply(store)
-    committer = GroupCommitter(slow, 0, BASE, max_batches_in_flight=4)
+    committer = GroupCommitter(slow, 0, PROCESS_BASE, max_batches_in_flight=4)
     one = asyncio.ensure_future(committer.submit([new()]))
     await bounded(slow.landed.wait(), "the submissions to settle")
     barrier = asyncio.ensure_future(committer.submit([]))
@@ -860,7 +870,7 @@ async def test_a_schedules_upsert_and_remove_in_batches_in_flight_land_in_order(
     removal waits for the creation, so the schedule is gone at the end, as serially."""
     spec = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
     name = app_name(migrated)
-    committer = GroupCommitter(store, 0, BASE, max_batches_in_flight=4)
+    committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=4)
     async with LeaderRowHold(pg_url, migrated) as hold:
         one = asyncio.ensure_future(committer.submit([RecurringUpsert(spec)]))
         await until(lambda: _sent_is(pg_url, name, 1), "the creation in flight")

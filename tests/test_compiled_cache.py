@@ -31,7 +31,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._mutations import (
     Mutation,
@@ -45,8 +44,8 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
+from .support import PROCESS_BASE
 
-BASE = TimeBase.now()
 SQL_LOGGER = "sqlalchemy.engine.Engine"
 SCHEDULE = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
 
@@ -66,10 +65,12 @@ async def exercise(store: PgStore, first: int, size: int) -> int:
         RecurringNext("r", first, TaskId(first)),
         RecurringRemove("r"),
     ]
-    await store.commit(0, BASE, mutations, [(id, b"out") for id in old])
+    await store.commit(0, PROCESS_BASE, mutations, [(id, b"out") for id in old])
     # No new ids: the epoch check takes the FOR SHARE path.
-    await store.commit(0, BASE, [StatusChanged(TaskId(first), TaskStatus.RUNNING, 1, 2)], [])
-    await store.recover(BASE)
+    await store.commit(
+        0, PROCESS_BASE, [StatusChanged(TaskId(first), TaskStatus.RUNNING, 1, 2)], []
+    )
+    await store.recover(PROCESS_BASE)
     await store.get_task(TaskId(first))
     await store.get_task(f"k{first}")
     await store.list_finished(pools=["default"], statuses=[TaskStatus.SUCCEEDED], limit=size)
@@ -111,14 +112,14 @@ async def test_every_call_after_the_first_runs_compiled_sql(
     store_b = await PgStore.from_engine(engine, PgStoreConfig(schema=second_schema))
     try:
         caplog.clear()
-        await store_a.commit(0, BASE, [submitted(1)], [])
+        await store_a.commit(0, PROCESS_BASE, [submitted(1)], [])
         next_a = await exercise(store_a, 2, 1)
         warm_up = cache_stats(caplog)
         # The detection works: the first batches compiled the statements they ran.
         assert any(s.startswith("[generated in") for s in warm_up), warm_up
 
         caplog.clear()
-        await store_b.commit(0, BASE, [submitted(1)], [])
+        await store_b.commit(0, PROCESS_BASE, [submitted(1)], [])
         next_b = 2
         for size in (1, 7, 120):
             next_a = await exercise(store_a, next_a, size)

@@ -13,7 +13,6 @@ import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import pytest
 from alembic import command
@@ -30,8 +29,8 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
+from .support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TABLES = {
     "cronoq_leader",
     "cronoq_leader_history",

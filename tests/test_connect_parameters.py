@@ -38,8 +38,7 @@ from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._server import find_bin_dir
 
 from .pgharness import WITHOUT_INSTANCE, ServerUnderTest, admin_execute
-
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT
 
 #: Every variable libpq reads, cleared for each test (the machine's own must not leak in).
 PG_VARIABLES = [name for name in os.environ if name.startswith("PG")]

@@ -33,8 +33,8 @@ import yaml
 from sqlalchemy.engine import URL
 
 from .pgharness import admin_execute
+from .support import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 DOC_URL = "postgresql://app@db/app"
 DOC_ASYNC_URL = "postgresql+asyncpg://app@db/app"
 DOC_SCHEMA = '"cluster_a"'
@@ -54,12 +54,12 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
 
 
 def _files() -> list[Path]:
-    docs = sorted(p for p in (REPO / "docs").rglob("*.md") if "_build" not in p.parts)
-    return [REPO / "README.md", REPO / "CONTRIBUTING.md", *docs]
+    docs = sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *docs]
 
 
 def blocks_of(path: Path) -> list[Block]:
@@ -139,7 +139,7 @@ def test_a_block_that_does_not_run_says_where_it_runs_or_why_not(block: Block) -
     assert block.marker is not None
     kind, what = block.marker
     if kind == "same as":
-        assert block.code == (REPO / what).read_text(), f"{block.name} differs from {what}"
+        assert block.code == (ROOT / what).read_text(), f"{block.name} differs from {what}"
     else:
         assert len(what.split()) >= 3, f"{block.name}: say why it is not run"
 
@@ -176,7 +176,7 @@ async def run_block(block: Block, pg_url: URL, schema: str) -> subprocess.Comple
     ran = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-c", code],
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -210,7 +210,7 @@ async def test_the_readme_program_writes_what_it_says(pg_url: URL, schema: str) 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     (command,) = [b.code for b in BLOCKS if b.path.name == "README.md" and "nox -s" in b.code]
     nox = command.strip().split(" && ")[-1]
-    last = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    last = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert last == nox
 
 
@@ -222,7 +222,7 @@ async def test_the_readme_program_run_again_prints_what_the_text_says(
     (program,) = [b for b in PYTHON if b.path.name == "README.md"]
     said = re.search(
         r"Run it again on the same schema and it prints only `([^`]+)`",
-        " ".join((REPO / "README.md").read_text().split()),
+        " ".join((ROOT / "README.md").read_text().split()),
     )
     assert said is not None, "the README says what a second run prints"
     first = await run_block(program, pg_url, schema)

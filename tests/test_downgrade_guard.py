@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -29,54 +26,22 @@ from cronoq_store import (
     PgStore,
     PgStoreConfig,
     SchemaGoneError,
-    Submitted,
-    TaskSpec,
-    TimeBase,
-    task_id,
 )
 from cronoq_store._cli import ExitCode
 from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._migrations import downgrade, head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .support import PROCESS_BASE, cronoq, python_run, submitted_in
 from .waits import bounded, holds_for, until
-
-ROOT = Path(__file__).resolve().parent.parent
-BASE = TimeBase.now()
-_seq = itertools.count(1)
-
-
-def submitted(epoch: int, n: int) -> Submitted:
-    return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"p %d" % n))
 
 
 def config(schema: str, name: str) -> PgStoreConfig:
     return PgStoreConfig(schema=schema, application_name=name, lock_poll=0.05)
 
 
-async def command(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    """A command line as an operator runs it, in a process of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
-    env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
-
-
-async def cronoq(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    return await command("-m", "cronoq_store._cli", *args, url=url)
-
-
 async def alembic(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    return await command("-m", "alembic", *args, url=url)
+    return await python_run("-m", "alembic", *args, url=url)
 
 
 async def task_rows(url: URL, schema: str) -> int:
@@ -104,7 +69,7 @@ async def test_downgrade_refuses_under_a_live_leader_naming_it_and_forced_fences
 ) -> None:
     async with await PgStore.connect(pg_url, config(migrated, f"dg-{migrated}")) as leader:
         epoch = await leader.acquire_leadership()
-        await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1)], [])
         (pid,) = await leader_lock_pids(pg_url, migrated)
 
         for target in ("base", "0005_task_tenant"):
@@ -120,7 +85,7 @@ async def test_downgrade_refuses_under_a_live_leader_naming_it_and_forced_fences
         # Nothing changed: the revision, the tables and the task are all there.
         assert await task_rows(pg_url, migrated) == 1
         assert (await leader.health()).revision == (head_revision(),)
-        await leader.commit(epoch, BASE, [submitted(epoch, 2)], [])
+        await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 2)], [])
 
         forced = await cronoq(
             "--schema", migrated, "downgrade", "0004_task_labels", "--yes", "--force", url=pg_url
@@ -128,7 +93,7 @@ async def test_downgrade_refuses_under_a_live_leader_naming_it_and_forced_fences
         assert forced.returncode == 0, forced.stderr
         # The leader was fenced by the downgrade's epoch bump: its next commit lands nowhere.
         with pytest.raises(FencedError):
-            await leader.commit(epoch, BASE, [submitted(epoch, 3)], [])
+            await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 3)], [])
         await bounded(leader.leadership_lost(), "the leader stepping down")
         assert await task_rows(pg_url, migrated) == 2
 
@@ -142,7 +107,7 @@ async def test_alembic_force_downgrades_under_a_leader(pg_url: URL, migrated: st
         assert forced.returncode == 0, forced.stderr
         assert await tables(pg_url, migrated) == {"cronoq_alembic_version"}
         with pytest.raises(SchemaGoneError):
-            await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+            await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1)], [])
         assert not leader.is_leader
         await bounded(leader.leadership_lost(), "the leader stepping down")
 
@@ -152,7 +117,7 @@ async def test_base_refuses_a_cluster_that_issued_ids_and_a_partial_one_runs_unl
 ) -> None:
     async with await PgStore.connect(pg_url, config(migrated, f"dgb-{migrated}")) as store:
         epoch = await store.acquire_leadership()
-        await store.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1)], [])
         await store.release_leadership()
 
     partial = await cronoq(
@@ -200,7 +165,7 @@ async def test_a_standby_cannot_lead_after_a_partial_downgrade(
         assert not standby.is_leader
         assert (await standby.health()).holder is None
         with pytest.raises(FencedError):
-            await standby.commit(1, BASE, [submitted(1, 2)], [])
+            await standby.commit(1, PROCESS_BASE, [submitted_in(1, 2)], [])
 
 
 @pytest.mark.parametrize("drop", ["forced downgrade", "by hand"])
@@ -215,10 +180,10 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
 
         async def submitter(committer: GroupCommitter) -> None:
             while True:
-                await committer.submit([submitted(epoch, next(counter))])
+                await committer.submit([submitted_in(epoch, next(counter))])
                 acks.append(time.monotonic())
 
-        committer = GroupCommitter(leader, epoch, BASE)
+        committer = GroupCommitter(leader, epoch, PROCESS_BASE)
         running = [asyncio.ensure_future(submitter(committer)) for _ in range(16)]
         try:
             await until(lambda: len(acks) >= 200, "acks before the drop")
@@ -264,7 +229,7 @@ async def test_a_leader_whose_tables_are_dropped_steps_down_and_acks_nothing_aft
 
         await holds_for(empty, "the migrated schema without tasks", 0.5)
         with pytest.raises(FencedError):
-            await leader.commit(epoch, BASE, [submitted(epoch, 10**6)], [])
+            await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 10**6)], [])
 
 
 async def test_the_offline_script_stops_under_a_live_leader(pg_url: URL, migrated: str) -> None:
@@ -281,7 +246,7 @@ async def test_the_offline_script_stops_under_a_live_leader(pg_url: URL, migrate
         finally:
             await conn.close()
         assert await tables(pg_url, migrated) >= {"cronoq_leader", "cronoq_tasks"}
-        await leader.commit(epoch, BASE, [submitted(epoch, 1)], [])
+        await leader.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1)], [])
     # Nobody leads: the same script runs.
     conn = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:

@@ -30,7 +30,7 @@ from cronoq_store._statements import update_status
 from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
-BASE = TimeBase(0, 1_700_000_000 * 10**9)
+from .support import FIXED_BASE
 
 
 class _Store:
@@ -62,7 +62,7 @@ def test_every_seconds_setting_refuses_a_non_number_alike(value: Any) -> None:
 
 
 async def test_the_committers_timeout_follows_the_same_rule() -> None:
-    committer = GroupCommitter(_Store(), 1, BASE)
+    committer = GroupCommitter(_Store(), 1, FIXED_BASE)
     with pytest.raises(ValueError, match=r"^timeout must be a number of seconds"):
         await committer.close(timeout=True)
     with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds"):
@@ -87,7 +87,7 @@ async def test_the_in_memory_store_quarantines_with_the_same_reason(
     """A long decode error is cut as ``PgStore`` cuts it (it was cut bare, 500 characters)."""
     store = InMemoryStore()
     await store.acquire_leadership()
-    await store.commit(1, BASE, [Submitted(TaskId(7), 1, 0, TaskSpec(b""))], [])
+    await store.commit(1, FIXED_BASE, [Submitted(TaskId(7), 1, 0, TaskSpec(b""))], [])
 
     class Refusing:
         def __init__(self, base: TimeBase) -> None:
@@ -97,7 +97,7 @@ async def test_the_in_memory_store_quarantines_with_the_same_reason(
             raise ValueError("x" * 1000)
 
     monkeypatch.setattr(memory, "LiveTasks", Refusing)
-    await store.recover(BASE)
+    await store.recover(FIXED_BASE)
     record = await store.get_task(TaskId(7))
     assert record is not None
     assert record.message == f"{QUARANTINE_PREFIX} {'x' * 499}…"
@@ -109,7 +109,7 @@ async def test_the_in_memory_store_refuses_a_large_batch_as_pgstore_does() -> No
     store.max_commit_bytes = 1
     batch = [Submitted(TaskId(7), 1, 0, TaskSpec(b""))]
     with pytest.raises(BatchTooLargeError) as caught:
-        await store.commit(1, BASE, batch, [])
+        await store.commit(1, FIXED_BASE, batch, [])
     assert str(caught.value) == (
         f"committing a batch failed: its 1 mutations and 0 outputs take up to "
         f"{batch_size(batch, [])} bytes, over the 1 bytes one commit may send (PostgreSQL "

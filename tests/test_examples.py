@@ -36,10 +36,10 @@ from cronoq_store import (
 )
 
 from .pgharness import admin_execute, terminate_backends
+from .support import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = REPO / "examples"
-ENV = {"PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+EXAMPLES = ROOT / "examples"
+ENV = {"PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
 
 
 @contextmanager
@@ -203,7 +203,7 @@ async def test_the_readme_shows_the_whole_pytest_ini_whose_asyncio_mode_is_requi
     """The README shows examples/app_test/pytest.ini whole (tests/test_docs_code.py keeps
     the copy equal) and says ``asyncio_mode = auto`` is required: without that line the
     same application's tests fail."""
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
     assert "<!-- same as: examples/app_test/pytest.ini -->" in readme
     assert "`asyncio_mode = auto` is required" in readme
     for path in (EXAMPLES / "app_test").glob("*.py"):

@@ -48,13 +48,13 @@ from .replication import (
     needs_binaries,
     stores_on_a_replicated_pair,
 )
+from .support import PROCESS_BASE
 from .waits import PATIENCE, bounded, until_value
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = "failover"
 LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.1, 0.2, 1.0
-BASE = TimeBase.now()
 RANK = {"queued": 0, "succeeded": 1}
 
 
@@ -75,7 +75,7 @@ class Driver:
 
     def __init__(self, store: PgStore, epoch: int) -> None:
         self.epoch = epoch
-        self.committer = GroupCommitter(store, epoch, BASE)
+        self.committer = GroupCommitter(store, epoch, PROCESS_BASE)
         self.acked: dict[int, str] = {}
         self._numbers = itertools.count()
         self._submitters: list[asyncio.Task[None]] = []
@@ -89,7 +89,7 @@ class Driver:
         while True:
             new = [task_id(self.epoch, next(self._numbers)) for _ in range(2)]
             batch: list[Submitted | StatusChanged] = [
-                Submitted(i, i & 0xFFFF, BASE.engine_ns, TaskSpec(b"failover")) for i in new
+                Submitted(i, i & 0xFFFF, PROCESS_BASE.engine_ns, TaskSpec(b"failover")) for i in new
             ]
             done = mine.pop(0) if len(mine) > 4 else None
             if done is not None:
@@ -192,7 +192,7 @@ async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(
         # The deposed leader writes nothing more.
         late = task_id(epoch, 10**6)
         with pytest.raises(FencedError):
-            await a.commit(epoch, BASE, [Submitted(late, 0, 0, TaskSpec(b"late"))], [])
+            await a.commit(epoch, PROCESS_BASE, [Submitted(late, 0, 0, TaskSpec(b"late"))], [])
         assert late not in await stored_states(new_primary)
     finally:
         for store in stores:
@@ -246,7 +246,7 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
         assert a.incarnation == b.incarnation
         epoch = await a.acquire_leadership()
         first = Submitted(TaskId(task_id(epoch, 0)), 0, 0, TaskSpec(b"before"))
-        await a.commit(epoch, BASE, [first], [])
+        await a.commit(epoch, PROCESS_BASE, [first], [])
 
         await asyncio.to_thread(pair.primary.stop, "fast")
         await bounded(a.leadership_lost(), "a to step down after its primary stopped")
@@ -256,9 +256,9 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
         assert rows[0][0] == a.incarnation
 
         assert await bounded(b.acquire_leadership(), "b to lead on the promoted one") == epoch + 1
-        assert [t.id for t in (await b.recover(BASE)).tasks] == [first.id]
+        assert [t.id for t in (await b.recover(PROCESS_BASE)).tasks] == [first.id]
         second = Submitted(TaskId(task_id(epoch + 1, 0)), 1, 0, TaskSpec(b"after"))
-        await b.commit(epoch + 1, BASE, [second], [])
+        await b.commit(epoch + 1, PROCESS_BASE, [second], [])
         health = await b.health()
         assert not health.cluster_replaced
         assert health.has_leader
@@ -267,7 +267,7 @@ async def test_a_promoted_standby_is_the_same_cluster_and_fences_no_healthy_stor
         assert await bounded(a.acquire_leadership(), "a to lead again") == epoch + 2
         third = Submitted(TaskId(task_id(epoch + 2, 0)), 2, 0, TaskSpec(b"again"))
         await a.commit(
-            epoch + 2, BASE, [third, StatusChanged(first.id, TaskStatus.RUNNING, 1, 5)], []
+            epoch + 2, PROCESS_BASE, [third, StatusChanged(first.id, TaskStatus.RUNNING, 1, 5)], []
         )
         assert sorted(await stored_states(new_primary)) == [first.id, second.id, third.id]
 
@@ -284,14 +284,16 @@ async def _blocked_leader(
     store = await PgStore.connect(url, config)
     try:
         epoch = await store.acquire_leadership()
-        await store.commit(epoch, BASE, [Submitted(task_id(epoch, 0), 0, 0, TaskSpec(b"a"))], [])
+        await store.commit(
+            epoch, PROCESS_BASE, [Submitted(task_id(epoch, 0), 0, 0, TaskSpec(b"a"))], []
+        )
         leading.set()
         # The point: the loop is stuck, for as long as the takeover takes (bounded, so that a
         # takeover that never comes fails the test instead of hanging it).
         taken_over.wait(PATIENCE)
         try:
             await store.commit(
-                epoch, BASE, [Submitted(task_id(epoch, 1), 1, 0, TaskSpec(b"b"))], []
+                epoch, PROCESS_BASE, [Submitted(task_id(epoch, 1), 1, 0, TaskSpec(b"b"))], []
             )
         except FencedError as exc:
             await bounded(store.leadership_lost(), "the fenced leader to step down")

@@ -26,17 +26,17 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase
+from cronoq_store._domain import TaskId, TaskSpec
 from cronoq_store._errors import FencedError
 from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
+from .support import PROCESS_BASE
 from .tcpproxy import TcpProxy
 from .waits import bounded, until, until_value
 
-BASE = TimeBase.now()
 #: Concurrent callers of the deposed leader's ``commit``: enough that one always holds the
 #: row (each holds it about two thirds of its time).
 CALLERS = 12
@@ -84,7 +84,9 @@ async def commit_load(store: PgStore, epoch: int, load: Load) -> list[asyncio.Ta
             id = next(ids)
             started = time.monotonic()
             try:
-                await store.commit(epoch, BASE, [Submitted(TaskId(id), id, 1, TaskSpec(b"p"))], [])
+                await store.commit(
+                    epoch, PROCESS_BASE, [Submitted(TaskId(id), id, 1, TaskSpec(b"p"))], []
+                )
             except FencedError:
                 load.fenced += 1
                 return

@@ -8,7 +8,7 @@ equal to a plain fold written out below.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,10 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import _statements as statements
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     QUEUED,
     TERMINAL_LEVEL,
@@ -32,7 +31,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     level,
 )
 from cronoq_store._errors import IdCollisionError
@@ -53,17 +51,9 @@ from cronoq_store._rows import INSERT_COLUMNS
 from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
-BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000_000_000_000)
+from .support import FAILED, FIXED_BASE, RUNNING, SUCCEEDED, changed, submitted
+
 NOW = 1_800_000_000_000_000_000
-RUNNING, SUCCEEDED, FAILED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED, TaskStatus.FAILED
-
-
-def submitted(id: int, key: str | None = None, **spec: Any) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=10 * id, spec=TaskSpec(b"p", key=key, **spec))
-
-
-def changed(id: int, status: TaskStatus, at: int, message: str | None = None) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=1, at=at, message=message)
 
 
 # --- the pure rules ----------------------------------------------------------------------
@@ -73,11 +63,11 @@ def test_new_task_is_inserted_once_with_its_latest_status_and_last_message() -> 
     f = fold(
         [
             submitted(1, pool="first"),
-            changed(1, RUNNING, 5, "started"),
+            changed(1, RUNNING, 5, message="started"),
             submitted(1, pool="first"),  # the same submission again: a no-op
             changed(1, SUCCEEDED, 7),  # no message: the earlier one stays
         ],
-        BASE,
+        FIXED_BASE,
         NOW,
     )
     assert f.insert_count == 1
@@ -88,12 +78,12 @@ def test_new_task_is_inserted_once_with_its_latest_status_and_last_message() -> 
     row = {name: values[0] for name, values in f.inserts.items()}
     assert row["pool"] == "first"
     assert (row["status"], row["terminal"], row["attempt"]) == ("succeeded", True, 1)
-    assert row["updated_unix_ns"] == BASE.to_unix(7)
+    assert row["updated_unix_ns"] == FIXED_BASE.to_unix(7)
     assert row["message"] == "started"
 
 
 def test_new_task_without_a_transition_is_queued_at_commit_time() -> None:
-    row = {k: v[0] for k, v in fold([submitted(3)], BASE, NOW).inserts.items()}
+    row = {k: v[0] for k, v in fold([submitted(3)], FIXED_BASE, NOW).inserts.items()}
     assert (row["status"], row["terminal"], row["attempt"], row["message"]) == (
         QUEUED,
         False,
@@ -106,12 +96,12 @@ def test_new_task_without_a_transition_is_queued_at_commit_time() -> None:
 def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward() -> None:
     f = fold(
         [
-            changed(1, RUNNING, 5, "a"),
+            changed(1, RUNNING, 5, message="a"),
             changed(2, RUNNING, 6),
             changed(1, FAILED, 8),  # keeps "a"
-            changed(2, SUCCEEDED, 9, ""),  # an empty message is a message
+            changed(2, SUCCEEDED, 9, message=""),  # an empty message is a message
         ],
-        BASE,
+        FIXED_BASE,
         NOW,
     )
     assert f.insert_count == 0
@@ -120,25 +110,27 @@ def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward
         "statuses": ["failed", "succeeded"],
         "terminals": [True, True],
         "attempts": [1, 1],
-        "updated": [BASE.to_unix(8), BASE.to_unix(9)],
+        "updated": [FIXED_BASE.to_unix(8), FIXED_BASE.to_unix(9)],
         "levels": [TERMINAL_LEVEL, TERMINAL_LEVEL],
         "messages": ["a", ""],
         # Where each message came from: the statement keeps the stored message unless that
         # transition is ahead of the stored state.
         "message_levels": [level("running", False, 1), TERMINAL_LEVEL],
-        "message_ats": [BASE.to_unix(5), BASE.to_unix(9)],
+        "message_ats": [FIXED_BASE.to_unix(5), FIXED_BASE.to_unix(9)],
     }
     assert f.inserted_updates["ids"] == []
 
 
 def test_later_message_replaces_an_earlier_one() -> None:
-    f = fold([changed(1, RUNNING, 5, "a"), changed(1, RUNNING, 6, "b")], BASE, NOW)
+    f = fold(
+        [changed(1, RUNNING, 5, message="a"), changed(1, RUNNING, 6, message="b")], FIXED_BASE, NOW
+    )
     assert f.updates["messages"] == ["b"]
 
 
 def test_only_transitions_that_move_forward_count_and_ties_keep_the_first() -> None:
     def folded(*mutations: StatusChanged) -> tuple[Any, ...]:
-        u = fold(mutations, BASE, NOW).updates
+        u = fold(mutations, FIXED_BASE, NOW).updates
         return u["statuses"][0], u["attempts"][0], u["updated"][0], u["messages"][0]
 
     def at(attempt: int, status: TaskStatus, t: int, msg: str | None = None) -> StatusChanged:
@@ -150,35 +142,40 @@ def test_only_transitions_that_move_forward_count_and_ties_keep_the_first() -> N
     assert folded(at(2, RUNNING, 5), at(1, retrying, 9, "late")) == (
         "running",
         2,
-        BASE.to_unix(5),
+        FIXED_BASE.to_unix(5),
         None,
     )
     assert folded(at(1, retrying, 5), at(1, RUNNING, 9, "x")) == (
         "retrying",
         1,
-        BASE.to_unix(5),
+        FIXED_BASE.to_unix(5),
         None,
     )
     # Terminal is final: no later transition, whatever its attempt or time.
     assert folded(at(1, SUCCEEDED, 5), at(3, FAILED, 9, "x"), at(4, RUNNING, 10)) == (
         "succeeded",
         1,
-        BASE.to_unix(5),
+        FIXED_BASE.to_unix(5),
         None,
     )
     # Same state: the later time wins; the same time too keeps the first.
-    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 6)) == ("running", 1, BASE.to_unix(6), "a")
+    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 6)) == (
+        "running",
+        1,
+        FIXED_BASE.to_unix(6),
+        "a",
+    )
     assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 5, "b")) == (
         "running",
         1,
-        BASE.to_unix(5),
+        FIXED_BASE.to_unix(5),
         "a",
     )
 
 
 def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
     with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
-        fold([submitted(1), submitted(1, pool="other")], BASE, NOW)
+        fold([submitted(1), submitted(1, pool="other")], FIXED_BASE, NOW)
     assert caught.value.ids == [1]
     assert not caught.value.is_transient
 
@@ -186,11 +183,11 @@ def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
 def test_the_same_submission_again_in_a_batch_is_a_no_op_as_jsonb_compares() -> None:
     # The same resources in another key order: one task for jsonb, so one task here too.
     batch = [submitted(1, resources={"a": 1, "b": 2}), submitted(1, resources={"b": 2, "a": 1})]
-    assert fold(batch, BASE, NOW).insert_count == 1
+    assert fold(batch, FIXED_BASE, NOW).insert_count == 1
 
 
 def test_last_output_per_task_wins() -> None:
-    f = fold([], BASE, NOW, [(TaskId(1), b"x"), (TaskId(2), b"y"), (TaskId(1), b"z")])
+    f = fold([], FIXED_BASE, NOW, [(TaskId(1), b"x"), (TaskId(2), b"y"), (TaskId(1), b"z")])
     assert f.outputs == {"ids": [1, 2], "outputs": [b"z", b"y"]}
 
 
@@ -209,11 +206,11 @@ def test_nul_becomes_replacement_character_in_every_string() -> None:
     f = fold(
         [
             Submitted(TaskId(1), 1, 0, spec),
-            changed(1, RUNNING, 1, "m\0"),
-            changed(2, RUNNING, 1, "n\0"),
+            changed(1, RUNNING, 1, message="m\0"),
+            changed(2, RUNNING, 1, message="n\0"),
             RecurringRemove("r\0"),
         ],
-        BASE,
+        FIXED_BASE,
         NOW,
     )
     row = {k: v[0] for k, v in f.inserts.items()}
@@ -232,7 +229,7 @@ def test_recurring_changes_keep_batch_order() -> None:
     spec = RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b"t"))
     f = fold(
         [RecurringUpsert(spec), RecurringNext("r", 50, TaskId(4)), RecurringRemove("r")],
-        BASE,
+        FIXED_BASE,
         NOW,
     )
     assert [a for a, _ in f.recurring] == [
@@ -240,7 +237,7 @@ def test_recurring_changes_keep_batch_order() -> None:
         RecurringAction.NEXT,
         RecurringAction.REMOVE,
     ]
-    assert f.recurring[1][1] == {"schedule": "r", "next": BASE.to_unix(50), "last": 4}
+    assert f.recurring[1][1] == {"schedule": "r", "next": FIXED_BASE.to_unix(50), "last": 4}
 
 
 def test_parameter_names_match_the_statements() -> None:
@@ -260,7 +257,7 @@ def test_parameter_names_match_the_statements() -> None:
             RecurringNext("r", 1, None),
             RecurringRemove("r"),
         ],
-        BASE,
+        FIXED_BASE,
         NOW,
         [(TaskId(1), b"o")],
     )
@@ -276,17 +273,17 @@ def test_writes_name_every_kind_of_write_a_batch_holds_in_the_transaction_order(
     spec = RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b"t"))
     # The contract's order inside one transaction, after the epoch check.
     assert FoldedBatch.WRITES == ("updates", "insert_rows", "outputs", "recurring")
-    assert fold([], BASE, NOW).writes() == ()
-    assert fold([submitted(1)], BASE, NOW).writes() == ("insert_rows",)
-    assert fold([changed(2, RUNNING, 1)], BASE, NOW).writes() == ("updates",)
+    assert fold([], FIXED_BASE, NOW).writes() == ()
+    assert fold([submitted(1)], FIXED_BASE, NOW).writes() == ("insert_rows",)
+    assert fold([changed(2, RUNNING, 1)], FIXED_BASE, NOW).writes() == ("updates",)
     # A transition of a task the batch submits rides in its insert row.
-    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], BASE, NOW)
+    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], FIXED_BASE, NOW)
     assert born_and_moved.writes() == ("insert_rows",)
-    assert fold([], BASE, NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
-    assert fold([RecurringRemove("r")], BASE, NOW).writes() == ("recurring",)
+    assert fold([], FIXED_BASE, NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
+    assert fold([RecurringRemove("r")], FIXED_BASE, NOW).writes() == ("recurring",)
     everything = fold(
         [RecurringUpsert(spec), changed(2, RUNNING, 1), submitted(1)],
-        BASE,
+        FIXED_BASE,
         NOW,
         [(TaskId(1), b"o")],
     )
@@ -334,7 +331,7 @@ def ahead(row: Expected, m: StatusChanged) -> bool:
         return False
     if m.status.is_terminal:
         return True
-    new = (m.attempt, RANKS[m.status.value], BASE.to_unix(m.at))
+    new = (m.attempt, RANKS[m.status.value], FIXED_BASE.to_unix(m.at))
     return new > (row.attempt, RANKS[row.status], -1 if row.updated is None else row.updated)
 
 
@@ -351,7 +348,7 @@ def reference_fold(mutations: Sequence[Mutation]) -> dict[int, Expected]:
             if not ahead(row, m):
                 continue
             row.status, row.terminal = m.status.value, m.status.is_terminal
-            row.attempt, row.updated = m.attempt, BASE.to_unix(m.at)
+            row.attempt, row.updated = m.attempt, FIXED_BASE.to_unix(m.at)
             if m.message is not None:
                 row.message = m.message.replace("\0", "\ufffd")
     return rows
@@ -396,7 +393,7 @@ def histories(draw: st.DrawFn) -> list[Mutation]:
             if ahead(state[id], m):
                 state[id].terminal = state[id].terminal or m.status.is_terminal
                 state[id].attempt, state[id].status = m.attempt, m.status.value
-                state[id].updated = BASE.to_unix(at)
+                state[id].updated = FIXED_BASE.to_unix(at)
         elif sent and choice == 4:
             mutations.append(sent[draw(st.sampled_from(sorted(sent)))])  # sent again
         elif next_id <= 4:
@@ -432,12 +429,6 @@ def deliveries(draw: st.DrawFn, batches: list[list[Mutation]]) -> list[list[Muta
     return plan
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
-
-
 async def stored_rows(store: PgStore) -> dict[int, Expected]:
     async with store.engine.connect() as conn:
         rows = await conn.execute(
@@ -459,7 +450,7 @@ async def replay(store: PgStore, batches: list[list[Mutation]]) -> dict[int, Exp
     async with store.engine.begin() as conn:
         await conn.execute(text(f'TRUNCATE "{store.config.schema}".cronoq_tasks'))
     for batch in batches:
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, FIXED_BASE, batch, [])
     return await stored_rows(store)
 
 
@@ -503,7 +494,7 @@ async def test_every_spec_field_is_written_by_the_insert(store: PgStore) -> None
         labels=["l"],
         tenant="tenant",
     )
-    await store.commit(0, BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
+    await store.commit(0, FIXED_BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
     async with store.engine.connect() as conn:
         row = (
             await conn.execute(

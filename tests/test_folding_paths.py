@@ -5,11 +5,12 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus
 from cronoq_store._folding import fold
 from cronoq_store._mutations import StatusChanged, Submitted
 
-BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000 * 10**9)
+from .support import FIXED_BASE
+
 NOW = 1_800_000_000 * 10**9
 
 _TRANSITIONS = st.lists(
@@ -31,10 +32,10 @@ def test_distinct_transitions_fold_as_in_any_other_batch(
     batch: list[StatusChanged], outputs: list[tuple[int, bytes]]
 ) -> None:
     outs = [(TaskId(i), o) for i, o in outputs]
-    alone = fold(batch, BASE, NOW, outs)
+    alone = fold(batch, FIXED_BASE, NOW, outs)
     # A submission of another task sends the same transitions through the general loop.
     other = Submitted(TaskId(10**7), 1, 0, TaskSpec(b"p"))
-    mixed = fold([*batch, other], BASE, NOW, outs)
+    mixed = fold([*batch, other], FIXED_BASE, NOW, outs)
     assert alone.updates == mixed.updates
     assert alone.outputs == mixed.outputs
     assert alone.inserted_updates == mixed.inserted_updates
@@ -42,6 +43,6 @@ def test_distinct_transitions_fold_as_in_any_other_batch(
 
 
 def test_a_message_is_cleaned_on_the_shortcut_too() -> None:
-    folded = fold([StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, "a\0b")], BASE, NOW)
+    folded = fold([StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, "a\0b")], FIXED_BASE, NOW)
     assert folded.updates["messages"] == ["a\ufffdb"]
     assert folded.updates["message_levels"] == folded.updates["levels"]

@@ -23,7 +23,7 @@ from cronoq_store import GroupCommitter, PgStore, StoreError, TaskStatus
 from cronoq_store.telemetry import instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends
-from .test_telemetry import BASE, changed, config, lock_waited, submitted
+from .support import START_BASE, changed, ha_config, lock_waited, submitted
 from .waits import bounded, until
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "cronoq-store.json"
@@ -67,16 +67,16 @@ async def test_every_panel_names_what_a_real_export_holds(
     pg_url: URL, schema: str, exported: MeterProvider
 ) -> None:
     async with (
-        await PgStore.connect(pg_url, config(schema)) as first,
+        await PgStore.connect(pg_url, ha_config(schema)) as first,
         await PgStore.connect(
-            pg_url, dataclasses.replace(config(schema), application_name="standby")
+            pg_url, dataclasses.replace(ha_config(schema), application_name="standby")
         ) as second,
     ):
         for store in (first, second):
             instrument(store, meter_provider=exported)
         epoch = await first.acquire_leadership()
-        await first.recover(BASE)
-        async with GroupCommitter(first, epoch, BASE) as committer:
+        await first.recover(START_BASE)
+        async with GroupCommitter(first, epoch, START_BASE) as committer:
             await asyncio.gather(*(committer.submit([submitted(i)]) for i in range(1, 6)))
             # A taken key fails its submission alone: the batch is split.
             results = await asyncio.gather(
@@ -98,7 +98,7 @@ async def test_every_panel_names_what_a_real_export_holds(
                 await blocker.close()
             await bounded(waiting, "the retried submission")
             assert committer.stats().retries >= 1
-        await first.commit(epoch, BASE, [changed(2, TaskStatus.FAILED)], [])
+        await first.commit(epoch, START_BASE, [changed(2, TaskStatus.FAILED)], [])
         assert await first.prune(0) >= 1
         # The leader's lock session dies: the other takes over and recovers.
         taking = asyncio.ensure_future(second.acquire_leadership())
@@ -107,8 +107,8 @@ async def test_every_panel_names_what_a_real_export_holds(
         await bounded(taking, "the standby's takeover")
         await bounded(first.leadership_lost(), "the leader stepping down")
         await admin_execute(pg_url, f"UPDATE \"{schema}\".cronoq_tasks SET pool = '' WHERE id = 3")
-        await second.recover(BASE)
-        async with GroupCommitter(second, second.epoch or 0, BASE):
+        await second.recover(START_BASE)
+        async with GroupCommitter(second, second.epoch or 0, START_BASE):
             text = generate_latest(REGISTRY).decode()
 
     labels_of: dict[str, set[str]] = {}

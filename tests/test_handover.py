@@ -24,8 +24,7 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .test_cli import full, run
-from .test_lock_holders import create_role, drop_role
+from .support import create_role, drop_role, full, run
 from .waits import PATIENCE, bounded, until
 
 #: A standby polls at the default pace, and a removed leader hears of its loss at once

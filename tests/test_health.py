@@ -3,18 +3,16 @@ facts and their own roles; not being healthy is a value, an unreadable database 
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store import Health, PgStore, PgStoreConfig, StoreError, TimeBase
+from cronoq_store import Health, PgStore, PgStoreConfig, StoreError
 from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute, without_instance
-
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
+from .support import START_BASE
 
 
 def config(schema: str, name: str) -> PgStoreConfig:
@@ -46,7 +44,7 @@ async def test_leader_and_standby_report_the_holder_epoch_revision_and_commit_ag
 
         epoch = await a.acquire_leadership()
         started = datetime.now(timezone.utc)
-        await a.commit(epoch, BASE, [], [])
+        await a.commit(epoch, START_BASE, [], [])
         (row,) = await admin_execute(
             pg_url,
             "SELECT pid, backend_start, application_name FROM pg_stat_activity "

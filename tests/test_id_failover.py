@@ -20,12 +20,12 @@ from cronoq_store._mutations import StatusChanged, Submitted
 
 from .pgharness import admin_execute
 from .replication import needs_binaries, stores_on_a_replicated_pair
+from .support import PROCESS_BASE
 from .waits import bounded
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = "id_failover"
-BASE = TimeBase.now()
 OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
 
 
@@ -71,12 +71,12 @@ async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
         # The stream is held back; the primary goes on alone, then crashes.
         replication.stall()
         late = TaskId(task_id(epoch, 1000))
-        await a.commit(epoch, BASE, [Submitted(late, 1000, 1, TaskSpec(b"late"))], [])
+        await a.commit(epoch, PROCESS_BASE, [Submitted(late, 1000, 1, TaskSpec(b"late"))], [])
         await asyncio.to_thread(pair.primary.stop, "immediate")
         await asyncio.to_thread(pair.promote)
 
         wrapped = await bounded(b.acquire_leadership(), "b to lead on the promoted standby")
-        recovered = await b.recover(BASE)
+        recovered = await b.recover(PROCESS_BASE)
         assert wrapped == 1  # the wrap: the epoch prefix no longer keeps ids apart
         assert await b.get_task(late) is None  # never received: lost, as documented
         assert max(recovered.next_id, task_id(wrapped, 0)) == max(ids) + 1

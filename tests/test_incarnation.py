@@ -13,7 +13,6 @@ server; the operators' steps are the real commands (``cronoq-store``, ``pg_dump`
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import subprocess
@@ -33,11 +32,7 @@ from cronoq_store import (
     PgStore,
     PgStoreConfig,
     StatusChanged,
-    Submitted,
-    TaskId,
-    TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._cli import ExitCode
@@ -49,11 +44,9 @@ from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
 from .replication import needs_binaries
-from .test_downgrade_guard import cronoq
+from .support import PROCESS_BASE, cronoq, submitted_in
 from .waits import until
 
-BASE = TimeBase.now()
-_seq = itertools.count(1)
 #: Bound on a state a test waits for (a step-down, a lock let go): generous, the machine is
 #: shared.
 WAIT = 20.0
@@ -67,10 +60,6 @@ def config(schema: str, name: str) -> PgStoreConfig:
         keepalive=0.2,
         session_timeout=2.0,
     )
-
-
-def submitted(epoch: int, n: int) -> Submitted:
-    return Submitted(TaskId(task_id(epoch, n)), next(_seq), BASE.engine_ns, TaskSpec(b"p %d" % n))
 
 
 async def lock_session_pids(url: URL, name: str) -> list[int]:
@@ -130,7 +119,7 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
     old_name, new_name = f"old-{migrated}", f"new-{migrated}"
     async with await PgStore.connect(pg_url, config(migrated, old_name)) as a:
         epoch = await a.acquire_leadership()
-        await a.commit(epoch, BASE, [submitted(epoch, 0)], [])
+        await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
         ran = await cronoq("--schema", migrated, "migrate", url=pg_url)
         assert ran.returncode == 0, ran.stderr
@@ -138,17 +127,17 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
         async with await PgStore.connect(pg_url, config(migrated, new_name)) as b:
             assert b.incarnation != a.incarnation
             assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch
-            theirs = submitted(epoch, 0)  # the same id as the old cluster's first task
-            await b.commit(epoch, BASE, [theirs], [])
+            theirs = submitted_in(epoch, 0)  # the same id as the old cluster's first task
+            await b.commit(epoch, PROCESS_BASE, [theirs], [])
 
             with pytest.raises(ClusterReplacedError) as refused:
-                await a.commit(epoch, BASE, [submitted(epoch, 1)], [])
+                await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 1)], [])
             assert (refused.value.schema, refused.value.incarnation) == (migrated, a.incarnation)
             assert refused.value.found in (None, b.incarnation)
             assert not refused.value.is_transient
             with pytest.raises(ClusterReplacedError):
                 await a.commit(
-                    epoch, BASE, [StatusChanged(theirs.id, TaskStatus.CANCELLED, 0, 1)], []
+                    epoch, PROCESS_BASE, [StatusChanged(theirs.id, TaskStatus.CANCELLED, 0, 1)], []
                 )
             await steps_down_and_lets_go(a, pg_url)
             assert b.is_leader
@@ -192,7 +181,7 @@ async def test_a_cluster_replaced_in_one_transaction_steps_its_idle_leader_down_
             0
         ][0]
         with pytest.raises(ClusterReplacedError) as refused:
-            await a.commit(epoch, BASE, [submitted(epoch, 0)], [])
+            await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
         assert (refused.value.incarnation, refused.value.found) == (a.incarnation, found)
         assert str(a.incarnation) in str(refused.value)
         assert str(found) in str(refused.value)
@@ -245,7 +234,7 @@ async def test_a_lock_held_on_the_leader_table_for_long_does_not_depose_an_idle_
         finally:
             await blocker.close()
         assert (a.is_leader, a.epoch) == (True, epoch)
-        await a.commit(epoch, BASE, [submitted(epoch, 0)], [])
+        await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
         assert len(await lock_session_pids(pg_url, name)) == 1
 
 
@@ -276,12 +265,12 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
     ):
         epoch = await a.acquire_leadership()
         assert await c.acquire_leadership() == epoch  # both clusters at epoch 1
-        await c.commit(epoch, BASE, [submitted(epoch, 7)], [])
+        await c.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 7)], [])
         await swap(pg_url, migrated, other_schema)
 
         for old, new_schema in ((a, migrated), (c, other_schema)):
             with pytest.raises(ClusterReplacedError) as refused:
-                await old.commit(epoch, BASE, [submitted(epoch, 99)], [])
+                await old.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 99)], [])
             assert refused.value.schema == new_schema
             await steps_down_and_lets_go(old, pg_url)
         # Nothing of theirs landed in either cluster.
@@ -292,7 +281,7 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
         async with await PgStore.connect(pg_url, config(migrated, f"sw-d-{migrated}")) as d:
             assert d.incarnation == c.incarnation
             assert await asyncio.wait_for(d.acquire_leadership(), WAIT) == epoch + 1
-            recovered = await d.recover(BASE)
+            recovered = await d.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [task_id(epoch, 7)]
 
 
@@ -308,8 +297,8 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
     name = f"mid-{migrated}"
     async with await PgStore.connect(pg_url, config(migrated, name)) as a:
         epoch = await a.acquire_leadership()
-        stored = submitted(epoch, 0)
-        await a.commit(epoch, BASE, [stored], [])
+        stored = submitted_in(epoch, 0)
+        await a.commit(epoch, PROCESS_BASE, [stored], [])
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
             await blocker.execute("BEGIN")
@@ -318,9 +307,9 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
             )
             mixed: list[Mutation] = [
                 StatusChanged(stored.id, TaskStatus.RUNNING, 1, 5),
-                submitted(epoch, 1),
+                submitted_in(epoch, 1),
             ]
-            committing = asyncio.ensure_future(a.commit(epoch, BASE, mixed, []))
+            committing = asyncio.ensure_future(a.commit(epoch, PROCESS_BASE, mixed, []))
 
             async def waiting_on_the_row() -> bool:
                 rows = await admin_execute(
@@ -365,34 +354,34 @@ async def test_every_write_path_recovery_and_prune_refuse_another_cluster(
     }
     try:
         first = stores["update"]
-        queued = [submitted(1, n) for n in range(3)]
-        await first.commit(1, BASE, queued, [])
+        queued = [submitted_in(1, n) for n in range(3)]
+        await first.commit(1, PROCESS_BASE, queued, [])
         incarnation = first.incarnation
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
         await upgrade(engine, migrated)
         await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 1')
         batches: dict[str, list[Mutation]] = {
-            "insert one": [submitted(1, 10)],
-            "insert many": [submitted(1, 11), submitted(1, 12)],
+            "insert one": [submitted_in(1, 10)],
+            "insert many": [submitted_in(1, 11), submitted_in(1, 12)],
             "update": [StatusChanged(queued[0].id, TaskStatus.RUNNING, 1, 5)],
             "transaction": [
-                submitted(1, 20),
+                submitted_in(1, 20),
                 StatusChanged(queued[1].id, TaskStatus.RUNNING, 1, 5),
             ],
-            "copy": [submitted(1, n) for n in range(100, 140)],
+            "copy": [submitted_in(1, n) for n in range(100, 140)],
         }
         for path, batch in batches.items():
             store = stores[path]
-            assert store._commits.writer.path(fold(batch, BASE, 0)) == path.split()[0]
+            assert store._commits.writer.path(fold(batch, PROCESS_BASE, 0)) == path.split()[0]
             with pytest.raises(ClusterReplacedError) as refused:
-                await store.commit(1, BASE, batch, [])
+                await store.commit(1, PROCESS_BASE, batch, [])
             assert refused.value.incarnation == incarnation, path
             assert refused.value.found is not None
             assert refused.value.found != incarnation
             with pytest.raises(FencedError):  # and from then on, at once
-                await store.commit(1, BASE, [submitted(1, 999)], [])
+                await store.commit(1, PROCESS_BASE, [submitted_in(1, 999)], [])
         with pytest.raises(ClusterReplacedError):
-            await stores["recover"].recover(BASE)
+            await stores["recover"].recover(PROCESS_BASE)
         with pytest.raises(ClusterReplacedError):
             await stores["prune"].prune(1)
         assert await stored_ids(pg_url, migrated) == []
@@ -432,11 +421,14 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
     dump = tmp_path / "cluster.dump"
     async with await PgStore.connect(pg_url, config(migrated, f"dump-a-{migrated}")) as a:
         epoch = await a.acquire_leadership()
-        dumped = [submitted(epoch, n) for n in range(3)]
+        dumped = [submitted_in(epoch, n) for n in range(3)]
         await a.commit(
             epoch,
-            BASE,
-            [*dumped, StatusChanged(dumped[2].id, TaskStatus.SUCCEEDED, 1, BASE.engine_ns + 9)],
+            PROCESS_BASE,
+            [
+                *dumped,
+                StatusChanged(dumped[2].id, TaskStatus.SUCCEEDED, 1, PROCESS_BASE.engine_ns + 9),
+            ],
             [],
         )
         await asyncio.to_thread(
@@ -450,8 +442,8 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             "--file",
             str(dump),
         )
-        after_dump = submitted(epoch, 3)
-        await a.commit(epoch, BASE, [after_dump], [])
+        after_dump = submitted_in(epoch, 3)
+        await a.commit(epoch, PROCESS_BASE, [after_dump], [])
 
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
         await asyncio.to_thread(_client, "pg_restore", pg_url, "--exit-on-error", str(dump))
@@ -459,18 +451,18 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
         assert rows[0][0] == epoch  # the dumped epoch: only the incarnation tells them apart
 
         with pytest.raises(ClusterReplacedError):
-            await a.commit(epoch, BASE, [submitted(epoch, 4)], [])
+            await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 4)], [])
         await steps_down_and_lets_go(a, pg_url)
 
         async with await PgStore.connect(pg_url, config(migrated, f"dump-b-{migrated}")) as b:
             assert b.incarnation != a.incarnation
             assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch + 1
-            recovered = await b.recover(BASE)
+            recovered = await b.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [dumped[0].id, dumped[1].id]
             assert [t.id for t in recovered.terminal] == [dumped[2].id]
             assert recovered.next_id == dumped[2].id + 1
-            new = submitted(epoch + 1, 0)
-            await b.commit(epoch + 1, BASE, [new], [])
+            new = submitted_in(epoch + 1, 0)
+            await b.commit(epoch + 1, PROCESS_BASE, [new], [])
             assert await stored_ids(pg_url, migrated) == [*(d.id for d in dumped), new.id]
             assert after_dump.id not in await stored_ids(pg_url, migrated)
             code, health = await health_of(pg_url, migrated)
@@ -523,8 +515,8 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         a = await PgStore.connect(url, config(schema, "upgrade-a"))
         stores.append(a)
         epoch = await a.acquire_leadership()
-        first = submitted(epoch, 0)
-        await a.commit(epoch, BASE, [first], [])
+        first = submitted_in(epoch, 0)
+        await a.commit(epoch, PROCESS_BASE, [first], [])
         key_before = await schema_oid(url, schema)
 
         await asyncio.to_thread(old.stop)
@@ -557,12 +549,12 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         await until(polling, "the standby to try the lock")
         # The standby waits behind the same lock while the leader commits, term unbroken.
         for n in range(20):
-            await a.commit(epoch + 1, BASE, [submitted(epoch + 1, n)], [])
+            await a.commit(epoch + 1, PROCESS_BASE, [submitted_in(epoch + 1, n)], [])
         assert not standby.done()
         assert a.is_leader
         await a.release_leadership()
         assert await asyncio.wait_for(standby, WAIT) == epoch + 2
-        recovered = await b.recover(BASE)
+        recovered = await b.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks][:2] == [first.id, task_id(epoch + 1, 0)]
         assert len(recovered.tasks) == 21
     finally:

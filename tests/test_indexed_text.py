@@ -4,15 +4,13 @@ commits and reads back, one byte more is refused when built, and stored rows sta
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     INDEXED_TEXT_MAX_BYTES,
     Dependency,
@@ -22,7 +20,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     clean_text,
 )
 from cronoq_store._mutations import (
@@ -35,7 +32,8 @@ from cronoq_store._mutations import (
 )
 from cronoq_store._store import PgStore
 
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
+from .support import START_BASE
+
 EVERY = IntervalSchedule(every=timedelta(minutes=5))
 RNG = random.Random(20)
 
@@ -74,12 +72,6 @@ def largest(shape: str) -> str:
     return value
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 async def test_the_largest_accepted_value_of_each_field_commits_and_reads_back(
     store: PgStore, shape: str
@@ -92,17 +84,17 @@ async def test_the_largest_accepted_value_of_each_field_commits_and_reads_back(
         RecurringUpsert(RecurringSpec(name, EVERY, template)),
         RecurringNext(name, 10, TaskId(1)),
     ]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     record = await store.get_task(key)
     assert record is not None
     assert (record.id, record.key) == (1, clean_text(key))
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [t.spec.key for t in recovered.tasks] == [clean_text(key), None]
     assert recovered.tasks[1].spec.deps == (Dependency(clean_text(target)),)
     [schedule] = recovered.recurring
     assert (schedule.spec.name, schedule.spec.template.key) == (clean_text(name), clean_text(other))
-    await store.commit(0, BASE, [RecurringRemove(name)], [])
-    assert (await store.recover(BASE)).recurring == []
+    await store.commit(0, START_BASE, [RecurringRemove(name)], [])
+    assert (await store.recover(START_BASE)).recurring == []
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -138,8 +130,8 @@ async def test_lookups_by_a_longer_key_or_name_are_not_bounded(store: PgStore) -
         RecurringNext(long, 5, None),
         RecurringRemove(long),
     ]
-    await store.commit(0, BASE, batch, [])
-    recovered = await store.recover(BASE)
+    await store.commit(0, START_BASE, batch, [])
+    recovered = await store.recover(START_BASE)
     assert [t.spec.deps for t in recovered.tasks] == [
         (Dependency(long, DependencyCondition.FINISHED),)
     ]
@@ -151,10 +143,10 @@ async def test_a_stored_key_over_the_bound_is_recovered_not_quarantined(
 ) -> None:
     """PostgreSQL indexes a long value that compresses, and an earlier build had no bound:
     such a row, already stored, stays readable."""
-    await store.commit(0, BASE, [Submitted(TaskId(1), 1, 0, TaskSpec(b"a", key="k"))], [])
+    await store.commit(0, START_BASE, [Submitted(TaskId(1), 1, 0, TaskSpec(b"a", key="k"))], [])
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [RecurringUpsert(RecurringSpec("n", EVERY, TaskSpec(b"t", key="k")))],
         [],
     )
@@ -169,7 +161,7 @@ async def test_a_stored_key_over_the_bound_is_recovered_not_quarantined(
             ),
             {"k": long},
         )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [(t.id, t.spec.key) for t in recovered.tasks] == [(1, long)]
     assert [(r.spec.name, r.spec.template.key) for r in recovered.recurring] == [(long, long)]
     record = await store.get_task(TaskId(1))
@@ -184,7 +176,7 @@ async def test_text_columns_without_an_index_take_any_length(store: PgStore) -> 
     )
     spec = TaskSpec(b"a", pool=pool, kind=kind, tenant=tenant)
     done = StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, message)
-    await store.commit(0, BASE, [Submitted(TaskId(1), 1, 0, spec), done], [])
+    await store.commit(0, START_BASE, [Submitted(TaskId(1), 1, 0, spec), done], [])
     record = await store.get_task(TaskId(1))
     assert record is not None
     assert (record.pool, record.kind, record.tenant, record.message) == (

@@ -11,7 +11,6 @@ suite covers a late commit that arrives once the new term began, for every store
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,24 +24,15 @@ from cronoq_store import (
     GroupCommitter,
     PgStore,
     PgStoreConfig,
-    Submitted,
-    TaskId,
-    TaskSpec,
-    TimeBase,
     task_id,
 )
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .support import PROCESS_BASE, submitted_in
 
-BASE = TimeBase.now()
-_seq = itertools.count(1)
 #: Bound on a state a test waits for: generous, the machine is shared.
 WAIT = 20.0
-
-
-def submitted(epoch: int, n: int) -> Submitted:
-    return Submitted(TaskId(task_id(epoch, n)), next(_seq), BASE.engine_ns, TaskSpec(b"p"))
 
 
 @dataclass
@@ -101,7 +91,9 @@ async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_
     ):
         earlier = await a.acquire_leadership()
         await dialling.hold_back()
-        late = asyncio.ensure_future(a.commit(earlier, BASE, [submitted(earlier, 0)], []))
+        late = asyncio.ensure_future(
+            a.commit(earlier, PROCESS_BASE, [submitted_in(earlier, 0)], [])
+        )
         await asyncio.wait_for(dialling.entered.wait(), WAIT)  # past the store's checks
 
         await a.release_leadership()
@@ -113,7 +105,7 @@ async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_
             await asyncio.wait_for(late, WAIT)
 
         assert (a.is_leader, a.epoch) == (True, current)
-        await a.commit(current, BASE, [submitted(current, 0)], [])
+        await a.commit(current, PROCESS_BASE, [submitted_in(current, 0)], [])
         assert await stored_ids(pg_url, migrated) == [task_id(current, 0)]
         assert not lost.done()
         assert not standby.done()
@@ -131,9 +123,9 @@ async def test_a_group_committer_of_the_earlier_term_is_fenced_alone(
         await open_store(dialling, pg_url, migrated, f"lategc-b-{migrated}") as b,
     ):
         earlier = await a.acquire_leadership()
-        old = GroupCommitter(a, earlier, BASE)
+        old = GroupCommitter(a, earlier, PROCESS_BASE)
         await dialling.hold_back()
-        pending = asyncio.ensure_future(old.submit([submitted(earlier, 0)]))
+        pending = asyncio.ensure_future(old.submit([submitted_in(earlier, 0)]))
         await asyncio.wait_for(dialling.entered.wait(), WAIT)  # its batch is in flight
 
         await a.release_leadership()
@@ -146,8 +138,8 @@ async def test_a_group_committer_of_the_earlier_term_is_fenced_alone(
         await old.close()
 
         assert (a.is_leader, a.epoch) == (True, current)
-        async with GroupCommitter(a, current, BASE) as new:
-            await asyncio.wait_for(new.submit([submitted(current, 0)]), WAIT)
+        async with GroupCommitter(a, current, PROCESS_BASE) as new:
+            await asyncio.wait_for(new.submit([submitted_in(current, 0)]), WAIT)
         assert await stored_ids(pg_url, migrated) == [task_id(current, 0)]
         assert a.is_leader
         assert not standby.done()

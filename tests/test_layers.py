@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
 import pytest
 
 from cronoq_store._layers import LAYERS, PUBLIC, layer_of, markdown_table
 
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT
+
 PACKAGE = ROOT / "cronoq_store"
 
 

@@ -7,7 +7,6 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
 
 import asyncpg
 import pytest
@@ -29,124 +28,33 @@ from .pgharness import (
     admin_execute,
     asyncpg_dsn,
     terminate_backends,
-    without_instance,
+)
+from .support import (
+    KEEPALIVE,
+    LOCK_POLL,
+    SESSION_TIMEOUT,
+    LeadershipFactory,
+    ha_config,
+    instance_config,
+    lead,
+    leader_app,
+    lock_holders,
+    unused_port,
 )
 from .tcpproxy import TcpProxy
-from .test_store_connect import unused_port
 from .waits import bounded, holds_for, until
 
-LOCK_POLL, KEEPALIVE, SESSION_TIMEOUT = 0.05, 0.2, 1.0
 #: Step-down must come within session_timeout of the session failing; this is the slack.
 STEP_DOWN_BOUND = SESSION_TIMEOUT + 2 * KEEPALIVE
 #: How long a takeover past a stalled transaction may take before the test says the stalled
 #: session held it up: ten idle limits of that session (one second each).
 STALLED_WITHIN = 10.0
 
-Factory = Callable[..., Leadership]
-
-
-def config(schema: str, name: str, keepalive: float = KEEPALIVE) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        lock_poll=LOCK_POLL,
-        keepalive=keepalive,
-        session_timeout=SESSION_TIMEOUT,
-        application_name=f"{name}-{schema}",
-    )
-
-
-def leader_app(schema: str, name: str) -> str:
-    """The ``application_name`` of instance ``name``'s lock session."""
-    return f"{config(schema, name).application_name} leader"
-
-
-@pytest.fixture
-async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
-    async with engine.connect() as conn:
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": migrated})).scalar_one()
-    return (lock_st.LOCK_NS_LEADER, oid)
-
-
-@pytest.fixture
-async def incarnation(pg_url: URL, migrated: str) -> int:
-    """The test cluster's incarnation: its leader table's OID."""
-    rows = await admin_execute(pg_url, f'SELECT tableoid FROM "{migrated}".cronoq_leader')
-    return int(rows[0][0])
-
-
-@pytest.fixture
-async def make(
-    pg_url: URL, migrated: str, lock_key: tuple[int, int], incarnation: int
-) -> AsyncIterator[Factory]:
-    """Build Leadership instances on the test's schema; all are closed afterwards."""
-    made: list[Leadership] = []
-
-    def build(name: str = "a", url: URL | None = None, **settings: float) -> Leadership:
-        leadership = Leadership(
-            async_url(url or pg_url),
-            migrated,
-            lock_key,
-            config(migrated, name, **settings),
-            incarnation=incarnation,
-        )
-        made.append(leadership)
-        return leadership
-
-    yield build
-    for leadership in made:
-        await bounded(leadership.close(), "close() of a leadership")
-
-
-async def lock_holders(url: URL, key: tuple[int, int]) -> list[tuple[int, str]]:
-    """``(pid, application_name)`` of the sessions holding the advisory lock ``key``, a lock
-    session's name without its instance id."""
-    rows = await admin_execute(
-        url,
-        "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-        "WHERE l.locktype = 'advisory' AND l.granted AND l.database = "
-        "(SELECT oid FROM pg_database WHERE datname = current_database()) "
-        "AND l.classid::bigint = $1 AND l.objid::bigint = $2 AND l.objsubid = 2",
-        key[0],
-        key[1] & 0xFFFFFFFF,  # objid is an unsigned oid
-    )
-    return [(r[0], without_instance(r[1])) for r in rows]
-
-
-async def lead(leadership: Leadership) -> int:
-    """``acquire()``, bounded: a test that cannot lead fails instead of hanging."""
-    return await bounded(leadership.acquire(), "the leadership")
-
-
-async def test_standby_waits_and_takes_over_on_release(make: Factory) -> None:
-    a, b = make("a"), make("b")
-    assert await lead(a) == 1
-    assert (a.is_leader, a.epoch) == (True, 1)
-    standby = asyncio.ensure_future(b.acquire())
-    await asyncio.sleep(10 * LOCK_POLL)
-    assert not standby.done()
-    assert (b.is_leader, b.epoch) == (False, None)
-
-    await a.release()
-    assert (a.is_leader, a.epoch) == (False, None)
-    await bounded(a.wait_lost(), "wait_lost() after the release")
-    assert await bounded(standby, "the standby's takeover after the release") == 2
-    assert (b.is_leader, b.epoch) == (True, 2)
-
-
-async def test_wait_lost_waits_until_leadership_held_is_lost(make: Factory) -> None:
-    a = make()
-    waiter = asyncio.ensure_future(a.wait_lost())
-    await holds_for(lambda: not waiter.done(), "wait_lost() pending with nothing held", 0.1)
-    await lead(a)
-    await holds_for(lambda: not waiter.done(), "wait_lost() pending while leading", 3 * KEEPALIVE)
-    await a.release()
-    await bounded(waiter, "wait_lost() after the release")
-
 
 async def test_lock_shows_in_pg_locks_on_the_leader_session(
-    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
 ) -> None:
-    a = make("a")
+    a = make_leadership("a")
     await lead(a)
     holders = await lock_holders(pg_url, lock_key)
     assert [app for _, app in holders] == [leader_app(migrated, "a")]
@@ -160,9 +68,9 @@ async def test_lock_shows_in_pg_locks_on_the_leader_session(
 
 
 async def test_step_down_when_lock_session_is_terminated(
-    make: Factory, pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    a, b = make("a"), make("b")
+    a, b = make_leadership("a"), make_leadership("b")
     assert await lead(a) == 1
     standby = asyncio.ensure_future(b.acquire())
     caplog.set_level(logging.INFO, logger="cronoq_store")
@@ -180,15 +88,15 @@ async def test_step_down_when_lock_session_is_terminated(
 
 
 async def test_step_down_when_lock_session_goes_silent(
-    make: Factory, pg_url: URL, lock_key: tuple[int, int], migrated: str
+    make_leadership: LeadershipFactory, pg_url: URL, lock_key: tuple[int, int], migrated: str
 ) -> None:
     # A longer ping interval tells "silent for session_timeout" from "a ping unanswered for
     # session_timeout", which would step down up to one interval later.
     keepalive = 0.4
     loop = asyncio.get_running_loop()
     async with TcpProxy.to(pg_url) as proxy:
-        a = make("a", proxy.url(pg_url), keepalive=keepalive)
-        b = make("b")
+        a = make_leadership("a", proxy.url(pg_url), keepalive=keepalive)
+        b = make_leadership("b")
         assert await lead(a) == 1
         standby = asyncio.ensure_future(b.acquire())
         await asyncio.sleep(2.5 * keepalive)
@@ -215,14 +123,14 @@ async def test_step_down_when_lock_session_goes_silent(
 
 
 async def test_server_frees_the_lock_of_a_stalled_leader_without_help(
-    make: Factory, pg_url: URL
+    make_leadership: LeadershipFactory, pg_url: URL
 ) -> None:
     """Behind a stalled path the server's TCP keepalives are answered (here by the proxy's
     kernel), so only the session's idle_session_timeout ends it and frees the lock."""
     loop = asyncio.get_running_loop()
     async with TcpProxy.to(pg_url) as proxy:
-        a = make("a", proxy.url(pg_url))
-        b = make("b")
+        a = make_leadership("a", proxy.url(pg_url))
+        b = make_leadership("b")
         assert await lead(a) == 1
         standby = asyncio.ensure_future(b.acquire())
         await asyncio.sleep(3 * KEEPALIVE)
@@ -238,10 +146,10 @@ async def test_server_frees_the_lock_of_a_stalled_leader_without_help(
 
 
 async def test_standby_whose_session_goes_silent_reconnects(
-    make: Factory, pg_url: URL, caplog: pytest.LogCaptureFixture
+    make_leadership: LeadershipFactory, pg_url: URL, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with TcpProxy.to(pg_url) as proxy:
-        a, b = make("a"), make("b", proxy.url(pg_url))
+        a, b = make_leadership("a"), make_leadership("b", proxy.url(pg_url))
         await lead(a)
         standby = asyncio.ensure_future(b.acquire())
         await asyncio.sleep(4 * LOCK_POLL)
@@ -258,9 +166,11 @@ async def test_standby_whose_session_goes_silent_reconnects(
         assert await bounded(standby, "the standby's takeover after the release") == 2
 
 
-async def test_slow_but_answering_session_keeps_leadership(make: Factory, pg_url: URL) -> None:
+async def test_slow_but_answering_session_keeps_leadership(
+    make_leadership: LeadershipFactory, pg_url: URL
+) -> None:
     async with TcpProxy.to(pg_url) as proxy:
-        a = make("a", proxy.url(pg_url))
+        a = make_leadership("a", proxy.url(pg_url))
         await lead(a)
         # Round trips of 0.5 s: slower than keepalive but well within session_timeout.
         proxy.delay(0.25)
@@ -269,9 +179,11 @@ async def test_slow_but_answering_session_keeps_leadership(make: Factory, pg_url
         proxy.forward()
 
 
-async def test_epoch_wraps_at_32767(make: Factory, pg_url: URL, migrated: str) -> None:
+async def test_epoch_wraps_at_32767(
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str
+) -> None:
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 32766')
-    a = make()
+    a = make_leadership()
     assert await lead(a) == EPOCH_MAX
     await a.release()
     assert await lead(a) == 1
@@ -280,9 +192,9 @@ async def test_epoch_wraps_at_32767(make: Factory, pg_url: URL, migrated: str) -
 
 
 async def test_reacquire_after_loss_takes_a_new_epoch(
-    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
 ) -> None:
-    a = make("a")
+    a = make_leadership("a")
     assert await lead(a) == 1
     first = await lock_holders(pg_url, lock_key)
     await terminate_backends(pg_url, leader_app(migrated, "a"))
@@ -298,9 +210,9 @@ async def test_reacquire_after_loss_takes_a_new_epoch(
 
 
 async def test_mark_lost_steps_down_and_frees_the_lock(
-    make: Factory, pg_url: URL, lock_key: tuple[int, int]
+    make_leadership: LeadershipFactory, pg_url: URL, lock_key: tuple[int, int]
 ) -> None:
-    a, b = make("a"), make("b")
+    a, b = make_leadership("a"), make_leadership("b")
     await lead(a)
     standby = asyncio.ensure_future(b.acquire())
     a.mark_lost()
@@ -312,11 +224,14 @@ async def test_mark_lost_steps_down_and_frees_the_lock(
 
 
 async def test_acquisition_retries_while_the_server_is_down(
-    make: Factory, pg_server: ServerUnderTest, pg_url: URL, caplog: pytest.LogCaptureFixture
+    make_leadership: LeadershipFactory,
+    pg_server: ServerUnderTest,
+    pg_url: URL,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     if pg_server.kind != "embedded":
         pytest.skip("needs a server the suite can stop and start on the same port")
-    a = make()
+    a = make_leadership()
     caplog.set_level(logging.INFO, logger="cronoq_store")
     pg_server.stop()
     try:
@@ -339,7 +254,7 @@ async def test_acquisition_retries_while_the_server_is_down(
 
 @pytest.mark.slow
 async def test_after_an_outage_a_standby_leads_within_lock_poll_of_the_servers_return(
-    make: Factory, pg_server: ServerUnderTest, caplog: pytest.LogCaptureFixture
+    make_leadership: LeadershipFactory, pg_server: ServerUnderTest, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A standby never pauses longer than ``lock_poll`` between attempts to reach the
     database, so a long outage cannot push the election past ``session_timeout + lock_poll``
@@ -348,7 +263,7 @@ async def test_after_an_outage_a_standby_leads_within_lock_poll_of_the_servers_r
         pytest.skip("needs a server the suite can stop and start on the same port")
     outage = 60 * LOCK_POLL
     loop = asyncio.get_running_loop()
-    a, b = make("a"), make("b")
+    a, b = make_leadership("a"), make_leadership("b")
     assert await lead(a) == 1
     standby = asyncio.ensure_future(b.acquire())
     await asyncio.sleep(4 * LOCK_POLL)
@@ -377,7 +292,7 @@ async def test_after_an_outage_a_standby_leads_within_lock_poll_of_the_servers_r
 
 
 async def test_lock_never_rides_on_an_app_pool_connection(
-    make: Factory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str, lock_key: tuple[int, int]
 ) -> None:
     app_name = f"app-{migrated}"
     app = create_async_engine(
@@ -392,7 +307,7 @@ async def test_lock_never_rides_on_an_app_pool_connection(
 
         app_pids = set(await asyncio.gather(*(backend_pid() for _ in range(3))))
         assert app.pool.checkedout() == 0  # type: ignore[attr-defined]
-        a = make("a")
+        a = make_leadership("a")
         await lead(a)
         async with app.connect() as conn:
             await conn.execute(text("SELECT 1"))
@@ -420,7 +335,7 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
         async_url(pg_url),
         schema,
         (lock_st.LOCK_NS_LEADER, rows[0][0]),
-        config(schema, "a"),
+        instance_config(schema, "a"),
         incarnation=0,  # no leader table: no cluster
     )
     try:
@@ -434,8 +349,8 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
         await a.close()
 
 
-async def test_close_stops_a_pending_acquisition(make: Factory) -> None:
-    a, b = make("a"), make("b")
+async def test_close_stops_a_pending_acquisition(make_leadership: LeadershipFactory) -> None:
+    a, b = make_leadership("a"), make_leadership("b")
     await lead(a)
     standby = asyncio.ensure_future(b.acquire())
     await asyncio.sleep(4 * LOCK_POLL)
@@ -448,8 +363,7 @@ async def test_close_stops_a_pending_acquisition(make: Factory) -> None:
 
 
 async def test_release_right_after_acquire_frees_the_lock(pg_url: URL, migrated: str) -> None:
-    """Releasing before the keeper ever ran still closes the session (and frees the lock)."""
-    config = PgStoreConfig(schema=migrated, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
+    config = ha_config(migrated)
     async with (
         await PgStore.connect(pg_url, config) as first,
         await PgStore.connect(pg_url, config) as second,
@@ -591,7 +505,7 @@ async def test_a_creator_that_cannot_connect_is_logged_not_a_silent_hang(
         engine.url,
         migrated,
         lock_key,
-        config(migrated, "a"),
+        instance_config(migrated, "a"),
         incarnation=incarnation,
         pool=engine.sync_engine.pool.recreate(),
     )

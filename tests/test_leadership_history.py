@@ -17,11 +17,8 @@ from cronoq_store._lock_statements import TERMS_KEPT
 from cronoq_store._migrations import upgrade
 
 from .pgharness import admin_execute, terminate_backends
-from .test_cli import full, run
-from .test_leadership import Factory, incarnation, lead, leader_app, lock_key, make
+from .support import LeadershipFactory, full, lead, leader_app, run
 from .waits import bounded, until
-
-__all__ = ["incarnation", "lock_key", "make"]  # fixtures, used by name
 
 
 async def history(url: URL, schema: str) -> list[dict[str, object]]:
@@ -43,9 +40,9 @@ async def saw_the_lock_held(url: URL, schema: str, name: str) -> bool:
 
 
 async def test_each_takeover_records_its_epoch_and_the_session_that_took_it(
-    make: Factory, pg_url: URL, migrated: str
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str
 ) -> None:
-    a, b = make("a"), make("b")
+    a, b = make_leadership("a"), make_leadership("b")
     assert await lead(a) == 1
     pid_a = (
         await admin_execute(
@@ -83,7 +80,7 @@ async def test_each_takeover_records_its_epoch_and_the_session_that_took_it(
 
 
 async def test_a_takeover_prunes_the_history_to_the_newest_terms(
-    make: Factory, pg_url: URL, migrated: str
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str
 ) -> None:
     await admin_execute(
         pg_url,
@@ -92,7 +89,7 @@ async def test_a_takeover_prunes_the_history_to_the_newest_terms(
         TERMS_KEPT + 20,
     )
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = {TERMS_KEPT + 20}')
-    a = make("a")
+    a = make_leadership("a")
     assert await lead(a) == TERMS_KEPT + 21
     rows = await admin_execute(
         pg_url, f'SELECT min(epoch), max(epoch), count(*) FROM "{migrated}".cronoq_leader_history'
@@ -101,9 +98,9 @@ async def test_a_takeover_prunes_the_history_to_the_newest_terms(
 
 
 async def test_status_shows_the_timeline_in_text_and_json(
-    make: Factory, pg_url: URL, migrated: str
+    make_leadership: LeadershipFactory, pg_url: URL, migrated: str
 ) -> None:
-    a, b = make("a"), make("b")
+    a, b = make_leadership("a"), make_leadership("b")
     assert await lead(a) == 1
     standby = asyncio.ensure_future(b.acquire())
     await until(lambda: saw_the_lock_held(pg_url, migrated, "b"), "b to find the lock held")

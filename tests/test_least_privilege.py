@@ -33,7 +33,6 @@ from cronoq_store._domain import (
     RecurringSpec,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._errors import MigrationError, StoreError
@@ -51,8 +50,7 @@ from cronoq_store._urls import async_url
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
-
-BASE = TimeBase.now()
+from .support import PROCESS_BASE
 
 
 @dataclass(frozen=True)
@@ -155,23 +153,23 @@ async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, sch
         )
         await store.commit(
             epoch,
-            BASE,
+            PROCESS_BASE,
             [
-                Submitted(first, 0, BASE.engine_ns, TaskSpec(b"one", key="k1")),
-                Submitted(second, 1, BASE.engine_ns, TaskSpec(b"two")),
-                StatusChanged(first, TaskStatus.RUNNING, 1, BASE.engine_ns),
+                Submitted(first, 0, PROCESS_BASE.engine_ns, TaskSpec(b"one", key="k1")),
+                Submitted(second, 1, PROCESS_BASE.engine_ns, TaskSpec(b"two")),
+                StatusChanged(first, TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns),
                 RecurringUpsert(schedule),
-                RecurringNext("nightly", BASE.engine_ns, first),
+                RecurringNext("nightly", PROCESS_BASE.engine_ns, first),
             ],
             [],
         )
         await store.commit(
             epoch,
-            BASE,
-            [StatusChanged(first, TaskStatus.SUCCEEDED, 1, BASE.engine_ns, "done")],
+            PROCESS_BASE,
+            [StatusChanged(first, TaskStatus.SUCCEEDED, 1, PROCESS_BASE.engine_ns, "done")],
             [(first, b"output")],
         )
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks] == [second]
         assert [t.id for t in recovered.terminal] == [first]
         assert [r.spec.name for r in recovered.recurring] == ["nightly"]
@@ -180,13 +178,13 @@ async def test_every_store_operation_works_as_the_runtime_role(roles: Roles, sch
         assert record is not None
         assert record.status is TaskStatus.SUCCEEDED
         assert [r.id for r in await store.list_finished()] == [first]
-        await store.commit(epoch, BASE, [RecurringRemove("nightly")], [])
+        await store.commit(epoch, PROCESS_BASE, [RecurringRemove("nightly")], [])
         large = [
-            Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+            Submitted(task_id(epoch, n), n, PROCESS_BASE.engine_ns, TaskSpec(b"bulk"))
             for n in range(2, 2 + COPY_MIN_ROWS)
         ]
-        await store.commit(epoch, BASE, large, [])  # by COPY
-        assert len((await store.recover(BASE)).tasks) == 1 + COPY_MIN_ROWS
+        await store.commit(epoch, PROCESS_BASE, large, [])  # by COPY
+        assert len((await store.recover(PROCESS_BASE)).tasks) == 1 + COPY_MIN_ROWS
         assert await store.prune(0) == 1
         await store.release_leadership()
         assert await store.acquire_leadership() == epoch + 1
@@ -257,12 +255,12 @@ async def test_large_batches_need_no_temporary_privilege(
         async with await PgStore.connect(roles.runtime, config(schema), migrate=False) as store:
             epoch = await store.acquire_leadership()
             large = [
-                Submitted(task_id(epoch, n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+                Submitted(task_id(epoch, n), n, PROCESS_BASE.engine_ns, TaskSpec(b"bulk"))
                 for n in range(COPY_MIN_ROWS + 1)
             ]
-            assert store._commits.writer.path(fold(large, BASE, 0)) == "copy"
-            await store.commit(epoch, BASE, large, [])
-            assert len((await store.recover(BASE)).tasks) == len(large)
+            assert store._commits.writer.path(fold(large, PROCESS_BASE, 0)) == "copy"
+            await store.commit(epoch, PROCESS_BASE, large, [])
+            assert len((await store.recover(PROCESS_BASE)).tasks) == len(large)
     finally:
         await admin_execute(pg_url, f'GRANT TEMPORARY ON DATABASE "{database}" TO PUBLIC')
 

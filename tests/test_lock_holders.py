@@ -13,54 +13,21 @@ import dataclasses
 import json
 import logging
 import re
-import secrets
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 import pytest
-from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store._cli import ExitCode, cli
+from cronoq_store._cli import ExitCode
 from cronoq_store._errors import MigrationError
-from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .support import Role, create_role, drop_role, run_cli
 from .waits import bounded, holds_for, until, until_value
 
 FORGED = "cronoq-store leader"
-
-
-@dataclass(frozen=True)
-class Role:
-    name: str
-    url: URL
-
-
-async def create_role(pg_url: URL, name: str, *, connect: bool = True) -> Role:
-    password = secrets.token_urlsafe(18)
-    await admin_execute(pg_url, f"CREATE ROLE {name} LOGIN PASSWORD '{password}'")
-    if connect:
-        await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {name}')
-    return Role(name, pg_url.set(username=name, password=password))
-
-
-async def drop_role(pg_url: URL, name: str) -> None:
-    await admin_execute(pg_url, f"DROP OWNED BY {name}")
-    await admin_execute(pg_url, f"DROP ROLE {name}")
-
-
-@pytest.fixture
-async def intruder(pg_url: URL, schema: str) -> AsyncIterator[Role]:
-    """A login role granted nothing but CONNECT on the database."""
-    role = await create_role(pg_url, f"{schema}_intruder")
-    try:
-        yield role
-    finally:
-        await drop_role(pg_url, role.name)
 
 
 def config(schema: str, name: str, **settings: object) -> PgStoreConfig:
@@ -79,17 +46,6 @@ async def take_lock(url: URL, key: tuple[int, int]) -> asyncpg.Connection:
     conn = await asyncpg.connect(asyncpg_dsn(url), server_settings={"application_name": FORGED})
     assert await conn.fetchval("SELECT pg_try_advisory_lock($1, $2)", *key)
     return conn
-
-
-async def run_cli(url: URL, schema: str, *args: str) -> Result:
-    full = url.render_as_string(hide_password=False)
-    return await asyncio.to_thread(
-        CliRunner().invoke,
-        cli,
-        ["--url", full, "--schema", schema, *args],
-        env={URL_ENV: None, "COLUMNS": "250"},
-        catch_exceptions=False,
-    )
 
 
 async def assert_reported_foreign(

@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -32,13 +31,9 @@ from cronoq_store._lock_statements import LOCK_NS_MIGRATE
 from cronoq_store._migrations import head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .test_lock_holders import Role, intruder, run_cli
-from .test_schema_revisions import older_revisions
+from .support import ROOT, Role, older_revisions, run_cli
 from .waits import PATIENCE, bounded, holds_for, until_value
 
-__all__ = ["intruder"]  # the fixture, shared with test_lock_holders
-
-ROOT = Path(__file__).resolve().parent.parent
 #: A revision below head whose upgrade changes the cluster's tables.
 BEHIND = list(older_revisions())[-1]
 APP = "cronoq-intruder"

@@ -35,11 +35,10 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._mutations import Mutation, RecurringUpsert, StatusChanged, Submitted
+from cronoq_store._mutations import Mutation, RecurringUpsert
 from cronoq_store._retry import Backoff
 from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store._store import PgStore
@@ -48,9 +47,9 @@ from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
+from .support import PROCESS_BASE, changed_in, submitted_in
 from .waits import bounded, holds_for, until_value
 
-BASE = TimeBase.now()
 #: The store's default: the idle limits it scales (PgBouncer's ``idle_transaction_timeout``,
 #: the server's ``idle_in_transaction_session_timeout``) end a migration whose transaction
 #: idles between statements while Python works, which on a busy machine can take seconds.
@@ -59,7 +58,6 @@ SESSION_TIMEOUT = 10.0
 #: What the store's PgBouncer database entry runs on each server connection it opens.
 STORE_ENTRY = store_connect_query(SESSION_TIMEOUT)
 PGBOUNCER_SETTINGS = store_settings(SESSION_TIMEOUT)
-_seq = itertools.count(1)
 
 
 @pytest.fixture
@@ -112,16 +110,6 @@ async def store_behind(
         await engine.dispose()
 
 
-def submitted(epoch: int, n: int, key: str | None = None) -> Submitted:
-    return Submitted(
-        task_id(epoch, n), next(_seq), BASE.engine_ns, TaskSpec(b"payload %d" % n, key=key)
-    )
-
-
-def changed(epoch: int, n: int, status: TaskStatus, attempt: int = 1) -> StatusChanged:
-    return StatusChanged(task_id(epoch, n), status, attempt, BASE.engine_ns)
-
-
 async def stored(url: URL, schema: str) -> dict[int, tuple[str, bytes | None]]:
     rows = await admin_execute(url, f'SELECT id, status, output FROM "{schema}".cronoq_tasks')
     return {r["id"]: (r["status"], r["output"]) for r in rows}
@@ -171,7 +159,10 @@ async def test_named_prepared_statements_break_behind_pgbouncer(
                 for round in range(5):
                     ids = range(16 * round, 16 * (round + 1))
                     results = await asyncio.gather(
-                        *(store.commit(epoch, BASE, [submitted(epoch, n)], []) for n in ids),
+                        *(
+                            store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, n)], [])
+                            for n in ids
+                        ),
                         *(store.get_task(task_id(epoch, n)) for n in ids),
                         return_exceptions=True,
                     )
@@ -254,11 +245,14 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
     async with store_behind(bouncer, pg_url, behind(schema), shared=shared) as store:
         epoch = await store.acquire_leadership()
         await asyncio.gather(
-            *(store.commit(epoch, BASE, [submitted(epoch, n, key=f"k{n}")], []) for n in range(40))
+            *(
+                store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, n, key=f"k{n}")], [])
+                for n in range(40)
+            )
         )
         await asyncio.gather(
             *(
-                store.commit(epoch, BASE, [changed(epoch, n, TaskStatus.RUNNING)], [])
+                store.commit(epoch, PROCESS_BASE, [changed_in(epoch, n, TaskStatus.RUNNING)], [])
                 for n in range(40)
             )
         )
@@ -267,18 +261,21 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
             *(
                 store.commit(
                     epoch,
-                    BASE,
-                    [changed(epoch, n, TaskStatus.SUCCEEDED)],
+                    PROCESS_BASE,
+                    [changed_in(epoch, n, TaskStatus.SUCCEEDED)],
                     [(TaskId(task_id(epoch, n)), b"out %d" % n)],
                 )
                 for n in range(20)
             ),
-            store.commit(epoch, BASE, [RecurringUpsert(schedule)], []),
+            store.commit(epoch, PROCESS_BASE, [RecurringUpsert(schedule)], []),
         )
-        large: list[Mutation] = [submitted(epoch, n) for n in range(1000, 1000 + COPY_MIN_ROWS)]
+        large: list[Mutation] = [submitted_in(epoch, n) for n in range(1000, 1000 + COPY_MIN_ROWS)]
         await asyncio.gather(
-            store.commit(epoch, BASE, large, []),
-            *(store.commit(epoch, BASE, [submitted(epoch, n)], []) for n in range(40, 60)),
+            store.commit(epoch, PROCESS_BASE, large, []),
+            *(
+                store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, n)], [])
+                for n in range(40, 60)
+            ),
         )
 
         rows = await stored(pg_url, schema)
@@ -288,7 +285,7 @@ async def test_commits_recovery_and_queries_behind_pgbouncer(
         for n in range(20, 40):
             assert rows[task_id(epoch, n)] == ("running", None)
 
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(PROCESS_BASE)
         assert {t.id for t in recovered.tasks} == {task_id(epoch, n) for n in range(20, 60)} | {
             task_id(epoch, n) for n in range(1000, 1000 + COPY_MIN_ROWS)
         }
@@ -345,12 +342,12 @@ async def test_a_search_path_another_client_left_on_a_server_connection_never_re
             for other in others:
                 await other.close()
         for n in range(4):
-            await store.commit(epoch, BASE, [submitted(epoch, n)], [])
-        await store.commit(epoch, BASE, [changed(epoch, 0, TaskStatus.RUNNING)], [])
-        big = [submitted(epoch, 100 + n) for n in range(COPY_MIN_ROWS)]
-        await store.commit(epoch, BASE, big, [])
+            await store.commit(epoch, PROCESS_BASE, [submitted_in(epoch, n)], [])
+        await store.commit(epoch, PROCESS_BASE, [changed_in(epoch, 0, TaskStatus.RUNNING)], [])
+        big = [submitted_in(epoch, 100 + n) for n in range(COPY_MIN_ROWS)]
+        await store.commit(epoch, PROCESS_BASE, big, [])
         assert (await store.get_task(task_id(epoch, 0))) is not None
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(PROCESS_BASE)
         assert len(recovered.tasks) == 4 + COPY_MIN_ROWS
     calls = await admin_execute(pg_url, f"SELECT count(*) AS n FROM {evil}.calls")
     assert calls[0]["n"] == 0
@@ -365,10 +362,12 @@ async def test_group_commit_behind_pgbouncer(bouncer: PgBouncer, pg_url: URL, sc
         async def submitter(committer: GroupCommitter) -> None:
             for _ in range(10):
                 n = next(counter)
-                await committer.submit([submitted(epoch, n), changed(epoch, n, TaskStatus.RUNNING)])
+                await committer.submit(
+                    [submitted_in(epoch, n), changed_in(epoch, n, TaskStatus.RUNNING)]
+                )
                 acked.add(task_id(epoch, n))
 
-        async with GroupCommitter(store, epoch, BASE) as committer:
+        async with GroupCommitter(store, epoch, PROCESS_BASE) as committer:
             await asyncio.gather(*(submitter(committer) for _ in range(64)))
             stats = committer.stats()
     assert stats.failed_submissions == 0
@@ -389,7 +388,7 @@ async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
         store_behind(bouncer, pg_url, behind(schema, "b")) as new,
     ):
         old_epoch = await old.acquire_leadership()
-        await old.commit(old_epoch, BASE, [submitted(old_epoch, 0)], [])
+        await old.commit(old_epoch, PROCESS_BASE, [submitted_in(old_epoch, 0)], [])
         standby = asyncio.ensure_future(new.acquire_leadership())
         await holds_for(
             lambda: not standby.done(), "the standby waiting while the leader holds the lock", 0.3
@@ -404,12 +403,12 @@ async def test_a_takeover_behind_pgbouncer_fences_the_deposed_leader(
         assert [r[0] for r in rows] == [True]
         new_epoch = await bounded(standby, "the standby to take over")
         assert new_epoch == old_epoch + 1
-        recovered = await new.recover(BASE)
+        recovered = await new.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks] == [task_id(old_epoch, 0)]
 
         with pytest.raises(FencedError):
-            await old.commit(old_epoch, BASE, [submitted(old_epoch, 1)], [])
-        await new.commit(new_epoch, BASE, [submitted(new_epoch, 0)], [])
+            await old.commit(old_epoch, PROCESS_BASE, [submitted_in(old_epoch, 1)], [])
+        await new.commit(new_epoch, PROCESS_BASE, [submitted_in(new_epoch, 0)], [])
     assert set(await stored(pg_url, schema)) == {task_id(old_epoch, 0), task_id(new_epoch, 0)}
 
 
@@ -430,14 +429,16 @@ async def test_a_pgbouncer_restart_under_group_commit_loses_no_ack(
         async def submitter(committer: GroupCommitter) -> None:
             while going:
                 n = next(counter)
-                await committer.submit([submitted(epoch, n)])
+                await committer.submit([submitted_in(epoch, n)])
                 acked.add(task_id(epoch, n))
 
         async def grows_by(count: int, what: str) -> None:
             target = len(acked) + count
             await until_value(lambda: len(acked), lambda n: n >= target, f"{target} acks: {what}")
 
-        committer = GroupCommitter(store, epoch, BASE, backoff=Backoff(initial=0.02, cap=0.2))
+        committer = GroupCommitter(
+            store, epoch, PROCESS_BASE, backoff=Backoff(initial=0.02, cap=0.2)
+        )
         tasks = [asyncio.create_task(submitter(committer)) for _ in range(32)]
         try:
             await grows_by(200, "acks before the restart")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT
 
 
 def _checker() -> ModuleType:

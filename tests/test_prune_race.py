@@ -11,60 +11,18 @@ that the finished task the new one depends on was not deleted.
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 
 import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Dependency, TaskSpec, TaskStatus, TimeBase, task_id
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
-from cronoq_store._store import PgStore
+from cronoq_store._domain import Dependency, TaskStatus, task_id
+from cronoq_store._mutations import Mutation, StatusChanged
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .waits import bounded, until
-
-BASE = TimeBase.now()
-_seq = itertools.count(1)
-
-
-def submitted(
-    epoch: int, n: int, key: str | None = None, deps: Sequence[Dependency] = ()
-) -> Submitted:
-    spec = TaskSpec(b"p%d" % n, key=key, deps=deps)
-    return Submitted(task_id(epoch, n), next(_seq), BASE.engine_ns, spec)
-
-
-@asynccontextmanager
-async def open_store(url: URL, schema: str, name: str) -> AsyncIterator[PgStore]:
-    store = await PgStore.connect(url, PgStoreConfig(schema=schema, application_name=name))
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-async def waiting_on_lock(url: URL, application_name: str) -> bool:
-    rows = await admin_execute(
-        url,
-        "SELECT count(*) FROM pg_stat_activity "
-        "WHERE application_name = $1 AND wait_event_type = 'Lock'",
-        application_name,
-    )
-    return int(rows[0][0]) > 0
-
-
-async def settles(url: URL, name: str, task: asyncio.Task[object]) -> None:
-    """Until the sessions of ``name`` wait on a lock, or ``task`` is done (it did not wait)."""
-
-    async def settled() -> bool:
-        return task.done() or await waiting_on_lock(url, name)
-
-    await until(settled, f"{name} waiting on a lock or finished", every=0.01)
+from .support import PROCESS_BASE, open_store, settles, submitted_in
+from .waits import bounded
 
 
 @pytest.mark.parametrize(
@@ -81,29 +39,29 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(
 ) -> None:
     committer, pruner = f"c-{schema}", f"p-{schema}"
     async with (
-        open_store(pg_url, schema, committer) as store,
-        open_store(pg_url, schema, pruner) as other,
+        open_store(pg_url, schema, application_name=committer) as store,
+        open_store(pg_url, schema, application_name=pruner) as other,
     ):
         epoch = await store.acquire_leadership()
         done = task_id(epoch, 1)
         live = task_id(epoch, 2)
         await store.commit(
             epoch,
-            BASE,
+            PROCESS_BASE,
             [
-                submitted(epoch, 1, key="target"),
-                StatusChanged(done, TaskStatus.SUCCEEDED, 1, BASE.engine_ns),
-                submitted(epoch, 2),
+                submitted_in(epoch, 1, key="target"),
+                StatusChanged(done, TaskStatus.SUCCEEDED, 1, PROCESS_BASE.engine_ns),
+                submitted_in(epoch, 2),
             ],
             [],
         )
         dependent = task_id(epoch, 3)
         target = Dependency("target" if by_key else done)
-        batch: list[Mutation] = [submitted(epoch, 3, deps=[target])]
+        batch: list[Mutation] = [submitted_in(epoch, 3, deps=[target])]
         if path == "transaction":
-            batch.append(StatusChanged(live, TaskStatus.RUNNING, 1, BASE.engine_ns))
+            batch.append(StatusChanged(live, TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns))
         elif path == "copy":
-            batch += [submitted(epoch, 10 + n) for n in range(COPY_MIN_ROWS)]
+            batch += [submitted_in(epoch, 10 + n) for n in range(COPY_MIN_ROWS)]
 
         # An uncommitted row with the dependent's id: the commit's insert waits on it.
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
@@ -116,7 +74,7 @@ async def test_prune_waits_for_a_commit_that_adds_a_dependency(
                 f"UPDATE copy SET id = {dependent}, key = NULL; "
                 f'INSERT INTO "{schema}".cronoq_tasks SELECT * FROM copy'
             )
-            commit = asyncio.create_task(store.commit(epoch, BASE, batch, []))
+            commit = asyncio.create_task(store.commit(epoch, PROCESS_BASE, batch, []))
             await settles(pg_url, committer, commit)
             assert not commit.done(), "the commit was not held open"
             prune = asyncio.create_task(other.prune(0))

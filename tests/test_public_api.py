@@ -10,93 +10,10 @@ import ast
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-PUBLIC_NAMES = {
-    "cronoq_store": [
-        "EPOCH_MAX",
-        "EPOCH_MIN",
-        "Backoff",
-        "BatchTooLargeError",
-        "ClusterReplacedError",
-        "CommitterClosedError",
-        "CommitterStats",
-        "CronSchedule",
-        "Dependency",
-        "DependencyCondition",
-        "FencedError",
-        "FixedStart",
-        "GroupCommitter",
-        "Health",
-        "IdCollisionError",
-        "IntervalSchedule",
-        "KeyTakenError",
-        "LockHeldError",
-        "LockHolder",
-        "MigrationError",
-        "MissPolicy",
-        "Mutation",
-        "PgStore",
-        "PgStoreConfig",
-        "Priority",
-        "Recovered",
-        "RecoveredRecurring",
-        "RecoveredTask",
-        "RecoveredTerminal",
-        "RecurringNext",
-        "RecurringRemove",
-        "RecurringSpec",
-        "RecurringUpsert",
-        "RetryPolicy",
-        "Schedule",
-        "SchemaGoneError",
-        "StatusChanged",
-        "Store",
-        "StoreError",
-        "StoreQueries",
-        "Submitted",
-        "TaskId",
-        "TaskRecord",
-        "TaskRef",
-        "TaskSpec",
-        "TaskStatus",
-        "TimeBase",
-        "UnavailableError",
-        "UnsupportedParameterError",
-        "downgrade",
-        "engine_arguments",
-        "epoch_of",
-        "run_command",
-        "scrub",
-        "task_id",
-        "upgrade",
-    ],
-    "cronoq_store.testing": [
-        "TEST_URL_ENV",
-        "EmbeddedPostgres",
-        "InMemoryDatabase",
-        "InMemoryStore",
-        "StopMode",
-        "find_bin_dir",
-    ],
-    "cronoq_store.autogenerate": ["STORE_TABLES", "hiding_store", "include_name", "include_object"],
-    "cronoq_store.telemetry": [
-        "DISABLED",
-        "CommitRecord",
-        "Committer",
-        "Instrumentable",
-        "Leader",
-        "Telemetry",
-        "instrument",
-        "resolve",
-    ],
-}
-
-ALL_PUBLIC = [(module, name) for module, names in PUBLIC_NAMES.items() for name in names]
+from .support import ALL_PUBLIC, PUBLIC_NAMES, ROOT
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))

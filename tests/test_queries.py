@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -13,34 +12,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Dependency, TaskId, TaskSpec, TaskStatus, TimeBase
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._domain import Dependency, TaskId, TaskStatus
+from cronoq_store._mutations import Mutation
 from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._store import PgStore
 
-NOW = time.time_ns()
-BASE = TimeBase(engine_ns=0, unix_ns=NOW)
-HOUR = 3600 * 10**9
+from .support import HOUR, START_BASE, changed, submitted
+
 RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     TaskStatus.RUNNING,
     TaskStatus.SUCCEEDED,
     TaskStatus.FAILED,
     TaskStatus.CANCELLED,
 )
-
-
-def submitted(id: int, **spec: Any) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=0, spec=TaskSpec(b"p", **spec))
-
-
-def changed(id: int, status: TaskStatus, ago: int = 0, message: str | None = None) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=2, at=-ago, message=message)
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
 
 
 async def stored_ids(store: PgStore) -> list[int]:
@@ -57,22 +41,22 @@ async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
     old = 2 * PRUNE_BATCH + 500
     batch: list[Mutation] = []
     for id in range(1, old + 1):
-        batch += [submitted(id, key=f"k{id}"), changed(id, SUCCEEDED, ago=2 * HOUR)]
+        batch += [submitted(id, key=f"k{id}"), changed(id, SUCCEEDED, at=-2 * HOUR, attempt=2)]
     # Protected: 7 by id, 9 by key (and so is every other finished task with that key).
-    batch += [submitted(old + 1, key="k9"), changed(old + 1, FAILED, ago=3 * HOUR)]
+    batch += [submitted(old + 1, key="k9"), changed(old + 1, FAILED, at=-3 * HOUR, attempt=2)]
     batch += [submitted(50_000, deps=[Dependency(TaskId(7)), Dependency("k9")])]
     # Pruned although NOT IN would keep it if NULL keys were not handled: it has no key.
-    batch += [submitted(old + 2), changed(old + 2, SUCCEEDED, ago=2 * HOUR)]
+    batch += [submitted(old + 2), changed(old + 2, SUCCEEDED, at=-2 * HOUR, attempt=2)]
     # Kept: finished recently, or live.
-    batch += [submitted(50_001), changed(50_001, SUCCEEDED, ago=60 * 10**9)]
-    batch += [submitted(50_002), changed(50_002, RUNNING, ago=2 * HOUR)]
-    await store.commit(0, BASE, batch, [])
+    batch += [submitted(50_001), changed(50_001, SUCCEEDED, at=-60 * 10**9, attempt=2)]
+    batch += [submitted(50_002), changed(50_002, RUNNING, at=-2 * HOUR, attempt=2)]
+    await store.commit(0, START_BASE, batch, [])
 
     assert await store.prune(3600) == old - 1
     assert await stored_ids(store) == [7, 9, old + 1, 50_000, 50_001, 50_002]
 
     # Once the dependent task finishes, what it protected can go too.
-    await store.commit(0, BASE, [changed(50_000, SUCCEEDED, ago=2 * HOUR)], [])
+    await store.commit(0, START_BASE, [changed(50_000, SUCCEEDED, at=-2 * HOUR, attempt=2)], [])
     assert await store.prune(3600) == 4
     assert await stored_ids(store) == [50_001, 50_002]
     assert await store.prune(3600) == 0
@@ -84,9 +68,9 @@ async def test_prune_reports_the_running_total_after_each_batch(store: PgStore) 
     old = 2 * PRUNE_BATCH + 500
     batch: list[Mutation] = []
     for id in range(1, old + 1):
-        batch += [submitted(id), changed(id, SUCCEEDED, ago=2 * HOUR)]
+        batch += [submitted(id), changed(id, SUCCEEDED, at=-2 * HOUR, attempt=2)]
     batch += [submitted(old + 1)]  # live: neither pruned nor counted
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
 
     totals: list[int] = []
     assert await store.prune(3600, progress=totals.append) == old
@@ -118,13 +102,13 @@ async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
     cannot name protects nothing, while well-formed dependencies still protect."""
     batch: list[Mutation] = [
         submitted(7, key="k7"),
-        changed(7, SUCCEEDED, ago=2 * HOUR),
+        changed(7, SUCCEEDED, at=-2 * HOUR, attempt=2),
         submitted(8, key="k8"),
-        changed(8, SUCCEEDED, ago=2 * HOUR),
+        changed(8, SUCCEEDED, at=-2 * HOUR, attempt=2),
         submitted(20, deps=[Dependency(TaskId(8))]),
         submitted(21),
     ]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     async with store.engine.begin() as conn:
         await conn.execute(
             text(
@@ -152,8 +136,8 @@ async def test_a_page_whose_rows_take_longer_than_session_timeout_to_read(
     config = PgStoreConfig(schema=migrated, **SHORT)  # type: ignore[arg-type]
     opened = PgStore.from_engine(engine, config) if shared else PgStore.connect(pg_url, config)
     async with await opened as store:
-        await store.commit(0, BASE, [submitted(i) for i in (1, 2, 3)], [])
-        await store.commit(0, BASE, [changed(i, SUCCEEDED) for i in (1, 2, 3)], [])
+        await store.commit(0, START_BASE, [submitted(i) for i in (1, 2, 3)], [])
+        await store.commit(0, START_BASE, [changed(i, SUCCEEDED, attempt=2) for i in (1, 2, 3)], [])
         listed_task = queries.listed_task
         busy = [3 * config.session_timeout]
 

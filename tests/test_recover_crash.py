@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import _recovery as recovery
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskSpec, TimeBase, task_id
+from cronoq_store._domain import TaskSpec, task_id
 from cronoq_store._errors import UnavailableError
 from cronoq_store._mutations import Submitted
 from cronoq_store._rows import LiveTasks
@@ -24,8 +24,7 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import EmbeddedServer, ServerUnderTest
-
-BASE = TimeBase.now()
+from .support import PROCESS_BASE
 
 
 @pytest.fixture
@@ -57,7 +56,7 @@ async def test_a_crash_during_recover_reports_the_lost_connection(
     try:
         epoch = await store.acquire_leadership()
         batch = [Submitted(task_id(epoch, n), n, 0, TaskSpec(b"p")) for n in range(40)]
-        await store.commit(epoch, BASE, batch, [])
+        await store.commit(epoch, PROCESS_BASE, batch, [])
         await store.release_leadership()
 
         class CrashingDecoder(LiveTasks):
@@ -71,7 +70,7 @@ async def test_a_crash_during_recover_reports_the_lost_connection(
         monkeypatch.setattr(recovery, "RECOVERY_PARTITION", 10)
         monkeypatch.setattr(recovery, "LiveTasks", CrashingDecoder)
         with pytest.raises(UnavailableError) as raised:
-            await store.recover(BASE)
+            await store.recover(PROCESS_BASE)
         message = str(raised.value)
         assert message.startswith("recovering failed: ")
         assert "rollback" not in message.lower()

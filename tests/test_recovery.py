@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -36,21 +35,11 @@ from cronoq_store._mutations import RecurringNext, RecurringUpsert, StatusChange
 from cronoq_store._rows import LiveTasks
 from cronoq_store._store import PgStore
 
-NOW = time.time_ns()
-BASE = TimeBase(engine_ns=0, unix_ns=NOW)
-HOUR = 3600 * 10**9
-SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
+from .support import FAILED, START_BASE
 
 
 def submitted(id: int, **spec: Any) -> Submitted:
     return Submitted(TaskId(id), seq=id, arrival=-id, spec=TaskSpec(b"p%d" % id, **spec))
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    config = PgStoreConfig(schema=migrated, retention=3600.0)
-    async with await PgStore.from_engine(engine, config) as s:
-        yield s
 
 
 async def execute(store: PgStore, sql: str) -> list[Any]:
@@ -58,17 +47,6 @@ async def execute(store: PgStore, sql: str) -> list[Any]:
     async with store.engine.begin() as conn:
         result = await conn.execute(text(sql.replace("{s}", f'"{store.config.schema}"')))
         return list(result.all()) if result.returns_rows else []
-
-
-async def test_next_id_is_one_for_an_empty_store(store: PgStore) -> None:
-    """The high-water mark starts at 0, which is also what issuing id 0 records."""
-    recovered = await store.recover(BASE)
-    assert (recovered.next_id, recovered.tasks, recovered.terminal) == (1, [], [])
-
-
-async def test_next_id_is_above_a_stored_id_zero(store: PgStore) -> None:
-    await store.commit(0, BASE, [submitted(0)], [])
-    assert (await store.recover(BASE)).next_id == 1
 
 
 CORRUPTIONS = {
@@ -88,13 +66,13 @@ async def test_corrupt_rows_are_quarantined_and_the_rest_recovers(
 ) -> None:
     ids = [1, *CORRUPTIONS, 9]
     await store.commit(
-        0, BASE, [submitted(i, key=f"k{i}", deps=[Dependency("k99")]) for i in ids], []
+        0, START_BASE, [submitted(i, key=f"k{i}", deps=[Dependency("k99")]) for i in ids], []
     )
     for id, (assignment, _) in CORRUPTIONS.items():
         await execute(store, f"UPDATE {{s}}.cronoq_tasks SET {assignment} WHERE id = {id}")
 
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(START_BASE)
 
     assert [t.id for t in recovered.tasks] == [1, 9]
     quarantined = [t for t in recovered.terminal if t.status is FAILED]
@@ -115,7 +93,7 @@ async def test_corrupt_rows_are_quarantined_and_the_rest_recovers(
 
     # The quarantined rows are ordinary failed tasks now: the next recovery is clean.
     caplog.clear()
-    again = await store.recover(BASE)
+    again = await store.recover(START_BASE)
     assert [t.id for t in again.tasks] == [1, 9]
     assert [r for r in caplog.records if r.name == "cronoq_store"] == []
 
@@ -127,7 +105,7 @@ async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
     decodes to its documented default, and the task keeps running."""
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1, fixed_start=FixedStart(5, on_miss=MissPolicy.FAIL)),
             submitted(2, deps=[Dependency(TaskId(1), DependencyCondition.FINISHED)]),
@@ -146,7 +124,7 @@ async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
     )
     await execute(store, "UPDATE {s}.cronoq_tasks SET priority = 9 WHERE id = 3")
     with caplog.at_level(logging.WARNING, logger="cronoq_store"):
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(START_BASE)
     assert [r for r in caplog.records if r.name == "cronoq_store"] == []
     specs = {t.id: t.spec for t in recovered.tasks}
     assert specs[TaskId(1)].fixed_start == FixedStart(5, on_miss=MissPolicy.SKIP)
@@ -163,7 +141,7 @@ async def test_undecodable_schedule_is_skipped_and_left_in_place(
     bad = RecurringSpec("bad", CronSchedule("0 * * * *"), TaskSpec(b"t"))
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [RecurringUpsert(good), RecurringUpsert(bad), RecurringNext("good", 77, TaskId(5))],
         [],
     )
@@ -173,7 +151,7 @@ async def test_undecodable_schedule_is_skipped_and_left_in_place(
         " WHERE name = 'bad'",
     )
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(START_BASE)
     assert [(r.spec, r.next, r.last) for r in recovered.recurring] == [(good, 77, 5)]
     [record] = caplog.records
     assert getattr(record, "schedule", None) == "bad"
@@ -196,8 +174,8 @@ async def test_values_that_repeat_are_one_object_shared_by_the_recovered_tasks(
         "tags": ("a", "b"),
         "resources": {"cpu": 1},
     }
-    await store.commit(0, BASE, [submitted(i, **options) for i in (1, 2)], [])
-    a, b = (await store.recover(BASE)).tasks
+    await store.commit(0, START_BASE, [submitted(i, **options) for i in (1, 2)], [])
+    a, b = (await store.recover(START_BASE)).tasks
     for name, value in options.items():
         assert getattr(a.spec, name) == getattr(b.spec, name) == value, name
         if name != "resources":
@@ -208,11 +186,11 @@ async def test_values_that_repeat_are_one_object_shared_by_the_recovered_tasks(
 async def test_a_corrupt_value_stored_by_several_rows_quarantines_each_of_them(
     store: PgStore,
 ) -> None:
-    await store.commit(0, BASE, [submitted(i, retry=RetryPolicy()) for i in (1, 2, 3)], [])
+    await store.commit(0, START_BASE, [submitted(i, retry=RetryPolicy()) for i in (1, 2, 3)], [])
     await execute(
         store, "UPDATE {s}.cronoq_tasks SET retry = '{\"max_attempts\": 0}' WHERE id <> 2"
     )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [t.id for t in recovered.tasks] == [2]
     assert [t.id for t in recovered.terminal if t.status is FAILED] == [1, 3]
 
@@ -221,9 +199,9 @@ async def test_live_tasks_are_read_partition_by_partition_in_id_order(
     store: PgStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(recovery, "RECOVERY_PARTITION", 2)
-    await store.commit(0, BASE, [submitted(i) for i in range(1, 8)], [])
+    await store.commit(0, START_BASE, [submitted(i) for i in range(1, 8)], [])
     await execute(store, "UPDATE {s}.cronoq_tasks SET pool = '' WHERE id = 4")
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [t.id for t in recovered.tasks] == [1, 2, 3, 5, 6, 7]
     assert [t.id for t in recovered.terminal] == [4]
 
@@ -231,14 +209,14 @@ async def test_live_tasks_are_read_partition_by_partition_in_id_order(
 async def test_a_recovery_that_fails_midway_turns_the_collector_back_on(
     store: PgStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     assert gc.isenabled()
     monkeypatch.setattr(recovery, "RECOVERY_PARTITION", -1)  # the driver refuses to fetch
     with pytest.raises(StoreError):
-        await store.recover(BASE)
+        await store.recover(START_BASE)
     assert gc.isenabled()
     monkeypatch.undo()
-    assert [t.id for t in (await store.recover(BASE)).tasks] == [1]
+    assert [t.id for t in (await store.recover(START_BASE)).tasks] == [1]
     assert gc.isenabled()
 
 
@@ -256,17 +234,17 @@ async def test_a_reader_whose_wall_clock_is_near_1970_quarantines_no_valid_row(
     schedule = RecurringSpec("s", CronSchedule("* * * * *"), TaskSpec(b"t"))
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [submitted(1, deadline=1, fixed_start=FixedStart(at=1)), RecurringUpsert(schedule)],
         [],
     )
-    await store.commit(0, BASE, [RecurringNext("s", 1, None)], [])
+    await store.commit(0, START_BASE, [RecurringNext("s", 1, None)], [])
     table = "cronoq_recurring" if column == "next_unix_ns" else "cronoq_tasks"
     await execute(store, f"UPDATE {{s}}.{table} SET {column} = {stored}")
     uptime = 10 * 86400 * 10**9
     for behind in (
         TimeBase(engine_ns=uptime, unix_ns=10**9),
-        TimeBase(engine_ns=-uptime, unix_ns=NOW),
+        TimeBase(engine_ns=-uptime, unix_ns=START_BASE.unix_ns),
     ):
         recovered = await store.recover(behind)
         [task] = recovered.tasks
@@ -309,7 +287,7 @@ async def test_recovery_outlasts_session_timeout_between_two_partitions(
     monkeypatch.setattr(recovery, "LiveTasks", slow)
     opened = PgStore.from_engine(engine, config) if shared else PgStore.connect(pg_url, config)
     async with await opened as store:
-        await store.commit(0, BASE, [submitted(i) for i in range(1, 351)], [])
-        recovered = await store.recover(BASE)
+        await store.commit(0, START_BASE, [submitted(i) for i in range(1, 351)], [])
+        recovered = await store.recover(START_BASE)
     assert busy == []
     assert [t.id for t in recovered.tasks] == list(range(1, 351))

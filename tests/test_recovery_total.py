@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -24,9 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
@@ -40,7 +36,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._mutations import (
     Mutation,
@@ -51,8 +46,8 @@ from cronoq_store._mutations import (
 )
 from cronoq_store._store import PgStore
 
-NOW = time.time_ns()
-BASE = TimeBase(engine_ns=0, unix_ns=NOW)  # engine time 0 is now
+from .support import START_BASE
+
 I64_MIN, I64_MAX, I32_MIN, I32_MAX = -(2**63), 2**63 - 1, -(2**31), 2**31 - 1
 MAX_MESSAGE = 600
 
@@ -269,13 +264,6 @@ schedule_specs = st.builds(
 )
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    config = PgStoreConfig(schema=migrated, retention=3600.0)
-    async with await PgStore.from_engine(engine, config) as s:
-        yield s
-
-
 async def execute(store: PgStore, sql: str, **params: Any) -> list[Any]:
     """Raw SQL, ``{s}`` being the store's schema: how corrupt rows get in."""
     async with store.engine.begin() as conn:
@@ -346,7 +334,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
     batch += [t.transition for t in all_tasks if t.transition is not None]
     batch += [RecurringUpsert(s) for s in schedules]
     batch += [RecurringNext(s.name, 1000 * i, TaskId(i)) for i, s in enumerate(schedules)]
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
 
     live = [t for t in all_tasks if t.live]
     task_damage: dict[int, list[Corruption]] = {}
@@ -374,7 +362,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
 
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        first = await store.recover(BASE)
+        first = await store.recover(START_BASE)
     quarantine_logs = [r.task_id for r in caplog.records if hasattr(r, "task_id")]
 
     recovered = {t.id: t for t in first.tasks}
@@ -436,7 +424,7 @@ async def test_recovery_is_total_whatever_the_rows_hold(
     tasks_after_first = await snapshot(store, "cronoq_tasks", "id")
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="cronoq_store"):
-        second = await store.recover(BASE)
+        second = await store.recover(START_BASE)
     assert [r for r in caplog.records if r.name == "cronoq_store" and hasattr(r, "task_id")] == []
     assert second.tasks == first.tasks
     assert second.recurring == first.recurring

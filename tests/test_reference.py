@@ -23,9 +23,7 @@ import pytest
 
 import cronoq_store
 
-from .test_public_api import ALL_PUBLIC
-
-REPO = Path(__file__).resolve().parent.parent
+from .support import ALL_PUBLIC, ROOT
 
 #: The reference's groups, in the order api.md lists them: page, title, what it documents.
 GROUPS: list[tuple[str, str, set[str]]] = [
@@ -134,8 +132,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("html")
     built = subprocess.run(
         [*SPHINX_BUILD, "docs", str(out)],
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=600,

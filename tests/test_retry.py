@@ -130,17 +130,17 @@ def test_a_bad_policy_is_refused_when_built(settings: dict[str, Any], message: s
 
 
 def test_a_committer_refuses_a_backoff_that_is_not_a_policy() -> None:
-    """``backoff=2.0`` (seconds, as the old ``retry_max`` took) fails when built, not at the
+    """``backoff=2.0`` (a number of seconds, not a policy) fails when built, not at the
     first retry of a batch."""
     with pytest.raises(ValueError, match=r"backoff must be a retry\.Backoff"):
         GroupCommitter(InMemoryStore(), 1, TimeBase.now(), backoff=2.0)  # type: ignore[arg-type]
 
 
 async def test_a_cancellation_that_arrives_as_the_work_fails_is_never_lost() -> None:
-    """The race that made a cancelled ``acquire_leadership`` retry forever: the connect
-    fails (a refused port) in the same loop turn as the caller's cancellation. Before 3.12,
-    ``asyncio.wait_for`` raised the connect's error there, the loop took it as transient and
-    retried; ``bounded`` raises the cancellation."""
+    """A connect that fails (a refused port) in the same loop turn as the caller's
+    cancellation ends in the cancellation: ``asyncio.wait_for`` before 3.12 raises the
+    connect's error there, which the retry loop would take as transient and retry forever;
+    ``bounded`` raises the cancellation."""
     loop = asyncio.get_running_loop()
     work: asyncio.Future[int] = loop.create_future()
     waiter = asyncio.ensure_future(bounded(work, 5))

@@ -32,10 +32,9 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 
 from .pgharness import admin_execute, without_instance
-from .test_cli import full, run
+from .support import ROOT, full, run
 from .waits import PATIENCE, bounded, holds_for
 
-ROOT = Path(__file__).resolve().parent.parent
 #: The previous release: its tag, and its commit should the tag be missing.
 PREVIOUS_TAG = "v0.1.0"
 PREVIOUS_COMMIT = "bf18aee5f2d87c57246f52d1f174629b193b4262"

@@ -4,7 +4,6 @@ lists follow the schema, and a column the mapping does not know is refused at im
 from __future__ import annotations
 
 from dataclasses import fields
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -14,11 +13,8 @@ from cronoq_store import _statements as statements
 from cronoq_store._codec import encode_retry, unix_converter
 from cronoq_store._domain import (
     QUEUED,
-    Dependency,
     FixedStart,
-    MissPolicy,
     Priority,
-    RetryPolicy,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -38,35 +34,21 @@ from cronoq_store._rows import (
 )
 from cronoq_store._schema import recurring, tasks
 
+from .support import FULL_SPEC
+
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000
 UNIX = BASE.unix_ns - BASE.engine_ns
 
-# Every field differs from every other one, so a value under the wrong column shows.
-SPEC = TaskSpec(
-    b"payload",
-    kind="kind",
-    pool="pool",
-    priority=Priority.HIGH,
-    key="key",
-    deadline=11,
-    fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
-    duration_hint=timedelta(seconds=3),
-    timeout=timedelta(seconds=4),
-    retry=RetryPolicy(),
-    deps=[Dependency(TaskId(5))],
-    resources={"gpu": 1},
-    tags=["t"],
-    labels=["l"],
-    tenant="tenant",
-)
-SUBMITTED = Submitted(TaskId(7), seq=8, arrival=9, spec=SPEC)
+SUBMITTED = Submitted(TaskId(7), seq=8, arrival=9, spec=FULL_SPEC)
 
 
 def test_the_example_spec_sets_every_field() -> None:
     """So that the tests below cover a field added to TaskSpec, once it is set here."""
     default = TaskSpec(b"")
-    unset = [f.name for f in fields(TaskSpec) if getattr(SPEC, f.name) == getattr(default, f.name)]
+    unset = [
+        f.name for f in fields(TaskSpec) if getattr(FULL_SPEC, f.name) == getattr(default, f.name)
+    ]
     assert unset == []
 
 
@@ -87,7 +69,7 @@ def test_insert_row_puts_every_value_under_its_own_column() -> None:
         "fixed_on_miss": "run",
         "duration_hint_ns": 3 * 10**9,
         "timeout_ns": 4 * 10**9,
-        "retry": encode_retry(SPEC.retry),
+        "retry": encode_retry(FULL_SPEC.retry),
         "deps": '[{"id":5,"on":"succeeded"}]',
         "resources": '{"gpu":1}',
         "tags": '["t"]',
@@ -105,7 +87,7 @@ def test_a_live_row_decodes_to_the_submission_it_was_encoded_from() -> None:
     row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
     row[INSERT_POSITION["status"]], row[INSERT_POSITION["attempt"]] = "running", 3
     task = LiveTasks(BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
-    assert (task.id, task.seq, task.arrival, task.spec, task.attempt) == (7, 8, 9, SPEC, 3)
+    assert (task.id, task.seq, task.arrival, task.spec, task.attempt) == (7, 8, 9, FULL_SPEC, 3)
 
 
 def test_a_stored_tolerance_of_null_reads_as_the_domain_default() -> None:

@@ -7,7 +7,6 @@ newer than this build, against a real server."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import asyncpg
 import pytest
@@ -17,21 +16,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._cli import ExitCode
 from cronoq_store._lock_statements import LOCK_NS_LEADER
-from cronoq_store._migrations import _scripts, head_revision, script_location, upgrade
+from cronoq_store._migrations import head_revision, upgrade
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .test_cli import full, run
+from .support import full, older_revisions, run
 
 #: A revision no build knows: what a newer build leaves.
 FUTURE = "9999_future"
-
-
-def older_revisions() -> Iterator[str]:
-    """Every revision below this build's head, oldest first."""
-    script = _scripts(str(script_location()))
-    for revision in reversed(list(script.walk_revisions())):
-        if revision.revision != head_revision():
-            yield revision.revision
 
 
 #: What each state is, and the exit code every command refusing it gives.

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -25,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._cli import ExitCode, cli
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._domain import TaskId, TaskSpec, TaskStatus
 from cronoq_store._errors import MigrationError
 from cronoq_store._migrations import upgrade
 from cronoq_store._mutations import StatusChanged, Submitted
@@ -34,10 +33,8 @@ from cronoq_store._urls import async_url
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
+from .support import PROCESS_BASE, ROOT
 from .waits import bounded
-
-ROOT = Path(__file__).resolve().parent.parent
-BASE = TimeBase.now()
 
 
 @dataclass(frozen=True)
@@ -201,7 +198,9 @@ async def plant_trigger(attacker: Attacker, schema: str) -> str:
 
 async def commit_one_task(store: PgStore) -> None:
     # A store that never led may commit at the stored epoch (0 after migrating).
-    await store.commit(0, BASE, [Submitted(TaskId(1), 1, BASE.engine_ns, TaskSpec(b"x"))], [])
+    await store.commit(
+        0, PROCESS_BASE, [Submitted(TaskId(1), 1, PROCESS_BASE.engine_ns, TaskSpec(b"x"))], []
+    )
 
 
 async def open_and_update(opening: Awaitable[PgStore]) -> None:
@@ -209,8 +208,8 @@ async def open_and_update(opening: Awaitable[PgStore]) -> None:
     trigger's WHEN clause runs."""
     async with await opening as store:
         await commit_one_task(store)
-        change = StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, BASE.engine_ns)
-        await store.commit(0, BASE, [change], [])
+        change = StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns)
+        await store.commit(0, PROCESS_BASE, [change], [])
 
 
 async def open_and_commit(opening: Awaitable[PgStore]) -> None:
@@ -421,18 +420,21 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
         async with await PgStore.from_engine(app, config(migrated)) as store:
             await commit_one_task(store)  # epoch check: integer = integer
             await store.commit(
-                0, BASE, [StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, BASE.engine_ns)], []
+                0,
+                PROCESS_BASE,
+                [StatusChanged(TaskId(1), TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns)],
+                [],
             )
             assert await store.get_task("no such key") is None  # key = varchar
             record = await store.get_task(TaskId(1))
             assert record is not None
             assert record.status is TaskStatus.RUNNING
             copied = [  # a transaction, and COPY into the tasks table
-                Submitted(TaskId(n), n, BASE.engine_ns, TaskSpec(b"bulk"))
+                Submitted(TaskId(n), n, PROCESS_BASE.engine_ns, TaskSpec(b"bulk"))
                 for n in range(2, 2 + COPY_MIN_ROWS)
             ]
-            await store.commit(0, BASE, copied, [(TaskId(1), b"out")])
-            assert len((await store.recover(BASE)).tasks) == 1 + COPY_MIN_ROWS
+            await store.commit(0, PROCESS_BASE, copied, [(TaskId(1), b"out")])
+            assert len((await store.recover(PROCESS_BASE)).tasks) == 1 + COPY_MIN_ROWS
             assert await store.prune(0) == 0
         assert not await is_superuser(pg_url, attacker.name)
         async with app.connect() as conn:  # the pool's one session, given back
@@ -584,7 +586,10 @@ async def test_a_named_trigger_with_a_trusted_function_is_accepted(
         async with await PgStore.connect(pg_url, cfg) as store:
             epoch = await store.acquire_leadership()
             await store.commit(
-                epoch, BASE, [Submitted(TaskId(1), 1, BASE.engine_ns, TaskSpec(b"x"))], []
+                epoch,
+                PROCESS_BASE,
+                [Submitted(TaskId(1), 1, PROCESS_BASE.engine_ns, TaskSpec(b"x"))],
+                [],
             )
         assert await admin_execute(pg_url, f"SELECT id FROM {schema}_audit.seen") == [(1,)]
         url = pg_url.render_as_string(hide_password=False)

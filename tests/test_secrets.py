@@ -38,10 +38,9 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV, redact, scrub
 
 from .pgharness import admin_execute
-from .test_store_connect import unused_port
+from .support import ROOT, texts_of, unused_port
 from .waits import bounded, until
 
-ROOT = Path(__file__).resolve().parent.parent
 #: Characters that percent-encoding changes, so every spelling of the secret differs.
 SPECIAL = "p@ss:w/rd?&=+ %#"
 
@@ -95,19 +94,6 @@ def build(form: str, role: Role, password: str, host: str, port: int, db: str) -
     assert form == "multihost"
     dead = unused_port()
     return f"postgresql://{role.name}@/{db}?host={host}:{dead}&host={host}:{port}&password={enc}"
-
-
-def texts_of(exc: BaseException) -> str:
-    """``str`` and ``repr`` of an exception, its arguments and its whole chain."""
-    out, seen, todo = [], set(), [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        out += [str(e), repr(e), *map(repr, e.args)]
-        todo += [x for x in (e.__cause__, e.__context__, getattr(e, "orig", None)) if x]
-    return "\n".join(out)
 
 
 class Records(logging.Handler):

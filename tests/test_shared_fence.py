@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -29,9 +29,9 @@ from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
+from .support import PROCESS_BASE
 from .waits import bounded, until_value
 
-BASE = TimeBase.now()
 #: Updates 1000 s ago: old enough for ``prune(1)``.
 OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)
 
@@ -42,21 +42,6 @@ def submitted(id: int, key: str | None = None) -> Submitted:
 
 def finished(id: int) -> StatusChanged:
     return StatusChanged(TaskId(id), TaskStatus.SUCCEEDED, 1, 2)
-
-
-@pytest.fixture(params=["connect", "from_engine"])
-async def store(
-    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
-) -> AsyncIterator[PgStore]:
-    """A store on its own pool (the one-statement paths), and one on an application's engine
-    (every commit a transaction)."""
-    config = PgStoreConfig(schema=migrated)
-    if request.param == "connect":
-        opening = PgStore.connect(pg_url, config)
-    else:
-        opening = PgStore.from_engine(engine, config)
-    async with await opening as s:
-        yield s
 
 
 #: Batches that insert tasks, one per write path: one statement for one task and for
@@ -76,7 +61,7 @@ async def test_a_commit_does_not_wait_for_a_commit_in_flight(
     """Another commit in flight holds the leader row as every commit does (FOR SHARE): a
     commit that inserts tasks goes through meanwhile. Were a commit to take the row
     exclusively (to record the id high-water mark there, say), it would queue behind."""
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, PROCESS_BASE, [submitted(1)], [])
     in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
         tx = in_flight.transaction()
@@ -87,7 +72,9 @@ async def test_a_commit_does_not_wait_for_a_commit_in_flight(
         batch = SHAPES[shape](100)
         # Blocked by the holder, it would wait as long as the holder: the bound is how long
         # the test takes to say so.
-        await bounded(store.commit(0, BASE, batch, []), "the commit beside a FOR SHARE holder")
+        await bounded(
+            store.commit(0, PROCESS_BASE, batch, []), "the commit beside a FOR SHARE holder"
+        )
         await tx.rollback()
     finally:
         await in_flight.close()
@@ -95,12 +82,16 @@ async def test_a_commit_does_not_wait_for_a_commit_in_flight(
     assert rows[0][0] == 1 + sum(isinstance(m, Submitted) for m in batch)
 
 
+#: Each test runs on a store on an application's engine and on one on its own pool.
+STORE_OPENINGS = ("from_engine", "connect")
+
+
 async def takeover(engine: AsyncEngine, schema: str) -> tuple[PgStore, int, int]:
     """A new instance takes leadership and recovers: the store, its epoch, its first id
     (as the README issues them: ``max(next_id, task_id(epoch, 0))``)."""
     leader = await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
     epoch = await leader.acquire_leadership()
-    recovered = await leader.recover(BASE)
+    recovered = await leader.recover(PROCESS_BASE)
     return leader, epoch, max(recovered.next_id, task_id(epoch, 0))
 
 
@@ -228,7 +219,7 @@ async def test_a_prune_batch_killed_mid_way_records_nothing_and_deletes_nothing(
     )
     assert tuple(marks[0]) == (0, 1)
     assert await store.prune(1) == 1
-    assert (await store.recover(BASE)).next_id == high + 1
+    assert (await store.recover(PROCESS_BASE)).next_id == high + 1
 
 
 async def _waiting_pids(url: URL) -> list[int]:

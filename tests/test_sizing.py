@@ -22,7 +22,6 @@ from cronoq_store._domain import (
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._folding import fold
@@ -36,7 +35,8 @@ from cronoq_store._mutations import (
 )
 from cronoq_store._sizing import batch_size
 
-BASE = TimeBase.now()
+from .support import PROCESS_BASE
+
 NASTY = ['"\\\x00\x01', "\ud800x", "\U0001f600" * 3, "é" * 5, "plain"]
 
 
@@ -54,7 +54,7 @@ def _wire(values: Iterable[Any]) -> int:
 
 
 def wire_size(batch: list[Mutation], outputs: list[tuple[TaskId, bytes]]) -> int:
-    folded = fold(batch, BASE, time.time_ns(), outputs)
+    folded = fold(batch, PROCESS_BASE, time.time_ns(), outputs)
     size = sum(_wire(row) for row in folded.insert_rows)
     size += sum(_wire(column) for column in folded.updates.values())
     size += sum(_wire(column) for column in folded.outputs.values())
@@ -80,11 +80,11 @@ def spec(text: str, n: int) -> TaskSpec:
 @pytest.mark.parametrize("text", NASTY)
 def test_the_estimate_is_never_below_what_a_commit_sends(text: str) -> None:
     batch: list[Mutation] = [
-        Submitted(task_id(1, 2), 1, BASE.engine_ns, spec(text, 2)),
-        StatusChanged(task_id(1, 2), TaskStatus.RUNNING, 1, BASE.engine_ns, text * 40),
-        StatusChanged(task_id(1, 9), TaskStatus.FAILED, 2, BASE.engine_ns, text),
+        Submitted(task_id(1, 2), 1, PROCESS_BASE.engine_ns, spec(text, 2)),
+        StatusChanged(task_id(1, 2), TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns, text * 40),
+        StatusChanged(task_id(1, 9), TaskStatus.FAILED, 2, PROCESS_BASE.engine_ns, text),
         RecurringUpsert(RecurringSpec(text, CronSchedule("* * * * *"), spec(text, 3))),
-        RecurringNext(text * 10, BASE.engine_ns, task_id(1, 2)),
+        RecurringNext(text * 10, PROCESS_BASE.engine_ns, task_id(1, 2)),
         RecurringRemove(text * 3),
     ]
     outputs = [(task_id(1, 9), (text * 20).encode("utf-8", "surrogatepass"))]
@@ -93,7 +93,7 @@ def test_the_estimate_is_never_below_what_a_commit_sends(text: str) -> None:
 
 
 def test_payloads_and_outputs_count_byte_for_byte() -> None:
-    small = Submitted(task_id(1, 1), 1, BASE.engine_ns, TaskSpec(b""))
-    big = Submitted(task_id(1, 1), 1, BASE.engine_ns, TaskSpec(bytes(10**6)))
+    small = Submitted(task_id(1, 1), 1, PROCESS_BASE.engine_ns, TaskSpec(b""))
+    big = Submitted(task_id(1, 1), 1, PROCESS_BASE.engine_ns, TaskSpec(bytes(10**6)))
     assert batch_size([big], []) - batch_size([small], []) == 10**6
     assert batch_size([], [(task_id(1, 1), bytes(10**6))]) - batch_size([], []) >= 10**6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 import pytest
@@ -12,31 +11,23 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase
+from cronoq_store._domain import TaskId, TaskSpec
 from cronoq_store._errors import StoreError, UnavailableError
 from cronoq_store._mutations import Submitted
 from cronoq_store._protocols import Store, StoreQueries
 from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, without_instance
-
-BASE = TimeBase.now()
+from .support import PROCESS_BASE, unused_port
 
 
 def plain(url: URL) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 async def round_trip(store: PgStore) -> None:
     """A commit and a read through the store's pool, in its schema."""
-    await store.commit(0, BASE, [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], [])
+    await store.commit(0, PROCESS_BASE, [Submitted(TaskId(1), 1, 0, TaskSpec(b"x"))], [])
     task = await store.get_task(TaskId(1))
     assert task is not None
     assert task.pool == "default"

@@ -5,8 +5,6 @@ stay unique across the epoch wrap (32767 -> 1)."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -16,33 +14,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import GroupCommitter, IdCollisionError
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, task_id
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
+from .support import START_BASE, submitted
 
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
-
-
-def submitted(id: int, payload: bytes = b"p", **spec: Any) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=1, spec=TaskSpec(payload, **spec))
-
-
-@pytest.fixture(params=["from_engine", "connect"])
-async def store(
-    request: pytest.FixtureRequest, engine: AsyncEngine, migrated: str, pg_url: URL
-) -> AsyncIterator[PgStore]:
-    """A store on an application's engine (every commit a transaction), and one on its own
-    pool (the one-statement paths)."""
-    config = PgStoreConfig(schema=migrated)
-    if request.param == "connect":
-        opening = PgStore.connect(pg_url, config)
-    else:
-        opening = PgStore.from_engine(engine, config)
-    async with await opening as s:
-        yield s
+#: Each test runs on a store on an application's engine and on one on its own pool.
+STORE_OPENINGS = ("from_engine", "connect")
 
 
 async def snapshot(store: PgStore) -> tuple[list[Any], list[Any]]:
@@ -77,16 +58,16 @@ PATHS: dict[str, list[Mutation]] = {
 async def test_a_different_task_under_a_stored_id_fails_and_nothing_is_written(
     store: PgStore, path: str, field: str
 ) -> None:
-    await store.commit(0, BASE, [submitted(1, key="k"), submitted(2)], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k"), submitted(2)], [])
     before = await snapshot(store)
     batch = [*PATHS[path], OTHER_TASKS[field]]
     with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, START_BASE, batch, [])
     assert caught.value.ids == [1]
     assert not caught.value.is_transient
     assert await snapshot(store) == before  # not even the high-water mark moved
     # The same submission again is a no-op, and the store goes on committing.
-    await store.commit(0, BASE, [*PATHS[path], submitted(1, key="k")], [])
+    await store.commit(0, START_BASE, [*PATHS[path], submitted(1, key="k")], [])
     tasks, _ = await snapshot(store)
     assert [r[0] for r in tasks] == [
         1,
@@ -97,7 +78,7 @@ async def test_a_different_task_under_a_stored_id_fails_and_nothing_is_written(
 
 async def test_a_different_task_under_an_id_of_the_same_batch_fails(store: PgStore) -> None:
     with pytest.raises(IdCollisionError, match="task id 3 already taken by another Submitted"):
-        await store.commit(0, BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
+        await store.commit(0, START_BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
     assert await snapshot(store) == ([], [(1, 0, 0)])
 
 
@@ -111,10 +92,10 @@ async def test_ids_from_next_id_stay_unique_across_the_epoch_wrap(
         """A new leader that recovers and issues ``issue`` ids per the documented rule."""
         store = await PgStore.from_engine(engine, config)
         epoch = await store.acquire_leadership()
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(START_BASE)
         first = max(recovered.next_id, task_id(epoch, 0))
         ids = [TaskId(first + n) for n in range(issue)]
-        await store.commit(epoch, BASE, [submitted(i) for i in ids], [])
+        await store.commit(epoch, START_BASE, [submitted(i) for i in ids], [])
         return epoch, ids, store
 
     epoch, first_ids, store = await term(2)
@@ -129,21 +110,21 @@ async def test_ids_from_next_id_stay_unique_across_the_epoch_wrap(
     try:
         assert epoch == 1  # wrapped: task_id(1, n) is below ids already issued
         assert wrapped_ids == [TaskId(last_ids[-1] + 1), TaskId(last_ids[-1] + 2)]
-        recovered = await store.recover(BASE)
+        recovered = await store.recover(START_BASE)
         assert recovered.next_id == wrapped_ids[-1] + 1
         assert sorted(t.id for t in recovered.tasks) == [*first_ids, *last_ids, *wrapped_ids]
         # An id reused naively, as if the epoch prefix were enough, is refused.
         naive = [Submitted(task_id(1, 0), 7, 7, TaskSpec(b"new")), submitted(task_id(1, 5))]
         with pytest.raises(IdCollisionError, match=f"task id {task_id(1, 0)} already taken"):
-            await store.commit(epoch, BASE, naive, [])
-        assert len((await store.recover(BASE)).tasks) == 7  # nothing of that batch
+            await store.commit(epoch, START_BASE, naive, [])
+        assert len((await store.recover(START_BASE)).tasks) == 7  # nothing of that batch
     finally:
         await store.close()
 
 
 async def test_group_commit_fails_only_the_submission_that_reuses_an_id(store: PgStore) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
-    async with GroupCommitter(store, 0, BASE) as committer:
+    await store.commit(0, START_BASE, [submitted(1)], [])
+    async with GroupCommitter(store, 0, START_BASE) as committer:
         results = await asyncio.gather(
             *(committer.submit([submitted(i)]) for i in range(10, 20)),
             committer.submit([submitted(1, b"another task")]),

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import os
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -28,33 +27,20 @@ from cronoq_store import (
     IdCollisionError,
     KeyTakenError,
     PgStore,
-    PgStoreConfig,
-    StatusChanged,
     StoreError,
-    Submitted,
     TaskId,
-    TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._writer import COPY_MIN_ROWS
 from cronoq_store.telemetry import DISABLED, instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends
-from .test_prune_race import waiting_on_lock
-from .waits import bounded, holds_for, until
+from .support import START_BASE, changed, ha_config, lock_waited, submitted
+from .waits import bounded, holds_for
 
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 PAYLOAD = b"secret-payload-bytes"
 KEY = "secret-task-key"
-
-
-def submitted(id: int, key: str | None = None, payload: bytes = PAYLOAD) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=id, spec=TaskSpec(payload, key=key))
-
-
-def changed(id: int, status: TaskStatus) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=1, at=100, message="secret message")
+MESSAGE = "secret message"
 
 
 @dataclass
@@ -120,13 +106,9 @@ def otel() -> Iterator[Otel]:
     made.tracers.shutdown()
 
 
-def config(schema: str) -> PgStoreConfig:
-    return PgStoreConfig(schema=schema, lock_poll=0.05, keepalive=0.2, session_timeout=1.0)
-
-
 @pytest.fixture
 async def store(pg_url: URL, schema: str, otel: Otel) -> AsyncIterator[PgStore]:
-    async with await PgStore.connect(pg_url, config(schema)) as s:
+    async with await PgStore.connect(pg_url, ha_config(schema)) as s:
         instrument(s, meter_provider=otel.meters, tracer_provider=otel.tracers)
         yield s
 
@@ -134,10 +116,10 @@ async def store(pg_url: URL, schema: str, otel: Otel) -> AsyncIterator[PgStore]:
 async def test_without_a_configured_provider_the_store_records_nothing(
     pg_url: URL, schema: str
 ) -> None:
-    async with await PgStore.connect(pg_url, config(schema)) as s:
+    async with await PgStore.connect(pg_url, ha_config(schema)) as s:
         assert s.telemetry is DISABLED
         assert not s.telemetry.enabled
-        await s.commit(0, BASE, [submitted(1)], [])  # and commits as ever
+        await s.commit(0, START_BASE, [submitted(1, PAYLOAD)], [])  # and commits as ever
 
 
 # Run in a process of its own: the global providers can be set once per process.
@@ -189,12 +171,27 @@ async def test_a_store_opened_after_the_global_providers_are_set_records_to_them
 async def test_a_commit_records_its_mutations_bytes_write_path_and_span(
     store: PgStore, otel: Otel, schema: str
 ) -> None:
-    await store.commit(0, BASE, [submitted(1), submitted(2), submitted(3)], [])
     await store.commit(
-        0, BASE, [changed(1, TaskStatus.RUNNING), changed(2, TaskStatus.RUNNING)], []
+        0, START_BASE, [submitted(1, PAYLOAD), submitted(2, PAYLOAD), submitted(3, PAYLOAD)], []
     )
-    await store.commit(0, BASE, [submitted(4), changed(3, TaskStatus.RUNNING)], [])
-    await store.commit(0, BASE, [submitted(i) for i in range(10, 10 + COPY_MIN_ROWS)], [])
+    await store.commit(
+        0,
+        START_BASE,
+        [
+            changed(1, TaskStatus.RUNNING, 100, message=MESSAGE),
+            changed(2, TaskStatus.RUNNING, 100, message=MESSAGE),
+        ],
+        [],
+    )
+    await store.commit(
+        0,
+        START_BASE,
+        [submitted(4, PAYLOAD), changed(3, TaskStatus.RUNNING, 100, message=MESSAGE)],
+        [],
+    )
+    await store.commit(
+        0, START_BASE, [submitted(i, PAYLOAD) for i in range(10, 10 + COPY_MIN_ROWS)], []
+    )
 
     for path in ("insert", "update", "transaction", "copy"):
         count, seconds = otel.value(
@@ -223,7 +220,7 @@ async def test_a_commit_records_its_mutations_bytes_write_path_and_span(
 async def test_the_meter_and_the_tracer_carry_the_package_version(
     store: PgStore, otel: Otel
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1, PAYLOAD)], [])
     version = metadata.version("cronoq-store")
     data = otel.reader.get_metrics_data()
     assert data is not None
@@ -243,10 +240,12 @@ async def test_a_fenced_commit_records_outcome_fenced_and_a_step_down(
     store: PgStore, otel: Otel, pg_url: URL, schema: str
 ) -> None:
     epoch = await store.acquire_leadership()
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1, PAYLOAD)], [])
     await admin_execute(pg_url, f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
     with pytest.raises(FencedError):
-        await store.commit(epoch, BASE, [changed(1, TaskStatus.RUNNING)], [])
+        await store.commit(
+            epoch, START_BASE, [changed(1, TaskStatus.RUNNING, 100, message=MESSAGE)], []
+        )
 
     count, _ = otel.value("cronoq.commit.duration", {"cronoq.commit.outcome": "fenced"})
     assert count == 1
@@ -260,25 +259,19 @@ async def test_a_fenced_commit_records_outcome_fenced_and_a_step_down(
     assert failed.attributes["error.type"] == "FencedError"
 
 
-async def lock_waited(url: URL, application_name: str) -> None:
-    """Until a session named ``application_name`` waits on a lock: what ends it then ends
-    a statement that waits, not one still on its way."""
-    await until(lambda: waiting_on_lock(url, application_name), f"{application_name} waiting")
-
-
 async def test_a_failed_and_a_transient_commit_are_told_apart(
     store: PgStore, otel: Otel, pg_url: URL, schema: str
 ) -> None:
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1, PAYLOAD)], [])
     with pytest.raises(IdCollisionError):  # id 1 is another task's
-        await store.commit(0, BASE, [submitted(1, payload=b"another")], [])
+        await store.commit(0, START_BASE, [submitted(1, b"another")], [])
     assert otel.value("cronoq.commit.duration", {"cronoq.commit.outcome": "failed"})[0] == 1
     # A commit whose backend is ended while it waits on a lock is transient.
     blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
         await blocker.execute("BEGIN")
         await blocker.execute(f'LOCK TABLE "{schema}".cronoq_leader IN ACCESS EXCLUSIVE MODE')
-        commit = asyncio.ensure_future(store.commit(0, BASE, [submitted(3)], []))
+        commit = asyncio.ensure_future(store.commit(0, START_BASE, [submitted(3, PAYLOAD)], []))
         await lock_waited(pg_url, store.config.application_name)
         assert await terminate_backends(pg_url, store.config.application_name) >= 1
         with pytest.raises(StoreError) as caught:
@@ -294,9 +287,9 @@ async def test_a_takeover_moves_the_epoch_gauge_and_counts_the_step_down(
 ) -> None:
     first, second = make_otel(), make_otel()
     async with (
-        await PgStore.connect(pg_url, config(schema)) as leader,
+        await PgStore.connect(pg_url, ha_config(schema)) as leader,
         await PgStore.connect(
-            pg_url, dataclasses.replace(config(schema), application_name="standby")
+            pg_url, dataclasses.replace(ha_config(schema), application_name="standby")
         ) as standby,
     ):
         instrument(leader, meter_provider=first.meters, tracer_provider=first.tracers)
@@ -334,9 +327,11 @@ async def test_a_takeover_moves_the_epoch_gauge_and_counts_the_step_down(
 async def test_recovery_counts_rows_loaded_and_a_quarantined_row(
     store: PgStore, otel: Otel, pg_url: URL, schema: str
 ) -> None:
-    await store.commit(0, BASE, [submitted(1), submitted(2), submitted(3)], [])
+    await store.commit(
+        0, START_BASE, [submitted(1, PAYLOAD), submitted(2, PAYLOAD), submitted(3, PAYLOAD)], []
+    )
     await admin_execute(pg_url, f"UPDATE \"{schema}\".cronoq_tasks SET pool = '' WHERE id = 2")
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [t.id for t in recovered.tasks] == [1, 3]
 
     assert otel.value("cronoq.recovery.quarantined") == 1
@@ -345,14 +340,16 @@ async def test_recovery_counts_rows_loaded_and_a_quarantined_row(
     assert otel.value("cronoq.recovery.rows", {"cronoq.row.kind": "recurring"}) == 0
     assert otel.value("cronoq.recovery.duration")[0] == 1
     # Quarantined once: the next recovery finds an ordinary failed task.
-    await store.recover(BASE)
+    await store.recover(START_BASE)
     assert otel.value("cronoq.recovery.quarantined") == 1
     assert [s.name for s in otel.finished()].count(f"recover {schema}") == 2
 
 
 async def test_prune_records_rows_and_duration(store: PgStore, otel: Otel, schema: str) -> None:
-    await store.commit(0, BASE, [submitted(i) for i in range(5)], [])
-    await store.commit(0, BASE, [changed(i, TaskStatus.FAILED) for i in range(3)], [])
+    await store.commit(0, START_BASE, [submitted(i, PAYLOAD) for i in range(5)], [])
+    await store.commit(
+        0, START_BASE, [changed(i, TaskStatus.FAILED, 100, message=MESSAGE) for i in range(3)], []
+    )
     assert await store.prune(0) == 3
     assert otel.value("cronoq.prune.rows") == 3
     assert otel.value("cronoq.prune.duration")[0] == 1
@@ -362,14 +359,14 @@ async def test_prune_records_rows_and_duration(store: PgStore, otel: Otel, schem
 async def test_the_group_committer_records_batches_acks_splits_and_queue_depth(
     store: PgStore, otel: Otel
 ) -> None:
-    async with GroupCommitter(store, 0, BASE) as committer:
+    async with GroupCommitter(store, 0, START_BASE) as committer:
         assert otel.value("cronoq.committer.queue.depth") == 0
-        await asyncio.gather(*(committer.submit([submitted(i)]) for i in range(5)))
+        await asyncio.gather(*(committer.submit([submitted(i, PAYLOAD)]) for i in range(5)))
         # A key held by a live task fails its submission alone: the batch is split.
         results = await asyncio.gather(
-            committer.submit([submitted(10)]),
-            committer.submit([submitted(1, payload=b"another")]),
-            committer.submit([submitted(12)]),
+            committer.submit([submitted(10, PAYLOAD)]),
+            committer.submit([submitted(1, b"another")]),
+            committer.submit([submitted(12, PAYLOAD)]),
             return_exceptions=True,
         )
         assert [isinstance(r, StoreError) for r in results] == [False, True, False]
@@ -385,16 +382,21 @@ async def test_no_attribute_holds_the_password_a_payload_a_key_or_a_message(
 ) -> None:
     assert pg_url.password
     epoch = await store.acquire_leadership()
-    await store.commit(epoch, BASE, [submitted(1, key=KEY)], [(TaskId(1), PAYLOAD)])
+    await store.commit(epoch, START_BASE, [submitted(1, PAYLOAD, key=KEY)], [(TaskId(1), PAYLOAD)])
     with pytest.raises(KeyTakenError):  # the key is live
-        await store.commit(epoch, BASE, [submitted(2, key=KEY)], [])
-    await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED)], [(TaskId(1), PAYLOAD)])
+        await store.commit(epoch, START_BASE, [submitted(2, PAYLOAD, key=KEY)], [])
+    await store.commit(
+        epoch,
+        START_BASE,
+        [changed(1, TaskStatus.SUCCEEDED, 100, message=MESSAGE)],
+        [(TaskId(1), PAYLOAD)],
+    )
     with pytest.raises(StoreError):
-        await store.commit(epoch, BASE, [submitted(1, key=KEY, payload=b"another")], [])
-    await store.recover(BASE)
+        await store.commit(epoch, START_BASE, [submitted(1, b"another", key=KEY)], [])
+    await store.recover(START_BASE)
     await store.prune(0)
     await store.release_leadership()
     values = otel.every_attribute_value()
     assert values
-    for secret in (pg_url.password, PAYLOAD.decode(), KEY, "secret message", pg_url.host):
+    for secret in (pg_url.password, PAYLOAD.decode(), KEY, MESSAGE, pg_url.host):
         assert not [v for v in values if secret and secret in v], secret

@@ -43,10 +43,9 @@ from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._unprivileged import system_user_entry
 
 from .pgharness import without_instance
-from .test_secrets import texts_of
+from .support import ROOT, texts_of
 from .waits import until_value
 
-ROOT = Path(__file__).resolve().parent.parent
 #: Debian's PostgreSQL 15, built with OpenSSL (.ci/run installs it).
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 CERT_USER = "cq_cert_user"

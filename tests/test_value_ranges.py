@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._committer import GroupCommitter
-from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
@@ -45,13 +41,14 @@ from cronoq_store._store import PgStore
 from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
-from .test_committer import (
+from .support import (
+    START_BASE,
     LeaderRowHold,
     app_name,
     bump_epoch,
-    commit_waiting_on_lock,
     open_store,
     stored_ids,
+    waiting_on_lock,
 )
 from .waits import bounded, until
 
@@ -59,15 +56,8 @@ I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 # Engine time is Unix time here, so engine times at the edge are stored at the edge.
 SAME = TimeBase(engine_ns=0, unix_ns=0)
 # A real base: engine time 0 is now, so engine times near 2**63 leave BIGINT as Unix ns.
-NOW = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 # The longest duration a BIGINT of ns holds, to the microsecond a timedelta keeps.
 LONGEST = timedelta(microseconds=I64_MAX // 1000)
-
-
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
 
 
 async def test_values_at_the_edge_of_their_columns_are_stored_and_recovered(
@@ -167,8 +157,8 @@ async def test_a_time_beyond_bigint_through_the_base_is_refused_before_writing(
 ) -> None:
     good = Submitted(TaskId(2), 0, 0, TaskSpec(b""))
     with pytest.raises(ValueError, match=f"^{field}: engine time 9223372036854775807 is "):
-        await store.commit(0, NOW, [good, bad], [])
-    assert (await store.recover(NOW)).tasks == []
+        await store.commit(0, START_BASE, [good, bad], [])
+    assert (await store.recover(START_BASE)).tasks == []
 
 
 async def test_a_value_beyond_bigint_fails_only_its_own_submission(
@@ -187,10 +177,10 @@ async def test_a_value_beyond_bigint_fails_only_its_own_submission(
             at = I64_MAX if n == 7 else 0
             return [sub, StatusChanged(tid, TaskStatus.RUNNING, 1, at)]
 
-        committer = GroupCommitter(store, epoch, NOW)
+        committer = GroupCommitter(store, epoch, START_BASE)
         async with LeaderRowHold(pg_url, schema) as hold:
             first = asyncio.create_task(committer.submit(submission(0)))
-            await until(lambda: commit_waiting_on_lock(pg_url, name), "in flight")
+            await until(lambda: waiting_on_lock(pg_url, name), "in flight")
             queued = [asyncio.create_task(committer.submit(submission(n))) for n in range(1, 11)]
             await asyncio.sleep(0.05)
             assert committer.stats().pending_submissions == 11

@@ -26,8 +26,7 @@ from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
-from .test_commit import BASE, changed, submitted
-from .test_leadership import lock_holders
+from .support import START_BASE, changed, lock_holders, submitted
 from .waits import bounded, holds_for, until, until_value
 
 
@@ -73,7 +72,7 @@ async def test_one_connection_is_held_for_the_term_and_returned_at_step_down(
 ) -> None:
     store, epoch = leader
     for n in range(1, 6):
-        await store.commit(epoch, BASE, [submitted(n)], [])
+        await store.commit(epoch, START_BASE, [submitted(n)], [])
         assert checked_out(store) == 1  # kept between commits, not returned
     assert len(await writers(pg_url, name)) == 1
     await store.release_leadership()
@@ -85,7 +84,7 @@ async def test_a_held_connection_the_server_closed_is_replaced_before_the_commit
     pg_url: URL, migrated: str, name: str, leader: tuple[PgStore, int]
 ) -> None:
     store, epoch = leader
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     [pid] = await writers(pg_url, name)
     held = store._commits.connections.held
     assert held is not None
@@ -94,7 +93,7 @@ async def test_a_held_connection_the_server_closed_is_replaced_before_the_commit
         lambda: held.driver_connection.is_closed(),  # type: ignore[union-attr]
         "the event loop to read the held connection's closed socket",
     )
-    await store.commit(epoch, BASE, [submitted(2)], [])  # no error: a new connection
+    await store.commit(epoch, START_BASE, [submitted(2)], [])  # no error: a new connection
     assert pid not in await writers(pg_url, name)
     assert checked_out(store) == 1
     assert await stored(pg_url, migrated) == [1, 2]
@@ -104,7 +103,7 @@ async def test_a_commit_cut_short_gives_up_the_held_connection(
     pg_url: URL, migrated: str, name: str, leader: tuple[PgStore, int]
 ) -> None:
     store, epoch = leader
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     [pid] = await writers(pg_url, name)
     blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
@@ -112,13 +111,13 @@ async def test_a_commit_cut_short_gives_up_the_held_connection(
         await lock.start()
         await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_leader FOR UPDATE')
         with pytest.raises(UnavailableError, match="commit_timeout"):
-            await store.commit(epoch, BASE, [submitted(2)], [])
+            await store.commit(epoch, START_BASE, [submitted(2)], [])
         await lock.rollback()
     finally:
         await blocker.close()
     # The interrupted connection was closed, not kept: its backend is gone.
     assert checked_out(store) == 0
-    await store.commit(epoch, BASE, [submitted(2)], [])
+    await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert pid not in await writers(pg_url, name)
     assert checked_out(store) == 1
     assert await stored(pg_url, migrated) == [1, 2]
@@ -128,14 +127,15 @@ async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
     pg_url: URL, migrated: str, name: str, leader: tuple[PgStore, int]
 ) -> None:
     store, epoch = leader
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
         lock = blocker.transaction()
         await lock.start()
         await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_leader FOR UPDATE')
         commits = [
-            asyncio.ensure_future(store.commit(epoch, BASE, [submitted(n)], [])) for n in (2, 3, 4)
+            asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(n)], []))
+            for n in (2, 3, 4)
         ]
         # All three wait on the leader row, each on its own connection.
         await until_value(
@@ -154,10 +154,10 @@ async def test_a_fenced_commit_returns_the_held_connection(
     pg_url: URL, migrated: str, leader: tuple[PgStore, int]
 ) -> None:
     store, epoch = leader
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = epoch + 1')
     with pytest.raises(FencedError):
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert checked_out(store) == 0
     assert await stored(pg_url, migrated) == [1]
 
@@ -166,7 +166,7 @@ async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
     pg_url: URL, migrated: str, leader: tuple[PgStore, int]
 ) -> None:
     store, epoch = leader
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     # The held session now behaves like one on a demoted primary: the commit fails, the
     # store disposes the pool, and the next commit must not run on that session again.
     held = store._commits.connections.held
@@ -174,9 +174,9 @@ async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
     driver: Any = held.driver_connection
     await driver.execute("SET SESSION default_transaction_read_only = on")
     with pytest.raises(UnavailableError) as caught:
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert caught.value.reconnect
-    await store.commit(epoch, BASE, [submitted(2)], [])
+    await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert store._commits.connections.held is not held
     assert await stored(pg_url, migrated) == [1, 2]
 
@@ -189,7 +189,7 @@ async def test_a_store_with_one_connection_holds_none(
     async with await PgStore.connect(pg_url, config) as store:
         epoch = await store.acquire_leadership()
         spec = TaskSpec(b"p")
-        await store.commit(epoch, BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
+        await store.commit(epoch, START_BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
         assert checked_out(store) == 0
         assert await store.get_task(TaskId(1)) is not None
 
@@ -284,7 +284,7 @@ async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_an
     connection only from max_connections=3 on. Told by order, not by a clock: health
     answers while the prune still waits."""
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=connections)
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     await row_lock.lock()
     prune = asyncio.ensure_future(store.prune(0))
     try:
@@ -313,7 +313,7 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
         pg_url, PgStoreConfig(schema=migrated, application_name=f"{name}-other")
     )
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         assert checked_out(store) == 1
         [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
         assert await terminate_backend(pg_url, pid)
@@ -326,7 +326,7 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
         assert not waiting.done()
         await other.release_leadership()
         new_epoch = await bounded(waiting, "the standby's takeover after the release")
-        await store.commit(new_epoch, BASE, [submitted(2)], [])
+        await store.commit(new_epoch, START_BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
         await other.close()
@@ -341,10 +341,10 @@ async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         await row_lock.lock()
         [pid] = await writers(pg_url, name)
-        commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+        commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
         await row_lock.waited_on(commit, "the commit to wait on the leader row")
         commit.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -354,7 +354,7 @@ async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
         await until(
             lambda: gone(pg_url, name, pid), "the server to end the cancelled commit's session"
         )
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert checked_out(store) == 1
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
@@ -366,17 +366,17 @@ async def test_the_held_session_terminated_during_a_commit(
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         await row_lock.lock()
         [pid] = await writers(pg_url, name)
-        commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+        commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
         await row_lock.waited_on(commit, "the commit to wait on the leader row")
         assert await terminate_backend(pg_url, pid)
         with pytest.raises(UnavailableError):
             await commit
         assert checked_out(store) == 0
         await row_lock.release()
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
@@ -387,7 +387,7 @@ async def test_the_held_session_ended_by_idle_session_timeout(
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         held = store._commits.connections.held
         assert held is not None
         await held.driver_connection.execute("SET idle_session_timeout = '100ms'")  # type: ignore[union-attr]
@@ -395,7 +395,7 @@ async def test_the_held_session_ended_by_idle_session_timeout(
             lambda: held.driver_connection.is_closed(),  # type: ignore[union-attr]
             "the server to end the idle held session, and the event loop to read it",
         )
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
@@ -405,9 +405,9 @@ async def test_close_while_a_commit_runs_on_the_held_connection_leaves_no_sessio
     pg_url: URL, migrated: str, name: str, row_lock: RowLock
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
-    await store.commit(epoch, BASE, [submitted(1)], [])
+    await store.commit(epoch, START_BASE, [submitted(1)], [])
     await row_lock.lock()
-    commit = asyncio.ensure_future(store.commit(epoch, BASE, [submitted(2)], []))
+    commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
     await row_lock.waited_on(commit, "the commit to wait on the leader row")
     closing = asyncio.ensure_future(store.close())
     await asyncio.sleep(0.3)
@@ -421,7 +421,7 @@ async def test_close_while_a_commit_runs_on_the_held_connection_leaves_no_sessio
     )
     assert left == set()
     with pytest.raises(StoreError):
-        await store.commit(epoch, BASE, [submitted(3)], [])
+        await store.commit(epoch, START_BASE, [submitted(3)], [])
 
 
 async def test_a_deposed_leader_cannot_write_through_its_held_connection(
@@ -432,13 +432,13 @@ async def test_a_deposed_leader_cannot_write_through_its_held_connection(
         pg_url, PgStoreConfig(schema=migrated, application_name=f"{name}-other")
     )
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         [(pid, _)] = await lock_holders(pg_url, store.leader_lock)
         assert await terminate_backend(pg_url, pid)
         await bounded(other.acquire_leadership(), "the other's takeover")
         # Whether or not the keeper noticed yet, the held connection must not write.
         with pytest.raises(FencedError):
-            await store.commit(epoch, BASE, [submitted(2)], [])
+            await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert checked_out(store) == 0
         assert await stored(pg_url, migrated) == [1]
     finally:
@@ -451,7 +451,9 @@ async def test_concurrent_commits_with_three_connections(
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await asyncio.gather(*(store.commit(epoch, BASE, [submitted(n)], []) for n in range(1, 9)))
+        await asyncio.gather(
+            *(store.commit(epoch, START_BASE, [submitted(n)], []) for n in range(1, 9))
+        )
         assert checked_out(store) == 1
         assert await store.get_task(submitted(1).id) is not None
         assert await stored(pg_url, migrated) == list(range(1, 9))
@@ -464,14 +466,14 @@ async def test_the_server_restarted_under_a_held_connection(
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         held = store._commits.connections.held
         await asyncio.to_thread(restart, pg_server, "immediate")
         await bounded(store.leadership_lost(), "the step-down after the restart")
         with pytest.raises(FencedError):
-            await store.commit(epoch, BASE, [submitted(2)], [])
+            await store.commit(epoch, START_BASE, [submitted(2)], [])
         epoch = await bounded(store.acquire_leadership(), "the leadership after the restart")
-        await store.commit(epoch, BASE, [submitted(2)], [])
+        await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert store._commits.connections.held is not held
         assert checked_out(store) == 1
         assert await stored(pg_url, migrated) == [1, 2]
@@ -488,17 +490,21 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
 
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1, key="k")], [])
+        await store.commit(epoch, START_BASE, [submitted(1, key="k")], [])
         held = store._commits.connections.held
         [pid] = await writers(pg_url, name)
         with pytest.raises(KeyTakenError):
-            await store.commit(epoch, BASE, [changed(1, TaskStatus.RUNNING), submitted(2, "k")], [])
+            await store.commit(
+                epoch, START_BASE, [changed(1, TaskStatus.RUNNING), submitted(2, key="k")], []
+            )
         with pytest.raises(IdCollisionError):
-            await store.commit(epoch, BASE, [submitted(1, payload=b"other")], [])
+            await store.commit(epoch, START_BASE, [submitted(1, payload=b"other")], [])
         rows = await admin_execute(pg_url, "SELECT state FROM pg_stat_activity WHERE pid = $1", pid)
         assert [r["state"] for r in rows] == ["idle"]
         assert store._commits.connections.held is held
-        await store.commit(epoch, BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, "k")], [])
+        await store.commit(
+            epoch, START_BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, key="k")], []
+        )
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
@@ -513,7 +519,7 @@ async def test_a_held_connection_of_a_disposed_pool_is_closed_at_step_down(
     # stay open.
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
-        await store.commit(epoch, BASE, [submitted(1)], [])
+        await store.commit(epoch, START_BASE, [submitted(1)], [])
         [pid] = await writers(pg_url, name)
         await store.engine.dispose()
         await store.release_leadership()

@@ -5,29 +5,31 @@ driven by Selenium (``chromium`` and ``chromium-driver``; no browser is download
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import PgStore, PgStoreConfig
+from cronoq_store._console.security import PASSWORD_ENV, TOKEN_ENV, USER_ENV
 from cronoq_store._urls import URL_ENV
 
+from ..support import unused_port
 from ..waits import PATIENCE
 
 CHROMIUM = "/usr/bin/chromium"
@@ -44,13 +46,6 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--window-size=1280,900",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -111,7 +106,7 @@ def start_console(
     host: str = "127.0.0.1",
 ) -> Console:
     """Start the command and wait until it answers (any HTTP status) on its port."""
-    port = free_port()
+    port = unused_port()
     log = tmp_path / f"console-{port}.log"
     environment = {k: v for k, v in os.environ.items() if k != URL_ENV}
     environment.update(env or {})
@@ -199,7 +194,43 @@ def browser(chromium: webdriver.Chrome) -> Iterator[webdriver.Chrome]:
         chromium.get_log("browser")  # type: ignore[no-untyped-call]
 
 
-@pytest.fixture
-async def store(engine: AsyncEngine, migrated: str) -> AsyncIterator[PgStore]:
-    async with await PgStore.from_engine(engine, PgStoreConfig(schema=migrated)) as s:
-        yield s
+def shots(tmp_path: Path) -> Path:
+    """Where screenshots go: ``CRONOQ_CONSOLE_SCREENSHOTS`` if set, else the test's own folder."""
+    where = os.environ.get("CRONOQ_CONSOLE_SCREENSHOTS")
+    path = Path(where) if where else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def text_of(browser: webdriver.Chrome, css: str) -> str:
+    """The element's text, looked up again if a refresh replaced it meanwhile."""
+    for _ in range(10):
+        try:
+            text: str = browser.find_element(By.CSS_SELECTOR, css).text
+            return text
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{css} kept being replaced")
+
+
+def refused_start(url: URL, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        console_command(url, *args), capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def without_credentials(**extra: str) -> dict[str, str]:
+    """This environment less the console's credentials, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, USER_ENV, PASSWORD_ENV)}
+    env.update(extra)
+    return env
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def logs(browser: webdriver.Chrome) -> list[dict[str, Any]]:
+    """The browser's console messages since the last call."""
+    entries: list[dict[str, Any]] = browser.get_log("browser")  # type: ignore[no-untyped-call]
+    return entries

@@ -25,12 +25,19 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._domain import Dependency, TaskId, TaskSpec
 from cronoq_store._mutations import Mutation, Submitted
 
-from ..test_cli import BASE, DAY, SUCCEEDED, changed, submitted
-from ..test_cli_json import ha_config
+from ..support import DAY, START_BASE, SUCCEEDED, changed, ha_config, submitted
 from ..waits import PATIENCE, bounded, holds_for
-from .conftest import Console, fetch, start_console, stop_console
-from .test_console_browser import shots, text_of
-from .test_console_security import basic, environment, refused_start
+from .conftest import (
+    Console,
+    basic,
+    fetch,
+    refused_start,
+    shots,
+    start_console,
+    stop_console,
+    text_of,
+    without_credentials,
+)
 
 PASSWORD = "pa55-" + uuid.uuid4().hex
 CREDENTIALS = {"CRONOQ_CONSOLE_USER": "ops", "CRONOQ_CONSOLE_PASSWORD": PASSWORD}
@@ -39,7 +46,9 @@ AUTH = basic("ops", PASSWORD)
 
 @pytest.fixture
 def acting(pg_url: URL, tmp_path: Path) -> Iterator[Console]:
-    console = start_console(pg_url, tmp_path, "--allow-actions", env=environment(**CREDENTIALS))
+    console = start_console(
+        pg_url, tmp_path, "--allow-actions", env=without_credentials(**CREDENTIALS)
+    )
     try:
         yield console
     finally:
@@ -56,7 +65,7 @@ async def leader(pg_url: URL, migrated: str) -> AsyncIterator[PgStore]:
 
 
 def test_actions_refuse_to_start_without_credentials(pg_url: URL) -> None:
-    done = refused_start(pg_url, "--allow-actions", "--port", "0", env=environment())
+    done = refused_start(pg_url, "--allow-actions", "--port", "0", env=without_credentials())
     assert done.returncode == ExitCode.USAGE
     assert "refusing --allow-actions without authentication" in done.stderr
 
@@ -216,14 +225,14 @@ async def test_a_prune_through_the_page_counts_first_then_deletes_what_it_counte
     schema = store.config.schema
     changes: list[Mutation] = []
     for n in range(1, 31):  # 30 finished two days ago
-        changes += [submitted(n, key=f"old-{n}"), changed(n, SUCCEEDED, ago=2 * DAY)]
+        changes += [submitted(n, key=f"old-{n}"), changed(n, SUCCEEDED, at=-2 * DAY)]
     for n in range(31, 36):  # 5 finished just now
         changes += [submitted(n), changed(n, SUCCEEDED)]
     # A live task depends on old-7 by key: that one is kept.
     changes.append(
         Submitted(TaskId(40), seq=40, arrival=0, spec=TaskSpec(b"p", deps=[Dependency("old-7")]))
     )
-    await store.commit(0, BASE, changes, [])
+    await store.commit(0, START_BASE, changes, [])
     target = f"{acting.base}/clusters/{schema}/prune"
 
     def prune() -> None:
@@ -276,8 +285,8 @@ async def test_a_prune_page_shows_its_progress_live_until_it_ends(
     schema = store.config.schema
     changes: list[Mutation] = []
     for n in range(1, 2501):  # three batches of the store's prune loop
-        changes += [submitted(n), changed(n, SUCCEEDED, ago=2 * DAY)]
-    await store.commit(0, BASE, changes, [])
+        changes += [submitted(n), changed(n, SUCCEEDED, at=-2 * DAY)]
+    await store.commit(0, START_BASE, changes, [])
     dry_run = f"{acting.base}/clusters/{schema}/prune?older_than=1d&format=json"
     dry = (await fetch(dry_run, AUTH)).json()
     assert dry["would_delete"] == 2500

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException
+from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
@@ -39,9 +37,9 @@ from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..pgharness import admin_execute
-from ..test_cli import BASE, DAY, FAILED, SUCCEEDED, changed, submitted
+from ..support import DAY, FAILED, START_BASE, SUCCEEDED, changed, submitted
 from ..waits import PATIENCE
-from .conftest import Console, fetch
+from .conftest import Console, fetch, logs, shots, text_of
 
 HOSTILE_KEY = "<img src=x onerror=alert(1)>"
 HOSTILE_POOL = "<script>alert(2)</script>\u202eloop"
@@ -49,19 +47,6 @@ HOSTILE_MESSAGE = "\x1b]0;owned\x07\x1b[2J\x9bstatus  succeeded\n<b onmouseover=
 
 #: A time as the pages show it: to the second in UTC, with how long ago.
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \((\d+ (s|min|h|d) ago|just now)\)"
-
-
-def shots(tmp_path: Path) -> Path:
-    where = os.environ.get("CRONOQ_CONSOLE_SCREENSHOTS")
-    path = Path(where) if where else tmp_path
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def logs(browser: webdriver.Chrome) -> list[dict[str, Any]]:
-    """The browser's console messages since the last call."""
-    entries: list[dict[str, Any]] = browser.get_log("browser")  # type: ignore[no-untyped-call]
-    return entries
 
 
 def no_alert(browser: webdriver.Chrome) -> None:
@@ -73,17 +58,6 @@ def wait_for(browser: webdriver.Chrome, css: str, timeout: float = PATIENCE) -> 
     WebDriverWait(browser, timeout).until(
         lambda b: b.find_elements(By.CSS_SELECTOR, css), f"no {css}"
     )
-
-
-def text_of(browser: webdriver.Chrome, css: str) -> str:
-    """The element's text, looked up again if a refresh replaced it meanwhile."""
-    for _ in range(10):
-        try:
-            text: str = browser.find_element(By.CSS_SELECTOR, css).text
-            return text
-        except StaleElementReferenceException:
-            continue
-    raise AssertionError(f"{css} kept being replaced")
 
 
 def spec_of(id: int, **spec: object) -> Submitted:
@@ -98,7 +72,7 @@ async def test_overview_to_cluster_to_task_and_back(
         epoch = await store.acquire_leadership()
         await store.commit(
             epoch,
-            BASE,
+            START_BASE,
             [
                 submitted(1, key="nightly", pool="etl", kind="report", tenant="acme"),
                 changed(1, SUCCEEDED, message="42 rows"),
@@ -184,7 +158,9 @@ async def test_the_lookup_takes_a_short_id_and_lists_a_number_of_several_epochs(
     store: PgStore, console_at: Console, browser: webdriver.Chrome
 ) -> None:
     one, other = task_id(1, 42), task_id(3, 42)
-    await store.commit(0, BASE, [submitted(one, key="first"), submitted(other, key="second")], [])
+    await store.commit(
+        0, START_BASE, [submitted(one, key="first"), submitted(other, key="second")], []
+    )
     cluster = f"{console_at.base}/clusters/{store.config.schema}"
 
     def look_up(text: str) -> None:
@@ -241,7 +217,7 @@ async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
     ]
     batch += [StatusChanged(TaskId(n), TaskStatus.RUNNING, attempt=1, at=0) for n in (3, 6)]
     batch += [submitted(61), changed(61, SUCCEEDED)]  # finished: not listed
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     cluster = f"{console_at.base}/clusters/{store.config.schema}"
     where = shots(tmp_path)
 
@@ -259,9 +235,9 @@ async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
         shown = browser.find_elements(By.CSS_SELECTOR, "#live-list td.age")
         ages = [seconds(a.text) for a in shown]
         assert ages == sorted(ages, reverse=True)
-        # Since it arrived: task n arrived 61 - n minutes before BASE (taken at import).
+        # Since it arrived: task n arrived 61 - n minutes before START_BASE (taken at import).
         for n in (1, 50):
-            expected = (time.time_ns() - (BASE.unix_ns - (61 - n) * minute)) / 1e9
+            expected = (time.time_ns() - (START_BASE.unix_ns - (61 - n) * minute)) / 1e9
             assert expected - 120 < ages[n - 1] <= expected, (n, shown[n - 1].text)
         # Times to the second, with how long ago: as on the task page.
         updated = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#live-list td.when")]
@@ -305,8 +281,8 @@ async def test_filters_and_keyset_pages(
     changes: list[Mutation] = []
     for n in range(1, 131):
         changes.append(submitted(n, pool="etl" if n % 2 else "web", kind=f"k{n % 3}"))
-        changes.append(changed(n, FAILED if n % 5 == 0 else SUCCEEDED, ago=n * 60 * 10**9))
-    await store.commit(0, BASE, changes, [])
+        changes.append(changed(n, FAILED if n % 5 == 0 else SUCCEEDED, at=-n * 60 * 10**9))
+    await store.commit(0, START_BASE, changes, [])
     cluster = f"{console_at.base}/clusters/{store.config.schema}"
 
     def ids() -> list[int]:
@@ -340,7 +316,9 @@ async def test_filters_and_keyset_pages(
         assert text_of(browser, "#matching") == f"{len(expected)} matching, newest first"
 
         # A time window: updated within the last 55 minutes (tasks 1..54), kind k0.
-        since = datetime.fromtimestamp(BASE.unix_ns / 1e9, timezone.utc) - timedelta(minutes=55)
+        since = datetime.fromtimestamp(START_BASE.unix_ns / 1e9, timezone.utc) - timedelta(
+            minutes=55
+        )
         browser.get(f"{cluster}?kind=k0&since={since:%Y-%m-%dT%H:%M:%S}")
         wait_for(browser, "#finished-tasks")
         assert every_page() == [n for n in range(1, 55) if n % 3 == 0]
@@ -366,13 +344,13 @@ async def test_the_overview_refreshes_after_a_commit(
     store: PgStore, refreshing: Console, browser: webdriver.Chrome
 ) -> None:
     console_at = refreshing
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     live = f"#cluster-{store.config.schema} .live"
     browser.get(console_at.base + "/")
     wait_for(browser, live)
     assert text_of(browser, live) == "queued 1"
 
-    await store.commit(0, BASE, [submitted(2), submitted(3), changed(3, SUCCEEDED)], [])
+    await store.commit(0, START_BASE, [submitted(2), submitted(3), changed(3, SUCCEEDED)], [])
     await asyncio.to_thread(
         WebDriverWait(browser, PATIENCE).until, lambda b: text_of(b, live) == "queued 2"
     )
@@ -386,7 +364,7 @@ async def test_hostile_text_is_shown_as_text(
 ) -> None:
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1, key=HOSTILE_KEY, pool=HOSTILE_POOL, kind="<i>k</i>", tenant="\u2066t"),
             changed(1, FAILED, message=HOSTILE_MESSAGE),
@@ -438,7 +416,7 @@ async def test_the_task_page_speaks_in_durations_words_and_coloured_statuses(
 ) -> None:
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             spec_of(
                 1,
@@ -543,8 +521,8 @@ async def test_old_finished_tasks_are_counted_at_least(store: PgStore, console_a
     many = cs.SAMPLE + 5
     changes: list[Mutation] = []
     for n in range(1, many + 1):
-        changes += [submitted(n), changed(n, SUCCEEDED, ago=DAY)]
-    await store.commit(0, BASE, changes, [])
+        changes += [submitted(n), changed(n, SUCCEEDED, at=-DAY)]
+    await store.commit(0, START_BASE, changes, [])
     clusters = (await fetch(console_at.base + "/?format=json")).json()["clusters"]
     (cluster,) = [c for c in clusters if c["schema"] == store.config.schema]
     assert cluster["finished"] == {
@@ -564,7 +542,7 @@ async def test_a_slow_refresh_is_never_overlapped_by_the_next(
     """Refreshes slower than the page's period (1 s here): the page waits for each to end
     before it starts the next, so one open tab never piles requests up on the server (the
     overview of many clusters can take longer than its period)."""
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     browser.get(refreshing.base + "/")
     wait_for(browser, f"#cluster-{store.config.schema} .live")
     # Every refresh from now on takes 3 s longer than the server does.
@@ -591,7 +569,7 @@ async def test_a_refused_refresh_says_why(
     """A refresh the server refuses after the page opened shows the reason its error page
     gives (as that page writes it), and the content shown before stays."""
     schema = store.config.schema
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     browser.get(f"{refreshing.base}/clusters/{schema}/live")
     wait_for(browser, "#live-list")
     await admin_execute(

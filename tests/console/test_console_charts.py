@@ -21,6 +21,7 @@ from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..pgharness import admin_execute
+from ..support import CANCELLED, FAILED, SKIPPED, SUCCEEDED
 from .conftest import Console, fetch
 
 S = 10**9
@@ -28,8 +29,6 @@ MINUTE = 60 * S
 #: Where the charts end: a minute boundary an hour ago, so no bucket is the minute under way.
 END = (time.time_ns() // MINUTE - 60) * MINUTE
 BASE = TimeBase(engine_ns=0, unix_ns=END)
-SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
-CANCELLED, SKIPPED = TaskStatus.CANCELLED, TaskStatus.SKIPPED
 
 
 def first_read(browser: Any, url: str) -> None:
@@ -188,7 +187,7 @@ async def test_a_bucket_past_its_bound_is_marked_in_chromium(
     estimate is what it draws there."""
     from selenium.webdriver.common.by import By
 
-    from .test_console_browser import shots
+    from .conftest import shots
 
     minute_start = END - 10 * MINUTE
     async with engine.begin() as conn:
@@ -291,7 +290,7 @@ async def test_the_charts_draw_in_chromium_from_the_json_under_the_policy(
     from selenium.webdriver.support.ui import WebDriverWait
 
     from ..waits import PATIENCE
-    from .test_console_browser import logs, shots
+    from .conftest import logs, shots
 
     schema = store.config.schema
     epoch = await store.acquire_leadership()

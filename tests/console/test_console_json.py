@@ -19,9 +19,17 @@ from cronoq_store._domain import TaskId
 from cronoq_store._migrations import head_revision, upgrade
 
 from ..pgharness import admin_execute
-from ..test_cli import BASE, FAILED, SUCCEEDED, changed, submitted
-from ..test_cli_json import command, environment, ha_config
-from ..test_schema_revisions import older_revisions
+from ..support import (
+    FAILED,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    cli_command,
+    cli_environment,
+    ha_config,
+    older_revisions,
+    submitted,
+)
 from .conftest import Console, fetch
 
 #: What a task's page adds to ``tasks show --json``.
@@ -31,11 +39,11 @@ TASK_PAGE_EXTRAS = {"schema", "deps", "deps_total", "deps_raw"}
 async def cli_json(pg_url: URL, schema: str, *args: str, code: int = 0) -> Any:
     done = await asyncio.to_thread(
         subprocess.run,
-        command(pg_url, schema, *args, "--json"),
+        cli_command(pg_url, schema, *args, "--json"),
         capture_output=True,
         text=True,
         timeout=60,
-        env=environment(),
+        env=cli_environment(),
     )
     assert done.returncode == code, done.stderr
     return json.loads(done.stdout)
@@ -48,7 +56,7 @@ async def test_every_page_holds_the_clis_documents(
         epoch = await store.acquire_leadership()
         await store.commit(
             epoch,
-            BASE,
+            START_BASE,
             [
                 submitted(1, key="nightly", pool="etl", tenant="acme"),
                 changed(1, SUCCEEDED, message="42 rows"),

@@ -5,7 +5,6 @@ in a subprocess, over HTTP; one page in chromium with basic-auth credentials."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import subprocess
 import sys
 import uuid
@@ -25,11 +24,18 @@ from cronoq_store._console.security import PASSWORD_ENV, TOKEN_ENV, USER_ENV
 from cronoq_store._mutations import Mutation
 
 from ..pgharness import admin_execute
-from ..test_cli import BASE, FAILED, changed, submitted
+from ..support import FAILED, ROOT, START_BASE, changed, submitted
 from ..waits import PATIENCE
-from .conftest import Console, console_command, fetch, start_console, stop_console
+from .conftest import (
+    Console,
+    basic,
+    fetch,
+    refused_start,
+    start_console,
+    stop_console,
+    without_credentials,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "t0ken-" + uuid.uuid4().hex
 POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -37,25 +43,11 @@ POLICY = (
 )
 
 
-def refused_start(url: URL, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        console_command(url, *args), capture_output=True, text=True, timeout=60, env=env
-    )
-
-
-def environment(**extra: str) -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, USER_ENV, PASSWORD_ENV)}
-    env.update(extra)
-    return env
-
-
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "console.example"])
 def test_a_non_loopback_bind_refuses_to_start_without_authentication(
     pg_url: URL, host: str
 ) -> None:
-    done = refused_start(pg_url, "--host", host, "--port", "0", env=environment())
+    done = refused_start(pg_url, "--host", host, "--port", "0", env=without_credentials())
     assert done.returncode == ExitCode.USAGE, done.stderr
     assert f"refusing to serve {host} without authentication: set ${TOKEN_ENV}" in done.stderr
     assert pg_url.password
@@ -73,28 +65,26 @@ def test_a_non_loopback_bind_refuses_to_start_without_authentication(
 def test_weak_or_half_given_credentials_refuse_to_start(
     pg_url: URL, extra: dict[str, str], reason: str
 ) -> None:
-    done = refused_start(pg_url, "--host", "0.0.0.0", "--port", "0", env=environment(**extra))
+    done = refused_start(
+        pg_url, "--host", "0.0.0.0", "--port", "0", env=without_credentials(**extra)
+    )
     assert done.returncode == ExitCode.USAGE, done.stderr
     assert reason in done.stderr
 
 
 def test_there_is_no_credential_option(pg_url: URL) -> None:
     """The command line is visible to every user of the machine (ps)."""
-    done = refused_start(pg_url, "--help", env=environment())
+    done = refused_start(pg_url, "--help", env=without_credentials())
     assert done.returncode == 0
     assert "--token" not in done.stdout
     assert "--password" not in done.stdout
     assert TOKEN_ENV in done.stdout
 
 
-def basic(user: str, password: str) -> dict[str, str]:
-    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
-
-
 async def test_with_credentials_every_request_must_carry_them(
     pg_url: URL, migrated: str, tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
-    env = environment(**{TOKEN_ENV: TOKEN, USER_ENV: "ops", PASSWORD_ENV: "pa55-" + TOKEN})
+    env = without_credentials(**{TOKEN_ENV: TOKEN, USER_ENV: "ops", PASSWORD_ENV: "pa55-" + TOKEN})
     console = start_console(pg_url, tmp_path, "--refresh", "1", host="0.0.0.0", env=env)
     # (It refreshes: the browser below checks that a refresh carries the credentials too.)
     try:
@@ -186,7 +176,7 @@ async def test_every_page_forbids_inline_script_and_framing_and_has_none(
     schema = store.config.schema
     batch: list[Mutation] = [submitted(1, key="k"), changed(1, FAILED, message="m")]
     batch += [submitted(task_id(1, 5)), submitted(task_id(2, 5))]  # #5 of two epochs
-    await store.commit(0, BASE, batch, [])
+    await store.commit(0, START_BASE, batch, [])
     pages = {
         "/": 200,
         f"/clusters/{schema}": 200,
@@ -272,7 +262,7 @@ async def test_a_role_that_can_only_read_sees_every_page(
 ) -> None:
     """The grants docs/console.md lists: USAGE on the schema, SELECT on its tables."""
     schema = store.config.schema
-    await store.commit(0, BASE, [submitted(1, key="k"), changed(1, FAILED, message="m")], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k"), changed(1, FAILED, message="m")], [])
     role, password = f"ro_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     await admin_execute(pg_url, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
     try:

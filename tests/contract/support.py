@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 from abc import ABC, abstractmethod
 from datetime import datetime, timedelta
 from enum import Enum
@@ -36,10 +35,8 @@ from cronoq_store import (
     StatusChanged,
     Store,
     StoreQueries,
-    Submitted,
     TaskId,
     TaskRecord,
-    TaskSpec,
     TaskStatus,
     TimeBase,
 )
@@ -48,14 +45,10 @@ from cronoq_store._protocols import Committable
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends
+from ..support import (
+    START_BASE,
+)
 from ..waits import bounded, until_value
-
-#: Engine time 0 is "now" when the module is imported; every test commits through it.
-BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
-HOUR = 3600 * 10**9
-QUEUED = None  # a queued task's TaskRecord.status
-RUNNING, RETRYING = TaskStatus.RUNNING, TaskStatus.RETRYING
-SUCCEEDED, FAILED, CANCELLED = TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED
 
 
 class Capability(Enum):
@@ -250,15 +243,6 @@ class MemoryCluster(Cluster):
 # --- building and reading what tests commit -------------------------------------------------
 
 
-def submitted(
-    id: int, payload: bytes = b"p", *, seq: int | None = None, arrival: int = 1, **spec: Any
-) -> Submitted:
-    """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``arrival``."""
-    return Submitted(
-        TaskId(id), seq=id if seq is None else seq, arrival=arrival, spec=TaskSpec(payload, **spec)
-    )
-
-
 def step(
     id: int, status: TaskStatus, attempt: int = 1, at: int = 100, message: str | None = None
 ) -> StatusChanged:
@@ -266,8 +250,8 @@ def step(
 
 
 def when(at: int) -> datetime:
-    """``TaskRecord.updated`` of a transition at engine time ``at`` through ``BASE``."""
-    return UNIX_EPOCH + timedelta(microseconds=BASE.to_unix(at) // 1000)
+    """``TaskRecord.updated`` of a transition at engine time ``at`` through ``START_BASE``."""
+    return UNIX_EPOCH + timedelta(microseconds=START_BASE.to_unix(at) // 1000)
 
 
 def state(record: TaskRecord | None) -> tuple[Any, ...] | None:
@@ -297,4 +281,4 @@ async def observe(store: ContractStore, ids: range | list[int]) -> tuple[Any, ..
     records = [await store.get_task(TaskId(i)) for i in ids]
     outputs = [await store.load_output(TaskId(i)) for i in ids]
     finished = await store.list_finished(limit=10_000)
-    return records, outputs, finished, summary(await store.recover(BASE))
+    return records, outputs, finished, summary(await store.recover(START_BASE))

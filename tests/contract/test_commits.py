@@ -28,21 +28,8 @@ from cronoq_store import (
 )
 from cronoq_store._writer import COPY_MIN_ROWS
 
-from .support import (
-    BASE,
-    CANCELLED,
-    FAILED,
-    QUEUED,
-    RUNNING,
-    SUCCEEDED,
-    Cluster,
-    observe,
-    state,
-    step,
-    submitted,
-    summary,
-    when,
-)
+from ..support import CANCELLED, FAILED, QUEUED, RUNNING, START_BASE, SUCCEEDED, submitted
+from .support import Cluster, observe, state, step, summary, when
 
 
 def every(seconds: int, name: str = "r", **template: Any) -> RecurringSpec:
@@ -54,7 +41,7 @@ def every(seconds: int, name: str = "r", **template: Any) -> RecurringSpec:
 async def test_a_batch_committed_again_changes_nothing(cluster: Cluster) -> None:
     """The retry of a batch whose acknowledgement was lost."""
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), submitted(2)], [])
+    await store.commit(0, START_BASE, [submitted(1), submitted(2)], [])
     batch: list[Mutation] = [
         step(1, RUNNING, 1, 10, "started"),
         step(1, SUCCEEDED, 1, 20),
@@ -65,10 +52,10 @@ async def test_a_batch_committed_again_changes_nothing(cluster: Cluster) -> None
         RecurringNext("r", 500, TaskId(3)),
     ]
     outputs = [(TaskId(1), b"out")]
-    await store.commit(0, BASE, batch, outputs)
+    await store.commit(0, START_BASE, batch, outputs)
     landed = await observe(store, range(1, 5))
     for _ in range(2):
-        await store.commit(0, BASE, batch, outputs)
+        await store.commit(0, START_BASE, batch, outputs)
         assert await observe(store, range(1, 5)) == landed
     records, stored_outputs, _, recovered = landed
     assert [r.status if r else "missing" for r in records] == [SUCCEEDED, QUEUED, RUNNING, QUEUED]
@@ -78,7 +65,7 @@ async def test_a_batch_committed_again_changes_nothing(cluster: Cluster) -> None
 
 async def test_an_output_is_kept_only_for_a_task_that_ends_succeeded(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), submitted(5)], [])
+    await store.commit(0, START_BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [
         step(1, CANCELLED, 1, 10),  # stored: cancelled first, so final
         step(1, SUCCEEDED, 1, 20),
@@ -92,7 +79,7 @@ async def test_an_output_is_kept_only_for_a_task_that_ends_succeeded(cluster: Cl
         step(5, CANCELLED, 1, 10),
         step(5, SUCCEEDED, 1, 20),
     ]
-    await store.commit(0, BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 7)])
+    await store.commit(0, START_BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 7)])
     records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
     assert [(r.status, r.output) if r else None for r in records] == [
         (CANCELLED, None),
@@ -110,28 +97,28 @@ async def test_an_output_is_kept_only_for_a_task_that_ends_succeeded(cluster: Cl
         None,
     ]
     # The last output given for a task wins, in a batch and across batches.
-    await store.commit(0, BASE, [], [(TaskId(4), b"first"), (TaskId(4), b"\0last")])
+    await store.commit(0, START_BASE, [], [(TaskId(4), b"first"), (TaskId(4), b"\0last")])
     assert await store.load_output(TaskId(4)) == b"\0last"
 
 
 async def test_a_key_is_held_by_at_most_one_live_task(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1, key="k")], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k")], [])
     before = await observe(store, range(1, 4))
     with pytest.raises(KeyTakenError) as caught:
-        await store.commit(0, BASE, [submitted(3), submitted(2, key="k")], [])
+        await store.commit(0, START_BASE, [submitted(3), submitted(2, key="k")], [])
     assert caught.value.keys == ["k"]
     assert "nothing of the batch was written" in str(caught.value)
     assert not caught.value.is_transient
     assert await observe(store, range(1, 4)) == before  # not even task 3
     # Its holder finishing releases it: in the same batch, updates come before inserts.
-    await store.commit(0, BASE, [step(1, SUCCEEDED), submitted(2, key="k")], [])
+    await store.commit(0, START_BASE, [step(1, SUCCEEDED), submitted(2, key="k")], [])
     # A task that finishes in the batch that submits it never holds its key.
-    await store.commit(0, BASE, [submitted(3, key="k"), step(3, CANCELLED)], [])
+    await store.commit(0, START_BASE, [submitted(3, key="k"), step(3, CANCELLED)], [])
     newest = await store.get_task("k")
     assert newest is not None
     assert (newest.id, newest.status) == (3, CANCELLED)
-    live = [t.id for t in (await store.recover(BASE)).tasks]
+    live = [t.id for t in (await store.recover(START_BASE)).tasks]
     assert live == [2]
 
 
@@ -142,17 +129,19 @@ async def test_a_task_sent_again_with_later_transitions_moves_as_a_stored_task(
     batch that grew) moves the stored row as an update does: its message carries forward,
     its output is kept, and the key it releases can be taken in the same batch."""
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1, key="k"), step(1, RUNNING, message="started")], [])
+    await store.commit(
+        0, START_BASE, [submitted(1, key="k"), step(1, RUNNING, message="started")], []
+    )
     again: list[Mutation] = [
         submitted(1, key="k"),
         step(1, SUCCEEDED, at=200),
         submitted(2, key="k"),
     ]
-    await store.commit(0, BASE, again, [(TaskId(1), b"out")])
+    await store.commit(0, START_BASE, again, [(TaskId(1), b"out")])
     one = await store.get_task(TaskId(1))
     assert state(one) == (SUCCEEDED, 1, "started", when(200))
     assert await store.load_output(TaskId(1)) == b"out"
-    assert [t.id for t in (await store.recover(BASE)).tasks] == [2]
+    assert [t.id for t in (await store.recover(START_BASE)).tasks] == [2]
     newest = await store.get_task("k")
     assert newest is not None
     assert (newest.id, newest.status) == (2, QUEUED)
@@ -160,9 +149,9 @@ async def test_a_task_sent_again_with_later_transitions_moves_as_a_stored_task(
 
 async def test_keys_that_differ_only_by_nul_and_u_fffd_are_one_key(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1, key="k\0")], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k\0")], [])
     with pytest.raises(KeyTakenError) as caught:
-        await store.commit(0, BASE, [submitted(2, key="k\ufffd")], [])
+        await store.commit(0, START_BASE, [submitted(2, key="k\ufffd")], [])
     assert caught.value.keys == ["k\ufffd"]
     found = await store.get_task("k\ufffd")
     assert found is not None
@@ -183,17 +172,17 @@ async def test_a_different_task_under_a_stored_id_is_refused_with_nothing_writte
     cluster: Cluster, field: str
 ) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1, key="k"), submitted(2)], [])
+    await store.commit(0, START_BASE, [submitted(1, key="k"), submitted(2)], [])
     before = await observe(store, range(1, 12))
     batch: list[Mutation] = [step(2, RUNNING), submitted(11), OTHER_TASKS[field]]
     with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, START_BASE, batch, [])
     assert caught.value.ids == [1]
     assert not caught.value.is_transient
     assert await observe(store, range(1, 12)) == before  # next_id did not move either
     # The same submission again is no collision.
-    await store.commit(0, BASE, [step(2, RUNNING), submitted(11), submitted(1, key="k")], [])
-    assert [t.id for t in (await store.recover(BASE)).tasks] == [1, 2, 11]
+    await store.commit(0, START_BASE, [step(2, RUNNING), submitted(11), submitted(1, key="k")], [])
+    assert [t.id for t in (await store.recover(START_BASE)).tasks] == [1, 2, 11]
 
 
 async def test_a_different_task_under_an_id_of_the_same_batch_is_refused(
@@ -201,8 +190,8 @@ async def test_a_different_task_under_an_id_of_the_same_batch_is_refused(
 ) -> None:
     store = await cluster.open()
     with pytest.raises(IdCollisionError, match="task id 3 already taken by another Submitted"):
-        await store.commit(0, BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
-    assert summary(await store.recover(BASE))["next_id"] == 1  # ids 3 and 4 not recorded
+        await store.commit(0, START_BASE, [submitted(3), submitted(4), submitted(3, b"other")], [])
+    assert summary(await store.recover(START_BASE))["next_id"] == 1  # ids 3 and 4 not recorded
 
 
 async def test_nul_in_every_string_is_stored_as_the_replacement_character(
@@ -225,7 +214,7 @@ async def test_nul_in_every_string_is_stored_as_the_replacement_character(
     )
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1, **{f: getattr(spec, f) for f in ("kind", "pool", "key", "tenant")}),
             submitted(2, b"\0", **{f: getattr(spec, f) for f in ("tags", "labels", "deps")}),
@@ -236,7 +225,7 @@ async def test_nul_in_every_string_is_stored_as_the_replacement_character(
         ],
         [],
     )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     one, two, three = (t.spec for t in recovered.tasks)
     assert (one.kind, one.pool, one.key, one.tenant) == (clean, clean, clean, clean)
     assert (two.tags, two.labels, two.deps, two.payload) == (
@@ -261,7 +250,7 @@ async def test_recurring_changes_apply_in_batch_order(cluster: Cluster) -> None:
     store = await cluster.open()
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             RecurringUpsert(every(10, "a")),
             RecurringNext("a", 1_000, TaskId(7)),
@@ -275,7 +264,7 @@ async def test_recurring_changes_apply_in_batch_order(cluster: Cluster) -> None:
         ],
         [],
     )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     got = {r.spec.name: (r.spec.schedule, r.next, r.last) for r in recovered.recurring}
     assert got == {
         "a": (IntervalSchedule(timedelta(seconds=20)), None, None),
@@ -287,7 +276,7 @@ async def test_an_engine_time_outside_bigint_fails_its_batch_naming_the_field(
     cluster: Cluster,
 ) -> None:
     store = await cluster.open()
-    far = 2**63 - 1  # fits the domain, but not once converted to Unix ns through BASE
+    far = 2**63 - 1  # fits the domain, but not once converted to Unix ns through START_BASE
     batches: list[tuple[list[Mutation], str]] = [
         ([submitted(1), submitted(2, deadline=far)], "deadline"),
         ([submitted(1), step(1, RUNNING, 1, far)], "at"),
@@ -295,7 +284,7 @@ async def test_an_engine_time_outside_bigint_fails_its_batch_naming_the_field(
     ]
     for batch, field in batches:
         with pytest.raises(ValueError, match=f"^{field}: "):
-            await store.commit(0, BASE, batch, [])
+            await store.commit(0, START_BASE, batch, [])
     records, _, finished, recovered = await observe(store, [1, 2])
     assert (records, finished, recovered["next_id"], recovered["recurring"]) == (
         [None, None],
@@ -311,20 +300,20 @@ async def test_a_batch_over_the_byte_bound_is_refused_before_anything_is_written
     store = await cluster.open()
     store.max_commit_bytes = 10_000
     with pytest.raises(BatchTooLargeError):
-        await store.commit(0, BASE, [submitted(1), submitted(2, b"x" * 10_000)], [])
+        await store.commit(0, START_BASE, [submitted(1), submitted(2, b"x" * 10_000)], [])
     assert await store.get_task(TaskId(1)) is None
-    await store.commit(0, BASE, [submitted(1)], [])
+    await store.commit(0, START_BASE, [submitted(1)], [])
     assert await store.get_task(TaskId(1)) is not None
 
 
 async def test_what_a_group_committer_acknowledges_is_recovered(cluster: Cluster) -> None:
     store = await cluster.open()
     epoch = await store.acquire_leadership()
-    async with GroupCommitter(store, epoch, BASE) as committer:
+    async with GroupCommitter(store, epoch, START_BASE) as committer:
         await asyncio.gather(
             *(committer.submit([submitted(i), step(i, RUNNING, 1, i)]) for i in range(1, 41))
         )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [(t.id, t.attempt) for t in recovered.tasks] == [(i, 1) for i in range(1, 41)]
     assert recovered.next_id == 41
 
@@ -345,13 +334,13 @@ async def test_an_id_collision_wins_over_taken_keys_whatever_the_order(
     what the store holds, so ``IdCollisionError`` is raised even where its rows taking held
     keys meet the index first."""
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(2, key="k1"), submitted(5, key="k2")], [])
+    await store.commit(0, START_BASE, [submitted(2, key="k1"), submitted(5, key="k2")], [])
     before = await observe(store, range(1, 12))
     keys: list[Mutation] = [submitted(1, key="k1"), submitted(9, key="k2")]
     colliding: list[Mutation] = [submitted(5, b"other")]
     batch = colliding + keys if order == "collision first" else keys + colliding
     with pytest.raises(IdCollisionError) as caught:
-        await store.commit(0, BASE, _padded(batch, path), [])
+        await store.commit(0, START_BASE, _padded(batch, path), [])
     assert caught.value.ids == [5]
     assert await observe(store, range(1, 12)) == before
 
@@ -362,7 +351,10 @@ async def test_key_taken_names_every_key_taken(cluster: Cluster, path: str) -> N
     of the same batch: every such key is named, sorted."""
     store = await cluster.open()
     await store.commit(
-        0, BASE, [submitted(1, key="k1"), submitted(2, key="k2"), submitted(3, key="free")], []
+        0,
+        START_BASE,
+        [submitted(1, key="k1"), submitted(2, key="k2"), submitted(3, key="free")],
+        [],
     )
     batch: list[Mutation] = [
         step(3, SUCCEEDED),  # releases "free" before the inserts
@@ -374,7 +366,7 @@ async def test_key_taken_names_every_key_taken(cluster: Cluster, path: str) -> N
         submitted(16, key="new"),
     ]
     with pytest.raises(KeyTakenError) as caught:
-        await store.commit(0, BASE, _padded(batch, path), [])
+        await store.commit(0, START_BASE, _padded(batch, path), [])
     assert caught.value.keys == ["k1", "k2", "twice"]
     assert "'k1', 'k2', 'twice'" in str(caught.value)
-    assert [t.id for t in (await store.recover(BASE)).tasks] == [1, 2, 3]
+    assert [t.id for t in (await store.recover(START_BASE)).tasks] == [1, 2, 3]

@@ -18,8 +18,9 @@ from cronoq_store import (
     task_id,
 )
 
+from ..support import RUNNING, START_BASE, submitted
 from ..waits import bounded, holds_for
-from .support import BASE, RUNNING, Cluster, ContractStore, observe, step, submitted
+from .support import Cluster, ContractStore, observe, step
 
 
 async def lead(store: ContractStore) -> int:
@@ -42,7 +43,7 @@ async def test_a_standby_waits_and_takes_over_with_the_next_epoch_on_release(
     standby = asyncio.ensure_future(b.acquire_leadership())
     assert await still_waiting(standby)
     assert (b.is_leader, b.epoch) == (False, None)
-    await a.commit(1, BASE, [submitted(1)], [])
+    await a.commit(1, START_BASE, [submitted(1)], [])
 
     await a.release_leadership()
     assert (a.is_leader, a.epoch) == (False, None)
@@ -50,26 +51,26 @@ async def test_a_standby_waits_and_takes_over_with_the_next_epoch_on_release(
     assert await bounded(standby, "the standby's takeover after the release") == 2
     assert (b.is_leader, b.epoch) == (True, 2)
     with pytest.raises(FencedError, match="leadership was lost"):
-        await a.commit(1, BASE, [step(1, RUNNING)], [])
-    await b.commit(2, BASE, [step(1, RUNNING, 1, 5)], [])
-    [task] = (await b.recover(BASE)).tasks
+        await a.commit(1, START_BASE, [step(1, RUNNING)], [])
+    await b.commit(2, START_BASE, [step(1, RUNNING, 1, 5)], [])
+    [task] = (await b.recover(START_BASE)).tasks
     assert (task.id, task.attempt) == (1, 1)
 
 
 async def test_a_stale_epoch_is_fenced_and_nothing_is_written(cluster: Cluster) -> None:
     a, b, zombie = await cluster.open(), await cluster.open(), await cluster.open()
     assert await lead(a) == 1
-    await a.commit(1, BASE, [submitted(1)], [])
+    await a.commit(1, START_BASE, [submitted(1)], [])
     await a.release_leadership()
     assert await lead(b) == 2
     before = await observe(b, [1, 2])
     # An instance that never led commits with the old epoch: the commit's own epoch check
     # refuses it, and from then on it refuses at once, even an epoch that would pass.
     with pytest.raises(FencedError, match="stored epoch is 2"):
-        await zombie.commit(1, BASE, [step(1, RUNNING), submitted(2)], [(TaskId(1), b"o")])
+        await zombie.commit(1, START_BASE, [step(1, RUNNING), submitted(2)], [(TaskId(1), b"o")])
     assert not zombie.is_leader
     with pytest.raises(FencedError, match="leadership was lost"):
-        await zombie.commit(2, BASE, [submitted(2)], [])
+        await zombie.commit(2, START_BASE, [submitted(2)], [])
     assert await observe(b, [1, 2]) == before
 
 
@@ -78,7 +79,7 @@ async def test_a_leader_whose_lock_session_ends_steps_down_and_a_standby_takes_o
 ) -> None:
     a, b = await cluster.open(), await cluster.open()
     epoch = await lead(a)
-    await a.commit(epoch, BASE, [submitted(1), step(1, RUNNING, 1, 5)], [])
+    await a.commit(epoch, START_BASE, [submitted(1), step(1, RUNNING, 1, 5)], [])
     standby = asyncio.ensure_future(b.acquire_leadership())
     assert await still_waiting(standby)
 
@@ -87,8 +88,8 @@ async def test_a_leader_whose_lock_session_ends_steps_down_and_a_standby_takes_o
     assert not a.is_leader
     assert await bounded(standby, "the standby's takeover") == epoch + 1
     with pytest.raises(FencedError):
-        await a.commit(epoch, BASE, [submitted(2)], [])
-    recovered = await b.recover(BASE)
+        await a.commit(epoch, START_BASE, [submitted(2)], [])
+    recovered = await b.recover(START_BASE)
     assert [(t.id, t.attempt) for t in recovered.tasks] == [(1, 1)]
     assert await b.get_task(TaskId(2)) is None
 
@@ -109,7 +110,7 @@ async def test_each_acquisition_is_a_new_term_with_a_new_epoch(cluster: Cluster)
     assert await lead(a) == 2  # acquiring while leading starts a new term
     await a.release_leadership()
     assert await lead(a) == 3
-    await a.commit(3, BASE, [submitted(1)], [])  # the new term commits
+    await a.commit(3, START_BASE, [submitted(1)], [])  # the new term commits
     assert await a.get_task(TaskId(1)) is not None
 
 
@@ -132,9 +133,9 @@ async def test_the_epoch_wraps_from_32767_to_1_and_ids_stay_unique(cluster: Clus
         """A new leader that recovers and issues two ids by the documented rule."""
         store = await cluster.open()
         epoch = await lead(store)
-        first = max((await store.recover(BASE)).next_id, task_id(epoch, 0))
+        first = max((await store.recover(START_BASE)).next_id, task_id(epoch, 0))
         ids = [TaskId(first), TaskId(first + 1)]
-        await store.commit(epoch, BASE, [submitted(i) for i in ids], [])
+        await store.commit(epoch, START_BASE, [submitted(i) for i in ids], [])
         await store.release_leadership()
         return store, epoch, ids
 
@@ -146,8 +147,8 @@ async def test_the_epoch_wraps_from_32767_to_1_and_ids_stay_unique(cluster: Clus
     epoch = await lead(store)
     naive = [Submitted(task_id(EPOCH_MAX, 0), 7, 7, TaskSpec(b"new")), submitted(9)]
     with pytest.raises(IdCollisionError, match=f"task id {task_id(EPOCH_MAX, 0)} "):
-        await store.commit(epoch, BASE, naive, [])
-    recovered = await store.recover(BASE)
+        await store.commit(epoch, START_BASE, naive, [])
+    recovered = await store.recover(START_BASE)
     assert [t.id for t in recovered.tasks] == [*last, *wrapped]
     assert recovered.next_id == wrapped[-1] + 1
 
@@ -161,7 +162,7 @@ async def test_a_leader_whose_epoch_moved_on_is_fenced_steps_down_and_frees_the_
     assert await still_waiting(standby)
     await cluster.move_epoch()  # the term of `epoch` is over, whether `a` noticed or not
     with pytest.raises(FencedError):
-        await a.commit(epoch, BASE, [submitted(1)], [])
+        await a.commit(epoch, START_BASE, [submitted(1)], [])
     await asyncio.wait_for(a.leadership_lost(), cluster.step_down_bound)
     assert not a.is_leader
     assert await bounded(standby, "the standby's takeover") == epoch + 2
@@ -182,11 +183,11 @@ async def test_a_late_commit_of_an_earlier_term_never_ends_the_current_one(
     assert await still_waiting(standby)
     lost = asyncio.ensure_future(a.leadership_lost())
     with pytest.raises(FencedError):
-        await a.commit(earlier, BASE, [submitted(1)], [])
+        await a.commit(earlier, START_BASE, [submitted(1)], [])
     with pytest.raises(FencedError):
-        await a.commit(current + 5, BASE, [submitted(2)], [])
+        await a.commit(current + 5, START_BASE, [submitted(2)], [])
     assert (a.is_leader, a.epoch) == (True, current)
-    await a.commit(current, BASE, [submitted(3)], [])
+    await a.commit(current, START_BASE, [submitted(3)], [])
     assert not lost.done()
     assert await still_waiting(standby)
     assert [await a.get_task(TaskId(i)) is not None for i in (1, 2, 3)] == [False, False, True]

@@ -7,36 +7,32 @@ from typing import Any
 
 import pytest
 
-from cronoq_store import Dependency, Mutation, Priority, StatusChanged, TaskId, TaskStatus
+from cronoq_store import Dependency, Mutation, Priority, TaskId
 
-from .support import (
-    BASE,
+from ..support import (
     CANCELLED,
     FAILED,
     HOUR,
     QUEUED,
     RUNNING,
+    START_BASE,
     SUCCEEDED,
-    Cluster,
+    changed,
     submitted,
-    when,
 )
-
-
-def changed(id: int, status: TaskStatus, ago: int = 0, message: str | None = None) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt=2, at=-ago, message=message)
+from .support import Cluster, when
 
 
 async def test_get_task_by_id_and_the_newest_by_key(cluster: Cluster) -> None:
     store = await cluster.open()
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1, key="k", pool="io", kind="email", priority=Priority.HIGH, tenant="t"),
-            changed(1, FAILED, ago=HOUR, message="boom"),
+            changed(1, FAILED, at=-HOUR, message="boom", attempt=2),
             submitted(5, key="k"),
-            changed(5, SUCCEEDED),
+            changed(5, SUCCEEDED, attempt=2),
             submitted(7, key="k"),
             submitted(8, key="n\0ul"),
         ],
@@ -74,9 +70,9 @@ async def test_list_finished_filters_and_pages_in_id_order(cluster: Cluster) -> 
     for id in range(30, 0, -1):  # submitted in reverse: the order is the ids'
         pool = "a" if id % 2 else "b"
         status = [SUCCEEDED, FAILED, CANCELLED][id % 3]
-        batch += [submitted(id, pool=pool), changed(id, status)]
-    batch += [submitted(31, pool="a"), changed(31, RUNNING), submitted(32, pool="a")]
-    await store.commit(0, BASE, batch, [])
+        batch += [submitted(id, pool=pool), changed(id, status, attempt=2)]
+    batch += [submitted(31, pool="a"), changed(31, RUNNING, attempt=2), submitted(32, pool="a")]
+    await store.commit(0, START_BASE, batch, [])
 
     everything = await store.list_finished(limit=1000)
     assert [r.id for r in everything] == list(range(1, 31))  # live tasks are not finished
@@ -100,21 +96,21 @@ async def test_prune_keeps_what_live_tasks_depend_on_by_id_or_key(cluster: Clust
     store = await cluster.open()
     batch: list[Mutation] = []
     for id in range(1, 21):
-        batch += [submitted(id, key=f"k{id}"), changed(id, SUCCEEDED, ago=2 * HOUR)]
+        batch += [submitted(id, key=f"k{id}"), changed(id, SUCCEEDED, at=-2 * HOUR, attempt=2)]
     # Protected: 7 by id, 9 by key (and so is every other finished task with that key).
-    batch += [submitted(21, key="k9"), changed(21, FAILED, ago=3 * HOUR)]
+    batch += [submitted(21, key="k9"), changed(21, FAILED, at=-3 * HOUR, attempt=2)]
     batch += [submitted(100, deps=[Dependency(TaskId(7)), Dependency("k9")])]
-    batch += [submitted(22), changed(22, SUCCEEDED, ago=2 * HOUR)]  # no key: pruned
+    batch += [submitted(22), changed(22, SUCCEEDED, at=-2 * HOUR, attempt=2)]  # no key: pruned
     # Kept: finished recently, or live.
-    batch += [submitted(101), changed(101, SUCCEEDED, ago=60 * 10**9)]
-    batch += [submitted(102), changed(102, RUNNING, ago=2 * HOUR)]
-    await store.commit(0, BASE, batch, [])
+    batch += [submitted(101), changed(101, SUCCEEDED, at=-60 * 10**9, attempt=2)]
+    batch += [submitted(102), changed(102, RUNNING, at=-2 * HOUR, attempt=2)]
+    await store.commit(0, START_BASE, batch, [])
 
     assert await store.prune(3600) == 19
     left = [i for i in range(1, 103) if await store.get_task(TaskId(i)) is not None]
     assert left == [7, 9, 21, 100, 101, 102]
     # Once the dependent task finishes, what it protected can go too.
-    await store.commit(0, BASE, [changed(100, SUCCEEDED, ago=2 * HOUR)], [])
+    await store.commit(0, START_BASE, [changed(100, SUCCEEDED, at=-2 * HOUR, attempt=2)], [])
     assert await store.prune(3600) == 4
     assert [r.id for r in await store.list_finished()] == [101]
     assert await store.prune(3600) == 0
@@ -126,8 +122,14 @@ async def test_load_output_only_for_tasks_that_succeeded(cluster: Cluster) -> No
     store = await cluster.open()
     await store.commit(
         0,
-        BASE,
-        [submitted(1), changed(1, SUCCEEDED), submitted(2), changed(2, FAILED), submitted(3)],
+        START_BASE,
+        [
+            submitted(1),
+            changed(1, SUCCEEDED, attempt=2),
+            submitted(2),
+            changed(2, FAILED, attempt=2),
+            submitted(3),
+        ],
         [(TaskId(1), b"\0ok"), (TaskId(2), b"partial"), (TaskId(3), b"early")],
     )
     assert await store.load_output(TaskId(1)) == b"\0ok"

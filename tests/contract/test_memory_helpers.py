@@ -8,8 +8,8 @@ import pytest
 from cronoq_store import EPOCH_MAX, FencedError, Store, StoreError, StoreQueries, TaskId
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
+from ..support import START_BASE, submitted
 from ..waits import bounded
-from .support import BASE, submitted
 
 
 async def test_it_is_a_store_for_the_scheduler_and_for_tools() -> None:
@@ -27,12 +27,12 @@ async def test_a_leader_that_has_not_noticed_its_lock_session_ended_is_fenced_by
     assert await a.acquire_leadership() == 1
     a.end_lock_session(noticed=False)
     assert a.is_leader  # partitioned: it believes it leads
-    await a.commit(1, BASE, [submitted(1)], [])  # nobody took over yet: this lands
+    await a.commit(1, START_BASE, [submitted(1)], [])  # nobody took over yet: this lands
     assert await bounded(b.acquire_leadership(), "the takeover") == 2
     with pytest.raises(FencedError, match="stored epoch is 2"):
-        await a.commit(1, BASE, [submitted(2)], [])
+        await a.commit(1, START_BASE, [submitted(2)], [])
     await bounded(a.leadership_lost(), "leadership_lost() after the fence")
-    assert [t.id for t in (await b.recover(BASE)).tasks] == [1]
+    assert [t.id for t in (await b.recover(START_BASE)).tasks] == [1]
 
 
 async def test_a_database_starts_at_the_epoch_given() -> None:
@@ -49,7 +49,7 @@ async def test_a_database_starts_at_the_epoch_given() -> None:
 
 async def test_stores_on_different_databases_share_nothing() -> None:
     a, b = InMemoryStore(), InMemoryStore()
-    await a.commit(0, BASE, [submitted(1)], [])
+    await a.commit(0, START_BASE, [submitted(1)], [])
     assert await b.get_task(TaskId(1)) is None
     assert await a.acquire_leadership() == await b.acquire_leadership() == 1
 
@@ -57,11 +57,11 @@ async def test_stores_on_different_databases_share_nothing() -> None:
 async def test_a_closed_store_refuses_every_call_and_keeps_the_data_for_the_others() -> None:
     database = InMemoryDatabase()
     a = InMemoryStore(database)
-    await a.commit(0, BASE, [submitted(1)], [])
+    await a.commit(0, START_BASE, [submitted(1)], [])
     await a.close()
     await a.close()  # twice is harmless
     with pytest.raises(StoreError, match="closed"):
-        await a.commit(0, BASE, [submitted(2)], [])
+        await a.commit(0, START_BASE, [submitted(2)], [])
     with pytest.raises(StoreError, match="closed"):
         await a.get_task(TaskId(1))
     with pytest.raises(StoreError, match="closed"):

@@ -23,23 +23,12 @@ from cronoq_store import (
     TimeBase,
 )
 
-from .support import (
-    BASE,
-    FAILED,
-    HOUR,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    Capability,
-    Cluster,
-    step,
-    submitted,
-    summary,
-)
+from ..support import FAILED, HOUR, RETRYING, RUNNING, START_BASE, SUCCEEDED, submitted
+from .support import Capability, Cluster, step, summary
 
 
 def finished(id: int, ago: int, status: TaskStatus = SUCCEEDED) -> StatusChanged:
-    """A transition ``ago`` ns before now (engine time 0 is now in ``BASE``)."""
+    """A transition ``ago`` ns before now (engine time 0 is now in ``START_BASE``)."""
     return StatusChanged(TaskId(id), status, attempt=1, at=-ago)
 
 
@@ -64,9 +53,11 @@ async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
         labels=["linux"],
         tenant="acme",
     )
-    await store.commit(0, BASE, [Submitted(TaskId(9), 4, 123, spec), step(9, RETRYING, 2, 1)], [])
+    await store.commit(
+        0, START_BASE, [Submitted(TaskId(9), 4, 123, spec), step(9, RETRYING, 2, 1)], []
+    )
     # The new leader's engine clock reads 1,000,000 ns more at the same wall-clock time.
-    later = TimeBase(engine_ns=BASE.engine_ns + 10**6, unix_ns=BASE.unix_ns)
+    later = TimeBase(engine_ns=START_BASE.engine_ns + 10**6, unix_ns=START_BASE.unix_ns)
     recovered = await store.recover(later)
     [task] = recovered.tasks
     assert (task.id, task.seq, task.arrival, task.attempt) == (9, 4, 123 + 10**6, 2)
@@ -81,7 +72,7 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
     store = await cluster.open(retention=3600.0)
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1),
             finished(1, ago=2 * HOUR),  # old: dropped
@@ -99,7 +90,7 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
         ],
         [],
     )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     assert [t.id for t in recovered.tasks] == [6, 7]
     assert recovered.terminal == [  # oldest first
         RecoveredTerminal(TaskId(3), None, SUCCEEDED, -48 * HOUR),
@@ -112,22 +103,22 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
 async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     store = await cluster.open()
     # A high-water mark of 0 may mean id 0 was issued: no store ever answers 0.
-    assert summary(await store.recover(BASE)) == {
+    assert summary(await store.recover(START_BASE)) == {
         "next_id": 1,
         "tasks": [],
         "terminal": [],
         "recurring": [],
     }
-    await store.commit(0, BASE, [submitted(0)], [])
-    assert (await store.recover(BASE)).next_id == 1  # a stored id 0 counts
+    await store.commit(0, START_BASE, [submitted(0)], [])
+    assert (await store.recover(START_BASE)).next_id == 1  # a stored id 0 counts
     high = TaskId((3 << 48) | 41)
-    old = TimeBase(engine_ns=0, unix_ns=BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
+    old = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
     await store.commit(0, old, [submitted(high), step(high, SUCCEEDED, 1, 0)], [])
     await store.commit(0, old, [submitted(5), step(5, SUCCEEDED, 1, 0)], [])
     assert await store.prune(1) == 2
     assert await store.get_task(high) is None
     # Pruned, but issued: its id is never issued again.
-    assert (await store.recover(BASE)).next_id == high + 1
+    assert (await store.recover(START_BASE)).next_id == high + 1
 
 
 async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Cluster) -> None:
@@ -135,14 +126,14 @@ async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Clu
     (the high-water mark it recorded is 0, the column's default)."""
     first = await cluster.open()
     epoch = await first.acquire_leadership()
-    old = TimeBase(engine_ns=0, unix_ns=BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
+    old = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
     await first.commit(epoch, old, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
     assert await first.prune(1) == 1
     assert await first.get_task(TaskId(0)) is None
     await first.release_leadership()
     second = await cluster.open()
     await second.acquire_leadership()
-    assert (await second.recover(BASE)).next_id == 1
+    assert (await second.recover(START_BASE)).next_id == 1
 
 
 @pytest.mark.needs(Capability.DURABLE)
@@ -153,14 +144,14 @@ async def test_recover_in_a_new_process(cluster: Cluster) -> None:
     epoch = await store.acquire_leadership()
     await store.commit(
         epoch,
-        BASE,
+        START_BASE,
         [submitted(1, key="a"), step(1, RUNNING, 2, 10), submitted(2), finished(2, ago=60)],
         [],
     )
-    here = summary(await store.recover(BASE))
+    here = summary(await store.recover(START_BASE))
     assert here["tasks"] == [[1, 1, 1, 2, "a"]]
     assert here["terminal"] == [[2, None, "succeeded", -60]]
-    assert await cluster.recover_in_new_process(BASE) == here
+    assert await cluster.recover_in_new_process(START_BASE) == here
 
 
 async def test_a_live_task_the_new_time_base_cannot_express_is_recovered_at_the_bound(
@@ -170,8 +161,8 @@ async def test_a_live_task_the_new_time_base_cannot_express_is_recovered_at_the_
     no 64-bit engine time: the row is valid all the same (only the reader's base is odd),
     so it is recovered with the arrival at the bound, never quarantined."""
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1, key="k"), submitted(2, arrival=-(2**62))], [])
-    odd = TimeBase(engine_ns=2**63 - 1, unix_ns=BASE.unix_ns)  # arrival 1 is 2**63 there
+    await store.commit(0, START_BASE, [submitted(1, key="k"), submitted(2, arrival=-(2**62))], [])
+    odd = TimeBase(engine_ns=2**63 - 1, unix_ns=START_BASE.unix_ns)  # arrival 1 is 2**63 there
     recovered = await store.recover(odd)
     assert [(t.id, t.arrival) for t in recovered.tasks] == [
         (1, 2**63 - 1),
@@ -181,5 +172,5 @@ async def test_a_live_task_the_new_time_base_cannot_express_is_recovered_at_the_
     record = await store.get_task(TaskId(1))
     assert record is not None
     assert (record.status, record.message) == (None, None)
-    again = await store.recover(BASE)
+    again = await store.recover(START_BASE)
     assert [(t.id, t.arrival) for t in again.tasks] == [(1, 1), (2, -(2**62))]

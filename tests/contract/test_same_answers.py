@@ -34,7 +34,8 @@ from cronoq_store import (
 from cronoq_store._writer import COPY_MIN_ROWS
 from cronoq_store.testing import InMemoryStore
 
-from .support import BASE, ContractStore, submitted
+from ..support import START_BASE, submitted
+from .support import ContractStore
 
 TASKS_PER_EXAMPLE = 5
 STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(TaskStatus))
@@ -93,7 +94,7 @@ async def answers(
     for batch, outputs in plan:
         ids.update(m.id for m in batch if isinstance(m, (Submitted, StatusChanged)))
         try:
-            await store.commit(0, BASE, batch, outputs)
+            await store.commit(0, START_BASE, batch, outputs)
             seen.append(("answered", "ok", None))
         except IdCollisionError as exc:
             seen.append(("answered", "IdCollisionError", exc.ids))
@@ -116,7 +117,7 @@ async def answers(
                 None if record.status is None else record.updated,
             )
         )
-    recovered = await store.recover(BASE)
+    recovered = await store.recover(START_BASE)
     seen.append(sorted((t.id, t.attempt) for t in recovered.tasks if t.id in ids))
     seen.append(sorted(t.id for t in recovered.terminal if t.id in ids))
     return seen

@@ -6,19 +6,8 @@ import pytest
 
 from cronoq_store import Mutation, TaskId
 
-from .support import (
-    BASE,
-    CANCELLED,
-    FAILED,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    Cluster,
-    states,
-    step,
-    submitted,
-    when,
-)
+from ..support import CANCELLED, FAILED, RETRYING, RUNNING, START_BASE, SUCCEEDED, submitted
+from .support import Cluster, states, step, when
 
 
 async def test_a_new_task_is_stored_once_with_its_latest_state_and_last_message(
@@ -27,7 +16,7 @@ async def test_a_new_task_is_stored_once_with_its_latest_state_and_last_message(
     store = await cluster.open()
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             submitted(1),
             step(1, RUNNING, 1, 10, "started"),
@@ -45,10 +34,10 @@ async def test_a_new_task_is_stored_once_with_its_latest_state_and_last_message(
 
 async def test_a_stored_task_moves_to_the_latest_state_of_a_batch(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), submitted(2)], [])
+    await store.commit(0, START_BASE, [submitted(1), submitted(2)], [])
     await store.commit(
         0,
-        BASE,
+        START_BASE,
         [
             step(1, RUNNING, 1, 10, "m1"),
             step(1, RETRYING, 1, 20, "m2"),
@@ -78,23 +67,23 @@ NOT_AHEAD: dict[str, list[Mutation]] = {
 @pytest.mark.parametrize("late", NOT_AHEAD)
 async def test_a_transition_that_is_not_ahead_changes_nothing(cluster: Cluster, late: str) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), step(1, RUNNING, 2, 45)], [])
-    await store.commit(0, BASE, [step(1, RETRYING, 2, 50, "kept")], [])
+    await store.commit(0, START_BASE, [submitted(1), step(1, RUNNING, 2, 45)], [])
+    await store.commit(0, START_BASE, [step(1, RETRYING, 2, 50, "kept")], [])
     before = await states(store, [1])
     assert before == [(RETRYING, 2, "kept", when(50))]
-    await store.commit(0, BASE, NOT_AHEAD[late], [])
+    await store.commit(0, START_BASE, NOT_AHEAD[late], [])
     assert await states(store, [1]) == before
 
 
 async def test_a_finished_task_is_final_whatever_comes_later(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), step(1, SUCCEEDED, 1, 50, "done")], [])
+    await store.commit(0, START_BASE, [submitted(1), step(1, SUCCEEDED, 1, 50, "done")], [])
     for late in (
         [step(1, RUNNING, 9, 90, "again")],  # a higher attempt
         [step(1, FAILED, 1, 60, "failed")],  # another finished state, later
         [step(1, CANCELLED, 5, 40)],
     ):
-        await store.commit(0, BASE, late, [])
+        await store.commit(0, START_BASE, late, [])
     assert await states(store, [1]) == [(SUCCEEDED, 1, "done", when(50))]
 
 
@@ -104,11 +93,15 @@ async def test_a_message_brought_by_a_transition_not_ahead_of_the_stored_one_is_
     """The batch's first transition (with a message) is behind the stored state and its
     second (without one) is ahead: the task moves, but keeps its stored message."""
     store = await cluster.open()
-    await store.commit(0, BASE, [submitted(1), step(1, RUNNING, 1, 50, "stored")], [])
-    await store.commit(0, BASE, [step(1, RUNNING, 1, 40, "stale"), step(1, RETRYING, 1, 60)], [])
+    await store.commit(0, START_BASE, [submitted(1), step(1, RUNNING, 1, 50, "stored")], [])
+    await store.commit(
+        0, START_BASE, [step(1, RUNNING, 1, 40, "stale"), step(1, RETRYING, 1, 60)], []
+    )
     assert await states(store, [1]) == [(RETRYING, 1, "stored", when(60))]
     # A message of a transition that is ahead comes along, even when a later one moves.
-    await store.commit(0, BASE, [step(1, RUNNING, 2, 70, "fresh"), step(1, RETRYING, 2, 80)], [])
+    await store.commit(
+        0, START_BASE, [step(1, RUNNING, 2, 70, "fresh"), step(1, RETRYING, 2, 80)], []
+    )
     assert await states(store, [1]) == [(RETRYING, 2, "fresh", when(80))]
 
 
@@ -149,7 +142,7 @@ async def test_the_stored_result_does_not_depend_on_how_mutations_were_batched(
         half = len(HISTORY) // 2
         plan = [HISTORY[:half], HISTORY[half:], HISTORY[:half]]
     for batch in plan:
-        await store.commit(0, BASE, batch, [])
+        await store.commit(0, START_BASE, batch, [])
     assert await states(store, [1, 2, 3]) == [
         (FAILED, 2, "lost", when(50)),
         (SUCCEEDED, 1, "ok", when(30)),
