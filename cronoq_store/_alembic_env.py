@@ -42,7 +42,7 @@ from . import _migration_statements as migration_st
 from . import _session_statements as session_st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
-from ._driver import translate_error
+from ._door import translate_error
 from ._errors import MigrationError
 from ._lock_waits import LockWait
 from ._migrations import (

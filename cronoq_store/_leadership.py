@@ -54,7 +54,7 @@ from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
 from . import _session_statements as session_st
 from ._config import PgStoreConfig
-from ._driver import lock_not_available, translate_error
+from ._door import lock_not_available, translate_error
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import Retry, acquisition_backoff, bounded, pause

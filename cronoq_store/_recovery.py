@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from . import _statements as st
 from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import TaskId, TaskStatus, TimeBase, reading_stored
-from ._driver import CompiledStatement
+from ._door import CompiledStatement
 from ._errors import ClusterReplacedError
 from ._rows import LiveTasks, recurring_schedule
 from ._stored_values import Recovered, RecoveredTerminal

@@ -1,14 +1,14 @@
 """The commit path: which way a folded batch is written, on the driver connection (the
 statements of :mod:`cronoq_store._statements`, compiled once per schema and run through
-:mod:`cronoq_store._driver`), and what the writer found turned into errors.
+:mod:`cronoq_store._door`), and what the writer found turned into errors.
 
 A commit is the store's hot path and mostly round trips and client CPU: SQLAlchemy's
 per-execution work (parameter processing, result wrapping, a greenlet switch per call)
 cost more than the server's at small batches. So the commit's statements, still Core
 constructs composed in :mod:`cronoq_store._statements`, are compiled for the engine's
 dialect with the cluster's schema (``schema_translate_map``, rendered once:
-:class:`~cronoq_store._driver.CompiledStatement`), and executed with asyncpg's
-prepared-statement cache, on a connection :mod:`cronoq_store._held_connection` checks out.
+:class:`~cronoq_store._door.CompiledStatement`), and executed with asyncpg's
+prepared-statement cache, on a connection :class:`~cronoq_store._door.HeldConnection` checks out.
 Reads keep the SQLAlchemy path.
 
 A batch that only inserts new tasks (fewer than :data:`COPY_MIN_ROWS`), or only changes
@@ -54,11 +54,12 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import _statements as st
-from ._driver import (
+from ._door import (
     CLUSTER_REPLACED,
     INSERT_REFUSALS,
     UNIQUE_VIOLATION,
     CompiledStatement,
+    HeldConnection,
     Opening,
     insert_refusal,
     keys_named,
@@ -71,7 +72,6 @@ from ._errors import (
     KeyTakenError,
 )
 from ._folding import FoldedBatch, RecurringAction, taken_keys
-from ._held_connection import HeldConnection
 from ._rows import INSERT_COLUMNS
 from ._schema import tasks
 
@@ -344,7 +344,7 @@ class CommitPath:
     end the current one).
 
     ``hold``: keep one pooled connection checked out between commits
-    (:class:`~cronoq_store._held_connection.HeldConnection`).
+    (:class:`~cronoq_store._door.HeldConnection`).
     """
 
     def __init__(

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store import EPOCH_MAX, PgStore
 from cronoq_store import _lock_statements as lock_st
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._driver import translate_error
+from cronoq_store._door import translate_error
 from cronoq_store._errors import StoreError
 from cronoq_store._leadership import Leadership
 from cronoq_store._urls import async_url

@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 from .. import _catalog as catalog
 from .. import _session_statements as session_st
 from .._alembic_env import clusters_elsewhere
-from .._driver import lock_not_available, translate_error
+from .._door import lock_not_available, translate_error
 from .._errors import LockHeldError, MigrationError
 from .._lock_waits import describe_holders, holder_of
 from .._migration_statements import CLUSTER_TABLES

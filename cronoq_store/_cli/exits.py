@@ -11,7 +11,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from .._driver import translate_error
+from .._door import translate_error
 from .._errors import LockHeldError
 from .._terminal_safe import visible
 from .._urls import scrub

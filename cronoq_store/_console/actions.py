@@ -31,7 +31,7 @@ from starlette.requests import Request
 from .._cli import database, operations
 from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration, holder_document, rfc3339
-from .._driver import translate_error
+from .._door import translate_error
 from .._terminal_safe import visible
 from .._urls import scrub
 from .source import Source

@@ -31,7 +31,7 @@ from .._cli.exits import CliError, ExitCode
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
 from .._domain import I64_MAX, QUEUED, TaskStatus, clean_text
-from .._driver import translate_error
+from .._door import translate_error
 from .._errors import MigrationError
 from .._listing_statements import SAMPLE
 from .._terminal_safe import visible, visible_block

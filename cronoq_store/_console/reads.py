@@ -21,7 +21,7 @@ from .._cli import database, operations, output
 from .._cli.exits import CliError
 from .._codec import QUARANTINE_PREFIX
 from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus
-from .._driver import translate_error
+from .._door import translate_error
 from .._errors import MigrationError
 from .._migrations import RevisionStatus, head_revision
 from .._urls import redact, scrub

@@ -1,5 +1,7 @@
-"""The door to the database: the store's statements compiled for the driver and run on the
-asyncpg connection, and every driver failure mapped to the store's errors.
+"""The door to the database, the one module that touches the driver: it makes the store's
+engine and checks every pool at open, holds the commits' connection, opens and ends the
+store's transactions, runs statements compiled for asyncpg, and maps every driver failure to
+the store's errors.
 
 Compiling: a Core statement of :mod:`cronoq_store._statements` becomes the driver's SQL text
 for the cluster's schema once (:class:`CompiledStatement`, ``schema_translate_map``
@@ -15,25 +17,42 @@ are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_na
 connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
 driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
 transaction-pooling PgBouncer refused (:func:`translate_open_error`).
+
+Connections: :class:`HeldConnection` keeps the commits' connection between commits and
+gives it up when in doubt; :func:`run_transaction` is a store transaction on a pooled
+session, own or borrowed; :func:`own_engine` makes the store's own pool, and the open checks
+(:func:`require_utf8`, :func:`require_search_path`, :func:`cluster_identity`) run on any.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
-from sqlalchemy import ClauseElement
+from sqlalchemy import URL, ClauseElement, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import greenlet_spawn
 
+from . import _lock_statements as lock_st
+from . import _session_statements as session_st
+from . import _statements as st
+from ._config import PgStoreConfig, keepalive_settings
 from ._errors import SchemaGoneError, StoreError, UnavailableError
-from ._schema import tasks
+from ._retry import bounded
+from ._schema import schema_options, tasks
+from ._urls import engine_arguments, redact
 
 __all__ = [
     "CLUSTER_REPLACED",
@@ -47,16 +66,30 @@ __all__ = [
     "TRANSIENT_CODES",
     "UNIQUE_VIOLATION",
     "CompiledStatement",
+    "HeldConnection",
     "Opening",
+    "accepts_writes",
+    "cluster_identity",
+    "demoted",
     "forget_lost_statements",
+    "idle_in_transaction_ms",
     "insert_refusal",
     "keys_named",
     "leaves_connection_sound",
     "lock_not_available",
+    "opening_message",
+    "own_engine",
+    "require_search_path",
+    "require_utf8",
     "row_count",
+    "run_transaction",
     "translate_error",
     "translate_open_error",
 ]
+
+logger = logging.getLogger("cronoq_store")
+
+_T = TypeVar("_T")
 
 # --- compiled statements ----------------------------------------------------------------
 
@@ -441,3 +474,404 @@ _BACKEND_INFO = "cronoq_store.backend_pid"
 def row_count(status: str) -> int:
     """The row count of a command tag such as ``UPDATE 12``."""
     return int(status.rpartition(" ")[2])
+
+
+# --- the commits' connection --------------------------------------------------------
+
+
+class HeldConnection:
+    """The commits' connections from ``engine``'s pool.
+
+    ``hold``: keep one pooled connection checked out between commits (the writer's, for the
+    term) instead of a checkout and a return per commit, which cost a greenlet switch each
+    and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
+    another as before. It is given up, never reused, when in doubt (as any connection of a
+    failed commit), when the server closed it, or when the pool it came from was disposed
+    (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
+    ``release_leadership``, fencing, the first commit refused after a lost term, and
+    ``acquire_leadership``: a standby holds none, a new term takes a fresh one).
+    """
+
+    def __init__(self, engine: AsyncEngine, *, hold: bool = False) -> None:
+        self._engine = engine
+        self._hold = hold
+        self._held: PoolProxiedConnection | None = None
+        self._held_from: Pool | None = None  # the pool it came from
+        self._held_busy = False
+        self._releases = 0  # a connection checked out before a release is not held
+
+    @property
+    def held(self) -> PoolProxiedConnection | None:
+        """The connection kept between commits, if any."""
+        return self._held
+
+    async def release(self) -> None:
+        """Return the held connection to the pool (a commit using it returns it when done);
+        a later commit holds one again."""
+        held, busy = self._held, self._held_busy
+        self._held, self._held_busy = None, False
+        self._releases += 1
+        if held is not None and not busy:
+            if self._held_from is not self._engine.sync_engine.pool:
+                # Its pool was disposed (a demoted primary): it would stay open there.
+                _asyncpg_of(held).terminate()
+                held.invalidate()
+            await greenlet_spawn(held.close)
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        """The held connection if it is free and sound, else one from the pool."""
+        held = self._held
+        if held is None or self._held_busy:
+            return await self._engine.raw_connection()
+        if self._held_from is self._engine.sync_engine.pool and not _asyncpg_of(held).is_closed():
+            self._held_busy = True
+            return held
+        # What the pool's checkout check would refuse, or a connection of a pool disposed
+        # since (a demoted primary): discarded, never reused.
+        self._held = None
+        _asyncpg_of(held).terminate()
+        held.invalidate()
+        await greenlet_spawn(held.close)
+        return await self._engine.raw_connection()
+
+    async def run(self, work: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``work`` on a pooled connection's asyncpg connection (the commit path's
+        ``BatchWriter``), and once more on the same one if its session had lost prepared
+        statements the driver made on it (:func:`forget_lost_statements`).
+
+        Running the commit again is safe: the statement the server did not find failed the
+        transaction it was in, or was the transaction, so the attempt wrote nothing; and
+        commits are idempotent besides (a batch that landed changes nothing the second
+        time). A second loss in a row is raised: the statements were just made anew, so
+        something else than a reset shares the session (a transaction pooler).
+        """
+        async with self._driver_connection() as pooled:
+            try:
+                return await work(_asyncpg_of(pooled))
+            except Exception as exc:
+                if not await forget_lost_statements(exc, pooled):
+                    raise
+            try:
+                return await work(_asyncpg_of(pooled))
+            except Exception as exc:
+                # Left with no stale statement either way.
+                await forget_lost_statements(exc, pooled)
+                raise
+
+    @asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[PoolProxiedConnection]:
+        """A pooled connection whose asyncpg connection the commit path uses.
+
+        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
+        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
+        invalidated here instead of going back to the pool. A server's error leaves it
+        usable: asyncpg rolled the transaction back. With ``hold``, a sound connection is
+        kept as the held one when none is (and none was released meanwhile).
+        """
+        pool, releases = self._engine.sync_engine.pool, self._releases
+        pooled = await self._checkout()
+        driver = _asyncpg_of(pooled)
+        sound = False
+        try:
+            yield pooled
+            sound = True
+        except BaseException as exc:
+            if leaves_connection_sound(exc, driver):
+                sound = True
+            else:
+                if pooled is self._held:
+                    self._held, self._held_busy = None, False
+                # Close the socket first: a graceful close waits for the operation in
+                # progress and fails ("another operation is in progress") after a timeout
+                # or cancellation, which would mask the error being raised.
+                driver.terminate()
+                pooled.invalidate()
+            raise
+        finally:
+            if pooled is self._held:
+                self._held_busy = False
+            elif sound and self._hold and self._held is None and self._releases == releases:
+                self._held, self._held_from = pooled, pool
+            else:
+                if sound and pool is not self._engine.sync_engine.pool:
+                    # Its pool was disposed meanwhile (close(), a demoted primary): returned
+                    # there, it would stay open, never handed out nor closed.
+                    driver.terminate()
+                    pooled.invalidate()
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
+
+
+def _asyncpg_of(pooled: PoolProxiedConnection) -> Any:
+    """The asyncpg connection under a pooled one."""
+    return pooled.driver_connection
+
+
+# --- a store transaction on a pooled session -------------------------------------------
+
+
+def opening_message(statements: Sequence[ClauseElement], dialect: Dialect) -> str:
+    """``statements`` (``BEGIN`` first, none with parameters) as one simple-protocol message
+    for :func:`run_transaction`: no more round trips than SQLAlchemy's ``BEGIN``."""
+    compiled = [statement.compile(dialect=dialect) for statement in statements]
+    if any(c.params for c in compiled):
+        raise ValueError("an opening takes no parameters")
+    return "; ".join(c.string for c in compiled)
+
+
+async def run_transaction(
+    db: AsyncEngine, opening: str | None, work: Callable[[AsyncConnection], Awaitable[_T]]
+) -> _T:
+    """``work`` on a pooled connection in a transaction, with the cluster's schema applied
+    (``db``'s execution options); it commits when ``work`` returns. ``opening``: the message
+    that opens the transaction with the store's settings (:func:`opening_message`), or ``None`` for
+    SQLAlchemy's ``BEGIN`` (the session's own settings are the store's).
+
+    If the session had lost prepared statements the driver or SQLAlchemy made on it (an
+    application's ``DISCARD ALL`` between two checkouts), their caches are emptied and
+    ``work`` runs again on the same connection (another of the pool may have lost them
+    too). That is safe: the statement the server did not find failed the transaction, so
+    nothing ``work`` wrote stayed. A second loss in a row is raised.
+    """
+    async with db.connect() as conn:
+        try:
+            return await _attempt(conn, opening, work)
+        except Exception as exc:
+            if conn.invalidated or not await _forgot(conn, exc):
+                raise
+        try:
+            return await _attempt(conn, opening, work)
+        except Exception as exc:
+            if not conn.invalidated:
+                await _forgot(conn, exc)
+            raise
+
+
+async def _forgot(conn: AsyncConnection, exc: BaseException) -> bool:
+    """Whether ``exc`` was a lost prepared statement on ``conn``, now forgotten, with the
+    failed transaction ended for SQLAlchemy too."""
+    if not await forget_lost_statements(exc, await conn.get_raw_connection()):
+        return False
+    await conn.rollback()
+    return True
+
+
+async def _attempt(
+    conn: AsyncConnection, opening: str | None, work: Callable[[AsyncConnection], Awaitable[_T]]
+) -> _T:
+    async with _transaction(conn, opening):
+        return await work(conn)
+
+
+@asynccontextmanager
+async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncIterator[None]:
+    """A transaction on ``conn``, under the store's settings. A failure inside is raised as
+    it is, never replaced by the rollback's on a connection that is gone.
+
+    With ``opening`` the store opens the transaction itself (on a borrowed session: the
+    message that sets the store's settings for it alone, the writer's
+    :attr:`~cronoq_store._writer.BatchWriter.borrowed_opening`), and the driver adapter
+    sends no ``BEGIN`` of its own meanwhile (its DBAPI ``autocommit``; SQLAlchemy's
+    isolation-level option would leave the application's session reset to another level).
+    A connection left in doubt (a failed rollback, a cancellation) is discarded.
+    """
+    if opening is None:
+        failure: BaseException | None = None
+        try:
+            async with conn.begin():
+                try:
+                    yield
+                except BaseException as exc:
+                    failure = exc
+                    raise
+        except BaseException as exc:
+            if failure is None or exc is failure:
+                raise
+            # The rollback failed too, on a connection that is gone (a crash): the
+            # first failure is what explains it.
+            raise failure from None
+        return
+    pooled = await conn.get_raw_connection()
+    adapter: Any = pooled.dbapi_connection
+    driver: Any = pooled.driver_connection
+    adapter.autocommit = True
+    try:
+        await driver.execute(opening)
+        yield
+        await driver.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await driver.execute("ROLLBACK")
+        if driver.is_closed() or driver.is_in_transaction():
+            driver.terminate()
+            await conn.invalidate()
+        raise
+    finally:
+        adapter.autocommit = False
+
+
+# --- the store's own pool, and the checks at open ----------------------------------------
+
+
+def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
+    """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
+    ``max_connections``, the store's session settings, closed connections replaced at
+    checkout."""
+    dialled, arguments = engine_arguments(url)
+    engine = create_async_engine(
+        dialled,
+        pool_size=config.max_connections,
+        max_overflow=0,
+        # No store call waits for a connection longer than a commit may take.
+        pool_timeout=config.commit_timeout,
+        # Batches carry payloads; errors and logs must not.
+        hide_parameters=True,
+        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
+        connect_args={**arguments, **_pool_connect_args(config)},
+    )
+    event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
+    return engine
+
+
+async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:
+    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
+    string the domain accepts must be storable, and another encoding lacks most characters.
+    Read in a transaction opened by ``opening`` (the store's settings)."""
+
+    async def read(conn: AsyncConnection) -> str:
+        encoding: str = (await conn.execute(st.server_encoding)).scalar_one()
+        return encoding
+
+    try:
+        encoding = await run_transaction(engine, opening, read)
+    except Exception as exc:
+        raise translate_open_error(exc, where, "reading the database's encoding") from exc
+    if encoding != "UTF8":
+        raise StoreError(
+            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
+async def require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(session_st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in session_st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+        )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": session_st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(idle_in_transaction_ms(config)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
+
+
+def idle_in_transaction_ms(config: PgStoreConfig) -> int:
+    """How long the server lets a transaction of the store sit idle before it ends the
+    session: ``session_timeout``, so a takeover waits at most that long for a frozen
+    leader's row lock."""
+    return round(config.session_timeout * 1000)
+
+
+def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
+    """The pool's pre-ping, without a round trip: a pooled connection that the server
+    closed (restart, terminated backend, idle timeout) is replaced at checkout.
+
+    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
+    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
+    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
+    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
+    caller retries.
+    """
+    driver: Any = proxy.driver_connection
+    if driver.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
+
+
+async def cluster_identity(
+    engine: AsyncEngine, schema: str, opening: str
+) -> tuple[int | None, int | None, str]:
+    """Read at open: the OID of ``schema`` (``None`` if there is none), the cluster's
+    incarnation (its leader table's OID, ``None`` without a leader row) and the role the
+    pool connects as, in a transaction opened by ``opening`` (the store's settings: a role
+    an application left ``SET`` on a borrowed session is not the pool's)."""
+
+    async def read(conn: AsyncConnection) -> tuple[int | None, int | None, str]:
+        await conn.execute(session_st.local_search_path)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+        incarnation = None
+        if oid is not None:
+            found = await conn.execute(st.incarnation, execution_options=schema_options(schema))
+            incarnation = found.scalar()
+        pool_role = (await conn.execute(session_st.current_user)).scalar_one()
+        return oid, incarnation, pool_role
+
+    try:
+        return await run_transaction(engine, opening, read)
+    except Exception as exc:
+        raise translate_error(exc, f"reading the identity of schema {schema!r}") from exc
+
+
+async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
+    """Whether a read-only failure is evidence enough to drop the pool's connections:
+    always for the store's own pool (``owned``); for an application's, only if a session
+    it hands out is on a server in recovery (a standby)."""
+    if owned:
+        return True
+    try:
+        # In the session's own transaction: the store's opening is read-write, which a
+        # server in recovery refuses before anything could be asked.
+        writable = await bounded(run_transaction(db, None, accepts_writes), timeout)
+    except Exception as exc:
+        logger.warning(
+            "a read-only failure on the application's pool, and the server cannot say "
+            "whether it is in recovery: its connections are left alone",
+            extra={
+                "url": redact(db.url),
+                "error": str(translate_error(exc, "checking recovery")),
+            },
+        )
+        return False
+    return writable is False
+
+
+async def accepts_writes(conn: AsyncConnection) -> bool | None:
+    """Whether the server ``conn`` reaches takes writes (not in recovery)."""
+    writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+    return writable
