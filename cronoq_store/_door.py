@@ -85,6 +85,8 @@ __all__ = [
     "run_transaction",
     "translate_error",
     "translate_open_error",
+    "translated",
+    "translated_sync",
 ]
 
 logger = logging.getLogger("cronoq_store")
@@ -331,6 +333,40 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     if any(isinstance(e, _PROTOCOL_BROKEN) for e in _chain(exc)):
         return UnavailableError(message)
     return StoreError(message)
+
+
+@asynccontextmanager
+async def translated(
+    action: str, *, passing: tuple[type[Exception], ...] = ()
+) -> AsyncIterator[None]:
+    """The way through the door for work on a connection of its own (the CLI's, the
+    console's, Alembic's, a migration's, the lock session's): any failure inside leaves as
+    the :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the
+    failure; the errors of ``passing`` (the caller's own, which it handles) as they are."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as exc:
+        error = translate_error(exc, action)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+@contextlib.contextmanager
+def translated_sync(action: str, *, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """:func:`translated` for synchronous work (Alembic's environment, a command's
+    ``asyncio.run``)."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as exc:
+        error = translate_error(exc, action)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def translate_open_error(exc: BaseException, where: str, action: str) -> StoreError:

@@ -50,11 +50,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool, Pool
 
 from . import _catalog as catalog
+from . import _door as door
 from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
 from . import _session_statements as session_st
 from ._config import PgStoreConfig
-from ._door import lock_not_available, translate_error
+from ._door import lock_not_available
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
 from ._retry import Retry, acquisition_backoff, bounded, pause
@@ -342,7 +343,7 @@ class Leadership:
                 await self.release()
             if not renewing:
                 await self._cool_down()
-            session, epoch = await _AcquisitionRetry(self).run(self._try_lead)
+            session, epoch = await _AcquisitionRetry(self).run(self._attempt_lead)
             self._epoch = epoch
             self._lost.clear()
             self._session = session
@@ -383,6 +384,11 @@ class Leadership:
         )
         if await self._closed_within(left):
             raise self._closed_error()
+
+    async def _attempt_lead(self) -> tuple[_Session, int]:
+        """One attempt at the lock (:meth:`_try_lead`), every failure translated."""
+        async with door.translated("acquiring leadership"):
+            return await self._try_lead()
 
     async def _try_lead(self) -> tuple[_Session, int]:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
@@ -564,14 +570,14 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    checked = await session.run(
-                        lock_st.leader_now, None, last_answer + limit - loop.time()
-                    )
-                except Exception as exc:
-                    error = translate_error(exc, "checking the leader lock session")
+                    async with door.translated("checking the leader lock session"):
+                        checked = await session.run(
+                            lock_st.leader_now, None, last_answer + limit - loop.time()
+                        )
+                except StoreError as error:
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    if lock_not_available(exc):
+                    if lock_not_available(error):
                         last_answer = loop.time()
                         continue
                     if isinstance(error, SchemaGoneError):
@@ -662,15 +668,12 @@ def _keeper_lock_timeout_ms(config: PgStoreConfig) -> int:
 
 
 class _AcquisitionRetry(Retry):
-    """Acquisition's retry policy: every failure translated, the transient ones retried
-    (each logged) until the leadership is closed, however many fail in a row."""
+    """Acquisition's retry policy: every failure (translated by the attempt), the transient
+    ones retried (each logged) until the leadership is closed, however many fail in a row."""
 
     def __init__(self, leadership: Leadership) -> None:
         super().__init__(leadership._backoff)
         self._leadership = leadership
-
-    def classify(self, exc: Exception) -> StoreError:
-        return translate_error(exc, "acquiring leadership")
 
     async def next_pause(self, error: StoreError, failures: int) -> float:
         delay = await super().next_pause(error, failures)

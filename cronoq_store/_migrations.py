@@ -52,7 +52,6 @@ from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
-from ._door import translate_error
 from ._errors import MigrationError
 from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import VERSION_TABLE
@@ -222,12 +221,13 @@ async def _run_on(
         alembic_command(cfg, revision)
 
     try:
-        async with migration_lock.held_async():
+        async with (
+            door.translated(f"migrating schema {schema!r}", passing=(CommandError,)),
+            migration_lock.held_async(),
+        ):
             await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
-    except Exception as exc:
-        raise translate_error(exc, f"migrating schema {schema!r}") from exc
 
 
 def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
@@ -420,14 +420,10 @@ async def _read_status(
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 
-    try:
+    async with door.translated(f"reading the revision of schema {schema!r}"):
         if isinstance(bind, AsyncConnection):
             return await bind.run_sync(read)
         return await door.run_transaction(bind, opening, lambda conn: conn.run_sync(read))
-    except MigrationError:
-        raise
-    except Exception as exc:
-        raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
 
 
 def cluster_schema() -> str:

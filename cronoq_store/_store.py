@@ -6,7 +6,7 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._door.translate_error`).
+:meth:`PgStore._translated` (:func:`cronoq_store._door.translated`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from . import _session_statements as session_st
 from . import _trust as trust
 from ._config import PgStoreConfig
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
-from ._door import translate_error
 from ._errors import (
     ClusterReplacedError,
     FencedError,
@@ -561,9 +560,9 @@ class PgStore:
             # An owned engine would quietly open a new pool that nothing disposes.
             raise StoreError(f"{action} failed: the store is closed")
         try:
-            yield
-        except Exception as exc:
-            error = translate_error(exc, action)
+            async with door.translated(action):
+                yield
+        except StoreError as error:
             if (
                 isinstance(error, (SchemaGoneError, ClusterReplacedError))
                 and self._leadership.is_leader
@@ -576,9 +575,7 @@ class PgStore:
                     extra={"url": redact(self._engine.url), "error": str(error)},
                 )
                 await self._engine.dispose()
-            if error is exc:
-                raise
-            raise error from exc
+            raise
 
     async def _demoted(self) -> bool:
         """Whether a read-only failure is evidence enough to drop the pool's connections
