@@ -33,10 +33,11 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar
 
 import asyncpg
-from sqlalchemy import URL, ClauseElement, event
+from sqlalchemy import URL, ClauseElement, Executable, Result, event, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DisconnectionError
@@ -59,6 +60,7 @@ __all__ = [
     "CONNECTION_CLASSES",
     "INSERT_REFUSALS",
     "LOCK_NOT_AVAILABLE",
+    "LOCK_SESSION_CLOSE_TIMEOUT",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "SCHEMA_GONE_CODES",
@@ -67,6 +69,7 @@ __all__ = [
     "UNIQUE_VIOLATION",
     "CompiledStatement",
     "HeldConnection",
+    "LockSession",
     "Opening",
     "accepts_writes",
     "cluster_identity",
@@ -79,6 +82,7 @@ __all__ = [
     "lock_not_available",
     "opening_message",
     "own_engine",
+    "partitions",
     "require_search_path",
     "require_utf8",
     "row_count",
@@ -911,3 +915,120 @@ async def accepts_writes(conn: AsyncConnection) -> bool | None:
     """Whether the server ``conn`` reaches takes writes (not in recovery)."""
     writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
     return writable
+
+
+# --- recovery's cursor ------------------------------------------------------------------
+
+
+async def partitions(
+    conn: AsyncConnection, statement: ClauseElement, schema: str, size: int
+) -> AsyncIterator[list[Any]]:
+    """``statement``'s rows in the cluster in ``schema``, ``size`` at a time, through a
+    server-side cursor on the driver connection under ``conn``, in its transaction
+    (recovery's live tasks). The rows are the driver's records, as :mod:`cronoq_store._rows`
+    decodes them: SQLAlchemy's result rows cost more per row than the decoding they feed."""
+    compiled = CompiledStatement.of(statement, conn.dialect, schema)
+    driver: Any = (await conn.get_raw_connection()).driver_connection
+    cursor = await compiled.cursor(driver, {})
+    while rows := await cursor.fetch(size):
+        yield rows
+
+
+# --- the leader lock session --------------------------------------------------------------
+
+#: How long a graceful close of the lock session may take before the socket is dropped.
+LOCK_SESSION_CLOSE_TIMEOUT = 1.0
+
+# The transaction of a takeover on the lock session, which is in autocommit otherwise: the
+# bump runs behind :data:`cronoq_store._statements.leader_barrier` (:meth:`LockSession.takeover`).
+_TAKEOVER_BEGIN = text("BEGIN")
+_TAKEOVER_COMMIT = text("COMMIT")
+
+
+class LockSession:
+    """The leader lock session, a connection of its own (:mod:`cronoq_store._leadership`
+    decides what it runs): the statements of :mod:`cronoq_store._lock_statements`, each
+    bounded, the lock polled, the epoch bump's transaction, and its close.
+
+    The driver connection under it is used only to close: ``terminate()`` drops the socket
+    at once, where any polite close would wait for a peer that may never answer.
+    """
+
+    def __init__(self, conn: AsyncConnection, driver: Any) -> None:
+        self._conn = conn
+        self._driver = driver
+        self.closed = False
+
+    @classmethod
+    async def open(cls, db: AsyncEngine, timeout: float) -> LockSession:
+        """A new session of ``db`` (the lock session's own engine), its connect bounded by
+        ``timeout`` (an application's creator may have none); a connect done as the caller
+        is cancelled (or times out) is closed, not lost."""
+        conn = await bounded(db.connect(), timeout, discard=AsyncConnection.close)
+        try:
+            raw = await conn.get_raw_connection()
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, raw.driver_connection)
+
+    async def run(
+        self, statement: Executable, params: Mapping[str, Any] | None, timeout: float
+    ) -> Result[Any]:
+        """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
+
+        The statement is not cancelled (that would send a cancel request over a new
+        connection, into the same silence); aborting the socket makes it fail at once.
+        """
+        return await bounded(
+            self._conn.execute(statement, None if params is None else dict(params)),
+            timeout,
+            abort=self._driver.terminate,
+            grace=LOCK_SESSION_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
+
+    async def try_lock(
+        self, key: Mapping[str, int], timeout: float
+    ) -> tuple[bool, datetime | None]:
+        """One poll for the leader lock (:data:`~cronoq_store._lock_statements.try_leader_lock`):
+        whether this session holds it now, and since when another session held it."""
+        row: Any = (await self.run(lock_st.try_leader_lock, key, timeout)).one()
+        return bool(row[0]), row[1]
+
+    async def leader_row(self, timeout: float) -> Any:
+        """The leader row as the keeper checks it
+        (:data:`~cronoq_store._lock_statements.leader_now`), ``None`` without one."""
+        return (await self.run(lock_st.leader_now, None, timeout)).first()
+
+    @asynccontextmanager
+    async def takeover(self, timeout: float) -> AsyncIterator[None]:
+        """The epoch bump's transaction: ``BEGIN``, the work, ``COMMIT``. A failure inside
+        leaves it open: the caller closes the session, which ends it."""
+        await self.run(_TAKEOVER_BEGIN, None, timeout)
+        yield
+        await self.run(_TAKEOVER_COMMIT, None, timeout)
+
+    async def close(self) -> None:
+        """Close the session, ending the server's backend and so releasing its lock; bounded.
+
+        A graceful close is tried when the socket is still open; the socket is dropped if
+        that fails or takes longer than :data:`LOCK_SESSION_CLOSE_TIMEOUT`. Closing twice is
+        harmless.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._driver.is_closed():
+                try:
+                    await self._driver.close(timeout=LOCK_SESSION_CLOSE_TIMEOUT)
+                except Exception:
+                    self._driver.terminate()
+        finally:
+            try:
+                # The driver connection is closed: this settles SQLAlchemy's bookkeeping.
+                await self._conn.invalidate()
+                await self._conn.close()
+            except Exception as exc:
+                logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
