@@ -67,6 +67,7 @@ __all__ = [
     "TRANSIENT_CLASSES",
     "TRANSIENT_CODES",
     "UNIQUE_VIOLATION",
+    "CommitConnection",
     "CompiledStatement",
     "HeldConnection",
     "LockSession",
@@ -574,8 +575,8 @@ class HeldConnection:
         await greenlet_spawn(held.close)
         return await self._engine.raw_connection()
 
-    async def run(self, work: Callable[[Any], Awaitable[_T]]) -> _T:
-        """``work`` on a pooled connection's asyncpg connection (the commit path's
+    async def run(self, work: Callable[[CommitConnection], Awaitable[_T]]) -> _T:
+        """``work`` on a pooled connection's driver connection (the commit path's
         ``BatchWriter``), and once more on the same one if its session had lost prepared
         statements the driver made on it (:func:`forget_lost_statements`).
 
@@ -587,12 +588,12 @@ class HeldConnection:
         """
         async with self._driver_connection() as pooled:
             try:
-                return await work(_asyncpg_of(pooled))
+                return await work(CommitConnection(_asyncpg_of(pooled)))
             except Exception as exc:
                 if not await forget_lost_statements(exc, pooled):
                     raise
             try:
-                return await work(_asyncpg_of(pooled))
+                return await work(CommitConnection(_asyncpg_of(pooled)))
             except Exception as exc:
                 # Left with no stale statement either way.
                 await forget_lost_statements(exc, pooled)
@@ -646,6 +647,57 @@ class HeldConnection:
 def _asyncpg_of(pooled: PoolProxiedConnection) -> Any:
     """The asyncpg connection under a pooled one."""
     return pooled.driver_connection
+
+
+class CommitConnection:
+    """The driver connection a commit runs on, as the door lends it to the commit path
+    (:class:`~cronoq_store._writer.BatchWriter`, through :meth:`HeldConnection.run`):
+    compiled statements run, the transaction's messages sent (its opening and closing,
+    :class:`Opening`), new tasks copied in, and a failed transaction rolled back. Nothing
+    else of the driver is reachable from it."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    async def fetchrow(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
+        """Run ``statement``; its first row."""
+        return await statement.fetchrow(self._driver, values)
+
+    async def fetch(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
+        """Run ``statement``; every row."""
+        return await statement.fetch(self._driver, values)
+
+    async def execute(self, statement: CompiledStatement, values: Mapping[str, Any]) -> str:
+        """Run ``statement``; its command tag (:func:`row_count` reads it)."""
+        return await statement.execute(self._driver, values)
+
+    async def send(self, message: str) -> str:
+        """Send ``message`` (statements without parameters: an :class:`Opening`'s, a
+        borrowed session's opening) as one simple-protocol message; its last command tag."""
+        status: str = await self._driver.execute(message)
+        return status
+
+    async def copy_into(
+        self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str], schema: str
+    ) -> None:
+        """``rows`` into ``schema.table`` by COPY, inside the open transaction."""
+        await self._driver.copy_records_to_table(
+            table, records=rows, columns=columns, schema_name=schema
+        )
+
+    async def roll_back(self) -> None:
+        """End the open transaction, writing nothing."""
+        await self._driver.execute("ROLLBACK")
+
+    async def roll_back_failed(self) -> None:
+        """Roll back a failed commit's transaction. On a connection that died or whose
+        statement was cancelled, the rollback fails too ("another operation is in
+        progress"); that must not replace the error that explains the failure. The
+        connection left in a transaction is discarded (:class:`HeldConnection`)."""
+        with contextlib.suppress(Exception):
+            await self._driver.execute("ROLLBACK")
 
 
 # --- a store transaction on a pooled session -------------------------------------------

@@ -36,6 +36,7 @@ from cronoq_store._domain import (
     TimeBase,
     task_id,
 )
+from cronoq_store._door import CommitConnection, CompiledStatement
 from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
 from cronoq_store._mutations import (
     Mutation,
@@ -165,8 +166,8 @@ def probing_commits(store: PgStore) -> list[dict[str, Any]]:
     writers = store._commits.writer._writers
     insert = writers["insert_rows"]
 
-    async def probed(conn: Any, batch: Any, copy: bool) -> None:
-        seen.append(dict(await conn.fetchrow(PROBE)))
+    async def probed(conn: CommitConnection, batch: Any, copy: bool) -> None:
+        seen.append(dict(await conn.fetchrow(CompiledStatement(PROBE, (), {}), {})))
         await insert(conn, batch, copy)
 
     writers["insert_rows"] = probed
