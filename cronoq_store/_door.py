@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -50,10 +51,10 @@ from . import _lock_statements as lock_st
 from . import _session_statements as session_st
 from . import _statements as st
 from ._config import PgStoreConfig, keepalive_settings
-from ._errors import SchemaGoneError, StoreError, UnavailableError
+from ._errors import SchemaGoneError, StoreError, UnavailableError, UnsupportedParameterError
 from ._retry import bounded
 from ._schema import schema_options, tasks
-from ._urls import engine_arguments, redact
+from ._urls import dialled_by_store, engine_arguments, redact
 
 __all__ = [
     "CLUSTER_REPLACED",
@@ -84,6 +85,7 @@ __all__ = [
     "opening_message",
     "own_engine",
     "partitions",
+    "refuse_ignored_parameters",
     "require_search_path",
     "require_utf8",
     "row_count",
@@ -967,6 +969,35 @@ async def accepts_writes(conn: AsyncConnection) -> bool | None:
     """Whether the server ``conn`` reaches takes writes (not in recovery)."""
     writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
     return writable
+
+
+async def refuse_ignored_parameters(engine: AsyncEngine) -> None:
+    """Refuse, by name, an application's engine that dials somewhere its URL does not say.
+
+    SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
+    ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
+    the store would lead a cluster in another database. An engine made from
+    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
+    names = [name for name in ("service", "servicefile") if name in engine.url.query]
+    if "PGSERVICE" in os.environ:
+        names.append("$PGSERVICE")
+    if not names:
+        return
+    try:
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            if dialled_by_store(raw.driver_connection):
+                return
+    except Exception:
+        # Opening the store goes on, and says why it cannot connect.
+        return
+    raise UnsupportedParameterError(
+        f"engine {redact(engine.url)}: cronoq-store cannot honour the parameter"
+        f"{'s' if len(names) > 1 else ''} {', '.join(names)}: SQLAlchemy hands it to asyncpg, "
+        "which ignores it and dials the default server; make the engine from "
+        "cronoq_store.engine_arguments(url)",
+        [name.lstrip("$") for name in names],
+    )
 
 
 # --- recovery's cursor ------------------------------------------------------------------

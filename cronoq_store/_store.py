@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -39,7 +38,6 @@ from ._errors import (
     SchemaGoneError,
     StoreError,
     UnavailableError,
-    UnsupportedParameterError,
 )
 from ._folding import fold
 from ._leadership import Leadership
@@ -48,7 +46,7 @@ from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
 from ._stored_values import Health, LockHolder, Recovered, TaskRecord
-from ._urls import dialled_by_store, redact
+from ._urls import redact
 from ._urls import resolve as resolve_url
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -246,7 +244,7 @@ class PgStore:
         if lock_url is not None:
             resolve_url(lock_url)  # refuse what cannot be honoured before anything connects
         elif not owns_engine:
-            await _refuse_ignored_parameters(engine)
+            await door.refuse_ignored_parameters(engine)
         where = redact(engine.url)
         # What the store reads at open runs under its own settings too: an application's
         # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
@@ -747,32 +745,3 @@ def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
     (:func:`~cronoq_store._session_statements.store_transaction`)."""
     statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
     return door.opening_message(statements, engine.dialect)
-
-
-async def _refuse_ignored_parameters(engine: AsyncEngine) -> None:
-    """Refuse, by name, an application's engine that dials somewhere its URL does not say.
-
-    SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
-    ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
-    the store would lead a cluster in another database. An engine made from
-    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
-    names = [name for name in ("service", "servicefile") if name in engine.url.query]
-    if "PGSERVICE" in os.environ:
-        names.append("$PGSERVICE")
-    if not names:
-        return
-    try:
-        async with engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            if dialled_by_store(raw.driver_connection):
-                return
-    except Exception:
-        # Opening the store goes on, and says why it cannot connect.
-        return
-    raise UnsupportedParameterError(
-        f"engine {redact(engine.url)}: cronoq-store cannot honour the parameter"
-        f"{'s' if len(names) > 1 else ''} {', '.join(names)}: SQLAlchemy hands it to asyncpg, "
-        "which ignores it and dials the default server; make the engine from "
-        "cronoq_store.engine_arguments(url)",
-        [name.lstrip("$") for name in names],
-    )
