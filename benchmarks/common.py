@@ -36,7 +36,7 @@ from cronoq_store import (
 )
 from cronoq_store._codec import clean_text
 from cronoq_store._domain import level
-from cronoq_store._driver import CompiledStatement
+from cronoq_store._door import CompiledStatement
 from cronoq_store._store import PgStore
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
@@ -212,7 +212,7 @@ _DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 
 def compile_for_asyncpg(statement: ClauseElement, schema: str) -> CompiledStatement:
     """``statement`` rendered as the store renders it for ``schema``: the store's own
-    compiler (``cronoq_store._driver.CompiledStatement``), so the SQL is byte for byte the
+    compiler (``cronoq_store._door.CompiledStatement``), so the SQL is byte for byte the
     same."""
     return CompiledStatement.of(statement, _DIALECT, schema)
 

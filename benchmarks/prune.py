@@ -42,7 +42,7 @@ from sqlalchemy.sql.dml import Insert
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
-from cronoq_store._driver import CompiledStatement
+from cronoq_store._door import CompiledStatement
 from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._rows import (
     INSERT_COLUMNS,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import configparser
+import contextlib
 import os
 from collections.abc import Callable, Coroutine, Iterable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 from alembic.config import Config
@@ -35,6 +37,7 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateSchema
 
 from . import _catalog as catalog
+from . import _door as door
 from . import _downgrade_guard as downgrade_guard
 from . import _lock_waits as lock_waits
 from . import _migration_lock as migration_lock
@@ -42,8 +45,7 @@ from . import _migration_statements as migration_st
 from . import _session_statements as session_st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
-from ._driver import translate_error
-from ._errors import MigrationError
+from ._errors import MigrationError, StoreError
 from ._lock_waits import LockWait
 from ._migrations import (
     CONNECT_TIMEOUT,
@@ -93,12 +95,20 @@ def run_environment(context: EnvironmentContext) -> None:
 def _run_environment(context: EnvironmentContext) -> None:
     config = context.config
     from_cli = config.cmd_opts is not None
+    # From the command line, every failure through the door: one line, not a traceback;
+    # from code, the caller (:func:`cronoq_store._migrations.upgrade`) names the schema.
+    translating: AbstractContextManager[None] = (
+        door.translated_sync("migrating", passing=(CommandError, ValueError))
+        if from_cli
+        else contextlib.nullcontext()
+    )
     try:
-        schema = _schema_of(context)
-        if context.is_offline_mode():
-            _run_offline(context, schema)
-        else:
-            _run_online(context, schema)
+        with translating:
+            schema = _schema_of(context)
+            if context.is_offline_mode():
+                _run_offline(context, schema)
+            else:
+                _run_online(context, schema)
     except CommandError:
         raise
     except Exception as exc:
@@ -107,9 +117,7 @@ def _run_environment(context: EnvironmentContext) -> None:
         # Alembic's command line prints a CommandError as one clear line, where anything
         # else is a driver's traceback; a URL written into the message is masked, and what
         # it quotes made safe for a terminal.
-        known = isinstance(exc, (MigrationError, ValueError))
-        message = scrub(str(exc if known else translate_error(exc, "migrating")))
-        raise CommandError(visible(message)) from exc
+        raise CommandError(visible(scrub(str(exc)))) from exc
 
 
 def _schema_of(context: EnvironmentContext) -> str:
@@ -263,7 +271,7 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
         except _ConnectFailed as failed:
             # The command line's one line names the server it could not reach, masked; no
             # colon after the URL, which a ?password=*** would run into when scrubbed.
-            reason = translate_error(failed.__cause__ or failed, "connecting")
+            reason = failed.__cause__
             raise MigrationError(f"cannot connect to {redact(url)} ({reason})") from failed
     elif isinstance(bind, AsyncEngine):
         _run_coroutine(lambda: _run_async(context, schema, bind, dispose=False))
@@ -284,13 +292,18 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
 async def _run_async(
     context: EnvironmentContext, schema: str, engine: AsyncEngine, *, dispose: bool
 ) -> None:
+    # The application's engine: its caller translates the error.
+    connecting: AbstractAsyncContextManager[None] = (
+        door.translated("connecting") if dispose else contextlib.nullcontext()
+    )
     try:
         try:
-            conn = await engine.connect()
-        except Exception as exc:
+            async with connecting:
+                conn = await engine.connect()
+        except StoreError as reason:
             if not dispose:
-                raise  # the application's engine: its caller translates the error
-            raise _ConnectFailed from exc
+                raise
+            raise _ConnectFailed from reason
         try:
             await conn.run_sync(lambda sync_conn: _migrate(context, schema, sync_conn))
             await conn.commit()
@@ -302,7 +315,7 @@ async def _run_async(
 
 
 class _ConnectFailed(Exception):
-    """The engine made from a URL could not connect (the cause says why)."""
+    """The engine made from a URL could not connect (the cause, a store error, says why)."""
 
 
 def _run_coroutine(make: Callable[[], Coroutine[Any, Any, None]]) -> None:

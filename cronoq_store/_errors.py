@@ -2,7 +2,7 @@
 
 The scheduler retries :class:`UnavailableError` and treats everything else as a bug or a
 misconfiguration. Which driver failure becomes which of these is decided in one place,
-:func:`cronoq_store._driver.translate_error`.
+:func:`cronoq_store._door.translate_error`.
 """
 
 from __future__ import annotations

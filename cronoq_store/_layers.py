@@ -72,12 +72,10 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "door",
-        "the one way to the driver: compiled statements run, driver errors mapped",
+        "the one way to the driver; nothing above it holds a driver connection",
         {
-            "_driver": "statements compiled for asyncpg and run on its connection; every "
-            "driver error mapped to the store's errors",
-            "_held_connection": "the commit connection's life: checked out, held, given up",
-            "_transactions": "a store transaction on a pooled session, own or borrowed",
+            "_door": "the store's engines and their checks at open, the commits' connection, "
+            "transactions, statements compiled and run, every driver error mapped",
         },
     ),
     Layer(
@@ -92,7 +90,6 @@ LAYERS: tuple[Layer, ...] = (
             "_lock_waits": "waits for a lock another session holds: its holders named, the "
             "wait bounded",
             "_trust": "the trust checks: who may control the schema, who may connect",
-            "_pool": "the store's own pool, and the checks every pool passes at open",
             "_leadership": "the leader lock session, its keeper, the epoch",
             "_migration_lock": "one Alembic run at a time in the process",
             "_downgrade_guard": "a downgrade never under a live leader",

@@ -44,20 +44,20 @@ import time
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Executable, Result
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, Pool
 
 from . import _catalog as catalog
+from . import _door as door
 from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
 from . import _session_statements as session_st
 from ._config import PgStoreConfig
-from ._driver import lock_not_available, translate_error
+from ._door import LockSession, lock_not_available
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
-from ._retry import Retry, acquisition_backoff, bounded, pause
+from ._retry import Retry, acquisition_backoff, pause
 from ._schema import schema_options
 from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
@@ -68,8 +68,6 @@ __all__ = ["Leadership", "cool_down"]
 
 logger = logging.getLogger("cronoq_store")
 
-#: How long a graceful close of the lock session may take before the socket is dropped.
-_CLOSE_TIMEOUT = 1.0
 #: A waiting standby looks at who holds the lock every this many polls.
 _HOLDER_CHECK_POLLS = 10
 #: A standby warns about a foreign lock holder at most this often (seconds).
@@ -103,59 +101,6 @@ _STEP_DOWNS = {
     "cluster_replaced": "the schema holds another cluster than this store's; stepping down",
     "fenced": "the epoch moved without this instance; stepping down",
 }
-
-
-class _Session:
-    """The lock session: its SQLAlchemy connection, and the driver's, to abort a dead socket.
-
-    Statements run as SQLAlchemy Core on ``conn``; ``driver`` (the asyncpg connection) is used
-    only to close: ``terminate()`` drops the socket at once, where any polite close would wait
-    for a peer that may never answer.
-    """
-
-    def __init__(self, conn: AsyncConnection, driver: Any) -> None:
-        self.conn = conn
-        self.driver = driver
-        self.closed = False
-
-    async def run(
-        self, statement: Executable, params: dict[str, Any] | None, timeout: float
-    ) -> Result[Any]:
-        """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
-
-        The statement is not cancelled (that would send a cancel request over a new
-        connection, into the same silence); aborting the socket makes it fail at once.
-        """
-        return await bounded(
-            self.conn.execute(statement, params),
-            timeout,
-            abort=self.driver.terminate,
-            grace=_CLOSE_TIMEOUT,
-            silent="the lock session did not answer",
-        )
-
-    async def close(self) -> None:
-        """Close the session, ending the server's backend and so releasing its lock; bounded.
-
-        A graceful close is tried when the socket is still open; the socket is dropped if
-        that fails or takes longer than ``_CLOSE_TIMEOUT``. Closing twice is harmless.
-        """
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if not self.driver.is_closed():
-                try:
-                    await self.driver.close(timeout=_CLOSE_TIMEOUT)
-                except Exception:
-                    self.driver.terminate()
-        finally:
-            try:
-                # The driver connection is closed: this settles SQLAlchemy's bookkeeping.
-                await self.conn.invalidate()
-                await self.conn.close()
-            except Exception as exc:
-                logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
 
 
 def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
@@ -287,7 +232,7 @@ class Leadership:
         self._lost = asyncio.Event()
         self._closing = asyncio.Event()
         self._acquiring = asyncio.Lock()
-        self._session: _Session | None = None
+        self._session: LockSession | None = None
         self._keeper: asyncio.Task[None] | None = None
         #: Set once the schema was found holding another cluster than the store's (by the
         #: keeper, an acquisition or the store): what every later write is refused with.
@@ -342,7 +287,7 @@ class Leadership:
                 await self.release()
             if not renewing:
                 await self._cool_down()
-            session, epoch = await _AcquisitionRetry(self).run(self._try_lead)
+            session, epoch = await _AcquisitionRetry(self).run(self._attempt_lead)
             self._epoch = epoch
             self._lost.clear()
             self._session = session
@@ -384,18 +329,15 @@ class Leadership:
         if await self._closed_within(left):
             raise self._closed_error()
 
-    async def _try_lead(self) -> tuple[_Session, int]:
+    async def _attempt_lead(self) -> tuple[LockSession, int]:
+        """One attempt at the lock (:meth:`_try_lead`), every failure translated."""
+        async with door.translated("acquiring leadership"):
+            return await self._try_lead()
+
+    async def _try_lead(self) -> tuple[LockSession, int]:
         """Open a lock session and poll for the lock; returns the session and the new epoch."""
         timeout = self._config.session_timeout
-        # Bounded here too: an application's creator may have no connect timeout.
-        # A connect done as the acquisition is cancelled (or times out) is closed, not lost.
-        conn = await bounded(self._db.connect(), timeout, discard=AsyncConnection.close)
-        try:
-            raw = await conn.get_raw_connection()
-        except BaseException:
-            await conn.close()
-            raise
-        session = _Session(conn, raw.driver_connection)
+        session = await LockSession.open(self._db, timeout)
         try:
             if self._apply_settings:
                 await session.run(lock_st.lock_session_settings, self._settings, timeout)
@@ -404,12 +346,10 @@ class Leadership:
             await self._read_key(session, timeout)
             polls, suspect, seen_held = 0, None, None
             while True:
-                attempt: Any = (
-                    await session.run(lock_st.try_leader_lock, self._key, timeout)
-                ).one()
-                if attempt[0]:
+                taken, held_since = await session.try_lock(self._key, timeout)
+                if taken:
                     break
-                seen_held = attempt[1]
+                seen_held = held_since
                 if polls % _HOLDER_CHECK_POLLS == 0:
                     suspect = await self._watch_holder(session, suspect, timeout)
                 polls += 1
@@ -430,7 +370,7 @@ class Leadership:
             await session.close()  # releases the lock if this session took it
             raise
 
-    async def _bump(self, session: _Session, timeout: float, seen_held: datetime | None) -> Any:
+    async def _bump(self, session: LockSession, timeout: float, seen_held: datetime | None) -> Any:
         """Bump the epoch (``None``: no leader row) in a transaction that first takes
         :data:`~cronoq_store._statements.leader_barrier`: the bump waits for the commits in
         flight, and those that arrive meanwhile wait for it, so overlapping commits of a
@@ -438,23 +378,22 @@ class Leadership:
         The server gives up waiting at half ``timeout``, before this session is taken for
         silent: the ``LockHeldError`` names who holds the leader table, and the acquisition
         logs it and tries again."""
-        await session.run(lock_st.takeover_begin, None, timeout)
-        await lock_waits.leader_barrier(
-            lambda statement, params: session.run(statement, params, timeout),
-            self._schema,
-            timeout / 2,
-            "taking over leadership",
-        )
-        bump = {"incarnation": self._incarnation}
-        epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
-        if epoch is not None:
-            term = {"epoch": epoch, "lock_seen_held_at": seen_held}
-            await session.run(lock_st.record_term, term, timeout)
-            await session.run(lock_st.prune_terms, None, timeout)
-        await session.run(lock_st.takeover_commit, None, timeout)
+        async with session.takeover(timeout):
+            await lock_waits.leader_barrier(
+                lambda statement, params: session.run(statement, params, timeout),
+                self._schema,
+                timeout / 2,
+                "taking over leadership",
+            )
+            bump = {"incarnation": self._incarnation}
+            epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
+            if epoch is not None:
+                term = {"epoch": epoch, "lock_seen_held_at": seen_held}
+                await session.run(lock_st.record_term, term, timeout)
+                await session.run(lock_st.prune_terms, None, timeout)
         return epoch
 
-    async def _read_key(self, session: _Session, timeout: float) -> None:
+    async def _read_key(self, session: LockSession, timeout: float) -> None:
         """Read the lock's second key, the schema's OID, now: ``pg_upgrade`` gives a schema
         another OID, and every instance opened since takes the lock with that one. A schema
         that is gone is a cluster gone: ``SchemaGoneError``, no lock to wait for."""
@@ -467,7 +406,7 @@ class Leadership:
             )
         self._key["k2"] = oid
 
-    async def _refuse_to_bump(self, session: _Session, timeout: float) -> None:
+    async def _refuse_to_bump(self, session: LockSession, timeout: float) -> None:
         """Raise why the bump found no leader row to move: none in the schema, or the row of
         another cluster than the store's (``ClusterReplacedError``)."""
         found = (await session.run(lock_st.leader_now, None, timeout)).first()
@@ -480,7 +419,7 @@ class Leadership:
         )
         raise self.replaced
 
-    async def _vet(self, session: _Session, trust: TrustCheck, timeout: float) -> None:
+    async def _vet(self, session: LockSession, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its
         UPDATE of the leader row runs any trigger planted there since the store opened."""
         found = (await session.run(trust.statement, trust.params, timeout)).scalars().all()
@@ -489,7 +428,7 @@ class Leadership:
             raise trust.refusal(found, me)
 
     async def _refuse_untrusted_connect(
-        self, session: _Session, check: ConnectCheck, timeout: float
+        self, session: LockSession, check: ConnectCheck, timeout: float
     ) -> None:
         """Refuse to wait for the lock where roles the store does not trust may connect:
         any of them could hold it forever. A warning instead with allow_untrusted_connect."""
@@ -508,7 +447,7 @@ class Leadership:
         )
 
     async def _watch_holder(
-        self, session: _Session, suspect: int | None, timeout: float
+        self, session: LockSession, suspect: int | None, timeout: float
     ) -> int | None:
         """Look at who holds the lock this standby waits for. A store instance: say so at
         INFO when it changes (another pid or epoch), and every ``_WAITING_INTERVAL``. Not a
@@ -549,7 +488,7 @@ class Leadership:
             )
         return holder.pid
 
-    async def _keep(self, session: _Session, epoch: int) -> None:
+    async def _keep(self, session: LockSession, epoch: int) -> None:
         """Read the leader row on the session every ``keepalive``; step down once the
         session was silent too long, or at once when the row says this term is over.
 
@@ -564,14 +503,12 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    checked = await session.run(
-                        lock_st.leader_now, None, last_answer + limit - loop.time()
-                    )
-                except Exception as exc:
-                    error = translate_error(exc, "checking the leader lock session")
+                    async with door.translated("checking the leader lock session"):
+                        row = await session.leader_row(last_answer + limit - loop.time())
+                except StoreError as error:
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    if lock_not_available(exc):
+                    if lock_not_available(error):
                         last_answer = loop.time()
                         continue
                     if isinstance(error, SchemaGoneError):
@@ -585,7 +522,7 @@ class Leadership:
                         self._step_down(epoch, "session_lost", str(error))
                     return
                 last_answer = loop.time()
-                ended = self._term_ended(epoch, checked.first())
+                ended = self._term_ended(epoch, row)
                 if ended is not None and self._epoch == epoch:
                     self._step_down(epoch, *ended)
                     return
@@ -662,15 +599,12 @@ def _keeper_lock_timeout_ms(config: PgStoreConfig) -> int:
 
 
 class _AcquisitionRetry(Retry):
-    """Acquisition's retry policy: every failure translated, the transient ones retried
-    (each logged) until the leadership is closed, however many fail in a row."""
+    """Acquisition's retry policy: every failure (translated by the attempt), the transient
+    ones retried (each logged) until the leadership is closed, however many fail in a row."""
 
     def __init__(self, leadership: Leadership) -> None:
         super().__init__(leadership._backoff)
         self._leadership = leadership
-
-    def classify(self, exc: Exception) -> StoreError:
-        return translate_error(exc, "acquiring leadership")
 
     async def next_pause(self, error: StoreError, failures: int) -> float:
         delay = await super().next_pause(error, failures)

@@ -23,7 +23,6 @@ from sqlalchemy import (
     literal,
     select,
     table,
-    text,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -45,8 +44,6 @@ __all__ = [
     "record_term",
     "schema_oid",
     "take_epoch",
-    "takeover_begin",
-    "takeover_commit",
     "try_leader_lock",
 ]
 
@@ -84,11 +81,6 @@ def _own(name: str) -> Any:
         .scalar_subquery()
     )
 
-
-#: The transaction of a takeover on the lock session, which is in autocommit: the bump runs
-#: behind :data:`cronoq_store._statements.leader_barrier`.
-takeover_begin = text("BEGIN")
-takeover_commit = text("COMMIT")
 
 #: Bumps the epoch, wrapping 32767 -> 1, and records the session that did (pid, backend
 #: start, role): what tells the leader from a session that only holds the lock

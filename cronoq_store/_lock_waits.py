@@ -34,7 +34,7 @@ from sqlalchemy import Connection, Executable, Result
 from . import _catalog as catalog
 from . import _migration_statements as migration_st
 from . import _statements as st
-from ._driver import lock_not_available
+from ._door import lock_not_available
 from ._errors import LockHeldError
 from ._schema import leader
 from ._stored_values import LockHolder

@@ -45,14 +45,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from . import _door as door
 from . import _downgrade_guard as downgrade_guard
 from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
 from . import _session_statements as session_st
-from . import _transactions as transactions
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
-from ._driver import translate_error
 from ._errors import MigrationError
 from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import VERSION_TABLE
@@ -222,12 +221,13 @@ async def _run_on(
         alembic_command(cfg, revision)
 
     try:
-        async with migration_lock.held_async():
+        async with (
+            door.translated(f"migrating schema {schema!r}", passing=(CommandError,)),
+            migration_lock.held_async(),
+        ):
             await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
-    except Exception as exc:
-        raise translate_error(exc, f"migrating schema {schema!r}") from exc
 
 
 def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
@@ -278,10 +278,10 @@ async def _in_transaction(
     """``run`` in one transaction: on an engine's pooled session, one the store opens under
     its own settings, whatever the session carries (an application's ``SET
     default_transaction_read_only``, ``statement_timeout``, ``ROLE``, ... or a ``DISCARD
-    ALL``: :func:`~cronoq_store._transactions.run`), so that a retry never meets the same
+    ALL``: :func:`~cronoq_store._door.run_transaction`), so that a retry never meets the same
     refusal again; a caller's connection as it is (its transaction, its role on purpose)."""
     if isinstance(bind, AsyncEngine):
-        await transactions.run(bind, _opening(bind), lambda conn: conn.run_sync(run))
+        await door.run_transaction(bind, _opening(bind), lambda conn: conn.run_sync(run))
     else:
         await bind.run_sync(run)
 
@@ -290,7 +290,7 @@ def _opening(engine: AsyncEngine) -> str:
     """The message that opens a migration's transaction on ``engine``, or its read of the
     revision, with the store's own settings (:func:`_in_transaction`)."""
     statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
-    return transactions.opening(statements, engine.dialect)
+    return door.opening_message(statements, engine.dialect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +395,7 @@ async def require_head(
     :func:`refuse_untrusted`: a runtime role without DDL rights can read the version, and a
     schema that ops have not upgraded yet (or that a newer build upgraded) is refused with
     the revisions named (:meth:`RevisionStatus.require_head`). ``opening``: the message that
-    opens its transaction (:func:`~cronoq_store._transactions.run`), the store's settings.
+    opens its transaction (:func:`~cronoq_store._door.run_transaction`), the store's settings.
     """
     status = await _read_status(engine, schema, trusted_triggers, opening)
     status.require_head(
@@ -412,7 +412,7 @@ async def _read_status(
 ) -> RevisionStatus:
     """Where ``schema`` stands, after :func:`refuse_untrusted`; reads only, takes no lock
     (in ``bind``'s transaction, or in a transaction of an engine's that ``opening`` opens:
-    :func:`~cronoq_store._transactions.run`)."""
+    :func:`~cronoq_store._door.run_transaction`)."""
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
@@ -420,14 +420,10 @@ async def _read_status(
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 
-    try:
+    async with door.translated(f"reading the revision of schema {schema!r}"):
         if isinstance(bind, AsyncConnection):
             return await bind.run_sync(read)
-        return await transactions.run(bind, opening, lambda conn: conn.run_sync(read))
-    except MigrationError:
-        raise
-    except Exception as exc:
-        raise translate_error(exc, f"reading the revision of schema {schema!r}") from exc
+        return await door.run_transaction(bind, opening, lambda conn: conn.run_sync(read))
 
 
 def cluster_schema() -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "IDLE_LIMIT_MS",
     "SEARCH_PATH",
     "borrowed_transaction",
+    "current_user",
     "local_search_path",
     "session_search_path",
     "set_local_search_path",
@@ -49,6 +50,9 @@ local_search_path = select(
 #: The session's own ``search_path``: without prepared statements (behind PgBouncer) the
 #: store cannot set it per session and checks that PgBouncer or the role did.
 session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
+
+#: The role the session runs as: who a trust check ran as, the role a pool connects as.
+current_user = select(func.current_user())
 
 #: A given ``search_path`` until the end of the current transaction.
 set_local_search_path = select(
@@ -161,7 +165,7 @@ def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
 #: revisions, a health check's second look. That work grows with the rows and the machine's
 #: load, and must not fail because ``session_timeout`` is short. The leader row's lock
 #: (commits, prune batches) is what a takeover waits for: those transactions keep
-#: ``session_timeout`` (``_pool.idle_in_transaction_ms``). This bound is for a client that
+#: ``session_timeout`` (``_door.idle_in_transaction_ms``). This bound is for a client that
 #: froze mid-transaction, whose snapshot and table locks would otherwise stay for ever.
 IDLE_LIMIT_MS = 60_000
 

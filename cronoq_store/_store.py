@@ -6,14 +6,13 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._driver.translate_error`).
+:meth:`PgStore._translated` (:func:`cronoq_store._door.translated`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -24,24 +23,21 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import Pool
 
+from . import _door as door
 from . import _lock_statements as lock_st
 from . import _migrations as migrations
-from . import _pool as pool
 from . import _queries as queries
 from . import _recovery as recovery
 from . import _session_statements as session_st
-from . import _transactions as transactions
 from . import _trust as trust
 from ._config import PgStoreConfig
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
-from ._driver import translate_error
 from ._errors import (
     ClusterReplacedError,
     FencedError,
     SchemaGoneError,
     StoreError,
     UnavailableError,
-    UnsupportedParameterError,
 )
 from ._folding import fold
 from ._leadership import Leadership
@@ -50,7 +46,7 @@ from ._retry import bounded
 from ._schema import schema_options
 from ._sizing import MAX_COMMIT_BYTES, check_batch_size
 from ._stored_values import Health, LockHolder, Recovered, TaskRecord
-from ._urls import dialled_by_store, redact
+from ._urls import redact
 from ._urls import resolve as resolve_url
 from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
@@ -115,7 +111,7 @@ class PgStore:
             config.schema,
             incarnation=incarnation,
             borrowed=(
-                session_st.borrowed_transaction(pool.idle_in_transaction_ms(config))
+                session_st.borrowed_transaction(door.idle_in_transaction_ms(config))
                 if self._borrows_sessions
                 else None
             ),
@@ -182,7 +178,7 @@ class PgStore:
         """
         config = config or PgStoreConfig()
         schema_options(config.schema)  # refuse a bad name before anything connects
-        engine = pool.own_engine(url, config)
+        engine = door.own_engine(url, config)
         try:
             return await cls._open(
                 engine,
@@ -248,14 +244,14 @@ class PgStore:
         if lock_url is not None:
             resolve_url(lock_url)  # refuse what cannot be honoured before anything connects
         elif not owns_engine:
-            await _refuse_ignored_parameters(engine)
+            await door.refuse_ignored_parameters(engine)
         where = redact(engine.url)
         # What the store reads at open runs under its own settings too: an application's
         # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.
         opening = _reads_opening(engine, not owns_engine or not config.prepared_statements)
-        await pool.require_utf8(engine, where, opening)
+        await door.require_utf8(engine, where, opening)
         if not config.prepared_statements:
-            await pool.require_search_path(engine, where)
+            await door.require_search_path(engine, where)
         trusted = config.trusted_triggers
         if migrate:
             await migrations.upgrade(
@@ -268,7 +264,7 @@ class PgStore:
             await migrations.require_head(
                 engine, config.schema, trusted_triggers=trusted, opening=opening
             )
-        oid, incarnation, pool_role = await pool.cluster_identity(engine, config.schema, opening)
+        oid, incarnation, pool_role = await door.cluster_identity(engine, config.schema, opening)
         if oid is None:
             raise StoreError(f"schema {config.schema!r} not found at {where} after migrating")
         if incarnation is None:
@@ -499,7 +495,7 @@ class PgStore:
                 ) from exc
 
     async def _ping(self) -> None:
-        if not await self._read(pool.accepts_writes):
+        if not await self._read(door.accepts_writes):
             raise UnavailableError(
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
@@ -538,14 +534,14 @@ class PgStore:
 
     def _read(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
         """``work`` in a transaction of its own under the store's settings, run again on a
-        session that had lost its prepared statements (:func:`~cronoq_store._transactions.run`);
+        session that had lost its prepared statements (:func:`~cronoq_store._door.run_transaction`);
         for reads, recovery and health, which take no lock on the leader row."""
-        return transactions.run(self._db, self._read_opening, work)
+        return door.run_transaction(self._db, self._read_opening, work)
 
     def _locking(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
         """As :meth:`_read`, for a transaction that locks the leader row (a prune batch):
         a takeover waits for it, so it keeps the commits' idle limit, ``session_timeout``."""
-        return transactions.run(self._db, self._commits.writer.borrowed_opening, work)
+        return door.run_transaction(self._db, self._commits.writer.borrowed_opening, work)
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
@@ -562,9 +558,9 @@ class PgStore:
             # An owned engine would quietly open a new pool that nothing disposes.
             raise StoreError(f"{action} failed: the store is closed")
         try:
-            yield
-        except Exception as exc:
-            error = translate_error(exc, action)
+            async with door.translated(action):
+                yield
+        except StoreError as error:
             if (
                 isinstance(error, (SchemaGoneError, ClusterReplacedError))
                 and self._leadership.is_leader
@@ -577,14 +573,12 @@ class PgStore:
                     extra={"url": redact(self._engine.url), "error": str(error)},
                 )
                 await self._engine.dispose()
-            if error is exc:
-                raise
-            raise error from exc
+            raise
 
     async def _demoted(self) -> bool:
         """Whether a read-only failure is evidence enough to drop the pool's connections
-        (:func:`~cronoq_store._pool.demoted`)."""
-        return await pool.demoted(
+        (:func:`~cronoq_store._door.demoted`)."""
+        return await door.demoted(
             self._db, owned=self._owns_engine, timeout=self._config.commit_timeout
         )
 
@@ -750,33 +744,4 @@ def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
     """The message that opens a store transaction that takes no lock on the leader row
     (:func:`~cronoq_store._session_statements.store_transaction`)."""
     statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
-    return transactions.opening(statements, engine.dialect)
-
-
-async def _refuse_ignored_parameters(engine: AsyncEngine) -> None:
-    """Refuse, by name, an application's engine that dials somewhere its URL does not say.
-
-    SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
-    ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
-    the store would lead a cluster in another database. An engine made from
-    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
-    names = [name for name in ("service", "servicefile") if name in engine.url.query]
-    if "PGSERVICE" in os.environ:
-        names.append("$PGSERVICE")
-    if not names:
-        return
-    try:
-        async with engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            if dialled_by_store(raw.driver_connection):
-                return
-    except Exception:
-        # Opening the store goes on, and says why it cannot connect.
-        return
-    raise UnsupportedParameterError(
-        f"engine {redact(engine.url)}: cronoq-store cannot honour the parameter"
-        f"{'s' if len(names) > 1 else ''} {', '.join(names)}: SQLAlchemy hands it to asyncpg, "
-        "which ignores it and dials the default server; make the engine from "
-        "cronoq_store.engine_arguments(url)",
-        [name.lstrip("$") for name in names],
-    )
+    return door.opening_message(statements, engine.dialect)

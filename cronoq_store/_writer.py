@@ -1,14 +1,16 @@
-"""The commit path: which way a folded batch is written, on the driver connection (the
-statements of :mod:`cronoq_store._statements`, compiled once per schema and run through
-:mod:`cronoq_store._driver`), and what the writer found turned into errors.
+"""The commit path: which way a folded batch is written, on the connection the door lends
+(:class:`~cronoq_store._door.CommitConnection`: the statements of
+:mod:`cronoq_store._statements`, compiled once per schema, the transaction's messages, the
+COPY), and what the writer found turned into errors.
 
 A commit is the store's hot path and mostly round trips and client CPU: SQLAlchemy's
 per-execution work (parameter processing, result wrapping, a greenlet switch per call)
 cost more than the server's at small batches. So the commit's statements, still Core
 constructs composed in :mod:`cronoq_store._statements`, are compiled for the engine's
 dialect with the cluster's schema (``schema_translate_map``, rendered once:
-:class:`~cronoq_store._driver.CompiledStatement`), and executed with asyncpg's
-prepared-statement cache, on a connection :mod:`cronoq_store._held_connection` checks out.
+:class:`~cronoq_store._door.CompiledStatement`), and executed with asyncpg's
+prepared-statement cache, on a connection :class:`~cronoq_store._door.HeldConnection`
+checks out.
 Reads keep the SQLAlchemy path.
 
 A batch that only inserts new tasks (fewer than :data:`COPY_MIN_ROWS`), or only changes
@@ -54,11 +56,13 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import _statements as st
-from ._driver import (
+from ._door import (
     CLUSTER_REPLACED,
     INSERT_REFUSALS,
     UNIQUE_VIOLATION,
+    CommitConnection,
     CompiledStatement,
+    HeldConnection,
     Opening,
     insert_refusal,
     keys_named,
@@ -71,7 +75,6 @@ from ._errors import (
     KeyTakenError,
 )
 from ._folding import FoldedBatch, RecurringAction, taken_keys
-from ._held_connection import HeldConnection
 from ._rows import INSERT_COLUMNS
 from ._schema import tasks
 
@@ -92,6 +95,10 @@ _NO_FENCE: Fence = (None, None)
 # The incarnation a failed closing check names (statements.incarnation_kept): its own text,
 # which the server quotes in its message whatever the message's language.
 _FOUND_INCARNATION = re.compile(r"its leader table is now (\d+|missing)")
+
+
+#: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
+_Write = Callable[[CommitConnection, FoldedBatch, bool], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +140,16 @@ class BatchWriter:
         self._insert_one_fenced = compiled(st.insert_task_fenced)
         self._insert_fenced = compiled(st.insert_tasks_fenced)
         self._update_fenced = compiled(st.update_status_fenced)
-        opening = [CompiledStatement("BEGIN", (), {})]
-        if borrowed is not None:
-            opening = [compiled(statement) for statement in borrowed]
-        begin, *settings = opening
+        check = compiled(st.epoch_held_for_share)
         #: The message that opens a transaction on a borrowed session, ``None`` when the
         #: sessions are the store's own.
-        self.borrowed_opening = (
-            None if borrowed is None else "; ".join(statement.sql for statement in opening)
-        )
-        self._sharing = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
+        self.borrowed_opening: str | None = None
+        if borrowed is None:
+            self._sharing = Opening.of(check)
+        else:
+            begin, *settings = [compiled(statement) for statement in borrowed]
+            self.borrowed_opening = "; ".join([begin.sql, *(s.sql for s in settings)])
+            self._sharing = Opening.of(check, *settings, begin=begin.sql)
         self._closing = Opening.closing(compiled(st.incarnation_kept))
         self._stored_fence = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
@@ -157,7 +164,7 @@ class BatchWriter:
         }
         # One writer per write field of FoldedBatch: a field without one fails here, at
         # construction, instead of being skipped by every commit.
-        self._writers: dict[str, Callable[[Any, FoldedBatch, bool], Awaitable[None]]] = {
+        self._writers: dict[str, _Write] = {
             "updates": self._write_updates,
             "insert_rows": self._write_inserts,
             "outputs": self._write_outputs,
@@ -169,8 +176,10 @@ class BatchWriter:
                 f"{sorted(FoldedBatch.WRITES)}"
             )
 
-    async def write(self, conn: Any, epoch: int, incarnation: int, batch: FoldedBatch) -> Written:
-        """Write ``batch`` on the asyncpg connection ``conn`` if ``epoch`` is the stored
+    async def write(
+        self, conn: CommitConnection, epoch: int, incarnation: int, batch: FoldedBatch
+    ) -> Written:
+        """Write ``batch`` on the door's connection ``conn`` if ``epoch`` is the stored
         epoch, ``incarnation`` the cluster's, and none of its ids is held by another task,
         else write nothing."""
         fence = (epoch, incarnation)
@@ -207,24 +216,26 @@ class BatchWriter:
             return Written(_NO_FENCE, colliding)  # the colliding task was gone when looked up
         return Written(_NO_FENCE, taken=await self._held_keys(conn, batch) or keys_named(refusal))
 
-    async def _held_keys(self, conn: Any, batch: FoldedBatch) -> list[str]:
+    async def _held_keys(self, conn: CommitConnection, batch: FoldedBatch) -> list[str]:
         """The keys of ``batch`` that other live tasks hold (:func:`folding.taken_keys`)."""
         rows = await self._fetch(conn, self._key_holders, batch.inserts)
         stored = {row[0] for row in rows}
         holders = {row[1]: row[0] for row in rows if not row[2] and row[1] is not None}
         return taken_keys(batch, stored, holders)
 
-    async def _colliding(self, conn: Any, batch: FoldedBatch) -> list[int]:
+    async def _colliding(self, conn: CommitConnection, batch: FoldedBatch) -> list[int]:
         return [row[0] for row in await self._fetch(conn, self._colliding_ids, batch.inserts)]
 
-    async def _fetch(self, conn: Any, stmt: CompiledStatement, params: Mapping[str, Any]) -> Any:
+    async def _fetch(
+        self, conn: CommitConnection, stmt: CompiledStatement, params: Mapping[str, Any]
+    ) -> Any:
         if self.borrowed_opening is None:
-            return await stmt.fetch(conn, params)
+            return await conn.fetch(stmt, params)
         try:
-            await conn.execute(self.borrowed_opening)
-            return await stmt.fetch(conn, params)
+            await conn.send(self.borrowed_opening)
+            return await conn.fetch(stmt, params)
         finally:
-            await _roll_back(conn)
+            await conn.roll_back_failed()
 
     def path(self, batch: FoldedBatch) -> str:
         """The write path ``batch`` takes first (a batch written again after its insert
@@ -243,7 +254,9 @@ class BatchWriter:
             return "update"
         return "copy" if copy else "transaction"
 
-    async def _write(self, conn: Any, fence: Fence, batch: FoldedBatch, *, copy: bool) -> Fence:
+    async def _write(
+        self, conn: CommitConnection, fence: Fence, batch: FoldedBatch, *, copy: bool
+    ) -> Fence:
         """Write ``batch`` under ``fence`` (epoch, incarnation); the fence found, which is
         ``fence`` itself when the batch was written."""
         epoch, incarnation = fence
@@ -257,23 +270,23 @@ class BatchWriter:
             else:
                 stmt = self._insert_fenced
                 params = {**batch.inserts, **fenced}
-            found = await stmt.fetchrow(conn, params)
+            found = await conn.fetchrow(stmt, params)
             return _NO_FENCE if found is None else (found[0], found[1])
         if path == "update":
-            found = await self._update_fenced.fetchrow(conn, {**batch.updates, **fenced})
+            found = await conn.fetchrow(self._update_fenced, {**batch.updates, **fenced})
             if found is None:
                 return _NO_FENCE
             if (found[0], found[1]) == fence:
                 _warn_unchanged(batch.update_count, found[2])
             return found[0], found[1]
         try:
-            checked = await conn.execute(self._sharing.sql(fenced))
+            checked = await conn.send(self._sharing.sql(fenced))
             if row_count(checked) != 1:
                 # Another epoch or cluster: name them, write nothing. (Read by a later
                 # statement, they could only be ours again if they moved back meanwhile:
                 # fenced all the same.)
-                stored = await self._stored_fence.fetchrow(conn, {})
-                await conn.execute("ROLLBACK")
+                stored = await conn.fetchrow(self._stored_fence, {})
+                await conn.roll_back()
                 found_fence: Fence = _NO_FENCE if stored is None else (stored[0], stored[1])
                 return (None, found_fence[1]) if found_fence == fence else found_fence
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
@@ -281,14 +294,14 @@ class BatchWriter:
             for name in writes:
                 await self._writers[name](conn, batch, copy)
         except BaseException:
-            await _roll_back(conn)
+            await conn.roll_back_failed()
             raise
         try:
             # The schema's name may lead to another cluster by now: each write looked its
             # table up again. Checked after them, with the COMMIT, in one message.
-            await conn.execute(self._closing.sql(fenced))
+            await conn.send(self._closing.sql(fenced))
         except CLUSTER_REPLACED as exc:
-            await _roll_back(conn)
+            await conn.roll_back_failed()
             # Nothing was committed. Another cluster's incarnation is named as found; no
             # leader row reads as no fence at all, never as this batch's.
             now = _FOUND_INCARNATION.search(str(exc))
@@ -296,32 +309,29 @@ class BatchWriter:
                 return _NO_FENCE
             return epoch, int(now[1])
         except BaseException:
-            await _roll_back(conn)
+            await conn.roll_back_failed()
             raise
         return fence
 
-    async def _write_updates(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
-        status = await self._update.execute(conn, batch.updates)
+    async def _write_updates(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
+        status = await conn.execute(self._update, batch.updates)
         _warn_unchanged(batch.update_count, row_count(status))
 
-    async def _write_inserts(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
+    async def _write_inserts(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
         if copy:
-            await conn.copy_records_to_table(
-                tasks.name,
-                records=batch.insert_rows,
-                columns=INSERT_COLUMNS,
-                schema_name=self._schema,
-            )
+            await conn.copy_into(tasks.name, batch.insert_rows, INSERT_COLUMNS, self._schema)
         else:
-            await self._insert.execute(conn, batch.inserts)
+            await conn.execute(self._insert, batch.inserts)
 
-    async def _write_outputs(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
-        status = await self._outputs.execute(conn, batch.outputs)
+    async def _write_outputs(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
+        status = await conn.execute(self._outputs, batch.outputs)
         _warn_unstored_outputs(batch.output_count, row_count(status))
 
-    async def _write_recurring(self, conn: Any, batch: FoldedBatch, copy: bool) -> None:
+    async def _write_recurring(
+        self, conn: CommitConnection, batch: FoldedBatch, copy: bool
+    ) -> None:
         for action, params in batch.recurring:
-            await self._recurring[action].execute(conn, params)
+            await conn.execute(self._recurring[action], params)
 
     def _copied(self, batch: FoldedBatch) -> bool:
         return batch.insert_count >= self._copy_min_rows
@@ -344,7 +354,7 @@ class CommitPath:
     end the current one).
 
     ``hold``: keep one pooled connection checked out between commits
-    (:class:`~cronoq_store._held_connection.HeldConnection`).
+    (:class:`~cronoq_store._door.HeldConnection`).
     """
 
     def __init__(
@@ -410,15 +420,6 @@ class CommitPath:
     async def release(self) -> None:
         """Return the held connection to the pool (:meth:`HeldConnection.release`)."""
         await self.connections.release()
-
-
-async def _roll_back(conn: Any) -> None:
-    """Roll back a failed commit's transaction. On a connection that died or whose statement
-    was cancelled, the rollback fails too ("another operation is in progress"); that must
-    not replace the error that explains the failure. The caller discards a connection left
-    in a transaction."""
-    with contextlib.suppress(Exception):
-        await conn.execute("ROLLBACK")
 
 
 def _warn_unstored_outputs(expected: int, stored: int) -> None:

@@ -35,6 +35,7 @@ from cronoq_store._domain import (
     TaskStatus,
     task_id,
 )
+from cronoq_store._door import CommitConnection, CompiledStatement
 from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
 from cronoq_store._mutations import (
     Mutation,
@@ -164,8 +165,8 @@ def probing_commits(store: PgStore) -> list[dict[str, Any]]:
     writers = store._commits.writer._writers
     insert = writers["insert_rows"]
 
-    async def probed(conn: Any, batch: Any, copy: bool) -> None:
-        seen.append(dict(await conn.fetchrow(PROBE)))
+    async def probed(conn: CommitConnection, batch: Any, copy: bool) -> None:
+        seen.append(dict(await conn.fetchrow(CompiledStatement(PROBE, (), {}), {})))
         await insert(conn, batch, copy)
 
     writers["insert_rows"] = probed
@@ -520,14 +521,10 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             epoch = await bounded(store.acquire_leadership(), "the leadership of an idle cluster")
             lock_session: Any = store._leadership._session
             assert lock_session is not None
-            seen = dict(await lock_session.driver.fetchrow(PROBE))
+            seen = dict((await lock_session.run(text(PROBE), None, 5.0)).mappings().one())
             assert seen["synchronous_commit"] == "on"
-            assert (
-                await lock_session.driver.fetchval(
-                    "SELECT current_setting('default_transaction_read_only')"
-                )
-                == "off"
-            )
+            read_only = text("SELECT current_setting('default_transaction_read_only')")
+            assert (await lock_session.run(read_only, None, 5.0)).scalar_one() == "off"
             commits = probing_commits(store)
             await store.commit(epoch, PROCESS_BASE, batch(epoch, 1), [])
             assert [

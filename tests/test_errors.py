@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 import cronoq_store
-from cronoq_store._driver import CONNECTION_CLASSES, translate_error
+from cronoq_store._door import CONNECTION_CLASSES, translate_error
 from cronoq_store._errors import (
     FencedError,
     KeyTakenError,

@@ -174,7 +174,7 @@ def test_the_architecture_document_shows_the_declared_layers() -> None:
         # a lazy import of a path from the SQL layer
         ("cronoq_store._statements", "def f():\n    from . import _writer\n"),
         # the door reaching into the paths
-        ("cronoq_store._driver", "from ._recovery import recover\n"),
+        ("cronoq_store._door", "from ._recovery import recover\n"),
     ],
 )
 def test_the_check_finds_an_upward_import(module: str, line: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store import EPOCH_MAX, PgStore
 from cronoq_store import _lock_statements as lock_st
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._driver import translate_error
+from cronoq_store._door import translate_error
 from cronoq_store._errors import StoreError
 from cronoq_store._leadership import Leadership
 from cronoq_store._urls import async_url
@@ -441,7 +441,7 @@ async def lock_session_setting(store: PgStore, name: str) -> str:
     """A setting as the lock session itself sees it (the keeper pings only every 2 s)."""
     session = store._leadership._session
     assert session is not None
-    value = await session.conn.execute(text("SELECT current_setting(:n)"), {"n": name})
+    value = await session.run(text("SELECT current_setting(:n)"), {"n": name}, 5.0)
     return str(value.scalar_one())
 
 

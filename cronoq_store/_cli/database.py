@@ -19,10 +19,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from .. import _catalog as catalog
+from .. import _door as door
 from .. import _session_statements as session_st
 from .._alembic_env import clusters_elsewhere
-from .._driver import lock_not_available, translate_error
-from .._errors import LockHeldError, MigrationError
+from .._door import lock_not_available
+from .._errors import LockHeldError, MigrationError, StoreError
 from .._lock_waits import describe_holders, holder_of
 from .._migration_statements import CLUSTER_TABLES
 from .._migrations import (
@@ -96,9 +97,9 @@ async def database(
     made = engine(url) if pooled is None else pooled
     try:
         try:
-            conn = await made.execution_options(**schema_options(options.schema)).connect()
-        except Exception as exc:
-            reason = translate_error(exc, "connecting")
+            async with door.translated("connecting"):
+                conn = await made.execution_options(**schema_options(options.schema)).connect()
+        except StoreError as reason:
             raise CliError(
                 f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE
             ) from None

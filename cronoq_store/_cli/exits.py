@@ -11,8 +11,8 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from .._driver import translate_error
-from .._errors import LockHeldError
+from .. import _door as door
+from .._errors import LockHeldError, StoreError
 from .._terminal_safe import visible
 from .._urls import scrub
 
@@ -78,13 +78,13 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     """Run a command's coroutine; every failure leaves as one line, ``url`` masked in it,
     with its exit code."""
     try:
-        return asyncio.run(work)
+        with door.translated_sync("the command", passing=(click.ClickException, CliError)):
+            return asyncio.run(work)
     except click.ClickException:
         raise  # usage errors: click prints them and exits with 2
     except CliError as exc:
         exc.exit(url)
-    except Exception as exc:
-        error = translate_error(exc, "the command")
+    except StoreError as error:
         code = ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED
         if isinstance(error, LockHeldError):
             code = ExitCode.LOCK_HELD

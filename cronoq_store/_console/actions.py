@@ -28,10 +28,11 @@ from typing import Any
 
 from starlette.requests import Request
 
+from .. import _door as door
 from .._cli import database, operations
 from .._cli.exits import CliError, ExitCode
 from .._cli.output import format_duration, holder_document, rfc3339
-from .._driver import translate_error
+from .._errors import StoreError
 from .._terminal_safe import visible
 from .._urls import scrub
 from .source import Source
@@ -213,13 +214,15 @@ class Pruning:
             log.warning("prune of %s asked by %s: %d deleted", schema, who, total)
 
         try:
-            async with self._source.connect(schema) as conn:
+            async with (
+                door.translated("pruning", passing=(CliError,)),
+                self._source.connect(schema) as conn,
+            ):
                 await database.require_head(conn, schema)
                 cluster = await operations.prune_cluster(conn, schema)
                 await operations.prune_batches(conn, cluster, job.cutoff, progress)
             log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
-        except Exception as exc:  # said on the page and in the log, never a traceback
-            error = exc if isinstance(exc, CliError) else translate_error(exc, "pruning")
+        except (CliError, StoreError) as error:  # said on the page and in the log only
             job.error = visible(scrub(str(error), [self._source.url]))
             log.warning("prune of %s asked by %s: failed: %s", schema, who, job.error)
         finally:

@@ -26,13 +26,13 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from .. import _door as door
 from .._cli import operations, output
 from .._cli.exits import CliError, ExitCode
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
 from .._domain import I64_MAX, QUEUED, TaskStatus, clean_text
-from .._driver import translate_error
-from .._errors import MigrationError
+from .._errors import MigrationError, StoreError
 from .._listing_statements import SAMPLE
 from .._terminal_safe import visible, visible_block
 from .._urls import scrub
@@ -255,9 +255,21 @@ class _Console:
         return HTMLResponse(body, status)
 
     async def _guarded(self, request: Request, template: str, work: Any) -> Response:
+        # What the page handles itself passes; any other failure leaves through the door.
+        handled = (
+            ClusterNotFound,
+            reads.TaskNotFound,
+            actions.PruneNotFound,
+            _BadRequest,
+            actions.ActionRefused,
+            CliError,
+        )
         try:
-            done = await work()
-            return done if isinstance(done, Response) else self._respond(request, template, done)
+            async with door.translated("reading the cluster", passing=handled):
+                done = await work()
+                if isinstance(done, Response):
+                    return done
+                return self._respond(request, template, done)
         except (ClusterNotFound, reads.TaskNotFound, actions.PruneNotFound) as exc:
             what = {
                 ClusterNotFound: "cluster",
@@ -283,8 +295,7 @@ class _Console:
             return self._respond(
                 request, "error.html", {"error": scrub(str(exc), [self._url])}, status
             )
-        except Exception as exc:  # e.g. a role without SELECT: said, not a traceback
-            error = translate_error(exc, "reading the cluster")
+        except StoreError as error:  # e.g. a role without SELECT: said, not a traceback
             log.warning(
                 "%s %s: %s",
                 request.method,

@@ -15,14 +15,14 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
+from .. import _door as door
 from .. import _listing_statements as cs
 from .. import _queries as queries
 from .._cli import database, operations, output
 from .._cli.exits import CliError
 from .._codec import QUARANTINE_PREFIX
 from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus
-from .._driver import translate_error
-from .._errors import MigrationError
+from .._errors import MigrationError, StoreError
 from .._migrations import RevisionStatus, head_revision
 from .._urls import redact, scrub
 from .source import ClusterNotFound, Source
@@ -203,16 +203,18 @@ async def overview(source: Source) -> dict[str, Any]:
     url = source.url
     for schema in await source.cluster_schemas():
         try:
-            async with source.connect(schema) as conn:
+            async with (
+                door.translated(f"reading schema {schema}", passing=(CliError,)),
+                source.connect(schema) as conn,
+            ):
                 clusters.append((await _summary(conn, schema))[0])
         except MigrationError as exc:  # the trust check
             clusters.append({"schema": schema, "refused": str(exc)})
         except CliError:
             raise  # cannot connect: the whole page says so
-        except Exception as exc:  # e.g. no SELECT on this schema: the others still show
-            error = translate_error(exc, f"reading schema {schema}")
+        except StoreError as error:  # e.g. no SELECT on this schema: the others still show
             if error.is_transient:
-                raise error from exc
+                raise
             clusters.append({"schema": schema, "refused": scrub(str(error), [url])})
     return {"database": redact(url), "head": head_revision(), "clusters": clusters}
 

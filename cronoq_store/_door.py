@@ -1,0 +1,1117 @@
+"""The door to the database, the one module that touches the driver: it makes the store's
+engine and checks every pool at open, holds the commits' connection, opens and ends the
+store's transactions, runs statements compiled for asyncpg, and maps every driver failure to
+the store's errors.
+
+Compiling: a Core statement of :mod:`cronoq_store._statements` becomes the driver's SQL text
+for the cluster's schema once (:class:`CompiledStatement`, ``schema_translate_map``
+rendered), and runs with asyncpg's prepared-statement cache, without SQLAlchemy's
+per-execution work (the commit path, :mod:`cronoq_store._writer`; recovery's cursor).
+:class:`Opening` sends ``BEGIN``, session settings and the epoch check as one message.
+
+Mapping: :func:`translate_error` turns any failure into a :class:`~cronoq_store.StoreError`
+by SQLSTATE, not exception class (the asyncpg dialect delivers serialization failures,
+deadlocks and shutdowns alike as a plain ``DBAPIError``): whether work is retried or
+abandoned is decided here. The few driver errors that mean something else than a failure
+are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_named`), a
+connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
+driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
+transaction-pooling PgBouncer refused (:func:`translate_open_error`).
+
+Connections: :class:`HeldConnection` keeps the commits' connection between commits and
+gives it up when in doubt; :func:`run_transaction` is a store transaction on a pooled
+session, own or borrowed; :func:`own_engine` makes the store's own pool, and the open checks
+(:func:`require_utf8`, :func:`require_search_path`, :func:`cluster_identity`) run on any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import asyncpg
+from sqlalchemy import URL, ClauseElement, Executable, Result, event, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import greenlet_spawn
+
+from . import _lock_statements as lock_st
+from . import _session_statements as session_st
+from . import _statements as st
+from ._config import PgStoreConfig, keepalive_settings
+from ._errors import SchemaGoneError, StoreError, UnavailableError, UnsupportedParameterError
+from ._retry import bounded
+from ._schema import schema_options, tasks
+from ._urls import dialled_by_store, engine_arguments, redact
+
+__all__ = [
+    "CLUSTER_REPLACED",
+    "CONNECTION_CLASSES",
+    "INSERT_REFUSALS",
+    "LOCK_NOT_AVAILABLE",
+    "LOCK_SESSION_CLOSE_TIMEOUT",
+    "PREPARED_STATEMENT_CODES",
+    "READ_ONLY",
+    "SCHEMA_GONE_CODES",
+    "TRANSIENT_CLASSES",
+    "TRANSIENT_CODES",
+    "UNIQUE_VIOLATION",
+    "CommitConnection",
+    "CompiledStatement",
+    "HeldConnection",
+    "LockSession",
+    "Opening",
+    "accepts_writes",
+    "cluster_identity",
+    "demoted",
+    "forget_lost_statements",
+    "idle_in_transaction_ms",
+    "insert_refusal",
+    "keys_named",
+    "leaves_connection_sound",
+    "lock_not_available",
+    "opening_message",
+    "own_engine",
+    "partitions",
+    "refuse_ignored_parameters",
+    "require_search_path",
+    "require_utf8",
+    "row_count",
+    "run_transaction",
+    "translate_error",
+    "translate_open_error",
+    "translated",
+    "translated_sync",
+]
+
+logger = logging.getLogger("cronoq_store")
+
+_T = TypeVar("_T")
+
+# --- compiled statements ----------------------------------------------------------------
+
+# A positional parameter of a compiled statement.
+_PARAMETER = re.compile(r"\$(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledStatement:
+    """A Core statement as the driver's SQL text, with its parameters in positional order."""
+
+    sql: str
+    names: tuple[str, ...]
+    #: Values the construct carries itself (literals such as the leader row's id).
+    defaults: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, statement: ClauseElement, dialect: Dialect, schema: str) -> CompiledStatement:
+        """``statement`` as ``dialect`` renders it for the cluster in ``schema``."""
+        compiled = statement.compile(
+            dialect=dialect, schema_translate_map={None: schema}, render_schema_translate=True
+        )
+        if not isinstance(compiled, SQLCompiler):  # DDL: no parameters
+            return cls(compiled.string, (), {})
+        return cls(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
+
+    def args(self, values: Mapping[str, Any]) -> list[Any]:
+        """The positional arguments: ``values`` by name, the construct's own otherwise."""
+        return [values[n] if n in values else self.defaults[n] for n in self.names]
+
+    async def execute(self, conn: Any, values: Mapping[str, Any]) -> str:
+        """Run on the asyncpg connection ``conn``; the command tag (``UPDATE 12``)."""
+        status: str = await conn.execute(self.sql, *self.args(values))
+        return status
+
+    async def fetch(self, conn: Any, values: Mapping[str, Any]) -> Any:
+        """Run on ``conn``; every row."""
+        return await conn.fetch(self.sql, *self.args(values))
+
+    async def fetchrow(self, conn: Any, values: Mapping[str, Any]) -> Any:
+        """Run on ``conn``; the first row."""
+        return await conn.fetchrow(self.sql, *self.args(values))
+
+    async def fetchval(self, conn: Any, values: Mapping[str, Any]) -> Any:
+        """Run on ``conn``; the first row's first value."""
+        return await conn.fetchval(self.sql, *self.args(values))
+
+    async def cursor(self, conn: Any, values: Mapping[str, Any]) -> Any:
+        """A server-side cursor on ``conn`` (inside its transaction)."""
+        return await conn.cursor(self.sql, *self.args(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """``BEGIN`` and the statements that open a commit's transaction, ending with its epoch
+    check, as one simple-protocol message: one round trip instead of one per statement. The
+    simple protocol takes no parameters, so the check's (integers only: the epoch, the
+    incarnation, the leader row's id) are rendered as literals; any other value is refused.
+    :meth:`closing` is the same for the check that ends a transaction, before ``COMMIT``."""
+
+    template: str
+    check: CompiledStatement
+
+    @classmethod
+    def of(
+        cls, check: CompiledStatement, *before: CompiledStatement, begin: str = "BEGIN"
+    ) -> Opening:
+        if any(statement.names for statement in before):
+            raise ValueError("only the epoch check of an opening takes parameters")
+        body = _template(check)
+        return cls("; ".join([begin, *(statement.sql for statement in before), body]), check)
+
+    @classmethod
+    def closing(cls, check: CompiledStatement) -> Opening:
+        """``check`` and ``COMMIT`` in one message: a check that fails leaves the
+        transaction aborted, and the server skips the ``COMMIT`` after it."""
+        return cls(f"{_template(check)}; COMMIT", check)
+
+    def sql(self, values: Mapping[str, Any]) -> str:
+        return self.template.format(*map(_integer, self.check.args(values)))
+
+
+def _template(check: CompiledStatement) -> str:
+    """``check``'s text with each ``$n`` a format field, for :meth:`Opening.sql`."""
+    if sorted({int(n) for n in _PARAMETER.findall(check.sql)}) != list(
+        range(1, len(check.names) + 1)
+    ):
+        raise ValueError(f"not one placeholder per parameter: {check.sql}")
+    escaped = check.sql.replace("{", "{{").replace("}", "}}")
+    return _PARAMETER.sub(lambda found: f"{{{int(found.group(1)) - 1}}}", escaped)
+
+
+def _integer(value: object) -> str:
+    """``value`` as an SQL literal, if it is an integer (a bool is not)."""
+    if type(value) is not int:
+        raise TypeError(f"only integers are rendered into SQL, not {type(value).__name__}")
+    return str(value)
+
+
+# --- driver errors to the store's errors ------------------------------------------------
+
+#: SQLSTATE classes after which a session is gone or going: 08 connection exception, 57P
+#: operator intervention (admin shutdown, crash shutdown, cannot connect now, terminated).
+CONNECTION_CLASSES = ("08", "57P")
+#: SQLSTATE classes of transient failures: the connection classes and 53, insufficient
+#: resources (too many connections, out of memory or disk).
+TRANSIENT_CLASSES = (*CONNECTION_CLASSES, "53")
+#: Lock not available: a ``lock_timeout`` ended a wait, or ``NOWAIT`` found a lock held.
+LOCK_NOT_AVAILABLE = "55P03"
+#: Transient SQLSTATE codes: 40001 serialization failure, 40P01 deadlock, 55P03 lock not
+#: available, 57014 query cancelled (statement timeout).
+TRANSIENT_CODES = frozenset({"40001", "40P01", LOCK_NOT_AVAILABLE, "57014"})
+#: Read-only transaction. A primary that was demoted to a standby answers this (and
+#: "cannot execute ... during recovery"): the connection is in the wrong place.
+READ_ONLY = "25006"
+#: A named prepared statement missing (26000) or already defined (42P05) on the server: the
+#: session was reset under the driver's statement caches (``DISCARD ALL``, ``DEALLOCATE``),
+#: or clients share server sessions (a transaction-pooling PgBouncer before 1.21).
+PREPARED_STATEMENT_CODES = frozenset({"26000", "42P05"})
+#: What this build reads and writes is gone: 42P01 undefined table, 42703 undefined column,
+#: 3F000 invalid schema name (a downgrade, or a schema dropped by hand, under the store).
+SCHEMA_GONE_CODES = frozenset({"42P01", "42703", "3F000"})
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what it wraps (``orig``) and their causes, each once.
+
+    ``__context__`` is not followed: an error raised while handling a transient one (a bug
+    in a cleanup path, say) must not inherit its transience.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for nxt in (getattr(current, "orig", None), current.__cause__):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+
+
+def _sqlstates(exc: BaseException) -> list[str]:
+    states = []
+    for e in _chain(exc):
+        code = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+        if isinstance(code, str):
+            states.append(code)
+    return states
+
+
+# asyncpg's own encoding errors quote the offending value: "invalid input for query argument
+# $1: 'the value' (reason)". The value is a parameter and must not reach a message.
+_BAD_ARGUMENT = re.compile(
+    r"(invalid input for query argument \$\d+(?: in element #\d+ of \w+\(\) sequence)?): "
+)
+# SQLAlchemy's pointer to its error documentation: noise in a log line.
+_BACKGROUND = re.compile(r"\s*\(Background on this error at: [^)]*\)")
+# The driver saying that the connection is gone (no SQLSTATE: the server never said a word).
+_CLOSED = ("connection is closed", "connection was closed")
+# asyncpg's protocol out of step with the server ("cannot switch to state 12; another
+# operation (2) is in progress"): seen when a shutdown or a terminated backend reaches an
+# idle pooled connection, which is then handed out before its socket is seen closed. Misuse
+# (a connection shared by two coroutines) is an InterfaceError instead; this one means the
+# session is unusable, and a new one may well work.
+_PROTOCOL_BROKEN = asyncpg.InternalClientError
+
+
+def _describe(exc: BaseException) -> str:
+    """A one-line description without SQL text or bound parameters (which can be huge)."""
+    inner = exc
+    if isinstance(exc, sa_exc.StatementError) and exc.orig is not None:
+        inner = exc.orig
+        # The dialect's adapter exception wraps the asyncpg one as its cause.
+        if inner.__cause__ is not None and str(inner.__cause__):
+            inner = inner.__cause__
+    text = str(inner).strip()
+    bad_argument = _BAD_ARGUMENT.match(text)
+    if bad_argument is not None:
+        value = text[bad_argument.end() : text.rfind(" (")].strip("'\"")
+        reason = inner.__cause__
+        text = bad_argument.group(1)
+        if reason is not None:
+            # The encoder's reason, unless it quotes the value too.
+            said = "" if value in str(reason) else f": {reason}"
+            text += f" ({type(reason).__name__}{said})"
+    text = _BACKGROUND.sub("", text.splitlines()[0] if text else "")
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+
+
+def translate_error(exc: BaseException, action: str) -> StoreError:
+    """Map any failure of ``action`` to a :class:`StoreError`; the caller raises it ``from exc``.
+
+    Transient (``UnavailableError``): lost or refused connections, pool exhaustion, timeouts,
+    SQLSTATE classes 08, 53, 57P and codes 40001, 40P01, 55P03, 57014, and a read-only
+    server (25006, with ``reconnect``), and a driver protocol out of step with a session the
+    server ended (asyncpg's ``InternalClientError``). Everything else is a ``StoreError``,
+    including driver misuse that merely looks like a connection problem (asyncpg's
+    ``InterfaceError`` for a wrong argument count or a busy connection). A named prepared
+    statement missing or taken (26000, 42P05) reaches this only when it was not a reset of
+    the session (:func:`forget_lost_statements`): a permanent ``StoreError`` saying what
+    shares the session and which settings avoid it. A table, column or schema missing (42P01,
+    42703, 3F000) is a :class:`SchemaGoneError`. Store errors pass through unchanged.
+
+    Cancellation is not a failure: let ``asyncio.CancelledError`` propagate untranslated.
+    """
+    if isinstance(exc, StoreError):
+        return exc
+    description = _describe(exc)
+    message = f"{action} failed: {description}"
+    states = _sqlstates(exc)
+    if READ_ONLY in states or "during recovery" in description:
+        return UnavailableError(message, reconnect=True)
+    if any(s.startswith(TRANSIENT_CLASSES) or s in TRANSIENT_CODES for s in states):
+        return UnavailableError(message)
+    if any(s in SCHEMA_GONE_CODES for s in states):
+        return SchemaGoneError(
+            f"{message}; the cluster's schema lacks tables or columns this build uses "
+            "(downgraded or dropped while in use?): this instance must not write to it; "
+            "run `cronoq-store migrate` before any instance leads it again"
+        )
+    if any(s in PREPARED_STATEMENT_CODES for s in states):
+        return StoreError(
+            f"{message}; the connection's prepared statements vanish, and not by a reset of "
+            "its session (the server session under it changed, or they vanished again right "
+            "after the store made them anew): something hands its statements to more than "
+            "one server session. A transaction-pooling proxy (PgBouncer before 1.21 is one) "
+            "needs PgStoreConfig(prepared_statements=False) and, with from_engine, an engine "
+            'with connect_args={"statement_cache_size": 0, "prepared_statement_cache_size": 0} '
+            '(docs/reliability.md, "PgBouncer")'
+        )
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return UnavailableError(message)
+    if isinstance(exc, (sa_exc.TimeoutError, asyncio.TimeoutError, OSError)):
+        return UnavailableError(message)
+    if any(closed in str(e) for e in _chain(exc) for closed in _CLOSED):
+        return UnavailableError(message)
+    if any(isinstance(e, _PROTOCOL_BROKEN) for e in _chain(exc)):
+        return UnavailableError(message)
+    return StoreError(message)
+
+
+@asynccontextmanager
+async def translated(
+    action: str, *, passing: tuple[type[Exception], ...] = ()
+) -> AsyncIterator[None]:
+    """The way through the door for work on a connection of its own (the CLI's, the
+    console's, Alembic's, a migration's, the lock session's): any failure inside leaves as
+    the :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the
+    failure; the errors of ``passing`` (the caller's own, which it handles) as they are."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as exc:
+        error = translate_error(exc, action)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+@contextlib.contextmanager
+def translated_sync(action: str, *, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """:func:`translated` for synchronous work (Alembic's environment, a command's
+    ``asyncio.run``)."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as exc:
+        error = translate_error(exc, action)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def translate_open_error(exc: BaseException, where: str, action: str) -> StoreError:
+    """:func:`translate_error` for the first statement on a new pool: a peer that refused
+    the store's session settings at startup is a transaction-pooling PgBouncer, and the
+    error says what to configure instead."""
+    refused = _refused_setting(exc)
+    if refused is None:
+        return translate_error(exc, action)
+    return StoreError(
+        f"the server at {where} refused the store's session settings ({refused}): "
+        "a transaction-pooling PgBouncer does; open the store with "
+        "PgStoreConfig(prepared_statements=False) and lock_url= a direct URL to the "
+        'server (docs/reliability.md, "PgBouncer")'
+    )
+
+
+def _refused_setting(exc: BaseException) -> str | None:
+    """What the peer said when it refused a startup parameter, as PgBouncer does with
+    ``search_path`` and every other setting it does not track; ``None`` for other errors."""
+    orig = getattr(exc, "orig", exc)
+    found = re.search(r"unsupported startup parameter: \S+", str(orig))
+    if getattr(orig, "sqlstate", None) != "08P01" or found is None:
+        return None
+    return found[0]
+
+
+# --- a commit's refusals ----------------------------------------------------------------
+
+#: What a commit transaction's closing check raises when the schema's name leads to another
+#: cluster than the store's (``statements.incarnation_kept``: 22P02, a text that is no
+#: integer). No other statement of the closing message can raise it.
+CLUSTER_REPLACED = asyncpg.InvalidTextRepresentationError
+
+# --- the insert's refusals --------------------------------------------------------------
+
+#: A unique index refused a row: a stored id or a taken live key (COPY, which has no
+#: conflict rule), or a taken live key (:func:`keys_named`).
+UNIQUE_VIOLATION = asyncpg.UniqueViolationError
+#: The driver errors of an insert that :func:`insert_refusal` may explain.
+INSERT_REFUSALS = (asyncpg.NotNullViolationError, UNIQUE_VIOLATION)
+# The unique index on live keys (see :func:`insert_refusal`).
+_LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
+# The server's detail for a violation of it: the key as text.
+_KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
+
+
+def lock_not_available(exc: BaseException) -> bool:
+    """Whether ``exc`` (as SQLAlchemy or asyncpg raise it) is only a lock wait that ran out
+    of ``lock_timeout`` (55P03): the session answered, and is sound; a waiter then names
+    who holds the lock (:mod:`cronoq_store._lock_waits`)."""
+    return LOCK_NOT_AVAILABLE in _sqlstates(exc)
+
+
+def insert_refusal(exc: asyncpg.PostgresError) -> bool:
+    """Whether the insert's failure is one the writer explains (an id held by another task,
+    a live key held by another live task) rather than an error to raise: the insert's
+    signal (:func:`_stored_id`) or a violation of the unique index of live keys."""
+    if isinstance(exc, asyncpg.NotNullViolationError):
+        return _stored_id(exc)
+    constraint: str | None = exc.constraint_name
+    return constraint == _LIVE_KEY_INDEX
+
+
+def keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:
+    """The key the server names in a live-key violation ("Key (key)=(k) already exists.")."""
+    detail: str | None = exc.detail
+    found = _KEY_DETAIL.fullmatch(detail or "")
+    return [] if found is None else [found.group(1)]
+
+
+def _stored_id(exc: asyncpg.NotNullViolationError) -> bool:
+    """Whether ``exc`` is the insert's signal that a stored row holds one of its ids
+    (``statements._insert_from``)."""
+    table: str | None = exc.table_name
+    column: str | None = exc.column_name
+    return table == tasks.name and column == "seq"
+
+
+def leaves_connection_sound(exc: BaseException, driver: Any) -> bool:
+    """Whether the asyncpg connection ``driver`` is usable after ``exc``: a server's error
+    that is not about the session (asyncpg rolled the transaction back), on a connection
+    that is open and out of any transaction."""
+    return (
+        isinstance(exc, asyncpg.PostgresError)
+        and not exc.sqlstate.startswith(CONNECTION_CLASSES)
+        and not driver.is_closed()
+        and not driver.is_in_transaction()
+    )
+
+
+async def forget_lost_statements(exc: BaseException, pooled: PoolProxiedConnection) -> bool:
+    """Whether ``exc`` says that the session of ``pooled`` was reset under the driver's
+    prepared statements, on a connection otherwise sound (open, out of any transaction);
+    if so, the driver's and SQLAlchemy's statement caches of that connection are emptied,
+    so that every statement is prepared anew on its next use.
+
+    An application that shares its pool with the store may reset a session between two
+    checkouts (``DISCARD ALL``, ``DEALLOCATE``): both caches then name statements the server
+    no longer has (26000), or a name the session already holds (42P05). The server refused
+    the statement before running it, and the refusal failed the transaction it was in, so
+    the work that met it wrote nothing and may run again on the same connection.
+    SQLAlchemy's asyncpg adapter keeps its own cache (``prepared_statement_cache_size``);
+    it offers no call to empty it, so its attribute is read, where present.
+
+    A transaction-pooling proxy (PgBouncer before 1.21) loses statements too, by handing
+    each transaction to any of its server sessions, where another process's statement may
+    bear the same name. That is no reset, and is not recovered from: the server session
+    under the connection (its backend pid) is read at each loss, and one that changed
+    since the previous loss means ``False``.
+    """
+    driver: Any = pooled.driver_connection
+    if not any(s in PREPARED_STATEMENT_CODES for s in _sqlstates(exc)):
+        return False
+    if driver.is_closed() or driver.is_in_transaction():
+        return False
+    cache = getattr(pooled.dbapi_connection, "_prepared_statement_cache", None)
+    if cache is not None:
+        cache.clear()
+    # asyncpg's own cache (and its type cache, which is read again on demand).
+    await driver.reload_schema_state()
+    try:
+        # In a transaction: a transaction-pooling proxy keeps both of the query's messages
+        # (its statement made, then run) on one server session. The session's own timeout
+        # is the application's: not this question's.
+        async with driver.transaction():
+            await driver.execute("SET LOCAL statement_timeout TO DEFAULT")
+            backend: int = await driver.fetchval(_BACKEND_PID)
+    except Exception:
+        return False  # the session cannot say which it is: the loss is raised as it is
+    first: int = pooled.info.setdefault(_BACKEND_INFO, backend)
+    return first == backend
+
+
+# The server session's own backend pid, and where a connection keeps the one it had at its
+# first loss of prepared statements (SQLAlchemy's info of the DBAPI connection).
+_BACKEND_PID = "SELECT pg_catalog.pg_backend_pid()"
+_BACKEND_INFO = "cronoq_store.backend_pid"
+
+
+def row_count(status: str) -> int:
+    """The row count of a command tag such as ``UPDATE 12``."""
+    return int(status.rpartition(" ")[2])
+
+
+# --- the commits' connection --------------------------------------------------------
+
+
+class HeldConnection:
+    """The commits' connections from ``engine``'s pool.
+
+    ``hold``: keep one pooled connection checked out between commits (the writer's, for the
+    term) instead of a checkout and a return per commit, which cost a greenlet switch each
+    and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
+    another as before. It is given up, never reused, when in doubt (as any connection of a
+    failed commit), when the server closed it, or when the pool it came from was disposed
+    (a demoted primary); and returned by :meth:`release` (``PgStore`` calls it at close,
+    ``release_leadership``, fencing, the first commit refused after a lost term, and
+    ``acquire_leadership``: a standby holds none, a new term takes a fresh one).
+    """
+
+    def __init__(self, engine: AsyncEngine, *, hold: bool = False) -> None:
+        self._engine = engine
+        self._hold = hold
+        self._held: PoolProxiedConnection | None = None
+        self._held_from: Pool | None = None  # the pool it came from
+        self._held_busy = False
+        self._releases = 0  # a connection checked out before a release is not held
+
+    @property
+    def held(self) -> PoolProxiedConnection | None:
+        """The connection kept between commits, if any."""
+        return self._held
+
+    async def release(self) -> None:
+        """Return the held connection to the pool (a commit using it returns it when done);
+        a later commit holds one again."""
+        held, busy = self._held, self._held_busy
+        self._held, self._held_busy = None, False
+        self._releases += 1
+        if held is not None and not busy:
+            if self._held_from is not self._engine.sync_engine.pool:
+                # Its pool was disposed (a demoted primary): it would stay open there.
+                _asyncpg_of(held).terminate()
+                held.invalidate()
+            await greenlet_spawn(held.close)
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        """The held connection if it is free and sound, else one from the pool."""
+        held = self._held
+        if held is None or self._held_busy:
+            return await self._engine.raw_connection()
+        if self._held_from is self._engine.sync_engine.pool and not _asyncpg_of(held).is_closed():
+            self._held_busy = True
+            return held
+        # What the pool's checkout check would refuse, or a connection of a pool disposed
+        # since (a demoted primary): discarded, never reused.
+        self._held = None
+        _asyncpg_of(held).terminate()
+        held.invalidate()
+        await greenlet_spawn(held.close)
+        return await self._engine.raw_connection()
+
+    async def run(self, work: Callable[[CommitConnection], Awaitable[_T]]) -> _T:
+        """``work`` on a pooled connection's driver connection (the commit path's
+        ``BatchWriter``), and once more on the same one if its session had lost prepared
+        statements the driver made on it (:func:`forget_lost_statements`).
+
+        Running the commit again is safe: the statement the server did not find failed the
+        transaction it was in, or was the transaction, so the attempt wrote nothing; and
+        commits are idempotent besides (a batch that landed changes nothing the second
+        time). A second loss in a row is raised: the statements were just made anew, so
+        something else than a reset shares the session (a transaction pooler).
+        """
+        async with self._driver_connection() as pooled:
+            try:
+                return await work(CommitConnection(_asyncpg_of(pooled)))
+            except Exception as exc:
+                if not await forget_lost_statements(exc, pooled):
+                    raise
+            try:
+                return await work(CommitConnection(_asyncpg_of(pooled)))
+            except Exception as exc:
+                # Left with no stale statement either way.
+                await forget_lost_statements(exc, pooled)
+                raise
+
+    @asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[PoolProxiedConnection]:
+        """A pooled connection whose asyncpg connection the commit path uses.
+
+        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
+        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
+        invalidated here instead of going back to the pool. A server's error leaves it
+        usable: asyncpg rolled the transaction back. With ``hold``, a sound connection is
+        kept as the held one when none is (and none was released meanwhile).
+        """
+        pool, releases = self._engine.sync_engine.pool, self._releases
+        pooled = await self._checkout()
+        driver = _asyncpg_of(pooled)
+        sound = False
+        try:
+            yield pooled
+            sound = True
+        except BaseException as exc:
+            if leaves_connection_sound(exc, driver):
+                sound = True
+            else:
+                if pooled is self._held:
+                    self._held, self._held_busy = None, False
+                # Close the socket first: a graceful close waits for the operation in
+                # progress and fails ("another operation is in progress") after a timeout
+                # or cancellation, which would mask the error being raised.
+                driver.terminate()
+                pooled.invalidate()
+            raise
+        finally:
+            if pooled is self._held:
+                self._held_busy = False
+            elif sound and self._hold and self._held is None and self._releases == releases:
+                self._held, self._held_from = pooled, pool
+            else:
+                if sound and pool is not self._engine.sync_engine.pool:
+                    # Its pool was disposed meanwhile (close(), a demoted primary): returned
+                    # there, it would stay open, never handed out nor closed.
+                    driver.terminate()
+                    pooled.invalidate()
+                # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
+                # the pool's reset-on-return may call the driver; it has nothing to roll back.
+                await greenlet_spawn(pooled.close)
+
+
+def _asyncpg_of(pooled: PoolProxiedConnection) -> Any:
+    """The asyncpg connection under a pooled one."""
+    return pooled.driver_connection
+
+
+class CommitConnection:
+    """The driver connection a commit runs on, as the door lends it to the commit path
+    (:class:`~cronoq_store._writer.BatchWriter`, through :meth:`HeldConnection.run`):
+    compiled statements run, the transaction's messages sent (its opening and closing,
+    :class:`Opening`), new tasks copied in, and a failed transaction rolled back. Nothing
+    else of the driver is reachable from it."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    async def fetchrow(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
+        """Run ``statement``; its first row."""
+        return await statement.fetchrow(self._driver, values)
+
+    async def fetch(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
+        """Run ``statement``; every row."""
+        return await statement.fetch(self._driver, values)
+
+    async def execute(self, statement: CompiledStatement, values: Mapping[str, Any]) -> str:
+        """Run ``statement``; its command tag (:func:`row_count` reads it)."""
+        return await statement.execute(self._driver, values)
+
+    async def send(self, message: str) -> str:
+        """Send ``message`` (statements without parameters: an :class:`Opening`'s, a
+        borrowed session's opening) as one simple-protocol message; its last command tag."""
+        status: str = await self._driver.execute(message)
+        return status
+
+    async def copy_into(
+        self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str], schema: str
+    ) -> None:
+        """``rows`` into ``schema.table`` by COPY, inside the open transaction."""
+        await self._driver.copy_records_to_table(
+            table, records=rows, columns=columns, schema_name=schema
+        )
+
+    async def roll_back(self) -> None:
+        """End the open transaction, writing nothing."""
+        await self._driver.execute("ROLLBACK")
+
+    async def roll_back_failed(self) -> None:
+        """Roll back a failed commit's transaction. On a connection that died or whose
+        statement was cancelled, the rollback fails too ("another operation is in
+        progress"); that must not replace the error that explains the failure. The
+        connection left in a transaction is discarded (:class:`HeldConnection`)."""
+        with contextlib.suppress(Exception):
+            await self._driver.execute("ROLLBACK")
+
+
+# --- a store transaction on a pooled session -------------------------------------------
+
+
+def opening_message(statements: Sequence[ClauseElement], dialect: Dialect) -> str:
+    """``statements`` (``BEGIN`` first, none with parameters) as one simple-protocol message
+    for :func:`run_transaction`: no more round trips than SQLAlchemy's ``BEGIN``."""
+    compiled = [statement.compile(dialect=dialect) for statement in statements]
+    if any(c.params for c in compiled):
+        raise ValueError("an opening takes no parameters")
+    return "; ".join(c.string for c in compiled)
+
+
+async def run_transaction(
+    db: AsyncEngine, opening: str | None, work: Callable[[AsyncConnection], Awaitable[_T]]
+) -> _T:
+    """``work`` on a pooled connection in a transaction, with the cluster's schema applied
+    (``db``'s execution options); it commits when ``work`` returns. ``opening``: the message
+    that opens the transaction with the store's settings (:func:`opening_message`), or ``None`` for
+    SQLAlchemy's ``BEGIN`` (the session's own settings are the store's).
+
+    If the session had lost prepared statements the driver or SQLAlchemy made on it (an
+    application's ``DISCARD ALL`` between two checkouts), their caches are emptied and
+    ``work`` runs again on the same connection (another of the pool may have lost them
+    too). That is safe: the statement the server did not find failed the transaction, so
+    nothing ``work`` wrote stayed. A second loss in a row is raised.
+    """
+    async with db.connect() as conn:
+        try:
+            return await _attempt(conn, opening, work)
+        except Exception as exc:
+            if conn.invalidated or not await _forgot(conn, exc):
+                raise
+        try:
+            return await _attempt(conn, opening, work)
+        except Exception as exc:
+            if not conn.invalidated:
+                await _forgot(conn, exc)
+            raise
+
+
+async def _forgot(conn: AsyncConnection, exc: BaseException) -> bool:
+    """Whether ``exc`` was a lost prepared statement on ``conn``, now forgotten, with the
+    failed transaction ended for SQLAlchemy too."""
+    if not await forget_lost_statements(exc, await conn.get_raw_connection()):
+        return False
+    await conn.rollback()
+    return True
+
+
+async def _attempt(
+    conn: AsyncConnection, opening: str | None, work: Callable[[AsyncConnection], Awaitable[_T]]
+) -> _T:
+    async with _transaction(conn, opening):
+        return await work(conn)
+
+
+@asynccontextmanager
+async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncIterator[None]:
+    """A transaction on ``conn``, under the store's settings. A failure inside is raised as
+    it is, never replaced by the rollback's on a connection that is gone.
+
+    With ``opening`` the store opens the transaction itself (on a borrowed session: the
+    message that sets the store's settings for it alone, the writer's
+    :attr:`~cronoq_store._writer.BatchWriter.borrowed_opening`), and the driver adapter
+    sends no ``BEGIN`` of its own meanwhile (its DBAPI ``autocommit``; SQLAlchemy's
+    isolation-level option would leave the application's session reset to another level).
+    A connection left in doubt (a failed rollback, a cancellation) is discarded.
+    """
+    if opening is None:
+        failure: BaseException | None = None
+        try:
+            async with conn.begin():
+                try:
+                    yield
+                except BaseException as exc:
+                    failure = exc
+                    raise
+        except BaseException as exc:
+            if failure is None or exc is failure:
+                raise
+            # The rollback failed too, on a connection that is gone (a crash): the
+            # first failure is what explains it.
+            raise failure from None
+        return
+    pooled = await conn.get_raw_connection()
+    adapter: Any = pooled.dbapi_connection
+    driver: Any = pooled.driver_connection
+    adapter.autocommit = True
+    try:
+        await driver.execute(opening)
+        yield
+        await driver.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await driver.execute("ROLLBACK")
+        if driver.is_closed() or driver.is_in_transaction():
+            driver.terminate()
+            await conn.invalidate()
+        raise
+    finally:
+        adapter.autocommit = False
+
+
+# --- the store's own pool, and the checks at open ----------------------------------------
+
+
+def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
+    """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
+    ``max_connections``, the store's session settings, closed connections replaced at
+    checkout."""
+    dialled, arguments = engine_arguments(url)
+    engine = create_async_engine(
+        dialled,
+        pool_size=config.max_connections,
+        max_overflow=0,
+        # No store call waits for a connection longer than a commit may take.
+        pool_timeout=config.commit_timeout,
+        # Batches carry payloads; errors and logs must not.
+        hide_parameters=True,
+        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
+        connect_args={**arguments, **_pool_connect_args(config)},
+    )
+    event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
+    return engine
+
+
+async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:
+    """Refuse a database whose encoding is not UTF8, before anything is created in it: every
+    string the domain accepts must be storable, and another encoding lacks most characters.
+    Read in a transaction opened by ``opening`` (the store's settings)."""
+
+    async def read(conn: AsyncConnection) -> str:
+        encoding: str = (await conn.execute(st.server_encoding)).scalar_one()
+        return encoding
+
+    try:
+        encoding = await run_transaction(engine, opening, read)
+    except Exception as exc:
+        raise translate_open_error(exc, where, "reading the database's encoding") from exc
+    if encoding != "UTF8":
+        raise StoreError(
+            f"the database at {where} is encoded in {encoding}: cronoq-store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
+async def require_search_path(engine: AsyncEngine, where: str) -> None:
+    """Refuse pooled sessions whose ``search_path`` is not the store's: without prepared
+    statements they come from a transaction-pooling PgBouncer, where the store cannot set
+    it per session, and a schema another role can write on it could capture an operator."""
+    try:
+        async with engine.connect() as conn:
+            path = (await conn.execute(session_st.session_search_path)).scalar_one()
+    except Exception as exc:
+        raise translate_error(exc, "reading the pooled sessions' search_path") from exc
+    if [part.strip() for part in path.split(",")] != [
+        part.strip() for part in session_st.SEARCH_PATH.split(",")
+    ]:
+        raise StoreError(
+            f"the pooled sessions at {where} run with search_path {path!r}, not "
+            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            "per session; set it for the store's PgBouncer database entry (connect_query = "
+            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+        )
+
+
+def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
+    """How the store's own pool connects: its server settings, or, without prepared
+    statements (a transaction-pooling PgBouncer), unnamed statements and no settings but
+    ``application_name``, the one such a PgBouncer accepts at connection start."""
+    if not config.prepared_statements:
+        return {
+            # asyncpg then sends every statement unnamed (Parse, Describe and Bind travel
+            # before one Sync, so PgBouncer keeps them on one server connection).
+            "statement_cache_size": 0,
+            "prepared_statement_cache_size": 0,
+            "server_settings": {"application_name": config.application_name},
+        }
+    return {
+        "server_settings": {
+            "application_name": config.application_name,
+            # No schema another role can write is ever on the path (CVE-2018-1058).
+            "search_path": session_st.SEARCH_PATH,
+            # A leader frozen or cut off between two statements of a commit holds the
+            # leader row lock; the server ends such a session, so a takeover waits at most
+            # this long for it (the keeper has stepped down by then).
+            "idle_in_transaction_session_timeout": str(idle_in_transaction_ms(config)),
+            # And one cut off while the server sends or waits on it (keepalive_settings).
+            **keepalive_settings(config),
+        }
+    }
+
+
+def idle_in_transaction_ms(config: PgStoreConfig) -> int:
+    """How long the server lets a transaction of the store sit idle before it ends the
+    session: ``session_timeout``, so a takeover waits at most that long for a frozen
+    leader's row lock."""
+    return round(config.session_timeout * 1000)
+
+
+def _reject_closed(dbapi_connection: Any, record: Any, proxy: PoolProxiedConnection) -> None:
+    """The pool's pre-ping, without a round trip: a pooled connection that the server
+    closed (restart, terminated backend, idle timeout) is replaced at checkout.
+
+    asyncpg notices a closed socket as soon as the event loop reads its end, so this catches
+    what a ``SELECT 1`` would, three round trips cheaper (the asyncpg dialect pings inside
+    ``BEGIN ... ROLLBACK``). A connection that died silently fails its next statement
+    instead, with ``UnavailableError``, and is invalidated; commits are idempotent and the
+    caller retries.
+    """
+    driver: Any = proxy.driver_connection
+    if driver.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
+
+
+async def cluster_identity(
+    engine: AsyncEngine, schema: str, opening: str
+) -> tuple[int | None, int | None, str]:
+    """Read at open: the OID of ``schema`` (``None`` if there is none), the cluster's
+    incarnation (its leader table's OID, ``None`` without a leader row) and the role the
+    pool connects as, in a transaction opened by ``opening`` (the store's settings: a role
+    an application left ``SET`` on a borrowed session is not the pool's)."""
+
+    async def read(conn: AsyncConnection) -> tuple[int | None, int | None, str]:
+        await conn.execute(session_st.local_search_path)
+        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+        incarnation = None
+        if oid is not None:
+            found = await conn.execute(st.incarnation, execution_options=schema_options(schema))
+            incarnation = found.scalar()
+        pool_role = (await conn.execute(session_st.current_user)).scalar_one()
+        return oid, incarnation, pool_role
+
+    try:
+        return await run_transaction(engine, opening, read)
+    except Exception as exc:
+        raise translate_error(exc, f"reading the identity of schema {schema!r}") from exc
+
+
+async def demoted(db: AsyncEngine, *, owned: bool, timeout: float) -> bool:
+    """Whether a read-only failure is evidence enough to drop the pool's connections:
+    always for the store's own pool (``owned``); for an application's, only if a session
+    it hands out is on a server in recovery (a standby)."""
+    if owned:
+        return True
+    try:
+        # In the session's own transaction: the store's opening is read-write, which a
+        # server in recovery refuses before anything could be asked.
+        writable = await bounded(run_transaction(db, None, accepts_writes), timeout)
+    except Exception as exc:
+        logger.warning(
+            "a read-only failure on the application's pool, and the server cannot say "
+            "whether it is in recovery: its connections are left alone",
+            extra={
+                "url": redact(db.url),
+                "error": str(translate_error(exc, "checking recovery")),
+            },
+        )
+        return False
+    return writable is False
+
+
+async def accepts_writes(conn: AsyncConnection) -> bool | None:
+    """Whether the server ``conn`` reaches takes writes (not in recovery)."""
+    writable: bool | None = (await conn.execute(st.accepts_writes)).scalar()
+    return writable
+
+
+async def refuse_ignored_parameters(engine: AsyncEngine) -> None:
+    """Refuse, by name, an application's engine that dials somewhere its URL does not say.
+
+    SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
+    ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
+    the store would lead a cluster in another database. An engine made from
+    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
+    names = [name for name in ("service", "servicefile") if name in engine.url.query]
+    if "PGSERVICE" in os.environ:
+        names.append("$PGSERVICE")
+    if not names:
+        return
+    try:
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            if dialled_by_store(raw.driver_connection):
+                return
+    except Exception:
+        # Opening the store goes on, and says why it cannot connect.
+        return
+    raise UnsupportedParameterError(
+        f"engine {redact(engine.url)}: cronoq-store cannot honour the parameter"
+        f"{'s' if len(names) > 1 else ''} {', '.join(names)}: SQLAlchemy hands it to asyncpg, "
+        "which ignores it and dials the default server; make the engine from "
+        "cronoq_store.engine_arguments(url)",
+        [name.lstrip("$") for name in names],
+    )
+
+
+# --- recovery's cursor ------------------------------------------------------------------
+
+
+async def partitions(
+    conn: AsyncConnection, statement: ClauseElement, schema: str, size: int
+) -> AsyncIterator[list[Any]]:
+    """``statement``'s rows in the cluster in ``schema``, ``size`` at a time, through a
+    server-side cursor on the driver connection under ``conn``, in its transaction
+    (recovery's live tasks). The rows are the driver's records, as :mod:`cronoq_store._rows`
+    decodes them: SQLAlchemy's result rows cost more per row than the decoding they feed."""
+    compiled = CompiledStatement.of(statement, conn.dialect, schema)
+    driver: Any = (await conn.get_raw_connection()).driver_connection
+    cursor = await compiled.cursor(driver, {})
+    while rows := await cursor.fetch(size):
+        yield rows
+
+
+# --- the leader lock session --------------------------------------------------------------
+
+#: How long a graceful close of the lock session may take before the socket is dropped.
+LOCK_SESSION_CLOSE_TIMEOUT = 1.0
+
+# The transaction of a takeover on the lock session, which is in autocommit otherwise: the
+# bump runs behind :data:`cronoq_store._statements.leader_barrier` (:meth:`LockSession.takeover`).
+_TAKEOVER_BEGIN = text("BEGIN")
+_TAKEOVER_COMMIT = text("COMMIT")
+
+
+class LockSession:
+    """The leader lock session, a connection of its own (:mod:`cronoq_store._leadership`
+    decides what it runs): the statements of :mod:`cronoq_store._lock_statements`, each
+    bounded, the lock polled, the epoch bump's transaction, and its close.
+
+    The driver connection under it is used only to close: ``terminate()`` drops the socket
+    at once, where any polite close would wait for a peer that may never answer.
+    """
+
+    def __init__(self, conn: AsyncConnection, driver: Any) -> None:
+        self._conn = conn
+        self._driver = driver
+        self.closed = False
+
+    @classmethod
+    async def open(cls, db: AsyncEngine, timeout: float) -> LockSession:
+        """A new session of ``db`` (the lock session's own engine), its connect bounded by
+        ``timeout`` (an application's creator may have none); a connect done as the caller
+        is cancelled (or times out) is closed, not lost."""
+        conn = await bounded(db.connect(), timeout, discard=AsyncConnection.close)
+        try:
+            raw = await conn.get_raw_connection()
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, raw.driver_connection)
+
+    async def run(
+        self, statement: Executable, params: Mapping[str, Any] | None, timeout: float
+    ) -> Result[Any]:
+        """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
+
+        The statement is not cancelled (that would send a cancel request over a new
+        connection, into the same silence); aborting the socket makes it fail at once.
+        """
+        return await bounded(
+            self._conn.execute(statement, None if params is None else dict(params)),
+            timeout,
+            abort=self._driver.terminate,
+            grace=LOCK_SESSION_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
+
+    async def try_lock(
+        self, key: Mapping[str, int], timeout: float
+    ) -> tuple[bool, datetime | None]:
+        """One poll for the leader lock (:data:`~cronoq_store._lock_statements.try_leader_lock`):
+        whether this session holds it now, and since when another session held it."""
+        row: Any = (await self.run(lock_st.try_leader_lock, key, timeout)).one()
+        return bool(row[0]), row[1]
+
+    async def leader_row(self, timeout: float) -> Any:
+        """The leader row as the keeper checks it
+        (:data:`~cronoq_store._lock_statements.leader_now`), ``None`` without one."""
+        return (await self.run(lock_st.leader_now, None, timeout)).first()
+
+    @asynccontextmanager
+    async def takeover(self, timeout: float) -> AsyncIterator[None]:
+        """The epoch bump's transaction: ``BEGIN``, the work, ``COMMIT``. A failure inside
+        leaves it open: the caller closes the session, which ends it."""
+        await self.run(_TAKEOVER_BEGIN, None, timeout)
+        yield
+        await self.run(_TAKEOVER_COMMIT, None, timeout)
+
+    async def close(self) -> None:
+        """Close the session, ending the server's backend and so releasing its lock; bounded.
+
+        A graceful close is tried when the socket is still open; the socket is dropped if
+        that fails or takes longer than :data:`LOCK_SESSION_CLOSE_TIMEOUT`. Closing twice is
+        harmless.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._driver.is_closed():
+                try:
+                    await self._driver.close(timeout=LOCK_SESSION_CLOSE_TIMEOUT)
+                except Exception:
+                    self._driver.terminate()
+        finally:
+            try:
+                # The driver connection is closed: this settles SQLAlchemy's bookkeeping.
+                await self._conn.invalidate()
+                await self._conn.close()
+            except Exception as exc:
+                logger.warning("closing the leader lock session failed", extra={"error": repr(exc)})
