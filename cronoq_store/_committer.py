@@ -103,7 +103,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeAlias, TypeVar
 
-from ._committer_stats import CommitterStats, Tally
 from ._domain import TaskId, TaskStatus, TimeBase, check_seconds, clean_text
 from ._errors import (
     ClusterReplacedError,
@@ -123,6 +122,7 @@ from ._mutations import (
     Submitted,
 )
 from ._protocols import Committable
+from ._results import CommitterStats, Tally
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause
 from ._sizing import mutation_size, output_size
 from .telemetry import Telemetry

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase
 from ._mutations import Mutation
-from ._stored_values import Recovered, TaskRecord
+from ._results import Recovered, TaskRecord
 from .telemetry import Telemetry
 
 __all__ = ["Committable", "Store", "StoreQueries", "SupportsCommit"]

@@ -58,8 +58,8 @@ from ._domain import (
     TimeBase,
 )
 from ._mutations import Submitted
+from ._results import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._schema import recurring, tasks
-from ._stored_values import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._template_codec import decode_recurring
 
 __all__ = [

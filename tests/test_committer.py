@@ -21,7 +21,6 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._committer import GroupCommitter
-from cronoq_store._committer_stats import Tally
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
@@ -33,6 +32,7 @@ from cronoq_store._errors import (
     UnavailableError,
 )
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._results import Tally
 from cronoq_store._retry import MIN_PAUSE, Backoff
 from cronoq_store._sizing import MAX_COMMIT_BYTES
 from cronoq_store._store import PgStore

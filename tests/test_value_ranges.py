@@ -41,8 +41,8 @@ from cronoq_store._mutations import (
     StatusChanged,
     Submitted,
 )
+from cronoq_store._results import RecoveredRecurring, RecoveredTerminal
 from cronoq_store._store import PgStore
-from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
 from .test_committer import (
