@@ -84,8 +84,8 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_folding": "a batch of mutations folded into column arrays, pure Python",
-            "_sizing": "the bytes a batch sends, estimated from above",
+            "_folding": "a batch of mutations folded into column arrays, and its size "
+            "estimated from above; pure Python",
             "_writer": "the commit path: which way a folded batch is written, what it found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",

@@ -31,10 +31,10 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
+from cronoq_store._folding import MAX_COMMIT_BYTES
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._results import Tally
 from cronoq_store._retry import MIN_PAUSE, Backoff
-from cronoq_store._sizing import MAX_COMMIT_BYTES
 from cronoq_store._store import PgStore
 from cronoq_store.telemetry import DISABLED
 

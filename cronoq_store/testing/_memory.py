@@ -56,8 +56,10 @@ from .._errors import (
     StoreError,
 )
 from .._folding import (
+    MAX_COMMIT_BYTES,
     FoldedBatch,
     RecurringAction,
+    check_batch_size,
     fold,
     taken_keys,
 )
@@ -77,7 +79,6 @@ from .._rows import (
     set_state,
     task_record,
 )
-from .._sizing import MAX_COMMIT_BYTES, check_batch_size
 from ..telemetry import DISABLED, Telemetry
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]

@@ -25,7 +25,7 @@ from cronoq_store._domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store._folding import fold
+from cronoq_store._folding import batch_size, fold
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
@@ -34,7 +34,6 @@ from cronoq_store._mutations import (
     StatusChanged,
     Submitted,
 )
-from cronoq_store._sizing import batch_size
 
 BASE = TimeBase.now()
 NASTY = ['"\\\x00\x01', "\ud800x", "\U0001f600" * 3, "é" * 5, "plain"]
