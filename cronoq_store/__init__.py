@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import get_args
 
 from ._committer import GroupCommitter as GroupCommitter
-from ._committer_stats import CommitterStats as CommitterStats
 from ._config import PgStoreConfig as PgStoreConfig
 from ._domain import (
     EPOCH_MAX as EPOCH_MAX,
@@ -115,15 +114,16 @@ from ._mutations import StatusChanged as StatusChanged
 from ._mutations import Submitted as Submitted
 from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
+from ._results import CommitterStats as CommitterStats
+from ._results import Health as Health
+from ._results import LockHolder as LockHolder
+from ._results import Recovered as Recovered
+from ._results import RecoveredRecurring as RecoveredRecurring
+from ._results import RecoveredTask as RecoveredTask
+from ._results import RecoveredTerminal as RecoveredTerminal
+from ._results import TaskRecord as TaskRecord
 from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
-from ._stored_values import Health as Health
-from ._stored_values import LockHolder as LockHolder
-from ._stored_values import Recovered as Recovered
-from ._stored_values import RecoveredRecurring as RecoveredRecurring
-from ._stored_values import RecoveredTask as RecoveredTask
-from ._stored_values import RecoveredTerminal as RecoveredTerminal
-from ._stored_values import TaskRecord as TaskRecord
 from ._urls import engine_arguments as engine_arguments
 from ._urls import scrub as scrub
 

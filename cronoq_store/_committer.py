@@ -39,7 +39,7 @@ Failures are sorted by who they belong to:
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
 
-Batches are bounded by rows and by bytes (:mod:`cronoq_store._sizing`), far below what
+Batches are bounded by rows and by bytes (:mod:`cronoq_store._folding`), far below what
 PostgreSQL accepts in one message.
 
 Where a batch ends, and which batches in flight it waits for
@@ -103,7 +103,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeAlias, TypeVar
 
-from ._committer_stats import CommitterStats, Tally
 from ._domain import TaskId, TaskStatus, TimeBase, check_seconds, clean_text
 from ._errors import (
     ClusterReplacedError,
@@ -114,6 +113,7 @@ from ._errors import (
     SchemaGoneError,
     StoreError,
 )
+from ._folding import mutation_size, output_size
 from ._mutations import (
     Mutation,
     RecurringNext,
@@ -123,8 +123,8 @@ from ._mutations import (
     Submitted,
 )
 from ._protocols import Committable
+from ._results import CommitterStats, Tally
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause
-from ._sizing import mutation_size, output_size
 from .telemetry import Telemetry
 
 __all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter"]

@@ -11,7 +11,7 @@ Every validation error is a ``ValueError`` whose message starts with the field's
 Integers are checked against the column that stores them (``BIGINT``, ``INTEGER``), and
 text PostgreSQL cannot store follows one rule, :func:`clean_text`, defined here so that the
 domain and the codecs share it. The mutations built from these values are
-:mod:`cronoq_store._mutations`; what the store hands back, :mod:`cronoq_store._stored_values`.
+:mod:`cronoq_store._mutations`; what the store hands back, :mod:`cronoq_store._results`.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from . import _migration_statements as migration_st
 from . import _queries as queries
 from ._errors import MigrationError
 from ._lock_waits import LockWait
+from ._results import LockHolder
 from ._schema import schema_options
-from ._stored_values import LockHolder
 
 __all__ = ["FORCE", "forced", "guarded"]
 

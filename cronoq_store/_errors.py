@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ._domain import show
-from ._stored_values import LockHolder
+from ._results import LockHolder
 
 __all__ = [
     "BatchTooLargeError",

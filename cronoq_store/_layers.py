@@ -36,8 +36,9 @@ LAYERS: tuple[Layer, ...] = (
             "_domain": "the scheduler's task and schedule values, ids and time, the state "
             "order, BIGINT bounds, the text-cleaning rule",
             "_mutations": "the mutations a batch commits, and `unhandled` ending each `match`",
-            "_stored_values": "what the store hands back: recovered values, records, health, "
-            "lock holders and the instance id in a lock session's name",
+            "_results": "what the store and its committer return: recovered values, records, "
+            "health, lock holders, the instance id in a lock session's name, a committer's "
+            "counts",
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
             "_codec": "JSON encodings of the task columns; time and duration conversions",
@@ -49,7 +50,6 @@ LAYERS: tuple[Layer, ...] = (
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
             "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs "
             "against; `Committable`, what the group committer needs of a store",
-            "_committer_stats": "what a group committer counts, and its snapshot",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",
         },
@@ -82,8 +82,8 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_folding": "a batch of mutations folded into column arrays, pure Python",
-            "_sizing": "the bytes a batch sends, estimated from above",
+            "_folding": "a batch of mutations folded into column arrays, and its size "
+            "estimated from above; pure Python",
             "_writer": "the commit path: which way a folded batch is written, what it found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",

@@ -25,7 +25,7 @@ schema's OID is not kept by ``pg_upgrade``, and the lock must be the one that in
 opened since take.
 
 Each instance has an id, drawn when it opens, that its lock session shows the server at the
-end of its ``application_name`` (:func:`~cronoq_store._stored_values.lock_session_name`):
+end of its ``application_name`` (:func:`~cronoq_store._results.lock_session_name`):
 one instance's successive sessions have new pids but the same id, so an operator (and
 ``cronoq-store handover``) can tell whether leadership moved to another instance.
 
@@ -57,9 +57,9 @@ from ._config import PgStoreConfig
 from ._door import LockSession, lock_not_available
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
+from ._results import LockHolder, lock_session_name
 from ._retry import Retry, acquisition_backoff, pause
 from ._schema import schema_options
-from ._stored_values import LockHolder, lock_session_name
 from ._trust import ConnectCheck, TrustCheck
 from ._urls import engine_arguments, redact, resolve
 from .telemetry import DISABLED, Telemetry

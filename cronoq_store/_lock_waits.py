@@ -36,8 +36,8 @@ from . import _migration_statements as migration_st
 from . import _statements as st
 from ._door import lock_not_available
 from ._errors import LockHeldError
+from ._results import LockHolder
 from ._schema import leader
-from ._stored_values import LockHolder
 
 __all__ = [
     "REPORT_INTERVAL",

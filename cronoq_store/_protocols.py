@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from ._domain import TaskId, TaskRef, TaskStatus, TimeBase
 from ._mutations import Mutation
-from ._stored_values import Recovered, TaskRecord
+from ._results import Recovered, TaskRecord
 from .telemetry import Telemetry
 
 __all__ = ["Committable", "Store", "StoreQueries", "SupportsCommit"]
@@ -87,7 +87,7 @@ class Committable(SupportsCommit, Protocol):
 
     @property
     def max_commit_bytes(self) -> int:
-        """The largest batch ``commit`` accepts, in bytes as ``_sizing.batch_size``
+        """The largest batch ``commit`` accepts, in bytes as ``_folding.batch_size``
         estimates them; a larger one fails with ``BatchTooLargeError`` before anything is
         sent."""
         ...

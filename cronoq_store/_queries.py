@@ -32,8 +32,8 @@ from ._domain import (
 )
 from ._errors import ClusterReplacedError, StoreError
 from ._lock_waits import holder_of
+from ._results import LockHolder, TaskRecord
 from ._rows import RECORD_COLUMNS, task_record
-from ._stored_values import LockHolder, TaskRecord
 
 __all__ = [
     "HOLDER_COLUMNS",

@@ -27,8 +27,8 @@ from . import _statements as st
 from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import TaskId, TaskStatus, TimeBase, reading_stored
 from ._errors import ClusterReplacedError
+from ._results import Recovered, RecoveredTerminal
 from ._rows import LiveTasks, recurring_schedule
-from ._stored_values import Recovered, RecoveredTerminal
 
 __all__ = ["RECOVERY_PARTITION", "collector_paused", "next_id", "recover"]
 

@@ -62,8 +62,8 @@ from ._domain import (
     TimeBase,
 )
 from ._mutations import Submitted, unhandled
+from ._results import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._schema import recurring, tasks
-from ._stored_values import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._template_codec import decode_recurring
 
 __all__ = [

@@ -39,13 +39,12 @@ from ._errors import (
     StoreError,
     UnavailableError,
 )
-from ._folding import fold
+from ._folding import MAX_COMMIT_BYTES, check_batch_size, fold
 from ._leadership import Leadership
 from ._mutations import Mutation
+from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options
-from ._sizing import MAX_COMMIT_BYTES, check_batch_size
-from ._stored_values import Health, LockHolder, Recovered, TaskRecord
 from ._urls import redact
 from ._urls import resolve as resolve_url
 from ._writer import CommitPath

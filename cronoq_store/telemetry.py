@@ -21,9 +21,9 @@ from contextlib import contextmanager, nullcontext
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._committer_stats import CommitterStats
 from ._config import PgStoreConfig
 from ._errors import FencedError, StoreError
+from ._results import CommitterStats
 
 try:
     from opentelemetry import metrics, trace

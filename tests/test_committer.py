@@ -19,7 +19,6 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._committer import GroupCommitter
-from cronoq_store._committer_stats import Tally
 from cronoq_store._domain import TaskId, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
     CommitterClosedError,
@@ -29,9 +28,10 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
+from cronoq_store._folding import MAX_COMMIT_BYTES
 from cronoq_store._mutations import Mutation, StatusChanged
+from cronoq_store._results import Tally
 from cronoq_store._retry import MIN_PAUSE, Backoff
-from cronoq_store._sizing import MAX_COMMIT_BYTES
 from cronoq_store.telemetry import DISABLED
 
 from .pgharness import ServerUnderTest, admin_execute, terminate_backends

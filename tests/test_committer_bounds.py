@@ -28,9 +28,9 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
+from cronoq_store._folding import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._mutations import Mutation
 from cronoq_store._retry import Backoff
-from cronoq_store._sizing import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 from cronoq_store.telemetry import DISABLED, Telemetry

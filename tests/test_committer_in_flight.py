@@ -49,8 +49,8 @@ from cronoq_store._mutations import (
     Submitted,
 )
 from cronoq_store._protocols import Committable
+from cronoq_store._results import Recovered, TaskRecord
 from cronoq_store._store import PgStore
-from cronoq_store._stored_values import Recovered, TaskRecord
 from cronoq_store._urls import async_url
 from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore

@@ -33,11 +33,11 @@ from cronoq_store._domain import (
     TaskSpec,
     TimeBase,
 )
+from cronoq_store._folding import mutation_size
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._mutations import RecurringUpsert, Submitted
 from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
 from cronoq_store._schema import tasks
-from cronoq_store._sizing import mutation_size
 from cronoq_store._template_codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring
 
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
@@ -205,7 +205,7 @@ def _stored_bytes(value: object) -> int:
 
 @_FIELDS
 def test_a_commits_size_estimate_counts_the_field(f: SpecField) -> None:
-    """The estimate bounds what a commit sends (``_sizing``): a field of a kind whose size
+    """The estimate bounds what a commit sends (``_folding``): a field of a kind whose size
     can grow must be measured there, or a batch could exceed what PostgreSQL takes."""
     spec = dataclasses.replace(DEFAULT, **{f.name: LARGE.get(f.kind, EXAMPLES[f.kind])})
     row = _row(spec)

@@ -37,8 +37,8 @@ from cronoq_store._mutations import (
     StatusChanged,
     Submitted,
 )
+from cronoq_store._results import RecoveredRecurring, RecoveredTerminal
 from cronoq_store._store import PgStore
-from cronoq_store._stored_values import RecoveredRecurring, RecoveredTerminal
 
 from .pgharness import admin_execute
 from .support import (

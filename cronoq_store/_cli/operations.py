@@ -24,7 +24,7 @@ from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, Spec
 from .._migrations import RevisionStatus
 from .._mutations import unhandled
 from .._queries import ClusterFacts, ListedTask
-from .._stored_values import LockHolder
+from .._results import LockHolder
 from . import database, output
 from .exits import CliError, ExitCode
 

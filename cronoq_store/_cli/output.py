@@ -33,7 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._domain import EPOCH_MAX, I64_MAX, ID_COUNTER_BITS, UNIX_EPOCH, TaskId, epoch_of
-from .._stored_values import LockHolder, TaskRecord
+from .._results import LockHolder, TaskRecord
 from .._terminal_safe import json_text, visible
 
 __all__ = [

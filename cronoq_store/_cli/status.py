@@ -14,7 +14,7 @@ from .. import _catalog as catalog
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
 from .._codec import QUARANTINE_PREFIX
-from .._stored_values import LockHolder
+from .._results import LockHolder
 from .._urls import redact
 from . import database, operations, output
 from .app import Options

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .. import _listing_statements as ls
 from .._domain import I64_MAX, LIVE_STATUS_NAMES, UNIX_EPOCH, TaskStatus, clean_text
 from .._queries import ListedTask
-from .._stored_values import TaskRecord
+from .._results import TaskRecord
 from . import database, operations, output
 from .app import Options
 from .exits import CliError, ExitCode, run

@@ -56,14 +56,17 @@ from .._errors import (
     StoreError,
 )
 from .._folding import (
+    MAX_COMMIT_BYTES,
     FoldedBatch,
     RecurringAction,
+    check_batch_size,
     fold,
     taken_keys,
 )
 from .._mutations import Mutation, unhandled
 from .._queries import finished_params, lookup_params, prune_cutoff
 from .._recovery import next_id
+from .._results import Recovered, RecoveredTerminal, TaskRecord
 from .._rows import (
     INSERT_POSITION,
     LIVE_COLUMNS,
@@ -76,8 +79,6 @@ from .._rows import (
     set_state,
     task_record,
 )
-from .._sizing import MAX_COMMIT_BYTES, check_batch_size
-from .._stored_values import Recovered, RecoveredTerminal, TaskRecord
 from ..telemetry import DISABLED, Telemetry
 
 __all__ = ["InMemoryDatabase", "InMemoryStore"]

@@ -37,8 +37,8 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import CommitterClosedError, FencedError, StoreError
 from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._results import Recovered
 from cronoq_store._store import PgStore
-from cronoq_store._stored_values import Recovered
 
 from . import audit
 from .journal import Journal

@@ -24,7 +24,7 @@ from cronoq_store._domain import (
     TaskStatus,
     task_id,
 )
-from cronoq_store._folding import fold
+from cronoq_store._folding import batch_size, fold
 from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
@@ -33,7 +33,6 @@ from cronoq_store._mutations import (
     StatusChanged,
     Submitted,
 )
-from cronoq_store._sizing import batch_size
 
 from .support import PROCESS_BASE
 
