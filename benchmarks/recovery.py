@@ -31,8 +31,7 @@ from cronoq_store import (
 )
 from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
-from cronoq_store._domain import Dependency
-from cronoq_store._mutations import Submitted
+from cronoq_store._domain import Dependency, Submitted
 from cronoq_store._recovery import next_id
 from cronoq_store._rows import (
     INSERT_COLUMNS,

@@ -36,18 +36,24 @@ from ._domain import (
 from ._domain import (
     MissPolicy as MissPolicy,
 )
+from ._domain import Mutation as Mutation
 from ._domain import (
     Priority as Priority,
 )
+from ._domain import RecurringNext as RecurringNext
+from ._domain import RecurringRemove as RecurringRemove
 from ._domain import (
     RecurringSpec as RecurringSpec,
 )
+from ._domain import RecurringUpsert as RecurringUpsert
 from ._domain import (
     RetryPolicy as RetryPolicy,
 )
 from ._domain import (
     Schedule as Schedule,
 )
+from ._domain import StatusChanged as StatusChanged
+from ._domain import Submitted as Submitted
 from ._domain import (
     TaskId as TaskId,
 )
@@ -106,12 +112,6 @@ from ._errors import UnsupportedParameterError as UnsupportedParameterError
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
 from ._migrations import upgrade as upgrade
-from ._mutations import Mutation as Mutation
-from ._mutations import RecurringNext as RecurringNext
-from ._mutations import RecurringRemove as RecurringRemove
-from ._mutations import RecurringUpsert as RecurringUpsert
-from ._mutations import StatusChanged as StatusChanged
-from ._mutations import Submitted as Submitted
 from ._protocols import Store as Store
 from ._protocols import StoreQueries as StoreQueries
 from ._results import CommitterStats as CommitterStats

@@ -103,7 +103,19 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeAlias, TypeVar
 
-from ._domain import TaskId, TaskStatus, TimeBase, check_seconds, clean_text
+from ._domain import (
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskStatus,
+    TimeBase,
+    check_seconds,
+    clean_text,
+)
 from ._errors import (
     ClusterReplacedError,
     CommitterClosedError,
@@ -114,14 +126,6 @@ from ._errors import (
     StoreError,
 )
 from ._folding import mutation_size, output_size
-from ._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from ._protocols import Committable
 from ._results import CommitterStats, Tally
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause

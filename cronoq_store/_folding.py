@@ -54,17 +54,22 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from ._codec import clean_text, unix_converter
-from ._domain import CronSchedule, IntervalSchedule, TaskId, TaskSpec, TimeBase, level
-from ._errors import BatchTooLargeError, IdCollisionError
-from ._mutations import (
+from ._domain import (
+    CronSchedule,
+    IntervalSchedule,
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringUpsert,
     StatusChanged,
     Submitted,
+    TaskId,
+    TaskSpec,
+    TimeBase,
+    level,
     unhandled,
 )
+from ._errors import BatchTooLargeError, IdCollisionError
 from ._rows import (
     INSERT_POSITION,
     StatusUpdates,

@@ -33,9 +33,9 @@ LAYERS: tuple[Layer, ...] = (
         "values",
         "plain values and rules; no SQL, no connection",
         {
-            "_domain": "the scheduler's task and schedule values, ids and time, the state "
-            "order, BIGINT bounds, the text-cleaning rule",
-            "_mutations": "the mutations a batch commits, and `unhandled` ending each `match`",
+            "_domain": "the scheduler's task and schedule values, ids and time, the state order, "
+            "BIGINT bounds, the text-cleaning rule; the mutations a batch commits, and "
+            "`unhandled` ending each `match`",
             "_results": "what the store and its committer return: recovered values, records, "
             "health, lock holders, the instance id in a lock session's name, a committer's "
             "counts",

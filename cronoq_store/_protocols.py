@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from ._domain import TaskId, TaskRef, TaskStatus, TimeBase
-from ._mutations import Mutation
+from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase
 from ._results import Recovered, TaskRecord
 from .telemetry import Telemetry
 

@@ -56,12 +56,13 @@ from ._domain import (
     Priority,
     SpecField,
     SpecKind,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
+    unhandled,
 )
-from ._mutations import Submitted, unhandled
 from ._results import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._schema import recurring, tasks
 from ._template_codec import decode_recurring

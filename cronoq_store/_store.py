@@ -31,7 +31,7 @@ from . import _recovery as recovery
 from . import _session_statements as session_st
 from . import _trust as trust
 from ._config import PgStoreConfig
-from ._domain import TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
+from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._errors import (
     ClusterReplacedError,
     FencedError,
@@ -41,7 +41,6 @@ from ._errors import (
 )
 from ._folding import MAX_COMMIT_BYTES, check_batch_size, fold
 from ._leadership import Leadership
-from ._mutations import Mutation
 from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options

@@ -54,8 +54,8 @@ from ._domain import (
     TaskSpec,
     TimeBase,
     clean_text,
+    unhandled,
 )
-from ._mutations import unhandled
 
 __all__ = [
     "TEMPLATE_MEMBERS",

@@ -35,6 +35,8 @@ from cronoq_store._domain import (
     MissPolicy,
     Priority,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -43,7 +45,6 @@ from cronoq_store._domain import (
 )
 from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import _scripts, head_revision, script_location
-from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute, asyncpg_dsn, without_instance

@@ -17,22 +17,20 @@ import pytest
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     task_id,
 )
 from cronoq_store._folding import batch_size, fold
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 
 from .support import PROCESS_BASE
 

@@ -29,7 +29,13 @@ from cronoq_store import _queries as queries
 from cronoq_store._config import MIGRATION_LOCK_TIMEOUT, PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -37,14 +43,6 @@ from cronoq_store._domain import (
 )
 from cronoq_store._door import CommitConnection, CompiledStatement
 from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from cronoq_store._store import PgStore
 from cronoq_store._trust import refuse_untrusted
 from cronoq_store._urls import async_url

@@ -27,21 +27,19 @@ from cronoq_store._domain import (
     Dependency,
     FixedStart,
     IntervalSchedule,
+    Mutation,
+    RecurringNext,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     task_id,
 )
 from cronoq_store._migrations import head_revision
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV
 

@@ -23,8 +23,16 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._cli import ExitCode
-from cronoq_store._domain import IntervalSchedule, RecurringSpec, TaskId, TaskSpec, TaskStatus
-from cronoq_store._mutations import Mutation, RecurringNext, RecurringUpsert
+from cronoq_store._domain import (
+    IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringSpec,
+    RecurringUpsert,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+)
 from cronoq_store._store import PgStore
 from cronoq_store._terminal_safe import json_text, visible
 from cronoq_store._urls import URL_ENV

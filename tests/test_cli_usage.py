@@ -9,8 +9,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._cli import ExitCode
-from cronoq_store._domain import TaskStatus
-from cronoq_store._mutations import Mutation
+from cronoq_store._domain import Mutation, TaskStatus
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute

@@ -22,9 +22,14 @@ from cronoq_store._domain import (
     FixedStart,
     IntervalSchedule,
     MissPolicy,
+    Mutation,
     Priority,
+    RecurringNext,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -32,13 +37,6 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import FencedError, KeyTakenError, UnavailableError
 from cronoq_store._folding import fold
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._committer import GroupCommitter
-from cronoq_store._domain import TaskId, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import Mutation, StatusChanged, TaskId, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
     CommitterClosedError,
     FencedError,
@@ -29,7 +29,6 @@ from cronoq_store._errors import (
     UnavailableError,
 )
 from cronoq_store._folding import MAX_COMMIT_BYTES
-from cronoq_store._mutations import Mutation, StatusChanged
 from cronoq_store._results import Tally
 from cronoq_store._retry import MIN_PAUSE, Backoff
 from cronoq_store.telemetry import DISABLED

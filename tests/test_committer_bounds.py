@@ -22,14 +22,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TimeBase, task_id
+from cronoq_store._domain import Mutation, TaskId, TimeBase, task_id
 from cronoq_store._errors import (
     BatchTooLargeError,
     StoreError,
     UnavailableError,
 )
 from cronoq_store._folding import MAX_COMMIT_BYTES, batch_size
-from cronoq_store._mutations import Mutation
 from cronoq_store._retry import Backoff
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url

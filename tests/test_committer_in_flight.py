@@ -32,7 +32,13 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     UNIX_EPOCH,
     IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -40,14 +46,6 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import CommitterClosedError, FencedError, IdCollisionError, StoreError
 from cronoq_store._migrations import upgrade
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from cronoq_store._protocols import Committable
 from cronoq_store._results import Recovered, TaskRecord
 from cronoq_store._store import PgStore

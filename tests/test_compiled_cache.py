@@ -27,18 +27,16 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
-    RecurringSpec,
-    TaskId,
-    TaskSpec,
-    TaskStatus,
-)
-from cronoq_store._mutations import (
     Mutation,
     RecurringNext,
     RecurringRemove,
+    RecurringSpec,
     RecurringUpsert,
     StatusChanged,
     Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
 )
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url

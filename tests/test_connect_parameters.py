@@ -28,9 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store._cli import cli
 from cronoq_store._cli.exits import ExitCode
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase
+from cronoq_store._domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._errors import UnsupportedParameterError
-from cronoq_store._mutations import Submitted
 from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV, engine_arguments, resolve

@@ -25,8 +25,12 @@ from cronoq_store._domain import (
     IntervalSchedule,
     MissPolicy,
     Priority,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -34,7 +38,6 @@ from cronoq_store._domain import (
     epoch_of,
     task_id,
 )
-from cronoq_store._mutations import RecurringNext, RecurringRemove, StatusChanged, Submitted
 
 COUNTER_MAX = 2**48 - 1
 I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1

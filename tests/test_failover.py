@@ -35,10 +35,17 @@ from sqlalchemy.engine import URL
 
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import (
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
 from cronoq_store._errors import FencedError, StoreError
 from cronoq_store._lock_statements import LOCK_NS_LEADER
-from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, without_instance

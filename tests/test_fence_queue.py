@@ -26,9 +26,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec
+from cronoq_store._domain import Submitted, TaskId, TaskSpec
 from cronoq_store._errors import FencedError
-from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 

@@ -26,8 +26,14 @@ from cronoq_store._domain import (
     CronSchedule,
     Dependency,
     FixedStart,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -38,14 +44,6 @@ from cronoq_store._folding import (
     FoldedBatch,
     RecurringAction,
     fold,
-)
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
 )
 from cronoq_store._rows import INSERT_COLUMNS
 from cronoq_store._store import PgStore

@@ -5,9 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus
+from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
 from cronoq_store._folding import fold
-from cronoq_store._mutations import StatusChanged, Submitted
 
 from .support import FIXED_BASE
 

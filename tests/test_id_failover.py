@@ -15,8 +15,16 @@ import time
 import pytest
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, TimeBase, task_id
-from cronoq_store._mutations import StatusChanged, Submitted
+from cronoq_store._domain import (
+    EPOCH_MAX,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
 
 from .pgharness import admin_execute
 from .replication import needs_binaries, stores_on_a_replicated_pair

@@ -16,19 +16,17 @@ from cronoq_store._domain import (
     Dependency,
     DependencyCondition,
     IntervalSchedule,
+    Mutation,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     clean_text,
-)
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
 )
 from cronoq_store._store import PgStore
 

@@ -30,7 +30,12 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
+    RecurringNext,
+    RecurringRemove,
     RecurringSpec,
+    RecurringUpsert,
+    StatusChanged,
+    Submitted,
     TaskSpec,
     TaskStatus,
     task_id,
@@ -38,13 +43,6 @@ from cronoq_store._domain import (
 from cronoq_store._errors import MigrationError, StoreError
 from cronoq_store._folding import fold
 from cronoq_store._migrations import downgrade, upgrade
-from cronoq_store._mutations import (
-    RecurringNext,
-    RecurringRemove,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
-)
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 from cronoq_store._writer import COPY_MIN_ROWS

@@ -31,14 +31,15 @@ from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
+    Mutation,
     RecurringSpec,
+    RecurringUpsert,
     TaskId,
     TaskSpec,
     TaskStatus,
     task_id,
 )
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._mutations import Mutation, RecurringUpsert
 from cronoq_store._retry import Backoff
 from cronoq_store._session_statements import SEARCH_PATH
 from cronoq_store._store import PgStore

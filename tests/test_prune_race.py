@@ -16,8 +16,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._domain import Dependency, TaskStatus, task_id
-from cronoq_store._mutations import Mutation, StatusChanged
+from cronoq_store._domain import Dependency, Mutation, StatusChanged, TaskStatus, task_id
 from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn

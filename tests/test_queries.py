@@ -12,8 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Dependency, TaskId, TaskStatus
-from cronoq_store._mutations import Mutation
+from cronoq_store._domain import Dependency, Mutation, TaskId, TaskStatus
 from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._store import PgStore
 

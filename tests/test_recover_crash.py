@@ -16,9 +16,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import _recovery as recovery
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskSpec, task_id
+from cronoq_store._domain import Submitted, TaskSpec, task_id
 from cronoq_store._errors import UnavailableError
-from cronoq_store._mutations import Submitted
 from cronoq_store._rows import LiveTasks
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url

@@ -23,15 +23,18 @@ from cronoq_store._domain import (
     FixedStart,
     MissPolicy,
     Priority,
+    RecurringNext,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
 )
 from cronoq_store._errors import StoreError
-from cronoq_store._mutations import RecurringNext, RecurringUpsert, StatusChanged, Submitted
 from cronoq_store._rows import LiveTasks
 from cronoq_store._store import PgStore
 

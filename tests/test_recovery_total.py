@@ -30,19 +30,17 @@ from cronoq_store._domain import (
     FixedStart,
     IntervalSchedule,
     MissPolicy,
+    Mutation,
     Priority,
+    RecurringNext,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
-)
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
 )
 from cronoq_store._store import PgStore
 

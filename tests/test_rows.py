@@ -15,12 +15,12 @@ from cronoq_store._domain import (
     QUEUED,
     FixedStart,
     Priority,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
 )
-from cronoq_store._mutations import Submitted
 from cronoq_store._rows import (
     INSERT_COLUMNS,
     INSERT_POSITION,

@@ -31,9 +31,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store._cli import cli
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase
+from cronoq_store._domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._errors import StoreError, UnavailableError
-from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV, redact, scrub
 

@@ -22,9 +22,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import EPOCH_MAX, TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import (
+    EPOCH_MAX,
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
 from cronoq_store._errors import KeyTakenError, StoreError
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._store import PgStore
 from cronoq_store._writer import COPY_MIN_ROWS
 

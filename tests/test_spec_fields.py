@@ -26,16 +26,17 @@ from cronoq_store._domain import (
     MissPolicy,
     Priority,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
     SpecField,
     SpecKind,
+    Submitted,
     TaskId,
     TaskSpec,
     TimeBase,
 )
 from cronoq_store._folding import mutation_size
 from cronoq_store._listing_statements import task_spec
-from cronoq_store._mutations import RecurringUpsert, Submitted
 from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
 from cronoq_store._schema import tasks
 from cronoq_store._template_codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring

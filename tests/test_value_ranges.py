@@ -22,20 +22,18 @@ from cronoq_store._domain import (
     FixedStart,
     IntervalSchedule,
     MissPolicy,
+    Mutation,
+    RecurringNext,
     RecurringSpec,
+    RecurringUpsert,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     TimeBase,
     task_id,
-)
-from cronoq_store._mutations import (
-    Mutation,
-    RecurringNext,
-    RecurringUpsert,
-    StatusChanged,
-    Submitted,
 )
 from cronoq_store._results import RecoveredRecurring, RecoveredTerminal
 from cronoq_store._store import PgStore

@@ -7,10 +7,9 @@ from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
 from cronoq_store import _session_statements as session_st
 from cronoq_store import _statements as st
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._door import CompiledStatement, Opening
 from cronoq_store._folding import fold
-from cronoq_store._mutations import StatusChanged, Submitted
 from cronoq_store._writer import (
     COPY_MIN_ROWS,
     BatchWriter,

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec
+from cronoq_store._domain import Submitted, TaskId, TaskSpec
 from cronoq_store._errors import (
     FencedError,
     IdCollisionError,
@@ -22,7 +22,6 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._mutations import Submitted
 from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend

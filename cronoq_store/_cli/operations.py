@@ -20,9 +20,8 @@ from .. import _catalog as catalog
 from .. import _listing_statements as ls
 from .. import _lock_statements as lock_st
 from .. import _queries as queries
-from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, SpecKind
+from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, SpecKind, unhandled
 from .._migrations import RevisionStatus
-from .._mutations import unhandled
 from .._queries import ClusterFacts, ListedTask
 from .._results import LockHolder
 from . import database, output

@@ -24,9 +24,8 @@ from typing import IO, Any
 
 from .._committer import GroupCommitter
 from .._config import PgStoreConfig
-from .._domain import TaskSpec, TaskStatus, TimeBase, task_id
+from .._domain import StatusChanged, Submitted, TaskSpec, TaskStatus, TimeBase, task_id
 from .._errors import FencedError
-from .._mutations import StatusChanged, Submitted
 from .._store import PgStore
 
 __all__ = ["URL_ENV", "ZOMBIE_KIND", "ZOMBIE_MESSAGE", "main"]

@@ -41,6 +41,7 @@ from .._codec import QUARANTINE_PREFIX, decode_deps, engine_time, quarantine_rea
 from .._domain import (
     EPOCH_MAX,
     EPOCH_MIN,
+    Mutation,
     TaskId,
     TaskRef,
     TaskStatus,
@@ -48,6 +49,7 @@ from .._domain import (
     check_seconds,
     check_task_id,
     level,
+    unhandled,
 )
 from .._errors import (
     FencedError,
@@ -63,7 +65,6 @@ from .._folding import (
     fold,
     taken_keys,
 )
-from .._mutations import Mutation, unhandled
 from .._queries import finished_params, lookup_params, prune_cutoff
 from .._recovery import next_id
 from .._results import Recovered, RecoveredTerminal, TaskRecord

@@ -22,8 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import PgStore
 from cronoq_store._cli import ExitCode
-from cronoq_store._domain import Dependency, TaskId, TaskSpec
-from cronoq_store._mutations import Mutation, Submitted
+from cronoq_store._domain import Dependency, Mutation, Submitted, TaskId, TaskSpec
 
 from ..support import DAY, START_BASE, SUCCEEDED, changed, ha_config, submitted
 from ..waits import PATIENCE, bounded, holds_for

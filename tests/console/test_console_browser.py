@@ -27,13 +27,15 @@ from cronoq_store import _listing_statements as cs
 from cronoq_store._domain import (
     Dependency,
     DependencyCondition,
+    Mutation,
     RetryPolicy,
+    StatusChanged,
+    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
     task_id,
 )
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._terminal_safe import visible
 
 from ..pgharness import admin_execute

@@ -16,8 +16,7 @@ from cronoq_store import PgStore, TaskStatus
 from cronoq_store import _listing_statements as cs
 from cronoq_store._cli import output
 from cronoq_store._console import reads
-from cronoq_store._domain import TaskId, TaskSpec, TimeBase
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
+from cronoq_store._domain import Mutation, StatusChanged, Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._terminal_safe import visible
 
 from ..pgharness import admin_execute

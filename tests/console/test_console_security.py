@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from cronoq_store import PgStore, task_id
 from cronoq_store._cli import ExitCode
 from cronoq_store._console.security import PASSWORD_ENV, TOKEN_ENV, USER_ENV
-from cronoq_store._mutations import Mutation
+from cronoq_store._domain import Mutation
 
 from ..pgharness import admin_execute
 from ..support import FAILED, ROOT, START_BASE, changed, submitted

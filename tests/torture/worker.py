@@ -34,9 +34,17 @@ from typing import TypeVar
 
 from cronoq_store._committer import DEFAULT_BATCHES_IN_FLIGHT, GroupCommitter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import TaskId, TaskSpec, TaskStatus, TimeBase, task_id
+from cronoq_store._domain import (
+    Mutation,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+    task_id,
+)
 from cronoq_store._errors import CommitterClosedError, FencedError, StoreError
-from cronoq_store._mutations import Mutation, StatusChanged, Submitted
 from cronoq_store._results import Recovered
 from cronoq_store._store import PgStore
 
