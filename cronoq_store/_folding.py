@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._codec import clean_text, unix_converter
+from ._codec import clean_text, encode_recurring, unix_converter
 from ._domain import (
     CronSchedule,
     IntervalSchedule,
@@ -78,7 +78,6 @@ from ._rows import (
     set_state,
     transposed,
 )
-from ._template_codec import encode_recurring
 
 __all__ = [
     "MAX_COMMIT_BYTES",

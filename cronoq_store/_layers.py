@@ -41,8 +41,8 @@ LAYERS: tuple[Layer, ...] = (
             "counts",
             "_errors": "every error type the store raises",
             "_config": "`PgStoreConfig`, validated when built; the schema-name rule; keepalives",
-            "_codec": "JSON encodings of the task columns; time and duration conversions",
-            "_template_codec": "the recurring spec's JSON, checked against `TaskSpec` at import",
+            "_codec": "JSON encodings of the task columns, the recurring template's JSON "
+            "derived from `SPEC_FIELDS`; time and duration conversions",
             "_retry": "the retry policy and its loop (what to retry, the pauses, stops by "
             "exception), and the one timeout",
             "_urls": "database URLs read as libpq reads them and dialled as read; the one "

@@ -35,6 +35,7 @@ from ._codec import (
     clean_text,
     decode_deps,
     decode_miss_policy,
+    decode_recurring,
     decode_resources,
     decode_retry,
     decode_strings,
@@ -65,7 +66,6 @@ from ._domain import (
 )
 from ._results import RecoveredRecurring, RecoveredTask, TaskRecord
 from ._schema import recurring, tasks
-from ._template_codec import decode_recurring
 
 __all__ = [
     "IDENTITY_COLUMNS",

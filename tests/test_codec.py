@@ -17,12 +17,14 @@ from cronoq_store._codec import (
     clean_text,
     decode_deps,
     decode_miss_policy,
+    decode_recurring,
     decode_resources,
     decode_retry,
     decode_strings,
     duration_to_ns,
     encode_deps,
     encode_miss_policy,
+    encode_recurring,
     encode_resources,
     encode_retry,
     encode_strings,
@@ -44,7 +46,6 @@ from cronoq_store._domain import (
     TimeBase,
     task_id,
 )
-from cronoq_store._template_codec import decode_recurring, encode_recurring
 
 from .support import FIXED_BASE, FULL_SPEC
 

@@ -14,7 +14,7 @@ import pytest
 
 from cronoq_store import _rows as rows
 from cronoq_store._cli import operations
-from cronoq_store._codec import unix_converter
+from cronoq_store._codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring, unix_converter
 from cronoq_store._console.app import _environment
 from cronoq_store._domain import (
     QUEUED,
@@ -39,7 +39,6 @@ from cronoq_store._folding import mutation_size
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
 from cronoq_store._schema import tasks
-from cronoq_store._template_codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring
 
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000
