@@ -41,8 +41,7 @@ from . import _door as door
 from . import _downgrade_guard as downgrade_guard
 from . import _lock_waits as lock_waits
 from . import _migration_lock as migration_lock
-from . import _migration_statements as migration_st
-from . import _session_statements as session_st
+from . import _statements as st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
 from ._errors import MigrationError, StoreError
@@ -243,12 +242,12 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     bound = _lock_wait(context, schema).bound
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
     with context.begin_transaction():
-        context.execute(session_st.local_search_path)
-        context.execute(migration_st.set_local_lock_timeout.params(ms=str(round(bound * 1000))))
+        context.execute(st.local_search_path)
+        context.execute(st.set_local_lock_timeout.params(ms=str(round(bound * 1000))))
         context.execute(_lock(schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
-        context.execute(migration_st.checked_schema(schema))
-        context.execute(migration_st.refuse_foreign_owner)
+        context.execute(st.checked_schema(schema))
+        context.execute(st.refuse_foreign_owner)
         context.run_migrations()
 
 
@@ -262,7 +261,7 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
             poolclass=NullPool,
             connect_args={
                 "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"search_path": session_st.SEARCH_PATH},
+                "server_settings": {"search_path": st.SEARCH_PATH},
                 **tls,
             },
         )
@@ -370,7 +369,7 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
     wait = _lock_wait(context, schema)
     _configure(context, schema, wait, connection=conn)
     with context.begin_transaction():
-        conn.execute(session_st.local_search_path)
+        conn.execute(st.local_search_path)
         lock_waits.take_migration_lock(conn, schema, wait)
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)
@@ -391,9 +390,7 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
             # Autogenerate (`alembic check`) reflects the engine's default schema as "the
             # tables visible on search_path"; it just passed the trust check above.
             quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            conn.execute(
-                session_st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"}
-            )
+            conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
         context.run_migrations()

@@ -39,9 +39,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.selectable import Select
 
 from ._domain import TaskStatus
-from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recurring, tasks
-from ._statements import prune_delete
+from ._statements import LOCK_NS_MIGRATE, prune_delete
 
 __all__ = [
     "LOCK_MODES",

@@ -47,8 +47,6 @@ from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util import greenlet_spawn
 
-from . import _lock_statements as lock_st
-from . import _session_statements as session_st
 from . import _statements as st
 from ._config import PgStoreConfig, keepalive_settings
 from ._errors import SchemaGoneError, StoreError, UnavailableError, UnsupportedParameterError
@@ -854,18 +852,18 @@ async def require_search_path(engine: AsyncEngine, where: str) -> None:
     it per session, and a schema another role can write on it could capture an operator."""
     try:
         async with engine.connect() as conn:
-            path = (await conn.execute(session_st.session_search_path)).scalar_one()
+            path = (await conn.execute(st.session_search_path)).scalar_one()
     except Exception as exc:
         raise translate_error(exc, "reading the pooled sessions' search_path") from exc
     if [part.strip() for part in path.split(",")] != [
-        part.strip() for part in session_st.SEARCH_PATH.split(",")
+        part.strip() for part in st.SEARCH_PATH.split(",")
     ]:
         raise StoreError(
             f"the pooled sessions at {where} run with search_path {path!r}, not "
-            f"{session_st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
+            f"{st.SEARCH_PATH!r}: with prepared_statements=False the store cannot set it "
             "per session; set it for the store's PgBouncer database entry (connect_query = "
-            f"'SET search_path = {session_st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
-            f'search_path = {session_st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
+            f"'SET search_path = {st.SEARCH_PATH}') or for the role (ALTER ROLE ... SET "
+            f'search_path = {st.SEARCH_PATH}) (docs/reliability.md, "PgBouncer")'
         )
 
 
@@ -885,7 +883,7 @@ def _pool_connect_args(config: PgStoreConfig) -> dict[str, Any]:
         "server_settings": {
             "application_name": config.application_name,
             # No schema another role can write is ever on the path (CVE-2018-1058).
-            "search_path": session_st.SEARCH_PATH,
+            "search_path": st.SEARCH_PATH,
             # A leader frozen or cut off between two statements of a commit holds the
             # leader row lock; the server ends such a session, so a takeover waits at most
             # this long for it (the keeper has stepped down by then).
@@ -927,13 +925,13 @@ async def cluster_identity(
     an application left ``SET`` on a borrowed session is not the pool's)."""
 
     async def read(conn: AsyncConnection) -> tuple[int | None, int | None, str]:
-        await conn.execute(session_st.local_search_path)
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar()
+        await conn.execute(st.local_search_path)
+        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar()
         incarnation = None
         if oid is not None:
             found = await conn.execute(st.incarnation, execution_options=schema_options(schema))
             incarnation = found.scalar()
-        pool_role = (await conn.execute(session_st.current_user)).scalar_one()
+        pool_role = (await conn.execute(st.current_user)).scalar_one()
         return oid, incarnation, pool_role
 
     try:
@@ -1030,7 +1028,7 @@ _TAKEOVER_COMMIT = text("COMMIT")
 
 class LockSession:
     """The leader lock session, a connection of its own (:mod:`cronoq_store._leadership`
-    decides what it runs): the statements of :mod:`cronoq_store._lock_statements`, each
+    decides what it runs): the statements of :mod:`cronoq_store._statements`, each
     bounded, the lock polled, the epoch bump's transaction, and its close.
 
     The driver connection under it is used only to close: ``terminate()`` drops the socket
@@ -1074,15 +1072,15 @@ class LockSession:
     async def try_lock(
         self, key: Mapping[str, int], timeout: float
     ) -> tuple[bool, datetime | None]:
-        """One poll for the leader lock (:data:`~cronoq_store._lock_statements.try_leader_lock`):
+        """One poll for the leader lock (:data:`~cronoq_store._statements.try_leader_lock`):
         whether this session holds it now, and since when another session held it."""
-        row: Any = (await self.run(lock_st.try_leader_lock, key, timeout)).one()
+        row: Any = (await self.run(st.try_leader_lock, key, timeout)).one()
         return bool(row[0]), row[1]
 
     async def leader_row(self, timeout: float) -> Any:
         """The leader row as the keeper checks it
-        (:data:`~cronoq_store._lock_statements.leader_now`), ``None`` without one."""
-        return (await self.run(lock_st.leader_now, None, timeout)).first()
+        (:data:`~cronoq_store._statements.leader_now`), ``None`` without one."""
+        return (await self.run(st.leader_now, None, timeout)).first()
 
     @asynccontextmanager
     async def takeover(self, timeout: float) -> AsyncIterator[None]:

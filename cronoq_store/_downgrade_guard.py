@@ -31,10 +31,9 @@ from alembic.runtime.migration import MigrationContext, RevisionStep
 from sqlalchemy import Connection, text
 
 from . import _catalog as catalog
-from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
-from . import _migration_statements as migration_st
 from . import _queries as queries
+from . import _statements as st
 from ._errors import MigrationError
 from ._lock_waits import LockWait
 from ._results import LockHolder
@@ -87,12 +86,10 @@ def guarded(
 
 
 def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: LockWait) -> None:
-    oid = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar_one()
-    lock = (lock_st.LOCK_NS_LEADER, oid)
+    oid = conn.execute(st.schema_oid, {"schema": schema}).scalar_one()
+    lock = (st.LOCK_NS_LEADER, oid)
     cluster = schema_options(schema)
-    took = conn.execute(
-        migration_st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]}
-    )
+    took = conn.execute(st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]})
     if not took.scalar():
         row = conn.execute(catalog.leader_lock_holder, queries.lock_keys(lock)).first()
         holder = _describe(None if row is None else queries.holder_of(row, store_instance=False))
@@ -117,7 +114,7 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: L
     if (
         to_base
         and not force
-        and conn.execute(migration_st.cluster_issued_ids, execution_options=cluster).scalar()
+        and conn.execute(st.cluster_issued_ids, execution_options=cluster).scalar()
     ):
         raise MigrationError(
             f"schema {schema!r} has issued task ids: downgrading it to base drops them, and "
@@ -130,7 +127,7 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: L
 def _bump(records_holder: bool) -> Any:
     """The epoch bump a forced downgrade fences with: a leader table from revision 0007 on
     records who bumped; an older one has no columns for it."""
-    return lock_st.bump_epoch if records_holder else lock_st.bump_epoch_only
+    return st.bump_epoch if records_holder else st.bump_epoch_only
 
 
 def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
@@ -155,9 +152,9 @@ def _script(
     """The same in an offline script: refuse a live leader and hold the lock, or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
     if not force:
-        context.execute(migration_st.refuse_live_leader)
+        context.execute(st.refuse_live_leader)
         return
-    context.execute(migration_st.lock_cluster_tables(schema, migration.dialect))
+    context.execute(st.lock_cluster_tables(schema, migration.dialect))
     bump = _bump(_records_holder(context, heads)).compile(
         dialect=migration.dialect,
         schema_translate_map={None: schema},

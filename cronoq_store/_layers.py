@@ -60,14 +60,13 @@ LAYERS: tuple[Layer, ...] = (
         {
             "_schema": "the tables as one `MetaData`, without a schema name",
             "_rows": "task and recurring rows to and from domain values, from one column list",
-            "_statements": "the store's own statements: commits, recovery, look-ups, pruning",
-            "_lock_statements": "the leader lock session's statements: the lock, the epoch bump",
-            "_session_statements": "the one `search_path`; transactions on borrowed sessions",
+            "_statements": "every statement the store runs itself: commits, recovery, look- "
+            "ups, pruning; the leader lock session's (the lock, the epoch "
+            "bump); the one search_path and transactions on borrowed sessions; "
+            "a migration's checks and locks",
             "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
             "_listing_statements": "the operators' bounded reads of tasks (CLI and console): "
             "pages of live and finished tasks, counts that stop at a bound, a task's spec",
-            "_migration_statements": "what an offline script checks; a downgrade's locks; "
-            "the statements of a bounded lock wait",
         },
     ),
     Layer(

@@ -50,9 +50,8 @@ from sqlalchemy.pool import NullPool, Pool
 
 from . import _catalog as catalog
 from . import _door as door
-from . import _lock_statements as lock_st
 from . import _lock_waits as lock_waits
-from . import _session_statements as session_st
+from . import _statements as st
 from ._config import PgStoreConfig
 from ._door import LockSession, lock_not_available
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
@@ -113,7 +112,7 @@ def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[s
     settings = {
         # Names resolve in pg_catalog only: no schema another role can write can capture
         # a function or operator the lock session calls.
-        "search_path": session_st.SEARCH_PATH,
+        "search_path": st.SEARCH_PATH,
         # Set after any the application's connect arguments give: the instance id must
         # show, whole, whatever name the application chose.
         "application_name": lock_session_name(name, instance),
@@ -133,7 +132,7 @@ def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[s
         "synchronous_commit": "on",
         "default_transaction_read_only": "off",
     }
-    assert tuple(settings) == lock_st.LOCK_SESSION_SETTINGS
+    assert tuple(settings) == st.LOCK_SESSION_SETTINGS
     return settings
 
 
@@ -340,7 +339,7 @@ class Leadership:
         session = await LockSession.open(self._db, timeout)
         try:
             if self._apply_settings:
-                await session.run(lock_st.lock_session_settings, self._settings, timeout)
+                await session.run(st.lock_session_settings, self._settings, timeout)
             if self._connect is not None:
                 await self._refuse_untrusted_connect(session, self._connect, timeout)
             await self._read_key(session, timeout)
@@ -363,8 +362,8 @@ class Leadership:
             # The keeper's check waits for no lock for long, and is prepared now, so that
             # each of its checks is a single round trip.
             timeout_ms = str(_keeper_lock_timeout_ms(self._config))
-            await session.run(lock_st.keeper_lock_timeout, {"lock_timeout": timeout_ms}, timeout)
-            await session.run(lock_st.leader_now, None, timeout)
+            await session.run(st.keeper_lock_timeout, {"lock_timeout": timeout_ms}, timeout)
+            await session.run(st.leader_now, None, timeout)
             return session, int(epoch)
         except BaseException:
             await session.close()  # releases the lock if this session took it
@@ -386,18 +385,18 @@ class Leadership:
                 "taking over leadership",
             )
             bump = {"incarnation": self._incarnation}
-            epoch = (await session.run(lock_st.take_epoch, bump, timeout)).scalar()
+            epoch = (await session.run(st.take_epoch, bump, timeout)).scalar()
             if epoch is not None:
                 term = {"epoch": epoch, "lock_seen_held_at": seen_held}
-                await session.run(lock_st.record_term, term, timeout)
-                await session.run(lock_st.prune_terms, None, timeout)
+                await session.run(st.record_term, term, timeout)
+                await session.run(st.prune_terms, None, timeout)
         return epoch
 
     async def _read_key(self, session: LockSession, timeout: float) -> None:
         """Read the lock's second key, the schema's OID, now: ``pg_upgrade`` gives a schema
         another OID, and every instance opened since takes the lock with that one. A schema
         that is gone is a cluster gone: ``SchemaGoneError``, no lock to wait for."""
-        oid = (await session.run(lock_st.schema_oid, {"schema": self._schema}, timeout)).scalar()
+        oid = (await session.run(st.schema_oid, {"schema": self._schema}, timeout)).scalar()
         if oid is None:
             raise SchemaGoneError(
                 f"acquiring leadership failed: schema {self._schema!r} does not exist (dropped "
@@ -409,7 +408,7 @@ class Leadership:
     async def _refuse_to_bump(self, session: LockSession, timeout: float) -> None:
         """Raise why the bump found no leader row to move: none in the schema, or the row of
         another cluster than the store's (``ClusterReplacedError``)."""
-        found = (await session.run(lock_st.leader_now, None, timeout)).first()
+        found = (await session.run(st.leader_now, None, timeout)).first()
         if found is None:
             raise StoreError(
                 f"the leader row of schema {self._schema!r} is missing: run the migrations"
@@ -530,7 +529,7 @@ class Leadership:
             await session.close()
 
     def _term_ended(self, epoch: int, row: Any) -> tuple[str, str] | None:
-        """Why the leader row ``row`` (:data:`~cronoq_store._lock_statements.leader_now`)
+        """Why the leader row ``row`` (:data:`~cronoq_store._statements.leader_now`)
         ends the term of ``epoch`` (a step-down reason and words), or ``None`` if it does
         not."""
         if row is None:

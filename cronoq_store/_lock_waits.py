@@ -32,7 +32,6 @@ from typing import Any
 from sqlalchemy import Connection, Executable, Result
 
 from . import _catalog as catalog
-from . import _migration_statements as migration_st
 from . import _statements as st
 from ._door import lock_not_available
 from ._errors import LockHeldError
@@ -169,11 +168,11 @@ def take_migration_lock(conn: Connection, schema: str, wait: LockWait) -> None:
     :data:`MIGRATION_LOCK_POLL` while another session holds it; ``LockHeldError`` after
     ``wait``'s bound."""
     params = {"schema": schema}
-    while not conn.execute(migration_st.try_migration_lock, params).scalar():
+    while not conn.execute(st.try_migration_lock, params).scalar():
         # pg_stat_activity is read once per transaction unless told to look again.
         conn.execute(catalog.clear_stats_snapshot)
         wait.held_by(_holders(conn.execute(catalog.migration_lock_holder, params).all()))
-        conn.execute(migration_st.pause, {"seconds": MIGRATION_LOCK_POLL})
+        conn.execute(st.pause, {"seconds": MIGRATION_LOCK_POLL})
 
 
 def lock_tables(conn: Connection, schema: str, wait: LockWait) -> None:
@@ -184,33 +183,33 @@ def lock_tables(conn: Connection, schema: str, wait: LockWait) -> None:
     remains of it."""
     names = tuple(
         name
-        for name in migration_st.CLUSTER_TABLES
+        for name in st.CLUSTER_TABLES
         if conn.execute(catalog.relation_exists, {"schema": schema, "name": name}).scalar()
     )
     if names:
-        statement = migration_st.lock_cluster_tables(schema, conn.dialect, names)
+        statement = st.lock_cluster_tables(schema, conn.dialect, names)
         # Every mode conflicts with ACCESS EXCLUSIVE.
         looking = {"schema": schema, "tables": list(names), "modes": list(catalog.LOCK_MODES)}
         while not _attempt(conn, statement, TABLE_LOCK_ATTEMPT):
             conn.execute(catalog.clear_stats_snapshot)
             wait.held_by(_holders(conn.execute(catalog.table_lock_holders, looking).all()))
-            conn.execute(migration_st.pause, {"seconds": TABLE_LOCK_PAUSE})
-    conn.execute(migration_st.set_local_lock_timeout, {"ms": _ms(max(wait.remaining, 1.0))})
+            conn.execute(st.pause, {"seconds": TABLE_LOCK_PAUSE})
+    conn.execute(st.set_local_lock_timeout, {"ms": _ms(max(wait.remaining, 1.0))})
 
 
 def _attempt(conn: Connection, statement: Executable, seconds: float) -> bool:
     """Run ``statement`` under a ``lock_timeout`` of ``seconds`` in a savepoint; false (and
     the savepoint undone) if the lock it waited for was still held then."""
-    conn.execute(migration_st.savepoint)
-    conn.execute(migration_st.set_local_lock_timeout, {"ms": _ms(seconds)})
+    conn.execute(st.savepoint)
+    conn.execute(st.set_local_lock_timeout, {"ms": _ms(seconds)})
     try:
         conn.execute(statement)
     except Exception as exc:
         if not lock_not_available(exc):
             raise
-        conn.execute(migration_st.rollback_to_savepoint)
+        conn.execute(st.rollback_to_savepoint)
         return False
-    conn.execute(migration_st.release_savepoint)
+    conn.execute(st.release_savepoint)
     return True
 
 
@@ -223,14 +222,14 @@ async def leader_barrier(execute: Execute, schema: str, bound: float, what: str)
     at most ``bound`` seconds for the sessions that hold the leader table (commits in
     flight, or any session holding its row); then ``LockHeldError`` naming them. ``what``
     is the call that waits, and where its bound is set, for the error."""
-    await execute(migration_st.savepoint, None)
-    await execute(migration_st.set_local_lock_timeout, {"ms": _ms(bound)})
+    await execute(st.savepoint, None)
+    await execute(st.set_local_lock_timeout, {"ms": _ms(bound)})
     try:
         await execute(st.leader_barrier, None)
     except Exception as exc:
         if not lock_not_available(exc):
             raise
-        await execute(migration_st.rollback_to_savepoint, None)
+        await execute(st.rollback_to_savepoint, None)
         # The barrier's EXCLUSIVE conflicts with every mode but ACCESS SHARE.
         modes = list(catalog.LOCK_MODES[1:])
         looking = {"schema": schema, "tables": [leader.name], "modes": modes}
@@ -240,7 +239,7 @@ async def leader_barrier(execute: Execute, schema: str, bound: float, what: str)
             f"{schema!r}, held by {describe_holders(holders)}",
             holders,
         ) from exc
-    await execute(migration_st.release_savepoint, None)
+    await execute(st.release_savepoint, None)
 
 
 def _ms(seconds: float) -> str:

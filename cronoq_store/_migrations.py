@@ -47,14 +47,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from . import _door as door
 from . import _downgrade_guard as downgrade_guard
-from . import _lock_statements as lock_st
 from . import _migration_lock as migration_lock
-from . import _session_statements as session_st
+from . import _statements as st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
 from ._errors import MigrationError
-from ._lock_statements import LOCK_NS_MIGRATE
 from ._schema import VERSION_TABLE
+from ._statements import LOCK_NS_MIGRATE
 from ._trust import refuse_untrusted
 
 __all__ = [
@@ -289,7 +288,7 @@ async def _in_transaction(
 def _opening(engine: AsyncEngine) -> str:
     """The message that opens a migration's transaction on ``engine``, or its read of the
     revision, with the store's own settings (:func:`_in_transaction`)."""
-    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=True)
+    statements = st.store_transaction(st.IDLE_LIMIT_MS, borrowed=True)
     return door.opening_message(statements, engine.dialect)
 
 
@@ -347,7 +346,7 @@ def revision_status(conn: Connection, schema: str) -> RevisionStatus:
     rights). Run it after :func:`refuse_untrusted`; async callers use ``run_sync``."""
     validate_schema_name(schema)
     head = head_revision()
-    exists = conn.execute(lock_st.schema_oid, {"schema": schema}).scalar() is not None
+    exists = conn.execute(st.schema_oid, {"schema": schema}).scalar() is not None
     current: tuple[str, ...] = ()
     if exists:
         context = MigrationContext.configure(
@@ -416,7 +415,7 @@ async def _read_status(
     validate_schema_name(schema)
 
     def read(sync_conn: Connection) -> RevisionStatus:
-        sync_conn.execute(session_st.local_search_path)
+        sync_conn.execute(st.local_search_path)
         refuse_untrusted(sync_conn, schema, trusted_triggers)
         return revision_status(sync_conn, schema)
 

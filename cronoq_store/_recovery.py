@@ -7,7 +7,7 @@ afterwards) and reported as finished; an undecodable schedule is logged, skipped
 in the table. ``PgStore.recover`` runs :func:`recover` in one transaction and translates
 its failures. That transaction takes no lock that a commit or a takeover waits for until
 its last statement (the quarantine), so its idle limit is the store's own
-(:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`), not ``session_timeout``: how
+(:data:`~cronoq_store._statements.IDLE_LIMIT_MS`), not ``session_timeout``: how
 long a partition takes to decode depends on the rows and the machine, not on the lock
 session's timeout.
 """

@@ -1,13 +1,29 @@
 """The store's own statements (commits, recovery, look-ups, pruning), as SQLAlchemy Core
 constructs built once at import. The others live beside their users: the leader lock
-session's in :mod:`cronoq_store._lock_statements`, the sessions' settings in
-:mod:`cronoq_store._session_statements`, the operators' catalog queries in
-:mod:`cronoq_store._catalog`, the migrations' in :mod:`cronoq_store._migration_statements`.
+session's in :mod:`cronoq_store._statements`, the sessions' settings in
+:mod:`cronoq_store._statements`, the operators' catalog queries in
+:mod:`cronoq_store._catalog`, the migrations' in :mod:`cronoq_store._statements`.
 
 The tables carry no schema name, so each construct compiles once and the compiled cache
 serves every cluster: the schema is applied at execution with ``schema_translate_map``.
 Array parameters are typed (``ARRAY(BigInteger)`` renders ``$1::BIGINT[]``) because the
 server cannot resolve ``unnest`` over an untyped array.
+
+The leader lock session's statements: the advisory lock, the epoch bump, the session's
+own settings, the keeper's check of the leader row, and the schema's OID that keys the lock.
+
+Run by :class:`~cronoq_store._leadership.Leadership` on its dedicated session, never on a
+commit's connection.
+
+What the store's transactions set on a session: the one ``search_path``, the opening of
+a transaction on a session the store does not own (an application's engine, a
+transaction-pooling PgBouncer), which sets the store's settings for that transaction alone,
+and how long a transaction may sit idle.
+
+The migrations' own statements: what an offline (``--sql``) script checks before its DDL,
+what a downgrade runs under the leader lock (:mod:`cronoq_store._downgrade_guard`), and the
+bounded waits for a lock (:mod:`cronoq_store._lock_waits`): the migration lock tried, the
+tables locked an attempt at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +34,8 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     ColumnElement,
+    DateTime,
+    Float,
     Integer,
     LargeBinary,
     Numeric,
@@ -30,12 +48,16 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    false,
     func,
+    literal,
     literal_column,
     not_,
     null,
     or_,
     select,
+    table,
+    text,
     true,
     tuple_,
     update,
@@ -43,6 +65,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import DDL
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
@@ -50,7 +73,7 @@ from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
-from ._domain import LIVE_RANKS, QUEUED, RANKS_PER_ATTEMPT, TERMINAL_LEVEL, TaskStatus
+from ._domain import EPOCH_MAX, LIVE_RANKS, QUEUED, RANKS_PER_ATTEMPT, TERMINAL_LEVEL, TaskStatus
 from ._rows import (
     IDENTITY_COLUMNS,
     INSERT_COLUMNS,
@@ -63,15 +86,28 @@ from ._rows import (
 from ._schema import (
     LEADER_ROW_ID,
     leader,
+    leader_history,
     leader_tableoid,
     recurring,
     tasks,
 )
 
 __all__ = [
+    "IDLE_LIMIT_MS",
+    "LOCK_NS_LEADER",
+    "LOCK_NS_MIGRATE",
+    "LOCK_SESSION_SETTINGS",
+    "SEARCH_PATH",
+    "TERMS_KEPT",
     "accepts_writes",
     "advance_recurring",
+    "borrowed_transaction",
+    "bump_epoch",
+    "bump_epoch_only",
+    "checked_schema",
+    "cluster_issued_ids",
     "colliding_ids",
+    "current_user",
     "epoch_for_share",
     "epoch_held_for_share",
     "finished_page",
@@ -81,27 +117,48 @@ __all__ = [
     "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
+    "keeper_lock_timeout",
     "key_holders",
     "leader_barrier",
+    "leader_now",
     "live_tasks",
+    "local_search_path",
+    "lock_cluster_tables",
+    "lock_session_settings",
+    "pause",
     "prune_batch",
     "prune_delete",
+    "prune_terms",
     "quarantine",
     "recent_terminal",
+    "record_term",
     "recurring_schedules",
+    "refuse_foreign_owner",
+    "refuse_live_leader",
+    "release_savepoint",
     "remove_recurring",
+    "rollback_to_savepoint",
+    "savepoint",
+    "schema_oid",
     "server_encoding",
+    "session_search_path",
+    "set_local_lock_timeout",
+    "set_local_search_path",
     "store_outputs",
+    "store_transaction",
+    "take_epoch",
     "task_by_id",
     "task_by_key",
     "task_output",
     "tasks_by_ids",
+    "try_leader_lock",
+    "try_leader_lock_for_transaction",
+    "try_migration_lock",
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
 ]
 
-# --- commit: epoch check --------------------------------------------------------------------
 
 #: The epoch and the cluster's incarnation (the leader table's OID, ``tableoid``) under a
 #: share lock: it waits for a takeover's uncommitted bump and then sees it, and a takeover
@@ -611,3 +668,431 @@ prune_batch = (
 #: also runs outside a store transaction on a borrowed session, under the application's
 #: ``search_path`` (a ``pg_is_in_recovery`` planted before ``pg_catalog`` must not answer).
 accepts_writes = select(not_(func.pg_catalog.pg_is_in_recovery(type_=Boolean)))
+
+
+#: First key of the leader's session advisory lock ("croq"); the second is the schema's OID.
+LOCK_NS_LEADER = 0x63726F71
+#: First key of the advisory lock that serializes migrations of one schema ("crom"); the
+#: second is ``hashtext(schema)``.
+LOCK_NS_MIGRATE = 0x63726F6D
+#: Fencing epochs stay within 1..32767 so that epoch-prefixed task ids fit a signed BIGINT.
+
+# --- leadership -----------------------------------------------------------------------------
+
+#: ``pg_try_advisory_lock(k1, k2)``: true if this session now holds the leader lock; and
+#: the server's time of the attempt, which the history records of the last attempt that
+#: found the lock held (the server's clock, like the time the takeover records).
+try_leader_lock = select(
+    func.pg_try_advisory_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer)),
+    func.clock_timestamp(),
+)
+
+_own_session = table(
+    "pg_stat_activity",
+    column("pid", Integer),
+    column("backend_start", postgresql.TIMESTAMP(timezone=True)),
+    column("usesysid", postgresql.OID),
+    schema="pg_catalog",
+)
+
+
+def _own(name: str) -> Any:
+    """A column of this session's own ``pg_stat_activity`` row (always visible to it)."""
+    return (
+        select(_own_session.c[name])
+        .where(_own_session.c.pid == func.pg_backend_pid())
+        .scalar_subquery()
+    )
+
+
+#: Bumps the epoch, wrapping 32767 -> 1, and records the session that did (pid, backend
+#: start, role): what tells the leader from a session that only holds the lock
+#: (:data:`health_facts`). Returns the new epoch. What a forced downgrade runs, in whatever
+#: cluster the schema holds.
+_next_epoch = case((leader.c.epoch >= EPOCH_MAX, 1), else_=leader.c.epoch + 1)
+bump_epoch = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(
+        epoch=_next_epoch,
+        holder_epoch=_next_epoch,
+        holder_pid=func.pg_backend_pid(),
+        holder_backend_start=_own("backend_start"),
+        holder_role=_own("usesysid"),
+    )
+    .returning(leader.c.epoch)
+)
+
+#: The epoch bump alone, for a leader table without the holder columns (a schema before
+#: revision 0007): what a forced downgrade of such a schema fences its leader with.
+bump_epoch_only = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(epoch=_next_epoch)
+    .returning(leader.c.epoch)
+)
+
+#: How many takeovers ``cronoq_leader_history`` keeps: each takeover prunes past it.
+TERMS_KEPT = 1_000
+
+_history = leader_history
+_recorded = {
+    "began_at": func.clock_timestamp(),
+    "lock_seen_held_at": bindparam("lock_seen_held_at", type_=DateTime(timezone=True)),
+    "pid": func.pg_backend_pid(),
+    "role": func.session_user(),
+    "application_name": func.current_setting("application_name"),
+    "client_addr": cast(func.host(func.inet_client_addr()), Text),
+}
+
+#: The takeover's row in the leadership history, in the transaction of its bump: the new
+#: epoch, when, and the lock session that took it. An epoch met again (the counter wraps
+#: at 32767, far beyond what is kept) replaces its row.
+record_term = (
+    postgresql.insert(_history)
+    .values(epoch=bindparam("epoch", type_=Integer), **_recorded)
+    .on_conflict_do_update(
+        index_elements=[_history.c.epoch],
+        set_={name: postgresql.insert(_history).excluded[name] for name in _recorded},
+    )
+)
+
+_kept_from = (
+    select(_history.c.began_at)
+    .order_by(_history.c.began_at.desc())
+    .offset(TERMS_KEPT - 1)
+    .limit(1)
+    .scalar_subquery()
+)
+#: The takeover's prune of the history past the newest :data:`TERMS_KEPT` rows: one
+#: index range, whatever the table holds.
+prune_terms = delete(_history).where(_history.c.began_at < _kept_from)
+
+#: Taking the lock takes the next epoch (:data:`bump_epoch`), only in the cluster
+#: ``:incarnation`` (the leader table's OID) that the store was opened on: no row in another.
+take_epoch = bump_epoch.where(leader_tableoid == bindparam("incarnation", type_=postgresql.OID))
+
+#: The keeper's check of the lock session, one round trip: the stored epoch and the
+#: cluster's incarnation (the leader table's OID) under the schema's name now. An answer is
+#: a live session; another epoch or incarnation, or none, ends the term.
+leader_now = select(leader.c.epoch, leader_tableoid).where(leader.c.id == LEADER_ROW_ID)
+
+#: How long the keeper's check may wait for a lock on the leader table (a migration or a
+#: ``DROP`` holds it exclusively) before the server gives up with 55P03: the session has
+#: answered then, so the wait never reads as a silent session. Set once the epoch is
+#: taken: the takeover's own wait for commits in flight must not be bounded by it.
+keeper_lock_timeout = select(
+    func.pg_catalog.set_config(
+        literal("lock_timeout", Text), bindparam("lock_timeout", type_=Text), false()
+    )
+)
+
+#: What the lock session sets for itself once connected, when the connection comes from an
+#: application's pool creator (which ignores our connect arguments); each is a bind of the
+#: same name. ``set_config`` is schema-qualified: the creator may have set any search_path.
+LOCK_SESSION_SETTINGS = (
+    "search_path",
+    "application_name",
+    "tcp_keepalives_idle",
+    "tcp_keepalives_interval",
+    "tcp_keepalives_count",
+    "idle_session_timeout",
+    "synchronous_commit",
+    "default_transaction_read_only",
+)
+lock_session_settings = select(
+    *(
+        func.pg_catalog.set_config(literal(name, Text), bindparam(name, type_=Text), false())
+        for name in LOCK_SESSION_SETTINGS
+    )
+)
+
+#: The schema's OID, the second key of the leader lock (``pg_namespace`` is not translated).
+#: ``to_regnamespace`` parses an identifier, so the name is quoted first: ``Prod`` stays
+#: ``Prod`` instead of being folded to ``prod``.
+schema_oid = select(
+    func.to_regnamespace(func.quote_ident(bindparam("schema", type_=Text))).cast(Integer)
+)
+
+
+#: The only ``search_path`` the store's statements run under. PostgreSQL resolves a function
+#: or operator whose argument types match exactly from any schema on the path, even one after
+#: ``pg_catalog`` (CVE-2018-1058), so no schema another role can write is ever on it; our own
+#: objects are always schema-qualified, and ``pg_temp`` (private to the session) comes last.
+SEARCH_PATH = "pg_catalog, pg_temp"
+_SEARCH_PATH_NAME: ColumnElement[str] = literal_column("'search_path'")
+
+#: :data:`SEARCH_PATH` until the end of the current transaction, which then restores the
+#: session's own: how reads and migrations on a borrowed connection get it.
+local_search_path = select(
+    func.pg_catalog.set_config(_SEARCH_PATH_NAME, literal_column(f"'{SEARCH_PATH}'"), true())
+)
+
+#: The session's own ``search_path``: without prepared statements (behind PgBouncer) the
+#: store cannot set it per session and checks that PgBouncer or the role did.
+session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
+
+#: The role the session runs as: who a trust check ran as, the role a pool connects as.
+current_user = select(func.current_user())
+
+#: A given ``search_path`` until the end of the current transaction.
+set_local_search_path = select(
+    func.pg_catalog.set_config(_SEARCH_PATH_NAME, bindparam("path", type_=Text), true())
+)
+
+# --- transactions on sessions the store does not own ---------------------------------------
+# An application's pooled session, or whatever server connection a transaction-pooling
+# PgBouncer hands out, carries settings someone else chose (``SET synchronous_commit = off``,
+# ``SET ROLE``, ...). Every transaction of the store there starts with what its guarantees
+# need, for that transaction alone (docs/reliability.md, "Borrowed sessions"). All of it
+# travels in the message that opens the transaction: no round trip of its own.
+
+#: Read committed (the fencing argument: each statement sees the epoch committed before it),
+#: read-write whatever ``default_transaction_read_only`` says, never deferrable.
+_BORROWED_BEGIN = text("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE, NOT DEFERRABLE")
+
+#: The identity, durability and timeouts configured for the sessions (role, database,
+#: server, connect arguments), as the store's own pool would have them, not a ``SET`` of the
+#: session's: ``SET LOCAL ... TO DEFAULT`` takes the reset value, which no ``SET`` changes.
+#: ``SET ROLE`` and ``SET SESSION AUTHORIZATION`` would make the store act as another role;
+#: an application's short ``statement_timeout`` would fail every commit.
+_BORROWED_DEFAULTS = (
+    # First, as each statement of the message runs under the limit the one before left: an
+    # application's limit of a millisecond would otherwise cancel the opening itself on a
+    # busy server. It names no object, so no path another client left can capture it.
+    text("SET LOCAL statement_timeout TO DEFAULT"),
+    # Then, before any statement that names an object: each statement of the opening
+    # message is analysed after the one before ran, so no name below resolves through a
+    # path another client left on the session.
+    text(f"SET LOCAL search_path = {SEARCH_PATH}"),
+    text("SET LOCAL SESSION AUTHORIZATION DEFAULT"),
+    text("SET LOCAL role TO DEFAULT"),
+    text("SET LOCAL synchronous_commit TO DEFAULT"),
+    text("SET LOCAL lock_timeout TO DEFAULT"),
+)
+
+
+def _constant(value: str) -> ColumnElement[str]:
+    """A constant of this module as an SQL literal (no parameter: the opening message of a
+    transaction travels by the simple protocol)."""
+    if "'" in value or "\\" in value:
+        raise ValueError(f"not a plain constant: {value!r}")
+    return literal_column(f"'{value}'", Text)
+
+
+def _setting(name: str) -> ColumnElement[str]:
+    """The setting ``name`` now, NULL if the server has no such setting."""
+    return func.pg_catalog.current_setting(_constant(name), true(), type_=Text)
+
+
+def _equal(left: ColumnElement[str], right: ColumnElement[str]) -> ColumnElement[bool]:
+    """``left = right`` with pg_catalog's operator, whatever the session's search_path."""
+    return left.op("OPERATOR(pg_catalog.=)", is_comparison=True)(right)
+
+
+def _set_local(name: str, value: ColumnElement[str] | str) -> ColumnElement[str]:
+    """``name`` set to ``value`` until the end of the transaction."""
+    if isinstance(value, str):
+        value = _constant(value)
+    return func.pg_catalog.set_config(_constant(name), value, true(), type_=Text)
+
+
+def _check_milliseconds(value: int) -> None:
+    """Refuse what is not a timeout in milliseconds (it is rendered as a literal)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"not a timeout in milliseconds: {value!r}")
+
+
+def borrowed_transaction(idle_in_transaction_ms: int) -> tuple[Any, ...]:
+    """The statements that open a transaction of the store on a borrowed session, in order.
+
+    ``idle_in_transaction_ms`` is the store's own bound on a transaction left idle (its
+    pool's ``idle_in_transaction_session_timeout``), rendered as a literal: an integer only.
+    """
+    _check_milliseconds(idle_in_transaction_ms)
+    settings = select(
+        # At least "on" (flushed, and confirmed by the synchronous standbys): a configured
+        # remote_apply, stronger, is kept; local, remote_write and off are not enough.
+        _set_local(
+            "synchronous_commit",
+            case(
+                (
+                    _equal(_setting("synchronous_commit"), _constant("remote_apply")),
+                    _constant("remote_apply"),
+                ),
+                else_=_constant("on"),
+            ),
+        ),
+        _set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)),
+        # asyncpg encodes and decodes text in the session's client_encoding.
+        _set_local("client_encoding", "UTF8"),
+        # "replica" skips triggers and foreign keys; only a superuser may set it, so only
+        # when it differs (a session that could set it can set it back).
+        case(
+            (
+                not_(_equal(_setting("session_replication_role"), _constant("origin"))),
+                _set_local("session_replication_role", "origin"),
+            )
+        ),
+    )
+    return (_BORROWED_BEGIN, *_BORROWED_DEFAULTS, settings)
+
+
+# --- idle transactions ---------------------------------------------------------------------
+
+#: How long the server lets a store transaction that takes no lock on the leader row sit
+#: idle (reads, recovery, migrations), in milliseconds. Their idle gaps are the client's own
+#: work: decoding a partition of recovery's cursor or a page of rows, Alembic loading its
+#: revisions, a health check's second look. That work grows with the rows and the machine's
+#: load, and must not fail because ``session_timeout`` is short. The leader row's lock
+#: (commits, prune batches) is what a takeover waits for: those transactions keep
+#: ``session_timeout`` (``_door.idle_in_transaction_ms``). This bound is for a client that
+#: froze mid-transaction, whose snapshot and table locks would otherwise stay for ever.
+IDLE_LIMIT_MS = 60_000
+
+
+def store_transaction(idle_in_transaction_ms: int, *, borrowed: bool) -> tuple[Any, ...]:
+    """The statements that open a store transaction, ``BEGIN`` first: on a borrowed session
+    :func:`borrowed_transaction`, on the store's own only the idle limit (the session's
+    other settings are the store's)."""
+    if borrowed:
+        return borrowed_transaction(idle_in_transaction_ms)
+    _check_milliseconds(idle_in_transaction_ms)
+    idle = select(_set_local("idle_in_transaction_session_timeout", str(idle_in_transaction_ms)))
+    return (text("BEGIN"), idle)
+
+
+#: Where the script's owner check finds the schema's name: a setting, so that the check
+#: itself is constant text (a ``DO`` block takes no parameters).
+_CHECKED_SCHEMA: ColumnElement[str] = literal_column("'cronoq_store._schema'")
+
+
+def checked_schema(schema: str) -> Select[tuple[str]]:
+    """Name ``schema`` to :data:`refuse_foreign_owner` until the end of the transaction (the
+    offline script renders the name as a literal)."""
+    return select(func.pg_catalog.set_config(_CHECKED_SCHEMA, literal(schema, Text), true()))
+
+
+#: What an offline (``--sql``) script runs right after ``CREATE SCHEMA IF NOT EXISTS``: stop,
+#: before any DDL, if a role other than the one running it, and not a superuser, owns the
+#: schema named by :func:`checked_schema` (it could have planted code the script would run
+#: as us). Only the owner: the online run's full check (``trust.refuse_untrusted``)
+#: needs its answers in Python.
+refuse_foreign_owner = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
+    owner_ pg_catalog.name;
+BEGIN
+    SELECT r.rolname INTO owner_
+    FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner
+    WHERE n.nspname = schema_ AND r.rolname <> current_user AND NOT r.rolsuper;
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = 'cronoq-store: schema ' || pg_catalog.quote_ident(schema_)
+                || ' is owned by ' || pg_catalog.quote_ident(owner_) || ', neither '
+                || pg_catalog.quote_ident(current_user) || ' nor a superuser: refusing to '
+                || 'migrate it (its owner could have planted code that would run as '
+                || pg_catalog.quote_ident(current_user) || '); run the script as its owner';
+    END IF;
+END
+$cronoq$"""
+)
+
+
+# --- a downgrade, under the leader lock (``cronoq_store._downgrade_guard``) --------------------
+
+#: ``pg_try_advisory_xact_lock(k1, k2)``: true if this transaction now holds the leader lock,
+#: until it ends; a standby's ``pg_try_advisory_lock`` fails meanwhile.
+try_leader_lock_for_transaction = select(
+    func.pg_try_advisory_xact_lock(bindparam("k1", type_=Integer), bindparam("k2", type_=Integer))
+)
+
+#: Whether the cluster ever issued a task id: someone led (the epoch moved) or a task is stored.
+#: A cluster made again after a downgrade to base starts at epoch 0 and issues them again.
+cluster_issued_ids = select(
+    or_(
+        select(leader.c.id).where(leader.c.epoch > 0).exists(),
+        select(tasks.c.id).exists(),
+    )
+)
+
+
+#: The cluster's tables in the order a migration locks them: the leader row first, as every
+#: commit takes it, so no commit can deadlock with the migration's DDL.
+CLUSTER_TABLES = tuple(t.name for t in (leader, tasks, recurring))
+
+
+def lock_cluster_tables(schema: str, dialect: Any, names: tuple[str, ...] = CLUSTER_TABLES) -> DDL:
+    """``LOCK TABLE`` of the cluster's tables ``names`` in ``schema``, all in one statement
+    before a migration touches any: it waits for commits in flight, and later ones wait for
+    it, in :data:`CLUSTER_TABLES`' order, so none can deadlock with its DDL."""
+    quote = dialect.identifier_preparer.quote
+    ordered = [name for name in CLUSTER_TABLES if name in names]
+    listed = ", ".join(f"{quote(schema)}.{quote(name)}" for name in ordered)
+    return DDL(f"LOCK TABLE ONLY {listed} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
+
+
+# --- bounded lock waits (``cronoq_store._lock_waits``) ---------------------------------------
+
+#: ``pg_try_advisory_xact_lock`` of the migration lock of the schema named ``schema``: true
+#: if this transaction now holds it, until it ends. Tried, never waited on: the waiter
+#: looks at who holds it between tries, says so, and gives up after its bound.
+try_migration_lock = select(
+    func.pg_try_advisory_xact_lock(
+        literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
+    )
+)
+
+#: ``lock_timeout`` (``ms``, an integer as text) until the end of the transaction, or of
+#: the savepoint it is set in: how long the next lock wait may take before it fails with
+#: 55P03 instead of waiting on.
+set_local_lock_timeout = select(
+    func.pg_catalog.set_config(
+        literal("lock_timeout", Text), bindparam("ms", type_=Text), true(), type_=Text
+    )
+)
+
+#: A pause of ``seconds`` on the server: the same round trip on a greenlet's connection as on
+#: a plain one, where a client's sleep would block an event loop.
+pause = select(func.pg_catalog.pg_sleep(bindparam("seconds", type_=Float)))
+
+#: One attempt at a lock, inside the caller's transaction, that can fail without ending it.
+savepoint = text("SAVEPOINT cronoq_lock_wait")
+rollback_to_savepoint = text("ROLLBACK TO SAVEPOINT cronoq_lock_wait")
+release_savepoint = text("RELEASE SAVEPOINT cronoq_lock_wait")
+
+
+#: What an offline (``--sql``) downgrade script runs before its first revision: stop if a
+#: session holds the leader lock of the schema named by :func:`checked_schema`, else hold it
+#: until the script's COMMIT, as the online run does (``-x force=true`` leaves this out).
+#: The key is :data:`LOCK_NS_LEADER`, written out: the block is constant text.
+refuse_live_leader = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
+    holder_ pg_catalog.text;
+BEGIN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(1668444017, pg_catalog.to_regnamespace(
+            pg_catalog.quote_ident(schema_))::pg_catalog.oid::pg_catalog.int4) THEN
+        SELECT 'pid ' || l.pid || ', role ' || pg_catalog.quote_nullable(a.usename)
+                || ', application ' || pg_catalog.quote_nullable(a.application_name)
+                || ', since ' || COALESCE(a.backend_start::pg_catalog.text, 'unknown')
+            INTO holder_
+        FROM pg_catalog.pg_locks l LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                WHERE d.datname = pg_catalog.current_database())
+            AND l.classid = 1668444017 AND l.objid = pg_catalog.to_regnamespace(
+                pg_catalog.quote_ident(schema_))::pg_catalog.oid;
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_in_use',
+            MESSAGE = 'cronoq-store: an instance leads schema ' || pg_catalog.quote_ident(schema_)
+                || ' (it holds the leader lock: ' || COALESCE(holder_, 'let go since')
+                || '): refusing to downgrade under a live leader; stop every instance, or '
+                || 'generate the script with -x force=true';
+    END IF;
+END
+$cronoq$"""
+)

@@ -24,11 +24,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import Pool
 
 from . import _door as door
-from . import _lock_statements as lock_st
 from . import _migrations as migrations
 from . import _queries as queries
 from . import _recovery as recovery
-from . import _session_statements as session_st
+from . import _statements as st
 from . import _trust as trust
 from ._config import PgStoreConfig
 from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
@@ -102,14 +101,14 @@ class PgStore:
         self._db = engine.execution_options(**schema_options(config.schema))
         #: The message that opens the store's reads, recovery and health checks: the
         #: store's settings on a borrowed session, and an idle limit that is not
-        #: ``session_timeout`` (:data:`~cronoq_store._session_statements.IDLE_LIMIT_MS`).
+        #: ``session_timeout`` (:data:`~cronoq_store._statements.IDLE_LIMIT_MS`).
         self._read_opening = _reads_opening(engine, self._borrows_sessions)
         self._commits = CommitPath(
             engine,
             config.schema,
             incarnation=incarnation,
             borrowed=(
-                session_st.borrowed_transaction(door.idle_in_transaction_ms(config))
+                st.borrowed_transaction(door.idle_in_transaction_ms(config))
                 if self._borrows_sessions
                 else None
             ),
@@ -123,7 +122,7 @@ class PgStore:
         self._leadership = Leadership(
             lock_url,
             config.schema,
-            (lock_st.LOCK_NS_LEADER, schema_oid),
+            (st.LOCK_NS_LEADER, schema_oid),
             config,
             incarnation=incarnation,
             pool=lock_pool,
@@ -682,8 +681,8 @@ class PgStore:
     async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:
         """The leader lock's keys as the schema's OID gives them now (the key of the last
         acquisition, or of the open, when the schema is gone)."""
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": self._config.schema})).scalar()
-        return self.leader_lock if oid is None else (lock_st.LOCK_NS_LEADER, oid)
+        oid = (await conn.execute(st.schema_oid, {"schema": self._config.schema})).scalar()
+        return self.leader_lock if oid is None else (st.LOCK_NS_LEADER, oid)
 
     async def get_task(self, ref: TaskRef) -> TaskRecord | None:
         """The task with id ``ref`` (an int), or the newest task with key ``ref`` (a str)."""
@@ -740,6 +739,6 @@ class PgStore:
 
 def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
     """The message that opens a store transaction that takes no lock on the leader row
-    (:func:`~cronoq_store._session_statements.store_transaction`)."""
-    statements = session_st.store_transaction(session_st.IDLE_LIMIT_MS, borrowed=borrowed)
+    (:func:`~cronoq_store._statements.store_transaction`)."""
+    statements = st.store_transaction(st.IDLE_LIMIT_MS, borrowed=borrowed)
     return door.opening_message(statements, engine.dialect)

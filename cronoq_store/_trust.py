@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, Executable, Text, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from . import _session_statements as session_st
+from . import _statements as st
 from ._errors import MigrationError
 from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata
 
@@ -143,7 +143,7 @@ class TrustCheck:
 
     statement: ClassVar[Executable] = _UNTRUSTED
     #: Who the check ran as, for the refusal.
-    current_user: ClassVar[Executable] = session_st.current_user
+    current_user: ClassVar[Executable] = st.current_user
 
     @property
     def params(self) -> dict[str, Any]:

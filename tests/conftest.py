@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import PgStore, PgStoreConfig
-from cronoq_store import _lock_statements as lock_st
+from cronoq_store import _statements as st
 from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import upgrade
 from cronoq_store._urls import async_url
@@ -82,8 +82,8 @@ async def intruder(pg_url: URL, schema: str) -> AsyncIterator[Role]:
 @pytest.fixture
 async def lock_key(engine: AsyncEngine, migrated: str) -> tuple[int, int]:
     async with engine.connect() as conn:
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": migrated})).scalar_one()
-    return (lock_st.LOCK_NS_LEADER, oid)
+        oid = (await conn.execute(st.schema_oid, {"schema": migrated})).scalar_one()
+    return (st.LOCK_NS_LEADER, oid)
 
 
 @pytest.fixture

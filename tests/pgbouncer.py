@@ -30,7 +30,7 @@ from typing import Literal
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store._session_statements import SEARCH_PATH
+from cronoq_store._statements import SEARCH_PATH
 from cronoq_store.testing._unprivileged import SYSTEM_USER, run_as
 
 from .waits import PATIENCE

@@ -30,7 +30,7 @@ from cronoq_store._cli.exits import ExitCode
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._errors import UnsupportedParameterError
-from cronoq_store._session_statements import SEARCH_PATH
+from cronoq_store._statements import SEARCH_PATH
 from cronoq_store._store import PgStore
 from cronoq_store._urls import URL_ENV, engine_arguments, resolve
 from cronoq_store.testing import EmbeddedPostgres

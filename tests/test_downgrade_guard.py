@@ -28,8 +28,8 @@ from cronoq_store import (
     SchemaGoneError,
 )
 from cronoq_store._cli import ExitCode
-from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._migrations import downgrade, head_revision, upgrade
+from cronoq_store._statements import LOCK_NS_LEADER
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import PROCESS_BASE, cronoq, python_run, submitted_in

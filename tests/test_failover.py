@@ -45,7 +45,7 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._errors import FencedError, StoreError
-from cronoq_store._lock_statements import LOCK_NS_LEADER
+from cronoq_store._statements import LOCK_NS_LEADER
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, without_instance

@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import EPOCH_MAX, PgStore
-from cronoq_store import _lock_statements as lock_st
+from cronoq_store import _statements as st
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._door import translate_error
 from cronoq_store._errors import StoreError
@@ -334,7 +334,7 @@ async def test_unmigrated_schema_is_an_error_not_a_retry(
     a = Leadership(
         async_url(pg_url),
         schema,
-        (lock_st.LOCK_NS_LEADER, rows[0][0]),
+        (st.LOCK_NS_LEADER, rows[0][0]),
         instance_config(schema, "a"),
         incarnation=0,  # no leader table: no cluster
     )

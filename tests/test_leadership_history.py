@@ -13,8 +13,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._cli import ExitCode
-from cronoq_store._lock_statements import TERMS_KEPT
 from cronoq_store._migrations import upgrade
+from cronoq_store._statements import TERMS_KEPT
 
 from .pgharness import admin_execute, terminate_backends
 from .support import LeadershipFactory, full, lead, leader_app, run

@@ -27,8 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import LockHeldError, PgStore, PgStoreConfig
 from cronoq_store._cli import ExitCode
-from cronoq_store._lock_statements import LOCK_NS_MIGRATE
 from cronoq_store._migrations import head_revision, upgrade
+from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import ROOT, Role, older_revisions, run_cli

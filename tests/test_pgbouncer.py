@@ -41,7 +41,7 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import FencedError, StoreError
 from cronoq_store._retry import Backoff
-from cronoq_store._session_statements import SEARCH_PATH
+from cronoq_store._statements import SEARCH_PATH
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 from cronoq_store._writer import COPY_MIN_ROWS

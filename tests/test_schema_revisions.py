@@ -15,8 +15,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store._cli import ExitCode
-from cronoq_store._lock_statements import LOCK_NS_LEADER
 from cronoq_store._migrations import head_revision, upgrade
+from cronoq_store._statements import LOCK_NS_LEADER
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import full, older_revisions, run

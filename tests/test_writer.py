@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
-from cronoq_store import _session_statements as session_st
 from cronoq_store import _statements as st
 from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._door import CompiledStatement, Opening
@@ -35,7 +34,7 @@ def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -
     assert f"s.cronoq_leader.epoch = {2**30 + 7}::INTEGER" in sql
     assert f"s.cronoq_leader.tableoid = {2**32 - 1}::OID" in sql
     assert "s.cronoq_leader.id = 1::SMALLINT" in sql  # the construct's own value
-    begin, *settings = map(compiled, session_st.borrowed_transaction(5000))
+    begin, *settings = map(compiled, st.borrowed_transaction(5000))
     pinned = Opening.of(compiled(st.epoch_held_for_share), *settings, begin=begin.sql)
     sql = pinned.sql({"epoch": 9, "incarnation": 7})
     *sent, check = sql.split("; ")
@@ -59,7 +58,7 @@ def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:
 
 def test_new_tasks_go_by_copy_from_the_threshold_on() -> None:
     writer = BatchWriter(DIALECT, "s")
-    pinned = BatchWriter(DIALECT, "s", borrowed=session_st.borrowed_transaction(5000))
+    pinned = BatchWriter(DIALECT, "s", borrowed=st.borrowed_transaction(5000))
     below = fold([submitted(n) for n in range(COPY_MIN_ROWS - 1)], BASE, 0)
     at = fold([submitted(n) for n in range(COPY_MIN_ROWS)], BASE, 0)
     mixed = fold(

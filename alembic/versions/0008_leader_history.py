@@ -1,7 +1,7 @@
 """Leadership history: a row for each epoch taken, with the lock session that took it.
 
 The leader row keeps only the latest holder; this table keeps the last
-:data:`~cronoq_store._lock_statements.TERMS_KEPT` takeovers, written in the transaction
+:data:`~cronoq_store._statements.TERMS_KEPT` takeovers, written in the transaction
 that bumps the epoch and pruned there, never on the commit path. ``status`` and the
 console show it as a timeline. A build before this revision takes its epochs without a
 row here (during a rolling upgrade): the timeline then skips those epochs.

@@ -20,18 +20,18 @@ from sqlalchemy.pool import NullPool
 
 from .. import _catalog as catalog
 from .. import _door as door
-from .. import _session_statements as session_st
+from .. import _statements as st
 from .._alembic_env import clusters_elsewhere
 from .._door import lock_not_available
 from .._errors import LockHeldError, MigrationError, StoreError
 from .._lock_waits import describe_holders, holder_of
-from .._migration_statements import CLUSTER_TABLES
 from .._migrations import (
     CONNECT_TIMEOUT,
     RevisionStatus,
     revision_status,
 )
 from .._schema import schema_options
+from .._statements import CLUSTER_TABLES
 from .._trust import refuse_untrusted
 from .._urls import engine_arguments, redact
 from .app import SCHEMA_ENV, Options
@@ -73,7 +73,7 @@ def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
                 "server_settings": {
                     "application_name": "cronoq-store cli",
                     # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": session_st.SEARCH_PATH,
+                    "search_path": st.SEARCH_PATH,
                     "lock_timeout": str(round(LOCK_WAIT * 1000)),
                 },
                 **tls,

@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
 from .. import _listing_statements as ls
-from .. import _lock_statements as lock_st
 from .. import _queries as queries
+from .. import _statements as st
 from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, SpecKind, unhandled
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts, ListedTask
@@ -75,8 +75,8 @@ PUBLIC_CONNECT_WARNING = (
 
 async def leader_lock(conn: AsyncConnection, schema: str) -> tuple[int, int]:
     """The keys of ``schema``'s leader lock: the store's namespace and the schema's OID."""
-    oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
-    return (lock_st.LOCK_NS_LEADER, oid)
+    oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
+    return (st.LOCK_NS_LEADER, oid)
 
 
 @dataclass(frozen=True)

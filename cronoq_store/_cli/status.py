@@ -11,8 +11,8 @@ from rich.console import Console
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
-from .. import _lock_statements as lock_st
 from .. import _queries as queries
+from .. import _statements as st
 from .._codec import QUARANTINE_PREFIX
 from .._results import LockHolder
 from .._urls import redact
@@ -67,14 +67,14 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         revision = await database.revision(conn, schema)
         facts, holder = await operations.schema_facts(conn, revision)
         migrating = await queries.migration_lock_holder(conn, schema)
-        oid = (await conn.execute(lock_st.schema_oid, {"schema": schema})).scalar_one()
+        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
         contents = await _contents(conn) if revision.at_head else None
         led = output.leader_of(holder) is not None
         terms = await operations.recent_terms(conn, revision, led)
         await conn.rollback()
 
     # The store passes the OID as a signed int4; pg_locks shows it unsigned.
-    keys = None if oid is None else (lock_st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
+    keys = None if oid is None else (st.LOCK_NS_LEADER, oid & 0xFFFFFFFF)
     epoch = None if facts is None else facts.stored_epoch
     if as_json:
         document: dict[str, object] = {

@@ -44,7 +44,7 @@ from sqlalchemy.schema import DropSchema
 
 from .._config import PgStoreConfig
 from .._migrations import upgrade
-from .._session_statements import SEARCH_PATH
+from .._statements import SEARCH_PATH
 from .._store import PgStore
 from .._urls import engine_arguments
 from ._server import TEST_URL_ENV, EmbeddedPostgres

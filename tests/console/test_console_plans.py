@@ -15,7 +15,7 @@ from benchmarks.console import plan_nodes
 from cronoq_store import _listing_statements as cs
 from cronoq_store._codec import QUARANTINE_PREFIX
 from cronoq_store._domain import I64_MAX
-from cronoq_store._lock_statements import TERMS_KEPT
+from cronoq_store._statements import TERMS_KEPT
 
 from .conftest import Console, fetch
 

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from cronoq_store import _migrations as migrations
-from cronoq_store._lock_statements import LOCK_NS_LEADER
+from cronoq_store._statements import LOCK_NS_LEADER
 from cronoq_store._urls import async_url
 from cronoq_store.testing import EmbeddedPostgres, StopMode
 
