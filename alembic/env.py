@@ -7,7 +7,7 @@ from alembic import context
 from alembic.runtime.environment import EnvironmentContext
 
 from cronoq_store._alembic_env import run_environment
-from cronoq_store._migration_lock import resolve
+from cronoq_store._migrations import resolve
 
 # `alembic.context` is a module that proxies the EnvironmentContext of the latest run: the
 # one of this run, or a MigrationError if another thread's command replaced it meanwhile.

@@ -1,7 +1,7 @@
 """Alembic's environment: what ``alembic/env.py`` runs for every command, offline
 (``--sql``) or against a database, for one cluster schema.
 
-The run takes the process's migration turn (:mod:`cronoq_store._migration_lock`), finds
+The run takes the process's migration turn (:mod:`cronoq_store._migrations`), finds
 its connection and schema, refuses what it cannot handle safely (a schema another role
 controls, a database newer than this build, a downgrade under a live leader), adopts the
 version table of earlier builds, and migrates in one transaction under the schema's
@@ -38,9 +38,8 @@ from sqlalchemy.schema import CreateSchema
 
 from . import _catalog as catalog
 from . import _door as door
-from . import _downgrade_guard as downgrade_guard
 from . import _lock_waits as lock_waits
-from . import _migration_lock as migration_lock
+from . import _migrations as migrations
 from . import _statements as st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
@@ -82,12 +81,12 @@ def run_environment(context: EnvironmentContext) -> None:
     ``AsyncConnection.run_sync``, an ``AsyncEngine`` or an ``Engine``), else from
     ``-x url=...``, ``$CRONOQ_DATABASE_URL`` or ``sqlalchemy.url``. The schema comes from
     ``attributes["schema"]`` or ``-x schema=NAME`` (default ``public``). One run at a time
-    in this process (:mod:`cronoq_store._migration_lock`). A downgrade is refused under a
+    in this process (:mod:`cronoq_store._migrations`). A downgrade is refused under a
     live leader unless ``attributes["force"]`` or ``-x force=true``
-    (:mod:`cronoq_store._downgrade_guard`).
+    (:mod:`cronoq_store._migrations`).
     """
-    context = migration_lock.resolve(context)  # refuses another command's context
-    with migration_lock.held(context):
+    context = migrations.resolve(context)  # refuses another command's context
+    with migrations.held(context):
         _run_environment(context)
 
 
@@ -171,10 +170,10 @@ def _configure(
         compare_type=True,
         transaction_per_migration=False,
         # Every downgrade checks for a live leader before its first step, in the run's
-        # transaction (:mod:`cronoq_store._downgrade_guard`); then a run with steps to take
+        # transaction (:mod:`cronoq_store._migrations`); then a run with steps to take
         # locks the tables, bounded.
         fn=_locking_tables(
-            downgrade_guard.guarded(context, schema, connection, wait), connection, schema, wait
+            migrations.guarded(context, schema, connection, wait), connection, schema, wait
         ),
         **kwargs,
     )

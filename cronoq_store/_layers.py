@@ -90,9 +90,9 @@ LAYERS: tuple[Layer, ...] = (
             "wait bounded",
             "_trust": "the trust checks: who may control the schema, who may connect",
             "_leadership": "the leader lock session, its keeper, the epoch",
-            "_migration_lock": "one Alembic run at a time in the process",
-            "_downgrade_guard": "a downgrade never under a live leader",
-            "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision check",
+            "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision "
+            "check; one Alembic run at a time in the process; a downgrade never "
+            "under a live leader",
             "_alembic_env": "Alembic's environment, what `alembic/env.py` runs",
         },
     ),

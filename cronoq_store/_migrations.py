@@ -24,40 +24,95 @@ Where a schema stands is read in one place, :func:`revision_status`: the ``crono
 commands show and check it, and a store opened with ``migrate=False`` checks it
 (:func:`require_head`), so a schema behind or ahead of this build is refused in the same
 words everywhere.
+
+One Alembic run at a time in this process, whatever loop or thread starts it.
+
+Alembic keeps the running migration in module globals (the ``alembic.context`` and
+``alembic.op`` proxies), and the greenlets of concurrent ``run_sync`` calls interleave at
+every I/O: two runs at once share them (``KeyError: 'script'``, one schema's DDL on another's
+connection). The database's advisory lock serializes runs of one schema across processes;
+this lock serializes every run inside one process.
+
+It is a ``threading.Lock`` (runs can start on several loops in several threads), never
+waited on in a way that blocks a loop that may hold it: a coroutine, or sync code inside a
+SQLAlchemy greenlet, polls it and yields to its loop meanwhile; only a thread that runs no
+loop (or whose loop is already blocked by the caller's sync code) waits on it outright, and
+one whose own loop holds the lock is refused instead of deadlocking.
+
+Alembic installs its ``context`` proxy when a command starts, before ``env.py`` can take
+the lock: callers therefore take it first (:func:`held_async` in
+``migrations.upgrade``, :func:`held_for` in ``migrations.run_command``), and ``env.py``
+refuses a run whose proxy another thread's raw ``alembic.command`` call replaced
+(:func:`resolve`) rather than run the other command's migration.
+
+A downgrade never runs under a live leader, nor to base of a cluster that issued ids,
+unless the operator forces it.
+
+Every revision's downgrade drops columns or tables, rows and all (no upgrade removes or
+rewrites rows: 0006 drops only the hand-rolled version table it replaced). So before the
+first downgrade step, in the migration's own transaction, the run takes the leader lock with
+``pg_try_advisory_xact_lock`` and holds it until COMMIT: a standby that wants to lead waits
+behind the downgrade, and then finds what it left. An instance that holds the lock is named
+and the run refused. To base, a cluster that ever issued a task id (its epoch moved, or it
+holds a task) is refused too: one made again in its place starts at epoch 0 and issues the
+same ids again.
+
+Forced (``force``: ``--force``, ``-x force=true``), the run goes on, and fences a live leader:
+it locks the cluster's tables (waiting for commits in flight) and bumps the epoch before
+its DDL, so every later commit of the old leader fails, as ``FencedError`` (the epoch
+moved) or :class:`~cronoq_store._errors.SchemaGoneError` (its tables or columns are gone).
+
+``guarded`` wraps the command's migration function, which Alembic calls inside the run's
+transaction with the steps it will run: whatever the revision argument (``base``, ``-1``, a
+range), the check sees the steps themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Sequence
+import logging
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import alembic.context
 from alembic import command, op
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
+from alembic.runtime.environment import EnvironmentContext
+from alembic.runtime.migration import MigrationContext, RevisionStep
 from alembic.script import ScriptDirectory
 from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import (
     Connection,
+    text,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util.concurrency import await_, in_greenlet
 
+from . import _catalog as catalog
 from . import _door as door
-from . import _downgrade_guard as downgrade_guard
-from . import _migration_lock as migration_lock
+from . import _lock_waits as lock_waits
+from . import _queries as queries
 from . import _statements as st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
 from ._errors import MigrationError
-from ._schema import VERSION_TABLE
+from ._lock_waits import LockWait
+from ._results import LockHolder
+from ._schema import VERSION_TABLE, schema_options
 from ._statements import LOCK_NS_MIGRATE
 from ._trust import refuse_untrusted
 
 __all__ = [
     "CONNECT_TIMEOUT",
+    "FORCE",
+    "HELD",
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
     "LOCK_TIMEOUT",
@@ -67,12 +122,19 @@ __all__ = [
     "cluster_schema",
     "downgrade",
     "downgrade_steps",
+    "forced",
+    "guarded",
     "head_revision",
+    "held",
+    "held_async",
+    "held_for",
     "require_head",
+    "resolve",
     "revision_status",
     "run_command",
     "upgrade",
 ]
+
 
 #: The revision each version of the hand-rolled ``cronoq_schema_version`` table matches.
 LEGACY_REVISIONS = {
@@ -213,16 +275,16 @@ async def _run_on(
 
     def run(sync_conn: Connection) -> None:
         cfg = alembic_config(schema, sync_conn)
-        cfg.attributes[migration_lock.HELD] = True
+        cfg.attributes[HELD] = True
         cfg.attributes[TRUSTED_TRIGGERS] = trusted
-        cfg.attributes[downgrade_guard.FORCE] = force
+        cfg.attributes[FORCE] = force
         cfg.attributes[LOCK_TIMEOUT] = lock_timeout
         alembic_command(cfg, revision)
 
     try:
         async with (
             door.translated(f"migrating schema {schema!r}", passing=(CommandError,)),
-            migration_lock.held_async(),
+            held_async(),
         ):
             await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
@@ -267,7 +329,7 @@ def run_command(
     before Alembic starts, so runs take turns instead. In a coroutine, await
     :func:`upgrade` rather than blocking the loop.
     """
-    with migration_lock.held_for(config):
+    with held_for(config):
         return command_(config, *args, **kwargs)
 
 
@@ -431,3 +493,294 @@ def cluster_schema() -> str:
     schema = op.get_context().version_table_schema
     assert schema is not None, "env.py always sets version_table_schema"
     return validate_schema_name(schema)
+
+
+#: ``Config.attributes`` key set by a caller that already holds the lock for this run.
+HELD = "cronoq_store.migration_lock_held"
+#: How often a waiting coroutine tries the lock again.
+_POLL = 0.01
+#: A coroutine still waiting says so this often (seconds).
+_REPORT_INTERVAL = 30.0
+
+logger = logging.getLogger("cronoq_store")
+
+_lock = threading.Lock()
+#: The loop whose coroutine holds the lock, if one does.
+_owner: asyncio.AbstractEventLoop | None = None
+
+
+async def _acquire() -> None:
+    global _owner
+    loop = asyncio.get_running_loop()
+    started = said = loop.time()
+    # Polled: an asyncio primitive cannot be woken by a holder on another loop or thread.
+    while not _lock.acquire(blocking=False):
+        await asyncio.sleep(_POLL)
+        if loop.time() - said >= _REPORT_INTERVAL:
+            said = loop.time()
+            # Each run's own waits are bounded and said: this one is only their sum.
+            logger.warning(
+                "a migration has waited %.0f s for another Alembic run in this process "
+                "(runs take turns: Alembic keeps the running command in module globals)",
+                said - started,
+            )
+    _owner = loop
+
+
+def _release() -> None:
+    global _owner
+    _owner = None
+    _lock.release()
+
+
+@asynccontextmanager
+async def held_async() -> AsyncIterator[None]:
+    """Hold the lock in a coroutine; waiting yields to the loop (its holder may be on it)."""
+    await _acquire()
+    try:
+        yield
+    finally:
+        _release()
+
+
+def _acquire_here() -> None:
+    """Take the lock from sync code: polled inside a greenlet, refused on the loop that holds
+    it (waiting would block the very loop that must release it), else waited on outright."""
+    if in_greenlet():
+        await_(_acquire())
+        return
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None and _owner is loop:
+        raise MigrationError(
+            "a migration is running on this event loop, and Alembic was called "
+            "synchronously on the same loop, which blocks it: await "
+            "cronoq_store.upgrade() (or use AsyncConnection.run_sync) instead"
+        )
+    _lock.acquire()
+
+
+@contextmanager
+def held_for(config: Config) -> Iterator[None]:
+    """Hold the lock around a whole Alembic command for ``config``, from before Alembic
+    installs its module proxies until after it removes them: no other run can replace them."""
+    if config.attributes.get(HELD):
+        yield
+        return
+    _acquire_here()
+    config.attributes[HELD] = True
+    try:
+        yield
+    finally:
+        del config.attributes[HELD]
+        _release()
+
+
+@contextmanager
+def held(environment: EnvironmentContext) -> Iterator[None]:
+    """Hold the lock for the run of ``environment``, unless its caller already does.
+
+    On leaving, the run's own proxies are installed again: a run that started meanwhile
+    replaced them before it queued here, and Alembic removes them when this run ends.
+    """
+    if environment.config.attributes.get(HELD):
+        try:
+            yield
+        finally:
+            environment._install_proxy()
+        return
+    _acquire_here()
+    try:
+        yield
+    finally:
+        environment._install_proxy()
+        _release()
+
+
+def resolve(context: Any) -> EnvironmentContext:
+    """The ``EnvironmentContext`` of this run itself (``env.py`` passes ``alembic.context``,
+    a module that proxies whichever run installed itself last).
+
+    Alembic installs that proxy when it enters the run, before ``env.py`` can take the lock:
+    an Alembic command started meanwhile in another thread, not through
+    :func:`held_for`, can have replaced or removed it. Such a run is refused, never run with
+    the other command's context: its ``script`` is not the ``ScriptDirectory`` whose
+    ``run_env()`` is running ``env.py`` here (Alembic makes a new one for every command).
+    """
+    proxy = context if isinstance(context, EnvironmentContext) else getattr(context, "_proxy", None)
+    running = _running_script()
+    if not isinstance(proxy, EnvironmentContext) or (
+        running is not None and proxy.script is not running
+    ):
+        # Alembic removes "this run's" proxies as the error leaves (a KeyError if another
+        # run removed them already): let there be some to remove.
+        if not isinstance(proxy, EnvironmentContext) and running is not None:
+            proxy = EnvironmentContext(Config(), running)
+        if isinstance(proxy, EnvironmentContext):
+            proxy._install_proxy()
+        raise MigrationError(
+            "another Alembic command started in this process while this one was starting, "
+            "and Alembic keeps the running command in module globals: refusing to run the "
+            "other command's migration in place of this one's. Run concurrent Alembic commands "
+            "through cronoq_store.run_command(command.upgrade, config, ...) "
+            "(or await cronoq_store.upgrade()): they then take turns"
+        )
+    if proxy.__dict__.get("_remove_proxy") is None:
+        proxy._remove_proxy = lambda: _remove_own_proxy(proxy)  # type: ignore[method-assign]
+    return proxy
+
+
+def _remove_own_proxy(environment: EnvironmentContext) -> None:
+    """What Alembic runs as ``environment`` ends: remove its proxies if they are still its
+    own; those another run installed meanwhile are that run's to remove (removing twice is
+    a ``KeyError`` in Alembic)."""
+    if getattr(alembic.context, "_proxy", None) is environment:
+        EnvironmentContext._remove_proxy(environment)
+
+
+def _running_script() -> ScriptDirectory | None:
+    """The ``ScriptDirectory`` whose ``run_env()`` is on this thread's (or greenlet's) stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is ScriptDirectory.run_env.__code__:
+            script = frame.f_locals.get("self")
+            return script if isinstance(script, ScriptDirectory) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+logger = logging.getLogger("cronoq_store")
+
+#: ``Config.attributes`` key and ``-x`` argument (``-x force=true``) of a forced downgrade.
+FORCE = "force"
+#: The revision that adds the leader row's record of who bumped the epoch.
+HOLDER_REVISION = "0007_leader_holder"
+
+_MigrationFn = Callable[[Any, MigrationContext], Iterable[Any]]
+
+
+def forced(context: EnvironmentContext) -> bool:
+    """Whether the operator forces this run: ``attributes["force"]`` or ``-x force=true``."""
+    given = context.config.attributes.get(FORCE)
+    if given is None:
+        given = context.get_x_argument(as_dictionary=True).get(FORCE, "false")
+    return given is True or str(given).strip().lower() in ("true", "1", "yes")
+
+
+def guarded(
+    context: EnvironmentContext, schema: str, conn: Connection | None, wait: LockWait | None
+) -> _MigrationFn | None:
+    """The command's migration function, checking its steps before the first one runs: on
+    ``conn`` online, in the script offline (``conn`` is ``None``); ``None`` if it has none.
+    ``wait`` bounds a forced downgrade's wait for the cluster's tables (online)."""
+    fn: _MigrationFn | None = context.context_opts.get("fn")
+    if fn is None:
+        return None
+    force = forced(context)
+
+    def steps(heads: Any, migration: MigrationContext) -> list[Any]:
+        planned = list(fn(heads, migration))
+        undone = [s for s in planned if isinstance(s, RevisionStep) and s.is_downgrade]
+        if undone:
+            to_base = any(not s.to_revisions for s in undone)
+            if conn is None:
+                _script(context, migration, schema, force, heads)
+            else:
+                assert wait is not None, "an online run always bounds its waits"
+                _check(conn, schema, force=force, to_base=to_base, wait=wait)
+        return planned
+
+    return steps
+
+
+def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: LockWait) -> None:
+    oid = conn.execute(st.schema_oid, {"schema": schema}).scalar_one()
+    lock = (st.LOCK_NS_LEADER, oid)
+    cluster = schema_options(schema)
+    took = conn.execute(st.try_leader_lock_for_transaction, {"k1": lock[0], "k2": lock[1]})
+    if not took.scalar():
+        row = conn.execute(catalog.leader_lock_holder, queries.lock_keys(lock)).first()
+        holder = _describe(None if row is None else queries.holder_of(row, store_instance=False))
+        if not force:
+            raise MigrationError(
+                f"an instance leads schema {schema!r} ({holder} holds its leader lock): "
+                "refusing to downgrade under a live leader, which would lose what it commits; "
+                "stop every instance first, or force it (`cronoq-store downgrade --force`, "
+                "`alembic -x force=true`: the leader is fenced, and what the downgrade "
+                "removes is lost)"
+            )
+        logger.warning(
+            "forced downgrade under a live leader: fencing it",
+            extra={"schema": schema, "holder": holder},
+        )
+        # Waits for its commits in flight (bounded, holders named); the bump fences every
+        # later one.
+        lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+        columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
+        conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
+        return
+    if (
+        to_base
+        and not force
+        and conn.execute(st.cluster_issued_ids, execution_options=cluster).scalar()
+    ):
+        raise MigrationError(
+            f"schema {schema!r} has issued task ids: downgrading it to base drops them, and "
+            "a cluster migrated again in its place starts at epoch 0 and issues the same ids "
+            "again, to other tasks; force it (`cronoq-store downgrade --force`, `alembic -x "
+            "force=true`) only if no one keeps an id of this cluster"
+        )
+
+
+def _bump(records_holder: bool) -> Any:
+    """The epoch bump a forced downgrade fences with: a leader table from revision 0007 on
+    records who bumped; an older one has no columns for it."""
+    return st.bump_epoch if records_holder else st.bump_epoch_only
+
+
+def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
+    """Whether the schema a script starts from (``heads``) has the holder columns: whether
+    :data:`HOLDER_REVISION` is among its revisions."""
+    assert context.script is not None
+    start = tuple(heads or ())
+    if not start:
+        return False
+    return any(
+        r.revision == HOLDER_REVISION for r in context.script.iterate_revisions(start, "base")
+    )
+
+
+def _script(
+    context: EnvironmentContext,
+    migration: MigrationContext,
+    schema: str,
+    force: bool,
+    heads: Any,
+) -> None:
+    """The same in an offline script: refuse a live leader and hold the lock, or, forced,
+    lock the tables and fence with the epoch. The base check (issued ids) is online only."""
+    if not force:
+        context.execute(st.refuse_live_leader)
+        return
+    context.execute(st.lock_cluster_tables(schema, migration.dialect))
+    bump = _bump(_records_holder(context, heads)).compile(
+        dialect=migration.dialect,
+        schema_translate_map={None: schema},
+        render_schema_translate=True,
+        compile_kwargs={"literal_binds": True},
+    )
+    context.execute(text(str(bump)))
+
+
+def _describe(holder: LockHolder | None) -> str:
+    """The holder, in words; it may have let go since the lock was tried."""
+    if holder is None:
+        return "a session that has let go since"
+    since = "an unknown time" if holder.since is None else holder.since.isoformat()
+    return (
+        f"pid {holder.pid}, application {holder.application_name!r}, role "
+        f"{holder.role or '(hidden)'!r}, client "
+        f"{holder.client_addr or 'local socket or hidden'}, since {since}"
+    )

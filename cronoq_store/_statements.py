@@ -21,7 +21,7 @@ transaction-pooling PgBouncer), which sets the store's settings for that transac
 and how long a transaction may sit idle.
 
 The migrations' own statements: what an offline (``--sql``) script checks before its DDL,
-what a downgrade runs under the leader lock (:mod:`cronoq_store._downgrade_guard`), and the
+what a downgrade runs under the leader lock (:mod:`cronoq_store._migrations`), and the
 bounded waits for a lock (:mod:`cronoq_store._lock_waits`): the migration lock tried, the
 tables locked an attempt at a time.
 """
@@ -1001,7 +1001,7 @@ $cronoq$"""
 )
 
 
-# --- a downgrade, under the leader lock (``cronoq_store._downgrade_guard``) --------------------
+# --- a downgrade, under the leader lock (``cronoq_store._migrations``) --------------------
 
 #: ``pg_try_advisory_xact_lock(k1, k2)``: true if this transaction now holds the leader lock,
 #: until it ends; a standby's ``pg_try_advisory_lock`` fails meanwhile.

@@ -22,8 +22,7 @@ from sqlalchemy.pool import NullPool
 
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._errors import MigrationError
-from cronoq_store._migration_lock import held_async
-from cronoq_store._migrations import alembic_config, head_revision, run_command
+from cronoq_store._migrations import alembic_config, head_revision, held_async, run_command
 from cronoq_store._schema import VERSION_TABLE
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url

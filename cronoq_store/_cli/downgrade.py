@@ -5,7 +5,7 @@ every task with them), so it names them and asks first: ``--yes`` in a script, a
 confirmation on a terminal, a usage error otherwise. It runs as ``migrate`` does: one
 transaction under the schema's migration lock, the same trust checks. It refuses (exit 1)
 while an instance holds the leader lock, naming it, and to base once the cluster issued
-task ids, unless ``--force`` (:mod:`cronoq_store._downgrade_guard`).
+task ids, unless ``--force`` (:mod:`cronoq_store._migrations`).
 """
 
 from __future__ import annotations

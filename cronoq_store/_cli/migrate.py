@@ -11,9 +11,9 @@ from alembic.util import CommandError
 from rich.console import Console
 
 from .._config import MIGRATION_LOCK_TIMEOUT
-from .._downgrade_guard import FORCE
 from .._errors import MigrationError
 from .._migrations import (
+    FORCE,
     LOCK_TIMEOUT,
     alembic_config,
     downgrade_steps,
