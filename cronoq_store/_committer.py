@@ -39,7 +39,7 @@ Failures are sorted by who they belong to:
 * Any other error belongs to some submission (a duplicate key aborts the whole transaction):
   the batch is bisected, halves committed in order, until only the guilty submissions fail.
 
-Batches are bounded by rows and by bytes (:mod:`cronoq_store._folding`), far below what
+Batches are bounded by rows and by bytes (:mod:`cronoq_store._commit_path`), far below what
 PostgreSQL accepts in one message.
 
 Where a batch ends, and which batches in flight it waits for
@@ -47,7 +47,7 @@ Where a batch ends, and which batches in flight it waits for
 
 Every submitter gets the answer, and the rows end as, committing the same submissions one
 at a time in the order accepted would give. One commit folds its batch by the rules of
-:mod:`cronoq_store._folding`: updates before inserts, a new task inserted in its latest
+:mod:`cronoq_store._commit_path`: updates before inserts, a new task inserted in its latest
 state, outputs after both. So a batch may merge submissions only where no later one changes
 how an earlier one is answered. :class:`Merge` ends a batch (cuts) before a submission that
 
@@ -103,6 +103,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeAlias, TypeVar
 
+from ._commit_path import mutation_size, output_size
 from ._domain import (
     Mutation,
     RecurringNext,
@@ -125,7 +126,6 @@ from ._errors import (
     SchemaGoneError,
     StoreError,
 )
-from ._folding import mutation_size, output_size
 from ._protocols import Committable
 from ._results import CommitterStats, Tally
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause

@@ -6,7 +6,7 @@ the store's errors.
 Compiling: a Core statement of :mod:`cronoq_store._statements` becomes the driver's SQL text
 for the cluster's schema once (:class:`CompiledStatement`, ``schema_translate_map``
 rendered), and runs with asyncpg's prepared-statement cache, without SQLAlchemy's
-per-execution work (the commit path, :mod:`cronoq_store._writer`; recovery's cursor).
+per-execution work (the commit path, :mod:`cronoq_store._commit_path`; recovery's cursor).
 :class:`Opening` sends ``BEGIN``, session settings and the epoch check as one message.
 
 Mapping: :func:`translate_error` turns any failure into a :class:`~cronoq_store.StoreError`
@@ -651,7 +651,7 @@ def _asyncpg_of(pooled: PoolProxiedConnection) -> Any:
 
 class CommitConnection:
     """The driver connection a commit runs on, as the door lends it to the commit path
-    (:class:`~cronoq_store._writer.BatchWriter`, through :meth:`HeldConnection.run`):
+    (:class:`~cronoq_store._commit_path.BatchWriter`, through :meth:`HeldConnection.run`):
     compiled statements run, the transaction's messages sent (its opening and closing,
     :class:`Opening`), new tasks copied in, and a failed transaction rolled back. Nothing
     else of the driver is reachable from it."""
@@ -763,7 +763,7 @@ async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncItera
 
     With ``opening`` the store opens the transaction itself (on a borrowed session: the
     message that sets the store's settings for it alone, the writer's
-    :attr:`~cronoq_store._writer.BatchWriter.borrowed_opening`), and the driver adapter
+    :attr:`~cronoq_store._commit_path.BatchWriter.borrowed_opening`), and the driver adapter
     sends no ``BEGIN`` of its own meanwhile (its DBAPI ``autocommit``; SQLAlchemy's
     isolation-level option would leave the application's session reset to another level).
     A connection left in doubt (a failed rollback, a cancellation) is discarded.

@@ -19,7 +19,7 @@ __all__ = ["LAYERS", "PUBLIC", "Layer", "layer_of", "markdown_table"]
 class Layer:
     """One layer: its name, what its modules have in common, and each module's one job.
 
-    Modules are named relative to ``cronoq_store`` (``"_writer"``); a subpackage stands for
+    Modules are named relative to ``cronoq_store`` (``"_commit_path"``); a subpackage stands for
     every module in it (``"_cli"``); ``""`` is the package itself (its ``__init__``)."""
 
     name: str
@@ -81,9 +81,9 @@ LAYERS: tuple[Layer, ...] = (
         "paths",
         "what the store does, each on connections handed in",
         {
-            "_folding": "a batch of mutations folded into column arrays, and its size "
-            "estimated from above; pure Python",
-            "_writer": "the commit path: which way a folded batch is written, what it found",
+            "_commit_path": "a commit below the store: its mutations folded into column arrays, "
+            "its size estimated from above, which way it is written and what it "
+            "found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
             "_lock_waits": "waits for a lock another session holds: its holders named, the "

@@ -86,7 +86,7 @@ class Committable(SupportsCommit, Protocol):
 
     @property
     def max_commit_bytes(self) -> int:
-        """The largest batch ``commit`` accepts, in bytes as ``_folding.batch_size``
+        """The largest batch ``commit`` accepts, in bytes as ``_commit_path.batch_size``
         estimates them; a larger one fails with ``BatchTooLargeError`` before anything is
         sent."""
         ...

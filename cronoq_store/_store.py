@@ -1,8 +1,8 @@
 """``PgStore``: the scheduler's write-ahead state in PostgreSQL, one cluster per schema.
 
 A facade: it opens and closes, holds the engine, and wires the parts. Batches are folded in
-:mod:`cronoq_store._folding` and committed by :mod:`cronoq_store._writer`
-(:class:`~cronoq_store._writer.CommitPath`); recovery is :mod:`cronoq_store._recovery`,
+:mod:`cronoq_store._commit_path` and committed by :mod:`cronoq_store._commit_path`
+(:class:`~cronoq_store._commit_path.CommitPath`); recovery is :mod:`cronoq_store._recovery`,
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
 :mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
@@ -29,6 +29,7 @@ from . import _queries as queries
 from . import _recovery as recovery
 from . import _statements as st
 from . import _trust as trust
+from ._commit_path import MAX_COMMIT_BYTES, CommitPath, check_batch_size, fold
 from ._config import PgStoreConfig
 from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._errors import (
@@ -38,14 +39,12 @@ from ._errors import (
     StoreError,
     UnavailableError,
 )
-from ._folding import MAX_COMMIT_BYTES, check_batch_size, fold
 from ._leadership import Leadership
 from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options
 from ._urls import redact
 from ._urls import resolve as resolve_url
-from ._writer import CommitPath
 from .telemetry import CommitRecord, Telemetry, resolve
 
 __all__ = ["PgStore"]

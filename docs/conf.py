@@ -54,7 +54,7 @@ nitpick_ignore_regex = [
 
 
 #: The public modules: what they export is documented and linked; any other module of the
-#: package is private (being renamed ``_writer``, ...), so a docstring's reference to one
+#: package is private (being renamed ``_commit_path``, ...), so a docstring's reference to one
 #: of its names is shown as code, not linked and not a warning.
 PUBLIC_MODULES = {
     "cronoq_store",

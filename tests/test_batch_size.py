@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from cronoq_store._commit_path import batch_size, fold
 from cronoq_store._domain import (
     CronSchedule,
     Dependency,
@@ -30,7 +31,6 @@ from cronoq_store._domain import (
     TaskStatus,
     task_id,
 )
-from cronoq_store._folding import batch_size, fold
 
 from .support import PROCESS_BASE
 

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store._commit_path import COPY_MIN_ROWS, BatchWriter, fold
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     CronSchedule,
@@ -36,9 +37,7 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._errors import FencedError, KeyTakenError, UnavailableError
-from cronoq_store._folding import fold
 from cronoq_store._store import PgStore
-from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 from .support import RUNNING, START_BASE, SUCCEEDED, changed, submitted

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import URL
 
+from cronoq_store._commit_path import MAX_COMMIT_BYTES
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._domain import Mutation, StatusChanged, TaskId, TaskStatus, TimeBase, task_id
 from cronoq_store._errors import (
@@ -28,7 +29,6 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._folding import MAX_COMMIT_BYTES
 from cronoq_store._results import Tally
 from cronoq_store._retry import MIN_PAUSE, Backoff
 from cronoq_store.telemetry import DISABLED

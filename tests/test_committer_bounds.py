@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._commit_path import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Mutation, TaskId, TimeBase, task_id
@@ -28,7 +29,6 @@ from cronoq_store._errors import (
     StoreError,
     UnavailableError,
 )
-from cronoq_store._folding import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._retry import Backoff
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url

@@ -21,8 +21,8 @@ from cronoq_store._codec import (
     QUARANTINE_PREFIX,
     quarantine_reason,
 )
+from cronoq_store._commit_path import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._errors import BatchTooLargeError
-from cronoq_store._folding import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._queries import prune_age_ns
 from cronoq_store._retry import Backoff, bounded
 from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates

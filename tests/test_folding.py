@@ -20,6 +20,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import _statements as statements
+from cronoq_store._commit_path import (
+    COPY_MIN_ROWS,
+    BatchWriter,
+    FoldedBatch,
+    RecurringAction,
+    fold,
+)
 from cronoq_store._domain import (
     QUEUED,
     TERMINAL_LEVEL,
@@ -40,14 +47,8 @@ from cronoq_store._domain import (
     level,
 )
 from cronoq_store._errors import IdCollisionError
-from cronoq_store._folding import (
-    FoldedBatch,
-    RecurringAction,
-    fold,
-)
 from cronoq_store._rows import INSERT_COLUMNS
 from cronoq_store._store import PgStore
-from cronoq_store._writer import COPY_MIN_ROWS, BatchWriter
 
 from .support import FAILED, FIXED_BASE, RUNNING, SUCCEEDED, changed, submitted
 

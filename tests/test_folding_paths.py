@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cronoq_store._commit_path import fold
 from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
-from cronoq_store._folding import fold
 
 from .support import FIXED_BASE
 

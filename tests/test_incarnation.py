@@ -36,7 +36,7 @@ from cronoq_store import (
     task_id,
 )
 from cronoq_store._cli import ExitCode
-from cronoq_store._folding import fold
+from cronoq_store._commit_path import fold
 from cronoq_store._migrations import upgrade
 from cronoq_store.testing import EmbeddedPostgres, find_bin_dir
 from cronoq_store.testing._server import _free_port

@@ -27,6 +27,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._commit_path import COPY_MIN_ROWS, fold
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
@@ -41,11 +42,9 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._errors import MigrationError, StoreError
-from cronoq_store._folding import fold
 from cronoq_store._migrations import downgrade, upgrade
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 from .support import PROCESS_BASE

@@ -27,6 +27,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
@@ -44,7 +45,6 @@ from cronoq_store._retry import Backoff
 from cronoq_store._statements import SEARCH_PATH
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn

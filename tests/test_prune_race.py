@@ -16,8 +16,8 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._domain import Dependency, Mutation, StatusChanged, TaskStatus, task_id
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import PROCESS_BASE, open_store, settles, submitted_in

@@ -23,13 +23,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store._cli import ExitCode, cli
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
 from cronoq_store._errors import MigrationError
 from cronoq_store._migrations import upgrade
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 from .support import PROCESS_BASE, ROOT

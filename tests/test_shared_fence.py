@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
@@ -35,7 +36,6 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import KeyTakenError, StoreError
 from cronoq_store._store import PgStore
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import PROCESS_BASE

@@ -15,6 +15,7 @@ import pytest
 from cronoq_store import _rows as rows
 from cronoq_store._cli import operations
 from cronoq_store._codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring, unix_converter
+from cronoq_store._commit_path import mutation_size
 from cronoq_store._console.app import _environment
 from cronoq_store._domain import (
     QUEUED,
@@ -35,7 +36,6 @@ from cronoq_store._domain import (
     TaskSpec,
     TimeBase,
 )
-from cronoq_store._folding import mutation_size
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
 from cronoq_store._schema import tasks
@@ -205,7 +205,7 @@ def _stored_bytes(value: object) -> int:
 
 @_FIELDS
 def test_a_commits_size_estimate_counts_the_field(f: SpecField) -> None:
-    """The estimate bounds what a commit sends (``_folding``): a field of a kind whose size
+    """The estimate bounds what a commit sends (``_commit_path``): a field of a kind whose size
     can grow must be measured there, or a batch could exceed what PostgreSQL takes."""
     spec = dataclasses.replace(DEFAULT, **{f.name: LARGE.get(f.kind, EXAMPLES[f.kind])})
     row = _row(spec)

@@ -13,6 +13,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import GroupCommitter, IdCollisionError
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     EPOCH_MAX,
@@ -25,7 +26,6 @@ from cronoq_store._domain import (
     task_id,
 )
 from cronoq_store._store import PgStore
-from cronoq_store._writer import COPY_MIN_ROWS
 
 from .pgharness import admin_execute
 from .support import START_BASE, submitted

@@ -31,7 +31,7 @@ from cronoq_store import (
     TaskId,
     TaskStatus,
 )
-from cronoq_store._writer import COPY_MIN_ROWS
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store.telemetry import DISABLED, instrument
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backends

@@ -6,13 +6,13 @@ import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
 from cronoq_store import _statements as st
-from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
-from cronoq_store._door import CompiledStatement, Opening
-from cronoq_store._folding import fold
-from cronoq_store._writer import (
+from cronoq_store._commit_path import (
     COPY_MIN_ROWS,
     BatchWriter,
+    fold,
 )
+from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
+from cronoq_store._door import CompiledStatement, Opening
 
 DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
 BASE = TimeBase(engine_ns=0, unix_ns=0)

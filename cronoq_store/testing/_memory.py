@@ -3,8 +3,8 @@
 :class:`InMemoryStore` implements :class:`~cronoq_store._protocols.Store` and
 :class:`~cronoq_store._protocols.StoreQueries` with the semantics an application can observe
 through them (tests/contract runs one suite against both stores): the library's own batch
-folding (it applies the :class:`~cronoq_store._folding.FoldedBatch` that
-:func:`cronoq_store._folding.fold` makes, and keeps rows as the insert writes them, decoded by
+folding (it applies the :class:`~cronoq_store._commit_path.FoldedBatch` that
+:func:`cronoq_store._commit_path.fold` makes, and keeps rows as the insert writes them, decoded by
 :mod:`cronoq_store._rows` as ``PgStore``'s are), forward-only transitions (the rule
 ``statements.update_status`` applies in SQL, mirrored once by ``_update_status``),
 idempotent commits, outputs kept only for tasks that succeeded, unique live keys, id
@@ -38,6 +38,14 @@ from types import TracebackType
 from typing import Any
 
 from .._codec import QUARANTINE_PREFIX, decode_deps, engine_time, quarantine_reason
+from .._commit_path import (
+    MAX_COMMIT_BYTES,
+    FoldedBatch,
+    RecurringAction,
+    check_batch_size,
+    fold,
+    taken_keys,
+)
 from .._domain import (
     EPOCH_MAX,
     EPOCH_MIN,
@@ -56,14 +64,6 @@ from .._errors import (
     IdCollisionError,
     KeyTakenError,
     StoreError,
-)
-from .._folding import (
-    MAX_COMMIT_BYTES,
-    FoldedBatch,
-    RecurringAction,
-    check_batch_size,
-    fold,
-    taken_keys,
 )
 from .._queries import finished_params, lookup_params, prune_cutoff
 from .._recovery import next_id

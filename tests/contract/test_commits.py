@@ -26,7 +26,7 @@ from cronoq_store import (
     TaskId,
     TaskSpec,
 )
-from cronoq_store._writer import COPY_MIN_ROWS
+from cronoq_store._commit_path import COPY_MIN_ROWS
 
 from ..support import CANCELLED, FAILED, QUEUED, RUNNING, START_BASE, SUCCEEDED, submitted
 from .support import Cluster, observe, state, step, summary, when

@@ -31,7 +31,7 @@ from cronoq_store import (
     TaskId,
     TaskStatus,
 )
-from cronoq_store._writer import COPY_MIN_ROWS
+from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store.testing import InMemoryStore
 
 from ..support import START_BASE, submitted
