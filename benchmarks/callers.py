@@ -26,8 +26,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store import Submitted
 from cronoq_store._codec import unix_converter
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._rows import INSERT_COLUMNS, JSON_COLUMNS, insert_row
-from cronoq_store._schema import tasks
+from cronoq_store._schema import INSERT_COLUMNS, JSON_COLUMNS, insert_row, tasks
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 

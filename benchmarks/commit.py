@@ -28,8 +28,7 @@ from cronoq_store import _statements as st
 from cronoq_store._codec import unix_converter
 from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._door import Opening
-from cronoq_store._rows import INSERT_COLUMNS, insert_row
-from cronoq_store._schema import tasks
+from cronoq_store._schema import INSERT_COLUMNS, insert_row, tasks
 
 from .common import (
     Profile,

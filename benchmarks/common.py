@@ -4,7 +4,7 @@ and the store's own statements compiled for raw asyncpg.
 The baselines run *the store's statements*: :func:`compile_for_asyncpg` renders the Core
 constructs of :mod:`cronoq_store._statements` for the asyncpg dialect, with the schema filled
 in, so raw asyncpg sends byte-for-byte the SQL the store sends. They encode and decode rows
-with the store's own :mod:`cronoq_store._rows` functions, so the difference is the store's
+with the store's own :mod:`cronoq_store._schema` functions, so the difference is the store's
 own overhead.
 """
 

@@ -31,8 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from cronoq_store import Priority, TaskStatus, task_id
-from cronoq_store._rows import INSERT_COLUMNS
-from cronoq_store._schema import tasks
+from cronoq_store._schema import INSERT_COLUMNS, tasks
 
 from .common import PAYLOAD, compile_for_asyncpg
 

@@ -28,7 +28,7 @@ from cronoq_store import PgStoreConfig, TimeBase
 from cronoq_store import _statements as st
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._queries import PRUNE_BATCH
-from cronoq_store._rows import INSERT_COLUMNS
+from cronoq_store._schema import INSERT_COLUMNS
 from cronoq_store._store import PgStore
 from cronoq_store.testing import EmbeddedPostgres
 

@@ -44,13 +44,13 @@ from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
 from cronoq_store._door import CompiledStatement
 from cronoq_store._queries import PRUNE_BATCH
-from cronoq_store._rows import (
+from cronoq_store._schema import (
     INSERT_COLUMNS,
     INSERT_POSITION,
     JSON_COLUMNS,
     insert_row,
+    tasks,
 )
-from cronoq_store._schema import tasks
 from cronoq_store._store import PgStore
 
 from .common import (

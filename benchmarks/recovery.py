@@ -1,5 +1,5 @@
 """Recovery: ``PgStore.recover`` against raw asyncpg running the same queries and decoding the
-rows with the same :mod:`cronoq_store._rows` functions; time and peak RSS.
+rows with the same :mod:`cronoq_store._schema` functions; time and peak RSS.
 
 Each measurement runs in a fresh child process (``python -m benchmarks.recovery MODE SCHEMA``,
 the server's URL in ``$BENCH_DSN``), so peak RSS (``ru_maxrss``) is that recovery's alone;
@@ -33,7 +33,7 @@ from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
 from cronoq_store._domain import Dependency, Submitted
 from cronoq_store._recovery import next_id
-from cronoq_store._rows import (
+from cronoq_store._schema import (
     INSERT_COLUMNS,
     INSERT_POSITION,
     LiveTasks,
@@ -54,7 +54,7 @@ _COLUMN = INSERT_POSITION
 # --- the data ---------------------------------------------------------------------------------
 
 
-def _rows(first: int, count: int, base: TimeBase, now: int) -> list[tuple[Any, ...]]:
+def _schema(first: int, count: int, base: TimeBase, now: int) -> list[tuple[Any, ...]]:
     """Task rows made from a few encoded prototypes (building a million ``TaskSpec`` would
     take longer than the recovery): unique ids and keys, one dependency on every tenth task,
     a tenth running, and one finished task (within the retention) for every ten live ones."""
@@ -94,7 +94,7 @@ async def populate(url: URL, schema: str, live: int) -> None:
         for first in range(1, total + 1, _CHUNK):
             await conn.copy_records_to_table(
                 "cronoq_tasks",
-                records=_rows(first, min(_CHUNK, total + 1 - first), base, now),
+                records=_schema(first, min(_CHUNK, total + 1 - first), base, now),
                 columns=INSERT_COLUMNS,
                 schema_name=schema,
             )

@@ -29,7 +29,7 @@ Every string, inside JSON values too, goes through ``clean_text`` (NUL and lone 
 become U+FFFD): PostgreSQL cannot store them, and one bad string would fail the whole batch.
 
 The parameter names of the returned dictionaries are the bind names of the statements in
-:mod:`cronoq_store._statements`; new tasks are rows made by :mod:`cronoq_store._rows`.
+:mod:`cronoq_store._statements`; new tasks are rows made by :mod:`cronoq_store._schema`.
 
 A batch's size: how many bytes it puts on the wire, estimated from above, cheaply, per
 mutation.
@@ -140,16 +140,16 @@ from ._errors import (
     IdCollisionError,
     KeyTakenError,
 )
-from ._rows import (
+from ._schema import (
     INSERT_COLUMNS,
     INSERT_POSITION,
     StatusUpdates,
     insert_row,
     same_task,
     set_state,
+    tasks,
     transposed,
 )
-from ._schema import tasks
 
 __all__ = [
     "COPY_MIN_ROWS",

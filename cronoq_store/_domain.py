@@ -507,7 +507,7 @@ class SpecKind(Enum):
 @dataclass(frozen=True, slots=True)
 class SpecField:
     """Where one :class:`TaskSpec` field lives outside the domain: the one declaration the
-    row mapping (``_rows``), the recurring template's JSON (``_codec``), the
+    row mapping (``_schema``), the recurring template's JSON (``_codec``), the
     operators' read of a task (``_listing_statements``) and its display (``tasks show``,
     the console's task page) are derived from."""
 

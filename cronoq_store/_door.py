@@ -1006,7 +1006,7 @@ async def partitions(
 ) -> AsyncIterator[list[Any]]:
     """``statement``'s rows in the cluster in ``schema``, ``size`` at a time, through a
     server-side cursor on the driver connection under ``conn``, in its transaction
-    (recovery's live tasks). The rows are the driver's records, as :mod:`cronoq_store._rows`
+    (recovery's live tasks). The rows are the driver's records, as :mod:`cronoq_store._schema`
     decodes them: SQLAlchemy's result rows cost more per row than the decoding they feed."""
     compiled = CompiledStatement.of(statement, conn.dialect, schema)
     driver: Any = (await conn.get_raw_connection()).driver_connection

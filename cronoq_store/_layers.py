@@ -58,8 +58,8 @@ LAYERS: tuple[Layer, ...] = (
         "SQL",
         "tables, rows and statements as SQLAlchemy Core, built once; nothing runs here",
         {
-            "_schema": "the tables as one `MetaData`, without a schema name",
-            "_rows": "task and recurring rows to and from domain values, from one column list",
+            "_schema": "the tables as one `MetaData`, without a schema name; task and "
+            "recurring rows to and from domain values, from one column list",
             "_statements": "every statement the store runs itself: commits, recovery, look- "
             "ups, pruning; the leader lock session's (the lock, the epoch "
             "bump); the one search_path and transactions on borrowed sessions; "

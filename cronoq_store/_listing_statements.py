@@ -41,8 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, OID
 
 from ._domain import SPEC_FIELDS, TaskStatus
-from ._rows import RECORD_COLUMNS
-from ._schema import leader_history, recurring, tasks
+from ._schema import RECORD_COLUMNS, leader_history, recurring, tasks
 
 __all__ = [
     "LIVE_SAMPLE",

@@ -33,7 +33,7 @@ from ._domain import (
 from ._errors import ClusterReplacedError, StoreError
 from ._lock_waits import holder_of
 from ._results import LockHolder, TaskRecord
-from ._rows import RECORD_COLUMNS, task_record
+from ._schema import RECORD_COLUMNS, task_record
 
 __all__ = [
     "HOLDER_COLUMNS",
@@ -89,12 +89,12 @@ class ListedTask(NamedTuple):
     stored_status: str
 
 
-#: Where the stored status stands in a task row (:data:`~cronoq_store._rows.RECORD_COLUMNS`).
+#: Where the stored status stands in a task row (:data:`~cronoq_store._schema.RECORD_COLUMNS`).
 _STATUS_AT = RECORD_COLUMNS.index("status")
 
 
 def listed_task(row: Sequence[Any]) -> ListedTask:
-    """A task row (:data:`~cronoq_store._rows.RECORD_COLUMNS`) as a listing shows it."""
+    """A task row (:data:`~cronoq_store._schema.RECORD_COLUMNS`) as a listing shows it."""
     return ListedTask(task_record(*row), row[_STATUS_AT])
 
 

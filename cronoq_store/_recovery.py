@@ -1,7 +1,7 @@
 """Recovery: what a new leader loads, total whatever the rows hold.
 
 Live tasks are read through a server-side cursor on the driver connection and decoded by
-:class:`cronoq_store._rows.LiveTasks` a partition at a time; an undecodable live row is
+:class:`cronoq_store._schema.LiveTasks` a partition at a time; an undecodable live row is
 quarantined (marked failed with the reason, once: it is an ordinary failed task
 afterwards) and reported as finished; an undecodable schedule is logged, skipped and left
 in the table. ``PgStore.recover`` runs :func:`recover` in one transaction and translates
@@ -28,7 +28,7 @@ from ._codec import QUARANTINE_PREFIX, engine_time, quarantine_reason
 from ._domain import TaskId, TaskStatus, TimeBase, reading_stored
 from ._errors import ClusterReplacedError
 from ._results import Recovered, RecoveredTerminal
-from ._rows import LiveTasks, recurring_schedule
+from ._schema import LiveTasks, recurring_schedule
 
 __all__ = ["RECOVERY_PARTITION", "collector_paused", "next_id", "recover"]
 

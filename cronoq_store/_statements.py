@@ -74,22 +74,20 @@ from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
 from ._domain import EPOCH_MAX, LIVE_RANKS, QUEUED, RANKS_PER_ATTEMPT, TERMINAL_LEVEL, TaskStatus
-from ._rows import (
+from ._schema import (
     IDENTITY_COLUMNS,
     INSERT_COLUMNS,
     JSON_COLUMNS,
+    LEADER_ROW_ID,
     LIVE_COLUMNS,
     RECORD_COLUMNS,
     RECURRING_COLUMNS,
-    update_param_types,
-)
-from ._schema import (
-    LEADER_ROW_ID,
     leader,
     leader_history,
     leader_tableoid,
     recurring,
     tasks,
+    update_param_types,
 )
 
 __all__ = [
@@ -492,7 +490,7 @@ high_water = select(
 def _columns(table: Table, names: tuple[str, ...]) -> list[ColumnElement[Any]]:
     """``names`` of ``table`` in that order, jsonb columns as their text: the dialect would
     otherwise ``json.loads`` every value, several times slower than decoding once where the
-    values are used (:mod:`cronoq_store._rows`)."""
+    values are used (:mod:`cronoq_store._schema`)."""
     return [
         cast(table.c[name], Text).label(name) if name in JSON_COLUMNS else table.c[name]
         for name in names

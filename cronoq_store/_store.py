@@ -4,7 +4,7 @@ A facade: it opens and closes, holds the engine, and wires the parts. Batches ar
 :mod:`cronoq_store._commit_path` and committed by :mod:`cronoq_store._commit_path`
 (:class:`~cronoq_store._commit_path.CommitPath`); recovery is :mod:`cronoq_store._recovery`,
 look-ups and pruning :mod:`cronoq_store._queries`, rows are mapped by
-:mod:`cronoq_store._rows`, SQL is composed in :mod:`cronoq_store._statements`, and leader
+:mod:`cronoq_store._schema`, SQL is composed in :mod:`cronoq_store._statements`, and leader
 election lives in :mod:`cronoq_store._leadership`. Every failure leaves the store through
 :meth:`PgStore._translated` (:func:`cronoq_store._door.translated`).
 """

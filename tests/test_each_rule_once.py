@@ -25,7 +25,7 @@ from cronoq_store._commit_path import MAX_COMMIT_BYTES, batch_size
 from cronoq_store._errors import BatchTooLargeError
 from cronoq_store._queries import prune_age_ns
 from cronoq_store._retry import Backoff, bounded
-from cronoq_store._rows import UPDATE_PARAMS, StatusUpdates
+from cronoq_store._schema import UPDATE_PARAMS, StatusUpdates
 from cronoq_store._statements import update_status
 from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore

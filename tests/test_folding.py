@@ -47,7 +47,7 @@ from cronoq_store._domain import (
     level,
 )
 from cronoq_store._errors import IdCollisionError
-from cronoq_store._rows import INSERT_COLUMNS
+from cronoq_store._schema import INSERT_COLUMNS
 from cronoq_store._store import PgStore
 
 from .support import FAILED, FIXED_BASE, RUNNING, SUCCEEDED, changed, submitted

@@ -18,7 +18,7 @@ from cronoq_store import _recovery as recovery
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Submitted, TaskSpec, task_id
 from cronoq_store._errors import UnavailableError
-from cronoq_store._rows import LiveTasks
+from cronoq_store._schema import LiveTasks
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 

@@ -35,7 +35,7 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._errors import StoreError
-from cronoq_store._rows import LiveTasks
+from cronoq_store._schema import LiveTasks
 from cronoq_store._store import PgStore
 
 from .support import FAILED, START_BASE

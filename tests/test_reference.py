@@ -119,8 +119,8 @@ _PRIVATE_MODULES = sorted(
     key=len,
     reverse=True,
 )
-#: A private module by its dotted path or file (``cronoq_store._rows``, ``cronoq_store/
-#: _rows.py``), or by its own name (``_rows``, ``_rows.LiveTasks``).
+#: A private module by its dotted path or file (``cronoq_store._schema``, ``cronoq_store/
+#: _schema.py``), or by its own name (``_schema``, ``_schema.LiveTasks``).
 _PRIVATE = re.compile(
     r"cronoq_store(?:[./]\w+)*[./]_[a-z]\w*"
     rf"|(?<![\w/.-])_(?:{'|'.join(_PRIVATE_MODULES)})\b(?!_)"

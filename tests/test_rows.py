@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cronoq_store import _rows as rows
+from cronoq_store import _schema as schema
 from cronoq_store import _statements as statements
 from cronoq_store._codec import encode_retry, unix_converter
 from cronoq_store._domain import (
@@ -21,7 +21,7 @@ from cronoq_store._domain import (
     TaskStatus,
     TimeBase,
 )
-from cronoq_store._rows import (
+from cronoq_store._schema import (
     INSERT_COLUMNS,
     INSERT_POSITION,
     LIVE_COLUMNS,
@@ -30,9 +30,10 @@ from cronoq_store._rows import (
     LiveTasks,
     _check_columns,
     insert_row,
+    recurring,
     task_record,
+    tasks,
 )
-from cronoq_store._schema import recurring, tasks
 
 from .support import FULL_SPEC
 
@@ -151,7 +152,7 @@ def test_a_column_the_mapping_does_not_know_is_refused_naming_it() -> None:
 def test_a_live_decoder_shares_at_most_its_limit_of_values_and_decodes_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(rows, "SHARED_VALUES", 2)  # the strings cache: "kind", then "p0"
+    monkeypatch.setattr(schema, "SHARED_VALUES", 2)  # the strings cache: "kind", then "p0"
     decode = LiveTasks(BASE).decode
     row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cronoq_store import _rows as rows
+from cronoq_store import _schema as schema
 from cronoq_store._cli import operations
 from cronoq_store._codec import TEMPLATE_MEMBERS, decode_recurring, encode_recurring, unix_converter
 from cronoq_store._commit_path import mutation_size
@@ -37,8 +37,7 @@ from cronoq_store._domain import (
     TimeBase,
 )
 from cronoq_store._listing_statements import task_spec
-from cronoq_store._rows import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row
-from cronoq_store._schema import tasks
+from cronoq_store._schema import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row, tasks
 
 BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
 NOW = 1_800_000_000_000_000_000
@@ -192,9 +191,9 @@ def test_a_kind_stored_in_other_columns_than_declared_is_refused_at_import(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fixed = SpecField("fixed_start", SpecKind.FIXED_START, ("fixed_at_unix_ns",), None, None)
-    monkeypatch.setattr(rows, "SPEC_FIELDS", (fixed,))
+    monkeypatch.setattr(schema, "SPEC_FIELDS", (fixed,))
     with pytest.raises(RuntimeError, match=r"stored in 3 columns, SPEC_FIELDS declares"):
-        rows._spec_columns()
+        schema._spec_columns()
 
 
 def _stored_bytes(value: object) -> int:

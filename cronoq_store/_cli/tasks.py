@@ -1,6 +1,6 @@
 """``cronoq-store tasks``: look one task up, or page through live or finished ones (the
 console's lists, read by the same :mod:`cronoq_store._cli.operations`). Rows are decoded
-by :mod:`cronoq_store._rows` through :mod:`cronoq_store._queries`, as the store's look-ups are."""
+by :mod:`cronoq_store._schema` through :mod:`cronoq_store._queries`, as the store's look-ups are."""
 
 from __future__ import annotations
 

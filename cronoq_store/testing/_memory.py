@@ -5,7 +5,7 @@
 through them (tests/contract runs one suite against both stores): the library's own batch
 folding (it applies the :class:`~cronoq_store._commit_path.FoldedBatch` that
 :func:`cronoq_store._commit_path.fold` makes, and keeps rows as the insert writes them, decoded by
-:mod:`cronoq_store._rows` as ``PgStore``'s are), forward-only transitions (the rule
+:mod:`cronoq_store._schema` as ``PgStore``'s are), forward-only transitions (the rule
 ``statements.update_status`` applies in SQL, mirrored once by ``_update_status``),
 idempotent commits, outputs kept only for tasks that succeeded, unique live keys, id
 collisions, fencing, epochs that wrap 32767 -> 1, recovery, look-ups, pruning, and NUL
@@ -68,7 +68,7 @@ from .._errors import (
 from .._queries import finished_params, lookup_params, prune_cutoff
 from .._recovery import next_id
 from .._results import Recovered, RecoveredTerminal, TaskRecord
-from .._rows import (
+from .._schema import (
     INSERT_POSITION,
     LIVE_COLUMNS,
     RECORD_COLUMNS,
