@@ -533,7 +533,13 @@ class Leadership:
         ends the term of ``epoch`` (a step-down reason and words), or ``None`` if it does
         not."""
         if row is None:
-            return "schema_gone", f"schema {self._schema!r} has no leader row"
+            # The table stands without its row: this cluster's row is gone, as when its table
+            # is (a restore's tables are made before their rows are loaded, under a new OID):
+            # later writes must say the cluster was replaced, not merely fenced.
+            self.replaced = ClusterReplacedError(
+                self._schema, self._incarnation, None, "checking the leader row"
+            )
+            return "schema_gone", str(self.replaced)
         if row.tableoid != self._incarnation:
             self.replaced = ClusterReplacedError(
                 self._schema, self._incarnation, row.tableoid, "checking the leader row"

@@ -470,6 +470,38 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             assert health["stored_epoch"] == epoch + 1
 
 
+async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cluster_replaced(
+    pg_url: URL, migrated: str, tmp_path: Path
+) -> None:
+    """``pg_restore`` makes the tables before it loads their rows: a keeper that looks in
+    between finds the leader table of a new incarnation without its row. That is the cluster
+    replaced, as when it finds the table gone or the restored row: the old leader's commit
+    after the restore is refused with ``ClusterReplacedError``, never plain fencing. The
+    tables are restored over the schema in one transaction (``--clean``), so the keeper never
+    sees the schema gone, and the rows only once it has stepped down on the empty table."""
+    dump = tmp_path / "cluster.dump"
+    async with await PgStore.connect(pg_url, config(migrated, f"rowless-{migrated}")) as a:
+        epoch = await a.acquire_leadership()
+        dump_args = ("--schema", migrated, "--format", "custom", "--file", str(dump))
+        await asyncio.to_thread(_client, "pg_dump", pg_url, *dump_args)
+        restore = ("pg_restore", pg_url, "--exit-on-error")
+        tables = ("--clean", "--single-transaction", "--section=pre-data", str(dump))
+        await asyncio.to_thread(_client, *restore, *tables)
+        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        table = f'"{migrated}".cronoq_leader'
+        rows = await admin_execute(
+            pg_url, f"SELECT '{table}'::regclass::oid, count(*) FROM {table}"
+        )
+        assert rows[0][0] != a.incarnation  # a new incarnation's table...
+        assert rows[0][1] == 0  # ...still without its row
+
+        await asyncio.to_thread(
+            _client, *restore, "--section=data", "--section=post-data", str(dump)
+        )
+        with pytest.raises(ClusterReplacedError):
+            await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
+
+
 # --- what keeps the cluster: pg_upgrade ----------------------------------------------------------
 
 
