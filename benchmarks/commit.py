@@ -88,10 +88,12 @@ class RawWriter:
     then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
     every size: the bound (it cannot skip rows that exist)."""
 
-    def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int) -> None:
+    def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int, incarnation: int) -> None:
         self.conn = conn
         self.schema = schema
         self.epoch = epoch
+        # The fence's values, as the store sends them: its epoch and the cluster's incarnation.
+        self._fence = {"epoch": epoch, "incarnation": incarnation}
         self._opening = Opening.of(compile_for_asyncpg(st.epoch_held_for_share, schema))
         self._insert_one = compile_for_asyncpg(st.insert_task_fenced, schema)
         self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
@@ -113,13 +115,13 @@ class RawWriter:
         else:
             stmt = self._insert
             params = dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
-        params.update(epoch=self.epoch)
+        params.update(self._fence)
         self._check(await self.conn.fetchval(stmt.sql, *stmt.args(params)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)
         rows = [insert_row(m, to_unix, now) for m in batch]
-        checked = await self.conn.execute(self._opening.sql({"epoch": self.epoch}))
+        checked = await self.conn.execute(self._opening.sql(self._fence))
         try:
             if checked != "SELECT 1":
                 raise RuntimeError(f"fenced: the epoch is not {self.epoch}")
@@ -132,8 +134,8 @@ class RawWriter:
         await self.conn.execute("COMMIT")
 
     async def update(self, batch: Sequence[StatusChanged], base: TimeBase) -> None:
-        params = {**transition_columns(batch, base), "epoch": self.epoch}
-        current, _ = await self.conn.fetchrow(self._update.sql, *self._update.args(params))
+        params = {**transition_columns(batch, base), **self._fence}
+        current, *_ = await self.conn.fetchrow(self._update.sql, *self._update.args(params))
         self._check(current)
 
 
@@ -179,8 +181,8 @@ async def _submissions(
     stack.push_async_callback(raw_conn.close)
     copy_conn = await asyncpg.connect(dsn(url))
     stack.push_async_callback(copy_conn.close)
-    raw = RawWriter(raw_conn, "bench_commit_raw", raw_epoch)
-    copy = RawWriter(copy_conn, "bench_commit_copy", copy_epoch)
+    raw = RawWriter(raw_conn, "bench_commit_raw", raw_epoch, raw_store.incarnation)
+    copy = RawWriter(copy_conn, "bench_commit_copy", copy_epoch, copy_store.incarnation)
 
     pgq_conn = await asyncpg.connect(dsn(peers["pgqueuer"]))
     stack.push_async_callback(pgq_conn.close)
@@ -276,7 +278,7 @@ async def _transitions(stack: AsyncExitStack, url: URL, profile: Profile) -> dic
     stack.push_async_callback(raw_store.close)
     conn = await asyncpg.connect(dsn(url))
     stack.push_async_callback(conn.close)
-    raw = RawWriter(conn, "bench_transition_raw", raw_epoch)
+    raw = RawWriter(conn, "bench_transition_raw", raw_epoch, raw_store.incarnation)
 
     base = TimeBase.now()
     pool_size = max(profile.transition_sizes)

@@ -77,7 +77,7 @@ async def _server_plans(url: URL, pgqueuer_url: URL) -> None:
     holder, epoch = await open_store(url, "profile_raw")
     conn = await _explaining(url)
     try:
-        writer = RawWriter(conn, "profile_raw", epoch)
+        writer = RawWriter(conn, "profile_raw", epoch, holder.incarnation)
         batches = [workload.submissions(1000) for _ in range(6)]
         for batch in batches:
             await writer.insert(batch, base)

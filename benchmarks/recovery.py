@@ -118,7 +118,7 @@ async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) ->
     recurring = compile_for_asyncpg(st.recurring_schedules, schema)
     async with conn.transaction():
         marks = await conn.fetchrow(high_water.sql, *high_water.args({}))
-        recovered = Recovered(next_id=next_id(*marks))
+        recovered = Recovered(next_id=next_id(marks[0], marks[1]))  # and the incarnation
         now = time.time_ns()
         decode = LiveTasks(base).decode
         recovered.tasks = [decode(*row) for row in await conn.fetch(live.sql)]

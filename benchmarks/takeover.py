@@ -113,10 +113,26 @@ async def _lock_role(url: URL, idle_timeout: float) -> URL:
         # The server revokes CONNECT from PUBLIC, as a store requires of its database.
         await conn.execute(f'GRANT CONNECT ON DATABASE "{url.database}" TO {_LOCK_ROLE}')
         await conn.execute(f"GRANT USAGE ON SCHEMA {_SCHEMA} TO {_LOCK_ROLE}")
+        # The lock role's rights, as docs/reliability.md lists them.
         await conn.execute(f"GRANT SELECT, UPDATE ON {_SCHEMA}.cronoq_leader TO {_LOCK_ROLE}")
+        await conn.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {_SCHEMA}.cronoq_leader_history"
+            f" TO {_LOCK_ROLE}"
+        )
     finally:
         await conn.close()
     return url.set(username=_LOCK_ROLE, password=password)
+
+
+async def _drop_lock_role(url: URL) -> None:
+    """Drop the lock session's role and its rights: a role the later sections' stores do
+    not trust, left with CONNECT, would make them refuse to lead."""
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        await conn.execute(f"DROP OWNED BY {_LOCK_ROLE}")
+        await conn.execute(f"DROP ROLE {_LOCK_ROLE}")
+    finally:
+        await conn.close()
 
 
 async def _scenario(
@@ -164,8 +180,8 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
 
 
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
-    timing = profile.takeover_timing
     """Takeover times per scenario, and when the stalled leader stepped down."""
+    timing = profile.takeover_timing
     _, session_timeout, _ = timing
     setup = await PgStore.connect(url, _config(timing))  # migrates the schema
     await setup.close()
@@ -198,6 +214,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
             }
     finally:
         await standby.close()
+        await _drop_lock_role(url)
     return results
 
 
