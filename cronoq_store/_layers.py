@@ -48,8 +48,6 @@ LAYERS: tuple[Layer, ...] = (
             "_urls": "database URLs read as libpq reads them and dialled as read; the one "
             "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
-            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs "
-            "against; `Committable`, what the group committer needs of a store",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",
         },
@@ -101,7 +99,9 @@ LAYERS: tuple[Layer, ...] = (
         "what applications call",
         {
             "": "the public names (`from cronoq_store import ...`)",
-            "_store": "`PgStore`: opens and closes, wires the paths, where errors leave the store",
+            "_store": "the `Store`, `StoreQueries` and `Committable` protocols, and "
+            "`PgStore`, which implements them: opens and closes, wires the "
+            "paths, where errors leave the store",
             "_committer": "`GroupCommitter`: many submitters, one transaction per batch; its "
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
