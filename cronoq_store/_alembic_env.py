@@ -28,7 +28,6 @@ from sqlalchemy import (
     Engine,
     MetaData,
     column,
-    func,
     select,
     table,
 )
@@ -48,7 +47,6 @@ from ._lock_waits import LockWait
 from ._migrations import (
     CONNECT_TIMEOUT,
     LEGACY_REVISIONS,
-    LOCK_NS_MIGRATE,
     LOCK_TIMEOUT,
     TRUSTED_TRIGGERS,
     newer_message,
@@ -228,10 +226,6 @@ def _in_schema(schema: str) -> MetaData:
     return copy
 
 
-def _lock(schema: str) -> Any:
-    return select(func.pg_advisory_xact_lock(LOCK_NS_MIGRATE, func.hashtext(schema)))
-
-
 def _run_offline(context: EnvironmentContext, schema: str) -> None:
     """Print a script a DBA can review; it takes the same lock and search path, and stops
     before any DDL if the schema belongs to a role other than the one running it that is not
@@ -243,7 +237,7 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     with context.begin_transaction():
         context.execute(st.local_search_path)
         context.execute(st.set_local_lock_timeout.params(ms=str(round(bound * 1000))))
-        context.execute(_lock(schema))
+        context.execute(st.wait_migration_lock.params(schema=schema))
         context.execute(CreateSchema(schema, if_not_exists=True))
         context.execute(st.checked_schema(schema))
         context.execute(st.refuse_foreign_owner)

@@ -155,6 +155,7 @@ __all__ = [
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
+    "wait_migration_lock",
 ]
 
 
@@ -1039,6 +1040,15 @@ def lock_cluster_tables(schema: str, dialect: Any, names: tuple[str, ...] = CLUS
 #: looks at who holds it between tries, says so, and gives up after its bound.
 try_migration_lock = select(
     func.pg_try_advisory_xact_lock(
+        literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
+    )
+)
+
+#: ``pg_advisory_xact_lock`` of the same lock, waited on: the offline script's (``alembic
+#: upgrade --sql``), which cannot look at the holder between tries; the script's
+#: ``lock_timeout`` bounds the wait.
+wait_migration_lock = select(
+    func.pg_advisory_xact_lock(
         literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
     )
 )
