@@ -89,9 +89,8 @@ LAYERS: tuple[Layer, ...] = (
             "_trust": "the trust checks: who may control the schema, who may connect",
             "_leadership": "the leader lock session, its keeper, the epoch",
             "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision "
-            "check; one Alembic run at a time in the process; a downgrade never "
-            "under a live leader",
-            "_alembic_env": "Alembic's environment, what `alembic/env.py` runs",
+            "check, and the environment `alembic/env.py` runs; one Alembic run "
+            "at a time in the process; a downgrade never under a live leader",
         },
     ),
     Layer(
