@@ -71,8 +71,10 @@ LAYERS: tuple[Layer, ...] = (
         "door",
         "the one way to the driver; nothing above it holds a driver connection",
         {
-            "_door": "the store's engines and their checks at open, the commits' connection, "
-            "transactions, statements compiled and run, every driver error mapped",
+            "_door": "the store's engines and their checks at open, the commits' "
+            "connection, transactions, statements compiled and run, bounded "
+            "waits for locks with their holders named, every driver error "
+            "mapped",
         },
     ),
     Layer(
@@ -84,8 +86,6 @@ LAYERS: tuple[Layer, ...] = (
             "found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
-            "_lock_waits": "waits for a lock another session holds: its holders named, the "
-            "wait bounded",
             "_trust": "the trust checks: who may control the schema, who may connect",
             "_leadership": "the leader lock session, its keeper, the epoch",
             "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision "

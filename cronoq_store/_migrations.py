@@ -3,7 +3,7 @@ check, and the environment that ``alembic/env.py`` runs (:func:`run_environment`
 
 Every run for a schema happens in one transaction that first takes the schema's migration
 lock, ``pg_try_advisory_xact_lock(0x63726f6d, hashtext(schema))``, tried again while another
-session holds it, up to a bound (:mod:`cronoq_store._lock_waits`): concurrent upgrades
+session holds it, up to a bound (:mod:`cronoq_store._door`): concurrent upgrades
 serialize (the second finds the schema at head) and a failed upgrade leaves nothing behind,
 the schema's creation included. An upgrade to head reads the revision first and takes no
 lock on a schema already there. The transaction runs under ``search_path = pg_catalog,
@@ -118,14 +118,13 @@ from sqlalchemy.util.concurrency import await_, in_greenlet
 
 from . import _catalog as catalog
 from . import _door as door
-from . import _lock_waits as lock_waits
 from . import _migrations as migrations
 from . import _queries as queries
 from . import _statements as st
 from ._config import MIGRATION_LOCK_TIMEOUT, trusted_trigger_names, validate_schema_name
 from ._domain import check_seconds
+from ._door import LockWait
 from ._errors import MigrationError, StoreError
-from ._lock_waits import LockWait
 from ._results import LockHolder
 from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata, schema_options
 from ._statements import LOCK_NS_MIGRATE
@@ -749,7 +748,7 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: L
         )
         # Waits for its commits in flight (bounded, holders named); the bump fences every
         # later one.
-        lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+        door.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
         columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
         conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
         return
@@ -937,7 +936,7 @@ def _locking_tables(
     wait: LockWait | None,
 ) -> Callable[[Any, MigrationContext], Iterable[Any]] | None:
     """The command's migration function, locking the cluster's tables (bounded, holders
-    named: :func:`~cronoq_store._lock_waits.lock_tables`) before the first step that runs a
+    named: :func:`~cronoq_store._door.lock_tables`) before the first step that runs a
     revision: its DDL then never queues behind a transaction, with every commit queued
     behind it. A run with nothing to do locks nothing."""
     if fn is None or conn is None or wait is None:
@@ -947,7 +946,7 @@ def _locking_tables(
     def steps(heads: Any, migration: MigrationContext) -> list[Any]:
         planned = list(checked(heads, migration))
         if any(isinstance(step, RevisionStep) for step in planned):
-            lock_waits.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+            door.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
         return planned
 
     return steps
@@ -1116,7 +1115,7 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
     _configure(context, schema, wait, connection=conn)
     with context.begin_transaction():
         conn.execute(st.local_search_path)
-        lock_waits.take_migration_lock(conn, schema, wait)
+        door.take_migration_lock(conn, schema, wait)
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)
         if command in ("current", "downgrade") and not revision_status(conn, schema).current:

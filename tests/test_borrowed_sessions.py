@@ -377,7 +377,7 @@ async def test_from_engine_migrates_under_the_stores_own_settings_on_a_poisoned_
         assert before == READ_NEEDS.get(column, needed)
         if column == "lock_timeout":
             # Once the revisions locked the cluster's tables, the migration's lock waits are
-            # bounded by what remains of its own bound (_lock_waits.lock_tables), never by
+            # bounded by what remains of its own bound (_door.lock_tables), never by
             # the application's.
             assert after.endswith("ms")
             assert 0 < int(after.removesuffix("ms")) <= MIGRATION_LOCK_TIMEOUT * 1000
