@@ -6,8 +6,7 @@ from typing import cast
 from alembic import context
 from alembic.runtime.environment import EnvironmentContext
 
-from cronoq_store._alembic_env import run_environment
-from cronoq_store._migrations import resolve
+from cronoq_store._migrations import resolve, run_environment
 
 # `alembic.context` is a module that proxies the EnvironmentContext of the latest run: the
 # one of this run, or a MigrationError if another thread's command replaced it meanwhile.

@@ -112,8 +112,6 @@ from ._errors import UnsupportedParameterError as UnsupportedParameterError
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
 from ._migrations import upgrade as upgrade
-from ._protocols import Store as Store
-from ._protocols import StoreQueries as StoreQueries
 from ._results import CommitterStats as CommitterStats
 from ._results import Health as Health
 from ._results import LockHolder as LockHolder
@@ -124,6 +122,8 @@ from ._results import RecoveredTerminal as RecoveredTerminal
 from ._results import TaskRecord as TaskRecord
 from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
+from ._store import Store as Store
+from ._store import StoreQueries as StoreQueries
 from ._urls import engine_arguments as engine_arguments
 from ._urls import scrub as scrub
 

@@ -347,7 +347,7 @@ public_may_connect = select(
 #: the lock holder in the same transaction sees sessions as they are now.
 clear_stats_snapshot = select(func.pg_catalog.pg_stat_clear_snapshot())
 
-# --- who holds a lock a wait gave up on (``cronoq_store._lock_waits``) -----------------------
+# --- who holds a lock a wait gave up on (``cronoq_store._door``) -----------------------
 
 _pg_class_oids = table(
     "pg_class", column("oid"), column("relname"), column("relnamespace"), schema="pg_catalog"

@@ -22,7 +22,7 @@ The committer is four objects, each owning its own state:
 * :class:`GroupCommitter`, the public API and the loop that cuts batches (:class:`Merge`),
   commits each through its retry policy (:class:`CommitRetry`) and bisects a failing one.
 
-What it needs of a store is :class:`~cronoq_store._protocols.Committable`: ``commit``,
+What it needs of a store is :class:`~cronoq_store._store.Committable`: ``commit``,
 ``ping``, ``telemetry`` and ``max_commit_bytes``; ``PgStore`` and ``InMemoryStore`` are one.
 
 Failures are sorted by who they belong to:
@@ -126,9 +126,9 @@ from ._errors import (
     SchemaGoneError,
     StoreError,
 )
-from ._protocols import Committable
 from ._results import CommitterStats, Tally
 from ._retry import COMMIT_BACKOFF, Backoff, Retry, pause
+from ._store import Committable
 from .telemetry import Telemetry
 
 __all__ = ["DEFAULT_BATCHES_IN_FLIGHT", "GroupCommitter"]

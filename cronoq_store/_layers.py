@@ -48,8 +48,6 @@ LAYERS: tuple[Layer, ...] = (
             "_urls": "database URLs read as libpq reads them and dialled as read; the one "
             "masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
-            "_protocols": "the `Store` and `StoreQueries` protocols the scheduler programs "
-            "against; `Committable`, what the group committer needs of a store",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",
         },
@@ -73,8 +71,10 @@ LAYERS: tuple[Layer, ...] = (
         "door",
         "the one way to the driver; nothing above it holds a driver connection",
         {
-            "_door": "the store's engines and their checks at open, the commits' connection, "
-            "transactions, statements compiled and run, every driver error mapped",
+            "_door": "the store's engines and their checks at open, the commits' "
+            "connection, transactions, statements compiled and run, bounded "
+            "waits for locks with their holders named, every driver error "
+            "mapped",
         },
     ),
     Layer(
@@ -86,14 +86,11 @@ LAYERS: tuple[Layer, ...] = (
             "found",
             "_recovery": "`recover()`: live and recent tasks, schedules, quarantine, `next_id`",
             "_queries": "look-ups by id, key and page, outputs, and the one prune loop",
-            "_lock_waits": "waits for a lock another session holds: its holders named, the "
-            "wait bounded",
             "_trust": "the trust checks: who may control the schema, who may connect",
             "_leadership": "the leader lock session, its keeper, the epoch",
             "_migrations": "Alembic per schema from code: upgrade, downgrade, the revision "
-            "check; one Alembic run at a time in the process; a downgrade never "
-            "under a live leader",
-            "_alembic_env": "Alembic's environment, what `alembic/env.py` runs",
+            "check, and the environment `alembic/env.py` runs; one Alembic run "
+            "at a time in the process; a downgrade never under a live leader",
         },
     ),
     Layer(
@@ -101,7 +98,9 @@ LAYERS: tuple[Layer, ...] = (
         "what applications call",
         {
             "": "the public names (`from cronoq_store import ...`)",
-            "_store": "`PgStore`: opens and closes, wires the paths, where errors leave the store",
+            "_store": "the `Store`, `StoreQueries` and `Committable` protocols, and "
+            "`PgStore`, which implements them: opens and closes, wires the "
+            "paths, where errors leave the store",
             "_committer": "`GroupCommitter`: many submitters, one transaction per batch; its "
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",

@@ -50,7 +50,6 @@ from sqlalchemy.pool import NullPool, Pool
 
 from . import _catalog as catalog
 from . import _door as door
-from . import _lock_waits as lock_waits
 from . import _statements as st
 from ._config import PgStoreConfig
 from ._door import LockSession, lock_not_available
@@ -378,7 +377,7 @@ class Leadership:
         silent: the ``LockHeldError`` names who holds the leader table, and the acquisition
         logs it and tries again."""
         async with session.takeover(timeout):
-            await lock_waits.leader_barrier(
+            await door.leader_barrier(
                 lambda statement, params: session.run(statement, params, timeout),
                 self._schema,
                 timeout / 2,

@@ -18,7 +18,7 @@ from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import _catalog as catalog
-from . import _lock_waits as lock_waits
+from . import _door as door
 from . import _statements as st
 from ._domain import (
     I64_MAX,
@@ -30,8 +30,8 @@ from ._domain import (
     check_task_id,
     clean_text,
 )
+from ._door import holder_of
 from ._errors import ClusterReplacedError, StoreError
-from ._lock_waits import holder_of
 from ._results import LockHolder, TaskRecord
 from ._schema import RECORD_COLUMNS, task_record
 
@@ -223,7 +223,7 @@ async def prune(
     params = {"cutoff": cutoff, "batch": PRUNE_BATCH, "incarnation": incarnation}
 
     async def batch(conn: AsyncConnection) -> int:
-        await lock_waits.leader_barrier(conn.execute, schema, lock_wait, waiter)
+        await door.leader_barrier(conn.execute, schema, lock_wait, waiter)
         recorded = (await conn.execute(st.prune_batch, params)).first()
         if recorded is None:
             found = (await conn.execute(st.incarnation)).scalar()

@@ -22,7 +22,7 @@ and how long a transaction may sit idle.
 
 The migrations' own statements: what an offline (``--sql``) script checks before its DDL,
 what a downgrade runs under the leader lock (:mod:`cronoq_store._migrations`), and the
-bounded waits for a lock (:mod:`cronoq_store._lock_waits`): the migration lock tried, the
+bounded waits for a lock (:mod:`cronoq_store._door`): the migration lock tried, the
 tables locked an attempt at a time.
 """
 
@@ -155,6 +155,7 @@ __all__ = [
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
+    "wait_migration_lock",
 ]
 
 
@@ -1032,13 +1033,22 @@ def lock_cluster_tables(schema: str, dialect: Any, names: tuple[str, ...] = CLUS
     return DDL(f"LOCK TABLE ONLY {listed} IN ACCESS EXCLUSIVE MODE")  # type: ignore[no-untyped-call]
 
 
-# --- bounded lock waits (``cronoq_store._lock_waits``) ---------------------------------------
+# --- bounded lock waits (``cronoq_store._door``) ---------------------------------------
 
 #: ``pg_try_advisory_xact_lock`` of the migration lock of the schema named ``schema``: true
 #: if this transaction now holds it, until it ends. Tried, never waited on: the waiter
 #: looks at who holds it between tries, says so, and gives up after its bound.
 try_migration_lock = select(
     func.pg_try_advisory_xact_lock(
+        literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
+    )
+)
+
+#: ``pg_advisory_xact_lock`` of the same lock, waited on: the offline script's (``alembic
+#: upgrade --sql``), which cannot look at the holder between tries; the script's
+#: ``lock_timeout`` bounds the wait.
+wait_migration_lock = select(
+    func.pg_advisory_xact_lock(
         literal(LOCK_NS_MIGRATE, Integer), func.hashtext(bindparam("schema", type_=Text))
     )
 )

@@ -21,7 +21,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import Connection, text
+from alembic.runtime.environment import EnvironmentContext
+from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -44,7 +45,6 @@ from cronoq_store._domain import (
 from cronoq_store._door import CommitConnection, CompiledStatement
 from cronoq_store._errors import IdCollisionError, KeyTakenError, UnavailableError
 from cronoq_store._store import PgStore
-from cronoq_store._trust import refuse_untrusted
 from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
@@ -326,15 +326,17 @@ async def test_a_read_only_error_alone_never_disposes_an_applications_pool(
 
 
 def probing_migrations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Probe every migration's transaction, at its trust checks (before its revisions run,
-    and after)."""
+    """Probe every migration's transaction, just before its revisions run and just after."""
     seen: list[dict[str, Any]] = []
+    run_migrations = EnvironmentContext.run_migrations
 
-    def probed(conn: Connection, schema: str, trusted: frozenset[str]) -> None:
+    def probed(context: EnvironmentContext, **kw: Any) -> None:
+        conn = context.get_bind()
         seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
-        refuse_untrusted(conn, schema, trusted)
+        run_migrations(context, **kw)
+        seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
 
-    monkeypatch.setattr("cronoq_store._alembic_env.refuse_untrusted", probed)
+    monkeypatch.setattr(EnvironmentContext, "run_migrations", probed)
     return seen
 
 
@@ -375,7 +377,7 @@ async def test_from_engine_migrates_under_the_stores_own_settings_on_a_poisoned_
         assert before == READ_NEEDS.get(column, needed)
         if column == "lock_timeout":
             # Once the revisions locked the cluster's tables, the migration's lock waits are
-            # bounded by what remains of its own bound (_lock_waits.lock_tables), never by
+            # bounded by what remains of its own bound (_door.lock_tables), never by
             # the application's.
             assert after.endswith("ms")
             assert 0 < int(after.removesuffix("ms")) <= MIGRATION_LOCK_TIMEOUT * 1000

@@ -46,9 +46,8 @@ from cronoq_store._domain import (
 )
 from cronoq_store._errors import CommitterClosedError, FencedError, IdCollisionError, StoreError
 from cronoq_store._migrations import upgrade
-from cronoq_store._protocols import Committable
 from cronoq_store._results import Recovered, TaskRecord
-from cronoq_store._store import PgStore
+from cronoq_store._store import Committable, PgStore
 from cronoq_store._urls import async_url
 from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore

@@ -13,8 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Submitted, TaskId, TaskSpec
 from cronoq_store._errors import StoreError, UnavailableError
-from cronoq_store._protocols import Store, StoreQueries
-from cronoq_store._store import PgStore
+from cronoq_store._store import PgStore, Store, StoreQueries
 
 from .pgharness import ServerUnderTest, admin_execute, without_instance
 from .support import PROCESS_BASE, unused_port

@@ -21,13 +21,12 @@ from sqlalchemy.pool import NullPool
 from .. import _catalog as catalog
 from .. import _door as door
 from .. import _statements as st
-from .._alembic_env import clusters_elsewhere
-from .._door import lock_not_available
+from .._door import describe_holders, holder_of, lock_not_available
 from .._errors import LockHeldError, MigrationError, StoreError
-from .._lock_waits import describe_holders, holder_of
 from .._migrations import (
     CONNECT_TIMEOUT,
     RevisionStatus,
+    clusters_elsewhere,
     revision_status,
 )
 from .._schema import schema_options

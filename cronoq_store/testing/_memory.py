@@ -1,7 +1,7 @@
 """An in-memory ``Store`` for applications' unit tests: ``PgStore``'s rules without a server.
 
-:class:`InMemoryStore` implements :class:`~cronoq_store._protocols.Store` and
-:class:`~cronoq_store._protocols.StoreQueries` with the semantics an application can observe
+:class:`InMemoryStore` implements :class:`~cronoq_store._store.Store` and
+:class:`~cronoq_store._store.StoreQueries` with the semantics an application can observe
 through them (tests/contract runs one suite against both stores): the library's own batch
 folding (it applies the :class:`~cronoq_store._commit_path.FoldedBatch` that
 :func:`cronoq_store._commit_path.fold` makes, and keeps rows as the insert writes them, decoded by

@@ -41,7 +41,7 @@ from cronoq_store import (
     TimeBase,
 )
 from cronoq_store._domain import UNIX_EPOCH
-from cronoq_store._protocols import Committable
+from cronoq_store._store import Committable
 from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends
