@@ -135,8 +135,6 @@ from ._door import (
 )
 from ._errors import (
     BatchTooLargeError,
-    ClusterReplacedError,
-    FencedError,
     IdCollisionError,
     KeyTakenError,
 )
@@ -826,8 +824,9 @@ class BatchWriter:
 
 class CommitPath:
     """The store's commits: a pooled connection's driver connection (:attr:`connections`),
-    the :class:`BatchWriter` (``writer``) choosing the write path, and what it found turned
-    into errors.
+    the :class:`BatchWriter` (``writer``) choosing the write path, and what it found: ids or
+    keys of other tasks as errors, a fence that did not hold handed back to the store, which
+    alone knows its term.
 
     ``incarnation`` is the cluster's the store was opened on (the leader table's OID): every
     commit writes only there.
@@ -835,10 +834,6 @@ class CommitPath:
     engine, or a transaction-pooling PgBouncer): every commit opens its transaction with
     these statements, which set the store's for that transaction alone (:class:`BatchWriter`),
     so nothing is left on the session either.
-    ``on_fenced`` runs when a commit finds another epoch (with the epoch found) or another
-    cluster (with the ``ClusterReplacedError`` to raise), before the error is raised; it
-    says whether that ends this instance's term (a late commit of an earlier term does not
-    end the current one).
 
     ``hold``: keep one pooled connection checked out between commits
     (:class:`~cronoq_store._door.HeldConnection`).
@@ -851,21 +846,19 @@ class CommitPath:
         *,
         incarnation: int,
         borrowed: Sequence[ClauseElement] | None,
-        on_fenced: Callable[[int | None, ClusterReplacedError | None], bool],
         hold: bool = False,
     ) -> None:
-        self._schema = schema
         self._incarnation = incarnation
-        self._on_fenced = on_fenced
         #: The pooled connections commits run on, one of them held with ``hold``.
         self.connections = HeldConnection(engine, hold=hold)
         self.writer = BatchWriter(engine.dialect, schema, borrowed=borrowed)
 
-    async def commit(self, epoch: int, batch: FoldedBatch) -> None:
-        """Write ``batch`` under ``epoch`` in the store's cluster; ``IdCollisionError``,
-        ``KeyTakenError``, ``ClusterReplacedError`` or ``FencedError`` if it wrote nothing
-        because an id is another task's, a live key is another live task's, the schema
-        holds another cluster or the stored epoch is another."""
+    async def commit(self, epoch: int, batch: FoldedBatch) -> Fence | None:
+        """Write ``batch`` under ``epoch`` in the store's cluster: ``None`` once written, or
+        the fence found instead (the stored epoch and the cluster's incarnation), nothing
+        written; what that means for the term is the store's to decide. ``IdCollisionError``
+        or ``KeyTakenError`` if it wrote nothing because an id is another task's or a live
+        key another live task's."""
         written = await self.connections.run(
             lambda conn: self.writer.write(conn, epoch, self._incarnation, batch)
         )
@@ -874,35 +867,9 @@ class CommitPath:
         if written.taken is not None:
             raise KeyTakenError(written.taken)
         current, found = written.fence
-        if found is not None and found != self._incarnation:
-            replaced = ClusterReplacedError(
-                self._schema, self._incarnation, found, "committing a batch"
-            )
-            self._on_fenced(current, replaced)
-            await self.release()
-            logger.error(
-                "commit refused: the schema holds another cluster; stepping down",
-                extra={
-                    "schema": self._schema,
-                    "incarnation": self._incarnation,
-                    "found_incarnation": found,
-                },
-            )
-            raise replaced
-        if current == epoch:
-            return
-        if self._on_fenced(current, None):
-            await self.release()
-            logger.error(
-                "commit fenced: another instance took leadership",
-                extra={"epoch": epoch, "current_epoch": current},
-            )
-        else:
-            logger.warning(
-                "a commit of an earlier term was fenced; the current term goes on",
-                extra={"epoch": epoch, "current_epoch": current},
-            )
-        raise FencedError(f"fenced: the stored epoch is {current}, this commit's is {epoch}")
+        if current == epoch and found in (None, self._incarnation):
+            return None
+        return written.fence
 
     async def release(self) -> None:
         """Return the held connection to the pool (:meth:`HeldConnection.release`)."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -35,7 +35,7 @@ from . import _queries as queries
 from . import _recovery as recovery
 from . import _statements as st
 from . import _trust as trust
-from ._commit_path import MAX_COMMIT_BYTES, CommitPath, check_batch_size, fold
+from ._commit_path import MAX_COMMIT_BYTES, CommitPath, FoldedBatch, check_batch_size, fold
 from ._config import PgStoreConfig
 from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._errors import (
@@ -219,7 +219,6 @@ class PgStore:
                 if self._borrows_sessions
                 else None
             ),
-            on_fenced=self._fenced_out,
             # The store's own pool holds one connection for the writer (no checkout per
             # commit) when two are left for reads, pings and concurrent commits (with one,
             # a read waiting on a lock, such as a prune behind a commit, would starve a
@@ -578,7 +577,7 @@ class PgStore:
         timeout = self._config.commit_timeout
         async with self._translated("committing a batch"):
             try:
-                await bounded(self._commits.commit(epoch, folded), timeout)
+                await bounded(self._write(epoch, folded), timeout)
             except asyncio.TimeoutError as exc:
                 raise UnavailableError(
                     f"committing a batch failed: not done within commit_timeout ({timeout} s)"
@@ -604,6 +603,45 @@ class PgStore:
                 "pinging the database failed: the server does not take writes (a standby?)",
                 reconnect=True,
             )
+
+    async def _write(self, epoch: int, folded: FoldedBatch) -> None:
+        """Write ``folded`` under ``epoch``; a fence found instead ends here, as an error."""
+        found = await self._commits.commit(epoch, folded)
+        if found is not None:
+            await self._fence_found(epoch, *found)
+
+    async def _fence_found(self, epoch: int, stored: int | None, found: int | None) -> NoReturn:
+        """A commit under ``epoch`` found the epoch ``stored`` and the incarnation ``found``
+        instead, and wrote nothing: raise ``ClusterReplacedError`` where the schema holds
+        another cluster, ``FencedError`` otherwise, having ended the term if this fence
+        ends it (:meth:`_fenced_out`) and given back the writer's connection then."""
+        if found is not None and found != self._incarnation:
+            replaced = ClusterReplacedError(
+                self._config.schema, self._incarnation, found, "committing a batch"
+            )
+            self._fenced_out(stored, replaced)
+            await self._commits.release()
+            logger.error(
+                "commit refused: the schema holds another cluster; stepping down",
+                extra={
+                    "schema": self._config.schema,
+                    "incarnation": self._incarnation,
+                    "found_incarnation": found,
+                },
+            )
+            raise replaced
+        if self._fenced_out(stored, None):
+            await self._commits.release()
+            logger.error(
+                "commit fenced: another instance took leadership",
+                extra={"epoch": epoch, "current_epoch": stored},
+            )
+        else:
+            logger.warning(
+                "a commit of an earlier term was fenced; the current term goes on",
+                extra={"epoch": epoch, "current_epoch": stored},
+            )
+        raise FencedError(f"fenced: the stored epoch is {stored}, this commit's is {epoch}")
 
     def _fenced_out(self, stored: int | None, replaced: ClusterReplacedError | None) -> bool:
         """A commit found the epoch ``stored``, or another cluster (``replaced``): whether
