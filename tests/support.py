@@ -533,6 +533,25 @@ FULL_SPEC = TaskSpec(
 )
 
 
+#: A text with NUL in it, and what the store keeps of it: PostgreSQL's text and JSON take no
+#: NUL, so U+FFFD stands in its place.
+NUL, NUL_CLEANED = "x\0y", "x\ufffdy"
+#: :data:`NUL` in every text a spec holds, its JSON columns' included, and a NUL payload
+#: (bytes, which the store keeps as they are).
+NUL_SPEC = TaskSpec(
+    b"\0",
+    kind=NUL,
+    pool=NUL,
+    key=NUL,
+    tenant=NUL,
+    tags=[NUL],
+    labels=[NUL],
+    deps=[Dependency(NUL)],
+    resources={NUL: 2},
+    retry=RetryPolicy(),
+    fixed_start=FixedStart(5),
+)
+
 # A task's statuses by their short names (a queued task's ``TaskRecord.status`` is None).
 QUEUED = None
 RUNNING, RETRYING = TaskStatus.RUNNING, TaskStatus.RETRYING

@@ -39,6 +39,9 @@ from cronoq_store._store import PgStore
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
 from .support import (
     FULL_SPEC,
+    NUL,
+    NUL_CLEANED,
+    NUL_SPEC,
     OLD_BASE,
     RUNNING,
     START_BASE,
@@ -118,49 +121,34 @@ async def test_outputs_are_stored_and_missing_tasks_are_logged(
 
 
 async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgStore) -> None:
-    nul = "x\0y"
-    spec = TaskSpec(
-        b"\0",
-        kind=nul,
-        pool=nul,
-        key=nul,
-        tenant=nul,
-        tags=[nul],
-        labels=[nul],
-        deps=[Dependency(nul)],
-        resources={nul: 2},
-        retry=RetryPolicy(),
-        fixed_start=FixedStart(5),
-    )
     await store.commit(
         0,
         START_BASE,
         [
-            submitted(1, spec),
+            submitted(1, NUL_SPEC),
             submitted(2, b""),
-            changed(2, RUNNING, 100, message=nul),
-            RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
-            RecurringNext(nul, 9, TaskId(1)),
+            changed(2, RUNNING, 100, message=NUL),
+            RecurringUpsert(RecurringSpec(NUL, CronSchedule("* * * * *"), NUL_SPEC)),
+            RecurringNext(NUL, 9, TaskId(1)),
         ],
         [],
     )
-    await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=nul)], [])
+    await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=NUL)], [])
     # What the store answers is the contract suite's (tests/contract/test_commits.py); here,
     # what the columns hold: text and JSON with no NUL and no escaped one.
-    clean = "x\ufffdy"
     rows = await fetch(
         store,
         "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
         "resources::text FROM {s}.cronoq_tasks ORDER BY id",
     )
-    assert rows[0].message == clean
-    assert rows[1].message == clean
+    assert rows[0].message == NUL_CLEANED
+    assert rows[1].message == NUL_CLEANED
     assert all("\0" not in v and "\\u0000" not in v for v in rows[0])
-    assert all(clean in v for v in rows[0])
+    assert all(NUL_CLEANED in v for v in rows[0])
     [(name, spec_text)] = await fetch(store, "SELECT name, spec::text FROM {s}.cronoq_recurring")
     # The template's kind, pool, key, tenant, tag, label, dependency key and resource name.
-    assert name == clean
-    assert spec_text.count(clean) == 8
+    assert name == NUL_CLEANED
+    assert spec_text.count(NUL_CLEANED) == 8
     assert "\\u0000" not in spec_text
 
 
