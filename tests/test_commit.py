@@ -46,6 +46,7 @@ from .support import (
     RUNNING,
     START_BASE,
     SUCCEEDED,
+    LeaderRowHold,
     changed,
     submitted,
 )
@@ -234,11 +235,7 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
     config = PgStoreConfig(schema=migrated, commit_timeout=0.3)
     async with await PgStore.from_engine(engine, config) as store:
         await store.commit(0, START_BASE, [submitted(1)], [])
-        blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
-        try:
-            tx = blocker.transaction()
-            await tx.start()
-            await blocker.execute(f'SELECT * FROM "{migrated}".cronoq_leader FOR UPDATE')
+        async with LeaderRowHold(pg_url, migrated):
             started = time.monotonic()
             with pytest.raises(UnavailableError, match="commit_timeout"):
                 # Refused while the row is still held, which it is for ever without the
@@ -247,9 +244,6 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
                     store.commit(0, START_BASE, [submitted(2)], []), "the commit's timeout"
                 )
             assert time.monotonic() - started >= config.commit_timeout * 0.9
-            await tx.rollback()
-        finally:
-            await blocker.close()
         # Retrying is the caller's job, and works once the database answers again.
         await store.commit(0, START_BASE, [submitted(2)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
