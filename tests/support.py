@@ -114,8 +114,8 @@ def submitted(
     **spec: Any,
 ) -> Submitted:
     """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``arrival``; its
-    spec has ``payload`` and the ``spec`` fields given, or is ``payload`` when that is a
-    whole spec (a test's own, with every field set), with the ``spec`` fields replaced."""
+    spec has ``payload`` and the ``spec`` fields given, or, when ``payload`` is a whole spec
+    already, is that spec with the ``spec`` fields given replaced."""
     whole = replace(payload, **spec) if isinstance(payload, TaskSpec) else TaskSpec(payload, **spec)
     return Submitted(TaskId(id), seq=id if seq is None else seq, arrival=arrival, spec=whole)
 
