@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,15 @@ PROCESS_BASE = TimeBase.now()
 START_BASE = TimeBase(engine_ns=0, unix_ns=time.time_ns())
 #: A fixed wall clock for pure tests, whose values must not move between runs.
 FIXED_BASE = TimeBase(engine_ns=0, unix_ns=1_700_000_000 * 10**9)
+#: :data:`FIXED_BASE`'s wall clock paired with engine time 1,000, not 0: a conversion that
+#: leaves the engine side of the pair out gives another value.
+SHIFTED_BASE = TimeBase(engine_ns=1_000, unix_ns=FIXED_BASE.unix_ns)
+#: The wall-clock time (Unix ns) at which a pure test's rows are written: after every
+#: engine time of :data:`FIXED_BASE` a test uses, and told apart from them.
+FIXED_NOW = 1_800_000_000 * 10**9
+#: Engine time 0 is 1000 s before the suite was imported: a task finished at a small engine
+#: time is old enough for ``prune(1)``.
+OLD_BASE = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)
 
 HOUR = 3600 * 10**9
 DAY = 24 * HOUR
@@ -98,16 +107,17 @@ LeadershipFactory = Callable[..., Leadership]
 
 def submitted(
     id: int,
-    payload: bytes = b"p",
+    payload: bytes | TaskSpec = b"p",
     *,
     seq: int | None = None,
     arrival: int = 1,
     **spec: Any,
 ) -> Submitted:
-    """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``arrival``."""
-    return Submitted(
-        TaskId(id), seq=id if seq is None else seq, arrival=arrival, spec=TaskSpec(payload, **spec)
-    )
+    """Task ``id``, submitted with ``seq`` (default: the id) at engine time ``arrival``; its
+    spec has ``payload`` and the ``spec`` fields given, or, when ``payload`` is a whole spec
+    already, is that spec with the ``spec`` fields given replaced."""
+    whole = replace(payload, **spec) if isinstance(payload, TaskSpec) else TaskSpec(payload, **spec)
+    return Submitted(TaskId(id), seq=id if seq is None else seq, arrival=arrival, spec=whole)
 
 
 def changed(
@@ -198,7 +208,9 @@ async def bump_epoch(url: URL, schema: str) -> int:
 
 
 class LeaderRowHold:
-    """An admin transaction holding the leader row ``FOR UPDATE``: commits wait behind it."""
+    """An admin transaction holding the leader row ``FOR UPDATE``: commits and prunes wait
+    behind it. ``async with`` holds the row for the block; :meth:`lock` takes it at a point
+    of the test's choosing (a fixture then calls :meth:`release`)."""
 
     def __init__(self, url: URL, schema: str) -> None:
         self.url = url
@@ -206,14 +218,37 @@ class LeaderRowHold:
         self.conn: asyncpg.Connection | None = None
         self.tx: Any = None
 
-    async def __aenter__(self) -> LeaderRowHold:
+    async def lock(self) -> None:
         self.conn = await asyncpg.connect(asyncpg_dsn(self.url))
         self.tx = self.conn.transaction()
         await self.tx.start()
         await self.conn.execute(
             f'SELECT 1 FROM "{self.schema}".cronoq_leader WHERE id = 1 FOR UPDATE'
         )
+
+    async def __aenter__(self) -> LeaderRowHold:
+        await self.lock()
         return self
+
+    async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
+        """Until a session waits for the row held here; ``work`` ending first fails: it
+        did not wait."""
+        conn = self.conn
+        assert conn is not None, "the row is not held"
+
+        async def blocked() -> bool:
+            # This session's transaction holds the lock, and the server reads
+            # pg_stat_activity once per transaction: without a fresh look, every check
+            # would see the sessions as they were at the first.
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                conn.get_server_pid(),
+            )
+            return work.done() or bool(waiting)
+
+        await until(blocked, what)
+        assert not work.done(), f"{what}: it ended without waiting ({work})"
 
     async def execute(self, sql: str) -> None:
         assert self.conn is not None
@@ -497,6 +532,25 @@ FULL_SPEC = TaskSpec(
     tenant="tenant",
 )
 
+
+#: A text with NUL in it, and what the store keeps of it: PostgreSQL's text and JSON take no
+#: NUL, so U+FFFD stands in its place.
+NUL, NUL_CLEANED = "x\0y", "x\ufffdy"
+#: :data:`NUL` in every text a spec holds, its JSON columns' included, and a NUL payload
+#: (bytes, which the store keeps as they are).
+NUL_SPEC = TaskSpec(
+    b"\0",
+    kind=NUL,
+    pool=NUL,
+    key=NUL,
+    tenant=NUL,
+    tags=[NUL],
+    labels=[NUL],
+    deps=[Dependency(NUL)],
+    resources={NUL: 2},
+    retry=RetryPolicy(),
+    fixed_start=FixedStart(5),
+)
 
 # A task's statuses by their short names (a queued task's ``TaskRecord.status`` is None).
 QUEUED = None

@@ -24,15 +24,12 @@ from cronoq_store._domain import (
     RecurringSpec,
     RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
-    TaskStatus,
     task_id,
 )
 
-from .support import PROCESS_BASE
+from .support import FAILED, PROCESS_BASE, RUNNING, changed, submitted
 
 NASTY = ['"\\\x00\x01', "\ud800x", "\U0001f600" * 3, "é" * 5, "plain"]
 
@@ -77,9 +74,9 @@ def spec(text: str, n: int) -> TaskSpec:
 @pytest.mark.parametrize("text", NASTY)
 def test_the_estimate_is_never_below_what_a_commit_sends(text: str) -> None:
     batch: list[Mutation] = [
-        Submitted(task_id(1, 2), 1, PROCESS_BASE.engine_ns, spec(text, 2)),
-        StatusChanged(task_id(1, 2), TaskStatus.RUNNING, 1, PROCESS_BASE.engine_ns, text * 40),
-        StatusChanged(task_id(1, 9), TaskStatus.FAILED, 2, PROCESS_BASE.engine_ns, text),
+        submitted(task_id(1, 2), spec(text, 2), seq=1, arrival=PROCESS_BASE.engine_ns),
+        changed(task_id(1, 2), RUNNING, PROCESS_BASE.engine_ns, message=text * 40),
+        changed(task_id(1, 9), FAILED, PROCESS_BASE.engine_ns, attempt=2, message=text),
         RecurringUpsert(RecurringSpec(text, CronSchedule("* * * * *"), spec(text, 3))),
         RecurringNext(text * 10, PROCESS_BASE.engine_ns, task_id(1, 2)),
         RecurringRemove(text * 3),
@@ -90,7 +87,7 @@ def test_the_estimate_is_never_below_what_a_commit_sends(text: str) -> None:
 
 
 def test_payloads_and_outputs_count_byte_for_byte() -> None:
-    small = Submitted(task_id(1, 1), 1, PROCESS_BASE.engine_ns, TaskSpec(b""))
-    big = Submitted(task_id(1, 1), 1, PROCESS_BASE.engine_ns, TaskSpec(bytes(10**6)))
+    small = submitted(task_id(1, 1), b"", seq=1, arrival=PROCESS_BASE.engine_ns)
+    big = submitted(task_id(1, 1), bytes(10**6), seq=1, arrival=PROCESS_BASE.engine_ns)
     assert batch_size([big], []) - batch_size([small], []) == 10**6
     assert batch_size([], [(task_id(1, 1), bytes(10**6))]) - batch_size([], []) >= 10**6

@@ -29,18 +29,27 @@ from cronoq_store._domain import (
     RecurringSpec,
     RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._errors import FencedError, KeyTakenError, UnavailableError
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, asyncpg_dsn, terminate_backend
-from .support import RUNNING, START_BASE, SUCCEEDED, changed, submitted
+from .support import (
+    FULL_SPEC,
+    NUL,
+    NUL_CLEANED,
+    NUL_SPEC,
+    OLD_BASE,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    LeaderRowHold,
+    changed,
+    submitted,
+)
 from .waits import bounded, until, until_value
 
 #: Each test runs on a store on an application's engine and on one on its own pool.
@@ -113,49 +122,34 @@ async def test_outputs_are_stored_and_missing_tasks_are_logged(
 
 
 async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgStore) -> None:
-    nul = "x\0y"
-    spec = TaskSpec(
-        b"\0",
-        kind=nul,
-        pool=nul,
-        key=nul,
-        tenant=nul,
-        tags=[nul],
-        labels=[nul],
-        deps=[Dependency(nul)],
-        resources={nul: 2},
-        retry=RetryPolicy(),
-        fixed_start=FixedStart(5),
-    )
     await store.commit(
         0,
         START_BASE,
         [
-            Submitted(TaskId(1), 1, 0, spec),
-            Submitted(TaskId(2), 2, 0, TaskSpec(b"")),
-            changed(2, RUNNING, 100, message=nul),
-            RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
-            RecurringNext(nul, 9, TaskId(1)),
+            submitted(1, NUL_SPEC),
+            submitted(2, b""),
+            changed(2, RUNNING, 100, message=NUL),
+            RecurringUpsert(RecurringSpec(NUL, CronSchedule("* * * * *"), NUL_SPEC)),
+            RecurringNext(NUL, 9, TaskId(1)),
         ],
         [],
     )
-    await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=nul)], [])
+    await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=NUL)], [])
     # What the store answers is the contract suite's (tests/contract/test_commits.py); here,
     # what the columns hold: text and JSON with no NUL and no escaped one.
-    clean = "x\ufffdy"
     rows = await fetch(
         store,
         "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
         "resources::text FROM {s}.cronoq_tasks ORDER BY id",
     )
-    assert rows[0].message == clean
-    assert rows[1].message == clean
+    assert rows[0].message == NUL_CLEANED
+    assert rows[1].message == NUL_CLEANED
     assert all("\0" not in v and "\\u0000" not in v for v in rows[0])
-    assert all(clean in v for v in rows[0])
+    assert all(NUL_CLEANED in v for v in rows[0])
     [(name, spec_text)] = await fetch(store, "SELECT name, spec::text FROM {s}.cronoq_recurring")
     # The template's kind, pool, key, tenant, tag, label, dependency key and resource name.
-    assert name == clean
-    assert spec_text.count(clean) == 8
+    assert name == NUL_CLEANED
+    assert spec_text.count(NUL_CLEANED) == 8
     assert "\\u0000" not in spec_text
 
 
@@ -241,11 +235,7 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
     config = PgStoreConfig(schema=migrated, commit_timeout=0.3)
     async with await PgStore.from_engine(engine, config) as store:
         await store.commit(0, START_BASE, [submitted(1)], [])
-        blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
-        try:
-            tx = blocker.transaction()
-            await tx.start()
-            await blocker.execute(f'SELECT * FROM "{migrated}".cronoq_leader FOR UPDATE')
+        async with LeaderRowHold(pg_url, migrated):
             started = time.monotonic()
             with pytest.raises(UnavailableError, match="commit_timeout"):
                 # Refused while the row is still held, which it is for ever without the
@@ -254,9 +244,6 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
                     store.commit(0, START_BASE, [submitted(2)], []), "the commit's timeout"
                 )
             assert time.monotonic() - started >= config.commit_timeout * 0.9
-            await tx.rollback()
-        finally:
-            await blocker.close()
         # Retrying is the caller's job, and works once the database answers again.
         await store.commit(0, START_BASE, [submitted(2)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
@@ -264,10 +251,9 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
 
 
 async def test_ids_stay_above_the_high_water_mark_after_pruning(store: PgStore) -> None:
-    old = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
     high = TaskId((3 << 48) | 41)
-    await store.commit(0, old, [submitted(high), changed(high, SUCCEEDED, 100)], [])
-    await store.commit(0, old, [submitted(5), changed(5, SUCCEEDED, 100)], [])  # a lower id
+    await store.commit(0, OLD_BASE, [submitted(high), changed(high, SUCCEEDED, 100)], [])
+    await store.commit(0, OLD_BASE, [submitted(5), changed(5, SUCCEEDED, 100)], [])  # a lower id
     assert await store.prune(1) == 2
     assert await fetch(store, "SELECT id FROM {s}.cronoq_tasks") == []
     recovered = await store.recover(START_BASE)
@@ -423,8 +409,8 @@ async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
 ) -> None:
     count = COPY_MIN_ROWS + 20
     specs = {TaskId(n): varied_spec(n) for n in range(1, count + 1)}
-    small: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i <= 10]
-    large: list[Mutation] = [Submitted(i, i, i * 3, s) for i, s in specs.items() if i > 10]
+    small: list[Mutation] = [submitted(i, s, arrival=i * 3) for i, s in specs.items() if i <= 10]
+    large: list[Mutation] = [submitted(i, s, arrival=i * 3) for i, s in specs.items() if i > 10]
     large.append(changed(count, RUNNING, 100, message="patched in the copied row"))
     await store.commit(0, START_BASE, small, [])  # one statement, arrays
     assert store._commits.writer.path(fold(large, START_BASE, 0)) == "copy"
@@ -478,12 +464,6 @@ async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_wor
 # --- commits commute: only forward, whatever the batching and however late a retry -----------
 
 
-def step(
-    id: int, status: TaskStatus, attempt: int, at: int, message: str | None = None
-) -> Mutation:
-    return StatusChanged(TaskId(id), status, attempt, at, message)
-
-
 def copying_everything(store: PgStore) -> None:
     """Make ``store`` send every insert by COPY first, as it does from ``COPY_MIN_ROWS``
     rows."""
@@ -513,12 +493,12 @@ async def test_a_submission_sent_again_with_a_later_transition_stores_it_through
 
 async def test_batches_delivered_again_late_never_move_a_task_backwards(store: PgStore) -> None:
     first: list[Mutation] = [submitted(1), submitted(2)]  # one statement: inserts only
-    second = [step(1, RUNNING, 1, 10, "started"), step(2, RUNNING, 1, 10)]  # updates only
+    second = [changed(1, RUNNING, 10, message="started"), changed(2, RUNNING, 10)]  # updates only
     mixed = [*first, *second]  # a transaction: updates, then inserts
     third = [
-        step(1, SUCCEEDED, 1, 20),
-        step(2, TaskStatus.RETRYING, 1, 20, "lost"),
-        step(2, RUNNING, 2, 30),
+        changed(1, SUCCEEDED, 20),
+        changed(2, TaskStatus.RETRYING, 20, message="lost"),
+        changed(2, RUNNING, 30, attempt=2),
     ]
     for batch in (first, second, third):
         await store.commit(0, START_BASE, batch, [])
@@ -527,7 +507,7 @@ async def test_batches_delivered_again_late_never_move_a_task_backwards(store: P
         (1, "succeeded", 1, START_BASE.to_unix(20), "started"),
         (2, "running", 2, START_BASE.to_unix(30), "lost"),
     ]
-    for late in (second, first, mixed, third, [step(2, TaskStatus.RETRYING, 1, 20, "x")]):
+    for late in (second, first, mixed, third, [changed(2, TaskStatus.RETRYING, 20, message="x")]):
         await store.commit(0, START_BASE, late, [])
         assert await states(store) == landed
 
@@ -537,14 +517,16 @@ async def test_a_copied_batch_sent_again_applies_forward_only_at_volume(store: P
     ids = range(1, count + 1)
     await store.commit(0, START_BASE, [submitted(i) for i in ids], [])
     again: list[Mutation] = [submitted(i) for i in ids]
-    again += [step(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 1, 50, f"m{i}") for i in ids]
+    again += [
+        changed(i, SUCCEEDED if i % 2 else TaskStatus.FAILED, 50, message=f"m{i}") for i in ids
+    ]
     await store.commit(0, START_BASE, again, [])  # COPY fails: every id is stored already
     landed = await states(store)
     assert landed == [
         (i, "succeeded" if i % 2 else "failed", 1, START_BASE.to_unix(50), f"m{i}") for i in ids
     ]
     late: list[Mutation] = [submitted(i) for i in ids]
-    late += [step(i, RUNNING, 1, 40, "late") for i in ids]
+    late += [changed(i, RUNNING, 40, message="late") for i in ids]
     await store.commit(0, START_BASE, late, [])
     assert await states(store) == landed
 
@@ -573,12 +555,12 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     # S1 is sent again after S2 takes its key: S1's transition rides in S1's insert row, so
     # S2's row reaches the live key index while S1 still holds the key in the store.
     batch: list[Mutation] = [
-        step(1, SUCCEEDED, 1, 50),
+        changed(1, SUCCEEDED, 50),
         submitted(2, key="a"),
         submitted(1, key="a"),
     ]
     if path != "one-statement":
-        batch.append(step(3, RUNNING, 1, 50))  # a stored task's update: a transaction
+        batch.append(changed(3, RUNNING, 50))  # a stored task's update: a transaction
     await store.commit(0, START_BASE, batch, [])
     rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     third = "queued" if path == "one-statement" else "running"
@@ -599,17 +581,17 @@ async def test_an_output_is_stored_only_for_a_task_that_ends_succeeded_through_c
     cancelled, failed = TaskStatus.CANCELLED, TaskStatus.FAILED
     await store.commit(0, START_BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [
-        step(1, cancelled, 1, 10),  # stored: an update, cancelled first, so final
-        step(1, SUCCEEDED, 1, 20),
+        changed(1, cancelled, 10),  # stored: an update, cancelled first, so final
+        changed(1, SUCCEEDED, 20),
         submitted(2),  # new: an insert
-        step(2, failed, 1, 20),
+        changed(2, failed, 20),
         submitted(3),
-        step(3, RUNNING, 1, 20),
+        changed(3, RUNNING, 20),
         submitted(4),
-        step(4, SUCCEEDED, 1, 20),
+        changed(4, SUCCEEDED, 20),
         submitted(5),  # stored and sent again: the batch is written a second time
-        step(5, cancelled, 1, 10),
-        step(5, SUCCEEDED, 1, 20),
+        changed(5, cancelled, 10),
+        changed(5, SUCCEEDED, 20),
     ]
     await store.commit(0, START_BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 6)])
     records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
@@ -663,28 +645,17 @@ async def test_an_audit_trigger_sees_each_copied_row_once_and_nothing_of_a_faile
 async def test_a_task_committed_alone_is_stored_as_in_a_batch(store: PgStore) -> None:
     """A batch of one task goes as scalar parameters, a larger one as arrays or COPY: every
     column is written the same way (a column missed or swapped would differ)."""
-    full = TaskSpec(
-        b"\x00payload",
-        kind="kind",
-        pool="pool",
-        priority=Priority.HIGH,
-        key="key",
-        deadline=11,
-        fixed_start=FixedStart(12, timedelta(seconds=2), MissPolicy.RUN),
-        duration_hint=timedelta(seconds=3),
-        timeout=timedelta(seconds=4),
+    full = dataclasses.replace(
+        FULL_SPEC,
+        payload=b"\x00payload",
         retry=RetryPolicy(max_attempts=3),
         deps=[Dependency(TaskId(5)), Dependency("other")],
-        resources={"gpu": 1},
-        tags=["t"],
-        labels=["l"],
-        tenant="tenant",
     )
     batches = {
-        1: [Submitted(TaskId(1), 7, 8, full)],
-        2: [Submitted(TaskId(2), 7, 8, dataclasses.replace(full, key="k2")), submitted(3)],
+        1: [submitted(1, full, seq=7, arrival=8)],
+        2: [submitted(2, full, seq=7, arrival=8, key="k2"), submitted(3)],
         100: [
-            Submitted(TaskId(100), 7, 8, dataclasses.replace(full, key="k100")),
+            submitted(100, full, seq=7, arrival=8, key="k100"),
             *(submitted(n) for n in range(101, 100 + COPY_MIN_ROWS)),
         ],
     }

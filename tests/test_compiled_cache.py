@@ -32,8 +32,6 @@ from cronoq_store._domain import (
     RecurringRemove,
     RecurringSpec,
     RecurringUpsert,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
     TaskStatus,
@@ -42,22 +40,18 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .support import PROCESS_BASE
+from .support import PROCESS_BASE, RUNNING, SUCCEEDED, changed, submitted
 
 SQL_LOGGER = "sqlalchemy.engine.Engine"
 SCHEDULE = RecurringSpec("r", IntervalSchedule(timedelta(seconds=5)), TaskSpec(b"t"))
 
 
-def submitted(id: int) -> Submitted:
-    return Submitted(TaskId(id), id, 0, TaskSpec(b"p", key=f"k{id}"))
-
-
 async def exercise(store: PgStore, first: int, size: int) -> int:
     """Run every statement of the store with ``size`` rows in each array; ids from
     ``first`` on are new, the one before exists. Returns the next free id."""
-    mutations: list[Mutation] = [submitted(i) for i in range(first, first + size)]
+    mutations: list[Mutation] = [submitted(i, key=f"k{i}") for i in range(first, first + size)]
     old = [TaskId(max(1, first - size + i)) for i in range(size)]  # repeats are folded
-    mutations += [StatusChanged(id, TaskStatus.SUCCEEDED, 1, 1, "ok") for id in old]
+    mutations += [changed(id, SUCCEEDED, 1, message="ok") for id in old]
     mutations += [
         RecurringUpsert(SCHEDULE),
         RecurringNext("r", first, TaskId(first)),
@@ -65,9 +59,7 @@ async def exercise(store: PgStore, first: int, size: int) -> int:
     ]
     await store.commit(0, PROCESS_BASE, mutations, [(id, b"out") for id in old])
     # No new ids: the epoch check takes the FOR SHARE path.
-    await store.commit(
-        0, PROCESS_BASE, [StatusChanged(TaskId(first), TaskStatus.RUNNING, 1, 2)], []
-    )
+    await store.commit(0, PROCESS_BASE, [changed(first, RUNNING, 2)], [])
     await store.recover(PROCESS_BASE)
     await store.get_task(TaskId(first))
     await store.get_task(f"k{first}")
@@ -110,14 +102,14 @@ async def test_every_call_after_the_first_runs_compiled_sql(
     store_b = await PgStore.from_engine(engine, PgStoreConfig(schema=second_schema))
     try:
         caplog.clear()
-        await store_a.commit(0, PROCESS_BASE, [submitted(1)], [])
+        await store_a.commit(0, PROCESS_BASE, [submitted(1, key="k1")], [])
         next_a = await exercise(store_a, 2, 1)
         warm_up = cache_stats(caplog)
         # The detection works: the first batches compiled the statements they ran.
         assert any(s.startswith("[generated in") for s in warm_up), warm_up
 
         caplog.clear()
-        await store_b.commit(0, PROCESS_BASE, [submitted(1)], [])
+        await store_b.commit(0, PROCESS_BASE, [submitted(1, key="k1")], [])
         next_b = 2
         for size in (1, 7, 120):
             next_a = await exercise(store_a, next_a, size)

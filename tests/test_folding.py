@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -32,13 +31,11 @@ from cronoq_store._domain import (
     TERMINAL_LEVEL,
     CronSchedule,
     Dependency,
-    FixedStart,
     Mutation,
     RecurringNext,
     RecurringRemove,
     RecurringSpec,
     RecurringUpsert,
-    RetryPolicy,
     StatusChanged,
     Submitted,
     TaskId,
@@ -50,10 +47,16 @@ from cronoq_store._errors import IdCollisionError
 from cronoq_store._schema import INSERT_COLUMNS
 from cronoq_store._store import PgStore
 
-from .support import FAILED, FIXED_BASE, RUNNING, SUCCEEDED, changed, submitted
-
-NOW = 1_800_000_000_000_000_000
-
+from .support import (
+    FAILED,
+    FIXED_BASE,
+    FIXED_NOW,
+    FULL_SPEC,
+    RUNNING,
+    SUCCEEDED,
+    changed,
+    submitted,
+)
 
 # --- the pure rules ----------------------------------------------------------------------
 
@@ -67,7 +70,7 @@ def test_new_task_is_inserted_once_with_its_latest_status_and_last_message() -> 
             changed(1, SUCCEEDED, 7),  # no message: the earlier one stays
         ],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
     )
     assert f.insert_count == 1
     # Kept aside for the case that the task turns out to be stored already.
@@ -82,14 +85,14 @@ def test_new_task_is_inserted_once_with_its_latest_status_and_last_message() -> 
 
 
 def test_new_task_without_a_transition_is_queued_at_commit_time() -> None:
-    row = {k: v[0] for k, v in fold([submitted(3)], FIXED_BASE, NOW).inserts.items()}
+    row = {k: v[0] for k, v in fold([submitted(3)], FIXED_BASE, FIXED_NOW).inserts.items()}
     assert (row["status"], row["terminal"], row["attempt"], row["message"]) == (
         QUEUED,
         False,
         0,
         None,
     )
-    assert row["updated_unix_ns"] == NOW
+    assert row["updated_unix_ns"] == FIXED_NOW
 
 
 def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward() -> None:
@@ -101,7 +104,7 @@ def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward
             changed(2, SUCCEEDED, 9, message=""),  # an empty message is a message
         ],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
     )
     assert f.insert_count == 0
     assert f.updates == {
@@ -122,49 +125,52 @@ def test_stored_task_gets_one_update_where_later_wins_and_messages_carry_forward
 
 def test_later_message_replaces_an_earlier_one() -> None:
     f = fold(
-        [changed(1, RUNNING, 5, message="a"), changed(1, RUNNING, 6, message="b")], FIXED_BASE, NOW
+        [changed(1, RUNNING, 5, message="a"), changed(1, RUNNING, 6, message="b")],
+        FIXED_BASE,
+        FIXED_NOW,
     )
     assert f.updates["messages"] == ["b"]
 
 
 def test_only_transitions_that_move_forward_count_and_ties_keep_the_first() -> None:
     def folded(*mutations: StatusChanged) -> tuple[Any, ...]:
-        u = fold(mutations, FIXED_BASE, NOW).updates
+        u = fold(mutations, FIXED_BASE, FIXED_NOW).updates
         return u["statuses"][0], u["attempts"][0], u["updated"][0], u["messages"][0]
-
-    def at(attempt: int, status: TaskStatus, t: int, msg: str | None = None) -> StatusChanged:
-        return StatusChanged(TaskId(1), status, attempt, t, msg)
 
     retrying = TaskStatus.RETRYING
     # Attempt first, then the rank: running(2) is ahead of retrying(1), which is ahead of
     # running(1); a later one that is behind changes nothing, its message included.
-    assert folded(at(2, RUNNING, 5), at(1, retrying, 9, "late")) == (
+    assert folded(changed(1, RUNNING, 5, attempt=2), changed(1, retrying, 9, message="late")) == (
         "running",
         2,
         FIXED_BASE.to_unix(5),
         None,
     )
-    assert folded(at(1, retrying, 5), at(1, RUNNING, 9, "x")) == (
+    assert folded(changed(1, retrying, 5), changed(1, RUNNING, 9, message="x")) == (
         "retrying",
         1,
         FIXED_BASE.to_unix(5),
         None,
     )
     # Terminal is final: no later transition, whatever its attempt or time.
-    assert folded(at(1, SUCCEEDED, 5), at(3, FAILED, 9, "x"), at(4, RUNNING, 10)) == (
+    assert folded(
+        changed(1, SUCCEEDED, 5),
+        changed(1, FAILED, 9, attempt=3, message="x"),
+        changed(1, RUNNING, 10, attempt=4),
+    ) == (
         "succeeded",
         1,
         FIXED_BASE.to_unix(5),
         None,
     )
     # Same state: the later time wins; the same time too keeps the first.
-    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 6)) == (
+    assert folded(changed(1, RUNNING, 5, message="a"), changed(1, RUNNING, 6)) == (
         "running",
         1,
         FIXED_BASE.to_unix(6),
         "a",
     )
-    assert folded(at(1, RUNNING, 5, "a"), at(1, RUNNING, 5, "b")) == (
+    assert folded(changed(1, RUNNING, 5, message="a"), changed(1, RUNNING, 5, message="b")) == (
         "running",
         1,
         FIXED_BASE.to_unix(5),
@@ -174,7 +180,7 @@ def test_only_transitions_that_move_forward_count_and_ties_keep_the_first() -> N
 
 def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
     with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
-        fold([submitted(1), submitted(1, pool="other")], FIXED_BASE, NOW)
+        fold([submitted(1), submitted(1, pool="other")], FIXED_BASE, FIXED_NOW)
     assert caught.value.ids == [1]
     assert not caught.value.is_transient
 
@@ -182,11 +188,11 @@ def test_a_different_task_under_an_id_in_the_same_batch_is_refused() -> None:
 def test_the_same_submission_again_in_a_batch_is_a_no_op_as_jsonb_compares() -> None:
     # The same resources in another key order: one task for jsonb, so one task here too.
     batch = [submitted(1, resources={"a": 1, "b": 2}), submitted(1, resources={"b": 2, "a": 1})]
-    assert fold(batch, FIXED_BASE, NOW).insert_count == 1
+    assert fold(batch, FIXED_BASE, FIXED_NOW).insert_count == 1
 
 
 def test_last_output_per_task_wins() -> None:
-    f = fold([], FIXED_BASE, NOW, [(TaskId(1), b"x"), (TaskId(2), b"y"), (TaskId(1), b"z")])
+    f = fold([], FIXED_BASE, FIXED_NOW, [(TaskId(1), b"x"), (TaskId(2), b"y"), (TaskId(1), b"z")])
     assert f.outputs == {"ids": [1, 2], "outputs": [b"z", b"y"]}
 
 
@@ -204,13 +210,13 @@ def test_nul_becomes_replacement_character_in_every_string() -> None:
     )
     f = fold(
         [
-            Submitted(TaskId(1), 1, 0, spec),
+            submitted(1, spec, arrival=0),
             changed(1, RUNNING, 1, message="m\0"),
             changed(2, RUNNING, 1, message="n\0"),
             RecurringRemove("r\0"),
         ],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
     )
     row = {k: v[0] for k, v in f.inserts.items()}
     assert row["payload"] == b"\0payload"  # bytes are stored as they are
@@ -229,7 +235,7 @@ def test_recurring_changes_keep_batch_order() -> None:
     f = fold(
         [RecurringUpsert(spec), RecurringNext("r", 50, TaskId(4)), RecurringRemove("r")],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
     )
     assert [a for a, _ in f.recurring] == [
         RecurringAction.UPSERT,
@@ -257,7 +263,7 @@ def test_parameter_names_match_the_statements() -> None:
             RecurringRemove("r"),
         ],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
         [(TaskId(1), b"o")],
     )
     assert set(f.inserts) == set(INSERT_COLUMNS) == binds(statements.insert_tasks)
@@ -272,18 +278,18 @@ def test_writes_name_every_kind_of_write_a_batch_holds_in_the_transaction_order(
     spec = RecurringSpec("r", CronSchedule("* * * * *"), TaskSpec(b"t"))
     # The contract's order inside one transaction, after the epoch check.
     assert FoldedBatch.WRITES == ("updates", "insert_rows", "outputs", "recurring")
-    assert fold([], FIXED_BASE, NOW).writes() == ()
-    assert fold([submitted(1)], FIXED_BASE, NOW).writes() == ("insert_rows",)
-    assert fold([changed(2, RUNNING, 1)], FIXED_BASE, NOW).writes() == ("updates",)
+    assert fold([], FIXED_BASE, FIXED_NOW).writes() == ()
+    assert fold([submitted(1)], FIXED_BASE, FIXED_NOW).writes() == ("insert_rows",)
+    assert fold([changed(2, RUNNING, 1)], FIXED_BASE, FIXED_NOW).writes() == ("updates",)
     # A transition of a task the batch submits rides in its insert row.
-    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], FIXED_BASE, NOW)
+    born_and_moved = fold([submitted(1), changed(1, RUNNING, 1)], FIXED_BASE, FIXED_NOW)
     assert born_and_moved.writes() == ("insert_rows",)
-    assert fold([], FIXED_BASE, NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
-    assert fold([RecurringRemove("r")], FIXED_BASE, NOW).writes() == ("recurring",)
+    assert fold([], FIXED_BASE, FIXED_NOW, [(TaskId(1), b"o")]).writes() == ("outputs",)
+    assert fold([RecurringRemove("r")], FIXED_BASE, FIXED_NOW).writes() == ("recurring",)
     everything = fold(
         [RecurringUpsert(spec), changed(2, RUNNING, 1), submitted(1)],
         FIXED_BASE,
-        NOW,
+        FIXED_NOW,
         [(TaskId(1), b"o")],
     )
     assert everything.writes() == FoldedBatch.WRITES
@@ -377,7 +383,7 @@ def histories(draw: st.DrawFn) -> list[Mutation]:
         if holders and next_id <= 4 and choice == 6:
             id = draw(st.sampled_from(holders))
             done = draw(st.sampled_from([t for t in TaskStatus if t.is_terminal]))
-            mutations.append(StatusChanged(TaskId(id), done, draw(st.integers(0, 3)), at))
+            mutations.append(changed(id, done, at, attempt=draw(st.integers(0, 3))))
             state[id].terminal = True
             sent[next_id] = submitted(next_id, key=state[id].key)
             state[next_id] = Expected(key=state[id].key)
@@ -385,8 +391,8 @@ def histories(draw: st.DrawFn) -> list[Mutation]:
             next_id += 1
         elif sent and choice <= 3:
             id = draw(st.sampled_from(sorted(sent)))
-            m = StatusChanged(
-                TaskId(id), draw(STATUSES), draw(st.integers(0, 3)), at, draw(MESSAGES)
+            m = changed(
+                id, draw(STATUSES), at, attempt=draw(st.integers(0, 3)), message=draw(MESSAGES)
             )
             mutations.append(m)
             if ahead(state[id], m):
@@ -477,23 +483,7 @@ async def test_any_split_with_late_duplicates_stores_the_history_committed_once(
 
 async def test_every_spec_field_is_written_by_the_insert(store: PgStore) -> None:
     """The insert binds 25 arrays by name; a column left out would be silently NULL."""
-    spec = TaskSpec(
-        b"payload",
-        kind="kind",
-        pool="pool",
-        key="key",
-        deadline=11,
-        fixed_start=FixedStart(12, timedelta(seconds=2)),
-        duration_hint=timedelta(seconds=3),
-        timeout=timedelta(seconds=4),
-        retry=RetryPolicy(),
-        deps=[Dependency(TaskId(5))],
-        resources={"gpu": 1},
-        tags=["t"],
-        labels=["l"],
-        tenant="tenant",
-    )
-    await store.commit(0, FIXED_BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
+    await store.commit(0, FIXED_BASE, [submitted(1, FULL_SPEC, arrival=0)], [])
     async with store.engine.connect() as conn:
         row = (
             await conn.execute(

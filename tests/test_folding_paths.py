@@ -6,11 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cronoq_store._commit_path import fold
-from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
+from cronoq_store._domain import StatusChanged, TaskId, TaskStatus
 
-from .support import FIXED_BASE
-
-NOW = 1_800_000_000 * 10**9
+from .support import FAILED, FIXED_BASE, FIXED_NOW, changed, submitted
 
 _TRANSITIONS = st.lists(
     st.builds(
@@ -31,10 +29,10 @@ def test_distinct_transitions_fold_as_in_any_other_batch(
     batch: list[StatusChanged], outputs: list[tuple[int, bytes]]
 ) -> None:
     outs = [(TaskId(i), o) for i, o in outputs]
-    alone = fold(batch, FIXED_BASE, NOW, outs)
+    alone = fold(batch, FIXED_BASE, FIXED_NOW, outs)
     # A submission of another task sends the same transitions through the general loop.
-    other = Submitted(TaskId(10**7), 1, 0, TaskSpec(b"p"))
-    mixed = fold([*batch, other], FIXED_BASE, NOW, outs)
+    other = submitted(10**7, seq=1, arrival=0)
+    mixed = fold([*batch, other], FIXED_BASE, FIXED_NOW, outs)
     assert alone.updates == mixed.updates
     assert alone.outputs == mixed.outputs
     assert alone.inserted_updates == mixed.inserted_updates
@@ -42,6 +40,6 @@ def test_distinct_transitions_fold_as_in_any_other_batch(
 
 
 def test_a_message_is_cleaned_on_the_shortcut_too() -> None:
-    folded = fold([StatusChanged(TaskId(1), TaskStatus.FAILED, 1, 5, "a\0b")], FIXED_BASE, NOW)
+    folded = fold([changed(1, FAILED, 5, message="a\0b")], FIXED_BASE, FIXED_NOW)
     assert folded.updates["messages"] == ["a\ufffdb"]
     assert folded.updates["message_levels"] == folded.updates["levels"]

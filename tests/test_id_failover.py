@@ -1,7 +1,7 @@
 """A failover to an asynchronous standby never brings back an id the standby saw stored.
 
-Commits no longer record an id high-water mark; prune records the largest id it deletes in
-the statement that deletes it. So the standby replays both or neither: a new leader there
+Commits record no id high-water mark; prune records the largest id it deletes in the
+statement that deletes it. So the standby replays both or neither: a new leader there
 starts above every id the standby ever had, even when the newest tasks were pruned, the
 epoch wrapped, and the stream was held back before the primary crashed (what the standby
 never received is lost, as docs/reliability.md says, but nothing it had comes back).
@@ -10,31 +10,24 @@ never received is lost, as docs/reliability.md says, but nothing it had comes ba
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     EPOCH_MAX,
-    StatusChanged,
-    Submitted,
     TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
     task_id,
 )
 
 from .pgharness import admin_execute
 from .replication import needs_binaries, stores_on_a_replicated_pair
-from .support import PROCESS_BASE
+from .support import OLD_BASE, PROCESS_BASE, SUCCEEDED, changed, submitted
 from .waits import bounded
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = "id_failover"
-OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)  # updates 1000 s ago
 
 
 def config(name: str) -> PgStoreConfig:
@@ -64,22 +57,15 @@ async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(
         assert epoch == EPOCH_MAX
         # The last term before the wrap: its ids are the largest, all finished and pruned.
         ids = [TaskId(task_id(epoch, n)) for n in range(50)]
-        done = [
-            m
-            for i in ids
-            for m in (
-                Submitted(i, i & 0xFFFF, 1, TaskSpec(b"p")),
-                StatusChanged(i, TaskStatus.SUCCEEDED, 1, 2),
-            )
-        ]
-        await a.commit(epoch, OLD, done, [])
+        done = [m for i in ids for m in (submitted(i), changed(i, SUCCEEDED, 2))]
+        await a.commit(epoch, OLD_BASE, done, [])
         assert await a.prune(1) == len(ids)
         await pair.replayed()
 
         # The stream is held back; the primary goes on alone, then crashes.
         replication.stall()
         late = TaskId(task_id(epoch, 1000))
-        await a.commit(epoch, PROCESS_BASE, [Submitted(late, 1000, 1, TaskSpec(b"late"))], [])
+        await a.commit(epoch, PROCESS_BASE, [submitted(late, b"late", seq=1000)], [])
         await asyncio.to_thread(pair.primary.stop, "immediate")
         await asyncio.to_thread(pair.promote)
 

@@ -27,22 +27,15 @@ from cronoq_store._domain import (
     RecurringSpec,
     RecurringUpsert,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
-    TaskStatus,
     TimeBase,
 )
 from cronoq_store._errors import StoreError
 from cronoq_store._schema import LiveTasks
 from cronoq_store._store import PgStore
 
-from .support import FAILED, START_BASE
-
-
-def submitted(id: int, **spec: Any) -> Submitted:
-    return Submitted(TaskId(id), seq=id, arrival=-id, spec=TaskSpec(b"p%d" % id, **spec))
+from .support import FAILED, RUNNING, START_BASE, changed, submitted
 
 
 async def execute(store: PgStore, sql: str) -> list[Any]:
@@ -114,7 +107,7 @@ async def test_names_from_a_newer_build_read_as_defaults_not_corruption(
             submitted(2, deps=[Dependency(TaskId(1), DependencyCondition.FINISHED)]),
             submitted(3, priority=Priority.HIGH),
             submitted(4),
-            StatusChanged(TaskId(4), TaskStatus.RUNNING, attempt=3, at=0),
+            changed(4, RUNNING, attempt=3),
         ],
         [],
     )

@@ -15,11 +15,8 @@ from cronoq_store._domain import (
     QUEUED,
     FixedStart,
     Priority,
-    Submitted,
-    TaskId,
     TaskSpec,
     TaskStatus,
-    TimeBase,
 )
 from cronoq_store._schema import (
     INSERT_COLUMNS,
@@ -35,13 +32,11 @@ from cronoq_store._schema import (
     tasks,
 )
 
-from .support import FULL_SPEC
+from .support import FIXED_NOW, FULL_SPEC, SHIFTED_BASE, submitted
 
-BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
-NOW = 1_800_000_000_000_000_000
-UNIX = BASE.unix_ns - BASE.engine_ns
+UNIX = SHIFTED_BASE.unix_ns - SHIFTED_BASE.engine_ns
 
-SUBMITTED = Submitted(TaskId(7), seq=8, arrival=9, spec=FULL_SPEC)
+SUBMITTED = submitted(7, FULL_SPEC, seq=8, arrival=9)
 
 
 def test_the_example_spec_sets_every_field() -> None:
@@ -54,7 +49,8 @@ def test_the_example_spec_sets_every_field() -> None:
 
 
 def test_insert_row_puts_every_value_under_its_own_column() -> None:
-    row = dict(zip(INSERT_COLUMNS, insert_row(SUBMITTED, unix_converter(BASE), NOW), strict=True))
+    values = insert_row(SUBMITTED, unix_converter(SHIFTED_BASE), FIXED_NOW)
+    row = dict(zip(INSERT_COLUMNS, values, strict=True))
     assert row == {
         "id": 7,
         "seq": 8,
@@ -77,7 +73,7 @@ def test_insert_row_puts_every_value_under_its_own_column() -> None:
         "status": QUEUED,
         "terminal": False,
         "attempt": 0,
-        "updated_unix_ns": NOW,
+        "updated_unix_ns": FIXED_NOW,
         "message": None,
         "labels": '["l"]',
         "tenant": "tenant",
@@ -85,16 +81,16 @@ def test_insert_row_puts_every_value_under_its_own_column() -> None:
 
 
 def test_a_live_row_decodes_to_the_submission_it_was_encoded_from() -> None:
-    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+    row = insert_row(SUBMITTED, unix_converter(SHIFTED_BASE), FIXED_NOW)
     row[INSERT_POSITION["status"]], row[INSERT_POSITION["attempt"]] = "running", 3
-    task = LiveTasks(BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    task = LiveTasks(SHIFTED_BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
     assert (task.id, task.seq, task.arrival, task.spec, task.attempt) == (7, 8, 9, FULL_SPEC, 3)
 
 
 def test_a_stored_tolerance_of_null_reads_as_the_domain_default() -> None:
-    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+    row = insert_row(SUBMITTED, unix_converter(SHIFTED_BASE), FIXED_NOW)
     row[INSERT_POSITION["fixed_tolerance_ns"]] = None
-    task = LiveTasks(BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
+    task = LiveTasks(SHIFTED_BASE).decode(*(row[INSERT_POSITION[name]] for name in LIVE_COLUMNS))
     assert task.spec.fixed_start is not None
     assert task.spec.fixed_start.tolerance == FixedStart(0).tolerance
 
@@ -153,8 +149,8 @@ def test_a_live_decoder_shares_at_most_its_limit_of_values_and_decodes_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(schema, "SHARED_VALUES", 2)  # the strings cache: "kind", then "p0"
-    decode = LiveTasks(BASE).decode
-    row = insert_row(SUBMITTED, unix_converter(BASE), NOW)
+    decode = LiveTasks(SHIFTED_BASE).decode
+    row = insert_row(SUBMITTED, unix_converter(SHIFTED_BASE), FIXED_NOW)
 
     def pool_of_a_task_in(n: int) -> str:
         row[INSERT_POSITION["pool"]] = f"p{n}"  # a new string object every time

@@ -11,7 +11,6 @@ standby (``tests/test_id_failover.py``).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,32 +25,16 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     EPOCH_MAX,
     Mutation,
-    StatusChanged,
     Submitted,
     TaskId,
-    TaskSpec,
-    TaskStatus,
-    TimeBase,
     task_id,
 )
 from cronoq_store._errors import KeyTakenError, StoreError
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import PROCESS_BASE
+from .support import OLD_BASE, PROCESS_BASE, SUCCEEDED, changed, submitted
 from .waits import bounded, until_value
-
-#: Updates 1000 s ago: old enough for ``prune(1)``.
-OLD = TimeBase(engine_ns=0, unix_ns=time.time_ns() - 10**12)
-
-
-def submitted(id: int, key: str | None = None) -> Submitted:
-    return Submitted(TaskId(id), seq=id & 0xFFFF, arrival=1, spec=TaskSpec(b"p", key=key))
-
-
-def finished(id: int) -> StatusChanged:
-    return StatusChanged(TaskId(id), TaskStatus.SUCCEEDED, 1, 2)
-
 
 #: Batches that insert tasks, one per write path: one statement for one task and for
 #: several, COPY, and a transaction (new tasks and a transition of a stored one).
@@ -59,7 +42,7 @@ SHAPES: dict[str, Callable[[int], list[Mutation]]] = {
     "one task": lambda n: [submitted(n)],
     "several tasks": lambda n: [submitted(n + i) for i in range(3)],
     "copy": lambda n: [submitted(n + i) for i in range(COPY_MIN_ROWS)],
-    "transaction": lambda n: [submitted(n), finished(1)],
+    "transaction": lambda n: [submitted(n), changed(1, SUCCEEDED, 2)],
 }
 
 
@@ -115,7 +98,7 @@ async def lead_at_the_wrap(engine: AsyncEngine, schema: str, pg_url: URL) -> tup
 
 
 def done(ids: list[int]) -> list[Mutation]:
-    return [m for i in ids for m in (submitted(i), finished(i))]
+    return [m for i in ids for m in (submitted(i), changed(i, SUCCEEDED, 2))]
 
 
 async def test_prune_then_takeover_never_issues_a_pruned_id_again(
@@ -125,13 +108,13 @@ async def test_prune_then_takeover_never_issues_a_pruned_id_again(
     third leader's first id is above every one of them."""
     last, start = await lead_at_the_wrap(engine, migrated, pg_url)
     issued = [start + n for n in range(3)]
-    await last.commit(EPOCH_MAX, OLD, done(issued), [])
+    await last.commit(EPOCH_MAX, OLD_BASE, done(issued), [])
     await last.close()
     wrapped, epoch, start = await takeover(engine, migrated)
     assert epoch == 1
     assert start == max(issued) + 1
     issued += [start, start + 1]
-    await wrapped.commit(epoch, OLD, done(issued[-2:]), [])
+    await wrapped.commit(epoch, OLD_BASE, done(issued[-2:]), [])
     assert await wrapped.prune(1) == 5
     await wrapped.close()
     third, epoch, start = await takeover(engine, migrated)
@@ -149,11 +132,11 @@ async def test_the_epoch_wrap_after_a_prune_never_issues_a_pruned_id_again(
     which are pruned; the next epoch wraps to 1 and continues above them all."""
     first, epoch, start = await takeover(engine, migrated)
     low = [start, start + 1]
-    await first.commit(epoch, OLD, [submitted(i) for i in low], [])
+    await first.commit(epoch, OLD_BASE, [submitted(i) for i in low], [])
     await first.close()
     last, start = await lead_at_the_wrap(engine, migrated, pg_url)
     high = [start + n for n in range(3)]
-    await last.commit(EPOCH_MAX, OLD, done(high), [])
+    await last.commit(EPOCH_MAX, OLD_BASE, done(high), [])
     assert await last.prune(1) == 3
     await last.close()
     wrapped, epoch, start = await takeover(engine, migrated)
@@ -173,10 +156,10 @@ async def test_a_failed_batch_leaves_every_stored_id_unissuable(
     only those may be issued again."""
     last, start = await lead_at_the_wrap(engine, migrated, pg_url)
     holder, innocent, guilty = start, start + 1, start + 2
-    await last.commit(EPOCH_MAX, OLD, [submitted(holder, key="k")], [])
-    async with GroupCommitter(last, EPOCH_MAX, OLD) as committer:
+    await last.commit(EPOCH_MAX, OLD_BASE, [submitted(holder, key="k")], [])
+    async with GroupCommitter(last, EPOCH_MAX, OLD_BASE) as committer:
         results = await asyncio.gather(
-            committer.submit([submitted(innocent), finished(innocent), finished(holder)]),
+            committer.submit([*done([innocent]), changed(holder, SUCCEEDED, 2)]),
             committer.submit([submitted(guilty, key="k2"), submitted(guilty + 1, key="k2")]),
             return_exceptions=True,
         )
@@ -200,7 +183,7 @@ async def test_a_prune_batch_killed_mid_way_records_nothing_and_deletes_nothing(
     conflicts with the commits' share lock); its session is killed there: nothing was
     deleted, nothing recorded, and the next prune records what it deletes."""
     high = TaskId(task_id(3, 41))
-    await store.commit(0, OLD, [submitted(high), finished(high)], [])
+    await store.commit(0, OLD_BASE, [submitted(high), changed(high, SUCCEEDED, 2)], [])
     in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
     try:
         tx = in_flight.transaction()

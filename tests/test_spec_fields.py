@@ -39,8 +39,9 @@ from cronoq_store._domain import (
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._schema import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row, tasks
 
-BASE = TimeBase(engine_ns=1_000, unix_ns=1_700_000_000_000_000_000)
-NOW = 1_800_000_000_000_000_000
+from .support import FIXED_NOW, SHIFTED_BASE
+
+BASE: TimeBase = SHIFTED_BASE
 DEFAULT = TaskSpec(b"")
 
 #: A value of each kind that no field has as its default.
@@ -81,7 +82,8 @@ def _only(f: SpecField) -> TaskSpec:
 
 def _row(spec: TaskSpec) -> dict[str, Any]:
     submitted = Submitted(TaskId(7), seq=8, arrival=9, spec=spec)
-    return dict(zip(INSERT_COLUMNS, insert_row(submitted, unix_converter(BASE), NOW), strict=True))
+    row = insert_row(submitted, unix_converter(BASE), FIXED_NOW)
+    return dict(zip(INSERT_COLUMNS, row, strict=True))
 
 
 def test_the_declaration_names_every_taskspec_field_in_order() -> None:

@@ -11,19 +11,15 @@ from cronoq_store._commit_path import (
     BatchWriter,
     fold,
 )
-from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, TimeBase
 from cronoq_store._door import CompiledStatement, Opening
 
+from .support import FIXED_BASE, RUNNING, changed, submitted
+
 DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
-BASE = TimeBase(engine_ns=0, unix_ns=0)
 
 
 def compiled(statement: object) -> CompiledStatement:
     return CompiledStatement.of(statement, DIALECT, "s")  # type: ignore[arg-type]
-
-
-def submitted(n: int) -> Submitted:
-    return Submitted(TaskId(n), n, 0, TaskSpec(b"p"))
 
 
 def test_the_opening_sends_begin_and_the_check_with_its_integers_as_literals() -> None:
@@ -59,11 +55,11 @@ def test_only_the_last_statement_of_an_opening_takes_parameters() -> None:
 def test_new_tasks_go_by_copy_from_the_threshold_on() -> None:
     writer = BatchWriter(DIALECT, "s")
     pinned = BatchWriter(DIALECT, "s", borrowed=st.borrowed_transaction(5000))
-    below = fold([submitted(n) for n in range(COPY_MIN_ROWS - 1)], BASE, 0)
-    at = fold([submitted(n) for n in range(COPY_MIN_ROWS)], BASE, 0)
+    below = fold([submitted(n) for n in range(COPY_MIN_ROWS - 1)], FIXED_BASE, 0)
+    at = fold([submitted(n) for n in range(COPY_MIN_ROWS)], FIXED_BASE, 0)
     mixed = fold(
-        [StatusChanged(TaskId(10**6), TaskStatus.RUNNING, 1, 0), *map(submitted, range(2))],
-        BASE,
+        [changed(10**6, RUNNING), *map(submitted, range(2))],
+        FIXED_BASE,
         0,
     )
     assert [writer.path(b) for b in (below, at, mixed)] == ["insert", "copy", "transaction"]

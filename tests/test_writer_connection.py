@@ -9,12 +9,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Submitted, TaskId, TaskSpec
+from cronoq_store._domain import TaskId
 from cronoq_store._errors import (
     FencedError,
     IdCollisionError,
@@ -24,8 +23,8 @@ from cronoq_store._errors import (
 )
 from cronoq_store._store import PgStore
 
-from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn, restart, terminate_backend
-from .support import START_BASE, changed, lock_holders, submitted
+from .pgharness import ServerUnderTest, admin_execute, restart, terminate_backend
+from .support import START_BASE, LeaderRowHold, changed, lock_holders, submitted
 from .waits import bounded, holds_for, until, until_value
 
 
@@ -104,16 +103,9 @@ async def test_a_commit_cut_short_gives_up_the_held_connection(
     store, epoch = leader
     await store.commit(epoch, START_BASE, [submitted(1)], [])
     [pid] = await writers(pg_url, name)
-    blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
-    try:
-        lock = blocker.transaction()
-        await lock.start()
-        await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_leader FOR UPDATE')
+    async with LeaderRowHold(pg_url, migrated):
         with pytest.raises(UnavailableError, match="commit_timeout"):
             await store.commit(epoch, START_BASE, [submitted(2)], [])
-        await lock.rollback()
-    finally:
-        await blocker.close()
     # The interrupted connection was closed, not kept: its backend is gone.
     assert checked_out(store) == 0
     await store.commit(epoch, START_BASE, [submitted(2)], [])
@@ -127,11 +119,7 @@ async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
 ) -> None:
     store, epoch = leader
     await store.commit(epoch, START_BASE, [submitted(1)], [])
-    blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
-    try:
-        lock = blocker.transaction()
-        await lock.start()
-        await blocker.execute(f'SELECT 1 FROM "{migrated}".cronoq_leader FOR UPDATE')
+    async with LeaderRowHold(pg_url, migrated):
         commits = [
             asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(n)], []))
             for n in (2, 3, 4)
@@ -140,9 +128,6 @@ async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
         await until_value(
             lambda: checked_out(store), lambda n: n == 3, "three commits waiting on the row"
         )
-        await lock.rollback()
-    finally:
-        await blocker.close()
     await asyncio.gather(*commits)
     assert checked_out(store) == 1
     assert len(await writers(pg_url, name)) == 3
@@ -187,8 +172,7 @@ async def test_a_store_with_one_connection_holds_none(
     config = PgStoreConfig(schema=migrated, max_connections=1, application_name=name)
     async with await PgStore.connect(pg_url, config) as store:
         epoch = await store.acquire_leadership()
-        spec = TaskSpec(b"p")
-        await store.commit(epoch, START_BASE, [Submitted(TaskId(1), 1, 0, spec)], [])
+        await store.commit(epoch, START_BASE, [submitted(1, arrival=0)], [])
         assert checked_out(store) == 0
         assert await store.get_task(TaskId(1)) is not None
 
@@ -208,50 +192,14 @@ async def gone(pg_url: URL, name: str, pid: int) -> bool:
     return pid not in await backends(pg_url, name)
 
 
-class RowLock:
-    """A session that can hold the leader row ``FOR UPDATE``: commits and prunes wait."""
-
-    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
-        self._conn, self._schema = conn, schema
-        self._tx: Any = None
-
-    async def lock(self) -> None:
-        self._tx = self._conn.transaction()
-        await self._tx.start()
-        await self._conn.execute(f'SELECT 1 FROM "{self._schema}".cronoq_leader FOR UPDATE')
-
-    async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
-        """Wait until a session waits for the lock held here (``work`` ending first fails)."""
-
-        async def blocked() -> bool:
-            # This session's transaction holds the lock, and the server reads
-            # pg_stat_activity once per transaction: without a fresh look, every check
-            # would see the sessions as they were at the first.
-            await self._conn.execute("SELECT pg_stat_clear_snapshot()")
-            rows = await self._conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                self._conn.get_server_pid(),
-            )
-            return work.done() or bool(rows)
-
-        await until(blocked, what)
-        assert not work.done(), f"{what}: it ended without waiting ({work})"
-
-    async def release(self) -> None:
-        if self._tx is not None:
-            tx, self._tx = self._tx, None
-            await tx.rollback()
-
-
 @pytest.fixture
-async def row_lock(pg_url: URL, migrated: str) -> AsyncIterator[RowLock]:
-    conn = await asyncpg.connect(asyncpg_dsn(pg_url))
-    lock = RowLock(conn, migrated)
+async def leader_row(pg_url: URL, migrated: str) -> AsyncIterator[LeaderRowHold]:
+    """The leader row, held from outside the store once a test calls ``lock()``."""
+    hold = LeaderRowHold(pg_url, migrated)
     try:
-        yield lock
+        yield hold
     finally:
-        await lock.release()
-        await conn.close()
+        await hold.release()
 
 
 async def open_leader(
@@ -275,7 +223,7 @@ async def open_leader(
 
 @pytest.mark.parametrize("connections", [2, 3])
 async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_another(
-    pg_url: URL, migrated: str, name: str, row_lock: RowLock, connections: int
+    pg_url: URL, migrated: str, name: str, leader_row: LeaderRowHold, connections: int
 ) -> None:
     """Were the writer to hold one of two connections for the whole term, idle between
     commits, a read waiting on a lock (a prune behind a commit) would take the other, and
@@ -284,15 +232,15 @@ async def test_an_idle_leader_with_two_connections_still_serves_a_read_beside_an
     answers while the prune still waits."""
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=connections)
     await store.commit(epoch, START_BASE, [submitted(1)], [])
-    await row_lock.lock()
+    await leader_row.lock()
     prune = asyncio.ensure_future(store.prune(0))
     try:
-        await row_lock.waited_on(prune, "the prune to wait on the leader row")
+        await leader_row.waited_on(prune, "the prune to wait on the leader row")
         health = await bounded(store.health(), "health beside the waiting prune")
         assert health.is_leader
         assert not prune.done(), "health answered only once the prune gave its connection up"
     finally:
-        await row_lock.release()
+        await leader_row.release()
         assert await bounded(prune, "the prune once the row is free") == 0
         await store.close()
 
@@ -336,20 +284,20 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
 
 
 async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
-    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+    pg_url: URL, migrated: str, name: str, leader_row: LeaderRowHold
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, START_BASE, [submitted(1)], [])
-        await row_lock.lock()
+        await leader_row.lock()
         [pid] = await writers(pg_url, name)
         commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
-        await row_lock.waited_on(commit, "the commit to wait on the leader row")
+        await leader_row.waited_on(commit, "the commit to wait on the leader row")
         commit.cancel()
         with pytest.raises(asyncio.CancelledError):
             await commit
         assert checked_out(store) == 0
-        await row_lock.release()
+        await leader_row.release()
         await until(
             lambda: gone(pg_url, name, pid), "the server to end the cancelled commit's session"
         )
@@ -361,20 +309,20 @@ async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
 
 
 async def test_the_held_session_terminated_during_a_commit(
-    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+    pg_url: URL, migrated: str, name: str, leader_row: LeaderRowHold
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     try:
         await store.commit(epoch, START_BASE, [submitted(1)], [])
-        await row_lock.lock()
+        await leader_row.lock()
         [pid] = await writers(pg_url, name)
         commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
-        await row_lock.waited_on(commit, "the commit to wait on the leader row")
+        await leader_row.waited_on(commit, "the commit to wait on the leader row")
         assert await terminate_backend(pg_url, pid)
         with pytest.raises(UnavailableError):
             await commit
         assert checked_out(store) == 0
-        await row_lock.release()
+        await leader_row.release()
         await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert await stored(pg_url, migrated) == [1, 2]
     finally:
@@ -401,16 +349,16 @@ async def test_the_held_session_ended_by_idle_session_timeout(
 
 
 async def test_close_while_a_commit_runs_on_the_held_connection_leaves_no_session(
-    pg_url: URL, migrated: str, name: str, row_lock: RowLock
+    pg_url: URL, migrated: str, name: str, leader_row: LeaderRowHold
 ) -> None:
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
     await store.commit(epoch, START_BASE, [submitted(1)], [])
-    await row_lock.lock()
+    await leader_row.lock()
     commit = asyncio.ensure_future(store.commit(epoch, START_BASE, [submitted(2)], []))
-    await row_lock.waited_on(commit, "the commit to wait on the leader row")
+    await leader_row.waited_on(commit, "the commit to wait on the leader row")
     closing = asyncio.ensure_future(store.close())
     await asyncio.sleep(0.3)
-    await row_lock.release()
+    await leader_row.release()
     # The commit in flight lands after close() disposed the pool: its connection must not
     # go back to the disposed pool, whose server session would then stay open (even after
     # a garbage collection).

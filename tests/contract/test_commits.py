@@ -12,7 +12,6 @@ from cronoq_store import (
     BatchTooLargeError,
     CronSchedule,
     Dependency,
-    FixedStart,
     GroupCommitter,
     IdCollisionError,
     IntervalSchedule,
@@ -22,13 +21,23 @@ from cronoq_store import (
     RecurringRemove,
     RecurringSpec,
     RecurringUpsert,
-    RetryPolicy,
     TaskId,
     TaskSpec,
 )
 from cronoq_store._commit_path import COPY_MIN_ROWS
 
-from ..support import CANCELLED, FAILED, QUEUED, RUNNING, START_BASE, SUCCEEDED, submitted
+from ..support import (
+    CANCELLED,
+    FAILED,
+    NUL,
+    NUL_CLEANED,
+    NUL_SPEC,
+    QUEUED,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    submitted,
+)
 from .support import Cluster, observe, state, step, summary, when
 
 
@@ -198,52 +207,44 @@ async def test_nul_in_every_string_is_stored_as_the_replacement_character(
     cluster: Cluster,
 ) -> None:
     store = await cluster.open()
-    nul, clean = "x\0y", "x\ufffdy"
-    spec = TaskSpec(
-        b"\0",
-        kind=nul,
-        pool=nul,
-        key=nul,
-        tenant=nul,
-        tags=[nul],
-        labels=[nul],
-        deps=[Dependency(nul)],
-        resources={nul: 2},
-        retry=RetryPolicy(),
-        fixed_start=FixedStart(5),
-    )
     await store.commit(
         0,
         START_BASE,
         [
-            submitted(1, **{f: getattr(spec, f) for f in ("kind", "pool", "key", "tenant")}),
-            submitted(2, b"\0", **{f: getattr(spec, f) for f in ("tags", "labels", "deps")}),
-            submitted(3, resources=spec.resources, retry=spec.retry, fixed_start=spec.fixed_start),
-            step(3, RUNNING, 1, 10, nul),
-            RecurringUpsert(RecurringSpec(nul, CronSchedule("* * * * *"), spec)),
-            RecurringNext(nul, 9, TaskId(1)),
+            submitted(1, **{f: getattr(NUL_SPEC, f) for f in ("kind", "pool", "key", "tenant")}),
+            submitted(2, b"\0", **{f: getattr(NUL_SPEC, f) for f in ("tags", "labels", "deps")}),
+            submitted(
+                3, **{f: getattr(NUL_SPEC, f) for f in ("resources", "retry", "fixed_start")}
+            ),
+            step(3, RUNNING, 1, 10, NUL),
+            RecurringUpsert(RecurringSpec(NUL, CronSchedule("* * * * *"), NUL_SPEC)),
+            RecurringNext(NUL, 9, TaskId(1)),
         ],
         [],
     )
     recovered = await store.recover(START_BASE)
     one, two, three = (t.spec for t in recovered.tasks)
-    assert (one.kind, one.pool, one.key, one.tenant) == (clean, clean, clean, clean)
+    assert (one.kind, one.pool, one.key, one.tenant) == (NUL_CLEANED,) * 4
     assert (two.tags, two.labels, two.deps, two.payload) == (
-        (clean,),
-        (clean,),
-        (Dependency(clean),),
+        (NUL_CLEANED,),
+        (NUL_CLEANED,),
+        (Dependency(NUL_CLEANED),),
         b"\0",
     )
-    assert three.resources == {clean: 2}
+    assert three.resources == {NUL_CLEANED: 2}
     record = await store.get_task(TaskId(3))
     assert record is not None
-    assert record.message == clean
+    assert record.message == NUL_CLEANED
     [schedule] = recovered.recurring
     template = schedule.spec.template
-    assert (schedule.spec.name, schedule.next, schedule.last) == (clean, 9, 1)
-    assert (template.kind, template.pool, template.key, template.tenant) == (clean,) * 4
-    assert (template.tags, template.labels, template.resources) == ((clean,), (clean,), {clean: 2})
-    assert await store.get_task(nul) == await store.get_task(TaskId(1))
+    assert (schedule.spec.name, schedule.next, schedule.last) == (NUL_CLEANED, 9, 1)
+    assert (template.kind, template.pool, template.key, template.tenant) == (NUL_CLEANED,) * 4
+    assert (template.tags, template.labels, template.resources) == (
+        (NUL_CLEANED,),
+        (NUL_CLEANED,),
+        {NUL_CLEANED: 2},
+    )
+    assert await store.get_task(NUL) == await store.get_task(TaskId(1))
 
 
 async def test_recurring_changes_apply_in_batch_order(cluster: Cluster) -> None:

@@ -15,21 +15,23 @@ from cronoq_store import (
     Priority,
     RecoveredTerminal,
     RetryPolicy,
-    StatusChanged,
-    Submitted,
     TaskId,
     TaskSpec,
-    TaskStatus,
     TimeBase,
 )
 
-from ..support import FAILED, HOUR, RETRYING, RUNNING, START_BASE, SUCCEEDED, submitted
+from ..support import (
+    FAILED,
+    HOUR,
+    OLD_BASE,
+    RETRYING,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    submitted,
+)
 from .support import Capability, Cluster, step, summary
-
-
-def finished(id: int, ago: int, status: TaskStatus = SUCCEEDED) -> StatusChanged:
-    """A transition ``ago`` ns before now (engine time 0 is now in ``START_BASE``)."""
-    return StatusChanged(TaskId(id), status, attempt=1, at=-ago)
 
 
 async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
@@ -54,7 +56,7 @@ async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
         tenant="acme",
     )
     await store.commit(
-        0, START_BASE, [Submitted(TaskId(9), 4, 123, spec), step(9, RETRYING, 2, 1)], []
+        0, START_BASE, [submitted(9, spec, seq=4, arrival=123), step(9, RETRYING, 2, 1)], []
     )
     # The new leader's engine clock reads 1,000,000 ns more at the same wall-clock time.
     later = TimeBase(engine_ns=START_BASE.engine_ns + 10**6, unix_ns=START_BASE.unix_ns)
@@ -75,15 +77,15 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
         START_BASE,
         [
             submitted(1),
-            finished(1, ago=2 * HOUR),  # old: dropped
+            changed(1, SUCCEEDED, -2 * HOUR),  # old: dropped
             submitted(2),
-            finished(2, ago=HOUR // 6, status=FAILED),  # 10 minutes ago: kept
+            changed(2, FAILED, -(HOUR // 6)),  # 10 minutes ago: kept
             submitted(3),
-            finished(3, ago=48 * HOUR),  # old, but task 6 depends on it by id
+            changed(3, SUCCEEDED, -48 * HOUR),  # old, but task 6 depends on it by id
             submitted(4, key="dep"),
-            finished(4, ago=30 * HOUR),  # old, but task 6 depends on its key
+            changed(4, SUCCEEDED, -30 * HOUR),  # old, but task 6 depends on its key
             submitted(5, key="dep"),
-            finished(5, ago=20 * HOUR),  # a later task with the same key: kept too
+            changed(5, SUCCEEDED, -20 * HOUR),  # a later task with the same key: kept too
             submitted(6, deps=[Dependency(TaskId(3)), Dependency("dep")]),
             submitted(7),
             step(7, RUNNING, 1, -3 * HOUR),  # live, however old
@@ -112,9 +114,8 @@ async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     await store.commit(0, START_BASE, [submitted(0)], [])
     assert (await store.recover(START_BASE)).next_id == 1  # a stored id 0 counts
     high = TaskId((3 << 48) | 41)
-    old = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
-    await store.commit(0, old, [submitted(high), step(high, SUCCEEDED, 1, 0)], [])
-    await store.commit(0, old, [submitted(5), step(5, SUCCEEDED, 1, 0)], [])
+    await store.commit(0, OLD_BASE, [submitted(high), step(high, SUCCEEDED, 1, 0)], [])
+    await store.commit(0, OLD_BASE, [submitted(5), step(5, SUCCEEDED, 1, 0)], [])
     assert await store.prune(1) == 2
     assert await store.get_task(high) is None
     # Pruned, but issued: its id is never issued again.
@@ -126,8 +127,7 @@ async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Clu
     (the high-water mark it recorded is 0, the column's default)."""
     first = await cluster.open()
     epoch = await first.acquire_leadership()
-    old = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)  # 1000 s ago
-    await first.commit(epoch, old, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
+    await first.commit(epoch, OLD_BASE, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
     assert await first.prune(1) == 1
     assert await first.get_task(TaskId(0)) is None
     await first.release_leadership()
@@ -145,7 +145,7 @@ async def test_recover_in_a_new_process(cluster: Cluster) -> None:
     await store.commit(
         epoch,
         START_BASE,
-        [submitted(1, key="a"), step(1, RUNNING, 2, 10), submitted(2), finished(2, ago=60)],
+        [submitted(1, key="a"), step(1, RUNNING, 2, 10), submitted(2), changed(2, SUCCEEDED, -60)],
         [],
     )
     here = summary(await store.recover(START_BASE))
