@@ -56,6 +56,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from types import TracebackType
 from typing import Any, TypeVar
 
 import asyncpg
@@ -378,38 +379,52 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     return StoreError(message)
 
 
-@asynccontextmanager
-async def translated(
-    action: str, *, passing: tuple[type[Exception], ...] = ()
-) -> AsyncIterator[None]:
+class translated:
     """The way through the door for work on a connection of its own (the CLI's, the
-    console's, Alembic's, a migration's, the lock session's): any failure inside leaves as
-    the :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the
-    failure; the errors of ``passing`` (the caller's own, which it handles) as they are."""
-    try:
-        yield
-    except passing:
-        raise
-    except Exception as exc:
-        error = translate_error(exc, action)
-        if error is exc:
-            raise
-        raise error from exc
+    console's, Alembic's, a migration's, the lock session's), as ``async with`` or ``with``
+    (Alembic's environment, a command's ``asyncio.run``): any failure inside leaves as the
+    :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the failure;
+    the errors of ``passing`` (the caller's own, which it handles) as they are.
+
+    Only an ``Exception`` is translated: a cancellation or an interrupt is no failure.
+    """
+
+    __slots__ = ("_action", "_passing")
+
+    def __init__(self, action: str, *, passing: tuple[type[Exception], ...] = ()) -> None:
+        self._action = action
+        self._passing = passing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not isinstance(exc, Exception) or isinstance(exc, self._passing):
+            return
+        error = translate_error(exc, self._action)
+        if error is not exc:
+            raise error from exc
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, traceback)
 
 
-@contextlib.contextmanager
-def translated_sync(action: str, *, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
-    """:func:`translated` for synchronous work (Alembic's environment, a command's
-    ``asyncio.run``)."""
-    try:
-        yield
-    except passing:
-        raise
-    except Exception as exc:
-        error = translate_error(exc, action)
-        if error is exc:
-            raise
-        raise error from exc
+#: The name Alembic's environment (:mod:`cronoq_store._migrations`) gives
+#: :class:`translated` for its synchronous work.
+translated_sync = translated
 
 
 def translate_open_error(exc: BaseException, where: str, action: str) -> StoreError:
