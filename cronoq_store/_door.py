@@ -139,7 +139,6 @@ __all__ = [
     "translate_error",
     "translate_open_error",
     "translated",
-    "translated_sync",
 ]
 
 
@@ -473,11 +472,6 @@ class translated:
         traceback: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, traceback)
-
-
-#: The name Alembic's environment (:mod:`cronoq_store._migrations`) gives
-#: :class:`translated` for its synchronous work.
-translated_sync = translated
 
 
 def translate_open_error(exc: BaseException, where: str, action: str) -> StoreError:
