@@ -52,11 +52,20 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Protocol, TypeVar, cast
 
 import asyncpg
 from sqlalchemy import URL, ClauseElement, Connection, Executable, Result, event, text
@@ -99,6 +108,8 @@ __all__ = [
     "UNIQUE_VIOLATION",
     "CommitConnection",
     "CompiledStatement",
+    "DriverConnection",
+    "DriverCursor",
     "HeldConnection",
     "LockSession",
     "LockWait",
@@ -128,7 +139,6 @@ __all__ = [
     "translate_error",
     "translate_open_error",
     "translated",
-    "translated_sync",
 ]
 
 
@@ -140,6 +150,49 @@ _T = TypeVar("_T")
 
 # A positional parameter of a compiled statement.
 _PARAMETER = re.compile(r"\$(\d+)")
+
+
+class DriverCursor(Protocol):
+    """A server-side cursor of the driver, read a part at a time (recovery's live tasks)."""
+
+    async def fetch(self, n: int, *, timeout: float | None = None) -> list[Any]: ...
+
+
+class DriverConnection(Protocol):
+    """An asyncpg connection, as the door calls it: statements run, rows copied in, its state
+    read, its socket dropped. asyncpg ships no types, so to mypy its connection is ``Any``;
+    naming what the door calls lets mypy refuse anything else in its place (a SQLAlchemy
+    connection, or a pooled one not unwrapped)."""
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str: ...
+
+    async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]: ...
+
+    async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any: ...
+
+    async def fetchval(
+        self, query: str, *args: Any, column: int = 0, timeout: float | None = None
+    ) -> Any: ...
+
+    def cursor(
+        self, query: str, *args: Any, prefetch: int | None = None, timeout: float | None = None
+    ) -> Awaitable[DriverCursor]: ...
+
+    async def copy_records_to_table(
+        self,
+        table_name: str,
+        *,
+        records: Iterable[Sequence[Any]],
+        columns: Sequence[str] | None = None,
+        schema_name: str | None = None,
+        timeout: float | None = None,
+    ) -> str: ...
+
+    def is_closed(self) -> bool: ...
+
+    def is_in_transaction(self) -> bool: ...
+
+    def terminate(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,24 +218,24 @@ class CompiledStatement:
         """The positional arguments: ``values`` by name, the construct's own otherwise."""
         return [values[n] if n in values else self.defaults[n] for n in self.names]
 
-    async def execute(self, conn: Any, values: Mapping[str, Any]) -> str:
+    async def execute(self, conn: DriverConnection, values: Mapping[str, Any]) -> str:
         """Run on the asyncpg connection ``conn``; the command tag (``UPDATE 12``)."""
         status: str = await conn.execute(self.sql, *self.args(values))
         return status
 
-    async def fetch(self, conn: Any, values: Mapping[str, Any]) -> Any:
+    async def fetch(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
         """Run on ``conn``; every row."""
         return await conn.fetch(self.sql, *self.args(values))
 
-    async def fetchrow(self, conn: Any, values: Mapping[str, Any]) -> Any:
+    async def fetchrow(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
         """Run on ``conn``; the first row."""
         return await conn.fetchrow(self.sql, *self.args(values))
 
-    async def fetchval(self, conn: Any, values: Mapping[str, Any]) -> Any:
+    async def fetchval(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
         """Run on ``conn``; the first row's first value."""
         return await conn.fetchval(self.sql, *self.args(values))
 
-    async def cursor(self, conn: Any, values: Mapping[str, Any]) -> Any:
+    async def cursor(self, conn: DriverConnection, values: Mapping[str, Any]) -> DriverCursor:
         """A server-side cursor on ``conn`` (inside its transaction)."""
         return await conn.cursor(self.sql, *self.args(values))
 
@@ -378,38 +431,47 @@ def translate_error(exc: BaseException, action: str) -> StoreError:
     return StoreError(message)
 
 
-@asynccontextmanager
-async def translated(
-    action: str, *, passing: tuple[type[Exception], ...] = ()
-) -> AsyncIterator[None]:
+class translated:
     """The way through the door for work on a connection of its own (the CLI's, the
-    console's, Alembic's, a migration's, the lock session's): any failure inside leaves as
-    the :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the
-    failure; the errors of ``passing`` (the caller's own, which it handles) as they are."""
-    try:
-        yield
-    except passing:
-        raise
-    except Exception as exc:
-        error = translate_error(exc, action)
-        if error is exc:
-            raise
-        raise error from exc
+    console's, Alembic's, a migration's, the lock session's), as ``async with`` or ``with``
+    (Alembic's environment, a command's ``asyncio.run``): any failure inside leaves as the
+    :class:`StoreError` :func:`translate_error` makes of it, raised ``from`` the failure;
+    the errors of ``passing`` (the caller's own, which it handles) as they are.
 
+    Only an ``Exception`` is translated: a cancellation or an interrupt is no failure.
+    """
 
-@contextlib.contextmanager
-def translated_sync(action: str, *, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
-    """:func:`translated` for synchronous work (Alembic's environment, a command's
-    ``asyncio.run``)."""
-    try:
-        yield
-    except passing:
-        raise
-    except Exception as exc:
-        error = translate_error(exc, action)
-        if error is exc:
-            raise
-        raise error from exc
+    __slots__ = ("_action", "_passing")
+
+    def __init__(self, action: str, *, passing: tuple[type[Exception], ...] = ()) -> None:
+        self._action = action
+        self._passing = passing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not isinstance(exc, Exception) or isinstance(exc, self._passing):
+            return
+        error = translate_error(exc, self._action)
+        if error is not exc:
+            raise error from exc
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, traceback)
 
 
 def translate_open_error(exc: BaseException, where: str, action: str) -> StoreError:
@@ -489,7 +551,7 @@ def _stored_id(exc: asyncpg.NotNullViolationError) -> bool:
     return table == tasks.name and column == "seq"
 
 
-def leaves_connection_sound(exc: BaseException, driver: Any) -> bool:
+def leaves_connection_sound(exc: BaseException, driver: DriverConnection) -> bool:
     """Whether the asyncpg connection ``driver`` is usable after ``exc``: a server's error
     that is not about the session (asyncpg rolled the transaction back), on a connection
     that is open and out of any transaction."""
@@ -682,9 +744,9 @@ class HeldConnection:
                 await greenlet_spawn(pooled.close)
 
 
-def _asyncpg_of(pooled: PoolProxiedConnection) -> Any:
-    """The asyncpg connection under a pooled one."""
-    return pooled.driver_connection
+def _asyncpg_of(pooled: PoolProxiedConnection) -> DriverConnection:
+    """The asyncpg connection under a pooled one (the store's engines are asyncpg's)."""
+    return cast(DriverConnection, pooled.driver_connection)
 
 
 class CommitConnection:
@@ -696,7 +758,7 @@ class CommitConnection:
 
     __slots__ = ("_driver",)
 
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: DriverConnection) -> None:
         self._driver = driver
 
     async def fetchrow(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
@@ -1047,8 +1109,7 @@ async def partitions(
     (recovery's live tasks). The rows are the driver's records, as :mod:`cronoq_store._schema`
     decodes them: SQLAlchemy's result rows cost more per row than the decoding they feed."""
     compiled = CompiledStatement.of(statement, conn.dialect, schema)
-    driver: Any = (await conn.get_raw_connection()).driver_connection
-    cursor = await compiled.cursor(driver, {})
+    cursor = await compiled.cursor(_asyncpg_of(await conn.get_raw_connection()), {})
     while rows := await cursor.fetch(size):
         yield rows
 

@@ -846,7 +846,7 @@ def _run_environment(context: EnvironmentContext) -> None:
     # From the command line, every failure through the door: one line, not a traceback;
     # from code, the caller (:func:`cronoq_store._migrations.upgrade`) names the schema.
     translating: AbstractContextManager[None] = (
-        door.translated_sync("migrating", passing=(CommandError, ValueError))
+        door.translated("migrating", passing=(CommandError, ValueError))
         if from_cli
         else contextlib.nullcontext()
     )

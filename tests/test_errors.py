@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 import cronoq_store
-from cronoq_store._door import CONNECTION_CLASSES, translate_error
+from cronoq_store._door import CONNECTION_CLASSES, translate_error, translated
 from cronoq_store._errors import (
     FencedError,
     KeyTakenError,
@@ -473,6 +473,40 @@ async def test_driver_misuse_is_a_bug_not_an_outage(engine: AsyncEngine, passwor
 def test_store_errors_pass_through() -> None:
     fenced = FencedError("fenced")
     assert translate_error(fenced, "committing") is fenced
+
+
+async def through_the_door(exc: BaseException, *, asynchronous: bool) -> BaseException:
+    """What leaves ``translated`` (as ``async with`` or as ``with``) when ``exc`` is raised
+    inside; a caller's ``ValueError`` passes."""
+    try:
+        if asynchronous:
+            async with translated("committing", passing=(ValueError,)):
+                raise exc
+        else:
+            with translated("committing", passing=(ValueError,)):
+                raise exc
+    except BaseException as left:
+        return left
+    raise AssertionError("nothing left the door")
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async-with", "with"])
+async def test_the_door_translates_failures_and_nothing_else(asynchronous: bool) -> None:
+    lost = OSError("connection reset")
+    error = await through_the_door(lost, asynchronous=asynchronous)
+    assert isinstance(error, UnavailableError)
+    assert error.__cause__ is lost
+    assert str(error) == "committing failed: OSError: connection reset"
+    # The caller's own errors, the store's, a cancellation and an interrupt leave as they are.
+    for untouched in (
+        ValueError("the caller's"),
+        FencedError("fenced"),
+        asyncio.CancelledError(),
+        KeyboardInterrupt(),
+    ):
+        left = await through_the_door(untouched, asynchronous=asynchronous)
+        assert left is untouched
+        assert left.__cause__ is None
 
 
 def test_a_driver_protocol_out_of_step_is_transient() -> None:

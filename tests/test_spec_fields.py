@@ -144,8 +144,8 @@ class _Connection:
         return type("Result", (), {"one": lambda _: mapping})()
 
 
-def _page(spec: TaskSpec) -> tuple[operations.SpecDocument, Any]:
-    """The document and the dependencies ``read_spec`` gives for a task of ``spec``."""
+def _page(spec: TaskSpec) -> tuple[operations.TaskSpecView, Any]:
+    """The view and the dependencies ``read_spec`` gives for a task of ``spec``."""
     row = _row(spec)
     row["payload_size"] = len(row["payload"])
     connection: Any = _Connection(row)
@@ -157,10 +157,12 @@ def test_a_field_is_read_and_shown_on_a_tasks_page_or_in_its_record(f: SpecField
     (shown, deps), (default, default_deps) = _page(_only(f)), _page(DEFAULT)
     facts = {fact.label: fact for fact in shown.facts}
     if f.label is None:  # shown with the record: the page's spec leaves it alone
-        assert (shown, deps) == (default, default_deps)
+        assert (shown.document, deps) == (default.document, default_deps)
         assert set(facts) == {fact.label for fact in default.facts}
         return
-    assert (shown, deps) != (default, default_deps), f"{f.name} does not change the document"
+    assert (shown.document, deps) != (default.document, default_deps), (
+        f"{f.name} does not change the document"
+    )
     assert facts[f.label].words != {d.label: d for d in default.facts}[f.label].words
     assert {c.name for c in task_spec.selected_columns} >= {
         f"{c}_size" if f.kind is SpecKind.BYTES else c for c in f.columns
@@ -169,7 +171,7 @@ def test_a_field_is_read_and_shown_on_a_tasks_page_or_in_its_record(f: SpecField
 
 @_FIELDS
 def test_the_console_draws_every_fact_but_the_deps_table(f: SpecField) -> None:
-    document = _page(_only(f))[0]
+    view = _page(_only(f))[0]
     doc: dict[str, Any] = {
         "id": 7,
         "short_id": None,
@@ -179,11 +181,12 @@ def test_the_console_draws_every_fact_but_the_deps_table(f: SpecField) -> None:
         "tenant": None,
     }
     doc |= {"priority": "normal", "status": QUEUED, "attempt": 0, "updated": None}
-    doc |= {"message": None, "output_size": None, "spec": document, "schema": "s"}
+    doc |= {"message": None, "output_size": None, "spec": view.document, "schema": "s"}
     doc |= {"deps": [], "deps_total": 0, "deps_raw": None}
     request = type("Request", (), {"url": type("URL", (), {"query": ""})})
-    html = _environment(5).get_template("task.html").render(doc=doc, request=request)
-    for fact in document.facts:
+    page = _environment(5).get_template("task.html")
+    html = page.render(doc=doc, request=request, facts=view.facts)
+    for fact in view.facts:
         if fact.style != "deps":
             assert f"<dt>{fact.label}</dt>" in html
             assert f'id="task-{fact.slug}"' in html

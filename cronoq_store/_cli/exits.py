@@ -78,7 +78,7 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     """Run a command's coroutine; every failure leaves as one line, ``url`` masked in it,
     with its exit code."""
     try:
-        with door.translated_sync("the command", passing=(click.ClickException, CliError)):
+        with door.translated("the command", passing=(click.ClickException, CliError)):
             return asyncio.run(work)
     except click.ClickException:
         raise  # usage errors: click prints them and exits with 2

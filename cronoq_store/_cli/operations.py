@@ -35,9 +35,9 @@ __all__ = [
     "Health",
     "Outcome",
     "PrunePlan",
-    "SpecDocument",
     "SpecFact",
     "TaskFilters",
+    "TaskSpecView",
     "batch_transactions",
     "end_leader_session",
     "find_tasks",
@@ -236,15 +236,15 @@ class SpecFact:
         return self.label.replace(" ", "-")
 
 
-class SpecDocument(dict[str, Any]):
-    """A task's spec as ``tasks show --json`` and the console's ``?format=json`` give it,
-    and, beside the JSON rather than in it, the :attr:`facts` both pages show."""
+@dataclass(frozen=True, slots=True)
+class TaskSpecView:
+    """A task's spec as its pages show it: the JSON and the lines drawn of it, apart, so that
+    what only a page draws never reaches the JSON."""
 
-    __slots__ = ("facts",)
-
-    def __init__(self, document: dict[str, Any], facts: list[SpecFact]) -> None:
-        super().__init__(document)
-        self.facts = facts
+    document: dict[str, Any]
+    """What ``tasks show --json`` and the console's ``?format=json`` give as ``spec``."""
+    facts: tuple[SpecFact, ...]
+    """The lines ``tasks show`` prints and the console's task page draws, in their order."""
 
 
 def _json_words(value: object) -> str:
@@ -301,7 +301,7 @@ def _shown(f: SpecField, row: Any) -> tuple[str, object, SpecFact]:
 _SHOWN = tuple(f for f in SPEC_FIELDS if f.label is not None)
 
 
-async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[SpecDocument, Any]:
+async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[TaskSpecView, Any]:
     """A task's spec as ``tasks show --json`` and the console's task page show it (times
     as RFC 3339, durations in ns, JSON columns decoded), and its dependencies as stored.
 
@@ -324,7 +324,7 @@ async def read_spec(conn: AsyncConnection, task_id: int) -> tuple[SpecDocument, 
         facts.append(fact)
     facts.insert(1, SpecFact("arrival", output.moment_words(arrival), "arrival"))
     document = {"seq": row["seq"], "arrival": arrival, "finished": row["terminal"]}
-    return SpecDocument({**document, **members, **sizes}, facts), deps
+    return TaskSpecView({**document, **members, **sizes}, tuple(facts)), deps
 
 
 #: How many terms of the leadership history ``status`` and the console's cluster page show.

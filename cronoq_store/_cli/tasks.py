@@ -70,9 +70,9 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         _ambiguous(ref, found, as_json, console)
     record, status = found[0]
     assert spec is not None
-    document = spec[0]
+    view = spec[0]
     if as_json:
-        output.emit_json({**output.task_document(record, status), "spec": document})
+        output.emit_json({**output.task_document(record, status), "spec": view.document})
         return
     output.print_facts(
         console,
@@ -87,7 +87,7 @@ async def _show(options: Options, ref: output.IdRef | str, as_json: bool, consol
         ("updated", output.moment_words(record.updated)),
         ("message", record.message or "-"),
         ("output", output.preview(record.output)),
-        *((fact.label, fact.words) for fact in document.facts),
+        *((fact.label, fact.words) for fact in view.facts),
     )
 
 

@@ -242,8 +242,15 @@ class _Console:
         self._pruning = pruning
 
     def _respond(
-        self, request: Request, template: str, doc: dict[str, Any], status: int = 200
+        self,
+        request: Request,
+        template: str,
+        doc: dict[str, Any],
+        status: int = 200,
+        **shown: Any,
     ) -> Response:
+        """``doc`` as JSON (``?format=json``), or the page ``template`` draws of it and of
+        ``shown``, what a page draws besides its document (a task's facts)."""
         if request.query_params.get("format") == "json":
             # ASCII-escaped: valid JSON whatever a value holds, safe in any viewer.
             return Response(
@@ -251,7 +258,7 @@ class _Console:
                 status,
                 media_type="application/json",
             )
-        body = self._templates.get_template(template).render(doc=doc, request=request)
+        body = self._templates.get_template(template).render(doc=doc, request=request, **shown)
         return HTMLResponse(body, status)
 
     async def _guarded(self, request: Request, template: str, work: Any) -> Response:
@@ -439,12 +446,12 @@ class _Console:
         async def work() -> Response | dict[str, Any]:
             schema, ref = _schema(request), _ref(request)
             try:
-                doc = await reads.task(self._source, schema, ref)
+                doc, facts = await reads.task(self._source, schema, ref)
             except reads.TaskAmbiguous as exc:
                 # 300 Multiple Choices: the page lists them, as `tasks show` does.
                 return self._respond(request, "ambiguous.html", exc.document(schema), 300)
             doc["schema"] = schema
-            return doc
+            return self._respond(request, "task.html", doc, facts=facts)
 
         return await self._guarded(request, "task.html", work)
 

@@ -283,10 +283,13 @@ def _schedule_document(r: Any) -> dict[str, Any]:
     }
 
 
-async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str, Any]:
+async def task(
+    source: Source, schema: str, ref: output.IdRef | str
+) -> tuple[dict[str, Any], tuple[operations.SpecFact, ...]]:
     """A task's page: the ``tasks show --json`` document, its spec as stored, and each
-    dependency with its target's state; :class:`TaskAmbiguous` for a bare number that names
-    tasks of several epochs."""
+    dependency with its target's state; and, for the page alone, the lines it draws of the
+    spec (:attr:`~cronoq_store._cli.operations.TaskSpecView.facts`). :class:`TaskAmbiguous`
+    for a bare number that names tasks of several epochs."""
     await source.known(schema)
     async with source.connect(schema) as conn:
         await database.require_head(conn, schema)
@@ -304,11 +307,11 @@ async def task(source: Source, schema: str, ref: output.IdRef | str) -> dict[str
             targets.append(await _target(conn, dep))
         await conn.rollback()
     doc = output.task_document(*listed)
-    doc["spec"] = spec
+    doc["spec"] = spec.document
     doc["deps"] = targets
     doc["deps_total"] = len(deps) if isinstance(deps, list) else None
     doc["deps_raw"] = None if isinstance(deps, list) else deps
-    return doc
+    return doc, spec.facts
 
 
 async def _target(conn: AsyncConnection, dep: Any) -> dict[str, Any]:
