@@ -31,17 +31,14 @@ from cronoq_store._domain import (
     RetryPolicy,
     SpecField,
     SpecKind,
-    Submitted,
     TaskId,
     TaskSpec,
-    TimeBase,
 )
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._schema import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row, tasks
 
-from .support import FIXED_NOW, SHIFTED_BASE
+from .support import FIXED_NOW, SHIFTED_BASE, submitted
 
-BASE: TimeBase = SHIFTED_BASE
 DEFAULT = TaskSpec(b"")
 
 #: A value of each kind that no field has as its default.
@@ -81,8 +78,7 @@ def _only(f: SpecField) -> TaskSpec:
 
 
 def _row(spec: TaskSpec) -> dict[str, Any]:
-    submitted = Submitted(TaskId(7), seq=8, arrival=9, spec=spec)
-    row = insert_row(submitted, unix_converter(BASE), FIXED_NOW)
+    row = insert_row(submitted(7, spec, seq=8, arrival=9), unix_converter(SHIFTED_BASE), FIXED_NOW)
     return dict(zip(INSERT_COLUMNS, row, strict=True))
 
 
@@ -111,21 +107,23 @@ def test_a_field_goes_into_its_own_columns_and_comes_back_from_them(f: SpecField
     assert changed, f"{f.name} changes no column"
     assert changed <= set(f.columns)
     row["status"], row["attempt"] = "running", 3
-    task = LiveTasks(BASE).decode(*(row[name] for name in LIVE_COLUMNS))
+    task = LiveTasks(SHIFTED_BASE).decode(*(row[name] for name in LIVE_COLUMNS))
     assert task.spec == spec
 
 
 @_FIELDS
 def test_a_field_goes_into_the_recurring_template_and_comes_back(f: SpecField) -> None:
     spec = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), _only(f))
-    text = encode_recurring(BASE, spec)
-    assert decode_recurring(BASE, "r", text, spec.template.payload) == spec
+    text = encode_recurring(SHIFTED_BASE, spec)
+    assert decode_recurring(SHIFTED_BASE, "r", text, spec.template.payload) == spec
     template = json.loads(text)["template"]
     assert list(template) == list(TEMPLATE_MEMBERS.values())
     if f.member is None:  # a column of its own (the payload)
         assert f.name not in TEMPLATE_MEMBERS
     else:
-        default = json.loads(encode_recurring(BASE, dataclasses.replace(spec, template=DEFAULT)))
+        default = json.loads(
+            encode_recurring(SHIFTED_BASE, dataclasses.replace(spec, template=DEFAULT))
+        )
         assert template[f.member] != default["template"][f.member]
 
 
@@ -213,7 +211,9 @@ def test_a_commits_size_estimate_counts_the_field(f: SpecField) -> None:
     can grow must be measured there, or a batch could exceed what PostgreSQL takes."""
     spec = dataclasses.replace(DEFAULT, **{f.name: LARGE.get(f.kind, EXAMPLES[f.kind])})
     row = _row(spec)
-    assert mutation_size(Submitted(TaskId(7), 8, 9, spec)) >= sum(map(_stored_bytes, row.values()))
+    assert mutation_size(submitted(7, spec, seq=8, arrival=9)) >= sum(
+        map(_stored_bytes, row.values())
+    )
     recurring = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), spec)
-    stored = len(encode_recurring(BASE, recurring).encode()) + len(spec.payload)
+    stored = len(encode_recurring(SHIFTED_BASE, recurring).encode()) + len(spec.payload)
     assert mutation_size(RecurringUpsert(recurring)) >= stored
