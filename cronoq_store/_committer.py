@@ -116,6 +116,7 @@ from ._domain import (
     TimeBase,
     check_seconds,
     clean_text,
+    unhandled,
 )
 from ._errors import (
     ClusterReplacedError,
@@ -163,11 +164,16 @@ def learn(known: dict[int, str | None], mutations: Iterable[Mutation]) -> None:
     forgotten, so ``known`` holds no more tasks than are live: it holds no key any more, and
     forgetting it only makes a later cut more cautious."""
     for m in mutations:
-        if isinstance(m, Submitted):
-            key = m.spec.key
-            known[m.id] = None if key is None else clean_text(key)
-        elif isinstance(m, StatusChanged) and m.status.is_terminal:
-            known.pop(m.id, None)
+        match m:
+            case Submitted(id=id, spec=spec):
+                known[id] = None if spec.key is None else clean_text(spec.key)
+            case StatusChanged(id=id, status=status):
+                if status.is_terminal:
+                    known.pop(id, None)
+            case RecurringUpsert() | RecurringRemove() | RecurringNext():
+                pass  # schedules hold no task's key
+            case _:
+                unhandled(m)
 
 
 class Merge:
@@ -191,21 +197,32 @@ class Merge:
         if claimed or moved or given:
             known = self._known
             for m in mutations:
-                if isinstance(m, Submitted):
-                    if m.id in moved:
-                        return False
-                elif isinstance(m, StatusChanged) and m.status.is_terminal:
-                    id = m.id
-                    if claimed and (id not in known or known[id] in claimed):
-                        return False
-                    if m.status is _SUCCEEDED and id in given:
-                        return False
+                match m:
+                    case Submitted(id=id):
+                        if id in moved:
+                            return False
+                    case StatusChanged(id=id, status=status):
+                        if not status.is_terminal:
+                            continue
+                        if claimed and (id not in known or known[id] in claimed):
+                            return False
+                        if status is _SUCCEEDED and id in given:
+                            return False
+                    case RecurringUpsert() | RecurringRemove() | RecurringNext():
+                        pass  # schedule changes are folded in submission order
+                    case _:
+                        unhandled(m)
         for m in mutations:
-            if isinstance(m, Submitted):
-                if m.spec.key is not None:
-                    claimed.add(clean_text(m.spec.key))
-            elif isinstance(m, StatusChanged):
-                moved.add(m.id)
+            match m:
+                case Submitted(spec=spec):
+                    if spec.key is not None:
+                        claimed.add(clean_text(spec.key))
+                case StatusChanged(id=id):
+                    moved.add(id)
+                case RecurringUpsert() | RecurringRemove() | RecurringNext():
+                    pass
+                case _:
+                    unhandled(m)
         if outputs:
             given.update(id for id, _ in outputs)
         return True
@@ -263,6 +280,9 @@ def footprint(
                 found.schedules.add(clean_text(spec.name))
             case RecurringRemove(name=name) | RecurringNext(name=name):
                 found.schedules.add(clean_text(name))
+            case _:
+                # A type with no footprint here would order itself against no other batch.
+                unhandled(mutation)
     ids.update(id for id, _ in outputs)
     return found
 

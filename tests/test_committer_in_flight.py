@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from cronoq_store._committer import GroupCommitter
+from cronoq_store._committer import GroupCommitter, footprint
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     UNIX_EPOCH,
@@ -881,3 +881,12 @@ async def test_a_schedules_upsert_and_remove_in_batches_in_flight_land_in_order(
     await committer.close()
     rows = await admin_execute(pg_url, f'SELECT count(*) FROM "{migrated}".cronoq_recurring')
     assert rows[0][0] == 0
+
+
+def test_a_mutation_of_no_known_type_gets_no_empty_footprint() -> None:
+    """A batch in flight orders itself behind earlier ones by its footprint; a mutation of a
+    type the footprint does not know is refused, naming the type, never given an empty
+    footprint that would let it overtake a batch it depends on."""
+    unknown: Any = b"not a mutation"
+    with pytest.raises(TypeError, match="not a mutation: bytes"):
+        footprint([unknown])
