@@ -37,7 +37,7 @@ from cronoq_store._domain import (
 from cronoq_store._listing_statements import task_spec
 from cronoq_store._schema import INSERT_COLUMNS, LIVE_COLUMNS, LiveTasks, insert_row, tasks
 
-from .support import FIXED_NOW, SHIFTED_BASE, submitted
+from .support import FIXED_NOW, ROOT, SHIFTED_BASE, submitted
 
 DEFAULT = TaskSpec(b"")
 
@@ -217,3 +217,15 @@ def test_a_commits_size_estimate_counts_the_field(f: SpecField) -> None:
     recurring = RecurringSpec("r", IntervalSchedule(timedelta(minutes=1)), spec)
     stored = len(encode_recurring(SHIFTED_BASE, recurring).encode()) + len(spec.payload)
     assert mutation_size(RecurringUpsert(recurring)) >= stored
+
+
+@pytest.mark.parametrize("table", sorted(schema.metadata.tables))
+def test_the_storage_format_documents_every_column(table: str) -> None:
+    """docs/storage-format.md is what another program reading the tables relies on: a
+    column added without its row there fails here, naming it."""
+    text = (ROOT / "docs" / "storage-format.md").read_text()
+    assert f"`{table}`" in text
+    undocumented = [
+        c.name for c in schema.metadata.tables[table].columns if f"`{c.name}`" not in text
+    ]
+    assert undocumented == []
