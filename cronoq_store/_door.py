@@ -1,5 +1,5 @@
-"""The door to the database, the one module that touches the driver: it makes the store's
-engine and checks every pool at open, holds the commits' connection, opens and ends the
+"""The door to the database, the one module that touches the driver: it makes every engine
+the store uses and checks every pool at open, holds the commits' connection, opens and ends the
 store's transactions, runs statements compiled for asyncpg, waits for locks with a bound,
 and maps every driver failure to the store's errors.
 
@@ -18,10 +18,16 @@ connection an error left usable (:func:`leaves_connection_sound`), a session tha
 driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
 transaction-pooling PgBouncer refused (:func:`translate_open_error`).
 
+Engines: every engine the store makes is made here, by the same rules (no bound parameter
+in an error's text, TLS and libpq's parameters read from the URL, connecting bounded):
+the store's own pool (:func:`own_engine`), the leader lock session's (:func:`lock_engine`,
+or :func:`borrowed_lock_engine` on an application's pool), Alembic's
+(:func:`migration_engine`) and the commands' and console's (:func:`command_engine`).
+
 Connections: :class:`HeldConnection` keeps the commits' connection between commits and
 gives it up when in doubt; :func:`run_transaction` is a store transaction on a pooled
-session, own or borrowed; :func:`own_engine` makes the store's own pool, and the open checks
-(:func:`require_utf8`, :func:`require_search_path`, :func:`cluster_identity`) run on any.
+session, own or borrowed; the open checks (:func:`require_utf8`,
+:func:`require_search_path`, :func:`cluster_identity`) run on any pool.
 
 Lock waits: opening a store, migrating and pruning wait for locks another session holds
 only on the way to their work, so each wait has a bound; past it the call raises
@@ -64,7 +70,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.pool import NullPool, Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util import greenlet_spawn
 
@@ -81,14 +87,16 @@ from ._errors import (
 from ._results import LockHolder
 from ._retry import bounded
 from ._schema import leader, schema_options, tasks
-from ._urls import dialled_by_store, engine_arguments, redact
+from ._urls import ConnectParameters, dialled_by_store, engine_arguments, redact
 
 __all__ = [
     "CLUSTER_REPLACED",
     "CONNECTION_CLASSES",
+    "CONNECT_TIMEOUT",
     "INSERT_REFUSALS",
     "LOCK_NOT_AVAILABLE",
     "LOCK_SESSION_CLOSE_TIMEOUT",
+    "POOL_CONNECT_TIMEOUT",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "REPORT_INTERVAL",
@@ -104,7 +112,9 @@ __all__ = [
     "LockWait",
     "Opening",
     "accepts_writes",
+    "borrowed_lock_engine",
     "cluster_identity",
+    "command_engine",
     "demoted",
     "describe_holders",
     "forget_lost_statements",
@@ -114,8 +124,10 @@ __all__ = [
     "keys_named",
     "leader_barrier",
     "leaves_connection_sound",
+    "lock_engine",
     "lock_not_available",
     "lock_tables",
+    "migration_engine",
     "opening_message",
     "own_engine",
     "partitions",
@@ -841,27 +853,119 @@ async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncItera
         adapter.autocommit = False
 
 
-# --- the store's own pool, and the checks at open ----------------------------------------
+# --- the engines, and the checks at open -------------------------------------------------
+
+#: Seconds a new connection of the store's own pool may take to open: asyncpg's own bound,
+#: written out (each store call is bounded by its own timeout besides).
+POOL_CONNECT_TIMEOUT = 60.0
+#: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
+#: commands: a firewall dropping packets must not hang them for asyncpg's minute.
+CONNECT_TIMEOUT = 10.0
+
+
+def _engine(
+    url: str | URL | ConnectParameters,
+    *,
+    connect_timeout: float,
+    connect_args: Mapping[str, Any],
+    **options: Any,
+) -> AsyncEngine:
+    """An engine that dials ``url`` as libpq would (its TLS, service and password file:
+    :func:`~cronoq_store._urls.engine_arguments`), under the rules every engine the store
+    makes from a URL keeps. No bound parameter shows in an error's text: one can carry a
+    secret or a payload. Connecting is bounded by ``connect_timeout`` seconds, unless the
+    URL's ``connect_timeout`` says otherwise. ``connect_args`` come last, and ``options``
+    are the engine's own (its pool, its isolation level)."""
+    dialled, arguments = engine_arguments(url)
+    return create_async_engine(
+        dialled,
+        hide_parameters=True,
+        **options,
+        connect_args={**arguments, "timeout": connect_timeout, **connect_args},
+    )
 
 
 def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
     """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
     ``max_connections``, the store's session settings, closed connections replaced at
     checkout."""
-    dialled, arguments = engine_arguments(url)
-    engine = create_async_engine(
-        dialled,
+    engine = _engine(
+        url,
+        connect_timeout=POOL_CONNECT_TIMEOUT,
+        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
+        connect_args=_pool_connect_args(config),
         pool_size=config.max_connections,
         max_overflow=0,
         # No store call waits for a connection longer than a commit may take.
         pool_timeout=config.commit_timeout,
-        # Batches carry payloads; errors and logs must not.
-        hide_parameters=True,
-        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
-        connect_args={**arguments, **_pool_connect_args(config)},
     )
     event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
     return engine
+
+
+def lock_engine(
+    parameters: ConnectParameters, settings: Mapping[str, str], connect_timeout: float
+) -> AsyncEngine:
+    """The leader lock session's engine, dialled from the store's URL: no pool (a session
+    ends with the lock it holds), autocommit (the lock is the session's, and the epoch
+    bump opens its own transaction), the session's ``settings`` (its ``search_path``
+    among them) sent at startup, connecting bounded by ``connect_timeout``."""
+    return _engine(
+        parameters,
+        connect_timeout=connect_timeout,
+        connect_args={"server_settings": dict(settings)},
+        poolclass=NullPool,
+        isolation_level="AUTOCOMMIT",
+    )
+
+
+def borrowed_lock_engine(url: str | URL, pool: Pool) -> AsyncEngine:
+    """The leader lock session's engine on an application's ``pool`` (its engine's pool
+    ``recreate()``-d): sessions are made as the application's engine makes its own (its
+    creator, TLS, connect arguments and bound), in autocommit, and ``url`` only names the
+    dialect. The session's settings are applied once connected
+    (:meth:`LockSession.apply_settings`)."""
+    return create_async_engine(url, pool=pool, isolation_level="AUTOCOMMIT", hide_parameters=True)
+
+
+def migration_engine(url: str | URL) -> AsyncEngine:
+    """Alembic's engine when its command line names a URL: no pool (a run opens one
+    connection), the safe ``search_path``, connecting bounded by :data:`CONNECT_TIMEOUT`."""
+    return _engine(
+        url,
+        connect_timeout=CONNECT_TIMEOUT,
+        connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+        poolclass=NullPool,
+    )
+
+
+def command_engine(
+    url: str, *, application_name: str, lock_timeout: float, pool_size: int = 0
+) -> AsyncEngine:
+    """The engine of an operator's command (the CLI's): without a pool by default, as a
+    command opens a connection or two and is gone; with a ``pool_size``, one that keeps
+    that many open (a server that reads again and again, like the console: connecting costs
+    more than most of its pages' statements). Its sessions are named ``application_name``,
+    run with the safe ``search_path``, wait ``lock_timeout`` seconds at most for a lock,
+    and connect within :data:`CONNECT_TIMEOUT`."""
+    pooling: dict[str, Any] = (
+        {"poolclass": NullPool}
+        if pool_size == 0
+        else {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
+    )
+    return _engine(
+        url,
+        connect_timeout=CONNECT_TIMEOUT,
+        connect_args={
+            "server_settings": {
+                "application_name": application_name,
+                # No schema another role can write is ever on the path (CVE-2018-1058).
+                "search_path": st.SEARCH_PATH,
+                "lock_timeout": str(round(lock_timeout * 1000)),
+            }
+        },
+        **pooling,
+    )
 
 
 async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:

@@ -45,8 +45,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool, Pool
+from sqlalchemy.pool import Pool
 
 from . import _catalog as catalog
 from . import _door as door
@@ -59,7 +58,7 @@ from ._results import LockHolder, lock_session_name
 from ._retry import Retry, acquisition_backoff, pause
 from ._schema import schema_options
 from ._trust import ConnectCheck, TrustCheck
-from ._urls import engine_arguments, redact, resolve
+from ._urls import redact, resolve
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["Leadership", "cool_down"]
@@ -202,24 +201,14 @@ class Leadership:
         # once connected; otherwise they are dialled from `url` with the settings attached.
         self._via = "the engine's connection creator" if pool is not None else "the URL"
         if pool is not None:
-            self._engine: AsyncEngine = create_async_engine(
-                url, pool=pool, isolation_level="AUTOCOMMIT"
-            )
+            self._engine = door.borrowed_lock_engine(url, pool)
         else:
             assert parameters is not None
-            dialled, arguments = engine_arguments(
-                parameters.with_application_name(self._settings["application_name"])
-            )
-            self._engine = create_async_engine(
-                dialled,
-                poolclass=NullPool,
-                isolation_level="AUTOCOMMIT",
-                connect_args={
-                    # asyncpg's bound on opening a connection (a silent server never refuses).
-                    "timeout": config.session_timeout,
-                    "server_settings": self._settings,
-                    **arguments,
-                },
+            self._engine = door.lock_engine(
+                parameters.with_application_name(self._settings["application_name"]),
+                self._settings,
+                # asyncpg's bound on opening a connection (a silent server never refuses).
+                config.session_timeout,
             )
         self._apply_settings = pool is not None
         # bump_epoch must hit the cluster's schema.
