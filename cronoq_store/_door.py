@@ -15,8 +15,9 @@ deadlocks and shutdowns alike as a plain ``DBAPIError``): whether work is retrie
 abandoned is decided here. The few driver errors that mean something else than a failure
 are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_named`), a
 connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
-driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
-transaction-pooling PgBouncer refused (:func:`translate_open_error`).
+driver's prepared statements (:func:`forget_lost_statements`), a startup setting a
+transaction-pooling PgBouncer refused (:func:`translate_open_error`), and a lock wait that
+ran out, for the callers that answer it (:class:`LockNotAvailable`).
 
 Engines: every engine the store makes is made here, by the same rules (no bound parameter
 in an error's text, TLS and libpq's parameters read from the URL, connecting bounded):
@@ -108,6 +109,7 @@ __all__ = [
     "CommitConnection",
     "CompiledStatement",
     "HeldConnection",
+    "LockNotAvailable",
     "LockSession",
     "LockWait",
     "Opening",
@@ -125,7 +127,6 @@ __all__ = [
     "leader_barrier",
     "leaves_connection_sound",
     "lock_engine",
-    "lock_not_available",
     "lock_tables",
     "migration_engine",
     "opening_message",
@@ -136,6 +137,7 @@ __all__ = [
     "require_utf8",
     "row_count",
     "run_transaction",
+    "separating_lock_waits",
     "take_migration_lock",
     "translate_error",
     "translate_open_error",
@@ -474,6 +476,30 @@ def lock_not_available(exc: BaseException) -> bool:
     of ``lock_timeout`` (55P03): the session answered, and is sound; a waiter then names
     who holds the lock (:mod:`cronoq_store._door`)."""
     return LOCK_NOT_AVAILABLE in _sqlstates(exc)
+
+
+class LockNotAvailable(UnavailableError):
+    """A lock wait that ran out of ``lock_timeout`` (55P03), told apart from other failures
+    for a caller that waits on purpose and answers it: the keeper's check of the leader
+    row, a command's statements (:func:`separating_lock_waits`). Those callers handle it, so an application never sees
+    it: to everyone else the same failure is a plain ``UnavailableError``, with the same
+    message."""
+
+
+@asynccontextmanager
+async def separating_lock_waits(action: str) -> AsyncIterator[None]:
+    """Within, a failure of ``action`` that is only a lock wait run out of ``lock_timeout``
+    (raw, or already translated) leaves as :class:`LockNotAvailable`, with the message
+    :func:`translate_error` gives it, raised ``from`` the failure. Every other failure
+    leaves as it came, and so does a ``LockHeldError`` (which names the holders already)."""
+    try:
+        yield
+    except (LockHeldError, LockNotAvailable):
+        raise
+    except Exception as exc:
+        if not lock_not_available(exc):
+            raise
+        raise LockNotAvailable(str(translate_error(exc, action))) from exc
 
 
 def insert_refusal(exc: asyncpg.PostgresError) -> bool:

@@ -51,7 +51,7 @@ from . import _catalog as catalog
 from . import _door as door
 from . import _statements as st
 from ._config import PgStoreConfig
-from ._door import LockSession, lock_not_available
+from ._door import LockSession
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
 from ._queries import holder_of, lock_keys
 from ._results import LockHolder, lock_session_name
@@ -98,6 +98,10 @@ _STEP_DOWNS = {
     "cluster_replaced": "the schema holds another cluster than this store's; stepping down",
     "fenced": "the epoch moved without this instance; stepping down",
 }
+
+
+#: What the keeper's check is, in its errors.
+_CHECKING = "checking the leader lock session"
 
 
 def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
@@ -490,12 +494,15 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    async with door.translated("checking the leader lock session"):
+                    async with (
+                        door.translated(_CHECKING),
+                        door.separating_lock_waits(_CHECKING),
+                    ):
                         row = await session.leader_row(last_answer + limit - loop.time())
                 except StoreError as error:
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    if lock_not_available(error):
+                    if isinstance(error, door.LockNotAvailable):
                         last_answer = loop.time()
                         continue
                     if isinstance(error, SchemaGoneError):

@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import _catalog as catalog
 from .. import _door as door
-from .._door import CONNECT_TIMEOUT, describe_holders, holder_of, lock_not_available
-from .._errors import LockHeldError, MigrationError, StoreError
+from .._door import CONNECT_TIMEOUT, describe_holders, holder_of
+from .._errors import MigrationError, StoreError
 from .._migrations import RevisionStatus, clusters_elsewhere, revision_status
 from .._schema import schema_options
 from .._statements import CLUSTER_TABLES
@@ -82,12 +82,9 @@ async def database(
             await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
             await conn.rollback()
             try:
-                yield conn
-            except LockHeldError:
-                raise
-            except Exception as exc:
-                if not lock_not_available(exc):
-                    raise
+                async with door.separating_lock_waits("running the command"):
+                    yield conn
+            except door.LockNotAvailable:
                 raise await _lock_held(conn, options.schema) from None
         finally:
             await conn.close()
