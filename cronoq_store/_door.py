@@ -109,6 +109,7 @@ __all__ = [
     "CommitConnection",
     "CompiledStatement",
     "HeldConnection",
+    "LeaderRow",
     "LockNotAvailable",
     "LockSession",
     "LockWait",
@@ -480,8 +481,9 @@ def lock_not_available(exc: BaseException) -> bool:
 
 class LockNotAvailable(UnavailableError):
     """A lock wait that ran out of ``lock_timeout`` (55P03), told apart from other failures
-    for a caller that waits on purpose and answers it: the keeper's check of the leader
-    row, a command's statements (:func:`separating_lock_waits`). Those callers handle it, so an application never sees
+    for a caller that waits on purpose and answers it: the keeper's check
+    (:meth:`LockSession.check_leader`), a command's statements
+    (:func:`separating_lock_waits`). Those callers handle it, so an application never sees
     it: to everyone else the same failure is a plain ``UnavailableError``, with the same
     message."""
 
@@ -1194,10 +1196,25 @@ _TAKEOVER_BEGIN = text("BEGIN")
 _TAKEOVER_COMMIT = text("COMMIT")
 
 
+@dataclass(frozen=True, slots=True)
+class LeaderRow:
+    """The leader row as the lock session reads it (:data:`~cronoq_store._statements.leader_now`):
+    the stored epoch and the cluster's incarnation (the leader table's OID)."""
+
+    epoch: int
+    tableoid: int
+
+
+#: What the keeper's check is, in its errors.
+_CHECKING_LEADER = "checking the leader lock session"
+
+
 class LockSession:
-    """The leader lock session, a connection of its own (:mod:`cronoq_store._leadership`
-    decides what it runs): the statements of :mod:`cronoq_store._statements`, each
-    bounded, the lock polled, the epoch bump's transaction, and its close.
+    """The leader lock session, a connection of its own, one method per operation
+    (:mod:`cronoq_store._leadership` decides which run, and when): the session's settings,
+    the trust checks, the lock's key and the lock polled, its holder, the epoch bump's
+    transaction, the keeper's check, and the close. Each statement is bounded by the
+    ``timeout`` its caller gives.
 
     The driver connection under it is used only to close: ``terminate()`` drops the socket
     at once, where any polite close would wait for a peer that may never answer.
@@ -1221,7 +1238,7 @@ class LockSession:
             raise
         return cls(conn, raw.driver_connection)
 
-    async def run(
+    async def _run(
         self, statement: Executable, params: Mapping[str, Any] | None, timeout: float
     ) -> Result[Any]:
         """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
@@ -1237,26 +1254,104 @@ class LockSession:
             silent="the lock session did not answer",
         )
 
+    async def apply_settings(self, settings: Mapping[str, str], timeout: float) -> None:
+        """Set the session's own ``settings`` (one for each name of
+        :data:`~cronoq_store._statements.LOCK_SESSION_SETTINGS`), on a session whose
+        connect did not send them (an application's pool creator)."""
+        await self._run(st.lock_session_settings, settings, timeout)
+
+    async def setting(self, name: str, timeout: float) -> str:
+        """The session's setting ``name``, as the session sees it."""
+        value: str = (await self._run(st.session_setting, {"name": name}, timeout)).scalar_one()
+        return value
+
+    async def findings(
+        self, check: Executable, params: Mapping[str, Any], timeout: float
+    ) -> list[str]:
+        """What the caller's ``check`` (a trust check of :mod:`cronoq_store._trust`) finds:
+        the first column of each row, as names."""
+        found = (await self._run(check, params, timeout)).scalars().all()
+        return [str(name) for name in found]
+
+    async def current_user(self, timeout: float) -> str:
+        """The role the session runs as (who a trust check ran as)."""
+        role: str = (await self._run(st.current_user, None, timeout)).scalar_one()
+        return role
+
+    async def current_database(self, timeout: float) -> str:
+        """The database the session is in."""
+        name: str = (await self._run(st.current_database, None, timeout)).scalar_one()
+        return name
+
+    async def schema_oid(self, schema: str, timeout: float) -> int | None:
+        """The OID of ``schema`` now (the lock's second key), ``None`` if there is none."""
+        oid: int | None = (await self._run(st.schema_oid, {"schema": schema}, timeout)).scalar()
+        return oid
+
     async def try_lock(
         self, key: Mapping[str, int], timeout: float
     ) -> tuple[bool, datetime | None]:
         """One poll for the leader lock (:data:`~cronoq_store._statements.try_leader_lock`):
         whether this session holds it now, and since when another session held it."""
-        row: Any = (await self.run(st.try_leader_lock, key, timeout)).one()
+        row: Any = (await self._run(st.try_leader_lock, key, timeout)).one()
         return bool(row[0]), row[1]
 
-    async def leader_row(self, timeout: float) -> Any:
-        """The leader row as the keeper checks it
-        (:data:`~cronoq_store._statements.leader_now`), ``None`` without one."""
-        return (await self.run(st.leader_now, None, timeout)).first()
+    async def lock_holder(
+        self, keys: Mapping[str, int], timeout: float
+    ) -> tuple[LockHolder | None, int]:
+        """Who holds the leader lock of ``keys``, if a session does, and the stored epoch
+        (:data:`~cronoq_store._catalog.leader_holder_facts`)."""
+        row: Any = (await self._run(catalog.leader_holder_facts, keys, timeout)).one()
+        return holder_of(row), int(row.epoch)
 
     @asynccontextmanager
     async def takeover(self, timeout: float) -> AsyncIterator[None]:
         """The epoch bump's transaction: ``BEGIN``, the work, ``COMMIT``. A failure inside
         leaves it open: the caller closes the session, which ends it."""
-        await self.run(_TAKEOVER_BEGIN, None, timeout)
+        await self._run(_TAKEOVER_BEGIN, None, timeout)
         yield
-        await self.run(_TAKEOVER_COMMIT, None, timeout)
+        await self._run(_TAKEOVER_COMMIT, None, timeout)
+
+    async def leader_barrier(self, schema: str, bound: float, what: str, timeout: float) -> None:
+        """:func:`leader_barrier` in the takeover's transaction: at most ``bound`` seconds
+        for the sessions holding the leader table, then ``LockHeldError`` naming them."""
+        await leader_barrier(
+            lambda statement, params: self._run(statement, params, timeout), schema, bound, what
+        )
+
+    async def bump_epoch(self, incarnation: int, timeout: float) -> int | None:
+        """Take the next epoch in the cluster ``incarnation``
+        (:data:`~cronoq_store._statements.take_epoch`); ``None`` when that cluster has no
+        leader row to move."""
+        found = (await self._run(st.take_epoch, {"incarnation": incarnation}, timeout)).scalar()
+        return None if found is None else int(found)
+
+    async def record_term(
+        self, epoch: int, lock_seen_held_at: datetime | None, timeout: float
+    ) -> None:
+        """The takeover's row in the leadership history, and the history pruned to the
+        newest terms (:data:`~cronoq_store._statements.record_term`, ``prune_terms``)."""
+        term = {"epoch": epoch, "lock_seen_held_at": lock_seen_held_at}
+        await self._run(st.record_term, term, timeout)
+        await self._run(st.prune_terms, None, timeout)
+
+    async def set_lock_timeout(self, ms: int, timeout: float) -> None:
+        """How long the session's statements wait for a lock from now on, in milliseconds
+        (:data:`~cronoq_store._statements.keeper_lock_timeout`)."""
+        await self._run(st.keeper_lock_timeout, {"lock_timeout": str(ms)}, timeout)
+
+    async def leader_row(self, timeout: float) -> LeaderRow | None:
+        """The leader row (:data:`~cronoq_store._statements.leader_now`), ``None``
+        without one."""
+        row: Any = (await self._run(st.leader_now, None, timeout)).first()
+        return None if row is None else LeaderRow(row.epoch, row.tableoid)
+
+    async def check_leader(self, timeout: float) -> LeaderRow | None:
+        """The keeper's check: :meth:`leader_row`, every failure translated, and a wait
+        for a lock on the leader table that ran out of the session's ``lock_timeout`` told
+        apart as :class:`LockNotAvailable` (the session answered)."""
+        async with translated(_CHECKING_LEADER), separating_lock_waits(_CHECKING_LEADER):
+            return await self.leader_row(timeout)
 
     async def close(self) -> None:
         """Close the session, ending the server's backend and so releasing its lock; bounded.
