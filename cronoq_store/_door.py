@@ -1,5 +1,5 @@
-"""The door to the database, the one module that touches the driver: it makes the store's
-engine and checks every pool at open, holds the commits' connection, opens and ends the
+"""The door to the database, the one module that touches the driver: it makes every engine
+the store uses and checks every pool at open, holds the commits' connection, opens and ends the
 store's transactions, runs statements compiled for asyncpg, waits for locks with a bound,
 and maps every driver failure to the store's errors.
 
@@ -15,13 +15,20 @@ deadlocks and shutdowns alike as a plain ``DBAPIError``): whether work is retrie
 abandoned is decided here. The few driver errors that mean something else than a failure
 are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_named`), a
 connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
-driver's prepared statements (:func:`forget_lost_statements`), and a startup setting a
-transaction-pooling PgBouncer refused (:func:`translate_open_error`).
+driver's prepared statements (:func:`forget_lost_statements`), a startup setting a
+transaction-pooling PgBouncer refused (:func:`translate_open_error`), and a lock wait that
+ran out, for the callers that answer it (:class:`LockNotAvailable`).
+
+Engines: every engine the store makes is made here, by the same rules (no bound parameter
+in an error's text, TLS and libpq's parameters read from the URL, connecting bounded):
+the store's own pool (:func:`own_engine`), the leader lock session's (:func:`lock_engine`,
+or :func:`borrowed_lock_engine` on an application's pool), Alembic's
+(:func:`migration_engine`) and the commands' and console's (:func:`command_engine`).
 
 Connections: :class:`HeldConnection` keeps the commits' connection between commits and
 gives it up when in doubt; :func:`run_transaction` is a store transaction on a pooled
-session, own or borrowed; :func:`own_engine` makes the store's own pool, and the open checks
-(:func:`require_utf8`, :func:`require_search_path`, :func:`cluster_identity`) run on any.
+session, own or borrowed; the open checks (:func:`require_utf8`,
+:func:`require_search_path`, :func:`cluster_identity`) run on any pool.
 
 Lock waits: opening a store, migrating and pruning wait for locks another session holds
 only on the way to their work, so each wait has a bound; past it the call raises
@@ -73,7 +80,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.pool import NullPool, Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util import greenlet_spawn
 
@@ -90,14 +97,16 @@ from ._errors import (
 from ._results import LockHolder
 from ._retry import bounded
 from ._schema import leader, schema_options, tasks
-from ._urls import dialled_by_store, engine_arguments, redact
+from ._urls import ConnectParameters, dialled_by_store, engine_arguments, redact
 
 __all__ = [
     "CLUSTER_REPLACED",
     "CONNECTION_CLASSES",
+    "CONNECT_TIMEOUT",
     "INSERT_REFUSALS",
     "LOCK_NOT_AVAILABLE",
     "LOCK_SESSION_CLOSE_TIMEOUT",
+    "POOL_CONNECT_TIMEOUT",
     "PREPARED_STATEMENT_CODES",
     "READ_ONLY",
     "REPORT_INTERVAL",
@@ -111,11 +120,15 @@ __all__ = [
     "DriverConnection",
     "DriverCursor",
     "HeldConnection",
+    "LeaderRow",
+    "LockNotAvailable",
     "LockSession",
     "LockWait",
     "Opening",
     "accepts_writes",
+    "borrowed_lock_engine",
     "cluster_identity",
+    "command_engine",
     "demoted",
     "describe_holders",
     "forget_lost_statements",
@@ -125,8 +138,9 @@ __all__ = [
     "keys_named",
     "leader_barrier",
     "leaves_connection_sound",
-    "lock_not_available",
+    "lock_engine",
     "lock_tables",
+    "migration_engine",
     "opening_message",
     "own_engine",
     "partitions",
@@ -135,6 +149,7 @@ __all__ = [
     "require_utf8",
     "row_count",
     "run_transaction",
+    "separating_lock_waits",
     "take_migration_lock",
     "translate_error",
     "translate_open_error",
@@ -526,6 +541,31 @@ def lock_not_available(exc: BaseException) -> bool:
     return LOCK_NOT_AVAILABLE in _sqlstates(exc)
 
 
+class LockNotAvailable(UnavailableError):
+    """A lock wait that ran out of ``lock_timeout`` (55P03), told apart from other failures
+    for a caller that waits on purpose and answers it: the keeper's check
+    (:meth:`LockSession.check_leader`), a command's statements
+    (:func:`separating_lock_waits`). Those callers handle it, so an application never sees
+    it: to everyone else the same failure is a plain ``UnavailableError``, with the same
+    message."""
+
+
+@asynccontextmanager
+async def separating_lock_waits(action: str) -> AsyncIterator[None]:
+    """Within, a failure of ``action`` that is only a lock wait run out of ``lock_timeout``
+    (raw, or already translated) leaves as :class:`LockNotAvailable`, with the message
+    :func:`translate_error` gives it, raised ``from`` the failure. Every other failure
+    leaves as it came, and so does a ``LockHeldError`` (which names the holders already)."""
+    try:
+        yield
+    except (LockHeldError, LockNotAvailable):
+        raise
+    except Exception as exc:
+        if not lock_not_available(exc):
+            raise
+        raise LockNotAvailable(str(translate_error(exc, action))) from exc
+
+
 def insert_refusal(exc: asyncpg.PostgresError) -> bool:
     """Whether the insert's failure is one the writer explains (an id held by another task,
     a live key held by another live task) rather than an error to raise: the insert's
@@ -903,27 +943,119 @@ async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncItera
         adapter.autocommit = False
 
 
-# --- the store's own pool, and the checks at open ----------------------------------------
+# --- the engines, and the checks at open -------------------------------------------------
+
+#: Seconds a new connection of the store's own pool may take to open: asyncpg's own bound,
+#: written out (each store call is bounded by its own timeout besides).
+POOL_CONNECT_TIMEOUT = 60.0
+#: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
+#: commands: a firewall dropping packets must not hang them for asyncpg's minute.
+CONNECT_TIMEOUT = 10.0
+
+
+def _engine(
+    url: str | URL | ConnectParameters,
+    *,
+    connect_timeout: float,
+    connect_args: Mapping[str, Any],
+    **options: Any,
+) -> AsyncEngine:
+    """An engine that dials ``url`` as libpq would (its TLS, service and password file:
+    :func:`~cronoq_store._urls.engine_arguments`), under the rules every engine the store
+    makes from a URL keeps. No bound parameter shows in an error's text: one can carry a
+    secret or a payload. Connecting is bounded by ``connect_timeout`` seconds, unless the
+    URL's ``connect_timeout`` says otherwise. ``connect_args`` come last, and ``options``
+    are the engine's own (its pool, its isolation level)."""
+    dialled, arguments = engine_arguments(url)
+    return create_async_engine(
+        dialled,
+        hide_parameters=True,
+        **options,
+        connect_args={**arguments, "timeout": connect_timeout, **connect_args},
+    )
 
 
 def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
     """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
     ``max_connections``, the store's session settings, closed connections replaced at
     checkout."""
-    dialled, arguments = engine_arguments(url)
-    engine = create_async_engine(
-        dialled,
+    engine = _engine(
+        url,
+        connect_timeout=POOL_CONNECT_TIMEOUT,
+        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
+        connect_args=_pool_connect_args(config),
         pool_size=config.max_connections,
         max_overflow=0,
         # No store call waits for a connection longer than a commit may take.
         pool_timeout=config.commit_timeout,
-        # Batches carry payloads; errors and logs must not.
-        hide_parameters=True,
-        # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
-        connect_args={**arguments, **_pool_connect_args(config)},
     )
     event.listen(engine.sync_engine.pool, "checkout", _reject_closed)
     return engine
+
+
+def lock_engine(
+    parameters: ConnectParameters, settings: Mapping[str, str], connect_timeout: float
+) -> AsyncEngine:
+    """The leader lock session's engine, dialled from the store's URL: no pool (a session
+    ends with the lock it holds), autocommit (the lock is the session's, and the epoch
+    bump opens its own transaction), the session's ``settings`` (its ``search_path``
+    among them) sent at startup, connecting bounded by ``connect_timeout``."""
+    return _engine(
+        parameters,
+        connect_timeout=connect_timeout,
+        connect_args={"server_settings": dict(settings)},
+        poolclass=NullPool,
+        isolation_level="AUTOCOMMIT",
+    )
+
+
+def borrowed_lock_engine(url: str | URL, pool: Pool) -> AsyncEngine:
+    """The leader lock session's engine on an application's ``pool`` (its engine's pool
+    ``recreate()``-d): sessions are made as the application's engine makes its own (its
+    creator, TLS, connect arguments and bound), in autocommit, and ``url`` only names the
+    dialect. The session's settings are applied once connected
+    (:meth:`LockSession.apply_settings`)."""
+    return create_async_engine(url, pool=pool, isolation_level="AUTOCOMMIT", hide_parameters=True)
+
+
+def migration_engine(url: str | URL) -> AsyncEngine:
+    """Alembic's engine when its command line names a URL: no pool (a run opens one
+    connection), the safe ``search_path``, connecting bounded by :data:`CONNECT_TIMEOUT`."""
+    return _engine(
+        url,
+        connect_timeout=CONNECT_TIMEOUT,
+        connect_args={"server_settings": {"search_path": st.SEARCH_PATH}},
+        poolclass=NullPool,
+    )
+
+
+def command_engine(
+    url: str, *, application_name: str, lock_timeout: float, pool_size: int = 0
+) -> AsyncEngine:
+    """The engine of an operator's command (the CLI's): without a pool by default, as a
+    command opens a connection or two and is gone; with a ``pool_size``, one that keeps
+    that many open (a server that reads again and again, like the console: connecting costs
+    more than most of its pages' statements). Its sessions are named ``application_name``,
+    run with the safe ``search_path``, wait ``lock_timeout`` seconds at most for a lock,
+    and connect within :data:`CONNECT_TIMEOUT`."""
+    pooling: dict[str, Any] = (
+        {"poolclass": NullPool}
+        if pool_size == 0
+        else {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
+    )
+    return _engine(
+        url,
+        connect_timeout=CONNECT_TIMEOUT,
+        connect_args={
+            "server_settings": {
+                "application_name": application_name,
+                # No schema another role can write is ever on the path (CVE-2018-1058).
+                "search_path": st.SEARCH_PATH,
+                "lock_timeout": str(round(lock_timeout * 1000)),
+            }
+        },
+        **pooling,
+    )
 
 
 async def require_utf8(engine: AsyncEngine, where: str, opening: str) -> None:
@@ -1125,10 +1257,25 @@ _TAKEOVER_BEGIN = text("BEGIN")
 _TAKEOVER_COMMIT = text("COMMIT")
 
 
+@dataclass(frozen=True, slots=True)
+class LeaderRow:
+    """The leader row as the lock session reads it (:data:`~cronoq_store._statements.leader_now`):
+    the stored epoch and the cluster's incarnation (the leader table's OID)."""
+
+    epoch: int
+    tableoid: int
+
+
+#: What the keeper's check is, in its errors.
+_CHECKING_LEADER = "checking the leader lock session"
+
+
 class LockSession:
-    """The leader lock session, a connection of its own (:mod:`cronoq_store._leadership`
-    decides what it runs): the statements of :mod:`cronoq_store._statements`, each
-    bounded, the lock polled, the epoch bump's transaction, and its close.
+    """The leader lock session, a connection of its own, one method per operation
+    (:mod:`cronoq_store._leadership` decides which run, and when): the session's settings,
+    the trust checks, the lock's key and the lock polled, its holder, the epoch bump's
+    transaction, the keeper's check, and the close. Each statement is bounded by the
+    ``timeout`` its caller gives.
 
     The driver connection under it is used only to close: ``terminate()`` drops the socket
     at once, where any polite close would wait for a peer that may never answer.
@@ -1152,7 +1299,7 @@ class LockSession:
             raise
         return cls(conn, raw.driver_connection)
 
-    async def run(
+    async def _run(
         self, statement: Executable, params: Mapping[str, Any] | None, timeout: float
     ) -> Result[Any]:
         """Execute ``statement``; a session silent for ``timeout`` seconds is torn down.
@@ -1168,26 +1315,104 @@ class LockSession:
             silent="the lock session did not answer",
         )
 
+    async def apply_settings(self, settings: Mapping[str, str], timeout: float) -> None:
+        """Set the session's own ``settings`` (one for each name of
+        :data:`~cronoq_store._statements.LOCK_SESSION_SETTINGS`), on a session whose
+        connect did not send them (an application's pool creator)."""
+        await self._run(st.lock_session_settings, settings, timeout)
+
+    async def setting(self, name: str, timeout: float) -> str:
+        """The session's setting ``name``, as the session sees it."""
+        value: str = (await self._run(st.session_setting, {"name": name}, timeout)).scalar_one()
+        return value
+
+    async def findings(
+        self, check: Executable, params: Mapping[str, Any], timeout: float
+    ) -> list[str]:
+        """What the caller's ``check`` (a trust check of :mod:`cronoq_store._trust`) finds:
+        the first column of each row, as names."""
+        found = (await self._run(check, params, timeout)).scalars().all()
+        return [str(name) for name in found]
+
+    async def current_user(self, timeout: float) -> str:
+        """The role the session runs as (who a trust check ran as)."""
+        role: str = (await self._run(st.current_user, None, timeout)).scalar_one()
+        return role
+
+    async def current_database(self, timeout: float) -> str:
+        """The database the session is in."""
+        name: str = (await self._run(st.current_database, None, timeout)).scalar_one()
+        return name
+
+    async def schema_oid(self, schema: str, timeout: float) -> int | None:
+        """The OID of ``schema`` now (the lock's second key), ``None`` if there is none."""
+        oid: int | None = (await self._run(st.schema_oid, {"schema": schema}, timeout)).scalar()
+        return oid
+
     async def try_lock(
         self, key: Mapping[str, int], timeout: float
     ) -> tuple[bool, datetime | None]:
         """One poll for the leader lock (:data:`~cronoq_store._statements.try_leader_lock`):
         whether this session holds it now, and since when another session held it."""
-        row: Any = (await self.run(st.try_leader_lock, key, timeout)).one()
+        row: Any = (await self._run(st.try_leader_lock, key, timeout)).one()
         return bool(row[0]), row[1]
 
-    async def leader_row(self, timeout: float) -> Any:
-        """The leader row as the keeper checks it
-        (:data:`~cronoq_store._statements.leader_now`), ``None`` without one."""
-        return (await self.run(st.leader_now, None, timeout)).first()
+    async def lock_holder(
+        self, keys: Mapping[str, int], timeout: float
+    ) -> tuple[LockHolder | None, int]:
+        """Who holds the leader lock of ``keys``, if a session does, and the stored epoch
+        (:data:`~cronoq_store._catalog.leader_holder_facts`)."""
+        row: Any = (await self._run(catalog.leader_holder_facts, keys, timeout)).one()
+        return holder_of(row), int(row.epoch)
 
     @asynccontextmanager
     async def takeover(self, timeout: float) -> AsyncIterator[None]:
         """The epoch bump's transaction: ``BEGIN``, the work, ``COMMIT``. A failure inside
         leaves it open: the caller closes the session, which ends it."""
-        await self.run(_TAKEOVER_BEGIN, None, timeout)
+        await self._run(_TAKEOVER_BEGIN, None, timeout)
         yield
-        await self.run(_TAKEOVER_COMMIT, None, timeout)
+        await self._run(_TAKEOVER_COMMIT, None, timeout)
+
+    async def leader_barrier(self, schema: str, bound: float, what: str, timeout: float) -> None:
+        """:func:`leader_barrier` in the takeover's transaction: at most ``bound`` seconds
+        for the sessions holding the leader table, then ``LockHeldError`` naming them."""
+        await leader_barrier(
+            lambda statement, params: self._run(statement, params, timeout), schema, bound, what
+        )
+
+    async def bump_epoch(self, incarnation: int, timeout: float) -> int | None:
+        """Take the next epoch in the cluster ``incarnation``
+        (:data:`~cronoq_store._statements.take_epoch`); ``None`` when that cluster has no
+        leader row to move."""
+        found = (await self._run(st.take_epoch, {"incarnation": incarnation}, timeout)).scalar()
+        return None if found is None else int(found)
+
+    async def record_term(
+        self, epoch: int, lock_seen_held_at: datetime | None, timeout: float
+    ) -> None:
+        """The takeover's row in the leadership history, and the history pruned to the
+        newest terms (:data:`~cronoq_store._statements.record_term`, ``prune_terms``)."""
+        term = {"epoch": epoch, "lock_seen_held_at": lock_seen_held_at}
+        await self._run(st.record_term, term, timeout)
+        await self._run(st.prune_terms, None, timeout)
+
+    async def set_lock_timeout(self, ms: int, timeout: float) -> None:
+        """How long the session's statements wait for a lock from now on, in milliseconds
+        (:data:`~cronoq_store._statements.keeper_lock_timeout`)."""
+        await self._run(st.keeper_lock_timeout, {"lock_timeout": str(ms)}, timeout)
+
+    async def leader_row(self, timeout: float) -> LeaderRow | None:
+        """The leader row (:data:`~cronoq_store._statements.leader_now`), ``None``
+        without one."""
+        row: Any = (await self._run(st.leader_now, None, timeout)).first()
+        return None if row is None else LeaderRow(row.epoch, row.tableoid)
+
+    async def check_leader(self, timeout: float) -> LeaderRow | None:
+        """The keeper's check: :meth:`leader_row`, every failure translated, and a wait
+        for a lock on the leader table that ran out of the session's ``lock_timeout`` told
+        apart as :class:`LockNotAvailable` (the session answered)."""
+        async with translated(_CHECKING_LEADER), separating_lock_waits(_CHECKING_LEADER):
+            return await self.leader_row(timeout)
 
     async def close(self) -> None:
         """Close the session, ending the server's backend and so releasing its lock; bounded.

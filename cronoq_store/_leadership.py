@@ -42,24 +42,22 @@ import logging
 import secrets
 import time
 from datetime import datetime
-from typing import Any
+from typing import NoReturn
 
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool, Pool
+from sqlalchemy.pool import Pool
 
-from . import _catalog as catalog
 from . import _door as door
 from . import _statements as st
 from ._config import PgStoreConfig
-from ._door import LockSession, lock_not_available
+from ._door import LeaderRow, LockSession
 from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
-from ._queries import holder_of, lock_keys
+from ._queries import lock_keys
 from ._results import LockHolder, lock_session_name
 from ._retry import Retry, acquisition_backoff, pause
 from ._schema import schema_options
 from ._trust import ConnectCheck, TrustCheck
-from ._urls import engine_arguments, redact, resolve
+from ._urls import redact, resolve
 from .telemetry import DISABLED, Telemetry
 
 __all__ = ["Leadership", "cool_down"]
@@ -202,24 +200,14 @@ class Leadership:
         # once connected; otherwise they are dialled from `url` with the settings attached.
         self._via = "the engine's connection creator" if pool is not None else "the URL"
         if pool is not None:
-            self._engine: AsyncEngine = create_async_engine(
-                url, pool=pool, isolation_level="AUTOCOMMIT"
-            )
+            self._engine = door.borrowed_lock_engine(url, pool)
         else:
             assert parameters is not None
-            dialled, arguments = engine_arguments(
-                parameters.with_application_name(self._settings["application_name"])
-            )
-            self._engine = create_async_engine(
-                dialled,
-                poolclass=NullPool,
-                isolation_level="AUTOCOMMIT",
-                connect_args={
-                    # asyncpg's bound on opening a connection (a silent server never refuses).
-                    "timeout": config.session_timeout,
-                    "server_settings": self._settings,
-                    **arguments,
-                },
+            self._engine = door.lock_engine(
+                parameters.with_application_name(self._settings["application_name"]),
+                self._settings,
+                # asyncpg's bound on opening a connection (a silent server never refuses).
+                config.session_timeout,
             )
         self._apply_settings = pool is not None
         # bump_epoch must hit the cluster's schema.
@@ -338,7 +326,7 @@ class Leadership:
         session = await LockSession.open(self._db, timeout)
         try:
             if self._apply_settings:
-                await session.run(st.lock_session_settings, self._settings, timeout)
+                await session.apply_settings(self._settings, timeout)
             if self._connect is not None:
                 await self._refuse_untrusted_connect(session, self._connect, timeout)
             await self._read_key(session, timeout)
@@ -360,15 +348,16 @@ class Leadership:
                 await self._refuse_to_bump(session, timeout)
             # The keeper's check waits for no lock for long, and is prepared now, so that
             # each of its checks is a single round trip.
-            timeout_ms = str(_keeper_lock_timeout_ms(self._config))
-            await session.run(st.keeper_lock_timeout, {"lock_timeout": timeout_ms}, timeout)
-            await session.run(st.leader_now, None, timeout)
-            return session, int(epoch)
+            await session.set_lock_timeout(_keeper_lock_timeout_ms(self._config), timeout)
+            await session.leader_row(timeout)
+            return session, epoch
         except BaseException:
             await session.close()  # releases the lock if this session took it
             raise
 
-    async def _bump(self, session: LockSession, timeout: float, seen_held: datetime | None) -> Any:
+    async def _bump(
+        self, session: LockSession, timeout: float, seen_held: datetime | None
+    ) -> int | None:
         """Bump the epoch (``None``: no leader row) in a transaction that first takes
         :data:`~cronoq_store._statements.leader_barrier`: the bump waits for the commits in
         flight, and those that arrive meanwhile wait for it, so overlapping commits of a
@@ -377,25 +366,19 @@ class Leadership:
         silent: the ``LockHeldError`` names who holds the leader table, and the acquisition
         logs it and tries again."""
         async with session.takeover(timeout):
-            await door.leader_barrier(
-                lambda statement, params: session.run(statement, params, timeout),
-                self._schema,
-                timeout / 2,
-                "taking over leadership",
+            await session.leader_barrier(
+                self._schema, timeout / 2, "taking over leadership", timeout
             )
-            bump = {"incarnation": self._incarnation}
-            epoch = (await session.run(st.take_epoch, bump, timeout)).scalar()
+            epoch = await session.bump_epoch(self._incarnation, timeout)
             if epoch is not None:
-                term = {"epoch": epoch, "lock_seen_held_at": seen_held}
-                await session.run(st.record_term, term, timeout)
-                await session.run(st.prune_terms, None, timeout)
+                await session.record_term(epoch, seen_held, timeout)
         return epoch
 
     async def _read_key(self, session: LockSession, timeout: float) -> None:
         """Read the lock's second key, the schema's OID, now: ``pg_upgrade`` gives a schema
         another OID, and every instance opened since takes the lock with that one. A schema
         that is gone is a cluster gone: ``SchemaGoneError``, no lock to wait for."""
-        oid = (await session.run(st.schema_oid, {"schema": self._schema}, timeout)).scalar()
+        oid = await session.schema_oid(self._schema, timeout)
         if oid is None:
             raise SchemaGoneError(
                 f"acquiring leadership failed: schema {self._schema!r} does not exist (dropped "
@@ -404,10 +387,10 @@ class Leadership:
             )
         self._key["k2"] = oid
 
-    async def _refuse_to_bump(self, session: LockSession, timeout: float) -> None:
+    async def _refuse_to_bump(self, session: LockSession, timeout: float) -> NoReturn:
         """Raise why the bump found no leader row to move: none in the schema, or the row of
         another cluster than the store's (``ClusterReplacedError``)."""
-        found = (await session.run(st.leader_now, None, timeout)).first()
+        found = await session.leader_row(timeout)
         if found is None:
             raise StoreError(
                 f"the leader row of schema {self._schema!r} is missing: run the migrations"
@@ -420,21 +403,20 @@ class Leadership:
     async def _vet(self, session: LockSession, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its
         UPDATE of the leader row runs any trigger planted there since the store opened."""
-        found = (await session.run(trust.statement, trust.params, timeout)).scalars().all()
+        found = await session.findings(trust.statement, trust.params, timeout)
         if found:
-            me = (await session.run(trust.current_user, None, timeout)).scalar_one()
-            raise trust.refusal(found, me)
+            raise trust.refusal(found, await session.current_user(timeout))
 
     async def _refuse_untrusted_connect(
         self, session: LockSession, check: ConnectCheck, timeout: float
     ) -> None:
         """Refuse to wait for the lock where roles the store does not trust may connect:
         any of them could hold it forever. A warning instead with allow_untrusted_connect."""
-        found = (await session.run(check.statement, check.params, timeout)).scalars().all()
+        found = await session.findings(check.statement, check.params, timeout)
         if not found:
             return
-        database = (await session.run(check.database, None, timeout)).scalar_one()
-        me = (await session.run(TrustCheck.current_user, None, timeout)).scalar_one()
+        database = await session.current_database(timeout)
+        me = await session.current_user(timeout)
         refusal = check.refusal(found, database, me)
         if not self._config.allow_untrusted_connect:
             raise refusal
@@ -453,25 +435,24 @@ class Leadership:
         twice, a check apart (a takeover is an instance before its epoch bump). Returns the
         pid of a foreign holder seen now, for the next check."""
         keys = lock_keys((self._key["k1"], self._key["k2"]))
-        row = (await session.run(catalog.leader_holder_facts, keys, timeout)).one()
-        holder = holder_of(row)
+        holder, held_epoch = await session.lock_holder(keys, timeout)
         now = asyncio.get_running_loop().time()
         if holder is None:
             return None
         if holder.store_instance:
-            behind = (holder.pid, row.epoch)
+            behind = (holder.pid, held_epoch)
             if behind != self._waiting_behind or now - self._said_waiting_at >= _WAITING_INTERVAL:
                 self._waiting_behind, self._said_waiting_at = behind, now
                 logger.info(
                     "waiting for the leader lock of schema %r: the leader at epoch %d is pid "
                     "%d (role %r, application %r, session since %s)",
                     self._schema,
-                    row.epoch,
+                    held_epoch,
                     holder.pid,
                     holder.role,
                     holder.application_name,
                     "an unknown time" if holder.since is None else holder.since.isoformat(),
-                    extra={"schema": self._schema, "epoch": row.epoch, **_holder_fields(holder)},
+                    extra={"schema": self._schema, "epoch": held_epoch, **_holder_fields(holder)},
                 )
             return None
         recent = self._warned_at is not None and now - self._warned_at < _FOREIGN_WARNING_INTERVAL
@@ -501,12 +482,11 @@ class Leadership:
         try:
             while not await self._lost_within(keepalive):
                 try:
-                    async with door.translated("checking the leader lock session"):
-                        row = await session.leader_row(last_answer + limit - loop.time())
+                    row = await session.check_leader(last_answer + limit - loop.time())
                 except StoreError as error:
                     if self._epoch != epoch:  # already released or marked lost
                         return
-                    if lock_not_available(error):
+                    if isinstance(error, door.LockNotAvailable):
                         last_answer = loop.time()
                         continue
                     if isinstance(error, SchemaGoneError):
@@ -527,7 +507,7 @@ class Leadership:
         finally:
             await session.close()
 
-    def _term_ended(self, epoch: int, row: Any) -> tuple[str, str] | None:
+    def _term_ended(self, epoch: int, row: LeaderRow | None) -> tuple[str, str] | None:
         """Why the leader row ``row`` (:data:`~cronoq_store._statements.leader_now`)
         ends the term of ``epoch`` (a step-down reason and words), or ``None`` if it does
         not."""

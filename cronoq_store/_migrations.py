@@ -111,8 +111,7 @@ from sqlalchemy import (
     table,
     text,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateSchema
 from sqlalchemy.util.concurrency import await_, in_greenlet
 
@@ -132,14 +131,12 @@ from ._terminal_safe import visible
 from ._trust import refuse_untrusted
 from ._urls import (
     URL_ENV,
-    engine_arguments,
     redact,
     scrub,
 )
 
 __all__ = [
     "BOUND_SETTINGS",
-    "CONNECT_TIMEOUT",
     "FORCE",
     "HELD",
     "LEGACY_REVISIONS",
@@ -181,9 +178,6 @@ TRUSTED_TRIGGERS = "trusted_triggers"
 #: ``Config.attributes`` key (and ``-x`` argument) of the seconds a run waits for the
 #: migration lock and the cluster's tables (:data:`MIGRATION_LOCK_TIMEOUT` if not given).
 LOCK_TIMEOUT = "lock_timeout"
-#: Seconds a silent host gets to answer Alembic's command line and the cronoq-store
-#: commands: a firewall dropping packets must not hang them for asyncpg's minute.
-CONNECT_TIMEOUT = 10.0
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -1000,16 +994,7 @@ def _run_online(context: EnvironmentContext, schema: str) -> None:
     bind = context.config.attributes.get("connection")
     if bind is None:
         url = _url_of(context)
-        dialled, tls = engine_arguments(url)
-        engine = create_async_engine(
-            dialled,
-            poolclass=NullPool,
-            connect_args={
-                "timeout": CONNECT_TIMEOUT,
-                "server_settings": {"search_path": st.SEARCH_PATH},
-                **tls,
-            },
-        )
+        engine = door.migration_engine(url)
         try:
             _run_coroutine(lambda: _run_async(context, schema, engine, dispose=True))
         except _ConnectFailed as failed:

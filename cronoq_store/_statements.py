@@ -105,6 +105,7 @@ __all__ = [
     "checked_schema",
     "cluster_issued_ids",
     "colliding_ids",
+    "current_database",
     "current_user",
     "epoch_for_share",
     "epoch_held_for_share",
@@ -140,6 +141,7 @@ __all__ = [
     "schema_oid",
     "server_encoding",
     "session_search_path",
+    "session_setting",
     "set_local_lock_timeout",
     "set_local_search_path",
     "store_outputs",
@@ -833,6 +835,12 @@ session_search_path = select(func.pg_catalog.current_setting(_SEARCH_PATH_NAME))
 
 #: The role the session runs as: who a trust check ran as, the role a pool connects as.
 current_user = select(func.current_user())
+
+#: The database the session is in, for a refusal that names it.
+current_database = select(func.current_database())
+
+#: One of the session's settings (``:name``) as the session sees it.
+session_setting = select(func.pg_catalog.current_setting(bindparam("name", type_=Text), type_=Text))
 
 #: A given ``search_path`` until the end of the current transaction.
 set_local_search_path = select(

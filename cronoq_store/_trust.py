@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Executable, Text, bindparam, func, select, text
+from sqlalchemy import Connection, Executable, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from . import _statements as st
@@ -201,7 +201,7 @@ class ConnectCheck:
     trusted_roles: frozenset[str] = frozenset()
 
     statement: ClassVar[Executable] = _UNTRUSTED_CONNECT
-    database: ClassVar[Executable] = select(func.current_database())
+    database: ClassVar[Executable] = st.current_database
 
     @property
     def params(self) -> dict[str, Any]:

@@ -521,10 +521,8 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
             epoch = await bounded(store.acquire_leadership(), "the leadership of an idle cluster")
             lock_session: Any = store._leadership._session
             assert lock_session is not None
-            seen = dict((await lock_session.run(text(PROBE), None, 5.0)).mappings().one())
-            assert seen["synchronous_commit"] == "on"
-            read_only = text("SELECT current_setting('default_transaction_read_only')")
-            assert (await lock_session.run(read_only, None, 5.0)).scalar_one() == "off"
+            assert await lock_session.setting("synchronous_commit", 5.0) == "on"
+            assert await lock_session.setting("default_transaction_read_only", 5.0) == "off"
             commits = probing_commits(store)
             await store.commit(epoch, PROCESS_BASE, batch(epoch, 1), [])
             assert [

@@ -441,8 +441,7 @@ async def lock_session_setting(store: PgStore, name: str) -> str:
     """A setting as the lock session itself sees it (the keeper pings only every 2 s)."""
     session = store._leadership._session
     assert session is not None
-    value = await session.run(text("SELECT current_setting(:n)"), {"n": name}, 5.0)
-    return str(value.scalar_one())
+    return await session.setting(name, 5.0)
 
 
 @pytest.mark.parametrize(

@@ -13,26 +13,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import _catalog as catalog
 from .. import _door as door
-from .. import _statements as st
-from .._door import describe_holders, holder_of, lock_not_available
-from .._errors import LockHeldError, MigrationError, StoreError
-from .._migrations import (
-    CONNECT_TIMEOUT,
-    RevisionStatus,
-    clusters_elsewhere,
-    revision_status,
-)
+from .._door import CONNECT_TIMEOUT, describe_holders, holder_of
+from .._errors import MigrationError, StoreError
+from .._migrations import RevisionStatus, clusters_elsewhere, revision_status
 from .._schema import schema_options
 from .._statements import CLUSTER_TABLES
 from .._trust import refuse_untrusted
-from .._urls import engine_arguments, redact
+from .._urls import redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
 
@@ -53,30 +45,12 @@ __all__ = [
 
 
 def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
-    """A pool-less engine: a command opens a connection or two and is gone; with a
-    ``pool_size``, one that keeps that many open (a server that reads again and again, like
-    the console: connecting costs more than most of its pages' statements)."""
-    pooling: dict[str, Any] = (
-        {"poolclass": NullPool}
-        if pool_size == 0
-        else {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
-    )
+    """The command's engine (:func:`~cronoq_store._door.command_engine`): pool-less, or
+    keeping ``pool_size`` connections open (the console's); every statement waits
+    :data:`LOCK_WAIT` at most for a lock."""
     try:
-        dialled, tls = engine_arguments(url)
-        return create_async_engine(
-            dialled,
-            **pooling,
-            hide_parameters=True,
-            connect_args={
-                "timeout": CONNECT_TIMEOUT,
-                "server_settings": {
-                    "application_name": "cronoq-store cli",
-                    # No schema another role can write is ever on the path (CVE-2018-1058).
-                    "search_path": st.SEARCH_PATH,
-                    "lock_timeout": str(round(LOCK_WAIT * 1000)),
-                },
-                **tls,
-            },
+        return door.command_engine(
+            url, application_name="cronoq-store cli", lock_timeout=LOCK_WAIT, pool_size=pool_size
         )
     except ValueError as exc:  # the messages of urls' refusals are already masked
         # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
@@ -108,12 +82,9 @@ async def database(
             await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
             await conn.rollback()
             try:
-                yield conn
-            except LockHeldError:
-                raise
-            except Exception as exc:
-                if not lock_not_available(exc):
-                    raise
+                async with door.separating_lock_waits("running the command"):
+                    yield conn
+            except door.LockNotAvailable:
                 raise await _lock_held(conn, options.schema) from None
         finally:
             await conn.close()
