@@ -51,7 +51,7 @@ from ._retry import bounded
 from ._schema import schema_options
 from ._urls import redact
 from ._urls import resolve as resolve_url
-from .telemetry import CommitRecord, Telemetry, resolve
+from .telemetry import Telemetry, resolve
 
 __all__ = ["Committable", "PgStore", "Store", "StoreQueries", "SupportsCommit"]
 
@@ -537,19 +537,25 @@ class PgStore:
         ``UnavailableError`` if the database fails or the commit takes longer than
         ``commit_timeout``.
         """
-        if not self._telemetry.enabled:
-            return await self._commit(epoch, base, batch, outputs, None)
         with self._telemetry.commit(len(batch)) as record:
-            return await self._commit(epoch, base, batch, outputs, record)
+            await self._refuse_other_terms(epoch)
+            size = check_batch_size(batch, outputs, self.max_commit_bytes)
+            folded = fold(batch, base, time.time_ns(), outputs)
+            if record is not None:
+                record.size, record.path = size, self._commits.writer.path(folded)
+            timeout = self._config.commit_timeout
+            async with self._translated("committing a batch"):
+                try:
+                    await bounded(self._write(epoch, folded), timeout)
+                except asyncio.TimeoutError as exc:
+                    raise UnavailableError(
+                        f"committing a batch failed: not done within commit_timeout ({timeout} s)"
+                    ) from exc
+        self._last_commit = time.monotonic()
 
-    async def _commit(
-        self,
-        epoch: int,
-        base: TimeBase,
-        batch: Sequence[Mutation],
-        outputs: Sequence[tuple[TaskId, bytes]],
-        record: CommitRecord | None,
-    ) -> None:
+    async def _refuse_other_terms(self, epoch: int) -> None:
+        """Raise ``FencedError`` (``ClusterReplacedError``) unless ``epoch`` is this
+        instance's current term, before anything is sent."""
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
             replaced = self._leadership.replaced
@@ -570,19 +576,6 @@ class PgStore:
                 f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
                 "was written, and the current term goes on"
             )
-        size = check_batch_size(batch, outputs, self.max_commit_bytes)
-        folded = fold(batch, base, time.time_ns(), outputs)
-        if record is not None:
-            record.size, record.path = size, self._commits.writer.path(folded)
-        timeout = self._config.commit_timeout
-        async with self._translated("committing a batch"):
-            try:
-                await bounded(self._write(epoch, folded), timeout)
-            except asyncio.TimeoutError as exc:
-                raise UnavailableError(
-                    f"committing a batch failed: not done within commit_timeout ({timeout} s)"
-                ) from exc
-        self._last_commit = time.monotonic()
 
     async def ping(self) -> None:
         """Return once the database answers and takes writes; ``UnavailableError`` if it
