@@ -856,7 +856,8 @@ class CommitPath:
     async def commit(self, epoch: int, batch: FoldedBatch) -> Fence | None:
         """Write ``batch`` under ``epoch`` in the store's cluster: ``None`` once written, or
         the fence found instead (the stored epoch and the cluster's incarnation), nothing
-        written; what that means for the term is the store's to decide. ``IdCollisionError``
+        written and the held connection given back; what that means for the term is the
+        store's to decide. ``IdCollisionError``
         or ``KeyTakenError`` if it wrote nothing because an id is another task's or a live
         key another live task's."""
         written = await self.connections.run(
@@ -869,6 +870,8 @@ class CommitPath:
         current, found = written.fence
         if current == epoch and found in (None, self._incarnation):
             return None
+        # Fenced: this term may be over, and a new one takes a fresh connection.
+        await self.connections.release()
         return written.fence
 
     async def release(self) -> None:

@@ -1079,6 +1079,8 @@ class GroupCommitter:
     async def _commit_group(self, subs: list[Submission]) -> None:
         """Commit ``subs`` in one transaction; on a non-transient error, bisect so that only
         the submissions that cause it fail (halves are committed in order)."""
+        if self._settling.fenced is not None:
+            raise self._settling.fenced  # another batch was: nothing is written any more
         mutations = [m for sub in subs for m in sub.mutations]
         outputs = [o for sub in subs for o in sub.outputs]
         started = time.monotonic()
@@ -1092,7 +1094,7 @@ class GroupCommitter:
                 telemetry=self._telemetry,
                 rows=len(mutations),
             )
-            await retry.run(lambda: self._commit_once(mutations, outputs))
+            await retry.run(lambda: self._store.commit(self._epoch, self._base, mutations, outputs))
         except (FencedError, Abandoned):
             raise
         except Exception as caught:  # not transient, a bad mutation, or a stuck batch
@@ -1140,10 +1142,3 @@ class GroupCommitter:
                 },
             )
         self._settling.acknowledge_all(subs, now)
-
-    async def _commit_once(self, mutations: list[Mutation], outputs: list[Output]) -> None:
-        """One attempt at a batch's commit: none once another batch was fenced."""
-        fenced = self._settling.fenced
-        if fenced is not None:
-            raise fenced
-        await self._store.commit(self._epoch, self._base, mutations, outputs)

@@ -35,7 +35,7 @@ from . import _queries as queries
 from . import _recovery as recovery
 from . import _statements as st
 from . import _trust as trust
-from ._commit_path import MAX_COMMIT_BYTES, CommitPath, FoldedBatch, check_batch_size, fold
+from ._commit_path import MAX_COMMIT_BYTES, CommitPath, check_batch_size, fold
 from ._config import PgStoreConfig
 from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._errors import (
@@ -51,7 +51,7 @@ from ._retry import bounded
 from ._schema import schema_options
 from ._urls import redact
 from ._urls import resolve as resolve_url
-from .telemetry import CommitRecord, Telemetry, resolve
+from .telemetry import Telemetry, resolve
 
 __all__ = ["Committable", "PgStore", "Store", "StoreQueries", "SupportsCommit"]
 
@@ -537,19 +537,27 @@ class PgStore:
         ``UnavailableError`` if the database fails or the commit takes longer than
         ``commit_timeout``.
         """
-        if not self._telemetry.enabled:
-            return await self._commit(epoch, base, batch, outputs, None)
         with self._telemetry.commit(len(batch)) as record:
-            return await self._commit(epoch, base, batch, outputs, record)
+            await self._refuse_other_terms(epoch)
+            size = check_batch_size(batch, outputs, self.max_commit_bytes)
+            folded = fold(batch, base, time.time_ns(), outputs)
+            if record is not None:
+                record.size, record.path = size, self._commits.writer.path(folded)
+            timeout = self._config.commit_timeout
+            async with self._translated("committing a batch"):
+                try:
+                    found = await bounded(self._commits.commit(epoch, folded), timeout)
+                except asyncio.TimeoutError as exc:
+                    raise UnavailableError(
+                        f"committing a batch failed: not done within commit_timeout ({timeout} s)"
+                    ) from exc
+            if found is not None:
+                self._fence_found(epoch, *found)
+        self._last_commit = time.monotonic()
 
-    async def _commit(
-        self,
-        epoch: int,
-        base: TimeBase,
-        batch: Sequence[Mutation],
-        outputs: Sequence[tuple[TaskId, bytes]],
-        record: CommitRecord | None,
-    ) -> None:
+    async def _refuse_other_terms(self, epoch: int) -> None:
+        """Raise ``FencedError`` (``ClusterReplacedError``) unless ``epoch`` is this
+        instance's current term, before anything is sent."""
         if self._fenced or (self._has_led and not self._leadership.is_leader):
             await self._commits.release()  # the term is over: its writer connection too
             replaced = self._leadership.replaced
@@ -570,19 +578,6 @@ class PgStore:
                 f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
                 "was written, and the current term goes on"
             )
-        size = check_batch_size(batch, outputs, self.max_commit_bytes)
-        folded = fold(batch, base, time.time_ns(), outputs)
-        if record is not None:
-            record.size, record.path = size, self._commits.writer.path(folded)
-        timeout = self._config.commit_timeout
-        async with self._translated("committing a batch"):
-            try:
-                await bounded(self._write(epoch, folded), timeout)
-            except asyncio.TimeoutError as exc:
-                raise UnavailableError(
-                    f"committing a batch failed: not done within commit_timeout ({timeout} s)"
-                ) from exc
-        self._last_commit = time.monotonic()
 
     async def ping(self) -> None:
         """Return once the database answers and takes writes; ``UnavailableError`` if it
@@ -604,23 +599,16 @@ class PgStore:
                 reconnect=True,
             )
 
-    async def _write(self, epoch: int, folded: FoldedBatch) -> None:
-        """Write ``folded`` under ``epoch``; a fence found instead ends here, as an error."""
-        found = await self._commits.commit(epoch, folded)
-        if found is not None:
-            await self._fence_found(epoch, *found)
-
-    async def _fence_found(self, epoch: int, stored: int | None, found: int | None) -> NoReturn:
+    def _fence_found(self, epoch: int, stored: int | None, found: int | None) -> NoReturn:
         """A commit under ``epoch`` found the epoch ``stored`` and the incarnation ``found``
-        instead, and wrote nothing: raise ``ClusterReplacedError`` where the schema holds
-        another cluster, ``FencedError`` otherwise, having ended the term if this fence
-        ends it (:meth:`_fenced_out`) and given back the writer's connection then."""
+        instead, and wrote nothing (the commit path gave its held connection back): raise
+        ``ClusterReplacedError`` where the schema holds another cluster, ``FencedError``
+        otherwise, having ended the term if this fence ends it (:meth:`_fenced_out`)."""
         if found is not None and found != self._incarnation:
             replaced = ClusterReplacedError(
                 self._config.schema, self._incarnation, found, "committing a batch"
             )
             self._fenced_out(stored, replaced)
-            await self._commits.release()
             logger.error(
                 "commit refused: the schema holds another cluster; stepping down",
                 extra={
@@ -631,7 +619,6 @@ class PgStore:
             )
             raise replaced
         if self._fenced_out(stored, None):
-            await self._commits.release()
             logger.error(
                 "commit fenced: another instance took leadership",
                 extra={"epoch": epoch, "current_epoch": stored},

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,10 +126,11 @@ class Telemetry:
 
     enabled = False
 
-    @contextmanager
-    def commit(self, mutations: int) -> Iterator[CommitRecord]:
-        """Yields the :class:`CommitRecord` that the commit fills in."""
-        yield CommitRecord(mutations)
+    def commit(self, mutations: int) -> AbstractContextManager[CommitRecord | None]:
+        """Around one commit: yields the :class:`CommitRecord` that the commit fills in, or
+        ``None`` where nothing is recorded (a shared no-op, so an unrecorded commit makes no
+        object)."""
+        return _UNRECORDED
 
     @contextmanager
     def recovery(self) -> Iterator[Callable[[int, int, int, int], None]]:
@@ -168,6 +169,9 @@ class Telemetry:
 
 def _ignore(*args: int) -> None:
     return None
+
+
+_UNRECORDED: AbstractContextManager[None] = nullcontext()
 
 
 #: The store's telemetry when there is nowhere to record to.
