@@ -75,6 +75,7 @@ from ._domain import (
 from ._domain import (
     task_id as task_id,
 )
+from ._door import engine_arguments as engine_arguments
 from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
@@ -124,7 +125,6 @@ from ._retry import Backoff as Backoff
 from ._store import PgStore as PgStore
 from ._store import Store as Store
 from ._store import StoreQueries as StoreQueries
-from ._urls import engine_arguments as engine_arguments
 from ._urls import scrub as scrub
 
 __all__ = [

@@ -58,7 +58,9 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import time
+import weakref
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -97,7 +99,7 @@ from ._errors import (
 from ._results import LockHolder
 from ._retry import bounded
 from ._schema import leader, schema_options, tasks
-from ._urls import ConnectParameters, dialled_by_store, engine_arguments, redact
+from ._urls import ConnectParameters, redact, resolve
 
 __all__ = [
     "CLUSTER_REPLACED",
@@ -117,6 +119,7 @@ __all__ = [
     "UNIQUE_VIOLATION",
     "CommitConnection",
     "CompiledStatement",
+    "Dialer",
     "DriverConnection",
     "DriverCursor",
     "HeldConnection",
@@ -131,6 +134,7 @@ __all__ = [
     "command_engine",
     "demoted",
     "describe_holders",
+    "engine_arguments",
     "forget_lost_statements",
     "holder_of",
     "idle_in_transaction_ms",
@@ -943,6 +947,133 @@ async def _transaction(conn: AsyncConnection, opening: str | None) -> AsyncItera
         adapter.autocommit = False
 
 
+# --- dialling: a driver connection from a URL's parameters -------------------------------
+
+
+#: asyncpg connections made by a :class:`Dialer` (``from_engine`` tells an engine made from
+#: :func:`engine_arguments` from one SQLAlchemy dials from its URL).
+_DIALLED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class Dialer:
+    """SQLAlchemy's asyncpg connection factory for one :class:`ConnectParameters`.
+
+    SQLAlchemy calls it with the keywords it made from ``engine.url`` (ignored: the
+    parameters say where to go) and the engine's ``connect_args`` (the caller's
+    ``server_settings``, ``timeout``, statement cache...). The URL's settings go first and
+    the caller's over them (the store's own ``search_path`` wins over ``options``); the
+    URL's ``application_name`` names the session over the caller's, which is a fallback;
+    the URL's ``connect_timeout`` replaces the caller's bound."""
+
+    def __init__(self, parameters: ConnectParameters) -> None:
+        self.parameters = parameters
+
+    def __repr__(self) -> str:
+        return f"Dialer({self.parameters.shown})"
+
+    async def __call__(self, *_args: Any, **given: Any) -> Any:
+        p = self.parameters
+        for name in ("dsn", "host", "port", "user", "password", "database", "passfile"):
+            given.pop(name, None)
+        caller = dict(given.pop("server_settings", None) or {})
+        settings = {**dict(p.settings), **caller}
+        settings["application_name"] = p.session_name(caller.get("application_name", ""))
+        if not settings["application_name"]:
+            del settings["application_name"]
+        bound = given.pop("timeout", 60.0)
+        # libpq's connect_timeout bounds each host; without one, the caller's bound covers
+        # the whole attempt.
+        connection = await asyncio.wait_for(
+            self._dial(settings, given), None if p.connect_timeout_given else bound
+        )
+        _tune_socket(connection, p)
+        _DIALLED.add(connection)
+        return connection
+
+    async def _dial(self, settings: dict[str, str], given: dict[str, Any]) -> Any:
+        """Each host in turn, as libpq tries them: the first that connects and has the
+        ``target_session_attrs`` asked for (``prefer-standby``: a standby, else any)."""
+        p = self.parameters
+        arguments = p.asyncpg_arguments()
+        hosts, ports = arguments.pop("host"), arguments.pop("port")
+        attrs = arguments.pop("target_session_attrs")
+        if not isinstance(hosts, list):
+            return await asyncpg.connect(
+                host=hosts,
+                port=ports,
+                target_session_attrs=attrs,
+                server_settings=settings,
+                timeout=p.connect_timeout,
+                **arguments,
+                **given,
+            )
+        passes = ["standby", "any"] if attrs == "prefer-standby" else [attrs]
+        failure: Exception | None = None
+        for wanted in passes:
+            for host, port in zip(hosts, ports, strict=True):
+                try:
+                    return await asyncpg.connect(
+                        host=host,
+                        port=port,
+                        target_session_attrs=wanted,
+                        server_settings=settings,
+                        timeout=p.connect_timeout,
+                        **arguments,
+                        **given,
+                    )
+                except Exception as exc:  # libpq tries the next host after any failure
+                    failure = exc
+        assert failure is not None
+        raise failure
+
+
+def _tune_socket(connection: Any, p: ConnectParameters) -> None:
+    """libpq's TCP settings on the connection's socket (a unix socket has none)."""
+    transport = getattr(connection, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(p.keepalives))
+    if p.keepalives:
+        for option, value in (
+            ("TCP_KEEPIDLE", p.keepalives_idle),
+            ("TCP_KEEPINTVL", p.keepalives_interval),
+            ("TCP_KEEPCNT", p.keepalives_count),
+        ):
+            if value > 0 and hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if p.tcp_user_timeout > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, p.tcp_user_timeout)
+
+
+def _dialled_by_store(driver_connection: Any) -> bool:
+    """Whether ``driver_connection`` was made by a :class:`Dialer`."""
+    return driver_connection in _DIALLED
+
+
+def engine_arguments(
+    url: str | URL | ConnectParameters,
+) -> tuple[URL, dict[str, Any]]:
+    """The URL and the ``connect_args`` of an engine that connects as libpq would with
+    ``url``: ``create_async_engine(dialled, connect_args={**arguments, ...})``.
+
+    Every engine the store makes from a URL (its pool, the lock session, the CLI's,
+    Alembic's) is made from these. ``url`` is read once, as libpq 18 reads it: the URL, then
+    its service's file, then the ``PG*`` environment, then the defaults. Every session is
+    dialled from what was read (the asyncpg adapter's ``async_creator_fn``), so nothing
+    SQLAlchemy makes of a URL can drop a parameter. Further ``connect_args``
+    (``server_settings``, ``timeout``, ``statement_cache_size``...) reach
+    ``asyncpg.connect()`` too; the URL's ``application_name`` and ``connect_timeout`` win
+    over theirs. Raises ``ValueError`` for what is not a PostgreSQL URL or names a service
+    no file defines, and ``UnsupportedParameterError`` naming each parameter asyncpg cannot
+    honour (docs/cli.md lists every parameter)."""
+    parameters = url if isinstance(url, ConnectParameters) else resolve(url)
+    arguments: dict[str, Any] = {"async_creator_fn": Dialer(parameters)}
+    if parameters.prepared_statement_cache_size is not None:
+        arguments["prepared_statement_cache_size"] = parameters.prepared_statement_cache_size
+    return parameters.url(), arguments
+
+
 # --- the engines, and the checks at open -------------------------------------------------
 
 #: Seconds a new connection of the store's own pool may take to open: asyncpg's own bound,
@@ -961,7 +1092,7 @@ def _engine(
     **options: Any,
 ) -> AsyncEngine:
     """An engine that dials ``url`` as libpq would (its TLS, service and password file:
-    :func:`~cronoq_store._urls.engine_arguments`), under the rules every engine the store
+    :func:`engine_arguments`), under the rules every engine the store
     makes from a URL keeps. No bound parameter shows in an error's text: one can carry a
     secret or a payload. Connecting is bounded by ``connect_timeout`` seconds, unless the
     URL's ``connect_timeout`` says otherwise. ``connect_args`` come last, and ``options``
@@ -1207,7 +1338,7 @@ async def refuse_ignored_parameters(engine: AsyncEngine) -> None:
     SQLAlchemy hands a URL's ``service`` and ``servicefile`` to ``asyncpg.connect()``, which
     ignores them (and ``$PGSERVICE``) without a DSN, and dials the default server instead:
     the store would lead a cluster in another database. An engine made from
-    :func:`~cronoq_store._urls.engine_arguments` reads them as libpq does, and passes."""
+    :func:`engine_arguments` reads them as libpq does, and passes."""
     names = [name for name in ("service", "servicefile") if name in engine.url.query]
     if "PGSERVICE" in os.environ:
         names.append("$PGSERVICE")
@@ -1216,7 +1347,7 @@ async def refuse_ignored_parameters(engine: AsyncEngine) -> None:
     try:
         async with engine.connect() as conn:
             raw = await conn.get_raw_connection()
-            if dialled_by_store(raw.driver_connection):
+            if _dialled_by_store(raw.driver_connection):
                 return
     except Exception:
         # Opening the store goes on, and says why it cannot connect.

@@ -45,8 +45,8 @@ LAYERS: tuple[Layer, ...] = (
             "derived from `SPEC_FIELDS`; time and duration conversions",
             "_retry": "the retry policy and its loop (what to retry, the pauses, stops by "
             "exception), and the one timeout",
-            "_urls": "database URLs read as libpq reads them and dialled as read; the one "
-            "masking of secrets",
+            "_urls": "database URLs read as libpq reads them, into the parameters the door "
+            "dials; the one masking of secrets",
             "_terminal_safe": "the one rule for printed text, and the `--json` encoder",
             "telemetry": "the one module that knows OpenTelemetry: instruments and spans",
             "_layers": "this declaration of the layers",
@@ -71,10 +71,10 @@ LAYERS: tuple[Layer, ...] = (
         "door",
         "the one way to the driver; nothing above it holds a driver connection",
         {
-            "_door": "the store's engines and their checks at open, the commits' "
-            "connection, transactions, statements compiled and run, bounded "
-            "waits for locks with their holders named, every driver error "
-            "mapped",
+            "_door": "the store's engines and their checks at open, every session dialled "
+            "from a URL's parameters, the commits' connection, transactions, statements "
+            "compiled and run, bounded waits for locks with their holders named, every "
+            "driver error mapped",
         },
     ),
     Layer(

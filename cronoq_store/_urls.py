@@ -1,10 +1,10 @@
-"""Database URLs: read as libpq reads them, dialled as read, never printed with a secret.
+"""Database URLs: read as libpq reads them, never printed with a secret.
 
 :func:`resolve` reads a URL the way libpq 18 does (the URI, then the service file, then the
 ``PG*`` environment, then the defaults) into one :class:`ConnectParameters`, refusing by
-name each parameter asyncpg cannot honour. :func:`engine_arguments` makes an engine dial
-every session from those parameters, so that SQLAlchemy's own URL-to-keywords translation
-cannot drop one; every engine the store makes from a URL is made that way.
+name each parameter asyncpg cannot honour. Nothing here opens a connection: the door
+(:mod:`cronoq_store._door`) dials every session from those parameters, so that SQLAlchemy's
+own URL-to-keywords translation cannot drop one.
 
 A URL can carry a password in its user info (``user:secret@host``, percent-encoded or not),
 in query parameters (``?password=``, the libpq form SQLAlchemy and asyncpg accept, and other
@@ -14,7 +14,6 @@ secret-bearing ones such as ``sslpassword``), and a libpq keyword DSN in ``key=v
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import locale
 import logging
@@ -22,9 +21,7 @@ import os
 import pwd
 import random
 import re
-import socket
 import stat
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,11 +36,8 @@ __all__ = [
     "MASK",
     "URL_ENV",
     "ConnectParameters",
-    "Dialer",
     "UnsupportedParameterError",
     "async_url",
-    "dialled_by_store",
-    "engine_arguments",
     "redact",
     "resolve",
     "scrub",
@@ -192,15 +186,16 @@ def async_url(url: str | URL) -> URL:
     """The ``postgresql+asyncpg`` form of ``url``, for an engine SQLAlchemy dials from it.
 
     Only the parameters SQLAlchemy hands to asyncpg with their libpq meaning are accepted:
-    a service, for one, is refused (asyncpg ignores it there); :func:`engine_arguments`
-    reads every parameter.
+    a service, for one, is refused (asyncpg ignores it there);
+    :func:`~cronoq_store.engine_arguments` reads every parameter.
 
     Accepts ``postgres://``, ``postgresql://`` and ``postgresql+asyncpg://`` URLs, including
     unix-socket ones (``postgresql:///db?host=/run/postgresql``). A ``?password=`` parameter
     becomes the URL's password, so that SQLAlchemy's own masking (``str(engine.url)``, its
     logging) covers it; libpq's TLS parameters stay in the query (make engines with
-    :func:`engine_arguments`). Raises ``ValueError`` for anything else, with the password
-    masked, and :class:`UnsupportedParameterError` for a parameter the store cannot honour.
+    :func:`~cronoq_store.engine_arguments`). Raises ``ValueError`` for anything else, with
+    the password masked, and :class:`UnsupportedParameterError` for a parameter the store
+    cannot honour.
     """
     parsed = _parse(url)
     if parsed is None:
@@ -488,7 +483,7 @@ class ConnectParameters:
 
     def asyncpg_arguments(self) -> dict[str, Any]:
         """``asyncpg.connect()``'s keywords for these parameters (no ``server_settings`` and
-        no ``timeout``: the dialler merges those with the caller's)."""
+        no ``timeout``: the door's dialler merges those with the caller's)."""
         hosts: list[str] | None = list(self.hosts) or None
         ports: list[int] | None = list(self.ports) or None
         if self.load_balance and hosts is not None and ports is not None:
@@ -935,129 +930,3 @@ def _match_field(line: str, wanted: str) -> str | None:
     if i < len(line) and line[i] == ":":
         return line[i + 1 :]
     return None
-
-
-#: asyncpg connections made by a :class:`Dialer` (``from_engine`` tells an engine made from
-#: :func:`engine_arguments` from one SQLAlchemy dials from its URL).
-_DIALLED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-class Dialer:
-    """SQLAlchemy's asyncpg connection factory for one :class:`ConnectParameters`.
-
-    SQLAlchemy calls it with the keywords it made from ``engine.url`` (ignored: the
-    parameters say where to go) and the engine's ``connect_args`` (the caller's
-    ``server_settings``, ``timeout``, statement cache...). The URL's settings go first and
-    the caller's over them (the store's own ``search_path`` wins over ``options``); the
-    URL's ``application_name`` names the session over the caller's, which is a fallback;
-    the URL's ``connect_timeout`` replaces the caller's bound."""
-
-    def __init__(self, parameters: ConnectParameters) -> None:
-        self.parameters = parameters
-
-    def __repr__(self) -> str:
-        return f"Dialer({self.parameters.shown})"
-
-    async def __call__(self, *_args: Any, **given: Any) -> Any:
-        p = self.parameters
-        for name in ("dsn", "host", "port", "user", "password", "database", "passfile"):
-            given.pop(name, None)
-        caller = dict(given.pop("server_settings", None) or {})
-        settings = {**dict(p.settings), **caller}
-        settings["application_name"] = p.session_name(caller.get("application_name", ""))
-        if not settings["application_name"]:
-            del settings["application_name"]
-        bound = given.pop("timeout", 60.0)
-        # libpq's connect_timeout bounds each host; without one, the caller's bound covers
-        # the whole attempt.
-        connection = await asyncio.wait_for(
-            self._dial(settings, given), None if p.connect_timeout_given else bound
-        )
-        _tune_socket(connection, p)
-        _DIALLED.add(connection)
-        return connection
-
-    async def _dial(self, settings: dict[str, str], given: dict[str, Any]) -> Any:
-        """Each host in turn, as libpq tries them: the first that connects and has the
-        ``target_session_attrs`` asked for (``prefer-standby``: a standby, else any)."""
-        import asyncpg
-
-        p = self.parameters
-        arguments = p.asyncpg_arguments()
-        hosts, ports = arguments.pop("host"), arguments.pop("port")
-        attrs = arguments.pop("target_session_attrs")
-        if not isinstance(hosts, list):
-            return await asyncpg.connect(
-                host=hosts,
-                port=ports,
-                target_session_attrs=attrs,
-                server_settings=settings,
-                timeout=p.connect_timeout,
-                **arguments,
-                **given,
-            )
-        passes = ["standby", "any"] if attrs == "prefer-standby" else [attrs]
-        failure: Exception | None = None
-        for wanted in passes:
-            for host, port in zip(hosts, ports, strict=True):
-                try:
-                    return await asyncpg.connect(
-                        host=host,
-                        port=port,
-                        target_session_attrs=wanted,
-                        server_settings=settings,
-                        timeout=p.connect_timeout,
-                        **arguments,
-                        **given,
-                    )
-                except Exception as exc:  # libpq tries the next host after any failure
-                    failure = exc
-        assert failure is not None
-        raise failure
-
-
-def _tune_socket(connection: Any, p: ConnectParameters) -> None:
-    """libpq's TCP settings on the connection's socket (a unix socket has none)."""
-    transport = getattr(connection, "_transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(p.keepalives))
-    if p.keepalives:
-        for option, value in (
-            ("TCP_KEEPIDLE", p.keepalives_idle),
-            ("TCP_KEEPINTVL", p.keepalives_interval),
-            ("TCP_KEEPCNT", p.keepalives_count),
-        ):
-            if value > 0 and hasattr(socket, option):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-    if p.tcp_user_timeout > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, p.tcp_user_timeout)
-
-
-def dialled_by_store(driver_connection: Any) -> bool:
-    """Whether ``driver_connection`` was made by a :class:`Dialer`."""
-    return driver_connection in _DIALLED
-
-
-def engine_arguments(
-    url: str | URL | ConnectParameters,
-) -> tuple[URL, dict[str, Any]]:
-    """The URL and the ``connect_args`` of an engine that connects as libpq would with
-    ``url``: ``create_async_engine(dialled, connect_args={**arguments, ...})``.
-
-    Every engine the store makes from a URL (its pool, the lock session, the CLI's,
-    Alembic's) is made from these. ``url`` is read once, as libpq 18 reads it: the URL, then
-    its service's file, then the ``PG*`` environment, then the defaults. Every session is
-    dialled from what was read (the asyncpg adapter's ``async_creator_fn``), so nothing
-    SQLAlchemy makes of a URL can drop a parameter. Further ``connect_args``
-    (``server_settings``, ``timeout``, ``statement_cache_size``...) reach
-    ``asyncpg.connect()`` too; the URL's ``application_name`` and ``connect_timeout`` win
-    over theirs. Raises ``ValueError`` for what is not a PostgreSQL URL or names a service
-    no file defines, and ``UnsupportedParameterError`` naming each parameter asyncpg cannot
-    honour (docs/cli.md lists every parameter)."""
-    parameters = url if isinstance(url, ConnectParameters) else resolve(url)
-    arguments: dict[str, Any] = {"async_creator_fn": Dialer(parameters)}
-    if parameters.prepared_statement_cache_size is not None:
-        arguments["prepared_statement_cache_size"] = parameters.prepared_statement_cache_size
-    return parameters.url(), arguments

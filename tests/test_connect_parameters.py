@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from cronoq_store import engine_arguments
 from cronoq_store._cli import cli
 from cronoq_store._cli.exits import ExitCode
 from cronoq_store._config import PgStoreConfig
@@ -32,7 +33,7 @@ from cronoq_store._domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._errors import UnsupportedParameterError
 from cronoq_store._statements import SEARCH_PATH
 from cronoq_store._store import PgStore
-from cronoq_store._urls import URL_ENV, engine_arguments, resolve
+from cronoq_store._urls import URL_ENV, resolve
 from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._server import find_bin_dir
 

@@ -31,13 +31,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store import engine_arguments
 from cronoq_store._cli import cli
 from cronoq_store._cli.exits import ExitCode
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Submitted, TaskId, TaskSpec, TimeBase
 from cronoq_store._errors import StoreError
 from cronoq_store._store import PgStore
-from cronoq_store._urls import URL_ENV, UnsupportedParameterError, engine_arguments
+from cronoq_store._urls import URL_ENV, UnsupportedParameterError
 from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._unprivileged import system_user_entry
 

@@ -27,11 +27,12 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
 from .. import _catalog as catalog
+from .._door import engine_arguments
 from .._errors import StoreError
 from .._migrations import upgrade
 from .._schema import schema_options
 from .._terminal_safe import visible
-from .._urls import engine_arguments, redact
+from .._urls import redact
 from .roles import URL_ENV, ZOMBIE_KIND, ZOMBIE_MESSAGE
 from .verdict import DemoReport, find_lost, judge, parse_acks, render
 

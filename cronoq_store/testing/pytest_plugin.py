@@ -43,10 +43,10 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import DropSchema
 
 from .._config import PgStoreConfig
+from .._door import engine_arguments
 from .._migrations import upgrade
 from .._statements import SEARCH_PATH
 from .._store import PgStore
-from .._urls import engine_arguments
 from ._server import TEST_URL_ENV, EmbeddedPostgres
 
 __all__ = ["cronoq_config", "cronoq_database_url", "cronoq_schema", "cronoq_store"]
