@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Awaitable, Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
@@ -122,15 +121,12 @@ from ._domain import (
     unhandled,
 )
 from ._door import (
-    CLUSTER_REPLACED,
-    INSERT_REFUSALS,
-    UNIQUE_VIOLATION,
+    ClusterMoved,
     CommitConnection,
     CompiledStatement,
     HeldConnection,
+    InsertRefused,
     Opening,
-    insert_refusal,
-    keys_named,
     row_count,
 )
 from ._errors import (
@@ -579,7 +575,6 @@ _NO_FENCE: Fence = (None, None)
 
 # The incarnation a failed closing check names (statements.incarnation_kept): its own text,
 # which the server quotes in its message whatever the message's language.
-_FOUND_INCARNATION = re.compile(r"its leader table is now (\d+|missing)")
 
 
 #: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
@@ -672,13 +667,11 @@ class BatchWriter:
             # Optimistic: new tasks, as nearly every batch holds. A stored id or a taken
             # live key fails the COPY (and rolls back everything): the insert below, with
             # its conflict rule, then says which it was.
-            with contextlib.suppress(UNIQUE_VIOLATION):
+            with contextlib.suppress(InsertRefused):
                 return Written(await self._write(conn, fence, batch, copy=True))
         try:
             return Written(await self._write(conn, fence, batch, copy=False))
-        except INSERT_REFUSALS as exc:
-            if not insert_refusal(exc):
-                raise
+        except InsertRefused as exc:
             refusal = exc
         # Ids held by other tasks win over held keys, whichever row met the server first.
         colliding = await self._colliding(conn, batch)
@@ -690,16 +683,14 @@ class BatchWriter:
             # insert. A live key that still fails then is held by another task.
             try:
                 return Written(await self._write(conn, fence, batch.resubmitted(), copy=False))
-            except INSERT_REFUSALS as exc:
-                if not insert_refusal(exc):
-                    raise
+            except InsertRefused as exc:
                 refusal = exc
             colliding = await self._colliding(conn, batch)
             if colliding:
                 return Written(_NO_FENCE, colliding)
-        if not isinstance(refusal, UNIQUE_VIOLATION):
+        if not refusal.unique:
             return Written(_NO_FENCE, colliding)  # the colliding task was gone when looked up
-        return Written(_NO_FENCE, taken=await self._held_keys(conn, batch) or keys_named(refusal))
+        return Written(_NO_FENCE, taken=await self._held_keys(conn, batch) or refusal.keys)
 
     async def _held_keys(self, conn: CommitConnection, batch: FoldedBatch) -> list[str]:
         """The keys of ``batch`` that other live tasks hold (:func:`folding.taken_keys`)."""
@@ -784,15 +775,12 @@ class BatchWriter:
         try:
             # The schema's name may lead to another cluster by now: each write looked its
             # table up again. Checked after them, with the COMMIT, in one message.
-            await conn.send(self._closing.sql(fenced))
-        except CLUSTER_REPLACED as exc:
+            await conn.finish(self._closing.sql(fenced))
+        except ClusterMoved as moved:
             await conn.roll_back_failed()
             # Nothing was committed. Another cluster's incarnation is named as found; no
             # leader row reads as no fence at all, never as this batch's.
-            now = _FOUND_INCARNATION.search(str(exc))
-            if now is None or now[1] == "missing":
-                return _NO_FENCE
-            return epoch, int(now[1])
+            return _NO_FENCE if moved.found is None else (epoch, moved.found)
         except BaseException:
             await conn.roll_back_failed()
             raise

@@ -12,12 +12,13 @@ per-execution work (the commit path, :mod:`cronoq_store._commit_path`; recovery'
 Mapping: :func:`translate_error` turns any failure into a :class:`~cronoq_store.StoreError`
 by SQLSTATE, not exception class (the asyncpg dialect delivers serialization failures,
 deadlocks and shutdowns alike as a plain ``DBAPIError``): whether work is retried or
-abandoned is decided here. The few driver errors that mean something else than a failure
-are read here too: the insert's refusals (:func:`insert_refusal`, :func:`keys_named`), a
-connection an error left usable (:func:`leaves_connection_sound`), a session that lost the
-driver's prepared statements (:func:`forget_lost_statements`), a startup setting a
-transaction-pooling PgBouncer refused (:func:`translate_open_error`), and a lock wait that
-ran out, for the callers that answer it (:class:`LockNotAvailable`).
+abandoned is decided here. The few driver errors that mean something else than a failure are
+read here too: the insert's refusals (:class:`InsertRefused`), the closing check's finding
+of another cluster (:class:`ClusterMoved`), a connection an error left usable
+(:func:`leaves_connection_sound`), a session that lost the driver's prepared statements
+(:func:`forget_lost_statements`), a startup setting a transaction-pooling PgBouncer refused
+(:func:`translate_open_error`), and a lock wait that ran out, for the callers that answer it
+(:class:`LockNotAvailable`).
 
 Engines: every engine the store makes is made here, by the same rules (no bound parameter
 in an error's text, TLS and libpq's parameters read from the URL, connecting bounded):
@@ -102,10 +103,8 @@ from ._schema import leader, schema_options, tasks
 from ._urls import ConnectParameters, redact, resolve
 
 __all__ = [
-    "CLUSTER_REPLACED",
     "CONNECTION_CLASSES",
     "CONNECT_TIMEOUT",
-    "INSERT_REFUSALS",
     "LOCK_NOT_AVAILABLE",
     "LOCK_SESSION_CLOSE_TIMEOUT",
     "POOL_CONNECT_TIMEOUT",
@@ -116,13 +115,14 @@ __all__ = [
     "TABLE_LOCK_ATTEMPT",
     "TRANSIENT_CLASSES",
     "TRANSIENT_CODES",
-    "UNIQUE_VIOLATION",
+    "ClusterMoved",
     "CommitConnection",
     "CompiledStatement",
     "Dialer",
     "DriverConnection",
     "DriverCursor",
     "HeldConnection",
+    "InsertRefused",
     "LeaderRow",
     "LockNotAvailable",
     "LockSession",
@@ -138,8 +138,6 @@ __all__ = [
     "forget_lost_statements",
     "holder_of",
     "idle_in_transaction_ms",
-    "insert_refusal",
-    "keys_named",
     "leader_barrier",
     "leaves_connection_sound",
     "lock_engine",
@@ -520,19 +518,41 @@ def _refused_setting(exc: BaseException) -> str | None:
 
 # --- a commit's refusals ----------------------------------------------------------------
 
-#: What a commit transaction's closing check raises when the schema's name leads to another
-#: cluster than the store's (``statements.incarnation_kept``: 22P02, a text that is no
-#: integer). No other statement of the closing message can raise it.
-CLUSTER_REPLACED = asyncpg.InvalidTextRepresentationError
 
-# --- the insert's refusals --------------------------------------------------------------
+class InsertRefused(Exception):
+    """An insert the commit path explains instead of failing: an id a stored task holds (the
+    insert's signal, :func:`_stored_id`) or a live key another live task holds (the unique
+    index of live keys); from a COPY, which has no conflict rule, any unique index's
+    refusal. ``unique``: a unique index refused it; ``keys``: the live key the server
+    named, if it named one (:func:`_keys_named`). Raised ``from`` the driver's error."""
 
+    def __init__(self, *, unique: bool, keys: list[str]) -> None:
+        super().__init__("an insert was refused: an id or a live key is another task's")
+        self.unique = unique
+        self.keys = keys
+
+
+class ClusterMoved(Exception):
+    """A commit transaction's closing check found the schema's name leading to another
+    cluster than the store's: ``found`` is that cluster's leader table OID, ``None`` where
+    the schema has no leader table. Nothing was committed."""
+
+    def __init__(self, found: int | None) -> None:
+        super().__init__(f"the schema holds another cluster (leader table {found})")
+        self.found = found
+
+
+#: What the closing check raises when the schema's name leads to another cluster
+#: (``statements.incarnation_kept``: 22P02, a text that is no integer, naming what it
+#: found). No other statement of the closing message can raise it.
+_CLUSTER_REPLACED = asyncpg.InvalidTextRepresentationError
+_FOUND_INCARNATION = re.compile(r"its leader table is now (\d+|missing)")
 #: A unique index refused a row: a stored id or a taken live key (COPY, which has no
-#: conflict rule), or a taken live key (:func:`keys_named`).
-UNIQUE_VIOLATION = asyncpg.UniqueViolationError
-#: The driver errors of an insert that :func:`insert_refusal` may explain.
-INSERT_REFUSALS = (asyncpg.NotNullViolationError, UNIQUE_VIOLATION)
-# The unique index on live keys (see :func:`insert_refusal`).
+#: conflict rule), or a taken live key (:func:`_keys_named`).
+_UNIQUE_VIOLATION = asyncpg.UniqueViolationError
+#: The driver errors of an insert that :func:`_explained` may explain.
+_INSERT_REFUSALS = (asyncpg.NotNullViolationError, _UNIQUE_VIOLATION)
+# The unique index on live keys (see :func:`_explained`).
 _LIVE_KEY_INDEX = next(index.name for index in tasks.indexes if index.unique)
 # The server's detail for a violation of it: the key as text.
 _KEY_DETAIL = re.compile(r"Key \(key\)=\((.*)\) already exists\.", re.DOTALL)
@@ -570,9 +590,9 @@ async def separating_lock_waits(action: str) -> AsyncIterator[None]:
         raise LockNotAvailable(str(translate_error(exc, action))) from exc
 
 
-def insert_refusal(exc: asyncpg.PostgresError) -> bool:
-    """Whether the insert's failure is one the writer explains (an id held by another task,
-    a live key held by another live task) rather than an error to raise: the insert's
+def _explained(exc: asyncpg.PostgresError) -> bool:
+    """Whether an insert's failure is one the commit path explains (an id held by another
+    task, a live key held by another live task) rather than an error to raise: the insert's
     signal (:func:`_stored_id`) or a violation of the unique index of live keys."""
     if isinstance(exc, asyncpg.NotNullViolationError):
         return _stored_id(exc)
@@ -580,7 +600,14 @@ def insert_refusal(exc: asyncpg.PostgresError) -> bool:
     return constraint == _LIVE_KEY_INDEX
 
 
-def keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:
+def _refused(exc: asyncpg.PostgresError) -> InsertRefused:
+    return InsertRefused(
+        unique=isinstance(exc, _UNIQUE_VIOLATION),
+        keys=_keys_named(exc) if isinstance(exc, _UNIQUE_VIOLATION) else [],
+    )
+
+
+def _keys_named(exc: asyncpg.UniqueViolationError) -> list[str]:
     """The key the server names in a live-key violation ("Key (key)=(k) already exists.")."""
     detail: str | None = exc.detail
     found = _KEY_DETAIL.fullmatch(detail or "")
@@ -806,16 +833,28 @@ class CommitConnection:
         self._driver = driver
 
     async def fetchrow(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
-        """Run ``statement``; its first row."""
-        return await statement.fetchrow(self._driver, values)
+        """Run ``statement``; its first row. :class:`InsertRefused` for an insert's
+        refusal the commit path explains."""
+        try:
+            return await statement.fetchrow(self._driver, values)
+        except _INSERT_REFUSALS as exc:
+            if not _explained(exc):
+                raise
+            raise _refused(exc) from exc
 
     async def fetch(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
         """Run ``statement``; every row."""
         return await statement.fetch(self._driver, values)
 
     async def execute(self, statement: CompiledStatement, values: Mapping[str, Any]) -> str:
-        """Run ``statement``; its command tag (:func:`row_count` reads it)."""
-        return await statement.execute(self._driver, values)
+        """Run ``statement``; its command tag (:func:`row_count` reads it).
+        :class:`InsertRefused` for an insert's refusal the commit path explains."""
+        try:
+            return await statement.execute(self._driver, values)
+        except _INSERT_REFUSALS as exc:
+            if not _explained(exc):
+                raise
+            raise _refused(exc) from exc
 
     async def send(self, message: str) -> str:
         """Send ``message`` (statements without parameters: an :class:`Opening`'s, a
@@ -826,10 +865,26 @@ class CommitConnection:
     async def copy_into(
         self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str], schema: str
     ) -> None:
-        """``rows`` into ``schema.table`` by COPY, inside the open transaction."""
-        await self._driver.copy_records_to_table(
-            table, records=rows, columns=columns, schema_name=schema
-        )
+        """``rows`` into ``schema.table`` by COPY, inside the open transaction;
+        :class:`InsertRefused` if a unique index refused one (COPY has no conflict rule)."""
+        try:
+            await self._driver.copy_records_to_table(
+                table, records=rows, columns=columns, schema_name=schema
+            )
+        except _UNIQUE_VIOLATION as exc:
+            raise _refused(exc) from exc
+
+    async def finish(self, closing: str) -> None:
+        """Send ``closing``, an :class:`Opening`'s closing (the check that the schema
+        still holds the store's cluster, and ``COMMIT``), as one message;
+        :class:`ClusterMoved` if the check found another cluster."""
+        try:
+            await self._driver.execute(closing)
+        except _CLUSTER_REPLACED as exc:
+            found = _FOUND_INCARNATION.search(str(exc))
+            raise ClusterMoved(
+                None if found is None or found[1] == "missing" else int(found[1])
+            ) from exc
 
     async def roll_back(self) -> None:
         """End the open transaction, writing nothing."""
