@@ -4,7 +4,8 @@ and against the peers' batch enqueue, batch size by batch size, interleaved.
 Submissions: every variant writes the very same ``Submitted`` objects, each into a table of
 its own of the same shape (the store's migrations built every schema), so the tables grow
 alike. Status transitions: the store against raw asyncpg, on tasks inserted beforehand.
-A variant's figure is mutations per second over one trial: ``batches_per_trial`` batches.
+A variant's figure is mutations per second over one trial: ``batches_per_trial`` batches
+(of new tasks, ``commit_min_batches`` at least).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ async def _submissions(
     base = workload.base
     results: dict[str, Any] = {}
     for size in profile.commit_sizes:
-        count = batches_per_trial(profile, size)
+        count = max(profile.commit_min_batches, batches_per_trial(profile, size))
         shared = SharedBatches(partial(workload.batches, size, count), consumers=5)
 
         rows = count * size
