@@ -32,12 +32,10 @@ from cronoq_store import (
     PgStore,
     PgStoreConfig,
     Recovered,
-    StatusChanged,
     Store,
     StoreQueries,
     TaskId,
     TaskRecord,
-    TaskStatus,
     TimeBase,
 )
 from cronoq_store._domain import UNIX_EPOCH
@@ -241,12 +239,6 @@ class MemoryCluster(Cluster):
 
 
 # --- building and reading what tests commit -------------------------------------------------
-
-
-def step(
-    id: int, status: TaskStatus, attempt: int = 1, at: int = 100, message: str | None = None
-) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt, at, message)
 
 
 def when(at: int) -> datetime:
