@@ -230,6 +230,13 @@ class LeaderRowHold:
         await self.lock()
         return self
 
+    @property
+    def pid(self) -> int:
+        """The holding session's server pid, which a wait's message names."""
+        assert self.conn is not None, "the row is not held"
+        pid: int = self.conn.get_server_pid()
+        return pid
+
     async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
         """Until a session waits for the row held here; ``work`` ending first fails: it
         did not wait."""

@@ -31,7 +31,7 @@ from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import ROOT, Role, older_revisions, run_cli
+from .support import ROOT, LeaderRowHold, Role, older_revisions, run_cli
 from .waits import PATIENCE, bounded, holds_for, until_value
 
 #: A revision below head whose upgrade changes the cluster's tables.
@@ -248,28 +248,16 @@ async def test_a_migration_behind_a_long_transaction_never_stops_reads_and_names
 # --- the leader table, for a prune and a takeover ------------------------------------------------
 
 
-async def lock_leader_row(pg_url: URL, schema: str) -> asyncpg.Connection:
-    """A session holding the leader row in an open transaction, as any role that may
-    update it can."""
-    conn = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"application_name": APP})
-    await conn.execute("BEGIN")
-    await conn.execute(f'SELECT epoch FROM "{schema}".cronoq_leader WHERE id = 1 FOR UPDATE')
-    return conn
-
-
 async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
     pg_url: URL, migrated: str
 ) -> None:
     async with await PgStore.connect(pg_url, config(migrated, "waits-d", commit_timeout=2.0)) as s:
-        held = await lock_leader_row(pg_url, migrated)
-        try:
+        async with LeaderRowHold(pg_url, migrated) as held:
             with pytest.raises(LockHeldError) as refused:
                 await bounded(s.prune(0), "the prune giving up")
             message = str(refused.value)
             assert f"waiting for the leader table of schema {migrated!r}" in message
-            assert f"pid {held.get_server_pid()} (role {pg_url.username!r}, application" in message
-        finally:
-            await held.close()
+            assert f"pid {held.pid} (role {pg_url.username!r}, application" in message
         assert await bounded(s.prune(0), "the prune once the row is free") == 0
 
 
@@ -298,8 +286,9 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
 ) -> None:
     """Taking over is the call's purpose: it never gives up, and says why it waits."""
     async with await PgStore.connect(pg_url, config(migrated, "waits-e")) as store:
-        held = await lock_leader_row(pg_url, migrated)
-        pid = held.get_server_pid()
+        held = LeaderRowHold(pg_url, migrated)
+        await held.lock()
+        pid = held.pid
         taking = asyncio.ensure_future(store.acquire_leadership())
         try:
             with caplog.at_level(logging.INFO, logger="cronoq_store"):
@@ -312,10 +301,10 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
                 vars(said[0])
             )
             assert not taking.done()
-            await held.close()
+            await held.release()
             assert await bounded(taking, "the takeover once the row is free") == 1
         finally:
-            await held.close()
+            await held.release()
             taking.cancel()
             await asyncio.gather(taking, return_exceptions=True)
 
@@ -360,9 +349,8 @@ async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
     patient = config(migrated, "waits-h", commit_timeout=PATIENCE)
     async with await PgStore.connect(pg_url, patient) as store:
         epoch = await store.acquire_leadership()
-        held = await lock_leader_row(pg_url, migrated)
-        pruning = asyncio.ensure_future(store.prune(0))
-        try:
+        async with LeaderRowHold(pg_url, migrated):
+            pruning = asyncio.ensure_future(store.prune(0))
             await until_value(
                 lambda: admin_execute(
                     pg_url,
@@ -382,6 +370,4 @@ async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
             )
             assert command.exit_code == ExitCode.OK, command.output
             assert not pruning.done(), "the prune stopped waiting before the command answered"
-        finally:
-            await held.close()
         assert await bounded(pruning, "the prune once the row is free") == 0
