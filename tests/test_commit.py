@@ -42,7 +42,6 @@ from .support import (
     NUL,
     NUL_CLEANED,
     NUL_SPEC,
-    OLD_BASE,
     RUNNING,
     START_BASE,
     SUCCEEDED,
@@ -248,16 +247,6 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
         await store.commit(0, START_BASE, [submitted(2)], [])
         rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
         assert [r.id for r in rows] == [1, 2]
-
-
-async def test_ids_stay_above_the_high_water_mark_after_pruning(store: PgStore) -> None:
-    high = TaskId((3 << 48) | 41)
-    await store.commit(0, OLD_BASE, [submitted(high), changed(high, SUCCEEDED, 100)], [])
-    await store.commit(0, OLD_BASE, [submitted(5), changed(5, SUCCEEDED, 100)], [])  # a lower id
-    assert await store.prune(1) == 2
-    assert await fetch(store, "SELECT id FROM {s}.cronoq_tasks") == []
-    recovered = await store.recover(START_BASE)
-    assert recovered.next_id == high + 1
 
 
 async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
