@@ -194,9 +194,16 @@ async def drop_role(pg_url: URL, name: str) -> None:
     await admin_execute(pg_url, f"DROP ROLE {name}")
 
 
-async def stored_ids(url: URL, schema: str) -> set[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
-    return {r["id"] for r in rows}
+async def stored_ids(url: URL, schema: str) -> list[int]:
+    """The ids the cluster in ``schema`` holds, in order, read as an admin."""
+    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
+    return [r["id"] for r in rows]
+
+
+async def revision_of(url: URL, schema: str) -> str:
+    """The schema revision the cluster in ``schema`` records."""
+    rows = await admin_execute(url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
+    return str(rows[0][0])
 
 
 async def bump_epoch(url: URL, schema: str) -> int:

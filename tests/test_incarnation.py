@@ -44,7 +44,7 @@ from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
 from .replication import needs_binaries
-from .support import PROCESS_BASE, cronoq, submitted_in
+from .support import PROCESS_BASE, cronoq, stored_ids, submitted_in
 from .waits import until
 
 #: Bound on a state a test waits for (a step-down, a lock let go): generous, the machine is
@@ -69,11 +69,6 @@ async def lock_session_pids(url: URL, name: str) -> list[int]:
         f"SELECT pid FROM pg_stat_activity WHERE {WITHOUT_INSTANCE} = $1",
         f"{name} leader",
     )
-    return [r[0] for r in rows]
-
-
-async def stored_ids(url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
     return [r[0] for r in rows]
 
 

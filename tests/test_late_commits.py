@@ -28,8 +28,8 @@ from cronoq_store import (
 )
 from cronoq_store._urls import async_url
 
-from .pgharness import admin_execute, asyncpg_dsn
-from .support import PROCESS_BASE, submitted_in
+from .pgharness import asyncpg_dsn
+from .support import PROCESS_BASE, stored_ids, submitted_in
 
 #: Bound on a state a test waits for: generous, the machine is shared.
 WAIT = 20.0
@@ -75,11 +75,6 @@ async def open_store(dialling: Dialling, pg_url: URL, schema: str, name: str) ->
     """A store on the dialling engine; its lock session dials the server itself."""
     config = PgStoreConfig(schema=schema, application_name=name, lock_poll=0.05)
     return await PgStore.from_engine(dialling.engine, config, lock_url=pg_url)
-
-
-async def stored_ids(url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r[0] for r in rows]
 
 
 async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_term_going(

@@ -31,7 +31,7 @@ from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import ROOT, LeaderRowHold, Role, older_revisions, run_cli
+from .support import ROOT, LeaderRowHold, Role, older_revisions, revision_of, run_cli
 from .waits import PATIENCE, bounded, holds_for, until_value
 
 #: A revision below head whose upgrade changes the cluster's tables.
@@ -62,11 +62,6 @@ async def session_of(role: Role) -> AsyncIterator[asyncpg.Connection]:
 async def hold_migration_lock(conn: asyncpg.Connection, schema: str) -> None:
     """What any role that may connect can do, for as long as its session lasts."""
     await conn.execute("SELECT pg_advisory_lock($1, hashtext($2))", LOCK_NS_MIGRATE, schema)
-
-
-async def revision_of(pg_url: URL, schema: str) -> str:
-    rows = await admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
-    return str(rows[0][0])
 
 
 async def process(*args: str, url: URL, timeout: float = 90) -> tuple[int, str, str]:

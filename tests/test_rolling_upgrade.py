@@ -31,8 +31,8 @@ from cronoq_store import MigrationError, PgStore, PgStoreConfig, TimeBase, epoch
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 
-from .pgharness import admin_execute, without_instance
-from .support import ROOT, full, run
+from .pgharness import without_instance
+from .support import ROOT, full, revision_of, run
 from .waits import PATIENCE, bounded, holds_for
 
 #: The previous release: its tag, and its commit should the tag be missing.
@@ -219,11 +219,6 @@ def config(schema: str, name: str) -> PgStoreConfig:
     return PgStoreConfig(
         schema=schema, application_name=name, lock_poll=0.05, keepalive=0.2, session_timeout=2.0
     )
-
-
-async def revision_of(pg_url: URL, schema: str) -> str:
-    rows = await admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
-    return str(rows[0][0])
 
 
 async def test_a_rolling_upgrade_from_the_previous_release(
