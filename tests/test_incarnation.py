@@ -43,7 +43,6 @@ from cronoq_store.testing._server import _free_port
 from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
-from .replication import needs_binaries
 from .support import PROCESS_BASE, cronoq, stored_ids, submitted_in
 from .waits import until
 
@@ -88,11 +87,6 @@ async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
         return await lock_session_pids(url, name) == []
 
     await until(let_go, f"{name}'s lock session to close")
-
-
-@pytest.fixture
-def binaries() -> None:
-    needs_binaries()
 
 
 @pytest.fixture
