@@ -25,6 +25,8 @@ from typing import Any
 
 import asyncpg
 from click.testing import CliRunner, Result
+from hypothesis import strategies as st
+from sqlalchemy import text
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
@@ -70,6 +72,11 @@ FIXED_NOW = 1_800_000_000 * 10**9
 #: Engine time 0 is 1000 s before the suite was imported: a task finished at a small engine
 #: time is old enough for ``prune(1)``.
 OLD_BASE = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)
+
+#: The ranges of PostgreSQL's BIGINT and INTEGER, which the store's columns are, written out
+#: here so that a test does not take them from the code it checks.
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
 HOUR = 3600 * 10**9
 DAY = 24 * HOUR
@@ -198,6 +205,15 @@ async def stored_ids(url: URL, schema: str) -> list[int]:
     """The ids the cluster in ``schema`` holds, in order, read as an admin."""
     rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
     return [r["id"] for r in rows]
+
+
+async def execute(store: PgStore, sql: str, **params: Any) -> list[Any]:
+    """Raw SQL on ``store``'s engine, in a transaction that commits, ``{s}`` being its
+    schema: what the columns hold, and rows the store would never write (corrupt ones)."""
+    async with store.engine.begin() as conn:
+        stmt = text(sql.replace("{s}", f'"{store.config.schema}"'))
+        result = await conn.execute(stmt, params)
+        return list(result.all()) if result.returns_rows else []
 
 
 async def revision_of(url: URL, schema: str) -> str:
@@ -565,6 +581,14 @@ NUL_SPEC = TaskSpec(
     retry=RetryPolicy(),
     fixed_start=FixedStart(5),
 )
+
+# What drawn histories' transitions carry (Hypothesis strategies).
+
+#: A transition's message: none, empty, plain, or holding a NUL, which the store cleans.
+MESSAGES = st.sampled_from([None, None, "", "boom", "nul\0here"])
+#: A transition's status, the live ones weighted up so that tasks live through several
+#: batches.
+STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(TaskStatus))
 
 # A task's statuses by their short names (a queued task's ``TaskRecord.status`` is None).
 QUEUED = None
