@@ -44,11 +44,7 @@ from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
 from .support import PROCESS_BASE, cronoq, stored_ids, submitted_in
-from .waits import until
-
-#: Bound on a state a test waits for (a step-down, a lock let go): generous, the machine is
-#: shared.
-WAIT = 20.0
+from .waits import PATIENCE, until
 
 
 def config(schema: str, name: str) -> PgStoreConfig:
@@ -79,7 +75,7 @@ async def health_of(url: URL, schema: str) -> tuple[int, dict[str, object]]:
 
 async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
     """Wait until ``store`` no longer leads and its lock session is closed."""
-    await asyncio.wait_for(store.leadership_lost(), WAIT)
+    await asyncio.wait_for(store.leadership_lost(), PATIENCE)
     assert not store.is_leader
     name = store.config.application_name
 
@@ -115,7 +111,7 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
 
         async with await PgStore.connect(pg_url, config(migrated, new_name)) as b:
             assert b.incarnation != a.incarnation
-            assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch
+            assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch
             theirs = submitted_in(epoch, 0)  # the same id as the old cluster's first task
             await b.commit(epoch, PROCESS_BASE, [theirs], [])
 
@@ -149,7 +145,7 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
 
         # Its cluster is gone for good: it never leads what stands there now.
         with pytest.raises(ClusterReplacedError):
-            await asyncio.wait_for(a.acquire_leadership(), WAIT)
+            await asyncio.wait_for(a.acquire_leadership(), PATIENCE)
         assert await lock_session_pids(pg_url, old_name) == []
 
 
@@ -193,7 +189,7 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
         assert ran.returncode == 0, ran.stderr
         await steps_down_and_lets_go(a, pg_url)
         async with await PgStore.connect(pg_url, config(migrated, f"dgm-b-{migrated}")) as b:
-            await asyncio.wait_for(b.acquire_leadership(), WAIT)
+            await asyncio.wait_for(b.acquire_leadership(), PATIENCE)
             code, health = await health_of(pg_url, migrated)
             assert code == ExitCode.OK, health
             leader = health["leader"]
@@ -269,7 +265,7 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
         # A store opened on a name now finds the cluster that moved there, and leads it.
         async with await PgStore.connect(pg_url, config(migrated, f"sw-d-{migrated}")) as d:
             assert d.incarnation == c.incarnation
-            assert await asyncio.wait_for(d.acquire_leadership(), WAIT) == epoch + 1
+            assert await asyncio.wait_for(d.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await d.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [task_id(epoch, 7)]
 
@@ -315,7 +311,7 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
         finally:
             await blocker.close()
         with pytest.raises(ClusterReplacedError):
-            await asyncio.wait_for(committing, WAIT)
+            await asyncio.wait_for(committing, PATIENCE)
         assert await stored_ids(pg_url, migrated) == []  # the other cluster: nothing
         assert await stored_ids(pg_url, other_schema) == [stored.id]  # a's own: as it was
         rows = await admin_execute(
@@ -445,7 +441,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
 
         async with await PgStore.connect(pg_url, config(migrated, f"dump-b-{migrated}")) as b:
             assert b.incarnation != a.incarnation
-            assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch + 1
+            assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await b.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [dumped[0].id, dumped[1].id]
             assert [t.id for t in recovered.terminal] == [dumped[2].id]
@@ -476,7 +472,7 @@ async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cl
         restore = ("pg_restore", pg_url, "--exit-on-error")
         tables = ("--clean", "--single-transaction", "--section=pre-data", str(dump))
         await asyncio.to_thread(_client, *restore, *tables)
-        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        await asyncio.wait_for(a.leadership_lost(), PATIENCE)
         table = f'"{migrated}".cronoq_leader'
         rows = await admin_execute(
             pg_url, f"SELECT '{table}'::regclass::oid, count(*) FROM {table}"
@@ -541,7 +537,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         key_before = await schema_oid(url, schema)
 
         await asyncio.to_thread(old.stop)
-        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        await asyncio.wait_for(a.leadership_lost(), PATIENCE)
         await asyncio.to_thread(new._init)
         await asyncio.to_thread(_pg_upgrade, old, new)
         await asyncio.to_thread(new.start)
@@ -549,7 +545,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         rows = await admin_execute(url, f'SELECT tableoid FROM "{schema}".cronoq_leader')
         assert rows[0][0] == a.incarnation
 
-        assert await asyncio.wait_for(a.acquire_leadership(), WAIT) == epoch + 1
+        assert await asyncio.wait_for(a.acquire_leadership(), PATIENCE) == epoch + 1
         assert a.leader_lock[1] == await schema_oid(url, schema)
         b = await PgStore.connect(url, config(schema, "upgrade-b"))
         stores.append(b)
@@ -574,7 +570,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         assert not standby.done()
         assert a.is_leader
         await a.release_leadership()
-        assert await asyncio.wait_for(standby, WAIT) == epoch + 2
+        assert await asyncio.wait_for(standby, PATIENCE) == epoch + 2
         recovered = await b.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks][:2] == [first.id, task_id(epoch + 1, 0)]
         assert len(recovered.tasks) == 21
