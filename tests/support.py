@@ -104,6 +104,20 @@ def instance_config(schema: str, name: str, keepalive: float = KEEPALIVE) -> PgS
     return ha_config(schema, f"{name}-{schema}", keepalive=keepalive)
 
 
+def named_config(schema: str, name: str, **settings: Any) -> PgStoreConfig:
+    """A store's configuration, its sessions named ``name`` so a test can find them: it polls
+    for the lock every 50 ms and notices a lost lock session within 2 s, quick for a test
+    yet roomy on a loaded machine; ``settings`` are the rest."""
+    return PgStoreConfig(
+        schema=schema,
+        application_name=name,
+        lock_poll=0.05,
+        keepalive=0.2,
+        session_timeout=2.0,
+        **settings,
+    )
+
+
 #: What the ``make_leadership`` fixture gives: ``(name="a", url=None, **settings)``.
 LeadershipFactory = Callable[..., Leadership]
 

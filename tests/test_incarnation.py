@@ -30,7 +30,6 @@ from cronoq_store import (
     FencedError,
     Mutation,
     PgStore,
-    PgStoreConfig,
     StatusChanged,
     TaskStatus,
     task_id,
@@ -43,18 +42,8 @@ from cronoq_store.testing._server import _free_port
 from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
-from .support import PROCESS_BASE, cronoq, stored_ids, submitted_in
+from .support import PROCESS_BASE, cronoq, named_config, stored_ids, submitted_in
 from .waits import PATIENCE, until
-
-
-def config(schema: str, name: str) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        application_name=name,
-        lock_poll=0.05,
-        keepalive=0.2,
-        session_timeout=2.0,
-    )
 
 
 async def lock_session_pids(url: URL, name: str) -> list[int]:
@@ -102,14 +91,14 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
     """The issue's case: an idle leader, its schema dropped by hand and migrated again with
     the command line; a new instance takes epoch 1 again, in the new cluster."""
     old_name, new_name = f"old-{migrated}", f"new-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, old_name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, old_name)) as a:
         epoch = await a.acquire_leadership()
         await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
         ran = await cronoq("--schema", migrated, "migrate", url=pg_url)
         assert ran.returncode == 0, ran.stderr
 
-        async with await PgStore.connect(pg_url, config(migrated, new_name)) as b:
+        async with await PgStore.connect(pg_url, named_config(migrated, new_name)) as b:
             assert b.incarnation != a.incarnation
             assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch
             theirs = submitted_in(epoch, 0)  # the same id as the old cluster's first task
@@ -154,7 +143,7 @@ async def test_a_cluster_replaced_in_one_transaction_steps_its_idle_leader_down_
 ) -> None:
     """No commit needed: the keeper reads the leader row, finds another cluster's and steps
     down, naming both incarnations in every later refusal."""
-    async with await PgStore.connect(pg_url, config(migrated, f"idle-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"idle-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         async with engine.connect() as conn:
             await conn.begin()
@@ -179,7 +168,7 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
     """``downgrade base --force`` drops the tables under an idle leader, ``migrate`` makes
     them again: the old leader notices, steps down and lets the lock go, so a new instance
     leads and ``health`` names it, a store instance."""
-    async with await PgStore.connect(pg_url, config(migrated, f"dgm-a-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"dgm-a-{migrated}")) as a:
         await a.acquire_leadership()
         forced = await cronoq(
             "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
@@ -188,7 +177,7 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
         ran = await cronoq("--schema", migrated, "migrate", url=pg_url)
         assert ran.returncode == 0, ran.stderr
         await steps_down_and_lets_go(a, pg_url)
-        async with await PgStore.connect(pg_url, config(migrated, f"dgm-b-{migrated}")) as b:
+        async with await PgStore.connect(pg_url, named_config(migrated, f"dgm-b-{migrated}")) as b:
             await asyncio.wait_for(b.acquire_leadership(), PATIENCE)
             code, health = await health_of(pg_url, migrated)
             assert code == ExitCode.OK, health
@@ -205,7 +194,7 @@ async def test_a_lock_held_on_the_leader_table_for_long_does_not_depose_an_idle_
     ``session_timeout``. The keeper's read of the row waits for it at most a moment
     (``lock_timeout``): the session answered, the term goes on."""
     name = f"held-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, name)) as a:
         epoch = await a.acquire_leadership()
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
@@ -245,8 +234,8 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
 ) -> None:
     await upgrade(engine, other_schema)
     async with (
-        await PgStore.connect(pg_url, config(migrated, f"sw-a-{migrated}")) as a,
-        await PgStore.connect(pg_url, config(other_schema, f"sw-c-{other_schema}")) as c,
+        await PgStore.connect(pg_url, named_config(migrated, f"sw-a-{migrated}")) as a,
+        await PgStore.connect(pg_url, named_config(other_schema, f"sw-c-{other_schema}")) as c,
     ):
         epoch = await a.acquire_leadership()
         assert await c.acquire_leadership() == epoch  # both clusters at epoch 1
@@ -263,7 +252,7 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
         assert await stored_ids(pg_url, other_schema) == []
 
         # A store opened on a name now finds the cluster that moved there, and leads it.
-        async with await PgStore.connect(pg_url, config(migrated, f"sw-d-{migrated}")) as d:
+        async with await PgStore.connect(pg_url, named_config(migrated, f"sw-d-{migrated}")) as d:
             assert d.incarnation == c.incarnation
             assert await asyncio.wait_for(d.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await d.recover(PROCESS_BASE)
@@ -280,7 +269,7 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
     await upgrade(engine, other_schema)
     await admin_execute(pg_url, f'UPDATE "{other_schema}".cronoq_leader SET epoch = 1')
     name = f"mid-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, name)) as a:
         epoch = await a.acquire_leadership()
         stored = submitted_in(epoch, 0)
         await a.commit(epoch, PROCESS_BASE, [stored], [])
@@ -334,7 +323,9 @@ async def test_every_write_path_recovery_and_prune_refuse_another_cluster(
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 1')
     paths = ("insert one", "insert many", "update", "transaction", "copy", "recover", "prune")
     stores = {
-        path: await PgStore.connect(pg_url, config(migrated, f"{path.replace(' ', '')}-{migrated}"))
+        path: await PgStore.connect(
+            pg_url, named_config(migrated, f"{path.replace(' ', '')}-{migrated}")
+        )
         for path in paths
     }
     try:
@@ -404,7 +395,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
     store opened on the restored schema leads it with the next epoch, recovers what was
     dumped and nothing written after, and issues ids above every id it recovered."""
     dump = tmp_path / "cluster.dump"
-    async with await PgStore.connect(pg_url, config(migrated, f"dump-a-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"dump-a-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         dumped = [submitted_in(epoch, n) for n in range(3)]
         await a.commit(
@@ -439,7 +430,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 4)], [])
         await steps_down_and_lets_go(a, pg_url)
 
-        async with await PgStore.connect(pg_url, config(migrated, f"dump-b-{migrated}")) as b:
+        async with await PgStore.connect(pg_url, named_config(migrated, f"dump-b-{migrated}")) as b:
             assert b.incarnation != a.incarnation
             assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await b.recover(PROCESS_BASE)
@@ -465,7 +456,7 @@ async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cl
     tables are restored over the schema in one transaction (``--clean``), so the keeper never
     sees the schema gone, and the rows only once it has stepped down on the empty table."""
     dump = tmp_path / "cluster.dump"
-    async with await PgStore.connect(pg_url, config(migrated, f"rowless-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"rowless-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         dump_args = ("--schema", migrated, "--format", "custom", "--file", str(dump))
         await asyncio.to_thread(_client, "pg_dump", pg_url, *dump_args)
@@ -529,7 +520,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
     try:
         await asyncio.to_thread(old.start)
         url = old.url()
-        a = await PgStore.connect(url, config(schema, "upgrade-a"))
+        a = await PgStore.connect(url, named_config(schema, "upgrade-a"))
         stores.append(a)
         epoch = await a.acquire_leadership()
         first = submitted_in(epoch, 0)
@@ -547,7 +538,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
 
         assert await asyncio.wait_for(a.acquire_leadership(), PATIENCE) == epoch + 1
         assert a.leader_lock[1] == await schema_oid(url, schema)
-        b = await PgStore.connect(url, config(schema, "upgrade-b"))
+        b = await PgStore.connect(url, named_config(schema, "upgrade-b"))
         stores.append(b)
         assert b.incarnation == a.incarnation
         standby = asyncio.ensure_future(b.acquire_leadership())

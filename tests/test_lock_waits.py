@@ -25,29 +25,18 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import LockHeldError, PgStore, PgStoreConfig
+from cronoq_store import LockHeldError, PgStore
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import ROOT, LeaderRowHold, Role, older_revisions, revision_of, run_cli
+from .support import ROOT, LeaderRowHold, Role, named_config, older_revisions, revision_of, run_cli
 from .waits import PATIENCE, bounded, holds_for, until_value
 
 #: A revision below head whose upgrade changes the cluster's tables.
 BEHIND = list(older_revisions())[-1]
 APP = "cronoq-intruder"
-
-
-def config(schema: str, name: str, **settings: object) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        application_name=name,
-        lock_poll=0.05,
-        keepalive=0.2,
-        session_timeout=2.0,
-        **settings,  # type: ignore[arg-type]
-    )
 
 
 @asynccontextmanager
@@ -95,7 +84,7 @@ async def test_a_schema_at_head_opens_whoever_holds_its_migration_lock_and_healt
     async with session_of(intruder) as held:
         await hold_migration_lock(held, migrated)
         pid = held.get_server_pid()
-        opening = PgStore.connect(pg_url, config(migrated, "waits-a"))
+        opening = PgStore.connect(pg_url, named_config(migrated, "waits-a"))
         async with await bounded(opening, "opening beside a held migration lock") as store:
             await bounded(store.migrate(), "migrating beside a held migration lock")
             seen = (await store.health()).migration_lock
@@ -133,7 +122,7 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
     async with session_of(intruder) as held:
         await hold_migration_lock(held, schema)
         pid = held.get_server_pid()
-        limited = config(schema, "waits-b", migration_lock_timeout=2.0)
+        limited = named_config(schema, "waits-b", migration_lock_timeout=2.0)
         with (
             caplog.at_level(logging.INFO, logger="cronoq_store"),
             pytest.raises(LockHeldError) as refused,
@@ -174,7 +163,7 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
         assert await revision_of(pg_url, schema) == BEHIND
 
     # Let go: the same calls migrate.
-    async with await PgStore.connect(pg_url, config(schema, "waits-b")) as store:
+    async with await PgStore.connect(pg_url, named_config(schema, "waits-b")) as store:
         assert (await store.health()).at_head
 
 
@@ -188,7 +177,7 @@ async def test_two_instances_opening_behind_head_at_once_take_turns(
     async with session_of(intruder) as held:
         await hold_migration_lock(held, schema)
         opening = [
-            asyncio.ensure_future(PgStore.connect(pg_url, config(schema, f"waits-c{n}")))
+            asyncio.ensure_future(PgStore.connect(pg_url, named_config(schema, f"waits-c{n}")))
             for n in range(2)
         ]
         await holds_for(
@@ -246,7 +235,9 @@ async def test_a_migration_behind_a_long_transaction_never_stops_reads_and_names
 async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
     pg_url: URL, migrated: str
 ) -> None:
-    async with await PgStore.connect(pg_url, config(migrated, "waits-d", commit_timeout=2.0)) as s:
+    async with await PgStore.connect(
+        pg_url, named_config(migrated, "waits-d", commit_timeout=2.0)
+    ) as s:
         async with LeaderRowHold(pg_url, migrated) as held:
             with pytest.raises(LockHeldError) as refused:
                 await bounded(s.prune(0), "the prune giving up")
@@ -280,7 +271,7 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
     pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Taking over is the call's purpose: it never gives up, and says why it waits."""
-    async with await PgStore.connect(pg_url, config(migrated, "waits-e")) as store:
+    async with await PgStore.connect(pg_url, named_config(migrated, "waits-e")) as store:
         held = LeaderRowHold(pg_url, migrated)
         await held.lock()
         pid = held.pid
@@ -308,8 +299,8 @@ async def test_a_standby_says_which_leader_it_waits_behind(
     pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with (
-        await PgStore.connect(pg_url, config(migrated, "waits-f")) as leader,
-        await PgStore.connect(pg_url, config(migrated, "waits-g")) as standby,
+        await PgStore.connect(pg_url, named_config(migrated, "waits-f")) as leader,
+        await PgStore.connect(pg_url, named_config(migrated, "waits-g")) as standby,
     ):
         epoch = await leader.acquire_leadership()
         health = await leader.health()
@@ -341,7 +332,7 @@ async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
     session holding the leader row; ``health`` (the store's and the command's) reads
     without a lock that conflicts with it, so it answers while the prune still waits, not
     once the prune gives up."""
-    patient = config(migrated, "waits-h", commit_timeout=PATIENCE)
+    patient = named_config(migrated, "waits-h", commit_timeout=PATIENCE)
     async with await PgStore.connect(pg_url, patient) as store:
         epoch = await store.acquire_leadership()
         async with LeaderRowHold(pg_url, migrated):
