@@ -450,8 +450,11 @@ def alembic(
     )
 
 
-async def python_run(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    """A command line as an operator runs it, in a process of its own."""
+async def python_run(
+    *args: str, url: URL, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """A command line as an operator runs it, in a process of its own; killed, failing the
+    test, if it outlives ``timeout``, so that no process is left behind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
     env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
     proc = await asyncio.create_subprocess_exec(
@@ -462,7 +465,12 @@ async def python_run(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{args} still running after {timeout:g} s") from None
     assert proc.returncode is not None
     return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
 

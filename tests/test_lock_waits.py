@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,7 +29,15 @@ from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import ROOT, LeaderRowHold, Role, named_config, older_revisions, revision_of, run_cli
+from .support import (
+    LeaderRowHold,
+    Role,
+    named_config,
+    older_revisions,
+    python_run,
+    revision_of,
+    run_cli,
+)
 from .waits import PATIENCE, bounded, holds_for, until_value
 
 #: A revision below head whose upgrade changes the cluster's tables.
@@ -51,28 +57,6 @@ async def session_of(role: Role) -> AsyncIterator[asyncpg.Connection]:
 async def hold_migration_lock(conn: asyncpg.Connection, schema: str) -> None:
     """What any role that may connect can do, for as long as its session lasts."""
     await conn.execute("SELECT pg_advisory_lock($1, hashtext($2))", LOCK_NS_MIGRATE, schema)
-
-
-async def process(*args: str, url: URL, timeout: float = 90) -> tuple[int, str, str]:
-    """A command line in a process of its own; killed if it outlives ``timeout``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
-    env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"{args} still waiting after {timeout} s") from None
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 # --- the migration lock ----------------------------------------------------------------------
@@ -146,7 +130,7 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
         assert last.startswith("Error: gave up waiting for the migration lock")
         assert f"pid {pid} (role {intruder.name!r}" in last
 
-        code, out, err = await process(
+        alembic = await python_run(
             "-m",
             "alembic",
             "-x",
@@ -156,8 +140,10 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
             "upgrade",
             "head",
             url=pg_url,
+            timeout=90,
         )
-        assert code != 0
+        assert alembic.returncode != 0
+        out, err = alembic.stdout, alembic.stderr
         assert f"[cronoq_store] waiting for the migration lock of schema {schema!r}" in err
         assert f"FAILED: gave up waiting for the migration lock of schema {schema!r}" in out
         assert await revision_of(pg_url, schema) == BEHIND
