@@ -23,7 +23,8 @@ from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import upgrade
 from cronoq_store._urls import async_url
 
-from .pgharness import ServerUnderTest, admin_execute, start_test_server
+from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, start_test_server
+from .replication import needs_binaries
 from .support import LeadershipFactory, Role, create_role, drop_role, instance_config
 from .waits import bounded
 
@@ -35,6 +36,25 @@ def pg_server() -> Iterator[ServerUnderTest]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def stoppable(pg_server: ServerUnderTest) -> Iterator[ServerUnderTest]:
+    """The server, for tests that stop it; it is running again afterwards, whatever happens."""
+    if not isinstance(pg_server, EmbeddedServer):
+        pytest.skip("needs a server the suite can stop and start on the same port")
+    try:
+        yield pg_server
+    finally:
+        if not pg_server.server.running:
+            pg_server.start()
+
+
+@pytest.fixture
+def binaries() -> None:
+    """Skips a test that builds a server of its own (a primary and its standby, a server to
+    upgrade) where no PostgreSQL binaries are found."""
+    needs_binaries()
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ from typing import Any
 
 import asyncpg
 from click.testing import CliRunner, Result
+from hypothesis import strategies as st
+from sqlalchemy import text
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStore, PgStoreConfig
@@ -71,6 +73,11 @@ FIXED_NOW = 1_800_000_000 * 10**9
 #: time is old enough for ``prune(1)``.
 OLD_BASE = TimeBase(engine_ns=0, unix_ns=START_BASE.unix_ns - 1000 * 10**9)
 
+#: The ranges of PostgreSQL's BIGINT and INTEGER, which the store's columns are, written out
+#: here so that a test does not take them from the code it checks.
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
 HOUR = 3600 * 10**9
 DAY = 24 * HOUR
 
@@ -95,6 +102,20 @@ def ha_config(
 def instance_config(schema: str, name: str, keepalive: float = KEEPALIVE) -> PgStoreConfig:
     """:func:`ha_config` for instance ``name`` of the cluster in ``schema``."""
     return ha_config(schema, f"{name}-{schema}", keepalive=keepalive)
+
+
+def named_config(schema: str, name: str, **settings: Any) -> PgStoreConfig:
+    """A store's configuration, its sessions named ``name`` so a test can find them: it polls
+    for the lock every 50 ms and notices a lost lock session within 2 s, quick for a test
+    yet roomy on a loaded machine; ``settings`` are the rest."""
+    return PgStoreConfig(
+        schema=schema,
+        application_name=name,
+        lock_poll=0.05,
+        keepalive=0.2,
+        session_timeout=2.0,
+        **settings,
+    )
 
 
 #: What the ``make_leadership`` fixture gives: ``(name="a", url=None, **settings)``.
@@ -194,9 +215,25 @@ async def drop_role(pg_url: URL, name: str) -> None:
     await admin_execute(pg_url, f"DROP ROLE {name}")
 
 
-async def stored_ids(url: URL, schema: str) -> set[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks')
-    return {r["id"] for r in rows}
+async def stored_ids(url: URL, schema: str) -> list[int]:
+    """The ids the cluster in ``schema`` holds, in order, read as an admin."""
+    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
+    return [r["id"] for r in rows]
+
+
+async def execute(store: PgStore, sql: str, **params: Any) -> list[Any]:
+    """Raw SQL on ``store``'s engine, in a transaction that commits, ``{s}`` being its
+    schema: what the columns hold, and rows the store would never write (corrupt ones)."""
+    async with store.engine.begin() as conn:
+        stmt = text(sql.replace("{s}", f'"{store.config.schema}"'))
+        result = await conn.execute(stmt, params)
+        return list(result.all()) if result.returns_rows else []
+
+
+async def revision_of(url: URL, schema: str) -> str:
+    """The schema revision the cluster in ``schema`` records."""
+    rows = await admin_execute(url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
+    return str(rows[0][0])
 
 
 async def bump_epoch(url: URL, schema: str) -> int:
@@ -229,6 +266,13 @@ class LeaderRowHold:
     async def __aenter__(self) -> LeaderRowHold:
         await self.lock()
         return self
+
+    @property
+    def pid(self) -> int:
+        """The holding session's server pid, which a wait's message names."""
+        assert self.conn is not None, "the row is not held"
+        pid: int = self.conn.get_server_pid()
+        return pid
 
     async def waited_on(self, work: asyncio.Future[Any], what: str) -> None:
         """Until a session waits for the row held here; ``work`` ending first fails: it
@@ -406,8 +450,11 @@ def alembic(
     )
 
 
-async def python_run(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
-    """A command line as an operator runs it, in a process of its own."""
+async def python_run(
+    *args: str, url: URL, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """A command line as an operator runs it, in a process of its own; killed, failing the
+    test, if it outlives ``timeout``, so that no process is left behind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
     env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
     proc = await asyncio.create_subprocess_exec(
@@ -418,7 +465,12 @@ async def python_run(*args: str, url: URL) -> subprocess.CompletedProcess[str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{args} still running after {timeout:g} s") from None
     assert proc.returncode is not None
     return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
 
@@ -551,6 +603,14 @@ NUL_SPEC = TaskSpec(
     retry=RetryPolicy(),
     fixed_start=FixedStart(5),
 )
+
+# What drawn histories' transitions carry (Hypothesis strategies).
+
+#: A transition's message: none, empty, plain, or holding a NUL, which the store cleans.
+MESSAGES = st.sampled_from([None, None, "", "boom", "nul\0here"])
+#: A transition's status, the live ones weighted up so that tasks live through several
+#: batches.
+STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(TaskStatus))
 
 # A task's statuses by their short names (a queued task's ``TaskRecord.status`` is None).
 QUEUED = None

@@ -47,9 +47,7 @@ from cronoq_store._domain import (
     task_id,
 )
 
-from .support import FIXED_BASE, FULL_SPEC
-
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+from .support import FIXED_BASE, FULL_SPEC, I64_MAX, I64_MIN
 
 # Strategies. Text may hold NUL, which the store writes as U+FFFD, so decoded values are
 # compared against `cleaned(...)` of what was encoded.

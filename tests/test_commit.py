@@ -42,12 +42,12 @@ from .support import (
     NUL,
     NUL_CLEANED,
     NUL_SPEC,
-    OLD_BASE,
     RUNNING,
     START_BASE,
     SUCCEEDED,
     LeaderRowHold,
     changed,
+    execute,
     submitted,
 )
 from .waits import bounded, until, until_value
@@ -56,18 +56,11 @@ from .waits import bounded, until, until_value
 STORE_OPENINGS = ("from_engine", "connect")
 
 
-async def fetch(store: PgStore, sql: str, **params: Any) -> list[Any]:
-    """Rows of a raw query; ``{s}`` in ``sql`` is the store's schema."""
-    async with store.engine.connect() as conn:
-        result = await conn.execute(text(sql.format(s=f'"{store.config.schema}"')), params)
-        return list(result.all())
-
-
 async def snapshot(store: PgStore) -> tuple[list[Any], ...]:
     return (
-        await fetch(store, "SELECT * FROM {s}.cronoq_tasks ORDER BY id"),
-        await fetch(store, "SELECT * FROM {s}.cronoq_recurring ORDER BY name"),
-        await fetch(store, "SELECT * FROM {s}.cronoq_leader"),
+        await execute(store, "SELECT * FROM {s}.cronoq_tasks ORDER BY id"),
+        await execute(store, "SELECT * FROM {s}.cronoq_recurring ORDER BY name"),
+        await execute(store, "SELECT * FROM {s}.cronoq_leader"),
     )
 
 
@@ -102,7 +95,7 @@ async def test_updates_run_before_inserts_so_a_released_key_is_reused(store: PgS
     # One batch: the old holder of "k" finishes and a new task takes the key. Inserting
     # first would break the unique index on live keys and fail the whole batch.
     await store.commit(0, START_BASE, [changed(1, SUCCEEDED, 100), submitted(2, key="k")], [])
-    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    rows = await execute(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
 
 
@@ -137,7 +130,7 @@ async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgS
     await store.commit(0, START_BASE, [changed(1, RUNNING, 100, message=NUL)], [])
     # What the store answers is the contract suite's (tests/contract/test_commits.py); here,
     # what the columns hold: text and JSON with no NUL and no escaped one.
-    rows = await fetch(
+    rows = await execute(
         store,
         "SELECT kind, pool, key, tenant, message, tags::text, labels::text, deps::text, "
         "resources::text FROM {s}.cronoq_tasks ORDER BY id",
@@ -146,7 +139,7 @@ async def test_nul_in_every_column_is_stored_as_replacement_character(store: PgS
     assert rows[1].message == NUL_CLEANED
     assert all("\0" not in v and "\\u0000" not in v for v in rows[0])
     assert all(NUL_CLEANED in v for v in rows[0])
-    [(name, spec_text)] = await fetch(store, "SELECT name, spec::text FROM {s}.cronoq_recurring")
+    [(name, spec_text)] = await execute(store, "SELECT name, spec::text FROM {s}.cronoq_recurring")
     # The template's kind, pool, key, tenant, tag, label, dependency key and resource name.
     assert name == NUL_CLEANED
     assert spec_text.count(NUL_CLEANED) == 8
@@ -215,7 +208,7 @@ async def test_commits_after_leadership_is_lost_are_fenced_before_any_sql(
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = {epoch}')
     with pytest.raises(FencedError, match="leadership was lost"):
         await store.commit(epoch, START_BASE, [changed(1, RUNNING, 100)], [])
-    rows = await fetch(store, "SELECT status FROM {s}.cronoq_tasks")
+    rows = await execute(store, "SELECT status FROM {s}.cronoq_tasks")
     assert [r.status for r in rows] == ["queued"]
 
 
@@ -226,7 +219,7 @@ async def test_release_fences_later_commits(store: PgStore) -> None:
     await bounded(store.leadership_lost(), "leadership_lost() after the release")
     with pytest.raises(FencedError):
         await store.commit(epoch, START_BASE, [submitted(2)], [])
-    assert [r.id for r in await fetch(store, "SELECT id FROM {s}.cronoq_tasks")] == [1]
+    assert [r.id for r in await execute(store, "SELECT id FROM {s}.cronoq_tasks")] == [1]
 
 
 async def test_a_commit_slower_than_commit_timeout_is_unavailable(
@@ -246,18 +239,8 @@ async def test_a_commit_slower_than_commit_timeout_is_unavailable(
             assert time.monotonic() - started >= config.commit_timeout * 0.9
         # Retrying is the caller's job, and works once the database answers again.
         await store.commit(0, START_BASE, [submitted(2)], [])
-        rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
+        rows = await execute(store, "SELECT id FROM {s}.cronoq_tasks ORDER BY id")
         assert [r.id for r in rows] == [1, 2]
-
-
-async def test_ids_stay_above_the_high_water_mark_after_pruning(store: PgStore) -> None:
-    high = TaskId((3 << 48) | 41)
-    await store.commit(0, OLD_BASE, [submitted(high), changed(high, SUCCEEDED, 100)], [])
-    await store.commit(0, OLD_BASE, [submitted(5), changed(5, SUCCEEDED, 100)], [])  # a lower id
-    assert await store.prune(1) == 2
-    assert await fetch(store, "SELECT id FROM {s}.cronoq_tasks") == []
-    recovered = await store.recover(START_BASE)
-    assert recovered.next_id == high + 1
 
 
 async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
@@ -273,7 +256,7 @@ async def test_a_read_only_server_drops_the_pool_so_the_next_commit_reconnects(
         assert caught.value.reconnect
         assert "read-only" in str(caught.value)
         await store.commit(0, START_BASE, [submitted(1)], [])
-        rows = await fetch(store, "SELECT id FROM {s}.cronoq_tasks")
+        rows = await execute(store, "SELECT id FROM {s}.cronoq_tasks")
         assert [r.id for r in rows] == [1]
 
 
@@ -422,7 +405,7 @@ async def test_a_large_batch_is_copied_and_stores_what_small_batches_store(
     recovered = await store.recover(START_BASE)
     assert {t.id: t.spec for t in recovered.tasks} == {i: varied_spec(i, "\ufffd") for i in specs}
     assert recovered.next_id == count + 1  # the high-water mark was recorded
-    [row] = await fetch(
+    [row] = await execute(
         store, "SELECT status, message FROM {s}.cronoq_tasks WHERE id = :id", id=count
     )
     assert tuple(row) == ("running", "patched in the copied row")
@@ -457,7 +440,7 @@ async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_wor
     finally:
         await blocker.close()
     await store.commit(0, START_BASE, batch, [])
-    rows = await fetch(store, "SELECT id, status FROM {s}.cronoq_tasks ORDER BY id")
+    rows = await execute(store, "SELECT id, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "running"), (2, "queued")]
 
 
@@ -471,7 +454,7 @@ def copying_everything(store: PgStore) -> None:
 
 
 async def states(store: PgStore) -> list[tuple[Any, ...]]:
-    rows = await fetch(
+    rows = await execute(
         store,
         "SELECT id, status, attempt, updated_unix_ns, message FROM {s}.cronoq_tasks ORDER BY id",
     )
@@ -541,7 +524,7 @@ async def test_a_key_released_by_a_task_sent_again_is_reused_in_the_same_batch(
         [submitted(1, key="k"), changed(1, SUCCEEDED, 100), submitted(2, key="k")],
         [],
     )
-    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    rows = await execute(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     assert [tuple(r) for r in rows] == [(1, "k", "succeeded"), (2, "k", "queued")]
 
 
@@ -562,7 +545,7 @@ async def test_a_key_released_by_a_task_sent_again_after_its_new_holder_is_reuse
     if path != "one-statement":
         batch.append(changed(3, RUNNING, 50))  # a stored task's update: a transaction
     await store.commit(0, START_BASE, batch, [])
-    rows = await fetch(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
+    rows = await execute(store, "SELECT id, key, status FROM {s}.cronoq_tasks ORDER BY id")
     third = "queued" if path == "one-statement" else "running"
     assert [tuple(r) for r in rows] == [(1, "a", "succeeded"), (2, "a", "queued"), (3, None, third)]
     # Writing such a batch again does not hide a key really held: 2 holds "a", live.
@@ -663,7 +646,7 @@ async def test_a_task_committed_alone_is_stored_as_in_a_batch(store: PgStore) ->
         await store.commit(0, START_BASE, batch, [])
     rows = {
         r.id: r._mapping
-        for r in await fetch(store, "SELECT * FROM {s}.cronoq_tasks WHERE id IN (1, 2, 100)")
+        for r in await execute(store, "SELECT * FROM {s}.cronoq_tasks WHERE id IN (1, 2, 100)")
     }
     assert rows[1]["key"] == "key"
     same = {"id", "key", "updated_unix_ns"}

@@ -53,7 +53,7 @@ from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
-from .support import PROCESS_BASE, LeaderRowHold, app_name
+from .support import PROCESS_BASE, LeaderRowHold, app_name, stored_ids
 from .waits import bounded, holds_for, until
 
 _ids = itertools.count(1)
@@ -654,11 +654,6 @@ class SlowFirstReply:
             await self.reply.wait()
 
 
-async def stored(url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r[0] for r in rows]
-
-
 async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced(
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
@@ -679,7 +674,7 @@ async def test_a_batch_that_landed_is_acknowledged_though_a_later_one_was_fenced
         asyncio.gather(one, two, return_exceptions=True), "the submissions to settle"
     )
     await committer.close()
-    assert await stored(pg_url, migrated) == [first.id]
+    assert await stored_ids(pg_url, migrated) == [first.id]
     assert outcomes[0] is None, outcomes[0]
     assert isinstance(outcomes[1], FencedError)
 
@@ -768,10 +763,10 @@ async def test_a_batch_whose_session_is_killed_in_flight_lands_once_or_is_fenced
         await committer.close()
     if then == "takeover":
         assert all(isinstance(o, FencedError) for o in outcomes), outcomes
-        assert await stored(pg_url, migrated) == []
+        assert await stored_ids(pg_url, migrated) == []
     else:
         assert outcomes == [None] * len(tasks)
-        assert await stored(pg_url, migrated) == [t.id for t in tasks]
+        assert await stored_ids(pg_url, migrated) == [t.id for t in tasks]
 
 
 async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_prune(
@@ -795,7 +790,7 @@ async def test_batches_in_flight_on_an_applications_one_connection_pool_with_a_p
     finally:
         await app.dispose()
     assert outcomes == [None] * len(tasks)
-    assert await stored(pg_url, migrated) == [t.id for t in tasks]
+    assert await stored_ids(pg_url, migrated) == [t.id for t in tasks]
 
 
 @pytest.mark.parametrize("follower", ["a transition of its task", "a task taking its key"])

@@ -39,8 +39,9 @@ from cronoq_store._domain import (
     task_id,
 )
 
+from .support import I32_MAX, I64_MAX, I64_MIN
+
 COUNTER_MAX = 2**48 - 1
-I64_MIN, I64_MAX, I32_MAX = -(2**63), 2**63 - 1, 2**31 - 1
 
 
 @pytest.mark.parametrize(

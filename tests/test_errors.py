@@ -28,7 +28,7 @@ from cronoq_store._errors import (
 )
 from cronoq_store._urls import async_url
 
-from .pgharness import EmbeddedServer, ServerUnderTest, admin_execute, terminate_backend
+from .pgharness import ServerUnderTest, admin_execute, terminate_backend
 from .waits import bounded, until
 
 #: Put into every statement and parameter below: none of it may reach a message.
@@ -54,18 +54,6 @@ async def table(engine: AsyncEngine, schema: str) -> str:
         await conn.execute(text(f'CREATE TABLE "{schema}".t (id int PRIMARY KEY, v text)'))
         await conn.execute(text(f"INSERT INTO \"{schema}\".t VALUES (1, 'a'), (2, 'b')"))
     return f'"{schema}".t'
-
-
-@pytest.fixture
-def stoppable(pg_server: ServerUnderTest) -> Iterator[ServerUnderTest]:
-    """The server, for tests that stop it; it is running again afterwards, whatever happens."""
-    if not isinstance(pg_server, EmbeddedServer):
-        pytest.skip("needs a server the suite can stop and start on the same port")
-    try:
-        yield pg_server
-    finally:
-        if not pg_server.server.running:
-            pg_server.start()
 
 
 def sqlstate(exc: BaseException) -> str | None:

@@ -52,7 +52,6 @@ from .pgharness import admin_execute, without_instance
 from .replication import (
     ReplicatedPostgres,
     multi_host_url,
-    needs_binaries,
     stores_on_a_replicated_pair,
 )
 from .support import PROCESS_BASE
@@ -152,11 +151,6 @@ async def lock_holder(url: URL) -> list[str]:
         SCHEMA,
     )
     return [without_instance(r[0]) for r in rows]
-
-
-@pytest.fixture
-def binaries() -> None:
-    needs_binaries()
 
 
 async def test_store_follows_a_promoted_synchronous_standby_and_keeps_every_ack(

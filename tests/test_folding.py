@@ -52,7 +52,9 @@ from .support import (
     FIXED_BASE,
     FIXED_NOW,
     FULL_SPEC,
+    MESSAGES,
     RUNNING,
+    STATUSES,
     SUCCEEDED,
     changed,
     submitted,
@@ -357,11 +359,6 @@ def reference_fold(mutations: Sequence[Mutation]) -> dict[int, Expected]:
             if m.message is not None:
                 row.message = m.message.replace("\0", "\ufffd")
     return rows
-
-
-MESSAGES = st.sampled_from([None, None, "", "boom", "nul\0here"])
-# Live transitions are weighted up so that tasks live through several batches.
-STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(TaskStatus))
 
 
 @st.composite

@@ -21,7 +21,7 @@ from cronoq_store._domain import (
 )
 
 from .pgharness import admin_execute
-from .replication import needs_binaries, stores_on_a_replicated_pair
+from .replication import stores_on_a_replicated_pair
 from .support import OLD_BASE, PROCESS_BASE, SUCCEEDED, changed, submitted
 from .waits import bounded
 
@@ -39,11 +39,6 @@ def config(name: str) -> PgStoreConfig:
         commit_timeout=2.0,
         application_name=f"id-failover-{name}",
     )
-
-
-@pytest.fixture
-def binaries() -> None:
-    needs_binaries()
 
 
 async def test_a_failover_to_an_asynchronous_standby_never_reissues_a_pruned_id(

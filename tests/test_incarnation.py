@@ -30,7 +30,6 @@ from cronoq_store import (
     FencedError,
     Mutation,
     PgStore,
-    PgStoreConfig,
     StatusChanged,
     TaskStatus,
     task_id,
@@ -43,23 +42,8 @@ from cronoq_store.testing._server import _free_port
 from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
-from .replication import needs_binaries
-from .support import PROCESS_BASE, cronoq, submitted_in
-from .waits import until
-
-#: Bound on a state a test waits for (a step-down, a lock let go): generous, the machine is
-#: shared.
-WAIT = 20.0
-
-
-def config(schema: str, name: str) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        application_name=name,
-        lock_poll=0.05,
-        keepalive=0.2,
-        session_timeout=2.0,
-    )
+from .support import PROCESS_BASE, cronoq, named_config, stored_ids, submitted_in
+from .waits import PATIENCE, until
 
 
 async def lock_session_pids(url: URL, name: str) -> list[int]:
@@ -72,11 +56,6 @@ async def lock_session_pids(url: URL, name: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-async def stored_ids(url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r[0] for r in rows]
-
-
 async def health_of(url: URL, schema: str) -> tuple[int, dict[str, object]]:
     """``cronoq-store health --json``: its exit code and document."""
     ran = await cronoq("--schema", schema, "health", "--json", url=url)
@@ -85,7 +64,7 @@ async def health_of(url: URL, schema: str) -> tuple[int, dict[str, object]]:
 
 async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
     """Wait until ``store`` no longer leads and its lock session is closed."""
-    await asyncio.wait_for(store.leadership_lost(), WAIT)
+    await asyncio.wait_for(store.leadership_lost(), PATIENCE)
     assert not store.is_leader
     name = store.config.application_name
 
@@ -93,11 +72,6 @@ async def steps_down_and_lets_go(store: PgStore, url: URL) -> None:
         return await lock_session_pids(url, name) == []
 
     await until(let_go, f"{name}'s lock session to close")
-
-
-@pytest.fixture
-def binaries() -> None:
-    needs_binaries()
 
 
 @pytest.fixture
@@ -117,16 +91,16 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
     """The issue's case: an idle leader, its schema dropped by hand and migrated again with
     the command line; a new instance takes epoch 1 again, in the new cluster."""
     old_name, new_name = f"old-{migrated}", f"new-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, old_name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, old_name)) as a:
         epoch = await a.acquire_leadership()
         await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
         ran = await cronoq("--schema", migrated, "migrate", url=pg_url)
         assert ran.returncode == 0, ran.stderr
 
-        async with await PgStore.connect(pg_url, config(migrated, new_name)) as b:
+        async with await PgStore.connect(pg_url, named_config(migrated, new_name)) as b:
             assert b.incarnation != a.incarnation
-            assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch
+            assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch
             theirs = submitted_in(epoch, 0)  # the same id as the old cluster's first task
             await b.commit(epoch, PROCESS_BASE, [theirs], [])
 
@@ -160,7 +134,7 @@ async def test_a_schema_dropped_and_migrated_again_refuses_the_old_leader_which_
 
         # Its cluster is gone for good: it never leads what stands there now.
         with pytest.raises(ClusterReplacedError):
-            await asyncio.wait_for(a.acquire_leadership(), WAIT)
+            await asyncio.wait_for(a.acquire_leadership(), PATIENCE)
         assert await lock_session_pids(pg_url, old_name) == []
 
 
@@ -169,7 +143,7 @@ async def test_a_cluster_replaced_in_one_transaction_steps_its_idle_leader_down_
 ) -> None:
     """No commit needed: the keeper reads the leader row, finds another cluster's and steps
     down, naming both incarnations in every later refusal."""
-    async with await PgStore.connect(pg_url, config(migrated, f"idle-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"idle-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         async with engine.connect() as conn:
             await conn.begin()
@@ -194,7 +168,7 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
     """``downgrade base --force`` drops the tables under an idle leader, ``migrate`` makes
     them again: the old leader notices, steps down and lets the lock go, so a new instance
     leads and ``health`` names it, a store instance."""
-    async with await PgStore.connect(pg_url, config(migrated, f"dgm-a-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"dgm-a-{migrated}")) as a:
         await a.acquire_leadership()
         forced = await cronoq(
             "--schema", migrated, "downgrade", "base", "--yes", "--force", url=pg_url
@@ -203,8 +177,8 @@ async def test_after_a_forced_downgrade_and_migrate_health_names_the_new_leader(
         ran = await cronoq("--schema", migrated, "migrate", url=pg_url)
         assert ran.returncode == 0, ran.stderr
         await steps_down_and_lets_go(a, pg_url)
-        async with await PgStore.connect(pg_url, config(migrated, f"dgm-b-{migrated}")) as b:
-            await asyncio.wait_for(b.acquire_leadership(), WAIT)
+        async with await PgStore.connect(pg_url, named_config(migrated, f"dgm-b-{migrated}")) as b:
+            await asyncio.wait_for(b.acquire_leadership(), PATIENCE)
             code, health = await health_of(pg_url, migrated)
             assert code == ExitCode.OK, health
             leader = health["leader"]
@@ -220,7 +194,7 @@ async def test_a_lock_held_on_the_leader_table_for_long_does_not_depose_an_idle_
     ``session_timeout``. The keeper's read of the row waits for it at most a moment
     (``lock_timeout``): the session answered, the term goes on."""
     name = f"held-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, name)) as a:
         epoch = await a.acquire_leadership()
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
@@ -260,8 +234,8 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
 ) -> None:
     await upgrade(engine, other_schema)
     async with (
-        await PgStore.connect(pg_url, config(migrated, f"sw-a-{migrated}")) as a,
-        await PgStore.connect(pg_url, config(other_schema, f"sw-c-{other_schema}")) as c,
+        await PgStore.connect(pg_url, named_config(migrated, f"sw-a-{migrated}")) as a,
+        await PgStore.connect(pg_url, named_config(other_schema, f"sw-c-{other_schema}")) as c,
     ):
         epoch = await a.acquire_leadership()
         assert await c.acquire_leadership() == epoch  # both clusters at epoch 1
@@ -278,9 +252,9 @@ async def test_two_schemas_renamed_into_each_others_place_refuse_both_old_leader
         assert await stored_ids(pg_url, other_schema) == []
 
         # A store opened on a name now finds the cluster that moved there, and leads it.
-        async with await PgStore.connect(pg_url, config(migrated, f"sw-d-{migrated}")) as d:
+        async with await PgStore.connect(pg_url, named_config(migrated, f"sw-d-{migrated}")) as d:
             assert d.incarnation == c.incarnation
-            assert await asyncio.wait_for(d.acquire_leadership(), WAIT) == epoch + 1
+            assert await asyncio.wait_for(d.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await d.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [task_id(epoch, 7)]
 
@@ -295,7 +269,7 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
     await upgrade(engine, other_schema)
     await admin_execute(pg_url, f'UPDATE "{other_schema}".cronoq_leader SET epoch = 1')
     name = f"mid-{migrated}"
-    async with await PgStore.connect(pg_url, config(migrated, name)) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, name)) as a:
         epoch = await a.acquire_leadership()
         stored = submitted_in(epoch, 0)
         await a.commit(epoch, PROCESS_BASE, [stored], [])
@@ -326,7 +300,7 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
         finally:
             await blocker.close()
         with pytest.raises(ClusterReplacedError):
-            await asyncio.wait_for(committing, WAIT)
+            await asyncio.wait_for(committing, PATIENCE)
         assert await stored_ids(pg_url, migrated) == []  # the other cluster: nothing
         assert await stored_ids(pg_url, other_schema) == [stored.id]  # a's own: as it was
         rows = await admin_execute(
@@ -349,7 +323,9 @@ async def test_every_write_path_recovery_and_prune_refuse_another_cluster(
     await admin_execute(pg_url, f'UPDATE "{migrated}".cronoq_leader SET epoch = 1')
     paths = ("insert one", "insert many", "update", "transaction", "copy", "recover", "prune")
     stores = {
-        path: await PgStore.connect(pg_url, config(migrated, f"{path.replace(' ', '')}-{migrated}"))
+        path: await PgStore.connect(
+            pg_url, named_config(migrated, f"{path.replace(' ', '')}-{migrated}")
+        )
         for path in paths
     }
     try:
@@ -419,7 +395,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
     store opened on the restored schema leads it with the next epoch, recovers what was
     dumped and nothing written after, and issues ids above every id it recovered."""
     dump = tmp_path / "cluster.dump"
-    async with await PgStore.connect(pg_url, config(migrated, f"dump-a-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"dump-a-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         dumped = [submitted_in(epoch, n) for n in range(3)]
         await a.commit(
@@ -454,9 +430,9 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 4)], [])
         await steps_down_and_lets_go(a, pg_url)
 
-        async with await PgStore.connect(pg_url, config(migrated, f"dump-b-{migrated}")) as b:
+        async with await PgStore.connect(pg_url, named_config(migrated, f"dump-b-{migrated}")) as b:
             assert b.incarnation != a.incarnation
-            assert await asyncio.wait_for(b.acquire_leadership(), WAIT) == epoch + 1
+            assert await asyncio.wait_for(b.acquire_leadership(), PATIENCE) == epoch + 1
             recovered = await b.recover(PROCESS_BASE)
             assert [t.id for t in recovered.tasks] == [dumped[0].id, dumped[1].id]
             assert [t.id for t in recovered.terminal] == [dumped[2].id]
@@ -480,14 +456,14 @@ async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cl
     tables are restored over the schema in one transaction (``--clean``), so the keeper never
     sees the schema gone, and the rows only once it has stepped down on the empty table."""
     dump = tmp_path / "cluster.dump"
-    async with await PgStore.connect(pg_url, config(migrated, f"rowless-{migrated}")) as a:
+    async with await PgStore.connect(pg_url, named_config(migrated, f"rowless-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         dump_args = ("--schema", migrated, "--format", "custom", "--file", str(dump))
         await asyncio.to_thread(_client, "pg_dump", pg_url, *dump_args)
         restore = ("pg_restore", pg_url, "--exit-on-error")
         tables = ("--clean", "--single-transaction", "--section=pre-data", str(dump))
         await asyncio.to_thread(_client, *restore, *tables)
-        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        await asyncio.wait_for(a.leadership_lost(), PATIENCE)
         table = f'"{migrated}".cronoq_leader'
         rows = await admin_execute(
             pg_url, f"SELECT '{table}'::regclass::oid, count(*) FROM {table}"
@@ -544,7 +520,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
     try:
         await asyncio.to_thread(old.start)
         url = old.url()
-        a = await PgStore.connect(url, config(schema, "upgrade-a"))
+        a = await PgStore.connect(url, named_config(schema, "upgrade-a"))
         stores.append(a)
         epoch = await a.acquire_leadership()
         first = submitted_in(epoch, 0)
@@ -552,7 +528,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         key_before = await schema_oid(url, schema)
 
         await asyncio.to_thread(old.stop)
-        await asyncio.wait_for(a.leadership_lost(), WAIT)
+        await asyncio.wait_for(a.leadership_lost(), PATIENCE)
         await asyncio.to_thread(new._init)
         await asyncio.to_thread(_pg_upgrade, old, new)
         await asyncio.to_thread(new.start)
@@ -560,9 +536,9 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         rows = await admin_execute(url, f'SELECT tableoid FROM "{schema}".cronoq_leader')
         assert rows[0][0] == a.incarnation
 
-        assert await asyncio.wait_for(a.acquire_leadership(), WAIT) == epoch + 1
+        assert await asyncio.wait_for(a.acquire_leadership(), PATIENCE) == epoch + 1
         assert a.leader_lock[1] == await schema_oid(url, schema)
-        b = await PgStore.connect(url, config(schema, "upgrade-b"))
+        b = await PgStore.connect(url, named_config(schema, "upgrade-b"))
         stores.append(b)
         assert b.incarnation == a.incarnation
         standby = asyncio.ensure_future(b.acquire_leadership())
@@ -585,7 +561,7 @@ async def test_pg_upgrade_keeps_the_cluster_and_moves_the_lock_key_for_every_sto
         assert not standby.done()
         assert a.is_leader
         await a.release_leadership()
-        assert await asyncio.wait_for(standby, WAIT) == epoch + 2
+        assert await asyncio.wait_for(standby, PATIENCE) == epoch + 2
         recovered = await b.recover(PROCESS_BASE)
         assert [t.id for t in recovered.tasks][:2] == [first.id, task_id(epoch + 1, 0)]
         assert len(recovered.tasks) == 21

@@ -28,11 +28,9 @@ from cronoq_store import (
 )
 from cronoq_store._urls import async_url
 
-from .pgharness import admin_execute, asyncpg_dsn
-from .support import PROCESS_BASE, submitted_in
-
-#: Bound on a state a test waits for: generous, the machine is shared.
-WAIT = 20.0
+from .pgharness import asyncpg_dsn
+from .support import PROCESS_BASE, stored_ids, submitted_in
+from .waits import PATIENCE
 
 
 @dataclass
@@ -77,11 +75,6 @@ async def open_store(dialling: Dialling, pg_url: URL, schema: str, name: str) ->
     return await PgStore.from_engine(dialling.engine, config, lock_url=pg_url)
 
 
-async def stored_ids(url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r[0] for r in rows]
-
-
 async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_term_going(
     pg_url: URL, migrated: str, dialling: Dialling
 ) -> None:
@@ -94,7 +87,7 @@ async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_
         late = asyncio.ensure_future(
             a.commit(earlier, PROCESS_BASE, [submitted_in(earlier, 0)], [])
         )
-        await asyncio.wait_for(dialling.entered.wait(), WAIT)  # past the store's checks
+        await asyncio.wait_for(dialling.entered.wait(), PATIENCE)  # past the store's checks
 
         await a.release_leadership()
         current = await a.acquire_leadership()
@@ -102,7 +95,7 @@ async def test_a_commit_of_the_earlier_term_reaching_the_server_late_leaves_the_
         lost = asyncio.ensure_future(a.leadership_lost())
         dialling.gate.set()
         with pytest.raises(FencedError, match=f"stored epoch is {current}"):
-            await asyncio.wait_for(late, WAIT)
+            await asyncio.wait_for(late, PATIENCE)
 
         assert (a.is_leader, a.epoch) == (True, current)
         await a.commit(current, PROCESS_BASE, [submitted_in(current, 0)], [])
@@ -126,20 +119,20 @@ async def test_a_group_committer_of_the_earlier_term_is_fenced_alone(
         old = GroupCommitter(a, earlier, PROCESS_BASE)
         await dialling.hold_back()
         pending = asyncio.ensure_future(old.submit([submitted_in(earlier, 0)]))
-        await asyncio.wait_for(dialling.entered.wait(), WAIT)  # its batch is in flight
+        await asyncio.wait_for(dialling.entered.wait(), PATIENCE)  # its batch is in flight
 
         await a.release_leadership()
         current = await a.acquire_leadership()
         standby = asyncio.ensure_future(b.acquire_leadership())
         dialling.gate.set()
         with pytest.raises(FencedError):
-            await asyncio.wait_for(pending, WAIT)
+            await asyncio.wait_for(pending, PATIENCE)
         assert old.fenced
         await old.close()
 
         assert (a.is_leader, a.epoch) == (True, current)
         async with GroupCommitter(a, current, PROCESS_BASE) as new:
-            await asyncio.wait_for(new.submit([submitted_in(current, 0)]), WAIT)
+            await asyncio.wait_for(new.submit([submitted_in(current, 0)]), PATIENCE)
         assert await stored_ids(pg_url, migrated) == [task_id(current, 0)]
         assert a.is_leader
         assert not standby.done()

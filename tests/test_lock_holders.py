@@ -24,21 +24,10 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._errors import MigrationError
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import Role, create_role, drop_role, run_cli
+from .support import Role, create_role, drop_role, named_config, run_cli
 from .waits import bounded, holds_for, until, until_value
 
 FORGED = "cronoq-store leader"
-
-
-def config(schema: str, name: str, **settings: object) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        application_name=name,
-        lock_poll=0.05,
-        keepalive=0.2,
-        session_timeout=2.0,
-        **settings,  # type: ignore[arg-type]
-    )
 
 
 async def take_lock(url: URL, key: tuple[int, int]) -> asyncpg.Connection:
@@ -87,7 +76,7 @@ async def assert_reported_foreign(
 async def test_a_role_with_only_connect_holding_the_lock_is_named_never_a_leader(
     pg_url: URL, migrated: str, intruder: Role
 ) -> None:
-    trusting = config(migrated, "holders-a", trusted_roles=frozenset({intruder.name}))
+    trusting = named_config(migrated, "holders-a", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting) as store:
         held = await take_lock(intruder.url, store.leader_lock)
         try:
@@ -111,7 +100,7 @@ async def test_a_session_of_the_stores_own_role_that_never_moved_the_epoch_is_fo
 ) -> None:
     """The same role as the store (so its role is trusted), holding the lock after a
     genuine leader let go: the leader row records the leader's session, not this one."""
-    async with await PgStore.connect(pg_url, config(migrated, "holders-b")) as store:
+    async with await PgStore.connect(pg_url, named_config(migrated, "holders-b")) as store:
         await store.acquire_leadership()
         assert (await store.health()).has_leader
         await store.release_leadership()
@@ -128,8 +117,8 @@ async def test_a_genuine_leader_is_healthy_right_after_a_takeover(
     pg_url: URL, migrated: str
 ) -> None:
     async with (
-        await PgStore.connect(pg_url, config(migrated, "holders-c")) as a,
-        await PgStore.connect(pg_url, config(migrated, "holders-d")) as b,
+        await PgStore.connect(pg_url, named_config(migrated, "holders-c")) as a,
+        await PgStore.connect(pg_url, named_config(migrated, "holders-d")) as b,
     ):
         first = await a.acquire_leadership()
         standby = asyncio.ensure_future(b.acquire_leadership())
@@ -156,8 +145,8 @@ async def test_a_takeover_waiting_to_move_the_epoch_is_not_reported_foreign(
     leader's commits (here: a transaction holding the leader row FOR SHARE): it holds the
     lock and the row does not record it yet, and it is still no intruder."""
     async with (
-        await PgStore.connect(pg_url, config(migrated, "holders-e")) as a,
-        await PgStore.connect(pg_url, config(migrated, "holders-f")) as b,
+        await PgStore.connect(pg_url, named_config(migrated, "holders-e")) as a,
+        await PgStore.connect(pg_url, named_config(migrated, "holders-f")) as b,
     ):
         first = await a.acquire_leadership()
         in_flight = await asyncpg.connect(asyncpg_dsn(pg_url))
@@ -215,7 +204,7 @@ async def test_a_standby_behind_a_foreign_holder_warns_once_naming_it(
 async def standby_warns_once(
     pg_url: URL, migrated: str, intruder: Role, lock: Role, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trusting = config(migrated, "holders-g", trusted_roles=frozenset({intruder.name}))
+    trusting = named_config(migrated, "holders-g", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting, lock_url=lock.url) as store:
         looks = 0
         look = store._leadership._watch_holder
@@ -252,7 +241,7 @@ async def test_leading_is_refused_while_public_may_connect(pg_url: URL, migrated
     database = pg_url.database
     await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{database}" TO PUBLIC')
     try:
-        async with await PgStore.connect(pg_url, config(migrated, "holders-h")) as store:
+        async with await PgStore.connect(pg_url, named_config(migrated, "holders-h")) as store:
             with pytest.raises(MigrationError) as info:
                 await bounded(store.acquire_leadership(), "the acquisition")
             assert not info.value.is_transient
@@ -277,13 +266,13 @@ async def test_leading_is_refused_while_public_may_connect(pg_url: URL, migrated
 async def test_leading_is_refused_while_an_untrusted_login_role_may_connect(
     pg_url: URL, migrated: str, intruder: Role
 ) -> None:
-    async with await PgStore.connect(pg_url, config(migrated, "holders-i")) as store:
+    async with await PgStore.connect(pg_url, named_config(migrated, "holders-i")) as store:
         with pytest.raises(MigrationError, match=f"CONNECT is granted to {intruder.name}\\."):
             await bounded(store.acquire_leadership(), "the acquisition")
         health = await store.health()
         assert (health.stored_epoch, health.untrusted_connect) == (0, (intruder.name,))
     # Named by the operator, it is trusted to connect.
-    trusting = config(migrated, "holders-j", trusted_roles=frozenset({intruder.name}))
+    trusting = named_config(migrated, "holders-j", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting) as store:
         assert await bounded(store.acquire_leadership(), "the acquisition") == 1
         assert (await store.health()).untrusted_connect == ()
@@ -296,7 +285,7 @@ async def test_connect_through_a_group_role_counts_and_nologin_roles_do_not(
     await admin_execute(pg_url, f"CREATE ROLE {group} NOLOGIN")
     try:
         await admin_execute(pg_url, f'GRANT CONNECT ON DATABASE "{pg_url.database}" TO {group}')
-        async with await PgStore.connect(pg_url, config(migrated, "holders-k")) as store:
+        async with await PgStore.connect(pg_url, named_config(migrated, "holders-k")) as store:
             # A role that cannot log in cannot hold a lock.
             assert await bounded(store.acquire_leadership(), "the acquisition") == 1
             await store.release_leadership()
@@ -314,7 +303,7 @@ async def test_connect_through_a_group_role_counts_and_nologin_roles_do_not(
 async def test_allow_untrusted_connect_leads_and_says_so(
     pg_url: URL, migrated: str, intruder: Role, caplog: pytest.LogCaptureFixture
 ) -> None:
-    lax = config(migrated, "holders-l", allow_untrusted_connect=True)
+    lax = named_config(migrated, "holders-l", allow_untrusted_connect=True)
     async with await PgStore.connect(pg_url, lax) as store:
         with caplog.at_level(logging.WARNING, logger="cronoq_store"):
             assert await bounded(store.acquire_leadership(), "the acquisition") == 1
@@ -333,7 +322,7 @@ async def test_an_epoch_taken_by_an_older_build_leaves_its_holder_unknown_not_fo
 ) -> None:
     """Mid rolling upgrade, a build before revision 0007 takes the epoch without recording
     its session: its holder cannot be told from an intruder, and is not called foreign."""
-    async with await PgStore.connect(pg_url, config(migrated, "holders-m")) as store:
+    async with await PgStore.connect(pg_url, named_config(migrated, "holders-m")) as store:
         epoch = await store.acquire_leadership()
         await store.release_leadership()
         older = await take_lock(pg_url, store.leader_lock)
@@ -360,7 +349,7 @@ async def test_a_role_that_may_not_write_the_leader_row_cannot_pass_for_a_takeov
     still took no epoch, and is named foreign."""
     for grant in (f"USAGE ON SCHEMA {migrated}", f"SELECT ON {migrated}.cronoq_leader"):
         await admin_execute(pg_url, f"GRANT {grant} TO {intruder.name}")
-    trusting = config(migrated, "holders-n", trusted_roles=frozenset({intruder.name}))
+    trusting = named_config(migrated, "holders-n", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting) as store:
         held = await take_lock(intruder.url, store.leader_lock)
         try:
@@ -390,7 +379,7 @@ async def test_health_names_a_foreign_holder_with_a_session_timeout_shorter_than
     (0.5 s), in one transaction: a read, whose idle limit is the store's own, not a
     ``session_timeout`` of 0.3 s."""
     short = dataclasses.replace(
-        config(migrated, "health-short"), session_timeout=0.3, keepalive=0.1
+        named_config(migrated, "health-short"), session_timeout=0.3, keepalive=0.1
     )
     async with await PgStore.connect(pg_url, short) as store:
         holder = await take_lock(pg_url, store.leader_lock)

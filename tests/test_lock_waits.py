@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,29 +23,26 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import LockHeldError, PgStore, PgStoreConfig
+from cronoq_store import LockHeldError, PgStore
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision, upgrade
 from cronoq_store._statements import LOCK_NS_MIGRATE
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import ROOT, Role, older_revisions, run_cli
+from .support import (
+    LeaderRowHold,
+    Role,
+    named_config,
+    older_revisions,
+    python_run,
+    revision_of,
+    run_cli,
+)
 from .waits import PATIENCE, bounded, holds_for, until_value
 
 #: A revision below head whose upgrade changes the cluster's tables.
 BEHIND = list(older_revisions())[-1]
 APP = "cronoq-intruder"
-
-
-def config(schema: str, name: str, **settings: object) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema,
-        application_name=name,
-        lock_poll=0.05,
-        keepalive=0.2,
-        session_timeout=2.0,
-        **settings,  # type: ignore[arg-type]
-    )
 
 
 @asynccontextmanager
@@ -64,33 +59,6 @@ async def hold_migration_lock(conn: asyncpg.Connection, schema: str) -> None:
     await conn.execute("SELECT pg_advisory_lock($1, hashtext($2))", LOCK_NS_MIGRATE, schema)
 
 
-async def revision_of(pg_url: URL, schema: str) -> str:
-    rows = await admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
-    return str(rows[0][0])
-
-
-async def process(*args: str, url: URL, timeout: float = 90) -> tuple[int, str, str]:
-    """A command line in a process of its own; killed if it outlives ``timeout``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
-    env["CRONOQ_DATABASE_URL"] = url.render_as_string(hide_password=False)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"{args} still waiting after {timeout} s") from None
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 # --- the migration lock ----------------------------------------------------------------------
 
 
@@ -100,7 +68,7 @@ async def test_a_schema_at_head_opens_whoever_holds_its_migration_lock_and_healt
     async with session_of(intruder) as held:
         await hold_migration_lock(held, migrated)
         pid = held.get_server_pid()
-        opening = PgStore.connect(pg_url, config(migrated, "waits-a"))
+        opening = PgStore.connect(pg_url, named_config(migrated, "waits-a"))
         async with await bounded(opening, "opening beside a held migration lock") as store:
             await bounded(store.migrate(), "migrating beside a held migration lock")
             seen = (await store.health()).migration_lock
@@ -138,7 +106,7 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
     async with session_of(intruder) as held:
         await hold_migration_lock(held, schema)
         pid = held.get_server_pid()
-        limited = config(schema, "waits-b", migration_lock_timeout=2.0)
+        limited = named_config(schema, "waits-b", migration_lock_timeout=2.0)
         with (
             caplog.at_level(logging.INFO, logger="cronoq_store"),
             pytest.raises(LockHeldError) as refused,
@@ -162,7 +130,7 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
         assert last.startswith("Error: gave up waiting for the migration lock")
         assert f"pid {pid} (role {intruder.name!r}" in last
 
-        code, out, err = await process(
+        alembic = await python_run(
             "-m",
             "alembic",
             "-x",
@@ -172,14 +140,16 @@ async def test_a_schema_behind_head_waits_saying_who_holds_the_lock_then_gives_u
             "upgrade",
             "head",
             url=pg_url,
+            timeout=90,
         )
-        assert code != 0
+        assert alembic.returncode != 0
+        out, err = alembic.stdout, alembic.stderr
         assert f"[cronoq_store] waiting for the migration lock of schema {schema!r}" in err
         assert f"FAILED: gave up waiting for the migration lock of schema {schema!r}" in out
         assert await revision_of(pg_url, schema) == BEHIND
 
     # Let go: the same calls migrate.
-    async with await PgStore.connect(pg_url, config(schema, "waits-b")) as store:
+    async with await PgStore.connect(pg_url, named_config(schema, "waits-b")) as store:
         assert (await store.health()).at_head
 
 
@@ -193,7 +163,7 @@ async def test_two_instances_opening_behind_head_at_once_take_turns(
     async with session_of(intruder) as held:
         await hold_migration_lock(held, schema)
         opening = [
-            asyncio.ensure_future(PgStore.connect(pg_url, config(schema, f"waits-c{n}")))
+            asyncio.ensure_future(PgStore.connect(pg_url, named_config(schema, f"waits-c{n}")))
             for n in range(2)
         ]
         await holds_for(
@@ -248,28 +218,18 @@ async def test_a_migration_behind_a_long_transaction_never_stops_reads_and_names
 # --- the leader table, for a prune and a takeover ------------------------------------------------
 
 
-async def lock_leader_row(pg_url: URL, schema: str) -> asyncpg.Connection:
-    """A session holding the leader row in an open transaction, as any role that may
-    update it can."""
-    conn = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"application_name": APP})
-    await conn.execute("BEGIN")
-    await conn.execute(f'SELECT epoch FROM "{schema}".cronoq_leader WHERE id = 1 FOR UPDATE')
-    return conn
-
-
 async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
     pg_url: URL, migrated: str
 ) -> None:
-    async with await PgStore.connect(pg_url, config(migrated, "waits-d", commit_timeout=2.0)) as s:
-        held = await lock_leader_row(pg_url, migrated)
-        try:
+    async with await PgStore.connect(
+        pg_url, named_config(migrated, "waits-d", commit_timeout=2.0)
+    ) as s:
+        async with LeaderRowHold(pg_url, migrated) as held:
             with pytest.raises(LockHeldError) as refused:
                 await bounded(s.prune(0), "the prune giving up")
             message = str(refused.value)
             assert f"waiting for the leader table of schema {migrated!r}" in message
-            assert f"pid {held.get_server_pid()} (role {pg_url.username!r}, application" in message
-        finally:
-            await held.close()
+            assert f"pid {held.pid} (role {pg_url.username!r}, application" in message
         assert await bounded(s.prune(0), "the prune once the row is free") == 0
 
 
@@ -297,9 +257,10 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
     pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Taking over is the call's purpose: it never gives up, and says why it waits."""
-    async with await PgStore.connect(pg_url, config(migrated, "waits-e")) as store:
-        held = await lock_leader_row(pg_url, migrated)
-        pid = held.get_server_pid()
+    async with await PgStore.connect(pg_url, named_config(migrated, "waits-e")) as store:
+        held = LeaderRowHold(pg_url, migrated)
+        await held.lock()
+        pid = held.pid
         taking = asyncio.ensure_future(store.acquire_leadership())
         try:
             with caplog.at_level(logging.INFO, logger="cronoq_store"):
@@ -312,10 +273,10 @@ async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_
                 vars(said[0])
             )
             assert not taking.done()
-            await held.close()
+            await held.release()
             assert await bounded(taking, "the takeover once the row is free") == 1
         finally:
-            await held.close()
+            await held.release()
             taking.cancel()
             await asyncio.gather(taking, return_exceptions=True)
 
@@ -324,8 +285,8 @@ async def test_a_standby_says_which_leader_it_waits_behind(
     pg_url: URL, migrated: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with (
-        await PgStore.connect(pg_url, config(migrated, "waits-f")) as leader,
-        await PgStore.connect(pg_url, config(migrated, "waits-g")) as standby,
+        await PgStore.connect(pg_url, named_config(migrated, "waits-f")) as leader,
+        await PgStore.connect(pg_url, named_config(migrated, "waits-g")) as standby,
     ):
         epoch = await leader.acquire_leadership()
         health = await leader.health()
@@ -357,12 +318,11 @@ async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
     session holding the leader row; ``health`` (the store's and the command's) reads
     without a lock that conflicts with it, so it answers while the prune still waits, not
     once the prune gives up."""
-    patient = config(migrated, "waits-h", commit_timeout=PATIENCE)
+    patient = named_config(migrated, "waits-h", commit_timeout=PATIENCE)
     async with await PgStore.connect(pg_url, patient) as store:
         epoch = await store.acquire_leadership()
-        held = await lock_leader_row(pg_url, migrated)
-        pruning = asyncio.ensure_future(store.prune(0))
-        try:
+        async with LeaderRowHold(pg_url, migrated):
+            pruning = asyncio.ensure_future(store.prune(0))
             await until_value(
                 lambda: admin_execute(
                     pg_url,
@@ -382,6 +342,4 @@ async def test_health_answers_beside_a_prune_queued_for_the_leader_table(
             )
             assert command.exit_code == ExitCode.OK, command.output
             assert not pruning.done(), "the prune stopped waiting before the command answered"
-        finally:
-            await held.close()
         assert await bounded(pruning, "the prune once the row is free") == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cronoq_store.testing import TEST_URL_ENV
 
-_ROOT = str(Path(__file__).resolve().parents[1])
+from .support import ROOT
 
 _CHILD = """
 import json, sys, time
@@ -41,9 +41,9 @@ def alive(pid: int) -> bool:
 
 def test_a_sigtermed_run_stops_its_embedded_server() -> None:
     env = {k: v for k, v in os.environ.items() if k != TEST_URL_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, env=env, cwd=_ROOT, text=True
+        [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True
     )
     started: dict[str, object] = {}
     try:

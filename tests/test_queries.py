@@ -12,30 +12,24 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Dependency, Mutation, TaskId, TaskStatus
+from cronoq_store._domain import Dependency, Mutation, TaskId
 from cronoq_store._queries import PRUNE_BATCH
 from cronoq_store._store import PgStore
 
-from .support import HOUR, START_BASE, changed, submitted
-
-RUNNING, SUCCEEDED, FAILED, CANCELLED = (
-    TaskStatus.RUNNING,
-    TaskStatus.SUCCEEDED,
-    TaskStatus.FAILED,
-    TaskStatus.CANCELLED,
+from .support import (
+    FAILED,
+    HOUR,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    stored_ids,
+    submitted,
 )
 
 
-async def stored_ids(store: PgStore) -> list[int]:
-    async with store.engine.connect() as conn:
-        rows = await conn.execute(
-            text(f'SELECT id FROM "{store.config.schema}".cronoq_tasks ORDER BY id')
-        )
-        return [r.id for r in rows]
-
-
 async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
-    store: PgStore,
+    store: PgStore, pg_url: URL, migrated: str
 ) -> None:
     old = 2 * PRUNE_BATCH + 500
     batch: list[Mutation] = []
@@ -52,18 +46,20 @@ async def test_prune_deletes_in_batches_and_keeps_what_live_tasks_depend_on(
     await store.commit(0, START_BASE, batch, [])
 
     assert await store.prune(3600) == old - 1
-    assert await stored_ids(store) == [7, 9, old + 1, 50_000, 50_001, 50_002]
+    assert await stored_ids(pg_url, migrated) == [7, 9, old + 1, 50_000, 50_001, 50_002]
 
     # Once the dependent task finishes, what it protected can go too.
     await store.commit(0, START_BASE, [changed(50_000, SUCCEEDED, at=-2 * HOUR, attempt=2)], [])
     assert await store.prune(3600) == 4
-    assert await stored_ids(store) == [50_001, 50_002]
+    assert await stored_ids(pg_url, migrated) == [50_001, 50_002]
     assert await store.prune(3600) == 0
     with pytest.raises(ValueError, match="older_than"):
         await store.prune(-1)
 
 
-async def test_prune_reports_the_running_total_after_each_batch(store: PgStore) -> None:
+async def test_prune_reports_the_running_total_after_each_batch(
+    store: PgStore, pg_url: URL, migrated: str
+) -> None:
     old = 2 * PRUNE_BATCH + 500
     batch: list[Mutation] = []
     for id in range(1, old + 1):
@@ -74,7 +70,7 @@ async def test_prune_reports_the_running_total_after_each_batch(store: PgStore) 
     totals: list[int] = []
     assert await store.prune(3600, progress=totals.append) == old
     assert totals == [PRUNE_BATCH, 2 * PRUNE_BATCH, old]
-    assert await stored_ids(store) == [old + 1]
+    assert await stored_ids(pg_url, migrated) == [old + 1]
     # Nothing left to prune: one batch, reported once.
     assert await store.prune(3600, progress=totals.append) == 0
     assert totals[-1] == 0
@@ -95,7 +91,7 @@ async def test_prune_reports_the_running_total_after_each_batch(store: PgStore) 
     ],
 )
 async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
-    store: PgStore, deps: str
+    store: PgStore, pg_url: URL, migrated: str, deps: str
 ) -> None:
     """A row written by hand may hold any jsonb: prune keeps working, and what such a row
     cannot name protects nothing, while well-formed dependencies still protect."""
@@ -118,7 +114,7 @@ async def test_prune_is_not_stopped_by_a_live_row_whose_deps_are_corrupt(
         )
 
     assert await store.prune(3600) == 1
-    assert await stored_ids(store) == [8, 20, 21]
+    assert await stored_ids(pg_url, migrated) == [8, 20, 21]
 
 
 #: A session_timeout shorter than the client's work between two statements of a read.

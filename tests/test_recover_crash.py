@@ -7,7 +7,6 @@ gone: the error must name the lost connection, be transient, and not be the roll
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,20 +21,8 @@ from cronoq_store._schema import LiveTasks
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
-from .pgharness import EmbeddedServer, ServerUnderTest
+from .pgharness import ServerUnderTest
 from .support import PROCESS_BASE
-
-
-@pytest.fixture
-def stoppable(pg_server: ServerUnderTest) -> Iterator[ServerUnderTest]:
-    """The server, for a test that stops it; running again afterwards, whatever happens."""
-    if not isinstance(pg_server, EmbeddedServer):
-        pytest.skip("needs a server the suite can stop and start on the same port")
-    try:
-        yield pg_server
-    finally:
-        if not pg_server.server.running:
-            pg_server.start()
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["connect", "from_engine"])

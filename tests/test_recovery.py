@@ -10,7 +10,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -35,15 +34,7 @@ from cronoq_store._errors import StoreError
 from cronoq_store._schema import LiveTasks
 from cronoq_store._store import PgStore
 
-from .support import FAILED, RUNNING, START_BASE, changed, submitted
-
-
-async def execute(store: PgStore, sql: str) -> list[Any]:
-    """Raw SQL, ``{s}`` being the store's schema: how corrupt rows get in."""
-    async with store.engine.begin() as conn:
-        result = await conn.execute(text(sql.replace("{s}", f'"{store.config.schema}"')))
-        return list(result.all()) if result.returns_rows else []
-
+from .support import FAILED, RUNNING, START_BASE, changed, execute, submitted
 
 CORRUPTIONS = {
     # task id: (column assignment, what the quarantine message must say)

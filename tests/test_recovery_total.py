@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import text
 
 from cronoq_store._domain import (
     CronSchedule,
@@ -44,9 +43,8 @@ from cronoq_store._domain import (
 )
 from cronoq_store._store import PgStore
 
-from .support import START_BASE
+from .support import I32_MAX, I32_MIN, I64_MAX, I64_MIN, START_BASE, execute
 
-I64_MIN, I64_MAX, I32_MIN, I32_MAX = -(2**63), 2**63 - 1, -(2**31), 2**31 - 1
 MAX_MESSAGE = 600
 
 # Text the store keeps as it is (cleaning is tested elsewhere), so rows compare equal.
@@ -260,14 +258,6 @@ schedule_specs = st.builds(
     | st.builds(IntervalSchedule, durations.filter(bool)),
     template=specs(None),
 )
-
-
-async def execute(store: PgStore, sql: str, **params: Any) -> list[Any]:
-    """Raw SQL, ``{s}`` being the store's schema: how corrupt rows get in."""
-    async with store.engine.begin() as conn:
-        stmt = text(sql.replace("{s}", f'"{store.config.schema}"'))
-        result = await conn.execute(stmt, params)
-        return list(result.all()) if result.returns_rows else []
 
 
 async def corrupt(store: PgStore, table: str, where: str, key: object, c: Corruption) -> None:

@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store import MigrationError, PgStore, PgStoreConfig, TimeBase, epoch_of
+from cronoq_store import MigrationError, PgStore, TimeBase, epoch_of
 from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 
-from .pgharness import admin_execute, without_instance
-from .support import ROOT, full, run
+from .pgharness import without_instance
+from .support import ROOT, full, named_config, revision_of, run
 from .waits import PATIENCE, bounded, holds_for
 
 #: The previous release: its tag, and its commit should the tag be missing.
@@ -215,17 +215,6 @@ async def old_instance(tree: Path, url: URL, schema: str, name: str) -> AsyncIte
         await asyncio.wait_for(reader, 30)
 
 
-def config(schema: str, name: str) -> PgStoreConfig:
-    return PgStoreConfig(
-        schema=schema, application_name=name, lock_poll=0.05, keepalive=0.2, session_timeout=2.0
-    )
-
-
-async def revision_of(pg_url: URL, schema: str) -> str:
-    rows = await admin_execute(pg_url, f'SELECT version_num FROM "{schema}".cronoq_alembic_version')
-    return str(rows[0][0])
-
-
 async def test_a_rolling_upgrade_from_the_previous_release(
     previous_build: Path, pg_url: URL, schema: str
 ) -> None:
@@ -253,7 +242,7 @@ async def test_a_rolling_upgrade_from_the_previous_release(
 
         # 2. This build's instances open without migrating, and wait behind that leader.
         async with await PgStore.connect(
-            pg_url, config(schema, "current"), migrate=False
+            pg_url, named_config(schema, "current"), migrate=False
         ) as standby:
             health = await standby.health()
             assert health.at_head
@@ -310,12 +299,14 @@ async def test_this_release_waits_for_ops_to_migrate_a_schema_of_the_previous_on
     old_head = await revision_of(pg_url, schema)
     probe = await run("--url", full(pg_url), "--schema", schema, "health", "--json")
     if old_head == head_revision():
-        async with await PgStore.connect(pg_url, config(schema, "current"), migrate=False) as s:
+        async with await PgStore.connect(
+            pg_url, named_config(schema, "current"), migrate=False
+        ) as s:
             assert (await s.health()).at_head
         assert probe.exit_code == ExitCode.NO_LEADER, probe.output
         return
     with pytest.raises(MigrationError, match=f"at revision {old_head}, behind this build's head"):
-        await PgStore.connect(pg_url, config(schema, "current"), migrate=False)
+        await PgStore.connect(pg_url, named_config(schema, "current"), migrate=False)
     assert await revision_of(pg_url, schema) == old_head
     assert probe.exit_code == ExitCode.NOT_MIGRATED, probe.output
     assert json.loads(probe.stdout)["revision"] == [old_head]

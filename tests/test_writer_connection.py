@@ -24,7 +24,7 @@ from cronoq_store._errors import (
 from cronoq_store._store import PgStore
 
 from .pgharness import ServerUnderTest, admin_execute, restart, terminate_backend
-from .support import START_BASE, LeaderRowHold, changed, lock_holders, submitted
+from .support import START_BASE, LeaderRowHold, changed, lock_holders, stored_ids, submitted
 from .waits import bounded, holds_for, until, until_value
 
 
@@ -60,11 +60,6 @@ async def writers(pg_url: URL, name: str) -> set[int]:
     return {r["pid"] for r in rows}
 
 
-async def stored(pg_url: URL, schema: str) -> list[int]:
-    rows = await admin_execute(pg_url, f'SELECT id FROM "{schema}".cronoq_tasks ORDER BY id')
-    return [r["id"] for r in rows]
-
-
 async def test_one_connection_is_held_for_the_term_and_returned_at_step_down(
     pg_url: URL, migrated: str, name: str, leader: tuple[PgStore, int]
 ) -> None:
@@ -75,7 +70,7 @@ async def test_one_connection_is_held_for_the_term_and_returned_at_step_down(
     assert len(await writers(pg_url, name)) == 1
     await store.release_leadership()
     assert checked_out(store) == 0
-    assert await stored(pg_url, migrated) == [1, 2, 3, 4, 5]
+    assert await stored_ids(pg_url, migrated) == [1, 2, 3, 4, 5]
 
 
 async def test_a_held_connection_the_server_closed_is_replaced_before_the_commit(
@@ -94,7 +89,7 @@ async def test_a_held_connection_the_server_closed_is_replaced_before_the_commit
     await store.commit(epoch, START_BASE, [submitted(2)], [])  # no error: a new connection
     assert pid not in await writers(pg_url, name)
     assert checked_out(store) == 1
-    assert await stored(pg_url, migrated) == [1, 2]
+    assert await stored_ids(pg_url, migrated) == [1, 2]
 
 
 async def test_a_commit_cut_short_gives_up_the_held_connection(
@@ -111,7 +106,7 @@ async def test_a_commit_cut_short_gives_up_the_held_connection(
     await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert pid not in await writers(pg_url, name)
     assert checked_out(store) == 1
-    assert await stored(pg_url, migrated) == [1, 2]
+    assert await stored_ids(pg_url, migrated) == [1, 2]
 
 
 async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
@@ -131,7 +126,7 @@ async def test_concurrent_commits_use_the_pool_beside_the_held_connection(
     await asyncio.gather(*commits)
     assert checked_out(store) == 1
     assert len(await writers(pg_url, name)) == 3
-    assert await stored(pg_url, migrated) == [1, 2, 3, 4]
+    assert await stored_ids(pg_url, migrated) == [1, 2, 3, 4]
 
 
 async def test_a_fenced_commit_returns_the_held_connection(
@@ -143,7 +138,7 @@ async def test_a_fenced_commit_returns_the_held_connection(
     with pytest.raises(FencedError):
         await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert checked_out(store) == 0
-    assert await stored(pg_url, migrated) == [1]
+    assert await stored_ids(pg_url, migrated) == [1]
 
 
 async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
@@ -162,7 +157,7 @@ async def test_a_held_connection_to_a_demoted_primary_is_not_reused(
     assert caught.value.reconnect
     await store.commit(epoch, START_BASE, [submitted(2)], [])
     assert store._commits.connections.held is not held
-    assert await stored(pg_url, migrated) == [1, 2]
+    assert await stored_ids(pg_url, migrated) == [1, 2]
 
 
 async def test_a_store_with_one_connection_holds_none(
@@ -274,7 +269,7 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
         await other.release_leadership()
         new_epoch = await bounded(waiting, "the standby's takeover after the release")
         await store.commit(new_epoch, START_BASE, [submitted(2)], [])
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await other.close()
         await store.close()
@@ -303,7 +298,7 @@ async def test_a_commit_on_the_held_connection_cancelled_mid_flight_gives_it_up(
         )
         await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert checked_out(store) == 1
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
 
@@ -324,7 +319,7 @@ async def test_the_held_session_terminated_during_a_commit(
         assert checked_out(store) == 0
         await leader_row.release()
         await store.commit(epoch, START_BASE, [submitted(2)], [])
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
 
@@ -343,7 +338,7 @@ async def test_the_held_session_ended_by_idle_session_timeout(
             "the server to end the idle held session, and the event loop to read it",
         )
         await store.commit(epoch, START_BASE, [submitted(2)], [])
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
 
@@ -387,7 +382,7 @@ async def test_a_deposed_leader_cannot_write_through_its_held_connection(
         with pytest.raises(FencedError):
             await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert checked_out(store) == 0
-        assert await stored(pg_url, migrated) == [1]
+        assert await stored_ids(pg_url, migrated) == [1]
     finally:
         await other.close()
         await store.close()
@@ -403,7 +398,7 @@ async def test_concurrent_commits_with_three_connections(
         )
         assert checked_out(store) == 1
         assert await store.get_task(submitted(1).id) is not None
-        assert await stored(pg_url, migrated) == list(range(1, 9))
+        assert await stored_ids(pg_url, migrated) == list(range(1, 9))
     finally:
         await store.close()
 
@@ -423,7 +418,7 @@ async def test_the_server_restarted_under_a_held_connection(
         await store.commit(epoch, START_BASE, [submitted(2)], [])
         assert store._commits.connections.held is not held
         assert checked_out(store) == 1
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
 
@@ -452,7 +447,7 @@ async def test_refused_batches_leave_the_held_connection_idle_and_in_use(
         await store.commit(
             epoch, START_BASE, [changed(1, TaskStatus.SUCCEEDED), submitted(2, key="k")], []
         )
-        assert await stored(pg_url, migrated) == [1, 2]
+        assert await stored_ids(pg_url, migrated) == [1, 2]
     finally:
         await store.close()
 

@@ -22,7 +22,6 @@ import sys
 from abc import ABC, abstractmethod
 from datetime import datetime, timedelta
 from enum import Enum
-from pathlib import Path
 from typing import Any, ClassVar, Protocol, cast
 
 from sqlalchemy.engine import URL
@@ -32,12 +31,10 @@ from cronoq_store import (
     PgStore,
     PgStoreConfig,
     Recovered,
-    StatusChanged,
     Store,
     StoreQueries,
     TaskId,
     TaskRecord,
-    TaskStatus,
     TimeBase,
 )
 from cronoq_store._domain import UNIX_EPOCH
@@ -46,6 +43,7 @@ from cronoq_store.testing import InMemoryDatabase, InMemoryStore
 
 from ..pgharness import admin_execute, terminate_backends
 from ..support import (
+    ROOT,
     START_BASE,
 )
 from ..waits import bounded, until_value
@@ -112,9 +110,6 @@ class Cluster(ABC):
         """What a new process recovers, as :func:`summary` gives it (``DURABLE`` only)."""
         raise NotImplementedError(f"{self.name} does not declare {Capability.DURABLE}")
 
-
-#: The checkout, for a new process to import this module (and the code under test) from.
-_ROOT = str(Path(__file__).resolve().parents[2])
 
 # A new process opens the cluster's schema and prints what it recovers (the URL, with its
 # password, travels in the environment, never on a command line).
@@ -198,7 +193,7 @@ class PgCluster(Cluster):
         env = {
             **os.environ,
             "CRONOQ_CONTRACT_URL": self._url.render_as_string(hide_password=False),
-            "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -241,12 +236,6 @@ class MemoryCluster(Cluster):
 
 
 # --- building and reading what tests commit -------------------------------------------------
-
-
-def step(
-    id: int, status: TaskStatus, attempt: int = 1, at: int = 100, message: str | None = None
-) -> StatusChanged:
-    return StatusChanged(TaskId(id), status, attempt, at, message)
 
 
 def when(at: int) -> datetime:

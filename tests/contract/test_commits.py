@@ -36,9 +36,10 @@ from ..support import (
     RUNNING,
     START_BASE,
     SUCCEEDED,
+    changed,
     submitted,
 )
-from .support import Cluster, observe, state, step, summary, when
+from .support import Cluster, observe, state, summary, when
 
 
 def every(seconds: int, name: str = "r", **template: Any) -> RecurringSpec:
@@ -52,10 +53,10 @@ async def test_a_batch_committed_again_changes_nothing(cluster: Cluster) -> None
     store = await cluster.open()
     await store.commit(0, START_BASE, [submitted(1), submitted(2)], [])
     batch: list[Mutation] = [
-        step(1, RUNNING, 1, 10, "started"),
-        step(1, SUCCEEDED, 1, 20),
+        changed(1, RUNNING, 10, message="started"),
+        changed(1, SUCCEEDED, 20),
         submitted(3),
-        step(3, RUNNING, 1, 10, "also started"),
+        changed(3, RUNNING, 10, message="also started"),
         submitted(4, key="k"),
         RecurringUpsert(every(60)),
         RecurringNext("r", 500, TaskId(3)),
@@ -76,17 +77,17 @@ async def test_an_output_is_kept_only_for_a_task_that_ends_succeeded(cluster: Cl
     store = await cluster.open()
     await store.commit(0, START_BASE, [submitted(1), submitted(5)], [])
     batch: list[Mutation] = [
-        step(1, CANCELLED, 1, 10),  # stored: cancelled first, so final
-        step(1, SUCCEEDED, 1, 20),
+        changed(1, CANCELLED, 10),  # stored: cancelled first, so final
+        changed(1, SUCCEEDED, 20),
         submitted(2),
-        step(2, FAILED, 1, 20),
+        changed(2, FAILED, 20),
         submitted(3),
-        step(3, RUNNING, 1, 20),
+        changed(3, RUNNING, 20),
         submitted(4),
-        step(4, SUCCEEDED, 1, 20),
+        changed(4, SUCCEEDED, 20),
         submitted(5),  # stored, and sent again
-        step(5, CANCELLED, 1, 10),
-        step(5, SUCCEEDED, 1, 20),
+        changed(5, CANCELLED, 10),
+        changed(5, SUCCEEDED, 20),
     ]
     await store.commit(0, START_BASE, batch, [(TaskId(i), b"OUT") for i in range(1, 7)])
     records = [await store.get_task(TaskId(i)) for i in range(1, 6)]
@@ -121,9 +122,9 @@ async def test_a_key_is_held_by_at_most_one_live_task(cluster: Cluster) -> None:
     assert not caught.value.is_transient
     assert await observe(store, range(1, 4)) == before  # not even task 3
     # Its holder finishing releases it: in the same batch, updates come before inserts.
-    await store.commit(0, START_BASE, [step(1, SUCCEEDED), submitted(2, key="k")], [])
+    await store.commit(0, START_BASE, [changed(1, SUCCEEDED, 100), submitted(2, key="k")], [])
     # A task that finishes in the batch that submits it never holds its key.
-    await store.commit(0, START_BASE, [submitted(3, key="k"), step(3, CANCELLED)], [])
+    await store.commit(0, START_BASE, [submitted(3, key="k"), changed(3, CANCELLED, 100)], [])
     newest = await store.get_task("k")
     assert newest is not None
     assert (newest.id, newest.status) == (3, CANCELLED)
@@ -139,11 +140,11 @@ async def test_a_task_sent_again_with_later_transitions_moves_as_a_stored_task(
     its output is kept, and the key it releases can be taken in the same batch."""
     store = await cluster.open()
     await store.commit(
-        0, START_BASE, [submitted(1, key="k"), step(1, RUNNING, message="started")], []
+        0, START_BASE, [submitted(1, key="k"), changed(1, RUNNING, 100, message="started")], []
     )
     again: list[Mutation] = [
         submitted(1, key="k"),
-        step(1, SUCCEEDED, at=200),
+        changed(1, SUCCEEDED, 200),
         submitted(2, key="k"),
     ]
     await store.commit(0, START_BASE, again, [(TaskId(1), b"out")])
@@ -183,14 +184,16 @@ async def test_a_different_task_under_a_stored_id_is_refused_with_nothing_writte
     store = await cluster.open()
     await store.commit(0, START_BASE, [submitted(1, key="k"), submitted(2)], [])
     before = await observe(store, range(1, 12))
-    batch: list[Mutation] = [step(2, RUNNING), submitted(11), OTHER_TASKS[field]]
+    batch: list[Mutation] = [changed(2, RUNNING, 100), submitted(11), OTHER_TASKS[field]]
     with pytest.raises(IdCollisionError, match="task id 1 already taken") as caught:
         await store.commit(0, START_BASE, batch, [])
     assert caught.value.ids == [1]
     assert not caught.value.is_transient
     assert await observe(store, range(1, 12)) == before  # next_id did not move either
     # The same submission again is no collision.
-    await store.commit(0, START_BASE, [step(2, RUNNING), submitted(11), submitted(1, key="k")], [])
+    await store.commit(
+        0, START_BASE, [changed(2, RUNNING, 100), submitted(11), submitted(1, key="k")], []
+    )
     assert [t.id for t in (await store.recover(START_BASE)).tasks] == [1, 2, 11]
 
 
@@ -216,7 +219,7 @@ async def test_nul_in_every_string_is_stored_as_the_replacement_character(
             submitted(
                 3, **{f: getattr(NUL_SPEC, f) for f in ("resources", "retry", "fixed_start")}
             ),
-            step(3, RUNNING, 1, 10, NUL),
+            changed(3, RUNNING, 10, message=NUL),
             RecurringUpsert(RecurringSpec(NUL, CronSchedule("* * * * *"), NUL_SPEC)),
             RecurringNext(NUL, 9, TaskId(1)),
         ],
@@ -280,7 +283,7 @@ async def test_an_engine_time_outside_bigint_fails_its_batch_naming_the_field(
     far = 2**63 - 1  # fits the domain, but not once converted to Unix ns through START_BASE
     batches: list[tuple[list[Mutation], str]] = [
         ([submitted(1), submitted(2, deadline=far)], "deadline"),
-        ([submitted(1), step(1, RUNNING, 1, far)], "at"),
+        ([submitted(1), changed(1, RUNNING, far)], "at"),
         ([submitted(1), RecurringUpsert(every(5, deadline=far))], "template.deadline"),
     ]
     for batch, field in batches:
@@ -312,7 +315,7 @@ async def test_what_a_group_committer_acknowledges_is_recovered(cluster: Cluster
     epoch = await store.acquire_leadership()
     async with GroupCommitter(store, epoch, START_BASE) as committer:
         await asyncio.gather(
-            *(committer.submit([submitted(i), step(i, RUNNING, 1, i)]) for i in range(1, 41))
+            *(committer.submit([submitted(i), changed(i, RUNNING, i)]) for i in range(1, 41))
         )
     recovered = await store.recover(START_BASE)
     assert [(t.id, t.attempt) for t in recovered.tasks] == [(i, 1) for i in range(1, 41)]
@@ -358,7 +361,7 @@ async def test_key_taken_names_every_key_taken(cluster: Cluster, path: str) -> N
         [],
     )
     batch: list[Mutation] = [
-        step(3, SUCCEEDED),  # releases "free" before the inserts
+        changed(3, SUCCEEDED, 100),  # releases "free" before the inserts
         submitted(11, key="k2"),
         submitted(12, key="free"),
         submitted(13, key="k1"),

@@ -18,9 +18,9 @@ from cronoq_store import (
     task_id,
 )
 
-from ..support import RUNNING, START_BASE, submitted
+from ..support import RUNNING, START_BASE, changed, submitted
 from ..waits import bounded, holds_for
-from .support import Cluster, ContractStore, observe, step
+from .support import Cluster, ContractStore, observe
 
 
 async def lead(store: ContractStore) -> int:
@@ -51,8 +51,8 @@ async def test_a_standby_waits_and_takes_over_with_the_next_epoch_on_release(
     assert await bounded(standby, "the standby's takeover after the release") == 2
     assert (b.is_leader, b.epoch) == (True, 2)
     with pytest.raises(FencedError, match="leadership was lost"):
-        await a.commit(1, START_BASE, [step(1, RUNNING)], [])
-    await b.commit(2, START_BASE, [step(1, RUNNING, 1, 5)], [])
+        await a.commit(1, START_BASE, [changed(1, RUNNING, 100)], [])
+    await b.commit(2, START_BASE, [changed(1, RUNNING, 5)], [])
     [task] = (await b.recover(START_BASE)).tasks
     assert (task.id, task.attempt) == (1, 1)
 
@@ -67,7 +67,9 @@ async def test_a_stale_epoch_is_fenced_and_nothing_is_written(cluster: Cluster) 
     # An instance that never led commits with the old epoch: the commit's own epoch check
     # refuses it, and from then on it refuses at once, even an epoch that would pass.
     with pytest.raises(FencedError, match="stored epoch is 2"):
-        await zombie.commit(1, START_BASE, [step(1, RUNNING), submitted(2)], [(TaskId(1), b"o")])
+        await zombie.commit(
+            1, START_BASE, [changed(1, RUNNING, 100), submitted(2)], [(TaskId(1), b"o")]
+        )
     assert not zombie.is_leader
     with pytest.raises(FencedError, match="leadership was lost"):
         await zombie.commit(2, START_BASE, [submitted(2)], [])
@@ -79,7 +81,7 @@ async def test_a_leader_whose_lock_session_ends_steps_down_and_a_standby_takes_o
 ) -> None:
     a, b = await cluster.open(), await cluster.open()
     epoch = await lead(a)
-    await a.commit(epoch, START_BASE, [submitted(1), step(1, RUNNING, 1, 5)], [])
+    await a.commit(epoch, START_BASE, [submitted(1), changed(1, RUNNING, 5)], [])
     standby = asyncio.ensure_future(b.acquire_leadership())
     assert await still_waiting(standby)
 

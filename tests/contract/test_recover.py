@@ -31,7 +31,7 @@ from ..support import (
     changed,
     submitted,
 )
-from .support import Capability, Cluster, step, summary
+from .support import Capability, Cluster, summary
 
 
 async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
@@ -56,7 +56,10 @@ async def test_live_tasks_come_back_with_every_field_through_the_new_time_base(
         tenant="acme",
     )
     await store.commit(
-        0, START_BASE, [submitted(9, spec, seq=4, arrival=123), step(9, RETRYING, 2, 1)], []
+        0,
+        START_BASE,
+        [submitted(9, spec, seq=4, arrival=123), changed(9, RETRYING, 1, attempt=2)],
+        [],
     )
     # The new leader's engine clock reads 1,000,000 ns more at the same wall-clock time.
     later = TimeBase(engine_ns=START_BASE.engine_ns + 10**6, unix_ns=START_BASE.unix_ns)
@@ -88,7 +91,7 @@ async def test_finished_tasks_within_retention_and_those_a_live_task_depends_on(
             changed(5, SUCCEEDED, -20 * HOUR),  # a later task with the same key: kept too
             submitted(6, deps=[Dependency(TaskId(3)), Dependency("dep")]),
             submitted(7),
-            step(7, RUNNING, 1, -3 * HOUR),  # live, however old
+            changed(7, RUNNING, -3 * HOUR),  # live, however old
         ],
         [],
     )
@@ -114,8 +117,8 @@ async def test_next_id_is_above_every_id_ever_issued(cluster: Cluster) -> None:
     await store.commit(0, START_BASE, [submitted(0)], [])
     assert (await store.recover(START_BASE)).next_id == 1  # a stored id 0 counts
     high = TaskId((3 << 48) | 41)
-    await store.commit(0, OLD_BASE, [submitted(high), step(high, SUCCEEDED, 1, 0)], [])
-    await store.commit(0, OLD_BASE, [submitted(5), step(5, SUCCEEDED, 1, 0)], [])
+    await store.commit(0, OLD_BASE, [submitted(high), changed(high, SUCCEEDED, 0)], [])
+    await store.commit(0, OLD_BASE, [submitted(5), changed(5, SUCCEEDED, 0)], [])
     assert await store.prune(1) == 2
     assert await store.get_task(high) is None
     # Pruned, but issued: its id is never issued again.
@@ -127,7 +130,7 @@ async def test_a_hand_issued_id_0_is_never_issued_again_once_pruned(cluster: Clu
     (the high-water mark it recorded is 0, the column's default)."""
     first = await cluster.open()
     epoch = await first.acquire_leadership()
-    await first.commit(epoch, OLD_BASE, [submitted(0), step(0, SUCCEEDED, 1, 0)], [])
+    await first.commit(epoch, OLD_BASE, [submitted(0), changed(0, SUCCEEDED, 0)], [])
     assert await first.prune(1) == 1
     assert await first.get_task(TaskId(0)) is None
     await first.release_leadership()
@@ -145,7 +148,12 @@ async def test_recover_in_a_new_process(cluster: Cluster) -> None:
     await store.commit(
         epoch,
         START_BASE,
-        [submitted(1, key="a"), step(1, RUNNING, 2, 10), submitted(2), changed(2, SUCCEEDED, -60)],
+        [
+            submitted(1, key="a"),
+            changed(1, RUNNING, 10, attempt=2),
+            submitted(2),
+            changed(2, SUCCEEDED, -60),
+        ],
         [],
     )
     here = summary(await store.recover(START_BASE))

@@ -29,17 +29,14 @@ from cronoq_store import (
     StoreError,
     Submitted,
     TaskId,
-    TaskStatus,
 )
 from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store.testing import InMemoryStore
 
-from ..support import START_BASE, submitted
+from ..support import MESSAGES, START_BASE, STATUSES, submitted
 from .support import ContractStore
 
 TASKS_PER_EXAMPLE = 5
-STATUSES = st.sampled_from([TaskStatus.RUNNING, TaskStatus.RETRYING] * 3 + list(TaskStatus))
-MESSAGES = st.sampled_from([None, None, "", "boom", "nul\0here"])
 _examples = itertools.count(1)
 
 

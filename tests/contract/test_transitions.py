@@ -6,8 +6,17 @@ import pytest
 
 from cronoq_store import Mutation, TaskId
 
-from ..support import CANCELLED, FAILED, RETRYING, RUNNING, START_BASE, SUCCEEDED, submitted
-from .support import Cluster, states, step, when
+from ..support import (
+    CANCELLED,
+    FAILED,
+    RETRYING,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    submitted,
+)
+from .support import Cluster, states, when
 
 
 async def test_a_new_task_is_stored_once_with_its_latest_state_and_last_message(
@@ -19,9 +28,9 @@ async def test_a_new_task_is_stored_once_with_its_latest_state_and_last_message(
         START_BASE,
         [
             submitted(1),
-            step(1, RUNNING, 1, 10, "started"),
-            step(1, RETRYING, 1, 20, "lost the worker"),
-            step(1, RUNNING, 2, 30),  # no message: the last one carries forward
+            changed(1, RUNNING, 10, message="started"),
+            changed(1, RETRYING, 20, message="lost the worker"),
+            changed(1, RUNNING, 30, attempt=2),  # no message: the last one carries forward
             submitted(2),
         ],
         [],
@@ -39,11 +48,11 @@ async def test_a_stored_task_moves_to_the_latest_state_of_a_batch(cluster: Clust
         0,
         START_BASE,
         [
-            step(1, RUNNING, 1, 10, "m1"),
-            step(1, RETRYING, 1, 20, "m2"),
-            step(1, RUNNING, 2, 30),
-            step(2, RUNNING, 1, 10, "started"),
-            step(2, FAILED, 1, 40, "boom"),
+            changed(1, RUNNING, 10, message="m1"),
+            changed(1, RETRYING, 20, message="m2"),
+            changed(1, RUNNING, 30, attempt=2),
+            changed(2, RUNNING, 10, message="started"),
+            changed(2, FAILED, 40, message="boom"),
         ],
         [],
     )
@@ -56,19 +65,19 @@ async def test_a_stored_task_moves_to_the_latest_state_of_a_batch(cluster: Clust
 # Each of these, committed on a task stored as retrying in attempt 2 at time 50 with the
 # message "kept", is not ahead of that state and changes nothing, its message included.
 NOT_AHEAD: dict[str, list[Mutation]] = {
-    "a lower attempt": [step(1, RETRYING, 1, 90, "no")],
-    "running after retrying in one attempt": [step(1, RUNNING, 2, 60, "no")],
-    "a tie": [step(1, RETRYING, 2, 50, "no")],
-    "an earlier time": [step(1, RETRYING, 2, 49, "no")],
-    "the same transition again": [step(1, RETRYING, 2, 50, "kept")],
+    "a lower attempt": [changed(1, RETRYING, 90, message="no")],
+    "running after retrying in one attempt": [changed(1, RUNNING, 60, attempt=2, message="no")],
+    "a tie": [changed(1, RETRYING, 50, attempt=2, message="no")],
+    "an earlier time": [changed(1, RETRYING, 49, attempt=2, message="no")],
+    "the same transition again": [changed(1, RETRYING, 50, attempt=2, message="kept")],
 }
 
 
 @pytest.mark.parametrize("late", NOT_AHEAD)
 async def test_a_transition_that_is_not_ahead_changes_nothing(cluster: Cluster, late: str) -> None:
     store = await cluster.open()
-    await store.commit(0, START_BASE, [submitted(1), step(1, RUNNING, 2, 45)], [])
-    await store.commit(0, START_BASE, [step(1, RETRYING, 2, 50, "kept")], [])
+    await store.commit(0, START_BASE, [submitted(1), changed(1, RUNNING, 45, attempt=2)], [])
+    await store.commit(0, START_BASE, [changed(1, RETRYING, 50, attempt=2, message="kept")], [])
     before = await states(store, [1])
     assert before == [(RETRYING, 2, "kept", when(50))]
     await store.commit(0, START_BASE, NOT_AHEAD[late], [])
@@ -77,11 +86,11 @@ async def test_a_transition_that_is_not_ahead_changes_nothing(cluster: Cluster, 
 
 async def test_a_finished_task_is_final_whatever_comes_later(cluster: Cluster) -> None:
     store = await cluster.open()
-    await store.commit(0, START_BASE, [submitted(1), step(1, SUCCEEDED, 1, 50, "done")], [])
+    await store.commit(0, START_BASE, [submitted(1), changed(1, SUCCEEDED, 50, message="done")], [])
     for late in (
-        [step(1, RUNNING, 9, 90, "again")],  # a higher attempt
-        [step(1, FAILED, 1, 60, "failed")],  # another finished state, later
-        [step(1, CANCELLED, 5, 40)],
+        [changed(1, RUNNING, 90, attempt=9, message="again")],  # a higher attempt
+        [changed(1, FAILED, 60, message="failed")],  # another finished state, later
+        [changed(1, CANCELLED, 40, attempt=5)],
     ):
         await store.commit(0, START_BASE, late, [])
     assert await states(store, [1]) == [(SUCCEEDED, 1, "done", when(50))]
@@ -93,14 +102,17 @@ async def test_a_message_brought_by_a_transition_not_ahead_of_the_stored_one_is_
     """The batch's first transition (with a message) is behind the stored state and its
     second (without one) is ahead: the task moves, but keeps its stored message."""
     store = await cluster.open()
-    await store.commit(0, START_BASE, [submitted(1), step(1, RUNNING, 1, 50, "stored")], [])
+    await store.commit(0, START_BASE, [submitted(1), changed(1, RUNNING, 50, message="stored")], [])
     await store.commit(
-        0, START_BASE, [step(1, RUNNING, 1, 40, "stale"), step(1, RETRYING, 1, 60)], []
+        0, START_BASE, [changed(1, RUNNING, 40, message="stale"), changed(1, RETRYING, 60)], []
     )
     assert await states(store, [1]) == [(RETRYING, 1, "stored", when(60))]
     # A message of a transition that is ahead comes along, even when a later one moves.
     await store.commit(
-        0, START_BASE, [step(1, RUNNING, 2, 70, "fresh"), step(1, RETRYING, 2, 80)], []
+        0,
+        START_BASE,
+        [changed(1, RUNNING, 70, attempt=2, message="fresh"), changed(1, RETRYING, 80, attempt=2)],
+        [],
     )
     assert await states(store, [1]) == [(RETRYING, 2, "fresh", when(80))]
 
@@ -108,18 +120,18 @@ async def test_a_message_brought_by_a_transition_not_ahead_of_the_stored_one_is_
 HISTORY: list[Mutation] = [
     submitted(1),
     submitted(2),
-    step(1, RUNNING, 1, 10, "one"),
-    step(2, RUNNING, 1, 10),
+    changed(1, RUNNING, 10, message="one"),
+    changed(2, RUNNING, 10),
     submitted(3),
-    step(1, RETRYING, 1, 20, "lost"),
-    step(2, SUCCEEDED, 1, 30, "ok"),
+    changed(1, RETRYING, 20, message="lost"),
+    changed(2, SUCCEEDED, 30, message="ok"),
     submitted(2),  # a submission sent again
-    step(3, RUNNING, 1, 15),
-    step(1, RUNNING, 2, 40),
-    step(2, RUNNING, 1, 35, "late"),  # after a finished state: ignored
-    step(3, RETRYING, 1, 12),  # behind: ignored
-    step(1, FAILED, 2, 50),
-    step(3, CANCELLED, 1, 60, "stop"),
+    changed(3, RUNNING, 15),
+    changed(1, RUNNING, 40, attempt=2),
+    changed(2, RUNNING, 35, message="late"),  # after a finished state: ignored
+    changed(3, RETRYING, 12),  # behind: ignored
+    changed(1, FAILED, 50, attempt=2),
+    changed(3, CANCELLED, 60, message="stop"),
 ]
 
 

@@ -66,6 +66,7 @@ from cronoq_store._urls import async_url
 
 from ..pgbouncer import PgBouncer, store_connect_query, store_settings
 from ..pgharness import admin_execute, asyncpg_dsn
+from ..support import ROOT
 from ..torture import audit
 from ..torture.checker import Report, check, percentile
 from ..torture.faults import Timing
@@ -86,7 +87,6 @@ __all__ = [
 ]
 
 SCHEMA = "ha"
-_REPO = Path(__file__).resolve().parents[2]
 FAULTS = (
     "switchover",
     "kill_postmaster",
@@ -367,7 +367,7 @@ class _Workers:
                     "-m",
                     "tests.torture.worker",
                     str(path),
-                    cwd=_REPO,
+                    cwd=ROOT,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,

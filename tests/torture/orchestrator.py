@@ -44,6 +44,7 @@ from cronoq_store._urls import async_url
 from cronoq_store.testing import EmbeddedPostgres, StopMode
 
 from ..pgharness import admin_execute, terminate_backends, without_instance
+from ..support import ROOT
 from . import audit
 from .checker import Report, check
 from .faults import FaultInjector, InstanceLinks, Timing, restart_server
@@ -55,7 +56,6 @@ __all__ = ["LONG", "PROFILES", "SHORT", "Profile", "profile_from_env", "run_tort
 SCHEMA = "torture"
 LOCK_ROLE = "torture_lock"
 NAMES = ("w1", "w2", "w3")
-_REPO = Path(__file__).resolve().parents[2]
 #: Bounds on waiting for the cluster: a first leader, a process to exit, an admin query.
 _FIRST_LEADER = 60.0
 _REAP = 10.0
@@ -217,7 +217,7 @@ class _Instances:
                 "-m",
                 "tests.torture.worker",
                 str(config_path),
-                cwd=_REPO,
+                cwd=ROOT,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
