@@ -235,23 +235,6 @@ class CompiledStatement:
         """The positional arguments: ``values`` by name, the construct's own otherwise."""
         return [values[n] if n in values else self.defaults[n] for n in self.names]
 
-    async def execute(self, conn: DriverConnection, values: Mapping[str, Any]) -> str:
-        """Run on the asyncpg connection ``conn``; the command tag (``UPDATE 12``)."""
-        status: str = await conn.execute(self.sql, *self.args(values))
-        return status
-
-    async def fetch(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
-        """Run on ``conn``; every row."""
-        return await conn.fetch(self.sql, *self.args(values))
-
-    async def fetchrow(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
-        """Run on ``conn``; the first row."""
-        return await conn.fetchrow(self.sql, *self.args(values))
-
-    async def fetchval(self, conn: DriverConnection, values: Mapping[str, Any]) -> Any:
-        """Run on ``conn``; the first row's first value."""
-        return await conn.fetchval(self.sql, *self.args(values))
-
     async def cursor(self, conn: DriverConnection, values: Mapping[str, Any]) -> DriverCursor:
         """A server-side cursor on ``conn`` (inside its transaction)."""
         return await conn.cursor(self.sql, *self.args(values))
@@ -836,7 +819,7 @@ class CommitConnection:
         """Run ``statement``; its first row. :class:`InsertRefused` for an insert's
         refusal the commit path explains."""
         try:
-            return await statement.fetchrow(self._driver, values)
+            return await self._driver.fetchrow(statement.sql, *statement.args(values))
         except _INSERT_REFUSALS as exc:
             if not _explained(exc):
                 raise
@@ -844,13 +827,13 @@ class CommitConnection:
 
     async def fetch(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
         """Run ``statement``; every row."""
-        return await statement.fetch(self._driver, values)
+        return await self._driver.fetch(statement.sql, *statement.args(values))
 
     async def execute(self, statement: CompiledStatement, values: Mapping[str, Any]) -> str:
         """Run ``statement``; its command tag (:func:`row_count` reads it).
         :class:`InsertRefused` for an insert's refusal the commit path explains."""
         try:
-            return await statement.execute(self._driver, values)
+            return await self._driver.execute(statement.sql, *statement.args(values))
         except _INSERT_REFUSALS as exc:
             if not _explained(exc):
                 raise
