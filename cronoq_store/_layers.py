@@ -58,8 +58,8 @@ LAYERS: tuple[Layer, ...] = (
         {
             "_schema": "the tables as one `MetaData`, without a schema name; task and "
             "recurring rows to and from domain values, from one column list",
-            "_statements": "every statement the store runs itself: commits, recovery, look- "
-            "ups, pruning; the leader lock session's (the lock, the epoch "
+            "_statements": "every statement the store runs itself: commits, recovery, "
+            "look-ups, pruning; the leader lock session's (the lock, the epoch "
             "bump); the one search_path and transactions on borrowed sessions; "
             "a migration's checks and locks",
             "_catalog": "the operators' catalog queries and counts (CLI, console, health, demo)",
