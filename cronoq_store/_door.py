@@ -60,8 +60,10 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -74,7 +76,7 @@ from collections.abc import (
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, Protocol, TypeVar, cast
 
 import asyncpg
@@ -223,13 +225,17 @@ class CompiledStatement:
 
     @classmethod
     def of(cls, statement: ClauseElement, dialect: Dialect, schema: str) -> CompiledStatement:
-        """``statement`` as ``dialect`` renders it for the cluster in ``schema``."""
-        compiled = statement.compile(
-            dialect=dialect, schema_translate_map={None: schema}, render_schema_translate=True
-        )
-        if not isinstance(compiled, SQLCompiler):  # DDL: no parameters
-            return cls(compiled.string, (), {})
-        return cls(compiled.string, tuple(compiled.positiontup or ()), compiled.params)
+        """``statement`` as ``dialect`` renders it for the cluster in ``schema``.
+
+        SQLAlchemy's compiler runs once per statement and dialect, whatever the schema
+        (:func:`_schema_neutral`); each schema costs a substitution of its quoted name,
+        as SQLAlchemy itself renders a ``schema_translate_map`` at execution. A commit
+        path's statements cost tens of milliseconds to compile, and a process may open
+        thousands of clusters."""
+        neutral = _schema_neutral(statement, dialect)
+        quote = dialect.identifier_preparer.quote_schema
+        sql = _SCHEMA_TOKEN.sub(lambda m: quote(schema if m[1] == "_none" else m[1]), neutral.sql)
+        return cls(sql, neutral.names, neutral.defaults)
 
     def args(self, values: Mapping[str, Any]) -> list[Any]:
         """The positional arguments: ``values`` by name, the construct's own otherwise."""
@@ -238,6 +244,39 @@ class CompiledStatement:
     async def cursor(self, conn: DriverConnection, values: Mapping[str, Any]) -> DriverCursor:
         """A server-side cursor on ``conn`` (inside its transaction)."""
         return await conn.cursor(self.sql, *self.args(values))
+
+
+# The compiler's mark of a table's schema where a ``schema_translate_map`` applies (the
+# default schema's is ``_none``), put in place by :meth:`CompiledStatement.of`.
+_SCHEMA_TOKEN = re.compile(r"__\[SCHEMA_([^\]]+)\]")
+# Statements compiled with the marks in, by statement and what the compiler reads of the
+# dialect; bounded, oldest use first out (the package's statements are a few dozen).
+_NEUTRAL: OrderedDict[tuple[object, ...], CompiledStatement] = OrderedDict()
+_NEUTRAL_MAX = 1024
+_NEUTRAL_LOCK = threading.Lock()
+
+
+def _schema_neutral(statement: ClauseElement, dialect: Dialect) -> CompiledStatement:
+    """``statement`` compiled by ``dialect`` for any schema: the schema marks left in."""
+    key = (statement, type(dialect), dialect.paramstyle, dialect.server_version_info)
+    with _NEUTRAL_LOCK:
+        found = _NEUTRAL.get(key)
+        if found is not None:
+            _NEUTRAL.move_to_end(key)
+            return found
+    compiled = statement.compile(
+        dialect=dialect, schema_translate_map={None: None}, render_schema_translate=False
+    )
+    if isinstance(compiled, SQLCompiler):
+        positions = tuple(compiled.positiontup or ())
+        found = CompiledStatement(compiled.string, positions, MappingProxyType(compiled.params))
+    else:  # DDL: no parameters
+        found = CompiledStatement(compiled.string, (), MappingProxyType({}))
+    with _NEUTRAL_LOCK:
+        _NEUTRAL[key] = found
+        if len(_NEUTRAL) > _NEUTRAL_MAX:
+            _NEUTRAL.popitem(last=False)
+    return found
 
 
 @dataclass(frozen=True, slots=True)

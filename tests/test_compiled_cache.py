@@ -20,10 +20,16 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import ClauseElement, Table, event
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import CompileError
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.sql.compiler import SQLCompiler
 
+from cronoq_store import _catalog as catalog
+from cronoq_store import _listing_statements as listing
+from cronoq_store import _statements as st
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import (
     IntervalSchedule,
@@ -36,6 +42,7 @@ from cronoq_store._domain import (
     TaskSpec,
     TaskStatus,
 )
+from cronoq_store._door import CompiledStatement
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
@@ -141,3 +148,58 @@ async def test_every_call_after_the_first_runs_compiled_sql(
     assert openings
     assert not any("$" in q for q in openings)
     assert later - openings <= seen, later - openings - seen
+
+
+# --- a commit path's statements, rendered per schema ----------------------------------------
+
+DIALECT = PGDialect_asyncpg()  # type: ignore[no-untyped-call]
+# Names that need quoting (upper case, a reserved word) and names that do not.
+SCHEMAS = ["cluster_a", "Tenant_42", "select", "user", "_x9", "a" * 63]
+
+
+def every_statement() -> list[tuple[str, ClauseElement]]:
+    """Every statement the package's statement modules define, by name."""
+    return [
+        (f"{module.__name__}.{name}", value)
+        for module in (st, catalog, listing)
+        for name, value in vars(module).items()
+        if isinstance(value, ClauseElement) and not isinstance(value, Table)
+    ]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_a_statement_rendered_for_a_schema_is_the_one_compiled_for_it(schema: str) -> None:
+    checked = 0
+    for name, statement in every_statement():
+        try:
+            direct = statement.compile(
+                dialect=DIALECT, schema_translate_map={None: schema}, render_schema_translate=True
+            )
+        except CompileError:
+            continue  # a fragment that compiles only inside another statement
+        rendered = CompiledStatement.of(statement, DIALECT, schema)
+        assert rendered.sql == direct.string, name
+        assert rendered.names == tuple(getattr(direct, "positiontup", None) or ()), name
+        assert dict(rendered.defaults) == dict(getattr(direct, "params", None) or {}), name
+        checked += 1
+    assert checked > 50
+
+
+def test_a_statement_compiles_once_for_every_schema() -> None:
+    compiles: list[object] = []
+    original = SQLCompiler.__init__
+
+    def counting(self: SQLCompiler, *args: Any, **kwargs: Any) -> None:
+        compiles.append(self)
+        original(self, *args, **kwargs)
+
+    statement = st.insert_tasks_fenced
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SQLCompiler, "__init__", counting)
+        first = CompiledStatement.of(statement, DIALECT, "tenant_1")
+        compiled_first = len(compiles)
+        others = [CompiledStatement.of(statement, DIALECT, f"tenant_{i}") for i in range(2, 200)]
+    assert len(compiles) == compiled_first  # no compile after the first schema's
+    assert "tenant_1.cronoq_tasks" in first.sql
+    assert all(f"tenant_{i}.cronoq_tasks" in o.sql for i, o in enumerate(others, start=2))
+    assert all("__[SCHEMA" not in o.sql for o in others)
