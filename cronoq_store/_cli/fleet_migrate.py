@@ -1,19 +1,21 @@
-"""``cronoq-store migrate --all`` (or ``--schemas``): every selected cluster to head, each in
-a process of its own, ``--jobs`` at once.
+"""``cronoq-store migrate --all`` (or ``--schemas``): every selected cluster to head, in
+``--jobs`` worker processes.
 
 Why processes: Alembic keeps the running command in module globals, so one process runs
 one migration at a time (:func:`cronoq_store._migrations.run_command`); several processes
-run several. Each child is the single-schema ``cronoq-store migrate``, the URL passed in
-its environment (never on its command line, which any local user can read), its stderr
-forwarded line by line with the schema in front.
+run several. Each worker (:mod:`cronoq_store._cli.migrate_worker`) migrates the schemas
+the parent hands it one at a time, so the interpreter starts once per worker, not once per
+cluster. The URL reaches it in its environment (never on its command line, which any local
+user can read); its stderr is printed line by line after the schema it is on.
 
 Resumable: each schema's migration is one transaction, and a schema at head is not
-started again, so a second run does only what the first left. Interrupted (SIGINT or
-SIGTERM), the parent starts nothing more and waits for the migrations running, each ending
-committed or rolled back; a second signal asks them to stop (SIGINT: the child cancels its
-statements and the server rolls its transaction back), a third kills them. Children run in
-sessions of their own, so a terminal's Ctrl-C reaches the parent alone; on Linux each also
-gets SIGINT if the parent dies, so that no migration runs on with nobody watching.
+handed to a worker, so a second run does only what the first left. Interrupted (SIGINT or
+SIGTERM), the parent hands out nothing more and waits for the migrations running, each
+ending committed or rolled back; a second signal asks the workers to stop (SIGINT: each
+cancels its statements and the server rolls its transaction back), a third kills them.
+Workers run in sessions of their own, so a terminal's Ctrl-C reaches the parent alone; on
+Linux each also gets SIGINT if the parent dies, so that no migration runs on with nobody
+watching.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -29,6 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import click
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -44,7 +48,7 @@ __all__ = ["Outcome", "migrate_clusters"]
 
 #: Why a cluster's migration did not run: the run was interrupted, or stopped at a failure.
 _NOT_STARTED = "not started"
-#: Seconds the parent waits for a child it killed to be gone.
+#: Seconds the parent waits for a worker it killed to be gone.
 _REAP = 10.0
 
 
@@ -90,14 +94,15 @@ class _Run:
         name = signal.Signals(signum).name
         if len(self.signals) == 1:
             click.echo(
-                f"{name}: starting no more migrations; waiting for the {len(self.children)} "
-                "running to commit or roll back (signal again to cancel them)",
+                f"{name}: starting no more migrations; waiting for those running in "
+                f"{len(self.children)} worker(s) to commit or roll back (signal again to "
+                "cancel them)",
                 err=True,
             )
             return
         stop = signal.SIGINT if len(self.signals) == 2 else signal.SIGKILL
         click.echo(
-            f"{name}: sending {stop.name} to the {len(self.children)} running migration(s)",
+            f"{name}: sending {stop.name} to the {len(self.children)} worker(s)",
             err=True,
         )
         for child in list(self.children):
@@ -106,7 +111,7 @@ class _Run:
 
 
 def _die_with_parent() -> None:
-    """In the child, before it runs Python: SIGINT when the parent dies (Linux'
+    """In a worker, before it runs Python: SIGINT when the parent dies (Linux'
     ``PR_SET_PDEATHSIG``); elsewhere nothing."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -141,41 +146,9 @@ async def _revision(options: Options, schema: str, engine: AsyncEngine) -> tuple
     return ", ".join(status.current) or "nothing", status.at_head
 
 
-def _child_command(options: Options, schema: str, lock_timeout: float) -> list[str]:
-    triggers = [
-        arg for name in sorted(options.trusted_triggers) for arg in ("--trusted-trigger", name)
-    ]
-    return [
-        sys.executable,
-        "-m",
-        "cronoq_store._cli",
-        "--schema",
-        schema,
-        *triggers,
-        "migrate",
-        "--lock-timeout",
-        repr(lock_timeout),
-    ]
-
-
-async def _forward(stream: asyncio.StreamReader | None, schema: str, url: str | None) -> str:
-    """Print the child's stderr on ours, each line after the schema's name; return its last
-    line (the single-schema command's ``Error: ...``)."""
-    last = ""
-    if stream is None:
-        return last
-    async for raw in stream:
-        line = scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url])
-        if line:
-            last = line
-            # Already made visible by the child; visible() again would double backslashes.
-            click.echo(f"{visible(schema)}: {line}", err=True)
-    return last
-
-
-async def _migrate_one(
-    options: Options, schema: str, lock_timeout: float, engine: AsyncEngine, run: _Run
-) -> _Done:
+async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | None:
+    """The cluster's outcome when no worker need see it (refused, at head, unreadable);
+    ``None`` when it is to be migrated."""
     started = time.monotonic()
     try:
         before, at_head = await _revision(options, schema, engine)
@@ -187,38 +160,109 @@ async def _migrate_one(
         return _Done(schema, Outcome.FAILED, code=code_of(exc), message=str(exc))
     if at_head:
         return _Done(schema, Outcome.CURRENT, before, before, time.monotonic() - started)
-    if run.stopping:
-        return _Done(schema, Outcome.SKIPPED, before, before, message=_NOT_STARTED)
-    env = {k: v for k, v in os.environ.items() if k not in (URL_ENV, SCHEMA_ENV)}
-    env[URL_ENV] = options.database_url()
-    child = await asyncio.create_subprocess_exec(
-        *_child_command(options, schema, lock_timeout),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-    )
-    run.children.add(child)
-    try:
-        last = await _forward(child.stderr, schema, options.url)
-        returned = await child.wait()
-    finally:
-        run.children.discard(child)
-    seconds = time.monotonic() - started
+    return None
+
+
+class _Worker:
+    """One worker process and the schema it is on."""
+
+    def __init__(self, process: asyncio.subprocess.Process, url: str | None) -> None:
+        self.process = process
+        self.schema = "-"
+        self.last = ""
+        self._forwarding = asyncio.ensure_future(self._forward(url))
+
+    @classmethod
+    async def start(cls, options: Options, lock_timeout: float) -> _Worker:
+        env = {k: v for k, v in os.environ.items() if k not in (URL_ENV, SCHEMA_ENV)}
+        env[URL_ENV] = options.database_url()
+        triggers = [
+            arg for name in sorted(options.trusted_triggers) for arg in ("--trusted-trigger", name)
+        ]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "cronoq_store._cli.migrate_worker",
+            *triggers,
+            "--lock-timeout",
+            repr(lock_timeout),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        return cls(process, options.url)
+
+    async def _forward(self, url: str | None) -> None:
+        """Print the worker's stderr on ours, each line after the schema it is on."""
+        stream = self.process.stderr
+        assert stream is not None
+        async for raw in stream:
+            line = scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url])
+            if line:
+                self.last = line
+                # Made visible by the worker already; again would double backslashes.
+                click.echo(f"{visible(self.schema)}: {line}", err=True)
+
+    async def migrate(self, schema: str) -> dict[str, Any] | None:
+        """The worker's answer for ``schema``; ``None`` if it ended without one."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None
+        assert stdout is not None
+        self.schema = schema
+        try:
+            stdin.write(schema.encode() + b"\n")
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        line = await stdout.readline()
+        if not line:
+            return None
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    async def close(self) -> int:
+        """End of input: the worker ends once its schema is done; its exit status."""
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.close()
+        returned = await self.process.wait()
+        await self._forwarding
+        return returned
+
+
+async def _migrate_one(
+    options: Options, schema: str, engine: AsyncEngine, run: _Run, worker: _Worker
+) -> _Done:
+    """``schema`` migrated by ``worker``, as the worker tells it; a worker that ended
+    without answering was stopped by a signal (the next run does it) or failed."""
+    started = time.monotonic()
+    answer = await worker.migrate(schema)
+    if answer is not None:
+        code = ExitCode(answer["code"]) if answer["code"] in _CODES else ExitCode.FAILED
+        said = (schema, Outcome.MIGRATED, answer["before"], answer["after"], answer["seconds"])
+        if code is ExitCode.OK:
+            return _Done(*said)
+        if run.signals[1:]:  # cancelled by the second signal, rolled back
+            return _Done(*said[:1], Outcome.SKIPPED, *said[2:], message="cancelled")
+        return _Done(*said[:1], Outcome.FAILED, *said[2:], code, answer["message"])
+    returned = await worker.close()
     try:
         after, _ = await _revision(options, schema, engine)
     except (CliError, StoreError):
         after = "?"
-    if returned == 0:
-        return _Done(schema, Outcome.MIGRATED, before, after, seconds)
+    seconds = time.monotonic() - started
     if returned < 0 or run.signals[1:]:
         # Stopped by a signal before it committed: rolled back, the next run does it.
-        return _Done(schema, Outcome.SKIPPED, before, after, seconds, message="cancelled")
-    code = ExitCode(returned) if returned in ExitCode._value2member_map_ else ExitCode.FAILED
-    message = last.removeprefix("Error: ")
-    return _Done(schema, Outcome.FAILED, before, after, seconds, code, message)
+        return _Done(schema, Outcome.SKIPPED, after, after, seconds, message="cancelled")
+    message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
+    return _Done(schema, Outcome.FAILED, "?", after, seconds, ExitCode.FAILED, message)
+
+
+#: Exit codes a worker may answer.
+_CODES = frozenset(int(code) for code in ExitCode)
 
 
 def _line(done: _Done, run: _Run, width: int) -> str:
@@ -265,22 +309,38 @@ async def migrate_clusters(
             click.echo(_line(done, run, width))
 
         async def worker() -> None:
-            while not queue.empty():
-                cluster = queue.get_nowait()
-                if cluster.refusal is not None:
-                    finish(
-                        _Done(
-                            cluster.schema,
-                            Outcome.REFUSED,
-                            code=ExitCode.FAILED,
-                            message=cluster.refusal,
+            process: _Worker | None = None
+            try:
+                while not queue.empty():
+                    cluster = queue.get_nowait()
+                    if cluster.refusal is not None:
+                        finish(
+                            _Done(
+                                cluster.schema,
+                                Outcome.REFUSED,
+                                code=ExitCode.FAILED,
+                                message=cluster.refusal,
+                            )
                         )
-                    )
-                    continue
-                if run.stopping or (fail_fast and run.failed):
-                    finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
-                    continue
-                finish(await _migrate_one(options, cluster.schema, lock_timeout, engine, run))
+                        continue
+                    if run.stopping or (fail_fast and run.failed):
+                        finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
+                        continue
+                    checked = await _check(options, cluster.schema, engine)
+                    if checked is not None:
+                        finish(checked)
+                        continue
+                    if run.stopping:
+                        finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
+                        continue
+                    if process is None or process.process.returncode is not None:
+                        process = await _Worker.start(options, lock_timeout)
+                        run.children.add(process.process)
+                    finish(await _migrate_one(options, cluster.schema, engine, run, process))
+            finally:
+                if process is not None:
+                    await process.close()
+                    run.children.discard(process.process)
 
         with _signals_handled(run):
             workers = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(clusters)))]

@@ -65,10 +65,11 @@ def migrate(
     range, FROM:TO). A REVISION below the current one is refused: downgrades are their own
     command (cronoq-store downgrade --help).
 
-    With --all or --schemas: every selected cluster to head, each in a process of its own,
-    --jobs at once; a line as each ends (from -> to, seconds, outcome) and a summary. Run
-    it again after an interruption or a failure: it does only what is left. SIGINT or
-    SIGTERM starts no more and waits for those running; a second signal cancels them.
+    With --all or --schemas: every selected cluster to head, in --jobs worker processes
+    (one migration at a time each); a line as each ends (from -> to, seconds, outcome)
+    and a summary. Run it again after an interruption or a failure: it does only what is
+    left. SIGINT or SIGTERM starts no more and waits for those running; a second signal
+    cancels them.
     """
     chosen = fleet.selection(options, every, glob)
     if chosen is not None:
