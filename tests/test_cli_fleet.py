@@ -479,3 +479,50 @@ async def test_an_interrupted_run_waits_or_cancels_and_a_rerun_finishes_the_rest
     assert "migrated 2, already current 4, failed 0, refused 0, skipped 0" in out_text
     assert set((await revisions(database, behind)).values()) == {head_revision()}
     no_password(database, "".join(said), out.decode(), err.decode())
+
+
+async def test_a_worker_whose_parent_is_killed_stops_and_its_migration_rolls_back(
+    database: URL,
+) -> None:
+    """SIGKILL cannot be caught: the workers learn of it from the kernel (Linux), cancel
+    their migration and end, rather than go on with nobody reading what they say."""
+    if sys.platform != "linux":
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    await make_fleet(database, behind=["fleet_00", "fleet_01"])
+    said: list[str] = []
+    async with MigrationLock(database, "fleet_00"):
+        parent = await start(database, "--all", "--jobs", "2", "--lock-timeout", "300")
+        await read_until(parent.stderr, "fleet_00: waiting for the migration lock", said)
+        parent.kill()
+        await parent.wait()
+        # Well within the worker's 300 s lock timeout: it did not wait that out.
+        await until(
+            lambda: cli_sessions(database), "the orphaned worker's session to end", within=30
+        )
+    versions = await revisions(database, ["fleet_00"])
+    assert versions["fleet_00"] == OLD
+
+
+async def test_trusted_triggers_reach_the_workers(database: URL) -> None:
+    """A trigger the operator names is trusted by the parent's checks and by each worker's
+    migration alike; unnamed, the schema is refused before any worker sees it."""
+    engine = create_async_engine(async_url(database))
+    try:
+        await upgrade(engine, "audited", OLD)
+    finally:
+        await engine.dispose()
+    await admin_execute(
+        database,
+        "CREATE FUNCTION audited.f() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$",
+    )
+    await admin_execute(
+        database,
+        "CREATE TRIGGER audit BEFORE INSERT ON audited.cronoq_tasks "
+        "FOR EACH ROW EXECUTE FUNCTION audited.f()",
+    )
+    refused, out, err = await migrate(database, "--all")
+    assert refused == ExitCode.FAILED, (out, err)
+    assert outcomes(out)["audited"].startswith("refused: schema 'audited' is not safe to use")
+    code, out, err = await migrate(database, "--all", "--trusted-trigger", "audit")
+    assert code == 0, (out, err)
+    assert outcomes(out)["audited"].startswith(f"{OLD} -> {head_revision()}  ")
