@@ -526,3 +526,27 @@ async def test_trusted_triggers_reach_the_workers(database: URL) -> None:
     code, out, err = await migrate(database, "--all", "--trusted-trigger", "audit")
     assert code == 0, (out, err)
     assert outcomes(out)["audited"].startswith(f"{OLD} -> {head_revision()}  ")
+
+
+async def test_a_newer_schema_fails_with_5_and_a_hostile_name_prints_as_visible_escapes(
+    database: URL,
+) -> None:
+    await make_fleet(database, heads=["newer"], behind=["older"])
+    await admin_execute(database, f"UPDATE newer.{VERSION_TABLE} SET version_num = '9999_future'")
+    hostile = "x\x1b]0;owned\x07\u202ey"
+    await admin_execute(database, f'CREATE SCHEMA "{hostile}"')
+    await admin_execute(database, f'CREATE TABLE "{hostile}".{VERSION_TABLE} (version_num text)')
+
+    code, out, err = await migrate(database, "--all")
+    assert code == ExitCode.FAILED, (out, err)  # refused (1) is graver than newer (5)
+    done = outcomes(out)
+    assert "failed (exit 5): schema 'newer' is at revision 9999_future" in done["newer"]
+    assert done["older"].endswith("ok")
+    assert done["x\\x1b]0;owned\\x07\\u202ey"].startswith("refused: invalid schema name")
+    health = await run("--url", full(database), "health", "--all")
+    for text in (out, err, health.stdout, health.stderr):
+        assert "\x1b" not in text
+        assert "\u202e" not in text
+    assert by_schema(health.stdout)["newer"][0] == "5"
+    code, out, err = await migrate(database, "--schemas", "newer")
+    assert code == ExitCode.NEWER_DATABASE, (out, err)
