@@ -37,6 +37,8 @@ __all__ = [
     "Verdict",
     "jobs_option",
     "over_clusters",
+    "read_health",
+    "read_status",
     "select",
     "selection",
     "selection_options",
