@@ -46,6 +46,7 @@ __all__ = [
     "LOCK_MODES",
     "clear_stats_snapshot",
     "cluster_schemas",
+    "cluster_schemas_like",
     "finished_before_count",
     "health_facts",
     "health_facts_unrecorded",
@@ -425,4 +426,11 @@ cluster_schemas = (
     .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
     .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
     .order_by(_pg_namespace.c.nspname)
+)
+
+#: The schemas holding a cluster whose name matches the ``LIKE`` pattern ``pattern`` (the
+#: CLI's ``--schemas``, a glob it translates), in the same order: one catalog query, the
+#: pattern a bound parameter, backslash its escape character.
+cluster_schemas_like = cluster_schemas.where(
+    cast(_pg_namespace.c.nspname, Text).like(bindparam("pattern", type_=Text), escape="\\")
 )

@@ -69,10 +69,11 @@ def _json_escape(char: str) -> str:
     return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
-def json_text(document: Mapping[str, object]) -> str:
-    """``document`` as indented JSON, non-ASCII text readable, and every character of the
-    module's rule escaped (only inside strings can such a character appear)."""
-    text = json.dumps(document, ensure_ascii=False, indent=2)
+def json_text(document: Mapping[str, object], *, indent: int | None = 2) -> str:
+    """``document`` as indented JSON (on one line with ``indent=None``, as JSON Lines
+    want), non-ASCII text readable, and every character of the module's rule escaped (only
+    inside strings can such a character appear)."""
+    text = json.dumps(document, ensure_ascii=False, indent=indent)
     if text.isascii() and "\x7f" not in text:
         return text  # JSON has escaped every other ASCII control
     return "".join(map(_json_escape, text))

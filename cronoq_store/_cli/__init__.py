@@ -15,7 +15,9 @@ script what went wrong (:class:`ExitCode`).
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
 module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
-``health``, ``handover``, ``dev_server``, ``alembic_ini``, ``console``).
+``health``, ``handover``, ``dev_server``, ``alembic_ini``, ``console``); ``fleet`` the
+selection of many clusters (``--all``, ``--schemas``) and ``status`` and ``health`` over
+them; ``fleet_migrate`` and ``migrate_worker`` ``migrate`` over them, in worker processes.
 """
 
 from __future__ import annotations

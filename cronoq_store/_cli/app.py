@@ -52,6 +52,9 @@ class Options:
     #: Whether the operator named the schema (option or environment), rather than the
     #: ``public`` default: only a defaulted schema is checked for clusters elsewhere.
     schema_chosen: bool = True
+    #: Whether ``--schema`` was on the command line: it names one cluster, and a command
+    #: over many (``--all``, ``--schemas``) refuses it rather than guess which was meant.
+    schema_typed: bool = False
 
     def database_url(self) -> str:
         if self.url is None:
@@ -179,7 +182,11 @@ class _Group(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: frozenset[str]) -> None:
     """Migrate, inspect and prune the PostgreSQL schema of a cronoq scheduler cluster."""
-    chosen = ctx.get_parameter_source("schema") is not ParameterSource.DEFAULT
+    source = ctx.get_parameter_source("schema")
     ctx.obj = Options(
-        url=url, schema=schema, trusted_triggers=trusted_triggers, schema_chosen=chosen
+        url=url,
+        schema=schema,
+        trusted_triggers=trusted_triggers,
+        schema_chosen=source is not ParameterSource.DEFAULT,
+        schema_typed=source is ParameterSource.COMMANDLINE,
     )

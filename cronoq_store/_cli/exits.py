@@ -5,7 +5,7 @@ code a script can act on."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from enum import IntEnum
 from typing import Any, NoReturn, TypeVar
 
@@ -16,7 +16,7 @@ from .._errors import LockHeldError, StoreError
 from .._terminal_safe import visible
 from .._urls import scrub
 
-__all__ = ["EPILOG", "CliError", "ExitCode", "run"]
+__all__ = ["EPILOG", "SEVERITY", "CliError", "ExitCode", "code_of", "run", "worst"]
 
 _T = TypeVar("_T")
 
@@ -35,6 +35,33 @@ class ExitCode(IntEnum):
     NOT_HANDED_OVER = 8
     LOCK_HELD = 9
     AMBIGUOUS = 10
+    NO_MATCH = 11
+
+
+#: The exit codes from the gravest down: a command over many clusters (``--all``,
+#: ``--schemas``) exits with the first of these that any cluster gave. The numbers are not
+#: an order (4, behind head, is ordinary during a rolling upgrade; 7 needs an operator now).
+#: First what could not be read at all or was refused, then what no build of this version
+#: can fix, then what stops leading, then what a wait or a migration clears.
+SEVERITY: tuple[ExitCode, ...] = (
+    ExitCode.UNREACHABLE,
+    ExitCode.FAILED,
+    ExitCode.NEWER_DATABASE,
+    ExitCode.FOREIGN_HOLDER,
+    ExitCode.NO_LEADER,
+    ExitCode.NOT_HANDED_OVER,
+    ExitCode.LOCK_HELD,
+    ExitCode.NOT_MIGRATED,
+    ExitCode.AMBIGUOUS,
+    ExitCode.NO_MATCH,
+    ExitCode.USAGE,
+    ExitCode.OK,
+)
+
+
+def worst(codes: Iterable[ExitCode]) -> ExitCode:
+    """The gravest of ``codes`` by :data:`SEVERITY`; ``OK`` when there are none."""
+    return min(codes, key=SEVERITY.index, default=ExitCode.OK)
 
 
 #: The exit codes, as ``--help`` lists them.
@@ -58,6 +85,12 @@ Exit codes:
      bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
   {ExitCode.AMBIGUOUS:d}  (tasks show) a bare number names tasks of several epochs: they
      are listed; give EPOCH/N
+  {ExitCode.NO_MATCH:d}  (--all, --schemas) no schema of the database holds a cluster, or
+     none matching the pattern
+
+Over many clusters (--all, --schemas) the exit code is the gravest any cluster gave, in
+this order: {" ".join(str(int(code)) for code in SEVERITY)}. An interrupted migrate exits
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 """
 
 
@@ -85,7 +118,12 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     except CliError as exc:
         exc.exit(url)
     except StoreError as error:
-        code = ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED
-        if isinstance(error, LockHeldError):
-            code = ExitCode.LOCK_HELD
-        CliError(str(error), code).exit(url)
+        CliError(str(error), code_of(error)).exit(url)
+
+
+def code_of(error: StoreError) -> ExitCode:
+    """The exit code of a store error a command did not expect: 9 for a lock held past its
+    bound, 3 for a transient failure (the server unavailable), else 1."""
+    if isinstance(error, LockHeldError):
+        return ExitCode.LOCK_HELD
+    return ExitCode.UNREACHABLE if error.is_transient else ExitCode.FAILED

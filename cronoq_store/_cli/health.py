@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
-from . import database, operations, output
+from . import database, fleet, operations, output
 from .app import Options
 from .exits import ExitCode, run
 
@@ -19,10 +19,21 @@ __all__ = ["health"]
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
+@fleet.selection_options
+@fleet.jobs_option(2, "probe")
 @click.pass_obj
-def health(options: Options, as_json: bool) -> None:
-    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5, 6 or 7."""
-    code = run(options.url, _health(options, as_json, output.console()))
+def health(options: Options, as_json: bool, every: bool, glob: str | None, jobs: int) -> None:
+    """Exit 0 if the schema is at this build's head and an instance leads, else 4, 5, 6 or 7.
+
+    With --all or --schemas: one line per cluster and a summary (with --json, one JSON
+    object per line, the summary last); the exit code is the gravest cluster's.
+    """
+    chosen = fleet.selection(options, every, glob)
+    if chosen is not None:
+        work = fleet.over_clusters(options, chosen, jobs, as_json, fleet.read_health, "healthy")
+    else:
+        work = _health(options, as_json, output.console())
+    code = run(options.url, work)
     if code is not ExitCode.OK:
         raise click.exceptions.Exit(int(code))
 

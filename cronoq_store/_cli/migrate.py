@@ -20,7 +20,7 @@ from .._migrations import (
     run_command,
     upgrade,
 )
-from . import database, output
+from . import database, fleet, fleet_migrate, output
 from .app import Options, number_option
 from .exits import CliError, ExitCode, run
 
@@ -41,14 +41,50 @@ lock_timeout_option = number_option(
 @click.argument("revision", default="head")
 @click.option("--sql", is_flag=True, help="Print the upgrade script instead of running it.")
 @lock_timeout_option
+@fleet.selection_options
+@fleet.jobs_option(2, "migrate")
+@click.option(
+    "--fail-fast",
+    is_flag=True,
+    help="With --all or --schemas: start no more migrations after one fails.",
+)
 @click.pass_obj
-def migrate(options: Options, revision: str, sql: bool, lock_timeout: float) -> None:
+def migrate(
+    options: Options,
+    revision: str,
+    sql: bool,
+    lock_timeout: float,
+    every: bool,
+    glob: str | None,
+    jobs: int,
+    fail_fast: bool,
+) -> None:
     """Upgrade the schema to REVISION (default: head), in one serialized transaction.
 
     With --sql, print the script for review without connecting (REVISION may then be a
     range, FROM:TO). A REVISION below the current one is refused: downgrades are their own
     command (cronoq-store downgrade --help).
+
+    With --all or --schemas: every selected cluster to head, in --jobs worker processes
+    (one migration at a time each); a line as each ends (from -> to, seconds, outcome)
+    and a summary. Run it again after an interruption or a failure: it does only what is
+    left. SIGINT or SIGTERM starts no more and waits for those running; a second signal
+    cancels them.
     """
+    chosen = fleet.selection(options, every, glob)
+    if chosen is not None:
+        if sql or revision != "head":
+            raise click.UsageError(
+                "--all and --schemas migrate to head, online: leave out REVISION and --sql "
+                "(or give one --schema)"
+            )
+        code = run(
+            options.url,
+            fleet_migrate.migrate_clusters(options, chosen, jobs, lock_timeout, fail_fast),
+        )
+        if code:
+            raise click.exceptions.Exit(code)
+        return
     if sql:
         print_script(command.upgrade, options.schema, revision, lock_timeout=lock_timeout)
         return

@@ -46,6 +46,7 @@ __all__ = [
     "describe_session",
     "duration_words",
     "emit_json",
+    "emit_json_line",
     "format_duration",
     "holder_document",
     "leader_of",
@@ -188,6 +189,11 @@ def emit_json(document: Mapping[str, object]) -> None:
     """The command's one JSON document, alone on stdout
     (:func:`~cronoq_store._terminal_safe.json_text`)."""
     click.echo(json_text(document))
+
+
+def emit_json_line(document: Mapping[str, object]) -> None:
+    """One JSON object on one line of stdout: a line of a command over many clusters."""
+    click.echo(json_text(document, indent=None))
 
 
 def rfc3339(moment: datetime | int | None) -> str | None:

@@ -16,9 +16,9 @@ from .. import _statements as st
 from .._codec import QUARANTINE_PREFIX
 from .._results import LockHolder
 from .._urls import redact
-from . import database, operations, output
+from . import database, fleet, operations, output
 from .app import Options
-from .exits import run
+from .exits import ExitCode, run
 
 __all__ = ["holder_facts", "status"]
 
@@ -27,9 +27,25 @@ __all__ = ["holder_facts", "status"]
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
+@fleet.selection_options
+@fleet.jobs_option(2, "read")
 @click.pass_obj
-def status(options: Options, as_json: bool) -> None:
-    """Revision, leader, lock holder, task counts, quarantined rows and recurring schedules."""
+def status(options: Options, as_json: bool, every: bool, glob: str | None, jobs: int) -> None:
+    """Revision, leader, lock holder, task counts, quarantined rows and recurring schedules.
+
+    With --all or --schemas: one line per cluster (revision, epoch, leader; no task
+    counts) and a summary; with --json, one JSON object per line and the summary last.
+    The exit code is the gravest cluster's.
+    """
+    chosen = fleet.selection(options, every, glob)
+    if chosen is not None:
+        code = run(
+            options.url,
+            fleet.over_clusters(options, chosen, jobs, as_json, fleet.read_status, "at head"),
+        )
+        if code is not ExitCode.OK:
+            raise click.exceptions.Exit(int(code))
+        return
     run(options.url, _status(options, as_json, output.console()))
 
 

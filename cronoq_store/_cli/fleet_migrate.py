@@ -1,0 +1,383 @@
+"""``cronoq-store migrate --all`` (or ``--schemas``): every selected cluster to head, in
+``--jobs`` worker processes.
+
+Why processes: Alembic keeps the running command in module globals, so one process runs
+one migration at a time (:func:`cronoq_store._migrations.run_command`); several processes
+run several. Each worker (:mod:`cronoq_store._cli.migrate_worker`) migrates the schemas
+the parent hands it one at a time, so the interpreter starts once per worker, not once per
+cluster. The URL reaches it in its environment (never on its command line, which any local
+user can read); its stderr is printed line by line after the schema it is on.
+
+Resumable: each schema's migration is one transaction, and a schema at head is not
+handed to a worker, so a second run does only what the first left. Interrupted (SIGINT or
+SIGTERM), the parent hands out nothing more and waits for the migrations running, each
+ending committed or rolled back; a second signal asks the workers to stop (SIGINT: each
+cancels its statements and the server rolls its transaction back), a third kills them.
+Workers run in sessions of their own, so a terminal's Ctrl-C reaches the parent alone; on
+Linux each also gets SIGINT if the parent dies, so that no migration runs on with nobody
+watching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import click
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .._errors import MigrationError, StoreError
+from .._terminal_safe import visible
+from .._urls import URL_ENV, scrub
+from . import database, fleet
+from .app import SCHEMA_ENV, Options
+from .exits import CliError, ExitCode, code_of, worst
+
+__all__ = ["Outcome", "migrate_clusters"]
+
+#: Why a cluster's migration did not run: the run was interrupted, or stopped at a failure.
+_NOT_STARTED = "not started"
+#: Seconds the parent waits for a worker it killed to be gone.
+_REAP = 10.0
+
+
+class Outcome(Enum):
+    """How one cluster's part of the run ended."""
+
+    MIGRATED = "migrated"
+    CURRENT = "already current"
+    FAILED = "failed"
+    REFUSED = "refused"
+    #: Not started (interrupted, or ``--fail-fast`` after a failure), or stopped by a
+    #: second signal before it committed: the next run does it.
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    schema: str
+    outcome: Outcome
+    before: str = "-"
+    after: str = "-"
+    seconds: float = 0.0
+    code: ExitCode = ExitCode.OK
+    message: str = ""
+
+
+class _Run:
+    """The state the signal handler and the workers share."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.finished = 0
+        self.signals: list[int] = []
+        self.failed = False
+        self.children: set[asyncio.subprocess.Process] = set()
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.signals)
+
+    def on_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.signals) == 1:
+            click.echo(
+                f"{name}: starting no more migrations; waiting for those running in "
+                f"{len(self.children)} worker(s) to commit or roll back (signal again to "
+                "cancel them)",
+                err=True,
+            )
+            return
+        stop = signal.SIGINT if len(self.signals) == 2 else signal.SIGKILL
+        click.echo(
+            f"{name}: sending {stop.name} to the {len(self.children)} worker(s)",
+            err=True,
+        )
+        for child in list(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(stop)
+
+
+def _die_with_parent() -> None:
+    """In a worker, before it runs Python: SIGINT when the parent dies (Linux'
+    ``PR_SET_PDEATHSIG``); elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGINT), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def _signals_handled(run: _Run) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``run`` while it lasts (only the main thread may set
+    handlers: elsewhere, as in a test's runner, signals keep their effect)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, run.on_signal, signum)
+    try:
+        yield
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+async def _revision(options: Options, schema: str, engine: AsyncEngine) -> tuple[str, bool]:
+    """The schema's revision in words and whether it is at head, read through the CLI's
+    opening (the trust check first)."""
+    one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
+    async with database.database(one, engine) as conn:
+        status = await database.revision(conn, schema)
+    return ", ".join(status.current) or "nothing", status.at_head
+
+
+async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | None:
+    """The cluster's outcome when no worker need see it (refused, at head, unreadable);
+    ``None`` when it is to be migrated."""
+    started = time.monotonic()
+    try:
+        before, at_head = await _revision(options, schema, engine)
+    except CliError as exc:
+        return _Done(schema, Outcome.FAILED, code=exc.code, message=str(exc))
+    except MigrationError as exc:
+        return _Done(schema, Outcome.REFUSED, code=ExitCode.FAILED, message=f"refused: {exc}")
+    except StoreError as exc:
+        return _Done(schema, Outcome.FAILED, code=code_of(exc), message=str(exc))
+    if at_head:
+        return _Done(schema, Outcome.CURRENT, before, before, time.monotonic() - started)
+    return None
+
+
+class _Worker:
+    """One worker process and the schema it is on."""
+
+    def __init__(self, process: asyncio.subprocess.Process, url: str | None) -> None:
+        self.process = process
+        self.schema = "-"
+        self.last = ""
+        self._forwarding = asyncio.ensure_future(self._forward(url))
+
+    @classmethod
+    async def start(cls, options: Options, lock_timeout: float) -> _Worker:
+        env = {k: v for k, v in os.environ.items() if k not in (URL_ENV, SCHEMA_ENV)}
+        env[URL_ENV] = options.database_url()
+        triggers = [
+            arg for name in sorted(options.trusted_triggers) for arg in ("--trusted-trigger", name)
+        ]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "cronoq_store._cli.migrate_worker",
+            *triggers,
+            "--lock-timeout",
+            repr(lock_timeout),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        return cls(process, options.url)
+
+    async def _forward(self, url: str | None) -> None:
+        """Print the worker's stderr on ours, each line after the schema it is on."""
+        stream = self.process.stderr
+        assert stream is not None
+        async for raw in stream:
+            line = scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url])
+            if line:
+                self.last = line
+                # Made visible by the worker already; again would double backslashes.
+                click.echo(f"{visible(self.schema)}: {line}", err=True)
+
+    async def migrate(self, schema: str) -> dict[str, Any] | None:
+        """The worker's answer for ``schema``; ``None`` if it ended without one."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None
+        assert stdout is not None
+        self.schema = schema
+        try:
+            stdin.write(schema.encode() + b"\n")
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        line = await stdout.readline()
+        if not line:
+            return None
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    async def close(self) -> int:
+        """End of input: the worker ends once its schema is done; its exit status."""
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.close()
+        returned = await self.process.wait()
+        await self._forwarding
+        return returned
+
+
+async def _migrate_one(
+    options: Options, schema: str, engine: AsyncEngine, run: _Run, worker: _Worker
+) -> _Done:
+    """``schema`` migrated by ``worker``, as the worker tells it; a worker that ended
+    without answering was stopped by a signal (the next run does it) or failed."""
+    started = time.monotonic()
+    answer = await worker.migrate(schema)
+    if answer is not None:
+        code = ExitCode(answer["code"]) if answer["code"] in _CODES else ExitCode.FAILED
+        said = (schema, Outcome.MIGRATED, answer["before"], answer["after"], answer["seconds"])
+        if code is ExitCode.OK:
+            return _Done(*said)
+        if run.signals[1:]:  # cancelled by the second signal, rolled back
+            return _Done(*said[:1], Outcome.SKIPPED, *said[2:], message="cancelled")
+        return _Done(*said[:1], Outcome.FAILED, *said[2:], code, answer["message"])
+    returned = await worker.close()
+    try:
+        after, _ = await _revision(options, schema, engine)
+    except (CliError, StoreError):
+        after = "?"
+    seconds = time.monotonic() - started
+    if returned < 0 or run.signals[1:]:
+        # Stopped by a signal before it committed: rolled back, the next run does it.
+        return _Done(schema, Outcome.SKIPPED, after, after, seconds, message="cancelled")
+    message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
+    return _Done(schema, Outcome.FAILED, "?", after, seconds, ExitCode.FAILED, message)
+
+
+#: Exit codes a worker may answer.
+_CODES = frozenset(int(code) for code in ExitCode)
+
+
+def _line(done: _Done, run: _Run, width: int) -> str:
+    """A cluster's progress line: ``[n/N] SCHEMA  FROM -> TO  SECONDS  OUTCOME``."""
+    count = f"[{run.finished}/{run.total}]"
+    name = f"{visible(done.schema):<{width}}"
+    if done.outcome is Outcome.CURRENT:
+        return f"{count} {name}  at {done.after}  already current"
+    if done.outcome is Outcome.REFUSED:
+        return f"{count} {name}  {visible(done.message)}"
+    if done.outcome is Outcome.SKIPPED and done.message == _NOT_STARTED:
+        return f"{count} {name}  skipped ({_NOT_STARTED})"
+    moved = f"{done.before} -> {done.after}  {done.seconds:.2f} s"
+    if done.outcome is Outcome.MIGRATED:
+        return f"{count} {name}  {moved}  ok"
+    if done.outcome is Outcome.SKIPPED:
+        return f"{count} {name}  {moved}  skipped ({done.message})"
+    return f"{count} {name}  {moved}  failed (exit {int(done.code)}): {visible(done.message)}"
+
+
+async def migrate_clusters(
+    options: Options, chosen: fleet.Selection, jobs: int, lock_timeout: float, fail_fast: bool
+) -> int:
+    """Migrate the clusters of ``chosen`` to head, ``jobs`` at once; print a line as each
+    finishes and a summary; return the exit code (the gravest failure's, or 128 + the
+    signal's number after an interruption)."""
+    url = options.database_url()
+    started = time.monotonic()
+    engine = database.engine(url, pool_size=jobs)
+    try:
+        clusters = await fleet.select(options, chosen, engine)
+        run = _Run(len(clusters))
+        width = max(len(visible(c.schema)) for c in clusters)
+        queue: asyncio.Queue[fleet.Cluster] = asyncio.Queue()
+        for cluster in clusters:
+            queue.put_nowait(cluster)
+        results: list[_Done] = []
+
+        def finish(done: _Done) -> None:
+            run.finished += 1
+            results.append(done)
+            if done.outcome in (Outcome.FAILED, Outcome.REFUSED):
+                run.failed = True
+            click.echo(_line(done, run, width))
+
+        async def worker() -> None:
+            process: _Worker | None = None
+            try:
+                while not queue.empty():
+                    cluster = queue.get_nowait()
+                    if cluster.refusal is not None:
+                        finish(
+                            _Done(
+                                cluster.schema,
+                                Outcome.REFUSED,
+                                code=ExitCode.FAILED,
+                                message=cluster.refusal,
+                            )
+                        )
+                        continue
+                    if run.stopping or (fail_fast and run.failed):
+                        finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
+                        continue
+                    checked = await _check(options, cluster.schema, engine)
+                    if checked is not None:
+                        finish(checked)
+                        continue
+                    if run.stopping:
+                        finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
+                        continue
+                    if process is None or process.process.returncode is not None:
+                        process = await _Worker.start(options, lock_timeout)
+                        run.children.add(process.process)
+                    finish(await _migrate_one(options, cluster.schema, engine, run, process))
+            finally:
+                if process is not None:
+                    await process.close()
+                    run.children.discard(process.process)
+
+        with _signals_handled(run):
+            workers = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(clusters)))]
+            try:
+                await asyncio.gather(*workers)
+            finally:
+                for task in workers:
+                    task.cancel()
+                await _reap(run)
+    finally:
+        await engine.dispose()
+    by = {o: sum(1 for d in results if d.outcome is o) for o in Outcome}
+    code = worst(d.code for d in results)
+    interrupted = (
+        f"; interrupted by {signal.Signals(run.signals[0]).name}: run the same command again "
+        "to finish"
+        if run.signals
+        else ""
+    )
+    click.echo(
+        f"summary: {len(clusters)} cluster(s), {chosen.words()}: migrated "
+        f"{by[Outcome.MIGRATED]}, already current {by[Outcome.CURRENT]}, failed "
+        f"{by[Outcome.FAILED]}, refused {by[Outcome.REFUSED]}, skipped {by[Outcome.SKIPPED]} "
+        f"in {time.monotonic() - started:.1f} s{interrupted}"
+    )
+    if run.signals:
+        return 128 + run.signals[0]
+    if by[Outcome.SKIPPED] and code is ExitCode.OK:
+        code = ExitCode.FAILED
+    return int(code)
+
+
+async def _reap(run: _Run) -> None:
+    """Leave no child behind: one still running (the workers were cancelled) is killed and
+    waited for."""
+    for child in list(run.children):
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(child.wait(), _REAP)
