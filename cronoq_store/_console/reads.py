@@ -46,8 +46,9 @@ __all__ = [
 
 #: Finished tasks per page.
 PAGE_SIZE = 50
-#: Clusters per overview page: each is a dozen round trips (the trust check, the health
-#: facts, the counts), so a page answers in about a second on an idle server.
+#: Clusters per overview page. Each is a dozen round trips (the trust check, the health
+#: facts, the counts); the trust check scans catalogs that grow with every schema, so with
+#: thousands of clusters it is most of a page's time.
 CLUSTERS_SHOWN = 50
 #: The longest name a schema can have, in bytes (PostgreSQL's ``NAMEDATALEN`` less one).
 NAME_BYTES = 63
