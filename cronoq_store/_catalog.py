@@ -43,8 +43,12 @@ from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recu
 from ._statements import LOCK_NS_MIGRATE, prune_delete
 
 __all__ = [
+    "LIKE_ESCAPE",
     "LOCK_MODES",
     "clear_stats_snapshot",
+    "cluster_page_after",
+    "cluster_page_before",
+    "cluster_schema_exists",
     "cluster_schemas",
     "cluster_schemas_like",
     "finished_before_count",
@@ -62,6 +66,7 @@ __all__ = [
     "schedule_summaries",
     "server_now",
     "server_version",
+    "substring_pattern",
     "table_lock_holders",
     "task_counts",
     "task_statuses",
@@ -433,4 +438,72 @@ cluster_schemas = (
 #: pattern a bound parameter, backslash its escape character.
 cluster_schemas_like = cluster_schemas.where(
     cast(_pg_namespace.c.nspname, Text).like(bindparam("pattern", type_=Text), escape="\\")
+)
+
+#: The escape character of :func:`substring_pattern`'s patterns.
+LIKE_ESCAPE = "/"
+
+
+def substring_pattern(text: str) -> str:
+    """A ``LIKE`` pattern matching names that hold ``text`` (its wildcards escaped)."""
+    escaped = "".join(f"{LIKE_ESCAPE}{c}" if c in f"%_{LIKE_ESCAPE}" else c for c in text)
+    return f"%{escaped}%"
+
+
+def _cluster_page(forward: bool) -> Select[Any]:
+    """A page of the schemas holding a cluster whose names match ``pattern`` (ILIKE, with
+    :data:`LIKE_ESCAPE`), in one round trip from the catalogs alone: at most ``limit``
+    names after ``after`` (``forward``) or before ``before`` (nearest first), how many
+    names match (``matching``), how many come before the cursor (``preceding``: up to
+    ``after`` inclusive, or strictly before ``before``), and how many schemas hold a
+    cluster (``clusters``). Names compare bytewise (``COLLATE "C"``), as the page orders
+    them, whatever the database's collation."""
+    name = cast(_pg_namespace.c.nspname, Text).collate("C")
+    clusters = (
+        select(name.label("name"))
+        .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
+        .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+        .cte("clusters")
+    )
+    found = (
+        select(clusters.c.name)
+        .where(clusters.c.name.ilike(bindparam("pattern", type_=Text), escape=LIKE_ESCAPE))
+        .cte("found")
+    )
+    if forward:
+        cursor = bindparam("after", type_=Text)
+        shown = found.c.name > cursor
+        before_cursor = found.c.name <= cursor
+        order = found.c.name.asc()
+    else:
+        cursor = bindparam("before", type_=Text)
+        shown = found.c.name < cursor
+        before_cursor = shown
+        order = found.c.name.desc()
+    names = (
+        select(found.c.name).where(shown).order_by(order).limit(bindparam("limit", type_=Integer))
+    )
+    return select(
+        func.array(names.scalar_subquery(), type_=ARRAY(Text)).label("names"),
+        select(func.count()).select_from(found).scalar_subquery().label("matching"),
+        select(func.count()).where(before_cursor).scalar_subquery().label("preceding"),
+        select(func.count()).select_from(clusters).scalar_subquery().label("clusters"),
+    )
+
+
+#: :func:`_cluster_page` forward, from ``after`` (``""`` for the first page).
+cluster_page_after = _cluster_page(forward=True)
+#: :func:`_cluster_page` backward, from ``before``.
+cluster_page_before = _cluster_page(forward=False)
+
+#: Whether the schema named ``schema`` holds a cluster (one catalog look-up by name).
+cluster_schema_exists = select(
+    select(_pg_class.c.relname)
+    .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
+    .where(
+        _pg_class.c.relname == literal(VERSION_TABLE, Text),
+        _pg_class.c.relkind == "r",
+        _pg_namespace.c.nspname == bindparam("schema", type_=Text),
+    )
+    .exists()
 )

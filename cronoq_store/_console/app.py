@@ -38,9 +38,9 @@ from .._terminal_safe import visible, visible_block
 from .._urls import scrub
 from . import actions, reads
 from .security import Credentials, Guard
-from .source import ClusterNotFound, Source
+from .source import POOL_SIZE, ClusterNotFound, Source
 
-__all__ = ["console_app"]
+__all__ = ["OVERVIEWS_AT_ONCE", "console_app"]
 
 _HERE = Path(__file__).resolve().parent
 #: Values per filter, and characters per value, a query string may carry.
@@ -51,6 +51,9 @@ _ID = re.compile(r"[0-9]{1,19}")
 _CUTOFF = re.compile(r"-?[0-9]{1,19}")
 _FORM = "application/x-www-form-urlencoded"
 _MAX_FORM = 4096
+#: Overview pages the console reads at once, as many as the connections it keeps: one
+#: asked beyond them answers 503 at once (:meth:`_Console._busy`).
+OVERVIEWS_AT_ONCE = POOL_SIZE
 
 log = logging.getLogger("cronoq_store.console")
 
@@ -179,6 +182,16 @@ def _paged(doc: dict[str, Any], request: Request, cursor: str, dropped: tuple[st
     doc["first_url"] = _query(kept) if request.query_params.get(cursor) else None
 
 
+def _name_cursor(request: Request, name: str) -> str | None:
+    """The overview's keyset cursor: a schema name the page gave."""
+    cursor = request.query_params.get(name, "")
+    if not cursor:
+        return None
+    if "\0" in cursor or len(cursor.encode("utf-8", "replace")) > reads.NAME_BYTES:
+        raise _BadRequest(f"{name}: not a cursor this page gave")
+    return clean_text(cursor)
+
+
 def _schema(request: Request) -> str:
     try:
         return validate_schema_name(request.path_params["schema"])
@@ -234,12 +247,17 @@ class _Console:
         csrf: actions.Csrf,
         source: Source,
         pruning: actions.Pruning,
+        retry_after: int,
     ) -> None:
         self._url = url
         self._templates = templates
         self._csrf = csrf
         self._source = source
         self._pruning = pruning
+        #: Overview pages being read now (the event loop is the console's one thread).
+        self._overviews_reading = 0
+        #: Seconds a 503 for a busy overview asks a client to wait (the pages' refresh).
+        self._retry_after = retry_after
 
     def _respond(
         self,
@@ -315,7 +333,49 @@ class _Console:
             )
 
     async def overview(self, request: Request) -> Response:
-        return await self._guarded(request, "overview.html", lambda: reads.overview(self._source))
+        async def work() -> Response | dict[str, Any]:
+            search = request.query_params.get("q", "").strip()
+            after, before = _name_cursor(request, "after"), _name_cursor(request, "before")
+            if after and before:
+                raise _BadRequest("give one of after= and before=")
+            if self._overviews_reading >= OVERVIEWS_AT_ONCE:
+                return self._busy(request)
+            self._overviews_reading += 1
+            try:
+                doc = await reads.overview(self._source, search, after or "", before)
+            finally:
+                self._overviews_reading -= 1
+            kept = [("q", search)] if search else []
+            cursors = doc["page"]
+            doc["next_url"] = (
+                None if cursors["after"] is None else _query([*kept, ("after", cursors["after"])])
+            )
+            doc["previous_url"] = (
+                None
+                if cursors["before"] is None
+                else _query([*kept, ("before", cursors["before"])])
+            )
+            doc["first_url"] = _query(kept) if after or before else None
+            return doc
+
+        return await self._guarded(request, "overview.html", work)
+
+    def _busy(self, request: Request) -> Response:
+        """503 at once for an overview asked while :data:`OVERVIEWS_AT_ONCE` are read: a
+        slow database then gets no more work from the console, and a tab's refresh says
+        why instead of waiting in line."""
+        response = self._respond(
+            request,
+            "error.html",
+            {
+                "error": f"the console is already reading {self._overviews_reading} overview "
+                "pages (the database answers slowly): this one was not started; try again "
+                "in a moment"
+            },
+            503,
+        )
+        response.headers["Retry-After"] = str(self._retry_after)
+        return response
 
     async def cluster(self, request: Request) -> Response:
         async def work() -> dict[str, Any]:
@@ -475,7 +535,7 @@ def console_app(
     csrf = actions.Csrf()
     source = Source(url, trusted_triggers)
     pruning = actions.Pruning(source)
-    console = _Console(url, templates, csrf, source, pruning)
+    console = _Console(url, templates, csrf, source, pruning, refresh_seconds)
 
     routes = [
         Route("/", console.overview),

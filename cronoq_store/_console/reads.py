@@ -21,15 +21,17 @@ from .. import _queries as queries
 from .._cli import database, operations, output
 from .._cli.exits import CliError
 from .._codec import QUARANTINE_PREFIX
-from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus
+from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus, clean_text
 from .._errors import MigrationError, StoreError
 from .._migrations import RevisionStatus, head_revision
 from .._urls import redact, scrub
-from .source import ClusterNotFound, Source
+from .source import ClusterNotFound, ClusterPage, Source
 
 __all__ = [
+    "CLUSTERS_SHOWN",
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "NAME_BYTES",
     "PAGE_SIZE",
     "ClusterNotFound",
     "TaskAmbiguous",
@@ -44,6 +46,12 @@ __all__ = [
 
 #: Finished tasks per page.
 PAGE_SIZE = 50
+#: Clusters per overview page. Each is a dozen round trips (the trust check, the health
+#: facts, the counts); the trust check scans catalogs that grow with every schema, so with
+#: thousands of clusters it is most of a page's time.
+CLUSTERS_SHOWN = 50
+#: The longest name a schema can have, in bytes (PostgreSQL's ``NAMEDATALEN`` less one).
+NAME_BYTES = 63
 #: Recurring schedules the cluster page lists at most (a page of them: rendering is most
 #: of a page's time).
 SCHEDULES_SHOWN = 100
@@ -196,12 +204,35 @@ def _age(unix_ns: int) -> float:
     return max(0.0, round(now - unix_ns / 1e9, 3))
 
 
-async def overview(source: Source) -> dict[str, Any]:
-    """Every cluster of the database, one summary each; a schema the trust check refuses, or
-    this role cannot read, is listed with the reason."""
-    clusters = []
+def _search_refusal(search: str) -> str | None:
+    """Why no schema name can hold ``search``, or ``None`` when one can."""
+    if "\0" in search:
+        return "no schema name holds a NUL character: nothing matches"
+    size = len(search.encode("utf-8", "replace"))
+    if size > NAME_BYTES:
+        return (
+            f"a schema name is at most {NAME_BYTES} bytes long and this search is {size:,}: "
+            "nothing matches"
+        )
+    return None
+
+
+async def overview(
+    source: Source, search: str = "", after: str = "", before: str | None = None
+) -> dict[str, Any]:
+    """A page of the database's clusters whose names hold ``search`` (any case), in name
+    order, after the name ``after`` (or before ``before``), one summary each; a schema the
+    trust check refuses, or this role cannot read, is listed with the reason. Only the
+    page's clusters are read: the others are names in the catalog's answer."""
     url = source.url
-    for schema in await source.cluster_schemas():
+    refused = _search_refusal(search)
+    if refused is None:
+        page = await source.cluster_page(clean_text(search), CLUSTERS_SHOWN, after, before)
+    else:
+        # Nothing to look up: how many clusters the database holds stays unsaid.
+        page = ClusterPage((), 0, 0, None, more_after=False, more_before=False)
+    clusters = []
+    for schema in page.names:
         try:
             async with (
                 door.translated(f"reading schema {schema}", passing=(CliError,)),
@@ -216,7 +247,25 @@ async def overview(source: Source) -> dict[str, Any]:
             if error.is_transient:
                 raise
             clusters.append({"schema": schema, "refused": scrub(str(error), [url])})
-    return {"database": redact(url), "head": head_revision(), "clusters": clusters}
+    return {
+        "database": redact(url),
+        "head": head_revision(),
+        # What was searched for: at most a name's length of it when no name can hold it.
+        "search": search if refused is None else search[: NAME_BYTES + 1],
+        "search_refused": refused,
+        "page": {
+            "size": CLUSTERS_SHOWN,
+            "first": page.preceding + 1 if page.names else 0,
+            "last": page.preceding + len(page.names),
+            "matching": page.matching,
+            "clusters": page.clusters,
+            # The cursors of the next and the previous page (none from an empty page: a
+            # cursor past either end).
+            "after": page.names[-1] if page.names and page.more_after else None,
+            "before": page.names[0] if page.names and page.more_before else None,
+        },
+        "clusters": clusters,
+    }
 
 
 async def cluster(

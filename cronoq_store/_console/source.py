@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -14,7 +15,7 @@ from .. import _catalog as catalog
 from .._cli import database
 from .._cli.app import Options
 
-__all__ = ["POOL_SIZE", "ClusterNotFound", "Source"]
+__all__ = ["POOL_SIZE", "ClusterNotFound", "ClusterPage", "Source"]
 
 #: Connections the console keeps open (as many again may open under load).
 POOL_SIZE = 2
@@ -22,6 +23,21 @@ POOL_SIZE = 2
 
 class ClusterNotFound(LookupError):
     """No cluster in that schema (or a name no schema can have): a 404."""
+
+
+@dataclass(frozen=True)
+class ClusterPage:
+    """A page of the cluster schemas whose names hold a search, in name order."""
+
+    names: tuple[str, ...]
+    #: Schemas whose names hold the search, and those of them before this page.
+    matching: int
+    preceding: int
+    #: Schemas holding a cluster, matching or not (``None``: not looked up).
+    clusters: int | None
+    #: Whether matching names come after, and before, this page.
+    more_after: bool
+    more_before: bool
 
 
 class Source:
@@ -37,14 +53,41 @@ class Source:
         async with database.database(options, self.engine) as conn:
             yield conn
 
-    async def cluster_schemas(self) -> list[str]:
-        """Every schema of the database holding a cluster (the CLI's own catalog query)."""
+    async def cluster_page(
+        self, search: str, size: int, after: str = "", before: str | None = None
+    ) -> ClusterPage:
+        """At most ``size`` cluster schemas whose names hold ``search`` (any case), the
+        first ones after ``after``, or the last ones before ``before`` when given: one
+        catalog query, however many schemas the database holds."""
+        params = {"pattern": catalog.substring_pattern(search), "limit": size + 1}
         async with self.engine.connect() as conn:
-            return list((await conn.execute(catalog.cluster_schemas)).scalars())
+            if before is None:
+                statement, params["after"] = catalog.cluster_page_after, after
+            else:
+                statement, params["before"] = catalog.cluster_page_before, before
+            row = (await conn.execute(statement, params)).one()
+        found: list[str] = list(row.names)
+        beyond = len(found) > size
+        shown = found[:size]
+        if before is None:
+            return ClusterPage(
+                tuple(shown), row.matching, row.preceding, row.clusters, beyond, row.preceding > 0
+            )
+        preceding = row.preceding - len(shown)
+        return ClusterPage(
+            tuple(reversed(shown)),
+            row.matching,
+            preceding,
+            row.clusters,
+            row.matching > row.preceding,
+            beyond,
+        )
 
     async def known(self, schema: str) -> None:
         """``ClusterNotFound`` unless ``schema`` holds a cluster."""
-        if schema not in await self.cluster_schemas():
+        async with self.engine.connect() as conn:
+            found = (await conn.execute(catalog.cluster_schema_exists, {"schema": schema})).scalar()
+        if not found:
             raise ClusterNotFound(schema)
 
     async def close(self) -> None:
