@@ -23,7 +23,7 @@ from . import _statements as st
 from ._errors import MigrationError
 from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata
 
-__all__ = ["ConnectCheck", "TrustCheck", "refuse_untrusted"]
+__all__ = ["ConnectCheck", "TrustCheck", "refuse_untrusted", "untrusted_among"]
 
 # Every table the store creates in the cluster's schema, Alembic's and the legacy one too.
 _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, LEGACY_VERSION_TABLE})
@@ -34,55 +34,69 @@ _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, LEGACY_VERSION_TABLE})
 # roles that inherit ours), so code it plants gains it nothing. Not a role we are merely a
 # member of: its other members could plant code that would then run with our privileges.
 # pg_database_owner (owner of `public` since PG 15) stands for the database's owner.
-_UNTRUSTED = text(
-    """
+#
+# Each finding comes with the schema it is about (nsp), for the schemas {which} picks (a
+# condition on pg_namespace): one text checks one schema or many, so the two cannot
+# disagree. A foreign key counts as from elsewhere unless it is from our tables of the same
+# schema. Our tables are found through pg_class's (relname, relnamespace) index.
+_CHECK = """
+SELECT {columns} FROM (
 WITH ns AS (
-    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE nspname = :schema
+    SELECT oid, nspname, nspowner, nspacl FROM pg_namespace WHERE {which}
 ), ours AS (
-    SELECT c.oid, c.relowner, c.relacl FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-    WHERE c.relname::text = ANY (:tables)
-), found (what, how, role) AS (
-    SELECT 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
-    UNION ALL SELECT CASE c.relkind WHEN 'v' THEN 'view ' WHEN 'm' THEN 'materialized view '
-            WHEN 'S' THEN 'sequence ' WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
+    SELECT c.oid, ns.nspname, c.relowner, c.relacl
+    FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
+    WHERE c.relname = ANY (:tables)
+), found (nsp, what, how, role) AS (
+    SELECT nspname, 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
+    UNION ALL SELECT ns.nspname, CASE c.relkind WHEN 'v' THEN 'view '
+            WHEN 'm' THEN 'materialized view ' WHEN 'S' THEN 'sequence '
+            WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
             ELSE 'table ' END || c.oid::regclass::text, 'owned by', c.relowner
         FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
         WHERE c.relkind NOT IN ('i', 'I')  -- an index belongs to its table's owner
-    UNION ALL SELECT CASE p.prokind WHEN 'p' THEN 'procedure ' WHEN 'a' THEN 'aggregate '
-            ELSE 'function ' END || p.oid::regprocedure::text, 'owned by', p.proowner
+    UNION ALL SELECT ns.nspname, CASE p.prokind WHEN 'p' THEN 'procedure '
+            WHEN 'a' THEN 'aggregate ' ELSE 'function ' END || p.oid::regprocedure::text,
+            'owned by', p.proowner
         FROM pg_proc p JOIN ns ON p.pronamespace = ns.oid
-    UNION ALL SELECT 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
+    UNION ALL SELECT ns.nspname, 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
         FROM pg_operator o JOIN ns ON o.oprnamespace = ns.oid
-    UNION ALL SELECT 'type ' || t.oid::regtype::text, 'owned by', t.typowner
+    UNION ALL SELECT ns.nspname, 'type ' || t.oid::regtype::text, 'owned by', t.typowner
         FROM pg_type t JOIN ns ON t.typnamespace = ns.oid
         WHERE t.typrelid = 0 AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
-    UNION ALL SELECT 'collation ' || c.oid::regcollation::text, 'owned by', c.collowner
+    UNION ALL SELECT ns.nspname, 'collation ' || c.oid::regcollation::text, 'owned by',
+            c.collowner
         FROM pg_collation c JOIN ns ON c.collnamespace = ns.oid
-    UNION ALL SELECT 'conversion ' || quote_ident(c.conname), 'owned by', c.conowner
+    UNION ALL SELECT ns.nspname, 'conversion ' || quote_ident(c.conname), 'owned by',
+            c.conowner
         FROM pg_conversion c JOIN ns ON c.connamespace = ns.oid
-    UNION ALL SELECT 'operator class ' || quote_ident(c.opcname), 'owned by', c.opcowner
+    UNION ALL SELECT ns.nspname, 'operator class ' || quote_ident(c.opcname), 'owned by',
+            c.opcowner
         FROM pg_opclass c JOIN ns ON c.opcnamespace = ns.oid
-    UNION ALL SELECT 'operator family ' || quote_ident(f.opfname), 'owned by', f.opfowner
+    UNION ALL SELECT ns.nspname, 'operator family ' || quote_ident(f.opfname), 'owned by',
+            f.opfowner
         FROM pg_opfamily f JOIN ns ON f.opfnamespace = ns.oid
-    UNION ALL SELECT 'text search configuration ' || c.oid::regconfig::text, 'owned by',
-            c.cfgowner
+    UNION ALL SELECT ns.nspname, 'text search configuration ' || c.oid::regconfig::text,
+            'owned by', c.cfgowner
         FROM pg_ts_config c JOIN ns ON c.cfgnamespace = ns.oid
-    UNION ALL SELECT 'text search dictionary ' || d.oid::regdictionary::text, 'owned by',
-            d.dictowner
+    UNION ALL SELECT ns.nspname, 'text search dictionary ' || d.oid::regdictionary::text,
+            'owned by', d.dictowner
         FROM pg_ts_dict d JOIN ns ON d.dictnamespace = ns.oid
-    UNION ALL SELECT 'statistics ' || quote_ident(x.stxname), 'owned by', x.stxowner
+    UNION ALL SELECT ns.nspname, 'statistics ' || quote_ident(x.stxname), 'owned by',
+            x.stxowner
         FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
-    UNION ALL SELECT 'CREATE on schema ' || quote_ident(nspname), 'granted to', a.grantee
+    UNION ALL SELECT nspname, 'CREATE on schema ' || quote_ident(nspname), 'granted to',
+            a.grantee
         FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
     -- TRIGGER could plant code; REFERENCES a foreign key, whose internal triggers run the
     -- referencing table's cascades inside our deletes.
-    UNION ALL SELECT a.privilege_type || ' on ' || ours.oid::regclass::text, 'granted to',
-            a.grantee
+    UNION ALL SELECT ours.nspname, a.privilege_type || ' on ' || ours.oid::regclass::text,
+            'granted to', a.grantee
         FROM ours, aclexplode(ours.relacl) a
         WHERE a.privilege_type IN ('TRIGGER', 'REFERENCES')
     -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
     -- operators by the function that implements them too.
-    UNION ALL SELECT 'trigger ' || quote_ident(tg.tgname) || ' on '
+    UNION ALL SELECT ours.nspname, 'trigger ' || quote_ident(tg.tgname) || ' on '
             || ours.oid::regclass::text || ' runs ' || CASE WHEN p.oid IS NOT NULL
                 THEN 'function ' || p.oid::regprocedure::text
                 ELSE 'operator ' || o.oid::regoperator::text END,
@@ -98,33 +112,52 @@ WITH ns AS (
     SELECT d.datdba, 'pg_database_owner'::regrole::oid AS stand_in
     FROM pg_database d WHERE d.datname = current_database()
 )
-SELECT what || ' ' || how || ' ' ||
-    CASE WHEN role = 0 THEN 'PUBLIC' ELSE role::regrole::text END
+SELECT nsp, what || ' ' || how || ' ' ||
+    CASE WHEN role = 0 THEN 'PUBLIC' ELSE role::regrole::text END AS finding
 FROM found, db
 WHERE role = 0 OR NOT pg_has_role(
     CASE WHEN role = db.stand_in THEN db.datdba ELSE role END, current_user, 'USAGE')
 UNION ALL
-SELECT 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
+SELECT ours.nspname, 'rule ' || quote_ident(r.rulename) || ' on ' || ours.oid::regclass::text
 FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
 -- A foreign key from elsewhere, whoever owns it: its internal triggers run the other table's
 -- actions (and that table's triggers) inside prune's deletes, or make every prune fail.
 UNION ALL
-SELECT 'foreign key ' || quote_ident(k.conname) || ' of ' || k.conrelid::regclass::text
-    || ' references ' || ours.oid::regclass::text
+SELECT ours.nspname, 'foreign key ' || quote_ident(k.conname) || ' of '
+    || k.conrelid::regclass::text || ' references ' || ours.oid::regclass::text
 FROM pg_constraint k JOIN ours ON k.confrelid = ours.oid
-WHERE k.contype = 'f' AND k.conrelid NOT IN (SELECT oid FROM ours)
+WHERE k.contype = 'f'
+    AND k.conrelid NOT IN (SELECT o.oid FROM ours o WHERE o.nspname = ours.nspname)
 -- Our migrations create no trigger: each must be one the operator named, and even then
 -- without a WHEN clause (it can call anything, through a cast to a domain, say).
 UNION ALL
-SELECT 'trigger ' || quote_ident(tg.tgname) || ' on ' || ours.oid::regclass::text
+SELECT ours.nspname, 'trigger ' || quote_ident(tg.tgname) || ' on '
+    || ours.oid::regclass::text
     || CASE WHEN tg.tgname::text = ANY (:triggers) THEN ' has a WHEN clause'
         ELSE ' was not created by cronoq-store and is not one of the trusted_triggers' END
 FROM pg_trigger tg JOIN ours ON tg.tgrelid = ours.oid
 WHERE NOT tg.tgisinternal
     AND (tg.tgqual IS NOT NULL OR NOT tg.tgname::text = ANY (:triggers))
-ORDER BY 1
+) found_in ORDER BY {columns}
 """
-).bindparams(bindparam("tables", type_=ARRAY(Text)), bindparam("triggers", type_=ARRAY(Text)))
+
+
+def _check(which: str, columns: str) -> str:
+    """The check of the schemas ``which`` picks, each row the ``columns`` named."""
+    return _CHECK.replace("{which}", which).replace("{columns}", columns)
+
+
+_UNTRUSTED = text(_check("nspname = :schema", "finding")).bindparams(
+    bindparam("tables", type_=ARRAY(Text)), bindparam("triggers", type_=ARRAY(Text))
+)
+
+# The check of every schema in :schemas in one statement: each catalog is read once for all
+# of them (most of a check's time, where thousands of schemas fill pg_class).
+_UNTRUSTED_AMONG = text(_check("nspname = ANY (:schemas)", "nsp, finding")).bindparams(
+    bindparam("schemas", type_=ARRAY(Text)),
+    bindparam("tables", type_=ARRAY(Text)),
+    bindparam("triggers", type_=ARRAY(Text)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,3 +279,27 @@ def refuse_untrusted(
     found = conn.execute(check.statement, check.params).scalars().all()
     if found:
         raise check.refusal(found, conn.execute(check.current_user).scalar_one())
+
+
+def untrusted_among(
+    conn: Connection, schemas: Sequence[str], trusted_triggers: frozenset[str] = frozenset()
+) -> dict[str, MigrationError]:
+    """The refusal :func:`refuse_untrusted` would raise for each of ``schemas`` it refuses,
+    from one statement: every catalog is read once for all of them, where checking each
+    alone reads them all again (at thousands of schemas, most of a check's time). Needs
+    ``search_path`` = ``pg_catalog, pg_temp``.
+    """
+    if not schemas:
+        return {}
+    params = {**TrustCheck("", trusted_triggers).params, "schemas": list(schemas)}
+    del params["schema"]
+    found: dict[str, list[str]] = {}
+    for schema, finding in conn.execute(_UNTRUSTED_AMONG, params):
+        found.setdefault(schema, []).append(finding)
+    if not found:
+        return {}
+    me = conn.execute(TrustCheck.current_user).scalar_one()
+    return {
+        schema: TrustCheck(schema, trusted_triggers).refusal(findings, me)
+        for schema, findings in found.items()
+    }

@@ -25,10 +25,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from cronoq_store._cli import ExitCode, cli
 from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._config import PgStoreConfig
+from cronoq_store._console import reads
+from cronoq_store._console.source import Source
 from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
 from cronoq_store._errors import MigrationError
 from cronoq_store._migrations import upgrade
 from cronoq_store._store import PgStore
+from cronoq_store._trust import refuse_untrusted, untrusted_among
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
@@ -702,3 +705,56 @@ async def test_the_lock_session_checks_as_its_own_role(
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin_execute(pg_url, f"DROP OWNED BY {lock}")
         await admin_execute(pg_url, f"DROP ROLE {lock}")
+
+
+# --- many schemas in one statement (the console's overview page) -----------------------------
+
+
+async def test_checking_many_schemas_at_once_gives_each_its_own_verdict(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """The check of a page of schemas in one statement refuses what the check of each alone
+    refuses, in the same words, and the console's overview shows those refusals. In one
+    schema the attacker planted a table; another's tasks table is referenced by a foreign
+    key from a third's, which is one of our tables there but not in the schema it
+    references."""
+    clean, planted, referenced = migrated, f"{migrated}_p", f"{migrated}_r"
+    try:
+        for name in (planted, referenced):
+            await upgrade(engine, name)
+        await admin_execute(pg_url, f"GRANT CREATE ON SCHEMA {planted} TO {attacker.name}")
+        await admin_execute(attacker.url, f"CREATE TABLE {planted}.notes (x int)")
+        await admin_execute(pg_url, f"REVOKE CREATE ON SCHEMA {planted} FROM {attacker.name}")
+        await admin_execute(
+            pg_url,
+            f"ALTER TABLE {clean}.cronoq_tasks ADD CONSTRAINT onto FOREIGN KEY (id) "
+            f"REFERENCES {referenced}.cronoq_tasks (id)",
+        )
+        schemas = [clean, planted, referenced, f"{migrated}_none"]
+        each: dict[str, str] = {}
+        async with engine.connect() as conn:
+            await conn.execute(text("SET search_path = pg_catalog, pg_temp"))
+            for name in schemas:
+                try:
+                    await conn.run_sync(refuse_untrusted, name)
+                except MigrationError as exc:
+                    each[name] = str(exc)
+            at_once = await conn.run_sync(untrusted_among, schemas)
+        assert sorted(each) == [planted, referenced]
+        assert f"table {planted}.notes owned by {attacker.name}" in each[planted]
+        assert (
+            f"onto of {clean}.cronoq_tasks references {referenced}.cronoq_tasks"
+            in (each[referenced])
+        )
+        assert {name: str(exc) for name, exc in at_once.items()} == each
+
+        source = Source(pg_url.render_as_string(hide_password=False))
+        try:
+            doc = await reads.overview(source, search=migrated)
+        finally:
+            await source.close()
+        shown = {c["schema"]: c.get("refused") for c in doc["clusters"]}
+        assert shown == {clean: None, **each}
+    finally:
+        for name in (planted, referenced):
+            await drop_schema(pg_url, name)

@@ -11,8 +11,9 @@ the cluster's tables): the command then exits 9 naming who held it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -23,7 +24,7 @@ from .._errors import MigrationError, StoreError
 from .._migrations import RevisionStatus, clusters_elsewhere, revision_status
 from .._schema import schema_options
 from .._statements import CLUSTER_TABLES
-from .._trust import refuse_untrusted
+from .._trust import refuse_untrusted, untrusted_among
 from .._urls import redact
 from .app import SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
@@ -36,11 +37,13 @@ LOCK_WAIT = 30.0
 __all__ = [
     "CONNECT_TIMEOUT",
     "LOCK_WAIT",
+    "Vetted",
     "database",
     "engine",
     "refuse_unless_at_head",
     "require_head",
     "revision",
+    "vet",
 ]
 
 
@@ -59,13 +62,45 @@ def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
         raise CliError(str(exc), ExitCode.USAGE) from None
 
 
+@dataclass(frozen=True)
+class Vetted:
+    """Schemas in which the trust check, run by :func:`vet` on ``engine`` with
+    ``trusted_triggers``, found nothing to refuse: :func:`database` opens them on that
+    engine without checking each again."""
+
+    schemas: frozenset[str]
+    trusted_triggers: frozenset[str]
+    engine: AsyncEngine
+
+    def covers(self, options: Options, pooled: AsyncEngine | None) -> bool:
+        """Whether this check stands for the one :func:`database` would run."""
+        return (
+            pooled is self.engine
+            and options.schema in self.schemas
+            and options.trusted_triggers == self.trusted_triggers
+        )
+
+
+async def vet(
+    pooled: AsyncEngine, schemas: Sequence[str], trusted_triggers: frozenset[str]
+) -> tuple[Vetted, dict[str, MigrationError]]:
+    """The trust check of all of ``schemas`` in one statement (``trust.untrusted_among``:
+    checking each alone reads the catalogs again, at thousands of schemas most of the
+    time a schema takes): those it found nothing in, and the refusal of each other one."""
+    async with door.translated("checking the schemas"), pooled.connect() as conn:
+        refused = await conn.run_sync(untrusted_among, schemas, trusted_triggers)
+        await conn.rollback()
+    return Vetted(frozenset(schemas) - refused.keys(), trusted_triggers, pooled), refused
+
+
 @asynccontextmanager
 async def database(
-    options: Options, pooled: AsyncEngine | None = None
+    options: Options, pooled: AsyncEngine | None = None, vetted: Vetted | None = None
 ) -> AsyncIterator[AsyncConnection]:
     """One connection with the cluster's schema applied, after the trust check
     (``trust.refuse_untrusted``); failing to open it is exit code 3. From ``pooled``
-    when given (the caller's long-lived engine), else from an engine of its own."""
+    when given (the caller's long-lived engine), else from an engine of its own. Without
+    the check when ``vetted`` (:func:`vet`) already found nothing in this schema."""
     url = options.database_url()
     made = engine(url) if pooled is None else pooled
     try:
@@ -79,8 +114,9 @@ async def database(
         try:
             if not options.schema_chosen:
                 await _refuse_defaulted_schema(conn, options.schema)
-            await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
-            await conn.rollback()
+            if vetted is None or not vetted.covers(options, pooled):
+                await conn.run_sync(refuse_untrusted, options.schema, options.trusted_triggers)
+                await conn.rollback()
             try:
                 async with door.separating_lock_waits("running the command"):
                     yield conn

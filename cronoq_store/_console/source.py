@@ -1,11 +1,12 @@
 """Where the console reads: the database URL, one pooled engine for the console's life
 (connecting costs more than most pages' statements), and the triggers the operator trusts.
 Every connection it hands out went through the CLI's own opening (``cli.database``: the
-trust check, the schema applied)."""
+trust check, the schema applied); the overview checks its whole page in one statement
+first (:meth:`Source.vet`), and the opening then skips the check of those schemas."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .. import _catalog as catalog
 from .._cli import database
 from .._cli.app import Options
+from .._errors import MigrationError
 
 __all__ = ["POOL_SIZE", "ClusterNotFound", "ClusterPage", "Source"]
 
@@ -47,11 +49,21 @@ class Source:
         self.engine = database.engine(url, pool_size=POOL_SIZE)
 
     @asynccontextmanager
-    async def connect(self, schema: str) -> AsyncIterator[AsyncConnection]:
-        """A connection to ``schema``'s cluster, as the CLI opens one."""
+    async def connect(
+        self, schema: str, vetted: database.Vetted | None = None
+    ) -> AsyncIterator[AsyncConnection]:
+        """A connection to ``schema``'s cluster, as the CLI opens one (without the trust
+        check when ``vetted``, from :meth:`vet`, found nothing in it)."""
         options = Options(url=self.url, schema=schema, trusted_triggers=self.trusted_triggers)
-        async with database.database(options, self.engine) as conn:
+        async with database.database(options, self.engine, vetted) as conn:
             yield conn
+
+    async def vet(
+        self, schemas: Sequence[str]
+    ) -> tuple[database.Vetted, dict[str, MigrationError]]:
+        """The trust check of all of ``schemas`` in one statement: those it found nothing
+        in, for :meth:`connect`, and the refusal of each other one."""
+        return await database.vet(self.engine, schemas, self.trusted_triggers)
 
     async def cluster_page(
         self, search: str, size: int, after: str = "", before: str | None = None
