@@ -999,15 +999,15 @@ class GroupCommitter:
                 )
             await flights.landed()
         except asyncio.CancelledError as exc:
-            settling.on_death(exc, "the group committer's writer task was cancelled")
+            settling.on_death(exc, "the group committer's loop was cancelled")
             for flight in flights.flying:
                 if flight.task is not None:
                     flight.task.cancel()
             await flights.landed()
             raise
         except Exception as exc:  # a bug: never leave a submitter waiting forever
-            logger.exception("the group committer's writer failed", extra={"error": repr(exc)})
-            settling.on_death(exc, f"the group committer's writer failed: {exc!r}")
+            logger.exception("the group committer's loop failed", extra={"error": repr(exc)})
+            settling.on_death(exc, f"the group committer's loop failed: {exc!r}")
             await flights.landed()
         finally:
             settling.stopped()
@@ -1071,8 +1071,8 @@ class GroupCommitter:
             settling.on_death(exc, "the group committer's batch was cancelled")
             raise
         except Exception as exc:  # a bug: never leave a submitter waiting forever
-            logger.exception("the group committer's writer failed", extra={"error": repr(exc)})
-            settling.on_death(exc, f"the group committer's writer failed: {exc!r}")
+            logger.exception("the group committer's loop failed", extra={"error": repr(exc)})
+            settling.on_death(exc, f"the group committer's loop failed: {exc!r}")
         finally:
             self._flights.land(flight)
 

@@ -716,7 +716,7 @@ def row_count(status: str) -> int:
 class HeldConnection:
     """The commits' connections from ``engine``'s pool.
 
-    ``hold``: keep one pooled connection checked out between commits (the writer's, for the
+    ``hold``: keep one pooled connection checked out between commits (for the whole
     term) instead of a checkout and a return per commit, which cost a greenlet switch each
     and the pool's bookkeeping. One commit at a time uses it; a concurrent one checks out
     another as before. It is given up, never reused, when in doubt (as any connection of a

@@ -219,7 +219,7 @@ class PgStore:
                 if self._borrows_sessions
                 else None
             ),
-            # The store's own pool holds one connection for the writer (no checkout per
+            # The store's own pool holds one connection for the commits (no checkout per
             # commit) when two are left for reads, pings and concurrent commits (with one,
             # a read waiting on a lock, such as a prune behind a commit, would starve a
             # health probe); an application's pool is not the store's to hold from.
@@ -480,7 +480,7 @@ class PgStore:
         store was opened on (:attr:`incarnation`), and ``SchemaGoneError`` where the schema
         is gone, with the lock released and no epoch taken: open a new store then.
         """
-        # A standby holds no writer connection, and a new term takes a fresh one.
+        # A standby holds no commit connection, and a new term takes a fresh one.
         await self._commits.release()
         with self._telemetry.acquisition():
             epoch = await self._leadership.acquire()
@@ -559,7 +559,7 @@ class PgStore:
         """Raise ``FencedError`` (``ClusterReplacedError``) unless ``epoch`` is this
         instance's current term, before anything is sent."""
         if self._fenced or (self._has_led and not self._leadership.is_leader):
-            await self._commits.release()  # the term is over: its writer connection too
+            await self._commits.release()  # the term is over: its held connection too
             replaced = self._leadership.replaced
             if replaced is not None:
                 raise ClusterReplacedError(

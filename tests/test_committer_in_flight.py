@@ -565,7 +565,7 @@ async def committed_through_the_committer(
                 continue
             unanswered.append(pending)
             if pace == "taken":
-                for _ in range(3):  # the send, the writer's wake-up, its cut
+                for _ in range(3):  # the send, the loop's wake-up, its cut
                     await asyncio.sleep(0)
         await asyncio.gather(*unanswered)
 
@@ -683,8 +683,8 @@ async def test_a_writer_cancelled_with_a_batch_waiting_for_one_in_flight_fails_i
     store: PgStore, migrated: str, pg_url: URL
 ) -> None:
     """The second batch (a transition of the first batch's task) waits for the first, which
-    waits on a held leader row. The writer task is cancelled (a loop shutting down): every
-    submitter is told, the waiting batch's too, none is left waiting for ever."""
+    waits on a held leader row. The committer's loop is cancelled (an event loop shutting
+    down): every submitter is told, the waiting batch's too, none is left waiting for ever."""
     name = app_name(migrated)
     task = new()
     committer = GroupCommitter(store, 0, PROCESS_BASE, max_batches_in_flight=2)

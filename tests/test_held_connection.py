@@ -1,6 +1,7 @@
-"""The writer connection a store holds for its term (``CommitPath(hold=True)``): reused by
-one commit at a time, never when in doubt, returned at step-down, fencing and close; and
-what holding it must not change about the store's pool, leadership terms and failures."""
+"""The connection a store holds for its commits through its term
+(``CommitPath(hold=True)``): reused by one commit at a time, never when in doubt, returned
+at step-down, fencing and close; and what holding it must not change about the store's
+pool, leadership terms and failures."""
 
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
     pg_url: URL, migrated: str, name: str
 ) -> None:
     # A leader that lost its lock (its lock session killed) and goes back to
-    # acquire_leadership() without committing gives the previous term's writer connection
+    # acquire_leadership() without committing gives the previous term's held connection
     # back: it holds none while it waits as a standby, and takes none into its next term
     # (a refused commit, a fencing, release_leadership and close are not the only ways back).
     store, epoch = await open_leader(pg_url, migrated, name, max_connections=3)
@@ -263,7 +264,7 @@ async def test_a_standby_waiting_for_leadership_holds_no_writer_connection(
         await bounded(other.acquire_leadership(), "the other's takeover")
         waiting = asyncio.ensure_future(store.acquire_leadership())
         await holds_for(lambda: not waiting.done(), "the standby waiting", 0.5)
-        # A standby's pool is all for reads: the last term's writer connection is given back.
+        # A standby's pool is all for reads: the last term's held connection is given back.
         await until(lambda: checked_out(store) == 0, "the waiting standby to hold no connection")
         assert not waiting.done()
         await other.release_leadership()
