@@ -1,0 +1,157 @@
+"""What a hostile review of ``--all`` / ``--schemas`` found: each test states the contract
+the docs give and fails on main until it holds. A cluster the role cannot read still gets
+its line and the summary still comes last; a wrong password exits 3 as for one cluster;
+another session's temporary table is not a cluster; a schema dropped after the listing is
+not created again; a worker killed from outside is a failure, not a cancelled migration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store._cli.exits import ExitCode
+
+from .pgharness import admin_execute, asyncpg_dsn
+from .support import ROOT, full, run
+from .test_cli_fleet import database, environment, lines, make_fleet, no_password, outcomes
+from .waits import until
+
+__all__ = ["database"]  # the fixture, imported for the tests of this file
+
+
+@pytest.fixture
+async def reader(database: URL) -> AsyncIterator[URL]:
+    """A role that may read clusters a1 and a3, not a2 (no USAGE on its schema)."""
+    await make_fleet(database, heads=["a1", "a2", "a3"])
+    role = f"mon_{uuid.uuid4().hex[:8]}"
+    await admin_execute(database, f"CREATE ROLE {role} LOGIN PASSWORD 'monPW_secret9'")
+    try:
+        for schema in ("a1", "a3"):
+            await admin_execute(database, f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+            await admin_execute(
+                database, f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}"
+            )
+        await admin_execute(database, f"GRANT CONNECT ON DATABASE {database.database} TO {role}")
+        yield database.set(username=role, password="monPW_secret9")
+    finally:
+        await admin_execute(database, f"DROP OWNED BY {role}")
+        await admin_execute(database, f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("command", ["status", "health"])
+async def test_a_cluster_the_role_cannot_read_gets_its_line_and_the_rest_are_read(
+    reader: URL, command: str
+) -> None:
+    text = await run("--url", full(reader), command, "--all")
+    assert [line.split()[0] for line in lines(text)[:-1]] == ["a1", "a2", "a3"], text.output
+    assert lines(text)[-1].startswith("summary: 3 cluster(s)")
+    as_json = await run("--url", full(reader), command, "--all", "--json")
+    documents = [json.loads(line) for line in lines(as_json)]
+    assert "summary" in documents[-1], as_json.output
+    assert [d["schema"] for d in documents[:-1]] == ["a1", "a2", "a3"]
+    no_password(reader, text.output, as_json.output)
+
+
+@pytest.mark.parametrize("command", ["status", "health", "migrate"])
+async def test_a_wrong_password_exits_3_over_many_clusters_as_over_one(
+    database: URL, command: str
+) -> None:
+    await make_fleet(database, heads=["a1"])
+    wrong = full(database.set(password="not-the-password"))
+    one = await run("--url", wrong, "--schema", "a1", command)
+    many = await run("--url", wrong, command, "--all")
+    assert one.exit_code == ExitCode.UNREACHABLE, one.output
+    assert many.exit_code == one.exit_code, many.output
+
+
+async def test_another_sessions_temporary_table_is_not_a_cluster(database: URL) -> None:
+    await make_fleet(database, heads=["a1"])
+    other = await asyncpg.connect(asyncpg_dsn(database))
+    try:
+        await other.execute("CREATE TEMP TABLE cronoq_alembic_version (version_num text)")
+        result = await run("--url", full(database), "status", "--all")
+    finally:
+        await other.close()
+    assert [line.split()[0] for line in lines(result)[:-1]] == ["a1"], result.output
+    assert result.exit_code == ExitCode.OK
+
+
+async def _migrate_process(url: URL, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "cronoq_store._cli",
+        "migrate",
+        *args,
+        cwd=ROOT,
+        env=environment(url),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _waiting_on(url: URL, schema: str) -> bool:
+    """Whether a worker's migration of ``schema`` waits for its tables (it polls)."""
+    rows = await admin_execute(
+        url,
+        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+        "AND application_name = 'cronoq-store cli' AND state = 'active' "
+        "AND (query LIKE $1 OR query LIKE '%pg_sleep%')",
+        f"LOCK TABLE ONLY {schema}.%",
+    )
+    return bool(rows)
+
+
+async def test_a_schema_dropped_after_the_listing_is_not_created_again(database: URL) -> None:
+    await make_fleet(database, behind=["a1", "z9"])
+    holder = await asyncpg.connect(asyncpg_dsn(database))
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("LOCK TABLE a1.cronoq_tasks IN ACCESS SHARE MODE")
+        parent = await _migrate_process(database, "--all", "--jobs", "1")
+        await until(lambda: _waiting_on(database, "a1"), "the worker waiting on a1")
+        await admin_execute(database, "DROP SCHEMA z9 CASCADE")
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()
+    out, err = await asyncio.wait_for(parent.communicate(), 120)
+    rows = await admin_execute(database, "SELECT 1 FROM pg_namespace WHERE nspname = 'z9'")
+    assert rows == [], (out.decode(), err.decode())
+
+
+async def test_a_worker_killed_from_outside_is_a_failure_not_a_cancellation(
+    database: URL,
+) -> None:
+    await make_fleet(database, behind=["a1", "a2"])
+    holder = await asyncpg.connect(asyncpg_dsn(database))
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("LOCK TABLE a1.cronoq_tasks IN ACCESS SHARE MODE")
+        parent = await _migrate_process(database, "--all", "--jobs", "1")
+        await until(lambda: _waiting_on(database, "a1"), "the worker waiting on a1")
+        workers = (
+            await asyncio.create_subprocess_exec(
+                "pgrep", "-P", str(parent.pid), stdout=asyncio.subprocess.PIPE
+            )
+        ).stdout
+        assert workers is not None
+        for pid in (await workers.read()).split():
+            os.kill(int(pid), signal.SIGKILL)
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()
+    out, err = await asyncio.wait_for(parent.communicate(), 120)
+    assert parent.returncode == ExitCode.FAILED
+    said = outcomes(out.decode())
+    assert "failed" in said["a1"], (out.decode(), err.decode())
+    assert "SIGKILL" in said["a1"]
+    assert "failed 1" in out.decode().splitlines()[-1]
