@@ -13,6 +13,7 @@ import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -155,3 +156,32 @@ async def test_a_worker_killed_from_outside_is_a_failure_not_a_cancellation(
     assert "failed" in said["a1"], (out.decode(), err.decode())
     assert "SIGKILL" in said["a1"]
     assert "failed 1" in out.decode().splitlines()[-1]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is 3.11's")
+async def test_the_workers_import_nothing_from_the_working_directory(
+    database: URL, tmp_path: Path
+) -> None:
+    """``python -m`` puts the working directory first on ``sys.path``: a module there (a
+    checkout of another version, or anything in a shared directory such as /tmp) would run
+    in the worker, with the URL and its password in its environment."""
+    await make_fleet(database, behind=["a1"])
+    marker = tmp_path / "ran"
+    (tmp_path / "argparse.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nraise ImportError('shadowed')\n"
+    )
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-P",  # the parent itself is started safely: only its workers are on trial
+        "-m",
+        "cronoq_store._cli",
+        "migrate",
+        "--all",
+        cwd=tmp_path,
+        env=environment(database),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(parent.communicate(), 120)
+    assert not marker.exists(), (out.decode(), err.decode())
+    assert parent.returncode == 0
