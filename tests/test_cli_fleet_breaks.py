@@ -185,3 +185,32 @@ async def test_the_workers_import_nothing_from_the_working_directory(
     out, err = await asyncio.wait_for(parent.communicate(), 120)
     assert not marker.exists(), (out.decode(), err.decode())
     assert parent.returncode == 0
+
+
+async def test_a_reader_that_goes_away_is_not_a_server_that_cannot_be_reached(
+    database: URL,
+) -> None:
+    """``migrate --all | head -1``, or a pager quit early: the broken pipe must not read as
+    exit 3 (cannot connect), and must not kill the migrations in flight."""
+    await make_fleet(database, behind=[f"a{n}" for n in range(6)])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        parent = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "cronoq_store._cli",
+            "migrate",
+            "--all",
+            "--jobs",
+            "2",
+            cwd=ROOT,
+            env=environment(database),
+            stdout=write,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    finally:
+        os.close(write)
+    _, err = await asyncio.wait_for(parent.communicate(), 120)
+    assert parent.returncode != ExitCode.UNREACHABLE, err.decode()
+    assert "cannot connect" not in err.decode()
