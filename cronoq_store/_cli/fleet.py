@@ -42,6 +42,7 @@ __all__ = [
     "select",
     "selection",
     "selection_options",
+    "unexpected",
 ]
 
 _C = TypeVar("_C", bound=Callable[..., Any])
@@ -201,7 +202,10 @@ async def _read(
         return _failed(cluster.schema, ExitCode.FAILED, cluster.refusal, refused=True)
     one = Options(url=options.url, schema=cluster.schema, trusted_triggers=options.trusted_triggers)
     try:
-        async with database.database(one, engine) as conn:
+        async with (
+            door.translated(f"reading schema {cluster.schema!r}", passing=(CliError,)),
+            database.database(one, engine) as conn,
+        ):
             return await read(conn, cluster.schema)
     except CliError as exc:
         return _failed(cluster.schema, exc.code, scrub(str(exc), [options.url]))
@@ -209,6 +213,14 @@ async def _read(
         return _failed(cluster.schema, ExitCode.FAILED, f"refused: {exc}", refused=True)
     except StoreError as exc:
         return _failed(cluster.schema, code_of(exc), scrub(str(exc), [options.url]))
+    except Exception as exc:  # one cluster's failure never ends the run
+        return _failed(cluster.schema, ExitCode.FAILED, unexpected(exc, options.url))
+
+
+def unexpected(exc: BaseException, url: str | None) -> str:
+    """The words of a failure nothing translated (a bug, most likely), as a cluster's
+    verdict: its type and message, the URL's password masked."""
+    return scrub(f"unexpected {type(exc).__name__}: {exc}", [url])
 
 
 def _failed(schema: str, code: ExitCode, message: str, *, refused: bool = False) -> Verdict:

@@ -37,6 +37,7 @@ from typing import Any
 import click
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .. import _door as door
 from .._errors import MigrationError, StoreError
 from .._terminal_safe import visible
 from .._urls import URL_ENV, scrub
@@ -151,13 +152,20 @@ async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | 
     ``None`` when it is to be migrated."""
     started = time.monotonic()
     try:
-        before, at_head = await _revision(options, schema, engine)
+        async with door.translated(f"reading schema {schema!r}", passing=(CliError,)):
+            before, at_head = await _revision(options, schema, engine)
     except CliError as exc:
-        return _Done(schema, Outcome.FAILED, code=exc.code, message=str(exc))
+        return _Done(schema, Outcome.FAILED, code=exc.code, message=scrub(str(exc), [options.url]))
     except MigrationError as exc:
         return _Done(schema, Outcome.REFUSED, code=ExitCode.FAILED, message=f"refused: {exc}")
     except StoreError as exc:
-        return _Done(schema, Outcome.FAILED, code=code_of(exc), message=str(exc))
+        return _Done(
+            schema, Outcome.FAILED, code=code_of(exc), message=scrub(str(exc), [options.url])
+        )
+    except Exception as exc:  # one cluster's failure never ends the run
+        return _Done(
+            schema, Outcome.FAILED, code=ExitCode.FAILED, message=fleet.unexpected(exc, options.url)
+        )
     if at_head:
         return _Done(schema, Outcome.CURRENT, before, before, time.monotonic() - started)
     return None
@@ -251,7 +259,7 @@ async def _migrate_one(
     returned = await worker.close()
     try:
         after, _ = await _revision(options, schema, engine)
-    except (CliError, StoreError):
+    except Exception:  # only a word of the line: "?" says it was not read
         after = "?"
     seconds = time.monotonic() - started
     if returned < 0 or run.signals[1:]:

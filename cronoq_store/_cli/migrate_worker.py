@@ -25,6 +25,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .. import _door as door
 from .._errors import StoreError
 from .._migrations import upgrade
 from .._urls import URL_ENV, scrub
@@ -49,19 +50,24 @@ async def migrate_schema(
     before = after = "?"
     code, message = ExitCode.OK, ""
     try:
-        async with database.database(options, engine) as conn:
-            status = await database.revision(conn, schema)
-        before = ", ".join(status.current) or "nothing"
-        if status.unknown:
-            database.refuse_unless_at_head(status)
-        await upgrade(engine, schema, trusted_triggers=trusted_triggers, lock_timeout=lock_timeout)
-        async with database.database(options, engine) as conn:
-            status = await database.revision(conn, schema)
-        after = ", ".join(status.current) or "nothing"
+        async with door.translated(f"migrating schema {schema!r}", passing=(CliError,)):
+            async with database.database(options, engine) as conn:
+                status = await database.revision(conn, schema)
+            before = ", ".join(status.current) or "nothing"
+            if status.unknown:
+                database.refuse_unless_at_head(status)
+            await upgrade(
+                engine, schema, trusted_triggers=trusted_triggers, lock_timeout=lock_timeout
+            )
+            async with database.database(options, engine) as conn:
+                status = await database.revision(conn, schema)
+            after = ", ".join(status.current) or "nothing"
     except CliError as exc:
         code, message = exc.code, str(exc)
     except StoreError as exc:
         code, message = code_of(exc), str(exc)
+    except Exception as exc:  # the answer says it; the next schema still runs
+        code, message = ExitCode.FAILED, f"unexpected {type(exc).__name__}: {exc}"
     return {
         "schema": schema,
         "before": before,
