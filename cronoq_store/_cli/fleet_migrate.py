@@ -171,6 +171,24 @@ async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | 
     return None
 
 
+#: How a worker starts: with nothing from the working directory on ``sys.path``. ``python
+#: -m`` puts that directory first, so a module there (a stray ``argparse.py`` in a shared
+#: directory such as /tmp) would run with the URL and its password in the environment.
+#: Python 3.11's ``-P`` keeps it off; before 3.11 the ``-c`` program removes the entry
+#: (``''``, the working directory) before it imports anything but ``sys``. Not ``-I``: it
+#: also ignores ``PYTHONPATH`` and the user's site directory, where the package may be.
+_WORKER_COMMAND: tuple[str, ...] = (
+    (sys.executable, "-P", "-m", "cronoq_store._cli.migrate_worker")
+    if sys.version_info >= (3, 11)
+    else (
+        sys.executable,
+        "-c",
+        "import sys; del sys.path[0]; "
+        "from cronoq_store._cli.migrate_worker import main; main(sys.argv[1:])",
+    )
+)
+
+
 class _Worker:
     """One worker process and the schema it is on."""
 
@@ -188,9 +206,7 @@ class _Worker:
             arg for name in sorted(options.trusted_triggers) for arg in ("--trusted-trigger", name)
         ]
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "cronoq_store._cli.migrate_worker",
+            *_WORKER_COMMAND,
             *triggers,
             "--lock-timeout",
             repr(lock_timeout),

@@ -1,4 +1,4 @@
-"""``python -m cronoq_store._cli.migrate_worker``: one process of ``migrate --all``'s pool
+"""``python -P -m cronoq_store._cli.migrate_worker``: one process of ``migrate --all``'s pool
 (:mod:`cronoq_store._cli.fleet_migrate`).
 
 It reads schema names on stdin, one a line, migrates each to head in turn, and answers each
