@@ -18,8 +18,12 @@ from pathlib import Path
 import asyncpg
 import pytest
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store._cli.exits import ExitCode
+from cronoq_store._cli.migrate_worker import migrate_schema
+from cronoq_store._migrations import ClusterGone, upgrade
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import ROOT, full, run
@@ -127,6 +131,25 @@ async def test_a_schema_dropped_after_the_listing_is_not_created_again(database:
     out, err = await asyncio.wait_for(parent.communicate(), 120)
     rows = await admin_execute(database, "SELECT 1 FROM pg_namespace WHERE nspname = 'z9'")
     assert rows == [], (out.decode(), err.decode())
+
+
+async def test_an_upgrade_of_existing_clusters_only_creates_nothing(database: URL) -> None:
+    """The check under the migration lock, which no listing can race: a schema without a
+    cluster is refused with ``ClusterGone`` and not created; one behind head is upgraded."""
+    await make_fleet(database, behind=["a1"])
+    engine = create_async_engine(async_url(database))
+    try:
+        with pytest.raises(ClusterGone):
+            await upgrade(engine, "z9", must_exist=True)
+        await upgrade(engine, "a1", must_exist=True)
+        answer = await migrate_schema(full(database), "z9", frozenset(), 5.0, engine)
+    finally:
+        await engine.dispose()
+    assert answer["gone"] is True, answer
+    rows = await admin_execute(database, "SELECT 1 FROM pg_namespace WHERE nspname = 'z9'")
+    assert rows == []
+    status = await run("--url", full(database), "--schema", "a1", "status")
+    assert status.exit_code == ExitCode.OK, status.output
 
 
 async def test_a_worker_killed_from_outside_is_a_failure_not_a_cancellation(

@@ -39,6 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import _door as door
 from .._errors import MigrationError, StoreError
+from .._migrations import RevisionStatus
 from .._terminal_safe import visible
 from .._urls import URL_ENV, scrub
 from . import database, fleet
@@ -49,6 +50,9 @@ __all__ = ["Outcome", "migrate_clusters"]
 
 #: Why a cluster's migration did not run: the run was interrupted, or stopped at a failure.
 _NOT_STARTED = "not started"
+#: Why a cluster's migration did not run: its schema was dropped since the listing. Not a
+#: failure: nothing is left for a next run to do.
+_GONE = "the schema is gone since the listing"
 #: Seconds the parent waits for a worker it killed to be gone.
 _REAP = 10.0
 
@@ -138,22 +142,24 @@ def _signals_handled(run: _Run) -> Iterator[None]:
             loop.remove_signal_handler(signum)
 
 
-async def _revision(options: Options, schema: str, engine: AsyncEngine) -> tuple[str, bool]:
-    """The schema's revision in words and whether it is at head, read through the CLI's
-    opening (the trust check first)."""
+async def _revision(options: Options, schema: str, engine: AsyncEngine) -> RevisionStatus:
+    """Where the schema stands, read through the CLI's opening (the trust check first)."""
     one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
     async with database.database(one, engine) as conn:
-        status = await database.revision(conn, schema)
-    return ", ".join(status.current) or "nothing", status.at_head
+        return await database.revision(conn, schema)
+
+
+def _words(status: RevisionStatus) -> str:
+    return ", ".join(status.current) or "nothing"
 
 
 async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | None:
-    """The cluster's outcome when no worker need see it (refused, at head, unreadable);
-    ``None`` when it is to be migrated."""
+    """The cluster's outcome when no worker need see it (refused, at head, unreadable,
+    gone); ``None`` when it is to be migrated."""
     started = time.monotonic()
     try:
         async with door.translated(f"reading schema {schema!r}", passing=(CliError,)):
-            before, at_head = await _revision(options, schema, engine)
+            status = await _revision(options, schema, engine)
     except CliError as exc:
         return _Done(schema, Outcome.FAILED, code=exc.code, message=scrub(str(exc), [options.url]))
     except MigrationError as exc:
@@ -166,8 +172,11 @@ async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | 
         return _Done(
             schema, Outcome.FAILED, code=ExitCode.FAILED, message=fleet.unexpected(exc, options.url)
         )
-    if at_head:
+    before = _words(status)
+    if status.at_head:
         return _Done(schema, Outcome.CURRENT, before, before, time.monotonic() - started)
+    if not status.current:
+        return _Done(schema, Outcome.SKIPPED, message=_GONE)
     return None
 
 
@@ -267,6 +276,8 @@ async def _migrate_one(
     if answer is not None:
         code = ExitCode(answer["code"]) if answer["code"] in _CODES else ExitCode.FAILED
         said = (schema, Outcome.MIGRATED, answer["before"], answer["after"], answer["seconds"])
+        if answer.get("gone"):
+            return _Done(*said[:1], Outcome.SKIPPED, *said[2:], message=_GONE)
         if code is ExitCode.OK:
             return _Done(*said)
         if run.signals[1:]:  # cancelled by the second signal, rolled back
@@ -274,7 +285,7 @@ async def _migrate_one(
         return _Done(*said[:1], Outcome.FAILED, *said[2:], code, answer["message"])
     returned = await worker.close()
     try:
-        after, _ = await _revision(options, schema, engine)
+        after = _words(await _revision(options, schema, engine))
     except Exception:  # only a word of the line: "?" says it was not read
         after = "?"
     seconds = time.monotonic() - started
@@ -297,8 +308,8 @@ def _line(done: _Done, run: _Run, width: int) -> str:
         return f"{count} {name}  at {done.after}  already current"
     if done.outcome is Outcome.REFUSED:
         return f"{count} {name}  {visible(done.message)}"
-    if done.outcome is Outcome.SKIPPED and done.message == _NOT_STARTED:
-        return f"{count} {name}  skipped ({_NOT_STARTED})"
+    if done.outcome is Outcome.SKIPPED and done.message in (_NOT_STARTED, _GONE):
+        return f"{count} {name}  skipped ({done.message})"
     moved = f"{done.before} -> {done.after}  {done.seconds:.2f} s"
     if done.outcome is Outcome.MIGRATED:
         return f"{count} {name}  {moved}  ok"
@@ -392,7 +403,9 @@ async def migrate_clusters(
     )
     if run.signals:
         return 128 + run.signals[0]
-    if by[Outcome.SKIPPED] and code is ExitCode.OK:
+    if code is ExitCode.OK and any(
+        d.outcome is Outcome.SKIPPED and d.message != _GONE for d in results
+    ):
         code = ExitCode.FAILED
     return int(code)
 

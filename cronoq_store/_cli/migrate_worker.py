@@ -3,7 +3,9 @@
 
 It reads schema names on stdin, one a line, migrates each to head in turn, and answers each
 with one JSON line on stdout: ``schema``, ``before`` and ``after`` (revisions in words),
-``seconds``, ``code`` (the single-schema command's exit code) and ``message``. One
+``seconds``, ``code`` (the single-schema command's exit code), ``message``, and ``gone``:
+whether the schema held no cluster any more (dropped since the parent listed it), in
+which case nothing ran and nothing was created. One
 process runs one Alembic command at a time, as Alembic's module globals require; a process
 that lives for many schemas pays the interpreter's start (about a second of CPU) once, not
 once per cluster. The URL comes from ``$CRONOQ_DATABASE_URL``, never the command line;
@@ -27,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import _door as door
 from .._errors import StoreError
-from .._migrations import upgrade
+from .._migrations import ClusterGone, upgrade
 from .._urls import URL_ENV, scrub
 from . import database, output
 from .app import Options
@@ -48,7 +50,7 @@ async def migrate_schema(
     started = time.monotonic()
     options = Options(url=url, schema=schema, trusted_triggers=trusted_triggers)
     before = after = "?"
-    code, message = ExitCode.OK, ""
+    code, message, gone = ExitCode.OK, "", False
     try:
         async with door.translated(f"migrating schema {schema!r}", passing=(CliError,)):
             async with database.database(options, engine) as conn:
@@ -57,13 +59,19 @@ async def migrate_schema(
             if status.unknown:
                 database.refuse_unless_at_head(status)
             await upgrade(
-                engine, schema, trusted_triggers=trusted_triggers, lock_timeout=lock_timeout
+                engine,
+                schema,
+                trusted_triggers=trusted_triggers,
+                lock_timeout=lock_timeout,
+                must_exist=True,
             )
             async with database.database(options, engine) as conn:
                 status = await database.revision(conn, schema)
             after = ", ".join(status.current) or "nothing"
     except CliError as exc:
         code, message = exc.code, str(exc)
+    except ClusterGone as exc:
+        gone, message = True, str(exc)
     except StoreError as exc:
         code, message = code_of(exc), str(exc)
     except Exception as exc:  # the answer says it; the next schema still runs
@@ -75,6 +83,7 @@ async def migrate_schema(
         "seconds": round(time.monotonic() - started, 3),
         "code": int(code),
         "message": scrub(message, [url]),
+        "gone": gone,
     }
 
 
