@@ -160,13 +160,22 @@ async def select(options: Options, chosen: Selection, engine: AsyncEngine) -> li
     if chosen.glob is not None:
         statement, params = catalog.cluster_schemas_like, {"pattern": chosen.like()}
     try:
-        async with door.translated("listing the clusters"), engine.connect() as conn:
+        async with door.translated("connecting"):
+            conn = await engine.connect()
+    except StoreError as reason:
+        # As for one cluster (database.database): whatever fails the connection (a wrong
+        # password or database name as much as a server down) is exit 3.
+        raise CliError(f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE) from None
+    try:
+        async with door.translated("listing the clusters"):
             found = (await conn.execute(statement, params)).scalars().all()
     except StoreError as reason:
         code = code_of(reason)
         if code is ExitCode.UNREACHABLE:
             raise CliError(f"cannot connect to {redact(url)}: {reason}", code) from None
         raise CliError(str(reason), code) from None
+    finally:
+        await conn.close()
     if not found:
         raise CliError(chosen.none_found(), ExitCode.NO_MATCH)
     return [_checked_name(schema) for schema in found]
