@@ -289,11 +289,23 @@ async def _migrate_one(
     except Exception:  # only a word of the line: "?" says it was not read
         after = "?"
     seconds = time.monotonic() - started
-    if returned < 0 or run.signals[1:]:
-        # Stopped by a signal before it committed: rolled back, the next run does it.
+    if run.signals[1:]:
+        # Stopped by the signal the parent sent before it committed: rolled back, the next
+        # run does it.
         return _Done(schema, Outcome.SKIPPED, after, after, seconds, message="cancelled")
-    message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
+    if returned < 0:
+        # A signal from elsewhere (kill -9, the OOM killer): nobody asked for it.
+        message = f"the worker was killed by {_signal_name(-returned)}"
+    else:
+        message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
     return _Done(schema, Outcome.FAILED, "?", after, seconds, ExitCode.FAILED, message)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 #: Exit codes a worker may answer.
