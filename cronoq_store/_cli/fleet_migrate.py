@@ -44,7 +44,7 @@ from .._terminal_safe import visible
 from .._urls import URL_ENV, scrub
 from . import database, fleet
 from .app import SCHEMA_ENV, Options
-from .exits import CliError, ExitCode, code_of, worst
+from .exits import CliError, ExitCode, code_of, silence_stdout, worst
 
 __all__ = ["Outcome", "migrate_clusters"]
 
@@ -89,15 +89,35 @@ class _Run:
         self.signals: list[int] = []
         self.failed = False
         self.children: set[asyncio.subprocess.Process] = set()
+        #: Whether standard output was closed (``| head -1``, a pager quit early).
+        self.reader_gone = False
 
     @property
     def stopping(self) -> bool:
-        return bool(self.signals)
+        return bool(self.signals) or self.reader_gone
+
+    def say(self, text: str) -> None:
+        """Print a line on standard output while anyone reads it. The first write to a
+        closed one stops the run as a first signal would: nothing more starts, and the
+        migrations running end committed or rolled back (a broken pipe is no reason to kill
+        them, nor to say the server cannot be reached)."""
+        if self.reader_gone:
+            return
+        try:
+            click.echo(text)
+        except BrokenPipeError:
+            self.reader_gone = True
+            silence_stdout()
+            click.echo(
+                "standard output closed: starting no more migrations; waiting for those "
+                f"running in {len(self.children)} worker(s) to commit or roll back",
+                err=True,
+            )
 
     def on_signal(self, signum: int) -> None:
         self.signals.append(signum)
         name = signal.Signals(signum).name
-        if len(self.signals) == 1:
+        if len(self.signals) + self.reader_gone == 1:
             click.echo(
                 f"{name}: starting no more migrations; waiting for those running in "
                 f"{len(self.children)} worker(s) to commit or roll back (signal again to "
@@ -105,7 +125,7 @@ class _Run:
                 err=True,
             )
             return
-        stop = signal.SIGINT if len(self.signals) == 2 else signal.SIGKILL
+        stop = signal.SIGINT if len(self.signals) + self.reader_gone == 2 else signal.SIGKILL
         click.echo(
             f"{name}: sending {stop.name} to the {len(self.children)} worker(s)",
             err=True,
@@ -353,7 +373,7 @@ async def migrate_clusters(
             results.append(done)
             if done.outcome in (Outcome.FAILED, Outcome.REFUSED):
                 run.failed = True
-            click.echo(_line(done, run, width))
+            run.say(_line(done, run, width))
 
         async def worker() -> None:
             process: _Worker | None = None
@@ -407,7 +427,7 @@ async def migrate_clusters(
         if run.signals
         else ""
     )
-    click.echo(
+    run.say(
         f"summary: {len(clusters)} cluster(s), {chosen.words()}: migrated "
         f"{by[Outcome.MIGRATED]}, already current {by[Outcome.CURRENT]}, failed "
         f"{by[Outcome.FAILED]}, refused {by[Outcome.REFUSED]}, skipped {by[Outcome.SKIPPED]} "
@@ -415,6 +435,8 @@ async def migrate_clusters(
     )
     if run.signals:
         return 128 + run.signals[0]
+    if run.reader_gone:
+        return int(ExitCode.FAILED)
     if code is ExitCode.OK and any(
         d.outcome is Outcome.SKIPPED and d.message != _GONE for d in results
     ):
