@@ -242,3 +242,22 @@ async def test_a_reader_that_goes_away_is_not_a_server_that_cannot_be_reached(
     assert "standard output closed" in err.decode()
     assert "Traceback" not in err.decode()
     assert "SIGKILL" not in err.decode()
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("status", "--jobs=3"),
+        ("health", "--jobs=3"),
+        ("migrate", "--jobs=3"),
+        ("migrate", "--fail-fast"),
+    ],
+)
+async def test_an_option_of_many_clusters_without_a_selection_is_a_usage_error(
+    database: URL, command: str, option: str
+) -> None:
+    """``--jobs`` or ``--fail-fast`` alone: ``--all`` was most likely forgotten."""
+    await make_fleet(database, heads=["a1"])
+    result = await run("--url", full(database), "--schema", "a1", command, option)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "--all or --schemas" in result.output

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import _catalog as catalog
@@ -134,6 +135,7 @@ def selection(options: Options, every: bool, glob: str | None) -> Selection | No
     if every and glob is not None:
         raise click.UsageError("--all and --schemas select clusters two ways: give one")
     if not every and glob is None:
+        _refuse_many_options()
         return None
     if options.schema_typed:
         raise click.UsageError(
@@ -141,6 +143,25 @@ def selection(options: Options, every: bool, glob: str | None) -> Selection | No
             "give one or the other"
         )
     return Selection(glob)
+
+
+#: Options that mean something only over many clusters.
+_MANY_ONLY = {"jobs": "--jobs", "fail_fast": "--fail-fast"}
+
+
+def _refuse_many_options() -> None:
+    """A usage error for ``--jobs`` or ``--fail-fast`` given for one cluster: the operator
+    most likely forgot ``--all`` or ``--schemas``, and a command that ignored them would
+    run over one cluster where many were meant."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    for name, flag in _MANY_ONLY.items():
+        source = ctx.get_parameter_source(name)
+        if source is not None and source is not ParameterSource.DEFAULT:
+            raise click.UsageError(
+                f"{flag} applies to many clusters: give --all or --schemas PATTERN with it"
+            )
 
 
 @dataclass(frozen=True, slots=True)
