@@ -218,6 +218,15 @@ _WORKER_COMMAND: tuple[str, ...] = (
 )
 
 
+def _forwarded(line: str) -> str:
+    """A line of a worker's stderr made safe for a terminal: :func:`visible`'s rule, but
+    for backslashes, which the worker's log lines have doubled already (again would show
+    each as two pairs)."""
+    if line.isascii() and line.isprintable():
+        return line
+    return "".join(char if char == "\\" else visible(char) for char in line)
+
+
 class _Worker:
     """One worker process and the schema it is on."""
 
@@ -253,10 +262,9 @@ class _Worker:
         stream = self.process.stderr
         assert stream is not None
         async for raw in stream:
-            line = scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url])
+            line = _forwarded(scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url]))
             if line:
                 self.last = line
-                # Made visible by the worker already; again would double backslashes.
                 click.echo(f"{visible(self.schema)}: {line}", err=True)
 
     async def migrate(self, schema: str) -> dict[str, Any] | None:
