@@ -108,8 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lock-timeout", type=float, required=True)
     args = parser.parse_args(argv)
     url = os.environ[URL_ENV]
-    with output.store_log_on_stderr():
-        asyncio.run(_serve(url, frozenset(args.trusted_trigger), args.lock_timeout))
+    try:
+        with output.store_log_on_stderr():
+            asyncio.run(_serve(url, frozenset(args.trusted_trigger), args.lock_timeout))
+    except KeyboardInterrupt:
+        # The parent's second signal (or the parent's death): the statement was cancelled
+        # and the server rolls the transaction back. No traceback to forward: 130 says it.
+        sys.exit(130)
 
 
 if __name__ == "__main__":
