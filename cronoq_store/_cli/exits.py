@@ -102,7 +102,8 @@ Exit codes:
 
 Over many clusters (--all, --schemas) the exit code is the gravest any cluster gave, in
 this order: {" ".join(str(int(code)) for code in SEVERITY)}. An interrupted migrate exits
-128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A closed standard output
+(`| head -1`) exits 1.
 """
 
 
