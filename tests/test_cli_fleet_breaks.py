@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._cli import fleet_migrate
 from cronoq_store._cli.exits import ExitCode
 from cronoq_store._cli.migrate_worker import migrate_schema
 from cronoq_store._migrations import ClusterGone, upgrade
@@ -261,3 +262,23 @@ async def test_an_option_of_many_clusters_without_a_selection_is_a_usage_error(
     result = await run("--url", full(database), "--schema", "a1", command, option)
     assert result.exit_code == ExitCode.USAGE, result.output
     assert "--all or --schemas" in result.output
+
+
+async def test_a_worker_that_cannot_start_fails_its_clusters_not_the_run(
+    database: URL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever goes wrong with one cluster's worker is that cluster's line: the others
+    get theirs, and the summary comes last."""
+    await make_fleet(database, heads=["a0"], behind=["a1", "a2"])
+
+    async def cannot_start(*args: object) -> object:
+        raise OSError("no processes left (test)")
+
+    monkeypatch.setattr(fleet_migrate._Worker, "start", cannot_start)
+    result = await run("--url", full(database), "migrate", "--all", "--jobs", "1")
+    said = outcomes(result.stdout)
+    assert said["a0"].endswith("already current"), result.output
+    assert "no processes left" in said["a1"]
+    assert "no processes left" in said["a2"]
+    assert "failed 2" in lines(result)[-1]
+    assert result.exit_code == ExitCode.FAILED

@@ -408,10 +408,23 @@ async def migrate_clusters(
                     if run.stopping:
                         finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
                         continue
-                    if process is None or process.process.returncode is not None:
-                        process = await _Worker.start(options, lock_timeout)
-                        run.children.add(process.process)
-                    finish(await _migrate_one(options, cluster.schema, engine, run, process))
+                    try:
+                        if process is None or process.process.returncode is not None:
+                            process = await _Worker.start(options, lock_timeout)
+                            run.children.add(process.process)
+                        done = await _migrate_one(options, cluster.schema, engine, run, process)
+                    except Exception as exc:  # one cluster's failure never ends the run
+                        done = _Done(
+                            cluster.schema,
+                            Outcome.FAILED,
+                            code=ExitCode.FAILED,
+                            message=fleet.unexpected(exc, options.url),
+                        )
+                        if process is not None:  # out of step with us: let it end
+                            await process.close()
+                            run.children.discard(process.process)
+                            process = None
+                    finish(done)
             finally:
                 if process is not None:
                     await process.close()
