@@ -282,3 +282,28 @@ async def test_a_worker_that_cannot_start_fails_its_clusters_not_the_run(
     assert "no processes left" in said["a2"]
     assert "failed 2" in lines(result)[-1]
     assert result.exit_code == ExitCode.FAILED
+
+
+async def test_status_to_a_closed_output_exits_1_not_3(database: URL) -> None:
+    """Any command, not only ``migrate``: a reader gone is no unreachable server."""
+    await make_fleet(database, heads=["a1", "a2"])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "cronoq_store._cli",
+            "status",
+            "--all",
+            cwd=ROOT,
+            env=environment(database),
+            stdout=write,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    finally:
+        os.close(write)
+    _, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == ExitCode.FAILED, err.decode()
+    assert "standard output closed" in err.decode()
+    assert "Traceback" not in err.decode()
