@@ -419,9 +419,27 @@ terminate_backend = select(
 # --- the CLI: where the clusters are ----------------------------------------------------------
 
 _pg_class = table(
-    "pg_class", column("relname"), column("relnamespace"), column("relkind"), schema="pg_catalog"
+    "pg_class",
+    column("relname"),
+    column("relnamespace"),
+    column("relkind"),
+    column("relpersistence"),
+    schema="pg_catalog",
 )
 _pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
+_nspname = cast(_pg_namespace.c.nspname, Text)
+
+#: A cluster's version table: an ordinary, permanent table of that name in a schema of
+#: its own. Not a temporary table (any session may create one, in its pg_temp_N schema:
+#: it would add a "cluster" to ``--all``), nor one in a system schema.
+_version_table = and_(
+    _pg_class.c.relname == literal(VERSION_TABLE, Text),
+    _pg_class.c.relkind == "r",
+    _pg_class.c.relpersistence == "p",
+    ~_nspname.startswith("pg_temp_", autoescape=True),
+    ~_nspname.startswith("pg_toast", autoescape=True),
+    _nspname.not_in(["pg_catalog", "information_schema"]),
+)
 
 #: The schemas holding a cluster (its Alembic version table), by name: what the CLI lists
 #: when no schema was named and ``public`` holds none. Catalogs only, schema-qualified: no
@@ -429,7 +447,7 @@ _pg_namespace = table("pg_namespace", column("oid"), column("nspname"), schema="
 cluster_schemas = (
     select(_pg_namespace.c.nspname)
     .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
-    .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+    .where(_version_table)
     .order_by(_pg_namespace.c.nspname)
 )
 
@@ -462,7 +480,7 @@ def _cluster_page(forward: bool) -> Select[Any]:
     clusters = (
         select(name.label("name"))
         .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
-        .where(_pg_class.c.relname == literal(VERSION_TABLE, Text), _pg_class.c.relkind == "r")
+        .where(_version_table)
         .cte("clusters")
     )
     found = (
@@ -500,10 +518,6 @@ cluster_page_before = _cluster_page(forward=False)
 cluster_schema_exists = select(
     select(_pg_class.c.relname)
     .join_from(_pg_class, _pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid)
-    .where(
-        _pg_class.c.relname == literal(VERSION_TABLE, Text),
-        _pg_class.c.relkind == "r",
-        _pg_namespace.c.nspname == bindparam("schema", type_=Text),
-    )
+    .where(_version_table, _pg_namespace.c.nspname == bindparam("schema", type_=Text))
     .exists()
 )

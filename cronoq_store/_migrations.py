@@ -142,6 +142,8 @@ __all__ = [
     "LEGACY_REVISIONS",
     "LOCK_NS_MIGRATE",
     "LOCK_TIMEOUT",
+    "MUST_EXIST",
+    "ClusterGone",
     "RevisionStatus",
     "alembic_config",
     "alembic_ini",
@@ -178,6 +180,16 @@ TRUSTED_TRIGGERS = "trusted_triggers"
 #: ``Config.attributes`` key (and ``-x`` argument) of the seconds a run waits for the
 #: migration lock and the cluster's tables (:data:`MIGRATION_LOCK_TIMEOUT` if not given).
 LOCK_TIMEOUT = "lock_timeout"
+#: ``Config.attributes`` key: upgrade only a schema that holds a migrated cluster, checked
+#: under the migration lock; a schema without one raises :class:`ClusterGone`.
+MUST_EXIST = "must_exist"
+
+
+class ClusterGone(MigrationError):
+    """An upgrade of an existing cluster only (:func:`upgrade` with ``must_exist``) found
+    no migrated cluster in the schema under the migration lock: it was dropped, or never
+    migrated. Nothing was created."""
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -228,6 +240,7 @@ async def upgrade(
     *,
     trusted_triggers: frozenset[str] = frozenset(),
     lock_timeout: float = MIGRATION_LOCK_TIMEOUT,
+    must_exist: bool = False,
 ) -> None:
     """Upgrade ``schema`` to ``revision`` in one transaction (idempotent, serialized).
 
@@ -243,11 +256,23 @@ async def upgrade(
     tables, logging who holds them, and reads the
     revision again under the lock (an upgrade that ran meanwhile leaves nothing to do);
     past the bound it raises :class:`~cronoq_store.LockHeldError` naming them.
+
+    ``must_exist``: upgrade only a cluster already there (``migrate --all`` over the
+    schemas it listed), checked under the migration lock; a schema dropped meanwhile is
+    not created again, and the run raises :class:`ClusterGone`.
     """
     check_seconds("lock_timeout", lock_timeout)
     if revision == "head" and await _at_head(bind, schema, trusted_triggers):
         return
-    await _run_on(bind, schema, trusted_triggers, command.upgrade, revision, lock_timeout)
+    await _run_on(
+        bind,
+        schema,
+        trusted_triggers,
+        command.upgrade,
+        revision,
+        lock_timeout,
+        must_exist=must_exist,
+    )
 
 
 async def downgrade(
@@ -293,6 +318,7 @@ async def _run_on(
     lock_timeout: float,
     *,
     force: bool = False,
+    must_exist: bool = False,
 ) -> None:
     validate_schema_name(schema)
     trusted = trusted_trigger_names(trusted_triggers)
@@ -304,6 +330,7 @@ async def _run_on(
         cfg.attributes[TRUSTED_TRIGGERS] = trusted
         cfg.attributes[FORCE] = force
         cfg.attributes[LOCK_TIMEOUT] = lock_timeout
+        cfg.attributes[MUST_EXIST] = must_exist
         alembic_command(cfg, revision)
 
     try:
@@ -1111,6 +1138,11 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
                 raise MigrationError(f"{said}: nothing to downgrade")
             context.config.print_stdout(f"{said}: nothing to show")
             return
+        if context.config.attributes.get(MUST_EXIST) and not revision_status(conn, schema).current:
+            raise ClusterGone(
+                f"schema {schema!r} holds no cronoq cluster any more (dropped since it was "
+                "listed?): not created again"
+            )
         # Created first (a no-op if it exists) and then checked: a schema that another role
         # creates between a check and our CREATE ... IF NOT EXISTS is still refused.
         conn.execute(CreateSchema(schema, if_not_exists=True))

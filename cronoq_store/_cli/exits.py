@@ -5,6 +5,9 @@ code a script can act on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 from collections.abc import Coroutine, Iterable
 from enum import IntEnum
 from typing import Any, NoReturn, TypeVar
@@ -16,7 +19,16 @@ from .._errors import LockHeldError, StoreError
 from .._terminal_safe import visible
 from .._urls import scrub
 
-__all__ = ["EPILOG", "SEVERITY", "CliError", "ExitCode", "code_of", "run", "worst"]
+__all__ = [
+    "EPILOG",
+    "SEVERITY",
+    "CliError",
+    "ExitCode",
+    "code_of",
+    "run",
+    "silence_stdout",
+    "worst",
+]
 
 _T = TypeVar("_T")
 
@@ -90,7 +102,8 @@ Exit codes:
 
 Over many clusters (--all, --schemas) the exit code is the gravest any cluster gave, in
 this order: {" ".join(str(int(code)) for code in SEVERITY)}. An interrupted migrate exits
-128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
+128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A closed standard output
+(`| head -1`) exits 1.
 """
 
 
@@ -111,14 +124,34 @@ def run(url: str | None, work: Coroutine[Any, Any, _T]) -> _T:
     """Run a command's coroutine; every failure leaves as one line, ``url`` masked in it,
     with its exit code."""
     try:
-        with door.translated("the command", passing=(click.ClickException, CliError)):
+        with door.translated(
+            "the command", passing=(click.ClickException, CliError, BrokenPipeError)
+        ):
             return asyncio.run(work)
     except click.ClickException:
         raise  # usage errors: click prints them and exits with 2
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): the server is not unreachable (3), and the
+        # output was not all delivered (1).
+        silence_stdout()
+        CliError("standard output closed before the command ended", ExitCode.FAILED).exit(url)
     except CliError as exc:
         exc.exit(url)
     except StoreError as error:
         CliError(str(error), code_of(error)).exit(url)
+
+
+def silence_stdout() -> None:
+    """Point standard output at the null device once its reader has gone: what is still
+    buffered, and any later line, then goes nowhere instead of failing again at exit
+    (Python's advice for ``BrokenPipeError``). Not where there is no descriptor (a test's
+    runner)."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
 
 
 def code_of(error: StoreError) -> ExitCode:

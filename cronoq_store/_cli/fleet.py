@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import _catalog as catalog
@@ -42,6 +43,7 @@ __all__ = [
     "select",
     "selection",
     "selection_options",
+    "unexpected",
 ]
 
 _C = TypeVar("_C", bound=Callable[..., Any])
@@ -133,6 +135,7 @@ def selection(options: Options, every: bool, glob: str | None) -> Selection | No
     if every and glob is not None:
         raise click.UsageError("--all and --schemas select clusters two ways: give one")
     if not every and glob is None:
+        _refuse_many_options()
         return None
     if options.schema_typed:
         raise click.UsageError(
@@ -140,6 +143,25 @@ def selection(options: Options, every: bool, glob: str | None) -> Selection | No
             "give one or the other"
         )
     return Selection(glob)
+
+
+#: Options that mean something only over many clusters.
+_MANY_ONLY = {"jobs": "--jobs", "fail_fast": "--fail-fast"}
+
+
+def _refuse_many_options() -> None:
+    """A usage error for ``--jobs`` or ``--fail-fast`` given for one cluster: the operator
+    most likely forgot ``--all`` or ``--schemas``, and a command that ignored them would
+    run over one cluster where many were meant."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    for name, flag in _MANY_ONLY.items():
+        source = ctx.get_parameter_source(name)
+        if source is not None and source is not ParameterSource.DEFAULT:
+            raise click.UsageError(
+                f"{flag} applies to many clusters: give --all or --schemas PATTERN with it"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,13 +181,22 @@ async def select(options: Options, chosen: Selection, engine: AsyncEngine) -> li
     if chosen.glob is not None:
         statement, params = catalog.cluster_schemas_like, {"pattern": chosen.like()}
     try:
-        async with door.translated("listing the clusters"), engine.connect() as conn:
+        async with door.translated("connecting"):
+            conn = await engine.connect()
+    except StoreError as reason:
+        # As for one cluster (database.database): whatever fails the connection (a wrong
+        # password or database name as much as a server down) is exit 3.
+        raise CliError(f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE) from None
+    try:
+        async with door.translated("listing the clusters"):
             found = (await conn.execute(statement, params)).scalars().all()
     except StoreError as reason:
         code = code_of(reason)
         if code is ExitCode.UNREACHABLE:
             raise CliError(f"cannot connect to {redact(url)}: {reason}", code) from None
         raise CliError(str(reason), code) from None
+    finally:
+        await conn.close()
     if not found:
         raise CliError(chosen.none_found(), ExitCode.NO_MATCH)
     return [_checked_name(schema) for schema in found]
@@ -201,7 +232,10 @@ async def _read(
         return _failed(cluster.schema, ExitCode.FAILED, cluster.refusal, refused=True)
     one = Options(url=options.url, schema=cluster.schema, trusted_triggers=options.trusted_triggers)
     try:
-        async with database.database(one, engine) as conn:
+        async with (
+            door.translated(f"reading schema {cluster.schema!r}", passing=(CliError,)),
+            database.database(one, engine) as conn,
+        ):
             return await read(conn, cluster.schema)
     except CliError as exc:
         return _failed(cluster.schema, exc.code, scrub(str(exc), [options.url]))
@@ -209,6 +243,14 @@ async def _read(
         return _failed(cluster.schema, ExitCode.FAILED, f"refused: {exc}", refused=True)
     except StoreError as exc:
         return _failed(cluster.schema, code_of(exc), scrub(str(exc), [options.url]))
+    except Exception as exc:  # one cluster's failure never ends the run
+        return _failed(cluster.schema, ExitCode.FAILED, unexpected(exc, options.url))
+
+
+def unexpected(exc: BaseException, url: str | None) -> str:
+    """The words of a failure nothing translated (a bug, most likely), as a cluster's
+    verdict: its type and message, the URL's password masked."""
+    return scrub(f"unexpected {type(exc).__name__}: {exc}", [url])
 
 
 def _failed(schema: str, code: ExitCode, message: str, *, refused: bool = False) -> Verdict:

@@ -37,17 +37,22 @@ from typing import Any
 import click
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .. import _door as door
 from .._errors import MigrationError, StoreError
+from .._migrations import RevisionStatus
 from .._terminal_safe import visible
 from .._urls import URL_ENV, scrub
 from . import database, fleet
 from .app import SCHEMA_ENV, Options
-from .exits import CliError, ExitCode, code_of, worst
+from .exits import CliError, ExitCode, code_of, silence_stdout, worst
 
 __all__ = ["Outcome", "migrate_clusters"]
 
 #: Why a cluster's migration did not run: the run was interrupted, or stopped at a failure.
 _NOT_STARTED = "not started"
+#: Why a cluster's migration did not run: its schema was dropped since the listing. Not a
+#: failure: nothing is left for a next run to do.
+_GONE = "the schema is gone since the listing"
 #: Seconds the parent waits for a worker it killed to be gone.
 _REAP = 10.0
 
@@ -84,15 +89,35 @@ class _Run:
         self.signals: list[int] = []
         self.failed = False
         self.children: set[asyncio.subprocess.Process] = set()
+        #: Whether standard output was closed (``| head -1``, a pager quit early).
+        self.reader_gone = False
 
     @property
     def stopping(self) -> bool:
-        return bool(self.signals)
+        return bool(self.signals) or self.reader_gone
+
+    def say(self, text: str) -> None:
+        """Print a line on standard output while anyone reads it. The first write to a
+        closed one stops the run as a first signal would: nothing more starts, and the
+        migrations running end committed or rolled back (a broken pipe is no reason to kill
+        them, nor to say the server cannot be reached)."""
+        if self.reader_gone:
+            return
+        try:
+            click.echo(text)
+        except BrokenPipeError:
+            self.reader_gone = True
+            silence_stdout()
+            click.echo(
+                "standard output closed: starting no more migrations; waiting for those "
+                f"running in {len(self.children)} worker(s) to commit or roll back",
+                err=True,
+            )
 
     def on_signal(self, signum: int) -> None:
         self.signals.append(signum)
         name = signal.Signals(signum).name
-        if len(self.signals) == 1:
+        if len(self.signals) + self.reader_gone == 1:
             click.echo(
                 f"{name}: starting no more migrations; waiting for those running in "
                 f"{len(self.children)} worker(s) to commit or roll back (signal again to "
@@ -100,7 +125,7 @@ class _Run:
                 err=True,
             )
             return
-        stop = signal.SIGINT if len(self.signals) == 2 else signal.SIGKILL
+        stop = signal.SIGINT if len(self.signals) + self.reader_gone == 2 else signal.SIGKILL
         click.echo(
             f"{name}: sending {stop.name} to the {len(self.children)} worker(s)",
             err=True,
@@ -137,30 +162,69 @@ def _signals_handled(run: _Run) -> Iterator[None]:
             loop.remove_signal_handler(signum)
 
 
-async def _revision(options: Options, schema: str, engine: AsyncEngine) -> tuple[str, bool]:
-    """The schema's revision in words and whether it is at head, read through the CLI's
-    opening (the trust check first)."""
+async def _revision(options: Options, schema: str, engine: AsyncEngine) -> RevisionStatus:
+    """Where the schema stands, read through the CLI's opening (the trust check first)."""
     one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
     async with database.database(one, engine) as conn:
-        status = await database.revision(conn, schema)
-    return ", ".join(status.current) or "nothing", status.at_head
+        return await database.revision(conn, schema)
+
+
+def _words(status: RevisionStatus) -> str:
+    return ", ".join(status.current) or "nothing"
 
 
 async def _check(options: Options, schema: str, engine: AsyncEngine) -> _Done | None:
-    """The cluster's outcome when no worker need see it (refused, at head, unreadable);
-    ``None`` when it is to be migrated."""
+    """The cluster's outcome when no worker need see it (refused, at head, unreadable,
+    gone); ``None`` when it is to be migrated."""
     started = time.monotonic()
     try:
-        before, at_head = await _revision(options, schema, engine)
+        async with door.translated(f"reading schema {schema!r}", passing=(CliError,)):
+            status = await _revision(options, schema, engine)
     except CliError as exc:
-        return _Done(schema, Outcome.FAILED, code=exc.code, message=str(exc))
+        return _Done(schema, Outcome.FAILED, code=exc.code, message=scrub(str(exc), [options.url]))
     except MigrationError as exc:
         return _Done(schema, Outcome.REFUSED, code=ExitCode.FAILED, message=f"refused: {exc}")
     except StoreError as exc:
-        return _Done(schema, Outcome.FAILED, code=code_of(exc), message=str(exc))
-    if at_head:
+        return _Done(
+            schema, Outcome.FAILED, code=code_of(exc), message=scrub(str(exc), [options.url])
+        )
+    except Exception as exc:  # one cluster's failure never ends the run
+        return _Done(
+            schema, Outcome.FAILED, code=ExitCode.FAILED, message=fleet.unexpected(exc, options.url)
+        )
+    before = _words(status)
+    if status.at_head:
         return _Done(schema, Outcome.CURRENT, before, before, time.monotonic() - started)
+    if not status.current:
+        return _Done(schema, Outcome.SKIPPED, message=_GONE)
     return None
+
+
+#: How a worker starts: with nothing from the working directory on ``sys.path``. ``python
+#: -m`` puts that directory first, so a module there (a stray ``argparse.py`` in a shared
+#: directory such as /tmp) would run with the URL and its password in the environment.
+#: Python 3.11's ``-P`` keeps it off; before 3.11 the ``-c`` program removes the entry
+#: (``''``, the working directory) before it imports anything but ``sys``. Not ``-I``: it
+#: also ignores ``PYTHONPATH`` and the user's site directory, where the package may be.
+_WORKER_COMMAND: tuple[str, ...] = (
+    (sys.executable, "-P", "-m", "cronoq_store._cli.migrate_worker")
+    if sys.version_info >= (3, 11)
+    else (
+        sys.executable,
+        "-c",
+        "import sys; del sys.path[0]; "
+        "from cronoq_store._cli.migrate_worker import main; main(sys.argv[1:])",
+    )
+)
+
+
+def _forwarded(line: str) -> str:
+    """A line of a worker's stderr made safe for a terminal: :func:`visible`'s rule, but
+    for backslashes, which the worker's log lines have doubled already (again would show
+    each as two pairs)."""
+    if line.isascii() and line.isprintable():
+        return line
+    return "".join(char if char == "\\" else visible(char) for char in line)
 
 
 class _Worker:
@@ -180,9 +244,7 @@ class _Worker:
             arg for name in sorted(options.trusted_triggers) for arg in ("--trusted-trigger", name)
         ]
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "cronoq_store._cli.migrate_worker",
+            *_WORKER_COMMAND,
             *triggers,
             "--lock-timeout",
             repr(lock_timeout),
@@ -200,10 +262,9 @@ class _Worker:
         stream = self.process.stderr
         assert stream is not None
         async for raw in stream:
-            line = scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url])
+            line = _forwarded(scrub(raw.decode("utf-8", "replace").rstrip("\n"), [url]))
             if line:
                 self.last = line
-                # Made visible by the worker already; again would double backslashes.
                 click.echo(f"{visible(self.schema)}: {line}", err=True)
 
     async def migrate(self, schema: str) -> dict[str, Any] | None:
@@ -243,6 +304,8 @@ async def _migrate_one(
     if answer is not None:
         code = ExitCode(answer["code"]) if answer["code"] in _CODES else ExitCode.FAILED
         said = (schema, Outcome.MIGRATED, answer["before"], answer["after"], answer["seconds"])
+        if answer.get("gone"):
+            return _Done(*said[:1], Outcome.SKIPPED, *said[2:], message=_GONE)
         if code is ExitCode.OK:
             return _Done(*said)
         if run.signals[1:]:  # cancelled by the second signal, rolled back
@@ -250,15 +313,27 @@ async def _migrate_one(
         return _Done(*said[:1], Outcome.FAILED, *said[2:], code, answer["message"])
     returned = await worker.close()
     try:
-        after, _ = await _revision(options, schema, engine)
-    except (CliError, StoreError):
+        after = _words(await _revision(options, schema, engine))
+    except Exception:  # only a word of the line: "?" says it was not read
         after = "?"
     seconds = time.monotonic() - started
-    if returned < 0 or run.signals[1:]:
-        # Stopped by a signal before it committed: rolled back, the next run does it.
+    if run.signals[1:]:
+        # Stopped by the signal the parent sent before it committed: rolled back, the next
+        # run does it.
         return _Done(schema, Outcome.SKIPPED, after, after, seconds, message="cancelled")
-    message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
+    if returned < 0:
+        # A signal from elsewhere (kill -9, the OOM killer): nobody asked for it.
+        message = f"the worker was killed by {_signal_name(-returned)}"
+    else:
+        message = worker.last.removeprefix("Error: ") or f"the worker process exited {returned}"
     return _Done(schema, Outcome.FAILED, "?", after, seconds, ExitCode.FAILED, message)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 #: Exit codes a worker may answer.
@@ -273,8 +348,8 @@ def _line(done: _Done, run: _Run, width: int) -> str:
         return f"{count} {name}  at {done.after}  already current"
     if done.outcome is Outcome.REFUSED:
         return f"{count} {name}  {visible(done.message)}"
-    if done.outcome is Outcome.SKIPPED and done.message == _NOT_STARTED:
-        return f"{count} {name}  skipped ({_NOT_STARTED})"
+    if done.outcome is Outcome.SKIPPED and done.message in (_NOT_STARTED, _GONE):
+        return f"{count} {name}  skipped ({done.message})"
     moved = f"{done.before} -> {done.after}  {done.seconds:.2f} s"
     if done.outcome is Outcome.MIGRATED:
         return f"{count} {name}  {moved}  ok"
@@ -306,7 +381,7 @@ async def migrate_clusters(
             results.append(done)
             if done.outcome in (Outcome.FAILED, Outcome.REFUSED):
                 run.failed = True
-            click.echo(_line(done, run, width))
+            run.say(_line(done, run, width))
 
         async def worker() -> None:
             process: _Worker | None = None
@@ -333,10 +408,23 @@ async def migrate_clusters(
                     if run.stopping:
                         finish(_Done(cluster.schema, Outcome.SKIPPED, message=_NOT_STARTED))
                         continue
-                    if process is None or process.process.returncode is not None:
-                        process = await _Worker.start(options, lock_timeout)
-                        run.children.add(process.process)
-                    finish(await _migrate_one(options, cluster.schema, engine, run, process))
+                    try:
+                        if process is None or process.process.returncode is not None:
+                            process = await _Worker.start(options, lock_timeout)
+                            run.children.add(process.process)
+                        done = await _migrate_one(options, cluster.schema, engine, run, process)
+                    except Exception as exc:  # one cluster's failure never ends the run
+                        done = _Done(
+                            cluster.schema,
+                            Outcome.FAILED,
+                            code=ExitCode.FAILED,
+                            message=fleet.unexpected(exc, options.url),
+                        )
+                        if process is not None:  # out of step with us: let it end
+                            await process.close()
+                            run.children.discard(process.process)
+                            process = None
+                    finish(done)
             finally:
                 if process is not None:
                     await process.close()
@@ -360,7 +448,7 @@ async def migrate_clusters(
         if run.signals
         else ""
     )
-    click.echo(
+    run.say(
         f"summary: {len(clusters)} cluster(s), {chosen.words()}: migrated "
         f"{by[Outcome.MIGRATED]}, already current {by[Outcome.CURRENT]}, failed "
         f"{by[Outcome.FAILED]}, refused {by[Outcome.REFUSED]}, skipped {by[Outcome.SKIPPED]} "
@@ -368,7 +456,11 @@ async def migrate_clusters(
     )
     if run.signals:
         return 128 + run.signals[0]
-    if by[Outcome.SKIPPED] and code is ExitCode.OK:
+    if run.reader_gone:
+        return int(ExitCode.FAILED)
+    if code is ExitCode.OK and any(
+        d.outcome is Outcome.SKIPPED and d.message != _GONE for d in results
+    ):
         code = ExitCode.FAILED
     return int(code)
 
