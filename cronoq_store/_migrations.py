@@ -259,7 +259,7 @@ async def upgrade(
 
     ``must_exist``: upgrade only a cluster already there (``migrate --all`` over the
     schemas it listed), checked under the migration lock; a schema dropped meanwhile is
-    not created again, and the run raises :class:`ClusterGone`.
+    not created again, and the run raises :class:`~cronoq_store.MigrationError` saying so.
     """
     check_seconds("lock_timeout", lock_timeout)
     if revision == "head" and await _at_head(bind, schema, trusted_triggers):
