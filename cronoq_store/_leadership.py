@@ -5,7 +5,7 @@ comes from the application's pool and never returns to any pool (a pooled connec
 a session lock after ``close()``): it is discarded when it ends, and releasing leadership
 means closing it. On an application's engine it is made as that engine makes its own
 (creator, TLS, connect arguments), then sets its own keepalives, idle limit, search path,
-durability and read-write mode (``_session_settings``). Taking the lock bumps the
+durability and read-write mode (``session_settings``). Taking the lock bumps the
 fencing epoch, which every commit checks in its own transaction.
 
 The keeper reads the leader row on the session every ``keepalive``. If nothing has been
@@ -42,7 +42,7 @@ import logging
 import secrets
 import time
 from datetime import datetime
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import Pool
@@ -60,7 +60,7 @@ from ._trust import ConnectCheck, TrustCheck
 from ._urls import redact, resolve
 from .telemetry import DISABLED, Telemetry
 
-__all__ = ["Leadership", "cool_down"]
+__all__ = ["LeaderTerm", "Leadership", "cool_down", "session_settings"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -103,7 +103,7 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
-def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[str, str]:
+def session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[str, str]:
     """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`),
     named ``name`` (the application's) followed by the instance id."""
     settings = {
@@ -131,6 +131,36 @@ def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[s
     }
     assert tuple(settings) == st.LOCK_SESSION_SETTINGS
     return settings
+
+
+class LeaderTerm(Protocol):
+    """What a store needs of whatever makes it lead: :class:`Leadership` for a standalone
+    store (its own lock session), or a host's term for a cluster it leads among many
+    (:mod:`cronoq_store._host`). The store reads the term's state before each commit and
+    ends it when a commit finds the fence moved; the source decides how a term starts and
+    how it ends."""
+
+    telemetry: Telemetry
+    replaced: ClusterReplacedError | None
+
+    @property
+    def epoch(self) -> int | None: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def lock_key(self) -> tuple[int, int]: ...
+
+    def mark_lost(self, reason: str = "fenced") -> None: ...
+
+    async def wait_lost(self) -> None: ...
+
+    async def acquire(self) -> int: ...
+
+    async def release(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class Leadership:
@@ -185,7 +215,7 @@ class Leadership:
         # Dialled from a URL, the URL's application_name (or $PGAPPNAME) is the name's
         # prefix, as it names the store's other sessions; the id always ends it.
         parameters = None if pool is not None else resolve(url)
-        self._settings = _session_settings(
+        self._settings = session_settings(
             config,
             self.instance,
             config.application_name

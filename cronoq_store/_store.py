@@ -45,7 +45,7 @@ from ._errors import (
     StoreError,
     UnavailableError,
 )
-from ._leadership import Leadership
+from ._leadership import LeaderTerm, Leadership
 from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options
@@ -189,9 +189,16 @@ class PgStore:
         lock_url: str | URL,
         lock_pool: Pool | None = None,
         pool_role: str | None = None,
+        term: LeaderTerm | None = None,
+        own_sessions: bool | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID and the cluster's incarnation.
+
+        ``term``: where leadership comes from when it is not this store's own lock session
+        (a host leading the cluster among many, which also owns the engine; ``lock_url``
+        then names the pool's role only). ``own_sessions``: whether the engine's sessions
+        carry the store's settings from their connect (default: the store owns the engine).
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
@@ -202,7 +209,10 @@ class PgStore:
         # SETs), or any server connection a transaction-pooling PgBouncer hands out
         # (whatever another client of its pool left set). Every transaction of the store
         # then sets what its guarantees need for itself (statements.borrowed_transaction).
-        self._borrows_sessions = not owns_engine or not config.prepared_statements
+        self._borrows_sessions = (
+            not (owns_engine if own_sessions is None else own_sessions)
+            or not config.prepared_statements
+        )
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
@@ -225,7 +235,7 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leadership = Leadership(
+        self._leadership: LeaderTerm = term if term is not None else Leadership(
             lock_url,
             config.schema,
             (st.LOCK_NS_LEADER, schema_oid),
@@ -250,7 +260,7 @@ class PgStore:
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
-        self._has_led = False
+        self._has_led = term is not None
         self._fenced = False
         self._closed = False
         # time.monotonic() of the last commit that returned, for health().
