@@ -1,0 +1,1 @@
+"""PgHost: one process leading many cluster schemas"""
