@@ -104,6 +104,8 @@ LAYERS: tuple[Layer, ...] = (
             "_committer": "`GroupCommitter`: many submitters, one transaction per batch; its "
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
+            "_host": "the host: one process leading many clusters; its control schema "
+            "(tables, migrations, statements)",
         },
     ),
     Layer(
