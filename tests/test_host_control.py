@@ -14,6 +14,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+from alembic import command
+from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import Executable, Row
 from sqlalchemy.engine import URL
@@ -22,12 +24,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from cronoq_store import LockHeldError, MigrationError
 from cronoq_store import _statements as st
 from cronoq_store._host import control as c
-from cronoq_store._migrations import head_revision
+from cronoq_store._migrations import head_revision, run_command
 from cronoq_store._migrations import script_location as cluster_scripts
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import create_role, drop_role, python_run
+from .support import ROOT, create_role, drop_role, python_run
 from .waits import bounded
 
 
@@ -88,6 +90,16 @@ async def test_the_cluster_migrations_do_not_see_the_host_revisions() -> None:
     assert host == {"h0001_control"}
     assert not cluster & host
     assert head_revision() in cluster
+
+
+def test_the_control_migrations_run_only_from_code(schema: str) -> None:
+    """Alembic run on ``alembic/host`` without ``prepare_control``'s connection (its lock
+    and trust checks) is refused."""
+    config = Config()
+    config.set_main_option("script_location", str(c.script_location()))
+    config.attributes["schema"] = schema
+    with pytest.raises(MigrationError, match="migrated from code"):
+        run_command(command.upgrade, config, "head")
 
 
 async def test_two_prepares_at_once_on_two_engines_both_succeed(
@@ -403,3 +415,16 @@ async def test_enrol_remove_and_refuse(engine: AsyncEngine, control: str) -> Non
         removed = await run(conn, control, c.remove, group="g", schema="s")
         assert [tuple(r) for r in removed] == [("s", 3)]
         assert await run(conn, control, c.enrolled, group="g") == []
+
+
+@pytest.mark.parametrize("table", sorted(c.metadata.tables))
+def test_the_storage_format_documents_every_control_column(table: str) -> None:
+    """docs/storage-format.md's "Control schema" is what another program reading the
+    control tables relies on: a column added without its row there fails here."""
+    text = (ROOT / "docs" / "storage-format.md").read_text()
+    control = text[text.index("## Control schema") :]
+    assert f"### `{table}`" in control
+    undocumented = [
+        col.name for col in c.metadata.tables[table].columns if f"`{col.name}`" not in control
+    ]
+    assert undocumented == []

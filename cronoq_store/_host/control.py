@@ -443,8 +443,7 @@ def control_revision(conn: Connection, schema: str) -> tuple[str, ...]:
     transaction; a revision this build does not know is refused
     (:class:`~cronoq_store.MigrationError`). Run it after the trust check."""
     validate_schema_name(schema)
-    if conn.execute(st.schema_oid, {"schema": schema}).scalar() is None:
-        return ()
+    # No version table (no schema either) reads as no revision: one catalog look-up.
     context = MigrationContext.configure(
         conn, opts={"version_table": HOST_VERSION_TABLE, "version_table_schema": schema}
     )
