@@ -45,7 +45,7 @@ from ._errors import (
     StoreError,
     UnavailableError,
 )
-from ._leadership import LeaderTerm, Leadership
+from ._leadership import Leadership, LeaderTerm
 from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options
@@ -235,18 +235,22 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leadership: LeaderTerm = term if term is not None else Leadership(
-            lock_url,
-            config.schema,
-            (st.LOCK_NS_LEADER, schema_oid),
-            config,
-            incarnation=incarnation,
-            pool=lock_pool,
-            trust=trust.TrustCheck(config.schema, config.trusted_triggers),
-            # The pool's role connects as the store does: trusted by its lock session too.
-            connect=trust.ConnectCheck(
-                config.trusted_roles | ({pool_role} if pool_role is not None else set())
-            ),
+        self._leadership: LeaderTerm = (
+            term
+            if term is not None
+            else Leadership(
+                lock_url,
+                config.schema,
+                (st.LOCK_NS_LEADER, schema_oid),
+                config,
+                incarnation=incarnation,
+                pool=lock_pool,
+                trust=trust.TrustCheck(config.schema, config.trusted_triggers),
+                # The pool's role connects as the store does: trusted by its lock session too.
+                connect=trust.ConnectCheck(
+                    config.trusted_roles | ({pool_role} if pool_role is not None else set())
+                ),
+            )
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.

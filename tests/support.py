@@ -617,3 +617,10 @@ QUEUED = None
 RUNNING, RETRYING = TaskStatus.RUNNING, TaskStatus.RETRYING
 SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
 CANCELLED, SKIPPED = TaskStatus.CANCELLED, TaskStatus.SKIPPED
+
+
+def leadership_of(store: PgStore) -> Leadership:
+    """The standalone store's own leader election (a hosted store has none)."""
+    leadership = store._leadership
+    assert isinstance(leadership, Leadership)
+    return leadership

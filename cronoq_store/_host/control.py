@@ -87,6 +87,7 @@ __all__ = [
     "HOST_VERSION_TABLE",
     "LOCK_NS_HOST",
     "PROCESS_ID_MAX",
+    "claim_one",
     "claimable",
     "clusters",
     "control_head",
@@ -115,6 +116,7 @@ __all__ = [
     "run_environment",
     "script_location",
     "set_owner",
+    "take_process_lock",
 ]
 
 #: First key of a host process's lock, ``(LOCK_NS_HOST, process_id)`` ('croh'), held by its
@@ -276,18 +278,13 @@ owner_counts = (
     .order_by(clusters.c.owner.asc().nulls_first())
 )
 
-#: The keeper's one round trip: ``clusters`` (how many ``:me`` owns) and ``digest`` (the sum
-#: of ``hashtext(schema_name) + epoch`` over them); any change of owner or epoch changes it,
+#: The keeper's one round trip: ``clusters`` (how many ``:me`` owns) and ``epochs`` (the sum
+#: of their epochs). Only another process takes a cluster from ``:me`` (its count falls) and
+#: epochs only grow (its sum rises), so any change to what ``:me`` holds moves one of them,
 #: where a "changed since" read could miss sequence values that commit out of order.
 owned_digest = select(
     func.count().label("clusters"),
-    cast(
-        func.coalesce(
-            func.sum(cast(func.hashtext(clusters.c.schema_name), BigInteger) + clusters.c.epoch),
-            0,
-        ),
-        BigInteger,
-    ).label("digest"),
+    cast(func.coalesce(func.sum(clusters.c.epoch), 0), BigInteger).label("epochs"),
 ).where(_in_group, clusters.c.owner == _me)
 
 #: What ``:me`` owns (``schema_name``, ``epoch``, ``incarnation``), by schema: read when the
@@ -320,6 +317,20 @@ claimable = (
     )
     .order_by(clusters.c.schema_name)
     .limit(bindparam("limit", type_=Integer))
+    .with_for_update(skip_locked=True)
+)
+
+#: The process lock, taken once by the host session right after its id is drawn (free by
+#: construction: ids are never reused), held until the session ends.
+take_process_lock = select(
+    func.pg_advisory_lock(literal(LOCK_NS_HOST, Integer), bindparam("id", type_=Integer))
+)
+
+#: The start of a claim: the cluster's control row, locked, when it is still to be had (active,
+#: and unowned); no row when another process took it first or holds it in a claim now.
+claim_one = (
+    select(clusters.c.schema_name, clusters.c.incarnation)
+    .where(_this_cluster, clusters.c.state == _ACTIVE, clusters.c.owner.is_(None))
     .with_for_update(skip_locked=True)
 )
 

@@ -338,8 +338,8 @@ class PgHost:
                 await conn.execute(
                     control.enroll,
                     {
-                        "host_group": group,
-                        "schema_name": schema,
+                        "group": group,
+                        "schema": schema,
                         "incarnation": int(incarnation.tableoid),
                     },
                     execution_options=schema_options(self._config.control_schema),
@@ -368,8 +368,7 @@ class PgHost:
     async def _run(self) -> None:
         """Register, tend the group until the session is lost, register again."""
         config = self._config.store
-        backoff = acquisition_backoff(config)
-        failures = 0
+        delays = acquisition_backoff(config).delays()
         while not self._closing.is_set():
             try:
                 self._session = await HostSession.register(
@@ -381,14 +380,13 @@ class PgHost:
                     self._settings if self._apply_settings else None,
                 )
             except StoreError as error:
-                failures += 1
                 logger.warning(
                     "cannot register the host process for now; retrying",
                     extra={"group": self._config.group, "error": str(error)},
                 )
-                await pause(backoff.delay(failures), self._closing)
+                await pause(next(delays), self._closing)
                 continue
-            failures = 0
+            delays = acquisition_backoff(config).delays()
             self._joined_at = time.monotonic()
             logger.info(
                 "host process registered",

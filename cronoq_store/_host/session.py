@@ -104,12 +104,10 @@ class HostSession:
                 await lock.apply_settings(settings, config.session_timeout)
             async with door.translated("registering the host process"):
                 process_id = int((await host._run(control.next_process_id)).scalar_one())
-                await host._run(
-                    control.take_process_lock, {"ns": control.LOCK_NS_HOST, "id": process_id}
-                )
+                await host._run(control.take_process_lock, {"id": process_id})
                 await host._run(
                     control.insert_process,
-                    {"process_id": process_id, "host_group": group, "instance": instance},
+                    {"process_id": process_id, "group": group, "instance": instance},
                 )
         except BaseException:
             await lock.close()
@@ -140,23 +138,21 @@ class HostSession:
 
     async def owned(self) -> dict[str, Owned]:
         """The clusters the control schema gives to this process now."""
-        rows = await self._run(control.owned_by, {"host_group": self._group, "me": self.process_id})
+        rows = await self._run(control.owned_by, {"group": self._group, "me": self.process_id})
         return {r.schema_name: Owned(r.schema_name, int(r.epoch), int(r.incarnation)) for r in rows}
 
     async def digest(self) -> tuple[int, int]:
-        """The keeper's one-round-trip check: how many clusters this process owns, and a
-        sum over their names and epochs that any change of either moves."""
+        """The keeper's one-round-trip check: how many clusters this process owns, and the
+        sum of their epochs (:data:`~cronoq_store._host.control.owned_digest`)."""
         row = (
-            await self._run(
-                control.owned_digest, {"host_group": self._group, "me": self.process_id}
-            )
+            await self._run(control.owned_digest, {"group": self._group, "me": self.process_id})
         ).one()
-        return int(row[0]), int(row[1])
+        return int(row.clusters), int(row.epochs)
 
     async def members(self) -> list[int]:
         """The group's processes not known to have left, this one included."""
-        rows = await self._run(control.live_members, {"host_group": self._group})
-        return [int(r[0]) for r in rows]
+        rows = await self._run(control.live_members, {"group": self._group})
+        return [int(r.process_id) for r in rows if r.state == "member"]
 
     async def dead_among(self, others: Sequence[int]) -> list[int]:
         """Which of ``others`` hold no process lock: their sessions are gone. Never asked
@@ -165,7 +161,7 @@ class HostSession:
         if not others:
             return []
         rows = await self._run(control.probe_dead, {"ids": list(others)})
-        return sorted(int(r[0]) for r in rows)
+        return sorted(int(r.process_id) for r in rows)
 
     async def bury(self, dead: Sequence[int]) -> None:
         """Mark ``dead`` processes left and their clusters unowned, in one transaction."""
@@ -175,13 +171,13 @@ class HostSession:
 
     async def counts(self) -> dict[int | None, int]:
         """How many active clusters each process owns (``None``: unowned)."""
-        rows = await self._run(control.owner_counts, {"host_group": self._group})
-        return {None if r[0] is None else int(r[0]): int(r[1]) for r in rows}
+        rows = await self._run(control.owner_counts, {"group": self._group})
+        return {None if r.owner is None else int(r.owner): int(r.clusters) for r in rows}
 
     async def unowned(self, limit: int) -> list[str]:
         """Up to ``limit`` active clusters nobody owns, by name."""
         rows = await self._run(
-            control.claimable, {"host_group": self._group, "dead": [], "limit": limit}
+            control.claimable, {"group": self._group, "dead": [], "limit": limit}
         )
         return [str(r.schema_name) for r in rows]
 
@@ -202,7 +198,7 @@ class HostSession:
         is not to be had now (another process took it first, a standalone leader or a
         downgrade holds its lock, commits in flight held the leader table past
         ``bound``); :class:`ClaimRefused` when it cannot be led as it stands."""
-        key = {"host_group": self._group, "schema_name": schema}
+        key = {"group": self._group, "schema": schema}
         try:
             async with self._session.transaction(self._left()):
                 row = (await self._run(control.claim_one, key)).first()
@@ -223,7 +219,7 @@ class HostSession:
                 epoch = (
                     await self._run(
                         st.take_hosted_epoch,
-                        {"incarnation": int(row.incarnation), "host_group": self._group},
+                        {"incarnation": int(row.incarnation), "group": self._group},
                         schema=schema,
                     )
                 ).scalar()
@@ -246,15 +242,13 @@ class HostSession:
 
     async def refuse(self, schema: str, why: str) -> None:
         """Record on ``schema``'s control row why no process may lead it as it stands."""
-        await self._run(
-            control.mark_refused, {"host_group": self._group, "schema_name": schema, "why": why}
-        )
+        await self._run(control.mark_refused, {"group": self._group, "schema": schema, "why": why})
 
     async def release(self, schema: str) -> None:
         """Give ``schema`` up: unowned, released by this process (if it still owns it)."""
         await self._run(
             control.release_cluster,
-            {"host_group": self._group, "schema_name": schema, "me": self.process_id},
+            {"group": self._group, "schema": schema, "me": self.process_id},
         )
 
     async def leave(self) -> None:
