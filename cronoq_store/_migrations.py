@@ -710,6 +710,8 @@ logger = logging.getLogger("cronoq_store")
 FORCE = "force"
 #: The revision that adds the leader row's record of who bumped the epoch.
 HOLDER_REVISION = "0007_leader_holder"
+#: The revision that adds the host group a cluster is enrolled in.
+HOST_GROUP_REVISION = "0009_host_group"
 
 _MigrationFn = Callable[[Any, MigrationContext], Iterable[Any]]
 
@@ -826,13 +828,16 @@ def _bump(records_holder: bool) -> Any:
 def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
     """Whether the schema a script starts from (``heads``) has the holder columns: whether
     :data:`HOLDER_REVISION` is among its revisions."""
+    return _reached(context, heads, HOLDER_REVISION)
+
+
+def _reached(context: EnvironmentContext, heads: Any, revision: str) -> bool:
+    """Whether the schema a script starts from (``heads``) is at ``revision`` or above it."""
     assert context.script is not None
     start = tuple(heads or ())
     if not start:
         return False
-    return any(
-        r.revision == HOLDER_REVISION for r in context.script.iterate_revisions(start, "base")
-    )
+    return any(r.revision == revision for r in context.script.iterate_revisions(start, "base"))
 
 
 def _script(
@@ -842,10 +847,13 @@ def _script(
     force: bool,
     heads: Any,
 ) -> None:
-    """The same in an offline script: refuse a live leader and hold the lock, or, forced,
+    """The same in an offline script: refuse a live leader and hold the lock, and refuse a
+    cluster enrolled in a host group (from :data:`HOST_GROUP_REVISION` on); or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
     if not force:
         context.execute(st.refuse_live_leader)
+        if _reached(context, heads, HOST_GROUP_REVISION):
+            context.execute(st.refuse_enrolled)
         return
     context.execute(st.lock_cluster_tables(schema, migration.dialect))
     bump = _bump(_records_holder(context, heads)).compile(

@@ -134,6 +134,7 @@ __all__ = [
     "recent_terminal",
     "record_term",
     "recurring_schedules",
+    "refuse_enrolled",
     "refuse_foreign_owner",
     "refuse_live_leader",
     "release_savepoint",
@@ -1165,6 +1166,32 @@ BEGIN
                 || ' (it holds the leader lock: ' || COALESCE(holder_, 'let go since')
                 || '): refusing to downgrade under a live leader; stop every instance, or '
                 || 'generate the script with -x force=true';
+    END IF;
+END
+$cronoq$"""
+)
+
+#: What an offline (``--sql``) downgrade script of a schema from revision 0009 on runs after
+#: :data:`refuse_live_leader`: stop if the cluster in the schema named by
+#: :func:`checked_schema` is enrolled in a host group, whose host leads it without the
+#: leader lock (``-x force=true`` leaves this out). No ``format``: the printed script would
+#: double its ``%``.
+refuse_enrolled = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
+    group_ pg_catalog.text;
+BEGIN
+    EXECUTE 'SELECT host_group FROM ' || pg_catalog.quote_ident(schema_)
+        || '.cronoq_leader WHERE id = 1' INTO group_;
+    IF group_ IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_in_use',
+            MESSAGE = 'cronoq-store: schema ' || pg_catalog.quote_ident(schema_)
+                || ' is enrolled in host group ' || pg_catalog.quote_literal(group_)
+                || ': a host leads it without holding its leader lock; refusing to '
+                || 'downgrade it; remove it from the host group first, or generate the '
+                || 'script with -x force=true';
     END IF;
 END
 $cronoq$"""

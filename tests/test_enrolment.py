@@ -25,7 +25,7 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._migrations import head_revision
 from cronoq_store._schema import schema_options
 
-from .pgharness import admin_execute
+from .pgharness import admin_execute, asyncpg_dsn
 from .support import cronoq, python_run, revision_of
 from .waits import bounded, until
 
@@ -257,3 +257,31 @@ async def test_a_downgrade_of_a_standalone_cluster_is_not_refused_for_the_marker
     # The marker is gone with its revision.
     with pytest.raises(asyncpg.UndefinedColumnError):
         await leader_row(pg_url, migrated)
+
+
+async def test_the_offline_downgrade_script_stops_on_an_enrolled_cluster(
+    pg_url: URL, engine: AsyncEngine, migrated: str, incarnation: int
+) -> None:
+    script = await cronoq(
+        "--schema", migrated, "downgrade", "--sql", f"{head_revision()}:base", url=pg_url
+    )
+    assert script.returncode == 0, script.stderr
+    assert await enroll(engine, migrated, incarnation, GROUP) == Enrolment(True, 0)
+    with pytest.raises(asyncpg.ObjectInUseError, match="is enrolled in host group 'default'"):
+        await run_script(pg_url, script.stdout)
+    assert await revision_of(pg_url, migrated) == head_revision()
+    assert await unenroll(engine, migrated, GROUP) == 0
+    # Standalone again: the same script runs.
+    await run_script(pg_url, script.stdout)
+    rows = await admin_execute(
+        pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = $1", migrated
+    )
+    assert [r[0] for r in rows] == ["cronoq_alembic_version"]
+
+
+async def run_script(url: URL, script: str) -> None:
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await conn.execute(script)
+    finally:
+        await conn.close()
