@@ -80,6 +80,9 @@ from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
 from ._errors import (
+    ClusterHostedError as ClusterHostedError,
+)
+from ._errors import (
     ClusterReplacedError as ClusterReplacedError,
 )
 from ._errors import (
@@ -132,6 +135,7 @@ __all__ = [
     "EPOCH_MIN",
     "Backoff",
     "BatchTooLargeError",
+    "ClusterHostedError",
     "ClusterReplacedError",
     "CommitterClosedError",
     "CommitterStats",

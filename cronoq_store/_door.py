@@ -1473,6 +1473,9 @@ class LeaderRow:
 
     epoch: int
     tableoid: int
+    #: The host group the cluster is enrolled in (``None``: standalone), when the read
+    #: asked for it (:data:`~cronoq_store._statements.leader_enrolment`); else ``None``.
+    host_group: str | None = None
 
 
 #: What the keeper's check is, in its errors.
@@ -1667,6 +1670,12 @@ class LockSession:
         without one."""
         row: Any = (await self._run(st.leader_now, None, timeout)).first()
         return None if row is None else LeaderRow(row.epoch, row.tableoid)
+
+    async def leader_enrolment(self, timeout: float) -> LeaderRow | None:
+        """The leader row with the host group the cluster is enrolled in
+        (:data:`~cronoq_store._statements.leader_enrolment`), ``None`` without one."""
+        row: Any = (await self._run(st.leader_enrolment, None, timeout)).first()
+        return None if row is None else LeaderRow(row.epoch, row.tableoid, row.host_group)
 
     async def check_leader(self, timeout: float) -> LeaderRow | None:
         """The keeper's check: :meth:`leader_row`, every failure translated, and a wait

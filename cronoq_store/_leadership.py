@@ -51,7 +51,13 @@ from . import _door as door
 from . import _statements as st
 from ._config import PgStoreConfig
 from ._door import LeaderRow, LockSession
-from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
+from ._errors import (
+    ClusterHostedError,
+    ClusterReplacedError,
+    SchemaGoneError,
+    StoreError,
+    UnavailableError,
+)
 from ._queries import lock_keys
 from ._results import LockHolder, lock_session_name
 from ._retry import Retry, acquisition_backoff, pause
@@ -418,17 +424,27 @@ class Leadership:
         self._key["k2"] = oid
 
     async def _refuse_to_bump(self, session: LockSession, timeout: float) -> NoReturn:
-        """Raise why the bump found no leader row to move: none in the schema, or the row of
-        another cluster than the store's (``ClusterReplacedError``)."""
-        found = await session.leader_row(timeout)
+        """Raise why the bump found no leader row to move: none in the schema, the row of
+        another cluster than the store's (``ClusterReplacedError``), or a cluster enrolled in
+        a host group (``ClusterHostedError``: a host leads it without the lock). The caller
+        closes the session, which releases the lock; no epoch was taken."""
+        found = await session.leader_enrolment(timeout)
         if found is None:
             raise StoreError(
                 f"the leader row of schema {self._schema!r} is missing: run the migrations"
             )
-        self.replaced = ClusterReplacedError(
-            self._schema, self._incarnation, found.tableoid, "acquiring leadership"
+        if found.tableoid != self._incarnation:
+            self.replaced = ClusterReplacedError(
+                self._schema, self._incarnation, found.tableoid, "acquiring leadership"
+            )
+            raise self.replaced
+        if found.host_group is not None:
+            raise ClusterHostedError(self._schema, found.host_group, "acquiring leadership")
+        # Enrolled when the bump ran, removed from its group since: the next attempt bumps.
+        raise UnavailableError(
+            f"acquiring leadership of schema {self._schema!r}: the cluster left its host "
+            "group while this instance took the lock; trying again"
         )
-        raise self.replaced
 
     async def _vet(self, session: LockSession, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its

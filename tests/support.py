@@ -486,6 +486,7 @@ PUBLIC_NAMES = {
         "EPOCH_MIN",
         "Backoff",
         "BatchTooLargeError",
+        "ClusterHostedError",
         "ClusterReplacedError",
         "CommitterClosedError",
         "CommitterStats",

@@ -84,6 +84,7 @@ GROUPS: list[tuple[str, str, set[str]]] = [
             "FencedError",
             "SchemaGoneError",
             "ClusterReplacedError",
+            "ClusterHostedError",
             "KeyTakenError",
             "IdCollisionError",
             "BatchTooLargeError",
