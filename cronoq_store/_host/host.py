@@ -91,6 +91,7 @@ class PgHostConfig:
 
     @property
     def settle(self) -> float:
+        """Seconds a new process waits before claiming: ``join_settle``, or its default."""
         return cool_down(self.store) if self.join_settle is None else self.join_settle
 
 
@@ -237,6 +238,50 @@ class PgHost:
             instance=instance,
         )
 
+    @classmethod
+    async def from_engine(
+        cls,
+        engine: AsyncEngine,
+        config: PgHostConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+    ) -> PgHost:
+        """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
+        ``max_connections`` does not apply, and :meth:`close` leaves the engine open. The
+        host session is dialled from ``lock_url`` when given (a direct server URL, as for
+        ``PgStore.from_engine``), else made as the engine makes its own connections, on a
+        pool of its own that hands out none of the application's sessions."""
+        config = config or PgHostConfig()
+        if engine.dialect.driver != "asyncpg":
+            raise ValueError(
+                f"engine: the host needs the asyncpg driver (postgresql+asyncpg://), got "
+                f"{engine.dialect.name}+{engine.dialect.driver}"
+            )
+        await control.prepare_control(engine, config.control_schema)
+        instance = secrets.token_hex(4)
+        if lock_url is None:
+            settings = session_settings(config.store, instance, config.store.application_name)
+            lock_engine = door.borrowed_lock_engine(engine.url, engine.sync_engine.pool.recreate())
+        else:
+            parameters = resolve(lock_url)
+            settings = session_settings(
+                config.store, instance, parameters.session_name(config.store.application_name)
+            )
+            lock_engine = door.lock_engine(
+                parameters.with_application_name(settings["application_name"]),
+                settings,
+                config.store.session_timeout,
+            )
+        return cls(
+            engine,
+            config,
+            owns_engine=False,
+            lock_engine=lock_engine,
+            settings=settings,
+            apply_settings=lock_url is None,
+            instance=instance,
+        )
+
     async def close(self) -> None:
         """Hand every cluster over, leave the group, and close the pool (unless it is an
         application's)."""
@@ -326,7 +371,7 @@ class PgHost:
             marked = (
                 await conn.execute(
                     st.enroll_cluster,
-                    {"host_group": group, "incarnation": int(incarnation.tableoid)},
+                    {"group": group, "incarnation": int(incarnation.tableoid)},
                     execution_options=schema_options(schema),
                 )
             ).first()

@@ -73,8 +73,9 @@ async def serving(
             await asyncio.wait({served.task})
 
 
-async def commit_one(store: HostedStore, n: int) -> None:
-    epoch = store.epoch
+async def commit_one(store: HostedStore, n: int, epoch: int | None = None) -> None:
+    """Commit task ``n`` under ``epoch`` (the store's current one by default)."""
+    epoch = store.epoch if epoch is None else epoch
     assert epoch is not None
     base = TimeBase.now()
     spec = TaskSpec(b"hosted %d" % n)
@@ -102,6 +103,7 @@ async def test_a_joining_host_gets_its_share_through_fenced_handovers(fleet: Fle
     async with serving(fleet.url, config(fleet, "first"), schemas) as first:
         await until(lambda: len(first.host.led()) == 7, "the first host to lead all 7")
         before = dict(first.host.led())
+        epochs = {schema: store.epoch for schema, store in before.items()}
         async with serving(fleet.url, config(fleet, "second")) as second:
             await until_value(fleet.shares, lambda s: s == [4, 3], "a 4/3 split")
             await until(lambda: len(second.host.led()) in (3, 4), "the second host to lead")
@@ -112,7 +114,7 @@ async def test_a_joining_host_gets_its_share_through_fenced_handovers(fleet: Fle
                 old = before[schema]
                 assert not old.is_leader
                 with pytest.raises(FencedError):
-                    await commit_one(old, 2)
+                    await commit_one(old, 2, epochs[schema])
                 new = second.host.led()[schema]
                 assert new.epoch is not None
                 assert old.epoch is None
@@ -129,21 +131,24 @@ async def test_a_host_whose_session_dies_loses_its_clusters_to_the_others(fleet:
         await until_value(fleet.shares, lambda s: s == [3, 3], "a 3/3 split")
         await until(lambda: len(victim.host.led()) == 3, "the victim to lead 3")
         lost = dict(victim.host.led())
+        epochs = {schema: store.epoch for schema, store in lost.items()}
         old_id = victim.host.process_id
         await admin_execute(
             fleet.url,
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE application_name LIKE 'victim leader %'",
         )
-        for store in lost.values():
-            with pytest.raises(FencedError):
-                await asyncio.wait_for(commit_one(store, 9), 30)
+        await until(lambda: not any(s.is_leader for s in lost.values()), "the victim to step down")
         owners = await until_value(
             fleet.owners,
             lambda o: all(p is not None and p != old_id for p in o.values()),
             "every cluster owned by a live process",
         )
         assert old_id not in owners.values()
+        for schema, store in lost.items():
+            with pytest.raises(FencedError):
+                await asyncio.wait_for(commit_one(store, 9, epochs[schema]), 30)
+            assert await fleet.stored_epoch(schema) > (epochs[schema] or 0)
         await until_value(fleet.shares, lambda s: s == [3, 3], "a 3/3 split again")
         assert victim.host.process_id not in (None, old_id)
 
