@@ -392,6 +392,46 @@ class PgHost:
             ).first()
             return added is not None and bool(added.inserted)
 
+    async def remove(self, schema: str) -> bool:
+        """Take ``schema`` out of this host group, fencing whichever process leads it: the
+        epoch is bumped (after the commits in flight, as a takeover waits for them), so no
+        later commit of the group lands, and its owner steps the cluster down at its next
+        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled."""
+        validate_schema_name(schema)
+        group = self._config.group
+        bound = self._config.store.commit_timeout
+        async with door.translated(f"removing schema {schema!r}"), self._engine.begin() as conn:
+            in_cluster = schema_options(schema)
+            removed = (
+                await conn.execute(
+                    control.remove,
+                    {"group": group, "schema": schema},
+                    execution_options=schema_options(self._config.control_schema),
+                )
+            ).first()
+            if removed is None:
+                return False
+            if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
+                return True  # nothing left to fence
+            await door.leader_barrier(
+                lambda statement, params: conn.execute(
+                    statement, params, execution_options=in_cluster
+                ),
+                schema,
+                bound,
+                "removing a cluster from its host group (the bound is commit_timeout)",
+            )
+            row = (await conn.execute(st.leader_now, execution_options=in_cluster)).first()
+            if row is not None:
+                await conn.execute(
+                    st.take_hosted_epoch,
+                    {"incarnation": int(row.tableoid), "group": group},
+                    execution_options=in_cluster,
+                )
+            await conn.execute(st.unenroll_cluster, {"group": group}, execution_options=in_cluster)
+        self._wake.set()
+        return True
+
     # --- serving ----------------------------------------------------------------------
 
     async def serve(self, lead: Callable[[HostedStore], Awaitable[None]]) -> None:

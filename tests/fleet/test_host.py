@@ -207,3 +207,26 @@ async def test_a_cluster_the_application_fails_on_is_handed_over(fleet: Fleet) -
     finally:
         await host.close()
         await asyncio.wait({task})
+
+
+async def test_a_removed_cluster_is_fenced_for_the_host_and_open_to_a_standalone(
+    fleet: Fleet,
+) -> None:
+    [schema, kept] = fleet.clusters(2)
+    async with serving(fleet.url, config(fleet, "owner"), [schema, kept]) as served:
+        await until(lambda: len(served.host.led()) == 2, "the host to lead both clusters")
+        hosted = served.host.led()[schema]
+        epoch = hosted.epoch
+        assert epoch is not None
+        assert await served.host.remove(schema)
+        assert not await served.host.remove(schema)
+        with pytest.raises(FencedError):
+            await commit_one(hosted, 1, epoch)
+        await until(lambda: schema not in served.host.led(), "the host to step the cluster down")
+        assert kept in served.host.led()
+        assert list(await fleet.owners()) == [kept]
+        store = await PgStore.connect(fleet.url, named_config(schema, "standalone-after"))
+        try:
+            assert await store.acquire_leadership() > epoch + 1
+        finally:
+            await store.close()
