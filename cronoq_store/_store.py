@@ -191,6 +191,7 @@ class PgStore:
         pool_role: str | None = None,
         term: LeaderTerm | None = None,
         own_sessions: bool | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID and the cluster's incarnation.
@@ -199,6 +200,9 @@ class PgStore:
         (a host leading the cluster among many, which also owns the engine; ``lock_url``
         then names the pool's role only). ``own_sessions``: whether the engine's sessions
         carry the store's settings from their connect (default: the store owns the engine).
+        ``telemetry``: a recorder shared with other stores (a host's, labelled with its group
+        so that thousands of clusters do not make thousands of label values), which does not
+        report this store's leadership in the is-leader gauges.
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
@@ -269,7 +273,10 @@ class PgStore:
         self._closed = False
         # time.monotonic() of the last commit that returned, for health().
         self._last_commit: float | None = None
-        self._use_telemetry(resolve(config.schema))
+        if telemetry is None:
+            self._use_telemetry(resolve(config.schema))
+        else:
+            self._telemetry = self._leadership.telemetry = telemetry
 
     # --- construction -----------------------------------------------------------------------
 

@@ -365,7 +365,7 @@ async def test_owned_digest_changes_with_owner_and_epoch(engine: AsyncEngine, co
 
         async def digest(me: int) -> tuple[int, int]:
             (row,) = await run(conn, control, c.owned_digest, group="g", me=me)
-            return (row.clusters, row.digest)
+            return (row.clusters, row.epochs)
 
         assert await digest(1) == (0, 0)
         for name in ("a", "b"):

@@ -44,6 +44,7 @@ from .._schema import schema_options
 from .._store import PgStore
 from .._urls import redact, resolve
 from ..telemetry import DISABLED
+from ..telemetry import resolve as resolve_telemetry
 from . import balance, control
 from .session import Claim, ClaimRefused, HostSession
 
@@ -203,6 +204,9 @@ class PgHost:
         self._runner: asyncio.Task[None] | None = None
         self._joined_at = 0.0
         self._seen_unowned: set[str] = set()
+        # One recorder for every cluster this process leads, labelled with the group: the
+        # global providers' label sets stay as few as the groups, whatever the clusters.
+        self._telemetry = resolve_telemetry(config.group)
 
     # --- construction -----------------------------------------------------------------
 
@@ -624,6 +628,7 @@ class PgHost:
             own_sessions=self._owns_engine,
             lock_url=self._engine.url,
             term=term,
+            telemetry=self._telemetry,
         )
         led = _Led(store, term, claim.epoch)
         self._led[schema] = led
