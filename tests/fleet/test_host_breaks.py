@@ -1,0 +1,227 @@
+"""A hostile review of the host (issue 31): each test here states a promise of the design
+(docs/reliability.md, /work/notes/issue31_design.md sections 1-3) that the host breaks on
+a real server, with real sessions ended by ``pg_terminate_backend``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+
+from cronoq_store import StoreError
+from cronoq_store._host.host import HostedStore, PgHost
+
+from ..pgharness import admin_execute
+from ..waits import until, until_value
+from .conftest import Fleet
+from .test_host import STORE, config, serving
+
+
+def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
+    """A second control schema in the same database (the fixture's tag in its name, so the
+    fixture drops it), with ``fleet``'s group name unless ``group`` is given."""
+    return replace(fleet, control=f"{fleet.control}_b", group=group or fleet.group)
+
+
+async def terminate(fleet: Fleet, name: str) -> None:
+    """End the host session of the host named ``name`` (its lock session's name)."""
+    await admin_execute(
+        fleet.url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE $1",
+        f"{name} leader %",
+    )
+
+
+async def test_two_control_schemas_never_lead_one_cluster_at_once(fleet: Fleet) -> None:
+    """Nothing ties a cluster's ``host_group`` to one control schema: a second control schema
+    with the same group name (PgHostConfig allows any) enrolls the cluster again, its host
+    bumps the epoch, and the first host, whose keeper reads only its own control schema,
+    keeps leading: two live terms of one cluster, until the first one happens to commit."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "ctl_a"), [schema]) as first:
+        await until(lambda: schema in first.host.led(), "the first host to lead")
+        second_fleet = other_control(fleet)
+        async with serving(fleet.url, config(second_fleet, "ctl_b")) as second:
+            try:
+                await second.host.enroll(schema)
+            except StoreError:
+                return  # refused: the cluster stays with the first host
+            try:
+                await until(lambda: schema in second.host.led(), "the second host", within=10)
+            except AssertionError:
+                return  # never claimed: fine too
+            # The second host bumped the epoch: a standalone keeper would step down within
+            # keepalive (0.3 s); the first host must too.
+            await until(
+                lambda: schema not in first.host.led(),
+                "the first host to step down once another process took the cluster's epoch",
+                within=5,
+            )
+
+
+async def test_a_dead_process_is_seen_dead_whatever_other_control_schemas_hold(
+    fleet: Fleet,
+) -> None:
+    """The process lock ``(LOCK_NS_HOST, process_id)`` is per database, but process ids come
+    from each control schema's own sequence: a process of another control schema that draws
+    the same id holds the very lock a dead process of this one held. The probe then reads the
+    dead process as alive, never buries it, and its clusters are never led again. (The other
+    control schema's host also blocked in its registration until this one died.)"""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "victim2"), [schema]) as victim:
+        await until(lambda: schema in victim.host.led(), "the victim to lead")
+        dead_id = victim.host.process_id
+        assert dead_id is not None
+        bystander_fleet = other_control(fleet, f"{fleet.group}_b")
+        base = config(bystander_fleet, "bystander")
+        slow = replace(base, store=replace(base.store, session_timeout=30.0))
+        bystander = await PgHost.connect(fleet.url, slow)
+        try:
+            # Its sequence hands out the victim's id next (as after dead_id - 1 processes).
+            await admin_execute(
+                fleet.url,
+                f"SELECT setval('\"{bystander_fleet.control}\".process_ids', $1, false)",
+                dead_id,
+            )
+
+            async def lead(store: HostedStore) -> None:
+                await store.leadership_lost()
+
+            serving_b = asyncio.ensure_future(bystander.serve(lead))
+            await until_value(
+                lambda: admin_execute(
+                    fleet.url,
+                    "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND objid = $1 AND classid = $2 AND NOT granted",
+                    dead_id,
+                    0x63726F68,
+                ),
+                lambda rows: rows[0]["n"] == 1,
+                "the bystander's registration to wait for the victim's process lock",
+            )
+            await terminate(fleet, "victim2")
+            owners = await until_value(
+                fleet.owners,
+                lambda o: o.get(schema) not in (None, dead_id),
+                "the cluster of the dead process to be led again",
+                within=20,
+            )
+            assert owners[schema] != dead_id
+        finally:
+            await bystander.close()
+            await asyncio.wait({serving_b}, timeout=30)
+
+
+async def test_a_lead_that_outlives_its_cancellation_does_not_stop_the_keeper(
+    fleet: Fleet,
+) -> None:
+    """``_release_ended`` cancels a lead that overran ``handover_grace`` and then waits for
+    it without a bound, on the keeper's own task: an application whose cleanup outlives
+    the cancellation (or swallows it) stops the keeper. Its session then ends and the host
+    never steps its other clusters down, while another process may claim them."""
+    first, second = fleet.clusters(2)
+    host = await PgHost.connect(fleet.url, config(fleet, "stubborn", handover_grace=0.2))
+    stores: dict[str, HostedStore] = {}
+    unstick = asyncio.Event()
+
+    async def lead(store: HostedStore) -> None:
+        stores[store.config.schema] = store
+        if store.config.schema != first:
+            await store.leadership_lost()
+            return
+        await until(lambda: second in stores, "both clusters led")
+        await store.release_leadership()
+        # A cleanup that takes longer than the cancellation allows (a committer draining, a
+        # scheduler stopping); here it ignores the cancellation until the test ends it.
+        while not unstick.is_set():
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(unstick.wait(), 1)
+
+    await host.enroll([first, second])
+    task = asyncio.ensure_future(host.serve(lead))
+    try:
+        await until(lambda: second in stores, "the host to lead the second cluster")
+        led = stores[second]
+        await asyncio.sleep(1.0)  # the first cluster's lead is cancelled by now
+        await terminate(fleet, "stubborn")
+        await until(
+            lambda: not led.is_leader,
+            "the host to step the second cluster down once its session ended "
+            f"(session_timeout {STORE.session_timeout} s)",
+            within=STORE.session_timeout + 3,
+        )
+    finally:
+        unstick.set()
+        await host.close()
+        await asyncio.wait({task})
+
+
+async def test_a_schema_dropped_and_enrolled_again_is_led_or_refused_at_enrolment(
+    fleet: Fleet,
+) -> None:
+    """Enrolling a schema whose cluster was replaced (dropped, migrated again) marks the new
+    cluster as the group's (so no standalone may lead it) but keeps the control row of the
+    old incarnation (``ON CONFLICT DO NOTHING``) and returns ``[]``: every claim is then
+    refused, and the new cluster is led by nobody, with no error to anyone."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "again"))
+    try:
+        await host.enroll(schema)
+        await admin_execute(fleet.url, f'DROP SCHEMA "{schema}" CASCADE')
+        try:
+            await host.enroll(schema)
+        except StoreError:
+            return  # refused with a reason: the operator knows
+    finally:
+        await host.close()
+    rows = await admin_execute(fleet.url, f'SELECT tableoid FROM "{schema}".cronoq_leader')
+    incarnation = int(rows[0]["tableoid"])
+    async with serving(fleet.url, config(fleet, "again2")) as served:
+
+        def led_anew() -> bool:
+            store = served.host.led().get(schema)
+            return store is not None and store.incarnation == incarnation and store.is_leader
+
+        try:
+            await until(led_anew, "the new cluster under the old name to be led", within=15)
+        except AssertionError as failure:
+            state = await admin_execute(
+                fleet.url,
+                f'SELECT state, refused_why FROM "{fleet.control}".clusters',
+            )
+            found = [dict(r) for r in state]
+            raise AssertionError(f"not led; its control row: {found}") from failure
+
+
+async def test_a_hosted_term_ends_when_its_schema_is_dropped(fleet: Fleet) -> None:
+    """A standalone keeper reads its cluster's leader row every ``keepalive`` and steps down
+    (``schema_gone``) once the schema is dropped; the host's keeper reads only the control
+    schema and the design's sweep of leader rows is not there, so an idle hosted term lives
+    on for a cluster that no longer exists (and on, after the name is migrated again and
+    led by a standalone store)."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "dropped"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        store = served.host.led()[schema]
+        await admin_execute(fleet.url, f'DROP SCHEMA "{schema}" CASCADE')
+        await until(
+            lambda: not store.is_leader,
+            "the hosted term to end once its schema is gone (a standalone keeper: keepalive)",
+            within=STORE.keepalive * 10,
+        )
+
+
+async def test_a_hosted_term_ends_when_its_epoch_moves_outside_the_host(fleet: Fleet) -> None:
+    """A forced downgrade (or any bump outside the host) moves the epoch without touching
+    the control schema; the standalone keeper steps down within ``keepalive``, the hosted
+    term never notices while it does not commit."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "bumped"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        store = served.host.led()[schema]
+        await admin_execute(fleet.url, f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
+        await until(
+            lambda: not store.is_leader,
+            "the hosted term to end once its epoch moved (a standalone keeper: keepalive)",
+            within=STORE.keepalive * 10,
+        )
