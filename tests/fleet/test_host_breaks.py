@@ -8,10 +8,13 @@ import asyncio
 import contextlib
 from dataclasses import replace
 
-from cronoq_store import StoreError
-from cronoq_store._host.host import HostedStore, PgHost
+import asyncpg
+from sqlalchemy.engine import URL
 
-from ..pgharness import admin_execute
+from cronoq_store import PgStoreConfig, StoreError
+from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
+
+from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
 from .conftest import Fleet
 from .test_host import STORE, config, serving
@@ -21,6 +24,11 @@ def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
     """A second control schema in the same database (the fixture's tag in its name, so the
     fixture drops it), with ``fleet``'s group name unless ``group`` is given."""
     return replace(fleet, control=f"{fleet.control}_b", group=group or fleet.group)
+
+
+async def asyncpg_connect(url: URL) -> asyncpg.Connection:
+    """A raw session of the test's own, outside every pool under test."""
+    return await asyncpg.connect(asyncpg_dsn(url))
 
 
 async def terminate(fleet: Fleet, name: str) -> None:
@@ -225,3 +233,50 @@ async def test_a_hosted_term_ends_when_its_epoch_moves_outside_the_host(fleet: F
             "the hosted term to end once its epoch moved (a standalone keeper: keepalive)",
             within=STORE.keepalive * 10,
         )
+
+
+async def test_a_host_session_ended_during_a_claim_is_registered_again(fleet: Fleet) -> None:
+    """A claim waits in ``leader_barrier`` behind a session holding the leader table; the
+    host session is ended meanwhile. The host must step down, register again, and lead the
+    cluster once the table is free, as after any lost session."""
+    [schema] = fleet.clusters(1)
+    store = PgStoreConfig(
+        application_name="barred", lock_poll=0.1, keepalive=3.0, session_timeout=10.0
+    )
+    cfg = PgHostConfig(
+        store=store, control_schema=fleet.control, group=fleet.group, join_settle=0.2
+    )
+    host = await PgHost.connect(fleet.url, cfg)
+    await host.enroll(schema)
+    blocker = await asyncpg_connect(fleet.url)
+    task: asyncio.Future[None] | None = None
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute(f'SELECT epoch FROM "{schema}".cronoq_leader FOR SHARE')
+
+        async def lead(hosted: HostedStore) -> None:
+            await hosted.leadership_lost()
+
+        task = asyncio.ensure_future(host.serve(lead))
+        await until_value(
+            lambda: admin_execute(
+                fleet.url,
+                "SELECT count(*) AS n FROM pg_stat_activity "
+                "WHERE application_name LIKE 'barred leader %' AND wait_event_type = 'Lock'",
+            ),
+            lambda rows: rows[0]["n"] == 1,
+            "the claim to wait in the leader barrier",
+        )
+        first_id = host.process_id
+        await terminate(fleet, "barred")
+        await blocker.execute("ROLLBACK")
+        await until(
+            lambda: host.process_id not in (None, first_id) and schema in host.led(),
+            "the host to register again and lead the cluster",
+            within=20,
+        )
+    finally:
+        await blocker.close()
+        await host.close()
+        if task is not None:
+            await asyncio.wait({task}, timeout=30)
