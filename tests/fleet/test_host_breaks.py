@@ -280,3 +280,71 @@ async def test_a_host_session_ended_during_a_claim_is_registered_again(fleet: Fl
         await host.close()
         if task is not None:
             await asyncio.wait({task}, timeout=30)
+
+
+async def test_a_refused_cluster_is_led_again_once_the_cause_is_gone(fleet: Fleet) -> None:
+    """A claim refuses a cluster whose trust check fails (here an unknown trigger) and marks
+    its row ``refused``. The design retries a refused cluster every 60 s; the host never
+    does (``mark_active`` is never run), and enrolling it again leaves the row refused
+    (``ON CONFLICT DO NOTHING``): once the trigger is dropped, the cluster is never led again
+    and no call of the API brings it back."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "refused"))
+    try:
+        await host.enroll(schema)
+    finally:
+        await host.close()
+    await admin_execute(
+        fleet.url,
+        f'CREATE FUNCTION "{schema}".f() RETURNS trigger LANGUAGE plpgsql '
+        "AS $$BEGIN RETURN NEW; END$$",
+    )
+    await admin_execute(
+        fleet.url,
+        f'CREATE TRIGGER audit BEFORE INSERT ON "{schema}".cronoq_tasks '
+        f'FOR EACH ROW EXECUTE FUNCTION "{schema}".f()',
+    )
+
+    async def state() -> str:
+        rows = await admin_execute(
+            fleet.url,
+            f'SELECT state FROM "{fleet.control}".clusters WHERE schema_name = $1',
+            schema,
+        )
+        return str(rows[0]["state"])
+
+    async with serving(fleet.url, config(fleet, "refused2")) as served:
+        await until_value(state, lambda s: s == "refused", "the claim to refuse the cluster")
+        await admin_execute(fleet.url, f'DROP TRIGGER audit ON "{schema}".cronoq_tasks')
+        await admin_execute(fleet.url, f'DROP FUNCTION "{schema}".f()')
+        await served.host.enroll(schema)  # the operator's only tool
+        await until(
+            lambda: schema in served.host.led(),
+            "the cluster to be led again once its trigger is gone (the design: within 60 s)",
+            within=65,
+        )
+
+
+async def test_the_control_schema_is_not_enrolled_as_a_cluster(fleet: Fleet) -> None:
+    """``enroll`` validates names as cluster schemas, but takes the host's own control schema
+    too: it migrates the cluster's tables into the control schema and enrolls it, so the
+    host leads a cluster living among its own control tables (a ``DROP SCHEMA`` of that
+    cluster, or its downgrade, takes the group's control tables with it)."""
+    host = await PgHost.connect(fleet.url, config(fleet, "itself"))
+    try:
+        try:
+            added = await host.enroll(fleet.control)
+        except (StoreError, ValueError):
+            return
+        tables = await admin_execute(
+            fleet.url,
+            "SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $1 AND c.relkind = 'r' ORDER BY relname",
+            fleet.control,
+        )
+        raise AssertionError(
+            f"the control schema was enrolled as a cluster ({added}); it now holds "
+            f"{[r['relname'] for r in tables]}"
+        )
+    finally:
+        await host.close()
