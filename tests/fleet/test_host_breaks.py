@@ -348,3 +348,36 @@ async def test_the_control_schema_is_not_enrolled_as_a_cluster(fleet: Fleet) -> 
         )
     finally:
         await host.close()
+
+
+async def test_every_process_may_enroll_the_same_clusters_at_its_start(fleet: Fleet) -> None:
+    """The natural deployment runs the same code in every process: enroll the tenant list,
+    then serve. Two enrolments of one cluster at once contend for the same transaction-level
+    try of its leader lock, and the loser fails with ``LockHeldError`` blaming "a standalone
+    leader (or a downgrade)" (with no holder named) although none exists, and enrolling an
+    already enrolled cluster is documented as leaving it as it is."""
+    schemas = fleet.clusters(5)
+    first = await PgHost.connect(fleet.url, config(fleet, "enrol1"))
+    second = await PgHost.connect(fleet.url, config(fleet, "enrol2"))
+    try:
+        await first.enroll(schemas)
+        for _ in range(20):
+            results = await asyncio.gather(
+                first.enroll(schemas, migrate=False),
+                second.enroll(schemas, migrate=False),
+                return_exceptions=True,
+            )
+            failures = [r for r in results if isinstance(r, BaseException)]
+            assert not failures, f"enrolling at once failed: {failures[0]!r}"
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_hosted_store_says_what_it_is(fleet: Fleet) -> None:
+    """``repr`` of a :class:`HostedStore` reads ``PgStore(...)``: a log line cannot tell a
+    hosted term from a standalone store."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "named"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        assert repr(served.host.led()[schema]).startswith("HostedStore(")
