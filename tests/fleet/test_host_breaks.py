@@ -381,3 +381,34 @@ async def test_a_hosted_store_says_what_it_is(fleet: Fleet) -> None:
     async with serving(fleet.url, config(fleet, "named"), [schema]) as served:
         await until(lambda: schema in served.host.led(), "the host to lead")
         assert repr(served.host.led()[schema]).startswith("HostedStore(")
+
+
+async def test_close_returns_when_a_lead_outlives_its_cancellation(fleet: Fleet) -> None:
+    """``close()`` waits ``handover_grace`` for each lead, cancels the late ones, then waits
+    for them without a bound: a lead whose cleanup outlives the cancellation keeps
+    ``close()`` (and the process's shutdown) waiting as long as it runs, forever if it
+    swallows the cancellation."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "closing", handover_grace=0.2))
+    unstick = asyncio.Event()
+    led = asyncio.Event()
+
+    async def lead(store: HostedStore) -> None:
+        led.set()
+        while not unstick.is_set():
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(unstick.wait(), 1)
+
+    await host.enroll(schema)
+    task = asyncio.ensure_future(host.serve(lead))
+    closing: asyncio.Future[None] | None = None
+    try:
+        await asyncio.wait_for(led.wait(), 30)
+        closing = asyncio.ensure_future(host.close())
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert done, "close() still waiting 10 s after a handover_grace of 0.2 s"
+    finally:
+        unstick.set()
+        if closing is not None:
+            await asyncio.wait({closing}, timeout=30)
+        await asyncio.wait({task}, timeout=30)
