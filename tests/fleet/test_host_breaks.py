@@ -412,3 +412,36 @@ async def test_close_returns_when_a_lead_outlives_its_cancellation(fleet: Fleet)
         if closing is not None:
             await asyncio.wait({closing}, timeout=30)
         await asyncio.wait({task}, timeout=30)
+
+
+async def test_a_lock_on_one_clusters_table_does_not_cost_the_host_its_other_clusters(
+    fleet: Fleet,
+) -> None:
+    """A claim's ``record_term`` and ``prune_terms`` run under the ``lock_timeout`` that
+    ``leader_barrier`` set for the rest of the transaction (``SET LOCAL``, ``bound``): a
+    lock on one cluster's history table (an index built on it, an operator's ``LOCK``)
+    makes them fail with 55P03, which ``_claim`` re-raises as ``UnavailableError``, and
+    ``_run`` takes it for a lost host session: every cluster the process leads steps down,
+    for one lock on one cluster's table, while the session answered all along."""
+    kept, locked = fleet.clusters(2)
+    async with serving(fleet.url, config(fleet, "locked"), [kept]) as served:
+        await until(lambda: kept in served.host.led(), "the host to lead the first cluster")
+        store = served.host.led()[kept]
+        host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
+        try:
+            await host.enroll(locked)
+        finally:
+            await host.close()
+        blocker = await asyncpg_connect(fleet.url)
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute(f'LOCK TABLE "{locked}".cronoq_leader_history IN SHARE MODE')
+            served.host._wake.set()  # claim now rather than at the next poll
+            for _ in range(int((STORE.session_timeout + 2) / 0.05)):
+                assert store.is_leader, (
+                    "the first cluster stepped down while a claim of the second waited for "
+                    "its history table"
+                )
+                await asyncio.sleep(0.05)
+        finally:
+            await blocker.close()
