@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import replace
 
 import asyncpg
+import pytest
 from sqlalchemy.engine import URL
 
 from cronoq_store import PgStoreConfig, StoreError
@@ -445,3 +447,24 @@ async def test_a_lock_on_one_clusters_table_does_not_cost_the_host_its_other_clu
                 await asyncio.sleep(0.05)
         finally:
             await blocker.close()
+
+
+async def test_a_lost_session_is_not_logged_as_clusters_taken(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a lost session the host registers again, and its keeper compares what the new
+    id owns (nothing) with every cluster still ending from the old session: each tick until
+    they are released it logs, at ERROR, "a hosted cluster was taken from this process" for
+    clusters nobody took (the term had already ended with the session)."""
+    [schema] = fleet.clusters(1)
+    caplog.set_level(logging.INFO, "cronoq_store")
+    async with serving(fleet.url, config(fleet, "relogged"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        first_id = served.host.process_id
+        await terminate(fleet, "relogged")
+        await until(
+            lambda: served.host.process_id not in (None, first_id) and schema in served.host.led(),
+            "the host to register again and lead again",
+        )
+    taken = [r for r in caplog.records if "taken from this process" in r.getMessage()]
+    assert not taken, f"{len(taken)} ERROR lines for a cluster lost with the session"
