@@ -1498,6 +1498,12 @@ class LockSession:
         self._driver = driver
         self.closed = False
 
+    @property
+    def broken(self) -> bool:
+        """Whether the session is gone (closed, or its socket dropped): a failure on a
+        session that is not broken was the server's answer, and the session goes on."""
+        return self.closed or bool(self._driver.is_closed())
+
     @classmethod
     async def open(cls, db: AsyncEngine, timeout: float) -> LockSession:
         """A new session of ``db`` (the lock session's own engine), its connect bounded by

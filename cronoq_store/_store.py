@@ -446,7 +446,8 @@ class PgStore:
 
     def __repr__(self) -> str:
         return (
-            f"PgStore(url={redact(self._engine.url)!r}, schema={self._config.schema!r}, "
+            f"{type(self).__name__}(url={redact(self._engine.url)!r}, "
+            f"schema={self._config.schema!r}, "
             f"owns_engine={self._owns_engine})"
         )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -50,6 +51,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     cast,
+    column,
     delete,
     exists,
     false,
@@ -60,6 +62,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    table,
     text,
     true,
     union_all,
@@ -70,6 +73,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import CompoundSelect
 
 from .. import _door as door
 from .. import _migrations as migrations
@@ -78,7 +82,7 @@ from .._config import MIGRATION_LOCK_TIMEOUT, validate_schema_name
 from .._domain import check_seconds
 from .._door import LockWait
 from .._errors import MigrationError
-from .._schema import schema_options
+from .._schema import LEADER_ROW_ID, schema_options
 from .._trust import refuse_untrusted
 
 __all__ = [
@@ -97,11 +101,13 @@ __all__ = [
     "enroll",
     "enrolled",
     "insert_process",
+    "leader_rows",
     "live_members",
     "mark_active",
     "mark_left",
     "mark_refused",
     "metadata",
+    "missing_leaders",
     "next_process_id",
     "orphan_clusters",
     "owned_by",
@@ -111,6 +117,7 @@ __all__ = [
     "probe_dead",
     "process_ids",
     "processes",
+    "reenroll",
     "release_cluster",
     "remove",
     "run_environment",
@@ -403,6 +410,54 @@ mark_active = (
     .returning(clusters.c.schema_name)
 )
 
+#: An enrolment again of a cluster already listed: its row takes the cluster the schema holds
+#: now (``:incarnation``; one made again under the name is a new cluster), unowned and active,
+#: whatever refusal it carried. An owner of the old incarnation sees its count fall and steps
+#: down; its commits could only reach the old cluster anyway. Returns ``schema_name``.
+reenroll = (
+    update(clusters)
+    .where(_this_cluster)
+    .values(
+        incarnation=bindparam("incarnation", type_=OID),
+        owner=null(),
+        epoch=null(),
+        state=_ACTIVE,
+        refused_why=null(),
+    )
+    .returning(clusters.c.schema_name)
+)
+
+
+def leader_rows(schemas: list[str]) -> CompoundSelect[Any]:
+    """The leader rows of ``schemas`` in one statement (``schema``, ``epoch``, ``tableoid``):
+    the host's sweep, which reads a slice of the clusters it leads each tick for what only
+    their own rows show (an epoch moved outside the host, a schema made again). Every
+    schema must hold a leader table (:data:`missing_leaders` first)."""
+    parts = []
+    for schema in schemas:
+        leader = table(
+            "cronoq_leader", column("id"), column("epoch"), column("tableoid"), schema=schema
+        )
+        parts.append(
+            select(literal(schema, Text).label("schema"), leader.c.epoch, leader.c.tableoid).where(
+                leader.c.id == LEADER_ROW_ID
+            )
+        )
+    return union_all(*parts)
+
+
+#: Which of ``:schemas`` hold no leader table (dropped, or never migrated).
+missing_leaders = (
+    select(column("name", Text))
+    .select_from(
+        func.unnest(bindparam("schemas", type_=ARRAY(Text))).table_valued("name").render_derived()
+    )
+    .where(
+        func.to_regclass(func.quote_ident(column("name", Text)).concat(".cronoq_leader")).is_(None)
+    )
+)
+
+
 #: Every cluster of the group (``schema_name``, ``incarnation``, ``owner``, ``epoch``,
 #: ``state``), by schema: what ``status`` and the host's start read.
 enrolled = (
@@ -469,9 +524,42 @@ def control_revision(conn: Connection, schema: str) -> tuple[str, ...]:
     return current
 
 
+_pg_class = table("pg_class", column("relname"), column("relnamespace"), schema="pg_catalog")
+_pg_namespace = table("pg_namespace", column("oid"), column("nspname", Text), schema="pg_catalog")
+
+#: Every control schema of the database: the schemas holding the host's version table.
+_control_schemas = (
+    select(_pg_namespace.c.nspname)
+    .select_from(_pg_class.join(_pg_namespace, _pg_class.c.relnamespace == _pg_namespace.c.oid))
+    .where(_pg_class.c.relname == literal(HOST_VERSION_TABLE, Text))
+)
+
+#: Serializes the making of control schemas in a database (process ids start at 1: no
+#: process lock takes key 0), so that two made at once under two names are seen.
+_making_control = select(
+    func.pg_advisory_xact_lock(literal(LOCK_NS_HOST, Integer), literal(0, Integer))
+)
+
+
+def _refuse_another(conn: Connection, schema: str) -> None:
+    """Refuse a second control schema in the database. Process ids, drawn from a control
+    schema's sequence, key process locks that are the database's: two control schemas
+    would hand one id to two processes, and one's death would read as alive while the
+    other holds it; their groups would also enrol one cluster twice."""
+    others = sorted(n for n in conn.execute(_control_schemas).scalars() if n != schema)
+    if others:
+        raise MigrationError(
+            f"control schema {schema!r} refused: this database already has the host control "
+            f"schema {others[0]!r}, and every host of a database shares one "
+            "(PgHostConfig.control_schema)"
+        )
+
+
 def _checked(conn: Connection, schema: str) -> tuple[str, ...]:
-    """The trust check of the control schema, then its revision."""
+    """The trust check of the control schema, then its revision; a second control
+    schema in the database is refused."""
     conn.execute(st.local_search_path)
+    _refuse_another(conn, schema)
     refuse_untrusted(conn, schema, tables=CONTROL_TABLES)
     return control_revision(conn, schema)
 
@@ -516,6 +604,8 @@ async def prepare_control(
             f"the migration lock of control schema {schema!r}", lock_timeout, _BOUND_SETTINGS
         )
         door.take_migration_lock(conn, schema, wait)
+        conn.execute(_making_control)
+        _refuse_another(conn, schema)
         # DDL waits for the tables' locks (a later revision's ALTER) end with the same bound.
         ms = max(1, round(wait.remaining * 1000))
         conn.execute(st.set_local_lock_timeout, {"ms": str(ms)})

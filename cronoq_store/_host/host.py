@@ -25,10 +25,11 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import _door as door
 from .. import _migrations as migrations
+from .. import _queries as queries
 from .. import _statements as st
 from .._config import PgStoreConfig, validate_schema_name
 from .._errors import (
@@ -54,6 +55,10 @@ logger = logging.getLogger("cronoq_store")
 
 #: Unowned clusters read at a time when looking for some to claim.
 _CANDIDATES = 1024
+#: The pause between two tries of a cluster's leader lock when enrolling it.
+_ENROLL_RETRY = 0.05
+#: Led clusters whose leader rows the sweep reads each tick.
+_SWEEP_SLICE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +209,10 @@ class PgHost:
         self._runner: asyncio.Task[None] | None = None
         self._joined_at = 0.0
         self._seen_unowned: set[str] = set()
+        # Where the sweep of leader rows goes on at the next tick.
+        self._sweep_at = 0
+        # Tasks that cancel the application's overdue leads and close their stores.
+        self._reapers: set[asyncio.Task[None]] = set()
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
         self._telemetry = resolve_telemetry(config.group)
@@ -296,6 +305,10 @@ class PgHost:
         runner, self._runner = self._runner, None
         if runner is not None:
             await asyncio.wait({runner})
+        if self._reapers:
+            # Each cancels its lead at the end of its grace; one that ignores the
+            # cancellation is left behind rather than holding the close forever.
+            await asyncio.wait(set(self._reapers), timeout=self._config.handover_grace + 1)
         await self._lock_engine.dispose()
         if self._owns_engine:
             await self._engine.dispose()
@@ -337,6 +350,8 @@ class PgHost:
         names = [schemas] if isinstance(schemas, str) else list(schemas)
         for name in names:
             validate_schema_name(name)
+            if name == self._config.control_schema:
+                raise ValueError(f"schema {name!r} is the host's control schema, not a cluster")
         added = []
         for schema in names:
             if await self._enroll_one(schema, migrate):
@@ -365,13 +380,7 @@ class PgHost:
             ).first()
             if oid is None or incarnation is None:
                 raise StoreError(f"schema {schema!r} holds no migrated cluster")
-            lock = {"k1": st.LOCK_NS_LEADER, "k2": int(oid)}
-            if not (await conn.execute(st.try_leader_lock_for_transaction, lock)).scalar():
-                raise LockHeldError(
-                    f"enrolling schema {schema!r} failed: a standalone leader (or a "
-                    "downgrade) holds its leader lock; stop it first",
-                    [],
-                )
+            await self._take_leader_lock(conn, schema, int(oid))
             marked = (
                 await conn.execute(
                     st.enroll_cluster,
@@ -383,18 +392,50 @@ class PgHost:
                 raise StoreError(
                     f"enrolling schema {schema!r} failed: it is enrolled in another host group"
                 )
-            added = (
-                await conn.execute(
-                    control.enroll,
-                    {
-                        "group": group,
-                        "schema": schema,
-                        "incarnation": int(incarnation.tableoid),
-                    },
-                    execution_options=schema_options(self._config.control_schema),
+            in_control = schema_options(self._config.control_schema)
+            row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
+            added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
+            if added is None:
+                raise UnavailableError(
+                    f"enrolling schema {schema!r} failed: another enrolment of it committed "
+                    "meanwhile; enroll it again",
+                    reconnect=False,
                 )
-            ).first()
-            return added is not None and bool(added.inserted)
+            if added.inserted:
+                return True
+            if added.host_group != group:
+                raise StoreError(
+                    f"enrolling schema {schema!r} failed: it is enrolled in host group "
+                    f"{added.host_group!r}"
+                )
+            # Listed already. Made again under its name since: enrolling again is the
+            # operator's word that the cluster standing there now is the group's, unowned
+            # until claimed. Refused: the operator cleared the cause, so it is claimed again.
+            # Listed as it stands, led or not: nothing changes (every process of a group may
+            # enroll the same clusters at its start).
+            again = (
+                control.reenroll if added.incarnation != row["incarnation"] else control.mark_active
+            )
+            await conn.execute(again, row, execution_options=in_control)
+            return False
+
+    async def _take_leader_lock(self, conn: AsyncConnection, schema: str, oid: int) -> None:
+        """Take the cluster's standalone leader lock for the enrolment's transaction, trying
+        for up to ``lock_poll`` plus a second (a host's claim, or another enrolment, holds
+        it a moment); then ``LockHeldError`` naming the session that holds it."""
+        lock = {"k1": st.LOCK_NS_LEADER, "k2": oid}
+        deadline = time.monotonic() + self._config.store.lock_poll + 1.0
+        while not (await conn.execute(st.try_leader_lock_for_transaction, lock)).scalar():
+            if time.monotonic() >= deadline:
+                holder = await queries.leader_lock_holder(conn, (st.LOCK_NS_LEADER, oid))
+                who = "a session" if holder is None else door.describe_holders([holder])
+                raise LockHeldError(
+                    f"enrolling schema {schema!r} failed: its leader lock is held by {who} "
+                    "(a standalone leader, a downgrade, or a claim that did not end); stop "
+                    "it first",
+                    [] if holder is None else [holder],
+                )
+            await asyncio.sleep(_ENROLL_RETRY)
 
     async def remove(self, schema: str) -> bool:
         """Take ``schema`` out of this host group, fencing whichever process leads it: the
@@ -483,18 +524,52 @@ class PgHost:
             )
             try:
                 await self._tend(self._session)
-            except (StoreError, asyncio.TimeoutError, OSError) as error:
+            except Exception as error:
                 logger.error(
                     "host session lost; stepping every cluster down",
                     extra={"group": self._config.group, "error": str(error)},
+                    exc_info=not isinstance(error, (StoreError, asyncio.TimeoutError, OSError)),
                 )
             finally:
                 await self._end_all("session_lost")
+                self._abandon_all()
                 session, self._session = self._session, None
                 if session is not None:
                     if self._closing.is_set():
                         await self._leave(session)
                     await session.close()
+
+    def _abandon_all(self) -> None:
+        """Forget every cluster of a session that is gone: the others claim them once they
+        see this process's lock free, and a release under the next session's id would be
+        no one's. Each application task still running gets ``handover_grace``, then it is
+        cancelled, without the keeper ever waiting on it."""
+        for led in self._led.values():
+            self._reap(led)
+        self._led.clear()
+        self._ending.clear()
+
+    def _reap(self, led: _Led) -> None:
+        """Cancel ``led``'s application task once ``handover_grace`` has run out since its
+        term ended, in a task of its own (never awaited by the keeper); close its store."""
+        task = led.task
+        grace = max(0.0, led.term.ended_at + self._config.handover_grace - time.monotonic())
+
+        async def reap() -> None:
+            if task is not None and not task.done():
+                await asyncio.wait({task}, timeout=grace)
+                if not task.done():
+                    logger.warning(
+                        "the application's lead did not return within handover_grace; "
+                        "cancelling it",
+                        extra={"schema": led.store.config.schema},
+                    )
+                    task.cancel()
+            await led.store.close()
+
+        reaper = asyncio.ensure_future(reap())
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
 
     async def _leave(self, session: HostSession) -> None:
         try:
@@ -508,12 +583,23 @@ class PgHost:
         tick = min(config.keepalive, config.lock_poll)
         next_look = 0.0
         while not self._closing.is_set():
-            await self._check_owned(session)
-            await self._release_ended(session)
-            now = time.monotonic()
-            if now >= next_look:
-                await self._balance(session)
-                next_look = now + config.lock_poll
+            try:
+                await self._check_owned(session)
+                await self._sweep(session)
+                await self._release_ended(session)
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + config.lock_poll
+                    await self._balance(session)
+            except StoreError as error:
+                if session.broken:
+                    raise
+                # The server answered (a lock wait ran out, a statement failed): this
+                # round is lost, the session and every term go on.
+                logger.warning(
+                    "a round of the host's checks failed; trying again",
+                    extra={"group": self._config.group, "error": str(error)},
+                )
             self._wake.clear()
             await pause(tick, self._wake)
         await self._end_all("closed")
@@ -531,12 +617,46 @@ class PgHost:
         owned = await session.owned()
         for schema, led in list(self._led.items()):
             row = owned.get(schema)
-            if row is None or row.epoch != led.epoch:
+            if led.term.is_leader and (row is None or row.epoch != led.epoch):
                 logger.error(
                     "a hosted cluster was taken from this process; stepping it down",
                     extra={"schema": schema, "epoch": led.epoch},
                 )
                 led.term.mark_lost("fenced")
+
+    async def _sweep(self, session: HostSession) -> None:
+        """Read the leader rows of the next slice of led clusters, and step down each whose
+        row says its term is over: the epoch moved outside the host (a forced downgrade),
+        the schema holds another cluster, or none. The control schema cannot show these;
+        each cluster is read every ``len(led) / _SWEEP_SLICE`` ticks, and its next commit
+        is fenced meanwhile anyway."""
+        leading = sorted(s for s, led in self._led.items() if led.term.is_leader)
+        if not leading:
+            return
+        start = self._sweep_at % len(leading)
+        chosen = (leading[start:] + leading[:start])[:_SWEEP_SLICE]
+        self._sweep_at = start + len(chosen)
+        rows = await session.leader_rows(chosen)
+        for schema in chosen:
+            led = self._led.get(schema)
+            if led is None or not led.term.is_leader:
+                continue
+            row = rows.get(schema)
+            incarnation = led.store.incarnation
+            if row is None or row[1] != incarnation:
+                led.term.replaced = ClusterReplacedError(
+                    schema, incarnation, None if row is None else row[1], "checking the leader row"
+                )
+                reason = "schema_gone" if row is None else "cluster_replaced"
+            elif row[0] != led.epoch:
+                reason = "fenced"
+            else:
+                continue
+            logger.error(
+                "a hosted cluster's leader row ends its term; stepping it down",
+                extra={"schema": schema, "epoch": led.epoch, "reason": reason},
+            )
+            led.term.mark_lost(reason)
 
     async def _balance(self, session: HostSession) -> None:
         me = session.process_id
@@ -603,9 +723,16 @@ class PgHost:
                 continue
             try:
                 claimed = await session.claim(schema, bound)
-            except UnavailableError:
-                raise
             except StoreError as error:
+                if session.broken:
+                    raise
+                if isinstance(error, UnavailableError):
+                    # A lock wait ran out, a deadlock: this cluster waits for the next round.
+                    logger.warning(
+                        "claiming a hosted cluster failed for now",
+                        extra={"schema": schema, "error": str(error)},
+                    )
+                    continue
                 claimed = ClaimRefused(schema, str(error))
             if isinstance(claimed, ClaimRefused):
                 logger.error(
@@ -661,20 +788,20 @@ class PgHost:
     async def _release_ended(self, session: HostSession, *, wait: bool = False) -> None:
         """Give up, in the control schema, each cluster whose term ended here, once the
         application's task for it returned or its ``handover_grace`` ran out (then it is
-        cancelled). With ``wait`` (closing), waits out the grace for every one at once."""
-        grace = self._config.handover_grace
+        cancelled, and not waited for: the next claim's epoch fences whatever it still
+        sends). With ``wait`` (closing), waits out the grace for every one at once."""
         ending = [self._led[s] for s in sorted(self._ending) if s in self._led]
-        running = {led.task for led in ending if led.task is not None and not led.task.done()}
-        if wait and running:
-            await asyncio.wait(running, timeout=grace)
+        if wait:
+            running = {led.task for led in ending if led.task is not None and not led.task.done()}
+            if running:
+                await asyncio.wait(running, timeout=self._config.handover_grace)
         for led in ending:
             task = led.task
-            if task is not None and not task.done():
-                if not wait and time.monotonic() - led.term.ended_at < grace:
-                    continue
-                task.cancel()
-                await asyncio.wait({task})
+            overdue = time.monotonic() - led.term.ended_at >= self._config.handover_grace
+            if task is not None and not task.done() and not (wait or overdue):
+                continue
             schema = led.store.config.schema
+            self._reap(led)
             await session.release(schema)
             self._ending.discard(schema)
             del self._led[schema]

@@ -116,9 +116,10 @@ class HostSession:
         return host
 
     @property
-    def silent_for(self) -> float:
-        """Seconds since the session last answered."""
-        return self._loop.time() - self._last_answer
+    def broken(self) -> bool:
+        """Whether the session is gone: then so is this process's lock, and every cluster
+        it led must step down. Any other failure was the server's answer to one statement."""
+        return self._session.broken
 
     async def _run(
         self,
@@ -185,10 +186,11 @@ class HostSession:
         self, schemas: Sequence[str], trusted_triggers: frozenset[str]
     ) -> dict[str, MigrationError]:
         """The trust check of every schema in ``schemas`` at once, before claiming them."""
-        return await self._session.run_sync(
-            lambda conn: untrusted_among(conn, schemas, trusted_triggers),
-            self._left(),
-        )
+        async with door.translated("checking the clusters to claim"):
+            return await self._session.run_sync(
+                lambda conn: untrusted_among(conn, schemas, trusted_triggers),
+                self._left(),
+            )
 
     def _left(self) -> float:
         return max(self._last_answer + self._config.session_timeout - self._loop.time(), 0.001)
@@ -200,7 +202,10 @@ class HostSession:
         ``bound``); :class:`ClaimRefused` when it cannot be led as it stands."""
         key = {"group": self._group, "schema": schema}
         try:
-            async with self._session.transaction(self._left()):
+            async with (
+                door.translated("claiming a cluster"),
+                self._session.transaction(self._left()),
+            ):
                 row = (await self._run(control.claim_one, key)).first()
                 if row is None:
                     return None
@@ -239,6 +244,17 @@ class HostSession:
                 return Claim(schema, int(epoch), int(row.incarnation), int(oid))
         except LockHeldError:
             return None
+
+    async def leader_rows(self, schemas: list[str]) -> dict[str, tuple[int, int] | None]:
+        """Each of ``schemas``'s leader row now (epoch, incarnation), ``None`` where the
+        schema holds no leader table: the sweep's read (:mod:`cronoq_store._host.host`)."""
+        missing = (await self._run(control.missing_leaders, {"schemas": schemas})).scalars()
+        found: dict[str, tuple[int, int] | None] = dict.fromkeys(missing)
+        present = [s for s in schemas if s not in found]
+        if present:
+            for row in await self._run(control.leader_rows(present)):
+                found[str(row.schema)] = (int(row.epoch), int(row.tableoid))
+        return found
 
     async def refuse(self, schema: str, why: str) -> None:
         """Record on ``schema``'s control row why no process may lead it as it stands."""

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import URL
 
-from cronoq_store import PgStoreConfig, StoreError
+from cronoq_store import MigrationError, PgStoreConfig, StoreError
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 
 from ..pgharness import admin_execute, asyncpg_dsn
@@ -42,84 +42,22 @@ async def terminate(fleet: Fleet, name: str) -> None:
     )
 
 
-async def test_two_control_schemas_never_lead_one_cluster_at_once(fleet: Fleet) -> None:
-    """Nothing ties a cluster's ``host_group`` to one control schema: a second control schema
-    with the same group name (PgHostConfig allows any) enrolls the cluster again, its host
-    bumps the epoch, and the first host, whose keeper reads only its own control schema,
-    keeps leading: two live terms of one cluster, until the first one happens to commit."""
+async def test_a_second_control_schema_in_a_database_is_refused(fleet: Fleet) -> None:
+    """Process locks are the database's, keyed by ids each control schema draws from its own
+    sequence, and a cluster's mark names its group only: two control schemas would hand one
+    id to two processes (a dead one read as alive while the other holds its lock) and let
+    two groups lead one cluster. A second is refused, naming the first, before it exists."""
     [schema] = fleet.clusters(1)
     async with serving(fleet.url, config(fleet, "ctl_a"), [schema]) as first:
         await until(lambda: schema in first.host.led(), "the first host to lead")
-        second_fleet = other_control(fleet)
-        async with serving(fleet.url, config(second_fleet, "ctl_b")) as second:
-            try:
-                await second.host.enroll(schema)
-            except StoreError:
-                return  # refused: the cluster stays with the first host
-            try:
-                await until(lambda: schema in second.host.led(), "the second host", within=10)
-            except AssertionError:
-                return  # never claimed: fine too
-            # The second host bumped the epoch: a standalone keeper would step down within
-            # keepalive (0.3 s); the first host must too.
-            await until(
-                lambda: schema not in first.host.led(),
-                "the first host to step down once another process took the cluster's epoch",
-                within=5,
-            )
-
-
-async def test_a_dead_process_is_seen_dead_whatever_other_control_schemas_hold(
-    fleet: Fleet,
-) -> None:
-    """The process lock ``(LOCK_NS_HOST, process_id)`` is per database, but process ids come
-    from each control schema's own sequence: a process of another control schema that draws
-    the same id holds the very lock a dead process of this one held. The probe then reads the
-    dead process as alive, never buries it, and its clusters are never led again. (The other
-    control schema's host also blocked in its registration until this one died.)"""
-    [schema] = fleet.clusters(1)
-    async with serving(fleet.url, config(fleet, "victim2"), [schema]) as victim:
-        await until(lambda: schema in victim.host.led(), "the victim to lead")
-        dead_id = victim.host.process_id
-        assert dead_id is not None
-        bystander_fleet = other_control(fleet, f"{fleet.group}_b")
-        base = config(bystander_fleet, "bystander")
-        slow = replace(base, store=replace(base.store, session_timeout=30.0))
-        bystander = await PgHost.connect(fleet.url, slow)
-        try:
-            # Its sequence hands out the victim's id next (as after dead_id - 1 processes).
-            await admin_execute(
-                fleet.url,
-                f"SELECT setval('\"{bystander_fleet.control}\".process_ids', $1, false)",
-                dead_id,
-            )
-
-            async def lead(store: HostedStore) -> None:
-                await store.leadership_lost()
-
-            serving_b = asyncio.ensure_future(bystander.serve(lead))
-            await until_value(
-                lambda: admin_execute(
-                    fleet.url,
-                    "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' "
-                    "AND objid = $1 AND classid = $2 AND NOT granted",
-                    dead_id,
-                    0x63726F68,
-                ),
-                lambda rows: rows[0]["n"] == 1,
-                "the bystander's registration to wait for the victim's process lock",
-            )
-            await terminate(fleet, "victim2")
-            owners = await until_value(
-                fleet.owners,
-                lambda o: o.get(schema) not in (None, dead_id),
-                "the cluster of the dead process to be led again",
-                within=20,
-            )
-            assert owners[schema] != dead_id
-        finally:
-            await bystander.close()
-            await asyncio.wait({serving_b}, timeout=30)
+        second = other_control(fleet)
+        with pytest.raises(MigrationError, match=fleet.control):
+            await PgHost.connect(fleet.url, config(second, "ctl_b"))
+        rows = await admin_execute(
+            fleet.url, "SELECT 1 FROM pg_namespace WHERE nspname = $1", second.control
+        )
+        assert rows == []
+        assert schema in first.host.led()
 
 
 async def test_a_lead_that_outlives_its_cancellation_does_not_stop_the_keeper(
