@@ -27,7 +27,7 @@ from cronoq_store._host.host import PgHost
 from ..pgharness import admin_execute
 from ..support import ROOT
 from ..tcpproxy import TcpProxy
-from ..waits import until, until_value
+from ..waits import PATIENCE, until, until_value
 from .conftest import Fleet
 from .worker import STORE, host_config
 
@@ -105,6 +105,34 @@ async def epoch_rows(url: URL, terms: dict[str, int]) -> dict[str, set[int]]:
     return found
 
 
+async def diagnosis(fleet: Fleet, schemas: Sequence[str]) -> str:
+    """Who holds what on ``schemas``' tables, every session's state, and their control rows:
+    what a failed wait for a takeover shows."""
+    locks = await admin_execute(
+        fleet.url,
+        "SELECT l.pid, n.nspname || '.' || c.relname AS rel, l.mode, l.granted, a.state, "
+        "a.wait_event_type, a.wait_event, a.application_name, a.backend_xid, "
+        "now() - a.state_change AS since, left(a.query, 160) AS query "
+        "FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE n.nspname = ANY($1)",
+        list(schemas),
+    )
+    sessions = await admin_execute(
+        fleet.url,
+        "SELECT pid, application_name, state, wait_event_type, wait_event, backend_xid, "
+        "now() - state_change AS since, left(query, 160) AS query FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    rows = await admin_execute(
+        fleet.url,
+        f'SELECT * FROM "{fleet.control}".clusters WHERE schema_name = ANY($1)',
+        list(schemas),
+    )
+    shown = [("locks", locks), ("sessions", sessions), ("control rows", rows)]
+    return "\n".join(f"{name}:\n" + "\n".join(str(dict(r)) for r in found) for name, found in shown)
+
+
 async def claimed_at(url: URL, schema: str, epoch: int) -> float:
     """When the first epoch after ``epoch`` was taken (server clock, epoch seconds)."""
     rows = await admin_execute(
@@ -144,16 +172,23 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
                 lambda: {r["schema"] for r in of(records(journals[0]), "ack")} >= set(cut_off),
                 "commits acknowledged on every cluster of the process to cut off",
             )
+            # The terms the stall cuts off: the last led by the victim on each cluster it
+            # owns (it may have led others before, and handed them over to balance).
             terms = {
                 str(r["schema"]): int(num(r, "epoch"))
                 for r in of(records(journals[0]), "lead", process=victim_id)
+                if r["schema"] in cut_off
             }
 
             proxy.stall()
             stalled = time.time()
 
             def stepped_down() -> list[Record]:
-                return of(records(journals[0]), "down", process=victim_id)
+                return [
+                    r
+                    for r in of(records(journals[0]), "down", process=victim_id)
+                    if terms.get(str(r["schema"])) == r["epoch"]
+                ]
 
             downs = await until_value(
                 stepped_down,
@@ -169,13 +204,23 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
 
             def survivors_lead() -> list[Record]:
                 found = records(journals[1], journals[2])
-                return [r for r in of(found, "lead") if r["schema"] in cut_off]
+                # Leads of the terms after the cut-off one's (a survivor may have led a
+                # cluster before the process to cut off joined and took it over).
+                return [
+                    r
+                    for r in of(found, "lead")
+                    if r["schema"] in cut_off and num(r, "epoch") > terms[str(r["schema"])]
+                ]
 
-            leads = await until_value(
-                survivors_lead,
-                lambda led: {r["schema"] for r in led} >= set(cut_off),
-                "the survivors to lead every cluster of the cut-off process",
-            )
+            try:
+                leads = await until_value(
+                    survivors_lead,
+                    lambda led: {r["schema"] for r in led} >= set(cut_off),
+                    "the survivors to lead every cluster of the cut-off process",
+                    within=TAKEOVER_WITHIN + PATIENCE / 2,
+                )
+            except AssertionError as failed:
+                raise AssertionError(f"{failed}\n{await diagnosis(fleet, cut_off)}") from None
             timings["takeover_s"] = max(num(r, "t") for r in leads) - stalled
             # 1. The safety argument: no survivor leads a cluster before the cut-off
             # process stepped it down.
@@ -251,7 +296,7 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
     acked_after_down = [
         r
         for r in of(found, "ack", process=victim_id)
-        if str(r["schema"]) in down_at and num(r, "t") > down_at[str(r["schema"])]
+        if terms.get(str(r["schema"])) == r["epoch"] and num(r, "t") > down_at[str(r["schema"])]
     ]
     print(
         "deposed acknowledgements that arrived after the step-down (sent, answered, down, "
