@@ -29,6 +29,7 @@ from ..support import ROOT
 from ..tcpproxy import TcpProxy
 from ..waits import PATIENCE, until, until_value
 from .conftest import Fleet
+from .tripwire import Tripwire
 from .worker import STORE, host_config
 
 SESSION_TIMEOUT = STORE.session_timeout
@@ -324,3 +325,59 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
     for ack in acks:
         acked_by.setdefault((str(ack["schema"]), int(num(ack, "epoch"))), set()).add(ack["process"])
     assert all(len(p) == 1 for p in acked_by.values()), "an epoch acknowledged by two processes"
+
+
+async def test_a_process_cut_off_inside_a_claim_loses_no_cluster_for_longer_than_the_bound(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The path of a joining process goes silent while its host session is inside a claim's
+    transaction (the leader table's barrier just sent): every cluster is led again, by the
+    others, within the same bound as when the silence finds the session idle."""
+    schemas = fleet.clusters(9)
+    host = await PgHost.connect(fleet.url, host_config(fleet.group, fleet.control))
+    try:
+        await host.enroll(schemas)
+    finally:
+        await host.close()
+    journals = [tmp_path / f"w{i}.jsonl" for i in range(3)]
+    workers = [
+        await start_worker(fleet.url, fleet, "w1", journals[1], ["--late"]),
+        await start_worker(fleet.url, fleet, "w2", journals[2], ["--late"]),
+    ]
+    assert fleet.url.host is not None
+    assert fleet.url.port is not None
+    proxy = Tripwire(fleet.url.host, fleet.url.port)
+    async with proxy:
+        try:
+            await until_value(fleet.shares, lambda s: sorted(s) == [4, 5], "a 5/4 split")
+            survivors = {int(num(r, "process")) for r in of(records(*journals[1:]), "lead")}
+            proxy.arm(b"IN EXCLUSIVE MODE")
+            options = ["--late", "--commit-timeout", str(VICTIM_COMMIT_TIMEOUT)]
+            workers.append(
+                await start_worker(proxy.url(fleet.url), fleet, "w0", journals[0], options)
+            )
+            await until(lambda: proxy.tripped_at is not None, "the joining process to claim")
+            assert proxy.tripped_at is not None
+
+            async def led_by_survivors() -> dict[str, int | None]:
+                return await fleet.owners()
+
+            try:
+                await until_value(
+                    led_by_survivors,
+                    lambda o: all(p in survivors for p in o.values()),
+                    "the others to lead every cluster",
+                    within=TAKEOVER_WITHIN + PATIENCE / 2,
+                )
+            except AssertionError as failed:
+                raise AssertionError(f"{failed}\n{await diagnosis(fleet, schemas)}") from None
+            took = time.time() - proxy.tripped_at
+            print(f"cut off inside a claim: every cluster led by the others {took:.2f} s later")
+            assert took <= TAKEOVER_WITHIN
+        finally:
+            proxy.forward()
+            for worker in workers:
+                if worker.returncode is None:
+                    worker.send_signal(signal.SIGTERM)
+            for worker in workers:
+                await asyncio.wait_for(worker.wait(), 60)
