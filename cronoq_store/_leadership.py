@@ -129,6 +129,10 @@ def session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[st
         # `keepalive` and standbys every `lock_poll`, both shorter, so a healthy session is
         # never idle that long.
         "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+        # The same inside a transaction (an epoch bump, a host's claim), which the idle limit
+        # does not cover: a session stalled between two of its statements holds the lock,
+        # and the leader table, until the server ends it.
+        "idle_in_transaction_session_timeout": str(_idle_session_timeout_ms(config)),
         # Whatever an application's connect arguments say: the epoch bump is as durable as
         # a commit (a bump lost in a failover would let the next leader take the same
         # epoch), and it writes.

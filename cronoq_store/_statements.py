@@ -856,6 +856,7 @@ LOCK_SESSION_SETTINGS = (
     "tcp_keepalives_interval",
     "tcp_keepalives_count",
     "idle_session_timeout",
+    "idle_in_transaction_session_timeout",
     "synchronous_commit",
     "default_transaction_read_only",
 )

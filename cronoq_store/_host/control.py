@@ -40,6 +40,7 @@ from sqlalchemy import (
     Column,
     Connection,
     DateTime,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -98,6 +99,7 @@ __all__ = [
     "control_options",
     "control_revision",
     "control_schema",
+    "end_stuck_sessions",
     "enroll",
     "enrolled",
     "insert_process",
@@ -331,6 +333,53 @@ claimable = (
 #: construction: ids are never reused), held until the session ends.
 take_process_lock = select(
     func.pg_advisory_lock(literal(LOCK_NS_HOST, Integer), bindparam("id", type_=Integer))
+)
+
+_pg_locks = table(
+    "pg_locks",
+    column("locktype", Text),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+    column("pid", Integer),
+    schema="pg_catalog",
+)
+_pg_stat_activity = table(
+    "pg_stat_activity",
+    column("pid", Integer),
+    column("state", Text),
+    column("wait_event", Text),
+    column("state_change"),
+    schema="pg_catalog",
+)
+_pg_database = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
+
+#: End the host sessions of ``:ids`` that hold their process lock while stuck mid-statement
+#: for longer than ``:seconds``: the server waits for the rest of an extended-protocol
+#: message (``active``, ``ClientRead``), which no idle limit covers, so a process cut off
+#: there would hold its lock (and any table lock of its claim) for as long as the path stays
+#: silent. Its own keeper stepped its clusters down after ``session_timeout`` without an
+#: answer; ``:seconds`` is longer. Returns the pids ended.
+end_stuck_sessions = (
+    select(_pg_stat_activity.c.pid, func.pg_terminate_backend(_pg_stat_activity.c.pid))
+    .select_from(_pg_locks.join(_pg_stat_activity, _pg_locks.c.pid == _pg_stat_activity.c.pid))
+    .where(
+        _pg_locks.c.locktype == literal("advisory", Text),
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        _pg_locks.c.classid == literal(LOCK_NS_HOST, Integer).cast(OID),
+        _pg_locks.c.objid.cast(Integer) == any_(_ids),
+        _pg_locks.c.objsubid == literal(2, Integer),
+        _pg_locks.c.granted,
+        _pg_stat_activity.c.state == literal("active", Text),
+        _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
+        _pg_stat_activity.c.state_change
+        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float)),
+    )
 )
 
 #: The start of a claim: the cluster's control row, locked, when it is still to be had (active,

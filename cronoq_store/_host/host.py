@@ -211,6 +211,8 @@ class PgHost:
         self._seen_unowned: set[str] = set()
         # Where the sweep of leader rows goes on at the next tick.
         self._sweep_at = 0
+        # time.monotonic() of the last look for other processes' stuck sessions.
+        self._stuck_checked_at = 0.0
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
         # One recorder for every cluster this process leads, labelled with the group: the
@@ -669,6 +671,7 @@ class PgHost:
             )
             await session.bury(dead)
         live = [m for m in members if m not in dead]
+        await self._end_stuck(session, [m for m in live if m != me])
         counts = await session.counts()
         total = sum(counts.values())
         targets = balance.targets(live, total)
@@ -702,6 +705,24 @@ class PgHost:
         chosen += balance.to_claim(patient, me, live, deficits, room - len(chosen), patient=True)
         self._seen_unowned = set(candidates) - set(chosen)
         await self._claim(session, chosen)
+
+    async def _end_stuck(self, session: HostSession, others: list[int]) -> None:
+        """Every ``session_timeout``, end the host sessions of other processes stuck
+        mid-statement for ``1.5 x session_timeout``: past ``session_timeout`` without an
+        answer their own keepers stepped every cluster down, but the server keeps their
+        locks while it waits for the rest of a message, where no idle limit applies."""
+        limit = self._config.store.session_timeout
+        now = time.monotonic()
+        if now - self._stuck_checked_at < limit:
+            return
+        self._stuck_checked_at = now
+        ended = await session.end_stuck(others, 1.5 * limit)
+        if ended:
+            logger.warning(
+                "ended the host sessions of processes stuck mid-statement; their clusters "
+                "are claimed once their locks are free",
+                extra={"group": self._config.group, "pids": ended},
+            )
 
     def _cooling(self, schema: str) -> bool:
         gave_up = self._gave_up.get(schema)

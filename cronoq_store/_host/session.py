@@ -164,6 +164,16 @@ class HostSession:
         rows = await self._run(control.probe_dead, {"ids": list(others)})
         return sorted(int(r.process_id) for r in rows)
 
+    async def end_stuck(self, others: Sequence[int], seconds: float) -> list[int]:
+        """End the host sessions of ``others`` stuck mid-statement for over ``seconds``
+        (:data:`~cronoq_store._host.control.end_stuck_sessions`); the pids ended."""
+        if not others:
+            return []
+        found = await self._run(
+            control.end_stuck_sessions, {"ids": list(others), "seconds": seconds}
+        )
+        return [int(r.pid) for r in found]
+
     async def bury(self, dead: Sequence[int]) -> None:
         """Mark ``dead`` processes left and their clusters unowned, in one transaction."""
         async with self._session.transaction(self._config.session_timeout):
