@@ -645,10 +645,40 @@ def key_figures(results: dict[str, Any]) -> str:
         if many and "rows_per_second" in many["variants"].get("store", {}):
             label = _label(many["finished"])
             figures[f"prune_{label}_rows_per_s"] = many["variants"]["store"]["rows_per_second"]
+    figures.update(_fleet_figures(sections.get("fleet")))
     return " ".join(
-        f"{k}={v:.0f}" if k.endswith(("_mib", "_per_s")) else f"{k}={v:.2f}"
+        f"{k}={v}"
+        if isinstance(v, int)
+        else f"{k}={v:.0f}"
+        if k.endswith(("_mib", "_per_s"))
+        else f"{k}={v:.2f}"
         for k, v in figures.items()
     )
+
+
+def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
+    """The fleet's keys (issue 31) as far as its run got."""
+    if not fleet:
+        return {}
+    figures: dict[str, float] = {}
+    if "backends" in fleet:
+        figures["fleet_backends_per_process"] = fleet["backends"]["max"]
+    if "standby" in fleet:
+        figures["fleet_standby_backends"] = fleet["standby"]["max"]
+    if "open" in fleet:
+        figures["fleet_open_s"] = fleet["open"]["seconds"]
+    if "kill" in fleet:
+        figures["fleet_takeover_s"] = fleet["kill"]["takeover_seconds"]
+        figures["fleet_balance_spread"] = max(fleet["join"]["spread"], fleet["kill"]["spread"])
+    commit = fleet.get("commit")
+    if commit:
+        wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]
+        figures[f"fleet_commit_{wide}_vs_{narrow}"] = commit["wide_vs_narrow"]["median"]
+        figures[f"fleet_commit_{wide}_per_s"] = commit["wide_per_s"]["median"]
+        figures[f"fleet_commit_{narrow}_per_s"] = commit["narrow_per_s"]["median"]
+    if "lost" in fleet:
+        figures["fleet_lost"] = fleet["lost"]["lost"]
+    return figures
 
 
 # --- the plot ----------------------------------------------------------------------------------

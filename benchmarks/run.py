@@ -30,6 +30,7 @@ from . import (
     callers,
     commit,
     console,
+    fleet,
     group_commit,
     indexes,
     prune,
@@ -66,6 +67,7 @@ SECTIONS: dict[str, Section] = {
     "scale": scale.run,
     "indexes": indexes.run,
     "console": console.run,
+    "fleet": fleet.run,
 }
 
 
