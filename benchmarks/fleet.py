@@ -21,7 +21,9 @@ column list from a template cluster that ``benchmarks.history`` generated and th
 
 Server memory is each backend's from ``/proc`` (the server is local): RSS, and USS (its
 private pages, without the shared buffers it touched); client memory is each process's RSS.
-Figures only: nothing here asserts a speed.
+Figures only: nothing here asserts a speed. With ``$BENCH_FLEET_PROFILE`` naming a
+directory, every worker runs under ``cProfile`` and writes ``<name>.prof`` there when it
+exits (a SIGKILLed one writes nothing).
 """
 
 from __future__ import annotations
@@ -475,8 +477,8 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         }
         results["after"] = await _backends(fleet, survivors, 1.0)
         await asyncio.sleep(2 * profile.fleet_commit_every)
-        for w in survivors:
-            await w.stop()
+        # All at once: one by one, each stopping process's clusters would move to the rest.
+        await asyncio.gather(*(w.stop() for w in survivors))
         results["lost"] = await _lost(fleet)
         results["commit"] = await _commit(fleet)
     finally:

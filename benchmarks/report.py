@@ -379,6 +379,100 @@ def _console(section: dict[str, Any]) -> list[str]:
     ]
 
 
+def _fleet(section: dict[str, Any]) -> list[str]:
+    """The fleet's phases, as far as its run got (each phase adds its results when done)."""
+    lines = [
+        f"### The fleet: {section['clusters']:,} clusters, {section['processes']} host processes",
+        "",
+        f"Each cluster: {section['live']:,} live and {section['finished']:,} finished tasks; "
+        f"a pool of {section['pool']} per process; keepalive {section['keepalive']} s, "
+        f"session_timeout {section['session_timeout']} s, lock_poll {section['lock_poll']} s; "
+        f"each led cluster commits one task every {section['commit_every']} s.",
+        "",
+    ]
+    rows: list[list[str]] = []
+    seed = section.get("seed")
+    if seed:
+        rows.append(
+            [
+                "enrolled (migrated) and seeded",
+                f"{seed['seconds']:.1f} s in {seed['processes']} processes",
+                f"enroll {seed['enroll_seconds_summed']:.0f} s, COPY "
+                f"{seed['copy_seconds_summed']:.0f} s, summed over processes",
+            ]
+        )
+    opened = section.get("open")
+    if opened:
+        rows.append(
+            [
+                "every cluster led and recovered, from process start (`fleet_open_s`)",
+                f"{opened['seconds']:.1f} s",
+                f"first lead after {_seconds(opened['first_lead_seconds'])}; recovered other "
+                f"than seeded: {opened['recovered_other_than_seeded']}",
+            ]
+        )
+    for key, label, target in (
+        ("backends", "server sessions per process, leading its share", "<= pool + 3"),
+        ("standby", "server sessions of a process leading nothing", "<= 3"),
+        ("after", "server sessions per survivor after the kill", "<= pool + 3"),
+    ):
+        found = section.get(key)
+        if found:
+            memory = found.get("server_memory") or {}
+            rss = ", ".join(f"{v:.0f}" for v in found["client_rss_mib"].values())
+            rows.append(
+                [
+                    label,
+                    f"{found['max']} (target {target})",
+                    f"per process {sorted(found['per_process'].values())}; server backend "
+                    f"RSS {memory.get('rss_mib', 0):.1f} MiB, USS {memory.get('uss_mib', 0):.1f} "
+                    f"MiB (mean); client RSS {rss} MiB",
+                ]
+            )
+    join = section.get("join")
+    if join:
+        rows.append(
+            [
+                "one process joins: moves settled",
+                f"{join['settled_seconds']:.1f} s",
+                f"spread {join['spread']}, unowned {join['unowned']}",
+            ]
+        )
+    kill = section.get("kill")
+    if kill:
+        rows.append(
+            [
+                "one process SIGKILLed: each of its clusters owned again (`fleet_takeover_s`)",
+                f"{kill['takeover_seconds']:.2f} s",
+                f"{kill['victim_clusters']} clusters, recovered after "
+                f"{kill['recovered_seconds']:.2f} s; settled after "
+                f"{kill['settled_seconds']:.1f} s, spread {kill['spread']}",
+            ]
+        )
+    lost = section.get("lost")
+    if lost:
+        rows.append(
+            [
+                "acknowledged commits lost across the join and the kill",
+                str(lost["lost"]),
+                f"of {lost['acknowledged']:,} in {lost['clusters']:,} clusters",
+            ]
+        )
+    commit = section.get("commit")
+    if commit:
+        wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]
+        rows.append(
+            [
+                f"{commit['submitters']:,} one-mutation submitters through one process, over "
+                f"{wide:,} clusters vs over {narrow}",
+                _ratio(commit["wide_vs_narrow"]),
+                f"{_spread(commit['wide_per_s'])} vs {_spread(commit['narrow_per_s'])} "
+                f"mutations/s; that process led all in {commit['one_process_open_seconds']:.1f} s",
+            ]
+        )
+    return [*lines, *_table(["what", "measured", "details"], rows)]
+
+
 _SECTIONS = {
     "commit": _commit,
     "group_commit": _group_commit,
@@ -388,6 +482,7 @@ _SECTIONS = {
     "scale": _scale,
     "indexes": _indexes,
     "console": _console,
+    "fleet": _fleet,
 }
 
 
