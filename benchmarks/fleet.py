@@ -13,7 +13,9 @@ column list from a template cluster that ``benchmarks.history`` generated and th
 2. A process of a group with no clusters waits to lead: its sessions (``standby``).
 3. One more process joins; the moves settle (``join``). Then a process is SIGKILLed: the
    clock runs until the control schema gives each of its clusters to another process
-   (``takeover``), then the moves settle again (``kill``).
+   (``takeover``), then the moves settle again (``kill``). Then the process that reaches
+   the server through :class:`~benchmarks.proxy.StallingProxy` is cut off (its sockets
+   stay open, nothing passes): the same clock (``cutoff``); then it is back in touch.
 4. Every process stops; each acknowledged id (journalled after its acknowledgement) is
    looked up in its cluster (``lost``).
 5. One process alone leads every cluster, then the same one-mutation submitters commit
@@ -53,11 +55,14 @@ from cronoq_store._store import PgStore
 from .common import Profile, dsn, paired, summarize
 from .fleet_worker import PROFILE_ENV
 from .history import HISTORY_EPOCH, seed
+from .proxy import StallingProxy
 
 _ROOT = Path(__file__).resolve().parent.parent
 #: How long any phase may take before the section gives up on it.
 _CAP = 600.0
 _MIB = 2**20
+#: How long a process may take to exit once told to.
+_STOP = 60.0
 
 
 class Worker:
@@ -121,13 +126,18 @@ class Worker:
         if self.process.returncode != 0:
             raise RuntimeError(f"{self.name} exited ({self.process.returncode})")
 
-    async def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+    async def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        """Signal the process and return its exit code; one that has not exited within
+        ``_STOP`` seconds of a SIGTERM is SIGKILLed (its code then says so)."""
         if self.process.returncode is None:
             self.process.send_signal(sig)
-        await asyncio.wait_for(self.process.wait(), _CAP)
+        try:
+            await asyncio.wait_for(self.process.wait(), _STOP)
+        except asyncio.TimeoutError:
+            self.process.kill()
+            await self.process.wait()
         await self._reader
-        if sig == signal.SIGTERM and self.process.returncode != 0:
-            raise RuntimeError(f"{self.name} exited ({self.process.returncode})")
+        return self.process.returncode or 0
 
 
 @dataclass
@@ -195,6 +205,16 @@ class _Fleet:
                 }
             await asyncio.sleep(poll)
 
+    def taken_from(self, process_id: int, schemas: list[str]) -> Callable[[], Awaitable[bool]]:
+        """Whether the control schema gives each of ``schemas`` to a process other than
+        ``process_id``."""
+
+        async def check() -> bool:
+            owners = await self.owners()
+            return all(owners[s] not in (None, process_id) for s in schemas)
+
+        return check
+
     async def backends(self, name: str) -> list[int]:
         rows = await self.conn.fetch(
             "SELECT pid FROM pg_stat_activity WHERE application_name = $1 "
@@ -220,7 +240,7 @@ def _memory(pids: list[int]) -> dict[str, float]:
 
 
 def _client_rss(worker: Worker) -> float:
-    return psutil.Process(worker.process.pid).memory_info().rss / _MIB
+    return float(psutil.Process(worker.process.pid).memory_info().rss) / _MIB
 
 
 async def _template(fleet: _Fleet) -> dict[str, Any]:
@@ -277,12 +297,12 @@ async def _seed(fleet: _Fleet, template: str) -> dict[str, Any]:
     }
 
 
-async def _serve(fleet: _Fleet, name: str, group: str | None = None, **more: Any) -> Worker:
+async def _serve(
+    fleet: _Fleet, name: str, group: str | None = None, url: URL | None = None
+) -> Worker:
     journal = fleet.journals / f"{name}.acks"
-    args = fleet.args(
-        group, journal=str(journal), commit_every=fleet.profile.fleet_commit_every, **more
-    )
-    worker = await Worker.start(name, "serve", args, fleet.url)
+    args = fleet.args(group, journal=str(journal), commit_every=fleet.profile.fleet_commit_every)
+    worker = await Worker.start(name, "serve", args, url or fleet.url)
     if group is None:
         fleet.workers.append(worker)
     return worker
@@ -307,11 +327,14 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, poll: float = 
     return time.monotonic()
 
 
-async def _open(fleet: _Fleet) -> dict[str, Any]:
+async def _open(fleet: _Fleet, through: URL) -> dict[str, Any]:
     """Start the processes together; until every cluster is led and recovered."""
     profile = fleet.profile
-    names = [f"{fleet.prefix}-w{i}" for i in range(profile.fleet_processes)]
-    workers = [await _serve(fleet, name) for name in names]
+    workers = [
+        # The second process goes through the proxy: the one cut off later.
+        await _serve(fleet, f"{fleet.prefix}-w{i}", url=through if i == 1 else None)
+        for i in range(profile.fleet_processes)
+    ]
     first = min(w.started for w in workers)
 
     async def all_led() -> bool:
@@ -429,63 +452,88 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         "commit_every": profile.fleet_commit_every,
     }
     others: list[Worker] = []
+    proxy = await StallingProxy(url.port or 5432).start()
     try:
-        template = await _template(fleet)
-        results["template_recovered"] = template
-        results["seed"] = await _seed(fleet, template["schema"])
-        results["open"] = await _open(fleet)
-        members = [w.process_id for w in fleet.workers]
-        await fleet.settle(members, time.monotonic())
-        results["backends"] = await _backends(fleet, fleet.workers, 3 * lock_poll + 1)
-
-        idle = await _serve(fleet, f"{prefix}-idle", group=f"{prefix}_idle")
-        others.append(idle)
-        await idle.wait_for("registered")
-        await asyncio.sleep(3 * lock_poll)
-        results["standby"] = await _backends(fleet, [idle], 2 * lock_poll + 1)
-        await idle.stop()
-
-        joined = await _serve(fleet, f"{prefix}-w{profile.fleet_processes}")
-        await joined.wait_for("registered")
-        members.append(joined.process_id)
-        results["join"] = await fleet.settle(members, joined.started)
-
-        victim = fleet.workers[0]
-        theirs = [s for s, o in (await fleet.owners()).items() if o == victim.process_id]
-        await asyncio.sleep(lock_poll)
-        killed = time.monotonic()
-        await victim.stop(signal.SIGKILL)
-
-        async def taken_over() -> bool:
-            owners = await fleet.owners()
-            return all(owners[s] not in (None, victim.process_id) for s in theirs)
-
-        took = await _until(taken_over, "takeover") - killed
-        members.remove(victim.process_id)
-        survivors = [w for w in fleet.workers if w is not victim]
-
-        async def recovered() -> bool:
-            led = _led(survivors)
-            return all(s in led and led[s]["t"] > killed for s in theirs)
-
-        recovered_at = await _until(recovered, "recovery after the kill", poll=0.1)
-        results["kill"] = {
-            "victim_clusters": len(theirs),
-            "takeover_seconds": took,
-            "recovered_seconds": recovered_at - killed,
-            **await fleet.settle(members, killed),
-        }
-        results["after"] = await _backends(fleet, survivors, 1.0)
-        await asyncio.sleep(2 * profile.fleet_commit_every)
-        # All at once: one by one, each stopping process's clusters would move to the rest.
-        await asyncio.gather(*(w.stop() for w in survivors))
-        results["lost"] = await _lost(fleet)
-        results["commit"] = await _commit(fleet)
+        await _phases(fleet, proxy, results, others)
+    except Exception as error:  # the figures so far are kept, the failure said
+        results["error"] = f"{type(error).__name__}: {error}"
+        print(f"   fleet failed: {results['error']}", flush=True)
     finally:
         for w in [*fleet.workers, *others]:
             if w.process.returncode is None:
                 w.process.kill()
                 await w.process.wait()
+        await proxy.close()
         await conn.close()
         shutil.rmtree(journals, ignore_errors=True)
     return results
+
+
+async def _phases(
+    fleet: _Fleet, proxy: StallingProxy, results: dict[str, Any], others: list[Worker]
+) -> None:
+    """Every phase in turn, each adding its figures to ``results`` once done."""
+    profile, prefix = fleet.profile, fleet.prefix
+    lock_poll = profile.fleet_timing[2]
+    template = await _template(fleet)
+    results["template_recovered"] = template
+    results["seed"] = await _seed(fleet, template["schema"])
+    results["open"] = await _open(fleet, fleet.url.set(port=proxy.port))
+    members = [w.process_id for w in fleet.workers]
+    await fleet.settle(members, time.monotonic())
+    results["backends"] = await _backends(fleet, fleet.workers, 3 * lock_poll + 1)
+
+    idle = await _serve(fleet, f"{prefix}-idle", group=f"{prefix}_idle")
+    others.append(idle)
+    await idle.wait_for("registered")
+    await asyncio.sleep(3 * lock_poll)
+    results["standby"] = await _backends(fleet, [idle], 2 * lock_poll + 1)
+    await idle.stop()
+
+    joined = await _serve(fleet, f"{prefix}-w{profile.fleet_processes}")
+    await joined.wait_for("registered")
+    members.append(joined.process_id)
+    results["join"] = await fleet.settle(members, joined.started)
+
+    victim = fleet.workers[0]
+    theirs = [s for s, o in (await fleet.owners()).items() if o == victim.process_id]
+    await asyncio.sleep(lock_poll)
+    killed = time.monotonic()
+    await victim.stop(signal.SIGKILL)
+    took = await _until(fleet.taken_from(victim.process_id, theirs), "takeover") - killed
+    members.remove(victim.process_id)
+    survivors = [w for w in fleet.workers if w is not victim]
+
+    async def recovered() -> bool:
+        led = _led(survivors)
+        return all(s in led and led[s]["t"] > killed for s in theirs)
+
+    recovered_at = await _until(recovered, "recovery after the kill", poll=0.1)
+    results["kill"] = {
+        "victim_clusters": len(theirs),
+        "takeover_seconds": took,
+        "recovered_seconds": recovered_at - killed,
+        **await fleet.settle(members, killed),
+    }
+    results["after"] = await _backends(fleet, survivors, 1.0)
+
+    # The process behind the proxy is cut off: its sockets stay open, nothing passes.
+    cut = fleet.workers[1]
+    theirs = [s for s, o in (await fleet.owners()).items() if o == cut.process_id]
+    stalled = time.monotonic()
+    proxy.stall()
+    took = await _until(fleet.taken_from(cut.process_id, theirs), "takeover of the cut-off")
+    members.remove(cut.process_id)
+    results["cutoff"] = {
+        "victim_clusters": len(theirs),
+        "takeover_seconds": took - stalled,
+        **await fleet.settle(members, stalled),
+    }
+    # Back in touch: it finds its session ended, its clusters gone, and joins again.
+    proxy.resume()
+    await asyncio.sleep(2 * profile.fleet_commit_every)
+    # All at once: one by one, each stopping process's clusters would move to the rest.
+    codes = await asyncio.gather(*(w.stop() for w in survivors))
+    results["exit_codes"] = dict(zip([w.name for w in survivors], codes, strict=True))
+    results["lost"] = await _lost(fleet)
+    results["commit"] = await _commit(fleet)

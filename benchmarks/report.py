@@ -449,6 +449,16 @@ def _fleet(section: dict[str, Any]) -> list[str]:
                 f"{kill['settled_seconds']:.1f} s, spread {kill['spread']}",
             ]
         )
+    cutoff = section.get("cutoff")
+    if cutoff:
+        rows.append(
+            [
+                "one process cut off (proxy stalled): each of its clusters owned again",
+                f"{cutoff['takeover_seconds']:.2f} s",
+                f"{cutoff['victim_clusters']} clusters; settled after "
+                f"{cutoff['settled_seconds']:.1f} s, spread {cutoff['spread']}",
+            ]
+        )
     lost = section.get("lost")
     if lost:
         rows.append(
@@ -470,6 +480,8 @@ def _fleet(section: dict[str, Any]) -> list[str]:
                 f"mutations/s; that process led all in {commit['one_process_open_seconds']:.1f} s",
             ]
         )
+    if "error" in section:
+        rows.append(["the run stopped", "-", section["error"]])
     return [*lines, *_table(["what", "measured", "details"], rows)]
 
 
@@ -765,6 +777,8 @@ def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
     if "kill" in fleet:
         figures["fleet_takeover_s"] = fleet["kill"]["takeover_seconds"]
         figures["fleet_balance_spread"] = max(fleet["join"]["spread"], fleet["kill"]["spread"])
+    if "cutoff" in fleet:
+        figures["fleet_cutoff_s"] = fleet["cutoff"]["takeover_seconds"]
     commit = fleet.get("commit")
     if commit:
         wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]

@@ -41,6 +41,7 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
             )
             for row in rows:
                 await admin_execute(pg_url, f'DROP SCHEMA "{row["nspname"]}" CASCADE')
+    assert "error" not in results
     figures = dict(
         pair.split("=") for pair in report.key_figures({"sections": {"fleet": results}}).split()
     )
@@ -49,6 +50,7 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
         "fleet_standby_backends",
         "fleet_open_s",
         "fleet_takeover_s",
+        "fleet_cutoff_s",
         "fleet_balance_spread",
         "fleet_commit_8_vs_2",
         "fleet_commit_8_per_s",

@@ -376,6 +376,14 @@ def _fleet() -> dict[str, Any]:
             "spread": 0,
             "unowned": 0,
         },
+        "cutoff": {
+            "victim_clusters": 160,
+            "takeover_seconds": 12.5,
+            "settled_seconds": 13.0,
+            "spread": 1,
+            "unowned": 0,
+        },
+        "exit_codes": {"w1": 0, "w2": 0},
         "lost": {"acknowledged": 20_000, "lost": 0, "clusters": 1000},
         "commit": {
             "submitters": 4000,
@@ -397,6 +405,7 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
         "fleet_open_s": "21.50",
         "fleet_takeover_s": "3.10",
         "fleet_balance_spread": "1",
+        "fleet_cutoff_s": "12.50",
         "fleet_commit_1000_vs_10": "0.25",
         "fleet_commit_1000_per_s": "5000",
         "fleet_commit_10_per_s": "20000",
@@ -405,9 +414,12 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
     md = report.markdown(results({"fleet": _fleet()}))
     assert "### The fleet: 1,000 clusters, 4 host processes" in md
     assert "| acknowledged commits lost across the join and the kill | 0 |" in md
-    partial = {k: v for k, v in _fleet().items() if k not in ("kill", "lost", "commit")}
+    partial = {k: v for k, v in _fleet().items() if k not in ("kill", "cutoff", "lost", "commit")}
+    partial["error"] = "RuntimeError: fleet: no takeover within 600 s"
     figures = keys(report.key_figures(results({"fleet": partial})))
     assert "fleet_takeover_s" not in figures
     assert "fleet_lost" not in figures
     assert "fleet_open_s" in figures
-    report.markdown(results({"fleet": partial}))
+    assert "| the run stopped | - | RuntimeError: fleet: no takeover within 600 s |" in (
+        report.markdown(results({"fleet": partial}))
+    )
