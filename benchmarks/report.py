@@ -453,10 +453,11 @@ def _fleet(section: dict[str, Any]) -> list[str]:
     if cutoff:
         rows.append(
             [
-                "one process cut off (proxy stalled): each of its clusters owned again",
+                "one process cut off (proxy stalled): its clusters owned again (`fleet_cutoff_s`)",
                 f"{cutoff['takeover_seconds']:.2f} s",
-                f"{cutoff['victim_clusters']} clusters; settled after "
-                f"{cutoff['settled_seconds']:.1f} s, spread {cutoff['spread']}",
+                f"{cutoff['victim_clusters']} clusters, "
+                f"{cutoff['not_taken_over']} not taken over within "
+                f"{cutoff['cap_seconds']:.0f} s",
             ]
         )
     lost = section.get("lost")
@@ -779,6 +780,7 @@ def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
         figures["fleet_balance_spread"] = max(fleet["join"]["spread"], fleet["kill"]["spread"])
     if "cutoff" in fleet:
         figures["fleet_cutoff_s"] = fleet["cutoff"]["takeover_seconds"]
+        figures["fleet_cutoff_stuck"] = fleet["cutoff"]["not_taken_over"]
     commit = fleet.get("commit")
     if commit:
         wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]

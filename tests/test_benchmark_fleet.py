@@ -51,6 +51,7 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
         "fleet_open_s",
         "fleet_takeover_s",
         "fleet_cutoff_s",
+        "fleet_cutoff_stuck",
         "fleet_balance_spread",
         "fleet_commit_8_vs_2",
         "fleet_commit_8_per_s",
