@@ -464,7 +464,7 @@ def _fleet(section: dict[str, Any]) -> list[str]:
     if lost:
         rows.append(
             [
-                "acknowledged commits lost across the join and the kill",
+                "acknowledged commits lost across the join, the kill and the cut-off",
                 str(lost["lost"]),
                 f"of {lost['acknowledged']:,} in {lost['clusters']:,} clusters",
             ]

@@ -414,7 +414,7 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
     }
     md = report.markdown(results({"fleet": _fleet()}))
     assert "### The fleet: 1,000 clusters, 4 host processes" in md
-    assert "| acknowledged commits lost across the join and the kill | 0 |" in md
+    assert "| acknowledged commits lost across the join, the kill and the cut-off | 0 |" in md
     partial = {k: v for k, v in _fleet().items() if k not in ("kill", "cutoff", "lost", "commit")}
     partial["error"] = "RuntimeError: fleet: no takeover within 600 s"
     figures = keys(report.key_figures(results({"fleet": partial})))
