@@ -99,6 +99,7 @@ __all__ = [
     "control_options",
     "control_revision",
     "control_schema",
+    "end_stuck_holders",
     "end_stuck_sessions",
     "enroll",
     "enrolled",
@@ -375,6 +376,42 @@ end_stuck_sessions = (
         _pg_locks.c.objid.cast(Integer) == any_(_ids),
         _pg_locks.c.objsubid == literal(2, Integer),
         _pg_locks.c.granted,
+        _pg_stat_activity.c.state == literal("active", Text),
+        _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
+        _pg_stat_activity.c.state_change
+        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float)),
+    )
+)
+
+_pg_locks_relation = table(
+    "pg_locks",
+    column("locktype", Text),
+    column("relation"),
+    column("granted"),
+    column("pid", Integer),
+    schema="pg_catalog",
+)
+
+#: End the sessions that hold ``:schema``'s leader table while stuck mid-statement for longer
+#: than ``:seconds`` (``active``, ``ClientRead``): a commit of a process cut off in the middle
+#: of its extended-protocol exchange, which no idle limit ends, and whose fence's share lock
+#: would keep every claim of the cluster waiting for as long as the path stays silent. Its
+#: client gave up on it after ``commit_timeout``; ``:seconds`` is longer. Returns the pids.
+end_stuck_holders = (
+    select(_pg_stat_activity.c.pid, func.pg_terminate_backend(_pg_stat_activity.c.pid))
+    .select_from(
+        _pg_locks_relation.join(
+            _pg_stat_activity, _pg_locks_relation.c.pid == _pg_stat_activity.c.pid
+        )
+    )
+    .where(
+        _pg_locks_relation.c.locktype == literal("relation", Text),
+        _pg_locks_relation.c.relation
+        == func.to_regclass(
+            func.quote_ident(bindparam("schema", type_=Text)).concat(".cronoq_leader")
+        ),
+        _pg_locks_relation.c.granted,
+        _pg_stat_activity.c.pid != func.pg_backend_pid(),
         _pg_stat_activity.c.state == literal("active", Text),
         _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
         _pg_stat_activity.c.state_change

@@ -511,10 +511,11 @@ class PgHost:
                     self.instance,
                     self._settings if self._apply_settings else None,
                 )
-            except StoreError as error:
+            except Exception as error:
                 logger.warning(
                     "cannot register the host process for now; retrying",
                     extra={"group": self._config.group, "error": str(error)},
+                    exc_info=not isinstance(error, (StoreError, asyncio.TimeoutError, OSError)),
                 )
                 await pause(next(delays), self._closing)
                 continue

@@ -24,6 +24,7 @@ incarnation, the term recorded, the row given to this process.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ from .._trust import untrusted_among
 from . import control
 
 __all__ = ["Claim", "ClaimRefused", "HostSession", "Owned"]
+
+logger = logging.getLogger("cronoq_store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +256,17 @@ class HostSession:
                 )
                 return Claim(schema, int(epoch), int(row.incarnation), int(oid))
         except LockHeldError:
+            # Commits in flight hold the leader table: they land, and the claim comes at the
+            # next round; those stuck mid-statement past any commit's bound never land, and
+            # are ended so that the next round can claim.
+            stuck = max(self._config.commit_timeout, 1.5 * self._config.session_timeout)
+            ended = await self._run(control.end_stuck_holders, {"schema": schema, "seconds": stuck})
+            pids = [int(r.pid) for r in ended]
+            if pids:
+                logger.warning(
+                    "ended sessions stuck mid-statement on a cluster's leader table",
+                    extra={"schema": schema, "pids": pids},
+                )
             return None
 
     async def leader_rows(self, schemas: list[str]) -> dict[str, tuple[int, int] | None]:
