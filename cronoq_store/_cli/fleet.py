@@ -396,7 +396,7 @@ async def read_status(
     revision = await database.revision(conn, schema)
     facts, holder = await operations.schema_facts(conn, revision)
     migrating = await queries.migration_lock_holder(conn, schema)
-    group = await hosted.host_group(conn, revision)
+    group = hosted.host_group(facts)
     await conn.rollback()
     host = None if group is None else await hosted.read_host(conn, schema, group, control_schema)
     code = ExitCode.OK

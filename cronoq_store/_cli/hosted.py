@@ -15,18 +15,15 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import click
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
-from .. import _queries as queries
 from .._config import validate_schema_name
 from .._errors import MigrationError
 from .._host import control
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts
 from .._results import LockHolder
-from .._schema import LEADER_ROW_ID, leader
 from .._trust import refuse_untrusted
 from . import output
 from .exits import ExitCode
@@ -158,18 +155,10 @@ class HostFacts:
         return f"hosted (group {self.group})"
 
 
-async def host_group(conn: AsyncConnection, revision: RevisionStatus) -> str | None:
+def host_group(facts: ClusterFacts | None) -> str | None:
     """The host group the cluster's leader row names (``None``: standalone, or a revision
-    without the column). On ``conn``, the cluster's schema applied."""
-    if not revision.exists:
-        return None
-    columns = await queries.leader_columns(conn, revision.schema)
-    if leader.c.host_group.name not in columns:
-        return None
-    row = (
-        await conn.execute(select(leader.c.host_group).where(leader.c.id == LEADER_ROW_ID))
-    ).first()
-    return None if row is None else row.host_group
+    without the column, which reads as standalone)."""
+    return None if facts is None else facts.hosted_by
 
 
 def _process(row: Any) -> Process | None:

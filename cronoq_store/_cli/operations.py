@@ -484,7 +484,7 @@ async def read_health(
     revision = await database.revision(conn, schema)
     facts, holder = await schema_facts(conn, revision)
     migrating = await queries.migration_lock_holder(conn, schema)
-    group = await hosted.host_group(conn, revision)
+    group = hosted.host_group(facts)
     await conn.rollback()
     if group is not None:
         host = await hosted.read_host(conn, schema, group, control_schema)

@@ -103,7 +103,7 @@ async def _status(options: Options, as_json: bool, console: Console, control_sch
         migrating = await queries.migration_lock_holder(conn, schema)
         oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
         contents = await _contents(conn) if revision.at_head else None
-        group = await hosted.host_group(conn, revision)
+        group = hosted.host_group(facts)
         await conn.rollback()
         host = None
         if group is not None:

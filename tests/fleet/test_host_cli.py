@@ -315,3 +315,17 @@ async def test_an_enrolment_refused_by_a_standalone_leader_changes_nothing(fleet
         doc = document((await cli(fleet, "status", "--json", schema=schema)).stdout)
         assert doc["mode"] == "standalone"
         assert "host" not in doc
+
+
+async def test_a_standalone_store_on_an_enrolled_cluster_reports_its_host_group(
+    fleet: Fleet,
+) -> None:
+    schemas = fleet.clusters(2)
+    await migrated(fleet, schemas)
+    assert (await cli(fleet, "host", "enroll", schemas[0], "--group", fleet.group)).exit_code == 0
+    async with await PgStore.connect(fleet.url, PgStoreConfig(schema=schemas[0])) as store:
+        health = await store.health()
+        assert health.hosted_by == fleet.group
+        assert (health.is_leader, health.has_leader, health.at_head) == (False, False, True)
+    async with await PgStore.connect(fleet.url, PgStoreConfig(schema=schemas[1])) as store:
+        assert (await store.health()).hosted_by is None
