@@ -128,6 +128,8 @@ class HostFacts:
     control_group: str | None = None
     state: str | None = None
     refused_why: str | None = None
+    #: The cluster the control row enrolled (its leader table's OID then).
+    incarnation: int | None = None
     owner: int | None = None
     epoch: int | None = None
     since: datetime | None = None
@@ -216,6 +218,7 @@ async def read_host(
         control_group=None if row.host_group == group else row.host_group,
         state=row.state,
         refused_why=row.refused_why,
+        incarnation=int(row.incarnation),
         owner=None if row.owner is None else int(row.owner),
         epoch=None if row.epoch is None else int(row.epoch),
         since=row.since,
@@ -299,6 +302,16 @@ def hosted_verdict(
     if missing is not None:
         codes.append(ExitCode.NO_LEADER)
         reasons.append(missing)
+    stored = None if facts is None else facts.incarnation
+    if host.incarnation is not None and stored is not None and stored != host.incarnation:
+        # A claim bumps the epoch only in the cluster enrolled: no process leads this one.
+        if missing is None:
+            codes.append(ExitCode.NO_LEADER)
+        reasons.append(
+            f"the schema holds another cluster (incarnation {stored}) than the one enrolled "
+            f"(incarnation {host.incarnation}): no host process can claim it; remove it from "
+            "the group and enroll it again"
+        )
     if (
         owner is not None
         and facts is not None
@@ -368,6 +381,7 @@ def host_document(host: HostFacts, holder: LockHolder | None) -> dict[str, objec
         "control_group": host.control_group,
         "state": host.state,
         "refused_why": host.refused_why,
+        "incarnation": host.incarnation,
         "owner": host.owner,
         "live": host.live_owner is not None,
         "epoch": host.epoch,

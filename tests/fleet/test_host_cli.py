@@ -269,6 +269,24 @@ async def test_a_refused_cluster_reports_its_reason(fleet: Fleet) -> None:
         "refused",
         "a trigger nobody trusted",
     )
+    await admin_execute(
+        fleet.url,
+        f"UPDATE \"{fleet.control}\".clusters SET state = 'active', incarnation = 1 "
+        "WHERE schema_name = $1",
+        schema,
+    )
+    replaced = await cli(fleet, "health", schema=schema)
+    assert replaced.exit_code == ExitCode.NO_LEADER
+    assert "than the one enrolled (incarnation 1): no host process can claim it" in (
+        replaced.stdout
+    )
+    await admin_execute(
+        fleet.url,
+        f"UPDATE \"{fleet.control}\".clusters SET state = 'refused', incarnation = $2 "
+        "WHERE schema_name = $1",
+        schema,
+        doc["incarnation"],
+    )
     listed = document((await cli(fleet, "host", "list", "--json")).stdout)
     (row,) = [c for c in listed["clusters"] if c["schema"] == schema]
     assert (row["state"], row["refused_why"]) == ("refused", "a trigger nobody trusted")
