@@ -248,11 +248,33 @@ def _print_list(
         console.print("no enrolled clusters")
 
 
-def _host_config(options: Options, group: str, control_schema: str) -> PgHostConfig:
+async def _connect(options: Options, group: str, control_schema: str) -> PgHost:
+    """A host that will never serve (``PgHost.connect`` registers no process): a URL that
+    cannot name a server is a usage error first, as for every command, and failing to
+    reach the server exit 3."""
+    url = options.database_url()
+    await _reach(url)
     store = PgStoreConfig(
         application_name="cronoq-store cli", trusted_triggers=options.trusted_triggers
     )
-    return PgHostConfig(store=store, group=group, control_schema=control_schema, max_connections=1)
+    config = PgHostConfig(
+        store=store, group=group, control_schema=control_schema, max_connections=1
+    )
+    return await PgHost.connect(url, config)
+
+
+async def _reach(url: str) -> None:
+    """Connect once, as every command does first: whatever fails the connection (a wrong
+    password or database name as much as a server down) is exit 3."""
+    engine = database.engine(url)
+    try:
+        async with door.translated("connecting"):
+            conn = await engine.connect()
+            await conn.close()
+    except StoreError as reason:
+        raise CliError(f"cannot connect to {redact(url)}: {reason}", ExitCode.UNREACHABLE) from None
+    finally:
+        await engine.dispose()
 
 
 @host.command("enroll")
@@ -281,8 +303,7 @@ async def _enroll(
         one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
         async with database.database(one) as conn:
             await database.require_head(conn, schema)
-    url = options.database_url()
-    made = await PgHost.connect(url, _host_config(options, group, control_schema))
+    made = await _connect(options, group, control_schema)
     try:
         added = await made.enroll(list(schemas), migrate=False)
     finally:
@@ -310,8 +331,7 @@ def remove(options: Options, schema: str, group: str, control_schema: str) -> No
 async def _remove(
     options: Options, schema: str, group: str, control_schema: str, console: Console
 ) -> None:
-    url = options.database_url()
-    made = await PgHost.connect(url, _host_config(options, group, control_schema))
+    made = await _connect(options, group, control_schema)
     try:
         removed = await made.remove(schema)
     finally:

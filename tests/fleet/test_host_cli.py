@@ -347,3 +347,16 @@ async def test_a_standalone_store_on_an_enrolled_cluster_reports_its_host_group(
         assert (health.is_leader, health.has_leader, health.at_head) == (False, False, True)
     async with await PgStore.connect(fleet.url, PgStoreConfig(schema=schemas[1])) as store:
         assert (await store.health()).hosted_by is None
+
+
+async def test_host_commands_fail_as_every_command_does(fleet: Fleet) -> None:
+    (schema,) = fleet.clusters(1)
+    wrong = full(fleet.url.set(password="not-the-password"))
+    for args in (("host", "remove", schema), ("host", "list"), ("host", "enroll", schema)):
+        refused = await run("--url", wrong, *args)
+        assert refused.exit_code == ExitCode.UNREACHABLE, (args, refused.output)
+        assert "not-the-password" not in refused.output
+        assert refused.stderr.startswith("Error: cannot connect to ")
+    usage = await run("--url", "mysql://u:secret@db/x", "host", "remove", schema)
+    assert usage.exit_code == ExitCode.USAGE
+    assert "secret" not in usage.output
