@@ -10,7 +10,7 @@ table has no ``host_group`` column (a revision before ``0009_host_group``) is st
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -189,7 +189,7 @@ async def read_host(
     ).scalar()
     if not exists:
         await conn.rollback()
-        return _replace(
+        return replace(
             facts,
             unreadable=f"control schema {control_schema!r} holds no host tables "
             "(another --control-schema?)",
@@ -200,7 +200,7 @@ async def read_host(
         )
     except MigrationError as exc:
         await conn.rollback()
-        return _replace(facts, unreadable=f"refused: {exc}")
+        return replace(facts, unreadable=f"refused: {exc}")
     row = (
         await conn.execute(
             control.cluster_host,
@@ -225,12 +225,6 @@ async def read_host(
         released_at=row.released_at,
         process=_process(row),
     )
-
-
-def _replace(facts: HostFacts, **changes: Any) -> HostFacts:
-    values = {name: getattr(facts, name) for name in HostFacts.__slots__}
-    values.update(changes)
-    return HostFacts(**values)
 
 
 def _unowned_words(host: HostFacts) -> str:
