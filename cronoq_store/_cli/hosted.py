@@ -234,11 +234,11 @@ def _unowned_words(host: HostFacts) -> str:
     said = "no live host process owns it"
     if last is None:
         return f"{said}; no owner recorded (never claimed, or its last owner died)"
-    state = "owns it, but its process lock is free" if host.owner is not None else "released it"
-    return (
-        f"{said}; last owner {last.words().removeprefix('host ')} since {host.since_words()}: "
-        f"it {state}"
-    )
+    owner = f"{said}; last owner {last.words().removeprefix('host ')}, owner since "
+    if host.owner is not None:
+        return f"{owner}{host.since_words()}: its process lock is free (the process is gone)"
+    released = output.moment_words(host.released_at)
+    return f"{owner}{host.since_words()}, released it {released}"
 
 
 def no_leader(host: HostFacts) -> str | None:

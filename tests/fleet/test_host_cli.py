@@ -148,13 +148,28 @@ async def test_a_hosted_cluster_names_its_owner_and_exits_6_once_the_host_is_gon
         f"unhealthy: no live host process owns it; last owner process {pid} (instance "
         f"{host.instance}, backend pid {backend['backend_pid']}, "
     )
-    assert "it released it" in gone.stdout
+    assert ", released it 20" in gone.stdout
     after = document((await cli(fleet, "health", "--json", schema=one)).stdout)
     assert (after["host"]["owner"], after["host"]["live"]) == (None, False)
     assert after["host"]["process"]["live"] is False
     over = await cli(fleet, "health", "--schemas", f"{fleet.prefix}_*")
     assert over.exit_code == ExitCode.NO_LEADER
     assert over.stdout.count("no live host process owns it") == 2
+
+    # A process that died owning it (no survivor took it yet): its row still names it, and
+    # its free process lock says it is gone.
+    await admin_execute(
+        fleet.url,
+        f'UPDATE "{fleet.control}".clusters SET owner = released_by WHERE schema_name = $1',
+        one,
+    )
+    dead = await cli(fleet, "health", schema=one)
+    assert dead.exit_code == ExitCode.NO_LEADER, dead.output
+    assert f"last owner process {pid} (instance {host.instance}" in dead.stdout
+    assert dead.stdout.endswith(": its process lock is free (the process is gone)\n")
+    assert (
+        document((await cli(fleet, "status", "--json", schema=one)).stdout)["host"]["owner"] == pid
+    )
 
     # The control schema from the environment, as other options may come; a wrong one is
     # named.
