@@ -364,11 +364,15 @@ def _leader_words(holder: Any) -> str:
 
 
 async def read_health(
-    conn: AsyncConnection, schema: str, control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
 ) -> Verdict:
     """``health``'s verdict on one cluster of many (its single-schema document, and the
-    code); a hosted cluster's owner read in ``control_schema``."""
-    health = await operations.read_health(conn, schema, control_schema)
+    code); a hosted cluster's owner read in ``control_schema`` (checked once per run with
+    ``vetted``, :func:`~cronoq_store._cli.hosted.read_host`)."""
+    health = await operations.read_health(conn, schema, control_schema, vetted)
     document = {**operations.health_document(schema, health), "exit_code": int(health.code)}
     if health.code is ExitCode.OK:
         epoch = None if health.facts is None else health.facts.stored_epoch
@@ -387,7 +391,10 @@ async def read_health(
 
 
 async def read_status(
-    conn: AsyncConnection, schema: str, control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
 ) -> Verdict:
     """``status``'s line on one cluster of many: what every revision holds (revision, epoch,
     leader, migration lock), without the task counts, which read the cluster's tables; the
@@ -398,7 +405,9 @@ async def read_status(
     migrating = await queries.migration_lock_holder(conn, schema)
     group = hosted.host_group(facts)
     await conn.rollback()
-    host = None if group is None else await hosted.read_host(conn, schema, group, control_schema)
+    host = None
+    if group is not None:
+        host = await hosted.read_host(conn, schema, group, control_schema, vetted)
     code = ExitCode.OK
     if not revision.at_head:
         code = ExitCode.NEWER_DATABASE if revision.unknown else ExitCode.NOT_MIGRATED

@@ -41,13 +41,15 @@ def health(
     object per line, the summary last); the exit code is the gravest cluster's.
     """
     chosen = fleet.selection(options, every, glob)
+    # The control schema's trust check, once for every hosted cluster of the run.
+    vetted: set[str] = set()
     if chosen is not None:
         work = fleet.over_clusters(
             options,
             chosen,
             jobs,
             as_json,
-            lambda conn, schema: fleet.read_health(conn, schema, control_schema),
+            lambda conn, schema: fleet.read_health(conn, schema, control_schema, vetted),
             "healthy",
         )
     else:

@@ -179,10 +179,18 @@ def _process(row: Any) -> Process | None:
 
 
 async def read_host(
-    conn: AsyncConnection, schema: str, group: str, control_schema: str
+    conn: AsyncConnection,
+    schema: str,
+    group: str,
+    control_schema: str,
+    vetted: set[str] | None = None,
 ) -> HostFacts:
     """The control row of ``schema`` enrolled in ``group``, read in ``control_schema`` after
-    its trust check; a missing or refused control schema is said in ``unreadable``."""
+    its trust check; a missing or refused control schema is said in ``unreadable``.
+
+    ``vetted``: the control schemas whose trust check passed already in this command (a
+    command over many clusters checks its control schema once, not once per cluster);
+    one that passes here is added."""
     facts = HostFacts(group, control_schema)
     exists = (
         await conn.execute(catalog.relation_exists, {"schema": control_schema, "name": "clusters"})
@@ -194,13 +202,16 @@ async def read_host(
             unreadable=f"control schema {control_schema!r} holds no host tables "
             "(another --control-schema?)",
         )
-    try:
-        await conn.run_sync(
-            lambda sync: refuse_untrusted(sync, control_schema, tables=control.CONTROL_TABLES)
-        )
-    except MigrationError as exc:
-        await conn.rollback()
-        return replace(facts, unreadable=f"refused: {exc}")
+    if vetted is None or control_schema not in vetted:
+        try:
+            await conn.run_sync(
+                lambda sync: refuse_untrusted(sync, control_schema, tables=control.CONTROL_TABLES)
+            )
+        except MigrationError as exc:
+            await conn.rollback()
+            return replace(facts, unreadable=f"refused: {exc}")
+        if vetted is not None:
+            vetted.add(control_schema)
     row = (
         await conn.execute(
             control.cluster_host,

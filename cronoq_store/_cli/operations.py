@@ -475,7 +475,10 @@ async def schema_facts(
 
 
 async def read_health(
-    conn: AsyncConnection, schema: str, control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
 ) -> Health:
     """Where ``schema`` stands, who holds its leader lock and its migration lock, and the
     verdict; for a cluster a host group leads, its owner read in ``control_schema`` and the
@@ -487,7 +490,7 @@ async def read_health(
     group = hosted.host_group(facts)
     await conn.rollback()
     if group is not None:
-        host = await hosted.read_host(conn, schema, group, control_schema)
+        host = await hosted.read_host(conn, schema, group, control_schema, vetted)
         code, reasons, warned = hosted.hosted_verdict(revision, facts, holder, host)
         return Health(
             revision, facts, holder, public, code, reasons, migrating, host, tuple(warned)

@@ -49,6 +49,8 @@ def status(
     The exit code is the gravest cluster's.
     """
     chosen = fleet.selection(options, every, glob)
+    # The control schema's trust check, once for every hosted cluster of the run.
+    vetted: set[str] = set()
     if chosen is not None:
         code = run(
             options.url,
@@ -57,7 +59,7 @@ def status(
                 chosen,
                 jobs,
                 as_json,
-                lambda conn, schema: fleet.read_status(conn, schema, control_schema),
+                lambda conn, schema: fleet.read_status(conn, schema, control_schema, vetted),
                 "at head",
             ),
         )
