@@ -65,12 +65,12 @@ def _group_option(default: str | None) -> Callable[[_C], _C]:
     )
 
 
-@click.group()
+@click.group(short_help="Host groups (PgHost): list, enroll, remove.")
 def host() -> None:
     """The host groups (PgHost) of the database: list, enroll, remove."""
 
 
-@host.command("list")
+@host.command("list", short_help="Host processes, enrolled clusters and their owners.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead of text."
 )
@@ -277,7 +277,7 @@ async def _reach(url: str) -> None:
         await engine.dispose()
 
 
-@host.command("enroll")
+@host.command("enroll", short_help="Put clusters in a host group.")
 @click.argument("schemas", nargs=-1, required=True, callback=_check_schemas)
 @_group_option(_DEFAULT_GROUP)
 @hosted.control_schema_option
@@ -313,7 +313,7 @@ async def _enroll(
         console.print(f"{said}: schema {schema} in host group {group}")
 
 
-@host.command("remove")
+@host.command("remove", short_help="Take a cluster out of its host group, fenced.")
 @click.argument(
     "schema", callback=lambda ctx, param, value: _check_schemas(ctx, param, (value,))[0]
 )
