@@ -17,7 +17,8 @@ is printed; ``database`` the connection and the revision check; ``output`` forma
 module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
 ``health``, ``handover``, ``host``, ``dev_server``, ``alembic_ini``, ``console``); ``fleet`` the
 selection of many clusters (``--all``, ``--schemas``) and ``status`` and ``health`` over
-them; ``fleet_migrate`` and ``migrate_worker`` ``migrate`` over them, in worker processes.
+them; ``fleet_migrate`` and ``migrate_worker`` ``migrate`` over them, in worker processes;
+``hosted`` what ``status`` and ``health`` say of a cluster a host group leads.
 """
 
 from __future__ import annotations
