@@ -268,7 +268,8 @@ def no_leader(host: HostFacts) -> str | None:
         )
     if host.state == "refused":
         return (
-            f"host group {host.group} refuses to lead it: {host.refused_why or 'no reason given'}"
+            f"host group {host.group} refuses to lead it: {host.refused_why or 'no reason given'} "
+            "(once that is fixed, `cronoq-store host enroll` it again)"
         )
     if host.live_owner is None:
         return _unowned_words(host)
@@ -314,8 +315,8 @@ def hosted_verdict(
             codes.append(ExitCode.NO_LEADER)
         reasons.append(
             f"the schema holds another cluster (incarnation {stored}) than the one enrolled "
-            f"(incarnation {host.incarnation}): no host process can claim it; remove it from "
-            "the group and enroll it again"
+            f"(incarnation {host.incarnation}): no host process can claim it; enroll it "
+            "again (`cronoq-store host enroll`) to have the group lead the one there now"
         )
     if (
         owner is not None

@@ -277,7 +277,8 @@ async def test_a_refused_cluster_reports_its_reason(fleet: Fleet) -> None:
     probe = await cli(fleet, "health", schema=schema)
     assert probe.exit_code == ExitCode.NO_LEADER
     assert probe.stdout == (
-        f"unhealthy: host group {fleet.group} refuses to lead it: a trigger nobody trusted\n"
+        f"unhealthy: host group {fleet.group} refuses to lead it: a trigger nobody trusted "
+        "(once that is fixed, `cronoq-store host enroll` it again)\n"
     )
     doc = document((await cli(fleet, "status", "--json", schema=schema)).stdout)
     assert (doc["host"]["state"], doc["host"]["refused_why"]) == (
@@ -306,6 +307,12 @@ async def test_a_refused_cluster_reports_its_reason(fleet: Fleet) -> None:
     (row,) = [c for c in listed["clusters"] if c["schema"] == schema]
     assert (row["state"], row["refused_why"]) == ("refused", "a trigger nobody trusted")
     assert listed["counts"] == []
+
+    # Enrolled again: the operator's word that the cause is gone.
+    again = await cli(fleet, "host", "enroll", schema, "--group", fleet.group)
+    assert again.exit_code == ExitCode.OK, again.output
+    cleared = await cli(fleet, "health", schema=schema)
+    assert cleared.stdout.startswith("unhealthy: no live host process owns it; no owner recorded")
 
 
 async def test_hosted_names_print_terminal_safe(fleet: Fleet) -> None:
@@ -344,7 +351,8 @@ async def test_an_enrolment_refused_by_a_standalone_leader_changes_nothing(fleet
         await store.acquire_leadership()
         refused = await cli(fleet, "host", "enroll", schema, "--group", fleet.group)
         assert refused.exit_code == ExitCode.LOCK_HELD, refused.output
-        assert "a standalone leader (or a downgrade) holds its leader lock" in refused.stderr
+        assert "failed: its leader lock is held by pid" in refused.stderr
+        assert "(a standalone leader, a downgrade, or a claim" in refused.stderr
         doc = document((await cli(fleet, "status", "--json", schema=schema)).stdout)
         assert doc["mode"] == "standalone"
         assert "host" not in doc
