@@ -287,7 +287,8 @@ def enroll(options: Options, schemas: tuple[str, ...], group: str, control_schem
 
     Each must be at this build's head (run `cronoq-store migrate` first) and led by no
     standalone PgStore (its leader lock held: exit 9). A cluster already in the group is
-    left as it is; one in another group fails the command.
+    made claimable again (a refusal cleared, a cluster made again under its name taken as
+    the group's); one in another group fails the command.
     """
     run(options.url, _enroll(options, schemas, group, control_schema, output.console()))
 
