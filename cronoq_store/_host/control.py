@@ -36,7 +36,6 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import (
     BigInteger,
-    Boolean,
     CheckConstraint,
     Column,
     Connection,
@@ -527,21 +526,6 @@ enrolled = (
 
 
 # --- what operators read (``cronoq-store status``, ``health``, ``host list``) ----------------
-
-_pg_locks = table(
-    "pg_locks",
-    column("locktype", Text),
-    column("database", OID),
-    column("classid", OID),
-    column("objid", OID),
-    column("objsubid", Integer),
-    column("granted", Boolean),
-    column("pid", Integer),
-    schema="pg_catalog",
-)
-_pg_database = table(
-    "pg_database", column("oid", OID), column("datname", Text), schema="pg_catalog"
-)
 
 
 def _process_lock_pid(process_id: ColumnElement[int | None]) -> ColumnElement[int | None]:
