@@ -830,6 +830,7 @@ class PgStore:
             incarnation=self._incarnation,
             stored_incarnation=facts.incarnation,
             migration_lock=migrating,
+            hosted_by=facts.hosted_by,
         )
 
     async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:

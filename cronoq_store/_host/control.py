@@ -94,6 +94,8 @@ __all__ = [
     "PROCESS_ID_MAX",
     "claim_one",
     "claimable",
+    "cluster_host",
+    "cluster_list",
     "clusters",
     "control_head",
     "control_options",
@@ -119,6 +121,7 @@ __all__ = [
     "prepare_control",
     "probe_dead",
     "process_ids",
+    "process_list",
     "processes",
     "reenroll",
     "release_cluster",
@@ -557,6 +560,97 @@ enrolled = (
     .where(_in_group)
     .order_by(clusters.c.schema_name)
 )
+
+
+# --- what operators read (``cronoq-store status``, ``health``, ``host list``) ----------------
+
+
+def _process_lock_pid(process_id: ColumnElement[int | None]) -> ColumnElement[int | None]:
+    """The backend pid of the session holding ``(LOCK_NS_HOST, process_id)`` in this
+    database, NULL when none does: a process is live exactly while one holds it. A two-key
+    lock shows as ``classid``, ``objid`` (unsigned ``oid``), ``objsubid = 2``."""
+    return (
+        select(_pg_locks.c.pid)
+        .where(
+            _pg_locks.c.locktype == literal("advisory", Text),
+            _pg_locks.c.database
+            == select(_pg_database.c.oid)
+            .where(_pg_database.c.datname == func.current_database())
+            .scalar_subquery(),
+            cast(_pg_locks.c.classid, BigInteger) == literal(LOCK_NS_HOST, BigInteger),
+            cast(_pg_locks.c.objid, BigInteger) == cast(process_id, BigInteger),
+            _pg_locks.c.objsubid == 2,
+            _pg_locks.c.granted.is_(true()),
+        )
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+_last = processes.alias("last_owner")
+
+#: One cluster's control row by ``:schema`` (in whichever group), with the process that owns
+#: it or, unowned, the one that released it last (``process_*`` columns, NULL when neither is
+#: known) and the pid of the session holding that process's lock now (``lock_pid``, NULL:
+#: free, the process is dead or gone). No row: the schema is not enrolled here.
+cluster_host = (
+    select(
+        clusters.c.host_group,
+        clusters.c.incarnation,
+        clusters.c.owner,
+        clusters.c.epoch,
+        clusters.c.since,
+        clusters.c.released_by,
+        clusters.c.released_at,
+        clusters.c.state,
+        clusters.c.refused_why,
+        _last.c.process_id.label("process_id"),
+        _last.c.instance.label("process_instance"),
+        _last.c.backend_pid.label("process_backend_pid"),
+        _last.c.role.label("process_role"),
+        _last.c.application_name.label("process_application_name"),
+        _last.c.joined_at.label("process_joined_at"),
+        _last.c.state.label("process_state"),
+        _process_lock_pid(_last.c.process_id).label("lock_pid"),
+    )
+    .select_from(
+        clusters.outerjoin(
+            _last, _last.c.process_id == func.coalesce(clusters.c.owner, clusters.c.released_by)
+        )
+    )
+    .where(clusters.c.schema_name == _schema_name)
+)
+
+#: The processes that have not left, of every group (``process_id``, ``host_group``,
+#: ``instance``, ``backend_pid``, ``role``, ``application_name``, ``joined_at``, ``state``,
+#: ``lock_pid`` as in :data:`cluster_host`), by group and id.
+process_list = (
+    select(
+        processes.c.process_id,
+        processes.c.host_group,
+        processes.c.instance,
+        processes.c.backend_pid,
+        processes.c.role,
+        processes.c.application_name,
+        processes.c.joined_at,
+        processes.c.state,
+        _process_lock_pid(processes.c.process_id).label("lock_pid"),
+    )
+    .where(processes.c.state != _LEFT)
+    .order_by(processes.c.host_group, processes.c.process_id)
+)
+
+#: Every enrolled cluster of every group (``host_group``, ``schema_name``, ``owner``,
+#: ``epoch``, ``since``, ``state``, ``refused_why``), by group and schema.
+cluster_list = select(
+    clusters.c.host_group,
+    clusters.c.schema_name,
+    clusters.c.owner,
+    clusters.c.epoch,
+    clusters.c.since,
+    clusters.c.state,
+    clusters.c.refused_why,
+).order_by(clusters.c.host_group, clusters.c.schema_name)
 
 
 # --- migrations -----------------------------------------------------------------------------
