@@ -36,23 +36,28 @@ class _Wire:
 
 
 class Tripwire(TcpProxy):
-    """Forwards until a client sends ``needle`` (once :meth:`arm` is called), then stalls
-    the moment that chunk is on its way to the server."""
+    """Forwards until a client sends one of the ``needles`` (once :meth:`arm` is called),
+    then stalls the moment that chunk is on its way to the server."""
 
     def __init__(self, host: str, port: int) -> None:
         super().__init__(host, port)
-        self._needle: bytes | None = None
+        self._needles: tuple[bytes, ...] = ()
         #: Wall-clock time (time.time()) of the stall, once tripped.
         self.tripped_at: float | None = None
+        #: The needle the stall followed, once tripped.
+        self.tripped_on: bytes | None = None
 
-    def arm(self, needle: bytes) -> None:
-        self._needle = needle
+    def arm(self, *needles: bytes) -> None:
+        self._needles = needles
 
     def passed(self, data: bytes) -> None:
-        if self._needle is not None and self._needle in data:
-            self._needle = None
-            self.tripped_at = time.time()
-            self.stall()
+        for needle in self._needles:
+            if needle in data:
+                self._needles = ()
+                self.tripped_at = time.time()
+                self.tripped_on = needle
+                self.stall()
+                return
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._refusing():
