@@ -104,6 +104,23 @@ class Profile:
     index_designs: tuple[str, ...]
     #: Task rows of the cluster whose console pages ``benchmarks.console`` times.
     console_rows: int
+    #: ``benchmarks.fleet``: clusters, host processes serving them, and each process's pool.
+    fleet_clusters: int
+    fleet_processes: int
+    fleet_pool: int
+    #: Live and finished tasks seeded into every cluster.
+    fleet_live: int
+    fleet_finished: int
+    #: Processes enrolling and seeding the clusters at once.
+    fleet_seeders: int
+    #: Seconds between one hosted cluster's commits while the fleet serves.
+    fleet_commit_every: float
+    #: One-mutation submitters through one process, seconds per trial, measured rounds.
+    fleet_submitters: int
+    fleet_commit_seconds: float
+    fleet_commit_rounds: int
+    #: The hosted clusters' keepalive, session_timeout and lock_poll.
+    fleet_timing: tuple[float, float, float]
 
 
 QUICK = Profile(
@@ -131,6 +148,18 @@ QUICK = Profile(
     index_rows=100_000,
     index_designs=("current", "brin_finished_ff50", "stable_finished_key_ff70"),
     console_rows=200_000,
+    fleet_clusters=1000,
+    fleet_processes=4,
+    fleet_pool=8,
+    fleet_live=100,
+    fleet_finished=1000,
+    fleet_seeders=3,
+    fleet_commit_every=2.0,
+    fleet_submitters=4000,
+    fleet_commit_seconds=2.0,
+    fleet_commit_rounds=3,
+    # The defaults of PgStoreConfig.
+    fleet_timing=(1.0, 10.0, 0.5),
 )
 
 FULL = Profile(
@@ -159,6 +188,17 @@ FULL = Profile(
     index_rows=1_000_000,
     index_designs=(),
     console_rows=10_000_000,
+    fleet_clusters=10_000,
+    fleet_processes=4,
+    fleet_pool=8,
+    fleet_live=100,
+    fleet_finished=1000,
+    fleet_seeders=3,
+    fleet_commit_every=5.0,
+    fleet_submitters=4000,
+    fleet_commit_seconds=2.0,
+    fleet_commit_rounds=5,
+    fleet_timing=(1.0, 10.0, 0.5),
 )
 
 

@@ -379,6 +379,113 @@ def _console(section: dict[str, Any]) -> list[str]:
     ]
 
 
+def _fleet(section: dict[str, Any]) -> list[str]:
+    """The fleet's phases, as far as its run got (each phase adds its results when done)."""
+    lines = [
+        f"### The fleet: {section['clusters']:,} clusters, {section['processes']} host processes",
+        "",
+        f"Each cluster: {section['live']:,} live and {section['finished']:,} finished tasks; "
+        f"a pool of {section['pool']} per process; keepalive {section['keepalive']} s, "
+        f"session_timeout {section['session_timeout']} s, lock_poll {section['lock_poll']} s; "
+        f"each led cluster commits one task every {section['commit_every']} s.",
+        "",
+    ]
+    rows: list[list[str]] = []
+    seed = section.get("seed")
+    if seed:
+        rows.append(
+            [
+                "enrolled (migrated) and seeded",
+                f"{seed['seconds']:.1f} s in {seed['processes']} processes",
+                f"enroll {seed['enroll_seconds_summed']:.0f} s, COPY "
+                f"{seed['copy_seconds_summed']:.0f} s, summed over processes",
+            ]
+        )
+    opened = section.get("open")
+    if opened:
+        rows.append(
+            [
+                "every cluster led and recovered, from process start (`fleet_open_s`)",
+                f"{opened['seconds']:.1f} s",
+                f"first lead after {_seconds(opened['first_lead_seconds'])}; recovered other "
+                f"than seeded: {opened['recovered_other_than_seeded']}",
+            ]
+        )
+    for key, label, target in (
+        ("backends", "server sessions per process, leading its share", "<= pool + 3"),
+        ("standby", "server sessions of a process leading nothing", "<= 3"),
+        ("after", "server sessions per survivor after the kill", "<= pool + 3"),
+    ):
+        found = section.get(key)
+        if found:
+            memory = found.get("server_memory") or {}
+            rss = ", ".join(f"{v:.0f}" for v in found["client_rss_mib"].values())
+            rows.append(
+                [
+                    label,
+                    f"{found['max']} (target {target})",
+                    f"per process {sorted(found['per_process'].values())}; server backend "
+                    f"RSS {memory.get('rss_mib', 0):.1f} MiB, USS {memory.get('uss_mib', 0):.1f} "
+                    f"MiB (mean); client RSS {rss} MiB",
+                ]
+            )
+    join = section.get("join")
+    if join:
+        rows.append(
+            [
+                "one process joins: moves settled",
+                f"{join['settled_seconds']:.1f} s",
+                f"spread {join['spread']}, unowned {join['unowned']}",
+            ]
+        )
+    kill = section.get("kill")
+    if kill:
+        rows.append(
+            [
+                "one process SIGKILLed: each of its clusters owned again (`fleet_takeover_s`)",
+                f"{kill['takeover_seconds']:.2f} s",
+                f"{kill['victim_clusters']} clusters, recovered after "
+                f"{kill['recovered_seconds']:.2f} s; settled after "
+                f"{kill['settled_seconds']:.1f} s, spread {kill['spread']}",
+            ]
+        )
+    cutoff = section.get("cutoff")
+    if cutoff:
+        rows.append(
+            [
+                "one process cut off (proxy stalled): its clusters owned again (`fleet_cutoff_s`)",
+                f"{cutoff['takeover_seconds']:.2f} s",
+                f"{cutoff['victim_clusters']} clusters, "
+                f"{cutoff['not_taken_over']} not taken over within "
+                f"{cutoff['cap_seconds']:.0f} s",
+            ]
+        )
+    lost = section.get("lost")
+    if lost:
+        rows.append(
+            [
+                "acknowledged commits lost across the join, the kill and the cut-off",
+                str(lost["lost"]),
+                f"of {lost['acknowledged']:,} in {lost['clusters']:,} clusters",
+            ]
+        )
+    commit = section.get("commit")
+    if commit:
+        wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]
+        rows.append(
+            [
+                f"{commit['submitters']:,} one-mutation submitters through one process, over "
+                f"{wide:,} clusters vs over {narrow}",
+                _ratio(commit["wide_vs_narrow"]),
+                f"{_spread(commit['wide_per_s'])} vs {_spread(commit['narrow_per_s'])} "
+                f"mutations/s; that process led all in {commit['one_process_open_seconds']:.1f} s",
+            ]
+        )
+    if "error" in section:
+        rows.append(["the run stopped", "-", section["error"]])
+    return [*lines, *_table(["what", "measured", "details"], rows)]
+
+
 _SECTIONS = {
     "commit": _commit,
     "group_commit": _group_commit,
@@ -388,6 +495,7 @@ _SECTIONS = {
     "scale": _scale,
     "indexes": _indexes,
     "console": _console,
+    "fleet": _fleet,
 }
 
 
@@ -645,10 +753,43 @@ def key_figures(results: dict[str, Any]) -> str:
         if many and "rows_per_second" in many["variants"].get("store", {}):
             label = _label(many["finished"])
             figures[f"prune_{label}_rows_per_s"] = many["variants"]["store"]["rows_per_second"]
+    figures.update(_fleet_figures(sections.get("fleet")))
     return " ".join(
-        f"{k}={v:.0f}" if k.endswith(("_mib", "_per_s")) else f"{k}={v:.2f}"
+        f"{k}={v}"
+        if isinstance(v, int)
+        else f"{k}={v:.0f}"
+        if k.endswith(("_mib", "_per_s"))
+        else f"{k}={v:.2f}"
         for k, v in figures.items()
     )
+
+
+def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
+    """The fleet's keys (issue 31) as far as its run got."""
+    if not fleet:
+        return {}
+    figures: dict[str, float] = {}
+    if "backends" in fleet:
+        figures["fleet_backends_per_process"] = fleet["backends"]["max"]
+    if "standby" in fleet:
+        figures["fleet_standby_backends"] = fleet["standby"]["max"]
+    if "open" in fleet:
+        figures["fleet_open_s"] = fleet["open"]["seconds"]
+    if "kill" in fleet:
+        figures["fleet_takeover_s"] = fleet["kill"]["takeover_seconds"]
+        figures["fleet_balance_spread"] = max(fleet["join"]["spread"], fleet["kill"]["spread"])
+    if "cutoff" in fleet:
+        figures["fleet_cutoff_s"] = fleet["cutoff"]["takeover_seconds"]
+        figures["fleet_cutoff_stuck"] = fleet["cutoff"]["not_taken_over"]
+    commit = fleet.get("commit")
+    if commit:
+        wide, narrow = commit["wide_clusters"], commit["narrow_clusters"]
+        figures[f"fleet_commit_{wide}_vs_{narrow}"] = commit["wide_vs_narrow"]["median"]
+        figures[f"fleet_commit_{wide}_per_s"] = commit["wide_per_s"]["median"]
+        figures[f"fleet_commit_{narrow}_per_s"] = commit["narrow_per_s"]["median"]
+    if "lost" in fleet:
+        figures["fleet_lost"] = fleet["lost"]["lost"]
+    return figures
 
 
 # --- the plot ----------------------------------------------------------------------------------

@@ -80,6 +80,9 @@ from ._errors import (
     BatchTooLargeError as BatchTooLargeError,
 )
 from ._errors import (
+    ClusterHostedError as ClusterHostedError,
+)
+from ._errors import (
     ClusterReplacedError as ClusterReplacedError,
 )
 from ._errors import (
@@ -110,6 +113,9 @@ from ._errors import (
     UnavailableError as UnavailableError,
 )
 from ._errors import UnsupportedParameterError as UnsupportedParameterError
+from ._host.host import HostedStore as HostedStore
+from ._host.host import PgHost as PgHost
+from ._host.host import PgHostConfig as PgHostConfig
 from ._migrations import downgrade as downgrade
 from ._migrations import run_command as run_command
 from ._migrations import upgrade as upgrade
@@ -132,6 +138,7 @@ __all__ = [
     "EPOCH_MIN",
     "Backoff",
     "BatchTooLargeError",
+    "ClusterHostedError",
     "ClusterReplacedError",
     "CommitterClosedError",
     "CommitterStats",
@@ -142,6 +149,7 @@ __all__ = [
     "FixedStart",
     "GroupCommitter",
     "Health",
+    "HostedStore",
     "IdCollisionError",
     "IntervalSchedule",
     "KeyTakenError",
@@ -150,6 +158,8 @@ __all__ = [
     "MigrationError",
     "MissPolicy",
     "Mutation",
+    "PgHost",
+    "PgHostConfig",
     "PgStore",
     "PgStoreConfig",
     "Priority",

@@ -306,15 +306,26 @@ _revisions = (
     .label("revisions")
 )
 
-#: In one round trip: :data:`leader_holder_facts` and the revisions the version table
-#: records.
-health_facts = leader_holder_facts.add_columns(_revisions)
+#: The host group the leader row names (``hosted_by``; NULL: standalone), read through the
+#: row as JSON so that a leader table without the column (before revision
+#: ``0009_host_group``) reads as standalone instead of failing.
+_hosted_by = (
+    func.to_jsonb(leader.table_valued())
+    .op("->>")(literal(leader.c.host_group.name, Text))
+    .label("hosted_by")
+)
+
+#: In one round trip: :data:`leader_holder_facts`, the revisions the version table
+#: records, and the host group the cluster is enrolled in.
+health_facts = leader_holder_facts.add_columns(_revisions, _hosted_by)
 
 #: :data:`health_facts` of a leader table with no holder columns (a schema before revision
 #: 0007, mid rolling upgrade): no build that leads it records its lock session, so a
 #: holder is a store instance once anyone took an epoch (as :data:`_unrecorded_epoch`
 #: says), or while it bumps one.
-health_facts_unrecorded = _holder_facts(or_(_bumping, leader.c.epoch > 0)).add_columns(_revisions)
+health_facts_unrecorded = _holder_facts(or_(_bumping, leader.c.epoch > 0)).add_columns(
+    _revisions, _hosted_by
+)
 
 _pg_attribute = table(
     "pg_attribute",

@@ -1463,6 +1463,7 @@ LOCK_SESSION_CLOSE_TIMEOUT = 1.0
 # bump runs behind :data:`cronoq_store._statements.leader_barrier` (:meth:`LockSession.takeover`).
 _TAKEOVER_BEGIN = text("BEGIN")
 _TAKEOVER_COMMIT = text("COMMIT")
+_ROLLBACK = text("ROLLBACK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1472,6 +1473,9 @@ class LeaderRow:
 
     epoch: int
     tableoid: int
+    #: The host group the cluster is enrolled in (``None``: standalone), when the read
+    #: asked for it (:data:`~cronoq_store._statements.leader_enrolment`); else ``None``.
+    host_group: str | None = None
 
 
 #: What the keeper's check is, in its errors.
@@ -1493,6 +1497,12 @@ class LockSession:
         self._conn = conn
         self._driver = driver
         self.closed = False
+
+    @property
+    def broken(self) -> bool:
+        """Whether the session is gone (closed, or its socket dropped): a failure on a
+        session that is not broken was the server's answer, and the session goes on."""
+        return self.closed or bool(self._driver.is_closed())
 
     @classmethod
     async def open(cls, db: AsyncEngine, timeout: float) -> LockSession:
@@ -1522,6 +1532,58 @@ class LockSession:
             grace=LOCK_SESSION_CLOSE_TIMEOUT,
             silent="the lock session did not answer",
         )
+
+    async def execute(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any] | None,
+        timeout: float,
+        *,
+        schema: str,
+    ) -> Result[Any]:
+        """Execute ``statement`` with its schema-less tables in ``schema``: for a session
+        that works in many schemas (a host's, :mod:`cronoq_store._host`), where the
+        standalone lock session's engine is bound to its cluster's. Bounded as every
+        statement of the session is."""
+        return await bounded(
+            self._conn.execute(
+                statement,
+                None if params is None else dict(params),
+                execution_options=schema_options(schema),
+            ),
+            timeout,
+            abort=self._driver.terminate,
+            grace=LOCK_SESSION_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
+
+    async def run_sync(self, work: Callable[[Connection], _T], timeout: float) -> _T:
+        """``work`` on the session as a synchronous connection (a check written for
+        Alembic's side too, such as the trust checks), bounded as every statement is."""
+        return await bounded(
+            self._conn.run_sync(work),
+            timeout,
+            abort=self._driver.terminate,
+            grace=LOCK_SESSION_CLOSE_TIMEOUT,
+            silent="the lock session did not answer",
+        )
+
+    @asynccontextmanager
+    async def transaction(self, timeout: float) -> AsyncIterator[None]:
+        """``BEGIN``, the work, ``COMMIT``; a failure inside rolls back and is raised, and
+        the session goes on (a host's session outlives any one claim). A session that
+        cannot roll back is torn down: its lock goes with it, as silence would take it."""
+        await self._run(_TAKEOVER_BEGIN, None, timeout)
+        try:
+            yield
+        except BaseException:
+            try:
+                await self._run(_ROLLBACK, None, timeout)
+            except BaseException:
+                self._driver.terminate()
+                raise
+            raise
+        await self._run(_TAKEOVER_COMMIT, None, timeout)
 
     async def apply_settings(self, settings: Mapping[str, str], timeout: float) -> None:
         """Set the session's own ``settings`` (one for each name of
@@ -1614,6 +1676,12 @@ class LockSession:
         without one."""
         row: Any = (await self._run(st.leader_now, None, timeout)).first()
         return None if row is None else LeaderRow(row.epoch, row.tableoid)
+
+    async def leader_enrolment(self, timeout: float) -> LeaderRow | None:
+        """The leader row with the host group the cluster is enrolled in
+        (:data:`~cronoq_store._statements.leader_enrolment`), ``None`` without one."""
+        row: Any = (await self._run(st.leader_enrolment, None, timeout)).first()
+        return None if row is None else LeaderRow(row.epoch, row.tableoid, row.host_group)
 
     async def check_leader(self, timeout: float) -> LeaderRow | None:
         """The keeper's check: :meth:`leader_row`, every failure translated, and a wait

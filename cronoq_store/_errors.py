@@ -14,6 +14,7 @@ from ._results import LockHolder
 
 __all__ = [
     "BatchTooLargeError",
+    "ClusterHostedError",
     "ClusterReplacedError",
     "CommitterClosedError",
     "FencedError",
@@ -103,6 +104,24 @@ class ClusterReplacedError(SchemaGoneError):
         self.schema = schema
         self.incarnation = incarnation
         self.found = found
+
+
+class ClusterHostedError(StoreError):
+    """A standalone ``PgStore`` was asked to lead a cluster enrolled in a host group: a host
+    leads it, without the leader lock, so the store never takes its epoch. The lock was
+    released and no epoch taken; a standby that waited for the lock is refused the same way
+    once it gets it. Not transient: lead the cluster with that group's host, or remove it
+    from the host group first.
+
+    ``schema`` is the schema's name; ``group`` the host group it is enrolled in."""
+
+    def __init__(self, schema: str, group: str, action: str) -> None:
+        super().__init__(
+            f"{action} failed: schema {schema!r} is enrolled in host group {group!r}: lead it "
+            "with PgHost, or remove it from the host group first"
+        )
+        self.schema = schema
+        self.group = group
 
 
 class MigrationError(StoreError):

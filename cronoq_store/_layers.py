@@ -104,6 +104,8 @@ LAYERS: tuple[Layer, ...] = (
             "_committer": "`GroupCommitter`: many submitters, one transaction per batch; its "
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
+            "_host": "`PgHost`: one process leading many cluster schemas: the control schema, "
+            "the host session, claims and balancing, hosted stores",
         },
     ),
     Layer(

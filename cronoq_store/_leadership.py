@@ -5,7 +5,7 @@ comes from the application's pool and never returns to any pool (a pooled connec
 a session lock after ``close()``): it is discarded when it ends, and releasing leadership
 means closing it. On an application's engine it is made as that engine makes its own
 (creator, TLS, connect arguments), then sets its own keepalives, idle limit, search path,
-durability and read-write mode (``_session_settings``). Taking the lock bumps the
+durability and read-write mode (``session_settings``). Taking the lock bumps the
 fencing epoch, which every commit checks in its own transaction.
 
 The keeper reads the leader row on the session every ``keepalive``. If nothing has been
@@ -42,7 +42,7 @@ import logging
 import secrets
 import time
 from datetime import datetime
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import Pool
@@ -51,7 +51,13 @@ from . import _door as door
 from . import _statements as st
 from ._config import PgStoreConfig
 from ._door import LeaderRow, LockSession
-from ._errors import ClusterReplacedError, SchemaGoneError, StoreError
+from ._errors import (
+    ClusterHostedError,
+    ClusterReplacedError,
+    SchemaGoneError,
+    StoreError,
+    UnavailableError,
+)
 from ._queries import lock_keys
 from ._results import LockHolder, lock_session_name
 from ._retry import Retry, acquisition_backoff, pause
@@ -60,7 +66,7 @@ from ._trust import ConnectCheck, TrustCheck
 from ._urls import redact, resolve
 from .telemetry import DISABLED, Telemetry
 
-__all__ = ["Leadership", "cool_down"]
+__all__ = ["LeaderTerm", "Leadership", "cool_down", "session_settings"]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -103,7 +109,7 @@ def _idle_session_timeout_ms(config: PgStoreConfig) -> int:
     return max(1000, round(1500 * config.session_timeout))
 
 
-def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[str, str]:
+def session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[str, str]:
     """The lock session's own server settings (:data:`statements.LOCK_SESSION_SETTINGS`),
     named ``name`` (the application's) followed by the instance id."""
     settings = {
@@ -123,6 +129,10 @@ def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[s
         # `keepalive` and standbys every `lock_poll`, both shorter, so a healthy session is
         # never idle that long.
         "idle_session_timeout": str(_idle_session_timeout_ms(config)),
+        # The same inside a transaction (an epoch bump, a host's claim), which the idle limit
+        # does not cover: a session stalled between two of its statements holds the lock,
+        # and the leader table, until the server ends it.
+        "idle_in_transaction_session_timeout": str(_idle_session_timeout_ms(config)),
         # Whatever an application's connect arguments say: the epoch bump is as durable as
         # a commit (a bump lost in a failover would let the next leader take the same
         # epoch), and it writes.
@@ -131,6 +141,36 @@ def _session_settings(config: PgStoreConfig, instance: str, name: str) -> dict[s
     }
     assert tuple(settings) == st.LOCK_SESSION_SETTINGS
     return settings
+
+
+class LeaderTerm(Protocol):
+    """What a store needs of whatever makes it lead: :class:`Leadership` for a standalone
+    store (its own lock session), or a host's term for a cluster it leads among many
+    (:mod:`cronoq_store._host`). The store reads the term's state before each commit and
+    ends it when a commit finds the fence moved; the source decides how a term starts and
+    how it ends."""
+
+    telemetry: Telemetry
+    replaced: ClusterReplacedError | None
+
+    @property
+    def epoch(self) -> int | None: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def lock_key(self) -> tuple[int, int]: ...
+
+    def mark_lost(self, reason: str = "fenced") -> None: ...
+
+    async def wait_lost(self) -> None: ...
+
+    async def acquire(self) -> int: ...
+
+    async def release(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class Leadership:
@@ -185,7 +225,7 @@ class Leadership:
         # Dialled from a URL, the URL's application_name (or $PGAPPNAME) is the name's
         # prefix, as it names the store's other sessions; the id always ends it.
         parameters = None if pool is not None else resolve(url)
-        self._settings = _session_settings(
+        self._settings = session_settings(
             config,
             self.instance,
             config.application_name
@@ -388,17 +428,27 @@ class Leadership:
         self._key["k2"] = oid
 
     async def _refuse_to_bump(self, session: LockSession, timeout: float) -> NoReturn:
-        """Raise why the bump found no leader row to move: none in the schema, or the row of
-        another cluster than the store's (``ClusterReplacedError``)."""
-        found = await session.leader_row(timeout)
+        """Raise why the bump found no leader row to move: none in the schema, the row of
+        another cluster than the store's (``ClusterReplacedError``), or a cluster enrolled in
+        a host group (``ClusterHostedError``: a host leads it without the lock). The caller
+        closes the session, which releases the lock; no epoch was taken."""
+        found = await session.leader_enrolment(timeout)
         if found is None:
             raise StoreError(
                 f"the leader row of schema {self._schema!r} is missing: run the migrations"
             )
-        self.replaced = ClusterReplacedError(
-            self._schema, self._incarnation, found.tableoid, "acquiring leadership"
+        if found.tableoid != self._incarnation:
+            self.replaced = ClusterReplacedError(
+                self._schema, self._incarnation, found.tableoid, "acquiring leadership"
+            )
+            raise self.replaced
+        if found.host_group is not None:
+            raise ClusterHostedError(self._schema, found.host_group, "acquiring leadership")
+        # Enrolled when the bump ran, removed from its group since: the next attempt bumps.
+        raise UnavailableError(
+            f"acquiring leadership of schema {self._schema!r}: the cluster left its host "
+            "group while this instance took the lock; trying again"
         )
-        raise self.replaced
 
     async def _vet(self, session: LockSession, trust: TrustCheck, timeout: float) -> None:
         """Refuse to lead a schema that fails the trust check, before the epoch bump: its

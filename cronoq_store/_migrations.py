@@ -53,9 +53,10 @@ rewrites rows: 0006 drops only the hand-rolled version table it replaced). So be
 first downgrade step, in the migration's own transaction, the run takes the leader lock with
 ``pg_try_advisory_xact_lock`` and holds it until COMMIT: a standby that wants to lead waits
 behind the downgrade, and then finds what it left. An instance that holds the lock is named
-and the run refused. To base, a cluster that ever issued a task id (its epoch moved, or it
-holds a task) is refused too: one made again in its place starts at epoch 0 and issues the
-same ids again.
+and the run refused, and so is a cluster enrolled in a host group (revision 0009), naming the
+group: its host leads it without holding the lock. To base, a cluster that ever issued a
+task id (its epoch moved, or it holds a task) is refused too: one made again in its place
+starts at epoch 0 and issues the same ids again.
 
 Forced (``force``: ``--force``, ``-x force=true``), the run goes on, and fences a live leader:
 it locks the cluster's tables (waiting for commits in flight) and bumps the epoch before
@@ -125,7 +126,7 @@ from ._domain import check_seconds
 from ._door import LockWait
 from ._errors import MigrationError, StoreError
 from ._results import LockHolder
-from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, metadata, schema_options
+from ._schema import LEGACY_VERSION_TABLE, VERSION_TABLE, leader, metadata, schema_options
 from ._statements import LOCK_NS_MIGRATE
 from ._terminal_safe import visible
 from ._trust import refuse_untrusted
@@ -709,6 +710,8 @@ logger = logging.getLogger("cronoq_store")
 FORCE = "force"
 #: The revision that adds the leader row's record of who bumped the epoch.
 HOLDER_REVISION = "0007_leader_holder"
+#: The revision that adds the host group a cluster is enrolled in.
+HOST_GROUP_REVISION = "0009_host_group"
 
 _MigrationFn = Callable[[Any, MigrationContext], Iterable[Any]]
 
@@ -773,6 +776,25 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: L
         columns = frozenset(conn.execute(catalog.leader_columns, {"schema": schema}).scalars())
         conn.execute(_bump(columns >= queries.HOLDER_COLUMNS), execution_options=cluster)
         return
+    group = _host_group(conn, schema)
+    if group is not None:
+        # A host leads an enrolled cluster without the leader lock: the lock taken above
+        # keeps a host from claiming it meanwhile, not one that leads it now.
+        if not force:
+            raise MigrationError(
+                f"schema {schema!r} is enrolled in host group {group!r}: a host leads it "
+                "without holding its leader lock, and downgrading it would lose what the "
+                "host commits; remove it from the host group first, or force it "
+                "(`cronoq-store downgrade --force`, `alembic -x force=true`: the host is "
+                "fenced, and what the downgrade removes is lost)"
+            )
+        logger.warning(
+            "forced downgrade of a cluster enrolled in a host group: fencing its host",
+            extra={"schema": schema, "host_group": group},
+        )
+        door.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+        conn.execute(st.bump_epoch, execution_options=cluster)
+        return
     if (
         to_base
         and not force
@@ -786,6 +808,17 @@ def _check(conn: Connection, schema: str, *, force: bool, to_base: bool, wait: L
         )
 
 
+def _host_group(conn: Connection, schema: str) -> str | None:
+    """The host group the cluster in ``schema`` is enrolled in: ``None`` for a standalone
+    cluster, and for a schema before revision 0009, which has no column for it."""
+    columns = conn.execute(catalog.leader_columns, {"schema": schema}).scalars()
+    if leader.c.host_group.name not in frozenset(columns):
+        return None
+    row = conn.execute(st.leader_enrolment, execution_options=schema_options(schema)).first()
+    group: str | None = None if row is None else row.host_group
+    return group
+
+
 def _bump(records_holder: bool) -> Any:
     """The epoch bump a forced downgrade fences with: a leader table from revision 0007 on
     records who bumped; an older one has no columns for it."""
@@ -795,13 +828,16 @@ def _bump(records_holder: bool) -> Any:
 def _records_holder(context: EnvironmentContext, heads: Any) -> bool:
     """Whether the schema a script starts from (``heads``) has the holder columns: whether
     :data:`HOLDER_REVISION` is among its revisions."""
+    return _reached(context, heads, HOLDER_REVISION)
+
+
+def _reached(context: EnvironmentContext, heads: Any, revision: str) -> bool:
+    """Whether the schema a script starts from (``heads``) is at ``revision`` or above it."""
     assert context.script is not None
     start = tuple(heads or ())
     if not start:
         return False
-    return any(
-        r.revision == HOLDER_REVISION for r in context.script.iterate_revisions(start, "base")
-    )
+    return any(r.revision == revision for r in context.script.iterate_revisions(start, "base"))
 
 
 def _script(
@@ -811,10 +847,13 @@ def _script(
     force: bool,
     heads: Any,
 ) -> None:
-    """The same in an offline script: refuse a live leader and hold the lock, or, forced,
+    """The same in an offline script: refuse a live leader and hold the lock, and refuse a
+    cluster enrolled in a host group (from :data:`HOST_GROUP_REVISION` on); or, forced,
     lock the tables and fence with the epoch. The base check (issued ids) is online only."""
     if not force:
         context.execute(st.refuse_live_leader)
+        if _reached(context, heads, HOST_GROUP_REVISION):
+            context.execute(st.refuse_enrolled)
         return
     context.execute(st.lock_cluster_tables(schema, migration.dialect))
     bump = _bump(_records_holder(context, heads)).compile(

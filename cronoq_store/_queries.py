@@ -250,6 +250,8 @@ class ClusterFacts(NamedTuple):
     holder: LockHolder | None
     revision: tuple[str, ...]
     incarnation: int | None = None
+    #: The host group the leader row names (``PgHost``); ``None``: a standalone cluster.
+    hosted_by: str | None = None
 
 
 #: How long a holder that is not (yet) a store instance gets before it is reported as
@@ -266,7 +268,13 @@ def lock_keys(lock: tuple[int, int]) -> dict[str, int]:
 
 def facts_of(row: Any) -> ClusterFacts:
     """A row of :data:`~cronoq_store._statements.health_facts`, as facts."""
-    return ClusterFacts(row.epoch, holder_of(row), tuple(sorted(row.revisions or ())), row.tableoid)
+    return ClusterFacts(
+        row.epoch,
+        holder_of(row),
+        tuple(sorted(row.revisions or ())),
+        row.tableoid,
+        row.hosted_by,
+    )
 
 
 async def cluster_facts(

@@ -204,6 +204,10 @@ class Health:
     #: Alembic) waits for it, and gives up after its bound. Its ``store_instance`` is
     #: ``False``: the lock does not tell instances from other sessions.
     migration_lock: LockHolder | None = None
+    #: The host group (``PgHostConfig.group``) the cluster is enrolled in, ``None`` for a
+    #: standalone cluster. A host leads an enrolled cluster without its leader lock, so
+    #: ``has_leader`` is false there whoever leads: ``cronoq-store health`` names the owner.
+    hosted_by: str | None = None
 
     @property
     def at_head(self) -> bool:

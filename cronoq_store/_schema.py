@@ -160,6 +160,10 @@ leader = Table(
     # The epoch that session took: an epoch that moved without it (a build before this
     # column, mid rolling upgrade) leaves the record stale, and the holder unknown.
     Column("holder_epoch", Integer),
+    # The host group the cluster is enrolled in (revision 0009): NULL for a standalone
+    # cluster, led by a ``PgStore`` that holds the leader lock; else only a host of that
+    # group takes its epochs, and a standalone's bump is refused.
+    Column("host_group", Text),
     CheckConstraint("id = 1", name="single_row"),
 )
 

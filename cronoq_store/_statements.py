@@ -107,6 +107,7 @@ __all__ = [
     "colliding_ids",
     "current_database",
     "current_user",
+    "enroll_cluster",
     "epoch_for_share",
     "epoch_held_for_share",
     "finished_page",
@@ -119,6 +120,7 @@ __all__ = [
     "keeper_lock_timeout",
     "key_holders",
     "leader_barrier",
+    "leader_enrolment",
     "leader_now",
     "live_tasks",
     "local_search_path",
@@ -132,6 +134,7 @@ __all__ = [
     "recent_terminal",
     "record_term",
     "recurring_schedules",
+    "refuse_enrolled",
     "refuse_foreign_owner",
     "refuse_live_leader",
     "release_savepoint",
@@ -147,6 +150,7 @@ __all__ = [
     "store_outputs",
     "store_transaction",
     "take_epoch",
+    "take_hosted_epoch",
     "task_by_id",
     "task_by_key",
     "task_output",
@@ -154,6 +158,7 @@ __all__ = [
     "try_leader_lock",
     "try_leader_lock_for_transaction",
     "try_migration_lock",
+    "unenroll_cluster",
     "update_status",
     "update_status_fenced",
     "upsert_recurring",
@@ -769,9 +774,62 @@ _kept_from = (
 #: index range, whatever the table holds.
 prune_terms = delete(_history).where(_history.c.began_at < _kept_from)
 
+#: The host group a statement names (a bind apart from the column's name: SQLAlchemy
+#: reserves that in ``SET``).
+_group = bindparam("group", type_=Text)
+
 #: Taking the lock takes the next epoch (:data:`bump_epoch`), only in the cluster
-#: ``:incarnation`` (the leader table's OID) that the store was opened on: no row in another.
-take_epoch = bump_epoch.where(leader_tableoid == bindparam("incarnation", type_=postgresql.OID))
+#: ``:incarnation`` (the leader table's OID) that the store was opened on, and only while no
+#: host group leads it (``host_group`` NULL): no row in another, nor in an enrolled one.
+#: An enrolled cluster's host takes its epochs without the lock, so the lock alone would
+#: not keep a standalone from leading beside it.
+take_epoch = bump_epoch.where(
+    leader_tableoid == bindparam("incarnation", type_=postgresql.OID),
+    leader.c.host_group.is_(None),
+)
+
+#: A host's takeover of a cluster enrolled in its group: the same bump as :data:`take_epoch`
+#: (the holder recorded, the new epoch returned), only in the cluster ``:incarnation`` and
+#: only while it is enrolled in host group ``:group``: no row otherwise. A standalone that
+#: holds the lock keeps the cluster out of every group (:data:`enroll_cluster` tries the
+#: lock first), so the two bumps never both succeed for long; the epoch fences whichever
+#: bumped first.
+take_hosted_epoch = bump_epoch.where(
+    leader_tableoid == bindparam("incarnation", type_=postgresql.OID),
+    leader.c.host_group == _group,
+)
+
+#: Enrol the cluster ``:incarnation`` in host group ``:group`` (again: enrolling twice in
+#: one group changes nothing). Run in a transaction that first took the leader lock with
+#: :data:`try_leader_lock_for_transaction` (keys :data:`LOCK_NS_LEADER` and the schema's
+#: OID, :data:`schema_oid`): the try fails while a standalone leads the cluster, or a
+#: downgrade runs, and then nothing is enrolled. Returns the stored epoch; no row when the
+#: schema holds another cluster, or another group holds this one.
+enroll_cluster = (
+    update(leader)
+    .where(
+        leader.c.id == LEADER_ROW_ID,
+        leader_tableoid == bindparam("incarnation", type_=postgresql.OID),
+        or_(leader.c.host_group.is_(None), leader.c.host_group == _group),
+    )
+    .values(host_group=_group)
+    .returning(leader.c.epoch)
+)
+
+#: Take the cluster out of host group ``:group``: a standalone ``PgStore`` may lead it
+#: again. Returns the stored epoch; no row when the cluster is not in that group.
+unenroll_cluster = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID, leader.c.host_group == _group)
+    .values(host_group=null())
+    .returning(leader.c.epoch)
+)
+
+#: The leader row with the host group the cluster is enrolled in (NULL: none): why a bump
+#: found no row to move, and what a downgrade refuses.
+leader_enrolment = select(leader.c.epoch, leader_tableoid, leader.c.host_group).where(
+    leader.c.id == LEADER_ROW_ID
+)
 
 #: The keeper's check of the lock session, one round trip: the stored epoch and the
 #: cluster's incarnation (the leader table's OID) under the schema's name now. An answer is
@@ -798,6 +856,7 @@ LOCK_SESSION_SETTINGS = (
     "tcp_keepalives_interval",
     "tcp_keepalives_count",
     "idle_session_timeout",
+    "idle_in_transaction_session_timeout",
     "synchronous_commit",
     "default_transaction_read_only",
 )
@@ -1108,6 +1167,32 @@ BEGIN
                 || ' (it holds the leader lock: ' || COALESCE(holder_, 'let go since')
                 || '): refusing to downgrade under a live leader; stop every instance, or '
                 || 'generate the script with -x force=true';
+    END IF;
+END
+$cronoq$"""
+)
+
+#: What an offline (``--sql``) downgrade script of a schema from revision 0009 on runs after
+#: :data:`refuse_live_leader`: stop if the cluster in the schema named by
+#: :func:`checked_schema` is enrolled in a host group, whose host leads it without the
+#: leader lock (``-x force=true`` leaves this out). No ``format``: the printed script would
+#: double its ``%``.
+refuse_enrolled = DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL untyped
+    """DO $cronoq$
+DECLARE
+    schema_ pg_catalog.text := pg_catalog.current_setting('cronoq_store._schema');
+    group_ pg_catalog.text;
+BEGIN
+    EXECUTE 'SELECT host_group FROM ' || pg_catalog.quote_ident(schema_)
+        || '.cronoq_leader WHERE id = 1' INTO group_;
+    IF group_ IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_in_use',
+            MESSAGE = 'cronoq-store: schema ' || pg_catalog.quote_ident(schema_)
+                || ' is enrolled in host group ' || pg_catalog.quote_literal(group_)
+                || ': a host leads it without holding its leader lock; refusing to '
+                || 'downgrade it; remove it from the host group first, or generate the '
+                || 'script with -x force=true';
     END IF;
 END
 $cronoq$"""

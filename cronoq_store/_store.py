@@ -45,7 +45,7 @@ from ._errors import (
     StoreError,
     UnavailableError,
 )
-from ._leadership import Leadership
+from ._leadership import Leadership, LeaderTerm
 from ._results import Health, LockHolder, Recovered, TaskRecord
 from ._retry import bounded
 from ._schema import schema_options
@@ -189,9 +189,20 @@ class PgStore:
         lock_url: str | URL,
         lock_pool: Pool | None = None,
         pool_role: str | None = None,
+        term: LeaderTerm | None = None,
+        own_sessions: bool | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID and the cluster's incarnation.
+
+        ``term``: where leadership comes from when it is not this store's own lock session
+        (a host leading the cluster among many, which also owns the engine; ``lock_url``
+        then names the pool's role only). ``own_sessions``: whether the engine's sessions
+        carry the store's settings from their connect (default: the store owns the engine).
+        ``telemetry``: a recorder shared with other stores (a host's, labelled with its group
+        so that thousands of clusters do not make thousands of label values), which does not
+        report this store's leadership in the is-leader gauges.
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
@@ -202,7 +213,10 @@ class PgStore:
         # SETs), or any server connection a transaction-pooling PgBouncer hands out
         # (whatever another client of its pool left set). Every transaction of the store
         # then sets what its guarantees need for itself (statements.borrowed_transaction).
-        self._borrows_sessions = not owns_engine or not config.prepared_statements
+        self._borrows_sessions = (
+            not (owns_engine if own_sessions is None else own_sessions)
+            or not config.prepared_statements
+        )
         # The cluster's schema is applied at execution: one compiled statement per construct
         # serves every schema.
         self._db = engine.execution_options(**schema_options(config.schema))
@@ -225,18 +239,22 @@ class PgStore:
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
         )
-        self._leadership = Leadership(
-            lock_url,
-            config.schema,
-            (st.LOCK_NS_LEADER, schema_oid),
-            config,
-            incarnation=incarnation,
-            pool=lock_pool,
-            trust=trust.TrustCheck(config.schema, config.trusted_triggers),
-            # The pool's role connects as the store does: trusted by its lock session too.
-            connect=trust.ConnectCheck(
-                config.trusted_roles | ({pool_role} if pool_role is not None else set())
-            ),
+        self._leadership: LeaderTerm = (
+            term
+            if term is not None
+            else Leadership(
+                lock_url,
+                config.schema,
+                (st.LOCK_NS_LEADER, schema_oid),
+                config,
+                incarnation=incarnation,
+                pool=lock_pool,
+                trust=trust.TrustCheck(config.schema, config.trusted_triggers),
+                # The pool's role connects as the store does: trusted by its lock session too.
+                connect=trust.ConnectCheck(
+                    config.trusted_roles | ({pool_role} if pool_role is not None else set())
+                ),
+            )
         )
         # Who may connect, as health() reads it on the pool's role: its lock role is the
         # store's too.
@@ -250,12 +268,15 @@ class PgStore:
         # Leadership counts as lost once it was held and is gone, or once a commit was
         # fenced. A store that never led may commit: the epoch check in the transaction
         # still fences it.
-        self._has_led = False
+        self._has_led = term is not None
         self._fenced = False
         self._closed = False
         # time.monotonic() of the last commit that returned, for health().
         self._last_commit: float | None = None
-        self._use_telemetry(resolve(config.schema))
+        if telemetry is None:
+            self._use_telemetry(resolve(config.schema))
+        else:
+            self._telemetry = self._leadership.telemetry = telemetry
 
     # --- construction -----------------------------------------------------------------------
 
@@ -425,7 +446,8 @@ class PgStore:
 
     def __repr__(self) -> str:
         return (
-            f"PgStore(url={redact(self._engine.url)!r}, schema={self._config.schema!r}, "
+            f"{type(self).__name__}(url={redact(self._engine.url)!r}, "
+            f"schema={self._config.schema!r}, "
             f"owns_engine={self._owns_engine})"
         )
 
@@ -808,6 +830,7 @@ class PgStore:
             incarnation=self._incarnation,
             stored_incarnation=facts.incarnation,
             migration_lock=migrating,
+            hosted_by=facts.hosted_by,
         )
 
     async def _lock_now(self, conn: AsyncConnection) -> tuple[int, int]:

@@ -173,6 +173,9 @@ class TrustCheck:
     schema: str
     #: Triggers the operator allows on our tables (``PgStoreConfig.trusted_triggers``).
     trusted_triggers: frozenset[str] = frozenset()
+    #: The tables of ours in the schema, whose triggers, rules, grants and foreign keys the
+    #: check looks at; empty means a cluster's. The host's control schema names its own.
+    tables: tuple[str, ...] = ()
 
     statement: ClassVar[Executable] = _UNTRUSTED
     #: Who the check ran as, for the refusal.
@@ -182,7 +185,7 @@ class TrustCheck:
     def params(self) -> dict[str, Any]:
         return {
             "schema": self.schema,
-            "tables": _OUR_TABLES,
+            "tables": list(self.tables) or _OUR_TABLES,
             "triggers": sorted(self.trusted_triggers),
         }
 
@@ -259,7 +262,11 @@ class ConnectCheck:
 
 
 def refuse_untrusted(
-    conn: Connection, schema: str, trusted_triggers: frozenset[str] = frozenset()
+    conn: Connection,
+    schema: str,
+    trusted_triggers: frozenset[str] = frozenset(),
+    *,
+    tables: tuple[str, ...] = (),
 ) -> None:
     """Raise :class:`~cronoq_store.MigrationError` naming every object of ``schema`` that a
     role we cannot trust controls; run before the first statement that touches the schema,
@@ -273,9 +280,10 @@ def refuse_untrusted(
     migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
     clause and runs a function of a trusted role. Trusted are the connecting role,
     superusers and roles that can already act with the connecting role's privileges.
+    ``tables``: our tables in ``schema`` (:attr:`TrustCheck.tables`), a cluster's if empty.
     Needs ``search_path`` = ``pg_catalog, pg_temp``.
     """
-    check = TrustCheck(schema, trusted_triggers)
+    check = TrustCheck(schema, trusted_triggers, tables)
     found = conn.execute(check.statement, check.params).scalars().all()
     if found:
         raise check.refusal(found, conn.execute(check.current_user).scalar_one())

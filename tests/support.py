@@ -486,6 +486,7 @@ PUBLIC_NAMES = {
         "EPOCH_MIN",
         "Backoff",
         "BatchTooLargeError",
+        "ClusterHostedError",
         "ClusterReplacedError",
         "CommitterClosedError",
         "CommitterStats",
@@ -496,6 +497,7 @@ PUBLIC_NAMES = {
         "FixedStart",
         "GroupCommitter",
         "Health",
+        "HostedStore",
         "IdCollisionError",
         "IntervalSchedule",
         "KeyTakenError",
@@ -504,6 +506,8 @@ PUBLIC_NAMES = {
         "MigrationError",
         "MissPolicy",
         "Mutation",
+        "PgHost",
+        "PgHostConfig",
         "PgStore",
         "PgStoreConfig",
         "Priority",
@@ -617,3 +621,10 @@ QUEUED = None
 RUNNING, RETRYING = TaskStatus.RUNNING, TaskStatus.RETRYING
 SUCCEEDED, FAILED = TaskStatus.SUCCEEDED, TaskStatus.FAILED
 CANCELLED, SKIPPED = TaskStatus.CANCELLED, TaskStatus.SKIPPED
+
+
+def leadership_of(store: PgStore) -> Leadership:
+    """The standalone store's own leader election (a hosted store has none)."""
+    leadership = store._leadership
+    assert isinstance(leadership, Leadership)
+    return leadership

@@ -333,3 +333,94 @@ def test_timing_says_when_a_quick_run_is_over_its_budget() -> None:
     assert report.timing(run).endswith(": over the quick profile's budget of 120 s")
     run["profile"] = "full"
     assert "budget" not in report.timing(run)
+
+
+def _fleet() -> dict[str, Any]:
+    backends = {
+        "per_process": {"w0": 9, "w1": 10},
+        "max": 10,
+        "server_memory": {"rss_mib": 40.0, "uss_mib": 6.0, "n": 19},
+        "client_rss_mib": {"w0": 120.0, "w1": 118.0},
+    }
+    return {
+        "prefix": "fleet_abc123",
+        "clusters": 1000,
+        "processes": 4,
+        "pool": 8,
+        "live": 100,
+        "finished": 1000,
+        "keepalive": 1.0,
+        "session_timeout": 10.0,
+        "lock_poll": 0.5,
+        "commit_every": 2.0,
+        "seed": {
+            "seconds": 80.0,
+            "processes": 3,
+            "enroll_seconds_summed": 150.0,
+            "copy_seconds_summed": 60.0,
+        },
+        "open": {
+            "seconds": 21.5,
+            "connected_seconds": s(0.4),
+            "first_lead_seconds": s(2.6),
+            "recovered_other_than_seeded": 0,
+        },
+        "backends": backends,
+        "standby": {**backends, "per_process": {"idle": 2}, "max": 2},
+        "join": {"settled_seconds": 6.0, "spread": 1, "unowned": 0},
+        "kill": {
+            "victim_clusters": 200,
+            "takeover_seconds": 3.1,
+            "recovered_seconds": 4.0,
+            "settled_seconds": 5.0,
+            "spread": 0,
+            "unowned": 0,
+        },
+        "cutoff": {
+            "victim_clusters": 160,
+            "takeover_seconds": 12.5,
+            "not_taken_over": 1,
+            "cap_seconds": 40.0,
+            "sessions_left": [],
+        },
+        "exit_codes": {"w1": 0, "w2": 0},
+        "lost": {"acknowledged": 20_000, "lost": 0, "clusters": 1000},
+        "commit": {
+            "submitters": 4000,
+            "wide_clusters": 1000,
+            "narrow_clusters": 10,
+            "one_process_open_seconds": 30.0,
+            "wide_per_s": s(5000.0),
+            "narrow_per_s": s(20000.0),
+            "wide_vs_narrow": s(0.25, 0.2, 0.3),
+        },
+    }
+
+
+def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
+    figures = keys(report.key_figures(results({"fleet": _fleet()})))
+    assert figures == {
+        "fleet_backends_per_process": "10",
+        "fleet_standby_backends": "2",
+        "fleet_open_s": "21.50",
+        "fleet_takeover_s": "3.10",
+        "fleet_balance_spread": "1",
+        "fleet_cutoff_s": "12.50",
+        "fleet_cutoff_stuck": "1",
+        "fleet_commit_1000_vs_10": "0.25",
+        "fleet_commit_1000_per_s": "5000",
+        "fleet_commit_10_per_s": "20000",
+        "fleet_lost": "0",
+    }
+    md = report.markdown(results({"fleet": _fleet()}))
+    assert "### The fleet: 1,000 clusters, 4 host processes" in md
+    assert "| acknowledged commits lost across the join, the kill and the cut-off | 0 |" in md
+    partial = {k: v for k, v in _fleet().items() if k not in ("kill", "cutoff", "lost", "commit")}
+    partial["error"] = "RuntimeError: fleet: no takeover within 600 s"
+    figures = keys(report.key_figures(results({"fleet": partial})))
+    assert "fleet_takeover_s" not in figures
+    assert "fleet_lost" not in figures
+    assert "fleet_open_s" in figures
+    assert "| the run stopped | - | RuntimeError: fleet: no takeover within 600 s |" in (
+        report.markdown(results({"fleet": partial}))
+    )

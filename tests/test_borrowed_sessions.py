@@ -49,7 +49,7 @@ from cronoq_store._urls import async_url
 
 from .pgbouncer import PgBouncer, store_connect_query, store_settings
 from .pgharness import ServerUnderTest, admin_execute, asyncpg_dsn
-from .support import PROCESS_BASE, RUNNING, SUCCEEDED
+from .support import PROCESS_BASE, RUNNING, SUCCEEDED, leadership_of
 from .waits import bounded, until
 
 SESSION_TIMEOUT = 2.0
@@ -519,7 +519,7 @@ async def test_an_applications_connect_settings_reach_neither_the_lock_session_n
         store = await PgStore.from_engine(engine, config(migrated), migrate=False)
         try:
             epoch = await bounded(store.acquire_leadership(), "the leadership of an idle cluster")
-            lock_session: Any = store._leadership._session
+            lock_session: Any = leadership_of(store)._session
             assert lock_session is not None
             assert await lock_session.setting("synchronous_commit", 5.0) == "on"
             assert await lock_session.setting("default_transaction_read_only", 5.0) == "off"

@@ -20,6 +20,7 @@ from cronoq_store._config import PgStoreConfig
 from cronoq_store._store import PgStore
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute
+from .support import leadership_of
 from .waits import bounded, until_value
 
 
@@ -42,7 +43,7 @@ async def test_a_lock_session_connected_as_the_acquisition_is_cancelled_is_not_l
         schema=migrated, lock_poll=0.05, keepalive=0.2, application_name=f"cancel-{migrated}"
     )
     store = await PgStore.connect(pg_url, config)
-    lock_pool: Any = store._leadership._engine.sync_engine.pool  # the lock session's own
+    lock_pool: Any = leadership_of(store)._engine.sync_engine.pool  # the lock session's own
     try:
         acquiring = asyncio.ensure_future(store.acquire_leadership())
 

@@ -102,6 +102,9 @@ async def test_health_exits_0_only_with_a_leader_at_head(pg_url: URL, migrated: 
             "migration_lock": None,
             "reasons": [],
             "warnings": [],
+            # A standalone cluster gains only its mode; a hosted one's "host" is in
+            # tests/fleet/test_host_cli.py.
+            "mode": "standalone",
         }
 
         # Behind head and leading: 4, whatever the leader.
@@ -157,6 +160,8 @@ async def test_status_json_masks_the_password_and_counts(pg_url: URL, store: PgS
     )
     assert doc["incarnation"] == store.incarnation
     assert doc["leader"] is None
+    assert doc["mode"] == "standalone"
+    assert "host" not in doc
     assert doc["lock"] == [store.leader_lock[0], store.leader_lock[1] & 0xFFFFFFFF]
     assert doc["tasks"] == [
         {"pool": "default", "state": "live", "status": "queued", "count": 1},

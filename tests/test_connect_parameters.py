@@ -38,7 +38,7 @@ from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._server import find_bin_dir
 
 from .pgharness import WITHOUT_INSTANCE, ServerUnderTest, admin_execute
-from .support import ROOT
+from .support import ROOT, leadership_of
 
 #: Every variable libpq reads, cleared for each test (the machine's own must not leak in).
 PG_VARIABLES = [name for name in os.environ if name.startswith("PG")]
@@ -101,7 +101,7 @@ async def sessions(server: EmbeddedPostgres, prefix: str) -> list[str]:
 
 def instance_of(store: PgStore) -> str:
     """The id at the end of ``store``'s lock session's ``application_name``."""
-    return store._leadership.instance
+    return leadership_of(store).instance
 
 
 async def lead_once(store: PgStore, task: int = 1) -> None:

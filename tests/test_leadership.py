@@ -38,6 +38,7 @@ from .support import (
     instance_config,
     lead,
     leader_app,
+    leadership_of,
     lock_holders,
     unused_port,
 )
@@ -439,7 +440,7 @@ def app_engine(kind: str, pg_url: URL, app_name: str) -> AsyncEngine:
 
 async def lock_session_setting(store: PgStore, name: str) -> str:
     """A setting as the lock session itself sees it (the keeper pings only every 2 s)."""
-    session = store._leadership._session
+    session = leadership_of(store)._session
     assert session is not None
     return await session.setting(name, 5.0)
 

@@ -24,7 +24,7 @@ from cronoq_store._cli import ExitCode
 from cronoq_store._errors import MigrationError
 
 from .pgharness import admin_execute, asyncpg_dsn
-from .support import Role, create_role, drop_role, named_config, run_cli
+from .support import Role, create_role, drop_role, leadership_of, named_config, run_cli
 from .waits import bounded, holds_for, until, until_value
 
 FORGED = "cronoq-store leader"
@@ -207,14 +207,14 @@ async def standby_warns_once(
     trusting = named_config(migrated, "holders-g", trusted_roles=frozenset({intruder.name}))
     async with await PgStore.connect(pg_url, trusting, lock_url=lock.url) as store:
         looks = 0
-        look = store._leadership._watch_holder
+        look = leadership_of(store)._watch_holder
 
         async def counted(*args: Any) -> int | None:
             nonlocal looks
             looks += 1
             return await look(*args)
 
-        store._leadership._watch_holder = counted  # type: ignore[method-assign,assignment]
+        leadership_of(store)._watch_holder = counted  # type: ignore[method-assign,assignment]
         held = await take_lock(intruder.url, store.leader_lock)
         try:
             with caplog.at_level(logging.WARNING, logger="cronoq_store"):

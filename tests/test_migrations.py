@@ -92,13 +92,14 @@ ADDED_BY = {
     "0005_task_tenant": "cronoq_tasks.tenant",
     "0007_leader_holder": "cronoq_leader.holder_pid",
     "0008_leader_history": "cronoq_leader_history.epoch",
+    "0009_host_group": "cronoq_leader.host_group",
 }
 
 
 def test_revisions_mirror_the_five_legacy_steps_then_adopt() -> None:
     assert REVISIONS[:5] == [LEGACY_REVISIONS[v] for v in range(1, 6)]
     assert REVISIONS[5] == "0006_drop_legacy_version_table"
-    assert REVISIONS[-1] == head_revision() == "0008_leader_history"
+    assert REVISIONS[-1] == head_revision()
 
 
 async def test_every_revision_up_and_down(engine: AsyncEngine, schema: str) -> None:

@@ -43,6 +43,7 @@ GROUPS: list[tuple[str, str, set[str]]] = [
             "LockHolder",
         },
     ),
+    ("host", "The host", {"PgHost", "PgHostConfig", "HostedStore"}),
     ("committer", "The group committer", {"GroupCommitter", "CommitterStats", "Backoff"}),
     (
         "values",
@@ -84,6 +85,7 @@ GROUPS: list[tuple[str, str, set[str]]] = [
             "FencedError",
             "SchemaGoneError",
             "ClusterReplacedError",
+            "ClusterHostedError",
             "KeyTakenError",
             "IdCollisionError",
             "BatchTooLargeError",

@@ -15,9 +15,10 @@ script what went wrong (:class:`ExitCode`).
 Modules: ``app`` the group and its global options; ``exits`` exit codes and how a failure
 is printed; ``database`` the connection and the revision check; ``output`` formatting; one
 module per command (``migrate``, ``downgrade``, ``status``, ``tasks``, ``prune``, ``demo``,
-``health``, ``handover``, ``dev_server``, ``alembic_ini``, ``console``); ``fleet`` the
+``health``, ``handover``, ``host``, ``dev_server``, ``alembic_ini``, ``console``); ``fleet`` the
 selection of many clusters (``--all``, ``--schemas``) and ``status`` and ``health`` over
-them; ``fleet_migrate`` and ``migrate_worker`` ``migrate`` over them, in worker processes.
+them; ``fleet_migrate`` and ``migrate_worker`` ``migrate`` over them, in worker processes;
+``hosted`` what ``status`` and ``health`` say of a cluster a host group leads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .downgrade import downgrade_command
 from .exits import ExitCode
 from .handover import handover
 from .health import health
+from .host import host
 from .migrate import migrate
 from .prune import parse_duration, prune
 from .status import status
@@ -47,6 +49,7 @@ for _command in (
     demo,
     health,
     handover,
+    host,
     dev_server,
     alembic_ini_command,
     console,

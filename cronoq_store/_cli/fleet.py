@@ -28,7 +28,7 @@ from .._config import validate_schema_name
 from .._errors import MigrationError, StoreError
 from .._terminal_safe import visible
 from .._urls import redact, scrub
-from . import database, operations, output
+from . import database, hosted, operations, output
 from .app import Options
 from .exits import SEVERITY, CliError, ExitCode, code_of, worst
 
@@ -363,14 +363,25 @@ def _leader_words(holder: Any) -> str:
     return f"leader {instance}backend pid {leader.pid}"
 
 
-async def read_health(conn: AsyncConnection, schema: str) -> Verdict:
+async def read_health(
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
+) -> Verdict:
     """``health``'s verdict on one cluster of many (its single-schema document, and the
-    code)."""
-    health = await operations.read_health(conn, schema)
+    code); a hosted cluster's owner read in ``control_schema`` (checked once per run with
+    ``vetted``, :func:`~cronoq_store._cli.hosted.read_host`)."""
+    health = await operations.read_health(conn, schema, control_schema, vetted)
     document = {**operations.health_document(schema, health), "exit_code": int(health.code)}
     if health.code is ExitCode.OK:
         epoch = None if health.facts is None else health.facts.stored_epoch
-        words = f"healthy: epoch {epoch}, {_leader_words(health.holder)}"
+        leader = (
+            _leader_words(health.holder)
+            if health.host is None
+            else f"{health.host.mode_words()}, leader {hosted.leader_words(health.host)}"
+        )
+        words = f"healthy: epoch {epoch}, {leader}"
     else:
         words = "unhealthy: " + "; ".join(health.reasons)
     warnings = health.warnings
@@ -379,14 +390,24 @@ async def read_health(conn: AsyncConnection, schema: str) -> Verdict:
     return Verdict(schema, health.code, words, document)
 
 
-async def read_status(conn: AsyncConnection, schema: str) -> Verdict:
+async def read_status(
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
+) -> Verdict:
     """``status``'s line on one cluster of many: what every revision holds (revision, epoch,
     leader, migration lock), without the task counts, which read the cluster's tables; the
-    code is ``status``'s own (4 or 5 off head, else 0)."""
+    code is ``status``'s own (4 or 5 off head, else 0). A hosted cluster's leader is its
+    owning host process, read in ``control_schema``."""
     revision = await database.revision(conn, schema)
     facts, holder = await operations.schema_facts(conn, revision)
     migrating = await queries.migration_lock_holder(conn, schema)
+    group = hosted.host_group(facts)
     await conn.rollback()
+    host = None
+    if group is not None:
+        host = await hosted.read_host(conn, schema, group, control_schema, vetted)
     code = ExitCode.OK
     if not revision.at_head:
         code = ExitCode.NEWER_DATABASE if revision.unknown else ExitCode.NOT_MIGRATED
@@ -402,12 +423,15 @@ async def read_status(conn: AsyncConnection, schema: str) -> Verdict:
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
         "migration_lock": output.session_document(migrating),
+        **operations.mode_document(host, holder),
         "exit_code": int(code),
     }
     words = [
         f"{', '.join(revision.current) or '-'} ({revision.describe()})",
         f"epoch {'-' if epoch is None else epoch}",
-        _leader_words(holder),
+        _leader_words(holder)
+        if host is None
+        else f"{host.mode_words()}, leader {hosted.leader_words(host)}",
     ]
     if migrating is not None:
         words.append(f"migration lock held by backend pid {migrating.pid}")

@@ -24,7 +24,7 @@ from .._domain import EPOCH_MAX, I64_MAX, SPEC_FIELDS, Priority, SpecField, Spec
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts, ListedTask
 from .._results import LockHolder
-from . import database, output
+from . import database, hosted, output
 from .exits import CliError, ExitCode
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "leaderless_words",
     "live_page",
     "migration_lock_warning",
+    "mode_document",
     "plan_prune",
     "prune_batches",
     "prune_cluster",
@@ -430,12 +431,17 @@ class Health(NamedTuple):
     reasons: list[str]
     #: Who holds the schema's migration lock, if a session does.
     migration_lock: LockHolder | None = None
+    #: A hosted cluster's control row and owner; ``None`` for a standalone cluster.
+    host: hosted.HostFacts | None = None
+    #: What the hosted verdict warns of (an epoch moved outside the host group).
+    host_warnings: tuple[str, ...] = ()
 
     @property
     def warnings(self) -> list[str]:
         """What ``health`` says whatever its exit code: facts that do not make the cluster
         unhealthy now, but stop something later."""
         said = [] if self.migration_lock is None else [migration_lock_warning(self.migration_lock)]
+        said += self.host_warnings
         return said + ([PUBLIC_CONNECT_WARNING] if self.public_connect else [])
 
 
@@ -468,14 +474,27 @@ async def schema_facts(
     return facts, facts.holder
 
 
-async def read_health(conn: AsyncConnection, schema: str) -> Health:
+async def read_health(
+    conn: AsyncConnection,
+    schema: str,
+    control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    vetted: set[str] | None = None,
+) -> Health:
     """Where ``schema`` stands, who holds its leader lock and its migration lock, and the
-    verdict."""
+    verdict; for a cluster a host group leads, its owner read in ``control_schema`` and the
+    hosted verdict (:func:`~cronoq_store._cli.hosted.hosted_verdict`)."""
     public = bool((await conn.execute(catalog.public_may_connect)).scalar())
     revision = await database.revision(conn, schema)
     facts, holder = await schema_facts(conn, revision)
     migrating = await queries.migration_lock_holder(conn, schema)
+    group = hosted.host_group(facts)
     await conn.rollback()
+    if group is not None:
+        host = await hosted.read_host(conn, schema, group, control_schema, vetted)
+        code, reasons, warned = hosted.hosted_verdict(revision, facts, holder, host)
+        return Health(
+            revision, facts, holder, public, code, reasons, migrating, host, tuple(warned)
+        )
     code, reasons = verdict(revision, facts, holder)
     return Health(revision, facts, holder, public, code, reasons, migrating)
 
@@ -497,7 +516,16 @@ def health_document(schema: str, health: Health) -> dict[str, Any]:
         "migration_lock": output.session_document(health.migration_lock),
         "reasons": health.reasons,
         "warnings": health.warnings,
+        **mode_document(health.host, holder),
     }
+
+
+def mode_document(host: hosted.HostFacts | None, holder: LockHolder | None) -> dict[str, Any]:
+    """``"mode"`` of ``status --json`` and ``health --json``, and for a hosted cluster
+    ``"host"`` (:func:`~cronoq_store._cli.hosted.host_document`)."""
+    if host is None:
+        return {"mode": "standalone"}
+    return {"mode": "hosted", "host": hosted.host_document(host, holder)}
 
 
 async def fresh_facts(conn: AsyncConnection, lock: tuple[int, int]) -> ClusterFacts:

@@ -16,7 +16,7 @@ from .. import _statements as st
 from .._codec import QUARANTINE_PREFIX
 from .._results import LockHolder
 from .._urls import redact
-from . import database, fleet, operations, output
+from . import database, fleet, hosted, operations, output
 from .app import Options
 from .exits import ExitCode, run
 
@@ -29,24 +29,44 @@ __all__ = ["holder_facts", "status"]
 )
 @fleet.selection_options
 @fleet.jobs_option(2, "read")
+@hosted.control_schema_option
 @click.pass_obj
-def status(options: Options, as_json: bool, every: bool, glob: str | None, jobs: int) -> None:
+def status(
+    options: Options,
+    as_json: bool,
+    every: bool,
+    glob: str | None,
+    jobs: int,
+    control_schema: str,
+) -> None:
     """Revision, leader, lock holder, task counts, quarantined rows and recurring schedules.
+
+    A cluster a host group leads (PgHost) shows its mode, and as its leader the host
+    process that owns it, live while that process's lock is held.
 
     With --all or --schemas: one line per cluster (revision, epoch, leader; no task
     counts) and a summary; with --json, one JSON object per line and the summary last.
     The exit code is the gravest cluster's.
     """
     chosen = fleet.selection(options, every, glob)
+    # The control schema's trust check, once for every hosted cluster of the run.
+    vetted: set[str] = set()
     if chosen is not None:
         code = run(
             options.url,
-            fleet.over_clusters(options, chosen, jobs, as_json, fleet.read_status, "at head"),
+            fleet.over_clusters(
+                options,
+                chosen,
+                jobs,
+                as_json,
+                lambda conn, schema: fleet.read_status(conn, schema, control_schema, vetted),
+                "at head",
+            ),
         )
         if code is not ExitCode.OK:
             raise click.exceptions.Exit(int(code))
         return
-    run(options.url, _status(options, as_json, output.console()))
+    run(options.url, _status(options, as_json, output.console(), control_schema))
 
 
 class _Contents(NamedTuple):
@@ -70,7 +90,7 @@ async def _contents(conn: AsyncConnection) -> _Contents:
     return _Contents(epoch, max_id, counts, quarantined, schedules)
 
 
-async def _status(options: Options, as_json: bool, console: Console) -> None:
+async def _status(options: Options, as_json: bool, console: Console, control_schema: str) -> None:
     """What ``cronoq-store status`` shows. Long for a reason: one read of each fact, then the
     lines in the order the operator reads them; split into helpers, that order would be
     spread over them.
@@ -85,7 +105,12 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
         migrating = await queries.migration_lock_holder(conn, schema)
         oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar_one()
         contents = await _contents(conn) if revision.at_head else None
-        led = output.leader_of(holder) is not None
+        group = hosted.host_group(facts)
+        await conn.rollback()
+        host = None
+        if group is not None:
+            host = await hosted.read_host(conn, schema, group, control_schema)
+        led = (output.leader_of(holder) if host is None else host.live_owner) is not None
         terms = await operations.recent_terms(conn, revision, led)
         await conn.rollback()
 
@@ -107,6 +132,7 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
             "lock_holder": output.holder_document(holder),
             "migration_lock": output.session_document(migrating),
             "leadership_history": terms,
+            **operations.mode_document(host, holder),
         }
         if contents is not None:
             document.update(_contents_document(contents))
@@ -143,7 +169,13 @@ async def _status(options: Options, as_json: bool, console: Console) -> None:
             if max_id is None
             else [("max id", output.task_id(max_id) if max_id else "0 (no task issued)")]
         ),
-        *(holder_facts(holder, lock) if revision.exists else []),
+        *(
+            []
+            if not revision.exists
+            else holder_facts(holder, lock)
+            if host is None
+            else hosted.status_facts(host, holder, lock)
+        ),
         *(
             []
             if migrating is None

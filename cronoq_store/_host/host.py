@@ -1,0 +1,834 @@
+"""``PgHost``: one process leading any number of cluster schemas, with others sharing them.
+
+The processes of a host group share the clusters enrolled in the group: each process
+holds one host session (:mod:`cronoq_store._host.session`) and a pool, whatever the number
+of clusters it leads, and the server's lock table holds one entry per process. Every
+``lock_poll`` each process looks at the group: processes whose lock is free are dead and
+their clusters unowned; then it gives up what it holds beyond its share
+(:mod:`cronoq_store._host.balance`), or claims unowned clusters up to it. Each claim bumps
+the cluster's epoch as a standalone takeover does, so each cluster stays fenced on its own:
+no commit of an earlier owner lands after a claim, whichever process it comes from.
+
+For each cluster it leads, the host gives the application a :class:`HostedStore`: today's
+``PgStore`` API (epoch, ``recover``, ``commit``, ``GroupCommitter``, ``leadership_lost``),
+one object per term. Its commits go through the host's pool, one transaction each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .. import _door as door
+from .. import _migrations as migrations
+from .. import _queries as queries
+from .. import _statements as st
+from .._config import PgStoreConfig, validate_schema_name
+from .._errors import (
+    ClusterReplacedError,
+    FencedError,
+    LockHeldError,
+    StoreError,
+    UnavailableError,
+)
+from .._leadership import cool_down, session_settings
+from .._retry import acquisition_backoff, pause
+from .._schema import schema_options
+from .._store import PgStore
+from .._urls import redact, resolve
+from ..telemetry import DISABLED
+from ..telemetry import resolve as resolve_telemetry
+from . import balance, control
+from .session import Claim, ClaimRefused, HostSession
+
+__all__ = ["HostedStore", "PgHost", "PgHostConfig"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: Unowned clusters read at a time when looking for some to claim.
+_CANDIDATES = 1024
+#: The pause between two tries of a cluster's leader lock when enrolling it.
+_ENROLL_RETRY = 0.05
+#: Led clusters whose leader rows the sweep reads each tick.
+_SWEEP_SLICE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class PgHostConfig:
+    """Host settings. ``store`` gives what each hosted cluster's store uses (``lock_poll``,
+    ``keepalive``, ``session_timeout``, ``commit_timeout``, ``retention``, the trusted
+    triggers and roles); its ``schema`` and ``max_connections`` are not used."""
+
+    store: PgStoreConfig = field(default_factory=PgStoreConfig)
+    #: Processes of one group share its clusters; several groups may share a database.
+    group: str = "default"
+    #: The schema of the host groups' control tables, one per database.
+    control_schema: str = "cronoq_host"
+    #: The pool shared by every cluster this process leads.
+    max_connections: int = 8
+    #: At most this many clusters handed over at once when giving up a share.
+    max_releases: int = 16
+    #: How long the application's ``lead`` may take to return once its cluster is lost,
+    #: before it is cancelled.
+    handover_grace: float = 10.0
+    #: Seconds a new process waits before claiming unowned clusters, so that processes
+    #: started together share them instead of the first taking all (default
+    #: ``2 * lock_poll + 1``).
+    join_settle: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_schema_name(self.control_schema)
+        if not self.group or "\x00" in self.group or len(self.group.encode()) > 63:
+            raise ValueError("group: 1 to 63 bytes, no NUL")
+        if self.max_connections < 1:
+            raise ValueError("max_connections: at least 1")
+        if self.max_releases < 1:
+            raise ValueError("max_releases: at least 1")
+        if self.handover_grace < 0:
+            raise ValueError("handover_grace: not negative")
+
+    @property
+    def settle(self) -> float:
+        """Seconds a new process waits before claiming: ``join_settle``, or its default."""
+        return cool_down(self.store) if self.join_settle is None else self.join_settle
+
+
+class _Term:
+    """One hosted term of one cluster: what its :class:`HostedStore` reads before each
+    commit, and ends when a commit finds the fence moved (``LeaderTerm``)."""
+
+    def __init__(self, epoch: int, process_id: int, ended: Callable[[], None]) -> None:
+        self._epoch: int | None = epoch
+        self._key = (control.LOCK_NS_HOST, process_id)
+        self._lost = asyncio.Event()
+        self._ended = ended
+        self.reason: str | None = None
+        #: time.monotonic() when the term ended.
+        self.ended_at = 0.0
+        self.replaced: ClusterReplacedError | None = None
+        self.telemetry = DISABLED
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    @property
+    def is_leader(self) -> bool:
+        return self._epoch is not None
+
+    @property
+    def lock_key(self) -> tuple[int, int]:
+        """The lock whose holding keeps this cluster led: the host process's."""
+        return self._key
+
+    def mark_lost(self, reason: str = "fenced") -> None:
+        if self._epoch is None:
+            return
+        self._epoch, self.reason, self.ended_at = None, reason, time.monotonic()
+        self.telemetry.step_down(reason)
+        self._lost.set()
+        self._ended()
+
+    async def wait_lost(self) -> None:
+        await self._lost.wait()
+
+    async def acquire(self) -> int:
+        if self._epoch is None:
+            raise FencedError(
+                "this hosted term ended: the host hands a new store when it leads the cluster again"
+            )
+        return self._epoch
+
+    async def release(self) -> None:
+        self.mark_lost("released")
+
+    async def close(self) -> None:
+        """The host, not the store, ends the term."""
+
+
+class HostedStore(PgStore):
+    """A cluster led by a :class:`PgHost`, for one term: ``PgStore``'s API on the host's
+    pool. ``acquire_leadership`` returns this term's epoch, or raises ``FencedError`` once
+    it ended (the host hands a new store when it leads the cluster again);
+    ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
+    """
+
+
+@dataclass(slots=True)
+class _Led:
+    """A cluster this process owns in the control schema: its store, its term, the epoch
+    it claimed (still owned after the term ended, until released), the application's task."""
+
+    store: HostedStore
+    term: _Term
+    epoch: int
+    task: asyncio.Task[None] | None = None
+
+
+class PgHost:
+    """Leads many clusters with a few connections, sharing them with the group's other
+    processes (see the module's docstring). Open with :meth:`connect` or
+    :meth:`from_engine`, enroll clusters with :meth:`enroll`, then :meth:`serve`."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: PgHostConfig,
+        *,
+        owns_engine: bool,
+        lock_engine: AsyncEngine,
+        settings: dict[str, str],
+        apply_settings: bool,
+        instance: str,
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._owns_engine = owns_engine
+        self._lock_engine = lock_engine
+        self._settings = settings
+        self._apply_settings = apply_settings
+        #: This process's id, at the end of its host session's ``application_name``.
+        self.instance = instance
+        self._led: dict[str, _Led] = {}
+        # Clusters whose term ended and that this process has not released yet.
+        self._ending: set[str] = set()
+        # When this process last gave each cluster up: not claimed again within cool_down.
+        self._gave_up: dict[str, float] = {}
+        self._lead: Callable[[HostedStore], Awaitable[None]] | None = None
+        self._closing = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._session: HostSession | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._joined_at = 0.0
+        self._seen_unowned: set[str] = set()
+        # Where the sweep of leader rows goes on at the next tick.
+        self._sweep_at = 0
+        # time.monotonic() of the last look for other processes' stuck sessions.
+        self._stuck_checked_at = 0.0
+        # Tasks that cancel the application's overdue leads and close their stores.
+        self._reapers: set[asyncio.Task[None]] = set()
+        # One recorder for every cluster this process leads, labelled with the group: the
+        # global providers' label sets stay as few as the groups, whatever the clusters.
+        self._telemetry = resolve_telemetry(config.group)
+
+    # --- construction -----------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str | URL, config: PgHostConfig | None = None) -> PgHost:
+        """A host with its own pool of ``max_connections`` on ``url``, and its host session
+        dialled from it; the control schema is migrated first."""
+        config = config or PgHostConfig()
+        store = replace(config.store, max_connections=config.max_connections)
+        engine = door.own_engine(url, store)
+        try:
+            await control.prepare_control(engine, config.control_schema)
+            instance = secrets.token_hex(4)
+            parameters = resolve(url)
+            settings = session_settings(
+                config.store, instance, parameters.session_name(config.store.application_name)
+            )
+            lock_engine = door.lock_engine(
+                parameters.with_application_name(settings["application_name"]),
+                settings,
+                config.store.session_timeout,
+            )
+        except BaseException:
+            await engine.dispose()
+            raise
+        return cls(
+            engine,
+            config,
+            owns_engine=True,
+            lock_engine=lock_engine,
+            settings=settings,
+            apply_settings=False,
+            instance=instance,
+        )
+
+    @classmethod
+    async def from_engine(
+        cls,
+        engine: AsyncEngine,
+        config: PgHostConfig | None = None,
+        *,
+        lock_url: str | URL | None = None,
+    ) -> PgHost:
+        """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
+        ``max_connections`` does not apply, and :meth:`close` leaves the engine open. The
+        host session is dialled from ``lock_url`` when given (a direct server URL, as for
+        ``PgStore.from_engine``), else made as the engine makes its own connections, on a
+        pool of its own that hands out none of the application's sessions."""
+        config = config or PgHostConfig()
+        if engine.dialect.driver != "asyncpg":
+            raise ValueError(
+                f"engine: the host needs the asyncpg driver (postgresql+asyncpg://), got "
+                f"{engine.dialect.name}+{engine.dialect.driver}"
+            )
+        await control.prepare_control(engine, config.control_schema)
+        instance = secrets.token_hex(4)
+        if lock_url is None:
+            settings = session_settings(config.store, instance, config.store.application_name)
+            lock_engine = door.borrowed_lock_engine(engine.url, engine.sync_engine.pool.recreate())
+        else:
+            parameters = resolve(lock_url)
+            settings = session_settings(
+                config.store, instance, parameters.session_name(config.store.application_name)
+            )
+            lock_engine = door.lock_engine(
+                parameters.with_application_name(settings["application_name"]),
+                settings,
+                config.store.session_timeout,
+            )
+        return cls(
+            engine,
+            config,
+            owns_engine=False,
+            lock_engine=lock_engine,
+            settings=settings,
+            apply_settings=lock_url is None,
+            instance=instance,
+        )
+
+    async def close(self) -> None:
+        """Hand every cluster over, leave the group, and close the pool (unless it is an
+        application's)."""
+        self._closing.set()
+        self._wake.set()
+        for led in list(self._led.values()):
+            led.term.mark_lost("closed")
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await asyncio.wait({runner})
+        if self._reapers:
+            # Each cancels its lead at the end of its grace; one that ignores the
+            # cancellation is left behind rather than holding the close forever.
+            await asyncio.wait(set(self._reapers), timeout=self._config.handover_grace + 1)
+        await self._lock_engine.dispose()
+        if self._owns_engine:
+            await self._engine.dispose()
+
+    async def __aenter__(self) -> PgHost:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PgHost(url={redact(self._engine.url)!r}, group={self._config.group!r}, "
+            f"instance={self.instance!r})"
+        )
+
+    @property
+    def process_id(self) -> int | None:
+        """This process's id in the group while it is registered."""
+        return None if self._session is None else self._session.process_id
+
+    def led(self) -> Mapping[str, HostedStore]:
+        """The clusters this process leads now, by schema."""
+        return {schema: led.store for schema, led in self._led.items() if led.term.is_leader}
+
+    # --- enrolment --------------------------------------------------------------------
+
+    async def enroll(self, schemas: str | Iterable[str], *, migrate: bool = True) -> list[str]:
+        """Put clusters in this host group: migrated first (or checked at head with
+        ``migrate=False``), then marked as the group's in their own leader row and listed
+        in the control schema. A cluster a standalone ``PgStore`` leads is refused with
+        ``LockHeldError`` naming it; one already in this group is left as it is. Returns
+        the schemas newly enrolled."""
+        names = [schemas] if isinstance(schemas, str) else list(schemas)
+        for name in names:
+            validate_schema_name(name)
+            if name == self._config.control_schema:
+                raise ValueError(f"schema {name!r} is the host's control schema, not a cluster")
+        added = []
+        for schema in names:
+            if await self._enroll_one(schema, migrate):
+                added.append(schema)
+        self._wake.set()
+        return added
+
+    async def _enroll_one(self, schema: str, migrate: bool) -> bool:
+        store = self._config.store
+        if migrate:
+            await migrations.upgrade(
+                self._engine,
+                schema,
+                trusted_triggers=store.trusted_triggers,
+                lock_timeout=store.migration_lock_timeout,
+            )
+        else:
+            await migrations.require_head(
+                self._engine, schema, trusted_triggers=store.trusted_triggers
+            )
+        group = self._config.group
+        async with door.translated(f"enrolling schema {schema!r}"), self._engine.begin() as conn:
+            oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar()
+            incarnation = (
+                await conn.execute(st.leader_now, execution_options=schema_options(schema))
+            ).first()
+            if oid is None or incarnation is None:
+                raise StoreError(f"schema {schema!r} holds no migrated cluster")
+            await self._take_leader_lock(conn, schema, int(oid))
+            marked = (
+                await conn.execute(
+                    st.enroll_cluster,
+                    {"group": group, "incarnation": int(incarnation.tableoid)},
+                    execution_options=schema_options(schema),
+                )
+            ).first()
+            if marked is None:
+                raise StoreError(
+                    f"enrolling schema {schema!r} failed: it is enrolled in another host group"
+                )
+            in_control = schema_options(self._config.control_schema)
+            row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
+            added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
+            if added is None:
+                raise UnavailableError(
+                    f"enrolling schema {schema!r} failed: another enrolment of it committed "
+                    "meanwhile; enroll it again",
+                    reconnect=False,
+                )
+            if added.inserted:
+                return True
+            if added.host_group != group:
+                raise StoreError(
+                    f"enrolling schema {schema!r} failed: it is enrolled in host group "
+                    f"{added.host_group!r}"
+                )
+            # Listed already. Made again under its name since: enrolling again is the
+            # operator's word that the cluster standing there now is the group's, unowned
+            # until claimed. Refused: the operator cleared the cause, so it is claimed again.
+            # Listed as it stands, led or not: nothing changes (every process of a group may
+            # enroll the same clusters at its start).
+            again = (
+                control.reenroll if added.incarnation != row["incarnation"] else control.mark_active
+            )
+            await conn.execute(again, row, execution_options=in_control)
+            return False
+
+    async def _take_leader_lock(self, conn: AsyncConnection, schema: str, oid: int) -> None:
+        """Take the cluster's standalone leader lock for the enrolment's transaction, trying
+        for up to ``lock_poll`` plus a second (a host's claim, or another enrolment, holds
+        it a moment); then ``LockHeldError`` naming the session that holds it."""
+        lock = {"k1": st.LOCK_NS_LEADER, "k2": oid}
+        deadline = time.monotonic() + self._config.store.lock_poll + 1.0
+        while not (await conn.execute(st.try_leader_lock_for_transaction, lock)).scalar():
+            if time.monotonic() >= deadline:
+                holder = await queries.leader_lock_holder(conn, (st.LOCK_NS_LEADER, oid))
+                who = "a session" if holder is None else door.describe_holders([holder])
+                raise LockHeldError(
+                    f"enrolling schema {schema!r} failed: its leader lock is held by {who} "
+                    "(a standalone leader, a downgrade, or a claim that did not end); stop "
+                    "it first",
+                    [] if holder is None else [holder],
+                )
+            await asyncio.sleep(_ENROLL_RETRY)
+
+    async def remove(self, schema: str) -> bool:
+        """Take ``schema`` out of this host group, fencing whichever process leads it: the
+        epoch is bumped (after the commits in flight, as a takeover waits for them), so no
+        later commit of the group lands, and its owner steps the cluster down at its next
+        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled."""
+        validate_schema_name(schema)
+        group = self._config.group
+        bound = self._config.store.commit_timeout
+        async with door.translated(f"removing schema {schema!r}"), self._engine.begin() as conn:
+            in_cluster = schema_options(schema)
+            removed = (
+                await conn.execute(
+                    control.remove,
+                    {"group": group, "schema": schema},
+                    execution_options=schema_options(self._config.control_schema),
+                )
+            ).first()
+            if removed is None:
+                return False
+            if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
+                return True  # nothing left to fence
+            await door.leader_barrier(
+                lambda statement, params: conn.execute(
+                    statement, params, execution_options=in_cluster
+                ),
+                schema,
+                bound,
+                "removing a cluster from its host group (the bound is commit_timeout)",
+            )
+            row = (await conn.execute(st.leader_now, execution_options=in_cluster)).first()
+            if row is not None:
+                await conn.execute(
+                    st.take_hosted_epoch,
+                    {"incarnation": int(row.tableoid), "group": group},
+                    execution_options=in_cluster,
+                )
+            await conn.execute(st.unenroll_cluster, {"group": group}, execution_options=in_cluster)
+        self._wake.set()
+        return True
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def serve(self, lead: Callable[[HostedStore], Awaitable[None]]) -> None:
+        """Lead the group's share of clusters until :meth:`close`: ``lead(store)`` runs in a
+        task of its own for each cluster gained. Once the cluster is lost,
+        ``store.leadership_lost()`` returns and ``lead`` has ``handover_grace`` seconds to
+        return before it is cancelled. An exception from ``lead`` is logged and the cluster
+        handed over; returning while still leading hands it over too."""
+        if self._lead is not None:
+            raise StoreError("this host is already serving")
+        self._lead = lead
+        self._runner = asyncio.ensure_future(self._run())
+        try:
+            await self._closing.wait()
+        finally:
+            if not self._closing.is_set():
+                await self.close()
+
+    async def _run(self) -> None:
+        """Register, tend the group until the session is lost, register again."""
+        config = self._config.store
+        delays = acquisition_backoff(config).delays()
+        while not self._closing.is_set():
+            try:
+                self._session = await HostSession.register(
+                    self._lock_engine,
+                    config,
+                    self._config.control_schema,
+                    self._config.group,
+                    self.instance,
+                    self._settings if self._apply_settings else None,
+                )
+            except Exception as error:
+                logger.warning(
+                    "cannot register the host process for now; retrying",
+                    extra={"group": self._config.group, "error": str(error)},
+                    exc_info=not isinstance(error, (StoreError, asyncio.TimeoutError, OSError)),
+                )
+                await pause(next(delays), self._closing)
+                continue
+            delays = acquisition_backoff(config).delays()
+            self._joined_at = time.monotonic()
+            logger.info(
+                "host process registered",
+                extra={"group": self._config.group, "process_id": self._session.process_id},
+            )
+            try:
+                await self._tend(self._session)
+            except Exception as error:
+                logger.error(
+                    "host session lost; stepping every cluster down",
+                    extra={"group": self._config.group, "error": str(error)},
+                    exc_info=not isinstance(error, (StoreError, asyncio.TimeoutError, OSError)),
+                )
+            finally:
+                await self._end_all("session_lost")
+                self._abandon_all()
+                session, self._session = self._session, None
+                if session is not None:
+                    if self._closing.is_set():
+                        await self._leave(session)
+                    await session.close()
+
+    def _abandon_all(self) -> None:
+        """Forget every cluster of a session that is gone: the others claim them once they
+        see this process's lock free, and a release under the next session's id would be
+        no one's. Each application task still running gets ``handover_grace``, then it is
+        cancelled, without the keeper ever waiting on it."""
+        for led in self._led.values():
+            self._reap(led)
+        self._led.clear()
+        self._ending.clear()
+
+    def _reap(self, led: _Led) -> None:
+        """Cancel ``led``'s application task once ``handover_grace`` has run out since its
+        term ended, in a task of its own (never awaited by the keeper); close its store."""
+        task = led.task
+        grace = max(0.0, led.term.ended_at + self._config.handover_grace - time.monotonic())
+
+        async def reap() -> None:
+            if task is not None and not task.done():
+                await asyncio.wait({task}, timeout=grace)
+                if not task.done():
+                    logger.warning(
+                        "the application's lead did not return within handover_grace; "
+                        "cancelling it",
+                        extra={"schema": led.store.config.schema},
+                    )
+                    task.cancel()
+            await led.store.close()
+
+        reaper = asyncio.ensure_future(reap())
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
+
+    async def _leave(self, session: HostSession) -> None:
+        try:
+            await session.leave()
+        except Exception as error:
+            logger.warning("leaving the host group failed", extra={"error": str(error)})
+
+    async def _tend(self, session: HostSession) -> None:
+        """The keeper and the balancer on one session, until it fails or the host closes."""
+        config = self._config.store
+        tick = min(config.keepalive, config.lock_poll)
+        next_look = 0.0
+        while not self._closing.is_set():
+            try:
+                await self._check_owned(session)
+                await self._sweep(session)
+                await self._release_ended(session)
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + config.lock_poll
+                    await self._balance(session)
+            except StoreError as error:
+                if session.broken:
+                    raise
+                # The server answered (a lock wait ran out, a statement failed): this
+                # round is lost, the session and every term go on.
+                logger.warning(
+                    "a round of the host's checks failed; trying again",
+                    extra={"group": self._config.group, "error": str(error)},
+                )
+            self._wake.clear()
+            await pause(tick, self._wake)
+        await self._end_all("closed")
+        await self._release_ended(session, wait=True)
+
+    async def _check_owned(self, session: HostSession) -> None:
+        """Step down at once each cluster the control schema no longer gives this process
+        under the epoch it claimed (another process claimed it after this one was taken
+        for dead, or an operator moved it). One round trip when nothing changed: only
+        others take a cluster from this process, and epochs only grow, so the count and
+        the sum of epochs of what it owns move with any change."""
+        count, total = await session.digest()
+        if count == len(self._led) and total == sum(led.epoch for led in self._led.values()):
+            return
+        owned = await session.owned()
+        for schema, led in list(self._led.items()):
+            row = owned.get(schema)
+            if led.term.is_leader and (row is None or row.epoch != led.epoch):
+                logger.error(
+                    "a hosted cluster was taken from this process; stepping it down",
+                    extra={"schema": schema, "epoch": led.epoch},
+                )
+                led.term.mark_lost("fenced")
+
+    async def _sweep(self, session: HostSession) -> None:
+        """Read the leader rows of the next slice of led clusters, and step down each whose
+        row says its term is over: the epoch moved outside the host (a forced downgrade),
+        the schema holds another cluster, or none. The control schema cannot show these;
+        each cluster is read every ``len(led) / _SWEEP_SLICE`` ticks, and its next commit
+        is fenced meanwhile anyway."""
+        leading = sorted(s for s, led in self._led.items() if led.term.is_leader)
+        if not leading:
+            return
+        start = self._sweep_at % len(leading)
+        chosen = (leading[start:] + leading[:start])[:_SWEEP_SLICE]
+        self._sweep_at = start + len(chosen)
+        rows = await session.leader_rows(chosen)
+        for schema in chosen:
+            led = self._led.get(schema)
+            if led is None or not led.term.is_leader:
+                continue
+            row = rows.get(schema)
+            incarnation = led.store.incarnation
+            if row is None or row[1] != incarnation:
+                led.term.replaced = ClusterReplacedError(
+                    schema, incarnation, None if row is None else row[1], "checking the leader row"
+                )
+                reason = "schema_gone" if row is None else "cluster_replaced"
+            elif row[0] != led.epoch:
+                reason = "fenced"
+            else:
+                continue
+            logger.error(
+                "a hosted cluster's leader row ends its term; stepping it down",
+                extra={"schema": schema, "epoch": led.epoch, "reason": reason},
+            )
+            led.term.mark_lost(reason)
+
+    async def _balance(self, session: HostSession) -> None:
+        me = session.process_id
+        members = await session.members()
+        dead = await session.dead_among([m for m in members if m != me])
+        if dead:
+            logger.warning(
+                "host processes gone; their clusters are unowned",
+                extra={"group": self._config.group, "process_ids": dead},
+            )
+            await session.bury(dead)
+        live = [m for m in members if m not in dead]
+        await self._end_stuck(session, [m for m in live if m != me])
+        counts = await session.counts()
+        total = sum(counts.values())
+        targets = balance.targets(live, total)
+        target = targets.get(me, 0)
+        if self._closing.is_set():
+            target = 0
+        owned = [s for s, led in self._led.items() if led.term.is_leader]
+        held = len(owned) + len(self._ending)
+        if len(owned) > target:
+            for schema in balance.to_release(owned, me, target, self._config.max_releases):
+                logger.info(
+                    "handing a cluster over to balance the group",
+                    extra={"schema": schema, "group": self._config.group},
+                )
+                self._led[schema].term.mark_lost("rebalanced")
+            return
+        if held >= target or time.monotonic() - self._joined_at < self._config.settle:
+            return
+        if counts.get(None, 0) == 0:
+            self._seen_unowned.clear()
+            return
+        candidates = [
+            s
+            for s in await session.unowned(_CANDIDATES)
+            if s not in self._led and not self._cooling(s)
+        ]
+        deficits = {p: targets[p] - counts.get(p, 0) for p in live}
+        room = target - held
+        chosen = balance.to_claim(candidates, me, live, deficits, room, patient=False)
+        patient = [s for s in candidates if s in self._seen_unowned and s not in chosen]
+        chosen += balance.to_claim(patient, me, live, deficits, room - len(chosen), patient=True)
+        self._seen_unowned = set(candidates) - set(chosen)
+        await self._claim(session, chosen)
+
+    async def _end_stuck(self, session: HostSession, others: list[int]) -> None:
+        """Every ``session_timeout``, end the host sessions of other processes stuck
+        mid-statement for ``1.5 x session_timeout``: past ``session_timeout`` without an
+        answer their own keepers stepped every cluster down, but the server keeps their
+        locks while it waits for the rest of a message, where no idle limit applies."""
+        limit = self._config.store.session_timeout
+        now = time.monotonic()
+        if now - self._stuck_checked_at < limit:
+            return
+        self._stuck_checked_at = now
+        ended = await session.end_stuck(others, 1.5 * limit)
+        if ended:
+            logger.warning(
+                "ended the host sessions of processes stuck mid-statement; their clusters "
+                "are claimed once their locks are free",
+                extra={"group": self._config.group, "pids": ended},
+            )
+
+    def _cooling(self, schema: str) -> bool:
+        gave_up = self._gave_up.get(schema)
+        return gave_up is not None and time.monotonic() - gave_up < cool_down(self._config.store)
+
+    async def _claim(self, session: HostSession, schemas: list[str]) -> None:
+        if not schemas:
+            return
+        config = self._config.store
+        refused = await session.refusals(schemas, config.trusted_triggers)
+        for schema, error in refused.items():
+            logger.error(
+                "refusing to lead a hosted cluster", extra={"schema": schema, "error": str(error)}
+            )
+            await session.refuse(schema, str(error))
+        bound = max(0.001, min(config.keepalive, (config.session_timeout - config.keepalive) / 2))
+        for schema in schemas:
+            if schema in refused or self._closing.is_set():
+                continue
+            try:
+                claimed = await session.claim(schema, bound)
+            except StoreError as error:
+                if session.broken:
+                    raise
+                if isinstance(error, UnavailableError):
+                    # A lock wait ran out, a deadlock: this cluster waits for the next round.
+                    logger.warning(
+                        "claiming a hosted cluster failed for now",
+                        extra={"schema": schema, "error": str(error)},
+                    )
+                    continue
+                claimed = ClaimRefused(schema, str(error))
+            if isinstance(claimed, ClaimRefused):
+                logger.error(
+                    "refusing to lead a hosted cluster",
+                    extra={"schema": schema, "error": claimed.why},
+                )
+                await session.refuse(schema, claimed.why)
+            elif isinstance(claimed, Claim):
+                self._gained(session, claimed)
+
+    def _gained(self, session: HostSession, claim: Claim) -> None:
+        schema = claim.schema
+        term = _Term(claim.epoch, session.process_id, lambda: self._ended(schema))
+        store = HostedStore(
+            self._engine,
+            replace(self._config.store, schema=schema),
+            schema_oid=claim.schema_oid,
+            incarnation=claim.incarnation,
+            owns_engine=False,
+            own_sessions=self._owns_engine,
+            lock_url=self._engine.url,
+            term=term,
+            telemetry=self._telemetry,
+        )
+        led = _Led(store, term, claim.epoch)
+        self._led[schema] = led
+        logger.info(
+            "leading a hosted cluster",
+            extra={"schema": schema, "epoch": claim.epoch, "process_id": session.process_id},
+        )
+        if self._lead is not None:
+            led.task = asyncio.ensure_future(self._serve_one(led))
+
+    async def _serve_one(self, led: _Led) -> None:
+        assert self._lead is not None
+        try:
+            await self._lead(led.store)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception(
+                "the application's lead failed; handing the cluster over",
+                extra={"schema": led.store.config.schema},
+            )
+            led.term.mark_lost("failed")
+            return
+        led.term.mark_lost("released")
+
+    def _ended(self, schema: str) -> None:
+        self._ending.add(schema)
+        self._wake.set()
+
+    async def _release_ended(self, session: HostSession, *, wait: bool = False) -> None:
+        """Give up, in the control schema, each cluster whose term ended here, once the
+        application's task for it returned or its ``handover_grace`` ran out (then it is
+        cancelled, and not waited for: the next claim's epoch fences whatever it still
+        sends). With ``wait`` (closing), waits out the grace for every one at once."""
+        ending = [self._led[s] for s in sorted(self._ending) if s in self._led]
+        if wait:
+            running = {led.task for led in ending if led.task is not None and not led.task.done()}
+            if running:
+                await asyncio.wait(running, timeout=self._config.handover_grace)
+        for led in ending:
+            task = led.task
+            overdue = time.monotonic() - led.term.ended_at >= self._config.handover_grace
+            if task is not None and not task.done() and not (wait or overdue):
+                continue
+            schema = led.store.config.schema
+            self._reap(led)
+            await session.release(schema)
+            self._ending.discard(schema)
+            del self._led[schema]
+            self._gave_up[schema] = time.monotonic()
+
+    async def _end_all(self, reason: str) -> None:
+        for led in list(self._led.values()):
+            led.term.mark_lost(reason)

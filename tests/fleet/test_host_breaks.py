@@ -1,0 +1,408 @@
+"""A hostile review of the host (issue 31): each test here states a promise of the design
+(docs/reliability.md, /work/notes/issue31_design.md sections 1-3) that the host breaks on
+a real server, with real sessions ended by ``pg_terminate_backend``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import replace
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+
+from cronoq_store import MigrationError, PgStoreConfig, StoreError
+from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
+
+from ..pgharness import admin_execute, asyncpg_dsn
+from ..waits import until, until_value
+from .conftest import Fleet
+from .test_host import STORE, config, serving
+
+
+def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
+    """A second control schema in the same database (the fixture's tag in its name, so the
+    fixture drops it), with ``fleet``'s group name unless ``group`` is given."""
+    return replace(fleet, control=f"{fleet.control}_b", group=group or fleet.group)
+
+
+async def asyncpg_connect(url: URL) -> asyncpg.Connection:
+    """A raw session of the test's own, outside every pool under test."""
+    return await asyncpg.connect(asyncpg_dsn(url))
+
+
+async def terminate(fleet: Fleet, name: str) -> None:
+    """End the host session of the host named ``name`` (its lock session's name)."""
+    await admin_execute(
+        fleet.url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE $1",
+        f"{name} leader %",
+    )
+
+
+async def test_a_second_control_schema_in_a_database_is_refused(fleet: Fleet) -> None:
+    """Process locks are the database's, keyed by ids each control schema draws from its own
+    sequence, and a cluster's mark names its group only: two control schemas would hand one
+    id to two processes (a dead one read as alive while the other holds its lock) and let
+    two groups lead one cluster. A second is refused, naming the first, before it exists."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "ctl_a"), [schema]) as first:
+        await until(lambda: schema in first.host.led(), "the first host to lead")
+        second = other_control(fleet)
+        with pytest.raises(MigrationError, match=fleet.control):
+            await PgHost.connect(fleet.url, config(second, "ctl_b"))
+        rows = await admin_execute(
+            fleet.url, "SELECT 1 FROM pg_namespace WHERE nspname = $1", second.control
+        )
+        assert rows == []
+        assert schema in first.host.led()
+
+
+async def test_a_lead_that_outlives_its_cancellation_does_not_stop_the_keeper(
+    fleet: Fleet,
+) -> None:
+    """``_release_ended`` cancels a lead that overran ``handover_grace`` and then waits for
+    it without a bound, on the keeper's own task: an application whose cleanup outlives
+    the cancellation (or swallows it) stops the keeper. Its session then ends and the host
+    never steps its other clusters down, while another process may claim them."""
+    first, second = fleet.clusters(2)
+    host = await PgHost.connect(fleet.url, config(fleet, "stubborn", handover_grace=0.2))
+    stores: dict[str, HostedStore] = {}
+    unstick = asyncio.Event()
+
+    async def lead(store: HostedStore) -> None:
+        stores[store.config.schema] = store
+        if store.config.schema != first:
+            await store.leadership_lost()
+            return
+        await until(lambda: second in stores, "both clusters led")
+        await store.release_leadership()
+        # A cleanup that takes longer than the cancellation allows (a committer draining, a
+        # scheduler stopping); here it ignores the cancellation until the test ends it.
+        while not unstick.is_set():
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(unstick.wait(), 1)
+
+    await host.enroll([first, second])
+    task = asyncio.ensure_future(host.serve(lead))
+    try:
+        await until(lambda: second in stores, "the host to lead the second cluster")
+        led = stores[second]
+        await asyncio.sleep(1.0)  # the first cluster's lead is cancelled by now
+        await terminate(fleet, "stubborn")
+        await until(
+            lambda: not led.is_leader,
+            "the host to step the second cluster down once its session ended "
+            f"(session_timeout {STORE.session_timeout} s)",
+            within=STORE.session_timeout + 3,
+        )
+    finally:
+        unstick.set()
+        await host.close()
+        await asyncio.wait({task})
+
+
+async def test_a_schema_dropped_and_enrolled_again_is_led_or_refused_at_enrolment(
+    fleet: Fleet,
+) -> None:
+    """Enrolling a schema whose cluster was replaced (dropped, migrated again) marks the new
+    cluster as the group's (so no standalone may lead it) but keeps the control row of the
+    old incarnation (``ON CONFLICT DO NOTHING``) and returns ``[]``: every claim is then
+    refused, and the new cluster is led by nobody, with no error to anyone."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "again"))
+    try:
+        await host.enroll(schema)
+        await admin_execute(fleet.url, f'DROP SCHEMA "{schema}" CASCADE')
+        try:
+            await host.enroll(schema)
+        except StoreError:
+            return  # refused with a reason: the operator knows
+    finally:
+        await host.close()
+    rows = await admin_execute(fleet.url, f'SELECT tableoid FROM "{schema}".cronoq_leader')
+    incarnation = int(rows[0]["tableoid"])
+    async with serving(fleet.url, config(fleet, "again2")) as served:
+
+        def led_anew() -> bool:
+            store = served.host.led().get(schema)
+            return store is not None and store.incarnation == incarnation and store.is_leader
+
+        try:
+            await until(led_anew, "the new cluster under the old name to be led", within=15)
+        except AssertionError as failure:
+            state = await admin_execute(
+                fleet.url,
+                f'SELECT state, refused_why FROM "{fleet.control}".clusters',
+            )
+            found = [dict(r) for r in state]
+            raise AssertionError(f"not led; its control row: {found}") from failure
+
+
+async def test_a_hosted_term_ends_when_its_schema_is_dropped(fleet: Fleet) -> None:
+    """A standalone keeper reads its cluster's leader row every ``keepalive`` and steps down
+    (``schema_gone``) once the schema is dropped; the host's keeper reads only the control
+    schema and the design's sweep of leader rows is not there, so an idle hosted term lives
+    on for a cluster that no longer exists (and on, after the name is migrated again and
+    led by a standalone store)."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "dropped"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        store = served.host.led()[schema]
+        await admin_execute(fleet.url, f'DROP SCHEMA "{schema}" CASCADE')
+        await until(
+            lambda: not store.is_leader,
+            "the hosted term to end once its schema is gone (a standalone keeper: keepalive)",
+            within=STORE.keepalive * 10,
+        )
+
+
+async def test_a_hosted_term_ends_when_its_epoch_moves_outside_the_host(fleet: Fleet) -> None:
+    """A forced downgrade (or any bump outside the host) moves the epoch without touching
+    the control schema; the standalone keeper steps down within ``keepalive``, the hosted
+    term never notices while it does not commit."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "bumped"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        store = served.host.led()[schema]
+        await admin_execute(fleet.url, f'UPDATE "{schema}".cronoq_leader SET epoch = epoch + 1')
+        await until(
+            lambda: not store.is_leader,
+            "the hosted term to end once its epoch moved (a standalone keeper: keepalive)",
+            within=STORE.keepalive * 10,
+        )
+
+
+async def test_a_host_session_ended_during_a_claim_is_registered_again(fleet: Fleet) -> None:
+    """A claim waits in ``leader_barrier`` behind a session holding the leader table; the
+    host session is ended meanwhile. The host must step down, register again, and lead the
+    cluster once the table is free, as after any lost session."""
+    [schema] = fleet.clusters(1)
+    store = PgStoreConfig(
+        application_name="barred", lock_poll=0.1, keepalive=3.0, session_timeout=10.0
+    )
+    cfg = PgHostConfig(
+        store=store, control_schema=fleet.control, group=fleet.group, join_settle=0.2
+    )
+    host = await PgHost.connect(fleet.url, cfg)
+    await host.enroll(schema)
+    blocker = await asyncpg_connect(fleet.url)
+    task: asyncio.Future[None] | None = None
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute(f'SELECT epoch FROM "{schema}".cronoq_leader FOR SHARE')
+
+        async def lead(hosted: HostedStore) -> None:
+            await hosted.leadership_lost()
+
+        task = asyncio.ensure_future(host.serve(lead))
+        await until_value(
+            lambda: admin_execute(
+                fleet.url,
+                "SELECT count(*) AS n FROM pg_stat_activity "
+                "WHERE application_name LIKE 'barred leader %' AND wait_event_type = 'Lock'",
+            ),
+            lambda rows: rows[0]["n"] == 1,
+            "the claim to wait in the leader barrier",
+        )
+        first_id = host.process_id
+        await terminate(fleet, "barred")
+        await blocker.execute("ROLLBACK")
+        await until(
+            lambda: host.process_id not in (None, first_id) and schema in host.led(),
+            "the host to register again and lead the cluster",
+            within=20,
+        )
+    finally:
+        await blocker.close()
+        await host.close()
+        if task is not None:
+            await asyncio.wait({task}, timeout=30)
+
+
+async def test_a_refused_cluster_is_led_again_once_the_cause_is_gone(fleet: Fleet) -> None:
+    """A claim refuses a cluster whose trust check fails (here an unknown trigger) and marks
+    its row ``refused``. The design retries a refused cluster every 60 s; the host never
+    does (``mark_active`` is never run), and enrolling it again leaves the row refused
+    (``ON CONFLICT DO NOTHING``): once the trigger is dropped, the cluster is never led again
+    and no call of the API brings it back."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "refused"))
+    try:
+        await host.enroll(schema)
+    finally:
+        await host.close()
+    await admin_execute(
+        fleet.url,
+        f'CREATE FUNCTION "{schema}".f() RETURNS trigger LANGUAGE plpgsql '
+        "AS $$BEGIN RETURN NEW; END$$",
+    )
+    await admin_execute(
+        fleet.url,
+        f'CREATE TRIGGER audit BEFORE INSERT ON "{schema}".cronoq_tasks '
+        f'FOR EACH ROW EXECUTE FUNCTION "{schema}".f()',
+    )
+
+    async def state() -> str:
+        rows = await admin_execute(
+            fleet.url,
+            f'SELECT state FROM "{fleet.control}".clusters WHERE schema_name = $1',
+            schema,
+        )
+        return str(rows[0]["state"])
+
+    async with serving(fleet.url, config(fleet, "refused2")) as served:
+        await until_value(state, lambda s: s == "refused", "the claim to refuse the cluster")
+        await admin_execute(fleet.url, f'DROP TRIGGER audit ON "{schema}".cronoq_tasks')
+        await admin_execute(fleet.url, f'DROP FUNCTION "{schema}".f()')
+        await served.host.enroll(schema)  # the operator's only tool
+        await until(
+            lambda: schema in served.host.led(),
+            "the cluster to be led again once its trigger is gone (the design: within 60 s)",
+            within=65,
+        )
+
+
+async def test_the_control_schema_is_not_enrolled_as_a_cluster(fleet: Fleet) -> None:
+    """``enroll`` validates names as cluster schemas, but takes the host's own control schema
+    too: it migrates the cluster's tables into the control schema and enrolls it, so the
+    host leads a cluster living among its own control tables (a ``DROP SCHEMA`` of that
+    cluster, or its downgrade, takes the group's control tables with it)."""
+    host = await PgHost.connect(fleet.url, config(fleet, "itself"))
+    try:
+        try:
+            added = await host.enroll(fleet.control)
+        except (StoreError, ValueError):
+            return
+        tables = await admin_execute(
+            fleet.url,
+            "SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $1 AND c.relkind = 'r' ORDER BY relname",
+            fleet.control,
+        )
+        raise AssertionError(
+            f"the control schema was enrolled as a cluster ({added}); it now holds "
+            f"{[r['relname'] for r in tables]}"
+        )
+    finally:
+        await host.close()
+
+
+async def test_every_process_may_enroll_the_same_clusters_at_its_start(fleet: Fleet) -> None:
+    """The natural deployment runs the same code in every process: enroll the tenant list,
+    then serve. Two enrolments of one cluster at once contend for the same transaction-level
+    try of its leader lock, and the loser fails with ``LockHeldError`` blaming "a standalone
+    leader (or a downgrade)" (with no holder named) although none exists, and enrolling an
+    already enrolled cluster is documented as leaving it as it is."""
+    schemas = fleet.clusters(5)
+    first = await PgHost.connect(fleet.url, config(fleet, "enrol1"))
+    second = await PgHost.connect(fleet.url, config(fleet, "enrol2"))
+    try:
+        await first.enroll(schemas)
+        for _ in range(20):
+            results = await asyncio.gather(
+                first.enroll(schemas, migrate=False),
+                second.enroll(schemas, migrate=False),
+                return_exceptions=True,
+            )
+            failures = [r for r in results if isinstance(r, BaseException)]
+            assert not failures, f"enrolling at once failed: {failures[0]!r}"
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_hosted_store_says_what_it_is(fleet: Fleet) -> None:
+    """``repr`` of a :class:`HostedStore` reads ``PgStore(...)``: a log line cannot tell a
+    hosted term from a standalone store."""
+    [schema] = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "named"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        assert repr(served.host.led()[schema]).startswith("HostedStore(")
+
+
+async def test_close_returns_when_a_lead_outlives_its_cancellation(fleet: Fleet) -> None:
+    """``close()`` waits ``handover_grace`` for each lead, cancels the late ones, then waits
+    for them without a bound: a lead whose cleanup outlives the cancellation keeps
+    ``close()`` (and the process's shutdown) waiting as long as it runs, forever if it
+    swallows the cancellation."""
+    [schema] = fleet.clusters(1)
+    host = await PgHost.connect(fleet.url, config(fleet, "closing", handover_grace=0.2))
+    unstick = asyncio.Event()
+    led = asyncio.Event()
+
+    async def lead(store: HostedStore) -> None:
+        led.set()
+        while not unstick.is_set():
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(unstick.wait(), 1)
+
+    await host.enroll(schema)
+    task = asyncio.ensure_future(host.serve(lead))
+    closing: asyncio.Future[None] | None = None
+    try:
+        await asyncio.wait_for(led.wait(), 30)
+        closing = asyncio.ensure_future(host.close())
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        assert done, "close() still waiting 10 s after a handover_grace of 0.2 s"
+    finally:
+        unstick.set()
+        if closing is not None:
+            await asyncio.wait({closing}, timeout=30)
+        await asyncio.wait({task}, timeout=30)
+
+
+async def test_a_lock_on_one_clusters_table_does_not_cost_the_host_its_other_clusters(
+    fleet: Fleet,
+) -> None:
+    """A claim's ``record_term`` and ``prune_terms`` run under the ``lock_timeout`` that
+    ``leader_barrier`` set for the rest of the transaction (``SET LOCAL``, ``bound``): a
+    lock on one cluster's history table (an index built on it, an operator's ``LOCK``)
+    makes them fail with 55P03, which ``_claim`` re-raises as ``UnavailableError``, and
+    ``_run`` takes it for a lost host session: every cluster the process leads steps down,
+    for one lock on one cluster's table, while the session answered all along."""
+    kept, locked = fleet.clusters(2)
+    async with serving(fleet.url, config(fleet, "locked"), [kept]) as served:
+        await until(lambda: kept in served.host.led(), "the host to lead the first cluster")
+        store = served.host.led()[kept]
+        host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
+        try:
+            await host.enroll(locked)
+        finally:
+            await host.close()
+        blocker = await asyncpg_connect(fleet.url)
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute(f'LOCK TABLE "{locked}".cronoq_leader_history IN SHARE MODE')
+            served.host._wake.set()  # claim now rather than at the next poll
+            for _ in range(int((STORE.session_timeout + 2) / 0.05)):
+                assert store.is_leader, (
+                    "the first cluster stepped down while a claim of the second waited for "
+                    "its history table"
+                )
+                await asyncio.sleep(0.05)
+        finally:
+            await blocker.close()
+
+
+async def test_a_lost_session_is_not_logged_as_clusters_taken(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a lost session the host registers again, and its keeper compares what the new
+    id owns (nothing) with every cluster still ending from the old session: each tick until
+    they are released it logs, at ERROR, "a hosted cluster was taken from this process" for
+    clusters nobody took (the term had already ended with the session)."""
+    [schema] = fleet.clusters(1)
+    caplog.set_level(logging.INFO, "cronoq_store")
+    async with serving(fleet.url, config(fleet, "relogged"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead")
+        first_id = served.host.process_id
+        await terminate(fleet, "relogged")
+        await until(
+            lambda: served.host.process_id not in (None, first_id) and schema in served.host.led(),
+            "the host to register again and lead again",
+        )
+    taken = [r for r in caplog.records if "taken from this process" in r.getMessage()]
+    assert not taken, f"{len(taken)} ERROR lines for a cluster lost with the session"

@@ -1,0 +1,106 @@
+"""Host processes as separate OS processes (``tests/fleet/worker.py``), one SIGKILLed: the
+survivors take its clusters over, nothing acknowledged is lost, and no epoch of a cluster
+is acknowledged by two processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from cronoq_store._host.host import PgHost
+
+from ..pgharness import admin_execute
+from ..support import ROOT
+from ..waits import until_value
+from .conftest import Fleet
+from .worker import host_config
+
+
+async def start_worker(fleet: Fleet, name: str, journal: Path) -> asyncio.subprocess.Process:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
+    env["PYTHONPATH"] = str(ROOT)
+    url = fleet.url.update_query_dict({"application_name": name})
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.fleet.worker",
+        url.render_as_string(hide_password=False),
+        fleet.control,
+        fleet.group,
+        name,
+        str(journal),
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def records(journals: list[Path]) -> list[dict[str, object]]:
+    found = []
+    for path in journals:
+        for line in path.read_text().splitlines():
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:  # the torn last line of a killed process
+                continue
+    return found
+
+
+async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_lost(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    schemas = fleet.clusters(9)
+    host = await PgHost.connect(fleet.url, host_config(fleet.group, fleet.control))
+    try:
+        await host.enroll(schemas)
+    finally:
+        await host.close()
+    journals = [tmp_path / f"w{i}.jsonl" for i in range(3)]
+    workers = [await start_worker(fleet, f"w{i}", journals[i]) for i in range(3)]
+    try:
+        await until_value(fleet.shares, lambda s: s == [3, 3, 3], "a 3/3/3 split")
+        owners = await fleet.owners()
+        victim_id = next(iter(set(owners.values())))
+        victim = next(
+            w
+            for w, j in zip(workers, journals, strict=True)
+            if any(r.get("process") == victim_id for r in records([j]))
+        )
+        await asyncio.sleep(1.0)  # commits flowing on every cluster
+        victim.send_signal(signal.SIGKILL)
+        await victim.wait()
+        await until_value(
+            fleet.owners,
+            lambda o: all(p is not None and p != victim_id for p in o.values()),
+            "every cluster of the killed process led again",
+        )
+        await until_value(fleet.shares, lambda s: s == [5, 4], "a 5/4 split of the survivors")
+        await asyncio.sleep(1.0)
+    finally:
+        for worker in workers:
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            await asyncio.wait_for(worker.wait(), 60)
+    assert [w.returncode for w in workers].count(0) == 2
+    found = records(journals)
+    acks = [r for r in found if r["k"] == "ack"]
+    assert acks, "no commit was acknowledged"
+    by_schema: dict[str, set[int]] = {}
+    for ack in acks:
+        by_schema.setdefault(str(ack["schema"]), set()).add(int(ack["id"]))  # type: ignore[call-overload]
+    for schema, ids in by_schema.items():
+        rows = await admin_execute(
+            fleet.url, f'SELECT id FROM "{schema}".cronoq_tasks WHERE id = ANY($1)', list(ids)
+        )
+        assert {r["id"] for r in rows} == ids, f"acknowledged tasks lost in {schema}"
+    acked_by: dict[tuple[str, int], set[int]] = {}
+    for ack in acks:
+        key = (str(ack["schema"]), int(ack["epoch"]))  # type: ignore[call-overload]
+        acked_by.setdefault(key, set()).add(int(ack["process"]))  # type: ignore[call-overload]
+    assert all(len(p) == 1 for p in acked_by.values()), "an epoch acknowledged by two processes"
+    taken_over = {str(r["schema"]) for r in found if r["k"] == "lead" and r["process"] != victim_id}
+    assert taken_over == set(schemas)
