@@ -19,7 +19,7 @@ from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
 from .conftest import Fleet
-from .test_host import STORE, config, serving
+from .hosts import STORE, config, serving
 
 
 def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
