@@ -231,15 +231,7 @@ class PgHost:
         try:
             await control.prepare_control(engine, config.control_schema)
             instance = secrets.token_hex(4)
-            parameters = resolve(url)
-            settings = session_settings(
-                config.store, instance, parameters.session_name(config.store.application_name)
-            )
-            lock_engine = door.lock_engine(
-                parameters.with_application_name(settings["application_name"]),
-                settings,
-                config.store.session_timeout,
-            )
+            settings, lock_engine = _dialled_host_session(url, config.store, instance)
         except BaseException:
             await engine.dispose()
             raise
@@ -278,15 +270,7 @@ class PgHost:
             settings = session_settings(config.store, instance, config.store.application_name)
             lock_engine = door.borrowed_lock_engine(engine.url, engine.sync_engine.pool.recreate())
         else:
-            parameters = resolve(lock_url)
-            settings = session_settings(
-                config.store, instance, parameters.session_name(config.store.application_name)
-            )
-            lock_engine = door.lock_engine(
-                parameters.with_application_name(settings["application_name"]),
-                settings,
-                config.store.session_timeout,
-            )
+            settings, lock_engine = _dialled_host_session(lock_url, config.store, instance)
         return cls(
             engine,
             config,
@@ -832,3 +816,18 @@ class PgHost:
     async def _end_all(self, reason: str) -> None:
         for led in list(self._led.values()):
             led.term.mark_lost(reason)
+
+
+def _dialled_host_session(
+    url: str | URL, config: PgStoreConfig, instance: str
+) -> tuple[dict[str, str], AsyncEngine]:
+    """The host session's settings and its engine, dialled from ``url``: named as the URL
+    (or the config) names sessions, the instance id at the end, as a lock session is."""
+    parameters = resolve(url)
+    settings = session_settings(config, instance, parameters.session_name(config.application_name))
+    engine = door.lock_engine(
+        parameters.with_application_name(settings["application_name"]),
+        settings,
+        config.session_timeout,
+    )
+    return settings, engine

@@ -27,7 +27,7 @@ from ..test_cli_json import document
 from ..test_cli_terminal_safe import unsafe_characters
 from ..waits import until
 from .conftest import Fleet
-from .test_host import config, serving
+from .hosts import config, serving
 
 
 async def migrated(fleet: Fleet, schemas: list[str]) -> None:

@@ -5,48 +5,16 @@ is acknowledged by two processes."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import sys
 from pathlib import Path
 
 from cronoq_store._host.host import PgHost
 
 from ..pgharness import admin_execute
-from ..support import ROOT
 from ..waits import until_value
 from .conftest import Fleet
+from .processes import records, start_worker
 from .worker import host_config
-
-
-async def start_worker(fleet: Fleet, name: str, journal: Path) -> asyncio.subprocess.Process:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
-    env["PYTHONPATH"] = str(ROOT)
-    url = fleet.url.update_query_dict({"application_name": name})
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.fleet.worker",
-        url.render_as_string(hide_password=False),
-        fleet.control,
-        fleet.group,
-        name,
-        str(journal),
-        cwd=ROOT,
-        env=env,
-    )
-
-
-def records(journals: list[Path]) -> list[dict[str, object]]:
-    found = []
-    for path in journals:
-        for line in path.read_text().splitlines():
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:  # the torn last line of a killed process
-                continue
-    return found
 
 
 async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_lost(
@@ -59,7 +27,7 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
     finally:
         await host.close()
     journals = [tmp_path / f"w{i}.jsonl" for i in range(3)]
-    workers = [await start_worker(fleet, f"w{i}", journals[i]) for i in range(3)]
+    workers = [await start_worker(fleet.url, fleet, f"w{i}", journals[i]) for i in range(3)]
     try:
         await until_value(fleet.shares, lambda s: s == [3, 3, 3], "a 3/3/3 split")
         owners = await fleet.owners()
@@ -67,7 +35,7 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
         victim = next(
             w
             for w, j in zip(workers, journals, strict=True)
-            if any(r.get("process") == victim_id for r in records([j]))
+            if any(r.get("process") == victim_id for r in records(j))
         )
         await asyncio.sleep(1.0)  # commits flowing on every cluster
         victim.send_signal(signal.SIGKILL)
@@ -86,7 +54,7 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
         for worker in workers:
             await asyncio.wait_for(worker.wait(), 60)
     assert [w.returncode for w in workers].count(0) == 2
-    found = records(journals)
+    found = records(*journals)
     acks = [r for r in found if r["k"] == "ack"]
     assert acks, "no commit was acknowledged"
     by_schema: dict[str, set[int]] = {}

@@ -25,7 +25,7 @@ from cronoq_store._host.host import PgHost
 from ..pgharness import admin_execute
 from ..waits import PATIENCE, until, until_value
 from .conftest import Fleet
-from .test_cutoff import claimed_at, diagnosis, epoch_rows, num, of, records, start_worker
+from .processes import claimed_at, diagnosis, epoch_rows, num, of, records, start_worker
 from .tripwire import Tripwire
 from .worker import STORE, host_config
 

@@ -1,6 +1,8 @@
-"""A hostile review of the host (issue 31): each test here states a promise of the design
-(docs/reliability.md, /work/notes/issue31_design.md sections 1-3) that the host breaks on
-a real server, with real sessions ended by ``pg_terminate_backend``."""
+"""The host where processes, sessions, schemas and applications fail it: a second control
+schema, a dead process, a lead that ignores its cancellation, a schema dropped or made
+again, an epoch moved outside the host, a session ended mid-claim, a refused cluster, a lock
+held on one cluster's tables, concurrent enrolments; on a real server, with real sessions
+ended by ``pg_terminate_backend``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
 from .conftest import Fleet
-from .test_host import STORE, config, serving
+from .hosts import STORE, config, serving
 
 
 def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
@@ -63,10 +65,9 @@ async def test_a_second_control_schema_in_a_database_is_refused(fleet: Fleet) ->
 async def test_a_lead_that_outlives_its_cancellation_does_not_stop_the_keeper(
     fleet: Fleet,
 ) -> None:
-    """``_release_ended`` cancels a lead that overran ``handover_grace`` and then waits for
-    it without a bound, on the keeper's own task: an application whose cleanup outlives
-    the cancellation (or swallows it) stops the keeper. Its session then ends and the host
-    never steps its other clusters down, while another process may claim them."""
+    """An application whose lead outlives its cancellation (or swallows it) never holds the
+    keeper: the keeper cancels an overdue lead and goes on, so when the host session ends it
+    still steps every other cluster down before another process may claim them."""
     first, second = fleet.clusters(2)
     host = await PgHost.connect(fleet.url, config(fleet, "stubborn", handover_grace=0.2))
     stores: dict[str, HostedStore] = {}
@@ -107,10 +108,9 @@ async def test_a_lead_that_outlives_its_cancellation_does_not_stop_the_keeper(
 async def test_a_schema_dropped_and_enrolled_again_is_led_or_refused_at_enrolment(
     fleet: Fleet,
 ) -> None:
-    """Enrolling a schema whose cluster was replaced (dropped, migrated again) marks the new
-    cluster as the group's (so no standalone may lead it) but keeps the control row of the
-    old incarnation (``ON CONFLICT DO NOTHING``) and returns ``[]``: every claim is then
-    refused, and the new cluster is led by nobody, with no error to anyone."""
+    """A schema whose cluster was replaced (dropped, migrated again) and enrolled again is
+    listed as the cluster standing there now, and led: never left marked as the group's
+    while every claim refuses the control row of the old incarnation."""
     [schema] = fleet.clusters(1)
     host = await PgHost.connect(fleet.url, config(fleet, "again"))
     try:
@@ -142,11 +142,9 @@ async def test_a_schema_dropped_and_enrolled_again_is_led_or_refused_at_enrolmen
 
 
 async def test_a_hosted_term_ends_when_its_schema_is_dropped(fleet: Fleet) -> None:
-    """A standalone keeper reads its cluster's leader row every ``keepalive`` and steps down
-    (``schema_gone``) once the schema is dropped; the host's keeper reads only the control
-    schema and the design's sweep of leader rows is not there, so an idle hosted term lives
-    on for a cluster that no longer exists (and on, after the name is migrated again and
-    led by a standalone store)."""
+    """A hosted term ends once its schema is dropped, as a standalone keeper steps down
+    (``schema_gone``), even while it does not commit: the host's sweep reads its clusters'
+    leader rows, which the control schema cannot show."""
     [schema] = fleet.clusters(1)
     async with serving(fleet.url, config(fleet, "dropped"), [schema]) as served:
         await until(lambda: schema in served.host.led(), "the host to lead")
@@ -161,8 +159,8 @@ async def test_a_hosted_term_ends_when_its_schema_is_dropped(fleet: Fleet) -> No
 
 async def test_a_hosted_term_ends_when_its_epoch_moves_outside_the_host(fleet: Fleet) -> None:
     """A forced downgrade (or any bump outside the host) moves the epoch without touching
-    the control schema; the standalone keeper steps down within ``keepalive``, the hosted
-    term never notices while it does not commit."""
+    the control schema; the hosted term ends at the sweep's next read of its row, as a
+    standalone keeper steps down, even while it does not commit."""
     [schema] = fleet.clusters(1)
     async with serving(fleet.url, config(fleet, "bumped"), [schema]) as served:
         await until(lambda: schema in served.host.led(), "the host to lead")
@@ -224,10 +222,8 @@ async def test_a_host_session_ended_during_a_claim_is_registered_again(fleet: Fl
 
 async def test_a_refused_cluster_is_led_again_once_the_cause_is_gone(fleet: Fleet) -> None:
     """A claim refuses a cluster whose trust check fails (here an unknown trigger) and marks
-    its row ``refused``. The design retries a refused cluster every 60 s; the host never
-    does (``mark_active`` is never run), and enrolling it again leaves the row refused
-    (``ON CONFLICT DO NOTHING``): once the trigger is dropped, the cluster is never led again
-    and no call of the API brings it back."""
+    its row ``refused``; once the trigger is dropped, enrolling the cluster again clears the
+    refusal and it is led again."""
     [schema] = fleet.clusters(1)
     host = await PgHost.connect(fleet.url, config(fleet, "refused"))
     try:
@@ -266,10 +262,8 @@ async def test_a_refused_cluster_is_led_again_once_the_cause_is_gone(fleet: Flee
 
 
 async def test_the_control_schema_is_not_enrolled_as_a_cluster(fleet: Fleet) -> None:
-    """``enroll`` validates names as cluster schemas, but takes the host's own control schema
-    too: it migrates the cluster's tables into the control schema and enrolls it, so the
-    host leads a cluster living among its own control tables (a ``DROP SCHEMA`` of that
-    cluster, or its downgrade, takes the group's control tables with it)."""
+    """``enroll`` refuses the host's own control schema: a cluster living among the control
+    tables would take them with it when dropped or downgraded."""
     host = await PgHost.connect(fleet.url, config(fleet, "itself"))
     try:
         try:
@@ -292,10 +286,8 @@ async def test_the_control_schema_is_not_enrolled_as_a_cluster(fleet: Fleet) -> 
 
 async def test_every_process_may_enroll_the_same_clusters_at_its_start(fleet: Fleet) -> None:
     """The natural deployment runs the same code in every process: enroll the tenant list,
-    then serve. Two enrolments of one cluster at once contend for the same transaction-level
-    try of its leader lock, and the loser fails with ``LockHeldError`` blaming "a standalone
-    leader (or a downgrade)" (with no holder named) although none exists, and enrolling an
-    already enrolled cluster is documented as leaving it as it is."""
+    then serve. Two enrolments of one cluster at once both succeed (the second waits a moment
+    for the first's hold on its leader lock), and an enrolled cluster stays as it is."""
     schemas = fleet.clusters(5)
     first = await PgHost.connect(fleet.url, config(fleet, "enrol1"))
     second = await PgHost.connect(fleet.url, config(fleet, "enrol2"))
@@ -315,8 +307,8 @@ async def test_every_process_may_enroll_the_same_clusters_at_its_start(fleet: Fl
 
 
 async def test_a_hosted_store_says_what_it_is(fleet: Fleet) -> None:
-    """``repr`` of a :class:`HostedStore` reads ``PgStore(...)``: a log line cannot tell a
-    hosted term from a standalone store."""
+    """``repr`` of a :class:`HostedStore` names it: a log line tells a hosted term from a
+    standalone store."""
     [schema] = fleet.clusters(1)
     async with serving(fleet.url, config(fleet, "named"), [schema]) as served:
         await until(lambda: schema in served.host.led(), "the host to lead")
@@ -324,10 +316,8 @@ async def test_a_hosted_store_says_what_it_is(fleet: Fleet) -> None:
 
 
 async def test_close_returns_when_a_lead_outlives_its_cancellation(fleet: Fleet) -> None:
-    """``close()`` waits ``handover_grace`` for each lead, cancels the late ones, then waits
-    for them without a bound: a lead whose cleanup outlives the cancellation keeps
-    ``close()`` (and the process's shutdown) waiting as long as it runs, forever if it
-    swallows the cancellation."""
+    """``close()`` waits ``handover_grace`` for each lead, cancels the late ones, and returns
+    within a bound even when a lead's cleanup outlives its cancellation or swallows it."""
     [schema] = fleet.clusters(1)
     host = await PgHost.connect(fleet.url, config(fleet, "closing", handover_grace=0.2))
     unstick = asyncio.Event()
@@ -357,12 +347,9 @@ async def test_close_returns_when_a_lead_outlives_its_cancellation(fleet: Fleet)
 async def test_a_lock_on_one_clusters_table_does_not_cost_the_host_its_other_clusters(
     fleet: Fleet,
 ) -> None:
-    """A claim's ``record_term`` and ``prune_terms`` run under the ``lock_timeout`` that
-    ``leader_barrier`` set for the rest of the transaction (``SET LOCAL``, ``bound``): a
-    lock on one cluster's history table (an index built on it, an operator's ``LOCK``)
-    makes them fail with 55P03, which ``_claim`` re-raises as ``UnavailableError``, and
-    ``_run`` takes it for a lost host session: every cluster the process leads steps down,
-    for one lock on one cluster's table, while the session answered all along."""
+    """A lock on one cluster's table (an index built on it, an operator's ``LOCK``) that
+    makes a claim's statement wait past its bound costs that claim, which waits for the next
+    round: the session answered, so the host's other clusters stay led."""
     kept, locked = fleet.clusters(2)
     async with serving(fleet.url, config(fleet, "locked"), [kept]) as served:
         await until(lambda: kept in served.host.led(), "the host to lead the first cluster")
@@ -390,10 +377,8 @@ async def test_a_lock_on_one_clusters_table_does_not_cost_the_host_its_other_clu
 async def test_a_lost_session_is_not_logged_as_clusters_taken(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """After a lost session the host registers again, and its keeper compares what the new
-    id owns (nothing) with every cluster still ending from the old session: each tick until
-    they are released it logs, at ERROR, "a hosted cluster was taken from this process" for
-    clusters nobody took (the term had already ended with the session)."""
+    """After a lost session the host registers again; the terms that ended with the old
+    session are not reported as clusters taken from the process (nobody took them)."""
     [schema] = fleet.clusters(1)
     caplog.set_level(logging.INFO, "cronoq_store")
     async with serving(fleet.url, config(fleet, "relogged"), [schema]) as served:
