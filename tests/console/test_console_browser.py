@@ -19,6 +19,8 @@ import pytest
 from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
@@ -60,6 +62,16 @@ def wait_for(browser: webdriver.Chrome, css: str, timeout: float = PATIENCE) -> 
     WebDriverWait(browser, timeout).until(
         lambda b: b.find_elements(By.CSS_SELECTOR, css), f"no {css}"
     )
+
+
+def follow(browser: webdriver.Chrome, link: WebElement, css: str) -> None:
+    """Click ``link`` and wait for the page it loads to show ``css``. The old page must be
+    gone first: an element that both pages have (a table, a form) would otherwise be found
+    on the old one, and go stale as a test reads it."""
+    old = browser.find_element(By.TAG_NAME, "html")
+    link.click()
+    WebDriverWait(browser, PATIENCE).until(staleness_of(old), "the page did not change")
+    wait_for(browser, css)
 
 
 def spec_of(id: int, **spec: object) -> Submitted:
@@ -117,8 +129,11 @@ async def test_overview_to_cluster_to_task_and_back(
             assert text_of(browser, f"{section} .finished") == "failed 1 · succeeded 1"
             browser.save_screenshot(str(where / "overview.png"))
 
-            browser.find_element(By.CSS_SELECTOR, f"{section} a.cluster-link").click()
-            wait_for(browser, "#live-tasks")
+            follow(
+                browser,
+                browser.find_element(By.CSS_SELECTOR, f"{section} a.cluster-link"),
+                "#live-tasks",
+            )
             live = text_of(browser, "#live-tasks")
             assert "billing queued 2" in live
             finished = browser.find_elements(By.CSS_SELECTOR, "#finished-tasks tbody tr")
@@ -126,8 +141,7 @@ async def test_overview_to_cluster_to_task_and_back(
             browser.save_screenshot(str(where / "cluster.png"))
 
             browser.find_element(By.ID, "lookup-key").send_keys("invoice-7")
-            browser.find_element(By.CSS_SELECTOR, "form.lookup button").click()
-            wait_for(browser, "#task-id")
+            follow(browser, browser.find_element(By.CSS_SELECTOR, "form.lookup button"), "#task-id")
             assert text_of(browser, "#task-id") == "2 (0/2)"
             assert text_of(browser, "#task-status") == "queued"
             assert json.loads(text_of(browser, "#task-resources")) == {"cpu": 2}
@@ -140,17 +154,18 @@ async def test_overview_to_cluster_to_task_and_back(
             assert "no such task" in rows[2]
             browser.save_screenshot(str(where / "task.png"))
 
-            browser.find_element(By.CSS_SELECTOR, "a.dep-link").click()
-            wait_for(browser, "#task-key")
+            follow(browser, browser.find_element(By.CSS_SELECTOR, "a.dep-link"), "#task-key")
             assert text_of(browser, "#task-key") == "nightly"
             assert "3 bytes" in text_of(browser, "#task")
             browser.back()
             wait_for(browser, "#deps")
             assert text_of(browser, "#task-id").startswith("2 ")
-            browser.find_element(By.ID, "back").click()
-            wait_for(browser, "#live-tasks")
-            browser.find_element(By.CSS_SELECTOR, "header a.home").click()
-            wait_for(browser, f"#cluster-{migrated}")
+            follow(browser, browser.find_element(By.ID, "back"), "#live-tasks")
+            follow(
+                browser,
+                browser.find_element(By.CSS_SELECTOR, "header a.home"),
+                f"#cluster-{migrated}",
+            )
             no_alert(browser)
 
         await asyncio.to_thread(walk)
@@ -185,8 +200,7 @@ async def test_the_lookup_takes_a_short_id_and_lists_a_number_of_several_epochs(
             [str(one), "1/42", "first"],
             [str(other), "3/42", "second"],
         ]
-        rows[0].find_element(By.CSS_SELECTOR, "a.task-link").click()
-        wait_for(browser, "#task-key")
+        follow(browser, rows[0].find_element(By.CSS_SELECTOR, "a.task-link"), "#task-key")
         assert text_of(browser, "#task-key") == "first"
         no_alert(browser)
 
@@ -230,8 +244,7 @@ async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
     def walk() -> None:
         browser.get(cluster)
         wait_for(browser, "#live-link")
-        browser.find_element(By.ID, "live-link").click()
-        wait_for(browser, "#live-list")
+        follow(browser, browser.find_element(By.ID, "live-link"), "#live-list")
         assert text_of(browser, "#matching") == "60 matching, oldest first"
         assert ids() == list(range(1, 51))
         shown = browser.find_elements(By.CSS_SELECTOR, "#live-list td.age")
@@ -246,18 +259,15 @@ async def test_the_live_page_lists_oldest_first_with_filters_ages_and_pages(
         assert len(updated) == 50
         assert all(re.fullmatch(STAMP, u) for u in updated), updated[:3]
         browser.save_screenshot(str(where / "live.png"))
-        browser.find_element(By.ID, "next-page").click()
-        wait_for(browser, "#end")
+        follow(browser, browser.find_element(By.ID, "next-page"), "#end")
         assert ids() == list(range(51, 61))
         assert text_of(browser, "#end") == "end of list"
-        browser.find_element(By.ID, "first-page").click()
-        wait_for(browser, "#filters")
+        follow(browser, browser.find_element(By.ID, "first-page"), "#filters")
         assert ids()[0] == 1
 
         browser.find_element(By.NAME, "pool").send_keys("etl")
         Select(browser.find_element(By.NAME, "status")).select_by_visible_text("running")
-        browser.find_element(By.ID, "apply").click()
-        wait_for(browser, "#matching")
+        follow(browser, browser.find_element(By.ID, "apply"), "#matching")
         assert ids() == [3]
         assert text_of(browser, "#matching") == "1 matching, oldest first"
         browser.get(f"{cluster}/live?key=key-7&kind=k1")
@@ -294,8 +304,7 @@ async def test_filters_and_keyset_pages(
     def every_page() -> list[int]:
         seen = ids()
         while browser.find_elements(By.ID, "next-page"):
-            browser.find_element(By.ID, "next-page").click()
-            wait_for(browser, "#finished-tasks")
+            follow(browser, browser.find_element(By.ID, "next-page"), "#finished-tasks")
             seen += ids()
         assert text_of(browser, "#end") == "end of list"
         return seen
@@ -311,8 +320,7 @@ async def test_filters_and_keyset_pages(
         wait_for(browser, "#filters")
         browser.find_element(By.NAME, "pool").send_keys("etl")
         Select(browser.find_element(By.NAME, "status")).select_by_visible_text("failed")
-        browser.find_element(By.ID, "apply").click()
-        wait_for(browser, "#matching")
+        follow(browser, browser.find_element(By.ID, "apply"), "#matching")
         expected = [n for n in range(1, 131) if n % 2 and n % 5 == 0]
         assert every_page() == expected
         assert text_of(browser, "#matching") == f"{len(expected)} matching, newest first"
