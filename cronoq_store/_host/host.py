@@ -57,6 +57,8 @@ logger = logging.getLogger("cronoq_store")
 _CANDIDATES = 1024
 #: The pause between two tries of a cluster's leader lock when enrolling it.
 _ENROLL_RETRY = 0.05
+#: Clusters claimed in one transaction: one commit, and a round trip per step, for all.
+_CLAIMS_PER_TRANSACTION = 16
 #: Led clusters whose leader rows the sweep reads each tick.
 _SWEEP_SLICE = 32
 
@@ -714,6 +716,10 @@ class PgHost:
         return gave_up is not None and time.monotonic() - gave_up < cool_down(self._config.store)
 
     async def _claim(self, session: HostSession, schemas: list[str]) -> None:
+        """Claim ``schemas``, :data:`_CLAIMS_PER_TRANSACTION` in each transaction: a round
+        trip per step for all of them, and one commit. A batch that fails as a whole (a
+        leader table held past the bound, a schema dropped meanwhile) is claimed again one
+        cluster at a time, so that only the cluster at fault waits or is refused."""
         if not schemas:
             return
         config = self._config.store
@@ -724,30 +730,52 @@ class PgHost:
             )
             await session.refuse(schema, str(error))
         bound = max(0.001, min(config.keepalive, (config.session_timeout - config.keepalive) / 2))
-        for schema in schemas:
-            if schema in refused or self._closing.is_set():
-                continue
+        wanted = sorted(s for s in schemas if s not in refused)
+        for start in range(0, len(wanted), _CLAIMS_PER_TRANSACTION):
+            if self._closing.is_set():
+                return
+            batch = wanted[start : start + _CLAIMS_PER_TRANSACTION]
             try:
-                claimed = await session.claim(schema, bound)
+                outcomes = await session.claim_many(batch, bound)
             except StoreError as error:
                 if session.broken:
                     raise
-                if isinstance(error, UnavailableError):
-                    # A lock wait ran out, a deadlock: this cluster waits for the next round.
-                    logger.warning(
-                        "claiming a hosted cluster failed for now",
-                        extra={"schema": schema, "error": str(error)},
-                    )
-                    continue
-                claimed = ClaimRefused(schema, str(error))
-            if isinstance(claimed, ClaimRefused):
-                logger.error(
-                    "refusing to lead a hosted cluster",
-                    extra={"schema": schema, "error": claimed.why},
+                logger.warning(
+                    "claiming clusters together failed; claiming each alone",
+                    extra={"schemas": batch, "error": str(error)},
                 )
-                await session.refuse(schema, claimed.why)
-            elif isinstance(claimed, Claim):
-                self._gained(session, claimed)
+                outcomes = {}
+                for schema in batch:
+                    if self._closing.is_set():
+                        return
+                    outcomes[schema] = await self._claim_one(session, schema, bound)
+            for schema, claimed in outcomes.items():
+                if isinstance(claimed, ClaimRefused):
+                    logger.error(
+                        "refusing to lead a hosted cluster",
+                        extra={"schema": schema, "error": claimed.why},
+                    )
+                    await session.refuse(schema, claimed.why)
+                elif isinstance(claimed, Claim):
+                    self._gained(session, claimed)
+
+    async def _claim_one(
+        self, session: HostSession, schema: str, bound: float
+    ) -> Claim | ClaimRefused | None:
+        """Claim ``schema`` alone; ``None`` when it waits for the next round (a lock wait
+        ran out, a deadlock), a refusal when the server refused a step."""
+        try:
+            return await session.claim(schema, bound)
+        except StoreError as error:
+            if session.broken:
+                raise
+            if isinstance(error, UnavailableError):
+                logger.warning(
+                    "claiming a hosted cluster failed for now",
+                    extra={"schema": schema, "error": str(error)},
+                )
+                return None
+            return ClaimRefused(schema, str(error))
 
     def _gained(self, session: HostSession, claim: Claim) -> None:
         schema = claim.schema
