@@ -14,11 +14,16 @@ answered: a silent session is torn down (its socket dropped) before the server c
 the lock, so the process steps its clusters down before any other process can claim them,
 the argument of :mod:`cronoq_store._leadership` for one cluster.
 
-Claims run here too, one transaction per cluster: the control row locked, the leader table
-taken as a takeover takes it (commits in flight of the last owner land first), the
+Claims run here too, and only here: a claim commits only while this session holds the
+process lock, so none can commit after the others buried the process, leaving a cluster
+owned by a dead id. Each cluster is taken as a takeover takes one: the control row locked,
+the leader table taken ``EXCLUSIVE`` (commits in flight of the last owner land first), the
 standalone leader lock tried for the transaction (a standalone leader or a downgrade holds
 it: skip), the epoch bumped only where the cluster is still this group's and the same
-incarnation, the term recorded, the row given to this process.
+incarnation, the term recorded, the row given to this process. :meth:`HostSession.claim_many`
+takes several in one transaction, one statement per step for all of them (a round trip
+each, and one commit, where the session's time goes); :meth:`HostSession.claim` takes one,
+for a batch that failed as a whole.
 """
 
 from __future__ import annotations
