@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import Any
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -32,6 +33,7 @@ from .. import _migrations as migrations
 from .. import _queries as queries
 from .. import _statements as st
 from .._config import PgStoreConfig, validate_schema_name
+from .._domain import TimeBase
 from .._errors import (
     ClusterReplacedError,
     FencedError,
@@ -40,6 +42,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._leadership import cool_down, session_settings
+from .._results import Recovered
 from .._retry import acquisition_backoff, pause
 from .._schema import schema_options
 from .._store import PgStore
@@ -163,6 +166,18 @@ class HostedStore(PgStore):
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
     """
 
+    def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recoveries = recoveries
+
+    async def recover(self, base: TimeBase) -> Recovered:
+        """``PgStore.recover``, taking its turn among the host's recoveries: a host gains
+        clusters many at a time, and their recoveries at once would hold every pooled
+        connection, failing the commits of the clusters it leads already and the
+        recoveries queued past the pool's timeout."""
+        async with self._recoveries:
+            return await super().recover(base)
+
 
 @dataclass(slots=True)
 class _Led:
@@ -217,6 +232,8 @@ class PgHost:
         self._stuck_checked_at = 0.0
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
+        # Recoveries at once: half the pool, so that commits always find the other half.
+        self._recoveries = asyncio.Semaphore(max(1, config.max_connections // 2))
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
         self._telemetry = resolve_telemetry(config.group)
@@ -790,6 +807,7 @@ class PgHost:
             lock_url=self._engine.url,
             term=term,
             telemetry=self._telemetry,
+            recoveries=self._recoveries,
         )
         led = _Led(store, term, claim.epoch)
         self._led[schema] = led

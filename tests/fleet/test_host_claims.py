@@ -1,14 +1,21 @@
 """Claims of several clusters in one transaction on the host session: what they commit
-together, and that a cluster at fault in a batch costs only itself."""
+together, that a cluster at fault in a batch costs only itself, and that the recoveries of
+clusters gained together leave the pool to commits."""
 
 from __future__ import annotations
 
-from cronoq_store._host.host import PgHost
+import asyncio
+from dataclasses import replace
 
-from ..pgharness import admin_execute
-from ..waits import until
+import asyncpg
+
+from cronoq_store import StoreError, TimeBase
+from cronoq_store._host.host import HostedStore, PgHost
+
+from ..pgharness import admin_execute, asyncpg_dsn
+from ..waits import PATIENCE, until
 from .conftest import Fleet
-from .hosts import config, serving
+from .hosts import commit_one, config, serving
 
 
 async def _enrolled(fleet: Fleet, schemas: list[str]) -> None:
@@ -96,3 +103,42 @@ async def test_a_leader_table_dropped_before_the_batch_locks_it_costs_only_its_c
 
 async def _refused(fleet: Fleet, schema: str) -> bool:
     return (await _control_rows(fleet))[schema]["state"] == "refused"
+
+
+async def test_recoveries_of_clusters_gained_together_leave_commits_half_the_pool(
+    fleet: Fleet,
+) -> None:
+    """Clusters gained together recover in turns, on half the host's pool at most: while
+    recoveries wait (here for tables an operator locked), the commits of another cluster
+    still find a connection, where recoveries holding every one would fail them."""
+    slow, slower, quick = fleet.clusters(3)
+    await _enrolled(fleet, [slow, slower, quick])
+    committed = asyncio.get_running_loop().create_future()
+
+    async def lead(store: HostedStore) -> None:
+        if store.config.schema == quick:
+            try:
+                await commit_one(store, 1)
+            except StoreError as error:
+                committed.set_result(error)
+            else:
+                committed.set_result(None)
+        else:
+            await store.recover(TimeBase.now())
+        await store.leadership_lost()
+
+    blocker = await asyncpg.connect(asyncpg_dsn(fleet.url))
+    settings = replace(config(fleet, "recovering"), max_connections=2, handover_grace=0.1)
+    host = await PgHost.connect(fleet.url, settings)
+    task = None
+    try:
+        await blocker.execute("BEGIN")
+        for schema in (slow, slower):
+            await blocker.execute(f'LOCK TABLE "{schema}".cronoq_tasks IN ACCESS EXCLUSIVE MODE')
+        task = asyncio.ensure_future(host.serve(lead))
+        assert await asyncio.wait_for(committed, PATIENCE) is None
+    finally:
+        await blocker.close()
+        await host.close()
+        if task is not None:
+            await asyncio.wait({task})
