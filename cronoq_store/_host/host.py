@@ -77,7 +77,8 @@ class PgHostConfig:
     group: str = "default"
     #: The schema of the host groups' control tables, one per database.
     control_schema: str = "cronoq_host"
-    #: The pool shared by every cluster this process leads.
+    #: The pool shared by every cluster this process leads. At most half this many clusters
+    #: recover at once, on an application's engine too.
     max_connections: int = 8
     #: At most this many clusters handed over at once when giving up a share.
     max_releases: int = 16
@@ -164,6 +165,8 @@ class HostedStore(PgStore):
     pool. ``acquire_leadership`` returns this term's epoch, or raises ``FencedError`` once
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
+    ``recover`` takes its turn: half the host's pool recovers at once at most, so the
+    commits of the clusters it leads already keep the other half.
     """
 
     def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
@@ -273,10 +276,11 @@ class PgHost:
         lock_url: str | URL | None = None,
     ) -> PgHost:
         """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
-        ``max_connections`` does not apply, and :meth:`close` leaves the engine open. The
-        host session is dialled from ``lock_url`` when given (a direct server URL, as for
-        ``PgStore.from_engine``), else made as the engine makes its own connections, on a
-        pool of its own that hands out none of the application's sessions."""
+        ``max_connections`` does not size it (half of it still bounds the recoveries at
+        once), and :meth:`close` leaves the engine open. The host session is dialled from
+        ``lock_url`` when given (a direct server URL, as for ``PgStore.from_engine``), else
+        made as the engine makes its own connections, on a pool of its own that hands out
+        none of the application's sessions."""
         config = config or PgHostConfig()
         if engine.dialect.driver != "asyncpg":
             raise ValueError(
