@@ -157,7 +157,7 @@ async def test_the_cluster_page_names_the_process_its_lock_and_whether_it_lives(
         led = await asyncio.to_thread(look, "hosted.png")
     assert led["dd.mode"] == f"hosted (group {fleet.group})"
     assert led["dd.leader"].startswith(f"host process {pid}, instance {instance}, ")
-    assert "(live: its process lock is held)" in led["dd.leader"]
+    assert led["dd.leader"].endswith("; live: its process lock is held")
     assert led["#host-owner"].startswith(f"host process {pid}, since ")
     assert f"host process {pid}, instance {instance}, " in led["#host-process"]
     assert led["#host-live"].startswith(f"yes: its process lock {lock} is held by backend pid ")
@@ -168,6 +168,6 @@ async def test_the_cluster_page_names_the_process_its_lock_and_whether_it_lives(
     # The host closed: it released the cluster, and its process lock is free.
     gone = await asyncio.to_thread(look, "hosted-released.png")
     assert gone["dd.leader"].startswith("none: no live host process owns it; last owner host ")
-    assert f"process {pid}, instance {instance} (released it " in gone["dd.leader"]
+    assert f"process {pid}, instance {instance}, released it " in gone["dd.leader"]
     assert gone["#host-owner"] == "none"
     assert gone["#host-live"] == f"no: its process lock {lock} is free, the process is gone"
