@@ -293,16 +293,34 @@ class _Instruments:
             description="Submissions accepted by a group committer and not yet settled",
         )
 
+    # Objects watched under the same attributes make one point each: the SDK keeps only the
+    # last of several observations of one attribute set, which would report whichever object
+    # came last (a standby's 0 beside its schema's leader; one of a host group's committers).
+
     def _is_leader(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(int(lead.is_leader), a) for lead, a in list(self.leaderships.items())]
+        """1 for an attribute set while any object watched under it leads."""
+        found = [(int(lead.is_leader), a) for lead, a in list(self.leaderships.items())]
+        return _each(found, max)
 
     def _epoch(self, options: CallbackOptions) -> Iterable[Observation]:
+        """The highest epoch held under an attribute set (no point while none leads)."""
         found = [(lead.epoch, a) for lead, a in list(self.leaderships.items())]
-        return [Observation(epoch, a) for epoch, a in found if epoch is not None]
+        return _each([(epoch, a) for epoch, a in found if epoch is not None], max)
 
     def _queue_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        """Every open committer's pending submissions, summed per attribute set."""
         found = list(self.committers.items())
-        return [Observation(c.stats().pending_submissions, a) for c, a in found if not c.closed]
+        return _each([(c.stats().pending_submissions, a) for c, a in found if not c.closed], sum)
+
+
+def _each(
+    found: Iterable[tuple[int, dict[str, str]]], combine: Callable[[list[int]], int]
+) -> list[Observation]:
+    """One observation per attribute set of ``found``, its values combined."""
+    by_attrs: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], list[int]]] = {}
+    for value, attrs in found:
+        by_attrs.setdefault(tuple(sorted(attrs.items())), (attrs, []))[1].append(value)
+    return [Observation(combine(values), attrs) for attrs, values in by_attrs.values()]
 
 
 # One set of instruments per meter provider.
@@ -487,6 +505,11 @@ def instrument(
 ) -> Telemetry:
     """Make ``store`` record to these providers (the global ones for any not given), and
     return its telemetry. Group committers made afterwards record to them too.
+
+    On a ``HostedStore`` it is the opt-in to one cluster's figures: a host records every
+    cluster it leads under its host group, and a store instrumented in its ``lead``
+    records under its own schema instead, with its term in the leadership gauges, for as
+    long as the term lasts (docs/observability.md, "Hosted clusters").
 
     ``ImportError`` without the OpenTelemetry API (``pip install cronoq-store[otel]``).
     """

@@ -95,6 +95,7 @@ __all__ = [
     "claim_one",
     "claimable",
     "cluster_host",
+    "cluster_hosts",
     "cluster_list",
     "clusters",
     "control_head",
@@ -841,3 +842,15 @@ def run_environment(context: EnvironmentContext) -> None:
         )
         with context.begin_transaction():
             context.run_migrations()
+
+
+# --- what the console reads ------------------------------------------------------------------
+
+#: The control rows of every schema in ``:schemas`` that has one, each with the columns of
+#: :data:`cluster_host` and its ``schema_name``: a page of the console's overview in one
+#: statement, however many of its clusters a host group leads.
+cluster_hosts = (
+    select(clusters.c.schema_name, *cluster_host.selected_columns)
+    .select_from(*cluster_host.get_final_froms())
+    .where(clusters.c.schema_name == any_(bindparam("schemas", type_=ARRAY(Text))))
+)
