@@ -495,9 +495,9 @@ def resolve(
 
 
 def resolve_group(group: str) -> Telemetry:
-    """(For ``PgHost``, not exported.) The telemetry a host records its clusters under, on the global providers: labelled
-    ``cronoq.host.group``, never ``db.namespace``, so a group named like a schema (or
-    like another host's group's clusters) never adds to that cluster's figures."""
+    """The telemetry a ``PgHost`` records its clusters under (not exported), on the global
+    providers: labelled ``cronoq.host.group``, never ``db.namespace``, so a group named
+    like a schema never adds to that cluster's figures."""
     return _resolved(("cronoq.host.group", group), f"host group {group}", None, None)
 
 
