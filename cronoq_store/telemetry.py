@@ -328,15 +328,22 @@ _by_provider: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDict
 
 
 class _Recording(Telemetry):
-    """Records to a meter provider, a tracer provider, or both, for the cluster in ``schema``."""
+    """Records to a meter provider, a tracer provider, or both, under ``label`` (the
+    cluster's schema as ``db.namespace``, or a host group as ``cronoq.host.group``);
+    spans are named after ``target``."""
 
     enabled = True
 
     def __init__(
-        self, schema: str, meter_provider: MeterProvider | None, tracer_provider: Any
+        self,
+        label: tuple[str, str],
+        target: str,
+        meter_provider: MeterProvider | None,
+        tracer_provider: Any,
     ) -> None:
         self._attrs = {"db.system.name": "postgresql", "db.system": "postgresql"}
-        self._attrs["db.namespace"] = schema
+        self._attrs[label[0]] = label[1]
+        self._target = target
         self._tracer = (
             None if tracer_provider is None else tracer_provider.get_tracer(SCOPE, SCOPE_VERSION)
         )
@@ -353,7 +360,7 @@ class _Recording(Telemetry):
         if self._tracer is None:
             return nullcontext()
         return self._tracer.start_as_current_span(
-            f"{operation} {self._attrs['db.namespace']}",
+            f"{operation} {self._target}",
             kind=trace.SpanKind.CLIENT,
             attributes={**self._attrs, "db.operation.name": operation},
             # An error's message may quote a key or a value (a unique violation's detail):
@@ -484,6 +491,22 @@ def resolve(
 ) -> Telemetry:
     """The telemetry of the cluster in ``schema``: the given providers, else the global
     ones if the application configured them, else :data:`DISABLED`."""
+    return _resolved(("db.namespace", schema), schema, meter_provider, tracer_provider)
+
+
+def resolve_group(group: str) -> Telemetry:
+    """The telemetry a ``PgHost`` records its clusters under (not exported), on the global
+    providers: labelled ``cronoq.host.group``, never ``db.namespace``, so a group named
+    like a schema never adds to that cluster's figures."""
+    return _resolved(("cronoq.host.group", group), f"host group {group}", None, None)
+
+
+def _resolved(
+    label: tuple[str, str],
+    target: str,
+    meter_provider: MeterProvider | None,
+    tracer_provider: Any,
+) -> Telemetry:
     if metrics is None:
         return DISABLED
     meter = meter_provider or _configured(
@@ -494,7 +517,7 @@ def resolve(
     )
     if meter is None and tracer is None:
         return DISABLED
-    return _Recording(schema, meter, tracer)
+    return _Recording(label, target, meter, tracer)
 
 
 def instrument(

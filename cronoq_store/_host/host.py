@@ -44,8 +44,7 @@ from .._retry import acquisition_backoff, pause
 from .._schema import schema_options
 from .._store import PgStore
 from .._urls import redact, resolve
-from ..telemetry import DISABLED
-from ..telemetry import resolve as resolve_telemetry
+from ..telemetry import DISABLED, resolve_group
 from . import balance, control
 from .session import Claim, ClaimRefused, HostSession
 
@@ -217,7 +216,7 @@ class PgHost:
         self._reapers: set[asyncio.Task[None]] = set()
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
-        self._telemetry = resolve_telemetry(config.group)
+        self._telemetry = resolve_group(config.group)
 
     # --- construction -----------------------------------------------------------------
 

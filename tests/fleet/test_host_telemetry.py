@@ -101,9 +101,10 @@ def phases(pg_server: ServerUnderTest) -> Iterator[tuple[list[Point], list[Point
     """The points a host of :data:`CLUSTERS` clusters exported after each phase, and the
     run's names (``group``, ``watched``, ``prefix``); its schemas dropped afterwards."""
     tag = uuid.uuid4().hex[:8]
-    names = {"control": f"h_{tag}", "group": f"g_{tag}", "prefix": f"f_{tag}"}
+    names = {"control": f"h_{tag}", "prefix": f"f_{tag}"}
     schemas = [f"{names['prefix']}_{i:03d}" for i in range(CLUSTERS)]
-    names["watched"] = schemas[7]
+    # The group is named like the watched cluster: its figures must stay apart all the same.
+    names["watched"] = names["group"] = schemas[7]
     env = {**os.environ, "CRONOQ_TEST_URL": full(pg_server.url)}
     child = subprocess.Popen(
         [
@@ -146,10 +147,12 @@ async def _drop(pg_server: ServerUnderTest, tag: str) -> None:
         await admin_execute(pg_server.url, f'DROP SCHEMA IF EXISTS "{row["nspname"]}" CASCADE')
 
 
-def series(points: list[Point], name: str) -> dict[str | None, Any]:
-    """``name``'s points by their ``db.namespace``."""
+def series(points: list[Point], name: str) -> dict[tuple[str | None, str | None], Any]:
+    """``name``'s points by their ``db.namespace`` and ``cronoq.host.group``."""
     found = [
-        (attrs.get("db.namespace"), value) for metric, attrs, value in points if metric == name
+        ((attrs.get("db.namespace"), attrs.get("cronoq.host.group")), value)
+        for metric, attrs, value in points
+        if metric == name
     ]
     assert len(found) == len(dict(found)), found
     return dict(found)
@@ -159,10 +162,10 @@ def test_by_default_every_hosted_cluster_records_under_its_group(
     phases: tuple[list[Point], list[Point], dict[str, str]],
 ) -> None:
     first, _, names = phases
-    assert series(first, "cronoq.commit.mutations") == {names["group"]: CLUSTERS}
+    assert series(first, "cronoq.commit.mutations") == {(None, names["group"]): CLUSTERS}
     assert series(first, "cronoq.leadership.acquisitions") == {}  # the host claims, not a store
+    assert not [attrs for _, attrs, _ in first if "db.namespace" in attrs]  # no cluster's label
     values = {str(v) for _, attrs, _ in first for v in attrs.values()}
-    assert names["prefix"] not in "".join(values)  # no cluster's name in any label
     assert values <= {"postgresql", names["group"], "ok", "insert"}
 
 
@@ -171,11 +174,13 @@ def test_a_cluster_instrumented_in_its_lead_records_under_its_own_schema(
 ) -> None:
     _, second, names = phases
     group, watched = names["group"], names["watched"]
-    # Its second commit in a series of its own; the others' in the group's.
-    assert series(second, "cronoq.commit.mutations") == {group: 2 * CLUSTERS - 1, watched: 1}
-    assert series(second, "cronoq.commit.duration") == {group: 2 * CLUSTERS - 1, watched: 1}
-    assert series(second, "cronoq.leadership.is_leader") == {watched: 1}
+    # Its second commit in a series of its own; the others' in the group's, although the
+    # group bears its name.
+    apart = {(None, group): 2 * CLUSTERS - 1, (watched, None): 1}
+    assert series(second, "cronoq.commit.mutations") == apart
+    assert series(second, "cronoq.commit.duration") == apart
+    assert series(second, "cronoq.leadership.is_leader") == {(watched, None): 1}
     (epoch,) = series(second, "cronoq.leadership.epoch").values()
     assert epoch >= 1
     schemas = {attrs.get("db.namespace") for _, attrs, _ in second}
-    assert schemas == {group, watched}
+    assert schemas == {None, watched}
