@@ -24,7 +24,8 @@ __all__ = ["demo"]
     "--submitters",
     click.IntRange(1, 1000),
     64,
-    "Concurrent submitters in instance A, each waiting for its acknowledgements.",
+    "Concurrent submitters in instance A, each waiting for its acknowledgements (with "
+    "--fleet: spread over the clusters, at least one each).",
 )
 @number_option(
     "--seconds",
@@ -67,6 +68,8 @@ def demo(
         for name in ("clusters", "processes"):
             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
                 raise click.UsageError(f"--{name} applies to the fleet variant: add --fleet")
+    elif clusters < processes:
+        raise click.UsageError("--clusters: at least one per process (--processes)")
     options: Options = ctx.obj
     parent = ctx.parent
     # `--url X` means X; a URL from the environment never does (it is the operator's

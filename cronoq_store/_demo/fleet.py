@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -286,7 +287,7 @@ class _Fleet:
         deadline = time.monotonic() + timeout
         while not done():
             for child in self.children:
-                if child.proc.returncode not in (None, -9):
+                if child.proc.returncode not in (None, -signal.SIGKILL):
                     raise DemoError(f"{child.name} exited before {what}:\n{child.log_tail()}")
             self.news.clear()
             left = deadline - time.monotonic()
@@ -373,10 +374,13 @@ async def _play(
             f"• {report.processes} host processes ({pids}) lead the clusters, "
             f"acknowledging submissions to each for {seconds:g} s ...",
         )
-        victim = fleet.children[0]
-        if await victim.exits_within(seconds):
-            raise DemoError(f"{victim.name} exited before it was killed:\n{victim.log_tail()}")
+        if await fleet.children[0].exits_within(seconds):
+            child = fleet.children[0]
+            raise DemoError(f"{child.name} exited before the kill:\n{child.log_tail()}")
         leaders = fleet.leaders()
+        # The process leading the most clusters (the first of them on a tie).
+        counts = Counter(child.name for _, child, _ in leaders.values())
+        victim = max(fleet.children, key=lambda c: counts.get(c.name, 0))
         lost_clusters = {s: epoch for s, (epoch, child, _) in leaders.items() if child is victim}
         killed = time.monotonic()
         victim.kill()
@@ -418,9 +422,10 @@ async def _play(
 
         await fleet.until(resumed, "a write to each cluster taken over", _TAKEOVER_TIMEOUT)
         report.resumed = True
-        for child in fleet.children[1:]:
+        survivors = [child for child in fleet.children if child is not victim]
+        for child in survivors:
             child.close()
-        for child in fleet.children[1:]:
+        for child in survivors:
             if not await child.exits_within(_START_TIMEOUT):
                 raise DemoError(f"{child.name} did not exit:\n{child.log_tail()}")
         acks = fleet.all_acks()

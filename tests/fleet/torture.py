@@ -60,7 +60,7 @@ from ..pgharness import admin_execute
 from ..support import ROOT
 from ..waits import until
 from .conftest import Fleet
-from .processes import num, records
+from .processes import records
 from .torture_worker import TRIGGERS, host_config
 
 __all__ = ["LONG", "SHORT", "FleetProfile", "FleetReport", "profile_from_env", "run"]
@@ -271,6 +271,30 @@ class _Processes:
         #: Processes that exited other than by this run's SIGKILL or SIGTERM, with why.
         self.crashes: list[str] = []
         self.started = 0
+        # What the journals said so far, read on from each file's offset (a long run's
+        # journals grow to tens of megabytes): each cluster's latest acknowledgement, the
+        # ids each process led under, the processes that journalled their start.
+        self._offsets: dict[Path, int] = {}
+        self.last_ack: dict[str, float] = {}
+        self._ids: dict[str, set[int]] = defaultdict(set)
+        self._serving: set[str] = set()
+
+    def scan(self) -> None:
+        """Read the journals' complete lines written since the last scan."""
+        for path in self.journals():
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
+                r = json.loads(line)
+                if r["k"] == "ack":
+                    self.last_ack[r["schema"]] = max(r["t"], self.last_ack.get(r["schema"], 0.0))
+                elif r["k"] == "lead":
+                    self._ids[r["w"]].add(r["process"])
+                elif r["k"] == "start":
+                    self._serving.add(r["w"])
 
     def journals(self) -> list[Path]:
         return sorted((self.workdir / "journals").glob("*.jsonl"))
@@ -319,12 +343,13 @@ class _Processes:
 
     def process_ids(self, name: str) -> set[int]:
         """The ids under which ``name`` journalled leading a cluster."""
-        found = records(self.workdir / "journals" / f"{name}.jsonl")
-        return {int(num(r, "process")) for r in found if r["k"] == "lead"}
+        self.scan()
+        return set(self._ids[name])
 
-    def _serving(self, name: str) -> bool:
+    def serving(self, name: str) -> bool:
         """Whether ``name`` journalled its start: its SIGTERM handler is in place."""
-        return any(r["k"] == "start" for r in records(self.workdir / "journals" / f"{name}.jsonl"))
+        self.scan()
+        return name in self._serving
 
     async def stop(self) -> None:
         """SIGTERM every running process (each hands its clusters over and exits 0); one
@@ -333,7 +358,7 @@ class _Processes:
         self.check_exits()
         for name in self.running:
             with contextlib.suppress(AssertionError):  # SIGTERM it anyway: a crash then
-                await until(partial(self._serving, name), f"{name} serving", _STOP, every=0.1)
+                await until(partial(self.serving, name), f"{name} serving", _STOP, every=0.1)
         for process in self.running.values():
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGCONT)
@@ -696,10 +721,6 @@ async def _stored_rows(url: URL, clusters: Sequence[str]) -> dict[str, dict[int,
     return stored
 
 
-def _acked_since(found: Sequence[Record], since: float) -> set[str]:
-    return {str(r["schema"]) for r in found if r["k"] == "ack" and r["t"] > since}
-
-
 async def _until_all_acked(
     processes: _Processes, clusters: Sequence[str], since: float
 ) -> set[str]:
@@ -707,7 +728,8 @@ async def _until_all_acked(
     returns the clusters still without one."""
     deadline = time.monotonic() + _SETTLE
     while True:
-        missing = set(clusters) - _acked_since(records(*processes.journals()), since)
+        processes.scan()
+        missing = {c for c in clusters if processes.last_ack.get(c, 0.0) <= since}
         if not missing or time.monotonic() >= deadline:
             return missing
         processes.check_exits()
