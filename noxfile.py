@@ -87,7 +87,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def torture_long(session: nox.Session) -> None:
-    """The long fault-injection profile (>= 200 leadership changes); about 15 minutes."""
+    """The long fault-injection profiles: a leader and its standbys (>= 200 leadership
+    changes, about 15 minutes), then a fleet of host processes leading 48 clusters (10
+    minutes of faults)."""
     session.install("-e", ".[test]")
     session.run(
         "pytest",
@@ -95,6 +97,7 @@ def torture_long(session: nox.Session) -> None:
         "no:cacheprovider",
         "-s",
         "tests/test_torture.py",
+        "tests/fleet/test_torture.py",
         *session.posargs,
         env={"CRONOQ_TORTURE_PROFILE": "long"},
     )
