@@ -61,6 +61,11 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
         ]
         try:
             await until_value(fleet.shares, lambda s: s == [3, 3, 3], "a 3/3/3 split")
+            # A claim commits before its process journals its lead.
+            await until(
+                lambda: len(of(records(journals[0]), "lead")) >= 3,
+                "the process to be cut off to journal its leads",
+            )
             owners = await fleet.owners()
             victim_id = int(num(of(records(journals[0]), "lead")[-1], "process"))
             cut_off = sorted(s for s, p in owners.items() if p == victim_id)
@@ -246,6 +251,11 @@ async def test_a_process_cut_off_inside_a_claim_loses_no_cluster_for_longer_than
     async with proxy:
         try:
             await until_value(fleet.shares, lambda s: sorted(s) == [4, 5], "a 5/4 split")
+            # A claim commits before its process journals its lead: wait for both journals.
+            await until(
+                lambda: len({num(r, "process") for r in of(records(*journals[1:]), "lead")}) == 2,
+                "both survivors to journal their leads",
+            )
             survivors = {int(num(r, "process")) for r in of(records(*journals[1:]), "lead")}
             proxy.arm(b"IN EXCLUSIVE MODE")
             options = ["--late", "--commit-timeout", str(VICTIM_COMMIT_TIMEOUT)]
