@@ -86,11 +86,14 @@ async def test_a_process_cut_off_inside_a_fenced_commit_keeps_no_cluster_from_th
     async with proxy:
         try:
             await until_value(fleet.shares, lambda s: sorted(s) == [4, 5], "a 5/4 split")
+            # A claim commits before its process journals its lead.
+            await until(lambda: bool(of(records(journals[1]), "lead")), "w1 to journal a lead")
             survivor = int(num(of(records(journals[1]), "lead")[-1], "process"))
             workers.append(
                 await start_worker(proxy.url(fleet.url), fleet, "w0", journals[0], options)
             )
             await until_value(fleet.shares, lambda s: s == [3, 3, 3], "a 3/3/3 split")
+            await until(lambda: bool(of(records(journals[0]), "lead")), "w0 to journal a lead")
             victim = int(num(of(records(journals[0]), "lead")[-1], "process"))
             first = sorted(s for s, p in (await fleet.owners()).items() if p == victim)
             await until(
