@@ -116,6 +116,7 @@ __all__ = [
     "missing_leaders",
     "next_process_id",
     "orphan_clusters",
+    "orphan_left",
     "owned_by",
     "owned_digest",
     "owner_counts",
@@ -279,6 +280,21 @@ mark_left = (
 orphan_clusters = (
     update(clusters)
     .where(clusters.c.owner == any_(_ids))
+    .values(owner=null())
+    .returning(clusters.c.host_group, clusters.c.schema_name)
+)
+
+#: The clusters still owned by processes that left are nobody's. A process marks itself
+#: left as it closes, or its survivors bury it; a cluster it owned past that (an older
+#: version's ``leave``, a claim that committed as it was being buried) would otherwise wait
+#: forever, since only members are ever buried. Returns ``host_group``, ``schema_name``.
+orphan_left = (
+    update(clusters)
+    .where(
+        clusters.c.owner.in_(
+            select(processes.c.process_id).where(processes.c.state == _LEFT).scalar_subquery()
+        )
+    )
     .values(owner=null())
     .returning(clusters.c.host_group, clusters.c.schema_name)
 )

@@ -657,6 +657,15 @@ class PgHost:
         live = [m for m in members if m not in dead]
         await self._end_stuck(session, [m for m in live if m != me])
         counts = await session.counts()
+        if any(owner is not None and owner not in members for owner in counts):
+            # Only members are buried: clusters a process kept past leaving are freed here.
+            freed = await session.orphan_left()
+            if freed:
+                logger.warning(
+                    "clusters owned by processes that left are unowned",
+                    extra={"group": self._config.group, "clusters": len(freed)},
+                )
+                counts = await session.counts()
         total = sum(counts.values())
         targets = balance.targets(live, total)
         target = targets.get(me, 0)
