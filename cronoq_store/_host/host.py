@@ -11,7 +11,9 @@ no commit of an earlier owner lands after a claim, whichever process it comes fr
 
 For each cluster it leads, the host gives the application a :class:`HostedStore`: today's
 ``PgStore`` API (epoch, ``recover``, ``commit``, ``GroupCommitter``, ``leadership_lost``),
-one object per term. Its commits go through the host's pool, one transaction each.
+one object per term. Its commits go through the host's commit bus
+(:mod:`cronoq_store._host.bus`), several clusters' in one transaction, each fenced by its
+own epoch.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .._store import PgStore
 from .._urls import redact, resolve
 from ..telemetry import DISABLED, resolve_group
 from . import balance, control
+from .bus import CommitBus
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -71,8 +74,16 @@ class PgHostConfig:
     group: str = "default"
     #: The schema of the host groups' control tables, one per database.
     control_schema: str = "cronoq_host"
-    #: The pool shared by every cluster this process leads.
+    #: The pool shared by every cluster this process leads. Commits take all but two of
+    #: its connections (at least one), each writing the commits of several clusters in one
+    #: transaction; reads, recoveries and pings take the rest.
     max_connections: int = 8
+    #: At most this many commits, of any clusters, share one transaction (one WAL flush).
+    clusters_per_commit: int = 16
+    #: Prepared statements each pooled session keeps (with its own pool, :meth:`PgHost.connect`):
+    #: a commit session serves its share of the clusters, a few statements each. Each costs
+    #: the server about 125 KiB while kept; one not kept is prepared again at each use.
+    statement_cache: int = 1024
     #: At most this many clusters handed over at once when giving up a share.
     max_releases: int = 16
     #: How long the application's ``lead`` may take to return once its cluster is lost,
@@ -89,6 +100,10 @@ class PgHostConfig:
             raise ValueError("group: 1 to 63 bytes, no NUL")
         if self.max_connections < 1:
             raise ValueError("max_connections: at least 1")
+        if self.clusters_per_commit < 1:
+            raise ValueError("clusters_per_commit: at least 1")
+        if self.statement_cache < 0:
+            raise ValueError("statement_cache: not negative")
         if self.max_releases < 1:
             raise ValueError("max_releases: at least 1")
         if self.handover_grace < 0:
@@ -217,6 +232,15 @@ class PgHost:
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
         self._telemetry = resolve_group(config.group)
+        # Every hosted store's commits; an application's pool is not the host's to hold
+        # connections of, as for a PgStore.
+        self._bus = CommitBus(
+            engine,
+            lanes=max(1, config.max_connections - 2),
+            hold=owns_engine and config.max_connections >= 3,
+            group_size=config.clusters_per_commit,
+            timeout=config.store.commit_timeout,
+        )
 
     # --- construction -----------------------------------------------------------------
 
@@ -226,7 +250,7 @@ class PgHost:
         dialled from it; the control schema is migrated first."""
         config = config or PgHostConfig()
         store = replace(config.store, max_connections=config.max_connections)
-        engine = door.own_engine(url, store)
+        engine = door.own_engine(url, store, statement_cache=config.statement_cache)
         try:
             await control.prepare_control(engine, config.control_schema)
             instance = secrets.token_hex(4)
@@ -294,6 +318,7 @@ class PgHost:
             # Each cancels its lead at the end of its grace; one that ignores the
             # cancellation is left behind rather than holding the close forever.
             await asyncio.wait(set(self._reapers), timeout=self._config.handover_grace + 1)
+        await self._bus.close()
         await self._lock_engine.dispose()
         if self._owns_engine:
             await self._engine.dispose()
@@ -770,6 +795,7 @@ class PgHost:
             lock_url=self._engine.url,
             term=term,
             telemetry=self._telemetry,
+            carrier=self._bus,
         )
         led = _Led(store, term, claim.epoch)
         self._led[schema] = led
