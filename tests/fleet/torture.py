@@ -17,7 +17,8 @@ the checker proves from the journals, the rows and an audit inside the database:
 
 The audit (``install``) is three triggers per cluster and a deferred constraint trigger on
 the audit's own table. ``writes`` holds each row version of ``cronoq_tasks`` with the epoch
-its statement saw; ``commits`` holds, per writing transaction, the epoch read again at its
+its statement saw; ``commits`` holds, per writing transaction and cluster (a host's commit
+bus writes several clusters' commits in one transaction), the epoch read again at its
 ``COMMIT`` (deferred triggers run there, each statement with a fresh snapshot under READ
 COMMITTED); ``epochs`` holds each epoch bump with the session that made it. A write whose
 epoch moved before its commit is what a broken fence lets through, and the second reading
@@ -144,7 +145,7 @@ def _audit_ddl(audit: str, clusters: Sequence[str]) -> list[str]:
             app text NOT NULL DEFAULT current_setting('application_name'),
             xid xid8 NOT NULL DEFAULT pg_current_xact_id())""",
         f"""CREATE TABLE {a}.commits (
-            xid xid8 PRIMARY KEY, cluster text NOT NULL, epoch int)""",
+            xid xid8 NOT NULL, cluster text NOT NULL, epoch int, PRIMARY KEY (xid, cluster))""",
         f"""CREATE TABLE {a}.epochs (
             cluster text NOT NULL,
             epoch int NOT NULL,
@@ -168,7 +169,7 @@ def _audit_ddl(audit: str, clusters: Sequence[str]) -> list[str]:
                     INTO stored;
                 INSERT INTO {a}.commits (xid, cluster, epoch)
                 VALUES (pg_current_xact_id(), NEW.cluster, stored)
-                ON CONFLICT (xid) DO NOTHING;
+                ON CONFLICT (xid, cluster) DO NOTHING;
                 RETURN NULL;
             END $$""",
         f"""CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON {a}.writes
@@ -226,7 +227,7 @@ async def fetch_writes(url: URL, audit: str) -> list[Write]:
     rows = await admin_execute(
         url,
         f"SELECT w.cluster, w.id, w.status, w.attempt, w.message, w.op, w.seen_epoch, w.app, "
-        f'c.epoch FROM "{audit}".writes w LEFT JOIN "{audit}".commits c USING (xid)',
+        f'c.epoch FROM "{audit}".writes w LEFT JOIN "{audit}".commits c USING (xid, cluster)',
     )
     return [Write(*r) for r in rows]
 
