@@ -19,11 +19,23 @@ nox.options.default_venv_backend = "venv"
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 
 
+def spread() -> list[str]:
+    """pytest-xdist's arguments for the rest of the suite: a worker per core (at most 4),
+    each with its own server, and a test file's tests on one worker (module fixtures, such
+    as the console's server or the reference's docs build, set up once). Most tests wait on
+    the server or a subprocess, so one worker's waits are the other's time to run.
+    An external server (``$CRONOQ_TEST_DATABASE_URL``) is one database for every worker,
+    and some tests own a database-wide object (the host's control schema): it gets one."""
+    if os.environ.get("CRONOQ_TEST_DATABASE_URL"):
+        return []
+    return ["--numprocesses=auto", "--maxprocesses=4", "--dist=loadfile"]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite. Without arguments, tests/ha (Patroni's failovers, mostly waiting out
-    its ttl) runs in a second pytest process beside the rest, so the suite takes about as
-    long as the longer half; with arguments, one pytest runs exactly those."""
+    its ttl) runs in a pytest process of its own beside the rest, which pytest-xdist
+    spreads over the cores (:func:`spread`); with arguments, one pytest runs exactly those."""
     session.install("-e", ".[test]")
     if session.posargs:
         session.run("pytest", *session.posargs)
@@ -40,7 +52,7 @@ def tests(session: nox.Session) -> None:
         rest_failed = False
         try:
             # The slowest tests named in every run's log: where the suite's time goes.
-            session.run("pytest", "--ignore=tests/ha", "--durations=30")
+            session.run("pytest", "--ignore=tests/ha", "--durations=30", *spread())
         except nox.command.CommandFailed:
             rest_failed = True
         finally:
@@ -87,7 +99,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def torture_long(session: nox.Session) -> None:
-    """The long fault-injection profile (>= 200 leadership changes); about 15 minutes."""
+    """The long fault-injection profiles: a leader and its standbys (>= 200 leadership
+    changes, about 15 minutes), then a fleet of host processes leading 48 clusters (10
+    minutes of faults)."""
     session.install("-e", ".[test]")
     session.run(
         "pytest",
@@ -95,6 +109,7 @@ def torture_long(session: nox.Session) -> None:
         "no:cacheprovider",
         "-s",
         "tests/test_torture.py",
+        "tests/fleet/test_torture.py",
         *session.posargs,
         env={"CRONOQ_TORTURE_PROFILE": "long"},
     )

@@ -121,6 +121,8 @@ class Profile:
     fleet_commit_rounds: int
     #: The hosted clusters' keepalive, session_timeout and lock_poll.
     fleet_timing: tuple[float, float, float]
+    #: Run only the fleet's commit phase (after seeding): the commit bus's figures alone.
+    fleet_commit_only: bool = False
 
 
 QUICK = Profile(

@@ -20,6 +20,8 @@ column list from a template cluster that ``benchmarks.history`` generated and th
    looked up in its cluster (``lost``).
 5. One process alone leads every cluster, then the same one-mutation submitters commit
    spread over ``fleet_clusters`` clusters and over 10, rounds interleaved (``commit``).
+   With ``fleet_commit_only`` (``--fleet-commit-only``) this phase alone follows the
+   seeding.
 
 Server memory is each backend's from ``/proc`` (the server is local): RSS, and USS (its
 private pages, without the shared buffers it touched); client memory is each process's RSS.
@@ -509,6 +511,9 @@ async def _phases(
     template = await _template(fleet)
     results["template_recovered"] = template
     results["seed"] = await _seed(fleet, template["schema"])
+    if profile.fleet_commit_only:
+        results["commit"] = await _commit(fleet)
+        return
     results["open"] = await _open(fleet, fleet.url.set(port=proxy.port))
     members = [w.process_id for w in fleet.workers]
     await fleet.settle(members, time.monotonic())

@@ -97,7 +97,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import ClauseElement
 from sqlalchemy.engine import Dialect
@@ -127,6 +127,8 @@ from ._door import (
     HeldConnection,
     InsertRefused,
     Opening,
+    closing_message,
+    refused_statement,
     row_count,
 )
 from ._errors import (
@@ -149,9 +151,11 @@ __all__ = [
     "COPY_MIN_ROWS",
     "MAX_COMMIT_BYTES",
     "BatchWriter",
+    "Carrier",
     "CommitPath",
     "Fence",
     "FoldedBatch",
+    "GroupMember",
     "RecurringAction",
     "Written",
     "batch_size",
@@ -160,6 +164,7 @@ __all__ = [
     "mutation_size",
     "output_size",
     "taken_keys",
+    "write_group",
 ]
 
 
@@ -630,7 +635,10 @@ class BatchWriter:
             begin, *settings = [compiled(statement) for statement in borrowed]
             self.borrowed_opening = "; ".join([begin.sql, *(s.sql for s in settings)])
             self._sharing = Opening.of(check, *settings, begin=begin.sql)
-        self._closing = Opening.closing(compiled(st.incarnation_kept))
+        self._held_for_share = check
+        kept = compiled(st.incarnation_kept)
+        self._closing = Opening.closing(kept)
+        self._kept = Opening.checking(kept)
         self._stored_fence = compiled(st.epoch_for_share)
         self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
@@ -655,6 +663,17 @@ class BatchWriter:
                 f"BatchWriter writes {sorted(self._writers)}, FoldedBatch holds "
                 f"{sorted(FoldedBatch.WRITES)}"
             )
+
+    @property
+    def schema(self) -> str:
+        """The cluster's schema."""
+        return self._schema
+
+    @property
+    def group_opening(self) -> str:
+        """The message that opens a transaction several clusters' commits share: ``BEGIN``,
+        with the store's settings on a borrowed session."""
+        return self.borrowed_opening or "BEGIN"
 
     async def write(
         self, conn: CommitConnection, epoch: int, incarnation: int, batch: FoldedBatch
@@ -739,32 +758,14 @@ class BatchWriter:
         fenced = {"epoch": epoch, "incarnation": incarnation}
         writes = batch.writes()
         path = self._path(writes, copy)
-        if path == "insert":
-            if batch.insert_count == 1:
-                stmt = self._insert_one_fenced
-                params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
-            else:
-                stmt = self._insert_fenced
-                params = {**batch.inserts, **fenced}
-            found = await conn.fetchrow(stmt, params)
-            return _NO_FENCE if found is None else (found[0], found[1])
-        if path == "update":
-            found = await conn.fetchrow(self._update_fenced, {**batch.updates, **fenced})
-            if found is None:
-                return _NO_FENCE
-            if (found[0], found[1]) == fence:
-                _warn_unchanged(batch.update_count, found[2])
-            return found[0], found[1]
+        if path in ("insert", "update"):
+            return await self._write_one(conn, fence, batch, path)
         try:
             checked = await conn.send(self._sharing.sql(fenced))
             if row_count(checked) != 1:
-                # Another epoch or cluster: name them, write nothing. (Read by a later
-                # statement, they could only be ours again if they moved back meanwhile:
-                # fenced all the same.)
-                stored = await conn.fetchrow(self._stored_fence, {})
+                found_fence = await self._fence_moved(conn, fence)
                 await conn.roll_back()
-                found_fence: Fence = _NO_FENCE if stored is None else (stored[0], stored[1])
-                return (None, found_fence[1]) if found_fence == fence else found_fence
+                return found_fence
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
             # reused by tasks inserted after them.
             for name in writes:
@@ -785,6 +786,60 @@ class BatchWriter:
             await conn.roll_back_failed()
             raise
         return fence
+
+    async def _write_one(
+        self, conn: CommitConnection, fence: Fence, batch: FoldedBatch, path: str
+    ) -> Fence:
+        """``batch`` as one statement (``path`` ``insert`` or ``update``), which writes
+        nothing unless ``fence`` holds; the fence found."""
+        epoch, incarnation = fence
+        fenced = {"epoch": epoch, "incarnation": incarnation}
+        if path == "insert":
+            if batch.insert_count == 1:
+                stmt = self._insert_one_fenced
+                params = dict(zip(INSERT_COLUMNS, batch.insert_rows[0], strict=True), **fenced)
+            else:
+                stmt = self._insert_fenced
+                params = {**batch.inserts, **fenced}
+            found = await conn.fetchrow(stmt, params)
+            return _NO_FENCE if found is None else (found[0], found[1])
+        found = await conn.fetchrow(self._update_fenced, {**batch.updates, **fenced})
+        if found is None:
+            return _NO_FENCE
+        if (found[0], found[1]) == fence:
+            _warn_unchanged(batch.update_count, found[2])
+        return found[0], found[1]
+
+    async def _fence_moved(self, conn: CommitConnection, fence: Fence) -> Fence:
+        """The fence found once the epoch check found another epoch or cluster, to name
+        them. (Read by a later statement, they could only be ours again if they moved back
+        meanwhile: fenced all the same.)"""
+        stored = await conn.fetchrow(self._stored_fence, {})
+        found: Fence = _NO_FENCE if stored is None else (stored[0], stored[1])
+        return (None, found[1]) if found == fence else found
+
+    async def write_shared(
+        self, conn: CommitConnection, epoch: int, incarnation: int, batch: FoldedBatch
+    ) -> tuple[Fence, str | None]:
+        """Write ``batch`` inside a transaction other clusters' commits share, opened with
+        :attr:`group_opening`, if ``epoch`` is the stored epoch and ``incarnation`` the
+        cluster's; else write nothing. The fence found, as :meth:`write` finds it, and the
+        check that must close the transaction (``None`` for a batch written as one
+        statement, whose check and write looked the table up once). An id or key that is
+        another task's, or any error, fails the whole transaction: this commit alone then
+        says what it was (:func:`write_group`)."""
+        fence = (epoch, incarnation)
+        fenced = {"epoch": epoch, "incarnation": incarnation}
+        writes = batch.writes()
+        copy = self._copied(batch)
+        path = self._path(writes, copy)
+        if path in ("insert", "update"):
+            return await self._write_one(conn, fence, batch, path), None
+        if await conn.fetchrow(self._held_for_share, fenced) is None:
+            return await self._fence_moved(conn, fence), None
+        for name in writes:
+            await self._writers[name](conn, batch, copy)
+        return fence, self._kept.sql(fenced)
 
     async def _write_updates(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
         status = await conn.execute(self._update, batch.updates)
@@ -810,6 +865,118 @@ class BatchWriter:
         return batch.insert_count >= self._copy_min_rows
 
 
+@dataclass(frozen=True, slots=True)
+class GroupMember:
+    """One cluster's commit, to be written in a transaction other clusters' commits share:
+    its cluster's writer, the epoch and incarnation it is fenced by, and its batch."""
+
+    writer: BatchWriter
+    epoch: int
+    incarnation: int
+    batch: FoldedBatch
+
+
+#: What a member of a group got: what :meth:`BatchWriter.write` would have found for it
+#: alone, or the error it alone would raise; ``None`` while undecided.
+Outcome = Written | Exception | None
+
+
+async def write_group(
+    conn: CommitConnection, members: Sequence[GroupMember], outcomes: list[Outcome]
+) -> None:
+    """Write ``members`` (commits of any clusters) in as few transactions as their answers
+    allow, deciding each undecided entry of ``outcomes`` (one per member, in order).
+
+    One transaction takes every undecided member in schema order, so that it meets the
+    leader tables in the order every other group and claim does and no two wait for each
+    other in a circle. Each member's epoch is read ``FOR SHARE`` in it (the one-statement
+    forms read it in their own statement), so a takeover of any member's cluster waits for
+    the whole transaction: it lands wholly before or after. One ``COMMIT`` makes them
+    durable together, one WAL flush where each alone would wait for its own.
+
+    A member whose fence moved writes nothing and gets the fence found; the others go on.
+    A member whose statement the server refuses (:func:`~cronoq_store._door.refused_statement`:
+    an id or key another task's, a value out of range, a table gone) aborts the
+    transaction: it is rolled back, that member is written alone, as
+    :meth:`BatchWriter.write` would (naming ids and keys, or raising its own error), and
+    the rest go again together. A closing check that finds another cluster (it cannot say
+    whose) sends every member alone. Any other failure is the transaction's, left to
+    raise: the session is lost or the failure transient, and no undecided member wrote
+    anything that committed."""
+    order = sorted(range(len(members)), key=lambda i: members[i].writer.schema)
+    while pending := [i for i in order if outcomes[i] is None]:
+        if len(pending) == 1:
+            outcomes[pending[0]] = await _alone(conn, members[pending[0]])
+            return
+        refused = await _together(conn, members, pending, outcomes)
+        if refused is not None:
+            outcomes[refused] = await _alone(conn, members[refused])
+
+
+async def _alone(conn: CommitConnection, member: GroupMember) -> Written | Exception:
+    """``member`` in a transaction of its own: what it found, or its own error."""
+    try:
+        return await member.writer.write(conn, member.epoch, member.incarnation, member.batch)
+    except Exception as exc:
+        if not refused_statement(exc):
+            raise
+        return exc
+
+
+async def _together(
+    conn: CommitConnection,
+    members: Sequence[GroupMember],
+    pending: list[int],
+    outcomes: list[Outcome],
+) -> int | None:
+    """One transaction for the ``pending`` members: their outcomes once it committed, or
+    the member whose statement the server refused (nothing committed)."""
+    found: dict[int, Fence] = {}
+    checks: list[str] = []
+    await conn.send(members[pending[0]].writer.group_opening)
+    current = pending[0]
+    try:
+        for current in pending:
+            member = members[current]
+            fence, check = await member.writer.write_shared(
+                conn, member.epoch, member.incarnation, member.batch
+            )
+            found[current] = fence
+            if check is not None:
+                checks.append(check)
+    except Exception as exc:
+        if not refused_statement(exc):
+            await conn.roll_back_failed()
+            raise
+        await conn.roll_back()
+        return current
+    except BaseException:
+        await conn.roll_back_failed()
+        raise
+    try:
+        await conn.finish(closing_message(checks))
+    except ClusterMoved:
+        await conn.roll_back_failed()
+        for i in pending:
+            outcomes[i] = await _alone(conn, members[i])
+        return None
+    except BaseException:
+        await conn.roll_back_failed()
+        raise
+    for i in pending:
+        outcomes[i] = Written(found[i])
+    return None
+
+
+class Carrier(Protocol):
+    """What carries a cluster's commits in transactions shared with other clusters' (the
+    host's commit bus), instead of a connection of the store's own."""
+
+    async def carry(self, member: GroupMember) -> Written:
+        """Write ``member``; what it found, as :meth:`BatchWriter.write` alone would."""
+        ...
+
+
 class CommitPath:
     """The store's commits: a pooled connection's driver connection (:attr:`connections`),
     the :class:`BatchWriter` (``writer``) choosing the write path, and what it found: ids or
@@ -825,6 +992,8 @@ class CommitPath:
 
     ``hold``: keep one pooled connection checked out between commits
     (:class:`~cronoq_store._door.HeldConnection`).
+    ``carrier``: where commits go instead of the pool's connections (a host's commit bus,
+    which writes several clusters' commits in one transaction).
     """
 
     def __init__(
@@ -835,11 +1004,13 @@ class CommitPath:
         incarnation: int,
         borrowed: Sequence[ClauseElement] | None,
         hold: bool = False,
+        carrier: Carrier | None = None,
     ) -> None:
         self._incarnation = incarnation
         #: The pooled connections commits run on, one of them held with ``hold``.
         self.connections = HeldConnection(engine, hold=hold)
         self.writer = BatchWriter(engine.dialect, schema, borrowed=borrowed)
+        self._carrier = carrier
 
     async def commit(self, epoch: int, batch: FoldedBatch) -> Fence | None:
         """Write ``batch`` under ``epoch`` in the store's cluster: ``None`` once written, or
@@ -848,9 +1019,13 @@ class CommitPath:
         store's to decide. ``IdCollisionError``
         or ``KeyTakenError`` if it wrote nothing because an id is another task's or a live
         key another live task's."""
-        written = await self.connections.run(
-            lambda conn: self.writer.write(conn, epoch, self._incarnation, batch)
-        )
+        if self._carrier is None:
+            written = await self.connections.run(
+                lambda conn: self.writer.write(conn, epoch, self._incarnation, batch)
+            )
+        else:
+            member = GroupMember(self.writer, epoch, self._incarnation, batch)
+            written = await self._carrier.carry(member)
         if written.colliding is not None:
             raise IdCollisionError(written.colliding)
         if written.taken is not None:

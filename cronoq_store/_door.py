@@ -132,6 +132,7 @@ __all__ = [
     "Opening",
     "accepts_writes",
     "borrowed_lock_engine",
+    "closing_message",
     "cluster_identity",
     "command_engine",
     "demoted",
@@ -149,6 +150,7 @@ __all__ = [
     "own_engine",
     "partitions",
     "refuse_ignored_parameters",
+    "refused_statement",
     "require_search_path",
     "require_utf8",
     "row_count",
@@ -305,8 +307,21 @@ class Opening:
         transaction aborted, and the server skips the ``COMMIT`` after it."""
         return cls(f"{_template(check)}; COMMIT", check)
 
+    @classmethod
+    def checking(cls, check: CompiledStatement) -> Opening:
+        """``check`` alone: one of several joined before one ``COMMIT``, where commits of
+        several clusters share a transaction (:func:`closing_message`)."""
+        return cls(_template(check), check)
+
     def sql(self, values: Mapping[str, Any]) -> str:
         return self.template.format(*map(_integer, self.check.args(values)))
+
+
+def closing_message(checks: Sequence[str]) -> str:
+    """The message that ends a transaction shared by several commits: each one's closing
+    check (:meth:`Opening.checking`, rendered), then ``COMMIT``; the first check that fails
+    leaves the transaction aborted, and the server skips the rest."""
+    return "; ".join([*checks, "COMMIT"])
 
 
 def _template(check: CompiledStatement) -> str:
@@ -642,6 +657,21 @@ def _stored_id(exc: asyncpg.NotNullViolationError) -> bool:
     table: str | None = exc.table_name
     column: str | None = exc.column_name
     return table == tasks.name and column == "seq"
+
+
+def refused_statement(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by one commit's statement, is the server refusing that
+    statement (an insert's refusal the commit path explains, a value or a table it does
+    not take), which the commit alone would meet too: in a transaction several clusters'
+    commits share (the host's commit bus), that commit's own error, not the others'. Not
+    such a refusal: a session lost or failing, a transient failure (a lock wait, a
+    deadlock, a cancelled statement), or a prepared statement the session lost (the whole
+    transaction runs again then, :func:`forget_lost_statements`)."""
+    if isinstance(exc, InsertRefused):
+        return True
+    if isinstance(translate_error(exc, "committing a batch"), UnavailableError):
+        return False
+    return not any(s in PREPARED_STATEMENT_CODES for s in _sqlstates(exc))
 
 
 def leaves_connection_sound(exc: BaseException, driver: DriverConnection) -> bool:
@@ -1183,15 +1213,22 @@ def _engine(
     )
 
 
-def own_engine(url: str | URL, config: PgStoreConfig) -> AsyncEngine:
+def own_engine(
+    url: str | URL, config: PgStoreConfig, *, statement_cache: int | None = None
+) -> AsyncEngine:
     """The engine of a store opened with :meth:`PgStore.connect`: its own pool of
     ``max_connections``, the store's session settings, closed connections replaced at
-    checkout."""
+    checkout. ``statement_cache``: the prepared statements each session keeps (asyncpg's
+    ``statement_cache_size``; its default, 100, without): a host's sessions each commit
+    for many clusters, each cluster's statements its own."""
+    arguments = _pool_connect_args(config)
+    if statement_cache is not None and config.prepared_statements:
+        arguments["statement_cache_size"] = statement_cache
     engine = _engine(
         url,
         connect_timeout=POOL_CONNECT_TIMEOUT,
         # The URL's application_name (or $PGAPPNAME) names the sessions over the config's.
-        connect_args=_pool_connect_args(config),
+        connect_args=arguments,
         pool_size=config.max_connections,
         max_overflow=0,
         # No store call waits for a connection longer than a commit may take.

@@ -105,7 +105,7 @@ LAYERS: tuple[Layer, ...] = (
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
             "_host": "`PgHost`: one process leading many cluster schemas: the control schema, "
-            "the host session, claims and balancing, hosted stores",
+            "the host session, claims and balancing, hosted stores, the commit bus",
         },
     ),
     Layer(

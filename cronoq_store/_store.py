@@ -35,7 +35,7 @@ from . import _queries as queries
 from . import _recovery as recovery
 from . import _statements as st
 from . import _trust as trust
-from ._commit_path import MAX_COMMIT_BYTES, CommitPath, check_batch_size, fold
+from ._commit_path import MAX_COMMIT_BYTES, Carrier, CommitPath, check_batch_size, fold
 from ._config import PgStoreConfig
 from ._domain import Mutation, TaskId, TaskRef, TaskStatus, TimeBase, check_task_id
 from ._errors import (
@@ -192,6 +192,7 @@ class PgStore:
         term: LeaderTerm | None = None,
         own_sessions: bool | None = None,
         telemetry: Telemetry | None = None,
+        carrier: Carrier | None = None,
     ) -> None:
         """Use :meth:`connect` or :meth:`from_engine`: they migrate (or check the revision)
         and read the schema's OID and the cluster's incarnation.
@@ -202,7 +203,8 @@ class PgStore:
         carry the store's settings from their connect (default: the store owns the engine).
         ``telemetry``: a recorder shared with other stores (a host's, labelled with its group
         so that thousands of clusters do not make thousands of label values), which does not
-        report this store's leadership in the is-leader gauges.
+        report this store's leadership in the is-leader gauges. ``carrier``: where commits
+        go instead of the pool (a host's commit bus, sharing transactions among clusters).
 
         Long for a reason: it wires every path of the store, one assignment each."""
         self._engine = engine
@@ -238,6 +240,7 @@ class PgStore:
             # a read waiting on a lock, such as a prune behind a commit, would starve a
             # health probe); an application's pool is not the store's to hold from.
             hold=owns_engine and config.max_connections >= 3,
+            carrier=carrier,
         )
         self._leadership: LeaderTerm = (
             term

@@ -293,16 +293,34 @@ class _Instruments:
             description="Submissions accepted by a group committer and not yet settled",
         )
 
+    # Objects watched under the same attributes make one point each: the SDK keeps only the
+    # last of several observations of one attribute set, which would report whichever object
+    # came last (a standby's 0 beside its schema's leader; one of a host group's committers).
+
     def _is_leader(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(int(lead.is_leader), a) for lead, a in list(self.leaderships.items())]
+        """1 for an attribute set while any object watched under it leads."""
+        found = [(int(lead.is_leader), a) for lead, a in list(self.leaderships.items())]
+        return _each(found, max)
 
     def _epoch(self, options: CallbackOptions) -> Iterable[Observation]:
+        """The highest epoch held under an attribute set (no point while none leads)."""
         found = [(lead.epoch, a) for lead, a in list(self.leaderships.items())]
-        return [Observation(epoch, a) for epoch, a in found if epoch is not None]
+        return _each([(epoch, a) for epoch, a in found if epoch is not None], max)
 
     def _queue_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        """Every open committer's pending submissions, summed per attribute set."""
         found = list(self.committers.items())
-        return [Observation(c.stats().pending_submissions, a) for c, a in found if not c.closed]
+        return _each([(c.stats().pending_submissions, a) for c, a in found if not c.closed], sum)
+
+
+def _each(
+    found: Iterable[tuple[int, dict[str, str]]], combine: Callable[[list[int]], int]
+) -> list[Observation]:
+    """One observation per attribute set of ``found``, its values combined."""
+    by_attrs: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], list[int]]] = {}
+    for value, attrs in found:
+        by_attrs.setdefault(tuple(sorted(attrs.items())), (attrs, []))[1].append(value)
+    return [Observation(combine(values), attrs) for attrs, values in by_attrs.values()]
 
 
 # One set of instruments per meter provider.
@@ -310,15 +328,22 @@ _by_provider: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDict
 
 
 class _Recording(Telemetry):
-    """Records to a meter provider, a tracer provider, or both, for the cluster in ``schema``."""
+    """Records to a meter provider, a tracer provider, or both, under ``label`` (the
+    cluster's schema as ``db.namespace``, or a host group as ``cronoq.host.group``);
+    spans are named after ``target``."""
 
     enabled = True
 
     def __init__(
-        self, schema: str, meter_provider: MeterProvider | None, tracer_provider: Any
+        self,
+        label: tuple[str, str],
+        target: str,
+        meter_provider: MeterProvider | None,
+        tracer_provider: Any,
     ) -> None:
         self._attrs = {"db.system.name": "postgresql", "db.system": "postgresql"}
-        self._attrs["db.namespace"] = schema
+        self._attrs[label[0]] = label[1]
+        self._target = target
         self._tracer = (
             None if tracer_provider is None else tracer_provider.get_tracer(SCOPE, SCOPE_VERSION)
         )
@@ -335,7 +360,7 @@ class _Recording(Telemetry):
         if self._tracer is None:
             return nullcontext()
         return self._tracer.start_as_current_span(
-            f"{operation} {self._attrs['db.namespace']}",
+            f"{operation} {self._target}",
             kind=trace.SpanKind.CLIENT,
             attributes={**self._attrs, "db.operation.name": operation},
             # An error's message may quote a key or a value (a unique violation's detail):
@@ -466,6 +491,22 @@ def resolve(
 ) -> Telemetry:
     """The telemetry of the cluster in ``schema``: the given providers, else the global
     ones if the application configured them, else :data:`DISABLED`."""
+    return _resolved(("db.namespace", schema), schema, meter_provider, tracer_provider)
+
+
+def resolve_group(group: str) -> Telemetry:
+    """The telemetry a ``PgHost`` records its clusters under (not exported), on the global
+    providers: labelled ``cronoq.host.group``, never ``db.namespace``, so a group named
+    like a schema never adds to that cluster's figures."""
+    return _resolved(("cronoq.host.group", group), f"host group {group}", None, None)
+
+
+def _resolved(
+    label: tuple[str, str],
+    target: str,
+    meter_provider: MeterProvider | None,
+    tracer_provider: Any,
+) -> Telemetry:
     if metrics is None:
         return DISABLED
     meter = meter_provider or _configured(
@@ -476,7 +517,7 @@ def resolve(
     )
     if meter is None and tracer is None:
         return DISABLED
-    return _Recording(schema, meter, tracer)
+    return _Recording(label, target, meter, tracer)
 
 
 def instrument(
@@ -487,6 +528,11 @@ def instrument(
 ) -> Telemetry:
     """Make ``store`` record to these providers (the global ones for any not given), and
     return its telemetry. Group committers made afterwards record to them too.
+
+    On a ``HostedStore`` it is the opt-in to one cluster's figures: a host records every
+    cluster it leads under its host group, and a store instrumented in its ``lead``
+    records under its own schema instead, with its term in the leadership gauges, for as
+    long as the term lasts (docs/observability.md, "Hosted clusters").
 
     ``ImportError`` without the OpenTelemetry API (``pip install cronoq-store[otel]``).
     """

@@ -16,6 +16,7 @@ from sqlalchemy.engine import URL
 
 from cronoq_store._cli import ExitCode
 from cronoq_store._demo import find_lost, parse_acks
+from cronoq_store._demo.fleet import FleetAck, epochs_of_two, find_fleet_lost, parse_fleet_acks
 from cronoq_store._urls import URL_ENV
 
 from .pgharness import admin_execute
@@ -97,6 +98,92 @@ async def test_demo_on_a_given_server_loses_nothing_and_fences_the_zombie(pg_url
     assert pg_url.password
     assert pg_url.password not in result.stdout + result.stderr
     assert await demo_schemas(pg_url) == []  # the throwaway schema is gone
+
+
+async def test_fleet_demo_takes_a_killed_process_clusters_over_and_loses_nothing(
+    pg_url: URL,
+) -> None:
+    url = pg_url.render_as_string(hide_password=False)
+    args = ("--seconds", "1", "--clusters", "6", "--processes", "3", "--submitters", "12")
+    result = await asyncio.to_thread(cronoq_store, "demo", "--fleet", "--url", url, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    lines = fleet_account(result.stdout)
+    assert lines["clusters"] == "6 led by 3 processes (p1 2, p2 2, p3 2)"
+    takeover = re.fullmatch(
+        r"(\d+) clusters of p1 led again by (p[23](?:, p[23])?) in ([\d.]+) s from SIGKILL "
+        r"\(epochs ([\d to]+) -> ([\d to]+)\)",
+        lines["takeover"],
+    )
+    assert takeover is not None, lines["takeover"]
+    assert takeover[1] == "2"
+    # Each cluster is led again under a later epoch than the killed process's.
+    assert int(takeover[5].split()[0]) > int(takeover[4].split()[-1])
+    acked = re.fullmatch(
+        r"([\d,]+) tasks; ([\d,]+) writes with status changes.*", lines["acknowledged"]
+    )
+    assert acked is not None, lines["acknowledged"]
+    assert int(acked[1].replace(",", "")) > 0
+    recovered = re.fullmatch(r"([\d,]+) tasks of the killed process's clusters", lines["recovered"])
+    assert recovered is not None, lines["recovered"]
+    # The takers recovered what the killed process's clusters held: its writes among them.
+    assert int(recovered[1].replace(",", "")) > 0
+    assert lines["lost"] == "0"
+    assert lines["epochs"] == "0 acknowledged by two processes"
+    assert "OK: every acknowledged write survived the crash" in result.stdout
+    assert "SIGKILL p1 mid-stream" in result.stdout
+
+    assert pg_url.password
+    assert pg_url.password not in result.stdout + result.stderr
+    assert await demo_schemas(pg_url) == []  # the clusters and the control schema are gone
+
+
+def test_fleet_options_without_fleet_are_a_usage_error() -> None:
+    result = cronoq_store("demo", "--clusters", "5")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--clusters applies to the fleet variant: add --fleet" in result.stderr
+
+
+def fleet_account(stdout: str) -> dict[str, str]:
+    """The fleet account's lines, by label."""
+    labels = ("clusters", "takeover", "acknowledged", "throughput", "recovered", "lost", "epochs")
+    found = {}
+    for line in stdout.splitlines():
+        label, _, value = line.strip().partition(" ")
+        if label in labels:
+            found[label] = value.strip()
+    return found
+
+
+def ack(kind: str, task: int, schema: str = "s", epoch: int = 1, process: int = 1) -> FleetAck:
+    return FleetAck(kind, task, schema, epoch, process)
+
+
+def test_parse_fleet_acks_drops_a_torn_last_line() -> None:
+    assert parse_fleet_acks("T 1 s 1 7\nR 1 s 1 7\nT 2 s") == [
+        ack("T", 1, process=7),
+        ack("R", 1, process=7),
+    ]
+
+
+def test_find_fleet_lost_checks_the_table_and_the_takeover_recovery() -> None:
+    acks = [ack("T", 1), ack("S", 1), ack("T", 2), ack("T", 3, epoch=2, process=2)]
+    table = {"s": {1: "succeeded", 2: "queued", 3: "queued"}}
+    # Taken over by epoch 2, whose recovery holds what epoch 1 acknowledged.
+    assert find_fleet_lost(acks, table, {"s": (2, {1: "succeeded", 2: "queued"})}) == []
+    # Missing from the takeover's recovery, though in the table.
+    assert find_fleet_lost(acks, table, {"s": (2, {1: "succeeded"})}) == [ack("T", 2)]
+    # Missing from the table; a success stored as running.
+    assert find_fleet_lost(acks, {"s": {1: "running", 2: "queued"}}, {}) == [
+        ack("S", 1),
+        ack("T", 3, epoch=2, process=2),
+    ]
+
+
+def test_epochs_of_two_names_each_epoch_acknowledged_by_two_processes() -> None:
+    acks = [ack("T", 1), ack("T", 2), ack("T", 3, process=2), ack("T", 4, epoch=2, process=2)]
+    assert epochs_of_two(acks) == [("s", 1)]
+    assert epochs_of_two(acks[:2] + acks[3:]) == []
 
 
 async def test_demo_runs_on_an_embedded_server_by_default() -> None:

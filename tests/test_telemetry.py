@@ -324,6 +324,23 @@ async def test_a_takeover_moves_the_epoch_gauge_and_counts_the_step_down(
         made.tracers.shutdown()
 
 
+async def test_two_stores_of_one_schema_on_one_provider_report_one_leader(
+    pg_url: URL, schema: str, otel: Otel
+) -> None:
+    """The leader's gauges, whichever store was watched last: the SDK keeps one observation
+    per attribute set, and the standby's 0 must not hide the leader's 1."""
+    async with (
+        await PgStore.connect(pg_url, ha_config(schema)) as leader,
+        await PgStore.connect(pg_url, ha_config(schema, "standby")) as standby,
+    ):
+        instrument(leader, meter_provider=otel.meters)
+        instrument(standby, meter_provider=otel.meters)
+        epoch = await leader.acquire_leadership()
+        assert otel.value("cronoq.leadership.is_leader") == 1
+        assert otel.value("cronoq.leadership.epoch") == epoch
+        assert not standby.is_leader
+
+
 async def test_recovery_counts_rows_loaded_and_a_quarantined_row(
     store: PgStore, otel: Otel, pg_url: URL, schema: str
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from .._urls import redact
+from . import hosted
 from .app import Options, number_option
 from .exits import CliError, ExitCode
 
@@ -27,8 +28,16 @@ __all__ = ["console"]
     help="Offer a handover and a prune on the cluster pages (needs credentials in the "
     "environment, even on loopback).",
 )
+@hosted.control_schema_option
 @click.pass_obj
-def console(options: Options, host: str, port: int, refresh: int, allow_actions: bool) -> None:
+def console(
+    options: Options,
+    host: str,
+    port: int,
+    refresh: int,
+    allow_actions: bool,
+    control_schema: str,
+) -> None:
     """Serve the operator's console: every cluster schema of the database, live.
 
     Binding anything but loopback needs $CRONOQ_CONSOLE_TOKEN, or $CRONOQ_CONSOLE_USER and
@@ -67,6 +76,7 @@ def console(options: Options, host: str, port: int, refresh: int, allow_actions:
         options.trusted_triggers,
         refresh_seconds=refresh,
         allow_actions=allow_actions,
+        control_schema=control_schema,
     )
     shown = f"[{host}]" if ":" in host else host
     click.echo(

@@ -9,8 +9,8 @@ table has no ``host_group`` column (a revision before ``0009_host_group``) is st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ __all__ = [
     "CONTROL_SCHEMA_ENV",
     "DEFAULT_CONTROL_SCHEMA",
     "HostFacts",
+    "HostRows",
     "Process",
     "control_schema_option",
     "host_document",
@@ -40,6 +41,7 @@ __all__ = [
     "leader_words",
     "no_leader",
     "read_host",
+    "read_hosts",
     "status_facts",
 ]
 
@@ -178,30 +180,17 @@ def _process(row: Any) -> Process | None:
     )
 
 
-async def read_host(
-    conn: AsyncConnection,
-    schema: str,
-    group: str,
-    control_schema: str,
-    vetted: set[str] | None = None,
-) -> HostFacts:
-    """The control row of ``schema`` enrolled in ``group``, read in ``control_schema`` after
-    its trust check; a missing or refused control schema is said in ``unreadable``.
-
-    ``vetted``: the control schemas whose trust check passed already in this command (a
-    command over many clusters checks its control schema once, not once per cluster);
-    one that passes here is added."""
-    facts = HostFacts(group, control_schema)
+async def _unreadable(
+    conn: AsyncConnection, control_schema: str, vetted: set[str] | None
+) -> str | None:
+    """Why ``control_schema`` cannot be read (no host tables, or refused by the trust
+    check), ``None`` once its trust check passed; ``vetted`` as for :func:`read_host`."""
     exists = (
         await conn.execute(catalog.relation_exists, {"schema": control_schema, "name": "clusters"})
     ).scalar()
     if not exists:
         await conn.rollback()
-        return replace(
-            facts,
-            unreadable=f"control schema {control_schema!r} holds no host tables "
-            "(another --control-schema?)",
-        )
+        return f"control schema {control_schema!r} holds no host tables (another --control-schema?)"
     if vetted is None or control_schema not in vetted:
         try:
             await conn.run_sync(
@@ -209,19 +198,17 @@ async def read_host(
             )
         except MigrationError as exc:
             await conn.rollback()
-            return replace(facts, unreadable=f"refused: {exc}")
+            return f"refused: {exc}"
         if vetted is not None:
             vetted.add(control_schema)
-    row = (
-        await conn.execute(
-            control.cluster_host,
-            {"schema": schema},
-            execution_options=control.control_options(control_schema),
-        )
-    ).first()
-    await conn.rollback()
+    return None
+
+
+def _facts(row: Any, group: str, control_schema: str) -> HostFacts:
+    """A cluster's :class:`HostFacts` from its control row (:data:`control.cluster_host`'s
+    columns; ``None``: not enrolled there)."""
     if row is None:
-        return facts
+        return HostFacts(group, control_schema)
     return HostFacts(
         group,
         control_schema,
@@ -236,6 +223,69 @@ async def read_host(
         released_at=row.released_at,
         process=_process(row),
     )
+
+
+async def read_host(
+    conn: AsyncConnection,
+    schema: str,
+    group: str,
+    control_schema: str,
+    vetted: set[str] | None = None,
+) -> HostFacts:
+    """The control row of ``schema`` enrolled in ``group``, read in ``control_schema`` after
+    its trust check; a missing or refused control schema is said in ``unreadable``.
+
+    ``vetted``: the control schemas whose trust check passed already in this command (a
+    command over many clusters checks its control schema once, not once per cluster);
+    one that passes here is added."""
+    unreadable = await _unreadable(conn, control_schema, vetted)
+    if unreadable is not None:
+        return HostFacts(group, control_schema, unreadable=unreadable)
+    row = (
+        await conn.execute(
+            control.cluster_host,
+            {"schema": schema},
+            execution_options=control.control_options(control_schema),
+        )
+    ).first()
+    await conn.rollback()
+    return _facts(row, group, control_schema)
+
+
+@dataclass(frozen=True, slots=True)
+class HostRows:
+    """The control rows of many clusters read at once (:func:`read_hosts`), by schema."""
+
+    control_schema: str
+    rows: Mapping[str, Any]
+    #: Why the control schema could not be read (as :attr:`HostFacts.unreadable`).
+    unreadable: str | None = None
+
+    def facts(self, schema: str, group: str) -> HostFacts:
+        """What :func:`read_host` would say of ``schema``, whose leader row names ``group``."""
+        if self.unreadable is not None:
+            return HostFacts(group, self.control_schema, unreadable=self.unreadable)
+        return _facts(self.rows.get(schema), group, self.control_schema)
+
+
+async def read_hosts(
+    conn: AsyncConnection, schemas: Sequence[str], control_schema: str
+) -> HostRows:
+    """The control rows of ``schemas`` in ``control_schema``, after its trust check: one
+    statement for all of them (a page of the console's overview), where :func:`read_host`
+    for each would cost one per cluster."""
+    unreadable = await _unreadable(conn, control_schema, None)
+    if unreadable is not None:
+        return HostRows(control_schema, {}, unreadable)
+    rows = (
+        await conn.execute(
+            control.cluster_hosts,
+            {"schemas": list(schemas)},
+            execution_options=control.control_options(control_schema),
+        )
+    ).all()
+    await conn.rollback()
+    return HostRows(control_schema, {row.schema_name: row for row in rows})
 
 
 def _unowned_words(host: HostFacts) -> str:

@@ -479,10 +479,13 @@ async def read_health(
     schema: str,
     control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
     vetted: set[str] | None = None,
+    hosts: hosted.HostRows | None = None,
 ) -> Health:
     """Where ``schema`` stands, who holds its leader lock and its migration lock, and the
     verdict; for a cluster a host group leads, its owner read in ``control_schema`` and the
-    hosted verdict (:func:`~cronoq_store._cli.hosted.hosted_verdict`)."""
+    hosted verdict (:func:`~cronoq_store._cli.hosted.hosted_verdict`). ``hosts``: the
+    control rows read already for many clusters at once (the console's overview), taken
+    instead of reading this one's."""
     public = bool((await conn.execute(catalog.public_may_connect)).scalar())
     revision = await database.revision(conn, schema)
     facts, holder = await schema_facts(conn, revision)
@@ -490,7 +493,11 @@ async def read_health(
     group = hosted.host_group(facts)
     await conn.rollback()
     if group is not None:
-        host = await hosted.read_host(conn, schema, group, control_schema, vetted)
+        host = (
+            await hosted.read_host(conn, schema, group, control_schema, vetted)
+            if hosts is None
+            else hosts.facts(schema, group)
+        )
         code, reasons, warned = hosted.hosted_verdict(revision, facts, holder, host)
         return Health(
             revision, facts, holder, public, code, reasons, migrating, host, tuple(warned)

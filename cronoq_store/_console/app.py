@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from .. import _door as door
 from .._cli import operations, output
 from .._cli.exits import CliError, ExitCode
+from .._cli.hosted import DEFAULT_CONTROL_SCHEMA
 from .._cli.prune import parse_duration
 from .._config import validate_schema_name
 from .._domain import I64_MAX, QUEUED, TaskStatus, clean_text
@@ -523,17 +524,18 @@ def console_app(
     *,
     refresh_seconds: int = 5,
     allow_actions: bool = False,
+    control_schema: str = DEFAULT_CONTROL_SCHEMA,
 ) -> Guard:
     """The console for the database at ``url``, guarded by ``credentials`` (``None``:
     loopback hosts only); its overview and cluster pages refresh every ``refresh_seconds``.
     With ``allow_actions`` (which needs ``credentials``), its pages offer a handover and a
-    prune."""
+    prune. The owners of clusters a host group leads are read in ``control_schema``."""
     if allow_actions and credentials is None:
         raise ValueError("actions need credentials: every local user can reach loopback")
     templates = _environment(refresh_seconds)
     templates.globals["actions"] = allow_actions
     csrf = actions.Csrf()
-    source = Source(url, trusted_triggers)
+    source = Source(url, trusted_triggers, control_schema)
     pruning = actions.Pruning(source)
     console = _Console(url, templates, csrf, source, pruning, refresh_seconds)
 

@@ -20,6 +20,7 @@ from .. import _listing_statements as cs
 from .. import _queries as queries
 from .._cli import database, operations, output
 from .._cli.exits import CliError
+from .._cli.hosted import HostRows
 from .._codec import QUARANTINE_PREFIX
 from .._domain import LIVE_STATUS_NAMES, TaskId, TaskStatus, clean_text
 from .._errors import MigrationError, StoreError
@@ -120,9 +121,12 @@ def _revision_document(revision: RevisionStatus) -> dict[str, Any]:
     }
 
 
-async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], Sequence[Any]]:
-    """One cluster's line of the overview, and its live counts by pool and status."""
-    health = await operations.read_health(conn, schema)
+async def _summary(
+    conn: AsyncConnection, source: Source, schema: str, hosts: HostRows | None = None
+) -> tuple[dict[str, Any], Sequence[Any]]:
+    """One cluster's line of the overview, and its live counts by pool and status.
+    ``hosts``: the control rows of the overview's page, read once for all of it."""
+    health = await operations.read_health(conn, schema, source.control_schema, hosts=hosts)
     revision, facts, holder = health.revision, health.facts, health.holder
     doc: dict[str, Any] = {
         "schema": schema,
@@ -130,6 +134,8 @@ async def _summary(conn: AsyncConnection, schema: str) -> tuple[dict[str, Any], 
         "stored_epoch": None if facts is None else facts.stored_epoch,
         "leader": output.holder_document(output.leader_of(holder)),
         "lock_holder": output.holder_document(holder),
+        # "mode", and for a hosted cluster "host": its owner, as `status --json` says.
+        **operations.mode_document(health.host, holder),
         # The very document `cronoq-store --schema SCHEMA health --json` prints, and the
         # exit code it gives.
         "health": operations.health_document(schema, health),
@@ -233,6 +239,7 @@ async def overview(
         page = ClusterPage((), 0, 0, None, more_after=False, more_before=False)
     clusters = []
     vetted, refusals = await source.vet(page.names)
+    hosts = await source.hosts(page.names) if page.names else None
     for schema in page.names:
         if schema in refusals:
             clusters.append({"schema": schema, "refused": str(refusals[schema])})
@@ -242,7 +249,7 @@ async def overview(
                 door.translated(f"reading schema {schema}", passing=(CliError,)),
                 source.connect(schema, vetted) as conn,
             ):
-                clusters.append((await _summary(conn, schema))[0])
+                clusters.append((await _summary(conn, source, schema, hosts))[0])
         except MigrationError as exc:  # the trust check
             clusters.append({"schema": schema, "refused": str(exc)})
         except CliError:
@@ -284,7 +291,7 @@ async def cluster(
     recurring schedules (by name, after ``schedules_after``)."""
     await source.known(schema)
     async with source.connect(schema) as conn:
-        summary, live = await _summary(conn, schema)
+        summary, live = await _summary(conn, source, schema)
         if not summary["at_head"]:
             # Its history may not exist yet (a rolling upgrade before the migration).
             return {"schema": schema, "summary": summary, "leadership_history": None}

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
-from .._cli import database
+from .. import _door as door
+from .._cli import database, hosted
 from .._cli.app import Options
-from .._errors import MigrationError
+from .._errors import MigrationError, StoreError
+from .._urls import scrub
 
 __all__ = ["POOL_SIZE", "ClusterNotFound", "ClusterPage", "Source"]
 
@@ -43,9 +45,16 @@ class ClusterPage:
 
 
 class Source:
-    def __init__(self, url: str, trusted_triggers: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        url: str,
+        trusted_triggers: frozenset[str] = frozenset(),
+        control_schema: str = hosted.DEFAULT_CONTROL_SCHEMA,
+    ) -> None:
         self.url = url
         self.trusted_triggers = trusted_triggers
+        #: Where the owners of clusters a host group leads are read.
+        self.control_schema = control_schema
         self.engine = database.engine(url, pool_size=POOL_SIZE)
 
     @asynccontextmanager
@@ -64,6 +73,22 @@ class Source:
         """The trust check of all of ``schemas`` in one statement: those it found nothing
         in, for :meth:`connect`, and the refusal of each other one."""
         return await database.vet(self.engine, schemas, self.trusted_triggers)
+
+    async def hosts(self, schemas: Sequence[str]) -> hosted.HostRows:
+        """The control rows of ``schemas`` (those a host group leads have one) in one
+        statement, after the control schema's trust check."""
+        try:
+            async with (
+                door.translated("reading the host control schema"),
+                self.engine.connect() as conn,
+            ):
+                return await hosted.read_hosts(conn, schemas, self.control_schema)
+        except StoreError as error:
+            if error.is_transient:
+                raise
+            # This role may not read it (no SELECT): each hosted cluster of the page says
+            # so, and the others show as ever.
+            return hosted.HostRows(self.control_schema, {}, scrub(str(error), [self.url]))
 
     async def cluster_page(
         self, search: str, size: int, after: str = "", before: str | None = None

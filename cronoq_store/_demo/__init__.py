@@ -16,12 +16,24 @@ real process (:mod:`cronoq_store._demo.roles`), so the crash is a real ``SIGKILL
 5. Every acknowledged write must be in B's recovery and in the table, and nothing the zombie
    tried may be there (:mod:`cronoq_store._demo.verdict`).
 
-Without a URL the demo runs on a throwaway :class:`~cronoq_store.testing.EmbeddedPostgres`.
+The fleet variant (``cronoq-store demo --fleet``, :mod:`cronoq_store._demo.fleet`) does the
+same for host processes sharing many clusters: one is killed, the others take its clusters
+over. Without a URL the demo runs on a throwaway
+:class:`~cronoq_store.testing.EmbeddedPostgres`.
 """
 
 from __future__ import annotations
 
+from .fleet import FleetReport, run_fleet_demo
 from .orchestrator import DemoError, run_demo
 from .verdict import DemoReport, find_lost, parse_acks
 
-__all__ = ["DemoError", "DemoReport", "find_lost", "parse_acks", "run_demo"]
+__all__ = [
+    "DemoError",
+    "DemoReport",
+    "FleetReport",
+    "find_lost",
+    "parse_acks",
+    "run_demo",
+    "run_fleet_demo",
+]

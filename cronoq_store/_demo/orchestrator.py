@@ -9,6 +9,7 @@ can read with ``ps``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -16,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from .._urls import redact
 from .roles import URL_ENV, ZOMBIE_KIND, ZOMBIE_MESSAGE
 from .verdict import DemoReport, find_lost, judge, parse_acks, render
 
-__all__ = ["DemoError", "run_demo"]
+__all__ = ["Child", "DemoError", "drop_schema", "run_demo", "server_for", "server_line", "step"]
 
 _START_TIMEOUT = 60.0
 _TAKEOVER_TIMEOUT = 30.0
@@ -51,9 +53,17 @@ async def run_demo(
 ) -> DemoReport:
     """Run the demo on ``url`` (in a throwaway schema, dropped afterwards) or, without one,
     on an embedded PostgreSQL; print the steps and the account to ``console``."""
+    async with server_for(url) as (where, kind):
+        return await _run_on(where, kind, submitters, seconds, console)
+
+
+@contextlib.asynccontextmanager
+async def server_for(url: str | URL | None) -> AsyncIterator[tuple[URL, str | None]]:
+    """The server a demo runs on, and its kind: ``url``'s, or (without one) an embedded
+    PostgreSQL, destroyed afterwards."""
     if url is not None:
-        parsed = make_url(url) if isinstance(url, str) else url
-        return await _run_on(parsed, None, submitters, seconds, console)
+        yield (make_url(url) if isinstance(url, str) else url), None
+        return
     from ..testing._server import EmbeddedPostgres
 
     try:
@@ -65,9 +75,17 @@ async def run_demo(
             await asyncio.to_thread(server.start)
         except RuntimeError as exc:
             raise DemoError(f"the embedded PostgreSQL did not start: {exc}") from None
-        return await _run_on(server.url(), "embedded", submitters, seconds, console)
+        yield server.url(), "embedded"
     finally:
         await asyncio.to_thread(server.destroy)
+
+
+async def server_line(engine: AsyncEngine, url: URL, kind: str | None) -> str:
+    """``PostgreSQL <version> at <url>``, the password masked: the demo's first line."""
+    async with engine.connect() as conn:
+        version = await conn.scalar(catalog.server_version)
+    where = f"{kind} " if kind else ""
+    return f"{where}PostgreSQL {version} at {redact(url)}"
 
 
 async def _run_on(
@@ -82,20 +100,17 @@ async def _run_on(
         # A failed upgrade leaves nothing behind; from here on the schema must be dropped.
         await upgrade(engine, schema)
         try:
-            async with engine.connect() as conn:
-                version = await conn.scalar(catalog.server_version)
-            where = f"{kind} " if kind else ""
             report = DemoReport(
-                server=f"{where}PostgreSQL {version} at {redact(url)}",
+                server=await server_line(engine, url, kind),
                 schema=schema,
                 submitters=submitters,
             )
-            _step(console, "[bold]cronoq-store HA demo[/bold]")
-            _step(console, f"• {escape(visible(report.server))}, schema {schema}")
+            step(console, "[bold]cronoq-store HA demo[/bold]")
+            step(console, f"• {escape(visible(report.server))}, schema {schema}")
             with tempfile.TemporaryDirectory(prefix="cronoq-demo-") as workdir:
                 await _play(url, Path(workdir), engine, report, seconds, console)
         finally:
-            await _drop_schema(engine, schema, console)
+            await drop_schema(engine, schema, console)
     finally:
         await engine.dispose()
     render(report, console)
@@ -116,10 +131,10 @@ async def _play(
     recovered_path = workdir / "recovered"
     env = {**os.environ, URL_ENV: url.render_as_string(hide_password=False)}
     common = ["--schema", report.schema]
-    children: list[_Child] = []
+    children: list[Child] = []
 
-    async def spawn(name: str, *args: str) -> _Child:
-        child = await _Child.spawn(name, [*args, *common], env, workdir)
+    async def spawn(name: str, *args: str) -> Child:
+        child = await Child.spawn(name, [*args, *common], env, workdir)
         children.append(child)
         return child
 
@@ -128,14 +143,14 @@ async def _play(
             "A", "lead", "--acks", str(acks_path), "--submitters", str(report.submitters)
         )
         report.epoch_a = (await a.expect("leading", _START_TIMEOUT))["epoch"]
-        _step(console, f"• A (pid {a.pid}) leads with epoch {report.epoch_a}")
+        step(console, f"• A (pid {a.pid}) leads with epoch {report.epoch_a}")
         b = await spawn("B", "standby", "--recovered", str(recovered_path))
         zombie = await spawn(
             "zombie", "zombie", "--epoch", str(report.epoch_a), "--writes", str(report.submitters)
         )
         await b.expect("standby", _START_TIMEOUT)
         await zombie.expect("ready", _START_TIMEOUT)
-        _step(
+        step(
             console,
             f"• B (pid {b.pid}) waits as standby; a zombie (pid {zombie.pid}) holds A's epoch "
             f"{report.epoch_a}",
@@ -143,7 +158,7 @@ async def _play(
 
         a.send("go")
         started = (await a.expect("submitting", _START_TIMEOUT))["t"]
-        _step(
+        step(
             console,
             f"• A accepts submissions from {report.submitters} concurrent submitters "
             f"for {seconds:g} s ...",
@@ -161,7 +176,7 @@ async def _play(
         report.commits = stats.get("commits", 0)
         report.mean_batch = stats.get("mean_batch", 0.0)
         report.p99_ms = stats.get("p99_ms")
-        _step(console, f"• SIGKILL A mid-stream, after {report.acked_writes:,} acknowledged writes")
+        step(console, f"• SIGKILL A mid-stream, after {report.acked_writes:,} acknowledged writes")
         if not acks:
             report.failures.append(f"A acknowledged nothing in {seconds:g} s")
 
@@ -173,7 +188,7 @@ async def _play(
         report.recovered = len(recovered)
         acked_ids = {tid for kind, tid in acks if kind == "T"}
         report.unacked_committed = len(recovered.keys() - acked_ids)
-        _step(
+        step(
             console,
             f"• B took over with epoch {report.epoch_b} in {report.takeover_seconds:.2f} s "
             f"and recovered {report.recovered:,} tasks",
@@ -184,7 +199,7 @@ async def _play(
         fenced = await zombie.expect("fenced", _TAKEOVER_TIMEOUT)
         report.stale_tried = fenced["tried"]
         report.stale_refused = fenced["refused"]
-        _step(
+        step(
             console,
             f"• the zombie tried {report.stale_tried} stale writes with epoch {report.epoch_a}: "
             f"{report.stale_refused} refused",
@@ -205,15 +220,15 @@ async def _play(
             await child.stop()
 
 
-async def _drop_schema(engine: AsyncEngine, schema: str, console: Console) -> None:
+async def drop_schema(engine: AsyncEngine, schema: str, console: Console) -> None:
     try:
         async with engine.begin() as conn:
             await conn.execute(DropSchema(schema, cascade=True, if_exists=True))
     except Exception as exc:  # the demo's own outcome matters more: say what is left behind
-        _step(console, f"could not drop the demo schema {schema}: {escape(visible(str(exc)))}")
+        step(console, f"could not drop the demo schema {schema}: {escape(visible(str(exc)))}")
 
 
-def _step(console: Console, text: str) -> None:
+def step(console: Console, text: str) -> None:
     """One line per step; the terminal wraps it, so a URL is never split mid-way."""
     console.print(text, soft_wrap=True)
 
@@ -239,10 +254,16 @@ async def _read_table(engine: AsyncEngine, schema: str) -> tuple[dict[int, str],
     return stored, landed
 
 
-class _Child:
+class Child:
     """One role's process: its JSON events, in order, and its stderr in a log file."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        proc: asyncio.subprocess.Process,
+        log: Path,
+        news: asyncio.Event | None = None,
+    ) -> None:
         self.name = name
         self.proc = proc
         self.pid = proc.pid
@@ -250,10 +271,21 @@ class _Child:
         self._events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         #: The latest event of each name (A's stats keep coming until it dies).
         self.last: dict[str, dict[str, Any]] = {}
+        #: Every ``leading`` event, in order (a fleet's host process leads many clusters).
+        self.leads: list[dict[str, Any]] = []
+        #: Set at each event, for whoever watches several children at once.
+        self._news = news
         self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def spawn(cls, name: str, args: list[str], env: dict[str, str], workdir: Path) -> _Child:
+    async def spawn(
+        cls,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        workdir: Path,
+        news: asyncio.Event | None = None,
+    ) -> Child:
         log = workdir / f"{name}.log"
         with log.open("wb") as stderr:
             proc = await asyncio.create_subprocess_exec(
@@ -266,7 +298,7 @@ class _Child:
                 stderr=stderr,
                 env=env,
             )
-        return cls(name, proc, log)
+        return cls(name, proc, log, news)
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -274,9 +306,15 @@ class _Child:
             async for line in self.proc.stdout:
                 event = json.loads(line)
                 self.last[event["event"]] = event
+                if event["event"] == "leading":
+                    self.leads.append(event)
                 self._events.put_nowait(event)
+                if self._news is not None:
+                    self._news.set()
         finally:
             self._events.put_nowait(None)
+            if self._news is not None:
+                self._news.set()
 
     async def expect(self, name: str, timeout: float) -> dict[str, Any]:
         """Wait for the event ``name``; a process that dies or stalls first fails the demo."""

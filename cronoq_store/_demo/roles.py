@@ -3,7 +3,10 @@
 ``lead`` (instance A) leads and acknowledges submissions until it is killed, recording each
 acknowledgement the moment its ``await`` returns; ``standby`` (B) waits, takes over,
 recovers and writes under its new epoch; ``zombie`` holds A's epoch and tries to write
-after the takeover. Each reports in JSON lines on stdout and ends when its stdin closes.
+after the takeover. ``host`` (the fleet variant) is one host process: it leads its share of
+the demo's host group and acknowledges submissions to every cluster it leads, recording
+each with its cluster and epoch. Each reports in JSON lines on stdout and ends when its
+stdin closes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import IO, Any
 from .._committer import GroupCommitter
 from .._config import PgStoreConfig
 from .._domain import StatusChanged, Submitted, TaskSpec, TaskStatus, TimeBase, task_id
-from .._errors import FencedError
+from .._errors import FencedError, StoreError
+from .._host.host import HostedStore, PgHost, PgHostConfig
 from .._store import PgStore
 
 __all__ = ["URL_ENV", "ZOMBIE_KIND", "ZOMBIE_MESSAGE", "main"]
@@ -122,9 +126,10 @@ async def _lead(args: argparse.Namespace, orders: _Orders) -> None:
 
 
 async def _submit_forever(
-    committer: GroupCommitter, epoch: int, numbers: Iterator[int], acks: int
+    committer: GroupCommitter, epoch: int, numbers: Iterator[int], acks: int, where: bytes = b""
 ) -> None:
-    """One client: submit a task, and run every few to success; record each ack at once.
+    """One client: submit a task, and run every few to success; record each ack at once,
+    followed by ``where`` (the fleet's cluster, epoch and process).
 
     ``os.write`` puts the record in the kernel before the next line of Python runs, so a
     SIGKILL cannot lose an acknowledgement that was recorded.
@@ -134,14 +139,14 @@ async def _submit_forever(
         tid = task_id(epoch, n)
         spec = TaskSpec(_PAYLOAD, kind="email", pool=_POOLS[n % len(_POOLS)])
         await committer.submit([Submitted(tid, n, time.monotonic_ns(), spec)])
-        os.write(acks, b"T %d\n" % tid)
+        os.write(acks, b"T %d%s\n" % (tid, where))
         if n % _FINISH_EVERY:
             continue
         await committer.submit([StatusChanged(tid, TaskStatus.RUNNING, 1, time.monotonic_ns())])
-        os.write(acks, b"R %d\n" % tid)
+        os.write(acks, b"R %d%s\n" % (tid, where))
         done = StatusChanged(tid, TaskStatus.SUCCEEDED, 1, time.monotonic_ns())
         await committer.submit([done], [(tid, b"sent")])
-        os.write(acks, b"S %d\n" % tid)
+        os.write(acks, b"S %d%s\n" % (tid, where))
 
 
 async def _standby(args: argparse.Namespace, orders: _Orders) -> None:
@@ -199,10 +204,71 @@ async def _zombie(args: argparse.Namespace, orders: _Orders) -> None:
         await orders.closed.wait()
 
 
+def _host_config(args: argparse.Namespace) -> PgHostConfig:
+    """The demo's timings (:func:`_config`'s), on a pool of four whatever the clusters."""
+    return PgHostConfig(
+        store=_config("public", f"host {args.name}"),
+        control_schema=args.control,
+        group=args.group,
+        max_connections=4,
+        join_settle=0.5,
+    )
+
+
+async def _host(args: argparse.Namespace, orders: _Orders) -> None:
+    """One host process of the fleet variant: lead the group's share of clusters and
+    acknowledge submissions to each, until killed or its stdin closes (then it hands every
+    cluster over). Each lead's recovery goes to ``--recovered`` (``schema epoch id state``)."""
+    acks = os.open(args.acks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    recovered_file = os.open(args.recovered, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    host = await PgHost.connect(os.environ[URL_ENV], _host_config(args))
+
+    async def lead(store: HostedStore) -> None:
+        base = TimeBase.now()
+        state = await store.recover(base)
+        epoch, schema = store.epoch, store.config.schema
+        if epoch is None:  # handed over while recovering (the group balancing)
+            return
+        term = f"{schema} {epoch}"
+        lines = [f"{term} {t.id} {'started' if t.attempt else 'queued'}\n" for t in state.tasks]
+        lines += [f"{term} {t.id} {t.status.value}\n" for t in state.terminal]
+        os.write(recovered_file, "".join(lines).encode())
+        _emit("leading", schema=schema, epoch=epoch, process=host.process_id, t=time.monotonic())
+        where = f" {schema} {epoch} {host.process_id}".encode()
+        try:
+            async with GroupCommitter(store, epoch, base) as committer:
+                numbers = itertools.count()
+                workers = {
+                    asyncio.ensure_future(_submit_forever(committer, epoch, numbers, acks, where))
+                    for _ in range(args.submitters)
+                }
+                lost = asyncio.ensure_future(store.leadership_lost())
+                await asyncio.wait({lost, *workers}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (lost, *workers):
+                    task.cancel()
+                outcomes = await asyncio.gather(*workers, return_exceptions=True)
+        except StoreError:
+            if store.epoch is not None:
+                raise
+            return  # the term ended (handed over): its committer's errors are expected
+        failed = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, StoreError)]
+        if failed:
+            raise failed[0]
+
+    serving = asyncio.ensure_future(host.serve(lead))
+    _emit("serving")
+    try:
+        await orders.closed.wait()
+    finally:
+        await host.close()
+        await serving
+
+
 _ROLES: Mapping[str, Callable[[argparse.Namespace, _Orders], Awaitable[None]]] = {
     "lead": _lead,
     "standby": _standby,
     "zombie": _zombie,
+    "host": _host,
 }
 
 
@@ -222,7 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of a role's process (the orchestrator starts these; people do not)."""
     parser = argparse.ArgumentParser(prog="python -m cronoq_store._demo")
     parser.add_argument("role", choices=sorted(_ROLES))
-    parser.add_argument("--schema", required=True)
+    parser.add_argument("--schema")
+    parser.add_argument("--control")
+    parser.add_argument("--group")
+    parser.add_argument("--name")
     parser.add_argument("--acks")
     parser.add_argument("--recovered")
     parser.add_argument("--submitters", type=int, default=1)

@@ -96,6 +96,7 @@ __all__ = [
     "claim_one",
     "claimable",
     "cluster_host",
+    "cluster_hosts",
     "cluster_list",
     "clusters",
     "control_head",
@@ -116,6 +117,7 @@ __all__ = [
     "missing_leaders",
     "next_process_id",
     "orphan_clusters",
+    "orphan_left",
     "owned_by",
     "owned_digest",
     "owner_counts",
@@ -281,6 +283,21 @@ mark_left = (
 orphan_clusters = (
     update(clusters)
     .where(clusters.c.owner == any_(_ids))
+    .values(owner=null())
+    .returning(clusters.c.host_group, clusters.c.schema_name)
+)
+
+#: The clusters still owned by processes that left are nobody's. A process marks itself
+#: left as it closes, or its survivors bury it; a cluster it owned past that (an older
+#: version's ``leave``, a claim that committed as it was being buried) would otherwise wait
+#: forever, since only members are ever buried. Returns ``host_group``, ``schema_name``.
+orphan_left = (
+    update(clusters)
+    .where(
+        clusters.c.owner.in_(
+            select(processes.c.process_id).where(processes.c.state == _LEFT).scalar_subquery()
+        )
+    )
     .values(owner=null())
     .returning(clusters.c.host_group, clusters.c.schema_name)
 )
@@ -905,3 +922,15 @@ def run_environment(context: EnvironmentContext) -> None:
         )
         with context.begin_transaction():
             context.run_migrations()
+
+
+# --- what the console reads ------------------------------------------------------------------
+
+#: The control rows of every schema in ``:schemas`` that has one, each with the columns of
+#: :data:`cluster_host` and its ``schema_name``: a page of the console's overview in one
+#: statement, however many of its clusters a host group leads.
+cluster_hosts = (
+    select(clusters.c.schema_name, *cluster_host.selected_columns)
+    .select_from(*cluster_host.get_final_froms())
+    .where(clusters.c.schema_name == any_(bindparam("schemas", type_=ARRAY(Text))))
+)

@@ -11,7 +11,9 @@ no commit of an earlier owner lands after a claim, whichever process it comes fr
 
 For each cluster it leads, the host gives the application a :class:`HostedStore`: today's
 ``PgStore`` API (epoch, ``recover``, ``commit``, ``GroupCommitter``, ``leadership_lost``),
-one object per term. Its commits go through the host's pool, one transaction each.
+one object per term. Its commits go through the host's commit bus
+(:mod:`cronoq_store._host.bus`), several clusters' in one transaction, each fenced by its
+own epoch.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ from .._retry import acquisition_backoff, pause
 from .._schema import schema_options
 from .._store import PgStore
 from .._urls import redact, resolve
-from ..telemetry import DISABLED
-from ..telemetry import resolve as resolve_telemetry
+from ..telemetry import DISABLED, resolve_group
 from . import balance, control
+from .bus import CommitBus
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -77,9 +79,17 @@ class PgHostConfig:
     group: str = "default"
     #: The schema of the host groups' control tables, one per database.
     control_schema: str = "cronoq_host"
-    #: The pool shared by every cluster this process leads. At most half this many clusters
-    #: recover at once, on an application's engine too.
+    #: The pool shared by every cluster this process leads. Commits take half of it, each
+    #: connection writing the commits of several clusters in one transaction; clusters
+    #: gained together recover on all but one of the rest at once, and reads take the
+    #: last (:func:`pool_split`).
     max_connections: int = 8
+    #: At most this many commits, of any clusters, share one transaction (one WAL flush).
+    clusters_per_commit: int = 16
+    #: Prepared statements each pooled session keeps (with its own pool, :meth:`PgHost.connect`):
+    #: a commit session serves its share of the clusters, a few statements each. Each costs
+    #: the server about 125 KiB while kept; one not kept is prepared again at each use.
+    statement_cache: int = 1024
     #: At most this many clusters handed over at once when giving up a share.
     max_releases: int = 16
     #: How long the application's ``lead`` may take to return once its cluster is lost,
@@ -96,6 +106,10 @@ class PgHostConfig:
             raise ValueError("group: 1 to 63 bytes, no NUL")
         if self.max_connections < 1:
             raise ValueError("max_connections: at least 1")
+        if self.clusters_per_commit < 1:
+            raise ValueError("clusters_per_commit: at least 1")
+        if self.statement_cache < 0:
+            raise ValueError("statement_cache: not negative")
         if self.max_releases < 1:
             raise ValueError("max_releases: at least 1")
         if self.handover_grace < 0:
@@ -105,6 +119,19 @@ class PgHostConfig:
     def settle(self) -> float:
         """Seconds a new process waits before claiming: ``join_settle``, or its default."""
         return cool_down(self.store) if self.join_settle is None else self.join_settle
+
+
+def pool_split(max_connections: int) -> tuple[int, int]:
+    """How a host's pool of ``max_connections`` is shared: ``(lanes, recoveries)``.
+
+    The commit bus keeps half of it as lanes, each writing several clusters' commits per
+    transaction; the clusters the host gains together recover at once on all but one of
+    the rest, so their recoveries never wait at the pool for a lane's connection (past the
+    pool's timeout they failed, and their clusters were handed over), and the last one is
+    left to the application's reads. With a pool of 8: 4 lanes, 3 recoveries, 1 read.
+    """
+    lanes = max(1, max_connections // 2)
+    return lanes, max(1, max_connections - lanes - 1)
 
 
 class _Term:
@@ -165,8 +192,8 @@ class HostedStore(PgStore):
     pool. ``acquire_leadership`` returns this term's epoch, or raises ``FencedError`` once
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
-    ``recover`` takes its turn: half the host's pool recovers at once at most, so the
-    commits of the clusters it leads already keep the other half.
+    ``recover`` takes its turn: a few recover at once (:func:`pool_split`), so the commits
+    of the clusters the host leads already keep their lanes.
     """
 
     def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
@@ -235,11 +262,22 @@ class PgHost:
         self._stuck_checked_at = 0.0
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
-        # Recoveries at once: half the pool, so that commits always find the other half.
-        self._recoveries = asyncio.Semaphore(max(1, config.max_connections // 2))
+        lanes, recoveries = pool_split(config.max_connections)
+        # Recoveries at once: those of clusters gained together never take the lanes'
+        # connections, nor the last one, which the application's reads need.
+        self._recoveries = asyncio.Semaphore(recoveries)
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
-        self._telemetry = resolve_telemetry(config.group)
+        self._telemetry = resolve_group(config.group)
+        # Every hosted store's commits; an application's pool is not the host's to hold
+        # connections of, as for a PgStore.
+        self._bus = CommitBus(
+            engine,
+            lanes=lanes,
+            hold=owns_engine and config.max_connections >= 3,
+            group_size=config.clusters_per_commit,
+            timeout=config.store.commit_timeout,
+        )
 
     # --- construction -----------------------------------------------------------------
 
@@ -249,7 +287,7 @@ class PgHost:
         dialled from it; the control schema is migrated first."""
         config = config or PgHostConfig()
         store = replace(config.store, max_connections=config.max_connections)
-        engine = door.own_engine(url, store)
+        engine = door.own_engine(url, store, statement_cache=config.statement_cache)
         try:
             await control.prepare_control(engine, config.control_schema)
             instance = secrets.token_hex(4)
@@ -276,11 +314,11 @@ class PgHost:
         lock_url: str | URL | None = None,
     ) -> PgHost:
         """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
-        ``max_connections`` does not size it (half of it still bounds the recoveries at
-        once), and :meth:`close` leaves the engine open. The host session is dialled from
-        ``lock_url`` when given (a direct server URL, as for ``PgStore.from_engine``), else
-        made as the engine makes its own connections, on a pool of its own that hands out
-        none of the application's sessions."""
+        ``max_connections`` does not size it (it still sets the commit lanes and the
+        recoveries at once, :func:`pool_split`), and :meth:`close` leaves the engine open.
+        The host session is dialled from ``lock_url`` when given (a direct server URL, as
+        for ``PgStore.from_engine``), else made as the engine makes its own connections, on
+        a pool of its own that hands out none of the application's sessions."""
         config = config or PgHostConfig()
         if engine.dialect.driver != "asyncpg":
             raise ValueError(
@@ -318,6 +356,7 @@ class PgHost:
             # Each cancels its lead at the end of its grace; one that ignores the
             # cancellation is left behind rather than holding the close forever.
             await asyncio.wait(set(self._reapers), timeout=self._config.handover_grace + 1)
+        await self._bus.close()
         await self._lock_engine.dispose()
         if self._owns_engine:
             await self._engine.dispose()
@@ -681,6 +720,15 @@ class PgHost:
         live = [m for m in members if m not in dead]
         await self._end_stuck(session, [m for m in live if m != me])
         counts = await session.counts()
+        if any(owner is not None and owner not in members for owner in counts):
+            # Only members are buried: clusters a process kept past leaving are freed here.
+            freed = await session.orphan_left()
+            if freed:
+                logger.warning(
+                    "clusters owned by processes that left are unowned",
+                    extra={"group": self._config.group, "clusters": len(freed)},
+                )
+                counts = await session.counts()
         total = sum(counts.values())
         targets = balance.targets(live, total)
         target = targets.get(me, 0)
@@ -812,6 +860,7 @@ class PgHost:
             term=term,
             telemetry=self._telemetry,
             recoveries=self._recoveries,
+            carrier=self._bus,
         )
         led = _Led(store, term, claim.epoch)
         self._led[schema] = led

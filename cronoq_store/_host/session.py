@@ -362,8 +362,15 @@ class HostSession:
         )
 
     async def leave(self) -> None:
-        """Mark this process left: it leads nothing and never will under this id."""
-        await self._run(control.mark_left, {"ids": [self.process_id]})
+        """Mark this process left and its clusters unowned, in one transaction: it leads
+        nothing and never will under this id (a term it still had is fenced by the next
+        claim's epoch, as after any death)."""
+        await self.bury([self.process_id])
+
+    async def orphan_left(self) -> list[str]:
+        """Free the clusters still owned by processes that left; their names."""
+        rows = await self._run(control.orphan_left)
+        return [str(r.schema_name) for r in rows]
 
     async def close(self) -> None:
         """End the session; the server frees the process lock with it."""

@@ -34,8 +34,17 @@ STEP_DOWN_WITHIN = 3 * SESSION_TIMEOUT
 #: Room for a loaded two-core machine on top of a guarantee's own figure (seconds).
 MARGIN = 5.0
 #: The server ends a silent host session after its idle limit (1.5 x session_timeout);
-#: the survivors see its lock free within lock_poll, then claim and recover.
+#: the survivors see its lock free within lock_poll and claim its clusters (the bound is on
+#: the claims, by the server's clock: the recoveries that follow are the application's, and
+#: a loaded machine stretches them).
 TAKEOVER_WITHIN = 1.5 * SESSION_TIMEOUT + STORE.lock_poll + MARGIN
+#: The same when a commit of the cut-off process is stuck mid-statement, holding the leader
+#: table: no server limit ends it, so a claim ends it once it is older than any commit
+#: could be (max(commit_timeout, 1.5 x session_timeout)); with late commits, the first
+#: test's cut-off process may leave one.
+TAKEOVER_PAST_STUCK_WITHIN = (
+    max(STORE.commit_timeout, 1.5 * SESSION_TIMEOUT) + STORE.lock_poll + MARGIN
+)
 #: The cut-off process's commits wait this long: a commit sent into the stall is still
 #: waiting when the path resumes, so the database's fence answers it, not a local timeout.
 VICTIM_COMMIT_TIMEOUT = 60.0
@@ -119,7 +128,7 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
                     survivors_lead,
                     lambda led: {r["schema"] for r in led} >= set(cut_off),
                     "the survivors to lead every cluster of the cut-off process",
-                    within=TAKEOVER_WITHIN + PATIENCE / 2,
+                    within=TAKEOVER_PAST_STUCK_WITHIN + PATIENCE / 2,
                 )
             except AssertionError as failed:
                 raise AssertionError(f"{failed}\n{await diagnosis(fleet, cut_off)}") from None
@@ -132,13 +141,16 @@ async def test_a_cut_off_process_steps_down_before_its_clusters_move_and_none_of
             # The same from the server's side: each claim's epoch bump (its leadership
             # history row, stamped by the server's clock in the claim's transaction) came
             # after the step-down. Every process runs on this machine: one clock.
+            claims = {}
             for schema, epoch in terms.items():
-                claimed = await claimed_at(fleet.url, schema, epoch)
-                assert claimed > down_at[schema], (schema, claimed, down_at[schema])
-                timings.setdefault("first_claim_s", claimed - stalled)
-                timings["first_claim_s"] = min(timings["first_claim_s"], claimed - stalled)
-            # 2. The standalone bound for a silent leader.
-            assert timings["takeover_s"] <= TAKEOVER_WITHIN, timings
+                claims[schema] = await claimed_at(fleet.url, schema, epoch)
+                assert claims[schema] > down_at[schema], (schema, claims, down_at[schema])
+            timings["first_claim_s"] = min(claims.values()) - stalled
+            timings["claimed_s"] = max(claims.values()) - stalled
+            # 2. The bound for a silent leader, on the claims: the standalone one unless a
+            # late commit was stuck mid-statement.
+            assert timings["first_claim_s"] <= TAKEOVER_WITHIN, timings
+            assert timings["claimed_s"] <= TAKEOVER_PAST_STUCK_WITHIN, timings
             owners = await fleet.owners()
             assert victim_id not in owners.values(), owners
 

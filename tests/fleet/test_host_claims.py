@@ -105,12 +105,13 @@ async def _refused(fleet: Fleet, schema: str) -> bool:
     return (await _control_rows(fleet))[schema]["state"] == "refused"
 
 
-async def test_recoveries_of_clusters_gained_together_leave_commits_half_the_pool(
+async def test_recoveries_of_clusters_gained_together_leave_commits_a_connection(
     fleet: Fleet,
 ) -> None:
-    """Clusters gained together recover in turns, on half the host's pool at most: while
-    recoveries wait (here for tables an operator locked), the commits of another cluster
-    still find a connection, where recoveries holding every one would fail them."""
+    """Clusters gained together recover a few at a time, never on the commit lanes'
+    connections: while recoveries wait (here for tables an operator locked), the commits of
+    another cluster still find a connection, where recoveries holding every one would fail
+    them. A pool of 2 is one lane and one recovery."""
     slow, slower, quick = fleet.clusters(3)
     await _enrolled(fleet, [slow, slower, quick])
     committed = asyncio.get_running_loop().create_future()

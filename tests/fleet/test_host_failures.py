@@ -391,3 +391,45 @@ async def test_a_lost_session_is_not_logged_as_clusters_taken(
         )
     taken = [r for r in caplog.records if "taken from this process" in r.getMessage()]
     assert not taken, f"{len(taken)} ERROR lines for a cluster lost with the session"
+
+
+async def test_clusters_of_a_process_that_left_are_led_by_the_others(fleet: Fleet) -> None:
+    """A process that closes hands its clusters to the others even while a lead ignores its
+    cancellation; and a cluster still owned by a process that left (an older version's
+    close, a claim committed as its process was buried) is freed, where only members are
+    ever buried: before, it stayed owned by the left id and nobody led it."""
+    one, two = fleet.clusters(2)
+    host = await PgHost.connect(fleet.url, config(fleet, "leaving", handover_grace=0.2))
+    unstick = asyncio.Event()
+    leads: list[str] = []
+
+    async def lead(store: HostedStore) -> None:
+        leads.append(store.config.schema)
+        while not unstick.is_set():
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(unstick.wait(), 1)
+
+    await host.enroll([one, two])
+    task = asyncio.ensure_future(host.serve(lead))
+    try:
+        await until(lambda: len(leads) == 2, "the leaving host to lead both clusters")
+        left = host.process_id
+        await asyncio.wait_for(host.close(), 30)
+        assert await fleet.owners() == {one: None, two: None}
+        await admin_execute(
+            fleet.url,
+            f'UPDATE "{fleet.control}".clusters SET owner = $1 WHERE schema_name = $2',
+            left,
+            two,
+        )
+        async with serving(fleet.url, config(fleet, "staying")) as other:
+            owners = await until_value(
+                fleet.owners,
+                lambda o: set(o.values()) == {other.host.process_id},
+                "the staying host to own both clusters",
+            )
+            assert set(owners) == {one, two}
+            await until(lambda: len(other.gained) == 2, "the staying host to lead both")
+    finally:
+        unstick.set()
+        await asyncio.wait({task}, timeout=30)

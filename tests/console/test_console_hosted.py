@@ -1,0 +1,173 @@
+"""The console on clusters a host group leads (a real ``PgHost`` serving them): the overview
+and the cluster page say each is hosted and by which host process, live exactly while its
+process lock is held; the cluster page says what its ``leader_lock`` is; the JSON carries
+``status --json``'s ``mode`` and ``host`` and ``health --json`` as the CLI prints them; a
+page's owners are read in one statement, not one per cluster; and what a control row holds
+reaches the page as text, the terminal without its controls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from cronoq_store._console import reads
+from cronoq_store._console.source import Source
+from cronoq_store._host.control import LOCK_NS_HOST
+from cronoq_store._migrations import upgrade
+from cronoq_store._urls import async_url
+
+from ..fleet.conftest import Fleet, fleet
+from ..fleet.hosts import config, serving
+from ..pgharness import admin_execute
+from ..support import full, run
+from ..waits import PATIENCE, until
+from .conftest import Console, fetch, shots, start_console, stop_console, text_of
+
+__all__ = ["fleet"]  # the fixture, imported for the tests of this file
+
+#: What a role writing the control schema could leave in a process row.
+HOSTILE_APP = "<script>alert(4)</script>\x1b[2J\u202eowned"
+
+
+@pytest.fixture
+def console_on(fleet: Fleet, tmp_path: Path) -> Iterator[Console]:
+    """The console reading owners in the fleet's control schema; pages do not refresh."""
+    console = start_console(
+        fleet.url, tmp_path, "--refresh", "3600", "--control-schema", fleet.control
+    )
+    try:
+        yield console
+    finally:
+        stop_console(console)
+
+
+async def cli_json(fleet: Fleet, schema: str, command: str) -> Any:
+    result = await run(
+        "--url", full(fleet.url), "--schema", schema, command, "--json",
+        "--control-schema", fleet.control,
+    )  # fmt: skip
+    return json.loads(result.stdout)
+
+
+def statements_naming(seen: list[str], table: str) -> list[str]:
+    return [s for s in seen if table in s.replace('"', "")]
+
+
+async def test_the_overview_and_json_say_hosted_by_whom_as_the_cli_does(
+    fleet: Fleet, console_on: Console
+) -> None:
+    hosted = fleet.clusters(3)
+    alone = f"{fleet.prefix}_alone"
+    engine = create_async_engine(async_url(fleet.url))
+    try:
+        await upgrade(engine, alone)
+    finally:
+        await engine.dispose()
+    async with serving(fleet.url, config(fleet, "console-host"), hosted) as served:
+        await until(lambda: len(served.host.led()) == 3, "the host to lead its clusters")
+        pid = served.host.process_id
+        await admin_execute(
+            fleet.url,
+            f'UPDATE "{fleet.control}".processes SET application_name = $1 WHERE process_id = $2',
+            HOSTILE_APP,
+            pid,
+        )
+        query = urlencode({"q": fleet.prefix, "format": "json"})
+        overview = (await fetch(f"{console_on.base}/?{query}")).json()
+        shown = {c["schema"]: c for c in overview["clusters"]}
+        assert sorted(shown) == sorted([*hosted, alone])
+        assert shown[alone]["mode"] == "standalone"
+        assert "host" not in shown[alone]
+        for schema in hosted:
+            status = await cli_json(fleet, schema, "status")
+            assert shown[schema]["mode"] == status["mode"] == "hosted"
+            assert shown[schema]["host"] == status["host"]
+            assert shown[schema]["health"] == await cli_json(fleet, schema, "health")
+            assert shown[schema]["host"]["live"] is True
+            assert shown[schema]["host"]["process"]["process_id"] == pid
+        page = (await fetch(f"{console_on.base}/clusters/{hosted[0]}?format=json")).json()
+        assert page["summary"]["host"] == shown[hosted[0]]["host"]
+
+        html = (await fetch(f"{console_on.base}/?q={fleet.prefix}")).text()
+        assert "&lt;script&gt;alert(4)" in html
+        assert "<script>alert(4)" not in html
+        assert "\x1b" not in html
+        assert "\u202e" not in html
+        text = await run(
+            "--url", full(fleet.url), "--schema", hosted[0], "status",
+            "--control-schema", fleet.control,
+        )  # fmt: skip
+        assert "alert(4)" in text.stdout
+        assert "\x1b" not in text.stdout
+        assert "\u202e" not in text.stdout
+
+        # The page's owners: one statement on the control table, whatever the clusters.
+        source = Source(full(fleet.url), control_schema=fleet.control)
+        seen: list[str] = []
+        event.listen(
+            source.engine.sync_engine,
+            "before_cursor_execute",
+            lambda conn, cursor, statement, *rest: seen.append(statement),
+        )
+        try:
+            doc = await reads.overview(source, fleet.prefix)
+        finally:
+            await source.close()
+        assert [c["mode"] for c in doc["clusters"]] == ["hosted", "hosted", "hosted", "standalone"]
+        assert len(statements_naming(seen, f"{fleet.control}.clusters")) == 1
+
+
+def wait_for(browser: webdriver.Chrome, css: str) -> None:
+    WebDriverWait(browser, PATIENCE).until(
+        lambda b: b.find_elements(By.CSS_SELECTOR, css), f"no {css}"
+    )
+
+
+SHOWN = ("dd.mode", "dd.leader", "#host-owner", "#host-process", "#host-live")
+
+
+async def test_the_cluster_page_names_the_process_its_lock_and_whether_it_lives(
+    fleet: Fleet, console_on: Console, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    (schema,) = fleet.clusters(1)
+    page = f"{console_on.base}/clusters/{schema}"
+
+    def look(shot: str) -> dict[str, str]:
+        browser.get(page)
+        wait_for(browser, "#hosted")
+        browser.save_screenshot(str(shots(tmp_path) / shot))
+        return {css: text_of(browser, css) for css in (*SHOWN, "#leader-lock-meaning")}
+
+    async with serving(fleet.url, config(fleet, "console-host"), [schema]) as served:
+        await until(lambda: len(served.host.led()) == 1, "the host to lead the cluster")
+        pid, instance = served.host.process_id, served.host.instance
+        lock = f"({LOCK_NS_HOST}, {pid})"
+        assert served.host.led()[schema].leader_lock == (LOCK_NS_HOST, pid)
+        led = await asyncio.to_thread(look, "hosted.png")
+    assert led["dd.mode"] == f"hosted (group {fleet.group})"
+    assert led["dd.leader"].startswith(f"host process {pid}, instance {instance}, ")
+    assert led["dd.leader"].endswith("; live: its process lock is held")
+    assert led["#host-owner"].startswith(f"host process {pid}, since ")
+    assert f"host process {pid}, instance {instance}, " in led["#host-process"]
+    assert led["#host-live"].startswith(f"yes: its process lock {lock} is held by backend pid ")
+    meaning = led["#leader-lock-meaning"]
+    assert "HostedStore.leader_lock) reports its host process's lock" in meaning
+    assert f"here {lock}" in meaning
+
+    # The host closed: it released the cluster, and its process lock is free.
+    gone = await asyncio.to_thread(look, "hosted-released.png")
+    assert gone["dd.leader"].startswith("none: no live host process owns it; last owner host ")
+    assert f"process {pid}, instance {instance}, released it " in gone["dd.leader"]
+    assert gone["#host-owner"] == "none"
+    assert gone["#host-live"] == f"no: its process lock {lock} is free, the process is gone"
