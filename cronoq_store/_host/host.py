@@ -82,7 +82,7 @@ class PgHostConfig:
     #: The pool shared by every cluster this process leads. Commits take half of it, each
     #: connection writing the commits of several clusters in one transaction; clusters
     #: gained together recover on all but one of the rest at once, and reads take the
-    #: last (:func:`pool_split`).
+    #: last: with 8, 4 lanes, 3 recoveries and 1 read.
     max_connections: int = 8
     #: At most this many commits, of any clusters, share one transaction (one WAL flush).
     clusters_per_commit: int = 16
@@ -192,8 +192,8 @@ class HostedStore(PgStore):
     pool. ``acquire_leadership`` returns this term's epoch, or raises ``FencedError`` once
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
-    ``recover`` takes its turn: a few recover at once (:func:`pool_split`), so the commits
-    of the clusters the host leads already keep their lanes.
+    ``recover`` takes its turn: a few recover at once (``PgHostConfig.max_connections``),
+    so the commits of the clusters the host leads already keep their lanes.
     """
 
     def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
@@ -315,7 +315,7 @@ class PgHost:
     ) -> PgHost:
         """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
         ``max_connections`` does not size it (it still sets the commit lanes and the
-        recoveries at once, :func:`pool_split`), and :meth:`close` leaves the engine open.
+        recoveries at once), and :meth:`close` leaves the engine open.
         The host session is dialled from ``lock_url`` when given (a direct server URL, as
         for ``PgStore.from_engine``), else made as the engine makes its own connections, on
         a pool of its own that hands out none of the application's sessions."""
