@@ -418,8 +418,10 @@ _pg_locks_relation = table(
 #: End the sessions that hold ``:schema``'s leader table while stuck mid-statement for longer
 #: than ``:seconds`` (``active``, ``ClientRead``): a commit of a process cut off in the middle
 #: of its extended-protocol exchange, which no idle limit ends, and whose fence's share lock
-#: would keep every claim of the cluster waiting for as long as the path stays silent. Its
-#: client gave up on it after ``commit_timeout``; ``:seconds`` is longer. Returns the pids.
+#: would keep every claim of the cluster waiting for as long as the path stays silent.
+#: ``:seconds`` is what a silent host session is given (``1.5 x session_timeout``): a path
+#: that silent mid-message is a dead process's or a cut-off one's, which stepped down, and
+#: ending the session rolls back a commit never acknowledged. Returns the pids.
 end_stuck_holders = (
     select(_pg_stat_activity.c.pid, func.pg_terminate_backend(_pg_stat_activity.c.pid))
     .select_from(

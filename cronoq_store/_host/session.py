@@ -263,9 +263,10 @@ class HostSession:
                 return Claim(schema, int(epoch), int(row.incarnation), int(oid))
         except LockHeldError:
             # Commits in flight hold the leader table: they land, and the claim comes at the
-            # next round; those stuck mid-statement past any commit's bound never land, and
-            # are ended so that the next round can claim.
-            stuck = max(self._config.commit_timeout, 1.5 * self._config.session_timeout)
+            # next round. Those stuck mid-statement as long as a dead process's host session
+            # takes to end are ended, so that the next round can claim: nothing they hold
+            # was acknowledged.
+            stuck = 1.5 * self._config.session_timeout
             ended = await self._run(control.end_stuck_holders, {"schema": schema, "seconds": stuck})
             pids = [int(r.pid) for r in ended]
             if pids:
