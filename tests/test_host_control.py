@@ -87,7 +87,7 @@ async def test_the_cluster_migrations_do_not_see_the_host_revisions() -> None:
     cluster = {s.revision for s in ScriptDirectory(str(cluster_scripts())).walk_revisions()}
     host = {s.revision for s in ScriptDirectory(str(c.script_location())).walk_revisions()}
     assert c.script_location() == cluster_scripts() / "host"
-    assert host == {"h0001_control"}
+    assert host == {"h0001_control", "h0002_moving"}
     assert not cluster & host
     assert head_revision() in cluster
 
