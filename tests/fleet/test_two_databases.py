@@ -128,8 +128,10 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         assert epoch is not None
         for n in range(3):
             await commit_one(old, n)
-        # Ids issued and pruned: the leader row's high-water mark is past every stored id.
-        high = task_id(epoch, 1000)
+        # The leader row's high-water mark past every stored id and past the ids of the
+        # epoch the target's first claim takes (as after the epoch wrapped): only the
+        # mark keeps the target from issuing ids below it.
+        high = task_id(epoch + 3, 7)
         await admin_execute(fleet.url, f'UPDATE "{schema}".cronoq_leader SET max_id = {high}')
         code, said = await move_cli(fleet, west, schema)
         assert code == 0, said
