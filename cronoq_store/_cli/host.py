@@ -25,7 +25,6 @@ from .._errors import MigrationError, StoreError
 from .._host import control
 from .._host import move as moving
 from .._host.host import PgHost, PgHostConfig
-from .._terminal_safe import visible
 from .._trust import refuse_untrusted
 from .._urls import redact, scrub
 from . import database, hosted, output
@@ -423,14 +422,12 @@ async def _move(
             control_schema=control_schema,
             trusted_triggers=options.trusted_triggers,
             drop_source=drop_source,
-            said=lambda line: console.print(visible(scrub(line, urls))),
+            said=lambda line: console.print(scrub(line, urls)),
         )
     except StoreError as error:
         raise CliError(scrub(str(error), urls), code_of(error)) from None
     finally:
         for engine in engines:
             await engine.dispose()
-    console.print(
-        f"moved: schema {schema} in host group {group} to {redact(target)} "
-        f"(epoch {report.epoch}, max id {report.max_id})"
-    )
+    carried = "" if report.max_id is None else f" (epoch {report.epoch}, max id {report.max_id})"
+    console.print(f"moved: schema {schema} in host group {group} to {redact(target)}{carried}")

@@ -108,10 +108,11 @@ class MoveError(StoreError):
 
 @dataclass(frozen=True, slots=True)
 class MoveReport:
-    """A move's outcome: the epoch and ``max_id`` carried over, rows per table copied."""
+    """A move's outcome: the epoch and ``max_id`` carried over (``None`` when a move that
+    had ended was run again), rows per table copied by this run."""
 
-    epoch: int
-    max_id: int
+    epoch: int | None
+    max_id: int | None
     rows: dict[str, int]
 
 
@@ -120,9 +121,9 @@ _schema_name = bindparam("schema", type_=Text)
 _clusters = control.clusters
 _this = (_clusters.c.host_group == _group) & (_clusters.c.schema_name == _schema_name)
 
-#: The cluster's control row, locked (``state``, ``incarnation``, ``refused_why``).
+#: The cluster's control row, locked (``state``, ``incarnation``, ``refused_why``, ``epoch``).
 _control_row = (
-    select(_clusters.c.state, _clusters.c.incarnation, _clusters.c.refused_why)
+    select(_clusters.c.state, _clusters.c.incarnation, _clusters.c.refused_why, _clusters.c.epoch)
     .where(_this)
     .with_for_update()
 )
@@ -244,9 +245,10 @@ async def _steps(
     if row is None:
         raise MoveError(f"schema {schema!r} is not enrolled in host group {group!r} in the source")
     if row.state == _MOVED:
-        said(f"already moved: {row.refused_why}")
-        leader_row = await _leader(source, schema)
-        return MoveReport(leader_row.epoch, leader_row.max_id, {})
+        said(f"already {row.refused_why}")
+        if drop_source:
+            await _drop(source, schema, said)
+        return MoveReport(row.epoch, None, {})
     if row.state == _MOVING and row.refused_why != _moving_to(to):
         raise MoveError(
             f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
@@ -259,9 +261,13 @@ async def _steps(
                 f"the target database holds a schema {schema!r} already: drop or rename it "
                 "there first (nothing was frozen)"
             )
+        # Before the freeze: a cluster that cannot be copied is not taken from its owner.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
         epoch = await _freeze(source, schema, group, control_schema, barrier_bound, to)
         said(f"frozen in the source at epoch {epoch}: every later commit of its owner is fenced")
+    elif arrived is None:
+        # Resumed before the copy: it reads the source's schema as it stands now.
+        await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
     rows: dict[str, int] = {}
     if arrived is None:
         rows = await _copy(source, target, schema, trusted_triggers)
@@ -290,10 +296,14 @@ async def _steps(
         )
     said("tombstoned in the source: no host or store leads it there")
     if drop_source:
-        async with door.translated(f"dropping schema {schema!r}"), source.begin() as c:
-            await c.execute(DropSchema(schema, cascade=True, if_exists=True))
-        said(f"dropped schema {schema!r} in the source")
+        await _drop(source, schema, said)
     return MoveReport(source_leader.epoch, source_leader.max_id, rows)
+
+
+async def _drop(source: AsyncEngine, schema: str, said: Callable[[str], None]) -> None:
+    async with door.translated(f"dropping schema {schema!r}"), source.begin() as c:
+        await c.execute(DropSchema(schema, cascade=True, if_exists=True))
+    said(f"dropped schema {schema!r} in the source")
 
 
 def _moving_to(to: str) -> str:

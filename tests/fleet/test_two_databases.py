@@ -13,11 +13,10 @@ import pytest
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import FencedError, StoreError
+from cronoq_store import ClusterRef, FencedError, MultiDatabaseHost, StoreError
 from cronoq_store._cli import database
 from cronoq_store._domain import TimeBase, task_id
 from cronoq_store._host import move as moving
-from cronoq_store._host.databases import ClusterRef, MultiDatabaseHost
 from cronoq_store._host.host import HostedStore
 
 from ..pgharness import EmbeddedServer, admin_execute, asyncpg_dsn
@@ -148,6 +147,9 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         await commit_one(new, 4)
         assert schema not in east.host.led()
         assert await state_in_control(fleet, schema) == "moved"
+        code, said = await move_cli(fleet, west, schema)
+        assert code == 0, said
+        assert "already moved to" in said
         stored = await admin_execute(
             fleet.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
         )
