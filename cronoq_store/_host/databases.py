@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 
 from .. import _door as door
 from .._config import validate_schema_name
-from .._errors import StoreError, UnavailableError
+from .._errors import StoreError
 from .._retry import acquisition_backoff, pause
 from .._urls import redact
 from . import control
@@ -187,9 +187,8 @@ class MultiDatabaseHost:
         is refused (``StoreError``) unless ``allow_duplicate_names``: two clusters of one
         name are legal (:class:`ClusterRef` keeps them apart) but are more often a cluster
         enrolled twice by mistake. Moved-away tombstones (``host move``) do not count. The
-        check needs every other database to answer (``UnavailableError`` otherwise); it
-        guards against mistakes and is no lock: two enrolments at once in two databases
-        both pass it."""
+        check guards against mistakes and is no lock: a database that does not answer is
+        skipped (logged), and two enrolments at once in two databases both pass it."""
         db = self._database(database)
         names = [schemas] if isinstance(schemas, str) else list(schemas)
         for name in names:
@@ -206,11 +205,14 @@ class MultiDatabaseHost:
             await self._connected(other)
             found = await self._enrolled_among(other.url, names)
         except (StoreError, OSError, asyncio.TimeoutError) as error:
-            raise UnavailableError(
-                f"cannot check database {other.label!r} for clusters named as those enrolled "
-                f"in {into!r}: {error}; enroll once it answers, or allow duplicate names",
-                reconnect=False,
-            ) from error
+            # Refusing here would keep an application that enrolls at its start from
+            # leading any database while one is down; the check is no lock anyway.
+            logger.warning(
+                "cannot check a database of the host for clusters of the same names; "
+                "enrolling them anyway",
+                extra={"database": other.label, "into": into, "error": str(error)},
+            )
+            return
         if found:
             raise StoreError(
                 f"schema {', '.join(map(repr, found))} is enrolled in host group "

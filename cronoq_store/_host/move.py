@@ -49,6 +49,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import DropSchema
 
+from .. import _catalog as catalog
 from .. import _door as door
 from .. import _migrations as migrations
 from .. import _statements as st
@@ -62,6 +63,7 @@ from .._schema import (
     schema_options,
     tasks,
 )
+from .._trust import refuse_untrusted
 from .._urls import redact
 from . import control
 
@@ -254,7 +256,7 @@ async def _steps(
             f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
             "with its own --to"
         )
-    arrived = await _arrival(target, schema, group, control_schema)
+    arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
     if row.state != _MOVING:
         if arrived is not None:
             raise MoveError(
@@ -319,33 +321,40 @@ async def _leader(engine: AsyncEngine, schema: str) -> Any:
     return row
 
 
-async def _arrival(target: AsyncEngine, schema: str, group: str, control_schema: str) -> str | None:
-    """The target's schema's leader mark (``None``: no such schema); a schema that holds no
-    leader row reads as a foreign one."""
+async def _arrival(
+    target: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str],
+) -> str | None:
+    """The mark on the leader row of the target's ``schema`` (``None``: no such schema;
+    the group: this move's copy enrolled; ``""``: a schema that holds no cluster, or one
+    the group does not list). Read only once the trust check passed: the schema may be
+    anyone's, and its relations run their owners' code for whoever reads them."""
+    in_control = control.control_options(control_schema)
     async with door.translated(f"reading schema {schema!r} in the target"), target.connect() as c:
-        oid = (await c.execute(st.schema_oid, {"schema": schema})).scalar()
-        if oid is None:
-            return None
         try:
-            row = (await c.execute(_leader_row, execution_options=schema_options(schema))).first()
-        except Exception:
-            return ""
+            if (await c.execute(st.schema_oid, {"schema": schema})).scalar() is None:
+                return None
+            await c.run_sync(
+                lambda sync: refuse_untrusted(
+                    sync, schema, trusted_triggers, tables=st.CLUSTER_TABLES
+                )
+            )
+            looking = {"schema": schema, "name": leader.name}
+            if not (await c.execute(catalog.relation_exists, looking)).scalar():
+                return ""
+            found = (await c.execute(_leader_row, execution_options=schema_options(schema))).first()
+            if found is None:
+                return ""
+            if found.host_group != group:
+                return str(found.host_group or "")
+            names = {"group": group, "schema": schema}
+            listed = (await c.execute(_control_row, names, execution_options=in_control)).first()
+            return group if listed is not None else ""
         finally:
             await c.rollback()
-    if row is None:
-        return ""
-    if row.host_group == group:
-        async with target.connect() as c:
-            listed = (
-                await c.execute(
-                    _control_row,
-                    {"group": group, "schema": schema},
-                    execution_options=control.control_options(control_schema),
-                )
-            ).first()
-            await c.rollback()
-        return group if listed is not None else ""
-    return str(row.host_group or "")
 
 
 async def _freeze(

@@ -20,7 +20,7 @@ from cronoq_store._host import move as moving
 from cronoq_store._host.host import HostedStore
 
 from ..pgharness import EmbeddedServer, admin_execute, asyncpg_dsn
-from ..support import full, run
+from ..support import full, run, unused_port
 from ..test_cli_fleet import no_password
 from ..waits import until
 from .conftest import Fleet
@@ -61,9 +61,12 @@ async def test_one_process_leads_two_databases_and_outlives_one_stopped(
     fleet: Fleet, west: Fleet, west_server: EmbeddedServer
 ) -> None:
     a, b, c = fleet.clusters(3)
-    placed = {"east": fleet.url, "west": west.url}
+    # A third database that never answers: the others are led all the same.
+    north = fleet.url.set(port=unused_port())
+    placed = {"east": fleet.url, "west": west.url, "north": north}
     host = await MultiDatabaseHost.connect(placed, config(fleet, "placed"))
     led = Led()
+    task = None
     try:
         await host.enroll([a, b], "east")
         await host.enroll(c, "west")
@@ -75,6 +78,8 @@ async def test_one_process_leads_two_databases_and_outlives_one_stopped(
         task = asyncio.ensure_future(host.serve(led.lead))
         await until(lambda: sorted(host.led()) == serving, "both databases' clusters led")
         assert sorted(led.gained) == serving
+        assert host.host("north") is None
+        assert host.process_ids["north"] is None
         before = dict(host.led())
         west_server.stop()
         await until(
@@ -91,7 +96,8 @@ async def test_one_process_leads_two_databases_and_outlives_one_stopped(
         await commit_one(again, 7)
     finally:
         await host.close()
-    await asyncio.wait({task})
+        if task is not None:
+            await asyncio.wait({task})
 
 
 @asynccontextmanager
