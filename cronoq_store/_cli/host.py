@@ -230,7 +230,7 @@ def _print_list(
         output.print_table(
             console,
             "enrolled clusters",
-            ("group", "schema", "owner", "epoch", "state", "refused because"),
+            ("group", "schema", "owner", "epoch", "state", "note"),
             (
                 (
                     row.host_group,
@@ -243,7 +243,7 @@ def _print_list(
                 for row in clusters
             ),
             right=("owner", "epoch"),
-            wrap="refused because",
+            wrap="note",
         )
     else:
         console.print("no enrolled clusters")

@@ -200,7 +200,7 @@ async def move(
     """Move the cluster ``schema`` of host group ``group`` from the database of ``source``
     to that of ``target`` (see the module's docstring), or go on with a move of it that
     was interrupted. ``said`` gets a line per step done. ``MoveError`` when it cannot."""
-    to = redact(target.url)
+    to = redact(target.url.set(drivername="postgresql"))
     await control.prepare_control(source, control_schema)
     await control.prepare_control(target, control_schema)
     key = f"{group}/{schema}"

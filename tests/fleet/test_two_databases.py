@@ -156,6 +156,11 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         code, said = await move_cli(fleet, west, schema)
         assert code == 0, said
         assert "already moved to" in said
+        listed = await run(
+            "--url", full(fleet.url), "host", "list", "--control-schema", fleet.control
+        )
+        no_password(west.url, listed.stdout)
+        assert f"moved to postgresql://{west.url.username}:***@" in listed.stdout
         stored = await admin_execute(
             fleet.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
         )
