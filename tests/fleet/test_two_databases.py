@@ -156,6 +156,11 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         code, said = await move_cli(fleet, west, schema)
         assert code == 0, said
         assert "already moved to" in said
+        # A process with the old placement enrolls it in the source again: refused, so the
+        # tombstone is never led beside the moved cluster.
+        with pytest.raises(StoreError, match="another host group"):
+            await east.host.enroll(schema)
+        assert await state_in_control(fleet, schema) == "moved"
         listed = await run(
             "--url", full(fleet.url), "host", "list", "--control-schema", fleet.control
         )
