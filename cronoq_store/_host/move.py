@@ -400,6 +400,11 @@ async def _freeze(
                 "row: enroll it again first (`cronoq-store host enroll`)"
             )
         await c.execute(_remark, {"was": group, "mark": MOVING_MARK}, execution_options=in_cluster)
+        # The freeze is a term of its own in the history: status names the move's session,
+        # and the copy carries the row, by which a resumed move knows its copy.
+        term = {"epoch": epoch, "lock_seen_held_at": None}
+        await c.execute(st.record_term, term, execution_options=in_cluster)
+        await c.execute(st.prune_terms, execution_options=in_cluster)
         await c.execute(
             _set_moving,
             {**names, "epoch": epoch, "why": _moving_to(to)},
@@ -494,15 +499,15 @@ async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None
 
 
 async def _same_history(source: AsyncEngine, target: AsyncEngine, schema: str) -> None:
-    """Refuse a target already enrolled that is not this move's copy: the source's newest
-    term must be in the target's history as it is in the source's (a cluster made apart
-    never carries it). Only a resumed move that was cut between enrolling and tombstoning
-    finds the target enrolled; its copy may have been led and changed since."""
+    """Refuse a target found enrolled that is not this move's copy: the source's newest
+    term, the freeze's own, must be in the target's history as in the source's, and a
+    cluster made apart never carries it. Digests cannot tell: once enrolled, the copy may
+    have been led and changed."""
     newest = await _maybe_one(source, schema, _newest_term, {})
-    if newest is None:
-        return
-    there = await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
-    if there is None or tuple(there) != tuple(newest):
+    there = (
+        None if newest is None else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
+    )
+    if newest is None or there is None or tuple(there) != tuple(newest):
         raise MoveError(
             f"the target database holds a cluster {schema!r} enrolled in the group that is "
             "not this move's copy: remove and drop it there, then run the move again (the "

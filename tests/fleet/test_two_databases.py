@@ -208,6 +208,16 @@ async def test_an_interrupted_move_goes_on_when_run_again(fleet: Fleet, west: Fl
                 assert "another move of schema" in said
             finally:
                 await mover.close()
+            if step == "frozen":
+                # Another cluster of that name made and enrolled in the target meanwhile: not
+                # taken for this move's copy, the source stays frozen.
+                await west_host.host.enroll(schema)
+                code, said = await move_cli(fleet, west, schema)
+                assert code == 1
+                assert "not this move's copy" in said
+                assert await state_in_control(fleet, schema) == "moving"
+                await west_host.host.remove(schema)
+                await admin_execute(west.url, f'DROP SCHEMA "{schema}" CASCADE')
             code, said = await move_cli(fleet, west, schema)
             assert code == 0, said
             assert schema not in east.host.led()
