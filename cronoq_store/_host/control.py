@@ -202,7 +202,7 @@ clusters = Table(
     Column("enrolled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("host_group", "schema_name", name="pk_clusters"),
     UniqueConstraint("schema_name", name="uq_clusters_schema_name"),
-    CheckConstraint("state IN ('active', 'refused')", name="ck_clusters_state"),
+    CheckConstraint("state IN ('active', 'refused', 'moving', 'moved')", name="ck_clusters_state"),
 )
 Index("ix_clusters_host_group_owner", clusters.c.host_group, clusters.c.owner)
 
