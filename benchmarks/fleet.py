@@ -61,7 +61,8 @@ from .proxy import StallingProxy
 from .recovery import raw_recover
 
 _ROOT = Path(__file__).resolve().parent.parent
-#: How long any phase may take before the section gives up on it.
+#: How long any phase may take before the section gives up on it, per 1,000 clusters
+#: (fewer count as 1,000): seeding, opening and moving grow with the clusters.
 _CAP = 600.0
 _MIB = 2**20
 #: How long a process may take to exit once told to.
@@ -159,6 +160,11 @@ class _Fleet:
         return f"{self.prefix}_host"
 
     @property
+    def cap(self) -> float:
+        """How long a phase may take: :data:`_CAP` per 1,000 clusters."""
+        return _CAP * max(1.0, self.profile.fleet_clusters / 1000)
+
+    @property
     def schemas(self) -> list[str]:
         return [f"{self.prefix}_{i:05d}" for i in range(self.profile.fleet_clusters)]
 
@@ -195,7 +201,7 @@ class _Fleet:
         """Wait until nothing is unowned and the spread is at most 1 over two looks a
         ``lock_poll`` apart (or the cap): the seconds since ``since``, and the spread."""
         poll = self.profile.fleet_timing[2]
-        deadline = time.monotonic() + _CAP
+        deadline = time.monotonic() + self.cap
         calm = 0
         while True:
             unowned, spread = await self.shares(members)
@@ -315,7 +321,7 @@ async def _seed(fleet: _Fleet, template: str) -> dict[str, Any]:
         )
         for i in range(n)
     ]
-    said = [await s.wait_for("seeded") for s in seeders]
+    said = [await s.wait_for("seeded", fleet.cap) for s in seeders]
     for s in seeders:
         await s.exited()
     return {
@@ -347,11 +353,13 @@ def _led(workers: list[Worker]) -> dict[str, dict[str, Any]]:
     return latest
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, poll: float = 0.05) -> float:
-    deadline = time.monotonic() + _CAP
+async def _until(
+    check: Callable[[], Awaitable[bool]], what: str, cap: float, poll: float = 0.05
+) -> float:
+    deadline = time.monotonic() + cap
     while not await check():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"fleet: no {what} within {_CAP:.0f} s")
+            raise RuntimeError(f"fleet: no {what} within {cap:.0f} s")
         await asyncio.sleep(poll)
     return time.monotonic()
 
@@ -372,7 +380,7 @@ async def _open(fleet: _Fleet, through: URL) -> dict[str, Any]:
                 raise RuntimeError(f"{w.name} exited ({w.process.returncode})")
         return len(_led(workers)) == profile.fleet_clusters
 
-    await _until(all_led, "open", poll=0.1)
+    await _until(all_led, "open", fleet.cap, poll=0.1)
     led = _led(workers)
     last = max(e["t"] for e in led.values())
     first_leads = [min(w.said("led"), key=lambda e: e["t"]) for w in workers if w.said("led")]
@@ -438,7 +446,7 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
         fleet.args(
             settle=0.0,
             clusters=profile.fleet_clusters,
-            open_cap=_CAP,
+            open_cap=fleet.cap,
             wide=wide,
             narrow=narrow,
             submitters=profile.fleet_submitters,
@@ -447,8 +455,8 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
         ),
         fleet.url,
     )
-    opened = await worker.wait_for("all_led")
-    rates = await worker.wait_for("rates", _CAP + profile.fleet_commit_rounds * 60)
+    opened = await worker.wait_for("all_led", fleet.cap)
+    rates = await worker.wait_for("rates", fleet.cap + profile.fleet_commit_rounds * 60)
     await worker.exited()
     return {
         "submitters": profile.fleet_submitters,
@@ -563,7 +571,8 @@ async def _phases(
     await asyncio.sleep(lock_poll)
     killed = time.monotonic()
     await victim.stop(signal.SIGKILL)
-    took = await _until(fleet.taken_from(victim.process_id, theirs), "takeover") - killed
+    took = await _until(fleet.taken_from(victim.process_id, theirs), "takeover", fleet.cap)
+    took -= killed
     members.remove(victim.process_id)
     survivors = [w for w in fleet.workers if w is not victim]
 
@@ -571,7 +580,7 @@ async def _phases(
         led = _led(survivors)
         return all(s in led and led[s]["t"] > killed for s in theirs)
 
-    recovered_at = await _until(recovered, "recovery after the kill", poll=0.1)
+    recovered_at = await _until(recovered, "recovery after the kill", fleet.cap, poll=0.1)
     results["kill"] = {
         "victim_clusters": len(theirs),
         "takeover_seconds": took,
