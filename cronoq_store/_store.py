@@ -177,6 +177,9 @@ class PgStore:
     #: sending it; larger ones fail with ``BatchTooLargeError``. Lower it on an instance to
     #: keep commits smaller; raising it risks batches the server refuses.
     max_commit_bytes: int = MAX_COMMIT_BYTES
+    #: Seconds :meth:`recover` waits for a lock on the cluster's tables (an operator's
+    #: migration) before it fails; ``None``: as long as it takes, the cluster's own wait.
+    _recovery_lock_wait: float | None = None
 
     def __init__(
         self,
@@ -750,9 +753,12 @@ class PgStore:
         """
         quarantined: list[int] = []
 
-        def attempt(conn: AsyncConnection) -> Awaitable[Recovered]:
+        async def attempt(conn: AsyncConnection) -> Recovered:
             quarantined.clear()  # an attempt that failed quarantined nothing
-            return recovery.recover(
+            if self._recovery_lock_wait is not None:
+                ms = str(max(1, round(self._recovery_lock_wait * 1000)))
+                await conn.execute(st.set_local_lock_timeout, {"ms": ms})
+            return await recovery.recover(
                 conn,
                 self._config.schema,
                 base,

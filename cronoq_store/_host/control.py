@@ -49,8 +49,10 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     any_,
     bindparam,
+    case,
     cast,
     column,
     delete,
@@ -373,12 +375,49 @@ _pg_locks = table(
 _pg_stat_activity = table(
     "pg_stat_activity",
     column("pid", Integer),
+    column("usesysid"),
     column("state", Text),
     column("wait_event", Text),
     column("state_change"),
     schema="pg_catalog",
 )
 _pg_database = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
+_pg_roles = table(
+    "pg_roles", column("oid"), column("rolname", Text), column("rolsuper"), schema="pg_catalog"
+)
+_pg_stat_progress_copy = table("pg_stat_progress_copy", column("pid", Integer), schema="pg_catalog")
+
+
+def _ours_to_end() -> ColumnElement[bool]:
+    """Sessions this role may end: of a role whose privileges it has, and a superuser's
+    only if it is one. ``pg_terminate_backend`` raises on any other, which would fail the
+    whole statement: a holder of another role (seen with ``pg_monitor``) is waited for."""
+    target_is_super = (
+        select(_pg_roles.c.rolsuper)
+        .where(_pg_roles.c.oid == _pg_stat_activity.c.usesysid)
+        .scalar_subquery()
+    )
+    me_super = (
+        select(_pg_roles.c.rolsuper)
+        .where(_pg_roles.c.rolname == func.current_user())
+        .scalar_subquery()
+    )
+    return and_(
+        func.pg_has_role(_pg_stat_activity.c.usesysid, literal("USAGE", Text)),
+        or_(target_is_super.is_(false()), me_super),
+    )
+
+
+def _stuck_for(seconds: ColumnElement[float]) -> ColumnElement[bool]:
+    """Waiting in the middle of a message for its client (``active``, ``ClientRead``) since
+    longer than ``seconds``."""
+    return and_(
+        _pg_stat_activity.c.state == literal("active", Text),
+        _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
+        _pg_stat_activity.c.state_change
+        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, seconds),
+    )
+
 
 #: End the host sessions of ``:ids`` that hold their process lock while stuck mid-statement
 #: for longer than ``:seconds``: the server waits for the rest of an extended-protocol
@@ -399,10 +438,8 @@ end_stuck_sessions = (
         _pg_locks.c.objid.cast(Integer) == any_(_ids),
         _pg_locks.c.objsubid == literal(2, Integer),
         _pg_locks.c.granted,
-        _pg_stat_activity.c.state == literal("active", Text),
-        _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
-        _pg_stat_activity.c.state_change
-        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float)),
+        _ours_to_end(),
+        _stuck_for(bindparam("seconds", type_=Float)),
     )
 )
 
@@ -418,7 +455,10 @@ _pg_locks_relation = table(
 #: End the sessions that hold ``:schema``'s leader table while stuck mid-statement for longer
 #: than ``:seconds`` (``active``, ``ClientRead``): a commit of a process cut off in the middle
 #: of its extended-protocol exchange, which no idle limit ends, and whose fence's share lock
-#: would keep every claim of the cluster waiting for as long as the path stays silent.
+#: would keep every claim of the cluster waiting for as long as the path stays silent. A
+#: session in a ``COPY`` shows the same while its rows still stream, from the COPY's start:
+#: it is given ``:copy_seconds`` (``commit_timeout`` or more, past which a live client gave
+#: up on it and closed it). Only sessions this role may end are.
 #: ``:seconds`` is what a silent host session is given (``1.5 x session_timeout``): a path
 #: that silent mid-message is a dead process's or a cut-off one's, which stepped down, and
 #: ending the session rolls back a commit never acknowledged. Returns the pids.
@@ -437,10 +477,16 @@ end_stuck_holders = (
         ),
         _pg_locks_relation.c.granted,
         _pg_stat_activity.c.pid != func.pg_backend_pid(),
-        _pg_stat_activity.c.state == literal("active", Text),
-        _pg_stat_activity.c.wait_event == literal("ClientRead", Text),
-        _pg_stat_activity.c.state_change
-        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float)),
+        _ours_to_end(),
+        _stuck_for(
+            case(
+                (
+                    exists().where(_pg_stat_progress_copy.c.pid == _pg_stat_activity.c.pid),
+                    bindparam("copy_seconds", type_=Float),
+                ),
+                else_=bindparam("seconds", type_=Float),
+            )
+        ),
     )
 )
 

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
@@ -45,7 +46,7 @@ from .._errors import (
 )
 from .._leadership import cool_down, session_settings
 from .._results import Recovered
-from .._retry import acquisition_backoff, pause
+from .._retry import acquisition_backoff, bounded, pause
 from .._schema import schema_options
 from .._store import PgStore
 from .._urls import redact, resolve
@@ -129,6 +130,8 @@ def pool_split(max_connections: int) -> tuple[int, int]:
     the rest, so their recoveries never wait at the pool for a lane's connection (past the
     pool's timeout they failed, and their clusters were handed over), and the last one is
     left to the application's reads. With a pool of 8: 4 lanes, 3 recoveries, 1 read.
+    Below 3 the lanes are not held (``CommitBus``'s ``hold``): commits, one recovery and
+    reads share what there is, each taking a connection only while it works.
     """
     lanes = max(1, max_connections // 2)
     return lanes, max(1, max_connections - lanes - 1)
@@ -193,20 +196,57 @@ class HostedStore(PgStore):
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
     ``recover`` takes its turn: a few recover at once (``PgHostConfig.max_connections``),
-    so the commits of the clusters the host leads already keep their lanes.
+    so the commits of the clusters the host leads already keep their lanes; it waits
+    ``commit_timeout`` at most for a lock on the cluster's tables, so that one cluster an
+    operator locked holds no turn for longer.
     """
 
-    def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, recoveries: RecoveryTurns, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._recoveries = recoveries
+        self._recovery_lock_wait = self._config.commit_timeout
 
     async def recover(self, base: TimeBase) -> Recovered:
         """``PgStore.recover``, taking its turn among the host's recoveries: a host gains
         clusters many at a time, and their recoveries at once would hold every pooled
         connection, failing the commits of the clusters it leads already and the
         recoveries queued past the pool's timeout."""
-        async with self._recoveries:
+        async with self._recoveries.turn():
             return await super().recover(base)
+
+
+class RecoveryTurns:
+    """The recoveries a host runs at once. A wait for a turn fails with
+    ``UnavailableError`` once no turn has ended for ``stall`` seconds (``commit_timeout``):
+    recoveries that stopped moving (a silent path) would otherwise keep every cluster
+    gained after them waiting, neither recovered nor handed over to another process."""
+
+    def __init__(self, turns: int, stall: float) -> None:
+        self._free = asyncio.Semaphore(turns)
+        self._stall = stall
+        self._ended_at = time.monotonic()
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        while True:
+            try:
+                await bounded(self._free.acquire(), self._stall, discard=self._give_back)
+                break
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._ended_at >= self._stall:
+                    raise UnavailableError(
+                        f"recovering failed: no recovery of this host ended within "
+                        f"commit_timeout ({self._stall} s)"
+                    ) from None
+        try:
+            yield
+        finally:
+            self._ended_at = time.monotonic()
+            self._free.release()
+
+    async def _give_back(self, _taken: bool) -> None:
+        """A turn taken as the wait for it ran out: nobody has it."""
+        self._free.release()
 
 
 @dataclass(slots=True)
@@ -265,7 +305,7 @@ class PgHost:
         lanes, recoveries = pool_split(config.max_connections)
         # Recoveries at once: those of clusters gained together never take the lanes'
         # connections, nor the last one, which the application's reads need.
-        self._recoveries = asyncio.Semaphore(recoveries)
+        self._recoveries = RecoveryTurns(recoveries, config.store.commit_timeout)
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
         self._telemetry = resolve_group(config.group)
@@ -772,7 +812,16 @@ class PgHost:
         if now - self._stuck_checked_at < limit:
             return
         self._stuck_checked_at = now
-        ended = await session.end_stuck(others, 1.5 * limit)
+        try:
+            ended = await session.end_stuck(others, 1.5 * limit)
+        except StoreError as error:
+            if session.broken:
+                raise
+            logger.warning(
+                "ending the host sessions of processes stuck mid-statement failed",
+                extra={"group": self._config.group, "error": str(error)},
+            )
+            return
         if ended:
             logger.warning(
                 "ended the host sessions of processes stuck mid-statement; their clusters "
@@ -794,10 +843,7 @@ class PgHost:
         config = self._config.store
         refused = await session.refusals(schemas, config.trusted_triggers)
         for schema, error in refused.items():
-            logger.error(
-                "refusing to lead a hosted cluster", extra={"schema": schema, "error": str(error)}
-            )
-            await session.refuse(schema, str(error))
+            await self._refuse(session, schema, str(error))
         bound = max(0.001, min(config.keepalive, (config.session_timeout - config.keepalive) / 2))
         wanted = sorted(s for s in schemas if s not in refused)
         for start in range(0, len(wanted), _CLAIMS_PER_TRANSACTION):
@@ -818,15 +864,29 @@ class PgHost:
                     if self._closing.is_set():
                         return
                     outcomes[schema] = await self._claim_one(session, schema, bound)
+            # Every claim that committed is gained before any refusal is recorded: a
+            # refusal that fails must not leave clusters owned by this process unled.
+            for claimed in outcomes.values():
+                if isinstance(claimed, Claim):
+                    self._gained(session, claimed)
             for schema, claimed in outcomes.items():
                 if isinstance(claimed, ClaimRefused):
-                    logger.error(
-                        "refusing to lead a hosted cluster",
-                        extra={"schema": schema, "error": claimed.why},
-                    )
-                    await session.refuse(schema, claimed.why)
-                elif isinstance(claimed, Claim):
-                    self._gained(session, claimed)
+                    await self._refuse(session, schema, claimed.why)
+
+    async def _refuse(self, session: HostSession, schema: str, why: str) -> None:
+        """Record that ``schema`` cannot be led as it stands. A refusal the server fails
+        (a role's ``statement_timeout``, a lock) is logged and tried at the next round,
+        where the cluster is still unowned: it never ends the round."""
+        logger.error("refusing to lead a hosted cluster", extra={"schema": schema, "error": why})
+        try:
+            await session.refuse(schema, why)
+        except StoreError as error:
+            if session.broken:
+                raise
+            logger.warning(
+                "recording a refusal failed; tried again at the next round",
+                extra={"schema": schema, "error": str(error)},
+            )
 
     async def _claim_one(
         self, session: HostSession, schema: str, bound: float

@@ -41,7 +41,7 @@ from .. import _door as door
 from .. import _statements as st
 from .._config import PgStoreConfig
 from .._door import LockSession
-from .._errors import LockHeldError, MigrationError
+from .._errors import LockHeldError, MigrationError, StoreError
 from .._trust import untrusted_among
 from . import control
 
@@ -267,7 +267,20 @@ class HostSession:
             # takes to end are ended, so that the next round can claim: nothing they hold
             # was acknowledged.
             stuck = 1.5 * self._config.session_timeout
-            ended = await self._run(control.end_stuck_holders, {"schema": schema, "seconds": stuck})
+            # A COPY shows stuck while its rows stream: it gets a commit's whole bound.
+            copying = max(self._config.commit_timeout, stuck)
+            params = {"schema": schema, "seconds": stuck, "copy_seconds": copying}
+            try:
+                ended = await self._run(control.end_stuck_holders, params)
+            except StoreError as error:
+                if self.broken:
+                    raise
+                # Not the cluster's fault (a holder it may not end after all): next round.
+                logger.warning(
+                    "ending sessions stuck on a cluster's leader table failed",
+                    extra={"schema": schema, "error": str(error)},
+                )
+                return None
             pids = [int(r.pid) for r in ended]
             if pids:
                 logger.warning(
@@ -293,8 +306,12 @@ class HostSession:
             door.translated("claiming clusters"),
             self._session.transaction(self._left()),
         ):
-            # Every lock wait of the transaction, the barrier's above all, has the bound.
-            await self._run(st.set_local_lock_timeout, {"ms": str(max(1, round(bound * 1000)))})
+            # The barrier waits for up to one leader table after another, and lock_timeout
+            # bounds each wait, not the statement: each has its share of the bound, so that
+            # the whole stays within it (past what is left of session_timeout the session
+            # itself would end, and every cluster this process leads with it).
+            share = bound / len(ordered)
+            await self._run(st.set_local_lock_timeout, {"ms": str(max(1, round(share * 1000)))})
             rows = await self._run(control.claim_many, {"group": self._group, "schemas": ordered})
             present = {}
             for row in rows:
