@@ -115,7 +115,7 @@ async def _list(
     options: Options, as_json: bool, group: str | None, control_schema: str, console: Console
 ) -> None:
     url = options.database_url()
-    engine = database.engine(url)
+    engine = database.engine(url, lock_wait=options.lock_wait)
     try:
         try:
             async with door.translated("connecting"):
@@ -301,7 +301,12 @@ async def _enroll(
     console: Console,
 ) -> None:
     for schema in schemas:
-        one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
+        one = Options(
+            url=options.url,
+            schema=schema,
+            trusted_triggers=options.trusted_triggers,
+            lock_wait=options.lock_wait,
+        )
         async with database.database(one) as conn:
             await database.require_head(conn, schema)
     made = await _connect(options, group, control_schema)
