@@ -338,6 +338,43 @@ async def test_live_members_mark_left_and_orphans(engine: AsyncEngine, control: 
         assert [r.process_id for r in others] == [elsewhere]
 
 
+async def test_prune_left_deletes_old_rows_no_cluster_names_oldest_first(
+    engine: AsyncEngine, pg_url: URL, control: str
+) -> None:
+    """Only the group's processes that left over ``:seconds`` ago, oldest first up to
+    ``:limit``; a member, a recent leaver, another group's, and one a cluster names (its
+    owner, or the process that released it last) stay."""
+    old = [await join(engine, control) for _ in range(3)]
+    owner, released, recent, member = [await join(engine, control) for _ in range(4)]
+    elsewhere = await join(engine, control, group="other")
+    gone = [*old, owner, released, recent, elsewhere]
+    async with engine.begin() as conn:
+        await run(conn, control, c.mark_left, ids=gone)
+        for name, who in (("s1", owner), ("s2", released)):
+            await run(conn, control, c.enroll, group="g", schema=name, incarnation=7)
+            await run(conn, control, c.set_owner, group="g", schema=name, me=who, epoch=1)
+        await run(conn, control, c.release_cluster, group="g", schema="s2", me=released)
+    ages = {old[0]: 3, old[1]: 5, old[2]: 4, owner: 9, released: 9, elsewhere: 9}
+    for process_id, days in ages.items():
+        await admin_execute(
+            pg_url,
+            f'UPDATE "{control}".processes SET left_at = now() - make_interval(days => $1) '
+            "WHERE process_id = $2",
+            days,
+            process_id,
+        )
+    day = 86_400.0
+    async with engine.begin() as conn:
+        first = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+        rest = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+        after = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+    assert sorted(r.process_id for r in first) == [old[1], old[2]]  # the two oldest
+    assert [r.process_id for r in rest] == [old[0]]
+    assert after == []
+    rows = await admin_execute(pg_url, f'SELECT process_id FROM "{control}".processes')
+    assert sorted(r[0] for r in rows) == sorted([owner, released, recent, member, elsewhere])
+
+
 async def test_claimable_skips_rows_another_transaction_locked(
     engine: AsyncEngine, control: str
 ) -> None:

@@ -61,6 +61,13 @@ _CANDIDATES = 1024
 _ENROLL_RETRY = 0.05
 #: Led clusters whose leader rows the sweep reads each tick.
 _SWEEP_SLICE = 32
+#: Seconds a row of a process that left is kept: a day to look up a process that a log line,
+#: or a leadership term's application name, mentions.
+_LEFT_KEPT = 86_400.0
+#: Seconds between two prunes of such rows by one process, and the rows one prune deletes at
+#: most: a short statement now and then, whatever the group's churn.
+_PRUNE_LEFT_EVERY = 60.0
+_PRUNE_LEFT_ROWS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +234,8 @@ class PgHost:
         self._sweep_at = 0
         # time.monotonic() of the last look for other processes' stuck sessions.
         self._stuck_checked_at = 0.0
+        # time.monotonic() of the last prune of the rows of processes that left.
+        self._pruned_left_at = -_PRUNE_LEFT_EVERY
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
         # One recorder for every cluster this process leads, labelled with the group: the
@@ -602,6 +611,7 @@ class PgHost:
                 if now >= next_look:
                     next_look = now + config.lock_poll
                     await self._balance(session)
+                    await self._prune_left(now)
             except StoreError as error:
                 if session.broken:
                     raise
@@ -723,6 +733,37 @@ class PgHost:
         chosen += balance.to_claim(patient, me, live, deficits, room - len(chosen), patient=True)
         self._seen_unowned = set(candidates) - set(chosen)
         await self._claim(session, chosen)
+
+    async def _prune_left(self, now: float) -> None:
+        """Every ``_PRUNE_LEFT_EVERY`` seconds, delete up to ``_PRUNE_LEFT_ROWS`` rows of
+        processes that left the group over ``_LEFT_KEPT`` ago (:data:`control.prune_left`),
+        on the pool: history only, so a failure is logged and costs no round of the
+        balancing, which the host session's checks would."""
+        if now - self._pruned_left_at < _PRUNE_LEFT_EVERY:
+            return
+        self._pruned_left_at = now
+        params = {"group": self._config.group, "seconds": _LEFT_KEPT, "limit": _PRUNE_LEFT_ROWS}
+        wait = {"ms": str(round(self._config.store.commit_timeout * 1000))}
+        try:
+            async with door.translated("pruning left processes"), self._engine.begin() as conn:
+                await conn.execute(st.set_local_lock_timeout, wait)
+                pruned = await conn.execute(
+                    control.prune_left,
+                    params,
+                    execution_options=control.control_options(self._config.control_schema),
+                )
+                count = len(pruned.all())
+        except StoreError as error:
+            logger.warning(
+                "pruning the rows of processes that left failed; trying again later",
+                extra={"group": self._config.group, "error": str(error)},
+            )
+            return
+        if count:
+            logger.info(
+                "pruned the rows of processes that left",
+                extra={"group": self._config.group, "processes": count},
+            )
 
     async def _end_stuck(self, session: HostSession, others: list[int]) -> None:
         """Every ``session_timeout``, end the host sessions of other processes stuck
