@@ -30,7 +30,7 @@ from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import ROOT, create_role, drop_role, python_run
-from .waits import bounded
+from .waits import bounded, until_value
 
 
 async def run(
@@ -113,6 +113,26 @@ async def test_two_prepares_at_once_on_two_engines_both_succeed(
     assert await version_of(pg_url, schema) == [c.control_head()]
 
 
+#: A prepare of the control schema ``{schema}`` in a process of its own.
+PREPARE = textwrap.dedent(
+    """
+    import asyncio, os
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from cronoq_store._host.control import prepare_control
+    from cronoq_store._urls import async_url
+
+    async def main():
+        engine = create_async_engine(async_url(os.environ["CRONOQ_DATABASE_URL"]))
+        try:
+            await prepare_control(engine, {schema!r})
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    """
+)
+
+
 async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
     engine: AsyncEngine, pg_url: URL, schema: str
 ) -> None:
@@ -124,24 +144,7 @@ async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
             "SELECT pg_advisory_lock($1::int, hashtext($2))", st.LOCK_NS_MIGRATE, schema
         )
         here = asyncio.create_task(c.prepare_control(engine, schema))
-        script = textwrap.dedent(
-            f"""
-            import asyncio, os
-            from sqlalchemy.ext.asyncio import create_async_engine
-            from cronoq_store._host.control import prepare_control
-            from cronoq_store._urls import async_url
-
-            async def main():
-                engine = create_async_engine(async_url(os.environ["CRONOQ_DATABASE_URL"]))
-                try:
-                    await prepare_control(engine, {schema!r})
-                finally:
-                    await engine.dispose()
-
-            asyncio.run(main())
-            """
-        )
-        there = asyncio.create_task(python_run("-c", script, url=pg_url))
+        there = asyncio.create_task(python_run("-c", PREPARE.format(schema=schema), url=pg_url))
         for _ in range(300):
             waiting = await admin_execute(
                 pg_url,
@@ -164,6 +167,47 @@ async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
     finally:
         await holder.close()
     assert await version_of(pg_url, schema) == [c.control_head()]
+
+
+async def test_two_control_schemas_made_at_once_in_one_database_one_is_refused(
+    engine: AsyncEngine, pg_url: URL, schema: str
+) -> None:
+    """Two processes making two control schemas at once (each checked that the database had
+    none yet): held at the lock that serializes making one, both wait past that check;
+    let go, one makes its schema and the other is refused naming it, nothing of it made.
+    One control schema per database, whatever the timing."""
+    other = f"{schema}_b"
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1::int, 0)", c.LOCK_NS_HOST)
+        here = asyncio.create_task(c.prepare_control(engine, schema))
+        there = asyncio.create_task(python_run("-c", PREPARE.format(schema=other), url=pg_url))
+        await until_value(
+            lambda: admin_execute(
+                pg_url,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = $1::bigint::oid AND objid = 0 AND objsubid = 2",
+                c.LOCK_NS_HOST,
+            ),
+            lambda rows: rows[0][0] == 2,
+            "both prepares waiting to make their control schema",
+        )
+        assert not here.done()
+        await holder.execute("SELECT pg_advisory_unlock($1::int, 0)", c.LOCK_NS_HOST)
+        made_here = await bounded(asyncio.gather(here, return_exceptions=True), "here")
+        done = await bounded(there, "the prepare in the other process")
+    finally:
+        await holder.close()
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
+    made = [s for s in (schema, other) if await tables_of(pg_url, s)]
+    refused_here = isinstance(made_here[0], MigrationError)
+    assert refused_here == (done.returncode == 0), (made_here, done.stderr)
+    if refused_here:
+        assert made == [other]
+        assert f"already has the host control schema {other!r}" in str(made_here[0])
+    else:
+        assert made == [schema]
+        assert f"already has the host control schema {schema!r}" in done.stderr
 
 
 async def test_a_prepare_at_head_takes_no_lock(
