@@ -120,6 +120,7 @@ __all__ = [
     "owned_by",
     "owned_digest",
     "owner_counts",
+    "owner_of",
     "prepare_control",
     "probe_dead",
     "process_ids",
@@ -353,6 +354,15 @@ owned_digest = select(
     func.count().label("clusters"),
     cast(func.coalesce(func.sum(clusters.c.epoch), 0), BigInteger).label("epochs"),
 ).where(_in_group, clusters.c.owner == _me)
+
+#: The process owning ``:schema``'s cluster in ``:group`` and the backend pid its host session
+#: registered with (``owner``, ``backend_pid``): whoever holds that process's lock is its
+#: host session exactly when the pids agree. No row: unowned, or not enrolled there.
+owner_of = (
+    select(clusters.c.owner, processes.c.backend_pid)
+    .select_from(clusters.join(processes, processes.c.process_id == clusters.c.owner))
+    .where(_this_cluster)
+)
 
 #: What ``:me`` owns (``schema_name``, ``epoch``, ``incarnation``), by schema: read when the
 #: digest differs from what the process holds, to step down each cluster taken from it.

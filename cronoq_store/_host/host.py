@@ -42,6 +42,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._leadership import cool_down, session_settings
+from .._results import Health, LockHolder
 from .._retry import acquisition_backoff, pause
 from .._schema import schema_options
 from .._store import PgStore
@@ -126,9 +127,13 @@ class _Term:
     """One hosted term of one cluster: what its :class:`HostedStore` reads before each
     commit, and ends when a commit finds the fence moved (``LeaderTerm``)."""
 
-    def __init__(self, epoch: int, process_id: int, ended: Callable[[], None]) -> None:
+    def __init__(
+        self, epoch: int, process_id: int, ended: Callable[[], None], control_schema: str
+    ) -> None:
         self._epoch: int | None = epoch
         self._key = (control.LOCK_NS_HOST, process_id)
+        #: Where the cluster's owner is recorded (``HostedStore.health``).
+        self.control_schema = control_schema
         self._lost = asyncio.Event()
         self._ended = ended
         self.reason: str | None = None
@@ -181,6 +186,50 @@ class HostedStore(PgStore):
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
     """
+
+    async def health(self) -> Health:
+        """``PgStore.health()``, its leader the one a hosted cluster has, as ``cronoq-store
+        health`` reads it: ``holder`` is the session holding the process lock of the owner
+        the control schema records, a store instance when it is that process's own host
+        session. So ``has_leader`` holds exactly while a live host process owns the
+        cluster, whichever it is (this store's term may have ended), and ``holder`` is
+        ``None`` while none does. A session on the cluster's standalone key (it blocks
+        every claim; health exit 7) stays the ``holder``, a ``foreign_holder``, unless it
+        is the owner's host session claiming. ``hosted_by`` names the group."""
+        found = await super().health()
+        term, group = self._leadership, found.hosted_by
+        if group is None or not isinstance(term, _Term):
+            return found  # removed from the group meanwhile: a standalone cluster's facts
+        schema = self.config.schema
+        async with self._translated("reading health"):
+            owner = await self._read(
+                lambda conn: _owner_holder(conn, term.control_schema, group, schema)
+            )
+        standalone = found.holder
+        if standalone is not None and (owner is None or standalone.pid != owner.pid):
+            return found
+        return replace(found, holder=owner)
+
+
+async def _owner_holder(
+    conn: AsyncConnection, control_schema: str, group: str, schema: str
+) -> LockHolder | None:
+    """The session holding the process lock of ``schema``'s owner in ``group``, a store
+    instance when it is the session that process registered with; ``None`` when nobody
+    owns the cluster or the owner's lock is free (the process is gone)."""
+    row = (
+        await conn.execute(
+            control.owner_of,
+            {"group": group, "schema": schema},
+            execution_options=control.control_options(control_schema),
+        )
+    ).first()
+    if row is None:
+        return None
+    holder = await queries.leader_lock_holder(conn, (control.LOCK_NS_HOST, int(row.owner)))
+    if holder is None:
+        return None
+    return replace(holder, store_instance=holder.pid == row.backend_pid)
 
 
 @dataclass(slots=True)
@@ -825,7 +874,8 @@ class PgHost:
 
     def _gained(self, session: HostSession, claim: Claim) -> None:
         schema = claim.schema
-        term = _Term(claim.epoch, session.process_id, lambda: self._ended(schema))
+        control_schema = self._config.control_schema
+        term = _Term(claim.epoch, session.process_id, lambda: self._ended(schema), control_schema)
         store = HostedStore(
             self._engine,
             replace(self._config.store, schema=schema),
