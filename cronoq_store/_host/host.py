@@ -795,6 +795,8 @@ class PgHost:
         wait = {"ms": str(round(self._config.store.commit_timeout * 1000))}
         try:
             async with door.translated("pruning left processes"), self._engine.begin() as conn:
+                # An application's pooled session may carry any search_path.
+                await conn.execute(st.local_search_path)
                 await conn.execute(st.set_local_lock_timeout, wait)
                 pruned = await conn.execute(
                     control.prune_left,
