@@ -416,7 +416,7 @@ async def _move(
     urls = [source, target]
     for url in urls:
         await _reach(url)
-    engines = [database.engine(url) for url in urls]
+    engines = [database.engine(url, lock_wait=options.lock_wait) for url in urls]
     console = output.console()
     try:
         report = await moving.move(
