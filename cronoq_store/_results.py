@@ -205,8 +205,9 @@ class Health:
     #: ``False``: the lock does not tell instances from other sessions.
     migration_lock: LockHolder | None = None
     #: The host group (``PgHostConfig.group``) the cluster is enrolled in, ``None`` for a
-    #: standalone cluster. A host leads an enrolled cluster without its leader lock, so
-    #: ``has_leader`` is false there whoever leads: ``cronoq-store health`` names the owner.
+    #: standalone cluster. A host leads an enrolled cluster without its leader lock, so a
+    #: ``PgStore``'s ``has_leader`` is false there whoever leads: ``cronoq-store health``
+    #: names the owner, and so does a ``HostedStore``'s ``holder`` (``HostedStore.health``).
     hosted_by: str | None = None
 
     @property

@@ -30,7 +30,7 @@ from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import ROOT, create_role, drop_role, python_run
-from .waits import bounded
+from .waits import bounded, until_value
 
 
 async def run(
@@ -113,6 +113,26 @@ async def test_two_prepares_at_once_on_two_engines_both_succeed(
     assert await version_of(pg_url, schema) == [c.control_head()]
 
 
+#: A prepare of the control schema ``{schema}`` in a process of its own.
+PREPARE = textwrap.dedent(
+    """
+    import asyncio, os
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from cronoq_store._host.control import prepare_control
+    from cronoq_store._urls import async_url
+
+    async def main():
+        engine = create_async_engine(async_url(os.environ["CRONOQ_DATABASE_URL"]))
+        try:
+            await prepare_control(engine, {schema!r})
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    """
+)
+
+
 async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
     engine: AsyncEngine, pg_url: URL, schema: str
 ) -> None:
@@ -124,24 +144,7 @@ async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
             "SELECT pg_advisory_lock($1::int, hashtext($2))", st.LOCK_NS_MIGRATE, schema
         )
         here = asyncio.create_task(c.prepare_control(engine, schema))
-        script = textwrap.dedent(
-            f"""
-            import asyncio, os
-            from sqlalchemy.ext.asyncio import create_async_engine
-            from cronoq_store._host.control import prepare_control
-            from cronoq_store._urls import async_url
-
-            async def main():
-                engine = create_async_engine(async_url(os.environ["CRONOQ_DATABASE_URL"]))
-                try:
-                    await prepare_control(engine, {schema!r})
-                finally:
-                    await engine.dispose()
-
-            asyncio.run(main())
-            """
-        )
-        there = asyncio.create_task(python_run("-c", script, url=pg_url))
+        there = asyncio.create_task(python_run("-c", PREPARE.format(schema=schema), url=pg_url))
         for _ in range(300):
             waiting = await admin_execute(
                 pg_url,
@@ -164,6 +167,47 @@ async def test_prepares_in_two_processes_serialize_on_the_migration_lock(
     finally:
         await holder.close()
     assert await version_of(pg_url, schema) == [c.control_head()]
+
+
+async def test_two_control_schemas_made_at_once_in_one_database_one_is_refused(
+    engine: AsyncEngine, pg_url: URL, schema: str
+) -> None:
+    """Two processes making two control schemas at once (each checked that the database had
+    none yet): held at the lock that serializes making one, both wait past that check;
+    let go, one makes its schema and the other is refused naming it, nothing of it made.
+    One control schema per database, whatever the timing."""
+    other = f"{schema}_b"
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1::int, 0)", c.LOCK_NS_HOST)
+        here = asyncio.create_task(c.prepare_control(engine, schema))
+        there = asyncio.create_task(python_run("-c", PREPARE.format(schema=other), url=pg_url))
+        await until_value(
+            lambda: admin_execute(
+                pg_url,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = $1::bigint::oid AND objid = 0 AND objsubid = 2",
+                c.LOCK_NS_HOST,
+            ),
+            lambda rows: rows[0][0] == 2,
+            "both prepares waiting to make their control schema",
+        )
+        assert not here.done()
+        await holder.execute("SELECT pg_advisory_unlock($1::int, 0)", c.LOCK_NS_HOST)
+        made_here = await bounded(asyncio.gather(here, return_exceptions=True), "here")
+        done = await bounded(there, "the prepare in the other process")
+    finally:
+        await holder.close()
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
+    made = [s for s in (schema, other) if await tables_of(pg_url, s)]
+    refused_here = isinstance(made_here[0], MigrationError)
+    assert refused_here == (done.returncode == 0), (made_here, done.stderr)
+    if refused_here:
+        assert made == [other]
+        assert f"already has the host control schema {other!r}" in str(made_here[0])
+    else:
+        assert made == [schema]
+        assert f"already has the host control schema {schema!r}" in done.stderr
 
 
 async def test_a_prepare_at_head_takes_no_lock(
@@ -336,6 +380,43 @@ async def test_live_members_mark_left_and_orphans(engine: AsyncEngine, control: 
         assert [tuple(r) for r in counts] == [(None, 2), (a, 1)]
         others = await run(conn, control, c.live_members, group="other")
         assert [r.process_id for r in others] == [elsewhere]
+
+
+async def test_prune_left_deletes_old_rows_no_cluster_names_oldest_first(
+    engine: AsyncEngine, pg_url: URL, control: str
+) -> None:
+    """Only the group's processes that left over ``:seconds`` ago, oldest first up to
+    ``:limit``; a member, a recent leaver, another group's, and one a cluster names (its
+    owner, or the process that released it last) stay."""
+    old = [await join(engine, control) for _ in range(3)]
+    owner, released, recent, member = [await join(engine, control) for _ in range(4)]
+    elsewhere = await join(engine, control, group="other")
+    gone = [*old, owner, released, recent, elsewhere]
+    async with engine.begin() as conn:
+        await run(conn, control, c.mark_left, ids=gone)
+        for name, who in (("s1", owner), ("s2", released)):
+            await run(conn, control, c.enroll, group="g", schema=name, incarnation=7)
+            await run(conn, control, c.set_owner, group="g", schema=name, me=who, epoch=1)
+        await run(conn, control, c.release_cluster, group="g", schema="s2", me=released)
+    ages = {old[0]: 3, old[1]: 5, old[2]: 4, owner: 9, released: 9, elsewhere: 9}
+    for process_id, days in ages.items():
+        await admin_execute(
+            pg_url,
+            f'UPDATE "{control}".processes SET left_at = now() - make_interval(days => $1) '
+            "WHERE process_id = $2",
+            days,
+            process_id,
+        )
+    day = 86_400.0
+    async with engine.begin() as conn:
+        first = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+        rest = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+        after = await run(conn, control, c.prune_left, group="g", seconds=day, limit=2)
+    assert sorted(r.process_id for r in first) == [old[1], old[2]]  # the two oldest
+    assert [r.process_id for r in rest] == [old[0]]
+    assert after == []
+    rows = await admin_execute(pg_url, f'SELECT process_id FROM "{control}".processes')
+    assert sorted(r[0] for r in rows) == sorted([owner, released, recent, member, elsewhere])
 
 
 async def test_claimable_skips_rows_another_transaction_locked(

@@ -32,10 +32,12 @@ from .pgharness import admin_execute, asyncpg_dsn
 from .support import (
     LeaderRowHold,
     Role,
+    full,
     named_config,
     older_revisions,
     python_run,
     revision_of,
+    run,
     run_cli,
 )
 from .waits import PATIENCE, bounded, holds_for, until_value
@@ -235,22 +237,25 @@ async def test_a_prune_behind_the_leader_row_gives_up_naming_its_holder(
 
 async def test_a_command_behind_a_table_lock_exits_9_naming_it(pg_url: URL, migrated: str) -> None:
     """``status`` reads the cluster's tables: behind a session holding them exclusively
-    (a migration's DDL, a hand's ``LOCK TABLE``), it gives up after 30 s, naming it."""
+    (a migration's DDL, a hand's ``LOCK TABLE``), it gives up after its ``--lock-wait``
+    (30 s unless given, by option or ``$CRONOQ_LOCK_WAIT``), naming it."""
     held = await asyncpg.connect(asyncpg_dsn(pg_url), server_settings={"application_name": APP})
     try:
         await held.execute("BEGIN")
         await held.execute(f'LOCK TABLE "{migrated}".cronoq_tasks IN ACCESS EXCLUSIVE MODE')
-        status = asyncio.ensure_future(run_cli(pg_url, migrated, "status"))
-        done, _ = await asyncio.wait({status}, timeout=90)
-        assert done, "status still waiting after 90 s"
-        result = status.result()
-        assert result.exit_code == ExitCode.LOCK_HELD, result.output
-        assert f"waiting for a lock on the tables of schema {migrated!r}" in result.stderr
-        assert f"pid {held.get_server_pid()} (role" in result.stderr
+        by_option = run_cli(pg_url, migrated, "status", "--lock-wait", "2")
+        by_environment = run(
+            "--url", full(pg_url), "--schema", migrated, "status", env={"CRONOQ_LOCK_WAIT": "1.5"}
+        )
+        for command, bound in ((by_option, "2"), (by_environment, "1.5")):
+            result = await bounded(command, f"status giving up after {bound} s")
+            assert result.exit_code == ExitCode.LOCK_HELD, result.output
+            assert f"gave up after {bound} s waiting for a lock on the tables of schema " in (
+                result.stderr
+            )
+            assert f"{migrated!r}, held by pid {held.get_server_pid()} (role" in result.stderr
     finally:
         await held.close()
-        if not status.done():
-            await status
 
 
 async def test_a_takeover_behind_the_leader_row_keeps_trying_and_says_who_holds_it(

@@ -3,8 +3,8 @@ every command receives as :class:`Options`.
 
 The global options may come before the command or after it (``cronoq-store status --url
 URL --schema a``), so a script can append them to any command line; the last one given
-wins, then the environment (``$CRONOQ_DATABASE_URL``, ``$CRONOQ_SCHEMA``), then ``public``
-for the schema.
+wins, then the environment (``$CRONOQ_DATABASE_URL``, ``$CRONOQ_SCHEMA``,
+``$CRONOQ_LOCK_WAIT``), then ``public`` for the schema and :data:`LOCK_WAIT` for the wait.
 """
 
 from __future__ import annotations
@@ -22,12 +22,19 @@ from .._terminal_safe import visible
 from .._urls import URL_ENV
 from .exits import EPILOG
 
-__all__ = ["SCHEMA_ENV", "Options", "cli", "number_option"]
+__all__ = ["LOCK_WAIT", "LOCK_WAIT_ENV", "SCHEMA_ENV", "Options", "cli", "number_option"]
 
 #: The environment variable that names the cluster's schema when ``--schema`` is not given.
 SCHEMA_ENV = "CRONOQ_SCHEMA"
+#: Seconds a command waits for a lock another session holds on the cluster's tables (a
+#: migration holds them for its whole transaction) unless ``--lock-wait`` says otherwise;
+#: past it the command exits 9, naming the holders. The same as a commit's default bound.
+LOCK_WAIT = 30.0
+#: The environment variable read for ``--lock-wait``: a monitoring probe with a deadline of
+#: its own sets it once rather than on every command line.
+LOCK_WAIT_ENV = "CRONOQ_LOCK_WAIT"
 #: The group's options that may also follow the command.
-_GLOBAL_OPTIONS = frozenset({"--url", "--schema", "--trusted-trigger"})
+_GLOBAL_OPTIONS = frozenset({"--url", "--schema", "--trusted-trigger", "--lock-wait"})
 
 
 _Command = TypeVar("_Command", bound=Callable[..., Any])
@@ -55,6 +62,8 @@ class Options:
     #: Whether ``--schema`` was on the command line: it names one cluster, and a command
     #: over many (``--all``, ``--schemas``) refuses it rather than guess which was meant.
     schema_typed: bool = False
+    #: Seconds each statement waits for a lock another session holds (``--lock-wait``).
+    lock_wait: float = LOCK_WAIT
 
     def database_url(self) -> str:
         if self.url is None:
@@ -80,8 +89,9 @@ def _check_triggers(
 
 def hoist_global_options(args: Sequence[str]) -> list[str]:
     """``args`` with every global option (``--url``, ``--schema``, ``--trusted-trigger``,
-    as ``--opt VALUE`` or ``--opt=VALUE``) moved before the command, in order, so that the
-    group parses it wherever it was written; nothing after ``--`` moves."""
+    ``--lock-wait``, as ``--opt VALUE`` or ``--opt=VALUE``) moved before the command, in
+    order, so that the group parses it wherever it was written; nothing after ``--``
+    moves."""
     moved: list[str] = []
     rest: list[str] = []
     items = iter(args)
@@ -178,9 +188,27 @@ class _Group(click.Group):
     help="A trigger allowed on the cluster's tables, such as an audit (repeatable); it must "
     "have no WHEN clause and run a trusted role's function. May also follow the command.",
 )
+@click.option(
+    "--lock-wait",
+    envvar=LOCK_WAIT_ENV,
+    show_envvar=True,
+    type=click.FloatRange(min=0, min_open=True),
+    default=LOCK_WAIT,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds a statement waits for a lock another session holds on the cluster's "
+    "tables, then exit 9 naming the holders (migrate's and downgrade's migration waits "
+    "--lock-timeout instead). May also follow the command.",
+)
 @click.version_option(package_name="cronoq-store")
 @click.pass_context
-def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: frozenset[str]) -> None:
+def cli(
+    ctx: click.Context,
+    url: str | None,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    lock_wait: float,
+) -> None:
     """Migrate, inspect and prune the PostgreSQL schema of a cronoq scheduler cluster."""
     source = ctx.get_parameter_source("schema")
     ctx.obj = Options(
@@ -189,4 +217,5 @@ def cli(ctx: click.Context, url: str | None, schema: str, trusted_triggers: froz
         trusted_triggers=trusted_triggers,
         schema_chosen=source is not ParameterSource.DEFAULT,
         schema_typed=source is ParameterSource.COMMANDLINE,
+        lock_wait=lock_wait,
     )

@@ -5,8 +5,9 @@ does, ``search_path`` kept to ``pg_catalog, pg_temp``; the schema is checked for
 untrusted role controls before any command reads it. A URL that is not a PostgreSQL URL is
 a usage error (2), failing to connect is exit code 3; a schema that is not at this build's
 head is 4, one that a newer build migrated 5. No statement waits longer than
-:data:`LOCK_WAIT` for a lock another session holds (a migration's, or any session's lock on
-the cluster's tables): the command then exits 9 naming who held it.
+``--lock-wait`` (:data:`LOCK_WAIT` by default) for a lock another session holds (a
+migration's, or any session's lock on the cluster's tables): the command then exits 9
+naming who held it.
 """
 
 from __future__ import annotations
@@ -26,13 +27,8 @@ from .._schema import schema_options
 from .._statements import CLUSTER_TABLES
 from .._trust import refuse_untrusted, untrusted_among
 from .._urls import redact
-from .app import SCHEMA_ENV, Options
+from .app import LOCK_WAIT, SCHEMA_ENV, Options
 from .exits import CliError, ExitCode
-
-#: Seconds a command other than ``migrate`` and ``downgrade`` waits for a lock another
-#: session holds (a migration holds the cluster's tables for its whole transaction); past
-#: it the command exits 9, naming the holders. The same as a commit's default bound.
-LOCK_WAIT = 30.0
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -47,13 +43,13 @@ __all__ = [
 ]
 
 
-def engine(url: str, *, pool_size: int = 0) -> AsyncEngine:
+def engine(url: str, *, lock_wait: float = LOCK_WAIT, pool_size: int = 0) -> AsyncEngine:
     """The command's engine (:func:`~cronoq_store._door.command_engine`): pool-less, or
     keeping ``pool_size`` connections open (the console's); every statement waits
-    :data:`LOCK_WAIT` at most for a lock."""
+    ``lock_wait`` seconds at most for a lock."""
     try:
         return door.command_engine(
-            url, application_name="cronoq-store cli", lock_timeout=LOCK_WAIT, pool_size=pool_size
+            url, application_name="cronoq-store cli", lock_timeout=lock_wait, pool_size=pool_size
         )
     except ValueError as exc:  # the messages of urls' refusals are already masked
         # A URL that cannot name a PostgreSQL server (another scheme, unparsable, a keyword
@@ -100,9 +96,10 @@ async def database(
     """One connection with the cluster's schema applied, after the trust check
     (``trust.refuse_untrusted``); failing to open it is exit code 3. From ``pooled``
     when given (the caller's long-lived engine), else from an engine of its own. Without
-    the check when ``vetted`` (:func:`vet`) already found nothing in this schema."""
+    the check when ``vetted`` (:func:`vet`) already found nothing in this schema. Its
+    statements wait ``options.lock_wait`` for a lock (``pooled`` is made with that bound)."""
     url = options.database_url()
-    made = engine(url) if pooled is None else pooled
+    made = engine(url, lock_wait=options.lock_wait) if pooled is None else pooled
     try:
         try:
             async with door.translated("connecting"):
@@ -121,7 +118,7 @@ async def database(
                 async with door.separating_lock_waits("running the command"):
                     yield conn
             except door.LockNotAvailable:
-                raise await _lock_held(conn, options.schema) from None
+                raise await _lock_held(conn, options) from None
         finally:
             await conn.close()
     finally:
@@ -129,9 +126,10 @@ async def database(
             await made.dispose()
 
 
-async def _lock_held(conn: AsyncConnection, schema: str) -> CliError:
-    """Exit 9 for a statement that waited :data:`LOCK_WAIT` for the cluster's tables,
+async def _lock_held(conn: AsyncConnection, options: Options) -> CliError:
+    """Exit 9 for a statement that waited ``options.lock_wait`` for the cluster's tables,
     naming the sessions that hold them exclusively (a migration's DDL, a ``LOCK TABLE``)."""
+    schema = options.schema
     await conn.rollback()
     rows = (
         await conn.execute(
@@ -147,7 +145,7 @@ async def _lock_held(conn: AsyncConnection, schema: str) -> CliError:
     await conn.rollback()
     holders = [h for h in (holder_of(row, store_instance=False) for row in rows) if h]
     return CliError(
-        f"gave up after {LOCK_WAIT:g} s waiting for a lock on the tables of schema "
+        f"gave up after {options.lock_wait:g} s waiting for a lock on the tables of schema "
         f"{schema!r}, held by {describe_holders(holders)}",
         ExitCode.LOCK_HELD,
     )

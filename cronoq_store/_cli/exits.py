@@ -94,7 +94,7 @@ Exit codes:
   {ExitCode.NOT_HANDED_OVER:d}  (handover) the instance whose session it ended leads again,
      or the new leader shows no instance id to tell
   {ExitCode.LOCK_HELD:d}  a lock the command needs stayed held by another session past its
-     bound (migrate, downgrade: --lock-timeout; others: 30 s); the holders are named
+     bound (migrate, downgrade: --lock-timeout; others: --lock-wait, 30 s); the holders are named
   {ExitCode.AMBIGUOUS:d}  (tasks show) a bare number names tasks of several epochs: they
      are listed; give EPOCH/N
   {ExitCode.NO_MATCH:d}  (--all, --schemas) no schema of the database holds a cluster, or

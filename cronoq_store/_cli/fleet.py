@@ -230,7 +230,12 @@ async def _read(
     failure turned into the cluster's verdict, the URL masked in it."""
     if cluster.refusal is not None:
         return _failed(cluster.schema, ExitCode.FAILED, cluster.refusal, refused=True)
-    one = Options(url=options.url, schema=cluster.schema, trusted_triggers=options.trusted_triggers)
+    one = Options(
+        url=options.url,
+        schema=cluster.schema,
+        trusted_triggers=options.trusted_triggers,
+        lock_wait=options.lock_wait,
+    )
     try:
         async with (
             door.translated(f"reading schema {cluster.schema!r}", passing=(CliError,)),
@@ -298,7 +303,7 @@ async def over_clusters(
     Text: ``SCHEMA  CODE  WORDS`` per cluster, then ``summary: ...``. JSON: one object per
     line (JSON Lines), each cluster's, then ``{"summary": {...}}``."""
     url = options.database_url()
-    engine = database.engine(url, pool_size=jobs)
+    engine = database.engine(url, lock_wait=options.lock_wait, pool_size=jobs)
     try:
         clusters = await select(options, chosen, engine)
         width = max(len(visible(c.schema)) for c in clusters)

@@ -164,7 +164,12 @@ def _signals_handled(run: _Run) -> Iterator[None]:
 
 async def _revision(options: Options, schema: str, engine: AsyncEngine) -> RevisionStatus:
     """Where the schema stands, read through the CLI's opening (the trust check first)."""
-    one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
+    one = Options(
+        url=options.url,
+        schema=schema,
+        trusted_triggers=options.trusted_triggers,
+        lock_wait=options.lock_wait,
+    )
     async with database.database(one, engine) as conn:
         return await database.revision(conn, schema)
 
@@ -366,7 +371,7 @@ async def migrate_clusters(
     signal's number after an interruption)."""
     url = options.database_url()
     started = time.monotonic()
-    engine = database.engine(url, pool_size=jobs)
+    engine = database.engine(url, lock_wait=options.lock_wait, pool_size=jobs)
     try:
         clusters = await fleet.select(options, chosen, engine)
         run = _Run(len(clusters))

@@ -116,7 +116,7 @@ async def _list(
     options: Options, as_json: bool, group: str | None, control_schema: str, console: Console
 ) -> None:
     url = options.database_url()
-    engine = database.engine(url)
+    engine = database.engine(url, lock_wait=options.lock_wait)
     try:
         try:
             async with door.translated("connecting"):
@@ -302,7 +302,12 @@ async def _enroll(
     console: Console,
 ) -> None:
     for schema in schemas:
-        one = Options(url=options.url, schema=schema, trusted_triggers=options.trusted_triggers)
+        one = Options(
+            url=options.url,
+            schema=schema,
+            trusted_triggers=options.trusted_triggers,
+            lock_wait=options.lock_wait,
+        )
         async with database.database(one) as conn:
             await database.require_head(conn, schema)
     made = await _connect(options, group, control_schema)
@@ -411,7 +416,7 @@ async def _move(
     urls = [source, target]
     for url in urls:
         await _reach(url)
-    engines = [database.engine(url) for url in urls]
+    engines = [database.engine(url, lock_wait=options.lock_wait) for url in urls]
     console = output.console()
     try:
         report = await moving.move(

@@ -18,8 +18,9 @@ import click
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .. import _catalog as catalog
+from .. import _door as door
 from .._config import validate_schema_name
-from .._errors import MigrationError
+from .._errors import MigrationError, StoreError
 from .._host import control
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts
@@ -238,18 +239,42 @@ async def read_host(
     ``vetted``: the control schemas whose trust check passed already in this command (a
     command over many clusters checks its control schema once, not once per cluster);
     one that passes here is added."""
-    unreadable = await _unreadable(conn, control_schema, vetted)
+    rows, unreadable = await _control_rows(
+        conn, control.cluster_host, {"schema": schema}, control_schema, vetted
+    )
     if unreadable is not None:
         return HostFacts(group, control_schema, unreadable=unreadable)
-    row = (
-        await conn.execute(
-            control.cluster_host,
-            {"schema": schema},
-            execution_options=control.control_options(control_schema),
-        )
-    ).first()
+    return _facts(rows[0] if rows else None, group, control_schema)
+
+
+async def _control_rows(
+    conn: AsyncConnection,
+    statement: Any,
+    params: Mapping[str, object],
+    control_schema: str,
+    vetted: set[str] | None,
+) -> tuple[Sequence[Any], str | None]:
+    """The rows of ``statement`` in ``control_schema`` after its trust check, or why they
+    could not be read: missing, refused, or out of this role's reach (no ``USAGE`` on the
+    schema, no ``SELECT``). A role that may read the clusters and not the control schema
+    sees each hosted one with its owner unknown, rather than an error for the whole page or
+    command. A transient failure is raised as any other."""
+    try:
+        async with door.translated("reading the host control schema"):
+            unreadable = await _unreadable(conn, control_schema, vetted)
+            if unreadable is not None:
+                return [], unreadable
+            found = await conn.execute(
+                statement, params, execution_options=control.control_options(control_schema)
+            )
+            rows = found.all()
+    except StoreError as error:
+        if error.is_transient:
+            raise
+        await conn.rollback()
+        return [], str(error)
     await conn.rollback()
-    return _facts(row, group, control_schema)
+    return rows, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,17 +299,11 @@ async def read_hosts(
     """The control rows of ``schemas`` in ``control_schema``, after its trust check: one
     statement for all of them (a page of the console's overview), where :func:`read_host`
     for each would cost one per cluster."""
-    unreadable = await _unreadable(conn, control_schema, None)
+    rows, unreadable = await _control_rows(
+        conn, control.cluster_hosts, {"schemas": list(schemas)}, control_schema, None
+    )
     if unreadable is not None:
         return HostRows(control_schema, {}, unreadable)
-    rows = (
-        await conn.execute(
-            control.cluster_hosts,
-            {"schemas": list(schemas)},
-            execution_options=control.control_options(control_schema),
-        )
-    ).all()
-    await conn.rollback()
     return HostRows(control_schema, {row.schema_name: row for row in rows})
 
 

@@ -742,16 +742,16 @@ async def prune_batches(
     cluster: tuple[str, int],
     cutoff_ns: int,
     progress: Callable[[int], None],
+    lock_wait: float,
 ) -> int:
     """Prune on ``conn`` with the store's own loop, one transaction per batch, only in
-    ``cluster`` (:func:`prune_cluster`), each batch waiting at most
-    :data:`~cronoq_store._cli.database.LOCK_WAIT` for the leader table; returns how many
-    were deleted."""
+    ``cluster`` (:func:`prune_cluster`), each batch waiting at most ``lock_wait`` seconds
+    for the leader table (the command's ``--lock-wait``); returns how many were deleted."""
     return await queries.prune(
         batch_transactions(conn),
         cutoff_ns,
         progress,
         cluster=cluster,
-        lock_wait=database.LOCK_WAIT,
-        waiter=f"pruning (a command waits {database.LOCK_WAIT:g} s at most)",
+        lock_wait=lock_wait,
+        waiter=f"pruning (a command waits {lock_wait:g} s at most)",
     )

@@ -88,7 +88,9 @@ async def _prune(
         if not dry_run:
             cluster = await operations.prune_cluster(conn, options.schema)
             with _progress_bar(victims, shown=not as_json) as progress:
-                deleted = await operations.prune_batches(conn, cluster, cutoff_ns, progress)
+                deleted = await operations.prune_batches(
+                    conn, cluster, cutoff_ns, progress, options.lock_wait
+                )
     if as_json:
         output.emit_json(
             {

@@ -220,7 +220,9 @@ class Pruning:
             ):
                 await database.require_head(conn, schema)
                 cluster = await operations.prune_cluster(conn, schema)
-                await operations.prune_batches(conn, cluster, job.cutoff, progress)
+                await operations.prune_batches(
+                    conn, cluster, job.cutoff, progress, database.LOCK_WAIT
+                )
             log.warning("prune of %s asked by %s: done, %d deleted", schema, who, job.deleted)
         except (CliError, StoreError) as error:  # said on the page and in the log only
             job.error = visible(scrub(str(error), [self._source.url]))

@@ -16,8 +16,7 @@ from .. import _catalog as catalog
 from .. import _door as door
 from .._cli import database, hosted
 from .._cli.app import Options
-from .._errors import MigrationError, StoreError
-from .._urls import scrub
+from .._errors import MigrationError
 
 __all__ = ["POOL_SIZE", "ClusterNotFound", "ClusterPage", "Source"]
 
@@ -76,19 +75,13 @@ class Source:
 
     async def hosts(self, schemas: Sequence[str]) -> hosted.HostRows:
         """The control rows of ``schemas`` (those a host group leads have one) in one
-        statement, after the control schema's trust check."""
-        try:
-            async with (
-                door.translated("reading the host control schema"),
-                self.engine.connect() as conn,
-            ):
-                return await hosted.read_hosts(conn, schemas, self.control_schema)
-        except StoreError as error:
-            if error.is_transient:
-                raise
-            # This role may not read it (no SELECT): each hosted cluster of the page says
-            # so, and the others show as ever.
-            return hosted.HostRows(self.control_schema, {}, scrub(str(error), [self.url]))
+        statement, after the control schema's trust check; where this role may not read
+        it, each hosted cluster of the page says so (:func:`~.hosted.read_hosts`)."""
+        async with (
+            door.translated("reading the host control schema"),
+            self.engine.connect() as conn,
+        ):
+            return await hosted.read_hosts(conn, schemas, self.control_schema)
 
     async def cluster_page(
         self, search: str, size: int, after: str = "", before: str | None = None

@@ -123,11 +123,13 @@ __all__ = [
     "owned_by",
     "owned_digest",
     "owner_counts",
+    "owner_of",
     "prepare_control",
     "probe_dead",
     "process_ids",
     "process_list",
     "processes",
+    "prune_left",
     "reenroll",
     "release_cluster",
     "remove",
@@ -304,6 +306,42 @@ orphan_left = (
     .returning(clusters.c.host_group, clusters.c.schema_name)
 )
 
+_gone = processes.alias("gone")
+
+#: Delete up to ``:limit`` rows of the group's processes that left (closed, or buried by a
+#: survivor) more than ``:seconds`` ago, oldest first: ids are never reused, so without this
+#: every restart of every process would add a row for good. A row a cluster still names, as
+#: its owner or as the process that released it last, is kept: ``status`` and the console
+#: name that process, and :data:`orphan_left` frees a cluster only by its owner's row. Rows
+#: another transaction holds are skipped, never waited for. Returns the ids deleted.
+prune_left = (
+    delete(processes)
+    .where(
+        processes.c.process_id.in_(
+            select(_gone.c.process_id)
+            .where(
+                _gone.c.host_group == _group,
+                _gone.c.state == _LEFT,
+                func.coalesce(_gone.c.left_at, _gone.c.joined_at)
+                < func.now()
+                - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds", type_=Float)),
+                ~exists(
+                    select(clusters.c.schema_name).where(
+                        or_(
+                            clusters.c.owner == _gone.c.process_id,
+                            clusters.c.released_by == _gone.c.process_id,
+                        )
+                    )
+                ),
+            )
+            .order_by(_gone.c.left_at, _gone.c.process_id)
+            .limit(bindparam("limit", type_=Integer))
+            .with_for_update(skip_locked=True)
+        )
+    )
+    .returning(processes.c.process_id)
+)
+
 #: How many active clusters each ``owner`` of the group leads (``owner`` NULL: unowned), as
 #: ``owner``, ``clusters``: what the balancing targets start from.
 owner_counts = (
@@ -321,6 +359,15 @@ owned_digest = select(
     func.count().label("clusters"),
     cast(func.coalesce(func.sum(clusters.c.epoch), 0), BigInteger).label("epochs"),
 ).where(_in_group, clusters.c.owner == _me)
+
+#: The process owning ``:schema``'s cluster in ``:group`` and the backend pid its host session
+#: registered with (``owner``, ``backend_pid``): whoever holds that process's lock is its
+#: host session exactly when the pids agree. No row: unowned, or not enrolled there.
+owner_of = (
+    select(clusters.c.owner, processes.c.backend_pid)
+    .select_from(clusters.join(processes, processes.c.process_id == clusters.c.owner))
+    .where(_this_cluster)
+)
 
 #: What ``:me`` owns (``schema_name``, ``epoch``, ``incarnation``), by schema: read when the
 #: digest differs from what the process holds, to step down each cluster taken from it.

@@ -45,7 +45,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._leadership import cool_down, session_settings
-from .._results import Recovered
+from .._results import Health, LockHolder, Recovered
 from .._retry import acquisition_backoff, bounded, pause
 from .._schema import schema_options
 from .._store import PgStore
@@ -67,6 +67,13 @@ _ENROLL_RETRY = 0.05
 _CLAIMS_PER_TRANSACTION = 16
 #: Led clusters whose leader rows the sweep reads each tick.
 _SWEEP_SLICE = 32
+#: Seconds a row of a process that left is kept: a day to look up a process that a log line,
+#: or a leadership term's application name, mentions.
+_LEFT_KEPT = 86_400.0
+#: Seconds between two prunes of such rows by one process, and the rows one prune deletes at
+#: most: a short statement now and then, whatever the group's churn.
+_PRUNE_LEFT_EVERY = 60.0
+_PRUNE_LEFT_ROWS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +148,13 @@ class _Term:
     """One hosted term of one cluster: what its :class:`HostedStore` reads before each
     commit, and ends when a commit finds the fence moved (``LeaderTerm``)."""
 
-    def __init__(self, epoch: int, process_id: int, ended: Callable[[], None]) -> None:
+    def __init__(
+        self, epoch: int, process_id: int, ended: Callable[[], None], control_schema: str
+    ) -> None:
         self._epoch: int | None = epoch
         self._key = (control.LOCK_NS_HOST, process_id)
+        #: Where the cluster's owner is recorded (``HostedStore.health``).
+        self.control_schema = control_schema
         self._lost = asyncio.Event()
         self._ended = ended
         self.reason: str | None = None
@@ -213,6 +224,50 @@ class HostedStore(PgStore):
         recoveries queued past the pool's timeout."""
         async with self._recoveries.turn():
             return await super().recover(base)
+
+    async def health(self) -> Health:
+        """``PgStore.health()``, its leader the one a hosted cluster has, as ``cronoq-store
+        health`` reads it: ``holder`` is the session holding the process lock of the owner
+        the control schema records, a store instance when it is that process's own host
+        session. So ``has_leader`` holds exactly while a live host process owns the
+        cluster, whichever it is (this store's term may have ended), and ``holder`` is
+        ``None`` while none does. A session on the cluster's standalone key (it blocks
+        every claim; health exit 7) stays the ``holder``, a ``foreign_holder``, unless it
+        is the owner's host session claiming. ``hosted_by`` names the group."""
+        found = await super().health()
+        term, group = self._leadership, found.hosted_by
+        if group is None or not isinstance(term, _Term):
+            return found  # removed from the group meanwhile: a standalone cluster's facts
+        schema = self.config.schema
+        async with self._translated("reading health"):
+            owner = await self._read(
+                lambda conn: _owner_holder(conn, term.control_schema, group, schema)
+            )
+        standalone = found.holder
+        if standalone is not None and (owner is None or standalone.pid != owner.pid):
+            return found
+        return replace(found, holder=owner)
+
+
+async def _owner_holder(
+    conn: AsyncConnection, control_schema: str, group: str, schema: str
+) -> LockHolder | None:
+    """The session holding the process lock of ``schema``'s owner in ``group``, a store
+    instance when it is the session that process registered with; ``None`` when nobody
+    owns the cluster or the owner's lock is free (the process is gone)."""
+    row = (
+        await conn.execute(
+            control.owner_of,
+            {"group": group, "schema": schema},
+            execution_options=control.control_options(control_schema),
+        )
+    ).first()
+    if row is None:
+        return None
+    holder = await queries.leader_lock_holder(conn, (control.LOCK_NS_HOST, int(row.owner)))
+    if holder is None:
+        return None
+    return replace(holder, store_instance=holder.pid == row.backend_pid)
 
 
 class RecoveryTurns:
@@ -300,6 +355,8 @@ class PgHost:
         self._sweep_at = 0
         # time.monotonic() of the last look for other processes' stuck sessions.
         self._stuck_checked_at = 0.0
+        # time.monotonic() of the last prune of the rows of processes that left.
+        self._pruned_left_at = -_PRUNE_LEFT_EVERY
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
         lanes, recoveries = pool_split(config.max_connections)
@@ -680,6 +737,7 @@ class PgHost:
                 if now >= next_look:
                     next_look = now + config.lock_poll
                     await self._balance(session)
+                    await self._prune_left(now)
             except StoreError as error:
                 if session.broken:
                     raise
@@ -802,6 +860,39 @@ class PgHost:
         self._seen_unowned = set(candidates) - set(chosen)
         await self._claim(session, chosen)
 
+    async def _prune_left(self, now: float) -> None:
+        """Every ``_PRUNE_LEFT_EVERY`` seconds, delete up to ``_PRUNE_LEFT_ROWS`` rows of
+        processes that left the group over ``_LEFT_KEPT`` ago (:data:`control.prune_left`),
+        on the pool: history only, so a failure is logged and costs no round of the
+        balancing, which the host session's checks would."""
+        if now - self._pruned_left_at < _PRUNE_LEFT_EVERY:
+            return
+        self._pruned_left_at = now
+        params = {"group": self._config.group, "seconds": _LEFT_KEPT, "limit": _PRUNE_LEFT_ROWS}
+        wait = {"ms": str(round(self._config.store.commit_timeout * 1000))}
+        try:
+            async with door.translated("pruning left processes"), self._engine.begin() as conn:
+                # An application's pooled session may carry any search_path.
+                await conn.execute(st.local_search_path)
+                await conn.execute(st.set_local_lock_timeout, wait)
+                pruned = await conn.execute(
+                    control.prune_left,
+                    params,
+                    execution_options=control.control_options(self._config.control_schema),
+                )
+                count = len(pruned.all())
+        except StoreError as error:
+            logger.warning(
+                "pruning the rows of processes that left failed; trying again later",
+                extra={"group": self._config.group, "error": str(error)},
+            )
+            return
+        if count:
+            logger.info(
+                "pruned the rows of processes that left",
+                extra={"group": self._config.group, "processes": count},
+            )
+
     async def _end_stuck(self, session: HostSession, others: list[int]) -> None:
         """Every ``session_timeout``, end the host sessions of other processes stuck
         mid-statement for ``1.5 x session_timeout``: past ``session_timeout`` without an
@@ -908,7 +999,8 @@ class PgHost:
 
     def _gained(self, session: HostSession, claim: Claim) -> None:
         schema = claim.schema
-        term = _Term(claim.epoch, session.process_id, lambda: self._ended(schema))
+        control_schema = self._config.control_schema
+        term = _Term(claim.epoch, session.process_id, lambda: self._ended(schema), control_schema)
         store = HostedStore(
             self._engine,
             replace(self._config.store, schema=schema),

@@ -30,7 +30,7 @@ from cronoq_store._urls import async_url
 from ..fleet.conftest import Fleet, fleet
 from ..fleet.hosts import config, serving
 from ..pgharness import admin_execute
-from ..support import full, run
+from ..support import create_role, drop_role, full, run
 from ..waits import PATIENCE, until
 from .conftest import Console, fetch, shots, start_console, stop_console, text_of
 
@@ -171,3 +171,101 @@ async def test_the_cluster_page_names_the_process_its_lock_and_whether_it_lives(
     assert f"process {pid}, instance {instance}, released it " in gone["dd.leader"]
     assert gone["#host-owner"] == "none"
     assert gone["#host-live"] == f"no: its process lock {lock} is free, the process is gone"
+
+
+async def test_a_role_that_cannot_read_the_control_schema_sees_the_owner_unknown(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A console on a role granted the cluster's tables and not the control schema: the
+    overview and the cluster page still show the cluster, its owner unknown and why, never
+    an error page or a traceback; the CLI says the same."""
+    (schema,) = fleet.clusters(1)
+    role = await create_role(fleet.url, f"{fleet.prefix}_reader")
+    try:
+        async with serving(fleet.url, config(fleet, "console-host"), [schema]) as served:
+            await until(lambda: len(served.host.led()) == 1, "the host to lead the cluster")
+            await admin_execute(fleet.url, f'GRANT USAGE ON SCHEMA "{schema}" TO {role.name}')
+            await admin_execute(
+                fleet.url, f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {role.name}'
+            )
+            console = start_console(
+                role.url, tmp_path, "--refresh", "3600", "--control-schema", fleet.control
+            )
+            try:
+                pages = [
+                    await fetch(f"{console.base}/clusters/{schema}?format=json"),
+                    await fetch(f"{console.base}/?q={schema}&format=json"),
+                ]
+                html = await fetch(f"{console.base}/clusters/{schema}")
+            finally:
+                stop_console(console)
+            health = await run(
+                "--url", full(role.url), "--schema", schema, "health", "--json",
+                "--control-schema", fleet.control,
+            )  # fmt: skip
+    finally:
+        await drop_role(fleet.url, role.name)
+    assert [p.status for p in (*pages, html)] == [200, 200, 200], [p.text() for p in pages]
+    page, overview = pages[0].json(), pages[1].json()
+    (shown,) = overview["clusters"]
+    for host in (page["summary"]["host"], shown["host"], json.loads(health.stdout)["host"]):
+        assert host["group"] == fleet.group
+        assert f"permission denied for schema {fleet.control}" in host["unreadable"]
+        assert (host["owner"], host["process"]) == (None, None)
+    assert page["summary"]["schema"] == schema
+    assert "unknown" in html.text()
+    assert "Traceback" not in console.stderr()
+
+
+async def test_a_refused_cluster_and_a_dead_owner_not_yet_buried_are_said(
+    fleet: Fleet, console_on: Console
+) -> None:
+    """Control rows as no host left them to be read: one in the refused state with its
+    reason (a control row's text, escaped on the page), one owned by a process whose row
+    says member while its process lock is free (dead, not yet buried by a live member's
+    probe). Both pages render, each saying why no host leads it; ``health`` agrees."""
+    refused, orphaned = fleet.clusters(2)
+    async with serving(fleet.url, config(fleet, "console-host"), [refused, orphaned]) as served:
+        await until(lambda: len(served.host.led()) == 2, "the host to lead its clusters")
+        pid = served.host.process_id
+    # The host left: both clusters unowned, its process row left, its lock free.
+    why = "<b>trust</b> check failed\x1b[2J"
+    control = f'"{fleet.control}"'
+    await admin_execute(
+        fleet.url,
+        f"UPDATE {control}.clusters SET state = 'refused', refused_why = $1 WHERE schema_name = $2",
+        why,
+        refused,
+    )
+    await admin_execute(
+        fleet.url, f"UPDATE {control}.processes SET state = 'member' WHERE process_id = $1", pid
+    )
+    await admin_execute(
+        fleet.url,
+        f"UPDATE {control}.clusters SET owner = $1, since = now() WHERE schema_name = $2",
+        pid,
+        orphaned,
+    )
+    pages = {s: await fetch(f"{console_on.base}/clusters/{s}") for s in (refused, orphaned)}
+    docs = {s: await fetch(f"{console_on.base}/clusters/{s}?format=json") for s in pages}
+    assert [r.status for r in (*pages.values(), *docs.values())] == [200] * 4
+
+    host = docs[refused].json()["summary"]["host"]
+    assert (host["state"], host["refused_why"], host["live"]) == ("refused", why, False)
+    html = pages[refused].text()
+    assert 'refused: <span class="bad">&lt;b&gt;trust&lt;/b&gt; check failed' in html
+    assert "\x1b" not in html
+    health = docs[refused].json()["summary"]["health"]
+    assert any(f"host group {fleet.group} refuses to lead it: " in r for r in health["reasons"])
+
+    host = docs[orphaned].json()["summary"]["host"]
+    assert (host["owner"], host["live"], host["state"]) == (pid, False, "active")
+    assert (host["process"]["state"], host["process"]["lock_held_by_pid"]) == ("member", None)
+    html = pages[orphaned].text()
+    assert f"last owner host process {pid}, instance {served.host.instance}: its process " in html
+    assert "lock is free, the process is gone" in html
+    summary = docs[orphaned].json()["summary"]
+    assert summary["health_exit_code"] == 6
+    (reason,) = summary["health"]["reasons"]
+    assert reason.endswith("its process lock is free (the process is gone)"), reason
+    assert "Traceback" not in console_on.stderr()

@@ -372,6 +372,46 @@ async def test_a_standalone_store_on_an_enrolled_cluster_reports_its_host_group(
         assert (await store.health()).hosted_by is None
 
 
+async def test_a_hosted_stores_health_names_its_owner_as_the_health_command_does(
+    fleet: Fleet,
+) -> None:
+    """A ``HostedStore``'s ``health()`` has the leader ``cronoq-store health`` judges by: the
+    owner's host session, holding its process lock (a store instance, so ``has_leader``),
+    and not the cluster's standalone key, which a hosted cluster keeps free; a session
+    squatting on that key (health exit 7) is its ``foreign_holder``."""
+    (schema,) = fleet.clusters(1)
+    async with serving(fleet.url, config(fleet, "healthy"), [schema]) as served:
+        await until(lambda: schema in served.host.led(), "the host to lead the cluster")
+        store = served.host.led()[schema]
+        (row,) = await admin_execute(
+            fleet.url,
+            f'SELECT backend_pid FROM "{fleet.control}".processes WHERE process_id = $1',
+            served.host.process_id,
+        )
+        health = await store.health()
+        assert (health.is_leader, health.has_leader, health.hosted_by) == (True, True, fleet.group)
+        assert health.holder is not None
+        assert (health.holder.pid, health.foreign_holder) == (row["backend_pid"], None)
+        assert (await cli(fleet, "health", schema=schema)).exit_code == ExitCode.OK
+
+        (oid,) = await admin_execute(fleet.url, "SELECT $1::regnamespace::oid AS oid", schema)
+        blocker = await asyncpg.connect(
+            asyncpg_dsn(fleet.url), server_settings={"application_name": "squatter"}
+        )
+        try:
+            await blocker.execute(
+                "SELECT pg_advisory_lock($1, $2::oid::bigint::int)", LOCK_NS_LEADER, oid["oid"]
+            )
+            health = await store.health()
+            assert health.foreign_holder is not None
+            assert health.foreign_holder.application_name == "squatter"
+            assert (health.is_leader, health.has_leader) == (True, False)
+            probe = await cli(fleet, "health", schema=schema)
+            assert probe.exit_code == ExitCode.FOREIGN_HOLDER, probe.output
+        finally:
+            await blocker.close()
+
+
 async def test_host_commands_fail_as_every_command_does(fleet: Fleet) -> None:
     (schema,) = fleet.clusters(1)
     wrong = full(fleet.url.set(password="not-the-password"))

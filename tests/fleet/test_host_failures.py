@@ -1,8 +1,8 @@
 """The host where processes, sessions, schemas and applications fail it: a second control
 schema, a dead process, a lead that ignores its cancellation, a schema dropped or made
 again, an epoch moved outside the host, a session ended mid-claim, a refused cluster, a lock
-held on one cluster's tables, concurrent enrolments; on a real server, with real sessions
-ended by ``pg_terminate_backend``."""
+held on one cluster's tables, concurrent enrolments, the rows of processes long gone; on a
+real server, with real sessions ended by ``pg_terminate_backend``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from dataclasses import replace
 import asyncpg
 import pytest
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import MigrationError, PgStoreConfig, StoreError
+from cronoq_store._host.control import prepare_control
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
+from cronoq_store._urls import async_url
 
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
@@ -433,3 +436,34 @@ async def test_clusters_of_a_process_that_left_are_led_by_the_others(fleet: Flee
     finally:
         unstick.set()
         await asyncio.wait({task}, timeout=30)
+
+
+async def test_rows_of_processes_that_left_long_ago_are_pruned_a_bounded_number_a_tick(
+    fleet: Fleet,
+) -> None:
+    """Every restart of a process adds a row that stays once it left (ids are never
+    reused): a member deletes those older than a day on its balancing tick, 100 at most
+    each time, so one prune stays a short statement whatever piled up."""
+    engine = create_async_engine(async_url(fleet.url))
+    try:
+        await prepare_control(engine, fleet.control)
+    finally:
+        await engine.dispose()
+    await admin_execute(
+        fleet.url,
+        f'INSERT INTO "{fleet.control}".processes (process_id, host_group, instance, '
+        "backend_pid, role, application_name, state, left_at) "
+        f"SELECT nextval('\"{fleet.control}\".process_ids'), $1, 'gone', 0, 'r', 'a', "
+        "'left', now() - interval '2 days' FROM generate_series(1, 101)",
+        fleet.group,
+    )
+
+    async def left() -> int:
+        rows = await admin_execute(
+            fleet.url,
+            f"SELECT count(*) FROM \"{fleet.control}\".processes WHERE state = 'left'",
+        )
+        return int(rows[0][0])
+
+    async with serving(fleet.url, config(fleet, "pruning")):
+        assert await until_value(left, lambda n: n < 101, "a prune of the left rows") == 1
