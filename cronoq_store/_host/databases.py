@@ -30,14 +30,11 @@ from .._retry import acquisition_backoff, pause
 from .._urls import redact
 from . import control
 from .host import HostedStore, PgHost, PgHostConfig
+from .move import MOVED
 
 __all__ = ["ClusterRef", "MultiDatabaseHost"]
 
 logger = logging.getLogger("cronoq_store")
-
-#: A cluster's control row in this state has moved to another database (``host move``):
-#: its name is free to enroll elsewhere.
-MOVED = "moved"
 
 
 @dataclass(frozen=True, slots=True, order=True)

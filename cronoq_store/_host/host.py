@@ -53,6 +53,7 @@ from .._urls import redact, resolve
 from ..telemetry import DISABLED, resolve_group
 from . import balance, control
 from .bus import CommitBus
+from .move import ARRIVING_MARK, MOVED, MOVED_MARK, MOVING, MOVING_MARK
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -268,6 +269,38 @@ async def _owner_holder(
     if holder is None:
         return None
     return replace(holder, store_instance=holder.pid == row.backend_pid)
+
+
+async def _not_enrollable(conn: AsyncConnection, schema: str, control_schema: str) -> str:
+    """Why the leader row of ``schema`` kept the group's mark off: another group's, or a
+    ``host move``'s mark, which no group can be named; then the move's note in the control
+    schema (``moving to …``, ``moved to …``, its target's URL, password hidden) says where."""
+    row = (await conn.execute(st.leader_enrolment, execution_options=schema_options(schema))).one()
+    if row.host_group not in (MOVING_MARK, MOVED_MARK, ARRIVING_MARK):
+        return "it is enrolled in another host group"
+    if row.host_group == ARRIVING_MARK:
+        return (
+            "it is a copy a move is bringing to this database, not enrolled yet: run the move "
+            "again to finish it (`cronoq-store host move`)"
+        )
+    found = (
+        await conn.execute(
+            control.cluster_host,
+            {"schema": schema},
+            execution_options=control.control_options(control_schema),
+        )
+    ).first()
+    note = None if found is None else found.refused_why
+    if row.host_group == MOVING_MARK:
+        return (
+            f"it is being moved ({note or 'its control row is gone'}): finish or resume the "
+            "move first (`cronoq-store host move`)"
+        )
+    return (
+        f"it was {note or 'moved to another database'}, and this copy is the move's "
+        "tombstone: enroll it where it went, or drop this schema to enroll a new cluster "
+        "under its name"
+    )
 
 
 class RecoveryTurns:
@@ -534,9 +567,8 @@ class PgHost:
                 )
             ).first()
             if marked is None:
-                raise StoreError(
-                    f"enrolling schema {schema!r} failed: it is enrolled in another host group"
-                )
+                why = await _not_enrollable(conn, schema, self._config.control_schema)
+                raise StoreError(f"enrolling schema {schema!r} failed: {why}")
             in_control = schema_options(self._config.control_schema)
             row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
             added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
@@ -586,7 +618,13 @@ class PgHost:
         """Take ``schema`` out of this host group, fencing whichever process leads it: the
         epoch is bumped (after the commits in flight, as a takeover waits for them), so no
         later commit of the group lands, and its owner steps the cluster down at its next
-        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled."""
+        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled.
+
+        A cluster ``host move`` froze (``moving``) is refused with ``StoreError``: its row is
+        what the move resumes from, and without it the cluster stays frozen for good. A
+        ``moved`` row (the source's tombstone) is deleted and nothing else done: its leader
+        row keeps the move's mark, so nothing leads that copy, and a move back into this
+        database needs the name free in the control schema."""
         validate_schema_name(schema)
         group = self._config.group
         bound = self._config.store.commit_timeout
@@ -601,6 +639,15 @@ class PgHost:
             ).first()
             if removed is None:
                 return False
+            if removed.state == MOVING:
+                # Raised inside the transaction: the row stays.
+                raise StoreError(
+                    f"schema {schema!r} is being moved ({removed.refused_why}): finish or "
+                    "resume the move first (`cronoq-store host move`, same --to); removed "
+                    "now, it would stay frozen with no move to resume"
+                )
+            if removed.state == MOVED:
+                return True  # a tombstone: its leader row's mark keeps every leader off
             if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
                 return True  # nothing left to fence
             await door.leader_barrier(

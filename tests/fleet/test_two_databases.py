@@ -10,11 +10,13 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 import pytest
+from click.testing import Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import ClusterRef, FencedError, MultiDatabaseHost, StoreError
 from cronoq_store._cli import database
+from cronoq_store._cli.exits import ExitCode
 from cronoq_store._domain import TimeBase, task_id
 from cronoq_store._host import move as moving
 from cronoq_store._host.host import HostedStore
@@ -157,10 +159,17 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         assert code == 0, said
         assert "already moved to" in said
         # A process with the old placement enrolls it in the source again: refused, so the
-        # tombstone is never led beside the moved cluster.
-        with pytest.raises(StoreError, match="another host group"):
+        # tombstone is never led beside the moved cluster, and told where it went.
+        with pytest.raises(StoreError, match=f"it was moved to postgresql://{west.url.username}:"):
             await east.host.enroll(schema)
         assert await state_in_control(fleet, schema) == "moved"
+        shown = await cli(fleet, "status", schema=schema)
+        assert f"hosted (moved by `cronoq-store host move`, group {fleet.group})" in shown.output
+        health = await cli(fleet, "health", schema=schema)
+        assert health.exit_code == ExitCode.NO_LEADER
+        for said in (shown.output, health.output):
+            assert "a tombstone `cronoq-store host move` left (moved to " in said
+            assert "(cronoq-store host move:" not in said  # the mark is no group's name
         listed = await run(
             "--url", full(fleet.url), "host", "list", "--control-schema", fleet.control
         )
@@ -170,6 +179,10 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
             fleet.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
         )
         assert stored[0]["n"] == 3
+        # The tombstone's row may go (a move back needs the name free); its mark stays.
+        assert (await cli(fleet, "host", "remove", schema, "--group", fleet.group)).exit_code == 0
+        assert await state_in_control(fleet, schema) is None
+        assert await leader_mark(fleet, schema) == moving.MOVED_MARK
 
 
 class Interrupted(Exception):
@@ -209,6 +222,13 @@ async def test_an_interrupted_move_goes_on_when_run_again(fleet: Fleet, west: Fl
             finally:
                 await mover.close()
             if step == "frozen":
+                # Removing it now would leave it frozen with no row to resume the move from.
+                removing = await cli(fleet, "host", "remove", schema, "--group", fleet.group)
+                assert removing.exit_code == ExitCode.FAILED
+                assert "is being moved (moving to postgresql://" in removing.output
+                assert await state_in_control(fleet, schema) == "moving"
+                shown = await cli(fleet, "status", schema=schema)
+                assert "frozen by `cronoq-store host move` (moving to " in shown.output
                 # Another cluster of that name made and enrolled in the target meanwhile: not
                 # taken for this move's copy, the source stays frozen.
                 await west_host.host.enroll(schema)
@@ -239,8 +259,21 @@ def _engine(url: URL) -> AsyncEngine:
     return database.engine(full(url))
 
 
-async def state_in_control(fleet: Fleet, schema: str) -> str:
+async def state_in_control(fleet: Fleet, schema: str) -> str | None:
     rows = await admin_execute(
         fleet.url, f'SELECT state FROM "{fleet.control}".clusters WHERE schema_name = $1', schema
     )
-    return str(rows[0]["state"])
+    return str(rows[0]["state"]) if rows else None
+
+
+async def leader_mark(fleet: Fleet, schema: str) -> str:
+    rows = await admin_execute(fleet.url, f'SELECT host_group FROM "{schema}".cronoq_leader')
+    return str(rows[0]["host_group"])
+
+
+async def cli(fleet: Fleet, *args: str, schema: str | None = None) -> Result:
+    """The CLI on ``fleet``'s (the source's) database and control schema."""
+    chosen = () if schema is None else ("--schema", schema)
+    result = await run("--url", full(fleet.url), *chosen, *args, "--control-schema", fleet.control)
+    no_password(fleet.url, result.stdout, result.stderr)
+    return result
