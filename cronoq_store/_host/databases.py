@@ -103,7 +103,7 @@ class MultiDatabaseHost:
             if db.host is None:
                 if self._closing.is_set():
                     raise StoreError("this host is closed")
-                db.host = await PgHost.connect(db.url, self._config)
+                db.host = await PgHost.connect(db.url, replace(self._config, database=db.label))
             return db.host
 
     def _database(self, label: str) -> _Database:

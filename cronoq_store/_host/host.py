@@ -108,6 +108,10 @@ class PgHostConfig:
     #: started together share them instead of the first taking all (default
     #: ``2 * lock_poll + 1``).
     join_settle: float | None = None
+    #: The label of this host's database when one process leads several: a
+    #: ``MultiDatabaseHost`` sets it to each database's, and the host's telemetry records
+    #: it as ``cronoq.host.database``, so one group's series stay apart per database.
+    database: str | None = None
 
     def __post_init__(self) -> None:
         validate_schema_name(self.control_schema)
@@ -123,6 +127,8 @@ class PgHostConfig:
             raise ValueError("max_releases: at least 1")
         if self.handover_grace < 0:
             raise ValueError("handover_grace: not negative")
+        if self.database is not None and (not self.database or "\x00" in self.database):
+            raise ValueError("database: not empty, no NUL")
 
     @property
     def settle(self) -> float:
@@ -396,9 +402,10 @@ class PgHost:
         # Recoveries at once: those of clusters gained together never take the lanes'
         # connections, nor the last one, which the application's reads need.
         self._recoveries = RecoveryTurns(recoveries, config.store.commit_timeout)
-        # One recorder for every cluster this process leads, labelled with the group: the
-        # global providers' label sets stay as few as the groups, whatever the clusters.
-        self._telemetry = resolve_group(config.group)
+        # One recorder for every cluster this process leads, labelled with the group (and
+        # the database's label): the global providers' label sets stay as few as the groups
+        # times the databases, whatever the clusters.
+        self._telemetry = resolve_group(config.group, config.database)
         # Every hosted store's commits; an application's pool is not the host's to hold
         # connections of, as for a PgStore.
         self._bus = CommitBus(

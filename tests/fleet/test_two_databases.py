@@ -5,6 +5,9 @@ and ``host move`` from one to the other, whole and interrupted."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
@@ -183,6 +186,77 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         assert (await cli(fleet, "host", "remove", schema, "--group", fleet.group)).exit_code == 0
         assert await state_in_control(fleet, schema) is None
         assert await leader_mark(fleet, schema) == moving.MOVED_MARK
+
+
+# Run in a process of its own, as the global providers can be set once per process: a
+# cluster of one name in each database, each committing once; then the reader's points of
+# cronoq.commit.mutations, as JSON.
+LABELLED = """
+import asyncio, json, os, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from cronoq_store import MultiDatabaseHost, PgStoreConfig, Submitted, TaskSpec, TimeBase
+from cronoq_store._domain import task_id
+from cronoq_store._host.host import PgHostConfig
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+control, group, schema = sys.argv[1:]
+
+async def main():
+    store = PgStoreConfig(lock_poll=0.1, keepalive=0.3, session_timeout=2.0, commit_timeout=10.0)
+    config = PgHostConfig(
+        store=store, control_schema=control, group=group, max_connections=3, join_settle=0.3
+    )
+    committed = []
+    both = asyncio.Event()
+
+    async def lead(ref, store):
+        base = TimeBase.now()
+        task = Submitted(task_id(store.epoch, 1), 1, base.engine_ns, TaskSpec(b"p"))
+        await store.commit(store.epoch, base, [task], [])
+        committed.append(ref.database)
+        if len(committed) == 2:
+            both.set()
+        await store.leadership_lost()
+
+    placed = {"east": os.environ["EAST"], "west": os.environ["WEST"]}
+    host = await MultiDatabaseHost.connect(placed, config)
+    try:
+        await host.enroll(schema, "east")
+        await host.enroll(schema, "west", allow_duplicate_names=True)
+        serving = asyncio.ensure_future(host.serve(lead))
+        await asyncio.wait_for(both.wait(), 60)
+    finally:
+        await host.close()
+    await serving
+    found = []
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "cronoq.commit.mutations":
+                    found += [[dict(p.attributes), p.count] for p in metric.data.data_points]
+    print(json.dumps(found))
+
+asyncio.run(main())
+"""
+
+
+async def test_each_databases_host_records_under_its_label(fleet: Fleet, west: Fleet) -> None:
+    (schema,) = fleet.clusters(1)
+    env = {**os.environ, "EAST": full(fleet.url), "WEST": full(west.url)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LABELLED, fleet.control, fleet.group, schema,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    by_series = {
+        (attrs["cronoq.host.group"], attrs.get("cronoq.host.database")): count
+        for attrs, count in json.loads(out)
+    }
+    assert by_series == {(fleet.group, "east"): 1, (fleet.group, "west"): 1}
 
 
 class Interrupted(Exception):
