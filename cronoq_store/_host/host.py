@@ -887,6 +887,12 @@ class PgHost:
         if self._closing.is_set():
             target = 0
         owned = [s for s, led in self._led.items() if led.term.is_leader]
+        if len(owned) > target:
+            # A cluster taken from this process since the keeper's check (a move's freeze,
+            # a removal) is missing from ``counts`` already, and the excess would then be
+            # one this process still owns: read again what it owns, after ``counts``.
+            await self._check_owned(session)
+            owned = [s for s, led in self._led.items() if led.term.is_leader]
         held = len(owned) + len(self._ending)
         if len(owned) > target:
             for schema in balance.to_release(owned, me, target, self._config.max_releases):
