@@ -81,7 +81,8 @@ class MultiDatabaseHost:
     async def connect(
         cls, databases: Mapping[str, str | URL], config: PgHostConfig | None = None
     ) -> MultiDatabaseHost:
-        """A host for each database, connected as :meth:`PgHost.connect` does. A database
+        """A host for each database, connected as :meth:`PgHost.connect` does, its config's
+        ``database`` the database's label (its telemetry's ``cronoq.host.database``). A database
         that does not answer yet is not an error: :meth:`serve` keeps trying it, and
         :meth:`enroll` in it raises until it answers."""
         made = cls(databases, config or PgHostConfig())
