@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
@@ -328,21 +328,20 @@ _by_provider: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDict
 
 
 class _Recording(Telemetry):
-    """Records to a meter provider, a tracer provider, or both, under ``label`` (the
-    cluster's schema as ``db.namespace``, or a host group as ``cronoq.host.group``);
-    spans are named after ``target``."""
+    """Records to a meter provider, a tracer provider, or both, under ``labels`` (the
+    cluster's schema as ``db.namespace``, or a host group as ``cronoq.host.group`` and its
+    database's label as ``cronoq.host.database``); spans are named after ``target``."""
 
     enabled = True
 
     def __init__(
         self,
-        label: tuple[str, str],
+        labels: Mapping[str, str],
         target: str,
         meter_provider: MeterProvider | None,
         tracer_provider: Any,
     ) -> None:
-        self._attrs = {"db.system.name": "postgresql", "db.system": "postgresql"}
-        self._attrs[label[0]] = label[1]
+        self._attrs = {"db.system.name": "postgresql", "db.system": "postgresql", **labels}
         self._target = target
         self._tracer = (
             None if tracer_provider is None else tracer_provider.get_tracer(SCOPE, SCOPE_VERSION)
@@ -491,18 +490,24 @@ def resolve(
 ) -> Telemetry:
     """The telemetry of the cluster in ``schema``: the given providers, else the global
     ones if the application configured them, else :data:`DISABLED`."""
-    return _resolved(("db.namespace", schema), schema, meter_provider, tracer_provider)
+    return _resolved({"db.namespace": schema}, schema, meter_provider, tracer_provider)
 
 
-def resolve_group(group: str) -> Telemetry:
+def resolve_group(group: str, database: str | None = None) -> Telemetry:
     """The telemetry a ``PgHost`` records its clusters under (not exported), on the global
     providers: labelled ``cronoq.host.group``, never ``db.namespace``, so a group named
-    like a schema never adds to that cluster's figures."""
-    return _resolved(("cronoq.host.group", group), f"host group {group}", None, None)
+    like a schema never adds to that cluster's figures. ``database``, the label a
+    ``MultiDatabaseHost`` gives the host's database, is ``cronoq.host.database``: one group's
+    hosts in two databases are two series, and the label values stay as few as the
+    databases."""
+    labels = {"cronoq.host.group": group}
+    if database is not None:
+        labels["cronoq.host.database"] = database
+    return _resolved(labels, f"host group {group}", None, None)
 
 
 def _resolved(
-    label: tuple[str, str],
+    labels: Mapping[str, str],
     target: str,
     meter_provider: MeterProvider | None,
     tracer_provider: Any,
@@ -517,7 +522,7 @@ def _resolved(
     )
     if meter is None and tracer is None:
         return DISABLED
-    return _Recording(label, target, meter, tracer)
+    return _Recording(labels, target, meter, tracer)
 
 
 def instrument(

@@ -521,7 +521,7 @@ async def test_enrol_remove_and_refuse(engine: AsyncEngine, control: str) -> Non
         assert [tuple(r) for r in counts] == [(None, 1)]
         await run(conn, control, c.set_owner, group="g", schema="s", me=3, epoch=1)
         removed = await run(conn, control, c.remove, group="g", schema="s")
-        assert [tuple(r) for r in removed] == [("s", 3)]
+        assert [tuple(r) for r in removed] == [("s", 3, "active", None)]
         assert await run(conn, control, c.enrolled, group="g") == []
 
 

@@ -22,6 +22,7 @@ from .. import _door as door
 from .._config import validate_schema_name
 from .._errors import MigrationError, StoreError
 from .._host import control
+from .._host.move import ARRIVING_MARK, MOVED_MARK, MOVING_MARK
 from .._migrations import RevisionStatus
 from .._queries import ClusterFacts
 from .._results import LockHolder
@@ -54,6 +55,11 @@ CONTROL_SCHEMA_ENV = "CRONOQ_CONTROL_SCHEMA"
 DEFAULT_CONTROL_SCHEMA = control.DEFAULT_CONTROL_SCHEMA
 
 _C = TypeVar("_C", bound=Callable[..., Any])
+
+#: The marks ``host move`` leaves in a leader row (no group can be named so), by what the
+#: cluster's copy there is: frozen in the source, copied to the target not enrolled yet,
+#: the source's tombstone.
+_MOVE_MARKS = {MOVING_MARK: "moving", ARRIVING_MARK: "arriving", MOVED_MARK: "moved"}
 
 
 def _check_control(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -141,6 +147,9 @@ class HostFacts:
     process: Process | None = None
     #: Why the control schema could not be read (missing, refused by the trust check).
     unreadable: str | None = None
+    #: ``moving``, ``arriving`` or ``moved`` when the leader row carries a ``host move``'s
+    #: mark: ``group`` is then the control row's group ("" without one), never the mark.
+    move: str | None = None
 
     @property
     def owner_process(self) -> Process | None:
@@ -157,6 +166,9 @@ class HostFacts:
         return output.moment_words(self.since)
 
     def mode_words(self) -> str:
+        if self.move is not None:
+            group = f", group {self.group}" if self.group else ""
+            return f"hosted ({self.move} by `cronoq-store host move`{group})"
         return f"hosted (group {self.group})"
 
 
@@ -207,12 +219,17 @@ async def _unreadable(
 
 def _facts(row: Any, group: str, control_schema: str) -> HostFacts:
     """A cluster's :class:`HostFacts` from its control row (:data:`control.cluster_host`'s
-    columns; ``None``: not enrolled there)."""
+    columns; ``None``: not enrolled there). ``group`` is the leader row's: a move's mark
+    names no group, so the control row's is shown instead."""
+    move = _MOVE_MARKS.get(group)
+    if move is not None:
+        group = "" if row is None else row.host_group
     if row is None:
-        return HostFacts(group, control_schema)
+        return HostFacts(group, control_schema, move=move)
     return HostFacts(
         group,
         control_schema,
+        move=move,
         enrolled=True,
         control_group=None if row.host_group == group else row.host_group,
         state=row.state,
@@ -224,6 +241,13 @@ def _facts(row: Any, group: str, control_schema: str) -> HostFacts:
         released_at=row.released_at,
         process=_process(row),
     )
+
+
+def _unreadable_facts(group: str, control_schema: str, unreadable: str) -> HostFacts:
+    """The facts of a cluster whose control schema could not be read: a move's mark in the
+    leader row still says what the cluster is, though no group can be shown."""
+    move = _MOVE_MARKS.get(group)
+    return HostFacts("" if move else group, control_schema, unreadable=unreadable, move=move)
 
 
 async def read_host(
@@ -243,7 +267,7 @@ async def read_host(
         conn, control.cluster_host, {"schema": schema}, control_schema, vetted
     )
     if unreadable is not None:
-        return HostFacts(group, control_schema, unreadable=unreadable)
+        return _unreadable_facts(group, control_schema, unreadable)
     return _facts(rows[0] if rows else None, group, control_schema)
 
 
@@ -289,7 +313,7 @@ class HostRows:
     def facts(self, schema: str, group: str) -> HostFacts:
         """What :func:`read_host` would say of ``schema``, whose leader row names ``group``."""
         if self.unreadable is not None:
-            return HostFacts(group, self.control_schema, unreadable=self.unreadable)
+            return _unreadable_facts(group, self.control_schema, self.unreadable)
         return _facts(self.rows.get(schema), group, self.control_schema)
 
 
@@ -323,6 +347,8 @@ def _unowned_words(host: HostFacts) -> str:
 
 def no_leader(host: HostFacts) -> str | None:
     """Why a hosted cluster has no leader now, ``None`` when a live host process owns it."""
+    if host.move is not None:
+        return _move_words(host)
     if host.unreadable is not None:
         return f"enrolled in host group {host.group}, but {host.unreadable}"
     if not host.enrolled:
@@ -343,6 +369,26 @@ def no_leader(host: HostFacts) -> str | None:
     if host.live_owner is None:
         return _unowned_words(host)
     return None
+
+
+def _move_words(host: HostFacts) -> str:
+    """Why no host process leads a copy ``host move`` marked, and what to do; where it
+    goes from the control row's note (the target's URL, password hidden)."""
+    note = host.refused_why or "no control row says where"
+    if host.move == "moving":
+        return (
+            f"frozen by `cronoq-store host move` ({note}): nothing leads it until the move "
+            "ends; run the move again to finish it"
+        )
+    if host.move == "arriving":
+        return (
+            "a copy `cronoq-store host move` is bringing here, not enrolled yet: run the move "
+            "again to finish it"
+        )
+    return (
+        f"a tombstone `cronoq-store host move` left ({note}): the cluster is led where it "
+        "went; drop this schema once it is no longer needed"
+    )
 
 
 def hosted_verdict(
@@ -465,4 +511,5 @@ def host_document(host: HostFacts, holder: LockHolder | None) -> dict[str, objec
         "process": None if host.process is None else host.process.document(),
         "standalone_lock_holder": output.session_document(holder),
         "unreadable": host.unreadable,
+        "move": host.move,
     }

@@ -653,9 +653,14 @@ enroll = union_all(
     ),
 )
 
-#: A cluster leaves the group (``:group``, ``:schema``); returns ``schema_name``
-#: and the ``owner`` that led it, so the caller can tell it; no row: not enrolled.
-remove = delete(clusters).where(_this_cluster).returning(clusters.c.schema_name, clusters.c.owner)
+#: A cluster leaves the group (``:group``, ``:schema``); returns ``schema_name``, the
+#: ``owner`` that led it, its ``state`` and ``refused_why`` (a move's note), so the caller
+#: can tell it or refuse (then it rolls back); no row: not enrolled.
+remove = (
+    delete(clusters)
+    .where(_this_cluster)
+    .returning(clusters.c.schema_name, clusters.c.owner, clusters.c.state, clusters.c.refused_why)
+)
 
 #: A cluster a claim could not take safely (foreign objects, a revision not this build's, a
 #: schema made again) is ``refused`` with ``:why`` until an operator clears it; it no longer

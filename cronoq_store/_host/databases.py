@@ -30,14 +30,11 @@ from .._retry import acquisition_backoff, pause
 from .._urls import redact
 from . import control
 from .host import HostedStore, PgHost, PgHostConfig
+from .move import MOVED
 
 __all__ = ["ClusterRef", "MultiDatabaseHost"]
 
 logger = logging.getLogger("cronoq_store")
-
-#: A cluster's control row in this state has moved to another database (``host move``):
-#: its name is free to enroll elsewhere.
-MOVED = "moved"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -84,7 +81,8 @@ class MultiDatabaseHost:
     async def connect(
         cls, databases: Mapping[str, str | URL], config: PgHostConfig | None = None
     ) -> MultiDatabaseHost:
-        """A host for each database, connected as :meth:`PgHost.connect` does. A database
+        """A host for each database, connected as :meth:`PgHost.connect` does, its config's
+        ``database`` the database's label (its telemetry's ``cronoq.host.database``). A database
         that does not answer yet is not an error: :meth:`serve` keeps trying it, and
         :meth:`enroll` in it raises until it answers."""
         made = cls(databases, config or PgHostConfig())
@@ -106,7 +104,7 @@ class MultiDatabaseHost:
             if db.host is None:
                 if self._closing.is_set():
                     raise StoreError("this host is closed")
-                db.host = await PgHost.connect(db.url, self._config)
+                db.host = await PgHost.connect(db.url, replace(self._config, database=db.label))
             return db.host
 
     def _database(self, label: str) -> _Database:

@@ -53,6 +53,7 @@ from .._urls import redact, resolve
 from ..telemetry import DISABLED, resolve_group
 from . import balance, control
 from .bus import CommitBus
+from .move import ARRIVING_MARK, MOVED, MOVED_MARK, MOVING, MOVING_MARK
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -107,6 +108,10 @@ class PgHostConfig:
     #: started together share them instead of the first taking all (default
     #: ``2 * lock_poll + 1``).
     join_settle: float | None = None
+    #: The label of this host's database when one process leads several: a
+    #: ``MultiDatabaseHost`` sets it to each database's, and the host's telemetry records
+    #: it as ``cronoq.host.database``, so one group's series stay apart per database.
+    database: str | None = None
 
     def __post_init__(self) -> None:
         validate_schema_name(self.control_schema)
@@ -122,6 +127,8 @@ class PgHostConfig:
             raise ValueError("max_releases: at least 1")
         if self.handover_grace < 0:
             raise ValueError("handover_grace: not negative")
+        if self.database is not None and (not self.database or "\x00" in self.database):
+            raise ValueError("database: not empty, no NUL")
 
     @property
     def settle(self) -> float:
@@ -270,6 +277,38 @@ async def _owner_holder(
     return replace(holder, store_instance=holder.pid == row.backend_pid)
 
 
+async def _not_enrollable(conn: AsyncConnection, schema: str, control_schema: str) -> str:
+    """Why the leader row of ``schema`` kept the group's mark off: another group's, or a
+    ``host move``'s mark, which no group can be named; then the move's note in the control
+    schema (``moving to …``, ``moved to …``, its target's URL, password hidden) says where."""
+    row = (await conn.execute(st.leader_enrolment, execution_options=schema_options(schema))).one()
+    if row.host_group not in (MOVING_MARK, MOVED_MARK, ARRIVING_MARK):
+        return "it is enrolled in another host group"
+    if row.host_group == ARRIVING_MARK:
+        return (
+            "it is a copy a move is bringing to this database, not enrolled yet: run the move "
+            "again to finish it (`cronoq-store host move`)"
+        )
+    found = (
+        await conn.execute(
+            control.cluster_host,
+            {"schema": schema},
+            execution_options=control.control_options(control_schema),
+        )
+    ).first()
+    note = None if found is None else found.refused_why
+    if row.host_group == MOVING_MARK:
+        return (
+            f"it is being moved ({note or 'its control row is gone'}): finish or resume the "
+            "move first (`cronoq-store host move`)"
+        )
+    return (
+        f"it was {note or 'moved to another database'}, and this copy is the move's "
+        "tombstone: enroll it where it went, or drop this schema to enroll a new cluster "
+        "under its name"
+    )
+
+
 class RecoveryTurns:
     """The recoveries a host runs at once. A wait for a turn fails with
     ``UnavailableError`` once no turn has ended for ``stall`` seconds (``commit_timeout``):
@@ -363,9 +402,10 @@ class PgHost:
         # Recoveries at once: those of clusters gained together never take the lanes'
         # connections, nor the last one, which the application's reads need.
         self._recoveries = RecoveryTurns(recoveries, config.store.commit_timeout)
-        # One recorder for every cluster this process leads, labelled with the group: the
-        # global providers' label sets stay as few as the groups, whatever the clusters.
-        self._telemetry = resolve_group(config.group)
+        # One recorder for every cluster this process leads, labelled with the group (and
+        # the database's label): the global providers' label sets stay as few as the groups
+        # times the databases, whatever the clusters.
+        self._telemetry = resolve_group(config.group, config.database)
         # Every hosted store's commits; an application's pool is not the host's to hold
         # connections of, as for a PgStore.
         self._bus = CommitBus(
@@ -534,9 +574,8 @@ class PgHost:
                 )
             ).first()
             if marked is None:
-                raise StoreError(
-                    f"enrolling schema {schema!r} failed: it is enrolled in another host group"
-                )
+                why = await _not_enrollable(conn, schema, self._config.control_schema)
+                raise StoreError(f"enrolling schema {schema!r} failed: {why}")
             in_control = schema_options(self._config.control_schema)
             row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
             added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
@@ -586,7 +625,13 @@ class PgHost:
         """Take ``schema`` out of this host group, fencing whichever process leads it: the
         epoch is bumped (after the commits in flight, as a takeover waits for them), so no
         later commit of the group lands, and its owner steps the cluster down at its next
-        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled."""
+        check. A standalone ``PgStore`` may lead it from then on. Whether it was enrolled.
+
+        A cluster ``host move`` froze (``moving``) is refused with ``StoreError``: its row is
+        what the move resumes from, and without it the cluster stays frozen for good. A
+        ``moved`` row (the source's tombstone) is deleted and nothing else done: its leader
+        row keeps the move's mark, so nothing leads that copy, and a move back into this
+        database needs the name free in the control schema."""
         validate_schema_name(schema)
         group = self._config.group
         bound = self._config.store.commit_timeout
@@ -601,6 +646,15 @@ class PgHost:
             ).first()
             if removed is None:
                 return False
+            if removed.state == MOVING:
+                # Raised inside the transaction: the row stays.
+                raise StoreError(
+                    f"schema {schema!r} is being moved ({removed.refused_why}): finish or "
+                    "resume the move first (`cronoq-store host move`, same --to); removed "
+                    "now, it would stay frozen with no move to resume"
+                )
+            if removed.state == MOVED:
+                return True  # a tombstone: its leader row's mark keeps every leader off
             if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
                 return True  # nothing left to fence
             await door.leader_barrier(
@@ -833,6 +887,12 @@ class PgHost:
         if self._closing.is_set():
             target = 0
         owned = [s for s, led in self._led.items() if led.term.is_leader]
+        if len(owned) > target:
+            # A cluster taken from this process since the keeper's check (a move's freeze,
+            # a removal) is missing from ``counts`` already, and the excess would then be
+            # one this process still owns: read again what it owns, after ``counts``.
+            await self._check_owned(session)
+            owned = [s for s, led in self._led.items() if led.term.is_leader]
         held = len(owned) + len(self._ending)
         if len(owned) > target:
             for schema in balance.to_release(owned, me, target, self._config.max_releases):

@@ -67,7 +67,16 @@ from .._trust import refuse_untrusted
 from .._urls import redact
 from . import control
 
-__all__ = ["ARRIVING_MARK", "LOCK_NS_MOVE", "MOVED_MARK", "MOVING_MARK", "MoveError", "move"]
+__all__ = [
+    "ARRIVING_MARK",
+    "LOCK_NS_MOVE",
+    "MOVED",
+    "MOVED_MARK",
+    "MOVING",
+    "MOVING_MARK",
+    "MoveError",
+    "move",
+]
 
 logger = logging.getLogger("cronoq_store")
 
@@ -87,7 +96,8 @@ _COPIED = (
     (recurring, recurring.c.name),
     (leader_history, leader_history.c.epoch),
 )
-_MOVING, _MOVED = "moving", "moved"
+#: A cluster's control row while a move froze it, and once it moved (its tombstone).
+MOVING, MOVED = "moving", "moved"
 #: A cluster's newest term (``epoch``, ``began_at``, ``pid``): a copy carries it unchanged.
 _newest_term = (
     select(leader_history.c.epoch, leader_history.c.began_at, leader_history.c.pid)
@@ -134,7 +144,7 @@ _set_moving = (
     update(_clusters)
     .where(_this)
     .values(
-        state=_MOVING,
+        state=MOVING,
         owner=None,
         epoch=bindparam("epoch", type_=Integer),
         refused_why=bindparam("why", type_=Text),
@@ -143,8 +153,8 @@ _set_moving = (
 #: The tombstone's control row.
 _set_moved = (
     update(_clusters)
-    .where(_this, _clusters.c.state == _MOVING)
-    .values(state=_MOVED, owner=None, refused_why=bindparam("why", type_=Text))
+    .where(_this, _clusters.c.state == MOVING)
+    .values(state=MOVED, owner=None, refused_why=bindparam("why", type_=Text))
 )
 #: The leader row's mark from ``:was`` to ``:mark``; returns the epoch and ``max_id``.
 _remark = (
@@ -246,18 +256,18 @@ async def _steps(
         await c.rollback()
     if row is None:
         raise MoveError(f"schema {schema!r} is not enrolled in host group {group!r} in the source")
-    if row.state == _MOVED:
+    if row.state == MOVED:
         said(f"already {row.refused_why}")
         if drop_source:
             await _drop(source, schema, said)
         return MoveReport(row.epoch, None, {})
-    if row.state == _MOVING and row.refused_why != _moving_to(to):
+    if row.state == MOVING and row.refused_why != _moving_to(to):
         raise MoveError(
             f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
             "with its own --to"
         )
     arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
-    if row.state != _MOVING:
+    if row.state != MOVING:
         if arrived is not None:
             raise MoveError(
                 f"the target database holds a schema {schema!r} already: drop or rename it "

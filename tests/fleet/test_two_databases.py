@@ -5,16 +5,21 @@ and ``host move`` from one to the other, whole and interrupted."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import asyncpg
 import pytest
+from click.testing import Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from cronoq_store import ClusterRef, FencedError, MultiDatabaseHost, StoreError
 from cronoq_store._cli import database
+from cronoq_store._cli.exits import ExitCode
 from cronoq_store._domain import TimeBase, task_id
 from cronoq_store._host import move as moving
 from cronoq_store._host.host import HostedStore
@@ -157,10 +162,17 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
         assert code == 0, said
         assert "already moved to" in said
         # A process with the old placement enrolls it in the source again: refused, so the
-        # tombstone is never led beside the moved cluster.
-        with pytest.raises(StoreError, match="another host group"):
+        # tombstone is never led beside the moved cluster, and told where it went.
+        with pytest.raises(StoreError, match=f"it was moved to postgresql://{west.url.username}:"):
             await east.host.enroll(schema)
         assert await state_in_control(fleet, schema) == "moved"
+        shown = await cli(fleet, "status", schema=schema)
+        assert f"hosted (moved by `cronoq-store host move`, group {fleet.group})" in shown.output
+        health = await cli(fleet, "health", schema=schema)
+        assert health.exit_code == ExitCode.NO_LEADER
+        for said in (shown.output, health.output):
+            assert "a tombstone `cronoq-store host move` left (moved to " in said
+            assert "(cronoq-store host move:" not in said  # the mark is no group's name
         listed = await run(
             "--url", full(fleet.url), "host", "list", "--control-schema", fleet.control
         )
@@ -170,6 +182,81 @@ async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
             fleet.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
         )
         assert stored[0]["n"] == 3
+        # The tombstone's row may go (a move back needs the name free); its mark stays.
+        assert (await cli(fleet, "host", "remove", schema, "--group", fleet.group)).exit_code == 0
+        assert await state_in_control(fleet, schema) is None
+        assert await leader_mark(fleet, schema) == moving.MOVED_MARK
+
+
+# Run in a process of its own, as the global providers can be set once per process: a
+# cluster of one name in each database, each committing once; then the reader's points of
+# cronoq.commit.mutations, as JSON.
+LABELLED = """
+import asyncio, json, os, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from cronoq_store import MultiDatabaseHost, PgStoreConfig, Submitted, TaskSpec, TimeBase
+from cronoq_store._domain import task_id
+from cronoq_store._host.host import PgHostConfig
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+control, group, schema = sys.argv[1:]
+
+async def main():
+    store = PgStoreConfig(lock_poll=0.1, keepalive=0.3, session_timeout=2.0, commit_timeout=10.0)
+    config = PgHostConfig(
+        store=store, control_schema=control, group=group, max_connections=3, join_settle=0.3
+    )
+    committed = []
+    both = asyncio.Event()
+
+    async def lead(ref, store):
+        base = TimeBase.now()
+        task = Submitted(task_id(store.epoch, 1), 1, base.engine_ns, TaskSpec(b"p"))
+        await store.commit(store.epoch, base, [task], [])
+        committed.append(ref.database)
+        if len(committed) == 2:
+            both.set()
+        await store.leadership_lost()
+
+    placed = {"east": os.environ["EAST"], "west": os.environ["WEST"]}
+    host = await MultiDatabaseHost.connect(placed, config)
+    try:
+        await host.enroll(schema, "east")
+        await host.enroll(schema, "west", allow_duplicate_names=True)
+        serving = asyncio.ensure_future(host.serve(lead))
+        await asyncio.wait_for(both.wait(), 60)
+    finally:
+        await host.close()
+    await serving
+    found = []
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "cronoq.commit.mutations":
+                    found += [[dict(p.attributes), p.count] for p in metric.data.data_points]
+    print(json.dumps(found))
+
+asyncio.run(main())
+"""
+
+
+async def test_each_databases_host_records_under_its_label(fleet: Fleet, west: Fleet) -> None:
+    (schema,) = fleet.clusters(1)
+    env = {**os.environ, "EAST": full(fleet.url), "WEST": full(west.url)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LABELLED, fleet.control, fleet.group, schema,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    by_series = {
+        (attrs["cronoq.host.group"], attrs.get("cronoq.host.database")): count
+        for attrs, count in json.loads(out)
+    }
+    assert by_series == {(fleet.group, "east"): 1, (fleet.group, "west"): 1}
 
 
 class Interrupted(Exception):
@@ -209,6 +296,13 @@ async def test_an_interrupted_move_goes_on_when_run_again(fleet: Fleet, west: Fl
             finally:
                 await mover.close()
             if step == "frozen":
+                # Removing it now would leave it frozen with no row to resume the move from.
+                removing = await cli(fleet, "host", "remove", schema, "--group", fleet.group)
+                assert removing.exit_code == ExitCode.FAILED
+                assert "is being moved (moving to postgresql://" in removing.output
+                assert await state_in_control(fleet, schema) == "moving"
+                shown = await cli(fleet, "status", schema=schema)
+                assert "frozen by `cronoq-store host move` (moving to " in shown.output
                 # Another cluster of that name made and enrolled in the target meanwhile: not
                 # taken for this move's copy, the source stays frozen.
                 await west_host.host.enroll(schema)
@@ -239,8 +333,21 @@ def _engine(url: URL) -> AsyncEngine:
     return database.engine(full(url))
 
 
-async def state_in_control(fleet: Fleet, schema: str) -> str:
+async def state_in_control(fleet: Fleet, schema: str) -> str | None:
     rows = await admin_execute(
         fleet.url, f'SELECT state FROM "{fleet.control}".clusters WHERE schema_name = $1', schema
     )
-    return str(rows[0]["state"])
+    return str(rows[0]["state"]) if rows else None
+
+
+async def leader_mark(fleet: Fleet, schema: str) -> str:
+    rows = await admin_execute(fleet.url, f'SELECT host_group FROM "{schema}".cronoq_leader')
+    return str(rows[0]["host_group"])
+
+
+async def cli(fleet: Fleet, *args: str, schema: str | None = None) -> Result:
+    """The CLI on ``fleet``'s (the source's) database and control schema."""
+    chosen = () if schema is None else ("--schema", schema)
+    result = await run("--url", full(fleet.url), *chosen, *args, "--control-schema", fleet.control)
+    no_password(fleet.url, result.stdout, result.stderr)
+    return result
