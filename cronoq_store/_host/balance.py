@@ -22,20 +22,15 @@ from collections.abc import Mapping, Sequence
 __all__ = ["score", "spread", "targets", "to_claim", "to_release"]
 
 
-def targets(members: Sequence[int], clusters: int, *, offset: int = 0) -> dict[int, int]:
+def targets(members: Sequence[int], clusters: int) -> dict[int, int]:
     """Each member's target: ``floor(N/P)``, plus one for ``N mod P`` of them.
 
     ``members`` are the live process ids, in any order; sorted ascending as
-    ``p_0 < ... < p_{P-1}``, ``p_i`` gets the extra one when ``(i - offset) mod P < N mod P``.
+    ``p_0 < ... < p_{P-1}``, ``p_i`` gets the extra one when ``i < N mod P``.
     Every process computes the same answer from the same membership, which is what lets
     each act on itself with no coordinator. The targets sum to ``N`` and differ by at most
-    one.
-
-    ``offset`` rotates the extras over several databases: with ``offset`` the sum of
-    ``N mod P`` over the databases before this one, the extras start where the previous
-    database's stopped, so the per-process totals also stay within one. (The design's
-    ``(i + offset)`` turns the other way and breaks that: three members, one cluster in a
-    first database and two in a second, give totals 2, 0, 1.) No members: no targets.
+    one. Each database is balanced on its own: a process's ids differ between databases,
+    so no order of members is common to them. No members: no targets.
     """
     if clusters < 0:
         raise ValueError(f"clusters must be >= 0, got {clusters}")
@@ -46,10 +41,7 @@ def targets(members: Sequence[int], clusters: int, *, offset: int = 0) -> dict[i
     if not count:
         return {}
     base, extra = divmod(clusters, count)
-    return {
-        process: base + (1 if (index - offset) % count < extra else 0)
-        for index, process in enumerate(ordered)
-    }
+    return {process: base + (1 if index < extra else 0) for index, process in enumerate(ordered)}
 
 
 def score(schema: str, process_id: int) -> int:
