@@ -240,6 +240,7 @@ class PgHost:
             hold=owns_engine and config.max_connections >= 3,
             group_size=config.clusters_per_commit,
             timeout=config.store.commit_timeout,
+            prepared=config.statement_cache,
         )
 
     # --- construction -----------------------------------------------------------------
