@@ -58,6 +58,7 @@ from .common import Profile, dsn, paired, summarize
 from .fleet_worker import PROFILE_ENV
 from .history import HISTORY_EPOCH, seed
 from .proxy import StallingProxy
+from .recovery import raw_recover
 
 _ROOT = Path(__file__).resolve().parent.parent
 #: How long any phase may take before the section gives up on it.
@@ -245,11 +246,22 @@ def _client_rss(worker: Worker) -> float:
     return float(psutil.Process(worker.process.pid).memory_info().rss) / _MIB
 
 
+#: Rounds of the template's recovery, by the store and by raw asyncpg in turn.
+_RECOVERY_ROUNDS = 7
+#: Finished tasks kept by the template's recovery: every seeded one.
+_TEMPLATE_RETENTION = 86_400.0
+
+
 async def _template(fleet: _Fleet) -> dict[str, Any]:
-    """A migrated template cluster with the seeded rows, and what ``recover()`` read of it."""
+    """A migrated template cluster with the seeded rows, what ``recover()`` read of it, and
+    the open's floor: one cluster's recovery by the store and by raw asyncpg running the
+    same queries and decoding (interleaved rounds), the latter times the clusters over the
+    machine's cores being what leading every cluster costs with the store taken out."""
     profile = fleet.profile
     template = f"{fleet.prefix}_template"
     engine = create_async_engine(fleet.url.set(drivername="postgresql+asyncpg"))
+    store_s: list[float] = []
+    raw_s: list[float] = []
     try:
         await upgrade(engine, template)
         count = profile.fleet_live + profile.fleet_finished
@@ -263,15 +275,30 @@ async def _template(fleet: _Fleet) -> dict[str, Any]:
             key_prefix="fleet-",
             live_fraction=fraction,
         )
-        config = PgStoreConfig(schema=template, retention=86_400.0)
+        config = PgStoreConfig(schema=template, retention=_TEMPLATE_RETENTION)
         async with await PgStore.from_engine(engine, config) as store:
             recovered = await store.recover(TimeBase.now())
+            for _ in range(_RECOVERY_ROUNDS):
+                started = time.perf_counter()
+                await store.recover(TimeBase.now())
+                store_s.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                raw = await raw_recover(
+                    fleet.conn, template, TimeBase.now(), retention=_TEMPLATE_RETENTION
+                )
+                raw_s.append(time.perf_counter() - started)
     finally:
         await engine.dispose()
+    if (len(raw.tasks), len(raw.terminal)) != (len(recovered.tasks), len(recovered.terminal)):
+        raise RuntimeError("fleet: the raw recovery read other rows than the store's")
+    floor = summarize(raw_s)["median"] * profile.fleet_clusters / (os.cpu_count() or 1)
     return {
         "schema": template,
         "live": len(recovered.tasks),
         "finished": len(recovered.terminal),
+        "recover_seconds": summarize(store_s),
+        "raw_recover_seconds": summarize(raw_s),
+        "open_floor_seconds": floor,
     }
 
 

@@ -110,7 +110,9 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) -> Recovered:
+async def raw_recover(
+    conn: asyncpg.Connection, schema: str, base: TimeBase, retention: float = _RETENTION
+) -> Recovered:
     """The store's queries on raw asyncpg, in one transaction, decoded the same way."""
     high_water = compile_for_asyncpg(st.high_water, schema)
     live = compile_for_asyncpg(st.live_tasks, schema)
@@ -131,7 +133,7 @@ async def _raw_recover(conn: asyncpg.Connection, schema: str, base: TimeBase) ->
                 else:
                     dep_ids.add(dep.target)
         params = {
-            "cutoff": now - round(_RETENTION * 1e9),
+            "cutoff": now - round(retention * 1e9),
             "dep_ids": list(dep_ids),
             "dep_keys": list(dep_keys),
         }
@@ -168,7 +170,7 @@ async def _child(mode: str, schema: str) -> dict[str, Any]:
         try:
             before = _peak_rss_mib()
             started = time.perf_counter()
-            recovered = await _raw_recover(conn, schema, base)
+            recovered = await raw_recover(conn, schema, base)
             seconds = time.perf_counter() - started
         finally:
             await conn.close()

@@ -411,6 +411,17 @@ def _fleet(section: dict[str, Any]) -> list[str]:
                 f"than seeded: {opened['recovered_other_than_seeded']}",
             ]
         )
+    template = section.get("template_recovered", {})
+    if "open_floor_seconds" in template:
+        rows.append(
+            [
+                "its floor: one cluster's recovery on raw asyncpg, times the clusters, over "
+                "the cores (`fleet_open_floor_s`)",
+                f"{template['open_floor_seconds']:.1f} s",
+                f"one cluster: store {_seconds(template['recover_seconds'])}, raw "
+                f"{_seconds(template['raw_recover_seconds'])}",
+            ]
+        )
     for key, label, target in (
         ("backends", "server sessions per process, leading its share", "<= pool + 3"),
         ("standby", "server sessions of a process leading nothing", "<= 3"),
@@ -775,6 +786,8 @@ def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
         figures["fleet_standby_backends"] = fleet["standby"]["max"]
     if "open" in fleet:
         figures["fleet_open_s"] = fleet["open"]["seconds"]
+    if "open_floor_seconds" in fleet.get("template_recovered", {}):
+        figures["fleet_open_floor_s"] = fleet["template_recovered"]["open_floor_seconds"]
     if "kill" in fleet:
         figures["fleet_takeover_s"] = fleet["kill"]["takeover_seconds"]
         figures["fleet_balance_spread"] = max(fleet["join"]["spread"], fleet["kill"]["spread"])

@@ -113,6 +113,8 @@ from ._errors import (
     UnavailableError as UnavailableError,
 )
 from ._errors import UnsupportedParameterError as UnsupportedParameterError
+from ._host.databases import ClusterRef as ClusterRef
+from ._host.databases import MultiDatabaseHost as MultiDatabaseHost
 from ._host.host import HostedStore as HostedStore
 from ._host.host import PgHost as PgHost
 from ._host.host import PgHostConfig as PgHostConfig
@@ -139,6 +141,7 @@ __all__ = [
     "Backoff",
     "BatchTooLargeError",
     "ClusterHostedError",
+    "ClusterRef",
     "ClusterReplacedError",
     "CommitterClosedError",
     "CommitterStats",
@@ -157,6 +160,7 @@ __all__ = [
     "LockHolder",
     "MigrationError",
     "MissPolicy",
+    "MultiDatabaseHost",
     "Mutation",
     "PgHost",
     "PgHostConfig",

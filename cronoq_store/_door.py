@@ -1704,11 +1704,22 @@ class LockSession:
         that works in many schemas (a host's, :mod:`cronoq_store._host`), where the
         standalone lock session's engine is bound to its cluster's. Bounded as every
         statement of the session is."""
+        return await self.execute_with(statement, params, timeout, schema_options(schema))
+
+    async def execute_with(
+        self,
+        statement: Executable,
+        params: Mapping[str, Any] | None,
+        timeout: float,
+        options: Mapping[str, Any],
+    ) -> Result[Any]:
+        """Execute ``statement`` with the execution ``options`` it was made with: a
+        statement naming several clusters' tables at once, each through its own entry of
+        the schema map (:class:`~cronoq_store._statements.HostedClaims`). Bounded as every
+        statement of the session is."""
         return await bounded(
             self._conn.execute(
-                statement,
-                None if params is None else dict(params),
-                execution_options=schema_options(schema),
+                statement, None if params is None else dict(params), execution_options=options
             ),
             timeout,
             abort=self._driver.terminate,

@@ -105,7 +105,8 @@ LAYERS: tuple[Layer, ...] = (
             "admission, batches in flight, settling, and the rules that cut and order batches",
             "autogenerate": "filters that keep an application's autogenerate off our tables",
             "_host": "`PgHost`: one process leading many cluster schemas: the control schema, "
-            "the host session, claims and balancing, hosted stores, the commit bus",
+            "the host session, claims and balancing, hosted stores, the commit bus; clusters "
+            "placed in several databases, and moved between them",
         },
     ),
     Layer(

@@ -28,6 +28,9 @@ tables locked an attempt at a time.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -63,6 +66,7 @@ from sqlalchemy import (
     text,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -71,11 +75,12 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import DDL, CreateTable
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.sql.elements import ClauseElement, ColumnClause
 from sqlalchemy.sql.selectable import Select, TableValuedAlias
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeEngine
 
+from ._config import validate_schema_name
 from ._domain import EPOCH_MAX, LIVE_RANKS, QUEUED, RANKS_PER_ATTEMPT, TERMINAL_LEVEL, TaskStatus
 from ._schema import (
     IDENTITY_COLUMNS,
@@ -100,6 +105,7 @@ __all__ = [
     "LOCK_SESSION_SETTINGS",
     "SEARCH_PATH",
     "TERMS_KEPT",
+    "HostedClaims",
     "accepts_writes",
     "advance_recurring",
     "borrowed_transaction",
@@ -118,6 +124,7 @@ __all__ = [
     "finished_page",
     "generic_plans",
     "high_water",
+    "hosted_claims",
     "incarnation",
     "incarnation_kept",
     "insert_staged",
@@ -806,6 +813,121 @@ take_hosted_epoch = bump_epoch.where(
     leader_tableoid == bindparam("incarnation", type_=postgresql.OID),
     leader.c.host_group == _group,
 )
+
+
+#: The schema the ``i``-th cluster of a claim batch's statements names
+#: (:func:`hosted_claims`), mapped to that cluster's schema at execution.
+def _claim_slot(i: int) -> str:
+    return f"cronoq_claim_{i}"
+
+
+@dataclass(frozen=True, slots=True)
+class HostedClaims:
+    """A host's claim of several clusters in one transaction, one statement for each step
+    over all of them (a round trip each, whatever their number), the clusters sorted by
+    schema name. Every statement names the ``i``-th cluster's tables in a placeholder
+    schema: run each with :attr:`options` (from :func:`hosted_claims`, which makes both
+    together), which maps every placeholder to its cluster."""
+
+    #: Each cluster's leader table ``EXCLUSIVE``, in schema order, as :data:`leader_barrier`
+    #: takes one: commits in flight land first, later ones wait.
+    barrier: Executable
+    #: Each cluster's :data:`take_hosted_epoch` (parameters :meth:`terms_params`) and, in
+    #: the same statement, its :data:`record_term` of the new epoch: rows (``slot``, the
+    #: cluster's place in the batch, ``epoch``) for the clusters bumped; none for one whose
+    #: leader row is another cluster's or another group's.
+    terms: Executable
+    #: :data:`prune_terms` of each cluster, after its term was recorded.
+    prune: Executable
+    #: The execution options that point each placeholder schema at its cluster's.
+    options: Mapping[str, Any]
+
+    @staticmethod
+    def terms_params(group: str, incarnations: Sequence[int]) -> dict[str, Any]:
+        """:attr:`terms`'s parameters: the group, each cluster's incarnation in order."""
+        return {"group": group, **{f"incarnation_{i}": n for i, n in enumerate(incarnations)}}
+
+
+class _LockExclusiveAll(Executable, ClauseElement):
+    """``LOCK TABLE ONLY <t1>, ONLY <t2>, ... IN EXCLUSIVE MODE``: the server locks them in
+    the order given, one statement."""
+
+    _traverse_internals = [("tables", InternalTraversal.dp_clauseelement_tuple)]  # noqa: RUF012
+    inherit_cache = True
+
+    def __init__(self, tables: Sequence[Table]) -> None:
+        self.tables = tuple(tables)
+
+
+@compiles(_LockExclusiveAll)
+def _lock_exclusive_all(element: _LockExclusiveAll, compiler: SQLCompiler, **kw: Any) -> str:
+    names = ", ".join(f"ONLY {compiler.preparer.format_table(t)}" for t in element.tables)
+    return f"LOCK TABLE {names} IN EXCLUSIVE MODE"
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_statements(count: int) -> tuple[Executable, Executable, Executable]:
+    """The barrier, terms and prune of :class:`HostedClaims` for ``count`` clusters, built
+    once per count: the compiled cache then serves every batch of that size."""
+    leaders, bumps, prunes = [], [], []
+    for i in range(count):
+        names = MetaData()
+        own = leader.to_metadata(names, schema=_claim_slot(i))
+        history = leader_history.to_metadata(names, schema=_claim_slot(i))
+        leaders.append(own)
+        following = case((own.c.epoch >= EPOCH_MAX, 1), else_=own.c.epoch + 1)
+        bumped = (
+            update(own)
+            .where(
+                own.c.id == LEADER_ROW_ID,
+                ColumnClause("tableoid", OID(), _selectable=own)
+                == bindparam(f"incarnation_{i}", type_=OID),
+                own.c.host_group == _group,
+            )
+            .values(
+                epoch=following,
+                holder_epoch=following,
+                holder_pid=func.pg_backend_pid(),
+                holder_backend_start=_own("backend_start"),
+                holder_role=_own("usesysid"),
+            )
+            .returning(own.c.epoch)
+            .cte(f"bumped_{i}")
+        )
+        recorded = {**_recorded, "lock_seen_held_at": null()}
+        insert = postgresql.insert(history).from_select(
+            ["epoch", *recorded], select(bumped.c.epoch, *recorded.values())
+        )
+        record = insert.on_conflict_do_update(
+            index_elements=[history.c.epoch],
+            set_={name: insert.excluded[name] for name in recorded},
+        ).cte(f"recorded_{i}")
+        bumps.append(select(literal(i, Integer).label("slot"), bumped.c.epoch).add_cte(record))
+        kept_from = (
+            select(history.c.began_at)
+            .order_by(history.c.began_at.desc())
+            .offset(TERMS_KEPT - 1)
+            .limit(1)
+            .scalar_subquery()
+        )
+        prunes.append(delete(history).where(history.c.began_at < kept_from).cte(f"pruned_{i}"))
+    return (
+        _LockExclusiveAll(leaders),
+        union_all(*bumps),
+        select(literal(count, Integer).label("pruned")).add_cte(*prunes),
+    )
+
+
+def hosted_claims(schemas: Sequence[str]) -> HostedClaims:
+    """The statements claiming ``schemas`` (sorted by name, as every lock is taken in
+    schema order) in one transaction, with the execution options that point them at
+    ``schemas``: made together, so that no placeholder is ever left unmapped."""
+    if list(schemas) != sorted(schemas) or len(set(schemas)) != len(schemas) or not schemas:
+        raise ValueError("hosted_claims: distinct schemas, sorted by name, at least one")
+    barrier, terms, prune = _claim_statements(len(schemas))
+    translate = {_claim_slot(i): validate_schema_name(s) for i, s in enumerate(schemas)}
+    return HostedClaims(barrier, terms, prune, {"schema_translate_map": translate})
+
 
 #: Enrol the cluster ``:incarnation`` in host group ``:group`` (again: enrolling twice in
 #: one group changes nothing). Run in a transaction that first took the leader lock with

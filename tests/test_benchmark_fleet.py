@@ -5,6 +5,7 @@ asserted)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from sqlalchemy.engine import URL
 
@@ -49,6 +50,7 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
         "fleet_backends_per_process",
         "fleet_standby_backends",
         "fleet_open_s",
+        "fleet_open_floor_s",
         "fleet_takeover_s",
         "fleet_cutoff_s",
         "fleet_cutoff_stuck",
@@ -58,11 +60,16 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
         "fleet_commit_2_per_s",
         "fleet_lost",
     }
-    assert results["template_recovered"] == {
-        "schema": f"{results['prefix']}_template",
-        "live": 10,
-        "finished": 20,
-    }
+    template = results["template_recovered"]
+    assert isinstance(template, dict)
+    assert (template["schema"], template["live"], template["finished"]) == (
+        f"{results['prefix']}_template",
+        10,
+        20,
+    )
+    # The floor is the raw recovery's median, times the clusters, over the cores.
+    raw = template["raw_recover_seconds"]["median"]
+    assert template["open_floor_seconds"] == raw * 8 / (os.cpu_count() or 1)
     assert figures["fleet_lost"] == "0"
     assert isinstance(results["open"], dict)
     assert results["open"]["recovered_other_than_seeded"] == 0

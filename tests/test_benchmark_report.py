@@ -353,6 +353,14 @@ def _fleet() -> dict[str, Any]:
         "session_timeout": 10.0,
         "lock_poll": 0.5,
         "commit_every": 2.0,
+        "template_recovered": {
+            "schema": "fleet_abc123_template",
+            "live": 100,
+            "finished": 1000,
+            "recover_seconds": s(0.05),
+            "raw_recover_seconds": s(0.04),
+            "open_floor_seconds": 20.0,
+        },
         "seed": {
             "seconds": 80.0,
             "processes": 3,
@@ -403,6 +411,7 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
         "fleet_backends_per_process": "10",
         "fleet_standby_backends": "2",
         "fleet_open_s": "21.50",
+        "fleet_open_floor_s": "20.00",
         "fleet_takeover_s": "3.10",
         "fleet_balance_spread": "1",
         "fleet_cutoff_s": "12.50",
@@ -415,6 +424,7 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
     md = report.markdown(results({"fleet": _fleet()}))
     assert "### The fleet: 1,000 clusters, 4 host processes" in md
     assert "| acknowledged commits lost across the join, the kill and the cut-off | 0 |" in md
+    assert "over the cores (`fleet_open_floor_s`) | 20.0 s | one cluster: store 0.05 s" in md
     partial = {k: v for k, v in _fleet().items() if k not in ("kill", "cutoff", "lost", "commit")}
     partial["error"] = "RuntimeError: fleet: no takeover within 600 s"
     figures = keys(report.key_figures(results({"fleet": partial})))

@@ -87,7 +87,7 @@ async def test_the_cluster_migrations_do_not_see_the_host_revisions() -> None:
     cluster = {s.revision for s in ScriptDirectory(str(cluster_scripts())).walk_revisions()}
     host = {s.revision for s in ScriptDirectory(str(c.script_location())).walk_revisions()}
     assert c.script_location() == cluster_scripts() / "host"
-    assert host == {"h0001_control"}
+    assert host == {"h0001_control", "h0002_moving"}
     assert not cluster & host
     assert head_revision() in cluster
 
@@ -390,6 +390,31 @@ async def test_owned_digest_changes_with_owner_and_epoch(engine: AsyncEngine, co
         released = await run(conn, control, c.release_cluster, group="g", schema="b", me=2)
         assert [r.schema_name for r in released] == ["b"]
         assert await digest(2) == (0, 0)
+
+
+async def test_a_control_schema_of_the_first_revision_is_upgraded_with_its_rows(
+    engine: AsyncEngine, pg_url: URL, control: str
+) -> None:
+    """A control schema that a build before ``h0002_moving`` made: put back as ``h0001``
+    left it (its state check, its version), with a cluster enrolled. ``prepare_control``
+    brings it to head, the row kept, and a move may mark it ``moving``."""
+    table = f'"{control}".clusters'
+    await admin_execute(pg_url, f"ALTER TABLE {table} DROP CONSTRAINT ck_clusters_state")
+    await admin_execute(
+        pg_url,
+        f"ALTER TABLE {table} ADD CONSTRAINT ck_clusters_state "
+        "CHECK (state IN ('active', 'refused'))",
+    )
+    await admin_execute(
+        pg_url, f'UPDATE "{control}".{c.HOST_VERSION_TABLE} SET version_num = $1', "h0001_control"
+    )
+    async with engine.begin() as conn:
+        await run(conn, control, c.enroll, group="g", schema="s", incarnation=41)
+    await c.prepare_control(engine, control)
+    assert await version_of(pg_url, control) == [c.control_head()]
+    await admin_execute(pg_url, f"UPDATE {table} SET state = 'moving' WHERE schema_name = 's'")
+    rows = await admin_execute(pg_url, f"SELECT schema_name, incarnation, state FROM {table}")
+    assert [tuple(r) for r in rows] == [("s", 41, "moving")]
 
 
 async def test_enrol_remove_and_refuse(engine: AsyncEngine, control: str) -> None:

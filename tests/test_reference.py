@@ -43,7 +43,11 @@ GROUPS: list[tuple[str, str, set[str]]] = [
             "LockHolder",
         },
     ),
-    ("host", "The host", {"PgHost", "PgHostConfig", "HostedStore"}),
+    (
+        "host",
+        "The host",
+        {"PgHost", "PgHostConfig", "HostedStore", "MultiDatabaseHost", "ClusterRef"},
+    ),
     ("committer", "The group committer", {"GroupCommitter", "CommitterStats", "Backoff"}),
     (
         "values",

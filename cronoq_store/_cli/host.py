@@ -1,6 +1,6 @@
 """``cronoq-store host``: the host groups of a database (``PgHost``): their processes and
-clusters (``host list``), and clusters put in a group or taken out of it (``host enroll``,
-``host remove``).
+clusters (``host list``), clusters put in a group or taken out of it (``host enroll``,
+``host remove``), and a cluster moved to another database (``host move``).
 
 ``list`` only reads the control schema. ``enroll`` and ``remove`` run the host's own
 code (``PgHost.enroll``, ``PgHost.remove``) on a host that never serves: it registers no
@@ -23,12 +23,13 @@ from .. import _door as door
 from .._config import PgStoreConfig, validate_schema_name
 from .._errors import MigrationError, StoreError
 from .._host import control
+from .._host import move as moving
 from .._host.host import PgHost, PgHostConfig
 from .._trust import refuse_untrusted
-from .._urls import redact
+from .._urls import redact, scrub
 from . import database, hosted, output
 from .app import Options
-from .exits import CliError, ExitCode, run
+from .exits import CliError, ExitCode, code_of, run
 
 __all__ = ["host"]
 
@@ -65,9 +66,9 @@ def _group_option(default: str | None) -> Callable[[_C], _C]:
     )
 
 
-@click.group(short_help="Host groups (PgHost): list, enroll, remove.")
+@click.group(short_help="Host groups (PgHost): list, enroll, remove, move.")
 def host() -> None:
-    """The host groups (PgHost) of the database: list, enroll, remove."""
+    """The host groups (PgHost) of the database: list, enroll, remove, move."""
 
 
 @host.command("list", short_help="Host processes, enrolled clusters and their owners.")
@@ -229,7 +230,7 @@ def _print_list(
         output.print_table(
             console,
             "enrolled clusters",
-            ("group", "schema", "owner", "epoch", "state", "refused because"),
+            ("group", "schema", "owner", "epoch", "state", "note"),
             (
                 (
                     row.host_group,
@@ -242,7 +243,7 @@ def _print_list(
                 for row in clusters
             ),
             right=("owner", "epoch"),
-            wrap="refused because",
+            wrap="note",
         )
     else:
         console.print("no enrolled clusters")
@@ -342,3 +343,91 @@ async def _remove(
             f"schema {schema!r} is not enrolled in host group {group!r}", ExitCode.FAILED
         )
     console.print(f"removed: schema {schema} from host group {group}")
+
+
+#: The environment variable that may name the target database of ``host move``, so that
+#: its password stays off the command line.
+MOVE_TO_ENV = "CRONOQ_MOVE_TO_URL"
+
+
+@host.command("move", short_help="Move a hosted cluster to another database, losing nothing.")
+@click.argument(
+    "schema", callback=lambda ctx, param, value: _check_schemas(ctx, param, (value,))[0]
+)
+@click.option(
+    "--from",
+    "from_url",
+    metavar="URL",
+    help="The database the cluster is in. Without it: --url (or its environment variable).",
+)
+@click.option(
+    "--to",
+    "to_url",
+    metavar="URL",
+    envvar=MOVE_TO_ENV,
+    show_envvar=True,
+    required=True,
+    help="The database to move it to, as the role the cluster's store uses there.",
+)
+@click.option(
+    "--drop-source",
+    is_flag=True,
+    help="Drop the schema in the source once moved (else it stays there as a tombstone).",
+)
+@_group_option(_DEFAULT_GROUP)
+@hosted.control_schema_option
+@click.pass_obj
+def move(
+    options: Options,
+    schema: str,
+    from_url: str | None,
+    to_url: str,
+    drop_source: bool,
+    group: str,
+    control_schema: str,
+) -> None:
+    """Move the hosted cluster in SCHEMA from one database to another: frozen in the source
+    (its epoch bumped: its owner's later commits are fenced), copied to the target in one
+    transaction, verified (row counts, digests, epoch, max_id), enrolled there in the same
+    host group, and left in the source as a tombstone no one leads.
+
+    Run it again after any interruption: it goes on from the step it reached. A second
+    move of the same cluster at the same time is refused. The target must not hold the
+    schema. Exit 1 when the move cannot go on; the message says what to do.
+    """
+    source = from_url or options.database_url()
+    run(source, _move(options, schema, source, to_url, drop_source, group, control_schema))
+
+
+async def _move(
+    options: Options,
+    schema: str,
+    source: str,
+    target: str,
+    drop_source: bool,
+    group: str,
+    control_schema: str,
+) -> None:
+    urls = [source, target]
+    for url in urls:
+        await _reach(url)
+    engines = [database.engine(url) for url in urls]
+    console = output.console()
+    try:
+        report = await moving.move(
+            engines[0],
+            engines[1],
+            schema,
+            group=group,
+            control_schema=control_schema,
+            trusted_triggers=options.trusted_triggers,
+            drop_source=drop_source,
+            said=lambda line: console.print(scrub(line, urls)),
+        )
+    except StoreError as error:
+        raise CliError(scrub(str(error), urls), code_of(error)) from None
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    carried = "" if report.max_id is None else f" (epoch {report.epoch}, max id {report.max_id})"
+    console.print(f"moved: schema {schema} in host group {group} to {redact(target)}{carried}")

@@ -92,6 +92,7 @@ __all__ = [
     "HOST_VERSION_TABLE",
     "LOCK_NS_HOST",
     "PROCESS_ID_MAX",
+    "claim_many",
     "claim_one",
     "claimable",
     "cluster_host",
@@ -131,7 +132,9 @@ __all__ = [
     "run_environment",
     "script_location",
     "set_owner",
+    "set_owners",
     "take_process_lock",
+    "try_leader_locks",
 ]
 
 #: First key of a host process's lock, ``(LOCK_NS_HOST, process_id)`` ('croh'), held by its
@@ -199,7 +202,7 @@ clusters = Table(
     Column("enrolled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("host_group", "schema_name", name="pk_clusters"),
     UniqueConstraint("schema_name", name="uq_clusters_schema_name"),
-    CheckConstraint("state IN ('active', 'refused')", name="ck_clusters_state"),
+    CheckConstraint("state IN ('active', 'refused', 'moving', 'moved')", name="ck_clusters_state"),
 )
 Index("ix_clusters_host_group_owner", clusters.c.host_group, clusters.c.owner)
 
@@ -415,8 +418,10 @@ _pg_locks_relation = table(
 #: End the sessions that hold ``:schema``'s leader table while stuck mid-statement for longer
 #: than ``:seconds`` (``active``, ``ClientRead``): a commit of a process cut off in the middle
 #: of its extended-protocol exchange, which no idle limit ends, and whose fence's share lock
-#: would keep every claim of the cluster waiting for as long as the path stays silent. Its
-#: client gave up on it after ``commit_timeout``; ``:seconds`` is longer. Returns the pids.
+#: would keep every claim of the cluster waiting for as long as the path stays silent.
+#: ``:seconds`` is what a silent host session is given (``1.5 x session_timeout``): a path
+#: that silent mid-message is a dead process's or a cut-off one's, which stepped down, and
+#: ending the session rolls back a commit never acknowledged. Returns the pids.
 end_stuck_holders = (
     select(_pg_stat_activity.c.pid, func.pg_terminate_backend(_pg_stat_activity.c.pid))
     .select_from(
@@ -445,6 +450,67 @@ claim_one = (
     select(clusters.c.schema_name, clusters.c.incarnation)
     .where(_this_cluster, clusters.c.state == _ACTIVE, clusters.c.owner.is_(None))
     .with_for_update(skip_locked=True)
+)
+
+#: The start of a claim of several clusters (``:schemas``), in one statement: the control row
+#: of each still to be had (active, unowned), locked, by schema name; a row another claim
+#: holds is skipped, not waited for. Returns ``schema_name``, ``incarnation`` and
+#: ``schema_oid`` (the standalone leader lock's second key, as :data:`st.schema_oid
+#: <cronoq_store._statements.schema_oid>` reads it; NULL: no such schema).
+claim_many = (
+    select(
+        clusters.c.schema_name,
+        clusters.c.incarnation,
+        func.to_regnamespace(func.quote_ident(clusters.c.schema_name))
+        .cast(Integer)
+        .label("schema_oid"),
+    )
+    .where(
+        _in_group,
+        clusters.c.schema_name == any_(bindparam("schemas", type_=ARRAY(Text))),
+        clusters.c.state == _ACTIVE,
+        clusters.c.owner.is_(None),
+    )
+    .order_by(clusters.c.schema_name)
+    .with_for_update(skip_locked=True)
+)
+
+_leader_keys = (
+    func.unnest(bindparam("oids", type_=ARRAY(Integer)))
+    .table_valued("oid")
+    .render_derived(name="leader_keys")
+)
+
+#: Each cluster's standalone leader lock (``:oids``, their schemas' OIDs) tried for the
+#: claim's transaction, in one statement: ``oid``, ``taken`` (false: a standalone leader, a
+#: downgrade or an enrolment holds it, and the cluster is not claimed now).
+try_leader_locks = select(
+    _leader_keys.c.oid,
+    func.pg_try_advisory_xact_lock(literal(st.LOCK_NS_LEADER, Integer), _leader_keys.c.oid).label(
+        "taken"
+    ),
+)
+
+_claimed = (
+    func.unnest(bindparam("schemas", type_=ARRAY(Text)), bindparam("epochs", type_=ARRAY(Integer)))
+    .table_valued("schema_name", "epoch")
+    .render_derived(name="claimed")
+)
+
+#: The end of a claim of several clusters: ``:me`` leads each of ``:schemas`` at the epoch
+#: of ``:epochs`` in the same place (the one it just took), since now, released by nobody;
+#: returns ``schema_name`` for each row set.
+set_owners = (
+    update(clusters)
+    .where(_in_group, clusters.c.schema_name == _claimed.c.schema_name)
+    .values(
+        owner=_me,
+        epoch=_claimed.c.epoch,
+        since=func.now(),
+        released_by=null(),
+        released_at=null(),
+    )
+    .returning(clusters.c.schema_name)
 )
 
 #: The end of a claim: ``:me`` leads the cluster at ``:epoch`` (the one it just took), since

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import Any
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -34,6 +35,7 @@ from .. import _migrations as migrations
 from .. import _queries as queries
 from .. import _statements as st
 from .._config import PgStoreConfig, validate_schema_name
+from .._domain import TimeBase
 from .._errors import (
     ClusterReplacedError,
     FencedError,
@@ -42,6 +44,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._leadership import cool_down, session_settings
+from .._results import Recovered
 from .._retry import acquisition_backoff, pause
 from .._schema import schema_options
 from .._store import PgStore
@@ -59,6 +62,8 @@ logger = logging.getLogger("cronoq_store")
 _CANDIDATES = 1024
 #: The pause between two tries of a cluster's leader lock when enrolling it.
 _ENROLL_RETRY = 0.05
+#: Clusters claimed in one transaction: one commit, and a round trip per step, for all.
+_CLAIMS_PER_TRANSACTION = 16
 #: Led clusters whose leader rows the sweep reads each tick.
 _SWEEP_SLICE = 32
 
@@ -74,9 +79,10 @@ class PgHostConfig:
     group: str = "default"
     #: The schema of the host groups' control tables, one per database.
     control_schema: str = "cronoq_host"
-    #: The pool shared by every cluster this process leads. Commits take all but two of
-    #: its connections (at least one), each writing the commits of several clusters in one
-    #: transaction; reads, recoveries and pings take the rest.
+    #: The pool shared by every cluster this process leads. Commits take half of it, each
+    #: connection writing the commits of several clusters in one transaction; clusters
+    #: gained together recover on all but one of the rest at once, and reads take the
+    #: last: with 8, 4 lanes, 3 recoveries and 1 read.
     max_connections: int = 8
     #: At most this many commits, of any clusters, share one transaction (one WAL flush).
     clusters_per_commit: int = 16
@@ -113,6 +119,19 @@ class PgHostConfig:
     def settle(self) -> float:
         """Seconds a new process waits before claiming: ``join_settle``, or its default."""
         return cool_down(self.store) if self.join_settle is None else self.join_settle
+
+
+def pool_split(max_connections: int) -> tuple[int, int]:
+    """How a host's pool of ``max_connections`` is shared: ``(lanes, recoveries)``.
+
+    The commit bus keeps half of it as lanes, each writing several clusters' commits per
+    transaction; the clusters the host gains together recover at once on all but one of
+    the rest, so their recoveries never wait at the pool for a lane's connection (past the
+    pool's timeout they failed, and their clusters were handed over), and the last one is
+    left to the application's reads. With a pool of 8: 4 lanes, 3 recoveries, 1 read.
+    """
+    lanes = max(1, max_connections // 2)
+    return lanes, max(1, max_connections - lanes - 1)
 
 
 class _Term:
@@ -173,7 +192,21 @@ class HostedStore(PgStore):
     pool. ``acquire_leadership`` returns this term's epoch, or raises ``FencedError`` once
     it ended (the host hands a new store when it leads the cluster again);
     ``release_leadership`` hands the cluster over; ``close`` leaves the host's pool open.
+    ``recover`` takes its turn: a few recover at once (``PgHostConfig.max_connections``),
+    so the commits of the clusters the host leads already keep their lanes.
     """
+
+    def __init__(self, *args: Any, recoveries: asyncio.Semaphore, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recoveries = recoveries
+
+    async def recover(self, base: TimeBase) -> Recovered:
+        """``PgStore.recover``, taking its turn among the host's recoveries: a host gains
+        clusters many at a time, and their recoveries at once would hold every pooled
+        connection, failing the commits of the clusters it leads already and the
+        recoveries queued past the pool's timeout."""
+        async with self._recoveries:
+            return await super().recover(base)
 
 
 @dataclass(slots=True)
@@ -229,6 +262,10 @@ class PgHost:
         self._stuck_checked_at = 0.0
         # Tasks that cancel the application's overdue leads and close their stores.
         self._reapers: set[asyncio.Task[None]] = set()
+        lanes, recoveries = pool_split(config.max_connections)
+        # Recoveries at once: those of clusters gained together never take the lanes'
+        # connections, nor the last one, which the application's reads need.
+        self._recoveries = asyncio.Semaphore(recoveries)
         # One recorder for every cluster this process leads, labelled with the group: the
         # global providers' label sets stay as few as the groups, whatever the clusters.
         self._telemetry = resolve_group(config.group)
@@ -236,7 +273,7 @@ class PgHost:
         # connections of, as for a PgStore.
         self._bus = CommitBus(
             engine,
-            lanes=max(1, config.max_connections - 2),
+            lanes=lanes,
             hold=owns_engine and config.max_connections >= 3,
             group_size=config.clusters_per_commit,
             timeout=config.store.commit_timeout,
@@ -278,10 +315,11 @@ class PgHost:
         lock_url: str | URL | None = None,
     ) -> PgHost:
         """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
-        ``max_connections`` does not apply, and :meth:`close` leaves the engine open. The
-        host session is dialled from ``lock_url`` when given (a direct server URL, as for
-        ``PgStore.from_engine``), else made as the engine makes its own connections, on a
-        pool of its own that hands out none of the application's sessions."""
+        ``max_connections`` does not size it (it still sets the commit lanes and the
+        recoveries at once), and :meth:`close` leaves the engine open.
+        The host session is dialled from ``lock_url`` when given (a direct server URL, as
+        for ``PgStore.from_engine``), else made as the engine makes its own connections, on
+        a pool of its own that hands out none of the application's sessions."""
         config = config or PgHostConfig()
         if engine.dialect.driver != "asyncpg":
             raise ValueError(
@@ -748,6 +786,10 @@ class PgHost:
         return gave_up is not None and time.monotonic() - gave_up < cool_down(self._config.store)
 
     async def _claim(self, session: HostSession, schemas: list[str]) -> None:
+        """Claim ``schemas``, :data:`_CLAIMS_PER_TRANSACTION` in each transaction: a round
+        trip per step for all of them, and one commit. A batch that fails as a whole (a
+        leader table held past the bound, a schema dropped meanwhile) is claimed again one
+        cluster at a time, so that only the cluster at fault waits or is refused."""
         if not schemas:
             return
         config = self._config.store
@@ -758,30 +800,52 @@ class PgHost:
             )
             await session.refuse(schema, str(error))
         bound = max(0.001, min(config.keepalive, (config.session_timeout - config.keepalive) / 2))
-        for schema in schemas:
-            if schema in refused or self._closing.is_set():
-                continue
+        wanted = sorted(s for s in schemas if s not in refused)
+        for start in range(0, len(wanted), _CLAIMS_PER_TRANSACTION):
+            if self._closing.is_set():
+                return
+            batch = wanted[start : start + _CLAIMS_PER_TRANSACTION]
             try:
-                claimed = await session.claim(schema, bound)
+                outcomes = await session.claim_many(batch, bound)
             except StoreError as error:
                 if session.broken:
                     raise
-                if isinstance(error, UnavailableError):
-                    # A lock wait ran out, a deadlock: this cluster waits for the next round.
-                    logger.warning(
-                        "claiming a hosted cluster failed for now",
-                        extra={"schema": schema, "error": str(error)},
-                    )
-                    continue
-                claimed = ClaimRefused(schema, str(error))
-            if isinstance(claimed, ClaimRefused):
-                logger.error(
-                    "refusing to lead a hosted cluster",
-                    extra={"schema": schema, "error": claimed.why},
+                logger.warning(
+                    "claiming clusters together failed; claiming each alone",
+                    extra={"schemas": batch, "error": str(error)},
                 )
-                await session.refuse(schema, claimed.why)
-            elif isinstance(claimed, Claim):
-                self._gained(session, claimed)
+                outcomes = {}
+                for schema in batch:
+                    if self._closing.is_set():
+                        return
+                    outcomes[schema] = await self._claim_one(session, schema, bound)
+            for schema, claimed in outcomes.items():
+                if isinstance(claimed, ClaimRefused):
+                    logger.error(
+                        "refusing to lead a hosted cluster",
+                        extra={"schema": schema, "error": claimed.why},
+                    )
+                    await session.refuse(schema, claimed.why)
+                elif isinstance(claimed, Claim):
+                    self._gained(session, claimed)
+
+    async def _claim_one(
+        self, session: HostSession, schema: str, bound: float
+    ) -> Claim | ClaimRefused | None:
+        """Claim ``schema`` alone; ``None`` when it waits for the next round (a lock wait
+        ran out, a deadlock), a refusal when the server refused a step."""
+        try:
+            return await session.claim(schema, bound)
+        except StoreError as error:
+            if session.broken:
+                raise
+            if isinstance(error, UnavailableError):
+                logger.warning(
+                    "claiming a hosted cluster failed for now",
+                    extra={"schema": schema, "error": str(error)},
+                )
+                return None
+            return ClaimRefused(schema, str(error))
 
     def _gained(self, session: HostSession, claim: Claim) -> None:
         schema = claim.schema
@@ -796,6 +860,7 @@ class PgHost:
             lock_url=self._engine.url,
             term=term,
             telemetry=self._telemetry,
+            recoveries=self._recoveries,
             carrier=self._bus,
         )
         led = _Led(store, term, claim.epoch)

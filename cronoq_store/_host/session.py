@@ -14,11 +14,16 @@ answered: a silent session is torn down (its socket dropped) before the server c
 the lock, so the process steps its clusters down before any other process can claim them,
 the argument of :mod:`cronoq_store._leadership` for one cluster.
 
-Claims run here too, one transaction per cluster: the control row locked, the leader table
-taken as a takeover takes it (commits in flight of the last owner land first), the
+Claims run here too, and only here: a claim commits only while this session holds the
+process lock, so none can commit after the others buried the process, leaving a cluster
+owned by a dead id. Each cluster is taken as a takeover takes one: the control row locked,
+the leader table taken ``EXCLUSIVE`` (commits in flight of the last owner land first), the
 standalone leader lock tried for the transaction (a standalone leader or a downgrade holds
 it: skip), the epoch bumped only where the cluster is still this group's and the same
-incarnation, the term recorded, the row given to this process.
+incarnation, the term recorded, the row given to this process. :meth:`HostSession.claim_many`
+takes several in one transaction, one statement per step for all of them (a round trip
+each, and one commit, where the session's time goes); :meth:`HostSession.claim` takes one,
+for a batch that failed as a whole.
 """
 
 from __future__ import annotations
@@ -130,13 +135,18 @@ class HostSession:
         params: Mapping[str, Any] | None = None,
         *,
         schema: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> Result[Any]:
         """One statement, bounded by what is left of ``session_timeout`` since the last
-        answer; in the control schema unless ``schema`` names a cluster's."""
+        answer; in the control schema unless ``schema`` names a cluster's, or ``options``
+        point it at several (:class:`~cronoq_store._statements.HostedClaims`)."""
         async with door.translated("the host session"):
-            result = await self._session.execute(
-                statement, params, self._left(), schema=schema or self._control
-            )
+            if options is not None:
+                result = await self._session.execute_with(statement, params, self._left(), options)
+            else:
+                result = await self._session.execute(
+                    statement, params, self._left(), schema=schema or self._control
+                )
         self._last_answer = self._loop.time()
         return result
 
@@ -242,11 +252,7 @@ class HostSession:
                     )
                 ).scalar()
                 if epoch is None:
-                    return ClaimRefused(
-                        schema,
-                        f"schema {schema!r} no longer holds the cluster enrolled (incarnation "
-                        f"{int(row.incarnation)}), or it left host group {self._group!r}",
-                    )
+                    return _gone(schema, int(row.incarnation), self._group)
                 await self._run(
                     st.record_term, {"epoch": epoch, "lock_seen_held_at": None}, schema=schema
                 )
@@ -257,9 +263,10 @@ class HostSession:
                 return Claim(schema, int(epoch), int(row.incarnation), int(oid))
         except LockHeldError:
             # Commits in flight hold the leader table: they land, and the claim comes at the
-            # next round; those stuck mid-statement past any commit's bound never land, and
-            # are ended so that the next round can claim.
-            stuck = max(self._config.commit_timeout, 1.5 * self._config.session_timeout)
+            # next round. Those stuck mid-statement as long as a dead process's host session
+            # takes to end are ended, so that the next round can claim: nothing they hold
+            # was acknowledged.
+            stuck = 1.5 * self._config.session_timeout
             ended = await self._run(control.end_stuck_holders, {"schema": schema, "seconds": stuck})
             pids = [int(r.pid) for r in ended]
             if pids:
@@ -268,6 +275,70 @@ class HostSession:
                     extra={"schema": schema, "pids": pids},
                 )
             return None
+
+    async def claim_many(
+        self, schemas: Sequence[str], bound: float
+    ) -> dict[str, Claim | ClaimRefused | None]:
+        """Take ``schemas`` for this process in one transaction, each as :meth:`claim`
+        takes one, with one statement for each step over all of them (see the module's
+        docstring); what became of each, as :meth:`claim` says it. Raises when a step
+        fails for all of them (the leader tables held past ``bound``, a schema dropped
+        between two steps): then nothing was claimed, and the caller claims them one at a
+        time, where a failure costs only its cluster."""
+        ordered = sorted(set(schemas))
+        found: dict[str, Claim | ClaimRefused | None] = dict.fromkeys(ordered)
+        if not ordered:
+            return found
+        async with (
+            door.translated("claiming clusters"),
+            self._session.transaction(self._left()),
+        ):
+            # Every lock wait of the transaction, the barrier's above all, has the bound.
+            await self._run(st.set_local_lock_timeout, {"ms": str(max(1, round(bound * 1000)))})
+            rows = await self._run(control.claim_many, {"group": self._group, "schemas": ordered})
+            present = {}
+            for row in rows:
+                if row.schema_oid is None:
+                    found[row.schema_name] = ClaimRefused(
+                        row.schema_name, f"schema {row.schema_name!r} does not exist"
+                    )
+                else:
+                    present[int(row.schema_oid)] = row
+            if not present:
+                return found
+            tried = await self._run(control.try_leader_locks, {"oids": list(present)})
+            kept = sorted(
+                (present[int(t.oid)] for t in tried if t.taken), key=lambda r: r.schema_name
+            )
+            if not kept:
+                return found
+            claims = st.hosted_claims([r.schema_name for r in kept])
+            await self._run(claims.barrier, options=claims.options)
+            params = claims.terms_params(self._group, [int(r.incarnation) for r in kept])
+            bumped = {
+                int(t.slot): int(t.epoch)
+                for t in await self._run(claims.terms, params, options=claims.options)
+            }
+            await self._run(claims.prune, options=claims.options)
+            for slot, row in enumerate(kept):
+                epoch = bumped.get(slot)
+                found[row.schema_name] = (
+                    _gone(row.schema_name, int(row.incarnation), self._group)
+                    if epoch is None
+                    else Claim(row.schema_name, epoch, int(row.incarnation), int(row.schema_oid))
+                )
+            if bumped:
+                owned = [kept[slot].schema_name for slot in bumped]
+                await self._run(
+                    control.set_owners,
+                    {
+                        "group": self._group,
+                        "me": self.process_id,
+                        "schemas": owned,
+                        "epochs": list(bumped.values()),
+                    },
+                )
+        return found
 
     async def leader_rows(self, schemas: list[str]) -> dict[str, tuple[int, int] | None]:
         """Each of ``schemas``'s leader row now (epoch, incarnation), ``None`` where the
@@ -305,3 +376,13 @@ class HostSession:
     async def close(self) -> None:
         """End the session; the server frees the process lock with it."""
         await self._session.close()
+
+
+def _gone(schema: str, incarnation: int, group: str) -> ClaimRefused:
+    """A claim that found no leader row to bump: the schema holds another cluster now,
+    or the cluster left the group."""
+    return ClaimRefused(
+        schema,
+        f"schema {schema!r} no longer holds the cluster enrolled (incarnation "
+        f"{incarnation}), or it left host group {group!r}",
+    )

@@ -1,0 +1,286 @@
+"""One process leading clusters placed in several databases: a :class:`~._host.host.PgHost`
+per database, each on its own.
+
+Placement is explicit: the application names each database with a label (``{"east": url_a,
+"west": url_b}``) and enrolls each cluster in one of them, and ``lead`` is told where each
+cluster it gains lives (:class:`ClusterRef`). Each database's host has its own pool,
+control schema, membership and process lock, and runs and fails on its own: a database
+that does not answer (a server stopped, a Patroni failover under way) steps its own
+clusters down and is tried again, while the other databases' clusters stay led. Nothing
+is shared across databases but the process and ``lead``, so no fence depends on two
+servers agreeing: each cluster is fenced by its epoch in the one database it lives in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+from types import TracebackType
+
+from sqlalchemy import select
+from sqlalchemy.engine import URL
+
+from .. import _door as door
+from .._config import validate_schema_name
+from .._errors import StoreError
+from .._retry import acquisition_backoff, pause
+from .._urls import redact
+from . import control
+from .host import HostedStore, PgHost, PgHostConfig
+
+__all__ = ["ClusterRef", "MultiDatabaseHost"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: A cluster's control row in this state has moved to another database (``host move``):
+#: its name is free to enroll elsewhere.
+MOVED = "moved"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ClusterRef:
+    """Where a cluster lives: the label of its database and its schema. The same schema
+    name in two databases is two clusters, so a cluster is always named by both."""
+
+    database: str
+    schema: str
+
+
+#: The application's work for one cluster gained: where it lives, and its store for the term.
+Lead = Callable[[ClusterRef, HostedStore], Awaitable[None]]
+
+
+class _Database:
+    """One labelled database: its URL, and its host once connected."""
+
+    def __init__(self, label: str, url: str | URL) -> None:
+        self.label = label
+        self.url = url
+        self.host: PgHost | None = None
+        self.connecting = asyncio.Lock()
+
+
+class MultiDatabaseHost:
+    """Leads the clusters of several databases, one :class:`PgHost` each (see the module's
+    docstring). Open with :meth:`connect`, enroll each cluster in its database with
+    :meth:`enroll`, then :meth:`serve`."""
+
+    def __init__(self, databases: Mapping[str, str | URL], config: PgHostConfig) -> None:
+        if not databases:
+            raise ValueError("databases: at least one")
+        for label in databases:
+            if not label or "\x00" in label:
+                raise ValueError("a database's label: not empty, no NUL")
+        self._config = config
+        self._databases = {label: _Database(label, url) for label, url in databases.items()}
+        self._lead: Lead | None = None
+        self._closing = asyncio.Event()
+        self._runners: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def connect(
+        cls, databases: Mapping[str, str | URL], config: PgHostConfig | None = None
+    ) -> MultiDatabaseHost:
+        """A host for each database, connected as :meth:`PgHost.connect` does. A database
+        that does not answer yet is not an error: :meth:`serve` keeps trying it, and
+        :meth:`enroll` in it raises until it answers."""
+        made = cls(databases, config or PgHostConfig())
+        await asyncio.gather(*(made._try_connect(db) for db in made._databases.values()))
+        return made
+
+    async def _try_connect(self, db: _Database) -> None:
+        try:
+            await self._connected(db)
+        except (StoreError, OSError, asyncio.TimeoutError) as error:
+            logger.warning(
+                "cannot reach a database of the host for now",
+                extra={"database": db.label, "error": str(error)},
+            )
+
+    async def _connected(self, db: _Database) -> PgHost:
+        """``db``'s host, connected now if it is not yet (once, whoever asks)."""
+        async with db.connecting:
+            if db.host is None:
+                if self._closing.is_set():
+                    raise StoreError("this host is closed")
+                db.host = await PgHost.connect(db.url, self._config)
+            return db.host
+
+    def _database(self, label: str) -> _Database:
+        try:
+            return self._databases[label]
+        except KeyError:
+            raise ValueError(
+                f"database {label!r} is not one of this host's ({', '.join(self._databases)})"
+            ) from None
+
+    async def close(self) -> None:
+        """Hand every cluster of every database over, leave each group, close each pool."""
+        self._closing.set()
+        hosts = []
+        for db in self._databases.values():
+            async with db.connecting:
+                if db.host is not None:
+                    hosts.append(db.host)
+        await asyncio.gather(*(host.close() for host in hosts))
+        runners, self._runners = self._runners, []
+        if runners:
+            await asyncio.wait(runners)
+
+    async def __aenter__(self) -> MultiDatabaseHost:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        placed = ", ".join(f"{label}={redact(db.url)!r}" for label, db in self._databases.items())
+        return f"MultiDatabaseHost({placed}, group={self._config.group!r})"
+
+    @property
+    def databases(self) -> tuple[str, ...]:
+        """The labels of the databases, in the order given."""
+        return tuple(self._databases)
+
+    def host(self, database: str) -> PgHost | None:
+        """The host of ``database``, or ``None`` while it has not answered yet."""
+        return self._database(database).host
+
+    @property
+    def process_ids(self) -> Mapping[str, int | None]:
+        """This process's id in each database's group, by label (``None``: not registered
+        there now)."""
+        return {
+            label: None if db.host is None else db.host.process_id
+            for label, db in self._databases.items()
+        }
+
+    def led(self) -> Mapping[ClusterRef, HostedStore]:
+        """The clusters this process leads now, in every database."""
+        return {
+            ClusterRef(label, schema): store
+            for label, db in self._databases.items()
+            if db.host is not None
+            for schema, store in db.host.led().items()
+        }
+
+    # --- placement --------------------------------------------------------------------
+
+    async def enroll(
+        self,
+        schemas: str | Iterable[str],
+        database: str,
+        *,
+        migrate: bool = True,
+        allow_duplicate_names: bool = False,
+    ) -> list[str]:
+        """Enroll clusters in the database labelled ``database``, as :meth:`PgHost.enroll`
+        does there. A schema name this host group has enrolled in another of its databases
+        is refused (``StoreError``) unless ``allow_duplicate_names``: two clusters of one
+        name are legal (:class:`ClusterRef` keeps them apart) but are more often a cluster
+        enrolled twice by mistake. Moved-away tombstones (``host move``) do not count. The
+        check guards against mistakes and is no lock: a database that does not answer is
+        skipped (logged), and two enrolments at once in two databases both pass it."""
+        db = self._database(database)
+        names = [schemas] if isinstance(schemas, str) else list(schemas)
+        for name in names:
+            validate_schema_name(name)
+        if not allow_duplicate_names:
+            for other in self._databases.values():
+                if other is not db:
+                    await self._refuse_duplicates(other, names, database)
+        host = await self._connected(db)
+        return await host.enroll(names, migrate=migrate)
+
+    async def _refuse_duplicates(self, other: _Database, names: list[str], into: str) -> None:
+        try:
+            await self._connected(other)
+            found = await self._enrolled_among(other.url, names)
+        except (StoreError, OSError, asyncio.TimeoutError) as error:
+            # Refusing here would keep an application that enrolls at its start from
+            # leading any database while one is down; the check is no lock anyway.
+            logger.warning(
+                "cannot check a database of the host for clusters of the same names; "
+                "enrolling them anyway",
+                extra={"database": other.label, "into": into, "error": str(error)},
+            )
+            return
+        if found:
+            raise StoreError(
+                f"schema {', '.join(map(repr, found))} is enrolled in host group "
+                f"{self._config.group!r} in database {other.label!r} already: move it with "
+                "`cronoq-store host move`, or allow duplicate names if two clusters of one "
+                "name are meant"
+            )
+
+    async def _enrolled_among(self, url: str | URL, names: list[str]) -> list[str]:
+        """Which of ``names`` this group has enrolled in the database at ``url``, moved-away
+        tombstones aside; on a connection of its own (enrolments are rare)."""
+        clusters = control.clusters
+        statement = select(clusters.c.schema_name).where(
+            clusters.c.host_group == self._config.group,
+            clusters.c.schema_name.in_(names),
+            clusters.c.state != MOVED,
+        )
+        engine = door.own_engine(url, replace(self._config.store, max_connections=1))
+        try:
+            async with door.translated("reading enrolled clusters"), engine.connect() as conn:
+                rows = await conn.execute(
+                    statement,
+                    execution_options=control.control_options(self._config.control_schema),
+                )
+                return sorted(row.schema_name for row in rows)
+        finally:
+            await engine.dispose()
+
+    async def remove(self, ref: ClusterRef) -> bool:
+        """Take ``ref`` out of its database's host group, as :meth:`PgHost.remove` does."""
+        host = await self._connected(self._database(ref.database))
+        return await host.remove(ref.schema)
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def serve(self, lead: Lead) -> None:
+        """Lead this process's share of each database's clusters until :meth:`close`:
+        ``lead(ref, store)`` runs in a task of its own for each cluster gained, as
+        :meth:`PgHost.serve` runs it. Each database is served on its own: one that does
+        not answer is tried again every ``lock_poll`` at most, and the others go on."""
+        if self._lead is not None:
+            raise StoreError("this host is already serving")
+        self._lead = lead
+        self._runners = [
+            asyncio.ensure_future(self._serve_database(db)) for db in self._databases.values()
+        ]
+        try:
+            await self._closing.wait()
+        finally:
+            if not self._closing.is_set():
+                await self.close()
+
+    async def _serve_database(self, db: _Database) -> None:
+        """Connect to ``db`` until it answers, then serve its clusters until closed."""
+        delays = acquisition_backoff(self._config.store).delays()
+        while not self._closing.is_set():
+            try:
+                host = await self._connected(db)
+            except (StoreError, OSError, asyncio.TimeoutError) as error:
+                logger.warning(
+                    "cannot reach a database of the host for now; retrying",
+                    extra={"database": db.label, "error": str(error)},
+                )
+                await pause(next(delays), self._closing)
+                continue
+            await host.serve(partial(self._lead_one, db.label))
+            return
+
+    async def _lead_one(self, label: str, store: HostedStore) -> None:
+        assert self._lead is not None
+        await self._lead(ClusterRef(label, store.config.schema), store)

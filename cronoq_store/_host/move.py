@@ -1,0 +1,562 @@
+"""Moving a hosted cluster from one database to another, losing nothing (``host move``).
+
+The steps, each resumable from what the two databases show:
+
+1. **Freeze** in the source, one transaction: the cluster's control row to ``moving`` with
+   no owner; the leader table's barrier, which waits for the commits in flight; the epoch
+   bumped, so every later commit of the old owner is fenced; the leader row's
+   ``host_group`` set to :data:`MOVING_MARK`, which no group can be named (longer than a
+   group's 63 bytes), so neither a host's claim nor a standalone ``PgStore`` takes it.
+   Every commit acknowledged before the freeze committed before it.
+2. **Copy** to the target, one transaction: the schema made by the migrations at this
+   build's head (the source must be at head too) by the target URL's role, the three
+   tables streamed by COPY from one snapshot of the source, and the leader row given the
+   source's epoch and ``max_id``, marked :data:`ARRIVING_MARK`. The target's first claim
+   bumps past the source's last epoch, and no id is issued twice. A schema already in the
+   target is refused, unless it carries this move's mark (the copy committed: go on).
+3. **Verify**: each table's row count and digest, the epoch and ``max_id``, equal.
+4. **Enroll** in the target's group, one transaction: the mark replaced by the group.
+5. **Tombstone** the source, one transaction: its control row ``moved`` and its leader row
+   marked :data:`MOVED_MARK`; with ``drop_source``, then the schema dropped.
+
+One move of a cluster at a time: each holds a session advisory lock of the source database
+(:data:`LOCK_NS_MOVE`, ``hashtext(group || '/' || schema)``) for as long as it runs, so a
+second one is refused at once, and an interrupted one's lock is free when its session is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Integer,
+    Text,
+    bindparam,
+    cast,
+    func,
+    literal,
+    literal_column,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.schema import DropSchema
+
+from .. import _catalog as catalog
+from .. import _door as door
+from .. import _migrations as migrations
+from .. import _statements as st
+from .._errors import StoreError
+from .._schema import (
+    LEADER_ROW_ID,
+    leader,
+    leader_history,
+    leader_tableoid,
+    recurring,
+    schema_options,
+    tasks,
+)
+from .._trust import refuse_untrusted
+from .._urls import redact
+from . import control
+
+__all__ = ["ARRIVING_MARK", "LOCK_NS_MOVE", "MOVED_MARK", "MOVING_MARK", "MoveError", "move"]
+
+logger = logging.getLogger("cronoq_store")
+
+#: First key of the lock a move holds in the source database ('crov').
+LOCK_NS_MOVE = 0x63726F76
+#: ``host_group`` of a frozen source cluster. Every mark is longer than a group's name may
+#: be (63 bytes), so no host group's statements ever match it.
+MOVING_MARK = "(cronoq-store host move: frozen here, moving to another database; led nowhere)"
+#: ``host_group`` of a copy in the target not enrolled yet.
+ARRIVING_MARK = "(cronoq-store host move: a copy arriving from another database; led nowhere)"
+#: ``host_group`` of a source cluster once moved: a tombstone no one leads.
+MOVED_MARK = "(cronoq-store host move: moved to another database; this copy is a tombstone)"
+
+#: The tables a move copies, each with the key its digest orders by.
+_COPIED = (
+    (tasks, tasks.c.id),
+    (recurring, recurring.c.name),
+    (leader_history, leader_history.c.epoch),
+)
+_MOVING, _MOVED = "moving", "moved"
+#: A cluster's newest term (``epoch``, ``began_at``, ``pid``): a copy carries it unchanged.
+_newest_term = (
+    select(leader_history.c.epoch, leader_history.c.began_at, leader_history.c.pid)
+    .order_by(leader_history.c.began_at.desc(), leader_history.c.epoch.desc())
+    .limit(1)
+)
+#: The term ``:epoch`` as ``_newest_term`` reads it.
+_term = select(leader_history.c.epoch, leader_history.c.began_at, leader_history.c.pid).where(
+    leader_history.c.epoch == bindparam("epoch", type_=Integer)
+)
+#: How many COPY chunks may wait between the source's read and the target's write.
+_CHUNKS = 16
+
+
+class MoveError(StoreError):
+    """The move cannot go on as asked; the message says what to do. Nothing of the cluster
+    was lost: each step is one transaction, and the source stays frozen until the target is
+    verified."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveReport:
+    """A move's outcome: the epoch and ``max_id`` carried over (``None`` when a move that
+    had ended was run again), rows per table copied by this run."""
+
+    epoch: int | None
+    max_id: int | None
+    rows: dict[str, int]
+
+
+_group = bindparam("group", type_=Text)
+_schema_name = bindparam("schema", type_=Text)
+_clusters = control.clusters
+_this = (_clusters.c.host_group == _group) & (_clusters.c.schema_name == _schema_name)
+
+#: The cluster's control row, locked (``state``, ``incarnation``, ``refused_why``, ``epoch``).
+_control_row = (
+    select(_clusters.c.state, _clusters.c.incarnation, _clusters.c.refused_why, _clusters.c.epoch)
+    .where(_this)
+    .with_for_update()
+)
+#: The freeze's control row: ``moving`` to ``:target``, no owner, at the epoch the freeze took.
+_set_moving = (
+    update(_clusters)
+    .where(_this)
+    .values(
+        state=_MOVING,
+        owner=None,
+        epoch=bindparam("epoch", type_=Integer),
+        refused_why=bindparam("why", type_=Text),
+    )
+)
+#: The tombstone's control row.
+_set_moved = (
+    update(_clusters)
+    .where(_this, _clusters.c.state == _MOVING)
+    .values(state=_MOVED, owner=None, refused_why=bindparam("why", type_=Text))
+)
+#: The leader row's mark from ``:was`` to ``:mark``; returns the epoch and ``max_id``.
+_remark = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID, leader.c.host_group == bindparam("was", type_=Text))
+    .values(host_group=bindparam("mark", type_=Text))
+    .returning(leader.c.epoch, leader.c.max_id)
+)
+#: The copy's leader row: the source's epoch and ``max_id``, marked as arriving.
+_arrive = (
+    update(leader)
+    .where(leader.c.id == LEADER_ROW_ID)
+    .values(
+        epoch=bindparam("epoch", type_=Integer),
+        max_id=bindparam("max_id"),
+        host_group=ARRIVING_MARK,
+    )
+)
+_leader_row = select(leader.c.epoch, leader.c.max_id, leader.c.host_group, leader_tableoid)
+_try_move_lock = select(
+    func.pg_try_advisory_lock(
+        literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
+    )
+)
+_move_unlock = select(
+    func.pg_advisory_unlock(
+        literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
+    )
+)
+
+
+def _digest(table: Any, key: Any) -> Any:
+    """One table's row count and a digest of every row in key order: equal in source and
+    target when every row arrived whole. Rows are rendered as text by the server, so the
+    comparison needs no decoding of the client's."""
+    row_text = cast(tuple_(*table.c), Text) if len(table.c) > 1 else cast(table.c[0], Text)
+    joined = func.string_agg(func.md5(row_text), aggregate_order_by(literal_column("''"), key))
+    return select(func.count(), func.md5(func.coalesce(joined, "")))
+
+
+async def move(
+    source: AsyncEngine,
+    target: AsyncEngine,
+    schema: str,
+    *,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str] = frozenset(),
+    drop_source: bool = False,
+    barrier_bound: float = 30.0,
+    said: Callable[[str], None] = lambda line: None,
+) -> MoveReport:
+    """Move the cluster ``schema`` of host group ``group`` from the database of ``source``
+    to that of ``target`` (see the module's docstring), or go on with a move of it that
+    was interrupted. ``said`` gets a line per step done. ``MoveError`` when it cannot."""
+    to = redact(target.url.set(drivername="postgresql"))
+    await control.prepare_control(source, control_schema)
+    await control.prepare_control(target, control_schema)
+    key = f"{group}/{schema}"
+    async with source.connect() as locked:
+        async with door.translated("taking the move's lock"):
+            held = (await locked.execute(_try_move_lock, {"key": key})).scalar()
+            await locked.commit()
+        if not held:
+            raise MoveError(
+                f"another move of schema {schema!r} (host group {group!r}) is running: wait "
+                "for it to end (a move that was interrupted frees its lock with its session)"
+            )
+        try:
+            return await _steps(
+                source, target, schema, group, control_schema, trusted_triggers,
+                drop_source, barrier_bound, to, said,
+            )  # fmt: skip
+        finally:
+            # The lock goes with its session anyway, closed next: a failure to free it here
+            # (the server gone) must not hide why the move stopped.
+            with contextlib.suppress(Exception):
+                await locked.execute(_move_unlock, {"key": key})
+                await locked.commit()
+
+
+async def _steps(
+    source: AsyncEngine,
+    target: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str],
+    drop_source: bool,
+    barrier_bound: float,
+    to: str,
+    said: Callable[[str], None],
+) -> MoveReport:
+    names = {"group": group, "schema": schema}
+    in_control = control.control_options(control_schema)
+    in_cluster = schema_options(schema)
+    async with door.translated(f"reading schema {schema!r} in the source"), source.connect() as c:
+        row = (await c.execute(_control_row, names, execution_options=in_control)).first()
+        await c.rollback()
+    if row is None:
+        raise MoveError(f"schema {schema!r} is not enrolled in host group {group!r} in the source")
+    if row.state == _MOVED:
+        said(f"already {row.refused_why}")
+        if drop_source:
+            await _drop(source, schema, said)
+        return MoveReport(row.epoch, None, {})
+    if row.state == _MOVING and row.refused_why != _moving_to(to):
+        raise MoveError(
+            f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
+            "with its own --to"
+        )
+    arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
+    if row.state != _MOVING:
+        if arrived is not None:
+            raise MoveError(
+                f"the target database holds a schema {schema!r} already: drop or rename it "
+                "there first (nothing was frozen)"
+            )
+        # Before the freeze: a cluster that cannot be copied is not taken from its owner.
+        await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
+        epoch = await _freeze(source, schema, group, control_schema, barrier_bound, to)
+        said(f"frozen in the source at epoch {epoch}: every later commit of its owner is fenced")
+    elif arrived is None:
+        # Resumed before the copy: it reads the source's schema as it stands now.
+        await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
+    rows: dict[str, int] = {}
+    if arrived is None:
+        rows = await _copy(source, target, schema, trusted_triggers)
+        said("copied: " + ", ".join(f"{name} {n:,} rows" for name, n in rows.items()))
+        arrived = ARRIVING_MARK
+    elif arrived not in (ARRIVING_MARK, group):
+        raise MoveError(
+            f"the target database holds a schema {schema!r} this move did not make (its "
+            "leader row is not marked as arriving): drop or rename it there, then run the "
+            "move again (the source stays frozen until then)"
+        )
+    source_leader = await _leader(source, schema)
+    if arrived == group:
+        await _same_history(source, target, schema)
+    else:
+        await _verify(source, target, schema)
+        said("verified: row counts and digests, epoch and max_id equal")
+        await _enroll(target, schema, group, control_schema)
+        said(f"enrolled in host group {group!r} in the target")
+    async with door.translated(f"tombstoning schema {schema!r}"), source.begin() as c:
+        await c.execute(
+            _set_moved, {**names, "why": f"moved to {to}"}, execution_options=in_control
+        )
+        await c.execute(
+            _remark, {"was": MOVING_MARK, "mark": MOVED_MARK}, execution_options=in_cluster
+        )
+    said("tombstoned in the source: no host or store leads it there")
+    if drop_source:
+        await _drop(source, schema, said)
+    return MoveReport(source_leader.epoch, source_leader.max_id, rows)
+
+
+async def _drop(source: AsyncEngine, schema: str, said: Callable[[str], None]) -> None:
+    async with door.translated(f"dropping schema {schema!r}"), source.begin() as c:
+        await c.execute(DropSchema(schema, cascade=True, if_exists=True))
+    said(f"dropped schema {schema!r} in the source")
+
+
+def _moving_to(to: str) -> str:
+    return f"moving to {to}"
+
+
+async def _leader(engine: AsyncEngine, schema: str) -> Any:
+    async with door.translated(f"reading schema {schema!r}"), engine.connect() as c:
+        row = (await c.execute(_leader_row, execution_options=schema_options(schema))).first()
+        await c.rollback()
+    if row is None:
+        raise MoveError(f"schema {schema!r} holds no leader row")
+    return row
+
+
+async def _arrival(
+    target: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str],
+) -> str | None:
+    """The mark on the leader row of the target's ``schema`` (``None``: no such schema;
+    the group: this move's copy enrolled; ``""``: a schema that holds no cluster, or one
+    the group does not list). Read only once the trust check passed: the schema may be
+    anyone's, and its relations run their owners' code for whoever reads them."""
+    in_control = control.control_options(control_schema)
+    async with door.translated(f"reading schema {schema!r} in the target"), target.connect() as c:
+        try:
+            if (await c.execute(st.schema_oid, {"schema": schema})).scalar() is None:
+                return None
+            await c.run_sync(
+                lambda sync: refuse_untrusted(
+                    sync, schema, trusted_triggers, tables=st.CLUSTER_TABLES
+                )
+            )
+            looking = {"schema": schema, "name": leader.name}
+            if not (await c.execute(catalog.relation_exists, looking)).scalar():
+                return ""
+            found = (await c.execute(_leader_row, execution_options=schema_options(schema))).first()
+            if found is None:
+                return ""
+            if found.host_group != group:
+                return str(found.host_group or "")
+            names = {"group": group, "schema": schema}
+            listed = (await c.execute(_control_row, names, execution_options=in_control)).first()
+            return group if listed is not None else ""
+        finally:
+            await c.rollback()
+
+
+async def _freeze(
+    source: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    bound: float,
+    to: str,
+) -> int:
+    names = {"group": group, "schema": schema}
+    in_control = control.control_options(control_schema)
+    in_cluster = schema_options(schema)
+    async with door.translated(f"freezing schema {schema!r}"), source.begin() as c:
+        row = (await c.execute(_control_row, names, execution_options=in_control)).first()
+        if row is None or row.state not in ("active", "refused"):
+            raise MoveError(
+                f"schema {schema!r} changed as the move began "
+                f"({'gone' if row is None else row.state}): run it again"
+            )
+        await door.leader_barrier(
+            lambda statement, params: c.execute(statement, params, execution_options=in_cluster),
+            schema,
+            bound,
+            "freezing a cluster to move it",
+        )
+        found = (await c.execute(_leader_row, execution_options=in_cluster)).first()
+        if found is None or int(found.tableoid) != int(row.incarnation):
+            raise MoveError(
+                f"schema {schema!r} holds another cluster than the one enrolled (made again "
+                "since): enroll it again first (`cronoq-store host enroll`)"
+            )
+        epoch = (
+            await c.execute(
+                st.take_hosted_epoch,
+                {"incarnation": int(row.incarnation), "group": group},
+                execution_options=in_cluster,
+            )
+        ).scalar()
+        if epoch is None:
+            raise MoveError(
+                f"schema {schema!r} is not marked as host group {group!r}'s in its own leader "
+                "row: enroll it again first (`cronoq-store host enroll`)"
+            )
+        await c.execute(_remark, {"was": group, "mark": MOVING_MARK}, execution_options=in_cluster)
+        # The freeze is a term of its own in the history: status names the move's session,
+        # and the copy carries the row, by which a resumed move knows its copy.
+        term = {"epoch": epoch, "lock_seen_held_at": None}
+        await c.execute(st.record_term, term, execution_options=in_cluster)
+        await c.execute(st.prune_terms, execution_options=in_cluster)
+        await c.execute(
+            _set_moving,
+            {**names, "epoch": epoch, "why": _moving_to(to)},
+            execution_options=in_control,
+        )
+    return int(epoch)
+
+
+async def _copy(
+    source: AsyncEngine, target: AsyncEngine, schema: str, trusted_triggers: frozenset[str]
+) -> dict[str, int]:
+    """The target's schema made and filled in one transaction, from one snapshot of the
+    source: all of it lands, or nothing (then the move starts this step again)."""
+    rows: dict[str, int] = {}
+    async with (
+        door.translated(f"copying schema {schema!r}"),
+        source.connect() as read,
+        target.connect() as write,
+    ):
+        read = await read.execution_options(isolation_level="REPEATABLE READ")
+        await read.begin()
+        await write.begin()
+        if (await write.execute(st.schema_oid, {"schema": schema})).scalar() is not None:
+            raise MoveError(f"a schema {schema!r} appeared in the target meanwhile: run it again")
+        await migrations.upgrade(write, schema, trusted_triggers=trusted_triggers)
+        reader = (await read.get_raw_connection()).driver_connection
+        writer = (await write.get_raw_connection()).driver_connection
+        for table, _ in _COPIED:
+            rows[table.name] = await _stream(reader, writer, schema, table)
+        found = (await read.execute(_leader_row, execution_options=schema_options(schema))).one()
+        await write.execute(
+            _arrive,
+            {"epoch": found.epoch, "max_id": found.max_id},
+            execution_options=schema_options(schema),
+        )
+        await write.commit()
+        await read.rollback()
+    return rows
+
+
+async def _stream(reader: Any, writer: Any, schema: str, table: Any) -> int:
+    """``table``'s rows from ``reader``'s COPY into ``writer``'s, in binary, by column name
+    (the two tables were made by the same migrations), never more than a few chunks held."""
+    columns = [c.name for c in table.c]
+    chunks: asyncio.Queue[bytes | None] = asyncio.Queue(_CHUNKS)
+
+    async def take(chunk: bytes) -> None:
+        await chunks.put(bytes(chunk))
+
+    async def read() -> None:
+        try:
+            await reader.copy_from_table(
+                table.name, schema_name=schema, columns=columns, output=take, format="binary"
+            )
+        finally:
+            await chunks.put(None)
+
+    async def source() -> Any:
+        while (chunk := await chunks.get()) is not None:
+            yield chunk
+
+    reading = asyncio.ensure_future(read())
+    try:
+        status = await writer.copy_to_table(
+            table.name, schema_name=schema, columns=columns, source=source(), format="binary"
+        )
+    finally:
+        if not reading.done():
+            reading.cancel()
+        await asyncio.wait({reading})
+    reading.result()
+    return int(status.split()[-1])
+
+
+async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None:
+    for table, key in _COPIED:
+        there = await _one(source, schema, _digest(table, key))
+        here = await _one(target, schema, _digest(table, key))
+        if tuple(there) != tuple(here):
+            raise MoveError(
+                f"the copy of {table.name} differs from the source ({here[0]:,} rows, "
+                f"{there[0]:,} in the source): drop schema {schema!r} in the target and run "
+                "the move again (the source stays frozen)"
+            )
+    a, b = await _leader(source, schema), await _leader(target, schema)
+    if (a.epoch, a.max_id) != (b.epoch, b.max_id):
+        raise MoveError(
+            f"the copy's epoch and max_id ({b.epoch}, {b.max_id}) are not the source's "
+            f"({a.epoch}, {a.max_id}): drop schema {schema!r} in the target and run the "
+            "move again (the source stays frozen)"
+        )
+
+
+async def _same_history(source: AsyncEngine, target: AsyncEngine, schema: str) -> None:
+    """Refuse a target found enrolled that is not this move's copy: the source's newest
+    term, the freeze's own, must be in the target's history as in the source's, and a
+    cluster made apart never carries it. Digests cannot tell: once enrolled, the copy may
+    have been led and changed."""
+    newest = await _maybe_one(source, schema, _newest_term, {})
+    there = (
+        None if newest is None else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
+    )
+    if newest is None or there is None or tuple(there) != tuple(newest):
+        raise MoveError(
+            f"the target database holds a cluster {schema!r} enrolled in the group that is "
+            "not this move's copy: remove and drop it there, then run the move again (the "
+            "source stays frozen until then)"
+        )
+
+
+async def _maybe_one(
+    engine: AsyncEngine, schema: str, statement: Any, params: dict[str, Any]
+) -> Any:
+    async with door.translated(f"checking schema {schema!r}"), engine.connect() as c:
+        row = (await c.execute(statement, params, execution_options=schema_options(schema))).first()
+        await c.rollback()
+    return row
+
+
+async def _one(engine: AsyncEngine, schema: str, statement: Any) -> Any:
+    async with door.translated(f"checking schema {schema!r}"), engine.connect() as c:
+        row = (await c.execute(statement, execution_options=schema_options(schema))).one()
+        await c.rollback()
+    return row
+
+
+async def _enroll(target: AsyncEngine, schema: str, group: str, control_schema: str) -> None:
+    in_cluster = schema_options(schema)
+    async with door.translated(f"enrolling schema {schema!r} in the target"), target.begin() as c:
+        oid = (await c.execute(st.schema_oid, {"schema": schema})).scalar()
+        if oid is None:
+            raise MoveError(f"schema {schema!r} is gone from the target: run the move again")
+        key = {"k1": st.LOCK_NS_LEADER, "k2": int(oid)}
+        locked = (await c.execute(st.try_leader_lock_for_transaction, key)).scalar()
+        if not locked:
+            raise MoveError(
+                f"the leader lock of schema {schema!r} in the target is held (a standalone "
+                "store or a downgrade): stop it, then run the move again"
+            )
+        found = (await c.execute(_leader_row, execution_options=in_cluster)).one()
+        await c.execute(
+            _remark, {"was": ARRIVING_MARK, "mark": group}, execution_options=in_cluster
+        )
+        row = {"group": group, "schema": schema, "incarnation": int(found.tableoid)}
+        added = (
+            await c.execute(
+                control.enroll, row, execution_options=control.control_options(control_schema)
+            )
+        ).first()
+        if added is None or not added.inserted:
+            raise MoveError(
+                f"schema {schema!r} is listed in the target's control schema already "
+                f"({'' if added is None else added.host_group}): remove it there "
+                "(`cronoq-store host remove`), then run the move again"
+            )

@@ -1,0 +1,246 @@
+"""Clusters placed in two databases, each its own PostgreSQL server (a second embedded
+server for this module): one process leading both, one server stopped and started again,
+and ``host move`` from one to the other, whole and interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import ClusterRef, FencedError, MultiDatabaseHost, StoreError
+from cronoq_store._cli import database
+from cronoq_store._domain import TimeBase, task_id
+from cronoq_store._host import move as moving
+from cronoq_store._host.host import HostedStore
+
+from ..pgharness import EmbeddedServer, admin_execute, asyncpg_dsn
+from ..support import full, run, unused_port
+from ..test_cli_fleet import no_password
+from ..waits import until
+from .conftest import Fleet
+from .hosts import Served, commit_one, config, serving
+
+
+@pytest.fixture(scope="module")
+def west_server() -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+async def west(fleet: Fleet, west_server: EmbeddedServer) -> AsyncIterator[Fleet]:
+    """``fleet``'s control schema, group and names in the second server."""
+    made = Fleet(west_server.url, fleet.control, fleet.group, fleet.prefix)
+    yield made
+    rows = await admin_execute(
+        made.url, "SELECT nspname FROM pg_namespace WHERE nspname LIKE $1", f"%{fleet.group[2:]}%"
+    )
+    for row in rows:
+        await admin_execute(made.url, f'DROP SCHEMA IF EXISTS "{row["nspname"]}" CASCADE')
+
+
+class Led:
+    """What the application's ``lead`` saw: each cluster gained, by where it lives."""
+
+    def __init__(self) -> None:
+        self.gained: list[ClusterRef] = []
+
+    async def lead(self, ref: ClusterRef, store: HostedStore) -> None:
+        self.gained.append(ref)
+        await store.leadership_lost()
+
+
+async def test_one_process_leads_two_databases_and_outlives_one_stopped(
+    fleet: Fleet, west: Fleet, west_server: EmbeddedServer
+) -> None:
+    a, b, c = fleet.clusters(3)
+    # A third database that never answers: the others are led all the same.
+    north = fleet.url.set(port=unused_port())
+    placed = {"east": fleet.url, "west": west.url, "north": north}
+    host = await MultiDatabaseHost.connect(placed, config(fleet, "placed"))
+    led = Led()
+    task = None
+    try:
+        await host.enroll([a, b], "east")
+        await host.enroll(c, "west")
+        with pytest.raises(StoreError, match="in database 'east' already"):
+            await host.enroll(a, "west")
+        await host.enroll(a, "west", allow_duplicate_names=True)
+        serving = [ClusterRef("east", a), ClusterRef("east", b)]
+        serving += [ClusterRef("west", a), ClusterRef("west", c)]
+        task = asyncio.ensure_future(host.serve(led.lead))
+        await until(lambda: sorted(host.led()) == serving, "both databases' clusters led")
+        assert sorted(led.gained) == serving
+        assert host.host("north") is None
+        assert host.process_ids["north"] is None
+        before = dict(host.led())
+        west_server.stop()
+        await until(
+            lambda: not any(ref.database == "west" for ref in host.led()),
+            "the stopped server's clusters stepped down",
+        )
+        for n, ref in enumerate(serving[:2]):
+            assert host.led()[ref] is before[ref]
+            await commit_one(before[ref], n)
+        west_server.start()
+        await until(lambda: sorted(host.led()) == serving, "the restarted server's clusters led")
+        again = host.led()[ClusterRef("west", c)]
+        assert again is not before[ClusterRef("west", c)]
+        await commit_one(again, 7)
+    finally:
+        await host.close()
+        if task is not None:
+            await asyncio.wait({task})
+
+
+@asynccontextmanager
+async def two_hosts(
+    fleet: Fleet, west: Fleet, schemas: list[str]
+) -> AsyncIterator[tuple[Served, Served]]:
+    """A host in each database, the east one leading ``schemas``."""
+    async with (
+        serving(fleet.url, config(fleet, "east"), schemas) as east,
+        serving(west.url, config(fleet, "west")) as west_host,
+    ):
+        await until(lambda: len(east.host.led()) == len(schemas), "the east host to lead")
+        yield east, west_host
+
+
+async def move_cli(fleet: Fleet, west: Fleet, schema: str) -> tuple[int, str]:
+    result = await run(
+        "host", "move", schema, "--from", full(fleet.url), "--to", full(west.url),
+        "--group", fleet.group, "--control-schema", fleet.control,
+    )  # fmt: skip
+    no_password(fleet.url, result.stdout, result.stderr)
+    no_password(west.url, result.stdout, result.stderr)
+    return result.exit_code, result.stdout + result.stderr
+
+
+async def test_a_move_keeps_every_acknowledged_commit_and_fences_the_old_owner(
+    fleet: Fleet, west: Fleet
+) -> None:
+    (schema,) = fleet.clusters(1)
+    async with two_hosts(fleet, west, [schema]) as (east, west_host):
+        old = east.host.led()[schema]
+        epoch = old.epoch
+        assert epoch is not None
+        for n in range(3):
+            await commit_one(old, n)
+        # The leader row's high-water mark past every stored id and past the ids of the
+        # epoch the target's first claim takes (as after the epoch wrapped): only the
+        # mark keeps the target from issuing ids below it.
+        high = task_id(epoch + 3, 7)
+        await admin_execute(fleet.url, f'UPDATE "{schema}".cronoq_leader SET max_id = {high}')
+        code, said = await move_cli(fleet, west, schema)
+        assert code == 0, said
+        assert await fleet.stored_epoch(schema) > epoch  # the server fences the old owner
+        with pytest.raises(FencedError):
+            await commit_one(old, 3, epoch)
+        await until(leading(west_host, schema), "the west host to lead the moved one")
+        new = west_host.host.led()[schema]
+        assert new.epoch is not None
+        assert new.epoch > epoch
+        recovered = await new.recover(TimeBase.now())
+        assert sorted(t.id for t in recovered.tasks) == [task_id(epoch, n) for n in range(3)]
+        assert recovered.next_id > high
+        await commit_one(new, 4)
+        assert schema not in east.host.led()
+        assert await state_in_control(fleet, schema) == "moved"
+        code, said = await move_cli(fleet, west, schema)
+        assert code == 0, said
+        assert "already moved to" in said
+        # A process with the old placement enrolls it in the source again: refused, so the
+        # tombstone is never led beside the moved cluster.
+        with pytest.raises(StoreError, match="another host group"):
+            await east.host.enroll(schema)
+        assert await state_in_control(fleet, schema) == "moved"
+        listed = await run(
+            "--url", full(fleet.url), "host", "list", "--control-schema", fleet.control
+        )
+        no_password(west.url, listed.stdout)
+        assert f"moved to postgresql://{west.url.username}:***@" in listed.stdout
+        stored = await admin_execute(
+            fleet.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
+        )
+        assert stored[0]["n"] == 3
+
+
+class Interrupted(Exception):
+    """Raised by a move's report of one step: the move stops right after that step."""
+
+
+async def test_an_interrupted_move_goes_on_when_run_again(fleet: Fleet, west: Fleet) -> None:
+    steps = ("frozen", "copied", "enrolled")
+    schemas = fleet.clusters(len(steps))
+    async with two_hosts(fleet, west, schemas) as (east, west_host):
+        for schema, step in zip(schemas, steps, strict=True):
+            await commit_one(east.host.led()[schema], 1)
+
+            def stop_after(line: str, step: str = step) -> None:
+                if line.startswith(step):
+                    raise Interrupted(line)
+
+            source, target = _engine(fleet.url), _engine(west.url)
+            try:
+                with pytest.raises(Interrupted):
+                    await moving.move(
+                        source, target, schema, group=fleet.group, control_schema=fleet.control,
+                        said=stop_after,
+                    )  # fmt: skip
+            finally:
+                await source.dispose()
+                await target.dispose()
+            assert await state_in_control(fleet, schema) == "moving"
+            mover = await asyncpg.connect(asyncpg_dsn(fleet.url))
+            try:
+                key = f"{fleet.group}/{schema}"
+                held = "SELECT pg_try_advisory_lock($1, hashtext($2))"
+                assert await mover.fetchval(held, moving.LOCK_NS_MOVE, key)  # it was freed
+                code, said = await move_cli(fleet, west, schema)
+                assert code == 1
+                assert "another move of schema" in said
+            finally:
+                await mover.close()
+            if step == "frozen":
+                # Another cluster of that name made and enrolled in the target meanwhile: not
+                # taken for this move's copy, the source stays frozen.
+                await west_host.host.enroll(schema)
+                code, said = await move_cli(fleet, west, schema)
+                assert code == 1
+                assert "not this move's copy" in said
+                assert await state_in_control(fleet, schema) == "moving"
+                await west_host.host.remove(schema)
+                await admin_execute(west.url, f'DROP SCHEMA "{schema}" CASCADE')
+            code, said = await move_cli(fleet, west, schema)
+            assert code == 0, said
+            assert schema not in east.host.led()
+            await until(leading(west_host, schema), f"{schema} led in the west")
+            tasks = await admin_execute(
+                west.url, f'SELECT count(*) AS n FROM "{schema}".cronoq_tasks'
+            )
+            assert tasks[0]["n"] == 1
+        # A frozen cluster was never claimed again in the source meanwhile.
+        assert sorted(s for s, _ in east.gained) == sorted(schemas)
+
+
+def leading(served: Served, schema: str) -> Callable[[], bool]:
+    return lambda: schema in served.host.led()
+
+
+def _engine(url: URL) -> AsyncEngine:
+    """An engine as ``host move``'s: the library's move is called with two of them."""
+    return database.engine(full(url))
+
+
+async def state_in_control(fleet: Fleet, schema: str) -> str:
+    rows = await admin_execute(
+        fleet.url, f'SELECT state FROM "{fleet.control}".clusters WHERE schema_name = $1', schema
+    )
+    return str(rows[0]["state"])
