@@ -19,7 +19,9 @@ column list from a template cluster that ``benchmarks.history`` generated and th
 4. Every process stops; each acknowledged id (journalled after its acknowledgement) is
    looked up in its cluster (``lost``).
 5. One process alone leads every cluster, then the same one-mutation submitters commit
-   spread over ``fleet_clusters`` clusters and over 10, rounds interleaved (``commit``).
+   spread over ``fleet_clusters`` clusters and over 10, rounds interleaved (``commit``);
+   then the floor: the statements the commit bus would send for the same commits, on raw
+   asyncpg sessions, rounds interleaved the same way.
    With ``fleet_commit_only`` (``--fleet-commit-only``) this phase alone follows the
    seeding.
 
@@ -449,6 +451,7 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
     )
     opened = await worker.wait_for("all_led")
     rates = await worker.wait_for("rates", _CAP + profile.fleet_commit_rounds * 60)
+    floor = await worker.wait_for("floor", _CAP + profile.fleet_commit_rounds * 60)
     await worker.exited()
     return {
         "submitters": profile.fleet_submitters,
@@ -458,6 +461,10 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
         "wide_per_s": summarize(rates["wide"]),
         "narrow_per_s": summarize(rates["narrow"]),
         "wide_vs_narrow": paired(rates["wide"], rates["narrow"]),
+        # The same commits' statements on raw asyncpg sessions, the store taken out.
+        "floor_wide_per_s": summarize(floor["wide"]),
+        "floor_narrow_per_s": summarize(floor["narrow"]),
+        "floor_wide_vs_narrow": paired(floor["wide"], floor["narrow"]),
     }
 
 

@@ -209,6 +209,43 @@ async def test_a_session_lost_mid_group_fails_every_member_and_a_retry_lands_eac
             assert list(await xmins(fleet, s)) == [task(stores[s], 2).id]
 
 
+async def test_a_claim_of_a_member_lands_after_its_whole_group(fleet: Fleet) -> None:
+    """The group holds a's epoch share-locked while it waits for b's leader row: a
+    takeover of a waits for the whole group, which lands before it, both commits at once."""
+    a, b, plug = fleet.clusters(3)
+    async with hosting(fleet, [a, b, plug]) as served:
+        stores = served.host.led()
+        first = task(stores[a], 2)
+        held = LeaderRowHold(fleet.url, b)
+        await held.lock()
+        try:
+            async with plugged(fleet, stores[plug]):
+                commits = started((stores[a], [first]), (stores[b], [task(stores[b], 2)]))
+                await asyncio.sleep(0)
+            group = asyncio.ensure_future(asyncio.gather(*commits, return_exceptions=True))
+            await held.waited_on(group, "the group to wait for b's leader row")
+            claim = asyncio.ensure_future(bump_epoch(fleet.url, a))
+
+            async def claim_waits() -> bool:
+                rows = await admin_execute(
+                    fleet.url,
+                    "SELECT count(*) AS n FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND starts_with(query, $1)",
+                    f'UPDATE "{a}".cronoq_leader',
+                )
+                return bool(rows[0]["n"])
+
+            await until(claim_waits, "the takeover of a to wait for the group")
+            assert not claim.done()
+        finally:
+            await held.release()
+        assert await group == [None, None]  # landed, before the takeover
+        await claim
+        landed_a, landed_b = await xmins(fleet, a), await xmins(fleet, b)
+        assert list(landed_a) == [first.id]
+        assert set(landed_a.values()) == set(landed_b.values())  # one transaction
+
+
 def _select(n: int) -> CompiledStatement:
     """A statement of its own text, with one integer parameter."""
     return CompiledStatement(f"SELECT {n} + $1::INTEGER", ("x",), {})
