@@ -281,6 +281,11 @@ async def _floors(
         rates: dict[str, list[float]] = {name: [] for name in variants}
         names = list(variants)
         prepared: list[dict[str, tuple[str, str, Opening]]] = [{} for _ in conns]
+        # Each cluster has a session of its own (the bus gives each two), and that session
+        # its statements, prepared before the clock runs.
+        for k, (store, _, _) in enumerate(variants["wide"]):
+            schema = store.config.schema
+            prepared[k % lanes][schema] = await _prepare(conns[k % lanes], schema, k)
         for r in range(1 + args["rounds"]):
             for name in names[r % 2 :] + names[: r % 2]:
                 rate = await _floor(
@@ -304,13 +309,16 @@ async def _floor(
 ) -> float:
     """The statements the commit bus sends, without the store: each cluster has two commits
     in flight (as a committer's two batches), of the new tasks its submitters would give
-    them (``submitters / clusters / 2``); each session writes up to 16 at a time in one
+    them (``submitters / clusters / 2``), on the session of its own (cluster ``k`` on
+    ``k % sessions``); each session writes up to 16 at a time in one
     transaction: the epochs checked by prepared statements sent with ``BEGIN``, a few rows
     staged by one COPY and inserted by a prepared statement each, many COPYed straight into
     their table, the closing checks and ``COMMIT``. Returns mutations per second."""
     rows = max(1, submitters // len(stores) // 2)
-    ready = deque([k for k in range(len(stores)) for _ in range(2)])
-    take = max(1, min(16, -(-len(ready) // len(conns))))
+    lanes = len(conns)
+    queues = [
+        deque([k for k in range(i, len(stores), lanes) for _ in range(2)]) for i in range(lanes)
+    ]
     template = fold([Submitted(1, 1, 0, _SPEC)], stores[0][2], time.time_ns()).insert_rows[0]
     columns = ("member", *INSERT_COLUMNS)
     done = 0
@@ -318,15 +326,14 @@ async def _floor(
 
     async def lane(i: int) -> None:
         nonlocal done
-        conn, named = conns[i], prepared[i]
+        conn, named, ready = conns[i], prepared[i], queues[i]
         while time.perf_counter() < deadline:
             group = sorted(
-                (ready.popleft() for _ in range(min(take, len(ready)))),
+                (ready.popleft() for _ in range(min(16, len(ready)))),
                 key=lambda k: stores[k][0].config.schema,
             )
             if not group:
-                await asyncio.sleep(0)
-                continue
+                return  # more sessions than clusters
             opening = ["BEGIN", st.generic_plans.text]
             staged: list[tuple[Any, ...]] = []
             copies: list[tuple[str, list[list[Any]]]] = []
@@ -334,8 +341,6 @@ async def _floor(
             for m, k in enumerate(group):
                 store, epoch, _ = stores[k]
                 schema = store.config.schema
-                if schema not in named:
-                    named[schema] = await _prepare(conn, schema, k)
                 check, insert, kept = named[schema]
                 fenced = {"epoch": epoch, "incarnation": store.incarnation}
                 opening.append(check.format(epoch, store.incarnation))
