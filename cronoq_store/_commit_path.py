@@ -1024,8 +1024,9 @@ async def _staged(
     :func:`_together`), or when the server refused any statement (a fence that moved, an
     id or key another task's, a table gone): nothing committed, and :func:`_together`
     then finds whose it was. A member's answer is so the same as with one statement each:
-    these refusals are rare, and the others cost no more than before. Any other failure is
-    raised, as by :func:`_together`."""
+    these refusals are rare, and the others cost no more than before. A session that lost
+    what the bus prepared on it (a transaction-pooling proxy hands out any server session)
+    is never staged on again. Any other failure is raised, as by :func:`_together`."""
     group = [members[i] for i in pending]
     if any(member.writer.borrowed_opening is not None for member in group):
         return False
@@ -1036,7 +1037,7 @@ async def _staged(
     try:
         names = await conn.named(statements, group[0].writer.staging_setup, prepared)
     except Exception as exc:
-        if not refused_statement(exc):
+        if not (refused_statement(exc) or conn.lost_named(exc)):
             raise
         return False  # a member's statement refused (its table gone): alone, it says so
     if names is None:
@@ -1075,7 +1076,7 @@ async def _staged(
         return False
     except Exception as exc:
         await conn.roll_back_failed()
-        if not refused_statement(exc):
+        if not (refused_statement(exc) or conn.lost_named(exc)):
             raise
         return False
     except BaseException:

@@ -1028,17 +1028,34 @@ class CommitConnection:
         self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str]
     ) -> None:
         """``rows`` into the session's own ``table`` (``pg_temp``, made by :meth:`named`'s
-        setup) by COPY, inside the open transaction. A table found missing (the session's
-        temporary objects were discarded) is made again at the next :meth:`named`."""
+        setup) by COPY, inside the open transaction. A table found missing (not kept by the
+        session) stops staging on it (:meth:`lost_named`)."""
         try:
             await self._driver.copy_records_to_table(
                 table, records=rows, columns=columns, schema_name="pg_temp"
             )
         except asyncpg.UndefinedTableError:
-            state = _NAMED.get(self._driver)
-            if state is not None:
-                state.staging = False
+            self.stop_staging()
             raise
+
+    def lost_named(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the session lost, or never had, a statement or table the
+        bus made on it (a prepared statement missing or its name taken, the staging table
+        missing): then it is not one server session that keeps what it is given (a
+        transaction-pooling proxy hands out any), and it is never staged on again."""
+        states = _sqlstates(exc)
+        staging = isinstance(exc, asyncpg.UndefinedTableError) and st.staged_tasks.name in str(exc)
+        if not staging and not any(s in PREPARED_STATEMENT_CODES for s in states):
+            return False
+        self.stop_staging()
+        return True
+
+    def stop_staging(self) -> None:
+        """Never stage on this session again: :meth:`named` answers ``None``."""
+        state = _NAMED.get(self._driver)
+        if state is None:
+            state = _NAMED[self._driver] = _Named()
+        state.refused = True
 
 
 def executing(name: str, statement: CompiledStatement, values: Mapping[str, Any]) -> str:

@@ -398,3 +398,43 @@ async def test_random_splits_into_groups_end_as_one_commit_at_a_time(fleet: Flee
             assert await _held(driver)  # the groups went staged
         finally:
             await driver.close()
+
+
+async def test_a_session_that_loses_the_bus_statements_writes_each_commit_alone(
+    fleet: Fleet,
+) -> None:
+    """A transaction-pooling proxy hands a group to a server session that lacks what the bus
+    prepared: the group is written one statement each, and the session never staged on
+    again (each staged try would fail)."""
+    schemas = fleet.clusters(2)
+    async with hosting(fleet, schemas) as served:
+        stores = served.host.led()
+        dialect = postgresql.asyncpg.dialect()  # type: ignore[no-untyped-call]
+        writers = {s: BatchWriter(dialect, s) for s in schemas}
+        driver = await asyncpg.connect(asyncpg_dsn(fleet.url))
+        try:
+            conn = CommitConnection(driver)
+
+            async def group(n: int) -> list[Outcome]:
+                members = []
+                for s in schemas:
+                    store = stores[s]
+                    assert store.epoch is not None
+                    batch = fold([task(store, n)], BASE, BASE.engine_ns)
+                    members.append(GroupMember(writers[s], store.epoch, store.incarnation, batch))
+                outcomes: list[Outcome] = [None] * len(members)
+                await write_group(conn, members, outcomes, prepared=64)
+                return outcomes
+
+            assert all(isinstance(o, Written) for o in await group(2))
+            held = await _held(driver)
+            assert held  # staged
+            for name in held:  # the bus's alone: the driver keeps its own
+                await driver.execute(f"DEALLOCATE {name}")
+            assert all(isinstance(o, Written) for o in await group(3))
+            assert all(isinstance(o, Written) for o in await group(4))
+            assert await _held(driver) == set()  # not prepared again
+            for s in schemas:
+                assert len(await xmins(fleet, s)) == 3
+        finally:
+            await driver.close()
