@@ -462,9 +462,10 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
         "wide_per_s": summarize(rates["wide"]),
         "narrow_per_s": summarize(rates["narrow"]),
         "wide_vs_narrow": paired(rates["wide"], rates["narrow"]),
-        # The same commits' statements on raw asyncpg sessions, the store taken out. The
-        # wide side's floor over the store's narrow side (medians: their rounds are not
-        # paired) bounds the ratio the store could reach with no client cost of its own.
+        # The same commits' statements on raw asyncpg sessions, the store taken out: raw
+        # over many clusters vs raw over few (the key figure), and raw over many vs the
+        # store over few (medians: those rounds are not paired), the ratio the store would
+        # reach if its many-cluster side cost no more than the raw statements.
         "floor_wide_per_s": summarize(floor["wide"]),
         "floor_narrow_per_s": summarize(floor["narrow"]),
         "floor_wide_vs_floor_narrow": paired(floor["wide"], floor["narrow"]),
