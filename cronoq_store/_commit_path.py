@@ -1043,9 +1043,11 @@ async def _staged(
     if names is None:
         return False
     inserts = iter(names[len(group) :])
+    # Generic plans only where every statement is the bus's: the others' (a member's
+    # updates, by the driver's statements) keep the plans made for their values.
     opening = [
         "BEGIN",
-        _GENERIC_PLANS,
+        *([_GENERIC_PLANS] if all(stages) else []),
         *(
             executing(name, member.writer.staged_check, _fenced(member))
             for name, member in zip(names, group, strict=False)

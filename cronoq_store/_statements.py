@@ -1387,7 +1387,7 @@ epoch_kept_for_share = select(
     )
 )
 
-#: Opens a group's transaction on the bus's own sessions: plans made for the values at hand
-#: (the first five runs of a prepared statement) would cost each cluster's staged insert a
-#: planning of its own, for the same plan.
+#: Opens a group's transaction on the bus's own sessions when every statement in it is the
+#: bus's: plans made for the values at hand (the first five runs of a prepared statement)
+#: would cost each cluster's staged insert a planning of its own, for the same plan.
 generic_plans = text("SET LOCAL plan_cache_mode = force_generic_plan")
