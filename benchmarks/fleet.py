@@ -19,7 +19,9 @@ column list from a template cluster that ``benchmarks.history`` generated and th
 4. Every process stops; each acknowledged id (journalled after its acknowledgement) is
    looked up in its cluster (``lost``).
 5. One process alone leads every cluster, then the same one-mutation submitters commit
-   spread over ``fleet_clusters`` clusters and over 10, rounds interleaved (``commit``).
+   spread over ``fleet_clusters`` clusters and over 10, rounds interleaved (``commit``);
+   then the floor: the statements the commit bus would send for the same commits, on raw
+   asyncpg sessions, rounds interleaved the same way.
    With ``fleet_commit_only`` (``--fleet-commit-only``) this phase alone follows the
    seeding.
 
@@ -38,6 +40,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -457,6 +460,7 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
     )
     opened = await worker.wait_for("all_led", fleet.cap)
     rates = await worker.wait_for("rates", fleet.cap + profile.fleet_commit_rounds * 60)
+    floor = await worker.wait_for("floor", fleet.cap + profile.fleet_commit_rounds * 60)
     await worker.exited()
     return {
         "submitters": profile.fleet_submitters,
@@ -466,6 +470,15 @@ async def _commit(fleet: _Fleet) -> dict[str, Any]:
         "wide_per_s": summarize(rates["wide"]),
         "narrow_per_s": summarize(rates["narrow"]),
         "wide_vs_narrow": paired(rates["wide"], rates["narrow"]),
+        # The same commits' statements on raw asyncpg sessions, the store taken out: raw
+        # over many clusters vs raw over few (the key figure), and raw over many vs the
+        # store over few (medians: those rounds are not paired), the ratio the store would
+        # reach if its many-cluster side cost no more than the raw statements.
+        "floor_wide_per_s": summarize(floor["wide"]),
+        "floor_narrow_per_s": summarize(floor["narrow"]),
+        "floor_wide_vs_floor_narrow": paired(floor["wide"], floor["narrow"]),
+        "floor_wide_vs_narrow": statistics.median(floor["wide"])
+        / statistics.median(rates["narrow"]),
     }
 
 

@@ -33,6 +33,7 @@ import random
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,15 @@ import asyncpg
 from sqlalchemy.engine import make_url
 
 from cronoq_store import FencedError, PgStoreConfig, StoreError, TaskSpec, TimeBase, task_id
+from cronoq_store import _statements as st
+from cronoq_store._commit_path import COPY_MIN_ROWS, fold
 from cronoq_store._committer import GroupCommitter
 from cronoq_store._domain import Submitted
-from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
-from cronoq_store._schema import INSERT_COLUMNS
+from cronoq_store._door import Opening
+from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig, pool_split
+from cronoq_store._schema import INSERT_COLUMNS, LEADER_ROW_ID
 
-from .common import dsn
+from .common import compile_for_asyncpg, dsn
 from .loops import run_loop
 
 PROFILE_ENV = "BENCH_FLEET_PROFILE"
@@ -253,9 +257,133 @@ async def commit(args: dict[str, Any]) -> None:
             if r:
                 rates[name].append(rate)
     say("rates", **rates)
+    floor = await _floors(args, variants, next_ids)
+    say("floor", **floor)
     done.set()
     await host.close()
     await serving
+
+
+# --- the floor: the same commits, the store taken out ---------------------------------------
+
+
+async def _floors(
+    args: dict[str, Any],
+    variants: dict[str, list[tuple[HostedStore, int, TimeBase]]],
+    next_ids: dict[str, int],
+) -> dict[str, list[float]]:
+    """The trials again, rounds interleaved, on raw asyncpg sessions (:func:`_floor`)."""
+    lanes, _ = pool_split(args["pool"])
+    conns = [await asyncpg.connect(args["url"], statement_cache_size=0) for _ in range(lanes)]
+    try:
+        for conn in conns:
+            await conn.execute(compile_for_asyncpg(st.create_staging, "").sql)
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        names = list(variants)
+        prepared: list[dict[str, tuple[str, str, Opening]]] = [{} for _ in conns]
+        # Each cluster has a session of its own (the bus gives each two), and that session
+        # its statements, prepared before the clock runs.
+        for k, (store, _, _) in enumerate(variants["wide"]):
+            schema = store.config.schema
+            prepared[k % lanes][schema] = await _prepare(conns[k % lanes], schema, k)
+        for r in range(1 + args["rounds"]):
+            for name in names[r % 2 :] + names[: r % 2]:
+                rate = await _floor(
+                    conns, prepared, variants[name], next_ids, args["submitters"], args["seconds"]
+                )
+                if r:
+                    rates[name].append(rate)
+        return rates
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+async def _floor(
+    conns: list[asyncpg.Connection],
+    prepared: list[dict[str, tuple[str, str, Opening]]],
+    stores: Sequence[tuple[HostedStore, int, TimeBase]],
+    next_ids: dict[str, int],
+    submitters: int,
+    seconds: float,
+) -> float:
+    """The statements the commit bus sends, without the store: each cluster has two commits
+    in flight (as a committer's two batches), of the new tasks its submitters would give
+    them (``submitters / clusters / 2``), on the session of its own (cluster ``k`` on
+    ``k % sessions``); each session writes up to 16 at a time in one
+    transaction: the epochs checked by prepared statements sent with ``BEGIN``, a few rows
+    staged by one COPY and inserted by a prepared statement each, many COPYed straight into
+    their table, the closing checks and ``COMMIT``. Returns mutations per second."""
+    rows = max(1, submitters // len(stores) // 2)
+    lanes = len(conns)
+    queues = [
+        deque([k for k in range(i, len(stores), lanes) for _ in range(2)]) for i in range(lanes)
+    ]
+    template = fold([Submitted(1, 1, 0, _SPEC)], stores[0][2], time.time_ns()).insert_rows[0]
+    columns = ("member", *INSERT_COLUMNS)
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def lane(i: int) -> None:
+        nonlocal done
+        conn, named, ready = conns[i], prepared[i], queues[i]
+        while time.perf_counter() < deadline:
+            group = sorted(
+                (ready.popleft() for _ in range(min(16, len(ready)))),
+                key=lambda k: stores[k][0].config.schema,
+            )
+            if not group:
+                return  # more sessions than clusters
+            opening = ["BEGIN", st.generic_plans.text]
+            staged: list[tuple[Any, ...]] = []
+            copies: list[tuple[str, list[list[Any]]]] = []
+            closing: list[str] = []
+            for m, k in enumerate(group):
+                store, epoch, _ = stores[k]
+                schema = store.config.schema
+                check, insert, kept = named[schema]
+                fenced = {"epoch": epoch, "incarnation": store.incarnation}
+                opening.append(check.format(epoch, store.incarnation))
+                ids = range(next_ids[schema], next_ids[schema] + rows)
+                next_ids[schema] += rows
+                made = [[id, id, *template[2:]] for id in ids]
+                if rows < COPY_MIN_ROWS:
+                    staged.extend((m, *row) for row in made)
+                    closing.append(insert.format(m))
+                else:
+                    copies.append((schema, made))
+                closing.append(kept.sql(fenced))
+            await conn.execute("; ".join(opening))
+            if staged:
+                await conn.copy_records_to_table(
+                    st.staged_tasks.name, records=staged, columns=columns, schema_name="pg_temp"
+                )
+            for schema, made in copies:
+                await conn.copy_records_to_table(
+                    "cronoq_tasks", records=made, columns=INSERT_COLUMNS, schema_name=schema
+                )
+            await conn.execute("; ".join([*closing, "COMMIT"]))
+            done += rows * len(group)
+            ready.extend(group)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(lane(i) for i in range(len(conns))))
+    return done / (time.perf_counter() - started)
+
+
+async def _prepare(conn: asyncpg.Connection, schema: str, k: int) -> tuple[str, str, Opening]:
+    """The bus's statements for ``schema``, prepared on ``conn``: the epoch check's and the
+    staged insert's ``EXECUTE`` (format fields: epoch and incarnation; member), and the
+    closing check."""
+    check = compile_for_asyncpg(st.epoch_kept_for_share, schema)
+    insert = compile_for_asyncpg(st.insert_staged, schema)
+    await conn.execute(f"PREPARE floor_c_{k} AS {check.sql}; PREPARE floor_i_{k} AS {insert.sql}")
+    row = LEADER_ROW_ID
+    return (
+        f"EXECUTE floor_c_{k}({row}, {row}, {{}}, {{}})",
+        f"EXECUTE floor_i_{k}({{}})",
+        Opening.checking(compile_for_asyncpg(st.incarnation_kept, schema)),
+    )
 
 
 MODES = {"seed": seed, "serve": serve, "commit": commit}

@@ -492,6 +492,17 @@ def _fleet(section: dict[str, Any]) -> list[str]:
                 f"mutations/s; that process led all in {commit['one_process_open_seconds']:.1f} s",
             ]
         )
+        if "floor_wide_vs_narrow" in commit:
+            rows.append(
+                [
+                    f"the floor: the same commits' statements on raw asyncpg sessions, over "
+                    f"{wide:,} clusters vs over {narrow}",
+                    _ratio(commit["floor_wide_vs_floor_narrow"]),
+                    f"{_spread(commit['floor_wide_per_s'])} vs "
+                    f"{_spread(commit['floor_narrow_per_s'])} mutations/s; raw over {wide:,} "
+                    f"vs the store over {narrow}: {commit['floor_wide_vs_narrow']:.2f}",
+                ]
+            )
     if "error" in section:
         rows.append(["the run stopped", "-", section["error"]])
     return [*lines, *_table(["what", "measured", "details"], rows)]
@@ -800,6 +811,10 @@ def _fleet_figures(fleet: dict[str, Any] | None) -> dict[str, float]:
         figures[f"fleet_commit_{wide}_vs_{narrow}"] = commit["wide_vs_narrow"]["median"]
         figures[f"fleet_commit_{wide}_per_s"] = commit["wide_per_s"]["median"]
         figures[f"fleet_commit_{narrow}_per_s"] = commit["narrow_per_s"]["median"]
+        if "floor_wide_vs_narrow" in commit:
+            figures[f"fleet_commit_floor_{wide}_vs_{narrow}"] = commit[
+                "floor_wide_vs_floor_narrow"
+            ]["median"]
     if "lost" in fleet:
         figures["fleet_lost"] = fleet["lost"]["lost"]
     return figures

@@ -128,6 +128,7 @@ from ._door import (
     InsertRefused,
     Opening,
     closing_message,
+    executing,
     refused_statement,
     row_count,
 )
@@ -640,6 +641,10 @@ class BatchWriter:
         self._closing = Opening.closing(kept)
         self._kept = Opening.checking(kept)
         self._stored_fence = compiled(st.epoch_for_share)
+        #: A group's statements on the bus's own sessions (:func:`write_group`).
+        self.staged_check = compiled(st.epoch_kept_for_share)
+        self.staged_insert = compiled(st.insert_staged)
+        self.staging_setup = compiled(st.create_staging).sql
         self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
         self._outputs = compiled(st.store_outputs)
@@ -841,6 +846,25 @@ class BatchWriter:
             await self._writers[name](conn, batch, copy)
         return fence, self._kept.sql(fenced)
 
+    def stages(self, batch: FoldedBatch) -> bool:
+        """Whether ``batch`` goes through a group's staging table: new tasks only, too few
+        for a COPY of their own, on the store's own sessions (:func:`write_group`)."""
+        return (
+            self.borrowed_opening is None
+            and batch.writes() == ("insert_rows",)
+            and not self._copied(batch)
+        )
+
+    async def write_checked(self, conn: CommitConnection, batch: FoldedBatch) -> None:
+        """``batch``'s writes, in a transaction that checked its epoch already."""
+        copy = self._copied(batch)
+        for name in batch.writes():
+            await self._writers[name](conn, batch, copy)
+
+    def closing_check(self, epoch: int, incarnation: int) -> str:
+        """The check that must close a transaction this cluster's commit shared."""
+        return self._kept.sql({"epoch": epoch, "incarnation": incarnation})
+
     async def _write_updates(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
         status = await conn.execute(self._update, batch.updates)
         _warn_unchanged(batch.update_count, row_count(status))
@@ -882,7 +906,11 @@ Outcome = Written | Exception | None
 
 
 async def write_group(
-    conn: CommitConnection, members: Sequence[GroupMember], outcomes: list[Outcome]
+    conn: CommitConnection,
+    members: Sequence[GroupMember],
+    outcomes: list[Outcome],
+    *,
+    prepared: int = 0,
 ) -> None:
     """Write ``members`` (commits of any clusters) in as few transactions as their answers
     allow, deciding each undecided entry of ``outcomes`` (one per member, in order).
@@ -902,11 +930,16 @@ async def write_group(
     the rest go again together. A closing check that finds another cluster (it cannot say
     whose) sends every member alone. Any other failure is the transaction's, left to
     raise: the session is lost or the failure transient, and no undecided member wrote
-    anything that committed."""
+    anything that committed.
+
+    With ``prepared`` (statements the session may keep for the bus), a transaction is
+    first tried staged (:func:`_staged`): fewer round trips, the same answers."""
     order = sorted(range(len(members)), key=lambda i: members[i].writer.schema)
     while pending := [i for i in order if outcomes[i] is None]:
         if len(pending) == 1:
             outcomes[pending[0]] = await _alone(conn, members[pending[0]])
+            return
+        if prepared and await _staged(conn, members, pending, outcomes, prepared):
             return
         refused = await _together(conn, members, pending, outcomes)
         if refused is not None:
@@ -966,6 +999,102 @@ async def _together(
     for i in pending:
         outcomes[i] = Written(found[i])
     return None
+
+
+#: The staging table's columns, in the order of each staged row.
+_STAGED_COLUMNS = ("member", *INSERT_COLUMNS)
+
+
+async def _staged(
+    conn: CommitConnection,
+    members: Sequence[GroupMember],
+    pending: list[int],
+    outcomes: list[Outcome],
+    prepared: int,
+) -> bool:
+    """The ``pending`` members in one transaction of four round trips whatever their number:
+    every epoch checked, in schema order, by statements the session holds prepared, sent
+    with ``BEGIN``; the new tasks of the members that only insert a few (most commits)
+    COPYed into the session's staging table together; the other members' writes, each as
+    alone; then one message inserting each staged member's tasks into its cluster by its
+    prepared statement, every member's closing check, and ``COMMIT``.
+
+    ``True`` once every pending member's outcome is decided (the transaction committed).
+    ``False`` when the session cannot stage (its statements are then left to
+    :func:`_together`), or when the server refused any statement (a fence that moved, an
+    id or key another task's, a table gone): nothing committed, and :func:`_together`
+    then finds whose it was. A member's answer is so the same as with one statement each:
+    these refusals are rare, and the others cost no more than before. A session that lost
+    what the bus prepared on it (a transaction-pooling proxy hands out any server session)
+    is never staged on again. Any other failure is raised, as by :func:`_together`."""
+    group = [members[i] for i in pending]
+    if any(member.writer.borrowed_opening is not None for member in group):
+        return False
+    stages = [member.writer.stages(member.batch) for member in group]
+    statements = [member.writer.staged_check for member in group] + [
+        member.writer.staged_insert for member, staged in zip(group, stages, strict=True) if staged
+    ]
+    try:
+        names = await conn.named(statements, group[0].writer.staging_setup, prepared)
+    except Exception as exc:
+        if not (refused_statement(exc) or conn.lost_named(exc)):
+            raise
+        return False  # a member's statement refused (its table gone): alone, it says so
+    if names is None:
+        return False
+    inserts = iter(names[len(group) :])
+    # Generic plans only where every statement is the bus's: the others' (a member's
+    # updates, by the driver's statements) keep the plans made for their values.
+    opening = [
+        "BEGIN",
+        *([_GENERIC_PLANS] if all(stages) else []),
+        *(
+            executing(name, member.writer.staged_check, _fenced(member))
+            for name, member in zip(names, group, strict=False)
+        ),
+    ]
+    try:
+        await conn.send("; ".join(opening))
+        rows = [
+            (k, *row)
+            for k, (member, staged) in enumerate(zip(group, stages, strict=True))
+            if staged
+            for row in member.batch.insert_rows
+        ]
+        if rows:
+            await conn.stage(st.staged_tasks.name, rows, _STAGED_COLUMNS)
+        closing: list[str] = []
+        for k, (member, staged) in enumerate(zip(group, stages, strict=True)):
+            if staged:
+                closing.append(executing(next(inserts), member.writer.staged_insert, {"member": k}))
+            else:
+                await member.writer.write_checked(conn, member.batch)
+        closing.extend(
+            member.writer.closing_check(member.epoch, member.incarnation) for member in group
+        )
+        await conn.finish(closing_message(closing))
+    except ClusterMoved:
+        await conn.roll_back_failed()
+        return False
+    except Exception as exc:
+        await conn.roll_back_failed()
+        if not (refused_statement(exc) or conn.lost_named(exc)):
+            raise
+        return False
+    except BaseException:
+        await conn.roll_back_failed()
+        raise
+    for i in pending:
+        outcomes[i] = Written((members[i].epoch, members[i].incarnation))
+    return True
+
+
+def _fenced(member: GroupMember) -> dict[str, int]:
+    return {"epoch": member.epoch, "incarnation": member.incarnation}
+
+
+#: Sent with a staged group's ``BEGIN``: see :data:`~cronoq_store._statements.generic_plans`.
+_GENERIC_PLANS = st.generic_plans.text
 
 
 class Carrier(Protocol):

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -138,6 +139,7 @@ __all__ = [
     "demoted",
     "describe_holders",
     "engine_arguments",
+    "executing",
     "forget_lost_statements",
     "holder_of",
     "idle_in_transaction_ms",
@@ -714,6 +716,8 @@ async def forget_lost_statements(exc: BaseException, pooled: PoolProxiedConnecti
     cache = getattr(pooled.dbapi_connection, "_prepared_statement_cache", None)
     if cache is not None:
         cache.clear()
+    # The commit bus's named statements and staging table (CommitConnection.named).
+    _NAMED.pop(driver, None)
     # asyncpg's own cache (and its type cache, which is read again on demand).
     await driver.reload_schema_state()
     try:
@@ -949,6 +953,141 @@ class CommitConnection:
         connection left in a transaction is discarded (:class:`HeldConnection`)."""
         with contextlib.suppress(Exception):
             await self._driver.execute("ROLLBACK")
+
+    async def named(
+        self, statements: Sequence[CompiledStatement], setup: str, keep: int
+    ) -> list[str] | None:
+        """The names under which this session holds ``statements`` prepared, for
+        :func:`executing`, once ``setup`` ran on it (the commit bus's staging table); the
+        ones it lacks are prepared, in one message. At most ``keep`` stay prepared: the
+        least recently used make room. ``None`` where the session cannot: ``setup`` refused
+        (a role without ``TEMPORARY`` on the database), or more statements than ``keep``.
+
+        Outside any transaction: a prepared statement is the session's whatever becomes of
+        a transaction. A message that failed half-way is reconciled with what the session
+        holds (:meth:`_reconcile`), so no name is taken for one it lacks."""
+        state = _NAMED.get(self._driver)
+        if state is None:
+            state = _NAMED[self._driver] = _Named()
+        wanted = list(dict.fromkeys(statement.sql for statement in statements))
+        if state.refused or len(wanted) > keep:
+            return None
+        if not state.staging:
+            try:
+                await self._driver.execute(setup)
+            except asyncpg.PostgresError as exc:
+                if isinstance(translate_error(exc, _STAGING), UnavailableError):
+                    raise
+                state.refused = True
+                logger.warning(
+                    "the commit bus cannot stage commits on this session: each runs its "
+                    "own statements",
+                    extra={"error": _describe(exc)},
+                )
+                return None
+            state.staging = True
+        for sql in wanted:
+            if sql in state.names:
+                state.names.move_to_end(sql)
+        new = {sql: f"{_NAME_PREFIX}{next(_NAMES)}" for sql in wanted if sql not in state.names}
+        if new:
+            evicted: list[str] = []
+            while len(state.names) + len(new) > keep:
+                evicted.append(state.names.popitem(last=False)[1])
+            state.names.update(new)
+            message = "; ".join(
+                [
+                    *(f"DEALLOCATE {name}" for name in evicted),
+                    *(f"PREPARE {name} AS {sql}" for sql, name in new.items()),
+                ]
+            )
+            try:
+                await self._driver.execute(message)
+            except BaseException:
+                await self._reconcile(state)
+                raise
+        return [state.names[statement.sql] for statement in statements]
+
+    async def _reconcile(self, state: _Named) -> None:
+        """After a message of :meth:`named` failed: keep the names the session holds, and
+        deallocate those it holds that are no longer kept. A session that cannot say is
+        forgotten (it is discarded: a failed commit's connection is)."""
+        try:
+            rows = await self._driver.fetch(_HELD_NAMES, _NAME_PREFIX)
+            held = {str(row[0]) for row in rows}
+            for sql, name in list(state.names.items()):
+                if name not in held:
+                    del state.names[sql]
+            stray = held - set(state.names.values())
+            if stray:
+                await self._driver.execute("; ".join(f"DEALLOCATE {n}" for n in sorted(stray)))
+        except Exception:
+            _NAMED.pop(self._driver, None)
+
+    async def stage(
+        self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str]
+    ) -> None:
+        """``rows`` into the session's own ``table`` (``pg_temp``, made by :meth:`named`'s
+        setup) by COPY, inside the open transaction. A table found missing (not kept by the
+        session) stops staging on it (:meth:`lost_named`)."""
+        try:
+            await self._driver.copy_records_to_table(
+                table, records=rows, columns=columns, schema_name="pg_temp"
+            )
+        except asyncpg.UndefinedTableError:
+            self.stop_staging()
+            raise
+
+    def lost_named(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the session lost, or never had, a statement or table the
+        bus made on it (a prepared statement missing or its name taken, the staging table
+        missing): then it is not one server session that keeps what it is given (a
+        transaction-pooling proxy hands out any), and it is never staged on again."""
+        states = _sqlstates(exc)
+        staging = isinstance(exc, asyncpg.UndefinedTableError) and st.staged_tasks.name in str(exc)
+        if not staging and not any(s in PREPARED_STATEMENT_CODES for s in states):
+            return False
+        self.stop_staging()
+        return True
+
+    def stop_staging(self) -> None:
+        """Never stage on this session again: :meth:`named` answers ``None``."""
+        state = _NAMED.get(self._driver)
+        if state is None:
+            state = _NAMED[self._driver] = _Named()
+        state.refused = True
+
+
+def executing(name: str, statement: CompiledStatement, values: Mapping[str, Any]) -> str:
+    """``EXECUTE`` of ``statement``, held by the session as ``name``
+    (:meth:`CommitConnection.named`), its parameters rendered as literals: integers only,
+    as :class:`Opening`'s, so that several run in one simple-protocol message."""
+    args = ", ".join(map(_integer, statement.args(values)))
+    return f"EXECUTE {name}({args})" if args else f"EXECUTE {name}"
+
+
+class _Named:
+    """What one server session holds for the commit bus: its staging table made (or
+    refused), and the statements it prepared, by text, least recently used first."""
+
+    __slots__ = ("names", "refused", "staging")
+
+    def __init__(self) -> None:
+        self.staging = False
+        self.refused = False
+        self.names: OrderedDict[str, str] = OrderedDict()
+
+
+#: Each driver connection's :class:`_Named`, gone with it (and with its session).
+_NAMED: weakref.WeakKeyDictionary[Any, _Named] = weakref.WeakKeyDictionary()
+#: Names of the bus's prepared statements, unique in the process: never given twice, so a
+#: name left on a session by a failed message is never taken for another statement.
+_NAME_PREFIX = "cronoq_bus_"
+_NAMES = itertools.count(1)
+_HELD_NAMES = (
+    "SELECT name FROM pg_catalog.pg_prepared_statements WHERE pg_catalog.starts_with(name, $1)"
+)
+_STAGING = "preparing the commit bus's statements"
 
 
 # --- a store transaction on a pooled session -------------------------------------------

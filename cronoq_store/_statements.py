@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Column,
     ColumnElement,
     DateTime,
     Float,
@@ -52,6 +53,7 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    exists,
     false,
     func,
     literal,
@@ -70,7 +72,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.schema import DDL
+from sqlalchemy.schema import DDL, CreateTable
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement, ColumnClause
@@ -112,16 +114,20 @@ __all__ = [
     "checked_schema",
     "cluster_issued_ids",
     "colliding_ids",
+    "create_staging",
     "current_database",
     "current_user",
     "enroll_cluster",
     "epoch_for_share",
     "epoch_held_for_share",
+    "epoch_kept_for_share",
     "finished_page",
+    "generic_plans",
     "high_water",
     "hosted_claims",
     "incarnation",
     "incarnation_kept",
+    "insert_staged",
     "insert_task_fenced",
     "insert_tasks",
     "insert_tasks_fenced",
@@ -155,6 +161,7 @@ __all__ = [
     "session_setting",
     "set_local_lock_timeout",
     "set_local_search_path",
+    "staged_tasks",
     "store_outputs",
     "store_transaction",
     "take_epoch",
@@ -1320,3 +1327,67 @@ BEGIN
 END
 $cronoq$"""
 )
+
+# --- the host's commit bus: commits staged in a session's own table -----------------------
+
+#: Where a group of the host's commit bus puts the new tasks of its commits, all in one COPY,
+#: before each is inserted into its own cluster by a statement prepared once per session
+#: (:data:`insert_staged`): a commit then costs one short ``EXECUTE`` in a message shared
+#: with the group's others, where a statement of its own cost a round trip and the client's
+#: encoding of two dozen parameters. A temporary table: the session's alone, named through
+#: its own ``pg_temp`` (no schema another role can write), and emptied at every commit.
+#: ``member`` is the commit's position in its group.
+staged_tasks = Table(
+    "cronoq_staging",
+    MetaData(),
+    Column("member", Integer, nullable=False),
+    *(Column(name, tasks.c[name].type) for name in INSERT_COLUMNS),
+    schema="pg_temp",
+    prefixes=["TEMPORARY"],
+    postgresql_on_commit="DELETE ROWS",
+)
+
+#: Makes :data:`staged_tasks` in a session that lacks it (outside any transaction: it
+#: stays for the session).
+create_staging = CreateTable(staged_tasks, if_not_exists=True)
+
+#: One commit's staged tasks (``member``) into its cluster, with the conflict rule of
+#: :data:`insert_tasks`, inside a transaction that checked the epoch
+#: (:data:`epoch_kept_for_share`).
+insert_staged = _insert_from(
+    select(*(staged_tasks.c[name] for name in INSERT_COLUMNS)).where(
+        staged_tasks.c.member == bindparam("member", type_=Integer)
+    )
+)
+
+_epoch_now = select(cast(leader.c.epoch, Text)).where(leader.c.id == LEADER_ROW_ID)
+
+#: The epoch check of a commit in a group of the host's commit bus, run with the others'
+#: in one message, where no row can be returned: it share-locks the leader row as
+#: :data:`epoch_held_for_share` does and fails the transaction, with SQLSTATE 22P02 as
+#: :data:`incarnation_kept` (a text that is no integer, naming the epoch found), unless the
+#: stored epoch is ``:epoch`` and the leader table ``:incarnation``. The row is locked by the
+#: ``EXISTS``, which the planner keeps a subplan since it locks; the cast is of a value read,
+#: so it cannot be folded (and fail) ahead of the ``WHERE``.
+epoch_kept_for_share = select(
+    cast(
+        literal_column("'cronoq_store: the fence moved, the epoch is now '")
+        + func.coalesce(_epoch_now.scalar_subquery(), literal_column("'missing'")),
+        Integer,
+    )
+).where(
+    ~exists(
+        select(leader.c.id)
+        .where(
+            leader.c.id == LEADER_ROW_ID,
+            leader.c.epoch == _epoch,
+            leader_tableoid == _incarnation,
+        )
+        .with_for_update(read=True)
+    )
+)
+
+#: Opens a group's transaction on the bus's own sessions when every statement in it is the
+#: bus's: plans made for the values at hand (the first five runs of a prepared statement)
+#: would cost each cluster's staged insert a planning of its own, for the same plan.
+generic_plans = text("SET LOCAL plan_cache_mode = force_generic_plan")

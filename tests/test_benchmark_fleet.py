@@ -58,8 +58,12 @@ async def test_the_fleet_section_runs_and_reports_its_keys(pg_url: URL) -> None:
         "fleet_commit_8_vs_2",
         "fleet_commit_8_per_s",
         "fleet_commit_2_per_s",
+        "fleet_commit_floor_8_vs_2",
         "fleet_lost",
     }
+    commit = results["commit"]
+    assert isinstance(commit, dict)
+    assert commit["floor_wide_per_s"]["min"] > 0  # the floor's commits landed
     template = results["template_recovered"]
     assert isinstance(template, dict)
     assert (template["schema"], template["live"], template["finished"]) == (

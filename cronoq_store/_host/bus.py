@@ -63,10 +63,18 @@ class CommitBus:
     :class:`~cronoq_store._commit_path.Carrier`."""
 
     def __init__(
-        self, engine: AsyncEngine, *, lanes: int, hold: bool, group_size: int, timeout: float
+        self,
+        engine: AsyncEngine,
+        *,
+        lanes: int,
+        hold: bool,
+        group_size: int,
+        timeout: float,
+        prepared: int = 0,
     ) -> None:
         self._lanes = [_Lane(door.HeldConnection(engine, hold=hold)) for _ in range(lanes)]
         self._group_size = group_size
+        self._prepared = prepared
         self._timeout = timeout
         self._lanes_of: dict[str, tuple[_Lane, _Lane]] = {}
         self._closed = False
@@ -142,7 +150,9 @@ class CommitBus:
         failure: Exception | None = None
         try:
             await bounded(
-                lane.connections.run(lambda conn: write_group(conn, members, outcomes)),
+                lane.connections.run(
+                    lambda conn: write_group(conn, members, outcomes, prepared=self._prepared)
+                ),
                 self._timeout,
             )
         except asyncio.TimeoutError as exc:

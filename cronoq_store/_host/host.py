@@ -97,7 +97,9 @@ class PgHostConfig:
     clusters_per_commit: int = 16
     #: Prepared statements each pooled session keeps (with its own pool, :meth:`PgHost.connect`):
     #: a commit session serves its share of the clusters, a few statements each. Each costs
-    #: the server about 125 KiB while kept; one not kept is prepared again at each use.
+    #: the server about 125 KiB while kept; one not kept is prepared again at each use. The
+    #: commit bus's lanes keep as many of their own (two per cluster: its epoch check and
+    #: its staged insert); with 0 they stage nothing.
     statement_cache: int = 1024
     #: At most this many clusters handed over at once when giving up a share.
     max_releases: int = 16
@@ -414,6 +416,7 @@ class PgHost:
             hold=owns_engine and config.max_connections >= 3,
             group_size=config.clusters_per_commit,
             timeout=config.store.commit_timeout,
+            prepared=config.statement_cache,
         )
 
     # --- construction -----------------------------------------------------------------
