@@ -173,6 +173,32 @@ _arrive = (
         host_group=ARRIVING_MARK,
     )
 )
+#: The move's state of the cluster named ``:schema`` in whichever group (``state``,
+#: ``refused_why``), its control row locked: an enrolment reads it to refuse a cluster a move
+#: froze or moved, and a freeze waits for the enrolment's transaction to end.
+move_state = (
+    select(_clusters.c.state, _clusters.c.refused_why)
+    .where(_clusters.c.schema_name == _schema_name, _clusters.c.state.in_((MOVING, MOVED)))
+    .with_for_update()
+)
+
+
+def refusal(schema: str, state: str, note: str | None) -> str:
+    """Why a cluster a move froze (``moving``) or moved (``moved``) cannot be enrolled, and
+    what to do: enrolling would make or lead a second writer of a cluster that lives on in
+    the move's target."""
+    if state == MOVING:
+        return (
+            f"enrolling schema {schema!r} failed: it is being moved ({note}): finish or resume "
+            "the move first (`cronoq-store host move`)"
+        )
+    return (
+        f"enrolling schema {schema!r} failed: it was {note}, and its control row here is the "
+        "move's tombstone: enroll it where it went. To make a new cluster of that name in "
+        "this database, remove the tombstone first (`cronoq-store host remove`)"
+    )
+
+
 _leader_row = select(leader.c.epoch, leader.c.max_id, leader.c.host_group, leader_tableoid)
 _try_move_lock = select(
     func.pg_try_advisory_lock(
@@ -182,6 +208,22 @@ _try_move_lock = select(
 _move_unlock = select(
     func.pg_advisory_unlock(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
+    )
+)
+
+
+#: The settings a row's text depends on, for the digest's transaction only: two servers may
+#: differ in them (initdb takes the machine's zone), and equal rows must read as equal text.
+_text_settings = select(
+    *(
+        func.set_config(name, value, True)
+        for name, value in (
+            ("TimeZone", "UTC"),
+            ("DateStyle", "ISO, MDY"),
+            ("IntervalStyle", "postgres"),
+            ("bytea_output", "hex"),
+            ("extra_float_digits", "3"),
+        )
     )
 )
 
@@ -267,6 +309,7 @@ async def _steps(
             "with its own --to"
         )
     arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
+    frozen = -1 if row.epoch is None else int(row.epoch)
     if row.state != MOVING:
         if arrived is not None:
             raise MoveError(
@@ -275,14 +318,14 @@ async def _steps(
             )
         # Before the freeze: a cluster that cannot be copied is not taken from its owner.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
-        epoch = await _freeze(source, schema, group, control_schema, barrier_bound, to)
-        said(f"frozen in the source at epoch {epoch}: every later commit of its owner is fenced")
+        frozen = await _freeze(source, schema, group, control_schema, barrier_bound, to)
+        said(f"frozen in the source at epoch {frozen}: every later commit of its owner is fenced")
     elif arrived is None:
         # Resumed before the copy: it reads the source's schema as it stands now.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
     rows: dict[str, int] = {}
     if arrived is None:
-        rows = await _copy(source, target, schema, trusted_triggers)
+        rows = await _copy(source, target, schema, trusted_triggers, frozen)
         said("copied: " + ", ".join(f"{name} {n:,} rows" for name, n in rows.items()))
         arrived = ARRIVING_MARK
     elif arrived not in (ARRIVING_MARK, group):
@@ -300,12 +343,23 @@ async def _steps(
         await _enroll(target, schema, group, control_schema)
         said(f"enrolled in host group {group!r} in the target")
     async with door.translated(f"tombstoning schema {schema!r}"), source.begin() as c:
-        await c.execute(
+        moved = await c.execute(
             _set_moved, {**names, "why": f"moved to {to}"}, execution_options=in_control
         )
-        await c.execute(
-            _remark, {"was": MOVING_MARK, "mark": MOVED_MARK}, execution_options=in_cluster
-        )
+        marked = (
+            await c.execute(
+                _remark, {"was": MOVING_MARK, "mark": MOVED_MARK}, execution_options=in_cluster
+            )
+        ).first()
+        if moved.rowcount != 1 or marked is None:
+            # Rolled back: a source that was not frozen (its rows edited or restored) is
+            # never marked moved while a process may still commit to it.
+            raise MoveError(
+                f"schema {schema!r} in the source is no longer frozen by this move (its "
+                "control row or its leader row changed): it may be led there again, so "
+                "the copy in the target must not be: remove it there (`cronoq-store host "
+                "remove`) and find which one holds the acknowledged commits"
+            )
     said("tombstoned in the source: no host or store leads it there")
     if drop_source:
         await _drop(source, schema, said)
@@ -424,10 +478,17 @@ async def _freeze(
 
 
 async def _copy(
-    source: AsyncEngine, target: AsyncEngine, schema: str, trusted_triggers: frozenset[str]
+    source: AsyncEngine,
+    target: AsyncEngine,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    frozen: int,
 ) -> dict[str, int]:
     """The target's schema made and filled in one transaction, from one snapshot of the
-    source: all of it lands, or nothing (then the move starts this step again)."""
+    source: all of it lands, or nothing (then the move starts this step again). The source
+    must show the freeze at epoch ``frozen`` in that snapshot: a control row saying
+    ``moving`` proves nothing (restored, or written by hand), and a cluster its owner still
+    commits to would lose every commit after the copy."""
     rows: dict[str, int] = {}
     async with (
         door.translated(f"copying schema {schema!r}"),
@@ -436,6 +497,16 @@ async def _copy(
     ):
         read = await read.execution_options(isolation_level="REPEATABLE READ")
         await read.begin()
+        # The driver's transaction begins with the first statement: the raw COPYs below
+        # run inside it, in the snapshot this read takes, only once it ran.
+        found = (await read.execute(_leader_row, execution_options=schema_options(schema))).one()
+        if found.host_group != MOVING_MARK or found.epoch != frozen:
+            raise MoveError(
+                f"schema {schema!r} in the source is not frozen by a move (its leader row "
+                f"is not marked so at epoch {frozen}), though its control row says "
+                "'moving' (restored or edited): nothing was copied. Set that row's state "
+                "back to 'active' by hand and run the move again"
+            )
         await write.begin()
         if (await write.execute(st.schema_oid, {"schema": schema})).scalar() is not None:
             raise MoveError(f"a schema {schema!r} appeared in the target meanwhile: run it again")
@@ -444,7 +515,6 @@ async def _copy(
         writer = (await write.get_raw_connection()).driver_connection
         for table, _ in _COPIED:
             rows[table.name] = await _stream(reader, writer, schema, table)
-        found = (await read.execute(_leader_row, execution_options=schema_options(schema))).one()
         await write.execute(
             _arrive,
             {"epoch": found.epoch, "max_id": found.max_id},
@@ -494,10 +564,14 @@ async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None
         there = await _one(source, schema, _digest(table, key))
         here = await _one(target, schema, _digest(table, key))
         if tuple(there) != tuple(here):
+            differs = (
+                f"its {here[0]:,} rows are not the source's {there[0]:,}"
+                if here[0] != there[0]
+                else f"the same {here[0]:,} rows, with other contents"
+            )
             raise MoveError(
-                f"the copy of {table.name} differs from the source ({here[0]:,} rows, "
-                f"{there[0]:,} in the source): drop schema {schema!r} in the target and run "
-                "the move again (the source stays frozen)"
+                f"the copy of {table.name} differs from the source ({differs}): drop schema "
+                f"{schema!r} in the target and run the move again (the source stays frozen)"
             )
     a, b = await _leader(source, schema), await _leader(target, schema)
     if (a.epoch, a.max_id) != (b.epoch, b.max_id):
@@ -536,6 +610,7 @@ async def _maybe_one(
 
 async def _one(engine: AsyncEngine, schema: str, statement: Any) -> Any:
     async with door.translated(f"checking schema {schema!r}"), engine.connect() as c:
+        await c.execute(_text_settings)
         row = (await c.execute(statement, execution_options=schema_options(schema))).one()
         await c.rollback()
     return row
