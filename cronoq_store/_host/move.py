@@ -11,9 +11,10 @@ The steps, each resumable from what the two databases show:
 2. **Copy** to the target, one transaction: the schema made by the migrations at this
    build's head (the source must be at head too) by the target URL's role, the three
    tables streamed by COPY from one snapshot of the source, and the leader row given the
-   source's epoch and ``max_id``, marked :data:`ARRIVING_MARK`. The target's first claim
-   bumps past the source's last epoch, and no id is issued twice. A schema already in the
-   target is refused, unless it carries this move's mark (the copy committed: go on).
+   source's epoch and ``max_id``, marked :data:`ARRIVING_MARK`, its table's comment naming
+   the copy (:func:`_copy_id`). The snapshot must show the freeze's mark and epoch. The
+   target's first claim bumps past the source's last epoch, and no id is issued twice. A
+   schema already in the target is refused, unless it is this move's copy (go on).
 3. **Verify**: each table's row count and digest, the epoch and ``max_id``, equal.
 4. **Enroll** in the target's group, one transaction: the mark replaced by the group.
 5. **Tombstone** the source, one transaction: its control row ``moved`` and its leader row
@@ -35,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import (
     Integer,
+    MetaData,
     Text,
     bindparam,
     cast,
@@ -46,8 +48,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.schema import DropSchema
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.schema import DropSchema, SetTableComment
 
 from .. import _catalog as catalog
 from .. import _door as door
@@ -199,6 +201,10 @@ def refusal(schema: str, state: str, note: str | None) -> str:
     )
 
 
+#: The leader table's comment (the copy's name, :func:`_copy_id`) and the leader row's epoch.
+_comment = select(
+    func.obj_description(leader_tableoid, literal("pg_class")).label("comment"), leader.c.epoch
+)
 _leader_row = select(leader.c.epoch, leader.c.max_id, leader.c.host_group, leader_tableoid)
 _try_move_lock = select(
     func.pg_try_advisory_lock(
@@ -336,7 +342,7 @@ async def _steps(
         )
     source_leader = await _leader(source, schema)
     if arrived == group:
-        await _same_history(source, target, schema)
+        await _same_copy(source, target, schema, frozen)
     else:
         await _verify(source, target, schema)
         said("verified: row counts and digests, epoch and max_id equal")
@@ -507,6 +513,7 @@ async def _copy(
                 "'moving' (restored or edited): nothing was copied. Set that row's state "
                 "back to 'active' by hand and run the move again"
             )
+        copy_id = await _copy_id(read, schema, frozen)
         await write.begin()
         if (await write.execute(st.schema_oid, {"schema": schema})).scalar() is not None:
             raise MoveError(f"a schema {schema!r} appeared in the target meanwhile: run it again")
@@ -520,6 +527,9 @@ async def _copy(
             {"epoch": found.epoch, "max_id": found.max_id},
             execution_options=schema_options(schema),
         )
+        named = leader.to_metadata(MetaData())
+        named.comment = copy_id
+        await write.execute(SetTableComment(named), execution_options=schema_options(schema))
         await write.commit()
         await read.rollback()
     return rows
@@ -582,21 +592,51 @@ async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None
         )
 
 
-async def _same_history(source: AsyncEngine, target: AsyncEngine, schema: str) -> None:
-    """Refuse a target found enrolled that is not this move's copy: the source's newest
-    term, the freeze's own, must be in the target's history as in the source's, and a
-    cluster made apart never carries it. Digests cannot tell: once enrolled, the copy may
-    have been led and changed."""
-    newest = await _maybe_one(source, schema, _newest_term, {})
-    there = (
-        None if newest is None else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
-    )
-    if newest is None or there is None or tuple(there) != tuple(newest):
-        raise MoveError(
-            f"the target database holds a cluster {schema!r} enrolled in the group that is "
-            "not this move's copy: remove and drop it there, then run the move again (the "
-            "source stays frozen until then)"
+async def _copy_id(source: AsyncConnection, schema: str, frozen: int) -> str:
+    """What names this move's copy: the source's leader table, the freeze's epoch and the
+    instant its term began, read in the source, which the freeze leaves unchanged. The copy
+    keeps it as its leader table's comment, which no term prunes, unlike its history."""
+    in_cluster = schema_options(schema)
+    oid = (await source.execute(select(leader_tableoid), execution_options=in_cluster)).scalar()
+    term = (await source.execute(_term, {"epoch": frozen}, execution_options=in_cluster)).first()
+    began = "?" if term is None else term.began_at.isoformat()
+    return f"cronoq-store host move: a copy of table {oid} frozen at epoch {frozen} at {began}"
+
+
+async def _same_copy(source: AsyncEngine, target: AsyncEngine, schema: str, frozen: int) -> None:
+    """Refuse a target found enrolled that is not this move's copy. Its leader table's
+    comment names the copy (:func:`_copy_id`); a copy without one (made by a build before
+    the comment) is known by the freeze's term in its history, which a cluster made apart
+    never carries. Digests cannot tell: once enrolled, the copy may have been led and
+    changed. A cluster ever led (its epoch above 0) is never called for dropping: it may
+    hold acknowledged commits, whichever it is."""
+    async with door.translated(f"checking schema {schema!r}"), source.connect() as c:
+        expected = await _copy_id(c, schema, frozen)
+        await c.rollback()
+    found = await _maybe_one(target, schema, _comment, {})
+    if found is not None and found.comment == expected:
+        return
+    if found is not None and found.comment is None:
+        newest = await _maybe_one(source, schema, _newest_term, {})
+        there = (
+            None
+            if newest is None
+            else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
         )
+        if newest is not None and there is not None and tuple(there) == tuple(newest):
+            return
+    led = found is None or found.epoch > 0
+    what = (
+        "it was led there since, so it may hold acknowledged commits: remove it there "
+        "(`cronoq-store host remove`) and drop it only once you know what it holds"
+        if led
+        else "remove and drop it there"
+    )
+    raise MoveError(
+        f"the target database holds a cluster {schema!r} enrolled in the group that is not "
+        f"this move's copy: {what}, then run the move again (the source stays frozen until "
+        "then)"
+    )
 
 
 async def _maybe_one(

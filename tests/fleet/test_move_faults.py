@@ -119,3 +119,37 @@ async def test_a_target_server_in_another_time_zone(fleet: Fleet, west: Fleet) -
             for name in settings:
                 await admin_execute(west.url, f'ALTER DATABASE "{db}" RESET "{name}"')
         assert code == 0, said
+
+
+async def test_a_move_resumed_after_the_target_pruned_the_freeze_term_ends(
+    fleet: Fleet, west: Fleet
+) -> None:
+    """Interrupted once enrolled; the target leads the cluster and its history drops the
+    freeze's term (it keeps the newest 1,000): the copy is still known as this move's."""
+    (schema,) = fleet.clusters(1)
+    async with two_hosts(fleet, west, [schema]) as (east, west_host):
+        await commit_one(east.host.led()[schema], 1)
+
+        def stop(line: str) -> None:
+            if line.startswith("enrolled"):
+                raise two.Interrupted(line)
+
+        source, target = _engine(fleet.url), _engine(west.url)
+        try:
+            with pytest.raises(two.Interrupted):
+                await moving.move(
+                    source, target, schema, group=fleet.group, control_schema=fleet.control,
+                    said=stop,
+                )  # fmt: skip
+        finally:
+            await source.dispose()
+            await target.dispose()
+        await until(leading(west_host, schema), "the target leads it")
+        await commit_one(west_host.host.led()[schema], 2)
+        await admin_execute(
+            west.url,
+            f'UPDATE "{schema}".cronoq_leader_history SET epoch = epoch + 10000, pid = 1',
+        )
+        code, said = await move_cli(fleet, west, schema)
+        assert code == 0, said
+        assert await state_in_control(fleet, schema) == "moved"
