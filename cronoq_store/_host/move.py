@@ -23,6 +23,8 @@ The steps, each resumable from what the two databases show:
 One move of a cluster at a time: each holds a session advisory lock of the source database
 (:data:`LOCK_NS_MOVE`, ``hashtext(group || '/' || schema)``) for as long as it runs, so a
 second one is refused at once, and an interrupted one's lock is free when its session is.
+A session lock holds only on a direct connection: ``--from`` through a pooler in
+transaction mode shares server sessions between clients, and the lock with them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from sqlalchemy import (
     Text,
     bindparam,
     cast,
+    delete,
     func,
     literal,
     literal_column,
@@ -205,6 +208,12 @@ def refusal(schema: str, state: str, note: str | None) -> str:
 _comment = select(
     func.obj_description(leader_tableoid, literal("pg_class")).label("comment"), leader.c.epoch
 )
+#: The control row of the schema named ``:schema``, in whichever group.
+_listed = select(_clusters.c.host_group, _clusters.c.state).where(
+    _clusters.c.schema_name == _schema_name
+)
+#: This group's tombstone of the cluster, which an enrolment of it coming back replaces.
+_drop_tombstone = delete(_clusters).where(_this, _clusters.c.state == MOVED)
 _leader_row = select(leader.c.epoch, leader.c.max_id, leader.c.host_group, leader_tableoid)
 _try_move_lock = select(
     func.pg_try_advisory_lock(
@@ -311,8 +320,9 @@ async def _steps(
         return MoveReport(row.epoch, None, {})
     if row.state == MOVING and row.refused_why != _moving_to(to):
         raise MoveError(
-            f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
-            "with its own --to"
+            f"schema {schema!r} is being moved ({row.refused_why}), and --to is not that URL "
+            "as written: resume the move with --to spelled as the note shows (host, port, "
+            "database and options; the password is not compared)"
         )
     arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
     frozen = -1 if row.epoch is None else int(row.epoch)
@@ -324,6 +334,7 @@ async def _steps(
             )
         # Before the freeze: a cluster that cannot be copied is not taken from its owner.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
+        await _target_ready(target, schema, group, control_schema, trusted_triggers)
         frozen = await _freeze(source, schema, group, control_schema, barrier_bound, to)
         said(f"frozen in the source at epoch {frozen}: every later commit of its owner is fenced")
     elif arrived is None:
@@ -425,6 +436,44 @@ async def _arrival(
             return group if listed is not None else ""
         finally:
             await c.rollback()
+
+
+async def _target_ready(
+    target: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str],
+) -> None:
+    """Refuse, before anything is frozen, a target the copy or the enrolment would fail in:
+    its role cannot make the schema (the migrations are run and rolled back), or its
+    control schema lists the name, other than as this group's tombstone of an earlier move
+    (the enrolment replaces that one: the cluster comes back)."""
+    in_control = control.control_options(control_schema)
+    async with door.translated(f"checking the target for schema {schema!r}"), target.connect() as c:
+        listed = (
+            await c.execute(_listed, {"schema": schema}, execution_options=in_control)
+        ).first()
+        await c.rollback()
+    if listed is not None and (listed.state, listed.host_group) != (MOVED, group):
+        raise MoveError(
+            f"the target's control schema lists schema {schema!r} already (host group "
+            f"{listed.host_group!r}, {listed.state}): remove it there (`cronoq-store host "
+            "remove`), then run the move again (nothing was frozen)"
+        )
+    try:
+        async with target.connect() as c:
+            await c.begin()
+            try:
+                await migrations.upgrade(c, schema, trusted_triggers=trusted_triggers)
+            finally:
+                await c.rollback()
+    except StoreError as exc:
+        raise MoveError(
+            f"the migrations cannot make schema {schema!r} in the target ({exc}): fix that "
+            "(a role without CREATE on the database: grant it, or name one that has it in "
+            "--to), then run the move again (nothing was frozen)"
+        ) from exc
 
 
 async def _freeze(
@@ -674,6 +723,8 @@ async def _enroll(target: AsyncEngine, schema: str, group: str, control_schema: 
             _remark, {"was": ARRIVING_MARK, "mark": group}, execution_options=in_cluster
         )
         row = {"group": group, "schema": schema, "incarnation": int(found.tableoid)}
+        in_control = control.control_options(control_schema)
+        await c.execute(_drop_tombstone, row, execution_options=in_control)
         added = (
             await c.execute(
                 control.enroll, row, execution_options=control.control_options(control_schema)

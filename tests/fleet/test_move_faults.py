@@ -153,3 +153,74 @@ async def test_a_move_resumed_after_the_target_pruned_the_freeze_term_ends(
         code, said = await move_cli(fleet, west, schema)
         assert code == 0, said
         assert await state_in_control(fleet, schema) == "moved"
+
+
+async def test_a_target_role_that_cannot_create_is_refused_before_the_freeze(
+    fleet: Fleet, west: Fleet
+) -> None:
+    (schema,) = fleet.clusters(1)
+    role = f"{fleet.prefix}_low"
+    async with two_hosts(fleet, west, [schema]) as (east, _west_host):
+        for sql in (
+            f"CREATE ROLE {role} LOGIN PASSWORD 'pw-{role}'",
+            f'GRANT CONNECT ON DATABASE "{west.url.database}" TO {role}',
+            f'GRANT USAGE ON SCHEMA "{fleet.control}" TO {role}',
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{fleet.control}" '
+            f"TO {role}",
+        ):
+            await admin_execute(west.url, sql)
+        try:
+            low_url = west.url.set(username=role, password=f"pw-{role}")
+            low = Fleet(low_url, fleet.control, fleet.group, fleet.prefix)
+            code, said = await move_cli(fleet, low, schema)
+        finally:
+            await admin_execute(west.url, f"DROP OWNED BY {role} CASCADE")
+            await admin_execute(west.url, f"DROP ROLE {role}")
+        assert code == 1, said
+        assert "the migrations cannot make schema" in said
+        assert "nothing was frozen" in said
+        assert await state_in_control(fleet, schema) == "active"
+        assert schema in east.host.led()
+
+
+async def test_a_cluster_moves_back_as_docs_operations_says(fleet: Fleet, west: Fleet) -> None:
+    """There and back with --drop-source: the tombstone's ``moved`` row, kept in the first
+    database, is replaced by the cluster coming back."""
+    (schema,) = fleet.clusters(1)
+    async with two_hosts(fleet, west, [schema]) as (east, west_host):
+        await commit_one(east.host.led()[schema], 1)
+        code, said = await move_cli(fleet, west, schema, "--drop-source")
+        assert code == 0, said
+        await until(leading(west_host, schema), "the target leads it")
+        code, said = await move_cli(west, fleet, schema, "--drop-source")
+        assert code == 0, said
+        assert await state_in_control(fleet, schema) == "active"
+        await until(leading(east, schema), "led where it came from")
+        await commit_one(east.host.led()[schema], 2)
+
+
+async def test_a_move_resumed_with_another_spelling_of_its_target_says_how(
+    fleet: Fleet, west: Fleet
+) -> None:
+    (schema,) = fleet.clusters(1)
+    other = west.url.set(host="localhost" if west.url.host != "localhost" else "127.0.0.1")
+    async with two_hosts(fleet, west, [schema]):
+
+        def stop(line: str) -> None:
+            if line.startswith("frozen"):
+                raise two.Interrupted(line)
+
+        source, target = _engine(fleet.url), _engine(other)
+        try:
+            with pytest.raises(two.Interrupted):
+                await moving.move(
+                    source, target, schema, group=fleet.group, control_schema=fleet.control,
+                    said=stop,
+                )  # fmt: skip
+        finally:
+            await source.dispose()
+            await target.dispose()
+        code, said = await move_cli(fleet, west, schema)
+        assert code == 1
+        assert "--to spelled as the note shows" in said
+        assert "elsewhere" not in said
