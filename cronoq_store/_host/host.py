@@ -53,7 +53,7 @@ from .._urls import redact, resolve
 from ..telemetry import DISABLED, resolve_group
 from . import balance, control
 from .bus import CommitBus
-from .move import ARRIVING_MARK, MOVED, MOVED_MARK, MOVING, MOVING_MARK
+from .move import ARRIVING_MARK, MOVED, MOVED_MARK, MOVING, MOVING_MARK, move_state, refusal
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -549,6 +549,16 @@ class PgHost:
 
     async def _enroll_one(self, schema: str, migrate: bool) -> bool:
         store = self._config.store
+        in_control = schema_options(self._config.control_schema)
+        # Before the migration, which would make an empty schema where a move dropped the
+        # source: checked again below, with the control row locked.
+        async with door.translated(f"enrolling schema {schema!r}"), self._engine.connect() as c:
+            moved = (
+                await c.execute(move_state, {"schema": schema}, execution_options=in_control)
+            ).first()
+            await c.rollback()
+        if moved is not None:
+            raise StoreError(refusal(schema, moved.state, moved.refused_why))
         if migrate:
             await migrations.upgrade(
                 self._engine,
@@ -579,7 +589,11 @@ class PgHost:
             if marked is None:
                 why = await _not_enrollable(conn, schema, self._config.control_schema)
                 raise StoreError(f"enrolling schema {schema!r} failed: {why}")
-            in_control = schema_options(self._config.control_schema)
+            moved = (
+                await conn.execute(move_state, {"schema": schema}, execution_options=in_control)
+            ).first()
+            if moved is not None:
+                raise StoreError(refusal(schema, moved.state, moved.refused_why))
             row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
             added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
             if added is None:

@@ -11,9 +11,10 @@ The steps, each resumable from what the two databases show:
 2. **Copy** to the target, one transaction: the schema made by the migrations at this
    build's head (the source must be at head too) by the target URL's role, the three
    tables streamed by COPY from one snapshot of the source, and the leader row given the
-   source's epoch and ``max_id``, marked :data:`ARRIVING_MARK`. The target's first claim
-   bumps past the source's last epoch, and no id is issued twice. A schema already in the
-   target is refused, unless it carries this move's mark (the copy committed: go on).
+   source's epoch and ``max_id``, marked :data:`ARRIVING_MARK`, its table's comment naming
+   the copy (:func:`_copy_id`). The snapshot must show the freeze's mark and epoch. The
+   target's first claim bumps past the source's last epoch, and no id is issued twice. A
+   schema already in the target is refused, unless it is this move's copy (go on).
 3. **Verify**: each table's row count and digest, the epoch and ``max_id``, equal.
 4. **Enroll** in the target's group, one transaction: the mark replaced by the group.
 5. **Tombstone** the source, one transaction: its control row ``moved`` and its leader row
@@ -22,6 +23,8 @@ The steps, each resumable from what the two databases show:
 One move of a cluster at a time: each holds a session advisory lock of the source database
 (:data:`LOCK_NS_MOVE`, ``hashtext(group || '/' || schema)``) for as long as it runs, so a
 second one is refused at once, and an interrupted one's lock is free when its session is.
+A session lock holds only on a direct connection: ``--from`` through a pooler in
+transaction mode shares server sessions between clients, and the lock with them.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from typing import Any
 
 from sqlalchemy import (
     Integer,
+    MetaData,
     Text,
     bindparam,
     cast,
+    delete,
     func,
     literal,
     literal_column,
@@ -46,8 +51,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.schema import DropSchema
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.schema import DropSchema, SetTableComment
 
 from .. import _catalog as catalog
 from .. import _door as door
@@ -173,6 +178,42 @@ _arrive = (
         host_group=ARRIVING_MARK,
     )
 )
+#: The move's state of the cluster named ``:schema`` in whichever group (``state``,
+#: ``refused_why``), its control row locked: an enrolment reads it to refuse a cluster a move
+#: froze or moved, and a freeze waits for the enrolment's transaction to end.
+move_state = (
+    select(_clusters.c.state, _clusters.c.refused_why)
+    .where(_clusters.c.schema_name == _schema_name, _clusters.c.state.in_((MOVING, MOVED)))
+    .with_for_update()
+)
+
+
+def refusal(schema: str, state: str, note: str | None) -> str:
+    """Why a cluster a move froze (``moving``) or moved (``moved``) cannot be enrolled, and
+    what to do: enrolling would make or lead a second writer of a cluster that lives on in
+    the move's target."""
+    if state == MOVING:
+        return (
+            f"enrolling schema {schema!r} failed: it is being moved ({note}): finish or resume "
+            "the move first (`cronoq-store host move`)"
+        )
+    return (
+        f"enrolling schema {schema!r} failed: it was {note}, and its control row here is the "
+        "move's tombstone: enroll it where it went. To make a new cluster of that name in "
+        "this database, remove the tombstone first (`cronoq-store host remove`)"
+    )
+
+
+#: The leader table's comment (the copy's name, :func:`_copy_id`) and the leader row's epoch.
+_comment = select(
+    func.obj_description(leader_tableoid, literal("pg_class")).label("comment"), leader.c.epoch
+)
+#: The control row of the schema named ``:schema``, in whichever group.
+_listed = select(_clusters.c.host_group, _clusters.c.state).where(
+    _clusters.c.schema_name == _schema_name
+)
+#: This group's tombstone of the cluster, which an enrolment of it coming back replaces.
+_drop_tombstone = delete(_clusters).where(_this, _clusters.c.state == MOVED)
 _leader_row = select(leader.c.epoch, leader.c.max_id, leader.c.host_group, leader_tableoid)
 _try_move_lock = select(
     func.pg_try_advisory_lock(
@@ -182,6 +223,22 @@ _try_move_lock = select(
 _move_unlock = select(
     func.pg_advisory_unlock(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
+    )
+)
+
+
+#: The settings a row's text depends on, for the digest's transaction only: two servers may
+#: differ in them (initdb takes the machine's zone), and equal rows must read as equal text.
+_text_settings = select(
+    *(
+        func.set_config(name, value, True)
+        for name, value in (
+            ("TimeZone", "UTC"),
+            ("DateStyle", "ISO, MDY"),
+            ("IntervalStyle", "postgres"),
+            ("bytea_output", "hex"),
+            ("extra_float_digits", "3"),
+        )
     )
 )
 
@@ -263,10 +320,12 @@ async def _steps(
         return MoveReport(row.epoch, None, {})
     if row.state == MOVING and row.refused_why != _moving_to(to):
         raise MoveError(
-            f"schema {schema!r} is being moved elsewhere ({row.refused_why}): resume that move "
-            "with its own --to"
+            f"schema {schema!r} is being moved ({row.refused_why}), and --to is not that URL "
+            "as written: resume the move with --to spelled as the note shows (host, port, "
+            "database and options; the password is not compared)"
         )
     arrived = await _arrival(target, schema, group, control_schema, trusted_triggers)
+    frozen = -1 if row.epoch is None else int(row.epoch)
     if row.state != MOVING:
         if arrived is not None:
             raise MoveError(
@@ -275,14 +334,15 @@ async def _steps(
             )
         # Before the freeze: a cluster that cannot be copied is not taken from its owner.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
-        epoch = await _freeze(source, schema, group, control_schema, barrier_bound, to)
-        said(f"frozen in the source at epoch {epoch}: every later commit of its owner is fenced")
+        await _target_ready(target, schema, group, control_schema, trusted_triggers)
+        frozen = await _freeze(source, schema, group, control_schema, barrier_bound, to)
+        said(f"frozen in the source at epoch {frozen}: every later commit of its owner is fenced")
     elif arrived is None:
         # Resumed before the copy: it reads the source's schema as it stands now.
         await migrations.require_head(source, schema, trusted_triggers=trusted_triggers)
     rows: dict[str, int] = {}
     if arrived is None:
-        rows = await _copy(source, target, schema, trusted_triggers)
+        rows = await _copy(source, target, schema, trusted_triggers, frozen)
         said("copied: " + ", ".join(f"{name} {n:,} rows" for name, n in rows.items()))
         arrived = ARRIVING_MARK
     elif arrived not in (ARRIVING_MARK, group):
@@ -293,19 +353,30 @@ async def _steps(
         )
     source_leader = await _leader(source, schema)
     if arrived == group:
-        await _same_history(source, target, schema)
+        await _same_copy(source, target, schema, frozen)
     else:
         await _verify(source, target, schema)
         said("verified: row counts and digests, epoch and max_id equal")
         await _enroll(target, schema, group, control_schema)
         said(f"enrolled in host group {group!r} in the target")
     async with door.translated(f"tombstoning schema {schema!r}"), source.begin() as c:
-        await c.execute(
+        moved = await c.execute(
             _set_moved, {**names, "why": f"moved to {to}"}, execution_options=in_control
         )
-        await c.execute(
-            _remark, {"was": MOVING_MARK, "mark": MOVED_MARK}, execution_options=in_cluster
-        )
+        marked = (
+            await c.execute(
+                _remark, {"was": MOVING_MARK, "mark": MOVED_MARK}, execution_options=in_cluster
+            )
+        ).first()
+        if moved.rowcount != 1 or marked is None:
+            # Rolled back: a source that was not frozen (its rows edited or restored) is
+            # never marked moved while a process may still commit to it.
+            raise MoveError(
+                f"schema {schema!r} in the source is no longer frozen by this move (its "
+                "control row or its leader row changed): it may be led there again, so "
+                "the copy in the target must not be: remove it there (`cronoq-store host "
+                "remove`) and find which one holds the acknowledged commits"
+            )
     said("tombstoned in the source: no host or store leads it there")
     if drop_source:
         await _drop(source, schema, said)
@@ -367,6 +438,44 @@ async def _arrival(
             await c.rollback()
 
 
+async def _target_ready(
+    target: AsyncEngine,
+    schema: str,
+    group: str,
+    control_schema: str,
+    trusted_triggers: frozenset[str],
+) -> None:
+    """Refuse, before anything is frozen, a target the copy or the enrolment would fail in:
+    its role cannot make the schema (the migrations are run and rolled back), or its
+    control schema lists the name, other than as this group's tombstone of an earlier move
+    (the enrolment replaces that one: the cluster comes back)."""
+    in_control = control.control_options(control_schema)
+    async with door.translated(f"checking the target for schema {schema!r}"), target.connect() as c:
+        listed = (
+            await c.execute(_listed, {"schema": schema}, execution_options=in_control)
+        ).first()
+        await c.rollback()
+    if listed is not None and (listed.state, listed.host_group) != (MOVED, group):
+        raise MoveError(
+            f"the target's control schema lists schema {schema!r} already (host group "
+            f"{listed.host_group!r}, {listed.state}): remove it there (`cronoq-store host "
+            "remove`), then run the move again (nothing was frozen)"
+        )
+    try:
+        async with target.connect() as c:
+            await c.begin()
+            try:
+                await migrations.upgrade(c, schema, trusted_triggers=trusted_triggers)
+            finally:
+                await c.rollback()
+    except StoreError as exc:
+        raise MoveError(
+            f"the migrations cannot make schema {schema!r} in the target ({exc}): fix that "
+            "(a role without CREATE on the database: grant it, or name one that has it in "
+            "--to), then run the move again (nothing was frozen)"
+        ) from exc
+
+
 async def _freeze(
     source: AsyncEngine,
     schema: str,
@@ -424,10 +533,17 @@ async def _freeze(
 
 
 async def _copy(
-    source: AsyncEngine, target: AsyncEngine, schema: str, trusted_triggers: frozenset[str]
+    source: AsyncEngine,
+    target: AsyncEngine,
+    schema: str,
+    trusted_triggers: frozenset[str],
+    frozen: int,
 ) -> dict[str, int]:
     """The target's schema made and filled in one transaction, from one snapshot of the
-    source: all of it lands, or nothing (then the move starts this step again)."""
+    source: all of it lands, or nothing (then the move starts this step again). The source
+    must show the freeze at epoch ``frozen`` in that snapshot: a control row saying
+    ``moving`` proves nothing (restored, or written by hand), and a cluster its owner still
+    commits to would lose every commit after the copy."""
     rows: dict[str, int] = {}
     async with (
         door.translated(f"copying schema {schema!r}"),
@@ -436,6 +552,17 @@ async def _copy(
     ):
         read = await read.execution_options(isolation_level="REPEATABLE READ")
         await read.begin()
+        # The driver's transaction begins with the first statement: the raw COPYs below
+        # run inside it, in the snapshot this read takes, only once it ran.
+        found = (await read.execute(_leader_row, execution_options=schema_options(schema))).one()
+        if found.host_group != MOVING_MARK or found.epoch != frozen:
+            raise MoveError(
+                f"schema {schema!r} in the source is not frozen by a move (its leader row "
+                f"is not marked so at epoch {frozen}), though its control row says "
+                "'moving' (restored or edited): nothing was copied. Set that row's state "
+                "back to 'active' by hand and run the move again"
+            )
+        copy_id = await _copy_id(read, schema, frozen)
         await write.begin()
         if (await write.execute(st.schema_oid, {"schema": schema})).scalar() is not None:
             raise MoveError(f"a schema {schema!r} appeared in the target meanwhile: run it again")
@@ -444,12 +571,14 @@ async def _copy(
         writer = (await write.get_raw_connection()).driver_connection
         for table, _ in _COPIED:
             rows[table.name] = await _stream(reader, writer, schema, table)
-        found = (await read.execute(_leader_row, execution_options=schema_options(schema))).one()
         await write.execute(
             _arrive,
             {"epoch": found.epoch, "max_id": found.max_id},
             execution_options=schema_options(schema),
         )
+        named = leader.to_metadata(MetaData())
+        named.comment = copy_id
+        await write.execute(SetTableComment(named), execution_options=schema_options(schema))
         await write.commit()
         await read.rollback()
     return rows
@@ -494,10 +623,14 @@ async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None
         there = await _one(source, schema, _digest(table, key))
         here = await _one(target, schema, _digest(table, key))
         if tuple(there) != tuple(here):
+            differs = (
+                f"its {here[0]:,} rows are not the source's {there[0]:,}"
+                if here[0] != there[0]
+                else f"the same {here[0]:,} rows, with other contents"
+            )
             raise MoveError(
-                f"the copy of {table.name} differs from the source ({here[0]:,} rows, "
-                f"{there[0]:,} in the source): drop schema {schema!r} in the target and run "
-                "the move again (the source stays frozen)"
+                f"the copy of {table.name} differs from the source ({differs}): drop schema "
+                f"{schema!r} in the target and run the move again (the source stays frozen)"
             )
     a, b = await _leader(source, schema), await _leader(target, schema)
     if (a.epoch, a.max_id) != (b.epoch, b.max_id):
@@ -508,21 +641,51 @@ async def _verify(source: AsyncEngine, target: AsyncEngine, schema: str) -> None
         )
 
 
-async def _same_history(source: AsyncEngine, target: AsyncEngine, schema: str) -> None:
-    """Refuse a target found enrolled that is not this move's copy: the source's newest
-    term, the freeze's own, must be in the target's history as in the source's, and a
-    cluster made apart never carries it. Digests cannot tell: once enrolled, the copy may
-    have been led and changed."""
-    newest = await _maybe_one(source, schema, _newest_term, {})
-    there = (
-        None if newest is None else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
-    )
-    if newest is None or there is None or tuple(there) != tuple(newest):
-        raise MoveError(
-            f"the target database holds a cluster {schema!r} enrolled in the group that is "
-            "not this move's copy: remove and drop it there, then run the move again (the "
-            "source stays frozen until then)"
+async def _copy_id(source: AsyncConnection, schema: str, frozen: int) -> str:
+    """What names this move's copy: the source's leader table, the freeze's epoch and the
+    instant its term began, read in the source, which the freeze leaves unchanged. The copy
+    keeps it as its leader table's comment, which no term prunes, unlike its history."""
+    in_cluster = schema_options(schema)
+    oid = (await source.execute(select(leader_tableoid), execution_options=in_cluster)).scalar()
+    term = (await source.execute(_term, {"epoch": frozen}, execution_options=in_cluster)).first()
+    began = "?" if term is None else term.began_at.isoformat()
+    return f"cronoq-store host move: a copy of table {oid} frozen at epoch {frozen} at {began}"
+
+
+async def _same_copy(source: AsyncEngine, target: AsyncEngine, schema: str, frozen: int) -> None:
+    """Refuse a target found enrolled that is not this move's copy. Its leader table's
+    comment names the copy (:func:`_copy_id`); a copy without one (made by a build before
+    the comment) is known by the freeze's term in its history, which a cluster made apart
+    never carries. Digests cannot tell: once enrolled, the copy may have been led and
+    changed. A cluster ever led (its epoch above 0) is never called for dropping: it may
+    hold acknowledged commits, whichever it is."""
+    async with door.translated(f"checking schema {schema!r}"), source.connect() as c:
+        expected = await _copy_id(c, schema, frozen)
+        await c.rollback()
+    found = await _maybe_one(target, schema, _comment, {})
+    if found is not None and found.comment == expected:
+        return
+    if found is not None and found.comment is None:
+        newest = await _maybe_one(source, schema, _newest_term, {})
+        there = (
+            None
+            if newest is None
+            else await _maybe_one(target, schema, _term, {"epoch": newest.epoch})
         )
+        if newest is not None and there is not None and tuple(there) == tuple(newest):
+            return
+    led = found is None or found.epoch > 0
+    what = (
+        "it was led there since, so it may hold acknowledged commits: remove it there "
+        "(`cronoq-store host remove`) and drop it only once you know what it holds"
+        if led
+        else "remove and drop it there"
+    )
+    raise MoveError(
+        f"the target database holds a cluster {schema!r} enrolled in the group that is not "
+        f"this move's copy: {what}, then run the move again (the source stays frozen until "
+        "then)"
+    )
 
 
 async def _maybe_one(
@@ -536,6 +699,7 @@ async def _maybe_one(
 
 async def _one(engine: AsyncEngine, schema: str, statement: Any) -> Any:
     async with door.translated(f"checking schema {schema!r}"), engine.connect() as c:
+        await c.execute(_text_settings)
         row = (await c.execute(statement, execution_options=schema_options(schema))).one()
         await c.rollback()
     return row
@@ -559,6 +723,8 @@ async def _enroll(target: AsyncEngine, schema: str, group: str, control_schema: 
             _remark, {"was": ARRIVING_MARK, "mark": group}, execution_options=in_cluster
         )
         row = {"group": group, "schema": schema, "incarnation": int(found.tableoid)}
+        in_control = control.control_options(control_schema)
+        await c.execute(_drop_tombstone, row, execution_options=in_control)
         added = (
             await c.execute(
                 control.enroll, row, execution_options=control.control_options(control_schema)

@@ -118,10 +118,10 @@ async def two_hosts(
         yield east, west_host
 
 
-async def move_cli(fleet: Fleet, west: Fleet, schema: str) -> tuple[int, str]:
+async def move_cli(fleet: Fleet, west: Fleet, schema: str, *extra: str) -> tuple[int, str]:
     result = await run(
         "host", "move", schema, "--from", full(fleet.url), "--to", full(west.url),
-        "--group", fleet.group, "--control-schema", fleet.control,
+        "--group", fleet.group, "--control-schema", fleet.control, *extra,
     )  # fmt: skip
     no_password(fleet.url, result.stdout, result.stderr)
     no_password(west.url, result.stdout, result.stderr)
