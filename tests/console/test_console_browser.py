@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from sqlalchemy.engine import URL
 
@@ -70,7 +73,21 @@ def follow(browser: webdriver.Chrome, link: WebElement, css: str) -> None:
     on the old one, and go stale as a test reads it."""
     old = browser.find_element(By.TAG_NAME, "html")
     link.click()
-    WebDriverWait(browser, PATIENCE).until(staleness_of(old), "the page did not change")
+
+    def gone(_: webdriver.Chrome) -> bool:
+        try:
+            old.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as error:
+            # Chromedriver, asked mid-navigation, may say the node left the document in an
+            # inspector error instead of a stale reference.
+            if "does not belong to the document" in str(error):
+                return True
+            raise
+        return False
+
+    WebDriverWait(browser, PATIENCE).until(gone, "the page did not change")
     wait_for(browser, css)
 
 
