@@ -96,11 +96,16 @@ class Worker:
             "-m",
             "benchmarks.fleet_worker",
             mode,
-            json.dumps(args),
             cwd=_ROOT,
             env=env,
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
+        # On stdin, not the command line, which any local user reads: the URL has a password.
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(args).encode())
+        await process.stdin.drain()
+        process.stdin.close()
         return cls(name, process, started)
 
     async def _read(self) -> None:

@@ -1,9 +1,10 @@
 """One process of the fleet benchmark (``benchmarks.fleet``), in a process of its own.
 
-``python -m benchmarks.fleet_worker MODE JSON``: the JSON object holds the mode's arguments,
-the URL among them (with this process's ``application_name``). Every mode prints one JSON
-object a line on stdout, each with ``t``, the machine's ``time.monotonic()`` (one clock
-for every process of the run), so the section times events across processes.
+``python -m benchmarks.fleet_worker MODE`` reads a JSON object on stdin: the mode's
+arguments, the URL among them (with this process's ``application_name``). Every mode
+prints one JSON object a line on stdout, each with ``t``, the machine's
+``time.monotonic()`` (one clock for every process of the run), so the section times
+events across processes.
 
 - ``seed``: enroll its share of the clusters (each migrated by the store's own migrations,
   then marked), and COPY the template's task rows into each (the column list of
@@ -389,8 +390,8 @@ async def _prepare(conn: asyncpg.Connection, schema: str, k: int) -> tuple[str, 
 MODES = {"seed": seed, "serve": serve, "commit": commit}
 
 
-def main(mode: str, arguments: str) -> None:
-    args = json.loads(arguments)
+def main(mode: str) -> None:
+    args = json.loads(sys.stdin.read())
     profile_path = os.environ.get(PROFILE_ENV)
     if not profile_path:
         run_loop(MODES[mode](args))
@@ -405,4 +406,4 @@ def main(mode: str, arguments: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

@@ -10,6 +10,7 @@ nothing, Leadership instances); the plain values and helpers they share are in s
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -55,6 +56,18 @@ def binaries() -> None:
     """Skips a test that builds a server of its own (a primary and its standby, a server to
     upgrade) where no PostgreSQL binaries are found."""
     needs_binaries()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port that accepts TCP connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
 
 
 @pytest.fixture

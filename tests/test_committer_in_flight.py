@@ -584,7 +584,7 @@ DRAWS = {
 
 
 @settings(
-    max_examples=100,
+    max_examples=60,  # CI time; the in-memory twin below draws five times more
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -603,7 +603,7 @@ async def test_any_submissions_get_the_answers_of_serial_commits_on_a_server(
     await committed_through_the_committer(store, serial_store, scenario, in_flight, batch, delays)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(**DRAWS)
 async def test_any_submissions_get_the_answers_of_serial_commits_in_memory(
     scenario: Scenario, in_flight: int, batch: int, delays: list[float]

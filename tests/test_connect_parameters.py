@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -258,18 +258,6 @@ async def test_options_reach_every_session_and_the_stores_own_settings_win(
             ).one()
     # search_path is the store's (no schema another role can write is on it).
     assert tuple(row) == ("4343kB", SEARCH_PATH)
-
-
-@pytest.fixture
-def silent_server() -> Iterator[int]:
-    """A port that accepts TCP connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        listener.close()
 
 
 async def test_connect_timeout_bounds_each_entry_point(silent_server: int) -> None:

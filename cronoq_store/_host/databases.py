@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL
 from .. import _door as door
 from .._config import validate_schema_name
 from .._errors import StoreError
-from .._retry import acquisition_backoff, pause
+from .._retry import acquisition_backoff, bounded, pause
 from .._urls import redact
 from . import control
 from .host import HostedStore, PgHost, PgHostConfig
@@ -46,18 +46,31 @@ class ClusterRef:
     schema: str
 
 
+#: A database that fails these ways has not answered: tried again, never a caller's error.
+_UNANSWERED = (StoreError, OSError, asyncio.TimeoutError)
+
+
+def _log_failed_dial(label: str, dial: asyncio.Task[PgHost]) -> None:
+    """Log a dial that failed, whoever waits for it (perhaps no one yet)."""
+    if not dial.cancelled() and (error := dial.exception()) is not None:
+        logger.warning(
+            "cannot reach a database of the host for now",
+            extra={"database": label, "error": str(error)},
+        )
+
+
 #: The application's work for one cluster gained: where it lives, and its store for the term.
 Lead = Callable[[ClusterRef, HostedStore], Awaitable[None]]
 
 
 class _Database:
-    """One labelled database: its URL, and its host once connected."""
+    """One labelled database: its URL, its host once connected, and the dial under way."""
 
     def __init__(self, label: str, url: str | URL) -> None:
         self.label = label
         self.url = url
         self.host: PgHost | None = None
-        self.connecting = asyncio.Lock()
+        self.dial: asyncio.Task[PgHost] | None = None
 
 
 class MultiDatabaseHost:
@@ -82,30 +95,52 @@ class MultiDatabaseHost:
         cls, databases: Mapping[str, str | URL], config: PgHostConfig | None = None
     ) -> MultiDatabaseHost:
         """A host for each database, connected as :meth:`PgHost.connect` does, its config's
-        ``database`` the database's label (its telemetry's ``cronoq.host.database``). A database
-        that does not answer yet is not an error: :meth:`serve` keeps trying it, and
-        :meth:`enroll` in it raises until it answers."""
+        ``database`` the database's label (its telemetry's ``cronoq.host.database``).
+
+        Each database gets ``session_timeout`` to answer, the bound within which the store
+        tells a slow server from a silent one. One that fails, or has not answered by then,
+        is not an error: its dial goes on in the background (a server that accepts and never
+        answers holds it for the pool's connect bound, 60 s), :meth:`serve` keeps trying it,
+        and :meth:`enroll` in it waits for that dial and raises if it fails."""
         made = cls(databases, config or PgHostConfig())
-        await asyncio.gather(*(made._try_connect(db) for db in made._databases.values()))
+        dials = [made._dial(db) for db in made._databases.values()]
+        try:
+            await asyncio.wait(dials, timeout=made._config.store.session_timeout)
+            for dial in dials:
+                if dial.done() and not dial.cancelled():
+                    error = dial.exception()
+                    if error is not None and not isinstance(error, _UNANSWERED):
+                        raise error
+        except BaseException:
+            await made.close()
+            raise
         return made
 
-    async def _try_connect(self, db: _Database) -> None:
-        try:
-            await self._connected(db)
-        except (StoreError, OSError, asyncio.TimeoutError) as error:
-            logger.warning(
-                "cannot reach a database of the host for now",
-                extra={"database": db.label, "error": str(error)},
-            )
+    def _dial(self, db: _Database) -> asyncio.Task[PgHost]:
+        """``db``'s dial under way, or a new one if none is: one at a time per database,
+        whoever asks, in a task of its own, so that a caller given up on (its own bound, a
+        cancel) leaves it running for the next one instead of starting over."""
+        if db.dial is None or (db.dial.done() and db.host is None):
+            db.dial = asyncio.ensure_future(self._connect_host(db))
+            db.dial.add_done_callback(partial(_log_failed_dial, db.label))
+        return db.dial
+
+    async def _connect_host(self, db: _Database) -> PgHost:
+        db.host = await PgHost.connect(db.url, replace(self._config, database=db.label))
+        return db.host
 
     async def _connected(self, db: _Database) -> PgHost:
-        """``db``'s host, connected now if it is not yet (once, whoever asks)."""
-        async with db.connecting:
-            if db.host is None:
-                if self._closing.is_set():
-                    raise StoreError("this host is closed")
-                db.host = await PgHost.connect(db.url, replace(self._config, database=db.label))
+        """``db``'s host, waiting for its dial if it is not connected yet."""
+        if db.host is not None:
             return db.host
+        if self._closing.is_set():
+            raise StoreError("this host is closed")
+        dial = self._dial(db)
+        # Waited for, not awaited: the dial is shared, and one waiter's cancel must not end it.
+        await asyncio.wait({dial})
+        if dial.cancelled():
+            raise StoreError("this host is closed")
+        return dial.result()
 
     def _database(self, label: str) -> _Database:
         try:
@@ -118,11 +153,14 @@ class MultiDatabaseHost:
     async def close(self) -> None:
         """Hand every cluster of every database over, leave each group, close each pool."""
         self._closing.set()
-        hosts = []
-        for db in self._databases.values():
-            async with db.connecting:
-                if db.host is not None:
-                    hosts.append(db.host)
+        # A dial to a server that accepts and never answers would hold close for the
+        # pool's connect bound: it is cancelled (PgHost.connect disposes of its pool).
+        dials = [db.dial for db in self._databases.values() if db.dial and not db.dial.done()]
+        for dial in dials:
+            dial.cancel()
+        if dials:
+            await asyncio.wait(dials)
+        hosts = [db.host for db in self._databases.values() if db.host is not None]
         await asyncio.gather(*(host.close() for host in hosts))
         runners, self._runners = self._runners, []
         if runners:
@@ -185,8 +223,9 @@ class MultiDatabaseHost:
         is refused (``StoreError``) unless ``allow_duplicate_names``: two clusters of one
         name are legal (:class:`ClusterRef` keeps them apart) but are more often a cluster
         enrolled twice by mistake. Moved-away tombstones (``host move``) do not count. The
-        check guards against mistakes and is no lock: a database that does not answer is
-        skipped (logged), and two enrolments at once in two databases both pass it."""
+        check guards against mistakes and is no lock: a database that does not answer within
+        ``session_timeout`` is skipped (logged), and two enrolments at once in two databases
+        both pass it."""
         db = self._database(database)
         names = [schemas] if isinstance(schemas, str) else list(schemas)
         for name in names:
@@ -200,11 +239,15 @@ class MultiDatabaseHost:
 
     async def _refuse_duplicates(self, other: _Database, names: list[str], into: str) -> None:
         try:
-            await self._connected(other)
-            found = await self._enrolled_among(other.url, names)
-        except (StoreError, OSError, asyncio.TimeoutError) as error:
-            # Refusing here would keep an application that enrolls at its start from
-            # leading any database while one is down; the check is no lock anyway.
+            found = await bounded(
+                self._enrolled_among(other, names),
+                self._config.store.session_timeout,
+                silent=f"database {other.label!r} did not answer",
+            )
+        except _UNANSWERED as error:
+            # Refusing, or waiting for the dial's own bound, would keep an application that
+            # enrolls at its start from leading any database while one is down or silent;
+            # the check is no lock anyway.
             logger.warning(
                 "cannot check a database of the host for clusters of the same names; "
                 "enrolling them anyway",
@@ -219,16 +262,18 @@ class MultiDatabaseHost:
                 "name are meant"
             )
 
-    async def _enrolled_among(self, url: str | URL, names: list[str]) -> list[str]:
-        """Which of ``names`` this group has enrolled in the database at ``url``, moved-away
-        tombstones aside; on a connection of its own (enrolments are rare)."""
+    async def _enrolled_among(self, db: _Database, names: list[str]) -> list[str]:
+        """Which of ``names`` this group has enrolled in ``db``, moved-away tombstones
+        aside; on a connection of its own (enrolments are rare), once ``db``'s host has
+        made its control schema."""
+        await self._connected(db)
         clusters = control.clusters
         statement = select(clusters.c.schema_name).where(
             clusters.c.host_group == self._config.group,
             clusters.c.schema_name.in_(names),
             clusters.c.state != MOVED,
         )
-        engine = door.own_engine(url, replace(self._config.store, max_connections=1))
+        engine = door.own_engine(db.url, replace(self._config.store, max_connections=1))
         try:
             async with door.translated("reading enrolled clusters"), engine.connect() as conn:
                 rows = await conn.execute(
@@ -269,11 +314,7 @@ class MultiDatabaseHost:
         while not self._closing.is_set():
             try:
                 host = await self._connected(db)
-            except (StoreError, OSError, asyncio.TimeoutError) as error:
-                logger.warning(
-                    "cannot reach a database of the host for now; retrying",
-                    extra={"database": db.label, "error": str(error)},
-                )
+            except _UNANSWERED:  # logged by the dial
                 await pause(next(delays), self._closing)
                 continue
             await host.serve(partial(self._lead_one, db.label))

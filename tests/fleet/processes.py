@@ -15,6 +15,7 @@ from sqlalchemy.engine import URL
 from ..pgharness import admin_execute
 from ..support import ROOT
 from .conftest import Fleet
+from .worker import WORKER_URL
 
 Record = dict[str, object]
 
@@ -25,11 +26,11 @@ async def start_worker(
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
     env["PYTHONPATH"] = str(ROOT)
     named = url.update_query_dict({"application_name": name})
+    env[WORKER_URL] = named.render_as_string(hide_password=False)
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "tests.fleet.worker",
-        named.render_as_string(hide_password=False),
         fleet.control,
         fleet.group,
         name,

@@ -106,6 +106,35 @@ async def test_one_process_leads_two_databases_and_outlives_one_stopped(
             await asyncio.wait({task})
 
 
+async def test_a_database_that_never_answers_holds_up_neither_connect_enroll_nor_close(
+    fleet: Fleet, silent_server: int
+) -> None:
+    """A server that accepts and never answers holds a dial for the pool's connect bound
+    (60 s): the host's connect, the name check of an enrolment elsewhere and its close each
+    wait ``session_timeout`` (2 s here) at most, and the other database is led meanwhile."""
+    (schema,) = fleet.clusters(1)
+    placed = {"east": fleet.url, "silent": fleet.url.set(host="127.0.0.1", port=silent_server)}
+    clock = asyncio.get_running_loop().time
+    started = clock()
+    host = await MultiDatabaseHost.connect(placed, config(fleet, "silent"))
+    led = Led()
+    task = None
+    try:
+        assert host.host("east") is not None
+        assert host.host("silent") is None
+        await host.enroll(schema, "east")
+        task = asyncio.ensure_future(host.serve(led.lead))
+        await until(lambda: led.gained == [ClusterRef("east", schema)], "the cluster led")
+    finally:
+        closing = clock()
+        await host.close()
+        if task is not None:
+            await asyncio.wait({task})
+    # Bounds far from 60 s and far above 2 s, for a loaded machine.
+    assert closing - started < 30
+    assert clock() - closing < 20
+
+
 @asynccontextmanager
 async def two_hosts(
     fleet: Fleet, west: Fleet, schemas: list[str]

@@ -63,6 +63,7 @@ from ..waits import until
 from .conftest import Fleet
 from .processes import records
 from .torture_worker import TRIGGERS, host_config
+from .worker import WORKER_URL
 
 __all__ = ["LONG", "SHORT", "FleetProfile", "FleetReport", "profile_from_env", "run"]
 
@@ -308,12 +309,12 @@ class _Processes:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CRONOQ_")}
         env["PYTHONPATH"] = str(ROOT)
         url = self.fleet.url.update_query_dict({"application_name": name})
+        env[WORKER_URL] = url.render_as_string(hide_password=False)
         with (self.workdir / "logs" / f"{name}.log").open("wb") as log:
             self.running[name] = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 "tests.fleet.torture_worker",
-                url.render_as_string(hide_password=False),
                 self.fleet.control,
                 self.fleet.group,
                 name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from cronoq_store._domain import Mutation, StatusChanged, Submitted, TaskStatus,
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 
 from ..torture.journal import Journal
-from .worker import STORE
+from .worker import STORE, WORKER_URL
 
 #: The audit's triggers on every cluster (``tests/fleet/torture.py``), trusted by name.
 TRIGGERS = frozenset({"fleet_audit_insert", "fleet_audit_update", "fleet_audit_epoch"})
@@ -99,11 +100,11 @@ async def _lead(store: HostedStore, journal: Journal, name: str, process_id: int
 
 async def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fleet.torture_worker")
-    for name in ("url", "control", "group", "name", "journal"):
+    for name in ("control", "group", "name", "journal"):
         parser.add_argument(name)
     args = parser.parse_args(argv)
     journal = Journal(Path(args.journal), args.name)
-    host = await PgHost.connect(args.url, host_config(args.group, args.control))
+    host = await PgHost.connect(os.environ[WORKER_URL], host_config(args.group, args.control))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -32,6 +33,9 @@ from cronoq_store._domain import Submitted, TimeBase, task_id
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 
 from ..torture.journal import Journal
+
+#: Where a worker finds its URL: not on its command line, which any local user can read.
+WORKER_URL = "FLEET_WORKER_URL"
 
 #: Fast settings: a lost session is noticed within 3 s, a free lock within 0.2 s.
 STORE = PgStoreConfig(lock_poll=0.2, keepalive=0.5, session_timeout=3.0, commit_timeout=10.0)
@@ -108,7 +112,7 @@ async def _lead(store: HostedStore, journal: Journal, process_id: int, late: boo
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.fleet.worker")
-    for name in ("url", "control", "group", "name", "journal"):
+    for name in ("control", "group", "name", "journal"):
         parser.add_argument(name)
     parser.add_argument("--commit-timeout", type=float, default=None)
     parser.add_argument("--late", action="store_true")
@@ -119,7 +123,7 @@ async def main(argv: list[str]) -> int:
     args = _arguments(argv)
     journal = Journal(Path(args.journal), args.name)
     host = await PgHost.connect(
-        args.url, host_config(args.group, args.control, args.commit_timeout)
+        os.environ[WORKER_URL], host_config(args.group, args.control, args.commit_timeout)
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
