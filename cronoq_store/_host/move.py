@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Integer,
     MetaData,
     Text,
@@ -220,6 +221,21 @@ _try_move_lock = select(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
     )
 )
+#: The backend of the session holding the move's lock, as its server numbers it.
+_backend_pid = select(func.pg_backend_pid())
+#: The sessions holding the move's lock of ``:key`` in the database this one is in: read
+#: through ``--to``, the source's session among them says that ``--to`` reached the source
+#: database itself, whatever its URL says.
+_move_lock_holders = select(
+    catalog.advisory_lock_holder(
+        literal(LOCK_NS_MOVE, BigInteger),
+        cast(func.hashtext(bindparam("key", type_=Text)), BigInteger).op("&")(
+            literal(0xFFFFFFFF, BigInteger)
+        ),
+    )
+    .subquery()
+    .c.pid
+)
 _move_unlock = select(
     func.pg_advisory_unlock(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
@@ -269,7 +285,6 @@ async def move(
     was interrupted. ``said`` gets a line per step done. ``MoveError`` when it cannot."""
     to = redact(target.url.set(drivername="postgresql"))
     await control.prepare_control(source, control_schema)
-    await control.prepare_control(target, control_schema)
     key = f"{group}/{schema}"
     async with source.connect() as locked:
         async with door.translated("taking the move's lock"):
@@ -281,6 +296,8 @@ async def move(
                 "for it to end (a move that was interrupted frees its lock with its session)"
             )
         try:
+            await _refuse_the_source(locked, target, schema, key)
+            await control.prepare_control(target, control_schema)
             return await _steps(
                 source, target, schema, group, control_schema, trusted_triggers,
                 drop_source, barrier_bound, to, said,
@@ -291,6 +308,33 @@ async def move(
             with contextlib.suppress(Exception):
                 await locked.execute(_move_unlock, {"key": key})
                 await locked.commit()
+
+
+async def _refuse_the_source(
+    locked: AsyncConnection, target: AsyncEngine, schema: str, key: str
+) -> None:
+    """Refuse a target that is the source database under another URL (another host name
+    or address for the server, its unix socket, a pooler or proxy in front of it, another
+    role or options): its schema is the cluster itself, so no copy could be made, and a
+    refusal saying "drop it there" would drop the only one. Known by what the server shows,
+    not by the URL: the target's ``pg_locks`` lists the move's lock, held by the source's
+    session, in the target's own database. Any role may read ``pg_locks``; a physical
+    clone of the source (its ``system_identifier`` and database OIDs the same) holds no
+    lock of this session, so it stays a valid target. Another database of the same server
+    is one too: its locks are listed under its own OID."""
+    pid = (await locked.execute(_backend_pid)).scalar()
+    await locked.commit()
+    async with door.translated("checking the target database"), target.connect() as c:
+        holders = (await c.execute(_move_lock_holders, {"key": key})).scalars().all()
+        await c.rollback()
+    if pid in holders:
+        raise MoveError(
+            "--to reaches the source database itself through another URL (its server shows "
+            "this move's lock, held by the source's session, in the database --to connects "
+            f"to): schema {schema!r} there is the cluster, not a copy, so do not drop it. "
+            "Name the target database in --to (another database of the same server will "
+            "do); the cluster was left as it was"
+        )
 
 
 async def _steps(
