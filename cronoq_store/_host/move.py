@@ -24,7 +24,10 @@ One move of a cluster at a time: each holds a session advisory lock of the sourc
 (:data:`LOCK_NS_MOVE`, ``hashtext(group || '/' || schema)``) for as long as it runs, so a
 second one is refused at once, and an interrupted one's lock is free when its session is.
 A session lock holds only on a direct connection: ``--from`` through a pooler in
-transaction mode shares server sessions between clients, and the lock with them.
+transaction mode shares server sessions between clients, and the lock with them. The lock
+also tells the target from the source: a target whose server lists it, held by the
+source's session, in the target's own database is the source under another URL, refused
+before anything else (:func:`_refuse_the_source`).
 """
 
 from __future__ import annotations
@@ -262,7 +265,9 @@ _text_settings = select(
 def _digest(table: Any, key: Any) -> Any:
     """One table's row count and a digest of every row in key order: equal in source and
     target when every row arrived whole. Rows are rendered as text by the server, so the
-    comparison needs no decoding of the client's."""
+    comparison needs no decoding of the client's. The joined digests are one value, 32
+    characters a row: PostgreSQL's 1 GB bound on a value fails it from 2^25 rows, after the
+    freeze (docs/operations.md says so, and how to lead the frozen cluster again)."""
     row_text = cast(tuple_(*table.c), Text) if len(table.c) > 1 else cast(table.c[0], Text)
     joined = func.string_agg(func.md5(row_text), aggregate_order_by(literal_column("''"), key))
     return select(func.count(), func.md5(func.coalesce(joined, "")))
