@@ -327,11 +327,12 @@ async def _refuse_the_source(
     clone of the source (its ``system_identifier`` and database OIDs the same) holds no
     lock of this session, so it stays a valid target. Another database of the same server
     is one too: its locks are listed under its own OID."""
-    pid = (await locked.execute(_backend_pid)).scalar()
-    await locked.commit()
-    async with door.translated("checking the target database"), target.connect() as c:
-        holders = (await c.execute(_move_lock_holders, {"key": key})).scalars().all()
-        await c.rollback()
+    async with door.translated("telling the target database from the source"):
+        pid = (await locked.execute(_backend_pid)).scalar()
+        await locked.commit()
+        async with target.connect() as c:
+            holders = (await c.execute(_move_lock_holders, {"key": key})).scalars().all()
+            await c.rollback()
     if pid in holders:
         raise MoveError(
             "--to reaches the source database itself through another URL (its server shows "
