@@ -45,6 +45,7 @@ from ._statements import LOCK_NS_MIGRATE, prune_delete
 __all__ = [
     "LIKE_ESCAPE",
     "LOCK_MODES",
+    "advisory_lock_holder",
     "clear_stats_snapshot",
     "cluster_page_after",
     "cluster_page_before",
@@ -125,7 +126,7 @@ leader_state = select(
 ).where(leader.c.id == LEADER_ROW_ID)
 
 
-def _advisory_lock_holder(k1: ColumnElement[int], k2: ColumnElement[int]) -> Select[Any]:
+def advisory_lock_holder(k1: ColumnElement[int], k2: ColumnElement[int]) -> Select[Any]:
     """The session holding the advisory lock with keys ``k1``, ``k2`` in this database, with
     what ``pg_stat_activity`` shows of it. A two-int key shows as ``classid = k1, objid =
     k2, objsubid = 2``; those columns are ``oid`` (unsigned), so they are compared as
@@ -156,7 +157,7 @@ def _advisory_lock_holder(k1: ColumnElement[int], k2: ColumnElement[int]) -> Sel
 
 #: The session holding the leader's advisory lock (keys ``k1``, ``k2``; schema OIDs are per
 #: database, as advisory locks are).
-leader_lock_holder = _advisory_lock_holder(
+leader_lock_holder = advisory_lock_holder(
     bindparam("k1", type_=BigInteger), bindparam("k2", type_=BigInteger)
 )
 
@@ -164,7 +165,7 @@ leader_lock_holder = _advisory_lock_holder(
 #: ``0x63726f6d`` and ``hashtext(schema)``, shown unsigned), whether a migration holds it
 #: for its transaction or any session took it with ``pg_advisory_lock``: every migration of
 #: that schema waits for it.
-migration_lock_holder = _advisory_lock_holder(
+migration_lock_holder = advisory_lock_holder(
     literal(LOCK_NS_MIGRATE, BigInteger),
     cast(func.hashtext(bindparam("schema", type_=Text)), BigInteger).op("&")(
         literal(0xFFFFFFFF, BigInteger)

@@ -398,7 +398,9 @@ def move(
 
     Run it again after any interruption: it goes on from the step it reached. A second
     move of the same cluster at the same time is refused. The target must not hold the
-    schema. Exit 1 when the move cannot go on; the message says what to do.
+    schema, and must be another database than the source (another database of the same
+    server is one), which the server tells, whatever the URL. Exit 1 when the move cannot
+    go on; the message says what to do.
     """
     source = from_url or options.database_url()
     run(source, _move(options, schema, source, to_url, drop_source, group, control_schema))

@@ -24,7 +24,10 @@ One move of a cluster at a time: each holds a session advisory lock of the sourc
 (:data:`LOCK_NS_MOVE`, ``hashtext(group || '/' || schema)``) for as long as it runs, so a
 second one is refused at once, and an interrupted one's lock is free when its session is.
 A session lock holds only on a direct connection: ``--from`` through a pooler in
-transaction mode shares server sessions between clients, and the lock with them.
+transaction mode shares server sessions between clients, and the lock with them. The lock
+also tells the target from the source: a target whose server lists it, held by the
+source's session, in the target's own database is the source under another URL, refused
+before anything else (:func:`_refuse_the_source`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Integer,
     MetaData,
     Text,
@@ -220,6 +224,21 @@ _try_move_lock = select(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
     )
 )
+#: The backend of the session holding the move's lock, as its server numbers it.
+_backend_pid = select(func.pg_backend_pid())
+#: The sessions holding the move's lock of ``:key`` in the database this one is in: read
+#: through ``--to``, the source's session among them says that ``--to`` reached the source
+#: database itself, whatever its URL says.
+_move_lock_holders = select(
+    catalog.advisory_lock_holder(
+        literal(LOCK_NS_MOVE, BigInteger),
+        cast(func.hashtext(bindparam("key", type_=Text)), BigInteger).op("&")(
+            literal(0xFFFFFFFF, BigInteger)
+        ),
+    )
+    .subquery()
+    .c.pid
+)
 _move_unlock = select(
     func.pg_advisory_unlock(
         literal(LOCK_NS_MOVE, Integer), func.hashtext(bindparam("key", type_=Text))
@@ -246,7 +265,9 @@ _text_settings = select(
 def _digest(table: Any, key: Any) -> Any:
     """One table's row count and a digest of every row in key order: equal in source and
     target when every row arrived whole. Rows are rendered as text by the server, so the
-    comparison needs no decoding of the client's."""
+    comparison needs no decoding of the client's. The joined digests are one value, 32
+    characters a row: PostgreSQL's 1 GB bound on a value fails it from 2^25 rows, after the
+    freeze (docs/operations.md says so, and how to lead the frozen cluster again)."""
     row_text = cast(tuple_(*table.c), Text) if len(table.c) > 1 else cast(table.c[0], Text)
     joined = func.string_agg(func.md5(row_text), aggregate_order_by(literal_column("''"), key))
     return select(func.count(), func.md5(func.coalesce(joined, "")))
@@ -269,7 +290,6 @@ async def move(
     was interrupted. ``said`` gets a line per step done. ``MoveError`` when it cannot."""
     to = redact(target.url.set(drivername="postgresql"))
     await control.prepare_control(source, control_schema)
-    await control.prepare_control(target, control_schema)
     key = f"{group}/{schema}"
     async with source.connect() as locked:
         async with door.translated("taking the move's lock"):
@@ -281,6 +301,8 @@ async def move(
                 "for it to end (a move that was interrupted frees its lock with its session)"
             )
         try:
+            await _refuse_the_source(locked, target, schema, key)
+            await control.prepare_control(target, control_schema)
             return await _steps(
                 source, target, schema, group, control_schema, trusted_triggers,
                 drop_source, barrier_bound, to, said,
@@ -291,6 +313,34 @@ async def move(
             with contextlib.suppress(Exception):
                 await locked.execute(_move_unlock, {"key": key})
                 await locked.commit()
+
+
+async def _refuse_the_source(
+    locked: AsyncConnection, target: AsyncEngine, schema: str, key: str
+) -> None:
+    """Refuse a target that is the source database under another URL (another host name
+    or address for the server, its unix socket, a pooler or proxy in front of it, another
+    role or options): its schema is the cluster itself, so no copy could be made, and a
+    refusal saying "drop it there" would drop the only one. Known by what the server shows,
+    not by the URL: the target's ``pg_locks`` lists the move's lock, held by the source's
+    session, in the target's own database. Any role may read ``pg_locks``; a physical
+    clone of the source (its ``system_identifier`` and database OIDs the same) holds no
+    lock of this session, so it stays a valid target. Another database of the same server
+    is one too: its locks are listed under its own OID."""
+    async with door.translated("telling the target database from the source"):
+        pid = (await locked.execute(_backend_pid)).scalar()
+        await locked.commit()
+        async with target.connect() as c:
+            holders = (await c.execute(_move_lock_holders, {"key": key})).scalars().all()
+            await c.rollback()
+    if pid in holders:
+        raise MoveError(
+            "--to reaches the source database itself through another URL (its server shows "
+            "this move's lock, held by the source's session, in the database --to connects "
+            f"to): schema {schema!r} there is the cluster, not a copy, so do not drop it. "
+            "Name the target database in --to (another database of the same server will "
+            "do); the cluster was left as it was"
+        )
 
 
 async def _steps(

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from cronoq_store._console import reads
 from cronoq_store._console.source import Source
 from cronoq_store._host.control import LOCK_NS_HOST
+from cronoq_store._host.move import ARRIVING_MARK, MOVED_MARK
 from cronoq_store._migrations import upgrade
 from cronoq_store._urls import async_url
 
@@ -223,10 +224,12 @@ async def test_a_refused_cluster_and_a_dead_owner_not_yet_buried_are_said(
     """Control rows as no host left them to be read: one in the refused state with its
     reason (a control row's text, escaped on the page), one owned by a process whose row
     says member while its process lock is free (dead, not yet buried by a live member's
-    probe). Both pages render, each saying why no host leads it; ``health`` agrees."""
-    refused, orphaned = fleet.clusters(2)
-    async with serving(fleet.url, config(fleet, "console-host"), [refused, orphaned]) as served:
-        await until(lambda: len(served.host.led()) == 2, "the host to lead its clusters")
+    probe). Both pages render, each saying why no host leads it; ``health`` agrees. And
+    the marks of ``host move``: a tombstone and a copy not enrolled yet, each said so (not as
+    led by a group, or by an empty one)."""
+    refused, orphaned, moved, arriving = clusters = fleet.clusters(4)
+    async with serving(fleet.url, config(fleet, "console-host"), clusters) as served:
+        await until(lambda: len(served.host.led()) == 4, "the host to lead its clusters")
         pid = served.host.process_id
     # The host left: both clusters unowned, its process row left, its lock free.
     why = "<b>trust</b> check failed\x1b[2J"
@@ -246,9 +249,27 @@ async def test_a_refused_cluster_and_a_dead_owner_not_yet_buried_are_said(
         pid,
         orphaned,
     )
-    pages = {s: await fetch(f"{console_on.base}/clusters/{s}") for s in (refused, orphaned)}
-    docs = {s: await fetch(f"{console_on.base}/clusters/{s}?format=json") for s in pages}
-    assert [r.status for r in (*pages.values(), *docs.values())] == [200] * 4
+    await admin_execute(
+        fleet.url,
+        f"UPDATE {control}.clusters SET state = 'moved', refused_why = 'moved to pg://west' "
+        "WHERE schema_name = $1",
+        moved,
+    )
+    await admin_execute(
+        fleet.url, f"DELETE FROM {control}.clusters WHERE schema_name = $1", arriving
+    )
+    for schema, mark in ((moved, MOVED_MARK), (arriving, ARRIVING_MARK)):
+        await admin_execute(fleet.url, f'UPDATE "{schema}".cronoq_leader SET host_group = $1', mark)
+    pages = {s: await fetch(f"{console_on.base}/clusters/{s}") for s in clusters}
+    docs = {s: await fetch(f"{console_on.base}/clusters/{s}?format=json") for s in clusters[:2]}
+    assert [r.status for r in (*pages.values(), *docs.values())] == [200] * 6
+    move = "by <code>cronoq-store host move</code>"
+    html = pages[moved].text()
+    assert f"hosted (moved {move}, group {fleet.group})" in html
+    assert "moved: moved to pg://west" in html
+    html = pages[arriving].text()
+    assert f"hosted (arriving {move})" in html
+    assert "holds no row for it: the move enrolls it as it ends" in html
 
     host = docs[refused].json()["summary"]["host"]
     assert (host["state"], host["refused_why"], host["live"]) == ("refused", why, False)

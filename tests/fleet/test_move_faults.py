@@ -4,6 +4,7 @@ copy reads it, and a target server whose settings render rows as other text."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from ..pgharness import admin_execute
 from ..waits import until
 from . import test_two_databases as two
 from .conftest import Fleet
-from .hosts import commit_one
+from .hosts import commit_one, config, serving
 from .test_two_databases import _engine, leading, move_cli, state_in_control, two_hosts
 
 #: The second server and its fleet, as the two-database tests have them.
@@ -224,3 +225,26 @@ async def test_a_move_resumed_with_another_spelling_of_its_target_says_how(
         assert code == 1
         assert "--to spelled as the note shows" in said
         assert "elsewhere" not in said
+
+
+async def test_a_target_that_is_the_source_under_another_url_is_refused(fleet: Fleet) -> None:
+    """``--to`` reaching the source database through another name of its server: refused,
+    the cluster led on, and the message never says to drop the schema "there" (the only
+    copy). Another database of the same server is a valid target."""
+    (schema,) = fleet.clusters(1)
+    same = fleet.url.set(host="localhost" if fleet.url.host != "localhost" else "127.0.0.1")
+    other = fleet.url.set(database=f"{fleet.prefix}_db")
+    await admin_execute(fleet.url, f'CREATE DATABASE "{other.database}"')
+    try:
+        async with serving(fleet.url, config(fleet, "east"), [schema]) as east:
+            await until(leading(east, schema), "the host leads it")
+            code, said = await move_cli(fleet, replace(fleet, url=same), schema, "--drop-source")
+            assert code == 1
+            assert "reaches the source database itself" in said
+            assert "drop or rename" not in said
+            assert await state_in_control(fleet, schema) == "active"
+            await commit_one(east.host.led()[schema], 1)
+            code, said = await move_cli(fleet, replace(fleet, url=other), schema)
+            assert code == 0, said
+    finally:
+        await admin_execute(fleet.url, f'DROP DATABASE "{other.database}" WITH (FORCE)')
