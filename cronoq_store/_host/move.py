@@ -262,15 +262,41 @@ _text_settings = select(
 )
 
 
-def _digest(table: Any, key: Any) -> Any:
+#: Rows a part of a table's digest joins (:func:`_digest`): 32 MiB of joined text at most,
+#: where one value of every row would stop at PostgreSQL's 1 GB bound (2^25 rows).
+DIGEST_PART_ROWS = 1 << 20
+
+
+def _digest(table: Any, key: Any, part_rows: int = DIGEST_PART_ROWS) -> Any:
     """One table's row count and a digest of every row in key order: equal in source and
     target when every row arrived whole. Rows are rendered as text by the server, so the
-    comparison needs no decoding of the client's. The joined digests are one value, 32
-    characters a row: PostgreSQL's 1 GB bound on a value fails it from 2^25 rows, after the
-    freeze (docs/operations.md says so, and how to lead the frozen cluster again)."""
+    comparison needs no decoding of the client's. Each row's md5 is joined with the others
+    of its part (``part_rows`` rows in key order), each part's joined md5s hashed, and the
+    parts' hashes joined and hashed in order: no value nears the 1 GB bound on a value, nor
+    a backend's memory, whatever the table's size."""
     row_text = cast(tuple_(*table.c), Text) if len(table.c) > 1 else cast(table.c[0], Text)
-    joined = func.string_agg(func.md5(row_text), aggregate_order_by(literal_column("''"), key))
-    return select(func.count(), func.md5(func.coalesce(joined, "")))
+    rows = select(
+        (func.row_number().over(order_by=key) - 1).label("position"),
+        func.md5(row_text).label("row_md5"),
+    ).subquery("digested_rows")
+    part = rows.c.position.op("/", return_type=BigInteger)(literal(part_rows, BigInteger))
+    in_order: Any = aggregate_order_by(literal_column("''"), rows.c.position)
+    parts = (
+        select(
+            part.label("part"),
+            func.count().label("rows"),
+            func.md5(func.string_agg(rows.c.row_md5, in_order)).label("part_md5"),
+        )
+        .group_by(part)
+        .subquery("digested_parts")
+    )
+    joined = func.string_agg(
+        parts.c.part_md5, aggregate_order_by(literal_column("''"), parts.c.part)
+    )
+    return select(
+        cast(func.coalesce(func.sum(parts.c.rows), 0), BigInteger),
+        func.md5(func.coalesce(joined, "")),
+    )
 
 
 async def move(

@@ -11,6 +11,7 @@ import pytest
 
 from cronoq_store import StoreError
 from cronoq_store._host import move as moving
+from cronoq_store._schema import tasks
 from cronoq_store._urls import redact
 
 from ..pgharness import admin_execute
@@ -248,3 +249,47 @@ async def test_a_target_that_is_the_source_under_another_url_is_refused(fleet: F
             assert code == 0, said
     finally:
         await admin_execute(fleet.url, f'DROP DATABASE "{other.database}" WITH (FORCE)')
+
+
+async def test_the_digest_of_a_table_in_parts_tells_every_row(fleet: Fleet) -> None:
+    """A table's digest joins its rows' md5s part by part (2 rows a part here, 2^20 in a
+    move), never into one value over the 1 GB bound: equal copies agree, and a changed row
+    in any part, or a row missing, does not."""
+    a, b = fleet.clusters(2)
+    async with serving(fleet.url, config(fleet, "digest"), [a]) as served:
+        await until(lambda: a in served.host.led(), "the host to lead")
+        for n in range(5):
+            await commit_one(served.host.led()[a], n)
+    await admin_execute(fleet.url, f'CREATE SCHEMA "{b}"')
+    copy = f'"{b}".cronoq_tasks'
+    await admin_execute(fleet.url, f'CREATE TABLE {copy} (LIKE "{a}".cronoq_tasks)')
+    await admin_execute(fleet.url, f'INSERT INTO {copy} SELECT * FROM "{a}".cronoq_tasks')
+    engine = _engine(fleet.url)
+    try:
+
+        async def digests(part_rows: int) -> tuple[tuple[int, str], tuple[int, str]]:
+            statement = moving._digest(tasks, tasks.c.id, part_rows)
+            first = await moving._one(engine, a, statement)
+            second = await moving._one(engine, b, statement)
+            return (first[0], first[1]), (second[0], second[1])
+
+        source, same = await digests(2)
+        assert source == same
+        assert source[0] == 5
+        assert source != (await digests(1 << 20))[0]  # the parts are in the digest
+        ids = [row["id"] for row in await admin_execute(fleet.url, f"SELECT id FROM {copy}")]
+        for changed in sorted(ids)[1::2]:  # the last row of a part, then the first of one
+            await admin_execute(
+                fleet.url, f"UPDATE {copy} SET message = 'changed' WHERE id = $1", changed
+            )
+            source, copied = await digests(2)
+            assert copied[0] == source[0]
+            assert copied[1] != source[1]
+            await admin_execute(
+                fleet.url, f"UPDATE {copy} SET message = NULL WHERE id = $1", changed
+            )
+        await admin_execute(fleet.url, f"DELETE FROM {copy} WHERE id = $1", max(ids))
+        source, copied = await digests(2)
+        assert (copied[0], copied[1] != source[1]) == (4, True)
+    finally:
+        await engine.dispose()
