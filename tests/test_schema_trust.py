@@ -409,9 +409,10 @@ async def test_the_stores_own_sessions_run_under_a_safe_search_path(
 
 
 async def plant_an_application_path(pg_url: URL, attacker: Attacker) -> str:
-    """A ``search_path`` an application might run with, its first schema the attacker's:
-    ``=`` on ``(int, int)`` (an epoch check), ``(text, varchar)`` (a key lookup) and
-    ``(text, text)``, and ``now()``, there make the attacker superuser when the store's
+    """The application's ``search_path`` (:func:`application_engine`), its first schema
+    the attacker's: ``=`` on ``(int, int)`` (an epoch check), ``(text, varchar)`` (a key
+    lookup) and ``(text, text)``, ``now()`` and ``current_schema()`` (SQLAlchemy reads it
+    when an engine first connects) there make the attacker superuser when the store's
     statements resolve them, and draw from the sequence :func:`operator_calls` reads."""
     evil = f"{attacker.name}_own"
     await admin_execute(attacker.url, f"CREATE SCHEMA {evil}")
@@ -428,11 +429,20 @@ async def plant_an_application_path(pg_url: URL, attacker: Attacker) -> str:
             attacker.url,
             f"CREATE OPERATOR {evil}.= (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = {evil}.f)",
         )
-    now = escalating_function(
-        f"{evil}.now", attacker.name, "", "timestamptz", witness=witness, value="pg_catalog.now()"
-    )
-    await admin_execute(attacker.url, now)
-    return f"{evil}, pg_catalog, public"
+    for name, result in (("now", "timestamptz"), ("current_schema", "name")):
+        value = f"pg_catalog.{name}()"
+        await admin_execute(
+            attacker.url,
+            escalating_function(
+                f"{evil}.{name}", attacker.name, "", result, witness=witness, value=value
+            ),
+        )
+    return application_path(attacker)
+
+
+def application_path(attacker: Attacker) -> str:
+    """The application's ``search_path``: the schema the attacker writes comes first."""
+    return f"{attacker.name}_own, pg_catalog, public"
 
 
 async def operator_calls(pg_url: URL, attacker: Attacker) -> bool:
@@ -441,14 +451,19 @@ async def operator_calls(pg_url: URL, attacker: Attacker) -> bool:
     return bool(rows[0][0])
 
 
-def application_engine(pg_url: URL, path: str) -> AsyncEngine:
-    """An application's engine of one pooled session, whose ``search_path`` is ``path``."""
-    return create_async_engine(
+async def application_engine(pg_url: URL, attacker: Attacker) -> AsyncEngine:
+    """An application's engine of one pooled session, under :func:`application_path`, used
+    once before anything is planted: SQLAlchemy sets its dialect up as the engine first
+    connects, under the application's settings, which is the application's business."""
+    engine = create_async_engine(
         async_url(pg_url),
         pool_size=1,
         max_overflow=0,
-        connect_args={"server_settings": {"search_path": path}},
+        connect_args={"server_settings": {"search_path": application_path(attacker)}},
     )
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+    return engine
 
 
 async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
@@ -456,9 +471,9 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
 ) -> None:
     """An application whose search_path puts a schema others can write first: its own
     statements are its business, the store's must not resolve anything there."""
-    app_path = await plant_an_application_path(pg_url, attacker)
-    app = application_engine(pg_url, app_path)
+    app = await application_engine(pg_url, attacker)
     try:
+        app_path = await plant_an_application_path(pg_url, attacker)
         async with await PgStore.from_engine(app, config(migrated)) as store:
             await commit_one_task(store)  # epoch check: integer = integer
             await store.commit(
@@ -478,6 +493,8 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             await store.commit(0, PROCESS_BASE, copied, [(TaskId(1), b"out")])
             assert len((await store.recover(PROCESS_BASE)).tasks) == 1 + COPY_MIN_ROWS
             assert await store.prune(0) == 0
+            # The lock session, made as the application's engine makes its sessions.
+            assert await store.acquire_leadership() == 1
         assert not await operator_calls(pg_url, attacker)
         assert not await is_superuser(pg_url, attacker.name)
         async with app.connect() as conn:  # the pool's one session, given back
@@ -492,8 +509,7 @@ async def test_a_host_on_a_borrowed_engine_runs_nothing_under_its_search_path(
     """``PgHost.from_engine`` on the same application's engine: enrolment, serving (claim,
     recovery, the commit bus's lanes, reads) and removal resolve nothing in the
     application's path, and leave it as it was on the application's session."""
-    app_path = await plant_an_application_path(pg_url, attacker)
-    app = application_engine(pg_url, app_path)
+    app = await application_engine(pg_url, attacker)
     control = f"{migrated}_host"
     cfg = PgHostConfig(
         store=config(migrated), control_schema=control, max_connections=3, join_settle=0.0
@@ -505,6 +521,7 @@ async def test_a_host_on_a_borrowed_engine_runs_nothing_under_its_search_path(
         await store.leadership_lost()
 
     try:
+        app_path = await plant_an_application_path(pg_url, attacker)
         host = await PgHost.from_engine(app, cfg)
         serving = asyncio.ensure_future(host.serve(lead))
         try:
