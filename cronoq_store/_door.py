@@ -88,7 +88,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, Pool, PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_, greenlet_spawn
 
 from . import _catalog as catalog
 from . import _statements as st
@@ -1398,8 +1398,22 @@ def borrowed_lock_engine(url: str | URL, pool: Pool) -> AsyncEngine:
     ``recreate()``-d): sessions are made as the application's engine makes its own (its
     creator, TLS, connect arguments and bound), in autocommit, and ``url`` only names the
     dialect. The session's settings are applied once connected
-    (:meth:`LockSession.apply_settings`)."""
-    return create_async_engine(url, pool=pool, isolation_level="AUTOCOMMIT", hide_parameters=True)
+    (:meth:`LockSession.apply_settings`); its ``search_path`` before anything else
+    (:func:`_safe_path_first`)."""
+    engine = create_async_engine(url, pool=pool, isolation_level="AUTOCOMMIT", hide_parameters=True)
+    event.listen(engine.sync_engine.pool, "connect", _safe_path_first, insert=True)
+    return engine
+
+
+def _safe_path_first(dbapi_connection: Any, record: Any) -> None:
+    """Set :data:`~cronoq_store._statements.SEARCH_PATH` on a new lock session before the
+    pool's other listeners query it: SQLAlchemy reads ``current_schema()`` as an engine
+    first connects, and the dialect's codec set-up queries the catalog with unqualified
+    operators, under the ``search_path`` the application's connect arguments gave (a
+    schema another role writes, put first, would answer as us). A command that resolves
+    no name."""
+    driver = dbapi_connection.driver_connection
+    await_(driver.execute(f"SET search_path TO {st.SEARCH_PATH}"))
 
 
 def migration_engine(url: str | URL) -> AsyncEngine:

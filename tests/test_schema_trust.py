@@ -27,8 +27,9 @@ from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._console import reads
 from cronoq_store._console.source import Source
-from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus
+from cronoq_store._domain import StatusChanged, Submitted, TaskId, TaskSpec, TaskStatus, task_id
 from cronoq_store._errors import MigrationError
+from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 from cronoq_store._migrations import upgrade
 from cronoq_store._store import PgStore
 from cronoq_store._trust import refuse_untrusted, untrusted_among
@@ -69,12 +70,25 @@ async def is_superuser(pg_url: URL, role: str) -> bool:
     return bool(rows[0][0])
 
 
-def escalating_function(where: str, attacker: str, args: str, result: str) -> str:
-    """A function that makes ``attacker`` superuser when a superuser calls it."""
+def escalating_function(
+    where: str,
+    attacker: str,
+    args: str,
+    result: str,
+    *,
+    witness: str | None = None,
+    value: str = "false",
+) -> str:
+    """A function that makes ``attacker`` superuser when a superuser calls it, returning
+    ``value`` (``NEW`` for a trigger). With ``witness`` (a sequence), each call also draws
+    from it, which no rollback undoes: the call shows even where the caller's transaction
+    rolled the escalation back (a read), as a payload that acts outside the transaction
+    (``COPY ... TO PROGRAM``) would."""
+    draw = "" if witness is None else f"PERFORM pg_catalog.nextval('{witness}'); "
+    returned = "NEW" if result == "trigger" else value
     return (
         f"CREATE FUNCTION {where}({args}) RETURNS {result} LANGUAGE plpgsql AS $$ "
-        f"BEGIN ALTER ROLE {attacker} SUPERUSER; "
-        + ("RETURN NEW; END $$" if result == "trigger" else "RETURN false; END $$")
+        f"BEGIN {draw}ALTER ROLE {attacker} SUPERUSER; RETURN {returned}; END $$"
     )
 
 
@@ -394,31 +408,72 @@ async def test_the_stores_own_sessions_run_under_a_safe_search_path(
     assert path == "pg_catalog, pg_temp"
 
 
-async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
-    pg_url: URL, migrated: str, attacker: Attacker
-) -> None:
-    """An application whose search_path puts a schema others can write first: its own
-    statements are its business, the store's must not resolve anything there."""
+async def plant_an_application_path(pg_url: URL, attacker: Attacker) -> str:
+    """The application's ``search_path`` (:func:`application_engine`), its first schema
+    the attacker's: ``=`` on ``(int, int)`` (an epoch check), ``(text, varchar)`` (a key
+    lookup) and ``(text, text)``, ``now()`` and ``current_schema()`` (SQLAlchemy reads it
+    when an engine first connects) there make the attacker superuser when the store's
+    statements resolve them, and draw from the sequence :func:`operator_calls` reads."""
     evil = f"{attacker.name}_own"
     await admin_execute(attacker.url, f"CREATE SCHEMA {evil}")
     await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {evil} TO PUBLIC")
-    for args in ("int, int", "text, varchar"):
+    witness = f"{evil}.calls"
+    await admin_execute(attacker.url, f"CREATE SEQUENCE {witness}")
+    for args in ("int, int", "text, varchar", "text, text"):
         await admin_execute(
-            attacker.url, escalating_function(f"{evil}.f", attacker.name, args, "bool")
+            attacker.url,
+            escalating_function(f"{evil}.f", attacker.name, args, "bool", witness=witness),
         )
         left, right = args.split(", ")
         await admin_execute(
             attacker.url,
             f"CREATE OPERATOR {evil}.= (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = {evil}.f)",
         )
-    app_path = f"{evil}, pg_catalog, public"
-    app = create_async_engine(
+    for name, result in (("now", "timestamptz"), ("current_schema", "name")):
+        value = f"pg_catalog.{name}()"
+        await admin_execute(
+            attacker.url,
+            escalating_function(
+                f"{evil}.{name}", attacker.name, "", result, witness=witness, value=value
+            ),
+        )
+    return application_path(attacker)
+
+
+def application_path(attacker: Attacker) -> str:
+    """The application's ``search_path``: the schema the attacker writes comes first."""
+    return f"{attacker.name}_own, pg_catalog, public"
+
+
+async def operator_calls(pg_url: URL, attacker: Attacker) -> bool:
+    """Whether anything :func:`plant_an_application_path` planted ran, committed or not."""
+    rows = await admin_execute(pg_url, f"SELECT is_called FROM {attacker.name}_own.calls")
+    return bool(rows[0][0])
+
+
+async def application_engine(pg_url: URL, attacker: Attacker) -> AsyncEngine:
+    """An application's engine of one pooled session, under :func:`application_path`, used
+    once before anything is planted: SQLAlchemy sets its dialect up as the engine first
+    connects, under the application's settings, which is the application's business."""
+    engine = create_async_engine(
         async_url(pg_url),
         pool_size=1,
         max_overflow=0,
-        connect_args={"server_settings": {"search_path": app_path}},
+        connect_args={"server_settings": {"search_path": application_path(attacker)}},
     )
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+    return engine
+
+
+async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """An application whose search_path puts a schema others can write first: its own
+    statements are its business, the store's must not resolve anything there."""
+    app = await application_engine(pg_url, attacker)
     try:
+        app_path = await plant_an_application_path(pg_url, attacker)
         async with await PgStore.from_engine(app, config(migrated)) as store:
             await commit_one_task(store)  # epoch check: integer = integer
             await store.commit(
@@ -438,11 +493,69 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             await store.commit(0, PROCESS_BASE, copied, [(TaskId(1), b"out")])
             assert len((await store.recover(PROCESS_BASE)).tasks) == 1 + COPY_MIN_ROWS
             assert await store.prune(0) == 0
+            # The lock session, made as the application's engine makes its sessions.
+            assert await store.acquire_leadership() == 1
+        assert not await operator_calls(pg_url, attacker)
         assert not await is_superuser(pg_url, attacker.name)
         async with app.connect() as conn:  # the pool's one session, given back
             assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
     finally:
         await app.dispose()
+
+
+async def test_a_host_on_a_borrowed_engine_runs_nothing_under_its_search_path(
+    pg_url: URL, migrated: str, attacker: Attacker
+) -> None:
+    """``PgHost.from_engine`` on the same application's engine: enrolment, serving (claim,
+    recovery, the commit bus's lanes, reads) and removal resolve nothing in the
+    application's path, and leave it as it was on the application's session."""
+    app = await application_engine(pg_url, attacker)
+    control = f"{migrated}_host"
+    cfg = PgHostConfig(
+        store=config(migrated), control_schema=control, max_connections=3, join_settle=0.0
+    )
+    gained: asyncio.Queue[HostedStore] = asyncio.Queue()
+
+    async def lead(store: HostedStore) -> None:
+        await gained.put(store)
+        await store.leadership_lost()
+
+    try:
+        app_path = await plant_an_application_path(pg_url, attacker)
+        host = await PgHost.from_engine(app, cfg)
+        serving = asyncio.ensure_future(host.serve(lead))
+        try:
+            assert await host.enroll(migrated) == [migrated]
+            # Again: its control row is there now, and the enrolment reads it (schema_name =
+            # varchar), first alone, then in its transaction.
+            assert await host.enroll(migrated) == []
+            store = await bounded(gained.get(), "the host to lead the enrolled cluster")
+            assert store.epoch is not None
+            await store.recover(PROCESS_BASE)
+            epoch, ns = store.epoch, PROCESS_BASE.engine_ns
+            # Through the commit bus: a transaction (its epoch check is integer = integer),
+            # then one that COPYs its tasks.
+            first = [Submitted(task_id(epoch, 1), 1, ns, TaskSpec(b"hosted"))]
+            await store.commit(epoch, PROCESS_BASE, first, [])
+            copied = [
+                Submitted(task_id(epoch, n), n, ns, TaskSpec(b"bulk"))
+                for n in range(2, 2 + COPY_MIN_ROWS)
+            ]
+            await store.commit(epoch, PROCESS_BASE, copied, [])
+            assert await store.get_task("no such key") is None  # key = varchar
+            assert (await store.health()).has_leader
+            assert await store.prune(0) == 0
+            assert await host.remove(migrated)
+        finally:
+            await host.close()
+            await bounded(serving, "serve to return once the host closed")
+        assert not await operator_calls(pg_url, attacker)
+        assert not await is_superuser(pg_url, attacker.name)
+        async with app.connect() as conn:  # the pool's one session, given back
+            assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
+    finally:
+        await app.dispose()
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{control}" CASCADE')
 
 
 # --- every trigger on our tables is refused unless the operator named it --------------------

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -59,6 +59,8 @@ from .session import Claim, ClaimRefused, HostSession
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
 
 logger = logging.getLogger("cronoq_store")
+
+_T = TypeVar("_T")
 
 #: Unowned clusters read at a time when looking for some to claim.
 _CANDIDATES = 1024
@@ -375,6 +377,13 @@ class PgHost:
         self._engine = engine
         self._config = config
         self._owns_engine = owns_engine
+        # Sessions that may carry settings that are not the store's, as for a PgStore: an
+        # application's (any search_path, role, timeouts), or a transaction-pooling
+        # PgBouncer's. Each of the host's transactions there opens with the store's own
+        # (:meth:`_transaction`); the host's own pool's sessions carry them from connect.
+        borrowed = not owns_engine or not config.store.prepared_statements
+        self._opening = _opening(engine, door.idle_in_transaction_ms(config.store), borrowed)
+        self._read_opening = _opening(engine, st.IDLE_LIMIT_MS, borrowed)
         self._lock_engine = lock_engine
         self._settings = settings
         self._apply_settings = apply_settings
@@ -455,7 +464,10 @@ class PgHost:
     ) -> PgHost:
         """A host on an application's ``AsyncEngine`` (asyncpg), sharing its pool:
         ``max_connections`` does not size it (it still sets the commit lanes and the
-        recoveries at once), and :meth:`close` leaves the engine open.
+        recoveries at once), and :meth:`close` leaves the engine open. Each transaction of
+        the host and its stores there opens with the store's own settings, for itself
+        alone: the application's sessions keep theirs, and a ``search_path`` of theirs
+        reaches no statement of ours (docs/reliability.md, "Borrowed sessions").
         The host session is dialled from ``lock_url`` when given (a direct server URL, as
         for ``PgStore.from_engine``), else made as the engine makes its own connections, on
         a pool of its own that hands out none of the application's sessions."""
@@ -527,6 +539,15 @@ class PgHost:
         """The clusters this process leads now, by schema."""
         return {schema: led.store for schema, led in self._led.items() if led.term.is_leader}
 
+    def _transaction(self, work: Callable[[AsyncConnection], Awaitable[_T]]) -> Awaitable[_T]:
+        """``work`` in a transaction on the pool, under the store's settings: on an
+        application's session, whose ``search_path`` may put first a schema another role
+        writes (its operators would run as us), the transaction opens with the store's own,
+        for itself alone (:func:`_opening`); a session the application reset (``DISCARD
+        ALL``) runs it again (:func:`~cronoq_store._door.run_transaction`). On the host's
+        own pool, SQLAlchemy's ``BEGIN``: its sessions carry them from connect."""
+        return door.run_transaction(self._engine, self._opening, work)
+
     # --- enrolment --------------------------------------------------------------------
 
     async def enroll(self, schemas: str | Iterable[str], *, migrate: bool = True) -> list[str]:
@@ -550,13 +571,15 @@ class PgHost:
     async def _enroll_one(self, schema: str, migrate: bool) -> bool:
         store = self._config.store
         in_control = schema_options(self._config.control_schema)
+
+        async def read_move(conn: AsyncConnection) -> Any:
+            found = await conn.execute(move_state, {"schema": schema}, execution_options=in_control)
+            return found.first()
+
         # Before the migration, which would make an empty schema where a move dropped the
         # source: checked again below, with the control row locked.
-        async with door.translated(f"enrolling schema {schema!r}"), self._engine.connect() as c:
-            moved = (
-                await c.execute(move_state, {"schema": schema}, execution_options=in_control)
-            ).first()
-            await c.rollback()
+        async with door.translated(f"enrolling schema {schema!r}"):
+            moved = await self._transaction(read_move)
         if moved is not None:
             raise StoreError(refusal(schema, moved.state, moved.refused_why))
         if migrate:
@@ -568,57 +591,64 @@ class PgHost:
             )
         else:
             await migrations.require_head(
-                self._engine, schema, trusted_triggers=store.trusted_triggers
+                self._engine,
+                schema,
+                trusted_triggers=store.trusted_triggers,
+                opening=self._read_opening,
             )
+        async with door.translated(f"enrolling schema {schema!r}"):
+            return await self._transaction(lambda conn: self._enroll_in(conn, schema))
+
+    async def _enroll_in(self, conn: AsyncConnection, schema: str) -> bool:
+        """Enroll ``schema`` in ``conn``'s transaction: its leader row marked as the group's
+        under its leader lock, its control row added (or made current); whether it was new."""
+        in_control = schema_options(self._config.control_schema)
         group = self._config.group
-        async with door.translated(f"enrolling schema {schema!r}"), self._engine.begin() as conn:
-            oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar()
-            incarnation = (
-                await conn.execute(st.leader_now, execution_options=schema_options(schema))
-            ).first()
-            if oid is None or incarnation is None:
-                raise StoreError(f"schema {schema!r} holds no migrated cluster")
-            await self._take_leader_lock(conn, schema, int(oid))
-            marked = (
-                await conn.execute(
-                    st.enroll_cluster,
-                    {"group": group, "incarnation": int(incarnation.tableoid)},
-                    execution_options=schema_options(schema),
-                )
-            ).first()
-            if marked is None:
-                why = await _not_enrollable(conn, schema, self._config.control_schema)
-                raise StoreError(f"enrolling schema {schema!r} failed: {why}")
-            moved = (
-                await conn.execute(move_state, {"schema": schema}, execution_options=in_control)
-            ).first()
-            if moved is not None:
-                raise StoreError(refusal(schema, moved.state, moved.refused_why))
-            row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
-            added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
-            if added is None:
-                raise UnavailableError(
-                    f"enrolling schema {schema!r} failed: another enrolment of it committed "
-                    "meanwhile; enroll it again",
-                    reconnect=False,
-                )
-            if added.inserted:
-                return True
-            if added.host_group != group:
-                raise StoreError(
-                    f"enrolling schema {schema!r} failed: it is enrolled in host group "
-                    f"{added.host_group!r}"
-                )
-            # Listed already. Made again under its name since: enrolling again is the
-            # operator's word that the cluster standing there now is the group's, unowned
-            # until claimed. Refused: the operator cleared the cause, so it is claimed again.
-            # Listed as it stands, led or not: nothing changes (every process of a group may
-            # enroll the same clusters at its start).
-            again = (
-                control.reenroll if added.incarnation != row["incarnation"] else control.mark_active
+        oid = (await conn.execute(st.schema_oid, {"schema": schema})).scalar()
+        incarnation = (
+            await conn.execute(st.leader_now, execution_options=schema_options(schema))
+        ).first()
+        if oid is None or incarnation is None:
+            raise StoreError(f"schema {schema!r} holds no migrated cluster")
+        await self._take_leader_lock(conn, schema, int(oid))
+        marked = (
+            await conn.execute(
+                st.enroll_cluster,
+                {"group": group, "incarnation": int(incarnation.tableoid)},
+                execution_options=schema_options(schema),
             )
-            await conn.execute(again, row, execution_options=in_control)
-            return False
+        ).first()
+        if marked is None:
+            why = await _not_enrollable(conn, schema, self._config.control_schema)
+            raise StoreError(f"enrolling schema {schema!r} failed: {why}")
+        moved = (
+            await conn.execute(move_state, {"schema": schema}, execution_options=in_control)
+        ).first()
+        if moved is not None:
+            raise StoreError(refusal(schema, moved.state, moved.refused_why))
+        row = {"group": group, "schema": schema, "incarnation": int(incarnation.tableoid)}
+        added = (await conn.execute(control.enroll, row, execution_options=in_control)).first()
+        if added is None:
+            raise UnavailableError(
+                f"enrolling schema {schema!r} failed: another enrolment of it committed "
+                "meanwhile; enroll it again",
+                reconnect=False,
+            )
+        if added.inserted:
+            return True
+        if added.host_group != group:
+            raise StoreError(
+                f"enrolling schema {schema!r} failed: it is enrolled in host group "
+                f"{added.host_group!r}"
+            )
+        # Listed already. Made again under its name since: enrolling again is the
+        # operator's word that the cluster standing there now is the group's, unowned
+        # until claimed. Refused: the operator cleared the cause, so it is claimed again.
+        # Listed as it stands, led or not: nothing changes (every process of a group may
+        # enroll the same clusters at its start).
+        again = control.reenroll if added.incarnation != row["incarnation"] else control.mark_active
+        await conn.execute(again, row, execution_options=in_control)
+        return False
 
     async def _take_leader_lock(self, conn: AsyncConnection, schema: str, oid: int) -> None:
         """Take the cluster's standalone leader lock for the enrolment's transaction, trying
@@ -650,47 +680,50 @@ class PgHost:
         row keeps the move's mark, so nothing leads that copy, and a move back into this
         database needs the name free in the control schema."""
         validate_schema_name(schema)
+        async with door.translated(f"removing schema {schema!r}"):
+            removed = await self._transaction(lambda conn: self._remove_in(conn, schema))
+        self._wake.set()
+        return removed
+
+    async def _remove_in(self, conn: AsyncConnection, schema: str) -> bool:
+        """Take ``schema`` out of the group in ``conn``'s transaction (:meth:`remove`)."""
         group = self._config.group
         bound = self._config.store.commit_timeout
-        async with door.translated(f"removing schema {schema!r}"), self._engine.begin() as conn:
-            in_cluster = schema_options(schema)
-            removed = (
-                await conn.execute(
-                    control.remove,
-                    {"group": group, "schema": schema},
-                    execution_options=schema_options(self._config.control_schema),
-                )
-            ).first()
-            if removed is None:
-                return False
-            if removed.state == MOVING:
-                # Raised inside the transaction: the row stays.
-                raise StoreError(
-                    f"schema {schema!r} is being moved ({removed.refused_why}): finish or "
-                    "resume the move first (`cronoq-store host move`, same --to); removed "
-                    "now, it would stay frozen with no move to resume"
-                )
-            if removed.state == MOVED:
-                return True  # a tombstone: its leader row's mark keeps every leader off
-            if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
-                return True  # nothing left to fence
-            await door.leader_barrier(
-                lambda statement, params: conn.execute(
-                    statement, params, execution_options=in_cluster
-                ),
-                schema,
-                bound,
-                "removing a cluster from its host group (the bound is commit_timeout)",
+        in_cluster = schema_options(schema)
+        removed = (
+            await conn.execute(
+                control.remove,
+                {"group": group, "schema": schema},
+                execution_options=schema_options(self._config.control_schema),
             )
-            row = (await conn.execute(st.leader_now, execution_options=in_cluster)).first()
-            if row is not None:
-                await conn.execute(
-                    st.take_hosted_epoch,
-                    {"incarnation": int(row.tableoid), "group": group},
-                    execution_options=in_cluster,
-                )
-            await conn.execute(st.unenroll_cluster, {"group": group}, execution_options=in_cluster)
-        self._wake.set()
+        ).first()
+        if removed is None:
+            return False
+        if removed.state == MOVING:
+            # Raised inside the transaction: the row stays.
+            raise StoreError(
+                f"schema {schema!r} is being moved ({removed.refused_why}): finish or "
+                "resume the move first (`cronoq-store host move`, same --to); removed "
+                "now, it would stay frozen with no move to resume"
+            )
+        if removed.state == MOVED:
+            return True  # a tombstone: its leader row's mark keeps every leader off
+        if (await conn.execute(st.schema_oid, {"schema": schema})).scalar() is None:
+            return True  # nothing left to fence
+        await door.leader_barrier(
+            lambda statement, params: conn.execute(statement, params, execution_options=in_cluster),
+            schema,
+            bound,
+            "removing a cluster from its host group (the bound is commit_timeout)",
+        )
+        row = (await conn.execute(st.leader_now, execution_options=in_cluster)).first()
+        if row is not None:
+            await conn.execute(
+                st.take_hosted_epoch,
+                {"incarnation": int(row.tableoid), "group": group},
+                execution_options=in_cluster,
+            )
+        await conn.execute(st.unenroll_cluster, {"group": group}, execution_options=in_cluster)
         return True
 
     # --- serving ----------------------------------------------------------------------
@@ -947,17 +980,19 @@ class PgHost:
         self._pruned_left_at = now
         params = {"group": self._config.group, "seconds": _LEFT_KEPT, "limit": _PRUNE_LEFT_ROWS}
         wait = {"ms": str(round(self._config.store.commit_timeout * 1000))}
+
+        async def prune(conn: AsyncConnection) -> int:
+            await conn.execute(st.set_local_lock_timeout, wait)
+            pruned = await conn.execute(
+                control.prune_left,
+                params,
+                execution_options=control.control_options(self._config.control_schema),
+            )
+            return len(pruned.all())
+
         try:
-            async with door.translated("pruning left processes"), self._engine.begin() as conn:
-                # An application's pooled session may carry any search_path.
-                await conn.execute(st.local_search_path)
-                await conn.execute(st.set_local_lock_timeout, wait)
-                pruned = await conn.execute(
-                    control.prune_left,
-                    params,
-                    execution_options=control.control_options(self._config.control_schema),
-                )
-                count = len(pruned.all())
+            async with door.translated("pruning left processes"):
+                count = await self._transaction(prune)
         except StoreError as error:
             logger.warning(
                 "pruning the rows of processes that left failed; trying again later",
@@ -1144,6 +1179,16 @@ class PgHost:
     async def _end_all(self, reason: str) -> None:
         for led in list(self._led.values()):
             led.term.mark_lost(reason)
+
+
+def _opening(engine: AsyncEngine, idle_in_transaction_ms: int, borrowed: bool) -> str | None:
+    """The message that opens the host's transactions on ``engine``'s sessions with the
+    store's settings (``idle_in_transaction_ms`` their idle limit) when they are
+    ``borrowed``; ``None`` (SQLAlchemy's ``BEGIN``) on the host's own, which have them."""
+    if not borrowed:
+        return None
+    statements = st.store_transaction(idle_in_transaction_ms, borrowed=True)
+    return door.opening_message(statements, engine.dialect)
 
 
 def _dialled_host_session(
