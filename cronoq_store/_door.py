@@ -1599,6 +1599,27 @@ async def accepts_writes(conn: AsyncConnection) -> bool | None:
     return writable
 
 
+async def refuse_unsafe_lock_session(
+    engine: AsyncEngine, *, prepared_statements: bool, lock_url: str | URL | None, borrowed: bool
+) -> None:
+    """Refuse, before anything connects, a leader lock session that could not be trusted:
+    on a pool without prepared statements (a transaction-pooling PgBouncer) without a
+    direct ``lock_url``, where the session advisory lock would live on a server connection
+    other clients share; a ``lock_url`` that cannot be honoured; a borrowed ``engine`` that
+    dials somewhere its URL does not say (:func:`refuse_ignored_parameters`), whose sessions
+    the lock session is made like."""
+    if not prepared_statements and lock_url is None:
+        raise ValueError(
+            "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
+            "needs lock_url=, a direct URL to the server: the leader's session advisory "
+            "lock cannot live on a pooled server connection"
+        )
+    if lock_url is not None:
+        resolve(lock_url)
+    elif borrowed:
+        await refuse_ignored_parameters(engine)
+
+
 async def refuse_ignored_parameters(engine: AsyncEngine) -> None:
     """Refuse, by name, an application's engine that dials somewhere its URL does not say.
 

@@ -365,16 +365,12 @@ class PgStore:
     ) -> PgStore:
         """``url``: the one the store's own engine was made from, as given (``engine.url``
         names the first host only), for the lock session."""
-        if not config.prepared_statements and lock_url is None:
-            raise ValueError(
-                "prepared_statements=False (a pool behind a transaction-pooling PgBouncer) "
-                "needs lock_url=, a direct URL to the server: the leader's session advisory "
-                "lock cannot live on a pooled server connection"
-            )
-        if lock_url is not None:
-            resolve_url(lock_url)  # refuse what cannot be honoured before anything connects
-        elif not owns_engine:
-            await door.refuse_ignored_parameters(engine)
+        await door.refuse_unsafe_lock_session(
+            engine,
+            prepared_statements=config.prepared_statements,
+            lock_url=lock_url,
+            borrowed=not owns_engine,
+        )
         where = redact(engine.url)
         # What the store reads at open runs under its own settings too: an application's
         # SET (a role, a millisecond's timeout) must neither fail the open nor be believed.

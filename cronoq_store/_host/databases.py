@@ -46,15 +46,31 @@ class ClusterRef:
     schema: str
 
 
-#: A database that fails these ways has not answered: tried again, never a caller's error.
-_UNANSWERED = (StoreError, OSError, asyncio.TimeoutError)
+#: How a database's dial or read fails; :func:`_unanswered` tells which of these only an
+#: operator mends.
+_FAILURES = (StoreError, OSError, asyncio.TimeoutError)
+
+
+def _unanswered(error: BaseException) -> bool:
+    """Whether ``error`` says the database did not answer (down, silent, in a failover):
+    tried again, and no caller's error. Anything else (a wrong password or database name,
+    a control schema a newer build migrated or a role we cannot trust controls) holds until
+    an operator acts: :meth:`MultiDatabaseHost.connect` raises it."""
+    if isinstance(error, StoreError):
+        return error.is_transient
+    return isinstance(error, (OSError, asyncio.TimeoutError))
 
 
 def _log_failed_dial(label: str, dial: asyncio.Task[PgHost]) -> None:
-    """Log a dial that failed, whoever waits for it (perhaps no one yet)."""
+    """Log a dial that failed, whoever waits for it (perhaps no one yet): a warning if the
+    database did not answer, an error if only an operator can mend it."""
     if not dial.cancelled() and (error := dial.exception()) is not None:
-        logger.warning(
-            "cannot reach a database of the host for now",
+        unanswered = _unanswered(error)
+        logger.log(
+            logging.WARNING if unanswered else logging.ERROR,
+            "cannot reach a database of the host for now"
+            if unanswered
+            else "a database of the host refuses this process; retrying until it is mended",
             extra={"database": label, "error": str(error)},
         )
 
@@ -98,10 +114,13 @@ class MultiDatabaseHost:
         ``database`` the database's label (its telemetry's ``cronoq.host.database``).
 
         Each database gets ``session_timeout`` to answer, the bound within which the store
-        tells a slow server from a silent one. One that fails, or has not answered by then,
-        is not an error: its dial goes on in the background (a server that accepts and never
+        tells a slow server from a silent one. One that has not answered by then, or is
+        down, is not an error: its dial goes on in the background (a server that accepts and never
         answers holds it for the pool's connect bound, 60 s), :meth:`serve` keeps trying it,
-        and :meth:`enroll` in it waits for that dial and raises if it fails."""
+        and :meth:`enroll` in it waits for that dial and raises if it fails. One that
+        refuses this process (a wrong password or database name, a control schema a newer
+        build migrated or an untrusted role controls) raises here: only an operator mends
+        it, and :meth:`serve` would retry it, logging an error, until one does."""
         made = cls(databases, config or PgHostConfig())
         dials = [made._dial(db) for db in made._databases.values()]
         try:
@@ -109,7 +128,7 @@ class MultiDatabaseHost:
             for dial in dials:
                 if dial.done() and not dial.cancelled():
                     error = dial.exception()
-                    if error is not None and not isinstance(error, _UNANSWERED):
+                    if error is not None and not _unanswered(error):
                         raise error
         except BaseException:
             await made.close()
@@ -131,10 +150,10 @@ class MultiDatabaseHost:
 
     async def _connected(self, db: _Database) -> PgHost:
         """``db``'s host, waiting for its dial if it is not connected yet."""
-        if db.host is not None:
-            return db.host
         if self._closing.is_set():
             raise StoreError("this host is closed")
+        if db.host is not None:
+            return db.host
         dial = self._dial(db)
         # Waited for, not awaited: the dial is shared, and one waiter's cancel must not end it.
         await asyncio.wait({dial})
@@ -244,7 +263,7 @@ class MultiDatabaseHost:
                 self._config.store.session_timeout,
                 silent=f"database {other.label!r} did not answer",
             )
-        except _UNANSWERED as error:
+        except _FAILURES as error:
             # Refusing, or waiting for the dial's own bound, would keep an application that
             # enrolls at its start from leading any database while one is down or silent;
             # the check is no lock anyway.
@@ -314,7 +333,7 @@ class MultiDatabaseHost:
         while not self._closing.is_set():
             try:
                 host = await self._connected(db)
-            except _UNANSWERED:  # logged by the dial
+            except _FAILURES:  # logged by the dial; one refused is retried until mended
                 await pause(next(delays), self._closing)
                 continue
             await host.serve(partial(self._lead_one, db.label))

@@ -477,6 +477,13 @@ class PgHost:
                 f"engine: the host needs the asyncpg driver (postgresql+asyncpg://), got "
                 f"{engine.dialect.name}+{engine.dialect.driver}"
             )
+        # The host session holds the process lock every hosted cluster's fence rests on.
+        await door.refuse_unsafe_lock_session(
+            engine,
+            prepared_statements=config.store.prepared_statements,
+            lock_url=lock_url,
+            borrowed=True,
+        )
         await control.prepare_control(engine, config.control_schema)
         instance = secrets.token_hex(4)
         if lock_url is None:
@@ -493,6 +500,12 @@ class PgHost:
             apply_settings=lock_url is None,
             instance=instance,
         )
+
+    def _refuse_closed(self) -> None:
+        """Refuse work once :meth:`close` began: its pool is disposed (a disposed engine
+        makes a new pool, whose connections no one would close)."""
+        if self._closing.is_set():
+            raise StoreError("this host is closed")
 
     async def close(self) -> None:
         """Hand every cluster over, leave the group, and close the pool (unless it is an
@@ -556,6 +569,7 @@ class PgHost:
         in the control schema. A cluster a standalone ``PgStore`` leads is refused with
         ``LockHeldError`` naming it; one already in this group is left as it is. Returns
         the schemas newly enrolled."""
+        self._refuse_closed()
         names = [schemas] if isinstance(schemas, str) else list(schemas)
         for name in names:
             validate_schema_name(name)
@@ -679,6 +693,7 @@ class PgHost:
         ``moved`` row (the source's tombstone) is deleted and nothing else done: its leader
         row keeps the move's mark, so nothing leads that copy, and a move back into this
         database needs the name free in the control schema."""
+        self._refuse_closed()
         validate_schema_name(schema)
         async with door.translated(f"removing schema {schema!r}"):
             removed = await self._transaction(lambda conn: self._remove_in(conn, schema))
