@@ -89,7 +89,11 @@ class Worker:
         profile_dir = os.environ.get(PROFILE_ENV)
         if profile_dir:
             env[PROFILE_ENV] = str(Path(profile_dir) / f"{name}.prof")
-        args = {**args, "url": dsn(url.update_query_dict({"application_name": name}))}
+        args = {
+            **args,
+            "name": name,
+            "url": dsn(url.update_query_dict({"application_name": name})),
+        }
         started = time.monotonic()
         process = await asyncio.create_subprocess_exec(
             sys.executable,

@@ -160,8 +160,27 @@ async def _lead(store: HostedStore, journal: _Journal, every: float) -> None:
         lost.cancel()
 
 
+class _OneLine(logging.Formatter):
+    """A record on one line of stderr: the process's name, the level, the message and the
+    record's extra fields (the store logs its details there)."""
+
+    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        extra = {k: v for k, v in vars(record).items() if k not in self._STANDARD}
+        return f"{self._name}: {record.levelname} {record.getMessage()} {extra}"
+
+
 async def serve(args: dict[str, Any]) -> None:
-    logging.getLogger("cronoq_store").addHandler(logging.NullHandler())
+    # What the host says of lost sessions and failed rounds is the run's evidence.
+    said = logging.StreamHandler()
+    said.setLevel(logging.WARNING)
+    said.setFormatter(_OneLine(args["name"]))
+    logging.getLogger("cronoq_store").addHandler(said)
     journal = _Journal(Path(args["journal"]))
     started = time.monotonic()
     host = await PgHost.connect(args["url"], host_config(args))

@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import subprocess
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 from unittest.mock import ANY
@@ -318,9 +319,14 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
     pg_url: URL, migrated: str
 ) -> None:
     url = full(pg_url)
+    # A session check may take over a second on a loaded machine: this test is about what
+    # the command prints, not about noticing a lost session fast.
+    def slow(name: str) -> PgStoreConfig:
+        return replace(ha_config(migrated, name), keepalive=1.0, session_timeout=10.0)
+
     async with (
-        await PgStore.connect(pg_url, ha_config(migrated, "handover-a")) as a,
-        await PgStore.connect(pg_url, ha_config(migrated, "handover-b")) as b,
+        await PgStore.connect(pg_url, slow("handover-a")) as a,
+        await PgStore.connect(pg_url, slow("handover-b")) as b,
     ):
         first = await a.acquire_leadership()
         standby = asyncio.create_task(b.acquire_leadership())

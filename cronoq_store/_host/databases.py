@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 
 from .. import _door as door
 from .._config import validate_schema_name
-from .._errors import StoreError
+from .._errors import StoreError, UnavailableError
 from .._retry import acquisition_backoff, bounded, pause
 from .._urls import redact
 from . import control
@@ -161,6 +161,19 @@ class MultiDatabaseHost:
             raise StoreError("this host is closed")
         return dial.result()
 
+    async def _reached(self, db: _Database) -> PgHost:
+        """``db``'s host for an application's call: a database that has not answered is
+        named in the error, which would otherwise say only what timed out."""
+        try:
+            return await self._connected(db)
+        except _FAILURES as error:
+            if self._closing.is_set() or not _unanswered(error):
+                raise
+            raise UnavailableError(
+                f"database {db.label!r} of this host has not answered ({error}); serve() "
+                "keeps trying it"
+            ) from error
+
     def _database(self, label: str) -> _Database:
         try:
             return self._databases[label]
@@ -253,7 +266,7 @@ class MultiDatabaseHost:
             for other in self._databases.values():
                 if other is not db:
                     await self._refuse_duplicates(other, names, database)
-        host = await self._connected(db)
+        host = await self._reached(db)
         return await host.enroll(names, migrate=migrate)
 
     async def _refuse_duplicates(self, other: _Database, names: list[str], into: str) -> None:
@@ -305,7 +318,7 @@ class MultiDatabaseHost:
 
     async def remove(self, ref: ClusterRef) -> bool:
         """Take ``ref`` out of its database's host group, as :meth:`PgHost.remove` does."""
-        host = await self._connected(self._database(ref.database))
+        host = await self._reached(self._database(ref.database))
         return await host.remove(ref.schema)
 
     # --- serving ----------------------------------------------------------------------

@@ -43,6 +43,7 @@ from sqlalchemy import (
     BigInteger,
     Integer,
     MetaData,
+    String,
     Text,
     bindparam,
     cast,
@@ -273,10 +274,13 @@ def _digest(table: Any, key: Any, part_rows: int = DIGEST_PART_ROWS) -> Any:
     comparison needs no decoding of the client's. Each row's md5 is joined with the others
     of its part (``part_rows`` rows in key order), each part's joined md5s hashed, and the
     parts' hashes joined and hashed in order: no value nears the 1 GB bound on a value, nor
-    a backend's memory, whatever the table's size."""
+    a backend's memory, whatever the table's size. A text key is ordered by its bytes: each
+    database's own collation could order the same rows two ways, and refuse a faithful copy
+    every time."""
     row_text = cast(tuple_(*table.c), Text) if len(table.c) > 1 else cast(table.c[0], Text)
+    order = key.collate("C") if isinstance(key.type, String) else key
     rows = select(
-        (func.row_number().over(order_by=key) - 1).label("position"),
+        (func.row_number().over(order_by=order) - 1).label("position"),
         func.md5(row_text).label("row_md5"),
     ).subquery("digested_rows")
     part = rows.c.position.op("/", return_type=BigInteger)(literal(part_rows, BigInteger))

@@ -169,10 +169,10 @@ async def test_a_process_cut_off_inside_a_fenced_commit_keeps_no_cluster_from_th
                     claimed = await claimed_at(fleet.url, schema, epoch)
                     assert claimed > num(down[0], "t"), (schema, claimed, down)
 
-            # What the deposed terms wrote before the stall: nothing more may land once the
+            # What the deposed terms wrote before the stall (the commit bus may have written
+            # on the stalled cluster in staged groups first): nothing more may land once the
             # path resumes and everything it held back reaches the server.
             before = await epoch_rows(fleet.url, terms)
-            assert before[stalled_on] == set(), before
             proxy.forward()
             resumed = time.time()
             await until(

@@ -17,7 +17,13 @@ from click.testing import Result
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from cronoq_store import ClusterRef, FencedError, MultiDatabaseHost, StoreError
+from cronoq_store import (
+    ClusterRef,
+    FencedError,
+    MultiDatabaseHost,
+    StoreError,
+    UnavailableError,
+)
 from cronoq_store._cli import database
 from cronoq_store._cli.exits import ExitCode
 from cronoq_store._domain import TimeBase, task_id
@@ -133,6 +139,17 @@ async def test_a_database_that_never_answers_holds_up_neither_connect_enroll_nor
     # Bounds far from 60 s and far above 2 s, for a loaded machine.
     assert closing - started < 30
     assert clock() - closing < 20
+
+
+async def test_an_enrolment_in_a_database_that_never_answers_names_it(
+    fleet: Fleet, silent_server: int
+) -> None:
+    (schema,) = fleet.clusters(1)
+    silent = fleet.url.set(host="127.0.0.1", port=silent_server)
+    silent = silent.update_query_dict({"connect_timeout": "2"})
+    async with await MultiDatabaseHost.connect({"silent": silent}, config(fleet, "silent")) as host:
+        with pytest.raises(UnavailableError, match="database 'silent' of this host has not"):
+            await host.enroll(schema, "silent")
 
 
 @asynccontextmanager
