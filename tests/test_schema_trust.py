@@ -466,6 +466,17 @@ async def application_engine(pg_url: URL, attacker: Attacker) -> AsyncEngine:
     return engine
 
 
+async def nothing_ran_as_us(
+    pg_url: URL, attacker: Attacker, app: AsyncEngine, app_path: str
+) -> None:
+    """The planted code never ran, the attacker is no superuser, and the application's
+    pooled session, given back, keeps its own search_path."""
+    assert not await operator_calls(pg_url, attacker)
+    assert not await is_superuser(pg_url, attacker.name)
+    async with app.connect() as conn:
+        assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
+
+
 async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
     pg_url: URL, migrated: str, attacker: Attacker
 ) -> None:
@@ -495,10 +506,7 @@ async def test_a_borrowed_engine_keeps_its_search_path_and_cannot_hijack_ours(
             assert await store.prune(0) == 0
             # The lock session, made as the application's engine makes its sessions.
             assert await store.acquire_leadership() == 1
-        assert not await operator_calls(pg_url, attacker)
-        assert not await is_superuser(pg_url, attacker.name)
-        async with app.connect() as conn:  # the pool's one session, given back
-            assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
+        await nothing_ran_as_us(pg_url, attacker, app, app_path)
     finally:
         await app.dispose()
 
@@ -549,10 +557,7 @@ async def test_a_host_on_a_borrowed_engine_runs_nothing_under_its_search_path(
         finally:
             await host.close()
             await bounded(serving, "serve to return once the host closed")
-        assert not await operator_calls(pg_url, attacker)
-        assert not await is_superuser(pg_url, attacker.name)
-        async with app.connect() as conn:  # the pool's one session, given back
-            assert (await conn.execute(text("SHOW search_path"))).scalar_one() == app_path
+        await nothing_ran_as_us(pg_url, attacker, app, app_path)
     finally:
         await app.dispose()
         await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{control}" CASCADE')

@@ -132,21 +132,7 @@ async def test_a_move_resumed_after_the_target_pruned_the_freeze_term_ends(
     (schema,) = fleet.clusters(1)
     async with two_hosts(fleet, west, [schema]) as (east, west_host):
         await commit_one(east.host.led()[schema], 1)
-
-        def stop(line: str) -> None:
-            if line.startswith("enrolled"):
-                raise two.Interrupted(line)
-
-        source, target = _engine(fleet.url), _engine(west.url)
-        try:
-            with pytest.raises(two.Interrupted):
-                await moving.move(
-                    source, target, schema, group=fleet.group, control_schema=fleet.control,
-                    said=stop,
-                )  # fmt: skip
-        finally:
-            await source.dispose()
-            await target.dispose()
+        await two.interrupted_move(fleet, west.url, schema, "enrolled")
         await until(leading(west_host, schema), "the target leads it")
         await commit_one(west_host.host.led()[schema], 2)
         await admin_execute(
@@ -208,21 +194,7 @@ async def test_a_move_resumed_with_another_spelling_of_its_target_says_how(
     (schema,) = fleet.clusters(1)
     other = west.url.set(host="localhost" if west.url.host != "localhost" else "127.0.0.1")
     async with two_hosts(fleet, west, [schema]):
-
-        def stop(line: str) -> None:
-            if line.startswith("frozen"):
-                raise two.Interrupted(line)
-
-        source, target = _engine(fleet.url), _engine(other)
-        try:
-            with pytest.raises(two.Interrupted):
-                await moving.move(
-                    source, target, schema, group=fleet.group, control_schema=fleet.control,
-                    said=stop,
-                )  # fmt: skip
-        finally:
-            await source.dispose()
-            await target.dispose()
+        await two.interrupted_move(fleet, other, schema, "frozen")
         code, said = await move_cli(fleet, west, schema)
         assert code == 1
         assert "--to spelled as the note shows" in said

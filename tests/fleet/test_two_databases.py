@@ -310,27 +310,33 @@ class Interrupted(Exception):
     """Raised by a move's report of one step: the move stops right after that step."""
 
 
+async def interrupted_move(fleet: Fleet, to: URL, schema: str, step: str) -> None:
+    """Run ``host move`` of ``schema`` from ``fleet``'s database to ``to`` in this process,
+    and interrupt it once it says it did ``step`` (its line starts so)."""
+
+    def stop(line: str) -> None:
+        if line.startswith(step):
+            raise Interrupted(line)
+
+    source, target = _engine(fleet.url), _engine(to)
+    try:
+        with pytest.raises(Interrupted):
+            await moving.move(
+                source, target, schema, group=fleet.group, control_schema=fleet.control,
+                said=stop,
+            )  # fmt: skip
+    finally:
+        await source.dispose()
+        await target.dispose()
+
+
 async def test_an_interrupted_move_goes_on_when_run_again(fleet: Fleet, west: Fleet) -> None:
     steps = ("frozen", "copied", "enrolled")
     schemas = fleet.clusters(len(steps))
     async with two_hosts(fleet, west, schemas) as (east, west_host):
         for schema, step in zip(schemas, steps, strict=True):
             await commit_one(east.host.led()[schema], 1)
-
-            def stop_after(line: str, step: str = step) -> None:
-                if line.startswith(step):
-                    raise Interrupted(line)
-
-            source, target = _engine(fleet.url), _engine(west.url)
-            try:
-                with pytest.raises(Interrupted):
-                    await moving.move(
-                        source, target, schema, group=fleet.group, control_schema=fleet.control,
-                        said=stop_after,
-                    )  # fmt: skip
-            finally:
-                await source.dispose()
-                await target.dispose()
+            await interrupted_move(fleet, west.url, schema, step)
             assert await state_in_control(fleet, schema) == "moving"
             mover = await asyncpg.connect(asyncpg_dsn(fleet.url))
             try:
