@@ -319,6 +319,7 @@ async def test_handover_ends_the_holder_and_prints_the_standbys_epoch(
     pg_url: URL, migrated: str
 ) -> None:
     url = full(pg_url)
+
     # A session check may take over a second on a loaded machine: this test is about what
     # the command prints, not about noticing a lost session fast.
     def slow(name: str) -> PgStoreConfig:
