@@ -965,7 +965,7 @@ class PgHost:
         target = targets.get(me, 0)
         if self._closing.is_set():
             target = 0
-        pace = self._pace.look()
+        allowance = self._pace.allowance(self._recoveries.pending)
         owned = [s for s, led in self._led.items() if led.term.is_leader]
         if len(owned) > target:
             # A cluster taken from this process since the keeper's check (a move's freeze,
@@ -982,24 +982,9 @@ class PgHost:
                 )
                 self._led[schema].term.mark_lost("rebalanced")
             return
-        if pace.shed and owned:
-            # An eighth at a time: the load each cluster brings shows before the next.
-            count = min(self._config.max_releases, max(1, len(owned) // 8))
-            shed = balance.to_release(owned, me, len(owned) - count, count)
-            logger.warning(
-                "this host process's event loop stays late; handing clusters over",
-                extra={
-                    "group": self._config.group,
-                    "clusters": len(shed),
-                    "late_seconds": round(pace.lag, 3),
-                },
-            )
-            for schema in shed:
-                self._led[schema].term.mark_lost("overloaded")
-            return
         if (
             held >= target
-            or pace.claims == 0
+            or allowance == 0
             or time.monotonic() - self._joined_at < self._config.settle
         ):
             return
@@ -1012,12 +997,13 @@ class PgHost:
             if s not in self._led and not self._cooling(s)
         ]
         deficits = {p: targets[p] - counts.get(p, 0) for p in live}
-        room = min(target - held, self._pace.claiming(self._recoveries.pending))
+        room = min(target - held, allowance)
         chosen = balance.to_claim(candidates, me, live, deficits, room, patient=False)
         patient = [s for s in candidates if s in self._seen_unowned and s not in chosen]
         chosen += balance.to_claim(patient, me, live, deficits, room - len(chosen), patient=True)
         self._seen_unowned = set(candidates) - set(chosen)
-        await self._claim(session, chosen)
+        if chosen:
+            self._pace.gained(await self._claim(session, chosen))
 
     async def _prune_left(self, now: float) -> None:
         """Every ``_PRUNE_LEFT_EVERY`` seconds, delete up to ``_PRUNE_LEFT_ROWS`` rows of
@@ -1085,13 +1071,15 @@ class PgHost:
         gave_up = self._gave_up.get(schema)
         return gave_up is not None and time.monotonic() - gave_up < cool_down(self._config.store)
 
-    async def _claim(self, session: HostSession, schemas: list[str]) -> None:
+    async def _claim(self, session: HostSession, schemas: list[str]) -> int:
         """Claim ``schemas``, :data:`_CLAIMS_PER_TRANSACTION` in each transaction: a round
         trip per step for all of them, and one commit. A batch that fails as a whole (a
         leader table held past the bound, a schema dropped meanwhile) is claimed again one
-        cluster at a time, so that only the cluster at fault waits or is refused."""
+        cluster at a time, so that only the cluster at fault waits or is refused. Stops
+        between two batches once the event loop runs late; how many were gained."""
+        gained = 0
         if not schemas:
-            return
+            return gained
         config = self._config.store
         refused = await session.refusals(schemas, config.trusted_triggers)
         for schema, error in refused.items():
@@ -1100,10 +1088,10 @@ class PgHost:
         wanted = sorted(s for s in schemas if s not in refused)
         for start in range(0, len(wanted), _CLAIMS_PER_TRANSACTION):
             if self._closing.is_set():
-                return
+                return gained
             # The clusters gained in the batches before load the loop already.
             if start and await self._pace.lagging():
-                return
+                return gained
             batch = wanted[start : start + _CLAIMS_PER_TRANSACTION]
             try:
                 outcomes = await session.claim_many(batch, bound)
@@ -1117,16 +1105,18 @@ class PgHost:
                 outcomes = {}
                 for schema in batch:
                     if self._closing.is_set():
-                        return
+                        return gained
                     outcomes[schema] = await self._claim_one(session, schema, bound)
             # Every claim that committed is gained before any refusal is recorded: a
             # refusal that fails must not leave clusters owned by this process unled.
             for claimed in outcomes.values():
                 if isinstance(claimed, Claim):
                     self._gained(session, claimed)
+                    gained += 1
             for schema, claimed in outcomes.items():
                 if isinstance(claimed, ClaimRefused):
                     await self._refuse(session, schema, claimed.why)
+        return gained
 
     async def _refuse(self, session: HostSession, schema: str, why: str) -> None:
         """Record that ``schema`` cannot be led as it stands. A refusal the server fails

@@ -1,23 +1,27 @@
 """A host process given more clusters than its event loop serves keeps its host session and
 the clusters it can carry, instead of losing every one with the session and taking them all
-back at once, for ever (cronoq_store/_host/pace.py)."""
+back at once, for ever; its claims follow what it gained and what it still recovers
+(cronoq_store/_host/pace.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
+import asyncpg
 import pytest
 
-from cronoq_store import PgStoreConfig
+from cronoq_store import TimeBase
 from cronoq_store._host.host import HostedStore, PgHost
-from cronoq_store._host.pace import OVERLOADED_STREAK, ClaimPace, Round
+from cronoq_store._host.pace import ClaimPace
+from cronoq_store._host.session import HostSession
+from cronoq_store._statements import LOCK_NS_LEADER
 
-from ..waits import until, until_value
+from ..pgharness import asyncpg_dsn
+from ..waits import holds_for, until
 from .conftest import Fleet
-from .hosts import config
+from .hosts import config, serving
 
 #: How long each led cluster's lead yields between two holds of the event loop.
 EVERY = 0.2
@@ -31,13 +35,10 @@ class Load:
     def __init__(self, hold: float) -> None:
         self.hold = hold
 
-    def _work(self) -> None:
-        time.sleep(self.hold)
-
     async def lead(self, store: HostedStore) -> None:
         lost = asyncio.ensure_future(store.leadership_lost())
         while not lost.done():
-            self._work()
+            hold_the_loop(self.hold)
             await asyncio.wait({lost}, timeout=EVERY)
 
 
@@ -50,10 +51,9 @@ async def test_a_host_given_more_than_its_loop_serves_keeps_its_session_and_a_sh
     # Forty such clusters hold a loop iteration for two seconds, the host session's whole
     # bound (session_timeout); ten, half a second.
     load = Load(0.05)
-
     try:
         await host.enroll(fleet.clusters(CLUSTERS))
-        serving = asyncio.ensure_future(host.serve(load.lead))
+        serving_task = asyncio.ensure_future(host.serve(load.lead))
         deadline = time.monotonic() + 12
         while time.monotonic() < deadline:
             if host.process_id is not None:
@@ -63,83 +63,133 @@ async def test_a_host_given_more_than_its_loop_serves_keeps_its_session_and_a_sh
     finally:
         load.hold = 0.0  # closing is not under test: it need not wait on the load
         await host.close()
-        await asyncio.wait({serving})
+        await asyncio.wait({serving_task})
     assert len(registrations) == 1, f"the host session was lost: ids {sorted(registrations)}"
-    # It carries some (a loop iteration of a quarter of session_timeout is ten clusters)
-    # and said why it took no more.
+    # It carries some (its first window, 16, holds each iteration 0.8 s) and said why it
+    # took no more.
     assert 1 <= led < CLUSTERS
     late = [r for r in caplog.records if "event loop runs late" in r.getMessage()]
     assert late
 
 
-async def test_a_host_whose_loop_stays_late_hands_clusters_over(
-    fleet: Fleet, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Clusters claimed while the loop kept up, then each costing more (their commits grew):
-    the host hands some over before its session could be lost with all of them."""
-    caplog.set_level(logging.INFO, "cronoq_store")
-    quick = PgStoreConfig(lock_poll=0.1, keepalive=0.3, session_timeout=1.0, commit_timeout=10.0)
-    host = await PgHost.connect(fleet.url, replace(config(fleet, "shed"), store=quick))
-    load = Load(0.0)
-
+async def test_rounds_that_gain_nothing_do_not_open_the_claim_window(fleet: Fleet) -> None:
+    """Clusters chosen round after round and not won (a standalone leader holds each lock):
+    once they can be had, the first round that gains takes one window, not all."""
+    schemas = fleet.clusters(24)
+    await enrolled(fleet, schemas)
+    squatter = await asyncpg.connect(asyncpg_dsn(fleet.url))
+    gains: list[int] = []
     try:
-        await host.enroll(fleet.clusters(8))
-        serving = asyncio.ensure_future(host.serve(load.lead))
-        await until(lambda: len(host.led()) == 8, "the host leading its eight clusters")
-        # Eight clusters now hold each loop iteration for half of session_timeout.
-        load.hold = 0.06
-        shed = await until_value(lambda: handed_over(caplog), bool, "clusters handed over")
+        for schema in schemas:
+            await squatter.execute(
+                "SELECT pg_advisory_lock($1, to_regnamespace(quote_ident($2))::int)",
+                LOCK_NS_LEADER,
+                schema,
+            )
+        async with serving(fleet.url, config(fleet, "inflate")) as served:
+            host = served.host
+            real = host._claim
+
+            async def spy(session: HostSession, schemas: list[str]) -> int:
+                gained = await real(session, schemas)
+                gains.append(gained)
+                return gained
+
+            host._claim = spy  # type: ignore[method-assign]
+            await until(lambda: len(gains) >= 8, "eight rounds that gained nothing")
+            assert not host.led()
+            await squatter.execute("SELECT pg_advisory_unlock_all()")
+            await until(lambda: len(host.led()) == len(schemas), "every cluster led")
     finally:
-        load.hold = 0.0
+        await squatter.close()
+    first = next(g for g in gains if g)
+    assert first == 16, f"gains per round: {gains}"
+
+
+async def test_claims_follow_the_recoveries(fleet: Fleet) -> None:
+    """Every recovery stuck behind an operator's lock: the process claims two windows'
+    worth (16, then 16 more while those recover), then waits for recoveries to end."""
+    schemas = fleet.clusters(40)
+    await enrolled(fleet, schemas)
+    blocker = await asyncpg.connect(asyncpg_dsn(fleet.url))
+    ended: list[str] = []
+
+    async def lead(store: HostedStore) -> None:
+        try:
+            await store.recover(TimeBase.now())
+        finally:
+            ended.append(store.config.schema)
+        await store.leadership_lost()
+
+    host = await PgHost.connect(fleet.url, config(fleet, "recovering"))
+    serving_task: asyncio.Future[None] | None = None
+    try:
+        await blocker.execute("BEGIN")
+        for schema in schemas:
+            await blocker.execute(f'LOCK TABLE "{schema}".cronoq_tasks IN ACCESS EXCLUSIVE MODE')
+        serving_task = asyncio.ensure_future(host.serve(lead))
+        await until(lambda: len(host.led()) >= 32, "two windows claimed")
+        # Recoveries wait for the lock up to commit_timeout (10 s): none ends meanwhile.
+        await holds_for(
+            lambda: len(host.led()) == 32 and not ended,
+            "no more claims while 32 recoveries wait",
+            duration=3,
+        )
+    finally:
+        await blocker.execute("ROLLBACK")
+        await blocker.close()
         await host.close()
-        await asyncio.wait({serving})
-    assert shed[0].__dict__["clusters"] == 1  # an eighth of eight
-    assert shed[0].__dict__["late_seconds"] >= 0.25  # a quarter of session_timeout
+        if serving_task is not None:
+            await asyncio.wait({serving_task})
 
 
-def handed_over(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if "stays late; handing clusters over" in r.getMessage()]
+async def enrolled(fleet: Fleet, schemas: list[str]) -> None:
+    host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
+    try:
+        await host.enroll(schemas)
+    finally:
+        await host.close()
 
 
-def test_the_claim_window_doubles_while_claims_keep_up_and_closes_when_the_loop_lags() -> None:
+def test_the_next_round_claims_twice_what_the_last_gained_less_what_still_recovers() -> None:
     pace = ClaimPace(session_timeout=10.0, smallest=16, largest=1024)
-    # Rounds that claim nothing (a process waiting out join_settle) do not open it.
-    assert [pace.look().claims for _ in range(3)] == [16, 16, 16]
-    assert [pace.claiming(recovering=0) for _ in range(4)] == [16, 32, 64, 128]
-    # Recoveries still waiting are claims already made.
-    assert pace.claiming(recovering=200) == 56
-    pace.woke(1.0)  # a tenth of session_timeout
-    assert pace.look() == Round(0, False, 1.0)
-    # Once caught up, it starts from the smallest window again.
-    assert pace.look().claims == 16
-    assert [pace.claiming(recovering=0) for _ in range(2)] == [16, 32]
+    assert pace.allowance(recovering=0) == 16
+    pace.gained(16)
+    assert pace.allowance(recovering=0) == 32
+    pace.gained(600)
+    assert pace.allowance(recovering=0) == 1024
+    assert pace.allowance(recovering=1000) == 24  # recoveries waiting are claims made
+    pace.gained(3)  # few to be had: the next round starts small again
+    assert pace.allowance(recovering=0) == 16
+    pace.gained(0)
+    assert pace.allowance(recovering=20) == 0
+    pace.gained(40)
     pace.restart()
-    assert pace.claiming(recovering=0) == 16
+    assert pace.allowance(recovering=0) == 16
 
 
-def test_only_a_lasting_lag_hands_clusters_over() -> None:
+def test_a_late_loop_claims_nothing_until_it_catches_up(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "cronoq_store")
     pace = ClaimPace(session_timeout=10.0, smallest=16, largest=1024)
-    pace.woke(3.0)
-    assert pace.look() == Round(0, False, 3.0)
+    pace.gained(100)
     pace.woke(0.5)
+    assert pace.allowance(recovering=0) == 200  # late, not a tenth of session_timeout
+    pace.woke(0.2)
     pace.woke(1.0)
-    assert pace.look() == Round(0, False, 1.0)  # late, not a quarter of session_timeout
-    for _ in range(OVERLOADED_STREAK - 1):
-        pace.woke(2.5)
-        assert not pace.look().shed
-    pace.woke(2.5)
-    assert pace.look() == Round(0, True, 2.5)
-    pace.woke(2.6)
-    assert pace.look().shed  # each round that stays as late sheds more
-    assert pace.look() == Round(16, False, 0.0)  # no wake-up was late: the streak ends
-    pace.woke(2.5)
-    assert not pace.look().shed
+    assert pace.allowance(recovering=0) == 0
+    assert pace.allowance(recovering=0) == 16  # caught up: from the smallest window
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "runs late" in m]
+    assert [m for m in said if "caught up" in m]
 
 
 async def test_a_claim_stops_between_batches_once_the_loop_lags() -> None:
     pace = ClaimPace(session_timeout=1.0, smallest=16, largest=1024)
     assert not await pace.lagging()
-    hog = asyncio.get_running_loop().call_soon(time.sleep, 0.2)
+    asyncio.get_running_loop().call_soon(hold_the_loop, 0.2)
     assert await pace.lagging()
-    assert pace.look().claims == 0
-    hog.cancel()
+    assert pace.allowance(recovering=0) == 0
+
+
+def hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
