@@ -149,7 +149,8 @@ class Telemetry:
 
     def step_down(self, reason: str) -> None:
         """Leadership held was given up or lost: ``session_lost``, ``fenced``,
-        ``schema_gone``, ``cluster_replaced``, ``released`` or ``closed``."""
+        ``schema_gone``, ``cluster_replaced``, ``released`` or ``closed``; a hosted
+        cluster's also ``rebalanced`` or ``failed`` (docs/observability.md)."""
 
     def watch_leadership(self, leadership: Leader) -> None:
         """Report ``leadership`` in the is-leader and epoch gauges."""

@@ -54,6 +54,7 @@ from ..telemetry import DISABLED, resolve_group
 from . import balance, control
 from .bus import CommitBus
 from .move import ARRIVING_MARK, MOVED, MOVED_MARK, MOVING, MOVING_MARK, move_state, refusal
+from .pace import ClaimPace
 from .session import Claim, ClaimRefused, HostSession
 
 __all__ = ["HostedStore", "PgHost", "PgHostConfig"]
@@ -323,24 +324,31 @@ class RecoveryTurns:
         self._free = asyncio.Semaphore(turns)
         self._stall = stall
         self._ended_at = time.monotonic()
+        #: Recoveries waiting for a turn or running: the host claims no more ahead of them
+        #: than its claim window (:mod:`cronoq_store._host.pace`).
+        self.pending = 0
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
-        while True:
-            try:
-                await bounded(self._free.acquire(), self._stall, discard=self._give_back)
-                break
-            except asyncio.TimeoutError:
-                if time.monotonic() - self._ended_at >= self._stall:
-                    raise UnavailableError(
-                        f"recovering failed: no recovery of this host ended within "
-                        f"commit_timeout ({self._stall} s)"
-                    ) from None
+        self.pending += 1
         try:
-            yield
+            while True:
+                try:
+                    await bounded(self._free.acquire(), self._stall, discard=self._give_back)
+                    break
+                except asyncio.TimeoutError:
+                    if time.monotonic() - self._ended_at >= self._stall:
+                        raise UnavailableError(
+                            f"recovering failed: no recovery of this host ended within "
+                            f"commit_timeout ({self._stall} s)"
+                        ) from None
+            try:
+                yield
+            finally:
+                self._ended_at = time.monotonic()
+                self._free.release()
         finally:
-            self._ended_at = time.monotonic()
-            self._free.release()
+            self.pending -= 1
 
     async def _give_back(self, _taken: bool) -> None:
         """A turn taken as the wait for it ran out: nobody has it."""
@@ -413,6 +421,8 @@ class PgHost:
         # Recoveries at once: those of clusters gained together never take the lanes'
         # connections, nor the last one, which the application's reads need.
         self._recoveries = RecoveryTurns(recoveries, config.store.commit_timeout)
+        # How many clusters a balancing round may claim, by how late the keeper wakes.
+        self._pace = ClaimPace(config.store.session_timeout, _CLAIMS_PER_TRANSACTION, _CANDIDATES)
         # One recorder for every cluster this process leads, labelled with the group (and
         # the database's label): the global providers' label sets stay as few as the groups
         # times the databases, whatever the clusters.
@@ -783,6 +793,7 @@ class PgHost:
                 continue
             delays = acquisition_backoff(config).delays()
             self._joined_at = time.monotonic()
+            self._pace.restart()
             logger.info(
                 "host process registered",
                 extra={"group": self._config.group, "process_id": self._session.process_id},
@@ -847,6 +858,7 @@ class PgHost:
         config = self._config.store
         tick = min(config.keepalive, config.lock_poll)
         next_look = 0.0
+        loop = asyncio.get_running_loop()
         while not self._closing.is_set():
             try:
                 await self._check_owned(session)
@@ -867,7 +879,9 @@ class PgHost:
                     extra={"group": self._config.group, "error": str(error)},
                 )
             self._wake.clear()
-            await pause(tick, self._wake)
+            slept_at = loop.time()
+            if not await pause(tick, self._wake):
+                self._pace.woke(max(0.0, loop.time() - slept_at - tick))
         await self._end_all("closed")
         await self._release_ended(session, wait=True)
 
@@ -951,6 +965,7 @@ class PgHost:
         target = targets.get(me, 0)
         if self._closing.is_set():
             target = 0
+        allowance = self._pace.allowance(self._recoveries.pending)
         owned = [s for s, led in self._led.items() if led.term.is_leader]
         if len(owned) > target:
             # A cluster taken from this process since the keeper's check (a move's freeze,
@@ -967,7 +982,11 @@ class PgHost:
                 )
                 self._led[schema].term.mark_lost("rebalanced")
             return
-        if held >= target or time.monotonic() - self._joined_at < self._config.settle:
+        if (
+            held >= target
+            or allowance == 0
+            or time.monotonic() - self._joined_at < self._config.settle
+        ):
             return
         if counts.get(None, 0) == 0:
             self._seen_unowned.clear()
@@ -978,12 +997,13 @@ class PgHost:
             if s not in self._led and not self._cooling(s)
         ]
         deficits = {p: targets[p] - counts.get(p, 0) for p in live}
-        room = target - held
+        room = min(target - held, allowance)
         chosen = balance.to_claim(candidates, me, live, deficits, room, patient=False)
         patient = [s for s in candidates if s in self._seen_unowned and s not in chosen]
         chosen += balance.to_claim(patient, me, live, deficits, room - len(chosen), patient=True)
         self._seen_unowned = set(candidates) - set(chosen)
-        await self._claim(session, chosen)
+        if chosen:
+            self._pace.gained(await self._claim(session, chosen))
 
     async def _prune_left(self, now: float) -> None:
         """Every ``_PRUNE_LEFT_EVERY`` seconds, delete up to ``_PRUNE_LEFT_ROWS`` rows of
@@ -1051,13 +1071,15 @@ class PgHost:
         gave_up = self._gave_up.get(schema)
         return gave_up is not None and time.monotonic() - gave_up < cool_down(self._config.store)
 
-    async def _claim(self, session: HostSession, schemas: list[str]) -> None:
+    async def _claim(self, session: HostSession, schemas: list[str]) -> int:
         """Claim ``schemas``, :data:`_CLAIMS_PER_TRANSACTION` in each transaction: a round
         trip per step for all of them, and one commit. A batch that fails as a whole (a
         leader table held past the bound, a schema dropped meanwhile) is claimed again one
-        cluster at a time, so that only the cluster at fault waits or is refused."""
+        cluster at a time, so that only the cluster at fault waits or is refused. Stops
+        between two batches once the event loop runs late; how many were gained."""
+        gained = 0
         if not schemas:
-            return
+            return gained
         config = self._config.store
         refused = await session.refusals(schemas, config.trusted_triggers)
         for schema, error in refused.items():
@@ -1066,7 +1088,10 @@ class PgHost:
         wanted = sorted(s for s in schemas if s not in refused)
         for start in range(0, len(wanted), _CLAIMS_PER_TRANSACTION):
             if self._closing.is_set():
-                return
+                return gained
+            # The clusters gained in the batches before load the loop already.
+            if start and await self._pace.lagging():
+                return gained
             batch = wanted[start : start + _CLAIMS_PER_TRANSACTION]
             try:
                 outcomes = await session.claim_many(batch, bound)
@@ -1080,16 +1105,18 @@ class PgHost:
                 outcomes = {}
                 for schema in batch:
                     if self._closing.is_set():
-                        return
+                        return gained
                     outcomes[schema] = await self._claim_one(session, schema, bound)
             # Every claim that committed is gained before any refusal is recorded: a
             # refusal that fails must not leave clusters owned by this process unled.
             for claimed in outcomes.values():
                 if isinstance(claimed, Claim):
                     self._gained(session, claimed)
+                    gained += 1
             for schema, claimed in outcomes.items():
                 if isinstance(claimed, ClaimRefused):
                     await self._refuse(session, schema, claimed.why)
+        return gained
 
     async def _refuse(self, session: HostSession, schema: str, why: str) -> None:
         """Record that ``schema`` cannot be led as it stands. A refusal the server fails
