@@ -448,6 +448,7 @@ class PgHost:
         store = replace(config.store, max_connections=config.max_connections)
         engine = door.own_engine(url, store, statement_cache=config.statement_cache)
         try:
+            await _require_utf8(engine)
             await control.prepare_control(engine, config.control_schema)
             instance = secrets.token_hex(4)
             settings, lock_engine = _dialled_host_session(url, config.store, instance)
@@ -494,6 +495,7 @@ class PgHost:
             lock_url=lock_url,
             borrowed=True,
         )
+        await _require_utf8(engine)
         await control.prepare_control(engine, config.control_schema)
         instance = secrets.token_hex(4)
         if lock_url is None:
@@ -1231,6 +1233,16 @@ def _opening(engine: AsyncEngine, idle_in_transaction_ms: int, borrowed: bool) -
         return None
     statements = st.store_transaction(idle_in_transaction_ms, borrowed=True)
     return door.opening_message(statements, engine.dialect)
+
+
+async def _require_utf8(engine: AsyncEngine) -> None:
+    """Refuse a database not encoded in UTF8 before the control schema is made in it, as
+    a store does (:func:`~cronoq_store._door.require_utf8`): its clusters could store no
+    task whose strings the encoding lacks."""
+    opening = door.opening_message(
+        st.store_transaction(st.IDLE_LIMIT_MS, borrowed=True), engine.dialect
+    )
+    await door.require_utf8(engine, redact(engine.url), opening)
 
 
 def _dialled_host_session(

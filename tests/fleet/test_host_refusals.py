@@ -1,6 +1,6 @@
 """What a host refuses before it does anything: a database that refuses this process (not
-one that is down), an application's engine whose sessions could not carry the host's lock,
-and work asked of a host already closed."""
+one that is down) or is not encoded in UTF8, an application's engine whose sessions could
+not carry the host's lock, and work asked of a host already closed."""
 
 from __future__ import annotations
 
@@ -93,3 +93,31 @@ async def test_an_engine_whose_sessions_cannot_hold_the_hosts_lock_is_refused(
     finally:
         await app.dispose()
         await elsewhere.dispose()
+
+
+async def test_a_database_not_encoded_in_utf8_is_refused_before_the_control_schema(
+    fleet: Fleet,
+) -> None:
+    """As a store refuses one: in LATIN1 a hosted cluster could store no task named '日本'.
+    Neither opening makes the control schema there, nor leaves a session behind."""
+    name = f"{fleet.prefix}_latin1"
+    await admin_execute(
+        fleet.url,
+        f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    latin1 = fleet.url.set(database=name)
+    app = create_async_engine(async_url(latin1), pool_size=1, max_overflow=0)
+    try:
+        with pytest.raises(StoreError, match="encoded in LATIN1: cronoq-store needs a UTF8"):
+            await PgHost.connect(latin1, config(fleet, "latin1"))
+        with pytest.raises(StoreError, match="encoded in LATIN1: cronoq-store needs a UTF8"):
+            await PgHost.from_engine(app, config(fleet, "latin1"))
+        with pytest.raises(StoreError, match="LATIN1"):
+            await MultiDatabaseHost.connect({"west": latin1}, config(fleet, "latin1"))
+        rows = await admin_execute(
+            latin1, "SELECT count(*) FROM pg_namespace WHERE nspname = $1", fleet.control
+        )
+        assert rows[0][0] == 0
+    finally:
+        await app.dispose()
+        await admin_execute(fleet.url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
