@@ -327,7 +327,10 @@ class MultiDatabaseHost:
         """Lead this process's share of each database's clusters until :meth:`close`:
         ``lead(ref, store)`` runs in a task of its own for each cluster gained, as
         :meth:`PgHost.serve` runs it. Each database is served on its own: one that does
-        not answer is tried again every ``lock_poll`` at most, and the others go on."""
+        not answer is tried again every ``lock_poll`` at most, and the others go on.
+        Raises once :meth:`close` began."""
+        if self._closing.is_set():
+            raise StoreError("this host is closed")
         if self._lead is not None:
             raise StoreError("this host is already serving")
         self._lead = lead
@@ -349,6 +352,8 @@ class MultiDatabaseHost:
             except _FAILURES:  # logged by the dial; one refused is retried until mended
                 await pause(next(delays), self._closing)
                 continue
+            if self._closing.is_set():
+                return  # closed while the dial finished: its host is closed too
             await host.serve(partial(self._lead_one, db.label))
             return
 

@@ -760,7 +760,9 @@ class PgHost:
         task of its own for each cluster gained. Once the cluster is lost,
         ``store.leadership_lost()`` returns and ``lead`` has ``handover_grace`` seconds to
         return before it is cancelled. An exception from ``lead`` is logged and the cluster
-        handed over; returning while still leading hands it over too."""
+        handed over; returning while still leading hands it over too. Raises once
+        :meth:`close` began (it would return at once, leading nothing)."""
+        self._refuse_closed()
         if self._lead is not None:
             raise StoreError("this host is already serving")
         self._lead = lead

@@ -52,18 +52,27 @@ async def test_a_database_that_refuses_the_process_is_raised_not_retried(fleet: 
 
 async def test_a_closed_host_enrolls_nothing_and_leaves_no_session(fleet: Fleet) -> None:
     """A closed host's pool is disposed: an enrolment then would open a new one, which no
-    one closes, and enroll a cluster no process of this host will lead."""
+    one closes, and enroll a cluster no process of this host will lead. Serving would
+    return at once, leading nothing: it says why instead."""
     (schema,) = fleet.clusters(1)
+
+    async def lead(*_: object) -> None:
+        raise AssertionError("a closed host leads nothing")
+
     multi = await MultiDatabaseHost.connect({"east": fleet.url}, config(fleet, "closed"))
     await multi.close()
     with pytest.raises(StoreError, match="closed"):
         await multi.enroll(schema, "east")
+    with pytest.raises(StoreError, match="closed"):
+        await multi.serve(lead)
     single = await PgHost.connect(fleet.url, config(fleet, "closed"))
     await single.close()
     with pytest.raises(StoreError, match="closed"):
         await single.enroll(schema)
     with pytest.raises(StoreError, match="closed"):
         await single.remove(schema)
+    with pytest.raises(StoreError, match="closed"):
+        await single.serve(lead)
     assert await sessions_named(fleet, "closed") == 0
     enrolled = await admin_execute(
         fleet.url, f'SELECT 1 FROM "{fleet.control}".clusters WHERE schema_name = $1', schema
