@@ -69,6 +69,15 @@ async def serving(
             await asyncio.wait({served.task})
 
 
+async def enrolled(fleet: Fleet, schemas: list[str]) -> None:
+    """Enroll ``schemas`` (migrated) from a host that serves nothing, then closed."""
+    host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
+    try:
+        await host.enroll(schemas)
+    finally:
+        await host.close()
+
+
 async def commit_one(store: HostedStore, n: int, epoch: int | None = None) -> None:
     """Commit task ``n`` under ``epoch`` (the store's current one by default)."""
     epoch = store.epoch if epoch is None else epoch

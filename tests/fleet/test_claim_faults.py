@@ -18,15 +18,7 @@ from cronoq_store._statements import LOCK_NS_LEADER
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import holds_for, until, until_value
 from .conftest import Fleet
-from .hosts import Served, config, serving
-
-
-async def _enrolled(fleet: Fleet, schemas: list[str]) -> None:
-    host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
-    try:
-        await host.enroll(schemas)
-    finally:
-        await host.close()
+from .hosts import Served, config, enrolled, serving
 
 
 async def test_a_batch_waiting_on_several_held_leader_tables_keeps_the_host_session(
@@ -43,7 +35,7 @@ async def test_a_batch_waiting_on_several_held_leader_tables_keeps_the_host_sess
     cfg = replace(config(fleet, "waits"), store=store)
     bound = min(store.keepalive, (store.session_timeout - store.keepalive) / 2)
     anchor, *held = fleet.clusters(9)
-    await _enrolled(fleet, [anchor, *held])
+    await enrolled(fleet, [anchor, *held])
     gate = await asyncpg.connect(asyncpg_dsn(fleet.url))
     holders = {s: await asyncpg.connect(asyncpg_dsn(fleet.url)) for s in held}
     try:
@@ -92,7 +84,7 @@ async def test_a_recovery_blocked_by_a_lock_gives_its_turn_back(fleet: Fleet) ->
     ``commit_timeout`` at most and gives its turn back, so that the other clusters the
     host gains recover. A pool of 3: one recovery at a time."""
     slow, quick = fleet.clusters(2)
-    await _enrolled(fleet, [slow, quick])
+    await enrolled(fleet, [slow, quick])
     recovered: set[str] = set()
 
     async def slow_recovery_waits() -> bool:
@@ -147,7 +139,7 @@ async def test_a_stuck_holder_of_another_role_is_waited_for(fleet: Fleet) -> Non
     release = asyncio.Event()
     copying = None
     try:
-        await _enrolled(hosted, [schema])
+        await enrolled(hosted, [schema])
 
         async def source() -> AsyncIterator[bytes]:
             yield b"x\n"
@@ -194,7 +186,7 @@ async def test_hosts_claiming_overlapping_batches_at_once_never_share_an_epoch(
     every cluster is owned once, at the epoch its leader row holds."""
     schemas = [f"{s}_{'A' if i % 2 else 'b'}" for i, s in enumerate(fleet.clusters(24))]
     schemas = [s.upper() if i % 3 == 0 else s for i, s in enumerate(schemas)]
-    await _enrolled(fleet, schemas)
+    await enrolled(fleet, schemas)
     async with (
         serving(fleet.url, config(fleet, "one")) as one,
         serving(fleet.url, config(fleet, "two")) as two,
@@ -235,7 +227,7 @@ async def test_a_host_session_terminated_while_a_claim_waits_leaves_nothing_half
     of that claim commits, and the next session claims every cluster, each owned at the
     epoch its leader row holds."""
     schemas = fleet.clusters(4)
-    await _enrolled(fleet, schemas)
+    await enrolled(fleet, schemas)
     holder = await asyncpg.connect(asyncpg_dsn(fleet.url))
     try:
         await holder.execute("BEGIN")
@@ -279,7 +271,7 @@ async def test_a_refusal_that_fails_leaves_no_claimed_cluster_unled(fleet: Fleet
     before the batch's claims are gained: owned by this live process and never led, no
     other process could claim them."""
     gone, *others = fleet.clusters(3)
-    await _enrolled(fleet, [gone, *others])
+    await enrolled(fleet, [gone, *others])
     await admin_execute(fleet.url, f"UPDATE \"{gone}\".cronoq_leader SET host_group = 'elsewhere'")
     gate = await asyncpg.connect(asyncpg_dsn(fleet.url))
     try:
@@ -337,7 +329,7 @@ async def test_a_copy_that_streams_slowly_is_not_a_stuck_holder(fleet: Fleet) ->
     began and it waits in ``ClientRead`` between rows. Past ``1.5 x session_timeout`` it
     is still not ended: a COPY gets ``commit_timeout``, past which a live client gave up."""
     (schema,) = fleet.clusters(1)
-    await _enrolled(fleet, [schema])
+    await enrolled(fleet, [schema])
     streaming = await asyncpg.connect(asyncpg_dsn(fleet.url))
     done = asyncio.Event()
     copying = None
@@ -378,7 +370,7 @@ async def test_a_cluster_named_like_a_placeholder_is_claimed_as_itself(fleet: Fl
     first, placeholder = f"a_{fleet.prefix}", "cronoq_claim_0"
     await admin_execute(fleet.url, f'DROP SCHEMA IF EXISTS "{placeholder}" CASCADE')
     try:
-        await _enrolled(fleet, [first, placeholder])
+        await enrolled(fleet, [first, placeholder])
         async with serving(fleet.url, config(fleet, "placeholders")) as served:
             await until(lambda: len(served.host.led()) == 2, "the host to lead both")
             for schema in (first, placeholder):

@@ -15,15 +15,7 @@ from cronoq_store._host.host import HostedStore, PgHost
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import PATIENCE, until
 from .conftest import Fleet
-from .hosts import commit_one, config, serving
-
-
-async def _enrolled(fleet: Fleet, schemas: list[str]) -> None:
-    host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
-    try:
-        await host.enroll(schemas)
-    finally:
-        await host.close()
+from .hosts import commit_one, config, enrolled, serving
 
 
 async def _control_rows(fleet: Fleet) -> dict[str, dict[str, object]]:
@@ -43,7 +35,7 @@ async def test_clusters_claimed_together_commit_once_each_fenced_and_recorded(
     fenced on its own: its epoch bumped past the stored one, by the host session (its
     holder), with its term in its own history."""
     schemas = fleet.clusters(4)
-    await _enrolled(fleet, schemas)
+    await enrolled(fleet, schemas)
     async with serving(fleet.url, config(fleet, "together")) as served:
         await until(lambda: len(served.host.led()) == 4, "the host to lead every cluster")
         rows = await _control_rows(fleet)
@@ -70,7 +62,7 @@ async def test_a_cluster_refused_in_a_batch_costs_only_itself(fleet: Fleet) -> N
     schema's back) is refused, its reason recorded, while the others of its batch are
     claimed in the same transaction."""
     schemas = fleet.clusters(3)
-    await _enrolled(fleet, schemas)
+    await enrolled(fleet, schemas)
     gone = schemas[1]
     await admin_execute(fleet.url, f"UPDATE \"{gone}\".cronoq_leader SET host_group = 'elsewhere'")
     async with serving(fleet.url, config(fleet, "refusing")) as served:
@@ -91,7 +83,7 @@ async def test_a_leader_table_dropped_before_the_batch_locks_it_costs_only_its_c
     fails its batch at the leader tables' lock: the batch is claimed again one cluster at a
     time, so the others are led and only that one is refused."""
     schemas = fleet.clusters(3)
-    await _enrolled(fleet, schemas)
+    await enrolled(fleet, schemas)
     broken = schemas[0]
     await admin_execute(fleet.url, f'DROP TABLE "{broken}".cronoq_leader CASCADE')
     async with serving(fleet.url, config(fleet, "dropping")) as served:
@@ -113,7 +105,7 @@ async def test_recoveries_of_clusters_gained_together_leave_commits_a_connection
     another cluster still find a connection, where recoveries holding every one would fail
     them. A pool of 2 is one lane and one recovery."""
     slow, slower, quick = fleet.clusters(3)
-    await _enrolled(fleet, [slow, slower, quick])
+    await enrolled(fleet, [slow, slower, quick])
     committed = asyncio.get_running_loop().create_future()
 
     async def lead(store: HostedStore) -> None:

@@ -21,7 +21,7 @@ from cronoq_store._statements import LOCK_NS_LEADER
 from ..pgharness import asyncpg_dsn
 from ..waits import holds_for, until
 from .conftest import Fleet
-from .hosts import config, serving
+from .hosts import config, enrolled, serving
 
 #: How long each led cluster's lead yields between two holds of the event loop.
 EVERY = 0.2
@@ -141,14 +141,6 @@ async def test_claims_follow_the_recoveries(fleet: Fleet) -> None:
         await host.close()
         if serving_task is not None:
             await asyncio.wait({serving_task})
-
-
-async def enrolled(fleet: Fleet, schemas: list[str]) -> None:
-    host = await PgHost.connect(fleet.url, config(fleet, "enroller"))
-    try:
-        await host.enroll(schemas)
-    finally:
-        await host.close()
 
 
 def test_the_next_round_claims_twice_what_the_last_gained_less_what_still_recovers() -> None:
