@@ -1236,22 +1236,26 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
             conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
-        _run_revisions(context, schema, conn)
+        _run_revisions(context, schema, conn, wait)
         # Again, in the same transaction: the tables just created may carry default privileges
         # (ALTER DEFAULT PRIVILEGES ... GRANT ALL ON TABLES) that let another role plant a
         # trigger; a refusal here rolls the whole migration back.
         refuse_untrusted(conn, schema, trusted)
 
 
-def _run_revisions(context: EnvironmentContext, schema: str, conn: Connection) -> None:
+def _run_revisions(
+    context: EnvironmentContext, schema: str, conn: Connection, wait: LockWait
+) -> None:
     """Run the revisions the command asked for, in the run's transaction.
 
     A schema without a version table (none adopted by :func:`_adopt_legacy` either; a
     downgrade to base leaves an empty one), migrated to head with the template
     :func:`upgrade` passes, runs Alembic's offline script of every revision in
     one message: the statements the steps would send one by one, each prepared then run
-    (two round trips apiece, about 120 for a fresh schema). The steps are taken instead for
-    a name that must be quoted, which the template's plain name would not be."""
+    (two round trips apiece, about 120 for a fresh schema). Its lock waits are bounded by
+    what remains of ``wait``, as the steps' are once they lock the tables. The steps are
+    taken instead for a name that must be quoted, which the template's plain name would
+    not be."""
     template = context.config.attributes.get(FRESH_SCRIPT)
     if (
         template is None
@@ -1261,6 +1265,7 @@ def _run_revisions(context: EnvironmentContext, schema: str, conn: Connection) -
     ):
         context.run_migrations()
         return
+    door.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
     door.run_script(conn, template.replace(_TEMPLATE_SCHEMA, schema))
 
 
