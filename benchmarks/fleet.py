@@ -603,10 +603,14 @@ async def _phases(
         return all(s in led and led[s]["t"] > killed for s in theirs)
 
     recovered_at = await _until(recovered, "recovery after the kill", fleet.cap, poll=0.1)
+    led_again = _led(survivors)
     results["kill"] = {
         "victim_clusters": len(theirs),
         "takeover_seconds": took,
         "recovered_seconds": recovered_at - killed,
+        # When each of the victim's clusters was led again (recovered), from the kill: the
+        # first is detection plus a claim, the spread is the pacing's rounds and recoveries.
+        "led_again_seconds": summarize([led_again[s]["t"] - killed for s in theirs]),
         **await fleet.settle(members, killed),
     }
     results["after"] = await _backends(fleet, survivors, 1.0)

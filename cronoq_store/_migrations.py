@@ -12,6 +12,12 @@ operator that a catalog lookup would run as us, CVE-2018-1058), so every operati
 revisions names its schema (:func:`cluster_schema`); the version table is
 ``<schema>.cronoq_alembic_version``.
 
+A fresh schema (no version table) that :func:`upgrade` takes to head runs every revision as
+one script, Alembic's offline rendering of them for a placeholder schema made once per
+process, in one message: the statements the steps would send one at a time, each prepared
+then run. Creating thousands of clusters (a host's enrolment, a fleet's seeding) is bounded
+by this; the catalog it leaves is the steps' (a test compares pg_dump of both).
+
 Before migrating, the run refuses what it cannot handle safely: a schema, or anything in it,
 that a role we cannot trust owns or may create in, or any trigger on our tables that the
 operator did not name (:func:`refuse_untrusted`, which every entry point runs before it
@@ -80,6 +86,7 @@ import concurrent.futures
 import configparser
 import contextlib
 import functools
+import io
 import logging
 import os
 import sys
@@ -184,6 +191,18 @@ LOCK_TIMEOUT = "lock_timeout"
 #: ``Config.attributes`` key: upgrade only a schema that holds a migrated cluster, checked
 #: under the migration lock; a schema without one raises :class:`ClusterGone`.
 MUST_EXIST = "must_exist"
+
+
+#: ``Config.attributes`` key: Alembic's offline script of every revision, base to head, for
+#: the schema :data:`_TEMPLATE_SCHEMA`; a run that finds its schema fresh runs it in one
+#: message (:func:`_run_revisions`). :func:`upgrade` to head sets it.
+FRESH_SCRIPT = "cronoq_store.fresh_script"
+#: ``Config.attributes`` key of an offline run that renders the revisions alone, without
+#: the script's opening (search path, lock, owner check): :func:`_fresh_template`.
+REVISIONS_ONLY = "cronoq_store.revisions_only"
+#: The schema :func:`_fresh_template` renders for, replaced by the cluster's own: a plain
+#: identifier, so it is written the same way as an identifier and inside a literal.
+_TEMPLATE_SCHEMA = "cronoq_template_schema"
 
 
 class ClusterGone(MigrationError):
@@ -332,6 +351,8 @@ async def _run_on(
         cfg.attributes[FORCE] = force
         cfg.attributes[LOCK_TIMEOUT] = lock_timeout
         cfg.attributes[MUST_EXIST] = must_exist
+        if alembic_command is command.upgrade and revision == "head":
+            cfg.attributes[FRESH_SCRIPT] = _fresh_template(str(script_location()))
         alembic_command(cfg, revision)
 
     try:
@@ -342,6 +363,23 @@ async def _run_on(
             await _in_transaction(bind, run)
     except (CommandError, MigrationError) as exc:
         raise (exc if isinstance(exc, MigrationError) else MigrationError(str(exc))) from exc
+
+
+@functools.lru_cache(maxsize=1)
+def _fresh_template(location: str) -> str:
+    """Alembic's offline script of the revisions at ``location``, base to head, for
+    :data:`_TEMPLATE_SCHEMA`: rendered once per process (rendering costs about what the
+    round trips it saves do). Called under the process's migration lock, which the offline
+    run takes as its own."""
+    cfg = Config()
+    cfg.set_main_option("script_location", location)
+    cfg.attributes["schema"] = _TEMPLATE_SCHEMA
+    cfg.attributes[HELD] = True
+    cfg.attributes[REVISIONS_ONLY] = True
+    script = io.StringIO()
+    cfg.output_buffer = script
+    command.upgrade(cfg, "head", sql=True)
+    return script.getvalue()
 
 
 def downgrade_steps(current: Sequence[str], revision: str) -> tuple[str, ...]:
@@ -972,7 +1010,8 @@ def _configure(
         return True
 
     context.configure(
-        target_metadata=_in_schema(schema),
+        # Only a comparison with the model reads it; copying every table costs a few ms.
+        target_metadata=_in_schema(schema) if _autogenerating(context) else None,
         version_table=VERSION_TABLE,
         version_table_schema=schema,
         include_schemas=True,
@@ -1044,8 +1083,11 @@ def _run_offline(context: EnvironmentContext, schema: str) -> None:
     a superuser (:data:`~cronoq_store._statements.refuse_foreign_owner`; the online check of
     every object in the schema is not in the script). Its waits for locks give up after the
     run's bound (``-x lock_timeout``), as ``lock_timeout`` errors."""
-    bound = _lock_wait(context, schema).bound
     _configure(context, schema, dialect_name="postgresql", literal_binds=True)
+    if context.config.attributes.get(REVISIONS_ONLY):
+        context.run_migrations()
+        return
+    bound = _lock_wait(context, schema).bound
     with context.begin_transaction():
         context.execute(st.local_search_path)
         context.execute(st.set_local_lock_timeout.params(ms=str(round(bound * 1000))))
@@ -1194,11 +1236,37 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
             conn.execute(st.set_local_search_path, {"path": f"pg_catalog, {quoted}, pg_temp"})
         _adopt_legacy(context, conn, schema)
         _refuse_newer(context, schema)
-        context.run_migrations()
+        _run_revisions(context, schema, conn, wait)
         # Again, in the same transaction: the tables just created may carry default privileges
         # (ALTER DEFAULT PRIVILEGES ... GRANT ALL ON TABLES) that let another role plant a
         # trigger; a refusal here rolls the whole migration back.
         refuse_untrusted(conn, schema, trusted)
+
+
+def _run_revisions(
+    context: EnvironmentContext, schema: str, conn: Connection, wait: LockWait
+) -> None:
+    """Run the revisions the command asked for, in the run's transaction.
+
+    A schema without a version table (none adopted by :func:`_adopt_legacy` either; a
+    downgrade to base leaves an empty one), migrated to head with the template
+    :func:`upgrade` passes, runs Alembic's offline script of every revision in
+    one message: the statements the steps would send one by one, each prepared then run
+    (two round trips apiece, about 120 for a fresh schema). Its lock waits are bounded by
+    what remains of ``wait``, as the steps' are once they lock the tables. The steps are
+    taken instead for a name that must be quoted, which the template's plain name would
+    not be."""
+    template = context.config.attributes.get(FRESH_SCRIPT)
+    if (
+        template is None
+        or conn.dialect.driver != "asyncpg"
+        or conn.dialect.identifier_preparer.quote(schema) != schema
+        or conn.execute(catalog.relation_exists, {"schema": schema, "name": VERSION_TABLE}).scalar()
+    ):
+        context.run_migrations()
+        return
+    door.lock_tables(conn, schema, wait.then(f"the tables of schema {schema!r}"))
+    door.run_script(conn, template.replace(_TEMPLATE_SCHEMA, schema))
 
 
 def _trusted_of(context: EnvironmentContext) -> frozenset[str]:
@@ -1211,9 +1279,9 @@ def _trusted_of(context: EnvironmentContext) -> frozenset[str]:
 
 
 def _autogenerating(context: EnvironmentContext) -> bool:
-    """Whether this run compares the database with the model (``alembic check``)."""
-    environment = context.get_context().environment_context
-    return environment is not None and "revision_context" in environment.context_opts
+    """Whether this run compares the database with the model (``alembic check``,
+    ``revision --autogenerate``), known before the run is configured."""
+    return "revision_context" in context.context_opts
 
 
 def _adopt_legacy(context: EnvironmentContext, conn: Connection, schema: str) -> None:

@@ -48,6 +48,7 @@ from cronoq_store._domain import (
 from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import _scripts, head_revision, script_location
 from cronoq_store._urls import URL_ENV
+from cronoq_store.testing import find_bin_dir
 
 from .pgharness import admin_execute, asyncpg_dsn, without_instance
 from .waits import bounded, until
@@ -186,6 +187,23 @@ async def open_store(url: URL, schema: str, **config: Any) -> AsyncIterator[PgSt
 def full(url: URL) -> str:
     """``url`` with its password, as a command line or a child process needs it."""
     return url.render_as_string(hide_password=False)
+
+
+def pg_client(program: str, url: URL, *args: str) -> str:
+    """Run PostgreSQL's client ``program`` (pg_dump, pg_restore) of the embedded binaries
+    against ``url``'s database and return what it printed; the password travels in the
+    environment."""
+    conninfo = f"host={url.host} port={url.port} user={url.username} dbname={url.database}"
+    result = subprocess.run(
+        [str(find_bin_dir() / program), "--dbname", conninfo, *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, "PGPASSWORD": url.password or ""},
+    )
+    assert result.returncode == 0, f"{program} failed: {result.stderr}"
+    return result.stdout
 
 
 def unused_port() -> int:

@@ -22,10 +22,11 @@ from typing import Any
 import asyncpg
 import pytest
 from alembic.runtime.environment import EnvironmentContext
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from cronoq_store import _migrations as migrations
 from cronoq_store import _queries as queries
 from cronoq_store._config import MIGRATION_LOCK_TIMEOUT, PgStoreConfig
 from cronoq_store._domain import (
@@ -328,15 +329,14 @@ async def test_a_read_only_error_alone_never_disposes_an_applications_pool(
 def probing_migrations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Probe every migration's transaction, just before its revisions run and just after."""
     seen: list[dict[str, Any]] = []
-    run_migrations = EnvironmentContext.run_migrations
+    run_revisions = migrations._run_revisions
 
-    def probed(context: EnvironmentContext, **kw: Any) -> None:
-        conn = context.get_bind()
+    def probed(context: EnvironmentContext, schema: str, conn: Connection, wait: Any) -> None:
         seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
-        run_migrations(context, **kw)
+        run_revisions(context, schema, conn, wait)
         seen.append(dict(conn.execute(text(PROBE)).mappings().one()))
 
-    monkeypatch.setattr(EnvironmentContext, "run_migrations", probed)
+    monkeypatch.setattr(migrations, "_run_revisions", probed)
     return seen
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
@@ -37,12 +36,12 @@ from cronoq_store import (
 from cronoq_store._cli import ExitCode
 from cronoq_store._commit_path import fold
 from cronoq_store._migrations import upgrade
-from cronoq_store.testing import EmbeddedPostgres, find_bin_dir
+from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._server import _free_port
 from cronoq_store.testing._unprivileged import run_as
 
 from .pgharness import WITHOUT_INSTANCE, admin_execute, asyncpg_dsn, without_instance
-from .support import PROCESS_BASE, cronoq, named_config, stored_ids, submitted_in
+from .support import PROCESS_BASE, cronoq, named_config, pg_client, stored_ids, submitted_in
 from .waits import PATIENCE, until
 
 
@@ -371,21 +370,6 @@ async def test_every_write_path_recovery_and_prune_refuse_another_cluster(
 # --- a logical restore --------------------------------------------------------------------------
 
 
-def _client(program: str, url: URL, *args: str) -> None:
-    """Run PostgreSQL's client ``program`` (pg_dump, pg_restore) of the embedded binaries
-    against ``url``'s database; the password travels in the environment."""
-    conninfo = f"host={url.host} port={url.port} user={url.username} dbname={url.database}"
-    result = subprocess.run(
-        [str(find_bin_dir() / program), "--dbname", conninfo, *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-        env={**os.environ, "PGPASSWORD": url.password or ""},
-    )
-    assert result.returncode == 0, f"{program} failed: {result.stderr}"
-
-
 async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_epoch(
     pg_url: URL, migrated: str, tmp_path: Path
 ) -> None:
@@ -408,7 +392,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
             [],
         )
         await asyncio.to_thread(
-            _client,
+            pg_client,
             "pg_dump",
             pg_url,
             "--schema",
@@ -422,7 +406,7 @@ async def test_a_schema_restored_from_a_dump_is_a_new_cluster_led_with_the_next_
         await a.commit(epoch, PROCESS_BASE, [after_dump], [])
 
         await admin_execute(pg_url, f'DROP SCHEMA "{migrated}" CASCADE')
-        await asyncio.to_thread(_client, "pg_restore", pg_url, "--exit-on-error", str(dump))
+        await asyncio.to_thread(pg_client, "pg_restore", pg_url, "--exit-on-error", str(dump))
         rows = await admin_execute(pg_url, f'SELECT epoch FROM "{migrated}".cronoq_leader')
         assert rows[0][0] == epoch  # the dumped epoch: only the incarnation tells them apart
 
@@ -459,10 +443,10 @@ async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cl
     async with await PgStore.connect(pg_url, named_config(migrated, f"rowless-{migrated}")) as a:
         epoch = await a.acquire_leadership()
         dump_args = ("--schema", migrated, "--format", "custom", "--file", str(dump))
-        await asyncio.to_thread(_client, "pg_dump", pg_url, *dump_args)
+        await asyncio.to_thread(pg_client, "pg_dump", pg_url, *dump_args)
         restore = ("pg_restore", pg_url, "--exit-on-error")
         tables = ("--clean", "--single-transaction", "--section=pre-data", str(dump))
-        await asyncio.to_thread(_client, *restore, *tables)
+        await asyncio.to_thread(pg_client, *restore, *tables)
         await asyncio.wait_for(a.leadership_lost(), PATIENCE)
         table = f'"{migrated}".cronoq_leader'
         rows = await admin_execute(
@@ -472,7 +456,7 @@ async def test_a_leader_that_saw_a_restored_table_without_its_row_reports_the_cl
         assert rows[0][1] == 0  # ...still without its row
 
         await asyncio.to_thread(
-            _client, *restore, "--section=data", "--section=post-data", str(dump)
+            pg_client, *restore, "--section=data", "--section=post-data", str(dump)
         )
         with pytest.raises(ClusterReplacedError):
             await a.commit(epoch, PROCESS_BASE, [submitted_in(epoch, 0)], [])
