@@ -2089,9 +2089,17 @@ def run_script(conn: Connection, script: str) -> None:
     """Run ``script``, any number of statements, as one message on ``conn`` (asyncpg's
     simple query protocol), in its transaction: a fresh schema's whole migration costs one
     round trip instead of two per statement (:func:`~cronoq_store._migrations.upgrade`).
-    A failure leaves the transaction aborted, for the caller to roll back."""
+    A failure leaves the transaction aborted, for the caller to roll back; one that ended
+    the session invalidates ``conn``, as SQLAlchemy does when a statement of its own meets
+    that (the script bypasses it): the caller's rollback then raises nothing in place of
+    the failure."""
     driver: Any = conn.connection.driver_connection
-    await_(driver.execute(script))
+    try:
+        await_(driver.execute(script))
+    except Exception as exc:
+        if driver.is_closed():
+            conn.invalidate(exc)
+        raise
 
 
 def _attempt_lock(conn: Connection, statement: Executable, seconds: float) -> bool:

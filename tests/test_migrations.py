@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
@@ -40,6 +41,7 @@ from cronoq_store._urls import async_url
 from .legacy import create_legacy_schema
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import pg_client
+from .waits import bounded, until
 
 REVISIONS = [
     s.revision for s in reversed(list(ScriptDirectory(str(script_location())).walk_revisions()))
@@ -540,3 +542,43 @@ async def test_a_migration_outlasts_session_timeout_between_two_statements(
         pg_url, "SELECT count(*) AS n FROM pg_catalog.pg_tables WHERE schemaname = $1", schema
     )
     assert tables[0]["n"] > 0
+
+
+async def test_a_session_lost_in_the_one_script_fails_the_callers_transaction_as_a_store_error(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """The backend ends while the one script waits (here for a legacy version table with no
+    row, which revision 0006 drops, read by another session): the caller that passed its
+    own transaction gets the store's error, and its connection is known lost, so that its
+    rollback (``engine.begin()``'s, the move's preflight) does not replace that error."""
+    await admin_execute(pg_url, f"CREATE SCHEMA {schema}")
+    await admin_execute(
+        pg_url, f"CREATE TABLE {schema}.cronoq_schema_version (id int, version int)"
+    )
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute(f"BEGIN; SELECT * FROM {schema}.cronoq_schema_version")
+
+        async def migrate() -> None:
+            async with engine.begin() as conn:
+                await upgrade(conn, schema)
+
+        migrating = asyncio.ensure_future(migrate())
+        waiting = (
+            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND position($1 IN query) > 0 AND pid <> pg_catalog.pg_backend_pid()"
+        )
+        pids: list[int] = []
+
+        async def blocked() -> bool:
+            # A session of its own: pg_stat_activity is read once per transaction.
+            found = await admin_execute(pg_url, waiting, f"{schema}.cronoq_leader")
+            pids[:] = [r[0] for r in found]
+            return bool(pids) or migrating.done()
+
+        await until(blocked, "the one script to wait for the legacy table")
+        await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", pids[0])
+        with pytest.raises(StoreError, match=f"migrating schema '{schema}' failed"):
+            await bounded(migrating, "the migration")
+    finally:
+        await holder.close()
