@@ -95,6 +95,7 @@ from . import _statements as st
 from ._config import PgStoreConfig, keepalive_settings
 from ._errors import (
     LockHeldError,
+    MigrationError,
     SchemaGoneError,
     StoreError,
     UnavailableError,
@@ -2083,6 +2084,23 @@ def lock_tables(conn: Connection, schema: str, wait: LockWait) -> None:
             wait.held_by(_holders(conn.execute(catalog.table_lock_holders, looking).all()))
             conn.execute(st.pause, {"seconds": TABLE_LOCK_PAUSE})
     conn.execute(st.set_local_lock_timeout, {"ms": _ms(max(wait.remaining, 1.0))})
+
+
+def require_transaction(conn: Connection, action: str) -> None:
+    """Raise :class:`~cronoq_store.MigrationError` if ``conn``'s session is in no
+    transaction block after a statement (an ``AUTOCOMMIT`` connection): each statement of
+    ``action`` would commit on its own, its transaction-scoped locks and settings would
+    end with it, and a refusal at the end would leave what ran before it. Known on
+    asyncpg's sessions (the server's status after each statement), the store's driver."""
+    if conn.dialect.driver != "asyncpg":
+        return
+    driver: Any = conn.connection.driver_connection
+    if not driver.is_in_transaction():
+        raise MigrationError(
+            f"{action}: the connection is in autocommit mode (isolation_level='AUTOCOMMIT'), "
+            "and a migration must run in one transaction; pass a connection in a "
+            "transaction, or the engine"
+        )
 
 
 def run_script(conn: Connection, script: str) -> None:

@@ -24,7 +24,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import _migrations as migrations
-from cronoq_store._config import PgStoreConfig, validate_schema_name
+from cronoq_store._config import UNQUOTED_RESERVED, PgStoreConfig, validate_schema_name
 from cronoq_store._domain import TaskId
 from cronoq_store._errors import MigrationError, StoreError
 from cronoq_store._migrations import (
@@ -483,6 +483,24 @@ async def test_invalid_schema_names_are_refused_before_any_sql(name: str) -> Non
         await nowhere.dispose()
 
 
+async def test_every_word_the_server_reserves_is_quoted_or_refused(
+    engine: AsyncEngine, pg_url: URL
+) -> None:
+    """A reserved word SQLAlchemy writes unquoted would fail every statement naming the
+    schema (``CREATE SCHEMA tablesample`` does not parse): each is refused up front, and
+    the list follows the server's. The words it quotes (``user``) stay valid names."""
+    rows = await admin_execute(
+        pg_url, "SELECT word FROM pg_catalog.pg_get_keywords() WHERE catcode IN ('R', 'T')"
+    )
+    quote = engine.dialect.identifier_preparer.quote
+    unquoted = {r["word"] for r in rows if quote(r["word"]) == r["word"]}
+    assert unquoted == UNQUOTED_RESERVED
+    for word in sorted(unquoted):
+        with pytest.raises(ValueError, match="a word PostgreSQL reserves"):
+            validate_schema_name(word)
+    assert validate_schema_name("user") == "user"
+
+
 def test_longest_valid_schema_name_is_accepted() -> None:
     assert validate_schema_name("x" * 63) == "x" * 63
     assert validate_schema_name("_Cluster_2") == "_Cluster_2"
@@ -582,3 +600,49 @@ async def test_a_session_lost_in_the_one_script_fails_the_callers_transaction_as
             await bounded(migrating, "the migration")
     finally:
         await holder.close()
+
+
+async def test_upgrade_on_a_callers_connection_commits_unless_the_caller_began(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """A connection in no transaction: the upgrade commits, and the cluster outlives the
+    connection (it read the revision first, which opened a transaction Alembic then took
+    for the caller's). A connection in a transaction: the caller's rollback undoes it."""
+    async with engine.connect() as conn:
+        await upgrade(conn, schema)
+        assert not conn.in_transaction()
+        await upgrade(conn, schema)  # at head: a read, ended too
+        assert not conn.in_transaction()
+    assert await current_revision(engine, schema) == head_revision()
+    rolled = f"{schema}_rolled"
+    try:
+        async with engine.connect() as conn:
+            await conn.begin()
+            await upgrade(conn, rolled)
+            assert conn.in_transaction()
+            await conn.rollback()
+        assert await tables(engine, rolled) == set()
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{rolled}" CASCADE')
+
+
+async def test_a_connection_in_autocommit_mode_is_refused_and_keeps_nothing(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """Each statement would commit alone: the run's locks and settings would end with it,
+    and a refusal after the revisions ran would leave their tables. An engine made in
+    autocommit mode is no such connection: the store opens its own transaction on it."""
+    async with engine.connect() as conn:
+        autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(MigrationError, match="autocommit mode"):
+            await upgrade(autocommit, schema)
+    [[exists]] = await admin_execute(
+        pg_url, "SELECT count(*) FROM pg_catalog.pg_namespace WHERE nspname = $1", schema
+    )
+    assert exists == 0
+    autocommitting = create_async_engine(async_url(pg_url), isolation_level="AUTOCOMMIT")
+    try:
+        await upgrade(autocommitting, schema)
+    finally:
+        await autocommitting.dispose()
+    assert await current_revision(engine, schema) == head_revision()
