@@ -18,6 +18,12 @@ __all__ = [
 ]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+#: Words PostgreSQL reserves (``pg_get_keywords()``, categories R and T, on PostgreSQL 18)
+#: that SQLAlchemy's dialect writes unquoted: no statement naming such a schema parses.
+#: A test compares this with the server's list.
+UNQUOTED_RESERVED = frozenset(
+    {"collation", "concurrently", "lateral", "system_user", "tablesample"}
+)
 
 #: Seconds a migration waits for the schema's migration lock and its tables while other
 #: sessions hold them (:attr:`PgStoreConfig.migration_lock_timeout`, ``cronoq-store migrate
@@ -42,6 +48,11 @@ def validate_schema_name(schema: str) -> str:
         raise ValueError(
             f"invalid schema name {schema!r}: use 1 to 63 ASCII letters, digits and '_', "
             "not starting with a digit"
+        )
+    if schema in UNQUOTED_RESERVED:
+        raise ValueError(
+            f"invalid schema name {schema!r}: a word PostgreSQL reserves, which the "
+            "statements would not quote; give the cluster another name"
         )
     if schema.lower().startswith("pg_") or schema.lower() == "information_schema":
         raise ValueError(

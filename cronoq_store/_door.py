@@ -95,6 +95,7 @@ from . import _statements as st
 from ._config import PgStoreConfig, keepalive_settings
 from ._errors import (
     LockHeldError,
+    MigrationError,
     SchemaGoneError,
     StoreError,
     UnavailableError,
@@ -2085,13 +2086,38 @@ def lock_tables(conn: Connection, schema: str, wait: LockWait) -> None:
     conn.execute(st.set_local_lock_timeout, {"ms": _ms(max(wait.remaining, 1.0))})
 
 
+def require_transaction(conn: Connection, action: str) -> None:
+    """Raise :class:`~cronoq_store.MigrationError` if ``conn``'s session is in no
+    transaction block after a statement (an ``AUTOCOMMIT`` connection): each statement of
+    ``action`` would commit on its own, its transaction-scoped locks and settings would
+    end with it, and a refusal at the end would leave what ran before it. Known on
+    asyncpg's sessions (the server's status after each statement), the store's driver."""
+    if conn.dialect.driver != "asyncpg":
+        return
+    driver: Any = conn.connection.driver_connection
+    if not driver.is_in_transaction():
+        raise MigrationError(
+            f"{action}: the connection is in autocommit mode (isolation_level='AUTOCOMMIT'), "
+            "and a migration must run in one transaction; pass a connection in a "
+            "transaction, or the engine"
+        )
+
+
 def run_script(conn: Connection, script: str) -> None:
     """Run ``script``, any number of statements, as one message on ``conn`` (asyncpg's
     simple query protocol), in its transaction: a fresh schema's whole migration costs one
     round trip instead of two per statement (:func:`~cronoq_store._migrations.upgrade`).
-    A failure leaves the transaction aborted, for the caller to roll back."""
+    A failure leaves the transaction aborted, for the caller to roll back; one that ended
+    the session invalidates ``conn``, as SQLAlchemy does when a statement of its own meets
+    that (the script bypasses it): the caller's rollback then raises nothing in place of
+    the failure."""
     driver: Any = conn.connection.driver_connection
-    await_(driver.execute(script))
+    try:
+        await_(driver.execute(script))
+    except Exception as exc:
+        if driver.is_closed():
+            conn.invalidate(exc)
+        raise
 
 
 def _attempt_lock(conn: Connection, statement: Executable, seconds: float) -> bool:

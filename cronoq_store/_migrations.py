@@ -282,17 +282,18 @@ async def upgrade(
     not created again, and the run raises :class:`~cronoq_store.MigrationError` saying so.
     """
     check_seconds("lock_timeout", lock_timeout)
-    if revision == "head" and await _at_head(bind, schema, trusted_triggers):
-        return
-    await _run_on(
-        bind,
-        schema,
-        trusted_triggers,
-        command.upgrade,
-        revision,
-        lock_timeout,
-        must_exist=must_exist,
-    )
+    async with _committed(bind):
+        if revision == "head" and await _at_head(bind, schema, trusted_triggers):
+            return
+        await _run_on(
+            bind,
+            schema,
+            trusted_triggers,
+            command.upgrade,
+            revision,
+            lock_timeout,
+            must_exist=must_exist,
+        )
 
 
 async def downgrade(
@@ -311,9 +312,28 @@ async def downgrade(
     Refused (:class:`~cronoq_store.MigrationError`) while an instance holds the leader lock,
     and to base once the cluster issued task ids, unless ``force``; forced, a live leader is
     fenced."""
-    await _run_on(
-        bind, schema, trusted_triggers, command.downgrade, revision, lock_timeout, force=force
-    )
+    async with _committed(bind):
+        await _run_on(
+            bind, schema, trusted_triggers, command.downgrade, revision, lock_timeout, force=force
+        )
+
+
+@asynccontextmanager
+async def _committed(bind: AsyncEngine | AsyncConnection) -> AsyncIterator[None]:
+    """Commit the work inside on a caller's connection that was in no transaction when it
+    started (rolled back if it fails), as :func:`upgrade` promises; a caller's transaction
+    is the caller's to end, and an engine's session is the door's."""
+    if not isinstance(bind, AsyncConnection) or bind.in_transaction():
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        if bind.in_transaction() and not bind.invalidated:
+            await bind.rollback()
+        raise
+    if bind.in_transaction():
+        await bind.commit()
 
 
 async def _at_head(
@@ -1208,6 +1228,7 @@ def _migrate(context: EnvironmentContext, schema: str, conn: Connection) -> None
     _configure(context, schema, wait, connection=conn)
     with context.begin_transaction():
         conn.execute(st.local_search_path)
+        door.require_transaction(conn, f"migrating schema {schema!r}")
         door.take_migration_lock(conn, schema, wait)
         _refuse_defaulted_schema(context, schema, conn)
         command = _command_name(context)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
@@ -23,7 +24,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import _migrations as migrations
-from cronoq_store._config import PgStoreConfig, validate_schema_name
+from cronoq_store._config import UNQUOTED_RESERVED, PgStoreConfig, validate_schema_name
 from cronoq_store._domain import TaskId
 from cronoq_store._errors import MigrationError, StoreError
 from cronoq_store._migrations import (
@@ -40,6 +41,7 @@ from cronoq_store._urls import async_url
 from .legacy import create_legacy_schema
 from .pgharness import admin_execute, asyncpg_dsn
 from .support import pg_client
+from .waits import bounded, until
 
 REVISIONS = [
     s.revision for s in reversed(list(ScriptDirectory(str(script_location())).walk_revisions()))
@@ -481,6 +483,24 @@ async def test_invalid_schema_names_are_refused_before_any_sql(name: str) -> Non
         await nowhere.dispose()
 
 
+async def test_every_word_the_server_reserves_is_quoted_or_refused(
+    engine: AsyncEngine, pg_url: URL
+) -> None:
+    """A reserved word SQLAlchemy writes unquoted would fail every statement naming the
+    schema (``CREATE SCHEMA tablesample`` does not parse): each is refused up front, and
+    the list follows the server's. The words it quotes (``user``) stay valid names."""
+    rows = await admin_execute(
+        pg_url, "SELECT word FROM pg_catalog.pg_get_keywords() WHERE catcode IN ('R', 'T')"
+    )
+    quote = engine.dialect.identifier_preparer.quote
+    unquoted = {r["word"] for r in rows if quote(r["word"]) == r["word"]}
+    assert unquoted == UNQUOTED_RESERVED
+    for word in sorted(unquoted):
+        with pytest.raises(ValueError, match="a word PostgreSQL reserves"):
+            validate_schema_name(word)
+    assert validate_schema_name("user") == "user"
+
+
 def test_longest_valid_schema_name_is_accepted() -> None:
     assert validate_schema_name("x" * 63) == "x" * 63
     assert validate_schema_name("_Cluster_2") == "_Cluster_2"
@@ -540,3 +560,89 @@ async def test_a_migration_outlasts_session_timeout_between_two_statements(
         pg_url, "SELECT count(*) AS n FROM pg_catalog.pg_tables WHERE schemaname = $1", schema
     )
     assert tables[0]["n"] > 0
+
+
+async def test_a_session_lost_in_the_one_script_fails_the_callers_transaction_as_a_store_error(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """The backend ends while the one script waits (here for a legacy version table with no
+    row, which revision 0006 drops, read by another session): the caller that passed its
+    own transaction gets the store's error, and its connection is known lost, so that its
+    rollback (``engine.begin()``'s, the move's preflight) does not replace that error."""
+    await admin_execute(pg_url, f"CREATE SCHEMA {schema}")
+    await admin_execute(
+        pg_url, f"CREATE TABLE {schema}.cronoq_schema_version (id int, version int)"
+    )
+    holder = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        await holder.execute(f"BEGIN; SELECT * FROM {schema}.cronoq_schema_version")
+
+        async def migrate() -> None:
+            async with engine.begin() as conn:
+                await upgrade(conn, schema)
+
+        migrating = asyncio.ensure_future(migrate())
+        waiting = (
+            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND position($1 IN query) > 0 AND pid <> pg_catalog.pg_backend_pid()"
+        )
+        pids: list[int] = []
+
+        async def blocked() -> bool:
+            # A session of its own: pg_stat_activity is read once per transaction.
+            found = await admin_execute(pg_url, waiting, f"{schema}.cronoq_leader")
+            pids[:] = [r[0] for r in found]
+            return bool(pids) or migrating.done()
+
+        await until(blocked, "the one script to wait for the legacy table")
+        await admin_execute(pg_url, "SELECT pg_terminate_backend($1)", pids[0])
+        with pytest.raises(StoreError, match=f"migrating schema '{schema}' failed"):
+            await bounded(migrating, "the migration")
+    finally:
+        await holder.close()
+
+
+async def test_upgrade_on_a_callers_connection_commits_unless_the_caller_began(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """A connection in no transaction: the upgrade commits, and the cluster outlives the
+    connection (it read the revision first, which opened a transaction Alembic then took
+    for the caller's). A connection in a transaction: the caller's rollback undoes it."""
+    async with engine.connect() as conn:
+        await upgrade(conn, schema)
+        assert not conn.in_transaction()
+        await upgrade(conn, schema)  # at head: a read, ended too
+        assert not conn.in_transaction()
+    assert await current_revision(engine, schema) == head_revision()
+    rolled = f"{schema}_rolled"
+    try:
+        async with engine.connect() as conn:
+            await conn.begin()
+            await upgrade(conn, rolled)
+            assert conn.in_transaction()
+            await conn.rollback()
+        assert await tables(engine, rolled) == set()
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{rolled}" CASCADE')
+
+
+async def test_a_connection_in_autocommit_mode_is_refused_and_keeps_nothing(
+    engine: AsyncEngine, schema: str, pg_url: URL
+) -> None:
+    """Each statement would commit alone: the run's locks and settings would end with it,
+    and a refusal after the revisions ran would leave their tables. An engine made in
+    autocommit mode is no such connection: the store opens its own transaction on it."""
+    async with engine.connect() as conn:
+        autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(MigrationError, match="autocommit mode"):
+            await upgrade(autocommit, schema)
+    [[exists]] = await admin_execute(
+        pg_url, "SELECT count(*) FROM pg_catalog.pg_namespace WHERE nspname = $1", schema
+    )
+    assert exists == 0
+    autocommitting = create_async_engine(async_url(pg_url), isolation_level="AUTOCOMMIT")
+    try:
+        await upgrade(autocommitting, schema)
+    finally:
+        await autocommitting.dispose()
+    assert await current_revision(engine, schema) == head_revision()
