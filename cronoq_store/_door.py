@@ -1795,16 +1795,22 @@ class LockSession:
     async def transaction(self, timeout: float) -> AsyncIterator[None]:
         """``BEGIN``, the work, ``COMMIT``; a failure inside rolls back and is raised, and
         the session goes on (a host's session outlives any one claim). A session that
-        cannot roll back is torn down: its lock goes with it, as silence would take it."""
+        cannot roll back is torn down: its lock goes with it, as silence would take it;
+        the failure inside is what is raised then (a statement that went silent tore the
+        session down already, and the rollback's own error would only say it is gone),
+        unless the rollback was cancelled."""
         await self._run(_TAKEOVER_BEGIN, None, timeout)
         try:
             yield
-        except BaseException:
+        except BaseException as failure:
             try:
                 await self._run(_ROLLBACK, None, timeout)
-            except BaseException:
+            except asyncio.CancelledError:
                 self._driver.terminate()
                 raise
+            except BaseException:
+                self._driver.terminate()
+                raise failure from None
             raise
         await self._run(_TAKEOVER_COMMIT, None, timeout)
 

@@ -13,10 +13,12 @@ from dataclasses import replace
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import MigrationError, PgStoreConfig, StoreError
+from cronoq_store._door import LockSession
 from cronoq_store._host.control import prepare_control
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 from cronoq_store._urls import async_url
@@ -467,3 +469,19 @@ async def test_rows_of_processes_that_left_long_ago_are_pruned_a_bounded_number_
 
     async with serving(fleet.url, config(fleet, "pruning")):
         assert await until_value(left, lambda n: n < 101, "a prune of the left rows") == 1
+
+
+async def test_a_statement_gone_silent_in_a_host_transaction_is_the_error_raised(
+    engine: AsyncEngine,
+) -> None:
+    """A statement of a host's transaction (a claim) that does not answer in time tears the
+    session down; the rollback that follows cannot run on it, and the error raised says
+    the statement went silent, not that the rollback found the session gone (a host lost
+    at 10,000 clusters reported ``PendingRollbackError``, hiding why)."""
+    session = await LockSession.open(engine, 5.0)
+    try:
+        with pytest.raises(TimeoutError, match=r"did not answer within 0\.5"):
+            async with session.transaction(5.0):
+                await session.findings(text("SELECT pg_catalog.pg_sleep(5)::text"), {}, 0.5)
+    finally:
+        await session.close()
