@@ -400,7 +400,8 @@ def hosted_verdict(
     """``health``'s exit code, reasons and warnings for a hosted cluster: 4 or 5 for the
     revision as for any; 7 when a session holds the cluster's standalone key (it blocks
     every claim), unless it is the owner's host session claiming; 6 when no live host
-    process owns it (the refused state and its reason among the reasons)."""
+    process owns it (the refused state and its reason among the reasons); 1 when the
+    control schema could not be read, so that who leads it is unknown."""
     codes: list[ExitCode] = []
     reasons: list[str] = []
     warnings: list[str] = []
@@ -420,7 +421,12 @@ def hosted_verdict(
             "session lets go"
         )
     missing = no_leader(host)
-    if missing is not None:
+    if missing is not None and host.unreadable is not None and host.move is None:
+        # Who leads it is unknown, not "nobody": a role without a grant on the control
+        # schema must not report every hosted cluster leaderless.
+        codes.append(ExitCode.FAILED)
+        reasons.append(f"cannot tell which host process leads it: {missing}")
+    elif missing is not None:
         codes.append(ExitCode.NO_LEADER)
         reasons.append(missing)
     stored = None if facts is None else facts.incarnation

@@ -21,6 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cronoq_store._cli.exits import ExitCode
 from cronoq_store._console import reads
 from cronoq_store._console.source import Source
 from cronoq_store._host.control import LOCK_NS_HOST
@@ -209,6 +210,9 @@ async def test_a_role_that_cannot_read_the_control_schema_sees_the_owner_unknown
     assert [p.status for p in (*pages, html)] == [200, 200, 200], [p.text() for p in pages]
     page, overview = pages[0].json(), pages[1].json()
     (shown,) = overview["clusters"]
+    # Who leads it is unknown, not "nobody": exit 1 (the check failed), never 6.
+    assert health.exit_code == ExitCode.FAILED, health.output
+    assert "cannot tell which host process leads it" in json.loads(health.stdout)["reasons"][0]
     for host in (page["summary"]["host"], shown["host"], json.loads(health.stdout)["host"]):
         assert host["group"] == fleet.group
         assert f"permission denied for schema {fleet.control}" in host["unreadable"]

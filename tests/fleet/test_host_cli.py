@@ -172,11 +172,12 @@ async def test_a_hosted_cluster_names_its_owner_and_exits_6_once_the_host_is_gon
     )
 
     # The control schema from the environment, as other options may come; a wrong one is
-    # named.
+    # named, and who leads the cluster is unknown there, not "nobody" (exit 1, not 6).
     wrong = await run(
         "--url", full(fleet.url), "--schema", one, "health", env={CONTROL_SCHEMA_ENV: "nowhere"}
     )
-    assert wrong.exit_code == ExitCode.NO_LEADER
+    assert wrong.exit_code == ExitCode.FAILED
+    assert "cannot tell which host process leads it" in wrong.stdout
     assert "control schema 'nowhere' holds no host tables" in wrong.stdout
 
 
