@@ -85,6 +85,12 @@ WITH ns AS (
     UNION ALL SELECT ns.nspname, 'statistics ' || quote_ident(x.stxname), 'owned by',
             x.stxowner
         FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
+    -- A role with CREATE on the database may install a trusted extension into any schema
+    -- (CREATE on the schema is not asked): its objects are the bootstrap superuser's, the
+    -- extension is that role's, to update, move or drop.
+    UNION ALL SELECT ns.nspname, 'extension ' || quote_ident(e.extname), 'owned by',
+            e.extowner
+        FROM pg_extension e JOIN ns ON e.extnamespace = ns.oid
     UNION ALL SELECT nspname, 'CREATE on schema ' || quote_ident(nspname), 'granted to',
             a.grantee
         FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
