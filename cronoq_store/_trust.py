@@ -38,7 +38,8 @@ _OUR_TABLES = sorted({*metadata.tables, VERSION_TABLE, LEGACY_VERSION_TABLE})
 # Each finding comes with the schema it is about (nsp), for the schemas {which} picks (a
 # condition on pg_namespace): one text checks one schema or many, so the two cannot
 # disagree. A foreign key counts as from elsewhere unless it is from our tables of the same
-# schema. Our tables are found through pg_class's (relname, relnamespace) index.
+# schema. Our tables are found through pg_class's (relname, relnamespace) index, the
+# schema's other objects through pg_depend's (see inside).
 _CHECK = """
 SELECT {columns} FROM (
 WITH ns AS (
@@ -47,44 +48,68 @@ WITH ns AS (
     SELECT c.oid, ns.nspname, c.relowner, c.relacl
     FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
     WHERE c.relname = ANY (:tables)
+), inside AS (
+    -- Every object created in a schema records a dependency on it, found through
+    -- pg_depend's (refclassid, refobjid) index; the catalogs' namespace columns have no
+    -- index, and with thousands of cluster schemas each scan of pg_class or pg_type took
+    -- tens of milliseconds. Not recorded: indexes (their table's), table row types and
+    -- implicit arrays (their owner is their table's, or element type's, for good), and a
+    -- composite type's pg_class row (its pg_type row is). Only a superuser may edit
+    -- pg_depend; every CREATE, SET SCHEMA or OR REPLACE writes the row again.
+    SELECT d.classid, d.objid, ns.nspname FROM ns
+    JOIN pg_depend d ON d.refclassid = 'pg_namespace'::regclass AND d.refobjid = ns.oid
+        AND d.refobjsubid = 0
 ), found (nsp, what, how, role) AS (
     SELECT nspname, 'schema ' || quote_ident(nspname), 'owned by', nspowner FROM ns
-    UNION ALL SELECT ns.nspname, CASE c.relkind WHEN 'v' THEN 'view '
+    UNION ALL SELECT i.nspname, CASE c.relkind WHEN 'v' THEN 'view '
             WHEN 'm' THEN 'materialized view ' WHEN 'S' THEN 'sequence '
             WHEN 'f' THEN 'foreign table ' WHEN 'c' THEN 'type '
             ELSE 'table ' END || c.oid::regclass::text, 'owned by', c.relowner
-        FROM pg_class c JOIN ns ON c.relnamespace = ns.oid
-        WHERE c.relkind NOT IN ('i', 'I')  -- an index belongs to its table's owner
-    UNION ALL SELECT ns.nspname, CASE p.prokind WHEN 'p' THEN 'procedure '
+        FROM inside i JOIN pg_class c ON i.classid = 'pg_class'::regclass AND c.oid = i.objid
+    UNION ALL SELECT i.nspname, CASE p.prokind WHEN 'p' THEN 'procedure '
             WHEN 'a' THEN 'aggregate ' ELSE 'function ' END || p.oid::regprocedure::text,
             'owned by', p.proowner
-        FROM pg_proc p JOIN ns ON p.pronamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
-        FROM pg_operator o JOIN ns ON o.oprnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'type ' || t.oid::regtype::text, 'owned by', t.typowner
-        FROM pg_type t JOIN ns ON t.typnamespace = ns.oid
-        WHERE t.typrelid = 0 AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
-    UNION ALL SELECT ns.nspname, 'collation ' || c.oid::regcollation::text, 'owned by',
+        FROM inside i JOIN pg_proc p ON i.classid = 'pg_proc'::regclass AND p.oid = i.objid
+    UNION ALL SELECT i.nspname, 'operator ' || o.oid::regoperator::text, 'owned by', o.oprowner
+        FROM inside i
+        JOIN pg_operator o ON i.classid = 'pg_operator'::regclass AND o.oid = i.objid
+    UNION ALL SELECT i.nspname, 'type ' || t.oid::regtype::text, 'owned by', t.typowner
+        FROM inside i JOIN pg_type t ON i.classid = 'pg_type'::regclass AND t.oid = i.objid
+    UNION ALL SELECT i.nspname, 'collation ' || c.oid::regcollation::text, 'owned by',
             c.collowner
-        FROM pg_collation c JOIN ns ON c.collnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'conversion ' || quote_ident(c.conname), 'owned by',
+        FROM inside i
+        JOIN pg_collation c ON i.classid = 'pg_collation'::regclass AND c.oid = i.objid
+    UNION ALL SELECT i.nspname, 'conversion ' || quote_ident(c.conname), 'owned by',
             c.conowner
-        FROM pg_conversion c JOIN ns ON c.connamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'operator class ' || quote_ident(c.opcname), 'owned by',
+        FROM inside i
+        JOIN pg_conversion c ON i.classid = 'pg_conversion'::regclass AND c.oid = i.objid
+    UNION ALL SELECT i.nspname, 'operator class ' || quote_ident(c.opcname), 'owned by',
             c.opcowner
-        FROM pg_opclass c JOIN ns ON c.opcnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'operator family ' || quote_ident(f.opfname), 'owned by',
+        FROM inside i
+        JOIN pg_opclass c ON i.classid = 'pg_opclass'::regclass AND c.oid = i.objid
+    UNION ALL SELECT i.nspname, 'operator family ' || quote_ident(f.opfname), 'owned by',
             f.opfowner
-        FROM pg_opfamily f JOIN ns ON f.opfnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'text search configuration ' || c.oid::regconfig::text,
+        FROM inside i
+        JOIN pg_opfamily f ON i.classid = 'pg_opfamily'::regclass AND f.oid = i.objid
+    UNION ALL SELECT i.nspname, 'text search configuration ' || c.oid::regconfig::text,
             'owned by', c.cfgowner
-        FROM pg_ts_config c JOIN ns ON c.cfgnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'text search dictionary ' || d.oid::regdictionary::text,
+        FROM inside i
+        JOIN pg_ts_config c ON i.classid = 'pg_ts_config'::regclass AND c.oid = i.objid
+    UNION ALL SELECT i.nspname, 'text search dictionary ' || d.oid::regdictionary::text,
             'owned by', d.dictowner
-        FROM pg_ts_dict d JOIN ns ON d.dictnamespace = ns.oid
-    UNION ALL SELECT ns.nspname, 'statistics ' || quote_ident(x.stxname), 'owned by',
+        FROM inside i
+        JOIN pg_ts_dict d ON i.classid = 'pg_ts_dict'::regclass AND d.oid = i.objid
+    UNION ALL SELECT i.nspname, 'statistics ' || quote_ident(x.stxname), 'owned by',
             x.stxowner
-        FROM pg_statistic_ext x JOIN ns ON x.stxnamespace = ns.oid
+        FROM inside i
+        JOIN pg_statistic_ext x ON i.classid = 'pg_statistic_ext'::regclass AND x.oid = i.objid
+    -- A role with CREATE on the database may install a trusted extension into any schema
+    -- (CREATE on the schema is not asked): its objects are the bootstrap superuser's, the
+    -- extension is that role's, to update, move or drop.
+    UNION ALL SELECT i.nspname, 'extension ' || quote_ident(e.extname), 'owned by',
+            e.extowner
+        FROM inside i
+        JOIN pg_extension e ON i.classid = 'pg_extension'::regclass AND e.oid = i.objid
     UNION ALL SELECT nspname, 'CREATE on schema ' || quote_ident(nspname), 'granted to',
             a.grantee
         FROM ns, aclexplode(ns.nspacl) a WHERE a.privilege_type = 'CREATE'
@@ -123,11 +148,18 @@ FROM pg_rewrite r JOIN ours ON r.ev_class = ours.oid
 -- A foreign key from elsewhere, whoever owns it: its internal triggers run the other table's
 -- actions (and that table's triggers) inside prune's deletes, or make every prune fail.
 UNION ALL
-SELECT ours.nspname, 'foreign key ' || quote_ident(k.conname) || ' of '
-    || k.conrelid::regclass::text || ' references ' || ours.oid::regclass::text
-FROM pg_constraint k JOIN ours ON k.confrelid = ours.oid
+SELECT r.nspname, 'foreign key ' || quote_ident(k.conname) || ' of '
+    || k.conrelid::regclass::text || ' references ' || r.oid::regclass::text
+FROM (
+    -- A foreign key depends on each column it references (pg_depend's index again: no
+    -- index on confrelid), one row per column.
+    SELECT DISTINCT d.objid AS key_oid, ours.oid, ours.nspname FROM ours
+    JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = ours.oid
+        AND d.classid = 'pg_constraint'::regclass
+) r
+JOIN pg_constraint k ON k.oid = r.key_oid AND k.confrelid = r.oid
 WHERE k.contype = 'f'
-    AND k.conrelid NOT IN (SELECT o.oid FROM ours o WHERE o.nspname = ours.nspname)
+    AND k.conrelid NOT IN (SELECT o.oid FROM ours o WHERE o.nspname = r.nspname)
 -- Our migrations create no trigger: each must be one the operator named, and even then
 -- without a WHEN clause (it can call anything, through a cast to a domain, say).
 UNION ALL

@@ -367,6 +367,28 @@ async def test_an_object_planted_in_our_schema_is_refused(
         await PgStore.from_engine(engine, config(schema), migrate=False)
 
 
+async def test_a_trusted_extension_installed_into_our_schema_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """CREATE on the database is enough to install a trusted extension into a schema the
+    role may not create in: its objects are the bootstrap superuser's, so only the
+    extension's owner betrays it, and that role may update, move or drop it."""
+    try:
+        await admin_execute(attacker.url, f"CREATE EXTENSION seg SCHEMA {migrated}")
+    except asyncpg.UndefinedFileError:
+        pytest.skip("the server has no contrib extension seg")
+    try:
+        with pytest.raises(MigrationError) as info:
+            await upgrade(engine, migrated)
+        assert f"extension seg owned by {attacker.name}" in str(info.value)
+        with pytest.raises(MigrationError, match="extension seg owned by"):
+            await PgStore.from_engine(engine, config(migrated), migrate=False)
+    finally:
+        await admin_execute(pg_url, "DROP EXTENSION seg")
+    async with await PgStore.connect(pg_url, config(migrated)) as store:
+        assert await store.get_task(TaskId(1)) is None
+
+
 @pytest.mark.parametrize("grantee", ["attacker", "PUBLIC"])
 async def test_create_on_our_schema_granted_to_another_role_is_refused(
     pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker, grantee: str
