@@ -404,6 +404,8 @@ class PgHost:
         self._gave_up: dict[str, float] = {}
         self._lead: Callable[[HostedStore], Awaitable[None]] | None = None
         self._closing = asyncio.Event()
+        # The close, once begun: each call of close() waits for this one.
+        self._closed: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._session: HostSession | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -521,7 +523,13 @@ class PgHost:
 
     async def close(self) -> None:
         """Hand every cluster over, leave the group, and close the pool (unless it is an
-        application's)."""
+        application's). The close runs once: every call returns when it is done, and a
+        caller that stops waiting (cancelled) leaves it going."""
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         self._closing.set()
         self._wake.set()
         for led in list(self._led.values()):
