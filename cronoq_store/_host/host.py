@@ -1212,12 +1212,20 @@ class PgHost:
         """Give up, in the control schema, each cluster whose term ended here, once the
         application's task for it returned or its ``handover_grace`` ran out (then it is
         cancelled, and not waited for: the next claim's epoch fences whatever it still
-        sends). With ``wait`` (closing), waits out the grace for every one at once."""
+        sends). With ``wait`` (closing), waits out the grace for every one at once, the
+        session answering every ``keepalive`` meanwhile: each statement is bounded by what
+        is left of ``session_timeout`` since its last answer, and the releases would
+        otherwise find the session timed out after a grace as long."""
         ending = [self._led[s] for s in sorted(self._ending) if s in self._led]
         if wait:
             running = {led.task for led in ending if led.task is not None and not led.task.done()}
-            if running:
-                await asyncio.wait(running, timeout=self._config.handover_grace)
+            deadline = time.monotonic() + self._config.handover_grace
+            while running and (left := deadline - time.monotonic()) > 0:
+                _, running = await asyncio.wait(
+                    running, timeout=min(left, self._config.store.keepalive)
+                )
+                if running:
+                    await session.digest()
         for led in ending:
             task = led.task
             overdue = time.monotonic() - led.term.ended_at >= self._config.handover_grace
