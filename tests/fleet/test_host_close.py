@@ -361,6 +361,6 @@ async def test_a_host_on_a_borrowed_engine_closes_while_the_application_uses_it(
     finally:
         stop.set()
         await asyncio.gather(*users)
-        assert app.sync_engine.pool.checkedout() == 0
+        assert app.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
         await app.dispose()
     assert loop_reports() == []
