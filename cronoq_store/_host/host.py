@@ -542,8 +542,9 @@ class PgHost:
 
     async def close(self) -> None:
         """Hand every cluster over, leave the group, and close the pool (unless it is an
-        application's). The close runs once: every call returns when it is done, and a
-        caller that stops waiting (cancelled) leaves it going."""
+        application's), once the enrolments and removals under way ended (later ones are
+        refused). The close runs once: every call returns when it is done, and a caller
+        that stops waiting (cancelled) leaves it going."""
         if self._closed is None:
             self._closed = asyncio.ensure_future(self._close())
         await asyncio.shield(self._closed)
