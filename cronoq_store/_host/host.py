@@ -404,6 +404,13 @@ class PgHost:
         self._gave_up: dict[str, float] = {}
         self._lead: Callable[[HostedStore], Awaitable[None]] | None = None
         self._closing = asyncio.Event()
+        # The close, once begun: each call of close() waits for this one.
+        self._closed: asyncio.Task[None] | None = None
+        # Enrolments and removals under way on the pool: the close waits for them before it
+        # disposes it, as a connection they take after would come from a new pool.
+        self._calls = 0
+        self._no_calls = asyncio.Event()
+        self._no_calls.set()
         self._wake = asyncio.Event()
         self._session: HostSession | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -519,9 +526,30 @@ class PgHost:
         if self._closing.is_set():
             raise StoreError("this host is closed")
 
+    @asynccontextmanager
+    async def _call(self) -> AsyncIterator[None]:
+        """An enrolment or a removal: refused once :meth:`close` began, which waits for
+        those under way before it closes the pool."""
+        self._refuse_closed()
+        self._calls += 1
+        self._no_calls.clear()
+        try:
+            yield
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._no_calls.set()
+
     async def close(self) -> None:
         """Hand every cluster over, leave the group, and close the pool (unless it is an
-        application's)."""
+        application's), once the enrolments and removals under way ended (later ones are
+        refused). The close runs once: every call returns when it is done, and a caller
+        that stops waiting (cancelled) leaves it going."""
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         self._closing.set()
         self._wake.set()
         for led in list(self._led.values()):
@@ -533,6 +561,7 @@ class PgHost:
             # Each cancels its lead at the end of its grace; one that ignores the
             # cancellation is left behind rather than holding the close forever.
             await asyncio.wait(set(self._reapers), timeout=self._config.handover_grace + 1)
+        await self._no_calls.wait()
         await self._bus.close()
         await self._lock_engine.dispose()
         if self._owns_engine:
@@ -580,7 +609,8 @@ class PgHost:
         ``migrate=False``), then marked as the group's in their own leader row and listed
         in the control schema. A cluster a standalone ``PgStore`` leads is refused with
         ``LockHeldError`` naming it; one already in this group is left as it is. Returns
-        the schemas newly enrolled."""
+        the schemas newly enrolled. Once :meth:`close` began, raises ``StoreError`` before
+        the next schema."""
         self._refuse_closed()
         names = [schemas] if isinstance(schemas, str) else list(schemas)
         for name in names:
@@ -589,8 +619,9 @@ class PgHost:
                 raise ValueError(f"schema {name!r} is the host's control schema, not a cluster")
         added = []
         for schema in names:
-            if await self._enroll_one(schema, migrate):
-                added.append(schema)
+            async with self._call():
+                if await self._enroll_one(schema, migrate):
+                    added.append(schema)
         self._wake.set()
         return added
 
@@ -707,7 +738,7 @@ class PgHost:
         database needs the name free in the control schema."""
         self._refuse_closed()
         validate_schema_name(schema)
-        async with door.translated(f"removing schema {schema!r}"):
+        async with self._call(), door.translated(f"removing schema {schema!r}"):
             removed = await self._transaction(lambda conn: self._remove_in(conn, schema))
         self._wake.set()
         return removed
@@ -1204,12 +1235,20 @@ class PgHost:
         """Give up, in the control schema, each cluster whose term ended here, once the
         application's task for it returned or its ``handover_grace`` ran out (then it is
         cancelled, and not waited for: the next claim's epoch fences whatever it still
-        sends). With ``wait`` (closing), waits out the grace for every one at once."""
+        sends). With ``wait`` (closing), waits out the grace for every one at once, the
+        session answering every ``keepalive`` meanwhile: each statement is bounded by what
+        is left of ``session_timeout`` since its last answer, and the releases would
+        otherwise find the session timed out after a grace as long."""
         ending = [self._led[s] for s in sorted(self._ending) if s in self._led]
         if wait:
             running = {led.task for led in ending if led.task is not None and not led.task.done()}
-            if running:
-                await asyncio.wait(running, timeout=self._config.handover_grace)
+            deadline = time.monotonic() + self._config.handover_grace
+            while running and (left := deadline - time.monotonic()) > 0:
+                _, running = await asyncio.wait(
+                    running, timeout=min(left, self._config.store.keepalive)
+                )
+                if running:
+                    await session.digest()
         for led in ending:
             task = led.task
             overdue = time.monotonic() - led.term.ended_at >= self._config.handover_grace
