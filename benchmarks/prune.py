@@ -1,6 +1,6 @@
-"""Pruning: ``PgStore.prune`` (batches of ``PRUNE_BATCH``, never a task a live task depends
-on) against raw asyncpg deleting the same old finished tasks in the same batches without
-that protection: what the protection costs.
+"""Pruning: ``PgStore.prune`` (batches of ``PRUNE_BATCH`` first, then sized by time; never
+a task a live task depends on) against raw asyncpg deleting the same old finished tasks in
+batches sized the same way, without that protection: what the protection costs.
 
 Each trial starts from the same fresh table: ``prune_finished`` old finished tasks and
 ``prune_live`` live tasks, each depending on a different finished one (by id or by key).
@@ -43,7 +43,7 @@ from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeB
 from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
 from cronoq_store._door import CompiledStatement
-from cronoq_store._queries import PRUNE_BATCH
+from cronoq_store._queries import PRUNE_BATCH, next_prune_batch
 from cronoq_store._schema import (
     INSERT_COLUMNS,
     INSERT_POSITION,
@@ -110,18 +110,21 @@ def make_rows(finished: int, live: int, base: TimeBase, now: int) -> list[tuple[
 async def _delete_unprotected(
     conn: asyncpg.Connection, unprotected: CompiledStatement, lap: Callable[[], None] = lambda: None
 ) -> int:
-    """The baseline: the same old finished tasks deleted in the store's batches, one
+    """The baseline: the same old finished tasks deleted in batches sized as the store's
+    are (:func:`~cronoq_store._queries.next_prune_batch`, by each batch's own time), one
     transaction each, without the protection; ``lap`` runs after each batch."""
     params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
     total = 0
     while True:
+        started = time.monotonic()
         async with conn.transaction():
             status = await conn.execute(unprotected.sql, *unprotected.args(params))
         deleted = int(status.split()[-1])
         total += deleted
         lap()
-        if deleted < PRUNE_BATCH:
+        if deleted < params["batch"]:
             return total
+        params["batch"] = next_prune_batch(deleted, time.monotonic() - started)
 
 
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:

@@ -204,7 +204,8 @@ def _prune(section: dict[str, Any]) -> list[str]:
         "### Prune (rows deleted/s)",
         "",
         f"{section['finished']:,} old finished tasks, {section['live_with_dependencies']:,} "
-        f"of them depended on by live tasks; batches of {section['batch']}.",
+        f"of them depended on by live tasks; batches of {section['batch']} first, then "
+        "sized by time.",
         "",
         *_table(
             ["PgStore.prune (protected)", "raw delete, unprotected", "finished tasks kept"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -13,7 +14,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from cronoq_store import _queries as queries
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._domain import Dependency, Mutation, TaskId
-from cronoq_store._queries import PRUNE_BATCH
+from cronoq_store._queries import (
+    PRUNE_BATCH,
+    PRUNE_BATCH_MAX,
+    PRUNE_BATCH_SECONDS,
+    next_prune_batch,
+)
 from cronoq_store._store import PgStore
 
 from .support import (
@@ -69,11 +75,41 @@ async def test_prune_reports_the_running_total_after_each_batch(
 
     totals: list[int] = []
     assert await store.prune(3600, progress=totals.append) == old
-    assert totals == [PRUNE_BATCH, 2 * PRUNE_BATCH, old]
+    # The first batch is PRUNE_BATCH rows, later ones sized by time: never below
+    # PRUNE_BATCH, at most four times the last; the last batch is short (or empty), and
+    # reports the whole.
+    batches = [b - a for a, b in itertools.pairwise([0, *totals])]
+    full, last = batches[:-1], batches[-1]
+    assert full[0] == PRUNE_BATCH, totals
+    assert totals[-1] == old, totals
+    assert all(PRUNE_BATCH <= b <= 4 * a for a, b in itertools.pairwise(full)), totals
+    assert 0 <= last <= 4 * full[-1], totals
     assert await stored_ids(pg_url, migrated) == [old + 1]
     # Nothing left to prune: one batch, reported once.
     assert await store.prune(3600, progress=totals.append) == 0
     assert totals[-1] == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "seconds", "expected"),
+    [
+        (1000, 0.05, 4000),  # fast: toward PRUNE_BATCH_SECONDS, four times at most
+        (1000, 0.001, 4000),
+        (1000, 0.0, 4000),
+        (4000, 0.1, 8000),
+        (8000, 0.2, 8000),  # on target: kept
+        (32_000, 0.8, 8000),  # slow (commits it waited for): a quarter at least
+        (32_000, 60.0, 8000),
+        (1000, 5.0, 1000),  # never below PRUNE_BATCH
+        (64_000, 0.01, 64_000),  # nor above PRUNE_BATCH_MAX
+    ],
+)
+def test_prune_batches_are_sized_by_the_time_the_last_took(
+    rows: int, seconds: float, expected: int
+) -> None:
+    assert PRUNE_BATCH_SECONDS == 0.2
+    assert PRUNE_BATCH_MAX == 64_000
+    assert next_prune_batch(rows, seconds) == expected
 
 
 @pytest.mark.parametrize(
