@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -925,11 +926,29 @@ class CommitConnection:
         """``rows`` into ``schema.table`` by COPY, inside the open transaction;
         :class:`InsertRefused` if a unique index refused one (COPY has no conflict rule)."""
         try:
+            await self._copy(table, rows, columns, schema)
+        except _UNIQUE_VIOLATION as exc:
+            raise _refused(exc) from exc
+
+    async def _copy(
+        self, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str], schema: str
+    ) -> None:
+        """``rows`` into ``schema.table`` by asyncpg's COPY, leaving no waiter of it behind.
+
+        asyncpg's COPY makes its waiter before it starts the COPY on its protocol, outside
+        what fails the waiter on an error: a protocol out of step with a session the server
+        ended (``InternalClientError``: its last words read before its closed socket, as a
+        loop running late reads them) raises there, and the waiter stays the connection's,
+        awaited by nobody. The connection's loss fails it later, and asyncio reports
+        "Future exception was never retrieved". The driver keeps its waiters private: they
+        are found among what its protocol holds (:func:`_settle_waiters`)."""
+        try:
             await self._driver.copy_records_to_table(
                 table, records=rows, columns=columns, schema_name=schema
             )
-        except _UNIQUE_VIOLATION as exc:
-            raise _refused(exc) from exc
+        except Exception:
+            _settle_waiters(self._driver)
+            raise
 
     async def finish(self, closing: str) -> None:
         """Send ``closing``, an :class:`Opening`'s closing (the check that the schema
@@ -1032,9 +1051,7 @@ class CommitConnection:
         setup) by COPY, inside the open transaction. A table found missing (not kept by the
         session) stops staging on it (:meth:`lost_named`)."""
         try:
-            await self._driver.copy_records_to_table(
-                table, records=rows, columns=columns, schema_name="pg_temp"
-            )
+            await self._copy(table, rows, columns, "pg_temp")
         except asyncpg.UndefinedTableError:
             self.stop_staging()
             raise
@@ -1057,6 +1074,24 @@ class CommitConnection:
         if state is None:
             state = _NAMED[self._driver] = _Named()
         state.refused = True
+
+
+def _settle_waiters(driver: DriverConnection) -> None:
+    """Have every pending future the asyncpg connection ``driver`` holds read as it ends:
+    after an operation of the caller's failed, nobody awaits them (see
+    :meth:`CommitConnection._copy`)."""
+    protocol = getattr(driver, "_protocol", None)
+    if protocol is None:
+        return
+    for held in gc.get_referents(protocol):
+        if isinstance(held, asyncio.Future) and not held.done():
+            held.add_done_callback(_read_outcome)
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Read how ``future`` ended, so that asyncio does not report an error nobody awaited."""
+    if not future.cancelled():
+        future.exception()
 
 
 def executing(name: str, statement: CompiledStatement, values: Mapping[str, Any]) -> str:

@@ -18,9 +18,12 @@ test's own; random splits of commits into groups end as the same commits one at 
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import pytest
@@ -36,7 +39,7 @@ from cronoq_store import (
 )
 from cronoq_store._commit_path import BatchWriter, GroupMember, Outcome, Written, fold, write_group
 from cronoq_store._domain import Mutation, StatusChanged, Submitted, TimeBase, task_id
-from cronoq_store._door import CommitConnection, CompiledStatement, executing
+from cronoq_store._door import CommitConnection, CompiledStatement, executing, translate_error
 from cronoq_store._host.host import HostedStore
 
 from ..pgharness import admin_execute, asyncpg_dsn
@@ -438,3 +441,77 @@ async def test_a_session_that_loses_the_bus_statements_writes_each_commit_alone(
                 assert len(await xmins(fleet, s)) == 3
         finally:
             await driver.close()
+
+
+def _end_with_the_loop_blocked(url: URL, pid: int) -> None:
+    """End backend ``pid`` and wait until it is gone, from another thread, this one (and so
+    its event loop) blocked meanwhile: the server ends a session while the loop runs late,
+    which then finds the server's last words and the closed socket at once."""
+
+    async def end() -> None:
+        await admin_execute(url, "SELECT pg_catalog.pg_terminate_backend($1)", pid)
+        await until(lambda: _gone(url, pid), f"backend {pid} to exit", every=0.01)
+
+    thread = threading.Thread(target=lambda: asyncio.run(end()))
+    thread.start()
+    thread.join()
+
+
+async def _gone(url: URL, pid: int) -> bool:
+    rows = await admin_execute(url, "SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1", pid)
+    return not rows
+
+
+async def _copy(conn: CommitConnection, method: str, n: int) -> None:
+    """Task ``n`` into the session's table ``copied``, by one of a commit's COPYs."""
+    if method == "copy_into":
+        await conn.copy_into("copied", [(n,)], ["n"], "pg_temp")
+    else:
+        await conn.stage("copied", [(n,)], ["n"])
+
+
+@pytest.mark.parametrize("method", ["copy_into", "stage"])
+async def test_a_copy_on_a_session_ended_while_the_loop_ran_late_leaves_no_future_behind(
+    pg_url: URL, method: str
+) -> None:
+    """A host lost its session with its loop seconds late, and asyncio logged "Future
+    exception was never retrieved ... ConnectionDoesNotExistError": the server had ended a
+    lane's session idle in its transaction (``idle_in_transaction_session_timeout``), and
+    the commit's COPY (the bus's staging, a store's insert) met a driver out of step with
+    it. asyncpg then raises having made the COPY's waiter, which the connection's loss
+    fails with nobody to see it. Whenever the loop reads the session's end, the COPY fails
+    as a lost session (retried), and leaves nothing for asyncio to report."""
+    loop = asyncio.get_running_loop()
+    gc.collect()  # what earlier tests left is not this test's to report
+    reports: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reports.append(context))
+    try:
+        # The COPY starts 0 to 3 loop turns after the loop is back: before the driver read
+        # the server's error, between the error and the closed socket, and after both.
+        for turns in range(4):
+            driver = await asyncpg.connect(asyncpg_dsn(pg_url))
+            try:
+                conn = CommitConnection(driver)
+                await driver.execute("CREATE TEMPORARY TABLE copied (n bigint)")
+                await _copy(conn, method, 1)  # asyncpg caches the COPY's statement
+                await driver.execute("BEGIN")
+                _end_with_the_loop_blocked(pg_url, driver.get_server_pid())
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                failure: Exception | None = None
+                try:
+                    await _copy(conn, method, 2)
+                except Exception as exc:
+                    failure = translate_error(exc, "committing a batch")
+                assert isinstance(failure, UnavailableError), (turns, failure)
+                del failure
+                await until(driver.is_closed, "the driver to see its session gone")
+            finally:
+                driver.terminate()  # as the commit path drops a connection in doubt
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert [(r["message"], repr(r.get("exception"))) for r in reports] == []
