@@ -119,6 +119,12 @@ WITH ns AS (
             'granted to', a.grantee
         FROM ours, aclexplode(ours.relacl) a
         WHERE a.privilege_type IN ('TRIGGER', 'REFERENCES')
+    -- REFERENCES on a column (pg_attribute's own ACL) is enough for a key onto it.
+    UNION ALL SELECT ours.nspname, 'REFERENCES on ' || ours.oid::regclass::text || ' ('
+            || quote_ident(att.attname) || ')', 'granted to', a.grantee
+        FROM ours JOIN pg_attribute att ON att.attrelid = ours.oid AND att.attnum > 0
+            AND att.attacl IS NOT NULL, aclexplode(att.attacl) a
+        WHERE a.privilege_type = 'REFERENCES'
     -- What a trigger runs: its function and whatever its WHEN clause calls (pg_depend),
     -- operators by the function that implements them too.
     UNION ALL SELECT ours.nspname, 'trigger ' || quote_ident(tg.tgname) || ' on '
@@ -307,8 +313,8 @@ def refuse_untrusted(
 
     Refused: the schema, or any object in it, owned by such a role; such a role (or
     ``PUBLIC``) holding ``CREATE`` on the schema or ``TRIGGER`` or ``REFERENCES`` on our tables
-    (it could plant code after this check); any rule on our tables, and any foreign key from
-    another table to them; any trigger on our tables (our
+    or on any of their columns (it could plant code after this check); any rule on our
+    tables, and any foreign key from another table to them; any trigger on our tables (our
     migrations create none) unless it is named in ``trusted_triggers``, has no ``WHEN``
     clause and runs a function of a trusted role. Trusted are the connecting role,
     superusers and roles that can already act with the connecting role's privileges.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -292,6 +293,56 @@ async def test_a_foreign_key_onto_our_tables_is_refused(
         assert f"of {table} references {schema}.cronoq_tasks" in str(info.value)
 
 
+async def test_references_on_a_column_of_our_tables_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A column's REFERENCES (pg_attribute.attacl, not the table's relacl) is enough for a
+    foreign key onto that column: refused like the table's, before the key exists."""
+    schema = migrated
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(
+        pg_url, f"GRANT REFERENCES (id) ON {schema}.cronoq_tasks TO {attacker.name}"
+    )
+    said = f"REFERENCES on {schema}.cronoq_tasks (id) granted to {attacker.name}"
+    with pytest.raises(MigrationError) as info:
+        await upgrade(engine, schema)
+    assert said in str(info.value)
+    with pytest.raises(MigrationError, match=re.escape(said)):
+        await PgStore.from_engine(engine, config(schema), migrate=False)
+    # What the grant allows, once the store has opened: a key whose cascade runs in prune.
+    await admin_execute(attacker.url, f"CREATE SCHEMA {attacker.name}_s")
+    await admin_execute(
+        attacker.url,
+        f"CREATE TABLE {attacker.name}_s.t (ref bigint REFERENCES {schema}.cronoq_tasks (id) "
+        "ON DELETE CASCADE)",
+    )
+
+
+async def test_a_foreign_key_from_a_partitioned_table_outlives_its_grant_and_detach(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
+) -> None:
+    """A partitioned table's key is cloned onto each partition; a detached partition keeps
+    its own. Each is found through the columns it references, the grant revoked since."""
+    schema, own = migrated, f"{attacker.name}_s"
+    await admin_execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(pg_url, f"GRANT REFERENCES ON {schema}.cronoq_tasks TO {attacker.name}")
+    await admin_execute(attacker.url, f"CREATE SCHEMA {own}")
+    await admin_execute(
+        attacker.url,
+        f"CREATE TABLE {own}.t (ref bigint REFERENCES {schema}.cronoq_tasks (id) "
+        "ON DELETE CASCADE) PARTITION BY RANGE (ref)",
+    )
+    await admin_execute(
+        attacker.url, f"CREATE TABLE {own}.t1 PARTITION OF {own}.t FOR VALUES FROM (0) TO (9)"
+    )
+    await admin_execute(attacker.url, f"ALTER TABLE {own}.t DETACH PARTITION {own}.t1")
+    await admin_execute(attacker.url, f"DROP TABLE {own}.t")
+    await admin_execute(pg_url, f"REVOKE REFERENCES ON {schema}.cronoq_tasks FROM {attacker.name}")
+    with pytest.raises(MigrationError) as info:
+        await PgStore.from_engine(engine, config(schema), migrate=False)
+    assert f"of {own}.t1 references {schema}.cronoq_tasks" in str(info.value)
+
+
 async def test_a_trigger_whose_when_clause_runs_untrusted_code_is_refused(
     pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker
 ) -> None:
@@ -348,7 +399,67 @@ PLANTED = {
     "collation": ("CREATE COLLATION {s}.c (locale = 'C')", "collation {s}.c owned by {a}"),
     "text search configuration": ("CREATE TEXT SEARCH CONFIGURATION {s}.ts (COPY = simple)",
                                   "text search configuration {s}.ts owned by {a}"),
+    "composite type": ("CREATE TYPE {s}.pair AS (a int, b int)", "type {s}.pair owned by {a}"),
+    "range type": ("CREATE TYPE {s}.span AS RANGE (subtype = int4)",
+                   "type {s}.span_multirange owned by {a}"),
+    "materialized view": ("CREATE MATERIALIZED VIEW {s}.mv AS SELECT 1 AS one",
+                          "materialized view {s}.mv owned by {a}"),
+    "partition": ("CREATE TABLE {s}.part PARTITION OF {o}.parted DEFAULT",
+                  "table {s}.part owned by {a}"),
+    "statistics": ("CREATE STATISTICS {s}.st ON a, b FROM {o}.pair", "statistics st owned by {a}"),
+    "conversion": ("CREATE CONVERSION {s}.cv FOR 'LATIN1' TO 'UTF8' FROM iso8859_1_to_utf8",
+                   "conversion cv owned by {a}"),
+    "text search dictionary": ("CREATE TEXT SEARCH DICTIONARY {s}.d (TEMPLATE = simple)",
+                               "text search dictionary {s}.d owned by {a}"),
 }  # fmt: skip
+
+# Created in the attacker's own schema, then moved into ours (CREATE on it for a moment):
+# SET SCHEMA moves the object's dependency on its schema, which is how the check finds it.
+MOVED = {
+    "table": ("ALTER TABLE {o}.pair SET SCHEMA {s}", "table {s}.pair owned by {a}"),
+    "owned sequence": ("ALTER TABLE {o}.pair SET SCHEMA {s}",
+                       "sequence {s}.pair_a_seq owned by {a}"),
+    "function": ("ALTER FUNCTION {o}.f(int, int) SET SCHEMA {s}",
+                 "function {s}.f(integer,integer) owned by {a}"),
+    "operator": ("ALTER OPERATOR {o}.===(int, int) SET SCHEMA {s}",
+                 "operator {s}.===(integer,integer) owned by {a}"),
+    "type": ("ALTER TYPE {o}.span SET SCHEMA {s}", "type {s}.span owned by {a}"),
+    "statistics": ("ALTER STATISTICS {o}.st SET SCHEMA {s}", "statistics st owned by {a}"),
+    "view": ("ALTER VIEW {o}.v SET SCHEMA {s}", "view {s}.v owned by {a}"),
+}  # fmt: skip
+
+
+async def attackers_schema(attacker: Attacker) -> str:
+    """The attacker's own schema, with one of each object the tests plant or move."""
+    own = f"{attacker.name}_s"
+    for ddl in (
+        f"CREATE SCHEMA {own}",
+        f"CREATE TABLE {own}.pair (a serial, b int)",
+        f"CREATE TABLE {own}.parted (a int) PARTITION BY LIST (a)",
+        f"CREATE FUNCTION {own}.f(int, int) RETURNS bool LANGUAGE sql AS 'SELECT true'",
+        f"CREATE OPERATOR {own}.=== (LEFTARG = int, RIGHTARG = int, FUNCTION = {own}.f)",
+        f"CREATE TYPE {own}.span AS RANGE (subtype = int4)",
+        f"CREATE STATISTICS {own}.st ON a, b FROM {own}.pair",
+        f"CREATE VIEW {own}.v AS SELECT 1 AS one",
+    ):
+        await admin_execute(attacker.url, ddl)
+    return own
+
+
+@pytest.mark.parametrize("kind", sorted(MOVED))
+async def test_an_object_moved_into_our_schema_is_refused(
+    pg_url: URL, engine: AsyncEngine, migrated: str, attacker: Attacker, kind: str
+) -> None:
+    ddl, said = MOVED[kind]
+    schema, own = migrated, await attackers_schema(attacker)
+    await admin_execute(pg_url, f"GRANT CREATE ON SCHEMA {schema} TO {attacker.name}")
+    await admin_execute(attacker.url, ddl.format(s=schema, o=own))
+    await admin_execute(pg_url, f"REVOKE CREATE ON SCHEMA {schema} FROM {attacker.name}")
+    with pytest.raises(MigrationError) as info:
+        await upgrade(engine, schema)
+    assert said.format(s=schema, a=attacker.name) in str(info.value)
+    with pytest.raises(MigrationError, match="owned by"):
+        await PgStore.from_engine(engine, config(schema), migrate=False)
 
 
 @pytest.mark.parametrize("kind", sorted(PLANTED))
@@ -357,8 +468,9 @@ async def test_an_object_planted_in_our_schema_is_refused(
 ) -> None:
     ddl, said = PLANTED[kind]
     schema = migrated
+    own = await attackers_schema(attacker)
     await admin_execute(pg_url, f"GRANT CREATE ON SCHEMA {schema} TO {attacker.name}")
-    await admin_execute(attacker.url, ddl.format(s=schema))
+    await admin_execute(attacker.url, ddl.format(s=schema, o=own))
     await admin_execute(pg_url, f"REVOKE CREATE ON SCHEMA {schema} FROM {attacker.name}")
     with pytest.raises(MigrationError) as info:
         await upgrade(engine, schema)
