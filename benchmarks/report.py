@@ -772,10 +772,13 @@ def key_figures(results: dict[str, Any]) -> str:
     if prune:
         label = _label(prune["finished"])
         figures[f"prune_{label}_rows_per_s"] = prune["variants"]["store"]["median"]
+        if "store_vs_raw" in prune:
+            figures[f"prune_{label}_vs_raw"] = prune["store_vs_raw"]["median"]
         many = prune.get("large_finished")
         if many and "rows_per_second" in many["variants"].get("store", {}):
             label = _label(many["finished"])
             figures[f"prune_{label}_rows_per_s"] = many["variants"]["store"]["rows_per_second"]
+            figures[f"prune_{label}_vs_raw"] = many["store_vs_raw"]
     figures.update(_fleet_figures(sections.get("fleet")))
     return " ".join(
         f"{k}={v}"

@@ -132,6 +132,7 @@ def _prune() -> dict[str, Any]:
         "live_with_dependencies": 2_000,
         "batch": 1000,
         "variants": {"store": s(100_000.0), "raw_unprotected": s(130_000.0)},
+        "store_vs_raw": s(0.75, 0.7, 0.8),
         "protected_kept": [2000],
         "large_batch": None,
         "large_finished": {
@@ -245,6 +246,9 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
     assert figures["scale_transitions_vs_empty_at_1m"] == "0.90"
     assert figures["prune_20k_rows_per_s"] == "100000"
     assert figures["prune_1m_rows_per_s"] == "90000"
+    # Paired per round, not the ratio of the medians (100,000 / 130,000 = 0.77).
+    assert figures["prune_20k_vs_raw"] == "0.75"
+    assert figures["prune_1m_vs_raw"] == "0.60"
 
     md = report.markdown(run)
     # Every target of the issue, with its range and verdict.
