@@ -10,7 +10,10 @@ own overhead.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from cronoq_store._codec import clean_text
 from cronoq_store._domain import level
 from cronoq_store._door import CompiledStatement
 from cronoq_store._store import PgStore
+from cronoq_store.testing import find_bin_dir
 
 #: Realistic durability for every measurement (the embedded server defaults to fsync=off):
 #: WAL flushed at every commit. Checkpoints are spaced out so that one does not land in a
@@ -357,3 +361,37 @@ def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[s
         ],
         "message_ats": [None if m.message is None else base.to_unix(m.at) for m in batch],
     }
+
+
+#: ``pg_test_fsync``'s line for ``fdatasync`` (the first: one 8 kB write per sync).
+_FDATASYNC = re.compile(r"^\s*fdatasync\s+([0-9.]+) ops/sec", re.MULTILINE)
+
+
+def parse_flush_rate(printed: str) -> float | None:
+    """The ``fdatasync`` ops/s ``pg_test_fsync`` printed first, ``None`` if it printed none
+    (a file system without it)."""
+    found = _FDATASYNC.search(printed)
+    return float(found.group(1)) if found else None
+
+
+async def flush_rate(seconds: int = 2) -> float | None:
+    """The disk's ``fdatasync`` rate by the embedded binaries' ``pg_test_fsync`` (``seconds``
+    per test) on a file in the temporary directory; ``None`` when it fails."""
+    try:
+        program = find_bin_dir() / "pg_test_fsync"
+    except Exception:  # no embedded binaries (an external server's run)
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        process = await asyncio.create_subprocess_exec(
+            str(program),
+            "-s",
+            str(seconds),
+            "-f",
+            f"{scratch}/fsync_test",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        printed, _ = await process.communicate()
+    if process.returncode != 0:
+        return None
+    return parse_flush_rate(printed.decode(errors="replace"))

@@ -730,6 +730,11 @@ def key_figures(results: dict[str, Any]) -> str:
     for size, r in commit.get("transitions", {}).items():
         if int(size) >= 100:
             figures[f"transitions_b{size}_vs_raw"] = r["store_vs_raw"]["median"]
+    flush = commit.get("fdatasync_per_s")
+    if flush and "1" in submissions:
+        # Commits of one mutation a second against the disk's flushes a second: each
+        # commit is one round trip and one WAL flush.
+        figures["commit_b1_vs_flush"] = submissions["1"]["variants"]["store"]["median"] / flush
     group = sections.get("group_commit", {}).get("64")
     if group:
         figures["groupcommit_64_vs_single"] = group["group_vs_single"]["median"]

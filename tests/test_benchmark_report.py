@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import report
+from benchmarks.common import parse_flush_rate
 
 
 def s(median: float, low: float | None = None, high: float | None = None) -> dict[str, float]:
@@ -50,6 +51,7 @@ def _commit() -> dict[str, Any]:
     return {
         "submissions": {str(n): submissions(1000.0 * n**0.5) for n in (1, 10, 100, 1000, 10000)},
         "transitions": {str(n): transitions(900.0 * n**0.5) for n in (1, 100, 1000)},
+        "fdatasync_per_s": 4000.0,
     }
 
 
@@ -231,6 +233,9 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
         assert f"commit_b{n}_vs_pgqueuer" in figures
         assert (f"commit_b{n}_vs_copy" in figures) == (n >= 100)
     assert figures["commit_b1000_vs_pgqueuer"] == "1.60"
+    # Commits of one a second (the store's median at batch 1, 1,000) over the disk's
+    # fdatasync rate.
+    assert figures["commit_b1_vs_flush"] == "0.25"
     assert set(k for k in figures if k.startswith("transitions_")) == {
         "transitions_b100_vs_raw",
         "transitions_b1000_vs_raw",
@@ -438,3 +443,18 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
     assert "| the run stopped | - | RuntimeError: fleet: no takeover within 600 s |" in (
         report.markdown(results({"fleet": partial}))
     )
+
+
+def test_the_flush_rate_is_read_from_pg_test_fsync() -> None:
+    printed = """\
+Compare file sync methods using one 8kB write:
+(in "wal_sync_method" preference order, except fdatasync is Linux's default)
+        open_datasync                      7234.101 ops/sec     138 usecs/op
+        fdatasync                          7612.345 ops/sec     131 usecs/op
+        fsync                              3101.000 ops/sec     322 usecs/op
+
+Compare file sync methods using two 8kB writes:
+        fdatasync                          4000.000 ops/sec     250 usecs/op
+"""
+    assert parse_flush_rate(printed) == 7612.345
+    assert parse_flush_rate("pg_test_fsync: could not open output file") is None
