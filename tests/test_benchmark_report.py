@@ -242,6 +242,8 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
     }
     assert figures["groupcommit_64_vs_single"] == "22.00"
     assert figures["groupcommit_64_vs_batched"] == "0.93"
+    # p99 4 ms against one batch of 64 at 26,880 mutations/s (2.38 ms).
+    assert figures["groupcommit_64_p99_vs_batch"] == "1.68"
     assert figures["recovery_1m_vs_raw"] == "1.02"
     assert figures["recovery_1m_rss_mib"] == "1005"  # the maximum of the rounds
     assert figures["recovery_1m_per_task_vs_100k"] == "0.90"  # from the medians
@@ -326,6 +328,7 @@ def test_results_of_older_runs_render(tmp_path: Path) -> None:
     figures = keys(report.key_figures(run))
     assert "groupcommit_64_vs_single" in figures
     assert "groupcommit_64_vs_batched" not in figures
+    assert "groupcommit_64_p99_vs_batch" not in figures
     assert not any("per_task" in k or k.startswith("recovery_1m") for k in figures)
     md = report.markdown(run)
     assert "group/batched" not in md
