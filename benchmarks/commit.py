@@ -7,13 +7,14 @@ alike. Status transitions: the store against raw asyncpg, on tasks inserted befo
 A variant's figure is mutations per second over one trial: ``batches_per_trial`` batches
 (of new tasks, ``commit_min_batches`` at least).
 
-The disk's flush rate, measured after the trials by PostgreSQL's ``pg_test_fsync`` (its
-``fdatasync`` of one 8 kB write, on the temporary directory's file system, where the
-benchmark's server keeps its data), bounds a commit of one mutation: one WAL flush each.
+The disk's flush rate, measured after the trials as PostgreSQL's ``pg_test_fsync`` measures
+its ``fdatasync`` of one 8 kB write (:func:`~benchmarks.common.flush_rate`), bounds a commit
+of one mutation: one WAL flush each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -174,7 +175,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     return {
         "submissions": submissions,
         "transitions": status,
-        "fdatasync_per_s": await flush_rate(),
+        "fdatasync_per_s": await asyncio.to_thread(flush_rate),
     }
 
 
