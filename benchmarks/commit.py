@@ -6,10 +6,15 @@ its own of the same shape (the store's migrations built every schema), so the ta
 alike. Status transitions: the store against raw asyncpg, on tasks inserted beforehand.
 A variant's figure is mutations per second over one trial: ``batches_per_trial`` batches
 (of new tasks, ``commit_min_batches`` at least).
+
+The disk's flush rate, measured after the trials as PostgreSQL's ``pg_test_fsync`` measures
+its ``fdatasync`` of one 8 kB write (:func:`~benchmarks.common.flush_rate`), bounds a commit
+of one mutation: one WAL flush each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -38,6 +43,7 @@ from .common import (
     batches_per_trial,
     compile_for_asyncpg,
     dsn,
+    flush_rate,
     interleave,
     make_spec,
     open_store,
@@ -166,7 +172,11 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     async with AsyncExitStack() as stack:
         submissions = await _submissions(stack, url, peers, profile)
         status = await _transitions(stack, url, profile)
-    return {"submissions": submissions, "transitions": status}
+    return {
+        "submissions": submissions,
+        "transitions": status,
+        "fdatasync_per_s": await asyncio.to_thread(flush_rate),
+    }
 
 
 async def _submissions(

@@ -10,7 +10,9 @@ own overhead.
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,14 +135,14 @@ QUICK = Profile(
     commit_max_batches=150,
     commit_min_batches=3,
     transition_sizes=(1, 100, 1000),
-    submitters=(64,),
+    submitters=(64, 256),
     group_seconds=1.0,
     group_rounds=5,
     recovery_sizes=(100_000,),
     recovery_rounds=2,
-    prune_finished=20_000,
+    prune_finished=100_000,
     prune_live=2_000,
-    prune_rounds=1,
+    prune_rounds=3,
     prune_large=False,
     prune_large_finished=0,
     kill_takeovers=1,
@@ -357,3 +359,27 @@ def transition_columns(batch: Sequence[StatusChanged], base: TimeBase) -> dict[s
         ],
         "message_ats": [None if m.message is None else base.to_unix(m.at) for m in batch],
     }
+
+
+#: The block a WAL flush writes, as ``pg_test_fsync``'s "one 8kB write" test does.
+_FLUSH_BLOCK = b"\0" * 8192
+
+
+def flush_rate(seconds: float = 1.0) -> float:
+    """The disk's flushes a second, as ``pg_test_fsync``'s ``fdatasync`` of one 8 kB write
+    measures them (the block rewritten at offset 0, then ``fdatasync``, over and over), on
+    a file of the temporary directory: where the benchmark's server keeps its data. Its
+    other tests take a minute, and this one is all a commit of one mutation needs."""
+    with tempfile.TemporaryDirectory() as scratch:
+        fd = os.open(os.path.join(scratch, "flush"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, _FLUSH_BLOCK * 2048)  # 16 MiB, allocated before the timing
+            os.fsync(fd)
+            flushes, started = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - started) < seconds:
+                os.pwrite(fd, _FLUSH_BLOCK, 0)
+                os.fdatasync(fd)
+                flushes += 1
+        finally:
+            os.close(fd)
+    return flushes / elapsed

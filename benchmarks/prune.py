@@ -59,6 +59,7 @@ from .common import (
     dsn,
     interleave,
     make_spec,
+    paired,
     summarize,
 )
 
@@ -178,6 +179,8 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         "live_with_dependencies": profile.prune_live,
         "batch": PRUNE_BATCH,
         "variants": {name: summarize(v) for name, v in measured.items()},
+        # Each round's store rate over the raw delete's in that round.
+        "store_vs_raw": paired(measured["store"], measured["raw_unprotected"]),
         "protected_kept": kept,
         "large_batch": large,
         "large_finished": many,

@@ -730,6 +730,11 @@ def key_figures(results: dict[str, Any]) -> str:
     for size, r in commit.get("transitions", {}).items():
         if int(size) >= 100:
             figures[f"transitions_b{size}_vs_raw"] = r["store_vs_raw"]["median"]
+    flush = commit.get("fdatasync_per_s")
+    if flush and "1" in submissions:
+        # Commits of one mutation a second against the disk's flushes a second: each
+        # commit is one round trip and one WAL flush.
+        figures["commit_b1_vs_flush"] = submissions["1"]["variants"]["store"]["median"] / flush
     group = sections.get("group_commit", {}).get("64")
     if group:
         figures["groupcommit_64_vs_single"] = group["group_vs_single"]["median"]
@@ -737,6 +742,13 @@ def key_figures(results: dict[str, Any]) -> str:
             figures["groupcommit_64_vs_batched"] = group["group_vs_batched"]["median"]
         figures["groupcommit_64_per_s"] = group["variants"]["group"]["median"]
         figures["groupcommit_64_p99_ms"] = group["latency_p99_seconds"]["median"] * 1000
+        batched = group["variants"].get("batched")
+        if batched:
+            # Against one commit of a batch of 64 by one caller: 64 over its rate.
+            one_batch = 64 / batched["median"]
+            figures["groupcommit_64_p99_vs_batch"] = (
+                group["latency_p99_seconds"]["median"] / one_batch
+            )
     group = sections.get("group_commit", {}).get("256")
     if group and "group_vs_batched" in group:
         figures["groupcommit_256_vs_batched"] = group["group_vs_batched"]["median"]
@@ -772,10 +784,13 @@ def key_figures(results: dict[str, Any]) -> str:
     if prune:
         label = _label(prune["finished"])
         figures[f"prune_{label}_rows_per_s"] = prune["variants"]["store"]["median"]
+        if "store_vs_raw" in prune:
+            figures[f"prune_{label}_vs_raw"] = prune["store_vs_raw"]["median"]
         many = prune.get("large_finished")
         if many and "rows_per_second" in many["variants"].get("store", {}):
             label = _label(many["finished"])
             figures[f"prune_{label}_rows_per_s"] = many["variants"]["store"]["rows_per_second"]
+            figures[f"prune_{label}_vs_raw"] = many["store_vs_raw"]
     figures.update(_fleet_figures(sections.get("fleet")))
     return " ".join(
         f"{k}={v}"

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import report
+from benchmarks.common import flush_rate
 
 
 def s(median: float, low: float | None = None, high: float | None = None) -> dict[str, float]:
@@ -50,6 +51,7 @@ def _commit() -> dict[str, Any]:
     return {
         "submissions": {str(n): submissions(1000.0 * n**0.5) for n in (1, 10, 100, 1000, 10000)},
         "transitions": {str(n): transitions(900.0 * n**0.5) for n in (1, 100, 1000)},
+        "fdatasync_per_s": 4000.0,
     }
 
 
@@ -132,6 +134,7 @@ def _prune() -> dict[str, Any]:
         "live_with_dependencies": 2_000,
         "batch": 1000,
         "variants": {"store": s(100_000.0), "raw_unprotected": s(130_000.0)},
+        "store_vs_raw": s(0.75, 0.7, 0.8),
         "protected_kept": [2000],
         "large_batch": None,
         "large_finished": {
@@ -230,12 +233,17 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
         assert f"commit_b{n}_vs_pgqueuer" in figures
         assert (f"commit_b{n}_vs_copy" in figures) == (n >= 100)
     assert figures["commit_b1000_vs_pgqueuer"] == "1.60"
+    # Commits of one a second (the store's median at batch 1, 1,000) over the disk's
+    # fdatasync rate.
+    assert figures["commit_b1_vs_flush"] == "0.25"
     assert set(k for k in figures if k.startswith("transitions_")) == {
         "transitions_b100_vs_raw",
         "transitions_b1000_vs_raw",
     }
     assert figures["groupcommit_64_vs_single"] == "22.00"
     assert figures["groupcommit_64_vs_batched"] == "0.93"
+    # p99 4 ms against one batch of 64 at 26,880 mutations/s (2.38 ms).
+    assert figures["groupcommit_64_p99_vs_batch"] == "1.68"
     assert figures["recovery_1m_vs_raw"] == "1.02"
     assert figures["recovery_1m_rss_mib"] == "1005"  # the maximum of the rounds
     assert figures["recovery_1m_per_task_vs_100k"] == "0.90"  # from the medians
@@ -245,6 +253,9 @@ def test_every_section_renders_with_every_key_figure(tmp_path: Path) -> None:
     assert figures["scale_transitions_vs_empty_at_1m"] == "0.90"
     assert figures["prune_20k_rows_per_s"] == "100000"
     assert figures["prune_1m_rows_per_s"] == "90000"
+    # Paired per round, not the ratio of the medians (100,000 / 130,000 = 0.77).
+    assert figures["prune_20k_vs_raw"] == "0.75"
+    assert figures["prune_1m_vs_raw"] == "0.60"
 
     md = report.markdown(run)
     # Every target of the issue, with its range and verdict.
@@ -317,6 +328,7 @@ def test_results_of_older_runs_render(tmp_path: Path) -> None:
     figures = keys(report.key_figures(run))
     assert "groupcommit_64_vs_single" in figures
     assert "groupcommit_64_vs_batched" not in figures
+    assert "groupcommit_64_p99_vs_batch" not in figures
     assert not any("per_task" in k or k.startswith("recovery_1m") for k in figures)
     md = report.markdown(run)
     assert "group/batched" not in md
@@ -434,3 +446,9 @@ def test_the_fleet_renders_its_keys_as_far_as_it_got() -> None:
     assert "| the run stopped | - | RuntimeError: fleet: no takeover within 600 s |" in (
         report.markdown(results({"fleet": partial}))
     )
+
+
+def test_the_flush_rate_counts_flushes_of_one_block() -> None:
+    """Some flushes, and no more than a fast disk makes."""
+    rate = flush_rate(0.2)
+    assert 0 < rate <= 1_000_000
