@@ -46,7 +46,7 @@ from cronoq_store import FencedError, PgStoreConfig, StoreError, TaskSpec, TimeB
 from cronoq_store import _statements as st
 from cronoq_store._commit_path import COPY_MIN_ROWS, fold
 from cronoq_store._committer import GroupCommitter
-from cronoq_store._domain import Submitted
+from cronoq_store._domain import Submitted, TaskId
 from cronoq_store._door import Opening
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig, pool_split
 from cronoq_store._schema import INSERT_COLUMNS, LEADER_ROW_ID
@@ -148,7 +148,9 @@ async def _lead(store: HostedStore, journal: _Journal, every: float) -> None:
             next_id += 1
             seq += 1
             try:
-                await store.commit(epoch, base, [Submitted(id, seq, base.engine_ns, _SPEC)], [])
+                await store.commit(
+                    epoch, base, [Submitted(TaskId(id), seq, base.engine_ns, _SPEC)], []
+                )
             except FencedError:
                 return
             except StoreError:
@@ -232,7 +234,7 @@ async def _drive(
             while time.perf_counter() < deadline:
                 id = next_ids[schema]
                 next_ids[schema] = id + 1
-                await committer.submit([Submitted(id, id, base.engine_ns, _SPEC)])
+                await committer.submit([Submitted(TaskId(id), id, base.engine_ns, _SPEC)])
                 done += 1
 
         started = time.perf_counter()
@@ -339,7 +341,9 @@ async def _floor(
     queues = [
         deque([k for k in range(i, len(stores), lanes) for _ in range(2)]) for i in range(lanes)
     ]
-    template = fold([Submitted(1, 1, 0, _SPEC)], stores[0][2], time.time_ns()).insert_rows[0]
+    template = fold([Submitted(TaskId(1), 1, 0, _SPEC)], stores[0][2], time.time_ns()).insert_rows[
+        0
+    ]
     columns = ("member", *INSERT_COLUMNS)
     done = 0
     deadline = time.perf_counter() + seconds
