@@ -63,9 +63,10 @@ Reads keep the SQLAlchemy path.
 
 A batch that only inserts new tasks (fewer than :data:`COPY_MIN_ROWS`), or only changes
 statuses, is one statement: the epoch check lives in a CTE of the write, so no BEGIN or
-COMMIT travels. Every other batch runs in one transaction in the contract's order: epoch
-check, updates, inserts, outputs, recurring. Its ``BEGIN`` travels with the epoch check in
-one message (the check's parameters are integers we render ourselves). From
+COMMIT travels (on a borrowed session, the statement runs between the ``BEGIN`` that sets
+the store's settings and ``COMMIT``). Every other batch runs in one transaction in the
+contract's order: epoch check, updates, inserts, outputs, recurring. Its ``BEGIN`` travels
+with the epoch check in one message (the check's parameters are integers we render ourselves). From
 :data:`COPY_MIN_ROWS` new tasks on, the inserts travel by binary COPY straight into the
 tasks table: a few more round trips than one statement, much less work per row on both
 sides. COPY has no conflict rule, so it is optimistic: a batch whose COPY meets a stored
@@ -605,8 +606,9 @@ class BatchWriter:
     ``borrowed``: the sessions may carry settings that are not the store's (an application's
     engine, or PgBouncer handing out any server connection), so every statement runs in a
     transaction opened by these statements (:func:`~cronoq_store._statements.borrowed_transaction`,
-    ``BEGIN`` first), sent with the transaction's first statement; the one-statement fast
-    paths are off then. :attr:`borrowed_opening` is that opening as one message.
+    ``BEGIN`` first), sent with the transaction's first statement; a batch of one kind of
+    write then runs its one statement in such a transaction. :attr:`borrowed_opening` is
+    that opening as one message.
     """
 
     def __init__(
@@ -746,11 +748,9 @@ class BatchWriter:
         return self._path(batch.writes(), self._copied(batch))
 
     def _path(self, writes: tuple[str, ...], copy: bool) -> str:
-        # The one-statement paths need the session's own settings to be the store's.
-        fast = self.borrowed_opening is None
-        if fast and writes == ("insert_rows",) and not copy:
+        if writes == ("insert_rows",) and not copy:
             return "insert"
-        if fast and writes == ("updates",):
+        if writes == ("updates",):
             return "update"
         return "copy" if copy else "transaction"
 
@@ -764,7 +764,9 @@ class BatchWriter:
         writes = batch.writes()
         path = self._path(writes, copy)
         if path in ("insert", "update"):
-            return await self._write_one(conn, fence, batch, path)
+            if self.borrowed_opening is None:
+                return await self._write_one(conn, fence, batch, path)
+            return await self._write_one_borrowed(conn, fence, batch, path, self.borrowed_opening)
         try:
             checked = await conn.send(self._sharing.sql(fenced))
             if row_count(checked) != 1:
@@ -814,6 +816,26 @@ class BatchWriter:
         if (found[0], found[1]) == fence:
             _warn_unchanged(batch.update_count, found[2])
         return found[0], found[1]
+
+    async def _write_one_borrowed(
+        self, conn: CommitConnection, fence: Fence, batch: FoldedBatch, path: str, opening: str
+    ) -> Fence:
+        """:meth:`_write_one` on a borrowed session: the statement needs the store's
+        settings, so it runs in a transaction they open (``BEGIN`` and them, one message),
+        then ``COMMIT``, or ``ROLLBACK`` when the fence did not hold. Its epoch check and
+        its write look the table up once, as on the store's own sessions: no closing check
+        (:meth:`write_shared` writes such a batch so inside a shared transaction too)."""
+        try:
+            await conn.send(opening)
+            found = await self._write_one(conn, fence, batch, path)
+            if found != fence:
+                await conn.roll_back()
+                return found
+            await conn.send("COMMIT")
+        except BaseException:
+            await conn.roll_back_failed()
+            raise
+        return fence
 
     async def _fence_moved(self, conn: CommitConnection, fence: Fence) -> Fence:
         """The fence found once the epoch check found another epoch or cluster, to name

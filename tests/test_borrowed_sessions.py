@@ -159,16 +159,27 @@ async def session_values(engine: AsyncEngine) -> dict[str, Any]:
 
 
 def probing_commits(store: PgStore) -> list[dict[str, Any]]:
-    """Probe every commit's transaction, before its inserts."""
+    """Probe every commit's transaction, before its inserts, or before its one statement
+    (a batch of one kind of write, in the transaction a borrowed session opens for it)."""
     seen: list[dict[str, Any]] = []
-    writers = store._commits.writer._writers
+    writer = store._commits.writer
+    writers = writer._writers
     insert = writers["insert_rows"]
+    write_one = writer._write_one
+
+    async def probe(conn: CommitConnection) -> None:
+        seen.append(dict(await conn.fetchrow(CompiledStatement(PROBE, (), {}), {})))
 
     async def probed(conn: CommitConnection, batch: Any, copy: bool) -> None:
-        seen.append(dict(await conn.fetchrow(CompiledStatement(PROBE, (), {}), {})))
+        await probe(conn)
         await insert(conn, batch, copy)
 
+    async def probed_one(conn: CommitConnection, fence: Any, batch: Any, path: str) -> Any:
+        await probe(conn)
+        return await write_one(conn, fence, batch, path)
+
     writers["insert_rows"] = probed
+    writer._write_one = probed_one  # type: ignore[method-assign]
     return seen
 
 
