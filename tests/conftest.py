@@ -170,3 +170,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     openings = getattr(metafunc.module, "STORE_OPENINGS", None)
     if openings and "store" in metafunc.fixturenames:
         metafunc.parametrize("store", openings, indirect=True)
+
+
+@pytest.fixture
+async def intruder_role(pg_url: URL) -> AsyncIterator[str]:
+    """A role with no rights on anything, for an application's ``SET ROLE``: a store
+    acting as it could not even read."""
+    name = f"r_{uuid.uuid4().hex[:12]}"
+    await admin_execute(pg_url, f'CREATE ROLE "{name}" NOLOGIN')
+    yield name
+    await admin_execute(pg_url, f'DROP ROLE "{name}"')

@@ -33,15 +33,6 @@ RUNNING, SUCCEEDED = TaskStatus.RUNNING, TaskStatus.SUCCEEDED
 
 
 @pytest.fixture
-async def intruder_role(pg_url: URL) -> AsyncIterator[str]:
-    """A role with no rights on anything, for the application's ``SET ROLE``."""
-    name = f"r_{uuid.uuid4().hex[:12]}"
-    await admin_execute(pg_url, f'CREATE ROLE "{name}" NOLOGIN')
-    yield name
-    await admin_execute(pg_url, f'DROP ROLE "{name}"')
-
-
-@pytest.fixture
 async def raw_engine(pg_url: URL) -> AsyncIterator[AsyncEngine]:
     """An application's engine of one session that is never reset on return: whatever a
     store transaction leaves on it, the next checkout sees."""
@@ -234,6 +225,31 @@ async def test_the_applications_session_keeps_its_settings_and_no_transaction(
     assert len(await stored_ids(pg_url, migrated)) == 3 + COPY_MIN_ROWS
 
 
+async def commit_waiting_on_row(
+    pg_url: URL, schema: str, blocker: asyncpg.Connection, store: PgStore, id: int
+) -> asyncio.Future[None]:
+    """``blocker`` takes task ``id``'s row ``FOR UPDATE`` in a transaction it leaves open;
+    then a commit moving that task to running, once its statement waits on the row."""
+    await blocker.execute("BEGIN")
+    await blocker.execute(f'SELECT 1 FROM "{schema}".cronoq_tasks WHERE id = $1 FOR UPDATE', id)
+    blocker_pid = await blocker.fetchval("SELECT pg_backend_pid()")
+    committing = asyncio.ensure_future(
+        store.commit(1, PROCESS_BASE, [changed_in(1, 0, RUNNING)], [])
+    )
+
+    async def waiting() -> bool:
+        rows = await admin_execute(
+            pg_url,
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND pid <> $1 AND query LIKE '%cronoq_tasks%'",
+            blocker_pid,
+        )
+        return bool(rows)
+
+    await until(waiting, "the commit to wait on the row")
+    return committing
+
+
 async def test_a_commit_cancelled_while_its_statement_waits_leaves_nothing_open(
     pg_url: URL, migrated: str, raw_engine: AsyncEngine
 ) -> None:
@@ -246,26 +262,9 @@ async def test_a_commit_cancelled_while_its_statement_waits_leaves_nothing_open(
         await store.commit(1, PROCESS_BASE, [submitted_in(1, 0)], [])
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
-            await blocker.execute("BEGIN")
-            await blocker.execute(
-                f'SELECT 1 FROM "{migrated}".cronoq_tasks WHERE id = $1 FOR UPDATE',
-                submitted_in(1, 0).id,
+            committing = await commit_waiting_on_row(
+                pg_url, migrated, blocker, store, submitted_in(1, 0).id
             )
-            blocker_pid = await blocker.fetchval("SELECT pg_backend_pid()")
-            committing = asyncio.ensure_future(
-                store.commit(1, PROCESS_BASE, [changed_in(1, 0, RUNNING)], [])
-            )
-
-            async def waiting() -> bool:
-                rows = await admin_execute(
-                    pg_url,
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND pid <> $1 AND query LIKE '%cronoq_tasks%'",
-                    blocker_pid,
-                )
-                return bool(rows)
-
-            await until(waiting, "the commit to wait on the row")
             committing.cancel()
             outcome: BaseException | None = None
             try:
@@ -368,25 +367,7 @@ async def test_schemas_swapped_while_the_statement_waits_write_into_no_other_clu
         )
         blocker = await asyncpg.connect(asyncpg_dsn(pg_url))
         try:
-            await blocker.execute("BEGIN")
-            await blocker.execute(
-                f'SELECT 1 FROM "{migrated}".cronoq_tasks WHERE id = $1 FOR UPDATE', stored.id
-            )
-            pid = await blocker.fetchval("SELECT pg_backend_pid()")
-            committing = asyncio.ensure_future(
-                store.commit(1, PROCESS_BASE, [changed_in(1, 0, RUNNING)], [])
-            )
-
-            async def waiting() -> bool:
-                rows = await admin_execute(
-                    pg_url,
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND pid <> $1 AND query LIKE '%cronoq_tasks%'",
-                    pid,
-                )
-                return bool(rows)
-
-            await until(waiting, "the commit to wait on the row")
+            committing = await commit_waiting_on_row(pg_url, migrated, blocker, store, stored.id)
             await swap(pg_url, migrated, other_schema)
             await blocker.execute("ROLLBACK")
         finally:

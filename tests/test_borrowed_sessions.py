@@ -104,15 +104,6 @@ READ_NEEDS = {"idle_timeout": "1min"}
 
 
 @pytest.fixture
-async def intruder_role(pg_url: URL) -> AsyncIterator[str]:
-    """A role with no rights on anything: a store acting as it could not even read."""
-    name = f"r_{uuid.uuid4().hex[:12]}"
-    await admin_execute(pg_url, f'CREATE ROLE "{name}" NOLOGIN')
-    yield name
-    await admin_execute(pg_url, f'DROP ROLE "{name}"')
-
-
-@pytest.fixture
 async def app_engine(pg_url: URL) -> AsyncIterator[AsyncEngine]:
     """An application's engine with one pooled session: the store's transactions get the
     session the application used last."""
