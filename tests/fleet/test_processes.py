@@ -11,9 +11,9 @@ from pathlib import Path
 from cronoq_store._host.host import PgHost
 
 from ..pgharness import admin_execute
-from ..waits import until_value
+from ..waits import until, until_value
 from .conftest import Fleet
-from .processes import records, start_worker
+from .processes import Record, of, records, start_worker
 from .worker import host_config
 
 
@@ -27,17 +27,29 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
     finally:
         await host.close()
     journals = [tmp_path / f"w{i}.jsonl" for i in range(3)]
+
+    def journaling(process_id: int) -> int | None:
+        """The index of the worker whose journal names ``process_id``, if one does yet."""
+        for index, journal in enumerate(journals):
+            if of(records(journal), "lead", process=process_id):
+                return index
+        return None
+
     workers = [await start_worker(fleet.url, fleet, f"w{i}", journals[i]) for i in range(3)]
     try:
         await until_value(fleet.shares, lambda s: s == [3, 3, 3], "a 3/3/3 split")
         owners = await fleet.owners()
-        victim_id = next(iter(set(owners.values())))
-        victim = next(
-            w
-            for w, j in zip(workers, journals, strict=True)
-            if any(r.get("process") == victim_id for r in records(j))
+        victim_id = next(p for p in owners.values() if p is not None)
+        # The control schema names an owner before its process has recovered the cluster
+        # and journaled its term: wait for the journal rather than read it once.
+        await until(
+            lambda: journaling(victim_id) is not None, f"the journal of process {victim_id}"
         )
-        await asyncio.sleep(1.0)  # commits flowing on every cluster
+        victim = workers[journaling(victim_id) or 0]
+        await until(
+            lambda: {r["schema"] for r in of(records(*journals), "ack")} >= set(schemas),
+            "a commit acknowledged on every cluster",
+        )
         victim.send_signal(signal.SIGKILL)
         await victim.wait()
         await until_value(
@@ -46,7 +58,10 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
             "every cluster of the killed process led again",
         )
         await until_value(fleet.shares, lambda s: s == [5, 4], "a 5/4 split of the survivors")
-        await asyncio.sleep(1.0)
+        await until(
+            lambda: taken_over(records(*journals), victim_id) == set(schemas),
+            "every cluster journaled as led by a survivor",
+        )
     finally:
         for worker in workers:
             if worker.returncode is None:
@@ -70,5 +85,9 @@ async def test_a_killed_process_loses_its_clusters_and_nothing_acknowledged_is_l
         key = (str(ack["schema"]), int(ack["epoch"]))  # type: ignore[call-overload]
         acked_by.setdefault(key, set()).add(int(ack["process"]))  # type: ignore[call-overload]
     assert all(len(p) == 1 for p in acked_by.values()), "an epoch acknowledged by two processes"
-    taken_over = {str(r["schema"]) for r in found if r["k"] == "lead" and r["process"] != victim_id}
-    assert taken_over == set(schemas)
+    assert taken_over(found, victim_id) == set(schemas)
+
+
+def taken_over(found: list[Record], victim_id: int) -> set[str]:
+    """The schemas journaled as led by a process other than the killed one."""
+    return {str(r["schema"]) for r in of(found, "lead") if r["process"] != victim_id}
