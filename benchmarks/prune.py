@@ -26,6 +26,7 @@ import asyncpg
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
+    any_,
     bindparam,
     case,
     cast,
@@ -35,14 +36,13 @@ from sqlalchemy import (
     literal,
     select,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.dml import Insert
 
 from cronoq_store import Dependency, PgStoreConfig, Submitted, TaskStatus, TimeBase, task_id
 from cronoq_store import _statements as st
 from cronoq_store._codec import encode_deps, unix_converter
-from cronoq_store._door import CompiledStatement
 from cronoq_store._queries import PRUNE_BATCH, next_prune_batch
 from cronoq_store._schema import (
     INSERT_COLUMNS,
@@ -75,8 +75,12 @@ _victims = (
     .limit(bindparam("batch", type_=BigInteger))
     .cte("victims")
 )
-#: The store's prune statement without the dependency protection.
-_unprotected = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
+#: The store's prune statement without the dependency protection: the same deletion by an
+#: array of the victims' ids (key lookups; ``id IN (victims)`` scans the whole table).
+_unprotected = delete(tasks).where(
+    tasks.c.id
+    == any_(cast(select(func.array_agg(_victims.c.id)).scalar_subquery(), ARRAY(BigInteger)))
+)
 _finished_left = select(func.count()).select_from(tasks).where(tasks.c.terminal)
 
 
@@ -108,24 +112,60 @@ def make_rows(finished: int, live: int, base: TimeBase, now: int) -> list[tuple[
     return rows
 
 
-async def _delete_unprotected(
-    conn: asyncpg.Connection, unprotected: CompiledStatement, lap: Callable[[], None] = lambda: None
+async def _in_batches(
+    delete_batch: Callable[[dict[str, int]], Awaitable[int]],
+    lap: Callable[[], None] = lambda: None,
 ) -> int:
-    """The baseline: the same old finished tasks deleted in batches sized as the store's
-    are (:func:`~cronoq_store._queries.next_prune_batch`, by each batch's own time), one
-    transaction each, without the protection; ``lap`` runs after each batch."""
+    """Old finished tasks deleted in batches sized as the store's are
+    (:func:`~cronoq_store._queries.next_prune_batch`, by each batch's own time), one
+    ``delete_batch(params)`` each, until one deletes fewer than asked; ``lap`` runs after
+    each batch."""
     params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
     total = 0
     while True:
         started = time.monotonic()
-        async with conn.transaction():
-            status = await conn.execute(unprotected.sql, *unprotected.args(params))
-        deleted = int(status.split()[-1])
+        deleted = await delete_batch(params)
         total += deleted
         lap()
         if deleted < params["batch"]:
             return total
         params["batch"] = next_prune_batch(deleted, time.monotonic() - started)
+
+
+def _unprotected_batches(
+    conn: asyncpg.Connection, schema: str
+) -> Callable[[dict[str, int]], Awaitable[int]]:
+    """The baseline: one transaction per batch deleting the oldest finished tasks without
+    the protection."""
+    unprotected = compile_for_asyncpg(_unprotected, schema)
+
+    async def delete_batch(params: dict[str, int]) -> int:
+        async with conn.transaction():
+            status = await conn.execute(unprotected.sql, *unprotected.args(params))
+        return int(status.split()[-1])
+
+    return delete_batch
+
+
+async def _store_sql_batches(
+    conn: asyncpg.Connection, schema: str
+) -> Callable[[dict[str, int]], Awaitable[int]]:
+    """The floor: raw asyncpg sending the store's own statements for each batch (the
+    barrier, then the protected deletion with its record), the store taken out."""
+    barrier = compile_for_asyncpg(st.leader_barrier, schema)
+    batch = compile_for_asyncpg(st.prune_batch, schema)
+    found = compile_for_asyncpg(st.incarnation, schema)
+    incarnation = await conn.fetchval(found.sql, *found.args({}))
+
+    async def delete_batch(params: dict[str, int]) -> int:
+        async with conn.transaction():
+            await conn.execute(barrier.sql)
+            deleted = await conn.fetchval(
+                batch.sql, *batch.args({**params, "incarnation": incarnation})
+            )
+        return int(deleted)
+
+    return delete_batch
 
 
 async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, Any]:
@@ -135,7 +175,6 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     raw_store = await PgStore.connect(url, PgStoreConfig(schema=schemas["raw"]))
     await raw_store.close()
     conn = await asyncpg.connect(dsn(url))
-    unprotected = compile_for_asyncpg(_unprotected, schemas["raw"])
     kept: list[int] = []
 
     async def fill(schema: str) -> None:
@@ -158,12 +197,22 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
     async def plain() -> float:
         await fill(schemas["raw"])
         started = time.perf_counter()
-        total = await _delete_unprotected(conn, unprotected)
+        total = await _in_batches(_unprotected_batches(conn, schemas["raw"]))
         return total / (time.perf_counter() - started)
+
+    async def floor() -> float:
+        await fill(schemas["store"])
+        started = time.perf_counter()
+        total = await _in_batches(await _store_sql_batches(conn, schemas["store"]))
+        rate = total / (time.perf_counter() - started)
+        kept.append(await conn.fetchval(compile_for_asyncpg(_finished_left, schemas["store"]).sql))
+        return rate
 
     try:
         measured = await interleave(
-            {"store": protected, "raw_unprotected": plain}, profile.prune_rounds, warmup=0
+            {"store": protected, "raw_unprotected": plain, "raw_store_sql": floor},
+            profile.prune_rounds,
+            warmup=0,
         )
     finally:
         await conn.close()
@@ -181,6 +230,10 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         "variants": {name: summarize(v) for name, v in measured.items()},
         # Each round's store rate over the raw delete's in that round.
         "store_vs_raw": paired(measured["store"], measured["raw_unprotected"]),
+        # The floor: the store's own statements sent by raw asyncpg, over the raw delete;
+        # and the store over them (what the store adds to its SQL).
+        "store_sql_vs_raw": paired(measured["raw_store_sql"], measured["raw_unprotected"]),
+        "store_vs_store_sql": paired(measured["store"], measured["raw_store_sql"]),
         "protected_kept": kept,
         "large_batch": large,
         "large_finished": many,
@@ -347,20 +400,24 @@ async def _many_finished(url: URL, finished: int) -> dict[str, Any]:
     async def protected(lap: Callable[[], None]) -> int:
         return await store.prune(_OLDER_THAN, progress=lambda _: lap())
 
-    unprotected = compile_for_asyncpg(_unprotected, schemas["raw"])
-
     async def plain(lap: Callable[[], None]) -> int:
-        return await _delete_unprotected(conn, unprotected, lap)
+        return await _in_batches(_unprotected_batches(conn, schemas["raw"]), lap)
+
+    async def floor(lap: Callable[[], None]) -> int:
+        return await _in_batches(await _store_sql_batches(conn, schemas["store"]), lap)
 
     try:
         variants = {
             "store": await timed("store", protected),
             "raw_unprotected": await timed("raw", plain),
+            "raw_store_sql": await timed("store", floor),
         }
     finally:
         await conn.close()
         await store.close()
-    if variants["store"]["kept"] != live or variants["raw_unprotected"]["kept"] != 0:
+    if {variants[k]["kept"] for k in ("store", "raw_store_sql")} != {live} or variants[
+        "raw_unprotected"
+    ]["kept"] != 0:
         raise RuntimeError(f"prune of {finished:,} kept {variants}, expected {live} and 0")
     return {
         "finished": finished,
@@ -369,5 +426,7 @@ async def _many_finished(url: URL, finished: int) -> dict[str, Any]:
         "seed_seconds": seed_seconds,
         "variants": variants,
         "store_vs_raw": variants["store"]["rows_per_second"]
+        / variants["raw_unprotected"]["rows_per_second"],
+        "store_sql_vs_raw": variants["raw_store_sql"]["rows_per_second"]
         / variants["raw_unprotected"]["rows_per_second"],
     }

@@ -208,8 +208,20 @@ def _prune(section: dict[str, Any]) -> list[str]:
         "sized by time.",
         "",
         *_table(
-            ["PgStore.prune (protected)", "raw delete, unprotected", "finished tasks kept"],
-            [[_spread(v["store"]), _spread(v["raw_unprotected"]), str(section["protected_kept"])]],
+            [
+                "PgStore.prune (protected)",
+                "raw delete, unprotected",
+                "raw asyncpg, the store's statements (floor)",
+                "finished tasks kept",
+            ],
+            [
+                [
+                    _spread(v["store"]),
+                    _spread(v["raw_unprotected"]),
+                    _spread(v["raw_store_sql"]) if "raw_store_sql" in v else "-",
+                    str(section["protected_kept"]),
+                ]
+            ],
         ),
         *_large_prune(section.get("large_batch")),
         *_many_finished(section.get("large_finished")),
@@ -229,7 +241,11 @@ def _many_finished(many: dict[str, Any] | None) -> list[str]:
             _seconds(v[name].get("seconds_per_batch")),
             f"{v[name]['kept']:,}",
         ]
-        for name, label in (("store", "PgStore.prune (protected)"), ("raw_unprotected", "raw"))
+        for name, label in (
+            ("store", "PgStore.prune (protected)"),
+            ("raw_unprotected", "raw"),
+            ("raw_store_sql", "raw asyncpg, the store's statements (floor)"),
+        )
         if name in v
     ]
     return [
@@ -786,11 +802,15 @@ def key_figures(results: dict[str, Any]) -> str:
         figures[f"prune_{label}_rows_per_s"] = prune["variants"]["store"]["median"]
         if "store_vs_raw" in prune:
             figures[f"prune_{label}_vs_raw"] = prune["store_vs_raw"]["median"]
+        if "store_sql_vs_raw" in prune:
+            figures[f"prune_{label}_floor_vs_raw"] = prune["store_sql_vs_raw"]["median"]
         many = prune.get("large_finished")
         if many and "rows_per_second" in many["variants"].get("store", {}):
             label = _label(many["finished"])
             figures[f"prune_{label}_rows_per_s"] = many["variants"]["store"]["rows_per_second"]
             figures[f"prune_{label}_vs_raw"] = many["store_vs_raw"]
+            if "store_sql_vs_raw" in many:
+                figures[f"prune_{label}_floor_vs_raw"] = many["store_sql_vs_raw"]
     figures.update(_fleet_figures(sections.get("fleet")))
     return " ".join(
         f"{k}={v}"

@@ -40,7 +40,7 @@ from sqlalchemy.sql.selectable import Select
 
 from ._domain import TaskStatus
 from ._schema import LEADER_ROW_ID, VERSION_TABLE, leader, leader_tableoid, recurring, tasks
-from ._statements import LOCK_NS_MIGRATE, prune_delete
+from ._statements import LOCK_NS_MIGRATE, prune_victims
 
 __all__ = [
     "LIKE_ESCAPE",
@@ -202,11 +202,9 @@ finished_before_count = select(func.count()).where(
     tasks.c.terminal, tasks.c.updated_unix_ns < bindparam("cutoff", type_=BigInteger)
 )
 
-_prune_where = prune_delete.whereclause
-assert _prune_where is not None, "the prune statement names its victims"
-#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own WHERE
-#: clause, so a dry run never disagrees with it about what a live task depends on.
-prunable_count = select(func.count()).select_from(tasks).where(_prune_where)
+#: What :data:`prune_batch` would delete with ``batch`` as large as the table: its own
+#: victims, so a dry run never disagrees with it about what a live task depends on.
+prunable_count = select(func.count()).select_from(prune_victims)
 
 # --- the HA demo (``cronoq_store._demo``) reads back what it wrote ----------------------------
 

@@ -142,8 +142,8 @@ __all__ = [
     "lock_session_settings",
     "pause",
     "prune_batch",
-    "prune_delete",
     "prune_terms",
+    "prune_victims",
     "quarantine",
     "recent_terminal",
     "record_term",
@@ -640,7 +640,9 @@ _refs = (
     .cte("refs")
 )
 _old = tasks.alias("t")
-_victims = (
+#: The finished tasks a prune may delete, oldest first, ``batch`` at most: what
+#: :data:`prune_batch` deletes, and what an operator's dry run counts.
+prune_victims = (
     select(_old.c.id)
     .where(
         _old.c.terminal,
@@ -662,9 +664,20 @@ _victims = (
     .cte("victims")
 )
 
-#: The deletion of a prune batch, without its record (see :data:`prune_batch`).
-prune_delete = delete(tasks).where(tasks.c.id.in_(select(_victims.c.id)))
-_pruned = prune_delete.where(_leader_now == _incarnation).returning(tasks.c.id).cte("pruned")
+# The deletion of a prune batch, without its record (see :data:`prune_batch`). By an array
+# of the victims' ids: key lookups, which PostgreSQL cannot turn into a scan of the whole
+# table. ``id IN (victims)`` was planned as a hash join over a sequential scan of every task
+# from a few thousand victims on, so each batch cost as much as the table was large (105 ms
+# of a 64,000-task batch's 420 on a table of a million).
+_prune_delete = delete(tasks).where(
+    tasks.c.id
+    == any_(cast(select(func.array_agg(prune_victims.c.id)).scalar_subquery(), ARRAY(BigInteger)))
+)
+_pruned = _prune_delete.where(_leader_now == _incarnation).returning(tasks.c.id).cte("pruned")
+# How many were deleted and the largest id, in one pass over what the deletion returned.
+_pruned_summary = select(func.count().label("deleted"), func.max(_pruned.c.id).label("top")).cte(
+    "pruned_summary"
+)
 
 #: Delete up to ``batch`` of the oldest finished tasks updated before ``cutoff`` that no
 #: live task depends on, by id or by key, and record the largest id deleted in the leader
@@ -677,8 +690,8 @@ _pruned = prune_delete.where(_leader_now == _incarnation).returning(tasks.c.id).
 prune_batch = (
     update(leader)
     .where(leader.c.id == LEADER_ROW_ID, leader_tableoid == _incarnation)
-    .values(max_id=func.greatest(leader.c.max_id, select(func.max(_pruned.c.id)).scalar_subquery()))
-    .returning(select(func.count()).select_from(_pruned).scalar_subquery())
+    .values(max_id=func.greatest(leader.c.max_id, select(_pruned_summary.c.top).scalar_subquery()))
+    .returning(select(_pruned_summary.c.deleted).scalar_subquery())
 )
 
 

@@ -871,8 +871,9 @@ class PgStore:
         database server's clock (``now()``, read once), except those a live task depends on
         (by id or key); returns how many were deleted.
 
-        Deletes at most 1,000 rows per transaction, oldest first, so locks stay short, and
-        waits for commits in flight that may add dependencies. ``progress``, if given, is
+        Deletes oldest first, in batches of a transaction each (1,000 rows first, then
+        sized to take about 0.2 s, 64,000 at most), so locks stay short, and waits for
+        commits in flight that may add dependencies. ``progress``, if given, is
         called with the running total of deleted rows after each batch (an operator's progress
         bar); an exception it raises ends the prune, as a ``StoreError``. Raises
         ``ClusterReplacedError``, having deleted nothing more, once the schema no longer
