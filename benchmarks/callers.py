@@ -1,6 +1,9 @@
 """Concurrent callers of ``PgStore.commit``, one new task per transaction: 64 callers
 against one, and against raw asyncpg on 64 connections running the same insert without
 the epoch check (PostgreSQL's own group commit: the bound a fenced commit can approach).
+The floor of the store on an application's engine is that engine's own cost: the same
+plain insert through SQLAlchemy on the same engine, a transaction per insert (a pool
+checkout, ``BEGIN``, the insert, ``COMMIT``), the store taken out.
 
 Commits share the fence (a share lock of the leader row), so concurrent callers overlap
 their WAL flushes instead of queueing on the row. The store's pool has room for every
@@ -110,6 +113,13 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
             async with pool.acquire() as conn:
                 await conn.execute(insert.sql, *insert.args(row))
 
+        on_raw_schema = _plain_insert.execution_options(schema_translate_map={None: raw_schema})
+
+        async def engine_floor(m: Submitted) -> None:
+            row = dict(zip(INSERT_COLUMNS, insert_row(m, to_unix, time.time_ns()), strict=True))
+            async with engine.begin() as conn:
+                await conn.execute(on_raw_schema, row)
+
         def on(s: PgStore) -> Callable[[Submitted], Awaitable[None]]:
             return lambda m: s.commit(epoch, base, [m], ())
 
@@ -119,6 +129,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                 "callers": lambda: _drive(on(store), workload, CALLERS, seconds),
                 "engine": lambda: _drive(on(borrowed), workload, CALLERS, seconds),
                 "raw": lambda: _drive(raw, workload, CALLERS, seconds),
+                "engine_floor": lambda: _drive(engine_floor, workload, CALLERS, seconds),
             },
             profile.group_rounds,
         )
@@ -129,4 +140,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         "engine_vs_one": paired(measured["engine"], measured["one"]),
         "callers_vs_raw": paired(measured["callers"], measured["raw"]),
         "engine_vs_raw": paired(measured["engine"], measured["raw"]),
+        # The floor: the application's engine alone, over raw; the store on it over that.
+        "engine_floor_vs_raw": paired(measured["engine_floor"], measured["raw"]),
+        "engine_vs_engine_floor": paired(measured["engine"], measured["engine_floor"]),
     }

@@ -248,6 +248,8 @@ async def _submissions(
             "store_vs_raw": paired(measured["store"], measured["raw"]),
             "store_vs_copy": paired(measured["store"], measured["copy"]),
             "store_vs_pgqueuer": paired(measured["store"], measured["pgqueuer"]),
+            # The floor against the peer: the store's SQL sent by raw asyncpg.
+            "raw_vs_pgqueuer": paired(measured["raw"], measured["pgqueuer"]),
             "store_vs_procrastinate": paired(measured["store"], measured["procrastinate"]),
         }
     checked = [task_id(1, n) for n in range(1, 201)]

@@ -3,6 +3,12 @@ against each calling ``PgStore.commit`` itself (one transaction per submission),
 against one caller committing the same kind of mutations in batches of N back to back
 (``batched``: what the committer could reach without any per-submission cost).
 
+Between the two, the floor: the same submitters through :class:`BareCommitter`, a future
+per submission and one loop committing whatever is queued, nothing else (no admission
+bound, no order between batches, no retries, no telemetry). What separates it from
+``batched`` is asyncio's own cost per awaiting submitter (a future, a wake-up, a task
+step); what separates the committer from it is the committer's.
+
 Every side uses the same store (its pool of ``max_connections`` = 8, the default) and runs
 for the same time; the figure is acknowledged mutations per second.
 """
@@ -10,6 +16,7 @@ for the same time; the figure is acknowledged mutations per second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -53,6 +60,38 @@ async def drive_batched(commit: Commit, workload: Workload, size: int, seconds: 
         await commit([workload.one() for _ in range(size)])
         done += size
     return done / (time.perf_counter() - started)
+
+
+class BareCommitter:
+    """The floor of a group committer: each submission a future, one loop committing all
+    that is queued as one batch and settling the futures. Nothing a real committer needs
+    besides (bounds, failures, ordering, telemetry): a benchmark's baseline only."""
+
+    def __init__(self, commit: Commit) -> None:
+        self._commit = commit
+        self._queue: list[tuple[Sequence[Mutation], asyncio.Future[None]]] = []
+        self._wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def submit(self, mutations: Sequence[Mutation]) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((mutations, future))
+        self._wakeup.set()
+        await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            batch, self._queue = self._queue, []
+            await self._commit([m for mutations, _ in batch for m in mutations])
+            for _, future in batch:
+                future.set_result(None)
+
+    async def close(self) -> None:
+        self._loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._loop
 
 
 def _grouped(
@@ -101,6 +140,15 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                     profile.group_seconds,
                 )
 
+            async def bare(submitters: int = submitters) -> float:
+                committer = BareCommitter(lambda batch: store.commit(epoch, base, batch, ()))
+                try:
+                    return await drive(
+                        committer.submit, workload, submitters, profile.group_seconds
+                    )
+                finally:
+                    await committer.close()
+
             async def batched(submitters: int = submitters) -> float:
                 return await drive_batched(
                     lambda batch: store.commit(epoch, base, batch, ()),
@@ -110,12 +158,16 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                 )
 
             measured = await interleave(
-                {"group": grouped, "single": single, "batched": batched}, profile.group_rounds
+                {"group": grouped, "single": single, "bare": bare, "batched": batched},
+                profile.group_rounds,
             )
             results[str(submitters)] = {
                 "variants": {name: summarize(v) for name, v in measured.items()},
                 "group_vs_single": paired(measured["group"], measured["single"]),
                 "group_vs_batched": paired(measured["group"], measured["batched"]),
+                # The floor: the committer over the bare one, the bare one over batched.
+                "group_vs_bare": paired(measured["group"], measured["bare"]),
+                "bare_vs_batched": paired(measured["bare"], measured["batched"]),
                 # The first trial of each side is the warm-up round.
                 "mean_batch_mutations": summarize(batches[1:]),
                 "latency_p99_seconds": summarize(latencies[1:]),

@@ -93,6 +93,8 @@ def _group_commit(section: dict[str, Any]) -> list[str]:
     # "batched": one caller committing the same mutations in batches of the submitter
     # count back to back (absent from runs before that variant existed).
     batched = any("batched" in r["variants"] for r in _counts(section).values())
+    # "bare": the floor, a future per submitter and one committing loop (later runs).
+    bare = any("bare" in r["variants"] for r in _counts(section).values())
     rows = []
     for n, r in _counts(section).items():
         v = r["variants"]
@@ -102,12 +104,14 @@ def _group_commit(section: dict[str, Any]) -> list[str]:
                 _spread(v["group"]),
                 _spread(v["single"]),
                 *([_spread(v["batched"]) if "batched" in v else "-"] if batched else []),
+                *([_spread(v["bare"]) if "bare" in v else "-"] if bare else []),
                 _ratio(r["group_vs_single"]),
                 *(
                     [_ratio(r["group_vs_batched"]) if "group_vs_batched" in r else "-"]
                     if batched
                     else []
                 ),
+                *([_ratio(r["group_vs_bare"]) if "group_vs_bare" in r else "-"] if bare else []),
                 f"{r['mean_batch_mutations']['median']:.0f}",
                 f"{r['latency_p99_seconds']['median'] * 1000:.1f} ms",
             ]
@@ -117,8 +121,10 @@ def _group_commit(section: dict[str, Any]) -> list[str]:
         "GroupCommitter",
         "one transaction per submission",
         *(["one caller, batches of N"] if batched else []),
+        *(["bare futures and one loop (floor)"] if bare else []),
         "group/single",
         *(["group/batched"] if batched else []),
+        *(["group/floor"] if bare else []),
         "mean batch",
         "p99 latency",
     ]
@@ -668,6 +674,159 @@ def targets(sections: dict[str, Any]) -> list[tuple[str, str, dict[str, float], 
     return rows
 
 
+Floor = dict[str, float] | None
+
+
+def _flush_ratio(commit: dict[str, Any], side: str) -> dict[str, float] | None:
+    """A side's commits of one mutation a second over the disk's flushes a second."""
+    flush, one = commit.get("fdatasync_per_s"), commit.get("submissions", {}).get("1")
+    if not flush or not one or side not in one["variants"]:
+        return None
+    return {k: one["variants"][side][k] / flush for k in ("median", "min", "max")}
+
+
+def targets_32(sections: dict[str, Any]) -> list[tuple[str, str, dict[str, float], Floor]]:
+    """Every target of issue #32 that the run measured: (target, wanted, measured summary,
+    floor), the floor being the same work with the store taken out, measured in the same
+    run (``None`` where the baseline itself is that)."""
+    rows: list[tuple[str, str, dict[str, float], Floor]] = []
+    commit = sections.get("commit", {})
+    submissions = commit.get("submissions", {})
+    for size, r in submissions.items():
+        rows.append(
+            (f"commit, batch {int(size):,}, vs raw asyncpg", ">= 0.95", r["store_vs_raw"], None)
+        )
+    for size, r in submissions.items():
+        n = int(size)
+        wanted = ">= 1.05" if n <= 100 else ">= 1.5" if n < 10_000 else ">= 2"
+        rows.append(
+            (
+                f"commit, batch {n:,}, vs pgqueuer",
+                wanted,
+                r["store_vs_pgqueuer"],
+                r.get("raw_vs_pgqueuer"),
+            )
+        )
+    for size, r in commit.get("transitions", {}).items():
+        if int(size) >= 100:
+            rows.append(
+                (f"transitions, batch {int(size):,}, vs raw", ">= 0.95", r["store_vs_raw"], None)
+            )
+    flush = _flush_ratio(commit, "store")
+    if flush is not None:
+        rows.append(
+            (
+                "commit, batch 1, vs the disk's flushes",
+                ">= 0.35",
+                flush,
+                _flush_ratio(commit, "raw"),
+            )
+        )
+    for n, wanted in (("64", ">= 0.9"), ("256", ">= 0.8")):
+        group = sections.get("group_commit", {}).get(n)
+        if group and "group_vs_batched" in group:
+            rows.append(
+                (
+                    f"GroupCommitter, {n} submitters, vs one caller's batches of {n}",
+                    wanted,
+                    group["group_vs_batched"],
+                    group.get("bare_vs_batched"),
+                )
+            )
+    group = sections.get("group_commit", {}).get("64")
+    if group and "batched" in group["variants"]:
+        one_batch = 64 / group["variants"]["batched"]["median"]
+        p99 = group["latency_p99_seconds"]
+        rows.append(
+            (
+                "GroupCommitter p99 at 64 submitters, in commits of one batch of 64",
+                "<= 2",
+                {k: p99[k] / one_batch for k in ("median", "min", "max")},
+                None,
+            )
+        )
+    callers = sections.get("callers")
+    if callers:
+        rows.append(
+            (
+                "64 callers vs raw asyncpg on 64 connections",
+                ">= 0.9",
+                callers["callers_vs_raw"],
+                None,
+            )
+        )
+        rows.append(
+            (
+                "64 callers on from_engine vs raw asyncpg on 64 connections",
+                ">= 0.8",
+                callers["engine_vs_raw"],
+                callers.get("engine_floor_vs_raw"),
+            )
+        )
+    takeover = sections.get("takeover", {})
+    killed = takeover.get("sigkill")
+    if killed and killed.get("takeover_seconds"):
+        rows.append(
+            (
+                "takeover after SIGKILL, seconds",
+                f"<= {takeover['lock_poll']:g}",
+                killed["takeover_seconds"],
+                None,
+            )
+        )
+    prune = sections.get("prune")
+    if prune:
+        rows.append(
+            (
+                f"prune of {prune['finished']:,} vs raw unprotected delete",
+                ">= 0.8",
+                prune["store_vs_raw"],
+                prune.get("store_sql_vs_raw"),
+            )
+        )
+        many = prune.get("large_finished")
+        if many:
+
+            def one(value: float) -> dict[str, float]:
+                return {"median": value, "min": value, "max": value}
+
+            floor = many.get("store_sql_vs_raw")
+            rows.append(
+                (
+                    f"prune of {many['finished']:,} vs raw unprotected delete (one run)",
+                    ">= 0.8",
+                    one(many["store_vs_raw"]),
+                    None if floor is None else one(floor),
+                )
+            )
+    return rows
+
+
+def _targets_32(sections: dict[str, Any]) -> list[str]:
+    def shown(summary: dict[str, float]) -> str:
+        return f"{summary['median']:.2f} ({summary['min']:.2f}-{summary['max']:.2f})"
+
+    rows = []
+    for name, wanted, summary, floor in targets_32(sections):
+        op, threshold = wanted.split()
+        rows.append(
+            [
+                name,
+                wanted,
+                shown(summary),
+                "-" if floor is None else shown(floor),
+                _verdict(summary, op, float(threshold)),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "### Targets of issue #32, each with its floor (the same work, the store taken out)",
+        "",
+        *_table(["target", "wanted", "measured", "floor", "verdict"], rows),
+    ]
+
+
 def _targets(sections: dict[str, Any]) -> list[str]:
     def value(v: float, unit: str) -> str:
         return f"{v:,.0f}{unit}" if unit == " MiB" else f"{v:.2f}"
@@ -721,6 +880,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     lines += _targets(results["sections"])
+    lines += _targets_32(results["sections"])
     for name, section in results["sections"].items():
         if name in _SECTIONS:
             lines += _SECTIONS[name](section)
@@ -768,11 +928,19 @@ def key_figures(results: dict[str, Any]) -> str:
     group = sections.get("group_commit", {}).get("256")
     if group and "group_vs_batched" in group:
         figures["groupcommit_256_vs_batched"] = group["group_vs_batched"]["median"]
+    for n, group in sections.get("group_commit", {}).items():
+        if n in ("64", "256") and "group_vs_bare" in group:
+            # The floor: asyncio's own cost per awaiting submitter (benchmarks.group_commit).
+            figures[f"groupcommit_{n}_vs_bare"] = group["group_vs_bare"]["median"]
+            figures[f"groupcommit_{n}_bare_vs_batched"] = group["bare_vs_batched"]["median"]
     callers = sections.get("callers")
     if callers:
         figures["commit_64_callers_vs_one"] = callers["callers_vs_one"]["median"]
         figures["commit_64_callers_vs_raw_64"] = callers["callers_vs_raw"]["median"]
         figures["commit_64_engine_callers_vs_raw_64"] = callers["engine_vs_raw"]["median"]
+        if "engine_floor_vs_raw" in callers:
+            # The floor: the application's engine alone running the plain insert.
+            figures["commit_64_engine_floor_vs_raw_64"] = callers["engine_floor_vs_raw"]["median"]
     recovery = _counts(sections.get("recovery", {}))
     for size, r in recovery.items():
         label = _label(int(size))

@@ -452,3 +452,55 @@ def test_the_flush_rate_counts_flushes_of_one_block() -> None:
     """Some flushes, and no more than a fast disk makes."""
     rate = flush_rate(0.2)
     assert 0 < rate <= 1_000_000
+
+
+def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> None:
+    sections = every_section()
+    group = sections["group_commit"]["64"]
+    group["variants"]["bare"] = s(25_000.0)
+    group["group_vs_bare"] = s(0.85, 0.8, 0.9)
+    group["bare_vs_batched"] = s(0.88, 0.84, 0.93)
+    sections["callers"] = {
+        "variants": {},
+        "callers_vs_one": s(2.0),
+        "callers_vs_raw": s(0.91, 0.9, 0.95),
+        "engine_vs_raw": s(0.42, 0.4, 0.45),
+        "engine_floor_vs_raw": s(0.44, 0.41, 0.47),
+    }
+    sections["prune"]["store_sql_vs_raw"] = s(0.78, 0.76, 0.8)
+    sections["prune"]["large_finished"]["store_sql_vs_raw"] = 0.62
+    sections["commit"]["submissions"]["10"]["raw_vs_pgqueuer"] = s(0.9, 0.88, 0.92)
+    run = results(sections, profile="full")
+    md = report.markdown(run)
+    assert "### Targets of issue #32, each with its floor" in md
+    assert (
+        "| GroupCommitter, 64 submitters, vs one caller's batches of 64 | >= 0.9 "
+        "| 0.93 (0.88-0.97) | 0.88 (0.84-0.93) | met (range crosses) |" in md
+    )
+    assert (
+        "| 64 callers on from_engine vs raw asyncpg on 64 connections | >= 0.8 "
+        "| 0.42 (0.40-0.45) | 0.44 (0.41-0.47) | missed |" in md
+    )
+    assert (
+        "| 64 callers vs raw asyncpg on 64 connections | >= 0.9 | 0.91 (0.90-0.95) | - | met |"
+        in md
+    )
+    assert (
+        "| prune of 20,000 vs raw unprotected delete | >= 0.8 | 0.75 (0.70-0.80) "
+        "| 0.78 (0.76-0.80) |" in md
+    )
+    assert (
+        "| prune of 1,000,000 vs raw unprotected delete (one run) | >= 0.8 "
+        "| 0.60 (0.60-0.60) | 0.62 (0.62-0.62) | missed |" in md
+    )
+    pgqueuer_10 = next(line for line in md.splitlines() if "| commit, batch 10, vs pgq" in line)
+    assert pgqueuer_10.endswith("| 1.60 (1.40-1.70) | 0.90 (0.88-0.92) | met |")
+    figures = keys(report.key_figures(run))
+    assert figures["groupcommit_64_vs_bare"] == "0.85"
+    assert figures["groupcommit_64_bare_vs_batched"] == "0.88"
+    assert figures["commit_64_engine_floor_vs_raw_64"] == "0.44"
+    assert figures["prune_20k_floor_vs_raw"] == "0.78"
+    assert figures["prune_1m_floor_vs_raw"] == "0.62"
+    # A run before the floors existed shows none, and fakes none.
+    old = report.markdown(results(every_section(), profile="full"))
+    assert "| 0.93 (0.88-0.97) | - |" in old
