@@ -554,18 +554,17 @@ def batch_size(batch: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]
 
 
 def check_batch_size(
-    batch: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]], limit: int
-) -> int:
-    """:func:`batch_size` of ``batch`` and ``outputs``; ``BatchTooLargeError``, before
-    anything is sent, when that is over ``limit`` bytes: the check of both stores."""
-    size = batch_size(batch, outputs)
+    batch: Sequence[Mutation], outputs: Sequence[tuple[TaskId, bytes]], limit: int, size: int
+) -> None:
+    """``BatchTooLargeError``, before anything is sent, when ``size`` (the
+    :func:`batch_size` of ``batch`` and ``outputs``) is over ``limit`` bytes: the check of
+    both stores."""
     if size > limit:
         raise BatchTooLargeError(
             f"committing a batch failed: its {len(batch)} mutations and {len(outputs)} "
             f"outputs take up to {size} bytes, over the {limit} bytes one commit may send "
             "(PostgreSQL refuses a message over 1 GiB); commit them in smaller batches"
         )
-    return size
 
 
 logger = logging.getLogger("cronoq_store")

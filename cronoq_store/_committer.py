@@ -430,11 +430,18 @@ class Admission:
     def has_room(self, weight: int) -> bool:
         return self.pending == 0 or self.rows + weight <= self._max_pending
 
+    def admit_now(self, sub: Submission) -> bool:
+        """Queue ``sub`` at once if nobody waits for room and there is room for it: the
+        common case, without the cost of a coroutine per submission."""
+        if self._waiting or not self.has_room(sub.weight):
+            return False
+        self._enqueue(sub)
+        return True
+
     async def admit(self, sub: Submission, settling: Settling) -> None:
         """Queue ``sub`` once there is room; raises as :meth:`Settling.refuse_if_closed`
         does if the committer stops taking submissions first."""
-        if not self._waiting and self.has_room(sub.weight):
-            self._enqueue(sub)
+        if self.admit_now(sub):
             return
         self._waiting += 1
         try:
@@ -902,7 +909,8 @@ class GroupCommitter:
             asyncio.get_running_loop().create_future(),
             started,
         )
-        await self._admission.admit(sub, self._settling)
+        if not self._admission.admit_now(sub):
+            await self._admission.admit(sub, self._settling)
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._run(), name=f"cronoq-group-commit-epoch-{self._epoch}"
@@ -1083,6 +1091,7 @@ class GroupCommitter:
             raise self._settling.fenced  # another batch was: nothing is written any more
         mutations = [m for sub in subs for m in sub.mutations]
         outputs = [o for sub in subs for o in sub.outputs]
+        size = sum(sub.size for sub in subs)
         started = time.monotonic()
         try:
             retry = CommitRetry(
@@ -1094,7 +1103,11 @@ class GroupCommitter:
                 telemetry=self._telemetry,
                 rows=len(mutations),
             )
-            await retry.run(lambda: self._store.commit(self._epoch, self._base, mutations, outputs))
+            await retry.run(
+                lambda: self._store._commit_measured(
+                    self._epoch, self._base, mutations, outputs, size
+                )
+            )
         except (FencedError, Abandoned):
             raise
         except Exception as caught:  # not transient, a bad mutation, or a stuck batch

@@ -35,6 +35,7 @@ from cronoq_store._domain import (
     Dependency,
     FixedStart,
     MissPolicy,
+    Mutation,
     Priority,
     RetryPolicy,
     StatusChanged,
@@ -47,6 +48,7 @@ from cronoq_store._domain import (
 )
 from cronoq_store._leadership import Leadership
 from cronoq_store._migrations import _scripts, head_revision, script_location
+from cronoq_store._store import SupportsCommit
 from cronoq_store._urls import URL_ENV
 from cronoq_store.testing import find_bin_dir
 
@@ -648,3 +650,19 @@ def leadership_of(store: PgStore) -> Leadership:
     leadership = store._leadership
     assert isinstance(leadership, Leadership)
     return leadership
+
+
+class CommitMeasuredByCommit:
+    """A committer's test double's ``_commit_measured`` (``Committable``): the double's own
+    ``commit``, the measured size ignored, so a double that scripts or records ``commit``
+    sees every batch the group committer sends."""
+
+    async def _commit_measured(
+        self: SupportsCommit,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+        size: int,
+    ) -> None:
+        await self.commit(epoch, base, batch, outputs)

@@ -36,6 +36,7 @@ from cronoq_store.telemetry import DISABLED
 from .pgharness import ServerUnderTest, admin_execute, terminate_backends
 from .support import (
     PROCESS_BASE,
+    CommitMeasuredByCommit,
     LeaderRowHold,
     app_name,
     bump_epoch,
@@ -445,7 +446,7 @@ async def test_close_without_drain_fails_pending_and_drops_nothing_silently(
 # --- semantics a server cannot be made to show on cue: a scripted store ---------------------
 
 
-class ScriptedStore:
+class ScriptedStore(CommitMeasuredByCommit):
     """Records every commit; fails each attempt with the next scripted error, if any. While
     failures are scripted, the database does not answer a ping either (an outage)."""
 

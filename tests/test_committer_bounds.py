@@ -35,13 +35,21 @@ from cronoq_store._urls import async_url
 from cronoq_store.telemetry import DISABLED, Telemetry
 
 from .pgharness import ServerUnderTest, admin_execute
-from .support import PROCESS_BASE, bump_epoch, open_store, stored_ids, submitted, submitted_in
+from .support import (
+    PROCESS_BASE,
+    CommitMeasuredByCommit,
+    bump_epoch,
+    open_store,
+    stored_ids,
+    submitted,
+    submitted_in,
+)
 from .waits import until
 
 POISON = b"poison"
 
 
-class Recording:
+class Recording(CommitMeasuredByCommit):
     """The real store, with the size of every batch it was asked to commit recorded."""
 
     def __init__(self, store: PgStore) -> None:
@@ -251,7 +259,7 @@ async def test_a_batch_is_retried_as_long_as_the_database_does_not_answer() -> N
     """A batch is split only once the database answers pings while it fails: a ping that
     fails means an outage, retried through."""
 
-    class Failing:
+    class Failing(CommitMeasuredByCommit):
         attempts = 0
         max_commit_bytes = MAX_COMMIT_BYTES
         telemetry = DISABLED
@@ -284,7 +292,7 @@ async def test_a_batch_is_retried_as_long_as_the_database_does_not_answer() -> N
 # --- admission: the bound on pending rows, under cancellation ---------------------------
 
 
-class _SlowStore:
+class _SlowStore(CommitMeasuredByCommit):
     """Commits after a random short pause; records what committed, in order."""
 
     max_commit_bytes = MAX_COMMIT_BYTES

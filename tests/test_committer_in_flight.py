@@ -53,7 +53,7 @@ from cronoq_store.telemetry import Telemetry
 from cronoq_store.testing import InMemoryStore
 
 from .pgharness import admin_execute
-from .support import PROCESS_BASE, LeaderRowHold, app_name, stored_ids
+from .support import PROCESS_BASE, CommitMeasuredByCommit, LeaderRowHold, app_name, stored_ids
 from .waits import bounded, holds_for, until
 
 _ids = itertools.count(1)
@@ -357,7 +357,7 @@ async def test_two_spellings_of_one_stored_name_are_one_for_batches_in_flight(
 # --- the property: any submissions, any batches in flight, the answers of serial commits ---
 
 
-class Jittered:
+class Jittered(CommitMeasuredByCommit):
     """A store whose commits each start after the next of ``delays`` (cycled)."""
 
     def __init__(self, store: Committable, delays: list[float]) -> None:
@@ -620,7 +620,7 @@ async def test_any_submissions_get_the_answers_of_serial_commits_in_memory(
 # commit's reply is held (the commit has landed) until the test lets it through.
 
 
-class SlowFirstReply:
+class SlowFirstReply(CommitMeasuredByCommit):
     """A store whose first commit lands at once but whose reply waits for ``reply``."""
 
     def __init__(self, store: PgStore) -> None:

@@ -30,10 +30,10 @@ from cronoq_store._statements import update_status
 from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
-from .support import FIXED_BASE
+from .support import FIXED_BASE, CommitMeasuredByCommit
 
 
-class _Store:
+class _Store(CommitMeasuredByCommit):
     max_commit_bytes = MAX_COMMIT_BYTES
     telemetry = DISABLED
 

@@ -42,6 +42,7 @@ from .._commit_path import (
     MAX_COMMIT_BYTES,
     FoldedBatch,
     RecurringAction,
+    batch_size,
     check_batch_size,
     fold,
     taken_keys,
@@ -358,6 +359,17 @@ class InMemoryStore:
         ``ValueError`` naming the field for an engine time that leaves BIGINT through
         ``base``; in each case nothing of the batch is applied.
         """
+        await self._commit_measured(epoch, base, batch, outputs, batch_size(batch, outputs))
+
+    async def _commit_measured(
+        self,
+        epoch: int,
+        base: TimeBase,
+        batch: Sequence[Mutation],
+        outputs: Sequence[tuple[TaskId, bytes]],
+        size: int,
+    ) -> None:
+        """:meth:`commit`, the batch's size already measured by the caller (``size``)."""
         self._check_open("committing a batch")
         if self._fenced or (self._has_led and self._epoch is None):
             raise FencedError("leadership was lost: this instance must not write any more")
@@ -366,7 +378,7 @@ class InMemoryStore:
                 f"fenced: epoch {epoch} is not this instance's term (epoch {self._epoch}): "
                 "nothing was written, and the current term goes on"
             )
-        check_batch_size(batch, outputs, self.max_commit_bytes)
+        check_batch_size(batch, outputs, self.max_commit_bytes, size)
         folded = fold(batch, base, time.time_ns(), outputs)
         await asyncio.sleep(0)  # a commit is a round trip: others run meanwhile
         current = self._db._epoch
