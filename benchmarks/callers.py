@@ -1,7 +1,10 @@
 """Concurrent callers of ``PgStore.commit``, one new task per transaction: 64 callers
 against one, and against raw asyncpg on 64 connections running the same insert without
 the epoch check (PostgreSQL's own group commit: the bound a fenced commit can approach).
-The floor of the store on an application's engine is that engine's own cost: the same
+The floor of the store on its own pool is raw asyncpg on 64 connections sending the store's
+own fenced insert (``insert_task_fenced``: the epoch check under a share lock of the leader
+row, the conflict rule). The floor of the store on an application's engine is that
+engine's own cost: the same
 plain insert through SQLAlchemy on the same engine, a transaction per insert (a pool
 checkout, ``BEGIN``, the insert, ``COMMIT``), the store taken out.
 
@@ -27,6 +30,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import Submitted
+from cronoq_store import _statements as st
 from cronoq_store._codec import unix_converter
 from cronoq_store._config import PgStoreConfig
 from cronoq_store._schema import INSERT_COLUMNS, JSON_COLUMNS, insert_row, tasks
@@ -98,11 +102,13 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         borrowed = await PgStore.from_engine(engine, PgStoreConfig(schema=schema))
         stack.push_async_callback(borrowed.close)
         raw_schema = "bench_callers_raw"
-        raw_store, _ = await open_store(url, raw_schema)  # migrates the raw side's table
-        await raw_store.close()
+        raw_store, raw_epoch = await open_store(url, raw_schema)  # migrates the raw side
+        fence = {"epoch": raw_epoch, "incarnation": raw_store.incarnation}
+        await raw_store.close()  # its epoch stays stored: the fenced statement passes
         pool = await asyncpg.create_pool(dsn(url), min_size=CALLERS, max_size=CALLERS)
         stack.push_async_callback(pool.close)
         insert = compile_for_asyncpg(_plain_insert, raw_schema)
+        fenced = compile_for_asyncpg(st.insert_task_fenced, raw_schema)
         workload = Workload()
         base = workload.base
         to_unix = unix_converter(base)
@@ -112,6 +118,13 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
             row = dict(zip(INSERT_COLUMNS, insert_row(m, to_unix, time.time_ns()), strict=True))
             async with pool.acquire() as conn:
                 await conn.execute(insert.sql, *insert.args(row))
+
+        async def raw_store_sql(m: Submitted) -> None:
+            row = dict(zip(INSERT_COLUMNS, insert_row(m, to_unix, time.time_ns()), strict=True))
+            async with pool.acquire() as conn:
+                current = await conn.fetchval(fenced.sql, *fenced.args({**row, **fence}))
+            if current != raw_epoch:
+                raise RuntimeError(f"fenced: epoch {current}, expected {raw_epoch}")
 
         on_raw_schema = _plain_insert.execution_options(schema_translate_map={None: raw_schema})
 
@@ -130,6 +143,7 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                 "engine": lambda: _drive(on(borrowed), workload, CALLERS, seconds),
                 "raw": lambda: _drive(raw, workload, CALLERS, seconds),
                 "engine_floor": lambda: _drive(engine_floor, workload, CALLERS, seconds),
+                "raw_store_sql": lambda: _drive(raw_store_sql, workload, CALLERS, seconds),
             },
             profile.group_rounds,
         )
@@ -143,4 +157,6 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         # The floor: the application's engine alone, over raw; the store on it over that.
         "engine_floor_vs_raw": paired(measured["engine_floor"], measured["raw"]),
         "engine_vs_engine_floor": paired(measured["engine"], measured["engine_floor"]),
+        # The floor of the store's own pool: raw asyncpg sending the store's fenced insert.
+        "store_sql_vs_raw": paired(measured["raw_store_sql"], measured["raw"]),
     }

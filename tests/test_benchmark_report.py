@@ -466,6 +466,7 @@ def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> Non
         "callers_vs_raw": s(0.91, 0.9, 0.95),
         "engine_vs_raw": s(0.42, 0.4, 0.45),
         "engine_floor_vs_raw": s(0.44, 0.41, 0.47),
+        "store_sql_vs_raw": s(0.8, 0.75, 0.85),
     }
     sections["prune"]["store_sql_vs_raw"] = s(0.78, 0.76, 0.8)
     sections["prune"]["large_finished"]["store_sql_vs_raw"] = 0.62
@@ -482,8 +483,8 @@ def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> Non
         "| 0.42 (0.40-0.45) | 0.44 (0.41-0.47) | missed |" in md
     )
     assert (
-        "| 64 callers vs raw asyncpg on 64 connections | >= 0.9 | 0.91 (0.90-0.95) | - | met |"
-        in md
+        "| 64 callers vs raw asyncpg on 64 connections | >= 0.9 | 0.91 (0.90-0.95) "
+        "| 0.80 (0.75-0.85) | met |" in md
     )
     assert (
         "| prune of 20,000 vs raw unprotected delete | >= 0.8 | 0.75 (0.70-0.80) "
@@ -499,6 +500,7 @@ def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> Non
     assert figures["groupcommit_64_vs_bare"] == "0.85"
     assert figures["groupcommit_64_bare_vs_batched"] == "0.88"
     assert figures["commit_64_engine_floor_vs_raw_64"] == "0.44"
+    assert figures["commit_64_callers_floor_vs_raw_64"] == "0.80"
     assert figures["prune_20k_floor_vs_raw"] == "0.78"
     assert figures["prune_1m_floor_vs_raw"] == "0.62"
     # A run before the floors existed shows none, and fakes none.
