@@ -245,22 +245,35 @@ _LARGE_LIVE = 20_000
 _LARGE_TIMEOUT = 120.0
 
 
-async def _large_batch(url: URL) -> dict[str, Any]:
+async def _large_batch(
+    url: URL,
+    *,
+    finished: int = _LARGE_FINISHED,
+    live: int = _LARGE_LIVE,
+    schema: str = "bench_prune_large",
+) -> dict[str, Any]:
     """Seconds for one batch of each statement on the large table (``None``: timed out),
-    each run three times in a rolled-back transaction; the median is kept."""
-    schema = "bench_prune_large"
+    each run three times in a rolled-back transaction; the median is kept. Each run must
+    delete a whole batch: the statement is sent with the cluster's incarnation, without
+    which it is planned to delete nothing (and times nothing)."""
     store = await PgStore.connect(url, PgStoreConfig(schema=schema))
     await store.close()
     conn = await asyncpg.connect(dsn(url))
     try:
-        rows = make_rows(_LARGE_FINISHED, _LARGE_LIVE, TimeBase.now(), time.time_ns())
+        rows = make_rows(finished, live, TimeBase.now(), time.time_ns())
         await conn.copy_records_to_table(
             "cronoq_tasks", records=rows, columns=INSERT_COLUMNS, schema_name=schema
         )
         await conn.execute(f'VACUUM ANALYZE "{schema}".cronoq_tasks')
+        found = compile_for_asyncpg(st.incarnation, schema)
+        params = {
+            "cutoff": time.time_ns() - round(_OLDER_THAN * 1e9),
+            "batch": PRUNE_BATCH,
+            "incarnation": await conn.fetchval(found.sql, *found.args({})),
+        }
         await conn.execute(f"SET statement_timeout = '{round(_LARGE_TIMEOUT * 1000)}ms'")
-        params = {"cutoff": time.time_ns() - round(_OLDER_THAN * 1e9), "batch": PRUNE_BATCH}
         seconds: dict[str, float | None] = {}
+        deleted: set[int] = set()
         for name, statement in (("store", st.prune_batch),):
             stmt = compile_for_asyncpg(statement, schema)
             times: list[float | None] = []
@@ -269,7 +282,7 @@ async def _large_batch(url: URL) -> dict[str, Any]:
                 await tx.start()
                 started = time.perf_counter()
                 try:
-                    await conn.execute(stmt.sql, *stmt.args(params))
+                    deleted.add(int(await conn.fetchval(stmt.sql, *stmt.args(params))))
                 except asyncpg.QueryCanceledError:
                     times.append(None)
                     break
@@ -281,11 +294,14 @@ async def _large_batch(url: URL) -> dict[str, Any]:
             seconds[name] = statistics.median(done) if len(done) == len(times) else None
     finally:
         await conn.close()
+    if deleted - {PRUNE_BATCH}:
+        raise RuntimeError(f"a large batch deleted {sorted(deleted)} rows, not {PRUNE_BATCH}")
     return {
-        "finished": _LARGE_FINISHED,
-        "live_with_dependencies": _LARGE_LIVE,
+        "finished": finished,
+        "live_with_dependencies": live,
         "timeout_seconds": _LARGE_TIMEOUT,
         "seconds_per_batch": seconds,
+        "deleted_per_batch": min(deleted, default=None),
     }
 
 

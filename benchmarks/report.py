@@ -722,12 +722,12 @@ def targets_32(sections: dict[str, Any]) -> list[tuple[str, str, dict[str, float
                 _flush_ratio(commit, "raw"),
             )
         )
-    for n, wanted in (("64", ">= 0.9"), ("256", ">= 0.8")):
-        group = sections.get("group_commit", {}).get(n)
+    for count, wanted in (("64", ">= 0.9"), ("256", ">= 0.8")):
+        group = sections.get("group_commit", {}).get(count)
         if group and "group_vs_batched" in group:
             rows.append(
                 (
-                    f"GroupCommitter, {n} submitters, vs one caller's batches of {n}",
+                    f"GroupCommitter, {count} submitters, vs one caller's batches of {count}",
                     wanted,
                     group["group_vs_batched"],
                     group.get("bare_vs_batched"),
