@@ -152,7 +152,9 @@ class Committable(SupportsCommit, Protocol):
     ) -> None:
         """``commit``, with ``size``, the batch's ``_commit_path.batch_size``, measured by
         the caller: the committer measures each submission to cut its batches, and a
-        mutation measured twice costs the committer's loop a tenth of its time."""
+        mutation measured twice costs the committer's loop a tenth of its time. The group
+        committer calls this, never ``commit``: a wrapper or subclass that changes what
+        ``commit`` does must change this too."""
         ...
 
 
