@@ -215,17 +215,60 @@ async def _abandon(
     grace: float,
 ) -> None:
     """Stop ``task``, whose result nobody will get, and discard the result it had anyway;
-    its error, the consequence of the stop, is not news."""
-    if not task.done() and abort is not None:
-        abort()
-        await asyncio.wait({task}, timeout=grace)
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})
+    its error, the consequence of the stop, is not news.
+
+    A caller cancelled meanwhile (while ``task`` is given its grace, stops, or its result
+    is discarded) is not kept waiting, and loses nothing: ``task`` is cancelled at once
+    and what it still makes is discarded when it ends (:func:`_discard_late`)."""
+    cancelled = False
+    try:
+        if not task.done() and abort is not None:
+            abort()
+            await asyncio.wait({task}, timeout=grace)
+        if not task.done():
+            task.cancel()
+            cancelled = True
+            await asyncio.wait({task})
+    except asyncio.CancelledError:
+        if not cancelled:  # once: a second cancel would cut short the work's own cleanup
+            task.cancel()
+        task.add_done_callback(lambda done: _discard_late(done, discard))
+        raise
     if task.cancelled() or task.exception() is not None:
         return
     if discard is not None:
-        await discard(task.result())
+        # Shielded: a caller cancelled now does not cut the discarding short.
+        await asyncio.shield(_keep(discard(task.result())))
+
+
+#: Discards that outlive the call that started them (:func:`_abandon`), kept referenced
+#: until they end: the event loop holds only weak references to its tasks.
+_LATE: set[asyncio.Future[object]] = set()
+
+
+def _keep(work: Awaitable[object]) -> asyncio.Future[object]:
+    """``work`` as a task kept in :data:`_LATE` until it ends; its error, if any, taken
+    (a discard that fails leaves nothing more to free, and is no caller's news)."""
+    late = asyncio.ensure_future(work)
+    _LATE.add(late)
+
+    def ended(done: asyncio.Future[object]) -> None:
+        _LATE.discard(done)
+        if not done.cancelled():
+            done.exception()
+
+    late.add_done_callback(ended)
+    return late
+
+
+def _discard_late(
+    task: asyncio.Future[_T], discard: Callable[[_T], Awaitable[object]] | None
+) -> None:
+    """``task``'s result discarded once it ended, its error taken (the stop caused it)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    if discard is not None:
+        _keep(discard(task.result()))
 
 
 async def pause(seconds: float, until: asyncio.Event) -> bool:

@@ -4,6 +4,7 @@ loop retries what is transient and stops by exception; the one timeout and pause
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 from typing import Any
@@ -24,6 +25,8 @@ from cronoq_store._retry import (
     pause,
 )
 from cronoq_store.testing import InMemoryStore
+
+from .waits import until
 
 
 def first(backoff: Backoff, n: int) -> list[float]:
@@ -149,6 +152,78 @@ async def test_a_cancellation_that_arrives_as_the_work_fails_is_never_lost() -> 
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
+
+
+async def test_a_caller_cancelled_during_the_grace_still_stops_the_work() -> None:
+    """A lock session's statement timed out: its socket was aborted, and the statement gets
+    a grace to end. The caller cancelled meanwhile (a store closing) is answered at once,
+    and the statement that ignored the abort is cancelled, not left running unowned."""
+    ended = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(3600)  # a statement the abort did not end
+        finally:
+            ended.set()
+
+    caller = asyncio.ensure_future(bounded(work(), 0.01, abort=lambda: None, grace=60))
+    await asyncio.sleep(0.2)  # timed out; now in the grace
+    assert not caller.done()
+    assert not ended.is_set()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await until(ended.is_set, "the abandoned work to be stopped", within=10)
+
+
+async def test_what_the_work_made_is_discarded_when_the_caller_is_cancelled_as_it_stops() -> None:
+    """A connect that timed out was cancelled, but completes its handshake anyway (the
+    cancel came too late); the caller, cancelled while waiting for it to stop, is answered
+    at once, and the connection it made is still closed, not left checked out."""
+    finish = asyncio.Event()
+    discarded: list[str] = []
+
+    async def connect() -> str:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await finish.wait()  # the handshake ends regardless
+        return "connection"
+
+    async def close(connection: str) -> None:
+        await asyncio.sleep(0.01)
+        discarded.append(connection)
+
+    caller = asyncio.ensure_future(bounded(connect(), 0.01, discard=close))
+    await asyncio.sleep(0.2)  # timed out; the connect was cancelled and is awaited
+    assert not caller.done()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    finish.set()
+    await until(lambda: discarded == ["connection"], "the late connection to be closed")
+
+
+async def test_a_discard_under_way_is_not_cut_short_by_the_callers_cancellation() -> None:
+    closing = asyncio.Event()
+    closed: list[str] = []
+
+    async def close(connection: str) -> None:
+        closing.set()
+        await asyncio.sleep(0.1)
+        closed.append(connection)
+
+    async def connect() -> str:
+        with contextlib.suppress(asyncio.CancelledError):  # completes anyway
+            await asyncio.sleep(60)
+        return "connection"
+
+    caller = asyncio.ensure_future(bounded(connect(), 0.01, discard=close))
+    await closing.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await until(lambda: closed == ["connection"], "the discard to finish")
 
 
 async def test_a_pause_woken_as_it_is_cancelled_raises_the_cancellation() -> None:
