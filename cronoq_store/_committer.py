@@ -324,16 +324,26 @@ class Submission:
 class Flight:
     """A batch in flight: its submissions, its footprint, the task committing it."""
 
-    __slots__ = ("footprint", "subs", "task")
+    __slots__ = ("_footprint", "subs", "task")
 
     def __init__(self, subs: list[Submission]) -> None:
         self.subs = subs
-        self.footprint = footprint(
-            (m for sub in subs for m in sub.mutations),
-            [o for sub in subs for o in sub.outputs],
-            barrier=any(not sub.mutations and not sub.outputs for sub in subs),
-        )
+        self._footprint: Footprint | None = None
         self.task: asyncio.Task[None] | None = None
+
+    @property
+    def footprint(self) -> Footprint:
+        """What orders this batch against the others in flight, worked out the first time
+        another batch is: a batch that flies alone (every batch, when the submitters all
+        wait on the one before) never pays for it."""
+        if self._footprint is None:
+            subs = self.subs
+            self._footprint = footprint(
+                (m for sub in subs for m in sub.mutations),
+                [o for sub in subs for o in sub.outputs],
+                barrier=any(not sub.mutations and not sub.outputs for sub in subs),
+            )
+        return self._footprint
 
 
 class Stuck(Exception):
