@@ -667,8 +667,8 @@ prune_victims = (
 # The deletion of a prune batch, without its record (see :data:`prune_batch`). By an array
 # of the victims' ids: key lookups, which PostgreSQL cannot turn into a scan of the whole
 # table. ``id IN (victims)`` was planned as a hash join over a sequential scan of every task
-# from a few thousand victims on, so each batch cost as much as the table was large (105 ms
-# of a 64,000-task batch's 420 on a table of a million).
+# for large batches (64,000 victims, on tables of 100,000 and of a million tasks), so each
+# batch cost as much as the table was large (105 ms of such a batch's 420 on a million).
 _prune_delete = delete(tasks).where(
     tasks.c.id
     == any_(cast(select(func.array_agg(prune_victims.c.id)).scalar_subquery(), ARRAY(BigInteger)))

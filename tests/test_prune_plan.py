@@ -2,9 +2,9 @@
 what the batch holds, not what the table holds.
 
 Deleting by ``id IN (victims)`` was planned as a hash join over a sequential scan of every
-task once a batch held a few thousand victims, so each batch of a prune read the whole
-table again (105 ms of a 64,000-task batch's 420 on a table of a million, the same for
-every batch while the table shrank). The plan is read from the server: EXPLAIN of the
+task for a large batch (64,000 victims, on 100,000 tasks as on a million), so each batch
+of a prune read the whole table again (105 ms of such a batch's 420 on a million, the
+same for every batch while the table shrank). The plan is read from the server: EXPLAIN of the
 store's own statement, on a table of 100,000 old finished tasks and 2,000 live ones that
 depend on some of them, with a batch the size a prune grows to.
 """
