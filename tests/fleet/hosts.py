@@ -13,6 +13,8 @@ from cronoq_store import PgStoreConfig, TaskSpec
 from cronoq_store._domain import Submitted, TimeBase, task_id
 from cronoq_store._host.host import HostedStore, PgHost, PgHostConfig
 
+from ..pgharness import admin_execute
+from ..waits import until_value
 from .conftest import Fleet
 
 STORE = PgStoreConfig(lock_poll=0.1, keepalive=0.3, session_timeout=2.0, commit_timeout=10.0)
@@ -85,3 +87,26 @@ async def commit_one(store: HostedStore, n: int, epoch: int | None = None) -> No
     base = TimeBase.now()
     spec = TaskSpec(b"hosted %d" % n)
     await store.commit(epoch, base, [Submitted(task_id(epoch, n), n, base.engine_ns, spec)], [])
+
+
+async def serving_until_it_waits_on_a_lock(
+    fleet: Fleet, host: PgHost, name: str, what: str
+) -> asyncio.Future[None]:
+    """``host`` serving (each lead waits for its term's end), returned once its session
+    named ``name`` waits on a lock a test holds (``what`` says which, for the failure)."""
+
+    async def lead(store: HostedStore) -> None:
+        await store.leadership_lost()
+
+    serving = asyncio.ensure_future(host.serve(lead))
+    await until_value(
+        lambda: admin_execute(
+            fleet.url,
+            "SELECT count(*) AS n FROM pg_stat_activity "
+            "WHERE application_name LIKE $1 AND wait_event_type = 'Lock'",
+            f"{name} leader %",
+        ),
+        lambda rows: rows[0]["n"] == 1,
+        what,
+    )
+    return serving

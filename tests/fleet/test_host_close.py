@@ -28,7 +28,7 @@ from cronoq_store._urls import async_url
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
 from .conftest import Fleet
-from .hosts import STORE, commit_one, config, enrolled
+from .hosts import STORE, commit_one, config, enrolled, serving_until_it_waits_on_a_lock
 
 #: Seconds beyond what a close waits for by design (``handover_grace``, a statement under
 #: way) that it may take on a loaded machine.
@@ -227,18 +227,8 @@ async def test_a_close_during_registration_leaves_nothing(
         await blocker.execute("BEGIN")
         await blocker.execute(f'LOCK TABLE "{fleet.control}".processes IN EXCLUSIVE MODE')
 
-        async def lead(store: HostedStore) -> None:
-            await store.leadership_lost()
-
-        serving = asyncio.ensure_future(host.serve(lead))
-        await until_value(
-            lambda: admin_execute(
-                fleet.url,
-                "SELECT count(*) AS n FROM pg_stat_activity "
-                "WHERE application_name LIKE 'registering leader %' AND wait_event_type = 'Lock'",
-            ),
-            lambda rows: rows[0]["n"] == 1,
-            "the registration to wait for the processes table",
+        serving = await serving_until_it_waits_on_a_lock(
+            fleet, host, "registering", "the registration to wait for the processes table"
         )
         assert host.process_id is None
         started = time.monotonic()
@@ -273,18 +263,8 @@ async def test_a_close_during_a_claim_hands_over_what_it_claimed(
         await blocker.execute("BEGIN")
         await blocker.execute(f'SELECT epoch FROM "{schemas[1]}".cronoq_leader FOR SHARE')
 
-        async def lead(store: HostedStore) -> None:
-            await store.leadership_lost()
-
-        serving = asyncio.ensure_future(host.serve(lead))
-        await until_value(
-            lambda: admin_execute(
-                fleet.url,
-                "SELECT count(*) AS n FROM pg_stat_activity "
-                "WHERE application_name LIKE 'claiming leader %' AND wait_event_type = 'Lock'",
-            ),
-            lambda rows: rows[0]["n"] == 1,
-            "a claim to wait for the held leader table",
+        serving = await serving_until_it_waits_on_a_lock(
+            fleet, host, "claiming", "a claim to wait for the held leader table"
         )
         process_id = host.process_id
         assert process_id is not None

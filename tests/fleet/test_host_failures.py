@@ -26,7 +26,7 @@ from cronoq_store._urls import async_url
 from ..pgharness import admin_execute, asyncpg_dsn
 from ..waits import until, until_value
 from .conftest import Fleet
-from .hosts import STORE, config, serving
+from .hosts import STORE, config, serving, serving_until_it_waits_on_a_lock
 
 
 def other_control(fleet: Fleet, group: str | None = None) -> Fleet:
@@ -197,18 +197,8 @@ async def test_a_host_session_ended_during_a_claim_is_registered_again(fleet: Fl
         await blocker.execute("BEGIN")
         await blocker.execute(f'SELECT epoch FROM "{schema}".cronoq_leader FOR SHARE')
 
-        async def lead(hosted: HostedStore) -> None:
-            await hosted.leadership_lost()
-
-        task = asyncio.ensure_future(host.serve(lead))
-        await until_value(
-            lambda: admin_execute(
-                fleet.url,
-                "SELECT count(*) AS n FROM pg_stat_activity "
-                "WHERE application_name LIKE 'barred leader %' AND wait_event_type = 'Lock'",
-            ),
-            lambda rows: rows[0]["n"] == 1,
-            "the claim to wait in the leader barrier",
+        task = await serving_until_it_waits_on_a_lock(
+            fleet, host, "barred", "the claim to wait in the leader barrier"
         )
         first_id = host.process_id
         await terminate(fleet, "barred")
