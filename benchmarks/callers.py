@@ -2,7 +2,7 @@
 against one, and against raw asyncpg on 64 connections running the same insert without
 the epoch check (PostgreSQL's own group commit: the bound a fenced commit can approach).
 The floor of the store on its own pool is raw asyncpg on 64 connections sending the store's
-own fenced insert (``insert_task_fenced``: the epoch check under a share lock of the leader
+own fenced insert (``insert_tasks_fenced(1)``: the epoch check under a share lock of the leader
 row, the conflict rule). The floor of the store on an application's engine is that
 engine's own cost: the same
 plain insert through SQLAlchemy on the same engine, a transaction per insert (a pool
@@ -33,6 +33,7 @@ from cronoq_store import Submitted
 from cronoq_store import _statements as st
 from cronoq_store._codec import unix_converter
 from cronoq_store._config import PgStoreConfig
+from cronoq_store._door import RowsStatement
 from cronoq_store._schema import INSERT_COLUMNS, JSON_COLUMNS, insert_row, tasks
 from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
@@ -108,7 +109,9 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
         pool = await asyncpg.create_pool(dsn(url), min_size=CALLERS, max_size=CALLERS)
         stack.push_async_callback(pool.close)
         insert = compile_for_asyncpg(_plain_insert, raw_schema)
-        fenced = compile_for_asyncpg(st.insert_task_fenced, raw_schema)
+        fenced = RowsStatement.of(
+            compile_for_asyncpg(st.insert_tasks_fenced(1), raw_schema), st.fenced_row_names(1), 1
+        )
         workload = Workload()
         base = workload.base
         to_unix = unix_converter(base)
@@ -120,9 +123,9 @@ async def run(url: URL, peers: dict[str, URL], profile: Profile) -> dict[str, An
                 await conn.execute(insert.sql, *insert.args(row))
 
         async def raw_store_sql(m: Submitted) -> None:
-            row = dict(zip(INSERT_COLUMNS, insert_row(m, to_unix, time.time_ns()), strict=True))
+            row = insert_row(m, to_unix, time.time_ns())
             async with pool.acquire() as conn:
-                current = await conn.fetchval(fenced.sql, *fenced.args({**row, **fence}))
+                current = await conn.fetchval(fenced.compiled.sql, *fenced.args([row], fence))
             if current != raw_epoch:
                 raise RuntimeError(f"fenced: epoch {current}, expected {raw_epoch}")
 

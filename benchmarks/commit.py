@@ -33,7 +33,7 @@ from cronoq_store import StatusChanged, Submitted, TaskId, TaskSpec, TimeBase, t
 from cronoq_store import _statements as st
 from cronoq_store._codec import unix_converter
 from cronoq_store._commit_path import COPY_MIN_ROWS
-from cronoq_store._door import Opening
+from cronoq_store._door import Opening, RowsStatement
 from cronoq_store._schema import INSERT_COLUMNS, insert_row, tasks
 
 from .common import (
@@ -89,8 +89,8 @@ class SharedBatches(Generic[M]):
 class RawWriter:
     """The baselines: one asyncpg connection running the store's own SQL for ``schema``
     with the same epoch check, as the store sends it: a batch of new tasks, or of
-    transitions, is one statement whose CTE checks the epoch (``insert_task_fenced`` for
-    one task, ``insert_tasks_fenced``, ``update_status_fenced``); from ``COPY_MIN_ROWS``
+    transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced`` of the
+    batch's row count, ``update_status_fenced``); from ``COPY_MIN_ROWS``
     new tasks on, ``BEGIN`` and the epoch check (``epoch_held_for_share``) travel in one message,
     then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
     every size: the bound (it cannot skip rows that exist)."""
@@ -102,8 +102,7 @@ class RawWriter:
         # The fence's values, as the store sends them: its epoch and the cluster's incarnation.
         self._fence = {"epoch": epoch, "incarnation": incarnation}
         self._opening = Opening.of(compile_for_asyncpg(st.epoch_held_for_share, schema))
-        self._insert_one = compile_for_asyncpg(st.insert_task_fenced, schema)
-        self._insert = compile_for_asyncpg(st.insert_tasks_fenced, schema)
+        self._inserts: dict[int, RowsStatement] = {}
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
 
     def _check(self, current: int) -> None:
@@ -116,14 +115,12 @@ class RawWriter:
             await self.copy(batch, base)
             return
         rows = [insert_row(m, to_unix, now) for m in batch]
-        if len(rows) == 1:
-            stmt = self._insert_one
-            params: dict[str, Any] = dict(zip(INSERT_COLUMNS, rows[0], strict=True))
-        else:
-            stmt = self._insert
-            params = dict(zip(INSERT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True))
-        params.update(self._fence)
-        self._check(await self.conn.fetchval(stmt.sql, *stmt.args(params)))
+        stmt = self._inserts.get(len(rows))
+        if stmt is None:
+            compiled = compile_for_asyncpg(st.insert_tasks_fenced(len(rows)), self.schema)
+            stmt = RowsStatement.of(compiled, st.fenced_row_names(len(rows)), len(rows))
+            self._inserts[len(rows)] = stmt
+        self._check(await self.conn.fetchval(stmt.compiled.sql, *stmt.args(rows, self._fence)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:
         now, to_unix = time.time_ns(), unix_converter(base)

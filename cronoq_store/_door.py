@@ -133,6 +133,7 @@ __all__ = [
     "LockSession",
     "LockWait",
     "Opening",
+    "RowsStatement",
     "accepts_writes",
     "borrowed_lock_engine",
     "closing_message",
@@ -250,6 +251,40 @@ class CompiledStatement:
     async def cursor(self, conn: DriverConnection, values: Mapping[str, Any]) -> DriverCursor:
         """A server-side cursor on ``conn`` (inside its transaction)."""
         return await conn.cursor(self.sql, *self.args(values))
+
+
+@dataclass(frozen=True, slots=True)
+class RowsStatement:
+    """A compiled statement whose leading parameters are rows of values, row after row (a
+    ``VALUES`` list), and the rest named: its arguments are the rows' values as they are,
+    with no look-up by name per value (a batch of 31 new tasks has 775)."""
+
+    compiled: CompiledStatement
+    count: int
+    #: The parameters after the rows', by name.
+    named: tuple[str, ...]
+
+    @classmethod
+    def of(cls, compiled: CompiledStatement, row_names: Sequence[str], count: int) -> RowsStatement:
+        """``compiled``, whose first parameters must be ``row_names`` (``count`` rows'), in
+        that order: else ``ValueError``, at construction rather than as values bound to the
+        wrong columns."""
+        lead = len(row_names)
+        if tuple(row_names) != compiled.names[:lead]:
+            raise ValueError(
+                f"the statement's first {lead} parameters are not its {count} rows' values in order"
+            )
+        return cls(compiled, count, compiled.names[lead:])
+
+    def args(self, rows: Sequence[Sequence[Any]], values: Mapping[str, Any]) -> list[Any]:
+        """The positional arguments: the values of ``rows`` (exactly :attr:`count` of
+        them), then the named parameters from ``values``, else the construct's own."""
+        if len(rows) != self.count:
+            raise ValueError(f"the statement takes {self.count} rows, not {len(rows)}")
+        args = list(itertools.chain.from_iterable(rows))
+        defaults = self.compiled.defaults
+        args.extend(values[n] if n in values else defaults[n] for n in self.named)
+        return args
 
 
 # The compiler's mark of a table's schema where a ``schema_translate_map`` applies (the
@@ -893,8 +928,17 @@ class CommitConnection:
     async def fetchrow(self, statement: CompiledStatement, values: Mapping[str, Any]) -> Any:
         """Run ``statement``; its first row. :class:`InsertRefused` for an insert's
         refusal the commit path explains."""
+        return await self._fetchrow(statement.sql, statement.args(values))
+
+    async def fetchrow_rows(
+        self, statement: RowsStatement, rows: Sequence[Sequence[Any]], values: Mapping[str, Any]
+    ) -> Any:
+        """:meth:`fetchrow` of a statement that takes ``rows``."""
+        return await self._fetchrow(statement.compiled.sql, statement.args(rows, values))
+
+    async def _fetchrow(self, sql: str, args: Sequence[Any]) -> Any:
         try:
-            return await self._driver.fetchrow(statement.sql, *statement.args(values))
+            return await self._driver.fetchrow(sql, *args)
         except _INSERT_REFUSALS as exc:
             if not _explained(exc):
                 raise

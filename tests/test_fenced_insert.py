@@ -1,0 +1,140 @@
+"""A batch of new tasks too small for COPY travels as one statement whose rows are a
+``VALUES`` list (``statements.insert_tasks_fenced``): only its first row's parameters carry
+their types, every value is bound by position, and its size is bounded."""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from cronoq_store import _statements as st
+from cronoq_store._commit_path import COPY_MIN_ROWS, BatchWriter, fold
+from cronoq_store._config import PgStoreConfig
+from cronoq_store._domain import Mutation, TaskId, TaskSpec
+from cronoq_store._door import CompiledStatement, RowsStatement
+from cronoq_store._errors import FencedError, IdCollisionError
+from cronoq_store._migrations import upgrade
+from cronoq_store._schema import INSERT_COLUMNS
+from cronoq_store._store import PgStore
+
+from .pgharness import admin_execute
+from .support import RUNNING, START_BASE, changed, execute, submitted
+from .test_commit import varied_spec
+
+#: Each test runs on a store on an application's engine and on one on its own pool.
+STORE_OPENINGS = ("from_engine", "connect")
+
+#: Every column but the commit's own clock.
+_COMPARED = ", ".join(c for c in INSERT_COLUMNS if c != "updated_unix_ns")
+
+
+def batch_of(count: int, first_id: int) -> list[Mutation]:
+    """``count`` new tasks: the first with no option at all (its typed parameters are
+    NULL), the others with options, NUL and non-ASCII text across them."""
+    return [
+        submitted(first_id, TaskSpec(b"")),
+        *(submitted(first_id + i, varied_spec(first_id + i)) for i in range(1, count)),
+    ]
+
+
+@pytest.fixture
+async def copied(engine: AsyncEngine, pg_url: URL) -> AsyncIterator[PgStore]:
+    """A store on a schema of its own that sends every new task by COPY."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    await upgrade(engine, schema)
+    try:
+        async with await PgStore.from_engine(engine, PgStoreConfig(schema=schema)) as store:
+            store._commits.writer = BatchWriter(store.engine.dialect, schema, copy_min_rows=1)
+            yield store
+    finally:
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def stored(store: PgStore) -> list[tuple[Any, ...]]:
+    rows = await execute(store, f"SELECT {_COMPARED} FROM {{s}}.cronoq_tasks ORDER BY id")
+    return [tuple(r) for r in rows]
+
+
+async def test_every_row_count_stores_each_column_as_copy_does(
+    store: PgStore, copied: PgStore
+) -> None:
+    for count in range(1, COPY_MIN_ROWS):
+        batch = batch_of(count, 100 * count)
+        assert store._commits.writer.path(fold(batch, START_BASE, 0)) == "insert"
+        await store.commit(0, START_BASE, batch, [])
+        await copied.commit(0, START_BASE, batch, [])
+    written = await stored(store)
+    assert len(written) == sum(range(1, COPY_MIN_ROWS))
+    assert written == await stored(copied)
+    # What COPY stores is what was submitted: the tasks recover as they were (NUL cleaned).
+    recovered = {t.id: t.spec for t in (await store.recover(START_BASE)).tasks}
+    assert recovered[TaskId(3100)] == TaskSpec(b"")
+    assert recovered[TaskId(3130)] == varied_spec(3130, "\ufffd")
+
+
+async def test_a_batch_of_the_largest_size_is_fenced_and_writes_nothing(store: PgStore) -> None:
+    batch = batch_of(st.FENCED_INSERT_MAX_ROWS, 1)
+    with pytest.raises(FencedError):
+        await store.commit(7, START_BASE, batch, [])
+    assert await stored(store) == []
+
+
+async def test_an_id_held_by_another_task_is_named_from_a_one_statement_batch(
+    store: PgStore,
+) -> None:
+    await store.commit(0, START_BASE, [submitted(5, b"first")], [])
+    batch = [submitted(n, b"second") for n in range(1, 11)]
+    with pytest.raises(IdCollisionError) as raised:
+        await store.commit(0, START_BASE, batch, [])
+    assert raised.value.ids == [5]
+    assert [r[0] for r in await execute(store, "SELECT id FROM {s}.cronoq_tasks")] == [5]
+
+
+async def test_a_large_batch_refused_by_copy_is_written_again_in_a_transaction(
+    store: PgStore,
+) -> None:
+    """Its COPY finds its tasks stored (a retry of a batch that landed, with a transition
+    ahead): it is written again, but never as one fenced statement, whose rows are
+    bounded."""
+    count = st.FENCED_INSERT_MAX_ROWS + 9
+    batch: list[Mutation] = [submitted(n) for n in range(1, count + 1)]
+    await store.commit(0, START_BASE, batch, [])
+    await store.commit(0, START_BASE, [*batch, changed(count, RUNNING, 100)], [])
+    rows = await execute(store, "SELECT count(*), max(status) FROM {s}.cronoq_tasks")
+    assert tuple(rows[0]) == (count, "running")
+
+
+def test_the_largest_statement_is_cached_by_asyncpg_for_the_longest_schema_name() -> None:
+    """asyncpg prepares again, at every execution, a statement longer than its
+    ``max_cacheable_statement_size``: the largest fenced insert stays well under its
+    default, whatever the schema's name."""
+    limit = inspect.signature(asyncpg.connect).parameters["max_cacheable_statement_size"]
+    longest = "s" * 63
+    compiled = CompiledStatement.of(
+        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS), asyncpg_dialect(), longest
+    )
+    assert longest in compiled.sql
+    assert len(compiled.sql.encode()) < 0.8 * limit.default
+
+
+def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> None:
+    compiled = CompiledStatement.of(st.insert_tasks_fenced(2), asyncpg_dialect(), "s")
+    names = st.fenced_row_names(2)
+    statement = RowsStatement.of(compiled, names, 2)
+    assert statement.named == ("id_1", "epoch", "incarnation")
+    with pytest.raises(ValueError, match="rows' values"):
+        RowsStatement.of(compiled, [*names[1:], names[0]], 2)
+    with pytest.raises(ValueError, match="takes 2 rows, not 1"):
+        statement.args([list(range(len(INSERT_COLUMNS)))], {"epoch": 1, "incarnation": 2})
+    with pytest.raises(ValueError, match="1 to 31 tasks, not 32"):
+        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="copy_min_rows"):
+        BatchWriter(asyncpg_dialect(), "s", copy_min_rows=COPY_MIN_ROWS + 1)
