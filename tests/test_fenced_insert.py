@@ -32,6 +32,9 @@ from .test_commit import varied_spec
 #: Each test runs on a store on an application's engine and on one on its own pool.
 STORE_OPENINGS = ("from_engine", "connect")
 
+#: The dialect the store compiles its statements for.
+DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
+
 #: Every column but the commit's own clock.
 _COMPARED = ", ".join(c for c in INSERT_COLUMNS if c != "updated_unix_ns")
 
@@ -119,14 +122,14 @@ def test_the_largest_statement_is_cached_by_asyncpg_for_the_longest_schema_name(
     limit = inspect.signature(asyncpg.connect).parameters["max_cacheable_statement_size"]
     longest = "s" * 63
     compiled = CompiledStatement.of(
-        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS), asyncpg_dialect(), longest
+        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS), DIALECT, longest
     )
     assert longest in compiled.sql
     assert len(compiled.sql.encode()) < 0.8 * limit.default
 
 
 def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> None:
-    compiled = CompiledStatement.of(st.insert_tasks_fenced(2), asyncpg_dialect(), "s")
+    compiled = CompiledStatement.of(st.insert_tasks_fenced(2), DIALECT, "s")
     names = st.fenced_row_names(2)
     statement = RowsStatement.of(compiled, names, 2)
     assert statement.named == ("id_1", "epoch", "incarnation")
@@ -137,4 +140,4 @@ def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> 
     with pytest.raises(ValueError, match="1 to 31 tasks, not 32"):
         st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS + 1)
     with pytest.raises(ValueError, match="copy_min_rows"):
-        BatchWriter(asyncpg_dialect(), "s", copy_min_rows=COPY_MIN_ROWS + 1)
+        BatchWriter(DIALECT, "s", copy_min_rows=COPY_MIN_ROWS + 1)
