@@ -494,7 +494,8 @@ def _json_columns(spec: TaskSpec) -> int:
     if deps:
         size += _JSON_ITEM * len(deps)
         for dep in deps:
-            if type(dep.target) is str:
+            # isinstance, not a type check: a key of a str subclass is sent as a key too.
+            if isinstance(dep.target, str):
                 size += 6 * len(dep.target)
     if spec.resources:
         size += _json_strings(spec.resources.keys())

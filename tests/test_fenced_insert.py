@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -18,7 +19,20 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from cronoq_store import _statements as st
 from cronoq_store._commit_path import COPY_MIN_ROWS, BatchWriter, fold
 from cronoq_store._config import PgStoreConfig
-from cronoq_store._domain import Mutation, TaskId, TaskSpec
+from cronoq_store._domain import (
+    Dependency,
+    FixedStart,
+    MissPolicy,
+    Mutation,
+    Priority,
+    RetryPolicy,
+    StatusChanged,
+    Submitted,
+    TaskId,
+    TaskSpec,
+    TaskStatus,
+    TimeBase,
+)
 from cronoq_store._door import CompiledStatement, RowsStatement
 from cronoq_store._errors import FencedError, IdCollisionError
 from cronoq_store._migrations import upgrade
@@ -26,11 +40,14 @@ from cronoq_store._schema import INSERT_COLUMNS
 from cronoq_store._store import PgStore
 
 from .pgharness import admin_execute
-from .support import RUNNING, START_BASE, changed, execute, submitted
+from .support import I32_MAX, I64_MAX, I64_MIN, RUNNING, START_BASE, changed, execute, submitted
 from .test_commit import varied_spec
 
 #: Each test runs on a store on an application's engine and on one on its own pool.
 STORE_OPENINGS = ("from_engine", "connect")
+
+#: The dialect the store compiles its statements for.
+DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
 
 #: Every column but the commit's own clock.
 _COMPARED = ", ".join(c for c in INSERT_COLUMNS if c != "updated_unix_ns")
@@ -80,6 +97,63 @@ async def test_every_row_count_stores_each_column_as_copy_does(
     assert recovered[TaskId(3130)] == varied_spec(3130, "\ufffd")
 
 
+#: Engine time is Unix time: engine times at the edge are stored at the edge.
+_SAME = TimeBase(engine_ns=0, unix_ns=0)
+#: The longest duration a BIGINT of ns holds, to the microsecond a timedelta keeps.
+_LONGEST = timedelta(microseconds=I64_MAX // 1000)
+
+
+def edge_row(n: int) -> list[Mutation]:
+    """Task ``n`` with each column at one edge of its range or the other (by ``n``'s
+    parity; columns of one type at opposite edges, so that values bound to each other's
+    places show), JSON that needs escapes, and every other one moved to running."""
+    low = n % 2 == 0
+    spec = TaskSpec(
+        bytes(range(256)) * (n % 3) + b"\x00",
+        kind="\u00e9\x00\U0001f600" * n,
+        pool="\ud800" if low else "p",
+        priority=Priority.LOW if low else Priority.CRITICAL,
+        key=None if low else f'k"\\u0000{n}\U0001f600',
+        deadline=I64_MIN if low else I64_MAX,
+        fixed_start=FixedStart(I64_MAX, _LONGEST, MissPolicy.FAIL) if low else FixedStart(I64_MIN),
+        duration_hint=_LONGEST if low else timedelta(0),
+        timeout=timedelta(0) if low else _LONGEST,
+        retry=RetryPolicy(max_attempts=I32_MAX, backoff=_LONGEST, multiplier=1e308),
+        deps=[Dependency(TaskId(I64_MAX)), Dependency(f"\udfff\\u0041{n}")],
+        resources={"cpu": I64_MAX, "gpu": 0, "a\x00": 1, "\\u00e9": 2},
+        tags=["\ud83d", "", "\\"],
+        labels=["x\x00", '"'],
+        tenant="" if low else "\udc00",
+    )
+    tid = TaskId(n)
+    sent = Submitted(tid, 0 if low else I64_MAX, I64_MIN if low else I64_MAX, spec)
+    if low:
+        return [sent]
+    return [sent, StatusChanged(tid, TaskStatus.RUNNING, I32_MAX, I64_MAX, "m\udfff\x00")]
+
+
+async def test_edge_values_in_the_untyped_rows_are_stored_as_copy_stores_them(
+    store: PgStore, copied: PgStore
+) -> None:
+    """The first row typed and empty (NULL where it may be); the later rows, whose types
+    the server infers from the first row's, at the edges of their columns: a type inferred
+    narrower, or a value bound to another column, stores another row than COPY does."""
+    batch = [
+        Submitted(TaskId(1), 0, 0, TaskSpec(b"")),
+        *(m for n in range(2, 32) for m in edge_row(n)),
+    ]
+    assert store._commits.writer.path(fold(batch, _SAME, 0)) == "insert"
+    await store.commit(0, _SAME, batch, [])
+    await copied.commit(0, _SAME, batch, [])
+    written = await stored(store)
+    assert len(written) == st.FENCED_INSERT_MAX_ROWS
+    assert written == await stored(copied)
+    running = await execute(
+        store, "SELECT count(*) FROM {s}.cronoq_tasks WHERE updated_unix_ns = :top", top=I64_MAX
+    )
+    assert running[0][0] == 15
+
+
 async def test_a_batch_of_the_largest_size_is_fenced_and_writes_nothing(store: PgStore) -> None:
     batch = batch_of(st.FENCED_INSERT_MAX_ROWS, 1)
     with pytest.raises(FencedError):
@@ -119,14 +193,14 @@ def test_the_largest_statement_is_cached_by_asyncpg_for_the_longest_schema_name(
     limit = inspect.signature(asyncpg.connect).parameters["max_cacheable_statement_size"]
     longest = "s" * 63
     compiled = CompiledStatement.of(
-        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS), asyncpg_dialect(), longest
+        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS), DIALECT, longest
     )
     assert longest in compiled.sql
     assert len(compiled.sql.encode()) < 0.8 * limit.default
 
 
 def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> None:
-    compiled = CompiledStatement.of(st.insert_tasks_fenced(2), asyncpg_dialect(), "s")
+    compiled = CompiledStatement.of(st.insert_tasks_fenced(2), DIALECT, "s")
     names = st.fenced_row_names(2)
     statement = RowsStatement.of(compiled, names, 2)
     assert statement.named == ("id_1", "epoch", "incarnation")
@@ -137,4 +211,4 @@ def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> 
     with pytest.raises(ValueError, match="1 to 31 tasks, not 32"):
         st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS + 1)
     with pytest.raises(ValueError, match="copy_min_rows"):
-        BatchWriter(asyncpg_dialect(), "s", copy_min_rows=COPY_MIN_ROWS + 1)
+        BatchWriter(DIALECT, "s", copy_min_rows=COPY_MIN_ROWS + 1)
