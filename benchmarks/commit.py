@@ -28,6 +28,7 @@ from procrastinate.types import JSONDict
 from sqlalchemy import BigInteger, bindparam, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from cronoq_store import StatusChanged, Submitted, TaskId, TaskSpec, TimeBase, task_id
 from cronoq_store import _statements as st
@@ -35,6 +36,7 @@ from cronoq_store._codec import unix_converter
 from cronoq_store._commit_path import COPY_MIN_ROWS
 from cronoq_store._door import Opening, RowsStatement
 from cronoq_store._schema import INSERT_COLUMNS, insert_row, tasks
+from cronoq_store._urls import async_url
 
 from .common import (
     Profile,
@@ -92,7 +94,8 @@ class RawWriter:
     transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced`` of the
     batch's row count, ``update_status_fenced``); from ``COPY_MIN_ROWS``
     new tasks on, ``BEGIN`` and the epoch check (``epoch_held_for_share``) travel in one message,
-    then COPY straight into the table and ``COMMIT``. The COPY baseline does the latter at
+    then COPY straight into the table, then the check that the schema still holds the
+    cluster (``incarnation_kept``) with ``COMMIT``. The COPY baseline does the latter at
     every size: the bound (it cannot skip rows that exist)."""
 
     def __init__(self, conn: asyncpg.Connection, schema: str, epoch: int, incarnation: int) -> None:
@@ -102,6 +105,7 @@ class RawWriter:
         # The fence's values, as the store sends them: its epoch and the cluster's incarnation.
         self._fence = {"epoch": epoch, "incarnation": incarnation}
         self._opening = Opening.of(compile_for_asyncpg(st.epoch_held_for_share, schema))
+        self._closing = Opening.closing(compile_for_asyncpg(st.incarnation_kept, schema))
         self._inserts: dict[int, RowsStatement] = {}
         self._update = compile_for_asyncpg(st.update_status_fenced, schema)
 
@@ -132,10 +136,11 @@ class RawWriter:
             await self.conn.copy_records_to_table(
                 "cronoq_tasks", records=rows, columns=INSERT_COLUMNS, schema_name=self.schema
             )
+            # The check that the schema still holds the cluster, with COMMIT.
+            await self.conn.execute(self._closing.sql(self._fence))
         except BaseException:
             await self.conn.execute("ROLLBACK")
             raise
-        await self.conn.execute("COMMIT")
 
     async def update(self, batch: Sequence[StatusChanged], base: TimeBase) -> None:
         params = {**transition_columns(batch, base), **self._fence}
@@ -191,6 +196,20 @@ async def _submissions(
     stack.push_async_callback(copy_conn.close)
     raw = RawWriter(raw_conn, "bench_commit_raw", raw_epoch, raw_store.incarnation)
     copy = RawWriter(copy_conn, "bench_commit_copy", copy_epoch, copy_store.incarnation)
+    # The floor of the store's COPY path: the raw baseline on a connection SQLAlchemy's
+    # asyncpg dialect set up, as every connection of the store's engine is. Its jsonb codec
+    # encodes in Python (a call per value: COPY sends jsonb through it); asyncpg's own, on
+    # the raw connections, in compiled code.
+    engine_store, engine_epoch = await open_store(url, "bench_commit_engine")
+    stack.push_async_callback(engine_store.close)
+    engine = create_async_engine(async_url(url), pool_size=1)
+    stack.push_async_callback(engine.dispose)
+    engine_conn = await engine.connect()
+    stack.push_async_callback(engine_conn.close)
+    engine_driver = (await engine_conn.get_raw_connection()).driver_connection
+    on_engine = RawWriter(
+        engine_driver, "bench_commit_engine", engine_epoch, engine_store.incarnation
+    )
 
     pgq_conn = await asyncpg.connect(dsn(peers["pgqueuer"]))
     stack.push_async_callback(pgq_conn.close)
@@ -214,7 +233,9 @@ async def _submissions(
     results: dict[str, Any] = {}
     for size in profile.commit_sizes:
         count = max(profile.commit_min_batches, batches_per_trial(profile, size))
-        shared = SharedBatches(partial(workload.batches, size, count), consumers=5)
+        # Below COPY the engine's connection sends what the raw one does: no floor to take.
+        floored = size >= COPY_MIN_ROWS
+        shared = SharedBatches(partial(workload.batches, size, count), consumers=5 + floored)
 
         rows = count * size
         trials: dict[str, Trial] = {
@@ -238,6 +259,10 @@ async def _submissions(
                 lambda b: bench_job.batch_defer_async(*map(_job_args, b)),
             ),
         }
+        if floored:
+            trials["raw_engine"] = trial_of(
+                shared, "raw_engine", rows, lambda b: on_engine.insert(b, base)
+            )
         measured = await interleave(trials, profile.rounds)
         results[str(size)] = {
             "rows_per_trial": rows,
@@ -249,9 +274,17 @@ async def _submissions(
             "raw_vs_pgqueuer": paired(measured["raw"], measured["pgqueuer"]),
             "store_vs_procrastinate": paired(measured["store"], measured["procrastinate"]),
         }
-    checked = [task_id(1, n) for n in range(1, 201)]
+        if floored:
+            # The floor against raw: its SQL on the engine's connection.
+            results[str(size)]["raw_engine_vs_raw"] = paired(
+                measured["raw_engine"], measured["raw"]
+            )
+    variants = ["bench_commit_store", "bench_commit_raw", "bench_commit_copy"]
+    await check_identical(raw_conn, variants, [task_id(1, n) for n in range(1, 201)])
+    # The engine's connection wrote the batches of COPY's sizes only: the last ones made.
+    last = range(workload.issued - 199, workload.issued + 1)
     await check_identical(
-        raw_conn, ["bench_commit_store", "bench_commit_raw", "bench_commit_copy"], checked
+        raw_conn, [*variants, "bench_commit_engine"], [task_id(1, n) for n in last]
     )
     return results
 

@@ -320,6 +320,11 @@ class Workload:
         self._next += 1
         return Submitted(task_id(1, n), n, time.monotonic_ns(), self._unkeyed[n % 256])
 
+    @property
+    def issued(self) -> int:
+        """How many tasks were made: the last task's number."""
+        return self._next - 1
+
     def submissions(self, count: int, *, keyed: bool = True) -> list[Submitted]:
         first, self._next = self._next, self._next + count
         now = time.monotonic_ns()

@@ -694,7 +694,13 @@ def targets_32(sections: dict[str, Any]) -> list[tuple[str, str, dict[str, float
     submissions = commit.get("submissions", {})
     for size, r in submissions.items():
         rows.append(
-            (f"commit, batch {int(size):,}, vs raw asyncpg", ">= 0.95", r["store_vs_raw"], None)
+            (
+                f"commit, batch {int(size):,}, vs raw asyncpg",
+                ">= 0.95",
+                r["store_vs_raw"],
+                # From COPY on: the raw SQL on a connection of SQLAlchemy's engine.
+                r.get("raw_engine_vs_raw"),
+            )
         )
     for size, r in submissions.items():
         n = int(size)
@@ -898,6 +904,9 @@ def key_figures(results: dict[str, Any]) -> str:
     submissions = commit.get("submissions", {})
     for size, r in submissions.items():
         figures[f"commit_b{size}_vs_raw"] = r["store_vs_raw"]["median"]
+        if "raw_engine_vs_raw" in r:
+            # The floor: the raw SQL on a connection SQLAlchemy's dialect set up.
+            figures[f"commit_b{size}_engine_floor_vs_raw"] = r["raw_engine_vs_raw"]["median"]
     for size, r in submissions.items():
         figures[f"commit_b{size}_vs_pgqueuer"] = r["store_vs_pgqueuer"]["median"]
     for size, r in submissions.items():

@@ -471,6 +471,7 @@ def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> Non
     sections["prune"]["store_sql_vs_raw"] = s(0.78, 0.76, 0.8)
     sections["prune"]["large_finished"]["store_sql_vs_raw"] = 0.62
     sections["commit"]["submissions"]["10"]["raw_vs_pgqueuer"] = s(0.9, 0.88, 0.92)
+    sections["commit"]["submissions"]["1000"]["raw_engine_vs_raw"] = s(0.91, 0.87, 0.96)
     run = results(sections, profile="full")
     md = report.markdown(run)
     assert "### Targets of issue #32, each with its floor" in md
@@ -503,6 +504,13 @@ def test_each_target_of_the_performance_issue_shows_its_floor_beside_it() -> Non
     assert figures["commit_64_callers_floor_vs_raw_64"] == "0.80"
     assert figures["prune_20k_floor_vs_raw"] == "0.78"
     assert figures["prune_1m_floor_vs_raw"] == "0.62"
+    # The raw SQL on a connection of SQLAlchemy's engine, from COPY on only.
+    raw_1000 = next(line for line in md.splitlines() if "| commit, batch 1,000, vs raw" in line)
+    assert "| 0.91 (0.87-0.96) |" in raw_1000
+    raw_10 = next(line for line in md.splitlines() if "| commit, batch 10, vs raw" in line)
+    assert raw_10.split(" | ")[3] == "-"
+    assert figures["commit_b1000_engine_floor_vs_raw"] == "0.91"
+    assert "commit_b10_engine_floor_vs_raw" not in figures
     # A run before the floors existed shows none, and fakes none.
     old = report.markdown(results(every_section(), profile="full"))
     assert "| 0.93 (0.88-0.97) | - |" in old
