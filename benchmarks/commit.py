@@ -92,7 +92,7 @@ class RawWriter:
     """The baselines: one asyncpg connection running the store's own SQL for ``schema``
     with the same epoch check, as the store sends it: a batch of new tasks, or of
     transitions, is one statement whose CTE checks the epoch (``insert_tasks_fenced`` of the
-    batch's row count, ``update_status_fenced``); from ``COPY_MIN_ROWS``
+    size that holds the batch, ``update_status_fenced``); from ``COPY_MIN_ROWS``
     new tasks on, ``BEGIN`` and the epoch check (``epoch_held_for_share``) travel in one message,
     then COPY straight into the table, then the check that the schema still holds the
     cluster (``incarnation_kept``) with ``COMMIT``. The COPY baseline does the latter at
@@ -119,11 +119,12 @@ class RawWriter:
             await self.copy(batch, base)
             return
         rows = [insert_row(m, to_unix, now) for m in batch]
-        stmt = self._inserts.get(len(rows))
+        size = st.fenced_insert_size(len(rows))
+        stmt = self._inserts.get(size)
         if stmt is None:
-            compiled = compile_for_asyncpg(st.insert_tasks_fenced(len(rows)), self.schema)
-            stmt = RowsStatement.of(compiled, st.fenced_row_names(len(rows)), len(rows))
-            self._inserts[len(rows)] = stmt
+            compiled = compile_for_asyncpg(st.insert_tasks_fenced(size), self.schema)
+            stmt = RowsStatement.of(compiled, st.fenced_row_names(size), size, st.NO_TASK_ROW)
+            self._inserts[size] = stmt
         self._check(await self.conn.fetchval(stmt.compiled.sql, *stmt.args(rows, self._fence)))
 
     async def copy(self, batch: Sequence[Submitted], base: TimeBase) -> None:

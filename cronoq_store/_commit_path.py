@@ -648,7 +648,7 @@ class BatchWriter:
                 "fewer new tasks travel as one statement, whose size is bounded"
             )
         self._compiled = compiled
-        # insert_tasks_fenced per row count, compiled at its first use.
+        # insert_tasks_fenced per size, compiled at its first use.
         self._fenced_inserts: dict[int, RowsStatement] = {}
         self._update_fenced = compiled(st.update_status_fenced)
         check = compiled(st.epoch_held_for_share)
@@ -862,12 +862,13 @@ class BatchWriter:
         return fence
 
     def _fenced_insert(self, count: int) -> RowsStatement:
-        """``insert_tasks_fenced`` of ``count`` rows for this schema."""
-        found = self._fenced_inserts.get(count)
+        """The ``insert_tasks_fenced`` that takes ``count`` rows, for this schema."""
+        size = st.fenced_insert_size(count)
+        found = self._fenced_inserts.get(size)
         if found is None:
-            statement = self._compiled(st.insert_tasks_fenced(count))
-            found = RowsStatement.of(statement, st.fenced_row_names(count), count)
-            self._fenced_inserts[count] = found
+            statement = self._compiled(st.insert_tasks_fenced(size))
+            found = RowsStatement.of(statement, st.fenced_row_names(size), size, st.NO_TASK_ROW)
+            self._fenced_inserts[size] = found
         return found
 
     async def _fence_moved(self, conn: CommitConnection, fence: Fence) -> Fence:

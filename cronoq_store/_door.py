@@ -257,15 +257,23 @@ class CompiledStatement:
 class RowsStatement:
     """A compiled statement whose leading parameters are rows of values, row after row (a
     ``VALUES`` list), and the rest named: its arguments are the rows' values as they are,
-    with no look-up by name per value (a batch of 31 new tasks has 775)."""
+    with no look-up by name per value (a batch of 31 new tasks has 775). A statement that
+    skips a ``filler`` row takes fewer rows than it has: the others are that row."""
 
     compiled: CompiledStatement
     count: int
     #: The parameters after the rows', by name.
     named: tuple[str, ...]
+    filler: tuple[Any, ...] | None = None
 
     @classmethod
-    def of(cls, compiled: CompiledStatement, row_names: Sequence[str], count: int) -> RowsStatement:
+    def of(
+        cls,
+        compiled: CompiledStatement,
+        row_names: Sequence[str],
+        count: int,
+        filler: tuple[Any, ...] | None = None,
+    ) -> RowsStatement:
         """``compiled``, whose first parameters must be ``row_names`` (``count`` rows'), in
         that order: else ``ValueError``, at construction rather than as values bound to the
         wrong columns."""
@@ -274,14 +282,20 @@ class RowsStatement:
             raise ValueError(
                 f"the statement's first {lead} parameters are not its {count} rows' values in order"
             )
-        return cls(compiled, count, compiled.names[lead:])
+        if filler is not None and len(filler) * count != lead:
+            raise ValueError(f"a filler row of {len(filler)} values for rows of {lead // count}")
+        return cls(compiled, count, compiled.names[lead:], filler)
 
     def args(self, rows: Sequence[Sequence[Any]], values: Mapping[str, Any]) -> list[Any]:
-        """The positional arguments: the values of ``rows`` (exactly :attr:`count` of
-        them), then the named parameters from ``values``, else the construct's own."""
-        if len(rows) != self.count:
+        """The positional arguments: the values of ``rows`` (:attr:`count` of them, or
+        fewer with a filler), then the named parameters from ``values``, else the
+        construct's own."""
+        missing, filler = self.count - len(rows), self.filler
+        if missing < 0 or (missing and filler is None):
             raise ValueError(f"the statement takes {self.count} rows, not {len(rows)}")
         args = list(itertools.chain.from_iterable(rows))
+        if missing and filler is not None:
+            args.extend(filler * missing)
         defaults = self.compiled.defaults
         args.extend(values[n] if n in values else defaults[n] for n in self.named)
         return args

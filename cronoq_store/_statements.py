@@ -101,10 +101,12 @@ from ._schema import (
 
 __all__ = [
     "FENCED_INSERT_MAX_ROWS",
+    "FENCED_INSERT_SIZES",
     "IDLE_LIMIT_MS",
     "LOCK_NS_LEADER",
     "LOCK_NS_MIGRATE",
     "LOCK_SESSION_SETTINGS",
+    "NO_TASK_ROW",
     "SEARCH_PATH",
     "TERMS_KEPT",
     "HostedClaims",
@@ -123,6 +125,7 @@ __all__ = [
     "epoch_for_share",
     "epoch_held_for_share",
     "epoch_kept_for_share",
+    "fenced_insert_size",
     "fenced_row_names",
     "finished_page",
     "generic_plans",
@@ -396,11 +399,30 @@ def _insert_from(rows: Select[Any]) -> postgresql.Insert:
 #: New tasks in one statement, inside a transaction that checked the epoch.
 insert_tasks = _insert_from(_new_rows)
 
-#: The most new tasks :func:`insert_tasks_fenced` takes in one statement: the writer sends
-#: more by COPY (``_commit_path.COPY_MIN_ROWS``). Its SQL grows by a row's parameters per
-#: task (9 kB at this bound), and asyncpg prepares again at every execution a statement over
-#: its ``max_cacheable_statement_size`` (15 kB by default) instead of caching it.
-FENCED_INSERT_MAX_ROWS = 31
+#: The row counts :func:`insert_tasks_fenced` is built for; a batch takes the smallest that
+#: holds it (:func:`fenced_insert_size`), the rows it leaves empty given as
+#: :data:`NO_TASK_ROW`, which the statement skips. Each count is a statement prepared on
+#: every session that commits such a batch (the server keeps 200-400 kB of a prepared
+#: statement), and asyncpg keeps 100 per connection by default, evicting the oldest: one
+#: statement per count up to 31 made four stores sharing one session prepare at every
+#: commit (measured). The largest is the most new tasks one statement takes: the writer
+#: sends more by COPY (``_commit_path.COPY_MIN_ROWS``). Its SQL grows by a row's
+#: parameters per task (9 kB at 31), and asyncpg prepares again, at every execution, a
+#: statement over its ``max_cacheable_statement_size`` (15 kB by default).
+FENCED_INSERT_SIZES = (1, 2, 4, 8, 16, 31)
+FENCED_INSERT_MAX_ROWS = FENCED_INSERT_SIZES[-1]
+
+#: A row of :func:`insert_tasks_fenced` that inserts nothing: every value NULL.
+NO_TASK_ROW = (None,) * len(INSERT_COLUMNS)
+
+
+def fenced_insert_size(count: int) -> int:
+    """The row count of the :func:`insert_tasks_fenced` that takes ``count`` new tasks:
+    the smallest of :data:`FENCED_INSERT_SIZES` that holds them."""
+    for size in FENCED_INSERT_SIZES:
+        if count <= size:
+            return size
+    raise ValueError(f"a fenced insert takes 1 to {FENCED_INSERT_MAX_ROWS} tasks, not {count}")
 
 
 def fenced_row_names(count: int) -> list[str]:
@@ -409,13 +431,15 @@ def fenced_row_names(count: int) -> list[str]:
     return [f"row{i}_{name}" for i in range(count) for name in INSERT_COLUMNS]
 
 
-@functools.lru_cache(maxsize=FENCED_INSERT_MAX_ROWS)
-def insert_tasks_fenced(count: int) -> Select[Any]:
-    """``count`` new tasks (at most :data:`FENCED_INSERT_MAX_ROWS`) as one statement, so one
-    round trip without BEGIN and COMMIT: the epoch and incarnation under a share lock (as
+@functools.lru_cache(maxsize=len(FENCED_INSERT_SIZES))
+def insert_tasks_fenced(size: int) -> Select[Any]:
+    """Up to ``size`` new tasks (one of :data:`FENCED_INSERT_SIZES`) as one statement, so
+    one round trip without BEGIN and COMMIT: the epoch and incarnation under a share lock (as
     :data:`epoch_for_share`) and the insert, which writes nothing unless the stored epoch is
     ``:epoch`` and the leader table ``:incarnation``. Returns the stored epoch and
-    incarnation, for the caller to raise ``FencedError`` or ``ClusterReplacedError``.
+    incarnation, for the caller to raise ``FencedError`` or ``ClusterReplacedError``. Rows
+    whose id is NULL (:data:`NO_TASK_ROW`) are skipped: a batch fills the statement's rows
+    with them.
 
     The rows travel as a ``VALUES`` list, one scalar parameter per value (named by
     :func:`fenced_row_names`), not as one array per column: asyncpg checks each element of
@@ -423,14 +447,14 @@ def insert_tasks_fenced(count: int) -> Select[Any]:
     0.1 us per value. Raw asyncpg sending both forms of a batch of 10 new tasks (measured):
     19.3 against 11.2 us of client CPU per task, 15.9k against 19.0k tasks/s. Only the first
     row's parameters carry their types: PostgreSQL gives each later row's the type of its
-    column, so the statement stays short. One statement per row count, built once."""
-    if not 1 <= count <= FENCED_INSERT_MAX_ROWS:
-        raise ValueError(f"a fenced insert takes 1 to {FENCED_INSERT_MAX_ROWS} tasks, not {count}")
-    names = iter(fenced_row_names(count))
+    column, so the statement stays short. The first row is always a task's."""
+    if size not in FENCED_INSERT_SIZES:
+        raise ValueError(f"a fenced insert is built for {FENCED_INSERT_SIZES} rows, not {size}")
+    names = iter(fenced_row_names(size))
     types = [Text() if name in JSON_COLUMNS else tasks.c[name].type for name in INSERT_COLUMNS]
     rows = [
         tuple(bindparam(next(names), type_=t if i == 0 else NullType()) for t in types)
-        for i in range(count)
+        for i in range(size)
     ]
     new = values(
         *(column(name, t) for name, t in zip(INSERT_COLUMNS, types, strict=True)), name="u"
@@ -442,6 +466,8 @@ def insert_tasks_fenced(count: int) -> Select[Any]:
             for name in INSERT_COLUMNS
         )
     ).where(_fence_holds)
+    if size > 1:
+        incoming = incoming.where(new.c.id.is_not(None))
     return select(_sharing.c.epoch, _sharing.c.tableoid).add_cte(_insert_from(incoming).cte("ins"))
 
 

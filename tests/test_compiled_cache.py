@@ -193,7 +193,7 @@ def test_a_statement_compiles_once_for_every_schema() -> None:
         compiles.append(self)
         original(self, *args, **kwargs)
 
-    statement = st.insert_tasks_fenced(7)
+    statement = st.insert_tasks_fenced(8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SQLCompiler, "__init__", counting)
         first = CompiledStatement.of(statement, DIALECT, "tenant_1")

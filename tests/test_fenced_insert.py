@@ -12,9 +12,10 @@ from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from cronoq_store import _statements as st
 from cronoq_store._commit_path import COPY_MIN_ROWS, BatchWriter, fold
@@ -38,6 +39,7 @@ from cronoq_store._errors import FencedError, IdCollisionError
 from cronoq_store._migrations import upgrade
 from cronoq_store._schema import INSERT_COLUMNS
 from cronoq_store._store import PgStore
+from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
 from .support import I32_MAX, I64_MAX, I64_MIN, RUNNING, START_BASE, changed, execute, submitted
@@ -206,9 +208,66 @@ def test_a_statement_whose_parameters_do_not_lead_with_its_rows_is_refused() -> 
     assert statement.named == ("id_1", "epoch", "incarnation")
     with pytest.raises(ValueError, match="rows' values"):
         RowsStatement.of(compiled, [*names[1:], names[0]], 2)
+    row = list(range(len(INSERT_COLUMNS)))
+    fence = {"epoch": 1, "incarnation": 2}
     with pytest.raises(ValueError, match="takes 2 rows, not 1"):
-        statement.args([list(range(len(INSERT_COLUMNS)))], {"epoch": 1, "incarnation": 2})
+        statement.args([row], fence)  # no filler: every row is the caller's
+    filled = RowsStatement.of(compiled, names, 2, st.NO_TASK_ROW)
+    assert filled.args([row], fence) == [*row, *st.NO_TASK_ROW, 1, 1, 2]
+    with pytest.raises(ValueError, match="takes 2 rows, not 3"):
+        filled.args([row, row, row], fence)
+    with pytest.raises(ValueError, match="filler row of 2 values"):
+        RowsStatement.of(compiled, names, 2, (None, None))
+    with pytest.raises(ValueError, match="not 3"):
+        st.insert_tasks_fenced(3)
     with pytest.raises(ValueError, match="1 to 31 tasks, not 32"):
-        st.insert_tasks_fenced(st.FENCED_INSERT_MAX_ROWS + 1)
+        st.fenced_insert_size(st.FENCED_INSERT_MAX_ROWS + 1)
+    assert [st.fenced_insert_size(n) for n in (1, 2, 3, 5, 16, 17, 31)] == [1, 2, 4, 8, 16, 31, 31]
     with pytest.raises(ValueError, match="copy_min_rows"):
         BatchWriter(DIALECT, "s", copy_min_rows=COPY_MIN_ROWS + 1)
+
+
+async def test_stores_sharing_one_session_keep_their_inserts_prepared(
+    pg_url: URL,
+) -> None:
+    """Each row count a statement of its own (31 per cluster) made four stores sharing one
+    session (an application's engine of one connection) overflow asyncpg's 100 prepared
+    statements: every commit prepared its insert again (measured, about 1.6x slower). The
+    sizes bound them: after a round of every row count, another round prepares nothing."""
+    engine = create_async_engine(async_url(pg_url), pool_size=1, max_overflow=0)
+    schemas = [f"t_{uuid.uuid4().hex[:12]}" for _ in range(4)]
+    try:
+        stores = []
+        for schema in schemas:
+            await upgrade(engine, schema)
+            stores.append(await PgStore.from_engine(engine, PgStoreConfig(schema=schema)))
+        first_id = 1
+
+        async def one_round() -> None:
+            nonlocal first_id
+            for count in range(1, COPY_MIN_ROWS):
+                for store in stores:
+                    await store.commit(0, START_BASE, batch_of(count, first_id), [])
+                    first_id += count
+
+        async def prepared() -> set[tuple[str, Any]]:
+            async with engine.connect() as conn:
+                rows = await conn.execute(
+                    text(
+                        "SELECT name, prepare_time FROM pg_prepared_statements WHERE "
+                        "strpos(statement, 'FROM (VALUES') > 0 AND strpos(statement, 'pg_') = 0"
+                    )
+                )
+                return {(r.name, r.prepare_time) for r in rows}
+
+        await one_round()
+        before = await prepared()
+        assert len(before) == len(schemas) * len(st.FENCED_INSERT_SIZES)
+        await one_round()
+        assert await prepared() == before
+        for store in stores:
+            await store.close()
+    finally:
+        await engine.dispose()
+        for schema in schemas:
+            await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
