@@ -602,7 +602,7 @@ _NO_FENCE: Fence = (None, None)
 
 
 #: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
-_Write = Callable[[CommitConnection, FoldedBatch, bool, Mapping[str, int]], Awaitable[None]]
+_Write = Callable[[CommitConnection, FoldedBatch, bool, Mapping[str, int | None]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -912,7 +912,7 @@ class BatchWriter:
         )
 
     async def write_checked(
-        self, conn: CommitConnection, batch: FoldedBatch, fenced: Mapping[str, int]
+        self, conn: CommitConnection, batch: FoldedBatch, fenced: Mapping[str, int | None]
     ) -> None:
         """``batch``'s writes, in a transaction that checked its epoch and incarnation
         (``fenced``) already."""
@@ -928,13 +928,21 @@ class BatchWriter:
     # a share lock of the leader row, and checks the incarnation again with its COMMIT.
 
     async def _write_updates(
-        self, conn: CommitConnection, batch: FoldedBatch, copy: bool, fenced: Mapping[str, int]
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
     ) -> None:
         status = await conn.execute(self._update, batch.updates)
         _warn_unchanged(batch.update_count, row_count(status))
 
     async def _write_inserts(
-        self, conn: CommitConnection, batch: FoldedBatch, copy: bool, fenced: Mapping[str, int]
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
     ) -> None:
         """New tasks by COPY, as one ``VALUES`` list (the fenced insert: its rows' values
         are scalar parameters, cheaper for the driver than arrays, and its statements are
@@ -951,13 +959,21 @@ class BatchWriter:
             await conn.execute(self._insert, batch.inserts)
 
     async def _write_outputs(
-        self, conn: CommitConnection, batch: FoldedBatch, copy: bool, fenced: Mapping[str, int]
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
     ) -> None:
         status = await conn.execute(self._outputs, batch.outputs)
         _warn_unstored_outputs(batch.output_count, row_count(status))
 
     async def _write_recurring(
-        self, conn: CommitConnection, batch: FoldedBatch, copy: bool, fenced: Mapping[str, int]
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
     ) -> None:
         for action, params in batch.recurring:
             await conn.execute(self._recurring[action], params)
