@@ -241,9 +241,11 @@ class TimeLimit:
             return await bounded(work, self.seconds)
         loop = asyncio.get_running_loop()
         limit = loop.time() + self.seconds
+        if self._timer_loop is not loop:
+            self._move_to(loop)
         self._running[task] = limit
-        if self._timer is None or self._timer_loop is not loop:
-            self._timer, self._timer_loop = loop.call_at(limit, self._expire, loop), loop
+        if self._timer is None:
+            self._timer = loop.call_at(limit, self._expire, loop)
         cancelling = task.cancelling()
         try:
             return await work
@@ -254,18 +256,34 @@ class TimeLimit:
                     raise TimeoutError(f"no answer within {self.seconds:g} s") from None
             raise
         finally:
-            del self._running[task]
+            # Popped, not deleted: a task of a closed loop (:meth:`_move_to`) may end late,
+            # when the garbage collector closes its coroutine.
+            self._running.pop(task, None)
             if task in self._expired:
                 # Cut short, yet the work ended otherwise (it ignored the cancellation, or
                 # finished in the same loop turn): the cancellation was ours, not news.
                 self._expired.discard(task)
                 task.uncancel()
 
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The first await on ``loop``: the timer is set there from now on, and the awaits
+        of a loop that closed while they ran are forgotten. Their tasks never ended, and
+        never will (cancelling one raises ``Event loop is closed``, in the timer, which
+        would then cancel nothing more); kept, they would keep that loop's connections."""
+        self._timer, self._timer_loop = None, loop
+        for task in [t for t in self._running if t.get_loop().is_closed()]:
+            del self._running[task]
+            self._expired.discard(task)
+
     def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
         """The timer: cancel each await past its limit; set the timer for the next limit."""
+        if self._timer_loop is not loop:
+            return  # a timer of a loop this limit has left (:meth:`_move_to`)
         self._timer = None
         now, earliest = loop.time(), None
         for task, limit in self._running.items():
+            if task.get_loop() is not loop:
+                continue  # another loop's, which ended while it ran
             if limit > now:
                 earliest = limit if earliest is None else min(earliest, limit)
             elif task not in self._expired:

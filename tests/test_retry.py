@@ -445,3 +445,31 @@ def test_a_limit_keeps_working_on_the_next_event_loop() -> None:
 
     with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
         asyncio.run(asyncio.wait_for(slow(), timeout=30))
+
+
+def test_an_await_left_on_a_closed_loop_does_not_stop_the_limit_on_the_next() -> None:
+    """A loop closed while an await under the limit was still running (its task never
+    ended, so it never left the limit): on the next loop the limit still cuts each await
+    at its own time, and keeps nothing of the closed loop's."""
+    limit = TimeLimit(0.5)
+    old = asyncio.new_event_loop()
+    try:
+        left = old.create_task(limit.run(_never([])))
+        old.run_until_complete(asyncio.sleep(0.05))  # it waits, under the limit
+        assert not left.done()
+    finally:
+        old.close()
+    # It can never end now: the limit must let go of it (then it is destroyed pending, as
+    # any task of a closed loop is; that is no news here).
+    left._log_destroy_pending = False  # type: ignore[attr-defined]
+    del left
+
+    async def slow() -> None:
+        await limit.run(_never([]))
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
+        asyncio.run(asyncio.wait_for(slow(), timeout=20))
+    assert time.monotonic() - started < 15  # cut by the limit, not by the caller's 20 s
+    assert not limit._running
+    assert not limit._expired
