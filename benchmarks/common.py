@@ -11,6 +11,7 @@ own overhead.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -218,13 +219,16 @@ Trial = Callable[[], Awaitable[float]]
 async def interleave(
     trials: Mapping[str, Trial], rounds: int, warmup: int = 1
 ) -> dict[str, list[float]]:
-    """Run every trial once per round, rotating the order each round (A B C, B C A, ...)
-    so that no variant always follows the same one; warm-up rounds are not recorded."""
+    """Run every trial once per round, each round in its own order (a shuffle seeded by
+    the round's number: the same orders every run); warm-up rounds are not recorded.
+
+    Not a rotation (A B C, B C A, ...): a rotation keeps who follows whom, so one variant
+    always ran right after the same other one (the commit section's store after
+    procrastinate, whose garbage and whose server's work from its own trial it paid for)."""
     names = list(trials)
     results: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in random.Random(r).sample(names, len(names)):
             value = await trials[name]()
             if r >= warmup:
                 results[name].append(value)

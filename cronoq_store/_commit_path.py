@@ -602,7 +602,7 @@ _NO_FENCE: Fence = (None, None)
 
 
 #: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
-_Write = Callable[[CommitConnection, FoldedBatch, bool], Awaitable[None]]
+_Write = Callable[[CommitConnection, FoldedBatch, bool, Mapping[str, int | None]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -805,7 +805,7 @@ class BatchWriter:
             # In FoldedBatch.WRITES order: updates first, so keys they release can be
             # reused by tasks inserted after them.
             for name in writes:
-                await self._writers[name](conn, batch, copy)
+                await self._writers[name](conn, batch, copy, fenced)
         except BaseException:
             await conn.roll_back_failed()
             raise
@@ -899,7 +899,7 @@ class BatchWriter:
         if await conn.fetchrow(self._held_for_share, fenced) is None:
             return await self._fence_moved(conn, fence), None
         for name in writes:
-            await self._writers[name](conn, batch, copy)
+            await self._writers[name](conn, batch, copy, fenced)
         return fence, self._kept.sql(fenced)
 
     def stages(self, batch: FoldedBatch) -> bool:
@@ -911,32 +911,69 @@ class BatchWriter:
             and not self._copied(batch)
         )
 
-    async def write_checked(self, conn: CommitConnection, batch: FoldedBatch) -> None:
-        """``batch``'s writes, in a transaction that checked its epoch already."""
+    async def write_checked(
+        self, conn: CommitConnection, batch: FoldedBatch, fenced: Mapping[str, int | None]
+    ) -> None:
+        """``batch``'s writes, in a transaction that checked its epoch and incarnation
+        (``fenced``) already."""
         copy = self._copied(batch)
         for name in batch.writes():
-            await self._writers[name](conn, batch, copy)
+            await self._writers[name](conn, batch, copy, fenced)
 
     def closing_check(self, epoch: int, incarnation: int) -> str:
         """The check that must close a transaction this cluster's commit shared."""
         return self._kept.sql({"epoch": epoch, "incarnation": incarnation})
 
-    async def _write_updates(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
+    # The writers of a transaction that checked ``fenced`` (the epoch and incarnation) under
+    # a share lock of the leader row, and checks the incarnation again with its COMMIT.
+
+    async def _write_updates(
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
+    ) -> None:
         status = await conn.execute(self._update, batch.updates)
         _warn_unchanged(batch.update_count, row_count(status))
 
-    async def _write_inserts(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
+    async def _write_inserts(
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
+    ) -> None:
+        """New tasks by COPY, as one ``VALUES`` list (the fenced insert: its rows' values
+        are scalar parameters, cheaper for the driver than arrays, and its statements are
+        those of batches of new tasks alone), or, beyond that statement's rows (a large
+        batch written again after its COPY was refused), as arrays. The fenced insert's own
+        check finds what the transaction's did: a schema re-created meanwhile leads its
+        insert to another cluster's leader row, and the closing check fails the COMMIT."""
         if copy:
             await conn.copy_into(tasks.name, batch.insert_rows, INSERT_COLUMNS, self._schema)
+        elif batch.insert_count <= st.FENCED_INSERT_MAX_ROWS:
+            rows = batch.insert_rows
+            await conn.fetchrow_rows(self._fenced_insert(len(rows)), rows, fenced)
         else:
             await conn.execute(self._insert, batch.inserts)
 
-    async def _write_outputs(self, conn: CommitConnection, batch: FoldedBatch, copy: bool) -> None:
+    async def _write_outputs(
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
+    ) -> None:
         status = await conn.execute(self._outputs, batch.outputs)
         _warn_unstored_outputs(batch.output_count, row_count(status))
 
     async def _write_recurring(
-        self, conn: CommitConnection, batch: FoldedBatch, copy: bool
+        self,
+        conn: CommitConnection,
+        batch: FoldedBatch,
+        copy: bool,
+        fenced: Mapping[str, int | None],
     ) -> None:
         for action, params in batch.recurring:
             await conn.execute(self._recurring[action], params)
@@ -1124,7 +1161,7 @@ async def _staged(
             if staged:
                 closing.append(executing(next(inserts), member.writer.staged_insert, {"member": k}))
             else:
-                await member.writer.write_checked(conn, member.batch)
+                await member.writer.write_checked(conn, member.batch, _fenced(member))
         closing.extend(
             member.writer.closing_check(member.epoch, member.incarnation) for member in group
         )

@@ -815,6 +815,7 @@ class HeldConnection:
         self._engine = engine
         self._hold = hold
         self._held: PoolProxiedConnection | None = None
+        self._held_driver: DriverConnection | None = None  # the held one's, read once
         self._held_from: Pool | None = None  # the pool it came from
         self._held_busy = False
         self._releases = 0  # a connection checked out before a release is not held
@@ -828,7 +829,7 @@ class HeldConnection:
         """Return the held connection to the pool (a commit using it returns it when done);
         a later commit holds one again."""
         held, busy = self._held, self._held_busy
-        self._held, self._held_busy = None, False
+        self._drop_held()
         self._releases += 1
         if held is not None and not busy:
             if self._held_from is not self._engine.sync_engine.pool:
@@ -837,21 +838,8 @@ class HeldConnection:
                 held.invalidate()
             await greenlet_spawn(held.close)
 
-    async def _checkout(self) -> PoolProxiedConnection:
-        """The held connection if it is free and sound, else one from the pool."""
-        held = self._held
-        if held is None or self._held_busy:
-            return await self._engine.raw_connection()
-        if self._held_from is self._engine.sync_engine.pool and not _asyncpg_of(held).is_closed():
-            self._held_busy = True
-            return held
-        # What the pool's checkout check would refuse, or a connection of a pool disposed
-        # since (a demoted primary): discarded, never reused.
-        self._held = None
-        _asyncpg_of(held).terminate()
-        held.invalidate()
-        await greenlet_spawn(held.close)
-        return await self._engine.raw_connection()
+    def _drop_held(self) -> None:
+        self._held, self._held_driver, self._held_busy = None, None, False
 
     async def run(self, work: Callable[[CommitConnection], Awaitable[_T]]) -> _T:
         """``work`` on a pooled connection's driver connection (the commit path's
@@ -863,43 +851,41 @@ class HeldConnection:
         commits are idempotent besides (a batch that landed changes nothing the second
         time). A second loss in a row is raised: the statements were just made anew, so
         something else than a reset shares the session (a transaction pooler).
-        """
-        async with self._driver_connection() as pooled:
-            try:
-                return await work(CommitConnection(_asyncpg_of(pooled)))
-            except Exception as exc:
-                if not await forget_lost_statements(exc, pooled):
-                    raise
-            try:
-                return await work(CommitConnection(_asyncpg_of(pooled)))
-            except Exception as exc:
-                # Left with no stale statement either way.
-                await forget_lost_statements(exc, pooled)
-                raise
 
-    @asynccontextmanager
-    async def _driver_connection(self) -> AsyncIterator[PoolProxiedConnection]:
-        """A pooled connection whose asyncpg connection the commit path uses.
-
-        SQLAlchemy does not see what runs on it, so a connection that may be left in doubt
-        (closed, still in a transaction, or interrupted by a timeout or a driver error) is
-        invalidated here instead of going back to the pool. A server's error leaves it
-        usable: asyncpg rolled the transaction back. With ``hold``, a sound connection is
-        kept as the held one when none is (and none was released meanwhile).
+        SQLAlchemy does not see what runs on the driver connection, so one that may be
+        left in doubt (closed, still in a transaction, or interrupted by a timeout or a
+        driver error) is invalidated here instead of going back to the pool. A server's
+        error leaves it usable: asyncpg rolled the transaction back. With ``hold``, a sound
+        connection is kept as the held one when none is (and none was released meanwhile).
+        Written without a context manager: this is every commit's way to the driver.
         """
         pool, releases = self._engine.sync_engine.pool, self._releases
-        pooled = await self._checkout()
-        driver = _asyncpg_of(pooled)
+        pooled, driver = self._held, self._held_driver
+        if pooled is None or driver is None or self._held_busy:
+            pooled = await self._engine.raw_connection()
+            driver = _asyncpg_of(pooled)
+        elif self._held_from is pool and not driver.is_closed():
+            self._held_busy = True
+        else:
+            # What the pool's checkout check would refuse, or a connection of a pool
+            # disposed since (a demoted primary): discarded, never reused.
+            self._drop_held()
+            driver.terminate()
+            pooled.invalidate()
+            await greenlet_spawn(pooled.close)
+            pooled = await self._engine.raw_connection()
+            driver = _asyncpg_of(pooled)
         sound = False
         try:
-            yield pooled
+            result = await self._attempts(work, pooled, driver)
             sound = True
+            return result
         except BaseException as exc:
             if leaves_connection_sound(exc, driver):
                 sound = True
             else:
                 if pooled is self._held:
-                    self._held, self._held_busy = None, False
+                    self._drop_held()
                 # Close the socket first: a graceful close waits for the operation in
                 # progress and fails ("another operation is in progress") after a timeout
                 # or cancellation, which would mask the error being raised.
@@ -910,7 +896,7 @@ class HeldConnection:
             if pooled is self._held:
                 self._held_busy = False
             elif sound and self._hold and self._held is None and self._releases == releases:
-                self._held, self._held_from = pooled, pool
+                self._held, self._held_driver, self._held_from = pooled, driver, pool
             else:
                 if sound and pool is not self._engine.sync_engine.pool:
                     # Its pool was disposed meanwhile (close(), a demoted primary): returned
@@ -920,6 +906,27 @@ class HeldConnection:
                 # Back to the pool (or, invalidated, discarded). Inside a greenlet, because
                 # the pool's reset-on-return may call the driver; it has nothing to roll back.
                 await greenlet_spawn(pooled.close)
+
+    @staticmethod
+    async def _attempts(
+        work: Callable[[CommitConnection], Awaitable[_T]],
+        pooled: PoolProxiedConnection,
+        driver: DriverConnection,
+    ) -> _T:
+        """``work`` on ``driver``, and again once its session's lost statements are
+        forgotten (:meth:`run`)."""
+        conn = CommitConnection(driver)
+        try:
+            return await work(conn)
+        except Exception as exc:
+            if not await forget_lost_statements(exc, pooled):
+                raise
+        try:
+            return await work(conn)
+        except Exception as exc:
+            # Left with no stale statement either way.
+            await forget_lost_statements(exc, pooled)
+            raise
 
 
 def _asyncpg_of(pooled: PoolProxiedConnection) -> DriverConnection:

@@ -12,7 +12,7 @@ the two).
 commit goes down to :class:`~cronoq_store._commit_path.CommitPath`; recovery is
 :mod:`cronoq_store._recovery`, look-ups and pruning :mod:`cronoq_store._queries`, leader
 election :mod:`cronoq_store._leadership`. Every failure leaves the store through
-:meth:`PgStore._translated` (:func:`cronoq_store._door.translated`).
+:meth:`PgStore._failure` (:func:`cronoq_store._door.translate_error`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ._errors import (
 )
 from ._leadership import Leadership, LeaderTerm
 from ._results import Health, LockHolder, Recovered, TaskRecord
-from ._retry import bounded
+from ._retry import TimeLimit, bounded
 from ._schema import schema_options
 from ._urls import redact
 from ._urls import resolve as resolve_url
@@ -251,6 +251,7 @@ class PgStore:
         #: store's settings on a borrowed session, and an idle limit that is not
         #: ``session_timeout`` (:data:`~cronoq_store._statements.IDLE_LIMIT_MS`).
         self._read_opening = _reads_opening(engine, self._borrows_sessions)
+        self._commit_limit = TimeLimit(config.commit_timeout)
         self._commits = CommitPath(
             engine,
             config.schema,
@@ -594,48 +595,48 @@ class PgStore:
         size: int,
     ) -> None:
         """:meth:`commit`, the batch's :func:`~cronoq_store._commit_path.batch_size`
-        already measured by the caller (``size``)."""
+        already measured by the caller (``size``). Every commit passes here: the rare
+        outcomes are functions of their own, and failures are translated without a context
+        manager (:meth:`_failure`)."""
         with self._telemetry.commit(len(batch)) as record:
-            await self._refuse_other_terms(epoch)
+            if self._fenced or (self._has_led and not self._leadership.is_leader):
+                await self._term_over()
+            current = self._leadership.epoch
+            if current is not None and epoch != current:
+                _other_term(epoch, current)
             check_batch_size(batch, outputs, self.max_commit_bytes, size)
             folded = fold(batch, base, time.time_ns(), outputs)
             if record is not None:
                 record.size, record.path = size, self._commits.writer.path(folded)
-            timeout = self._config.commit_timeout
-            async with self._translated("committing a batch"):
-                try:
-                    found = await bounded(self._commits.commit(epoch, folded), timeout)
-                except asyncio.TimeoutError as exc:
-                    raise UnavailableError(
-                        f"committing a batch failed: not done within commit_timeout ({timeout} s)"
-                    ) from exc
+            if self._closed:
+                raise _closed(_COMMITTING)
+            try:
+                found = await self._commit_limit.run(self._commits.commit(epoch, folded))
+            except asyncio.TimeoutError as exc:
+                raise UnavailableError(
+                    f"{_COMMITTING} failed: not done within commit_timeout "
+                    f"({self._commit_limit.seconds} s)"
+                ) from exc
+            except Exception as exc:
+                error = await self._failure(exc, _COMMITTING)
+                if error is exc:
+                    raise
+                raise error from exc
             if found is not None:
                 self._fence_found(epoch, *found)
         self._last_commit = time.monotonic()
 
-    async def _refuse_other_terms(self, epoch: int) -> None:
-        """Raise ``FencedError`` (``ClusterReplacedError``) unless ``epoch`` is this
-        instance's current term, before anything is sent."""
-        if self._fenced or (self._has_led and not self._leadership.is_leader):
-            await self._commits.release()  # the term is over: its held connection too
-            replaced = self._leadership.replaced
-            if replaced is not None:
-                raise ClusterReplacedError(
-                    replaced.schema, replaced.incarnation, replaced.found, "committing a batch"
-                )
-            raise FencedError("leadership was lost: this instance must not write any more")
-        current = self._leadership.epoch
-        if current is not None and epoch != current:
-            # Stamped with an earlier term's epoch (a retry from that term's committer):
-            # it can never pass the fence, and it is no news about the current term.
-            logger.warning(
-                "a commit stamped with another term's epoch was refused; the current term goes on",
-                extra={"epoch": epoch, "current_epoch": current},
+    async def _term_over(self) -> NoReturn:
+        """Refuse a commit after this instance's term ended (fenced, or leadership lost):
+        ``ClusterReplacedError`` where the schema holds another cluster, else
+        ``FencedError``; nothing is sent, and the term's held connection is given back."""
+        await self._commits.release()
+        replaced = self._leadership.replaced
+        if replaced is not None:
+            raise ClusterReplacedError(
+                replaced.schema, replaced.incarnation, replaced.found, _COMMITTING
             )
-            raise FencedError(
-                f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
-                "was written, and the current term goes on"
-            )
+        raise FencedError("leadership was lost: this instance must not write any more")
 
     async def ping(self) -> None:
         """Return once the database answers and takes writes; ``UnavailableError`` if it
@@ -664,7 +665,7 @@ class PgStore:
         otherwise, having ended the term if this fence ends it (:meth:`_fenced_out`)."""
         if found is not None and found != self._incarnation:
             replaced = ClusterReplacedError(
-                self._config.schema, self._incarnation, found, "committing a batch"
+                self._config.schema, self._incarnation, found, _COMMITTING
             )
             self._fenced_out(stored, replaced)
             logger.error(
@@ -732,35 +733,45 @@ class PgStore:
 
     @asynccontextmanager
     async def _translated(self, action: str) -> AsyncIterator[None]:
-        """Turn any failure into a ``StoreError``; the one place errors leave the store.
-
-        A demoted primary (``reconnect``) also disposes the pool: every pooled connection
-        points at a server that can no longer write, and pre-ping cannot tell. ``dispose()``
-        closes idle connections and those in use when returned; the engine stays usable and
-        reconnects to whatever the URL resolves to now. An application's pool is disposed
-        only once a server it hands out says it is in recovery: a read-only error alone may
-        come from the application's session state, which is no failover.
-        """
+        """Turn any failure inside into a ``StoreError`` (:meth:`_failure`): with the
+        commit, which calls :meth:`_failure` itself, the one place errors leave the store."""
         if self._closed:
-            # An owned engine would quietly open a new pool that nothing disposes.
-            raise StoreError(f"{action} failed: the store is closed")
+            raise _closed(action)
         try:
-            async with door.translated(action):
-                yield
-        except StoreError as error:
-            if (
-                isinstance(error, (SchemaGoneError, ClusterReplacedError))
-                and self._leadership.is_leader
-            ):
-                await self._cluster_gone(error)
-            if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
-                logger.warning(
-                    "the database no longer accepts writes (demoted primary?); "
-                    "dropping the pool's connections",
-                    extra={"url": redact(self._engine.url), "error": str(error)},
-                )
-                await self._engine.dispose()
-            raise
+            yield
+        except Exception as exc:
+            error = await self._failure(exc, action)
+            if error is exc:
+                raise
+            raise error from exc
+
+    async def _failure(self, exc: Exception, action: str) -> StoreError:
+        """The ``StoreError`` that ``exc`` is or translates to
+        (:func:`~cronoq_store._door.translate_error`), once what it says is acted on: a
+        cluster gone from the schema steps this leader down, a demoted primary
+        (``reconnect``) disposes the pool.
+
+        Every pooled connection then points at a server that can no longer write, and
+        pre-ping cannot tell. ``dispose()`` closes idle connections and those in use when
+        returned; the engine stays usable and reconnects to whatever the URL resolves to
+        now. An application's pool is disposed only once a server it hands out says it is
+        in recovery: a read-only error alone may come from the application's session
+        state, which is no failover.
+        """
+        error = door.translate_error(exc, action)
+        if (
+            isinstance(error, (SchemaGoneError, ClusterReplacedError))
+            and self._leadership.is_leader
+        ):
+            await self._cluster_gone(error)
+        if isinstance(error, UnavailableError) and error.reconnect and await self._demoted():
+            logger.warning(
+                "the database no longer accepts writes (demoted primary?); "
+                "dropping the pool's connections",
+                extra={"url": redact(self._engine.url), "error": str(error)},
+            )
+            await self._engine.dispose()
+        return error
 
     async def _demoted(self) -> bool:
         """Whether a read-only failure is evidence enough to drop the pool's connections
@@ -937,3 +948,27 @@ def _reads_opening(engine: AsyncEngine, borrowed: bool) -> str:
     (:func:`~cronoq_store._statements.store_transaction`)."""
     statements = st.store_transaction(st.IDLE_LIMIT_MS, borrowed=borrowed)
     return door.opening_message(statements, engine.dialect)
+
+
+#: What a commit's errors say it was doing.
+_COMMITTING = "committing a batch"
+
+
+def _closed(action: str) -> StoreError:
+    """The error of work asked of a closed store (an owned engine would quietly open a new
+    pool that nothing disposes)."""
+    return StoreError(f"{action} failed: the store is closed")
+
+
+def _other_term(epoch: int, current: int) -> NoReturn:
+    """Refuse a commit stamped with ``epoch`` while this instance's term is ``current`` (a
+    retry from an earlier term's committer): it can never pass the fence, and it is no
+    news about the current term, which goes on."""
+    logger.warning(
+        "a commit stamped with another term's epoch was refused; the current term goes on",
+        extra={"epoch": epoch, "current_epoch": current},
+    )
+    raise FencedError(
+        f"fenced: epoch {epoch} is not this instance's term (epoch {current}): nothing "
+        "was written, and the current term goes on"
+    )

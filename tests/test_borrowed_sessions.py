@@ -161,9 +161,9 @@ def probing_commits(store: PgStore) -> list[dict[str, Any]]:
     async def probe(conn: CommitConnection) -> None:
         seen.append(dict(await conn.fetchrow(CompiledStatement(PROBE, (), {}), {})))
 
-    async def probed(conn: CommitConnection, batch: Any, copy: bool) -> None:
+    async def probed(conn: CommitConnection, batch: Any, copy: bool, fenced: Any) -> None:
         await probe(conn)
-        await insert(conn, batch, copy)
+        await insert(conn, batch, copy, fenced)
 
     async def probed_one(conn: CommitConnection, fence: Any, batch: Any, path: str) -> Any:
         await probe(conn)

@@ -42,7 +42,17 @@ from cronoq_store._store import PgStore
 from cronoq_store._urls import async_url
 
 from .pgharness import admin_execute
-from .support import I32_MAX, I64_MAX, I64_MIN, RUNNING, START_BASE, changed, execute, submitted
+from .support import (
+    I32_MAX,
+    I64_MAX,
+    I64_MIN,
+    RUNNING,
+    START_BASE,
+    SUCCEEDED,
+    changed,
+    execute,
+    submitted,
+)
 from .test_commit import varied_spec
 
 #: Each test runs on a store on an application's engine and on one on its own pool.
@@ -154,6 +164,90 @@ async def test_edge_values_in_the_untyped_rows_are_stored_as_copy_stores_them(
         store, "SELECT count(*) FROM {s}.cronoq_tasks WHERE updated_unix_ns = :top", top=I64_MAX
     )
     assert running[0][0] == 15
+
+
+async def test_new_tasks_beside_other_writes_store_each_column_as_copy_does(
+    store: PgStore, copied: PgStore
+) -> None:
+    """A batch that also moves stored tasks and gives outputs is a transaction; its new
+    tasks, too few for COPY, travel as the fenced insert's ``VALUES`` list inside it (on
+    the store's own pool and on an application's engine): stored as COPY stores them, the
+    other writes beside them, at every row count."""
+    for count in range(1, COPY_MIN_ROWS):
+        first = 100 * count
+        earlier = [submitted(first - 1), submitted(first - 2)]
+        await store.commit(0, START_BASE, earlier, [])
+        await copied.commit(0, START_BASE, earlier, [])
+        batch = [
+            *batch_of(count, first),
+            changed(first - 1, RUNNING, 5),
+            changed(first - 2, SUCCEEDED, 6),
+        ]
+        outputs = [(TaskId(first - 2), b"out %d" % count)]
+        assert store._commits.writer.path(fold(batch, START_BASE, 0, outputs)) == "transaction"
+        await store.commit(0, START_BASE, batch, outputs)
+        await copied.commit(0, START_BASE, batch, outputs)
+    written = await stored(store)
+    assert len(written) == sum(range(1, COPY_MIN_ROWS)) + 2 * (COPY_MIN_ROWS - 1)
+    assert written == await stored(copied)
+    finished = await execute(
+        store,
+        "SELECT count(*) FROM {s}.cronoq_tasks WHERE status = 'succeeded' AND output IS NOT NULL",
+    )
+    assert finished[0][0] == COPY_MIN_ROWS - 1
+
+
+async def test_new_tasks_in_a_transaction_travel_as_values_not_arrays(pg_url: URL) -> None:
+    """The driver checks each element of an array parameter in Python: the new tasks of a
+    mixed batch too few for COPY are sent as the fenced insert's scalar parameters, the
+    statement batches of new tasks alone use, and never as the insert of 25 arrays."""
+    engine = create_async_engine(async_url(pg_url), pool_size=1, max_overflow=0)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    try:
+        await upgrade(engine, schema)
+        async with await PgStore.from_engine(engine, PgStoreConfig(schema=schema)) as store:
+            await store.commit(0, START_BASE, [submitted(1)], [])
+            for count in (1, 5, 31):
+                batch = [*batch_of(count, 100 * count), changed(1, RUNNING, count)]
+                await store.commit(0, START_BASE, batch, [])
+            async with engine.connect() as conn:
+                rows = await conn.execute(
+                    text(
+                        "SELECT strpos(statement, 'FROM (VALUES') > 0 "
+                        "FROM pg_prepared_statements WHERE strpos(statement, 'INSERT INTO') > 0 "
+                        "AND strpos(statement, 'pg_') = 0"
+                    )
+                )
+                inserts = [r[0] for r in rows]
+        assert inserts == [True] * 3  # the fenced inserts of 1, 8 and 31 rows, no other
+    finally:
+        await engine.dispose()
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def test_a_mixed_batch_sent_again_with_its_tasks_moved_on_lands_once(
+    store: PgStore,
+) -> None:
+    """A mixed batch that landed, retried with a transition of one of its new tasks: the
+    fenced insert refuses the stored row that is behind, and the batch is written again
+    with that transition in the update; an id held by another task is still named."""
+    batch: list[Mutation] = [*(submitted(n) for n in range(1, 6)), submitted(50)]
+    await store.commit(0, START_BASE, batch, [])
+    again = [*batch, changed(3, RUNNING, 100), changed(50, SUCCEEDED, 100), submitted(6)]
+    await store.commit(0, START_BASE, again, [(TaskId(50), b"done")])
+    rows = await execute(
+        store, "SELECT id, status, output FROM {s}.cronoq_tasks WHERE id IN (3, 6, 50) ORDER BY id"
+    )
+    assert [tuple(r) for r in rows] == [
+        (3, "running", None),
+        (6, "queued", None),
+        (50, "succeeded", b"done"),
+    ]
+    with pytest.raises(IdCollisionError) as raised:
+        await store.commit(0, START_BASE, [submitted(4, b"other"), changed(1, RUNNING, 200)], [])
+    assert raised.value.ids == [4]
+    status = await execute(store, "SELECT status FROM {s}.cronoq_tasks WHERE id = 1")
+    assert status[0][0] == "queued"  # nothing of the refused batch was written
 
 
 async def test_a_batch_of_the_largest_size_is_fenced_and_writes_nothing(store: PgStore) -> None:

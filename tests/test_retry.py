@@ -7,6 +7,9 @@ import asyncio
 import contextlib
 import itertools
 import random
+import sys
+import time
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from cronoq_store._retry import (
     MIN_PAUSE,
     Backoff,
     Retry,
+    TimeLimit,
     acquisition_backoff,
     bounded,
     pause,
@@ -306,3 +310,166 @@ async def test_retry_raises_what_it_does_not_retry_and_stops_when_the_policy_rai
     if stop:  # the stop names the last error, which names the failure it translates
         assert caught.value.__cause__ is not None
         assert isinstance(caught.value.__cause__.__cause__, OSError)
+
+
+# --- TimeLimit: one timer for a store's commits ---------------------------------------------
+
+
+async def _within(seconds: float, work: Awaitable[object]) -> None:
+    """``work`` under the caller's own timeout, in the caller's task where Python can."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            await work
+    else:
+        await asyncio.wait_for(work, seconds)
+
+
+def _cancel_requests() -> int:
+    """Cancellation requests pending on the running task (counted from Python 3.11; before,
+    ``TimeLimit`` runs ``bounded``, whose work is a task of its own)."""
+    task = asyncio.current_task()
+    assert task is not None
+    if sys.version_info >= (3, 11):
+        return task.cancelling()
+    return 0
+
+
+async def _never(cancelled: list[str]) -> int:
+    """Work that never ends by itself; records its cancellation."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    except asyncio.CancelledError:
+        cancelled.append("cancelled")
+        raise
+    raise AssertionError("unreachable")
+
+
+async def test_an_await_past_its_limit_is_cancelled_and_raises_timeout() -> None:
+    limit = TimeLimit(0.5)
+    cancelled: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
+        await limit.run(_never(cancelled))
+    assert time.monotonic() - started >= 0.5
+    assert cancelled == ["cancelled"]
+    # The task is not left cancelling: the timer's cancellation was the limit's own.
+    assert _cancel_requests() == 0
+    # And the limit goes on for the next await.
+    assert await limit.run(asyncio.sleep(0, result=7)) == 7
+    with pytest.raises(TimeoutError):
+        await limit.run(_never(cancelled))
+
+
+async def test_each_await_is_cut_at_its_own_limit_not_at_an_earlier_ones() -> None:
+    """The one timer is set for the earliest limit: an await that began later is not cut
+    with it, and finishes when it is done, within its own limit."""
+    limit = TimeLimit(2.0)
+    first_cut = asyncio.Event()
+
+    async def first() -> None:
+        try:
+            await limit.run(_never([]))
+        finally:
+            first_cut.set()
+
+    async def second() -> str:
+        await first_cut.wait()
+        return "done"
+
+    early = asyncio.ensure_future(first())
+    await asyncio.sleep(1.0)  # the second's limit ends a second after the first's
+    late = asyncio.ensure_future(limit.run(second()))
+    with pytest.raises(TimeoutError):
+        await early
+    assert await late == "done"
+    # Many at once: every one past its limit is cut, each task only once.
+    outcomes = await asyncio.gather(
+        *(limit.run(_never([])) for _ in range(20)), return_exceptions=True
+    )
+    assert [type(o) for o in outcomes] == [TimeoutError] * 20
+
+
+async def test_a_callers_cancellation_is_raised_as_a_cancellation_not_a_timeout() -> None:
+    limit = TimeLimit(30.0)
+    cancelled: list[str] = []
+    waiter = asyncio.ensure_future(limit.run(_never(cancelled)))
+    await until(lambda: bool(limit._running), "the await to begin")
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert cancelled == ["cancelled"]
+    assert not limit._running
+    # A caller's shorter timeout around it is the caller's: its TimeoutError, its task
+    # left with no cancellation pending.
+    with pytest.raises(TimeoutError):
+        await _within(0.2, limit.run(_never(cancelled)))
+    assert _cancel_requests() == 0
+
+
+async def test_work_that_ends_despite_the_cut_gives_its_result_and_leaves_no_cancel() -> None:
+    """Work that swallows the cancellation and returns (as a connection's close might):
+    its result stands, and its task is not left cancelling, so the next await is not
+    cancelled by a request nobody made."""
+    limit = TimeLimit(0.3)
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            return "finished anyway"
+        raise AssertionError("unreachable")
+
+    assert await limit.run(stubborn()) == "finished anyway"
+    assert _cancel_requests() == 0
+    await asyncio.sleep(0.05)  # no cancellation arrives at the next await
+
+
+async def test_an_await_inside_another_of_the_same_task_is_still_limited() -> None:
+    limit = TimeLimit(0.5)
+    with pytest.raises(TimeoutError):
+        await limit.run(limit.run(_never([])))
+    assert not limit._running
+
+
+def test_a_limit_keeps_working_on_the_next_event_loop() -> None:
+    """A timer set on a loop that closed before it fired is not waited for on the next."""
+    limit = TimeLimit(0.5)
+
+    async def quick() -> int:
+        return await limit.run(asyncio.sleep(0, result=1))
+
+    assert asyncio.run(quick()) == 1  # its timer was set on that loop, and never fired
+
+    async def slow() -> None:
+        await limit.run(_never([]))
+
+    with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
+        asyncio.run(asyncio.wait_for(slow(), timeout=30))
+
+
+def test_an_await_left_on_a_closed_loop_does_not_stop_the_limit_on_the_next() -> None:
+    """A loop closed while an await under the limit was still running (its task never
+    ended, so it never left the limit): on the next loop the limit still cuts each await
+    at its own time, and keeps nothing of the closed loop's."""
+    limit = TimeLimit(0.5)
+    old = asyncio.new_event_loop()
+    try:
+        left = old.create_task(limit.run(_never([])))
+        old.run_until_complete(asyncio.sleep(0.05))  # it waits, under the limit
+        assert not left.done()
+    finally:
+        old.close()
+    # It can never end now: the limit must let go of it (then it is destroyed pending, as
+    # any task of a closed loop is; that is no news here).
+    left._log_destroy_pending = False  # type: ignore[attr-defined]
+    del left
+
+    async def slow() -> None:
+        await limit.run(_never([]))
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
+        asyncio.run(asyncio.wait_for(slow(), timeout=20))
+    assert time.monotonic() - started < 15  # cut by the limit, not by the caller's 20 s
+    assert not limit._running
+    assert not limit._expired

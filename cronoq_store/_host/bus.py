@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .. import _door as door
 from .._commit_path import GroupMember, Outcome, Written, write_group
 from .._errors import UnavailableError
-from .._retry import bounded
+from .._retry import TimeLimit
 
 __all__ = ["CommitBus"]
 
@@ -76,6 +76,7 @@ class CommitBus:
         self._group_size = group_size
         self._prepared = prepared
         self._timeout = timeout
+        self._limit = TimeLimit(timeout)  # each group's commit
         self._lanes_of: dict[str, tuple[_Lane, _Lane]] = {}
         self._closed = False
 
@@ -149,11 +150,10 @@ class CommitBus:
         outcomes: list[Outcome] = [None] * len(group)
         failure: Exception | None = None
         try:
-            await bounded(
+            await self._limit.run(
                 lane.connections.run(
                     lambda conn: write_group(conn, members, outcomes, prepared=self._prepared)
-                ),
-                self._timeout,
+                )
             )
         except asyncio.TimeoutError as exc:
             failure = UnavailableError(
