@@ -601,6 +601,19 @@ _NO_FENCE: Fence = (None, None)
 # which the server quotes in its message whatever the message's language.
 
 
+class _InsertFenced(ClusterMoved):
+    """A transaction's fenced insert found ``fence``, not the one the transaction checked
+    (and holds): the schema's name led to another cluster then, and the insert wrote
+    nothing. The transaction must not commit; the writer answers ``fence`` as found. A
+    :class:`~cronoq_store._door.ClusterMoved`, so that a transaction several clusters'
+    commits share is rolled back, and its commits written again (:func:`write_group`: this
+    one alone, where it is refused again)."""
+
+    def __init__(self, fence: Fence) -> None:
+        super().__init__(fence[1])
+        self.fence = fence
+
+
 #: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
 _Write = Callable[[CommitConnection, FoldedBatch, bool, Mapping[str, int | None]], Awaitable[None]]
 
@@ -806,6 +819,9 @@ class BatchWriter:
             # reused by tasks inserted after them.
             for name in writes:
                 await self._writers[name](conn, batch, copy, fenced)
+        except _InsertFenced as moved:
+            await conn.roll_back_failed()
+            return moved.fence
         except BaseException:
             await conn.roll_back_failed()
             raise
@@ -947,14 +963,21 @@ class BatchWriter:
         """New tasks by COPY, as one ``VALUES`` list (the fenced insert: its rows' values
         are scalar parameters, cheaper for the driver than arrays, and its statements are
         those of batches of new tasks alone), or, beyond that statement's rows (a large
-        batch written again after its COPY was refused), as arrays. The fenced insert's own
-        check finds what the transaction's did: a schema re-created meanwhile leads its
-        insert to another cluster's leader row, and the closing check fails the COMMIT."""
+        batch written again after its COPY was refused), as arrays.
+
+        The fenced insert writes nothing unless its own check finds ``fenced``, which the
+        transaction holds: it finds another fence only where the schema's name led another
+        cluster's tables to it meanwhile. :class:`_InsertFenced` then, and the transaction
+        is rolled back: the closing check alone would pass a name that leads back by the
+        ``COMMIT``, and the batch's new tasks would be stored nowhere."""
         if copy:
             await conn.copy_into(tasks.name, batch.insert_rows, INSERT_COLUMNS, self._schema)
         elif batch.insert_count <= st.FENCED_INSERT_MAX_ROWS:
             rows = batch.insert_rows
-            await conn.fetchrow_rows(self._fenced_insert(len(rows)), rows, fenced)
+            found = await conn.fetchrow_rows(self._fenced_insert(len(rows)), rows, fenced)
+            fence: Fence = _NO_FENCE if found is None else (found[0], found[1])
+            if fence != (fenced["epoch"], fenced["incarnation"]):
+                raise _InsertFenced(fence)
         else:
             await conn.execute(self._insert, batch.inserts)
 

@@ -18,9 +18,11 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -34,7 +36,8 @@ from cronoq_store import (
     task_id,
 )
 from cronoq_store._cli import ExitCode
-from cronoq_store._commit_path import fold
+from cronoq_store._commit_path import BatchWriter, GroupMember, Outcome, Written, fold, write_group
+from cronoq_store._door import CommitConnection
 from cronoq_store._migrations import upgrade
 from cronoq_store.testing import EmbeddedPostgres
 from cronoq_store.testing._server import _free_port
@@ -307,6 +310,135 @@ async def test_a_rename_in_the_middle_of_a_commit_transaction_writes_nothing_any
         )
         assert rows[0][0] == "queued"
         await steps_down_and_lets_go(a, pg_url)
+
+
+async def test_a_schema_swapped_away_and_back_between_a_commits_statements_loses_no_task(
+    pg_url: URL, engine: AsyncEngine, migrated: str, other_schema: str
+) -> None:
+    """The closing check sees only where the schema's name leads at the end: a name that
+    leads to another cluster while a mixed batch inserts its new tasks, and back before
+    the COMMIT, passes it. The insert's own check (its fenced form) finds the other
+    cluster: the commit is refused, with nothing written, rather than acknowledged with
+    its new tasks stored nowhere (or in the other cluster)."""
+    await upgrade(engine, other_schema)
+    await admin_execute(pg_url, f'UPDATE "{other_schema}".cronoq_leader SET epoch = 1')
+    async with await PgStore.connect(pg_url, named_config(migrated, f"back-{migrated}")) as a:
+        epoch = await a.acquire_leadership()
+        stored = submitted_in(epoch, 0)
+        await a.commit(epoch, PROCESS_BASE, [stored], [])
+        writers = a._commits.writer._writers
+        update, insert = writers["updates"], writers["insert_rows"]
+
+        async def then_swapped(*args: Any) -> None:
+            await update(*args)
+            await swap(pg_url, migrated, other_schema)
+
+        async def then_swapped_back(*args: Any) -> None:
+            try:
+                await insert(*args)
+            finally:
+                await swap(pg_url, migrated, other_schema)
+
+        writers["updates"], writers["insert_rows"] = then_swapped, then_swapped_back
+        # Two new tasks: an insert this session never prepared, so the server looks its
+        # tables up by name (a statement prepared before keeps the tables it found).
+        new = [submitted_in(epoch, 1), submitted_in(epoch, 2)]
+        mixed: list[Mutation] = [StatusChanged(stored.id, TaskStatus.RUNNING, 1, 5), *new]
+        assert a._commits.writer.path(fold(mixed, PROCESS_BASE, 0)) == "transaction"
+        with pytest.raises(ClusterReplacedError):
+            await a.commit(epoch, PROCESS_BASE, mixed, [])
+        assert await stored_ids(pg_url, migrated) == [stored.id]  # back in its place
+        assert await stored_ids(pg_url, other_schema) == []
+        rows = await admin_execute(
+            pg_url, f'SELECT status FROM "{migrated}".cronoq_tasks WHERE id = $1', stored.id
+        )
+        assert rows[0][0] == "queued"  # the update was rolled back with the rest
+        await steps_down_and_lets_go(a, pg_url)
+
+
+@pytest.mark.parametrize("prepared", [0, 64], ids=["together", "staged"])
+async def test_a_schema_swapped_away_and_back_under_a_shared_transaction_lands_each_task_once(
+    pg_url: URL, engine: AsyncEngine, migrated: str, other_schema: str, prepared: int
+) -> None:
+    """The same on the host's commit bus, whose transaction several clusters' commits share:
+    the transaction in which a member's insert met the other cluster commits nothing, and
+    the commits are written again (the name leads back by then): every task lands once, in
+    its own cluster (the closing checks alone let the update land, the new tasks nowhere)."""
+    third = f"t_{uuid.uuid4().hex[:12]}"
+    schemas = (migrated, other_schema, third)
+    driver = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        incarnations = {}
+        for schema in schemas[1:]:
+            await upgrade(engine, schema)
+        for schema in schemas:
+            await driver.execute(f'UPDATE "{schema}".cronoq_leader SET epoch = 1')
+            incarnations[schema] = await driver.fetchval(
+                f'SELECT tableoid::int8 FROM "{schema}".cronoq_leader'
+            )
+        dialect = asyncpg_dialect()  # type: ignore[no-untyped-call]
+        writers = {schema: BatchWriter(dialect, schema) for schema in (migrated, third)}
+        conn = CommitConnection(driver)
+        stored = {schema: submitted_in(1, 0) for schema in writers}
+        for schema, writer in writers.items():
+            written = await writer.write(
+                conn, 1, incarnations[schema], fold([stored[schema]], PROCESS_BASE, 0)
+            )
+            assert written.fence == (1, incarnations[schema])
+        own = writers[migrated]._writers
+        update, insert = own["updates"], own["insert_rows"]
+        swaps = 0
+
+        async def then_swapped(*args: Any) -> None:
+            nonlocal swaps
+            await update(*args)
+            if swaps == 0:
+                swaps += 1
+                await swap(pg_url, migrated, other_schema)
+
+        async def then_swapped_back(*args: Any) -> None:
+            nonlocal swaps
+            try:
+                await insert(*args)
+            finally:
+                if swaps == 1:
+                    swaps += 1
+                    await swap(pg_url, migrated, other_schema)
+
+        own["updates"], own["insert_rows"] = then_swapped, then_swapped_back
+        members = [
+            GroupMember(
+                writer,
+                1,
+                incarnations[schema],
+                fold(
+                    [
+                        StatusChanged(stored[schema].id, TaskStatus.RUNNING, 1, 5),
+                        submitted_in(1, 1),
+                        submitted_in(1, 2),
+                    ],
+                    PROCESS_BASE,
+                    0,
+                ),
+            )
+            for schema, writer in writers.items()
+        ]
+        outcomes: list[Outcome] = [None, None]
+        await write_group(conn, members, outcomes, prepared=prepared)
+        assert swaps == 2
+        # Written again once the name led back: both landed whole.
+        assert outcomes == [Written((1, incarnations[schema])) for schema in writers]
+        for schema in writers:
+            rows = await driver.fetch(f'SELECT id, status FROM "{schema}".cronoq_tasks ORDER BY id')
+            assert [tuple(r) for r in rows] == [
+                (stored[schema].id, "running"),
+                (submitted_in(1, 1).id, "queued"),
+                (submitted_in(1, 2).id, "queued"),
+            ]
+        assert await stored_ids(pg_url, other_schema) == []
+    finally:
+        await driver.close()
+        await admin_execute(pg_url, f'DROP SCHEMA IF EXISTS "{third}" CASCADE')
 
 
 # --- every write of a store that never led -----------------------------------------------------
