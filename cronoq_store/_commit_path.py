@@ -10,7 +10,7 @@ Folding (:func:`fold`) is pure (no I/O), so its rules can be tested on their own
 - a task submitted in the batch is inserted once, carrying its latest state, so a task that
   is born and finishes in one batch is written once. The same ``Submitted`` again is a
   no-op; a different task under the same id raises :class:`~cronoq_store._errors.IdCollisionError`;
-- a task stored by an earlier batch gets one forward-only update (``update_status``). So
+- a task stored by an earlier batch gets one forward-only update (``update_status_fenced``). So
   does a task submitted in the batch with transitions, but only when it turns out to be
   stored already (a submission sent again): the insert then signals it and the writer
   writes the batch again with those updates first (see :mod:`cronoq_store._commit_path`);
@@ -208,7 +208,7 @@ class FoldedBatch:
     transaction writes them; :meth:`writes` names those that hold something, so that the
     writer's choices follow from the fields and a new kind of write cannot be skipped."""
 
-    #: ``update_status`` parameters: one row per task not submitted in the batch.
+    #: ``update_status_fenced`` parameters: one row per task not submitted in the batch.
     updates: dict[str, list[Any]] = field(metadata=_WRITE)
     #: The same for tasks submitted in the batch that have transitions, whose insert rows
     #: carry them: needed only where such a task turns out to be stored already (see
@@ -410,7 +410,7 @@ def _distinct_transitions(batch: Sequence[Mutation]) -> list[StatusChanged] | No
 def _transition_params(
     batch: Sequence[StatusChanged], to_unix: Callable[[int, str], int]
 ) -> dict[str, list[Any]]:
-    """``update_status`` parameters of transitions of distinct tasks: what
+    """``update_status_fenced`` parameters of transitions of distinct tasks: what
     :func:`_update_params` makes of them, without a ``_Transition`` per row."""
     u = StatusUpdates()
     ids, statuses, terminals, attempts = u.ids, u.statuses, u.terminals, u.attempts
@@ -439,7 +439,7 @@ def _transition_params(
 
 
 def _update_params(transitions: dict[int, _Transition]) -> dict[str, list[Any]]:
-    """``update_status`` parameters, one row per task."""
+    """``update_status_fenced`` parameters, one row per task."""
     if not transitions:  # most batches: no transitions, or only of tasks stored before
         return {name: [] for name in UPDATE_PARAMS}
     latest = transitions.values()
@@ -601,17 +601,25 @@ _NO_FENCE: Fence = (None, None)
 # which the server quotes in its message whatever the message's language.
 
 
-class _InsertFenced(ClusterMoved):
-    """A transaction's fenced insert found ``fence``, not the one the transaction checked
-    (and holds): the schema's name led to another cluster then, and the insert wrote
-    nothing. The transaction must not commit; the writer answers ``fence`` as found. A
-    :class:`~cronoq_store._door.ClusterMoved`, so that a transaction several clusters'
-    commits share is rolled back, and its commits written again (:func:`write_group`: this
-    one alone, where it is refused again)."""
+class _WriteFenced(ClusterMoved):
+    """A transaction's fenced write (its update, or its insert of new tasks) found
+    ``fence``, not the one the transaction checked (and holds): the schema's name led to
+    another cluster then, and the write wrote nothing. The transaction must not commit;
+    the writer answers ``fence`` as found. A :class:`~cronoq_store._door.ClusterMoved`, so
+    that a transaction several clusters' commits share is rolled back, and its commits
+    written again (:func:`write_group`: this one alone, where it is refused again)."""
 
     def __init__(self, fence: Fence) -> None:
         super().__init__(fence[1])
         self.fence = fence
+
+
+def _check_fence(found: Any, fenced: Mapping[str, int | None]) -> None:
+    """Raise :class:`_WriteFenced` unless a fenced write inside a transaction found the
+    epoch and incarnation (``found``, its first row) the transaction checked."""
+    fence: Fence = _NO_FENCE if found is None else (found[0], found[1])
+    if fence != (fenced["epoch"], fenced["incarnation"]):
+        raise _WriteFenced(fence)
 
 
 #: One write of a batch's transaction, on the door's connection (:attr:`BatchWriter._writers`).
@@ -683,7 +691,6 @@ class BatchWriter:
         self.staged_check = compiled(st.epoch_kept_for_share)
         self.staged_insert = compiled(st.insert_staged)
         self.staging_setup = compiled(st.create_staging).sql
-        self._update = compiled(st.update_status)
         self._insert = compiled(st.insert_tasks)
         self._outputs = compiled(st.store_outputs)
         self._colliding_ids = compiled(st.colliding_ids)
@@ -819,7 +826,7 @@ class BatchWriter:
             # reused by tasks inserted after them.
             for name in writes:
                 await self._writers[name](conn, batch, copy, fenced)
-        except _InsertFenced as moved:
+        except _WriteFenced as moved:
             await conn.roll_back_failed()
             return moved.fence
         except BaseException:
@@ -950,8 +957,12 @@ class BatchWriter:
         copy: bool,
         fenced: Mapping[str, int | None],
     ) -> None:
-        status = await conn.execute(self._update, batch.updates)
-        _warn_unchanged(batch.update_count, row_count(status))
+        """The transitions, by the fenced update (the statement of batches of transitions
+        alone): it moves nothing unless its own check finds ``fenced``, which the
+        transaction holds (:class:`_WriteFenced` otherwise, as for the insert below)."""
+        found = await conn.fetchrow(self._update_fenced, {**batch.updates, **fenced})
+        _check_fence(found, fenced)
+        _warn_unchanged(batch.update_count, found[2])
 
     async def _write_inserts(
         self,
@@ -967,7 +978,7 @@ class BatchWriter:
 
         The fenced insert writes nothing unless its own check finds ``fenced``, which the
         transaction holds: it finds another fence only where the schema's name led another
-        cluster's tables to it meanwhile. :class:`_InsertFenced` then, and the transaction
+        cluster's tables to it meanwhile. :class:`_WriteFenced` then, and the transaction
         is rolled back: the closing check alone would pass a name that leads back by the
         ``COMMIT``, and the batch's new tasks would be stored nowhere."""
         if copy:
@@ -975,9 +986,7 @@ class BatchWriter:
         elif batch.insert_count <= st.FENCED_INSERT_MAX_ROWS:
             rows = batch.insert_rows
             found = await conn.fetchrow_rows(self._fenced_insert(len(rows)), rows, fenced)
-            fence: Fence = _NO_FENCE if found is None else (found[0], found[1])
-            if fence != (fenced["epoch"], fenced["incarnation"]):
-                raise _InsertFenced(fence)
+            _check_fence(found, fenced)
         else:
             await conn.execute(self._insert, batch.inserts)
 

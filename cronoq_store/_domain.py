@@ -275,7 +275,7 @@ def level(status: str, terminal: bool, attempt: int) -> int:
     """Where a state stands in a task's life: ``attempt * RANKS_PER_ATTEMPT + rank`` while
     live, then :data:`TERMINAL_LEVEL`. A transition moves a task forward when its ``(level,
     at)`` is greater than the stored one and the stored state is not terminal (a terminal
-    state is final: no tie-break by time). ``statements.update_status`` builds the same in
+    state is final: no tie-break by time). ``statements.update_status_fenced`` builds the same in
     SQL from these three constants."""
     return TERMINAL_LEVEL if terminal else attempt * RANKS_PER_ATTEMPT + LIVE_RANKS.get(status, 0)
 

@@ -443,7 +443,7 @@ def transposed(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
 
 @dataclass(slots=True)
 class StatusUpdates:
-    """The parameters of ``statements.update_status``, one element per task: the one
+    """The parameters of ``statements.update_status_fenced``, one element per task: the one
     declaration of them. Each field is a bind name of the statement, an array with its
     element's SQL type (``metadata["sql"]``); the statement's arrays
     (:func:`update_param_types`), the fold's columns and the in-memory store's rule all
@@ -472,12 +472,12 @@ class StatusUpdates:
         return cls(*(params[name] for name in UPDATE_PARAMS))
 
 
-#: The bind names of ``update_status``, in :class:`StatusUpdates` order.
+#: The bind names of ``update_status_fenced``, in :class:`StatusUpdates` order.
 UPDATE_PARAMS: tuple[str, ...] = tuple(f.name for f in fields(StatusUpdates))
 
 
 def update_param_types() -> list[tuple[str, TypeEngine[Any]]]:
-    """Each ``update_status`` parameter with its elements' SQL type."""
+    """Each ``update_status_fenced`` parameter with its elements' SQL type."""
     return [(f.name, f.metadata["sql"]) for f in fields(StatusUpdates)]
 
 

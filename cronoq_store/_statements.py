@@ -179,7 +179,6 @@ __all__ = [
     "try_leader_lock_for_transaction",
     "try_migration_lock",
     "unenroll_cluster",
-    "update_status",
     "update_status_fenced",
     "upsert_recurring",
     "wait_migration_lock",
@@ -322,11 +321,6 @@ _forward = (
     tuple_(_u.levels, _u.updated) > _stored_position,
 )
 
-#: Status transitions, one per task, each applied only if it moves the task forward. The
-#: message is the transition's if the one that brought it is ahead of the stored state, else
-#: the stored one stays: a message carries forward until a later transition replaces it.
-update_status = update(tasks).where(*_forward).values(_transition_values)
-
 _sharing = epoch_for_share.cte("e")
 #: What a one-statement commit checks: the stored epoch and the cluster's incarnation.
 _fence_holds = and_(_sharing.c.epoch == _epoch, _sharing.c.tableoid == _incarnation)
@@ -338,10 +332,14 @@ _transitioned = (
     .cte("upd")
 )
 
-#: A batch of status transitions only, as one statement: the epoch and incarnation under a
-#: share lock (as :data:`epoch_for_share`) and the updates, which change nothing unless the
-#: stored epoch is ``:epoch`` and the leader table ``:incarnation``. Returns the stored
-#: epoch, the incarnation and the number of rows moved forward.
+#: Status transitions, one per task, each applied only if it moves the task forward (the
+#: message is the transition's if the one that brought it is ahead of the stored state,
+#: else the stored one stays: a message carries forward until a later transition replaces
+#: it), as one statement with its fence: the epoch and incarnation under a share lock (as
+#: :data:`epoch_for_share`) and the updates, which change nothing unless the stored epoch
+#: is ``:epoch`` and the leader table ``:incarnation``. Returns the stored epoch, the
+#: incarnation and the number of rows moved forward. A batch of transitions alone is this
+#: statement; a commit transaction runs it too, its fence the one its opening checked.
 update_status_fenced = select(
     _sharing.c.epoch,
     _sharing.c.tableoid,

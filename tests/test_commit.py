@@ -426,7 +426,7 @@ async def test_a_backend_terminated_mid_transaction_is_unavailable_and_retry_wor
             lambda: admin_execute(
                 pg_url,
                 "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE 'UPDATE%cronoq_tasks%'",
+                "AND query LIKE '%UPDATE %cronoq_tasks%'",
             ),
             lambda rows: len(rows) == 1 or commit.done(),
             "the commit's update to wait for the row lock",

@@ -26,7 +26,7 @@ from cronoq_store._errors import BatchTooLargeError
 from cronoq_store._queries import prune_age_ns
 from cronoq_store._retry import Backoff, bounded
 from cronoq_store._schema import UPDATE_PARAMS, StatusUpdates
-from cronoq_store._statements import update_status
+from cronoq_store._statements import update_status_fenced
 from cronoq_store.telemetry import DISABLED
 from cronoq_store.testing import InMemoryStore
 
@@ -121,8 +121,11 @@ async def test_the_in_memory_store_refuses_a_large_batch_as_pgstore_does() -> No
 
 
 def test_update_status_binds_exactly_the_declared_arrays() -> None:
-    compiled = update_status.compile()
-    assert set(compiled.binds) == set(UPDATE_PARAMS)
+    compiled = update_status_fenced.compile()
+    # The caller's parameters: the transitions' arrays and the fence (the leader row's id
+    # is the statement's own, bound with its value).
+    given = {name for name, bind in compiled.binds.items() if bind.value is None}
+    assert given == {*UPDATE_PARAMS, "epoch", "incarnation"}
     for f in dataclasses.fields(StatusUpdates):
         bound = compiled.binds[f.name].type
         assert type(bound.item_type) is type(f.metadata["sql"]), f.name  # type: ignore[attr-defined]

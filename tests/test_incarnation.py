@@ -356,6 +356,46 @@ async def test_a_schema_swapped_away_and_back_between_a_commits_statements_loses
         await steps_down_and_lets_go(a, pg_url)
 
 
+async def test_a_schema_swapped_away_and_back_around_a_commits_update_moves_nothing(
+    pg_url: URL, engine: AsyncEngine, migrated: str, other_schema: str
+) -> None:
+    """The same around the transitions of a commit transaction: its update, the fenced
+    one, finds the other cluster and the commit is refused with nothing written, instead
+    of moving that cluster's task of the same id and committing the rest here."""
+    await upgrade(engine, other_schema)
+    await admin_execute(pg_url, f'UPDATE "{other_schema}".cronoq_leader SET epoch = 1')
+    async with await PgStore.connect(pg_url, named_config(migrated, f"upd-{migrated}")) as a:
+        epoch = await a.acquire_leadership()
+        stored = submitted_in(epoch, 0)
+        await a.commit(epoch, PROCESS_BASE, [stored], [])
+        # The same task in the other cluster, which a misdirected update would move.
+        async with await PgStore.connect(pg_url, named_config(other_schema, "o")) as b:
+            await b.commit(1, PROCESS_BASE, [stored], [])
+        writers = a._commits.writer._writers
+        update = writers["updates"]
+
+        async def swapped_around(*args: Any) -> None:
+            await swap(pg_url, migrated, other_schema)
+            try:
+                await update(*args)
+            finally:
+                await swap(pg_url, migrated, other_schema)
+
+        writers["updates"] = swapped_around
+        mixed: list[Mutation] = [
+            StatusChanged(stored.id, TaskStatus.RUNNING, 1, 5),
+            submitted_in(epoch, 1),
+        ]
+        with pytest.raises(ClusterReplacedError):
+            await a.commit(epoch, PROCESS_BASE, mixed, [])
+        for schema in (migrated, other_schema):
+            rows = await admin_execute(
+                pg_url, f'SELECT id, status FROM "{schema}".cronoq_tasks ORDER BY id'
+            )
+            assert [tuple(r) for r in rows] == [(stored.id, "queued")]
+        await steps_down_and_lets_go(a, pg_url)
+
+
 @pytest.mark.parametrize("prepared", [0, 64], ids=["together", "staged"])
 async def test_a_schema_swapped_away_and_back_under_a_shared_transaction_lands_each_task_once(
     pg_url: URL, engine: AsyncEngine, migrated: str, other_schema: str, prepared: int

@@ -6,7 +6,7 @@ through them (tests/contract runs one suite against both stores): the library's 
 folding (it applies the :class:`~cronoq_store._commit_path.FoldedBatch` that
 :func:`cronoq_store._commit_path.fold` makes, and keeps rows as the insert writes them, decoded by
 :mod:`cronoq_store._schema` as ``PgStore``'s are), forward-only transitions (the rule
-``statements.update_status`` applies in SQL, mirrored once by ``_update_status``),
+``statements.update_status_fenced`` applies in SQL, mirrored once by ``_update_status``),
 idempotent commits, outputs kept only for tasks that succeeded, unique live keys, id
 collisions, fencing, epochs that wrap 32767 -> 1, recovery, look-ups, pruning, and NUL
 stored as U+FFFD (:func:`cronoq_store._domain.clean_text`). Instances built on one
@@ -533,7 +533,7 @@ class InMemoryStore:
 
 
 def _update_status(row: list[Any], updates: StatusUpdates, i: int) -> _State | None:
-    """The state transition ``i`` of ``update_status`` gives a stored row, or ``None`` where
+    """The state transition ``i`` of ``update_status_fenced`` gives a stored row, or ``None`` where
     it does not move it. Mirrors the SQL of :mod:`cronoq_store._statements`: ``_forward``
     (a terminal row is final, a live one moves when the transition's ``(level, at)`` is
     greater than its own, ``_level`` in SQL being :func:`~cronoq_store._domain.level`) and
